@@ -1,0 +1,11 @@
+"""medfl: plugin-based federated learning for medical imaging on MONAI and PyTorch."""
+
+from __future__ import annotations
+
+from medfl.hookspecs import hookimpl
+from medfl.messages import Instruction, PayloadError, Reply
+from medfl.method import Federation, Method
+
+__version__ = "0.1.0"
+
+__all__ = ["hookimpl", "Instruction", "Reply", "PayloadError", "Federation", "Method", "__version__"]

@@ -1,0 +1,142 @@
+"""The ``fl`` section of a bundle config: defaults, validation and resolution.
+
+A bundle's ``train.json`` holds the experiment under the key ``fl``; every key can be
+overridden from MONAI's command line (``--fl#rounds 3``, ``--fl#methods#0#name fedprox``).
+Unknown keys and unknown plugin names fail with an error listing the valid ones.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from medfl.plugins import PluginError, lookup, registry
+
+__all__ = ["ConfigError", "DEFAULTS", "resolve_config", "method_label"]
+
+
+class ConfigError(ValueError):
+    """The ``fl`` config has an unknown key, a wrong type or an unknown plugin name."""
+
+
+#: Every valid key of the ``fl`` section with its default. ``dataset``, ``partition``,
+#: ``model`` and each entry of ``methods`` are ``{"name": ..., **plugin parameters}``.
+DEFAULTS: dict[str, Any] = {
+    "name": "run",                  # experiment name: the run directory is output_dir/name
+    "output_dir": "runs",
+    "seed": 0,
+    "rounds": 5,
+    "stop_after_round": None,       # stop early (as if killed); `medfl resume` continues
+    "num_clients": 4,
+    "fraction": 1.0,                # fraction of clients sampled each round
+    "device": "cpu",
+    "dataset": {"name": "synthetic2d"},
+    "global_test_fraction": 0.2,    # held-out global test when the data has no `split` column
+    "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
+    "client_split": {"train": 0.7, "val": 0.15, "test": 0.15},
+    "model": {"name": "resnet10", "width": 16},
+    "client_models": {},            # per-client model overrides {client_id: {kwarg: value}}
+    "train": {
+        "epochs": 1,
+        "batch_size": 16,
+        "eval_batch_size": 64,
+        "lr": 0.01,
+        "optimizer": "sgd",
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+        "num_workers": 0,
+    },
+    "methods": [{"name": "fedavg"}],
+    "eval_splits": ["test", "global_test"],
+    "keep_checkpoints": 2,
+    "progress": True,
+    "overwrite": False,             # False: a new directory name-2, name-3... if name exists
+}
+
+_NAMED = ("dataset", "partition", "model")
+
+
+def _check_keys(section: dict[str, Any], valid: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(section) - set(valid))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
+            f"{', '.join(sorted(valid))}"
+        )
+
+
+def _named(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        return {"name": value}
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        raise ConfigError(f"{where}: expected a name or a dict with a 'name' key, got {value!r}")
+    return dict(value)
+
+
+def method_label(spec: dict[str, Any]) -> str:
+    """The run-directory name of a method entry (``label`` if given, else its name)."""
+    return str(spec.get("label") or spec["name"])
+
+
+def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``fl`` over :data:`DEFAULTS`, check every key and every plugin name.
+
+    Returns:
+        The resolved config (a new dict), with ``methods`` as a list of dicts.
+
+    Raises:
+        ConfigError: unknown key, bad value, or unknown dataset/partitioner/model/method name;
+            the message lists the valid choices.
+    """
+    if not isinstance(fl, dict):
+        raise ConfigError(f"fl: expected a dict, got {type(fl).__name__}")
+    _check_keys(fl, DEFAULTS, "fl")
+    cfg = copy.deepcopy(DEFAULTS)
+    for key, value in fl.items():
+        if key == "train":
+            if not isinstance(value, dict):
+                raise ConfigError(f"fl.train: expected a dict, got {value!r}")
+            _check_keys(value, DEFAULTS["train"], "fl.train")
+            cfg["train"].update(value)
+        elif key in _NAMED:
+            cfg[key] = _named(value, f"fl.{key}")
+        else:
+            cfg[key] = copy.deepcopy(value)
+    methods = cfg["methods"]
+    if isinstance(methods, (str, dict)):
+        methods = [methods]
+    if not isinstance(methods, list) or not methods:
+        raise ConfigError(f"fl.methods: expected a non-empty list of methods, got {methods!r}")
+    cfg["methods"] = [_named(m, f"fl.methods[{i}]") for i, m in enumerate(methods)]
+    labels = [method_label(m) for m in cfg["methods"]]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"fl.methods: two entries share a name {labels}; give one a 'label'")
+    for key in ("rounds", "num_clients", "seed", "keep_checkpoints"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 0:
+            raise ConfigError(f"fl.{key}: expected a non-negative integer, got {cfg[key]!r}")
+    if cfg["rounds"] < 1:
+        raise ConfigError(f"fl.rounds: expected at least 1, got {cfg['rounds']}")
+    if not (0 < float(cfg["fraction"]) <= 1):
+        raise ConfigError(f"fl.fraction: expected a number in (0, 1], got {cfg['fraction']!r}")
+    stop = cfg["stop_after_round"]
+    if stop is not None and (not isinstance(stop, int) or stop < 1):
+        raise ConfigError(f"fl.stop_after_round: expected null or a positive integer, got {stop!r}")
+    split = cfg["client_split"]
+    if not isinstance(split, dict) or "train" not in split or abs(sum(split.values()) - 1) > 1e-6:
+        raise ConfigError(f"fl.client_split: expected fractions with 'train' summing to 1, got {split!r}")
+    for i, s in enumerate(cfg["eval_splits"]):
+        if s != "global_test" and s not in split:
+            raise ConfigError(f"fl.eval_splits[{i}]: unknown split {s!r}; valid: global_test, {', '.join(split)}")
+    try:
+        for kind, key in (("dataset", "dataset"), ("partitioner", "partition"), ("model", "model")):
+            lookup(kind, cfg[key]["name"])
+        for i, m in enumerate(cfg["methods"]):
+            cls = lookup("method", m["name"])
+            params = {k: v for k, v in m.items() if k not in ("name", "label")}
+            cls.from_config(params)  # checks parameter names now, before any work
+    except (PluginError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if not isinstance(cfg["client_models"], dict):
+        raise ConfigError("fl.client_models: expected {client_id: {model kwarg: value}}")
+    registry()  # make sure every plugin loaded cleanly
+    return cfg

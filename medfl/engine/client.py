@@ -1,0 +1,218 @@
+"""The client side: a client's view of its data and its persistent state on disk.
+
+:class:`ClientContext` is all a method's client code may touch. It is built by the
+transport (the in-process engine or a Flower SuperNode) and knows nothing of the
+coordinator. :func:`run_client_update` and :func:`run_client_evaluate` are the
+transport-independent client steps: both engines call them, so the same checks apply.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from medfl.messages import Instruction, Reply, SampleGuard, validate_payload
+from medfl.method import Method, derive_seed
+
+__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_evaluate"]
+
+_STATE_RE = re.compile(r"state_r(\d+)\.pt$")
+
+
+class ClientStore:
+    """Per-client persistent state as versioned files ``<root>/<client_id>/state_rNNNN.pt``.
+
+    A client's state after round ``r`` is written to ``state_r{r}``; loading for round ``r``
+    takes the newest file from an earlier round. Because old versions are kept until the
+    coordinator's checkpoint has moved past them, a run killed mid-round resumes from a
+    consistent state. Only one client's state is in memory at a time.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def _files(self, client_id: str) -> list[tuple[int, Path]]:
+        d = self.root / client_id
+        if not d.is_dir():
+            return []
+        out = []
+        for p in d.iterdir():
+            m = _STATE_RE.search(p.name)
+            if m:
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    def load(self, client_id: str, before_round: int) -> dict[str, Any]:
+        """The newest saved state of ``client_id`` from a round earlier than ``before_round``."""
+        files = [p for r, p in self._files(client_id) if r < before_round]
+        if not files:
+            return {}
+        return torch.load(files[-1], map_location="cpu", weights_only=True)
+
+    def save(self, client_id: str, round: int, state: dict[str, Any]) -> None:
+        """Write ``state`` as the client's state after ``round`` (atomically)."""
+        d = self.root / client_id
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".state_r{round:04d}.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(d / f"state_r{round:04d}.pt")
+
+    def prune(self, upto_round: int) -> None:
+        """Drop versions no longer needed once the checkpoint of ``upto_round`` exists."""
+        if not self.root.is_dir():
+            return
+        for d in self.root.iterdir():
+            files = self._files(d.name)
+            keep = [p for r, p in files if r <= upto_round][-1:]
+            for r, p in files:
+                if r <= upto_round and p not in keep:
+                    p.unlink()
+
+    def rollback(self, after_round: int) -> None:
+        """Delete versions written after ``after_round`` (a resumed run redoes them)."""
+        if not self.root.is_dir():
+            return
+        for d in self.root.iterdir():
+            for r, p in self._files(d.name):
+                if r > after_round:
+                    p.unlink()
+
+
+@dataclass
+class ClientContext:
+    """One client's view during one round: its data, persistent state and settings.
+
+    Attributes:
+        client_id: the client's id.
+        round: the current round (1-based).
+        seed: a seed derived from (run seed, round, client id); the engine seeds torch with it
+            before the client code runs.
+        datasets: the client's datasets by split name (``train``, ``val``, ``test``,
+            ``global_test``), built lazily.
+        model_spec: the spec of this client's model (name and keyword arguments).
+        train: local-training settings (``epochs``, ``batch_size``, ``lr``, ``optimizer``...).
+        device: torch device string.
+        state: persistent state (tensors and scalars) loaded from the client's store;
+            whatever the method leaves here after ``client_update`` is saved for the next round.
+        sample_shape: shape of one input sample.
+    """
+
+    client_id: str
+    round: int
+    seed: int
+    datasets: dict[str, Callable[[], Dataset] | Dataset]
+    model_spec: dict[str, Any]
+    train: dict[str, Any]
+    device: str = "cpu"
+    state: dict[str, Any] = field(default_factory=dict)
+    sample_shape: tuple[int, ...] = ()
+    split_sizes: dict[str, int] = field(default_factory=dict)
+
+    def dataset(self, split: str = "train") -> Dataset:
+        """The client's dataset of ``split``."""
+        if split not in self.datasets:
+            raise KeyError(f"client {self.client_id} has no split {split!r}; has {sorted(self.datasets)}")
+        ds = self.datasets[split]
+        if callable(ds) and not isinstance(ds, Dataset):
+            ds = ds()
+            self.datasets[split] = ds
+        return ds
+
+    def num_examples(self, split: str = "train") -> int:
+        """Number of samples in ``split``."""
+        if split in self.split_sizes:
+            return self.split_sizes[split]
+        return len(self.dataset(split))
+
+    def loader(self, split: str = "train", *, shuffle: bool | None = None,
+               batch_size: int | None = None) -> DataLoader:
+        """A DataLoader over ``split``; training shuffles with a generator seeded by ``seed``."""
+        shuffle = (split == "train") if shuffle is None else shuffle
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, "loader", split))
+        bs = int(batch_size or (self.train.get("batch_size", 16) if split == "train"
+                                else self.train.get("eval_batch_size", 64)))
+        return DataLoader(self.dataset(split), batch_size=bs, shuffle=shuffle, generator=gen,
+                          num_workers=int(self.train.get("num_workers", 0)))
+
+    def build_model(self, **overrides: Any) -> nn.Module:
+        """A fresh model of this client's spec, initialised from a seed of (seed, client)."""
+        from medfl.models.registry import build_model
+
+        spec = {**self.model_spec, **overrides}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.seed, "build", self.client_id))
+            return build_model(spec).to(self.device)
+
+    def label_histogram(self, num_classes: int, split: str = "train") -> np.ndarray:
+        """Counts of each class in ``split`` (computed locally; a method may share it)."""
+        ds = self.dataset(split)
+        labels = getattr(ds, "labels", None)
+        if labels is None:
+            labels = np.array([int(ds[i][1]) for i in range(len(ds))])
+        return np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)
+
+    @property
+    def guard(self) -> SampleGuard:
+        """What this client's raw data looks like, for the reply check."""
+        return SampleGuard(tuple(self.sample_shape), tuple(sorted(set(self.split_sizes.values()))))
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+def run_client_update(method: Method, ctx: ClientContext, instruction: Instruction) -> Reply:
+    """Check the instruction, run ``method.client_update`` seeded, check the reply.
+
+    Raises:
+        PayloadError: the instruction or reply carries something that may not travel.
+    """
+    validate_payload(instruction.payload, f"instruction to client {ctx.client_id}")
+    validate_payload(instruction.config, f"instruction config to client {ctx.client_id}")
+    _seed_all(ctx.seed)
+    reply = method.client_update(ctx, instruction)
+    if not isinstance(reply, Reply):
+        raise TypeError(f"method {method.name!r}: client_update must return a Reply, got {type(reply).__name__}")
+    where = f"reply of method {method.name!r} from client {ctx.client_id}"
+    validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard,
+                     exempt=method.payload_exemptions)
+    validate_payload(reply.metrics, where + " (metrics)", allow_str=False)
+    validate_payload(ctx.state, f"persistent state of client {ctx.client_id}", allow_str=True)
+    return reply
+
+
+def run_client_evaluate(
+    method: Method, ctx: ClientContext, instruction: Instruction, splits: list[str],
+    metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
+    cache: dict[tuple[str, str], dict[str, float]] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Build the client's evaluation model and compute metrics on each split, at the client.
+
+    Only the metrics (scalars) leave the client. ``cache`` reuses results of a split that
+    every client shares (``global_test``) when two clients hold identical models.
+    """
+    from medfl.engine.training import predict_proba, state_fingerprint
+
+    validate_payload(instruction.payload, f"evaluation instruction to client {ctx.client_id}")
+    _seed_all(derive_seed(ctx.seed, "eval"))
+    model = method.client_eval_model(ctx, instruction)
+    out: dict[str, dict[str, float]] = {}
+    fp = state_fingerprint(model) if cache is not None else ""
+    for split in splits:
+        key = (split, fp)
+        if cache is not None and split == "global_test" and key in cache:
+            out[split] = dict(cache[key])
+            continue
+        y, p = predict_proba(model, ctx.loader(split, shuffle=False), ctx.device)
+        out[split] = metric_fn(y, p)
+        if cache is not None and split == "global_test":
+            cache[key] = dict(out[split])
+    return out

@@ -1,0 +1,132 @@
+"""Split a dataset across clients: partition, local train/val/test, global test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+from torch.utils.data import Dataset
+
+from medfl.data.partition import stratified_split
+from medfl.data.source import DataError, FederatedSource
+from medfl.method import derive_seed
+from medfl.plugins import lookup
+
+__all__ = ["FederatedData", "split_data", "POOLED"]
+
+#: The client id of the pooled (centralized) client.
+POOLED = "pooled"
+
+
+@dataclass
+class FederatedData:
+    """A dataset assigned to clients.
+
+    Attributes:
+        source: the dataset.
+        assignments: one row per used sample: ``row`` (position in ``source.table``),
+            ``client_id`` (``""`` for the global test), ``client_name``, ``role``
+            (``train``/``val``/``test``/``global_test``), ``label``, ``sample_id``.
+    """
+
+    source: FederatedSource
+    assignments: pd.DataFrame
+
+    @property
+    def client_ids(self) -> list[str]:
+        """Client ids in numeric order."""
+        ids = self.assignments.loc[self.assignments["client_id"] != "", "client_id"].unique()
+        return sorted(map(str, ids), key=lambda s: (len(s), s))
+
+    def client_names(self) -> dict[str, str]:
+        """Client id -> readable name (e.g. a site or region)."""
+        a = self.assignments[self.assignments["client_id"] != ""]
+        return dict(zip(a["client_id"].astype(str), a["client_name"].astype(str)))
+
+    def rows(self, client_id: str, role: str) -> pd.DataFrame:
+        """The source rows of ``client_id``'s ``role`` (``global_test`` ignores the client)."""
+        a = self.assignments
+        if role == "global_test":
+            pos = a.loc[a["role"] == "global_test", "row"]
+        elif client_id == POOLED:
+            pos = a.loc[a["role"] == role, "row"]
+        else:
+            pos = a.loc[(a["client_id"] == client_id) & (a["role"] == role), "row"]
+        return self.source.table.iloc[pos.to_numpy()]
+
+    def dataset_factories(self, client_id: str, roles: list[str]) -> dict[str, Callable[[], Dataset]]:
+        """Lazily built datasets of each role for one client."""
+        out: dict[str, Callable[[], Dataset]] = {}
+        for role in roles:
+            out[role] = (lambda r=role: self.source.make_dataset(self.rows(client_id, r), r == "train"))
+        return out
+
+    def sizes(self, client_id: str, roles: list[str]) -> dict[str, int]:
+        """Number of samples of each role for one client."""
+        return {r: len(self.rows(client_id, r)) for r in roles}
+
+    def num_examples(self) -> dict[str, int]:
+        """Training-set size of every client."""
+        return {cid: len(self.rows(cid, "train")) for cid in self.client_ids}
+
+    def save(self, path: str | Path) -> None:
+        """Write the assignment table as CSV."""
+        self.assignments.to_csv(path, index=False)
+
+
+def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path | None = None) -> FederatedData:
+    """Assign ``source``'s rows to clients as ``cfg`` says, or reload a saved assignment.
+
+    The rows with ``split == "test"`` (when the table has an official split) form the
+    global test set; otherwise a stratified ``global_test_fraction`` is held out. The rest
+    is partitioned across ``num_clients`` clients by the configured partitioner, and each
+    client's share is split into local ``client_split`` parts, stratified by label.
+
+    Raises:
+        DataError: a saved partition does not match the dataset, or a client ends up
+            with an empty training set.
+    """
+    table = source.table
+    if saved is not None and Path(saved).is_file():
+        assignments = pd.read_csv(saved, dtype={"client_id": str, "client_name": str}, keep_default_na=False)
+        if assignments["row"].max() >= len(table):
+            raise DataError(f"{saved}: saved partition refers to rows beyond the dataset ({len(table)} rows)")
+        return FederatedData(source, assignments)
+    seed = int(cfg["seed"])
+    labels = table["label"].to_numpy()
+    if "split" in table.columns and (table["split"] == "test").any():
+        is_test = (table["split"] == "test").to_numpy()
+        pool_pos = np.flatnonzero(~is_test)
+        test_pos = np.flatnonzero(is_test)
+    else:
+        f = float(cfg["global_test_fraction"])
+        if f > 0:
+            parts = stratified_split(labels, {"pool": 1 - f, "test": f}, derive_seed(seed, "global"))
+            pool_pos, test_pos = np.sort(parts["pool"]), np.sort(parts["test"])
+        else:
+            pool_pos, test_pos = np.arange(len(table)), np.zeros(0, dtype=np.int64)
+    pool = table.iloc[pool_pos].reset_index(drop=True)
+    spec = dict(cfg["partition"])
+    partitioner = lookup("partitioner", spec.pop("name"))
+    parts = partitioner(pool, int(cfg["num_clients"]), derive_seed(seed, "partition"), **spec)
+    names = getattr(parts, "names", {})
+    records = []
+    for cid, pos in parts.items():
+        local = pool_pos[np.asarray(pos, dtype=np.int64)]
+        split = stratified_split(labels[local], dict(cfg["client_split"]), derive_seed(seed, "split", cid))
+        if not len(split.get("train", [])):
+            raise DataError(f"partition: client {cid} has no training samples; lower num_clients or min_size")
+        for role, idx in split.items():
+            for p in local[np.sort(idx)]:
+                records.append((int(p), str(cid), names.get(cid, f"client_{cid}"), role))
+    for p in test_pos:
+        records.append((int(p), "", "", "global_test"))
+    a = pd.DataFrame(records, columns=["row", "client_id", "client_name", "role"])
+    a["label"] = labels[a["row"].to_numpy()]
+    if "sample_id" in table.columns:
+        a["sample_id"] = table["sample_id"].to_numpy()[a["row"].to_numpy()]
+    return FederatedData(source, a)
+

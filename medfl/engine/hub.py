@@ -1,0 +1,134 @@
+"""Hub-and-spoke methods: a global model broadcast, trained locally, aggregated.
+
+:class:`HubAndSpoke` is the shared skeleton of FedAvg and its relatives (FedProx, FedAvgM,
+FedAdam, FedBN, FedKPer, median aggregation...). A subclass changes one piece: the local
+loss (:meth:`HubAndSpoke.local_loss`), which keys stay at the client
+(:meth:`HubAndSpoke.local_keys`), the client weights (:meth:`HubAndSpoke.client_weights`)
+or the server step (:meth:`HubAndSpoke.server_step`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from medfl.engine.training import get_state, make_optimizer, train_epochs, weighted_average
+from medfl.messages import Instruction, Reply
+from medfl.method import Federation, Method
+
+if TYPE_CHECKING:  # pragma: no cover
+    from medfl.engine.client import ClientContext
+
+__all__ = ["HubAndSpoke", "norm_keys"]
+
+State = dict[str, torch.Tensor]
+
+
+def norm_keys(model: nn.Module) -> set[str]:
+    """State-dict keys of every normalisation layer (BatchNorm, InstanceNorm, GroupNorm, LayerNorm)."""
+    norm_types = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+    keys: set[str] = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, norm_types):
+            prefix = f"{mod_name}." if mod_name else ""
+            keys.update(prefix + k for k in mod.state_dict())
+    return keys
+
+
+class HubAndSpoke(Method):
+    """FedAvg skeleton (McMahan et al., 2017): broadcast, local epochs, weighted average.
+
+    Coordinator state: ``global_state`` (the shared part of the model). Client state:
+    ``local`` (the keys :meth:`local_keys` keeps at the client), if any.
+    """
+
+    global_state: State
+
+    def setup(self, federation: Federation) -> None:
+        """Initialise the global model from the run seed."""
+        super().setup(federation)
+        model = federation.build_model()
+        self.param_keys = [n for n, _ in model.named_parameters()]
+        local = self.local_keys(model)
+        self.global_state = {k: v for k, v in get_state(model).items() if k not in local}
+
+    # ------------------------------------------------------------ overridable pieces
+    def local_keys(self, model: nn.Module) -> set[str]:
+        """State-dict keys that stay at the client (never sent). Default: none."""
+        return set()
+
+    def local_loss(self, client: "ClientContext", model: nn.Module, instruction: Instruction
+                   ) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The local training loss ``f(model, x, y)``; ``None`` means cross-entropy."""
+        return None
+
+    def client_weights(self, replies: dict[str, Reply]) -> list[float]:
+        """Aggregation weight of each reply (in ``replies`` order). Default: ``num_examples``."""
+        return [float(r.num_examples) for r in replies.values()]
+
+    def aggregate(self, states: list[State], weights: list[float]) -> State:
+        """Combine client states. Default: weighted average."""
+        return weighted_average(states, weights)
+
+    def server_step(self, round: int, old: State, aggregated: State) -> State:
+        """Turn the aggregate into the next global state. Default: take it as is."""
+        return aggregated
+
+    # ------------------------------------------------------------ coordinator side
+    def configure_round(self, round: int) -> dict[str, Instruction]:
+        """Send the global model to the sampled clients."""
+        return {cid: Instruction(payload={"model": self.global_state})
+                for cid in self.federation.sample(round)}
+
+    def server_update(self, round: int, replies: dict[str, Reply]) -> None:
+        """Aggregate the replies' models into the global model."""
+        if not replies:
+            return
+        states = [r.payload["model"] for r in replies.values()]
+        aggregated = self.aggregate(states, self.client_weights(replies))
+        self.global_state = self.server_step(round, self.global_state, aggregated)
+
+    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
+        """Every client evaluates the global model (with its own local keys)."""
+        ins = Instruction(payload={"model": self.global_state})
+        return {cid: ins for cid in self.federation.eval_client_ids}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint: the global model."""
+        return {"global": self.global_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the global model."""
+        self.global_state = state["global"]
+
+    # ------------------------------------------------------------ client side
+    def _client_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        model = client.build_model()
+        state = model.state_dict()
+        state.update(instruction.payload["model"])
+        state.update(client.state.get("local", {}))
+        model.load_state_dict(state)
+        return model
+
+    def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
+        """Load the global model (plus local keys), train ``epochs``, send the shared part."""
+        model = self._client_model(client, instruction)
+        train = client.train
+        opt = make_optimizer(model.parameters(), train)
+        stats = train_epochs(model, client.loader("train"), opt, int(train.get("epochs", 1)),
+                             device=client.device,
+                             loss_fn=self.local_loss(client, model, instruction),
+                             clip_grad_norm=train.get("clip_grad_norm"))
+        full = get_state(model)
+        local = self.local_keys(model)
+        shared = {k: v for k, v in full.items() if k not in local}
+        if local:
+            client.state["local"] = {k: v for k, v in full.items() if k in local}
+        return Reply(payload={"model": shared}, metrics=stats,
+                     num_examples=client.num_examples("train"))
+
+    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        """The global model with this client's local keys."""
+        return self._client_model(client, instruction)

@@ -1,0 +1,335 @@
+"""The in-process engine: every client in this process, one at a time, state on disk.
+
+:func:`run_experiment` runs every method of a resolved ``fl`` config on the same split of
+the same data and writes a comparison; :class:`Run` runs one method in one directory and
+:func:`resume` continues a stopped one. Output of a run directory::
+
+    config.json        resolved config (and the method entry) - enough to resume
+    partition.csv      which sample went to which client and role
+    metrics.csv        one row per (round, client, split) with every metric
+    train_metrics.csv  one row per (round, client) with what the client reported
+    summary.json       final metrics: mean, std, worst and best client per split
+    checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept)
+    clients/           each client's persistent state, versioned by round
+    plots/             PNG curves and per-client heatmaps (the reporting plugin)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
+from medfl.engine.data import POOLED, FederatedData, split_data
+from medfl.messages import Instruction
+from medfl.method import Federation, Method, derive_seed
+from medfl.plugins import get_plugin_manager, lookup, registry
+
+__all__ = ["Run", "RunError", "run_experiment", "resume", "summarize_metrics", "evaluate_metrics"]
+
+ROLES = ["train", "val", "test", "global_test"]
+
+
+class RunError(RuntimeError):
+    """A run cannot start or continue (e.g. nothing to resume)."""
+
+
+def evaluate_metrics(y, probs) -> dict[str, float]:
+    """Every registered metric on one client's predictions, plus ``n``."""
+    out = {"n": float(len(y))}
+    for name, reg in registry()["metric"].items():
+        out[name] = float(reg.obj(y, probs)) if len(y) else float("nan")
+    return out
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+
+
+def _write_csv(path: Path, df: pd.DataFrame) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    df.to_csv(tmp, index=False)
+    tmp.replace(path)
+
+
+def summarize_metrics(metrics: pd.DataFrame) -> dict[str, Any]:
+    """Per split, the last round's mean, std (ddof=0), worst and best client of each metric."""
+    if metrics.empty:
+        return {}
+    last = int(metrics["round"].max())
+    final = metrics[metrics["round"] == last]
+    names = [c for c in final.columns if c not in ("round", "client_id", "client_name", "split", "n")]
+    out: dict[str, Any] = {"round": last}
+    for split, df in final.groupby("split", sort=False):
+        block = {}
+        for m in names:
+            col = df[m].astype(float)
+            valid = col.dropna()
+            worst = df.loc[valid.idxmin(), "client_id"] if len(valid) else None
+            block[m] = {"mean": float(valid.mean()) if len(valid) else float("nan"),
+                        "std": float(valid.std(ddof=0)) if len(valid) else float("nan"),
+                        "worst": float(valid.min()) if len(valid) else float("nan"),
+                        "best": float(valid.max()) if len(valid) else float("nan"),
+                        "worst_client": None if worst is None else str(worst)}
+        out[str(split)] = block
+    return out
+
+
+class Run:
+    """One method run in ``run_dir``.
+
+    Args:
+        cfg: the resolved ``fl`` config (:func:`medfl.config.resolve_config`).
+        method_spec: this run's entry of ``cfg["methods"]``.
+        run_dir: the run directory (created).
+        data: the federated data split (shared by every method of an experiment).
+    """
+
+    def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
+                 data: FederatedData) -> None:
+        self.config = cfg
+        self.method_spec = dict(method_spec)
+        self.run_dir = Path(run_dir)
+        self.data = data
+        self.label = str(method_spec.get("label") or method_spec["name"])
+        cls: type[Method] = lookup("method", method_spec["name"])
+        params = {k: v for k, v in method_spec.items() if k not in ("name", "label")}
+        self.coordinator = cls.from_config(params)
+        self.client_method = cls.from_config(params)  # the client role: never set up
+        self.store = ClientStore(self.run_dir / "clients")
+        self.start_round = 1
+        real = data.client_ids
+        train_ids = [POOLED] if cls.pools_data else real
+        sizes = {cid: len(data.rows(cid, "train")) for cid in train_ids}
+        self.federation = Federation(
+            client_ids=train_ids, eval_client_ids=real, num_examples=sizes,
+            num_classes=data.source.num_classes, rounds=int(cfg["rounds"]), seed=int(cfg["seed"]),
+            fraction=float(cfg["fraction"]), model=dict(cfg["model"]),
+            client_models={str(k): dict(v) for k, v in cfg["client_models"].items()},
+            train=dict(cfg["train"]), device=str(cfg["device"]),
+            in_channels=data.source.in_channels, spatial_dims=data.source.spatial_dims,
+        )
+        self.metrics = pd.DataFrame()
+        self.train_metrics = pd.DataFrame()
+        self._names = data.client_names()
+
+    # ------------------------------------------------------------------ files
+    def _checkpoint_path(self, r: int) -> Path:
+        return self.run_dir / "checkpoints" / f"round_{r:04d}.pt"
+
+    def last_checkpoint(self) -> int:
+        """The last round with a complete checkpoint (0 if none)."""
+        d = self.run_dir / "checkpoints"
+        rounds = [int(p.stem.split("_")[1]) for p in d.glob("round_*.pt")] if d.is_dir() else []
+        return max(rounds, default=0)
+
+    def _write_static(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "checkpoints").mkdir(exist_ok=True)
+        _write_json(self.run_dir / "config.json", {"fl": self.config, "method": self.method_spec,
+                                                   "method_hparams": self.coordinator.hparams()})
+        if not (self.run_dir / "partition.csv").exists():
+            self.data.save(self.run_dir / "partition.csv")
+
+    def _save_checkpoint(self, r: int) -> None:
+        path = self._checkpoint_path(r)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"round": r, "method": self.coordinator.state_dict()}, tmp)
+        tmp.replace(path)
+        keep = max(1, int(self.config["keep_checkpoints"]))
+        for old in sorted(path.parent.glob("round_*.pt"))[:-keep]:
+            old.unlink()
+        self.store.prune(r)
+
+    def _status(self, status: str, r: int) -> None:
+        _write_json(self.run_dir / "status.json", {"status": status, "last_round": r,
+                                                   "rounds": self.federation.rounds})
+
+    # ------------------------------------------------------------------ clients
+    def context(self, client_id: str, round: int, state_before: int | None = None) -> ClientContext:
+        """Build ``client_id``'s context for ``round`` with its persistent state loaded."""
+        roles = ROLES if client_id != POOLED else ["train", "val", "test"]
+        return ClientContext(
+            client_id=client_id, round=round,
+            seed=derive_seed(self.federation.seed, round, client_id),
+            datasets=self.data.dataset_factories(client_id, roles),
+            model_spec=self.federation.model_spec(client_id),
+            train=dict(self.federation.train), device=self.federation.device,
+            state=self.store.load(client_id, round if state_before is None else state_before),
+            sample_shape=tuple(self.data.source.sample_shape),
+            split_sizes=self.data.sizes(client_id, [r for r in roles if r != "global_test"]),
+        )
+
+    # ------------------------------------------------------------------ rounds
+    def prepare(self, resume: bool = False) -> None:
+        """Create the run directory, or reload a stopped run's state when ``resume``."""
+        self._write_static()
+        self.coordinator.setup(self.federation)
+        if not resume:
+            return
+        k = self.last_checkpoint()
+        if k == 0:
+            return
+        ckpt = torch.load(self._checkpoint_path(k), map_location="cpu", weights_only=True)
+        self.coordinator.load_state_dict(ckpt["method"])
+        self.store.rollback(k)
+        self.start_round = k + 1
+        for name in ("metrics", "train_metrics"):
+            p = self.run_dir / f"{name}.csv"
+            if p.is_file():
+                df = pd.read_csv(p, dtype={"client_id": str, "client_name": str}, keep_default_na=False,
+                                 na_values=["", "nan", "NaN"])
+                setattr(self, name, df[df["round"] <= k].reset_index(drop=True))
+
+    def run_round(self, r: int, pm: Any) -> list[dict[str, Any]]:
+        """Train, aggregate and evaluate round ``r``; return its evaluation rows."""
+        instructions = self.coordinator.configure_round(r)
+        unknown = sorted(set(instructions) - set(self.federation.client_ids))
+        if unknown:
+            raise RunError(f"method {self.label!r} addressed unknown client(s) {unknown} in round {r}")
+        replies = {}
+        train_rows = []
+        for cid in sorted(instructions, key=lambda s: (len(s), s)):
+            ctx = self.context(cid, r)
+            reply = run_client_update(self.client_method, ctx, instructions[cid])
+            self.store.save(cid, r, ctx.state)
+            replies[cid] = reply
+            train_rows.append({"round": r, "client_id": cid, "num_examples": reply.num_examples,
+                               **{k: float(v) for k, v in reply.metrics.items()}})
+            pm.hook.on_client_end(run=self, round=r, client_id=cid, metrics=dict(reply.metrics))
+        self.coordinator.server_update(r, replies)
+        del replies
+        evals = self.coordinator.configure_evaluate(r)
+        splits = list(self.config["eval_splits"])
+        rows = []
+        cache: dict = {}
+        for cid in self.federation.eval_client_ids:
+            ctx = self.context(cid, r, state_before=r + 1)
+            scores = run_client_evaluate(self.client_method, ctx, evals.get(cid, Instruction()),
+                                         splits, evaluate_metrics, cache)
+            for split, m in scores.items():
+                name = "local_" + split if split != "global_test" else split
+                rows.append({"round": r, "client_id": cid, "client_name": self._names.get(cid, cid),
+                             "split": name, **m})
+        self.metrics = pd.concat([self.metrics, pd.DataFrame(rows)], ignore_index=True)
+        if train_rows:
+            self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
+        _write_csv(self.run_dir / "metrics.csv", self.metrics)
+        _write_csv(self.run_dir / "train_metrics.csv", self.train_metrics)
+        self._save_checkpoint(r)
+        return rows
+
+    def execute(self, stop_after_round: int | None = None) -> dict[str, Any]:
+        """Run the remaining rounds; return the summary (empty when stopped early)."""
+        pm = get_plugin_manager()
+        pm.hook.on_run_start(run=self)
+        rounds = self.federation.rounds
+        last = min(rounds, stop_after_round) if stop_after_round else rounds
+        t0 = time.perf_counter()
+        bar = tqdm(range(self.start_round, last + 1), desc=f"{self.label}", unit="round",
+                   disable=not self.config.get("progress", True), leave=True,
+                   initial=self.start_round - 1, total=rounds)
+        for r in bar:
+            rows = self.run_round(r, pm)
+            local = [x.get("accuracy") for x in rows if x["split"] == "local_test"]
+            if local:
+                bar.set_postfix(local_acc=f"{sum(local) / len(local):.3f}")
+            self._status("running", r)
+            pm.hook.on_round_end(run=self, round=r, metrics=rows)
+        bar.close()
+        if last < rounds:
+            self._status("stopped", last)
+            return {}
+        self.coordinator.finalize()
+        summary = {"method": self.method_spec["name"], "label": self.label,
+                   "rounds": rounds, "num_clients": len(self.federation.eval_client_ids),
+                   "seed": self.federation.seed, "wall_time_s_last_session": time.perf_counter() - t0,
+                   "final": summarize_metrics(self.metrics)}
+        _write_json(self.run_dir / "summary.json", summary)
+        self._status("finished", rounds)
+        pm.hook.on_run_end(run=self, summary=summary)
+        return summary
+
+
+def _unique_dir(base: Path, overwrite: bool) -> Path:
+    if overwrite or not base.exists():
+        return base
+    i = 2
+    while base.with_name(f"{base.name}-{i}").exists():
+        i += 1
+    return base.with_name(f"{base.name}-{i}")
+
+
+def run_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run every method of a resolved config on one data split; return their summaries.
+
+    The experiment directory is ``output_dir/name`` (``name-2``, ``name-3``... when it
+    exists, unless ``overwrite``); each method runs in a subdirectory named by its label,
+    and ``comparison.csv`` lists their final mean metrics side by side.
+    """
+    from medfl.report import write_comparison
+
+    exp_dir = _unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    source_spec = dict(cfg["dataset"])
+    source = lookup("dataset", source_spec.pop("name"))(**source_spec)
+    data = split_data(source, cfg)
+    data.save(exp_dir / "partition.csv")
+    _write_json(exp_dir / "config.json", {"fl": cfg})
+    summaries: dict[str, Any] = {}
+    for spec in cfg["methods"]:
+        label = str(spec.get("label") or spec["name"])
+        run = Run(cfg, spec, exp_dir / label, data)
+        run.prepare(resume=False)
+        summaries[label] = run.execute(cfg.get("stop_after_round"))
+    if all(summaries.values()):
+        write_comparison(exp_dir, summaries)
+    return {"dir": str(exp_dir), "summaries": summaries}
+
+
+def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
+    """Continue a stopped run directory (or every unfinished run of an experiment directory).
+
+    Args:
+        path: a run directory (has ``config.json`` with a ``method``) or an experiment directory.
+        rounds: a new total number of rounds (default: the configured one).
+
+    Raises:
+        RunError: ``path`` holds no run to resume.
+    """
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise RunError(f"{path}: no config.json; not a medfl run or experiment directory")
+    saved = json.loads(cfg_file.read_text())
+    if "method" not in saved:  # experiment directory: resume each method
+        out = {}
+        for spec in saved["fl"]["methods"]:
+            label = str(spec.get("label") or spec["name"])
+            if (path / label / "config.json").is_file():
+                out[label] = resume(path / label, rounds)["summaries"][label]
+        if out and all(out.values()):
+            from medfl.report import write_comparison
+
+            write_comparison(path, out)
+        return {"dir": str(path), "summaries": out}
+    cfg = saved["fl"]
+    if rounds is not None:
+        cfg["rounds"] = int(rounds)
+    source_spec = dict(cfg["dataset"])
+    source = lookup("dataset", source_spec.pop("name"))(**source_spec)
+    data = split_data(source, cfg, saved=path / "partition.csv")
+    run = Run(cfg, saved["method"], path, data)
+    run.prepare(resume=True)
+    label = run.label
+    if run.start_round > run.federation.rounds and (path / "summary.json").is_file():
+        return {"dir": str(path), "summaries": {label: json.loads((path / "summary.json").read_text())}}
+    return {"dir": str(path), "summaries": {label: run.execute(None)}}

@@ -1,0 +1,143 @@
+"""Local training and evaluation helpers shared by method plugins."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+__all__ = [
+    "make_optimizer",
+    "train_epochs",
+    "predict_proba",
+    "get_state",
+    "weighted_average",
+    "state_fingerprint",
+]
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], train: dict[str, Any]) -> torch.optim.Optimizer:
+    """Build the local optimizer named by ``train["optimizer"]`` (``sgd``, ``adam``, ``adamw``).
+
+    Uses ``lr``, ``momentum`` (SGD) and ``weight_decay`` from ``train``.
+    """
+    name = str(train.get("optimizer", "sgd")).lower()
+    lr = float(train.get("lr", 0.01))
+    wd = float(train.get("weight_decay", 0.0))
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=float(train.get("momentum", 0.9)), weight_decay=wd)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+    raise ValueError(f"train.optimizer: unknown optimizer {name!r}; valid: sgd, adam, adamw")
+
+
+def _ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def train_epochs(
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    epochs: int = 1,
+    *,
+    device: str = "cpu",
+    loss_fn: LossFn | None = None,
+    clip_grad_norm: float | None = None,
+    max_steps: int | None = None,
+) -> dict[str, float]:
+    """Train ``model`` for ``epochs`` passes over ``loader``.
+
+    Args:
+        loss_fn: ``loss_fn(model, x, y) -> loss``; default cross-entropy of ``model(x)``.
+        clip_grad_norm: clip the global gradient norm to this value when given.
+        max_steps: stop after this many optimizer steps when given.
+
+    Returns:
+        ``{"loss": mean training loss, "steps": optimizer steps}``.
+    """
+    model.to(device).train()
+    loss_fn = loss_fn or _ce
+    total, count, steps = 0.0, 0, 0
+    for _ in range(epochs):
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            if x.shape[0] < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+                continue  # BatchNorm cannot train on a batch of one
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            if clip_grad_norm is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            optimizer.step()
+            total += float(loss.detach()) * x.shape[0]
+            count += x.shape[0]
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                return {"loss": total / max(count, 1), "steps": float(steps)}
+    return {"loss": total / max(count, 1), "steps": float(steps)}
+
+
+@torch.no_grad()
+def predict_proba(model: nn.Module, loader: DataLoader, device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """Return ``(labels (N,), class probabilities (N, K))`` of ``model`` over ``loader``."""
+    model.to(device).eval()
+    ys, ps = [], []
+    for x, y in loader:
+        ps.append(torch.softmax(model(x.to(device)).float(), dim=1).cpu())
+        ys.append(torch.as_tensor(y))
+    if not ys:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32)
+    return torch.cat(ys).numpy(), torch.cat(ps).numpy()
+
+
+def get_state(model: nn.Module, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of ``model``'s state dict (only ``keys`` when given)."""
+    state = model.state_dict()
+    wanted = set(keys) if keys is not None else None
+    return {k: v.detach().cpu().clone() for k, v in state.items() if wanted is None or k in wanted}
+
+
+def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    """Weighted average of state dicts with the same keys.
+
+    Floating tensors are averaged in float64 and cast back; integer tensors (BatchNorm's
+    ``num_batches_tracked``) take the weighted average rounded down.
+
+    Raises:
+        ValueError: no states, mismatched keys, or weights that do not sum to a positive number.
+    """
+    if not states:
+        raise ValueError("weighted_average: no states to average")
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (len(states),) or w.sum() <= 0 or (w < 0).any():
+        raise ValueError(f"weighted_average: need {len(states)} non-negative weights with a positive sum, got {weights}")
+    w = w / w.sum()
+    keys = list(states[0])
+    for s in states[1:]:
+        if list(s) != keys:
+            raise ValueError("weighted_average: state dicts have different keys")
+    out: dict[str, torch.Tensor] = {}
+    for k in keys:
+        acc = sum(float(wi) * s[k].double() for wi, s in zip(w, states))
+        ref = states[0][k]
+        out[k] = acc.floor().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
+    return out
+
+
+def state_fingerprint(model: nn.Module) -> str:
+    """A hash of a model's state (to reuse evaluation of identical models)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for k, v in model.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,106 @@
+"""The medfl plugin contract: pluggy markers and hook specifications.
+
+Every extension point of medfl is one of the hooks below. Built-in methods, models,
+partitioners, datasets and metrics are plugins answering these hooks, loaded through the
+``medfl`` entry-point group exactly like third-party packages.
+
+Registration hooks receive a ``register`` callable built by the host; a plugin calls
+``register(obj)`` (or ``register(obj, name="...")``) once per thing it provides. A name
+registered twice is an error naming both plugins. Event hooks are called for every plugin
+that implements them; their return values are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pluggy import HookimplMarker, HookspecMarker
+
+__all__ = ["hookspec", "hookimpl"]
+
+hookspec = HookspecMarker("medfl")
+hookimpl = HookimplMarker("medfl")
+
+Register = Callable[..., None]
+
+
+@hookspec
+def register_methods(register: Register) -> None:
+    """Register federated-learning methods.
+
+    Called once when the registry is first built. Call ``register(MethodClass)`` for each
+    :class:`medfl.Method` subclass; the name is ``MethodClass.name``.
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model factories.
+
+    Call ``register(factory, name="resnet18")``. A factory takes keyword arguments
+    (``spatial_dims``, ``in_channels``, ``num_classes`` and its own knobs such as ``width``)
+    and returns a :class:`torch.nn.Module` following the :class:`medfl.models.FeatureModel`
+    protocol (``forward``, ``forward_features``, ``head_prefix``).
+    """
+
+
+@hookspec
+def register_partitioners(register: Register) -> None:
+    """Register partitioners that split a dataset's training pool across clients.
+
+    Call ``register(func, name="dirichlet")``. ``func(table, num_clients, seed, **params)``
+    receives the manifest table (a :class:`pandas.DataFrame` with at least a ``label``
+    column) and returns ``{client_id: numpy array of row positions}``.
+    """
+
+
+@hookspec
+def register_datasets(register: Register) -> None:
+    """Register dataset sources.
+
+    Call ``register(factory, name="synthetic2d")``. ``factory(**params)`` returns a
+    :class:`medfl.data.FederatedSource`: the manifest table plus a way to build a
+    :class:`torch.utils.data.Dataset` from a subset of its rows.
+    """
+
+
+@hookspec
+def register_metrics(register: Register) -> None:
+    """Register per-client evaluation metrics.
+
+    Call ``register(func, name="auc")``. ``func(y_true, probs)`` takes integer labels of
+    shape ``(N,)`` and class probabilities of shape ``(N, C)`` and returns a float.
+    """
+
+
+@hookspec
+def on_run_start(run: Any) -> None:
+    """Called once when a run starts or resumes, before its first round.
+
+    ``run`` is the :class:`medfl.engine.Run` (``run.run_dir``, ``run.config``, ``run.start_round``).
+    """
+
+
+@hookspec
+def on_client_end(run: Any, round: int, client_id: str, metrics: dict[str, float]) -> None:
+    """Called after a client's update in a round has been received by the coordinator.
+
+    ``metrics`` holds the scalars the client reported for its local training.
+    """
+
+
+@hookspec
+def on_round_end(run: Any, round: int, metrics: list[dict[str, Any]]) -> None:
+    """Called after each round has been aggregated, evaluated and checkpointed.
+
+    ``metrics`` holds one row per (client, split) with the evaluation metrics of the round.
+    """
+
+
+@hookspec
+def on_run_end(run: Any, summary: dict[str, Any]) -> None:
+    """Called once when a run has finished all its rounds, after the summary is written.
+
+    Loggers, plotters and export plugins answer this hook; ``summary`` is the content of
+    ``summary.json``.
+    """

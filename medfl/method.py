@@ -1,0 +1,217 @@
+"""The method contract: one class per federated-learning method.
+
+A method runs in two roles. The *coordinator* instance gets :meth:`Method.setup`, decides
+who trains with what (:meth:`Method.configure_round`), and folds the replies in
+(:meth:`Method.server_update`). The *client* instance runs :meth:`Method.client_update` and
+:meth:`Method.client_eval_model` on one client at a time and sees only that client's
+:class:`~medfl.engine.client.ClientContext` (its data, its persistent state) and the
+instruction. The engine builds the two roles as separate objects from the same parameters,
+in-process as over Flower, so a method can never reach coordinator state from a client.
+
+Lifecycle of a run (rounds are numbered from 1)::
+
+    coordinator.setup(federation)
+    for round in 1..R:
+        instructions = coordinator.configure_round(round)          # {client_id: Instruction}
+        replies = {cid: client.client_update(ctx[cid], ins) ...}   # on each client
+        coordinator.server_update(round, replies)
+        evals = coordinator.configure_evaluate(round)              # {client_id: Instruction}
+        model = client.client_eval_model(ctx[cid], evals[cid])      # evaluated at the client
+    coordinator.finalize()
+
+Messages carry tensors and scalars only (see :mod:`medfl.messages`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from medfl.messages import Instruction, Reply
+
+if TYPE_CHECKING:  # pragma: no cover
+    from medfl.engine.client import ClientContext
+
+__all__ = ["Federation", "Method", "MethodConfigError", "derive_seed"]
+
+
+class MethodConfigError(ValueError):
+    """A method was given parameters it does not accept."""
+
+
+def derive_seed(*parts: Any) -> int:
+    """Derive a 31-bit seed from any parts (run seed, round, client id...), stably.
+
+    Every random draw in medfl is seeded from ``(seed, round, client)`` this way, so a run
+    resumed at round k draws exactly what an uninterrupted run draws.
+    """
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).hexdigest()
+    return int(digest[:8], 16) & 0x7FFFFFFF
+
+
+@dataclass
+class Federation:
+    """What the coordinator knows about a federation: ids, sizes and settings, no data.
+
+    Attributes:
+        client_ids: clients that take part in training rounds (a single ``"pooled"``
+            client for methods with ``pools_data``).
+        eval_client_ids: clients whose models are evaluated each round (all real clients).
+        num_examples: number of local training examples per client.
+        num_classes: number of classes.
+        rounds: total number of rounds.
+        seed: run seed.
+        fraction: fraction of ``client_ids`` sampled each round (at least one client).
+        model: the model spec ``{"name": ..., **kwargs}``; ``client_models`` overrides it
+            per client (heterogeneous federations).
+        client_models: per-client model overrides ``{client_id: {kwarg: value}}``.
+        train: local-training settings (epochs, batch_size, lr, optimizer, ...).
+        device: torch device string.
+    """
+
+    client_ids: list[str]
+    eval_client_ids: list[str]
+    num_examples: dict[str, int]
+    num_classes: int
+    rounds: int
+    seed: int
+    fraction: float = 1.0
+    model: dict[str, Any] = field(default_factory=dict)
+    client_models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    in_channels: int = 1
+    spatial_dims: int = 2
+
+    def sample(self, round: int) -> list[str]:
+        """Clients sampled for ``round``: seeded by (seed, round) only, so every method
+        sees the same clients for the same seed. With ``fraction == 1`` all clients."""
+        ids = list(self.client_ids)
+        if self.fraction >= 1.0:
+            return ids
+        m = max(1, int(round_half_up(self.fraction * len(ids))))
+        rng = np.random.default_rng(derive_seed(self.seed, "sample", round))
+        chosen = rng.choice(len(ids), size=m, replace=False)
+        return [ids[i] for i in sorted(chosen)]
+
+    def model_spec(self, client_id: str | None = None) -> dict[str, Any]:
+        """The model spec for a client (global spec merged with its overrides)."""
+        spec = dict(self.model)
+        spec.update({"spatial_dims": self.spatial_dims, "in_channels": self.in_channels,
+                     "num_classes": self.num_classes})
+        if client_id is not None:
+            spec.update(self.client_models.get(client_id, {}))
+        return spec
+
+    def build_model(self, client_id: str | None = None, *, seed_tag: Any = "init") -> nn.Module:
+        """Build a freshly initialised model (seeded by run seed, tag and client id)."""
+        from medfl.models.registry import build_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.seed, seed_tag, client_id or "global"))
+            return build_model(self.model_spec(client_id))
+
+
+def round_half_up(x: float) -> int:
+    """Round to the nearest integer, halves up (Python's round() rounds halves to even)."""
+    return int(np.floor(x + 0.5))
+
+
+class Method:
+    """Base class of every federated-learning method (one subclass per method).
+
+    Subclasses set ``name`` (the registry name), ``description``, and accept their
+    hyperparameters as keyword arguments of ``__init__`` (with defaults); the config's
+    method section is checked against that signature.
+
+    Class attributes:
+        name: registry name, e.g. ``"fedavg"``.
+        description: one line for ``medfl plugins``.
+        pools_data: the engine pools every client's training data into one ``"pooled"``
+            client (the Centralized reference); not available in a federated deployment.
+        payload_exemptions: reply keys excused from the per-sample check (see
+            :mod:`medfl.messages`); each must be justified in the method's docstring.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    pools_data: ClassVar[bool] = False
+    payload_exemptions: ClassVar[frozenset[str]] = frozenset()
+
+    federation: Federation
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def parameters(cls) -> dict[str, Any]:
+        """The method's hyperparameters and their defaults, from ``__init__``'s signature."""
+        sig = inspect.signature(cls.__init__)
+        return {
+            n: (None if p.default is inspect.Parameter.empty else p.default)
+            for n, p in sig.parameters.items()
+            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+
+    @classmethod
+    def from_config(cls, params: dict[str, Any]) -> "Method":
+        """Instantiate from a config dict, refusing unknown parameters.
+
+        Raises:
+            MethodConfigError: naming the unknown keys and listing the valid ones.
+        """
+        valid = cls.parameters()
+        unknown = sorted(set(params) - set(valid))
+        if unknown:
+            raise MethodConfigError(
+                f"method {cls.name!r} has no parameter(s) {', '.join(map(repr, unknown))}; "
+                f"valid parameters: {', '.join(sorted(valid)) or '(none)'}"
+            )
+        return cls(**params)
+
+    def hparams(self) -> dict[str, Any]:
+        """The values of this instance's hyperparameters (for the resolved config)."""
+        return {k: getattr(self, k, v) for k, v in self.parameters().items()}
+
+    # ---------------------------------------------------------------- coordinator side
+    def setup(self, federation: Federation) -> None:
+        """Build the initial coordinator state. Default: remember the federation."""
+        self.federation = federation
+
+    def configure_round(self, round: int) -> dict[str, Instruction]:
+        """Who trains in ``round`` and with what. Default: sampled clients, empty payload."""
+        return {cid: Instruction() for cid in self.federation.sample(round)}
+
+    def server_update(self, round: int, replies: dict[str, Reply]) -> None:
+        """Fold the clients' replies into the coordinator state. Default: nothing."""
+
+    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
+        """What each client needs to build its evaluation model. Default: nothing."""
+        return {cid: Instruction() for cid in self.federation.eval_client_ids}
+
+    def finalize(self) -> None:
+        """Post-hoc stages after the last round (server refinement, ensembles). Default: none."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Coordinator state to checkpoint (tensors and scalars). Default: empty."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore coordinator state written by :meth:`state_dict`."""
+
+    # ---------------------------------------------------------------- client side
+    def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
+        """Run on one client: train and reply. Must be overridden."""
+        raise NotImplementedError(f"method {self.name!r} does not implement client_update")
+
+    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        """Run on one client: the model whose predictions are this client's evaluation.
+
+        The returned module maps a batch ``(B, C, H, W[, D])`` to logits ``(B, K)``;
+        ensembles return a module that combines several heads. Must be overridden.
+        """
+        raise NotImplementedError(f"method {self.name!r} does not implement client_eval_model")

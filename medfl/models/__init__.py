@@ -1,0 +1,29 @@
+"""Models following the :class:`FeatureModel` protocol (ResNets on MONAI blocks, a small CNN)."""
+
+from __future__ import annotations
+
+from medfl.models.resnet import (
+    RESNET_DEPTHS,
+    FeatureModel,
+    FeatureResNet,
+    SmallCNN,
+    resnet10,
+    resnet18,
+    resnet34,
+    resnet50,
+    small_cnn,
+    split_state_dict,
+)
+
+__all__ = [
+    "RESNET_DEPTHS",
+    "FeatureModel",
+    "FeatureResNet",
+    "SmallCNN",
+    "resnet10",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "small_cnn",
+    "split_state_dict",
+]

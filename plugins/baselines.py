@@ -1,0 +1,254 @@
+"""Baseline methods: Centralized, Local, FedAvg, FedProx, FedAvgM, FedBN, FedAdam."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from medfl import hookimpl
+from medfl.engine.hub import HubAndSpoke, norm_keys
+from medfl.engine.training import get_state, make_optimizer, train_epochs
+from medfl.messages import Instruction, Reply
+from medfl.method import Method
+
+if TYPE_CHECKING:  # pragma: no cover
+    from medfl.engine.client import ClientContext
+
+__all__ = ["Centralized", "Local", "FedAvg", "FedProx", "FedAvgM", "FedBN", "FedAdam"]
+
+State = dict[str, torch.Tensor]
+
+
+class _OwnModel(Method):
+    """A model kept in the client's persistent state and trained there."""
+
+    def _own_model(self, client: "ClientContext") -> nn.Module:
+        model = client.build_model()
+        if "model" in client.state:
+            model.load_state_dict(client.state["model"])
+        return model
+
+    def _train_own(self, client: "ClientContext") -> tuple[nn.Module, dict[str, float]]:
+        model = self._own_model(client)
+        opt = make_optimizer(model.parameters(), client.train)
+        stats = train_epochs(model, client.loader("train"), opt, int(client.train.get("epochs", 1)),
+                             device=client.device, clip_grad_norm=client.train.get("clip_grad_norm"))
+        client.state["model"] = get_state(model)
+        return model, stats
+
+
+class Local(_OwnModel):
+    """Local training only: every client trains its own model; nothing is communicated.
+
+    Each client's model is initialised from a seed of (run seed, client id), lives in its
+    persistent state, and is what that client is evaluated with. Replies carry metrics only.
+    """
+
+    name = "local"
+    description = "Local training only, no communication (lower reference)"
+
+    def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
+        """Train the client's own model for ``epochs``."""
+        _, stats = self._train_own(client)
+        return Reply(metrics=stats, num_examples=client.num_examples("train"))
+
+    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        """The client's own model."""
+        return self._own_model(client)
+
+
+class Centralized(_OwnModel):
+    """Centralized training on the pooled data of every client (upper reference).
+
+    Not a federated method: the engine pools every client's training split into one
+    ``pooled`` client (``pools_data``). One round is ``epochs`` passes over the pooled data;
+    every client then evaluates the pooled model on its own test split. In-process only.
+    """
+
+    name = "centralized"
+    description = "Centralized training on pooled data (upper reference, not federated)"
+    pools_data = True
+
+    def setup(self, federation: Any) -> None:
+        """Start without a model: the pooled client builds it."""
+        super().setup(federation)
+        self.model_state: State = {}
+
+    def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
+        """Train on the pooled data and send the model for evaluation."""
+        model, stats = self._train_own(client)
+        return Reply(payload={"model": get_state(model)}, metrics=stats,
+                     num_examples=client.num_examples("train"))
+
+    def server_update(self, round: int, replies: dict[str, Reply]) -> None:
+        """Keep the pooled model."""
+        for reply in replies.values():
+            self.model_state = reply.payload["model"]
+
+    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
+        """Every client evaluates the pooled model."""
+        ins = Instruction(payload={"model": self.model_state})
+        return {cid: ins for cid in self.federation.eval_client_ids}
+
+    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        """The pooled model."""
+        model = client.build_model()
+        model.load_state_dict(instruction.payload["model"])
+        return model
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint: the pooled model."""
+        return {"model": self.model_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the pooled model."""
+        self.model_state = state["model"]
+
+
+class FedAvg(HubAndSpoke):
+    """FedAvg (McMahan et al., AISTATS 2017): average of local models weighted by sample count."""
+
+    name = "fedavg"
+    description = "Federated averaging weighted by local sample counts"
+
+
+class FedProx(HubAndSpoke):
+    """FedProx (Li et al., MLSys 2020): FedAvg with a proximal term on the local loss.
+
+    Local loss: ``CE + mu / 2 * ||w - w_global||^2`` over all trainable parameters.
+
+    Args:
+        mu: proximal coefficient (default 0.01).
+    """
+
+    name = "fedprox"
+    description = "FedAvg with a proximal term mu/2 ||w - w_global||^2"
+
+    def __init__(self, mu: float = 0.01) -> None:
+        if mu < 0:
+            raise ValueError(f"fedprox: mu must be >= 0, got {mu}")
+        self.mu = float(mu)
+
+    def local_loss(self, client: "ClientContext", model: nn.Module, instruction: Instruction
+                   ) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Cross-entropy plus the proximal term to the received global weights."""
+        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
+        mu = self.mu
+
+        def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            ce = nn.functional.cross_entropy(m(x), y)
+            prox = sum(((p - anchor[n]) ** 2).sum() for n, p in m.named_parameters())
+            return ce + 0.5 * mu * prox
+
+        return loss
+
+
+class FedAvgM(HubAndSpoke):
+    """FedAvgM (Hsu et al., 2019): FedAvg with server momentum.
+
+    With ``delta = w_old - avg(w_k)``: ``v <- beta * v + delta``; ``w <- w_old - server_lr * v``
+    for parameters; buffers (BatchNorm statistics) take the plain average.
+
+    Args:
+        beta: server momentum (default 0.9).
+        server_lr: server learning rate (default 1.0).
+    """
+
+    name = "fedavgm"
+    description = "FedAvg with server momentum (beta)"
+
+    def __init__(self, beta: float = 0.9, server_lr: float = 1.0) -> None:
+        if not 0 <= beta < 1:
+            raise ValueError(f"fedavgm: beta must be in [0, 1), got {beta}")
+        self.beta, self.server_lr = float(beta), float(server_lr)
+        self.velocity: State = {}
+
+    def server_step(self, round: int, old: State, aggregated: State) -> State:
+        """Apply momentum to the pseudo-gradient of the parameters."""
+        new = dict(aggregated)
+        for k in self.param_keys:
+            if k not in old:
+                continue
+            delta = old[k] - aggregated[k]
+            v = self.beta * self.velocity.get(k, torch.zeros_like(delta)) + delta
+            self.velocity[k] = v
+            new[k] = old[k] - self.server_lr * v
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint: global model and momentum."""
+        return {"global": self.global_state, "velocity": self.velocity}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore global model and momentum."""
+        self.global_state, self.velocity = state["global"], state["velocity"]
+
+
+class FedAdam(HubAndSpoke):
+    """FedAdam (Reddi et al., ICLR 2021, "Adaptive Federated Optimization", Algorithm 2).
+
+    With ``delta = avg(w_k) - w_old``: ``m <- b1 m + (1 - b1) delta``;
+    ``v <- b2 v + (1 - b2) delta^2``; ``w <- w_old + eta * m / (sqrt(v) + tau)``, without
+    bias correction as in the paper. Buffers (BatchNorm statistics) take the plain average.
+
+    Args:
+        eta: server learning rate (default 0.01).
+        beta1: first-moment decay (default 0.9).
+        beta2: second-moment decay (default 0.99).
+        tau: adaptivity (default 1e-3).
+    """
+
+    name = "fedadam"
+    description = "FedAvg with an Adam server optimizer"
+
+    def __init__(self, eta: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3) -> None:
+        if eta <= 0 or tau <= 0:
+            raise ValueError(f"fedadam: eta and tau must be > 0, got eta={eta}, tau={tau}")
+        self.eta, self.beta1, self.beta2, self.tau = float(eta), float(beta1), float(beta2), float(tau)
+        self.m: State = {}
+        self.v: State = {}
+
+    def server_step(self, round: int, old: State, aggregated: State) -> State:
+        """One Adam step on the pseudo-gradient of the parameters."""
+        new = dict(aggregated)
+        for k in self.param_keys:
+            if k not in old:
+                continue
+            delta = aggregated[k] - old[k]
+            m = self.beta1 * self.m.get(k, torch.zeros_like(delta)) + (1 - self.beta1) * delta
+            v = self.beta2 * self.v.get(k, torch.zeros_like(delta)) + (1 - self.beta2) * delta**2
+            self.m[k], self.v[k] = m, v
+            new[k] = old[k] + self.eta * m / (v.sqrt() + self.tau)
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint: global model and both moments."""
+        return {"global": self.global_state, "m": self.m, "v": self.v}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore global model and both moments."""
+        self.global_state, self.m, self.v = state["global"], state["m"], state["v"]
+
+
+class FedBN(HubAndSpoke):
+    """FedBN (Li et al., ICLR 2021): FedAvg that keeps every normalisation layer local.
+
+    The weights, biases and running statistics of BatchNorm (and other norm) layers never
+    leave the client; each client is evaluated with the global model plus its own norm layers.
+    """
+
+    name = "fedbn"
+    description = "FedAvg with client-local BatchNorm layers"
+
+    def local_keys(self, model: nn.Module) -> set[str]:
+        """Keys of normalisation layers stay local."""
+        return norm_keys(model)
+
+
+@hookimpl
+def register_methods(register: Callable[..., None]) -> None:
+    """Register the baseline methods."""
+    for cls in (Centralized, Local, FedAvg, FedProx, FedAvgM, FedBN, FedAdam):
+        register(cls)

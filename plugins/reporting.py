@@ -1,0 +1,16 @@
+"""Built-in reporting: PNG plots of a run when it ends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from medfl import hookimpl
+from medfl.report import write_plots
+
+__all__ = ["on_run_end"]
+
+
+@hookimpl
+def on_run_end(run: Any, summary: dict[str, Any]) -> None:
+    """Write the metric curves and per-client heatmaps to ``run_dir/plots``."""
+    write_plots(run.run_dir)
