@@ -109,7 +109,7 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
     """Weighted average of state dicts with the same keys.
 
     Floating tensors are averaged in float64 and cast back; integer tensors (BatchNorm's
-    ``num_batches_tracked``) take the weighted average rounded down.
+    ``num_batches_tracked``) take the weighted average rounded to the nearest integer.
 
     Raises:
         ValueError: no states, mismatched keys, or weights that do not sum to a positive number.
@@ -128,7 +128,7 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
     for k in keys:
         acc = sum(float(wi) * s[k].double() for wi, s in zip(w, states))
         ref = states[0][k]
-        out[k] = acc.floor().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
+        out[k] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
     return out
 
 

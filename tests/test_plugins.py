@@ -1,0 +1,167 @@
+"""The plugin manager: entry points, duplicates, import failures, hook coverage, CLI."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from medfl import hookimpl, hookspecs
+from medfl import plugins as plugins_mod
+from medfl.cli import main
+from medfl.plugins import PluginError, get_plugin_manager, lookup, registry
+from medfl_plugins.baselines import FedAvg
+
+
+def test_builtins_come_from_the_entry_point_group():
+    reg = registry()
+    assert reg["method"]["fedavg"].distribution == "medfl"
+    names = {ep.name for ep in md.entry_points(group="medfl") if ep.dist and ep.dist.name == "medfl"}
+    assert {"baselines", "models", "partitioners", "datasets", "metrics", "reporting"} <= names
+    for kind in ("method", "model", "partitioner", "dataset", "metric"):
+        assert reg[kind], kind
+
+
+def test_duplicate_name_names_both_plugins():
+    class Dup(FedAvg):
+        name = "fedavg"
+
+    class Plugin:
+        @hookimpl
+        def register_methods(self, register):
+            register(Dup)
+
+    pm = get_plugin_manager()
+    pm.register(Plugin(), name="dup-plugin")
+    try:
+        with pytest.raises(PluginError, match=r"'fedavg' is registered twice.*baselines.*dup-plugin"):
+            registry()
+    finally:
+        pm.unregister(name="dup-plugin")
+    assert lookup("method", "fedavg") is FedAvg
+
+
+def test_failing_import_names_plugin_and_distribution(monkeypatch):
+    class FakeDist:
+        name, version = "broken-dist", "9.9"
+
+    ep = md.EntryPoint(name="broken", value="medfl_no_such_module", group="medfl")
+    ep = ep._for(FakeDist()) if hasattr(ep, "_for") else ep
+    monkeypatch.setattr(md, "entry_points", lambda group: [ep])
+    plugins_mod._reset_for_tests()
+    try:
+        with pytest.raises(PluginError, match="'broken' from distribution 'broken-dist'.*failed to import"):
+            get_plugin_manager()
+    finally:
+        monkeypatch.undo()
+        plugins_mod._reset_for_tests()
+
+
+def test_unknown_name_lists_valid():
+    with pytest.raises(PluginError, match="unknown metric 'aucc'; valid metrics: accuracy, auc"):
+        lookup("metric", "aucc")
+
+
+def test_plugins_cli_json(capsys):
+    assert main(["plugins", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    base = next(p for p in info if p["name"] == "baselines")
+    assert base["distribution"] == "medfl" and "register_methods" in base["hooks"]
+    assert "fedavg" in base["registered"]["method"]
+
+
+def test_event_hooks_fire_in_order(tiny_fl, resolve):
+    from medfl.engine.runner import run_experiment
+
+    calls = []
+
+    class Recorder:
+        @hookimpl
+        def on_run_start(self, run):
+            calls.append(("start", run.label))
+
+        @hookimpl
+        def on_client_end(self, run, round, client_id, metrics):
+            calls.append(("client", round, client_id))
+
+        @hookimpl
+        def on_round_end(self, run, round, metrics):
+            calls.append(("round", round, len(metrics)))
+
+        @hookimpl
+        def on_run_end(self, run, summary):
+            calls.append(("end", summary["rounds"]))
+
+    pm = get_plugin_manager()
+    pm.register(Recorder(), name="recorder")
+    try:
+        run_experiment(resolve(tiny_fl))
+    finally:
+        pm.unregister(name="recorder")
+    assert calls[0] == ("start", "fedavg") and calls[-1] == ("end", 2)
+    assert ("client", 1, "0") in calls and ("round", 2, 6) in calls
+
+
+def test_cli_run_report_and_errors(tiny_fl, tmp_path, capsys):
+    cfg = tmp_path / "train.json"
+    cfg.write_text(json.dumps({"fl": tiny_fl}))
+    assert main(["run", str(cfg), "--fl#rounds", "1", "fl#methods=[{'name': 'local'}]"]) == 0
+    run_dir = Path(tiny_fl["output_dir"]) / "t" / "local"
+    assert json.loads((run_dir / "status.json").read_text())["last_round"] == 1
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "local_test" in out and "curves.png" in out
+    assert main(["run", str(cfg), "--fl#methods#0#name", "nope"]) == 2
+    assert "valid methods" in capsys.readouterr().err
+
+
+def test_registration_hooks_take_third_party_things(tiny_fl, resolve):
+    """A throwaway plugin registers a model, partitioner, dataset and metric; a run uses them."""
+    import numpy as np
+
+    from medfl.data.partition import iid
+    from medfl.data.synthetic import synthetic2d
+    from medfl.engine.runner import run_experiment
+    from medfl.models.resnet import small_cnn
+
+    class Extra:
+        @hookimpl
+        def register_models(self, register):
+            register(lambda **kw: small_cnn(**kw), name="tiny_cnn")
+
+        @hookimpl
+        def register_partitioners(self, register):
+            register(iid, name="iid_again")
+
+        @hookimpl
+        def register_datasets(self, register):
+            register(synthetic2d, name="synthetic_again")
+
+        @hookimpl
+        def register_metrics(self, register):
+            register(lambda y, p: float(np.mean(p.max(axis=1))), name="mean_confidence")
+
+    pm = get_plugin_manager()
+    pm.register(Extra(), name="extra")
+    try:
+        tiny_fl.update(model={"name": "tiny_cnn", "width": 4}, partition={"name": "iid_again"},
+                       rounds=1)
+        tiny_fl["dataset"] = dict(tiny_fl["dataset"], name="synthetic_again")
+        out = run_experiment(resolve(tiny_fl))
+        final = out["summaries"]["fedavg"]["final"]["local_test"]
+        assert 0 < final["mean_confidence"]["mean"] <= 1
+    finally:
+        pm.unregister(name="extra")
+    assert "tiny_cnn" not in registry()["model"]
+
+
+def test_every_hookspec_has_a_test():
+    """Each hook specification is named in at least one test file (datasette's habit)."""
+    specs = [n for n in dir(hookspecs) if hasattr(getattr(hookspecs, n), "medfl_spec")]
+    text = "".join(p.read_text() for p in Path(__file__).parent.rglob("test_*.py") if p.name != Path(__file__).name)
+    text += Path(__file__).read_text().split("def test_every_hookspec_has_a_test")[0]
+    missing = [s for s in specs if not re.search(rf"\b{s}\b", text)]
+    assert specs and not missing, f"hook specs without a test: {missing}"
