@@ -49,6 +49,10 @@ class ClientStore:
                 out.append((int(m.group(1)), p))
         return sorted(out)
 
+    def has(self, client_id: str) -> bool:
+        """Whether any state of ``client_id`` was saved."""
+        return bool(self._files(client_id))
+
     def load(self, client_id: str, before_round: int) -> dict[str, Any]:
         """The newest saved state of ``client_id`` from a round earlier than ``before_round``."""
         files = [p for r, p in self._files(client_id) if r < before_round]

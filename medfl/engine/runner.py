@@ -200,31 +200,39 @@ class Run:
         for cid in sorted(instructions, key=lambda s: (len(s), s)):
             ctx = self.context(cid, r)
             reply = run_client_update(self.client_method, ctx, instructions[cid])
-            self.store.save(cid, r, ctx.state)
+            if ctx.state or self.store.has(cid):  # stateless methods write nothing
+                self.store.save(cid, r, ctx.state)
             replies[cid] = reply
             train_rows.append({"round": r, "client_id": cid, "num_examples": reply.num_examples,
                                **{k: float(v) for k, v in reply.metrics.items()}})
             pm.hook.on_client_end(run=self, round=r, client_id=cid, metrics=dict(reply.metrics))
         self.coordinator.server_update(r, replies)
         del replies
+        if train_rows:
+            self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
+            _write_csv(self.run_dir / "train_metrics.csv", self.train_metrics)
+        every = int(self.config.get("eval_every", 1))
+        rows = []
+        if r == self.federation.rounds or (every > 0 and r % every == 0):
+            rows = self.evaluate(r)
+            self.metrics = pd.concat([self.metrics, pd.DataFrame(rows)], ignore_index=True)
+            _write_csv(self.run_dir / "metrics.csv", self.metrics)
+        self._save_checkpoint(r)
+        return rows
+
+    def evaluate(self, r: int) -> list[dict[str, Any]]:
+        """Every client evaluates its model of round ``r`` on each of ``eval_splits``."""
         evals = self.coordinator.configure_evaluate(r)
-        splits = list(self.config["eval_splits"])
         rows = []
         cache: dict = {}
         for cid in self.federation.eval_client_ids:
             ctx = self.context(cid, r, state_before=r + 1)
             scores = run_client_evaluate(self.client_method, ctx, evals.get(cid, Instruction()),
-                                         splits, evaluate_metrics, cache)
+                                         list(self.config["eval_splits"]), evaluate_metrics, cache)
             for split, m in scores.items():
                 name = "local_" + split if split != "global_test" else split
                 rows.append({"round": r, "client_id": cid, "client_name": self._names.get(cid, cid),
                              "split": name, **m})
-        self.metrics = pd.concat([self.metrics, pd.DataFrame(rows)], ignore_index=True)
-        if train_rows:
-            self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
-        _write_csv(self.run_dir / "metrics.csv", self.metrics)
-        _write_csv(self.run_dir / "train_metrics.csv", self.train_metrics)
-        self._save_checkpoint(r)
         return rows
 
     def execute(self, stop_after_round: int | None = None) -> dict[str, Any]:
