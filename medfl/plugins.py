@@ -173,6 +173,8 @@ def _build() -> dict[str, dict[str, Registered]]:
                     )
                 out[_kind][key] = Registered(_kind, key, obj, *_p)
 
+            if os.environ.get("MEDFL_TRACE_PLUGINS"):  # called per plugin, outside pluggy's monitor
+                _trace(hook_name, [impl], {"register": register})
             impl.function(register=register)
     return out
 

@@ -1,0 +1,40 @@
+"""The demo bundle runs through MONAI's bundle CLI, as the README says."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BUNDLE = Path(__file__).resolve().parents[1] / "bundles" / "demo"
+
+
+def test_demo_bundle_runs_with_monai_bundle_cli(tmp_path):
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(BUNDLE / "configs" / "train.json"),
+           "--bundle_root", str(tmp_path), "--fl#rounds", "1", "--fl#dataset#num_samples", "240",
+           "--fl#partition#min_size", "10", "--fl#progress", "False"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exp = tmp_path / "runs" / "demo"
+    for label in ("fedavg", "local"):
+        summary = json.loads((exp / label / "summary.json").read_text())
+        assert summary["rounds"] == 1 and summary["num_clients"] == 4
+        assert 0 <= summary["final"]["local_test"]["accuracy"]["mean"] <= 1
+    assert (exp / "comparison.csv").is_file() and (exp / "comparison.png").is_file()
+    assert "local_test" in proc.stdout
+
+
+def test_demo_bundle_unknown_key_lists_valid_keys(tmp_path):
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(BUNDLE / "configs" / "train.json"),
+           "--bundle_root", str(tmp_path), "--fl#roundz", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "unknown key(s) 'roundz'; valid keys:" in proc.stderr
+
+
+def test_trace_plugins_env_prints_hook_calls(tmp_path):
+    env = {"MEDFL_TRACE_PLUGINS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0
+    assert "medfl: hook register_methods" in proc.stderr
