@@ -76,8 +76,8 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         for i in range(t.shape[0]):
             for j in range(t.shape[1]):
                 v = t.values[i, j]
-                ax.text(j, i, "nan" if np.isnan(v) else f"{v:.2f}", ha="center", va="center",
-                        color="white" if (np.isnan(v) or v < 0.6) else "black", fontsize=8)
+                ax.text(j, i, "n/a" if np.isnan(v) else f"{v:.2f}", ha="center", va="center",
+                        color="black" if (np.isnan(v) or v >= 0.6) else "white", fontsize=8)
         fig.colorbar(im, ax=ax)
         ax.set_title(f"{run_dir.name}: {split}, round {int(last['round'].max())}")
         fig.tight_layout()

@@ -203,13 +203,23 @@ def macro_recall(y_true: Any, probs: Any) -> float:
 def _specificity(c: _Counts) -> float:
     if c.n == 0:
         return float("nan")
+    neg = c.tn + c.fp
+    spec = np.where(neg > 0, c.tn / np.maximum(neg, 1), np.nan)
     if c.c == 2:
-        return float(c.specificity()[1])
-    return c.macro(c.specificity())
+        return float(spec[1])
+    vals = spec[c.active]
+    vals = vals[~np.isnan(vals)]
+    return float(vals.mean()) if len(vals) else float("nan")
 
 
 def macro_specificity(y_true: Any, probs: Any) -> float:
-    """Specificity: macro TN/(TN+FP) for C > 2; for C == 2 that of class 1 (recall of class 0)."""
+    """Specificity TN/(TN+FP): macro over classes for C > 2; for C == 2 that of class 1
+    (the recall of class 0).
+
+    Undefined where a class has no negatives (a test set of one class): such classes are left
+    out of the macro average, and the result is NaN when none is left. Unlike precision's
+    zero-division 0, a 0 here would read as "every negative misclassified".
+    """
     return _specificity(_Counts(y_true, probs))
 
 

@@ -91,7 +91,7 @@ def _sk_specificity(y: np.ndarray, pred: np.ndarray, c: int) -> float:
     if c == 2:
         cm = confusion_matrix(y, pred, labels=[0, 1])
         tn, fp = cm[0, 0], cm[0, 1]
-        return tn / (tn + fp) if tn + fp else 0.0
+        return tn / (tn + fp) if tn + fp else float("nan")
     cm = confusion_matrix(y, pred)  # labels: union of y and pred, as the macro averages use
     n = cm.sum()
     specs = []
@@ -100,8 +100,9 @@ def _sk_specificity(y: np.ndarray, pred: np.ndarray, c: int) -> float:
         fp = cm[:, k].sum() - tp
         fn = cm[k, :].sum() - tp
         tn = n - tp - fp - fn
-        specs.append(tn / (tn + fp) if tn + fp else 0.0)
-    return float(np.mean(specs))
+        if tn + fp:  # classes without negatives have no specificity and are left out
+            specs.append(tn / (tn + fp))
+    return float(np.mean(specs)) if specs else float("nan")
 
 
 def _sk_auc(y: np.ndarray, p: np.ndarray) -> float:
@@ -197,7 +198,7 @@ def test_single_class_auc_nan() -> None:
     out2 = classification_metrics(y2, p2)
     assert math.isnan(out2["auc"])
     assert out2["accuracy"] == 1.0 and out2["precision"] == 1.0
-    assert out2["specificity"] == 0.0  # no negatives: zero-division convention
+    assert math.isnan(out2["specificity"])  # no negatives: undefined, not 0
 
 
 def test_empty_input() -> None:
