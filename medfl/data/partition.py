@@ -214,6 +214,16 @@ def check_partition(parts: Mapping[str, Any], num_rows: int | pd.DataFrame, *,
 # --------------------------------------------------------------------------- partitioners
 
 
+def _check_min_size_possible(func: str, min_size: int, num_clients: int, n: int) -> None:
+    """Fail at once when ``min_size`` rows for each client exceed the table."""
+    if min_size * num_clients > n:
+        raise _fail(
+            func, f"impossible: min_size={min_size} for each of num_clients={num_clients} "
+            f"clients needs {min_size * num_clients} rows but the table has {n}; "
+            "use a smaller min_size or fewer clients",
+        )
+
+
 def dirichlet(
     table: pd.DataFrame,
     num_clients: int,
@@ -256,12 +266,7 @@ def dirichlet(
     alpha = _check_positive(func, "alpha", alpha)
     min_size = _check_int(func, "min_size", min_size, 0)
     max_retries = _check_int(func, "max_retries", max_retries, 1)
-    if min_size * num_clients > n:
-        raise _fail(
-            func, f"impossible: min_size={min_size} for each of num_clients={num_clients} "
-            f"clients needs {min_size * num_clients} rows but the table has {n}; "
-            "use a smaller min_size or fewer clients",
-        )
+    _check_min_size_possible(func, min_size, num_clients, n)
     labels = _labels(func, table)
     rng = _rng(func, seed)
     class_rows = [np.flatnonzero(labels == c) for c in np.unique(labels)]
@@ -422,12 +427,7 @@ def quantity_skew(
     beta = _check_positive(func, "beta", beta)
     min_size = _check_int(func, "min_size", min_size, 0)
     max_retries = _check_int(func, "max_retries", max_retries, 1)
-    if min_size * num_clients > n:
-        raise _fail(
-            func, f"impossible: min_size={min_size} for each of num_clients={num_clients} "
-            f"clients needs {min_size * num_clients} rows but the table has {n}; "
-            "use a smaller min_size or fewer clients",
-        )
+    _check_min_size_possible(func, min_size, num_clients, n)
     rng = _rng(func, seed)
     perm = rng.permutation(n)
     conc = np.full(num_clients, beta)
