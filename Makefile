@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 $(BIN)/medfl: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/engine_overhead.py
 
 clean:
 	rm -rf $(VENV) bundles/*/runs bundles/*/data

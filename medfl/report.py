@@ -109,8 +109,9 @@ def format_table(df: pd.DataFrame) -> str:
 
 
 def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:
-    """Write ``comparison.csv`` (one row per method and split, mean/std/worst of each metric)
-    and ``comparison.png`` (accuracy and AUC per round for every method)."""
+    """Write ``comparison.csv`` (one row per method and split, mean/std/worst of each metric),
+    ``summaries.json`` and, when there are two or more methods, ``comparison.png`` (accuracy
+    and AUC per round for every method; a single method's curves are its ``curves.png``)."""
     exp_dir = Path(exp_dir)
     rows = []
     for label, summary in summaries.items():
@@ -123,6 +124,9 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) 
             rows.append(row)
     path = exp_dir / "comparison.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
+    (exp_dir / "summaries.json").write_text(json.dumps(summaries, indent=2, default=str))
+    if len(summaries) < 2:
+        return path
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for label in summaries:
@@ -143,5 +147,4 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) 
     fig.tight_layout()
     fig.savefig(exp_dir / "comparison.png", dpi=100)
     plt.close(fig)
-    (exp_dir / "summaries.json").write_text(json.dumps(summaries, indent=2, default=str))
     return path

@@ -8,7 +8,9 @@ transport-independent client steps: both engines call them, so the same checks a
 
 from __future__ import annotations
 
+import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +26,11 @@ from medfl.method import Method, derive_seed
 __all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_evaluate"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
+
+#: Model objects reused by :meth:`ClientContext.load_model` (spec and device -> module),
+#: least recently used first; a process runs one client at a time, so one per spec suffices.
+_SHELLS: "OrderedDict[str, nn.Module]" = OrderedDict()
+_MAX_SHELLS = 8
 
 
 class ClientStore:
@@ -118,6 +125,7 @@ class ClientContext:
     state: dict[str, Any] = field(default_factory=dict)
     sample_shape: tuple[int, ...] = ()
     split_sizes: dict[str, int] = field(default_factory=dict)
+    _shells_taken: set[str] = field(default_factory=set, repr=False)
 
     def dataset(self, split: str = "train") -> Dataset:
         """The client's dataset of ``split``."""
@@ -153,6 +161,37 @@ class ClientContext:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.seed, "build", self.client_id))
             return build_model(spec).to(self.device)
+
+    def load_model(self, state: dict[str, torch.Tensor]) -> nn.Module:
+        """A model of this client's spec holding exactly ``state``.
+
+        When ``state`` covers every entry of the model's state dict, a model object of the
+        same spec left by an earlier client context in this process is reused (gradients
+        cleared, all parameters trainable, training mode), which saves building and
+        initialising a model for every client every round (ResNet-18: about 150 ms against
+        5 ms); otherwise a fresh model (:meth:`build_model`) receives ``state`` on top of its
+        initialisation. Either way the weights are the same. A context never gets the same
+        object twice, so two models loaded in one client step are independent.
+        """
+        key = json.dumps([self.model_spec, str(self.device)], sort_keys=True, default=str)
+        model = _SHELLS.get(key) if key not in self._shells_taken else None
+        self._shells_taken.add(key)
+        if model is not None and set(model.state_dict()) <= set(state):
+            _SHELLS.move_to_end(key)
+            model.load_state_dict({k: state[k] for k in model.state_dict()})
+            for p in model.parameters():
+                p.grad = None
+                p.requires_grad_(True)
+            return model.train()
+        model = self.build_model()
+        full = model.state_dict()
+        full.update({k: v for k, v in state.items() if k in full})
+        model.load_state_dict(full)
+        _SHELLS[key] = model
+        _SHELLS.move_to_end(key)
+        while len(_SHELLS) > _MAX_SHELLS:
+            _SHELLS.popitem(last=False)
+        return model
 
     def label_histogram(self, num_classes: int, split: str = "train") -> np.ndarray:
         """Counts of each class in ``split`` (computed locally; a method may share it)."""

@@ -35,6 +35,25 @@ class FederatedData:
     source: FederatedSource
     assignments: pd.DataFrame
 
+    def __post_init__(self) -> None:
+        self._positions: dict[tuple[str, str], np.ndarray] | None = None
+
+    def _index(self) -> dict[tuple[str, str], np.ndarray]:
+        """(client id, role) -> row positions, built once (the table is filtered per call
+        otherwise, every round for every client)."""
+        if self._positions is None:
+            a = self.assignments
+            cids = a["client_id"].astype(str).to_numpy()
+            roles = a["role"].astype(str).to_numpy()
+            rows = a["row"].to_numpy(dtype=np.int64)
+            index: dict[tuple[str, str], list[int]] = {}
+            for i, (cid, role) in enumerate(zip(cids, roles)):
+                index.setdefault((cid if role != "global_test" else "", role), []).append(i)
+            self._positions = {k: rows[np.asarray(v, dtype=np.int64)] for k, v in index.items()}
+            for role in sorted({r for _, r in self._positions} - {"global_test"}):
+                self._positions[(POOLED, role)] = rows[np.flatnonzero(roles == role)]
+        return self._positions
+
     @property
     def client_ids(self) -> list[str]:
         """Client ids in numeric order."""
@@ -46,16 +65,15 @@ class FederatedData:
         a = self.assignments[self.assignments["client_id"] != ""]
         return dict(zip(a["client_id"].astype(str), a["client_name"].astype(str)))
 
+    def positions(self, client_id: str, role: str) -> np.ndarray:
+        """Positions in ``source.table`` of ``client_id``'s ``role`` rows, in assignment order
+        (``global_test`` ignores the client; :data:`POOLED` pools every client's rows)."""
+        key = ("", role) if role == "global_test" else (client_id, role)
+        return self._index().get(key, np.zeros(0, dtype=np.int64))
+
     def rows(self, client_id: str, role: str) -> pd.DataFrame:
         """The source rows of ``client_id``'s ``role`` (``global_test`` ignores the client)."""
-        a = self.assignments
-        if role == "global_test":
-            pos = a.loc[a["role"] == "global_test", "row"]
-        elif client_id == POOLED:
-            pos = a.loc[a["role"] == role, "row"]
-        else:
-            pos = a.loc[(a["client_id"] == client_id) & (a["role"] == role), "row"]
-        return self.source.table.iloc[pos.to_numpy()]
+        return self.source.table.iloc[self.positions(client_id, role)]
 
     def dataset_factories(self, client_id: str, roles: list[str]) -> dict[str, Callable[[], Dataset]]:
         """Lazily built datasets of each role for one client."""
@@ -66,11 +84,11 @@ class FederatedData:
 
     def sizes(self, client_id: str, roles: list[str]) -> dict[str, int]:
         """Number of samples of each role for one client."""
-        return {r: len(self.rows(client_id, r)) for r in roles}
+        return {r: len(self.positions(client_id, r)) for r in roles}
 
     def num_examples(self) -> dict[str, int]:
         """Training-set size of every client."""
-        return {cid: len(self.rows(cid, "train")) for cid in self.client_ids}
+        return {cid: len(self.positions(cid, "train")) for cid in self.client_ids}
 
     def save(self, path: str | Path) -> None:
         """Write the assignment table as CSV."""

@@ -105,12 +105,7 @@ class HubAndSpoke(Method):
 
     # ------------------------------------------------------------ client side
     def _client_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
-        model = client.build_model()
-        state = model.state_dict()
-        state.update(instruction.payload["model"])
-        state.update(client.state.get("local", {}))
-        model.load_state_dict(state)
-        return model
+        return client.load_model({**instruction.payload["model"], **client.state.get("local", {})})
 
     def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
         """Load the global model (plus local keys), train ``epochs``, send the shared part."""

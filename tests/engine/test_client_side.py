@@ -1,0 +1,76 @@
+"""The client side's shortcuts give exactly what the plain way gives: the row index of
+FederatedData and the model objects ClientContext.load_model reuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from medfl.data.synthetic import synthetic2d
+from medfl.engine.client import ClientContext
+from medfl.engine.data import POOLED, FederatedData, split_data
+from medfl.plugins import registry
+
+
+def _filter(a: pd.DataFrame, cid: str, role: str) -> np.ndarray:
+    if role == "global_test":
+        return a.loc[a["role"] == "global_test", "row"].to_numpy()
+    if cid == POOLED:
+        return a.loc[a["role"] == role, "row"].to_numpy()
+    return a.loc[(a["client_id"] == cid) & (a["role"] == role), "row"].to_numpy()
+
+
+def test_row_index_equals_filtering(tiny_fl, resolve, tmp_path):
+    registry()
+    cfg = resolve(tiny_fl)
+    source = synthetic2d(root=str(tmp_path / "data"), num_samples=96, num_classes=2, image_size=12)
+    data = split_data(source, cfg)
+    a = data.assignments
+    for cid in data.client_ids + [POOLED, "no-such-client"]:
+        for role in ("train", "val", "test", "global_test"):
+            assert np.array_equal(data.positions(cid, role), _filter(a, cid, role)), (cid, role)
+            pd.testing.assert_frame_equal(data.rows(cid, role), source.table.iloc[_filter(a, cid, role)])
+    assert data.num_examples() == {c: len(_filter(a, c, "train")) for c in data.client_ids}
+    # a reloaded partition indexes the same way
+    data.save(tmp_path / "partition.csv")
+    again = split_data(source, cfg, saved=tmp_path / "partition.csv")
+    assert isinstance(again, FederatedData)
+    for cid in data.client_ids:
+        assert np.array_equal(again.positions(cid, "train"), data.positions(cid, "train"))
+
+
+def _ctx(cid: str, rnd: int, spec: dict) -> ClientContext:
+    return ClientContext(client_id=cid, round=rnd, seed=1000 * rnd + int(cid), datasets={},
+                         model_spec=spec, train={})
+
+
+def test_load_model_reuses_objects_across_contexts_only():
+    registry()
+    spec = {"name": "small_cnn", "width": 4, "in_channels": 1, "num_classes": 3}
+    full = {k: torch.randn_like(v.float()).to(v.dtype) if v.is_floating_point() else v
+            for k, v in _ctx("0", 1, spec).build_model().state_dict().items()}
+    a = _ctx("0", 1, spec)
+    m1 = a.load_model(full)
+    m1.eval()
+    for p in m1.parameters():
+        p.grad = torch.ones_like(p)
+        p.requires_grad_(False)
+    m2 = a.load_model(full)  # same context: an independent object
+    assert m2 is not m1
+    m3 = _ctx("1", 1, spec).load_model(full)  # a later context reuses the last object
+    assert m3 is m2
+    assert m3.training and all(p.grad is None and p.requires_grad for p in m3.parameters())
+    for k, v in m3.state_dict().items():
+        assert torch.equal(v, full[k]), k
+    # a partial state goes onto a fresh, seeded initialisation, exactly as build_model gives
+    partial = {k: v for k, v in full.items() if not k.startswith("head.")}
+    assert 0 < len(partial) < len(full)
+    c = _ctx("2", 3, spec)
+    m4 = c.load_model(partial)
+    ref = _ctx("2", 3, spec).build_model().state_dict()
+    for k, v in m4.state_dict().items():
+        assert torch.equal(v, partial[k] if k in partial else ref[k]), k
+    # another spec never gets this spec's object
+    other = {**spec, "num_classes": 2}
+    assert _ctx("3", 1, other).load_model({}) is not m3
