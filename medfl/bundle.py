@@ -14,7 +14,7 @@ from typing import Any
 
 from medfl.config import resolve_config
 
-__all__ = ["run", "load_bundle_config", "parse_override_value"]
+__all__ = ["run", "infer", "load_bundle_config", "parse_override_value"]
 
 
 def run(fl: dict[str, Any]) -> dict[str, Any]:
@@ -34,6 +34,19 @@ def run(fl: dict[str, Any]) -> dict[str, Any]:
                   f"`medfl resume {run_dir}`")
     print(f"\nresults: {result['dir']}")
     return result
+
+
+def infer(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,
+          clients: list[str] | None = None, split: str | None = None) -> Path:
+    """A bundle's ``inference.json`` entry point: predict with a finished run's client
+    models (see :func:`medfl.engine.runner.predict`) and print where the CSV went."""
+    from medfl.engine.runner import predict
+    from medfl.plugins import registry
+
+    registry()
+    path = predict(run_dir, dataset, output, clients, split)
+    print(f"predictions: {path}")
+    return path
 
 
 def parse_override_value(text: str) -> Any:

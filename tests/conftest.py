@@ -29,3 +29,16 @@ def tiny_fl(tmp_path: Path) -> dict[str, Any]:
 def resolve():
     """resolve_config, for tests that tweak the tiny config first."""
     return resolve_config
+
+
+@pytest.fixture(scope="session")
+def reference_data() -> Path:
+    """The real metadata files (``../shared/reference_data``); skips when absent, as in a
+    user's own clone without the shared folder."""
+    from medfl.fixtures import reference_data_dir
+
+    found = reference_data_dir()
+    if found is None:
+        pytest.skip("real metadata files not found: ../shared/reference_data beside the clone "
+                    "(or MEDFL_REFERENCE_DATA) is needed for this test")
+    return found

@@ -21,17 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from medfl.config import method_label
 from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
 from medfl.engine.data import POOLED, FederatedData, split_data
 from medfl.messages import Instruction
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
 
-__all__ = ["Run", "RunError", "run_experiment", "resume", "summarize_metrics", "evaluate_metrics"]
+__all__ = ["Run", "RunError", "run_experiment", "resume", "predict", "summarize_metrics", "evaluate_metrics"]
 
 ROLES = ["train", "val", "test", "global_test"]
 
@@ -169,18 +171,21 @@ class Run:
         )
 
     # ------------------------------------------------------------------ rounds
-    def prepare(self, resume: bool = False) -> None:
-        """Create the run directory, or reload a stopped run's state when ``resume``."""
-        self._write_static()
+    def prepare(self, resume: bool = False, read_only: bool = False) -> None:
+        """Create the run directory, or reload a stopped run's state when ``resume``
+        (``read_only``: load the last checkpoint and change nothing on disk, for predicting)."""
+        if not read_only:
+            self._write_static()
         self.coordinator.setup(self.federation)
-        if not resume:
+        if not (resume or read_only):
             return
         k = self.last_checkpoint()
         if k == 0:
             return
         ckpt = torch.load(self._checkpoint_path(k), map_location="cpu", weights_only=True)
         self.coordinator.load_state_dict(ckpt["method"])
-        self.store.rollback(k)
+        if not read_only:
+            self.store.rollback(k)
         self.start_round = k + 1
         for name in ("metrics", "train_metrics"):
             p = self.run_dir / f"{name}.csv"
@@ -341,3 +346,76 @@ def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
     if run.start_round > run.federation.rounds and (path / "summary.json").is_file():
         return {"dir": str(path), "summaries": {label: json.loads((path / "summary.json").read_text())}}
     return {"dir": str(path), "summaries": {label: run.execute(None)}}
+
+
+def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,
+            clients: list[str] | None = None, split: str | None = None) -> Path:
+    """Predict with a finished (or stopped) run's models and write a predictions CSV.
+
+    Each requested client builds its evaluation model exactly as in the run's last
+    evaluation (the method's ``client_eval_model``: the global model, plus the client's
+    local layers or state where the method keeps them) and predicts on ``dataset``.
+
+    Args:
+        run_dir: a method run directory (``config.json`` with a ``method``, a checkpoint).
+        dataset: a dataset spec (``{"name": ..., ...}``); default: the run's own dataset.
+        output: the CSV to write (default ``run_dir/predictions.csv``).
+        clients: client ids whose models predict (default: every client of the run).
+        split: keep only rows whose ``split`` column equals this (e.g. ``test``).
+
+    Returns:
+        The CSV path: one row per (client, sample) with ``sample_id``, ``label``,
+        ``prediction`` and ``prob_<class name>`` columns.
+
+    Raises:
+        RunError: no run or no checkpoint in ``run_dir``, or an unknown client id.
+    """
+    from medfl.engine.training import predict_proba
+
+    run_dir = Path(run_dir)
+    cfg_file = run_dir / "config.json"
+    if not cfg_file.is_file():
+        raise RunError(f"{run_dir}: no config.json; not a medfl run directory")
+    saved = json.loads(cfg_file.read_text())
+    if "method" not in saved:
+        raise RunError(f"{run_dir}: an experiment directory; pass one method's run directory "
+                       f"({', '.join(method_label(m) for m in saved['fl']['methods'])})")
+    cfg = saved["fl"]
+    source_spec = dict(cfg["dataset"])
+    source = lookup("dataset", source_spec.pop("name"))(**source_spec)
+    data = split_data(source, cfg, saved=run_dir / "partition.csv")
+    run = Run(cfg, saved["method"], run_dir, data)
+    run.prepare(read_only=True)
+    last = run.start_round - 1
+    if last < 1:
+        raise RunError(f"{run_dir}: no checkpoint yet; nothing to predict with")
+    target = source
+    if dataset is not None:
+        spec = dict(dataset)
+        target = lookup("dataset", spec.pop("name"))(**spec)
+    rows = target.table if split is None else target.table[target.table.get("split", "") == split]
+    if rows.empty:
+        raise RunError(f"no samples to predict on{'' if split is None else f' with split == {split!r}'}")
+    ids = clients or run.federation.eval_client_ids
+    unknown = sorted(set(ids) - set(run.federation.eval_client_ids))
+    if unknown:
+        raise RunError(f"unknown client(s) {unknown}; the run has {run.federation.eval_client_ids}")
+    evals = run.coordinator.configure_evaluate(last)
+    frames = []
+    for cid in ids:
+        ctx = run.context(cid, last, state_before=last + 1)
+        model = run.client_method.client_eval_model(ctx, evals.get(cid, Instruction()))
+        loader = torch.utils.data.DataLoader(target.make_dataset(rows, False),
+                                             batch_size=int(cfg["train"].get("eval_batch_size", 64)))
+        y, p = predict_proba(model, loader, ctx.device)
+        df = pd.DataFrame({"client_id": cid,
+                           "sample_id": rows["sample_id"].astype(str).to_numpy() if "sample_id" in rows
+                           else np.arange(len(rows)).astype(str),
+                           "label": y, "prediction": p.argmax(1)})
+        for k, name in enumerate(target.class_names):
+            df[f"prob_{name or k}"] = p[:, k]
+        frames.append(df)
+    out = Path(output) if output else run_dir / "predictions.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pd.concat(frames, ignore_index=True).to_csv(out, index=False)
+    return out
