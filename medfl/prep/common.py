@@ -1,0 +1,264 @@
+"""What every data_prep script shares: the command line, the output directory, the
+manifest, cached arrays, the report of skipped items, and explicit resizing.
+
+A data_prep script reads a dataset exactly as downloaded (``--raw``), never writes into
+it, and writes to ``--out``:
+
+``manifest.csv``
+    one row per sample, columns :data:`MANIFEST_COLUMNS` first (``path`` is the cached
+    array relative to ``--out``; ``image_path`` the raw file relative to ``--raw``), then
+    any dataset-specific columns.
+``arrays/``
+    the cached preprocessed arrays (``.npy``, float32, channel first).
+``report.json`` and ``skipped.csv``
+    what was read, written and skipped, and why.
+
+Per-file problems raise :class:`PrepError` naming the file and what was expected; with
+``--skip-bad`` they are recorded and skipped, otherwise the script stops with that message
+(exit status 2) and writes nothing further.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import pandas as pd
+
+from medfl.data.source import DataError
+
+__all__ = [
+    "PrepError", "PrepReport", "MANIFEST_COLUMNS", "base_parser", "check_dirs", "save_array",
+    "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
+    "progress",
+]
+
+#: Columns every manifest starts with (empty where unknown).
+MANIFEST_COLUMNS = ["sample_id", "path", "image_path", "label", "class_name", "subject_id",
+                    "site", "sex", "split"]
+#: How :func:`resize_image` handles an aspect ratio different from the target's.
+ASPECT_MODES = ("pad", "crop", "stretch")
+
+
+class PrepError(DataError):
+    """Bad input to a data_prep script; the message names the file or field and what was
+    expected. ``item`` is the file (or record) concerned, for the skip report."""
+
+    def __init__(self, message: str, item: str | Path | None = None) -> None:
+        super().__init__(message)
+        self.item = str(item) if item is not None else ""
+
+
+def require_columns(table: pd.DataFrame, columns: Sequence[str], where: str | Path) -> None:
+    """Raise :class:`PrepError` naming ``where`` and the missing columns, if any."""
+    missing = [c for c in columns if c not in table.columns]
+    if missing:
+        raise PrepError(f"{where}: missing column(s) {', '.join(repr(c) for c in missing)}; "
+                        f"found {', '.join(map(str, table.columns))}", where)
+
+
+@dataclass
+class PrepReport:
+    """What a data_prep run read, wrote and skipped (written as ``report.json`` and
+    ``skipped.csv``)."""
+
+    dataset: str
+    raw: str
+    out: str
+    skip_bad: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    counts: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+    def skip(self, item: str | Path, reason: str, stage: str = "") -> None:
+        """Record a skipped item."""
+        self.skipped.append({"item": str(item), "stage": stage, "reason": reason})
+
+    def note(self, text: str) -> None:
+        """Record a remark for the reader (e.g. a choice the script made)."""
+        self.notes.append(text)
+
+    @contextmanager
+    def guard(self, item: str | Path, stage: str = "") -> Iterator[None]:
+        """Run a per-item step: a :class:`PrepError` inside is skipped and recorded when
+        ``skip_bad``, and re-raised otherwise. Use ``with report.guard(path): ...``;
+        :meth:`attempt` is the function form that says whether the step succeeded."""
+        try:
+            yield
+        except PrepError as exc:
+            if not self.skip_bad:
+                raise
+            self.skip(exc.item or item, str(exc), stage)
+
+    def attempt(self, item: str | Path, fn: Callable[[], Any], stage: str = "") -> tuple[bool, Any]:
+        """Call ``fn``; returns ``(True, result)``, or ``(False, None)`` when it raised a
+        :class:`PrepError` and ``skip_bad`` is set (recorded), re-raising otherwise."""
+        try:
+            return True, fn()
+        except PrepError as exc:
+            if not self.skip_bad:
+                raise
+            self.skip(exc.item or item, str(exc), stage)
+            return False, None
+
+    def write(self, out: Path) -> None:
+        """Write ``report.json`` and ``skipped.csv`` into ``out``."""
+        doc = {"dataset": self.dataset, "raw": self.raw, "out": self.out, "skip_bad": self.skip_bad,
+               "options": self.options, "counts": self.counts, "notes": self.notes,
+               "num_skipped": len(self.skipped), "seconds": round(time.time() - self.started, 2),
+               "skipped": self.skipped}
+        (out / "report.json").write_text(json.dumps(doc, indent=2, default=str))
+        pd.DataFrame(self.skipped, columns=["item", "stage", "reason"]).to_csv(out / "skipped.csv", index=False)
+
+    def summary(self) -> str:
+        """A few lines for the terminal."""
+        lines = [f"{self.dataset}: " + ", ".join(f"{k} {v}" for k, v in self.counts.items())]
+        if self.skipped:
+            lines.append(f"skipped {len(self.skipped)} item(s); see {Path(self.out) / 'skipped.csv'}")
+            for s in self.skipped[:5]:
+                lines.append(f"  {s['item']}: {s['reason']}")
+            if len(self.skipped) > 5:
+                lines.append(f"  ... and {len(self.skipped) - 5} more")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def base_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The options every data_prep script takes: ``--raw``, ``--out``, ``--skip-bad``,
+    ``--overwrite``, ``--limit``."""
+    p = argparse.ArgumentParser(prog=f"python data_prep/{name}.py", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--raw", required=True, type=Path, help="the dataset as downloaded (read only)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="output directory: manifest.csv, arrays/, report.json, skipped.csv")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip unreadable or inconsistent files and list them in skipped.csv "
+                        "(default: stop at the first one with its error)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the manifest and arrays of an earlier run in --out "
+                        "(default: refuse to touch an --out that has a manifest.csv)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="prepare only the first N samples (for a quick look)")
+    return p
+
+
+def check_dirs(raw: Path, out: Path, overwrite: bool) -> tuple[Path, Path]:
+    """Resolve and check ``--raw`` and ``--out``; create ``out``.
+
+    Raises:
+        PrepError: ``raw`` is not a directory, ``out`` is inside ``raw`` (the raw directory is
+            never written to), or ``out`` holds an earlier manifest and not ``overwrite``.
+    """
+    raw, out = Path(raw).resolve(), Path(out).resolve()
+    if not raw.is_dir():
+        raise PrepError(f"--raw {raw}: not a directory; expected the dataset as downloaded", raw)
+    if out == raw or raw in out.parents:
+        raise PrepError(f"--out {out} is inside --raw {raw}; data_prep never writes into the raw "
+                        "dataset, choose an --out outside it", out)
+    if (out / "manifest.csv").exists() and not overwrite:
+        raise PrepError(f"--out {out} already holds a manifest.csv from an earlier run; pass "
+                        "--overwrite to replace it, or choose another --out", out)
+    out.mkdir(parents=True, exist_ok=True)
+    return raw, out
+
+
+def save_array(out: Path, rel: str, arr: np.ndarray) -> str:
+    """Write ``arr`` as float32 ``out/rel`` (atomically); return ``rel``."""
+    path = out / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, np.ascontiguousarray(arr, dtype=np.float32))
+    os.replace(tmp, path)
+    return rel
+
+
+def write_manifest(out: Path, rows: list[dict[str, Any]], extra_order: Sequence[str] = ()) -> pd.DataFrame:
+    """Write ``out/manifest.csv`` with :data:`MANIFEST_COLUMNS` first.
+
+    An expected split that ended up empty (every row skipped) is the script's to check:
+    only it knows which splits the dataset has.
+
+    Raises:
+        PrepError: no rows at all, or a duplicated ``sample_id``.
+    """
+    if not rows:
+        raise PrepError(f"{out}: no samples left to write (every sample was skipped or none "
+                        "matched); see skipped.csv", out)
+    df = pd.DataFrame(rows)
+    for c in MANIFEST_COLUMNS:
+        if c not in df.columns:
+            df[c] = ""
+    rest = [c for c in extra_order if c in df.columns and c not in MANIFEST_COLUMNS]
+    rest += [c for c in df.columns if c not in MANIFEST_COLUMNS and c not in rest]
+    df = df[MANIFEST_COLUMNS + rest]
+    df["label"] = df["label"].astype(np.int64)
+    if df["sample_id"].duplicated().any():
+        dup = df.loc[df["sample_id"].duplicated(), "sample_id"].iloc[0]
+        raise PrepError(f"{out}: sample_id {dup!r} appears twice; expected one row per sample", out)
+    df.to_csv(out / "manifest.csv", index=False)
+    return df
+
+
+def resize_image(img: np.ndarray, size: Sequence[int], aspect: str = "pad") -> np.ndarray:
+    """Resize a 2D image ``(H, W)`` or ``(C, H, W)`` to ``size = (h, w)`` with anti-aliasing,
+    handling a different aspect ratio explicitly.
+
+    ``pad`` scales the longer side to fit and pads the rest with zeros (nothing is cut,
+    nothing is distorted); ``crop`` scales the shorter side to fit and crops the centre;
+    ``stretch`` scales each axis independently (distorts).
+    """
+    from skimage.transform import resize
+
+    if aspect not in ASPECT_MODES:
+        raise PrepError(f"--aspect: unknown {aspect!r}; valid: {', '.join(ASPECT_MODES)}")
+    chan = img.ndim == 3
+    x = img if chan else img[None]
+    c, h, w = x.shape
+    th, tw = int(size[0]), int(size[1])
+    if aspect == "stretch":
+        return _squeeze(resize(x, (c, th, tw), order=1, anti_aliasing=True, preserve_range=True), chan)
+    scale = min(th / h, tw / w) if aspect == "pad" else max(th / h, tw / w)
+    nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
+    y = resize(x, (c, nh, nw), order=1, anti_aliasing=True, preserve_range=True).astype(np.float32)
+    canvas = np.zeros((c, th, tw), dtype=np.float32)
+    if aspect == "pad":
+        top, left = (th - nh) // 2, (tw - nw) // 2
+        canvas[:, top:top + nh, left:left + nw] = y
+    else:
+        top, left = (nh - th) // 2, (nw - tw) // 2
+        canvas[:] = y[:, top:top + th, left:left + tw]
+    return _squeeze(canvas, chan)
+
+
+def _squeeze(x: np.ndarray, chan: bool) -> np.ndarray:
+    x = x.astype(np.float32)
+    return x if chan else x[0]
+
+
+def progress(iterable: Any, desc: str, total: int | None = None) -> Any:
+    """A tqdm progress bar on stderr (quiet when ``MEDFL_NO_PROGRESS`` is set)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit="file", file=sys.stderr,
+                disable=bool(os.environ.get("MEDFL_NO_PROGRESS")))
+
+
+def run_script(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:
+    """Run a data_prep ``main`` as a script: a :class:`DataError` becomes ``error: ...`` on
+    stderr and exit status 2, with no traceback."""
+    try:
+        code = main(argv)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)
