@@ -58,7 +58,9 @@ def load_sample(path: str | Path) -> np.ndarray:
         else:
             from monai.transforms import LoadImage
 
-            arr = np.asarray(LoadImage(image_only=True, ensure_channel_first=True)(str(path)))
+            # MONAI picks its DICOM reader for netpbm files; PIL reads them
+            reader = "PILReader" if path.suffix.lower() in (".pgm", ".ppm", ".pbm", ".pnm") else None
+            arr = np.asarray(LoadImage(reader=reader, image_only=True, ensure_channel_first=True)(str(path)))
     except Exception as exc:  # noqa: BLE001 - every reader error becomes one clear message
         raise DataError(f"{path}: cannot read image ({type(exc).__name__}: {exc})") from exc
     if arr.ndim < 3:

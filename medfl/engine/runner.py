@@ -361,7 +361,8 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
         dataset: a dataset spec (``{"name": ..., ...}``); default: the run's own dataset.
         output: the CSV to write (default ``run_dir/predictions.csv``).
         clients: client ids whose models predict (default: every client of the run).
-        split: keep only rows whose ``split`` column equals this (e.g. ``test``).
+        split: keep only rows whose ``split`` column equals this (e.g. ``test``); ``None``,
+            ``""`` or ``"all"``: every row.
 
     Returns:
         The CSV path: one row per (client, sample) with ``sample_id``, ``label``,
@@ -393,7 +394,12 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     if dataset is not None:
         spec = dict(dataset)
         target = lookup("dataset", spec.pop("name"))(**spec)
-    rows = target.table if split is None else target.table[target.table.get("split", "") == split]
+    if split in (None, "", "all"):
+        rows = target.table
+    elif "split" not in target.table.columns:
+        raise RunError(f"split {split!r} asked for, but the dataset has no 'split' column; use 'all'")
+    else:
+        rows = target.table[target.table["split"].astype(str) == split]
     if rows.empty:
         raise RunError(f"no samples to predict on{'' if split is None else f' with split == {split!r}'}")
     ids = clients or run.federation.eval_client_ids
