@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 import torch
+from monai.transforms import Transform
 from torch.utils.data import Dataset
 
 from medfl.data.source import DataError, FederatedSource, read_manifest
@@ -68,8 +69,9 @@ def load_sample(path: str | Path) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
-class _Load:
-    """MONAI-style dict transform: ``{"image": path}`` -> ``{"image": float32 tensor}``."""
+class _Load(Transform):
+    """MONAI dict transform: ``{"image": path}`` -> ``{"image": float32 tensor}``. A MONAI
+    ``Transform`` (deterministic), so ``PersistentDataset`` caches its output."""
 
     def __call__(self, d: dict[str, Any]) -> dict[str, Any]:
         return {**d, "image": torch.from_numpy(load_sample(d["image"]))}

@@ -1,0 +1,390 @@
+"""CBIS-DDSM as downloaded -> an image-level benign/malignant manifest (plus optional ROI crops).
+
+Reads the four case-description CSVs as TCIA publishes them (``breast_density`` in the mass
+files, ``breast density`` in the calc files; ``N/A``, ``NA`` and empty as missing; path fields
+with a newline inside the quotes) and finds each DICOM in any of the three download layouts:
+
+1. the classic layout that matches the CSV paths literally
+   (``<Subject>/<StudyUID>/<SeriesUID>/00000N.dcm``, under ``--raw`` or ``--raw/CBIS-DDSM``);
+2. the TCIA tree with ``metadata.csv`` (``Series UID`` -> ``File Location``);
+3. the same tree without ``metadata.csv``, matched by the last five digits of the study and
+   series UIDs (``<MM-DD-YYYY>-DDSM-...-<5>/<n>.000000-<description>-<5>/1-1.dcm``, or the
+   older ``1-full mammogram images-<5>/000000.dcm``).
+
+The file numbers inside an ROI series are unreliable, so the mask (8-bit, 0/255) and the
+crop (16-bit) are told apart by content. Images are read with pydicom: MONOCHROME1 is
+inverted, values are scaled to [0, 1] by ``BitsStored``, compressed transfer syntaxes are
+decoded when a decoder is installed and otherwise stop with the name of the missing decoder.
+
+Labels are per mammogram: malignant if any of its abnormalities is MALIGNANT, otherwise benign
+(BENIGN_WITHOUT_CALLBACK is benign). No patient is in both the train and the test split:
+``--patient-overlap`` says what happens to the 31 patients of the real CSVs who are.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from medfl.prep.common import (
+    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, resize_image, save_array,
+    write_manifest,
+)
+
+__all__ = ["main", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
+           "PATHOLOGY", "CLASS_NAMES"]
+
+CSV_FILES = {
+    ("mass", "train"): "mass_case_description_train_set.csv",
+    ("mass", "test"): "mass_case_description_test_set.csv",
+    ("calc", "train"): "calc_case_description_train_set.csv",
+    ("calc", "test"): "calc_case_description_test_set.csv",
+}
+#: pathology string -> label (0 benign, 1 malignant)
+PATHOLOGY = {"MALIGNANT": 1, "BENIGN": 0, "BENIGN_WITHOUT_CALLBACK": 0}
+CLASS_NAMES = ["benign", "malignant"]
+REQUIRED = ["patient_id", "left or right breast", "image view", "abnormality id", "abnormality type",
+            "pathology", "image file path", "cropped image file path", "ROI mask file path"]
+PATH_FIELDS = ["image file path", "cropped image file path", "ROI mask file path"]
+MISSING = {"", "N/A", "NA"}
+#: transfer syntaxes pydicom reads natively (uncompressed)
+_NATIVE = {"1.2.840.10008.1.2", "1.2.840.10008.1.2.1", "1.2.840.10008.1.2.2", "1.2.840.10008.1.2.1.99"}
+
+
+def _find_csv(raw: Path, name: str) -> Path | None:
+    for cand in [raw / name, *sorted(raw.glob(f"*/{name}")), *sorted(raw.glob(f"*/*/{name}"))]:
+        if cand.is_file():
+            return cand
+    return None
+
+
+def read_case_csvs(raw: Path, abnormality: str = "both", csv_dir: Path | None = None) -> pd.DataFrame:
+    """Read the case-description CSVs (mass, calc or both) into one table of abnormalities.
+
+    Adds ``kind`` (mass/calc), ``split`` (train/test), ``csv`` and ``csv_line``; unifies the two
+    density column names as ``breast_density``; strips every path field; missing values
+    (``N/A``, ``NA``, empty) become empty strings.
+
+    Raises:
+        PrepError: a CSV is missing, unreadable, lacks a required column, or has an unknown
+            pathology (naming the file, line and value).
+    """
+    kinds = ["mass", "calc"] if abnormality == "both" else [abnormality]
+    frames = []
+    for kind in kinds:
+        for split in ("train", "test"):
+            name = CSV_FILES[(kind, split)]
+            path = (csv_dir / name) if csv_dir else _find_csv(raw, name)
+            if path is None or not path.is_file():
+                raise PrepError(f"{name}: case-description CSV not found under {csv_dir or raw} "
+                                "(expected the four CSVs TCIA publishes beside the images)", name)
+            try:
+                with open(path, newline="", encoding="utf-8-sig") as f:
+                    rows = list(csv.DictReader(f))
+                header = list(rows[0].keys()) if rows else []
+            except (OSError, UnicodeDecodeError, csv.Error) as exc:
+                raise PrepError(f"{path}: not a readable CSV ({exc})", path) from exc
+            df = pd.DataFrame(rows, columns=header, dtype=str).fillna("")
+            if "breast density" in df.columns and "breast_density" not in df.columns:
+                df = df.rename(columns={"breast density": "breast_density"})
+            missing = [c for c in REQUIRED + ["breast_density"] if c not in df.columns]
+            if missing:
+                raise PrepError(f"{path}: missing column(s) {', '.join(repr(c) for c in missing)}; found "
+                                f"{', '.join(df.columns)}", path)
+            if df.empty:
+                raise PrepError(f"{path}: no rows (expected one row per abnormality)", path)
+            for c in df.columns:
+                df[c] = df[c].astype(str).str.strip()
+                df.loc[df[c].isin(MISSING), c] = ""
+            bad = ~df["pathology"].isin(PATHOLOGY)
+            if bad.any():
+                i = int(np.flatnonzero(bad.to_numpy())[0])
+                raise PrepError(f"{path} line {i + 2}: unknown pathology {df['pathology'].iloc[i]!r}; expected "
+                                f"one of {', '.join(PATHOLOGY)}", path)
+            df["kind"], df["split"], df["csv"] = kind, split, name
+            df["csv_line"] = np.arange(len(df)) + 2
+            frames.append(df)
+    return pd.concat(frames, ignore_index=True)
+
+
+def image_table(abn: pd.DataFrame, overlap: str = "move-to-test") -> tuple[pd.DataFrame, list[str]]:
+    """One row per mammogram from the abnormality table: label = malignant if any abnormality is.
+
+    ``overlap`` for patients in both splits: ``move-to-test`` (their train images join the test
+    split), ``drop-train`` (their train images are dropped) or ``error``. Returns the table and
+    the overlapping patients.
+
+    Raises:
+        PrepError: ``overlap == "error"`` and a patient is in both splits.
+    """
+    abn = abn.copy()
+    abn["label"] = abn["pathology"].map(PATHOLOGY).astype(int)
+    abn["subject"] = abn["image file path"].str.split("/").str[0]
+    grouped = abn.groupby("image file path", sort=True)
+    img = grouped.agg(patient_id=("patient_id", "first"), subject=("subject", "first"),
+                      split=("split", "first"), kind=("kind", "first"), label=("label", "max"),
+                      laterality=("left or right breast", "first"), view=("image view", "first"),
+                      breast_density=("breast_density", "first"), n_abnormalities=("label", "size"),
+                      pathologies=("pathology", lambda s: ";".join(sorted(set(s)))),
+                      csv=("csv", "first"), csv_line=("csv_line", "min")).reset_index()
+    both = sorted(set(img.loc[img["split"] == "train", "patient_id"]) & set(img.loc[img["split"] == "test", "patient_id"]))
+    if both:
+        if overlap == "error":
+            raise PrepError(f"{len(both)} patient(s) in both the train and the test CSVs, e.g. {both[0]}; "
+                            "use --patient-overlap move-to-test or drop-train", "patient_id")
+        leak = img["patient_id"].isin(both) & (img["split"] == "train")
+        if overlap == "move-to-test":
+            img.loc[leak, "split"] = "test"
+        elif overlap == "drop-train":
+            img = img[~leak].reset_index(drop=True)
+    return img, both
+
+
+@dataclass
+class Resolver:
+    """Finds the DICOM files of a CSV path in whichever layout ``raw`` holds."""
+
+    raw: Path
+    series_dirs: dict[str, Path] = field(default_factory=dict)
+    layout: str = "unknown"
+
+    def __post_init__(self) -> None:
+        meta = None
+        for cand in [self.raw / "metadata.csv", *sorted(self.raw.glob("*/metadata.csv"))]:
+            if cand.is_file():
+                meta = cand
+                break
+        if meta is not None:
+            table = pd.read_csv(meta, dtype=str, keep_default_na=False)
+            missing = [c for c in ("Series UID", "File Location") if c not in table.columns]
+            if missing:
+                raise PrepError(f"{meta}: missing column(s) {', '.join(missing)}; expected TCIA's metadata.csv", meta)
+            for uid, loc in zip(table["Series UID"], table["File Location"]):
+                loc = loc.replace("\\", "/")
+                self.series_dirs[uid.strip()] = (meta.parent / loc).resolve()
+            self.layout = "tcia (metadata.csv)"
+        self.bases = [b for b in (self.raw, self.raw / "CBIS-DDSM") if b.is_dir()]
+
+    def series_dir(self, csv_path: str) -> Path:
+        """The folder holding the series a CSV path names.
+
+        Raises:
+            PrepError: no layout has it.
+        """
+        parts = csv_path.split("/")
+        if len(parts) != 4:
+            raise PrepError(f"path {csv_path!r}: expected <Subject>/<StudyUID>/<SeriesUID>/<file>.dcm", csv_path)
+        subject, study, series, _ = parts
+        for base in self.bases:  # classic
+            d = base / subject / study / series
+            if d.is_dir():
+                if self.layout == "unknown":
+                    self.layout = "classic"
+                return d
+        if series in self.series_dirs and self.series_dirs[series].is_dir():
+            return self.series_dirs[series]
+        for base in self.bases:  # last five digits of the UIDs
+            sdir = base / subject
+            if not sdir.is_dir():
+                continue
+            for st in sorted(p for p in sdir.iterdir() if p.is_dir() and p.name.endswith(study[-5:])):
+                for se in sorted(p for p in st.iterdir() if p.is_dir() and p.name.endswith(series[-5:])):
+                    if self.layout == "unknown":
+                        self.layout = "uid5"
+                    return se
+        raise PrepError(f"{csv_path}: image not found in any layout under {self.raw} (classic path, "
+                        "metadata.csv series, or a <Subject>/...-<last5 study>/...-<last5 series> folder)", csv_path)
+
+    def files(self, csv_path: str) -> list[Path]:
+        """The .dcm files of the series (the literal file first when it exists)."""
+        d = self.series_dir(csv_path)
+        literal = d / csv_path.split("/")[-1]
+        files = sorted(p for p in d.iterdir() if p.suffix.lower() == ".dcm")
+        if not files:
+            raise PrepError(f"{d}: no .dcm file in the series folder of {csv_path}", d)
+        return [literal] + [f for f in files if f != literal] if literal.is_file() else files
+
+
+def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
+    """Pixel data of an MG DICOM as float32 in [0, 1] (MONOCHROME1 inverted) and header facts.
+
+    Raises:
+        PrepError: unreadable or truncated file, no pixel data, or a compressed transfer
+            syntax without an installed decoder (naming what to install).
+    """
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        ds = pydicom.dcmread(path)
+    except (InvalidDicomError, OSError, EOFError, ValueError, KeyError) as exc:
+        raise PrepError(f"{path}: not a readable DICOM file ({type(exc).__name__}: {exc})", path) from exc
+    if "PixelData" not in ds:
+        raise PrepError(f"{path}: DICOM without pixel data; expected an MG image", path)
+    ts = str(getattr(ds.file_meta, "TransferSyntaxUID", "1.2.840.10008.1.2"))
+    try:
+        arr = ds.pixel_array
+    except Exception as exc:  # noqa: BLE001 - decoders raise many types
+        if ts not in _NATIVE:
+            name = getattr(getattr(ds.file_meta, "TransferSyntaxUID", None), "name", ts)
+            raise PrepError(f"{path}: compressed transfer syntax {name} ({ts}) cannot be decoded: {exc}. "
+                            "Install a decoder plugin (pylibjpeg with pylibjpeg-libjpeg/-openjpeg, or "
+                            "python-gdcm)", path) from exc
+        raise PrepError(f"{path}: pixel data unreadable, probably truncated ({exc})", path) from exc
+    bits = int(getattr(ds, "BitsStored", 16))
+    x = arr.astype(np.float32)
+    if x.ndim != 2:
+        raise PrepError(f"{path}: expected one grayscale frame, got pixel array of shape {arr.shape}", path)
+    top = float(2 ** bits - 1)
+    if str(getattr(ds, "PhotometricInterpretation", "MONOCHROME2")) == "MONOCHROME1":
+        x = top - x
+    facts = {"bits": bits, "rows": int(arr.shape[0]), "cols": int(arr.shape[1]),
+             "photometric": str(getattr(ds, "PhotometricInterpretation", "")), "transfer_syntax": ts,
+             "laterality": str(getattr(ds, "Laterality", "")), "patient_id": str(getattr(ds, "PatientID", ""))}
+    return x / top, facts
+
+
+def is_mask(path: Path) -> bool:
+    """Whether a DICOM of an ROI series is the binary mask (8-bit or only 0/max values)
+    rather than the 16-bit crop."""
+    x, facts = read_dicom(path)
+    if facts["bits"] <= 8:
+        return True
+    return bool(np.isin(np.unique(x), (0.0, 1.0)).all())
+
+
+def _roi_files(resolver: Resolver, crop_path: str, mask_path: str) -> tuple[Path, Path]:
+    """(crop, mask) of one abnormality, told apart by content."""
+    cands = {p: None for p in resolver.files(crop_path) + resolver.files(mask_path)}
+    masks = [p for p in cands if is_mask(p)]
+    crops = [p for p in cands if p not in masks]
+    if not masks:
+        raise PrepError(f"{mask_path}: no ROI mask (8-bit 0/255 image) in its series folder", mask_path)
+    mask_name = mask_path.split("/")[-1]
+    mask = next((m for m in masks if m.name == mask_name), masks[0])
+    crop = crops[0] if crops else mask
+    return crop, mask
+
+
+def _mask_on(mask: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """The mask resampled (nearest neighbour) onto the mammogram's grid when sizes differ."""
+    if mask.shape == shape:
+        return mask > 0.5
+    ri = (np.arange(shape[0]) * mask.shape[0] / shape[0]).astype(int)
+    ci = (np.arange(shape[1]) * mask.shape[1] / shape[1]).astype(int)
+    return mask[np.ix_(ri, ci)] > 0.5
+
+
+def _roi_crop(img: np.ndarray, mask: np.ndarray, size: tuple[int, int], margin: float) -> np.ndarray:
+    rows, cols = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
+    if not len(rows):
+        raise PrepError("ROI mask is empty (no pixel of the abnormality)")
+    cy, cx = (rows[0] + rows[-1]) / 2, (cols[0] + cols[-1]) / 2
+    half = max(rows[-1] - rows[0], cols[-1] - cols[0], 8) * margin / 2
+    r0, r1 = int(max(0, cy - half)), int(min(img.shape[0], cy + half + 1))
+    c0, c1 = int(max(0, cx - half)), int(min(img.shape[1], cx + half + 1))
+    return resize_image(img[r0:r1, c0:c1], size, "pad")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare CBIS-DDSM: see ``python data_prep/cbis_ddsm.py --help``."""
+    p = base_parser("cbis_ddsm", __doc__.split("\n\n")[0] + "\n\nLayouts, labels and the patient rule: "
+                    "see medfl/prep/cbis_ddsm.py and bundles/cbis_ddsm/docs/README.md.")
+    p.add_argument("--abnormality", choices=["both", "mass", "calc"], default="both",
+                   help="which case-description CSVs to use (default both)")
+    p.add_argument("--csv-dir", type=Path, default=None,
+                   help="folder with the four CSVs (default: found under --raw)")
+    p.add_argument("--size", type=int, nargs=2, default=[512, 320], metavar=("H", "W"),
+                   help="output size of a mammogram (default 512 320; real ones are about 5000 x 3000)")
+    p.add_argument("--aspect", choices=ASPECT_MODES, default="pad",
+                   help="pad (default: keep the aspect, pad), crop (keep the aspect, crop) or stretch")
+    p.add_argument("--roi-crops", action="store_true",
+                   help="write one sample per abnormality: a crop around its ROI mask (label = its "
+                        "pathology) instead of whole mammograms")
+    p.add_argument("--roi-size", type=int, nargs=2, default=[224, 224], metavar=("H", "W"),
+                   help="size of an ROI crop (default 224 224)")
+    p.add_argument("--roi-margin", type=float, default=1.2, help="crop side / ROI extent (default 1.2)")
+    p.add_argument("--patient-overlap", choices=["move-to-test", "drop-train", "error"], default="move-to-test",
+                   help="patients in both the train and the test CSVs (31 in the real ones): move their "
+                        "train images to test (default), drop them, or stop")
+    a = p.parse_args(argv)
+    raw, out = check_dirs(a.raw, a.out, a.overwrite)
+    report = PrepReport("cbis_ddsm", str(raw), str(out), a.skip_bad, options={
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("raw", "out")})
+    abn = read_case_csvs(raw, a.abnormality, a.csv_dir)
+    images, both = image_table(abn, a.patient_overlap)
+    if both:
+        report.note(f"{len(both)} patient(s) in both train and test CSVs ({a.patient_overlap}): "
+                    + ", ".join(both[:10]) + (" ..." if len(both) > 10 else ""))
+    if a.limit:
+        images = images.iloc[: a.limit]
+    resolver = Resolver(raw)
+    if a.overwrite and (out / "manifest.csv").exists():
+        (out / "manifest.csv").unlink()
+    rows: list[dict[str, Any]] = []
+    for rec in progress(list(images.itertuples(index=False)), "cbis_ddsm", total=len(images)):
+        img_path = rec[0]
+        where = f"{rec.csv} line {rec.csv_line}"
+
+        def full() -> tuple[np.ndarray, dict[str, Any], Path]:
+            files = resolver.files(img_path)
+            x, facts = read_dicom(files[0])
+            return x, facts, files[0]
+
+        ok, got = report.attempt(img_path, full, "image")
+        if not ok:
+            continue
+        x, facts, file = got
+        common = {"subject_id": rec.patient_id, "site": "CBIS-DDSM", "sex": "F", "split": rec.split,
+                  "image_path": str(file.relative_to(raw)), "abnormality_type": rec.kind,
+                  "laterality": rec.laterality, "view": rec.view, "breast_density": rec.breast_density,
+                  "source_csv": where}
+        if not a.roi_crops:
+            arr = resize_image(x, a.size, a.aspect)[None]
+            rel = save_array(out, f"arrays/{rec.subject}.npy", arr)
+            rows.append({"sample_id": rec.subject, "path": rel, "label": int(rec.label),
+                         "class_name": CLASS_NAMES[int(rec.label)], "n_abnormalities": int(rec.n_abnormalities),
+                         "pathologies": rec.pathologies, "original_rows": facts["rows"],
+                         "original_cols": facts["cols"], **common})
+            continue
+        for ab in abn[abn["image file path"] == img_path].itertuples(index=False):
+            sid = f"{rec.subject}_{ab[abn.columns.get_loc('abnormality id')]}"
+            crop_path = ab[abn.columns.get_loc("cropped image file path")]
+            mask_path = ab[abn.columns.get_loc("ROI mask file path")]
+
+            def roi() -> np.ndarray:
+                _, mask_file = _roi_files(resolver, crop_path, mask_path)
+                m, _ = read_dicom(mask_file)
+                try:
+                    return _roi_crop(x, _mask_on(m, x.shape), tuple(a.roi_size), a.roi_margin)
+                except PrepError as exc:
+                    raise PrepError(f"{mask_file}: {exc}", mask_file) from exc
+
+            ok, arr = report.attempt(mask_path, roi, "roi")
+            if not ok:
+                continue
+            label = PATHOLOGY[ab.pathology]
+            rel = save_array(out, f"arrays/{sid}.npy", arr[None])
+            rows.append({"sample_id": sid, "path": rel, "label": label, "class_name": CLASS_NAMES[label],
+                         "pathologies": ab.pathology, **common})
+    for split in ("train", "test"):
+        if split in set(images["split"]) and not any(r["split"] == split for r in rows):
+            report.counts = {"images_listed": len(images), "samples_written": len(rows)}
+            report.write(out)
+            raise PrepError(f"the {split} split is empty after skipping {len(report.skipped)} item(s); "
+                            f"see {out / 'skipped.csv'}", split)
+    df = write_manifest(out, rows)
+    report.counts = {"abnormalities": len(abn), "images_listed": len(images), "samples_written": len(df),
+                     "layout": resolver.layout,
+                     "per_split": {s: int((df["split"] == s).sum()) for s in ("train", "test")},
+                     "malignant": int(df["label"].sum()), "benign": int((df["label"] == 0).sum()),
+                     "patients_in_both_splits": len(both)}
+    report.write(out)
+    print(report.summary())
+    return 0
+

@@ -1,0 +1,247 @@
+"""CBIS-DDSM: the fixture in all three layouts, data_prep's labels, splits and errors, the
+real CSVs, and the bundle end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pydicom
+import pytest
+
+from medfl.fixtures.cbis_ddsm import generate, write_mg_dicom
+from medfl.prep.cbis_ddsm import main, read_case_csvs, read_dicom
+from medfl.prep.common import PrepError
+
+BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "cbis_ddsm"
+SIZE = ["48", "32"]
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def prep(raw: Path, out: Path, *extra: str) -> pd.DataFrame:
+    os.environ["MEDFL_NO_PROGRESS"] = "1"
+    assert main(["--raw", str(raw), "--out", str(out), "--size", *SIZE, *extra]) == 0
+    return pd.read_csv(out / "manifest.csv", keep_default_na=False)
+
+
+@pytest.fixture(scope="module")
+def raws(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("cbis")
+    return {layout: Path(generate(base / layout, cases=16, seed=3, reference=None, layout=layout)["root"])
+            for layout in ("tcia", "uid5", "classic")}
+
+
+def test_three_layouts_give_the_same_dataset(raws, tmp_path):
+    before = {k: _hashes(v) for k, v in raws.items()}
+    m = {k: prep(v, tmp_path / k) for k, v in raws.items()}
+    ref = m["tcia"]
+    for layout in ("uid5", "classic"):
+        assert m[layout][["sample_id", "label", "split", "subject_id"]].equals(ref[["sample_id", "label", "split", "subject_id"]])
+        for sid, rel in zip(ref["sample_id"], ref["path"]):
+            row = m[layout][m[layout]["sample_id"] == sid].iloc[0]
+            assert np.array_equal(np.load(tmp_path / "tcia" / rel), np.load(tmp_path / layout / row["path"]))
+    assert {k: _hashes(v) for k, v in raws.items()} == before  # the raw trees are untouched
+    rep = json.loads((tmp_path / "uid5" / "report.json").read_text())
+    assert rep["counts"]["layout"] == "uid5" and rep["counts"]["samples_written"] == len(ref) == 16
+    assert json.loads((tmp_path / "tcia" / "report.json").read_text())["counts"]["layout"] == "tcia (metadata.csv)"
+    x = np.load(tmp_path / "tcia" / ref["path"].iloc[0])
+    assert x.dtype == np.float32 and x.shape == (1, 48, 32) and 0 <= x.min() and x.max() <= 1
+    # image-level label: malignant iff any abnormality is; BENIGN_WITHOUT_CALLBACK is benign
+    abn = read_case_csvs(raws["tcia"])
+    for _, r in ref.iterrows():
+        paths = abn[abn["image file path"].str.split("/").str[0] == r["sample_id"]]["pathology"]
+        assert r["label"] == int((paths == "MALIGNANT").any())
+        assert r["class_name"] == ["benign", "malignant"][r["label"]]
+    assert "BENIGN_WITHOUT_CALLBACK" in set(abn["pathology"])
+    # no patient in both splits
+    assert not set(ref.loc[ref["split"] == "train", "subject_id"]) & set(ref.loc[ref["split"] == "test", "subject_id"])
+
+
+def test_csv_quirks_are_read(raws):
+    abn = read_case_csvs(raws["tcia"])
+    assert "breast_density" in abn.columns and "breast density" not in abn.columns
+    assert (abn["breast_density"] != "").all()
+    assert not abn["ROI mask file path"].str.contains("\n").any()  # newline inside quotes stripped
+    raw_text = (raws["tcia"] / "mass_case_description_train_set.csv").read_text()
+    assert '.dcm\n"' in raw_text  # the fixture keeps the quirk
+    assert ((abn["kind"] == "mass") & (abn["mass margins"] == "")).any()  # N/A -> missing
+    assert set(read_case_csvs(raws["tcia"], "mass")["kind"]) == {"mass"}
+
+
+def test_patient_overlap_rules(raws, tmp_path):
+    moved = prep(raws["classic"], tmp_path / "m")
+    dropped = prep(raws["classic"], tmp_path / "d", "--patient-overlap", "drop-train")
+    assert len(dropped) == len(moved) - 1  # the fixture's shared patient has one train image
+    with pytest.raises(PrepError, match="patient.s. in both the train and the test CSVs, e.g. P_00001"):
+        prep(raws["classic"], tmp_path / "e", "--patient-overlap", "error")
+
+
+def test_roi_crops_tell_mask_from_crop_by_content(raws, tmp_path):
+    m = prep(raws["tcia"], tmp_path / "roi", "--roi-crops", "--roi-size", "24", "24")
+    abn = read_case_csvs(raws["tcia"])
+    assert len(m) == len(abn)  # one sample per abnormality, including masks off by a few pixels
+    for _, r in m.iterrows():
+        x = np.load(tmp_path / "roi" / r["path"])
+        assert x.shape == (1, 24, 24) and x.max() > 0
+    # the fixture numbers crop and mask files 1-1/1-2 in both orders; content decides
+    d = next(p for p in (raws["tcia"] / "CBIS-DDSM").rglob("*ROI mask images*") if p.is_dir())
+    bits = sorted(int(pydicom.dcmread(f).BitsStored) for f in d.glob("*.dcm"))
+    assert bits == [8, 16]
+
+
+def test_fixture_dicom_tags(raws):
+    f = next((raws["tcia"] / "CBIS-DDSM").rglob("*full mammogram images*/1-1.dcm"))
+    ds = pydicom.dcmread(f)
+    assert ds.file_meta.TransferSyntaxUID == "1.2.840.10008.1.2"  # Implicit VR Little Endian
+    assert ds.SOPClassUID == "1.2.840.10008.5.1.4.1.1.7" and ds.Modality == "MG"
+    assert ds.PhotometricInterpretation == "MONOCHROME2" and ds.BitsStored == 16 and ds.PixelRepresentation == 0
+    assert ds.PatientID == f.parts[-4] and ds.Laterality in ("L", "R") and "PixelSpacing" not in ds
+
+
+def test_monochrome1_is_inverted(tmp_path):
+    px = np.array([[0, 1000], [65535, 30000]], dtype=np.uint16)
+    write_mg_dicom(tmp_path / "m2.dcm", px, "P", "1.2.3", "1.2.4", "full mammogram images", "L", "CC")
+    write_mg_dicom(tmp_path / "m1.dcm", px, "P", "1.2.3", "1.2.4", "full mammogram images", "L", "CC",
+                   photometric="MONOCHROME1")
+    a, _ = read_dicom(tmp_path / "m2.dcm")
+    b, _ = read_dicom(tmp_path / "m1.dcm")
+    assert np.allclose(a, px / 65535) and np.allclose(b, 1 - px / 65535)
+
+
+def test_compressed_without_decoder_names_the_decoder(tmp_path):
+    from pydicom.encaps import encapsulate
+    from pydicom.uid import JPEG2000Lossless
+
+    write_mg_dicom(tmp_path / "c.dcm", np.zeros((8, 8), np.uint16), "P", "1.2.3", "1.2.4", "x", "L", "CC")
+    ds = pydicom.dcmread(tmp_path / "c.dcm")
+    ds.file_meta.TransferSyntaxUID = JPEG2000Lossless
+    ds.PixelData = encapsulate([b"\xff\x4f\xff\x51" + b"\x00" * 40])
+    ds["PixelData"].VR = "OB"
+    ds.save_as(tmp_path / "c.dcm", enforce_file_format=True)
+    with pytest.raises(PrepError, match=r"(?s)c.dcm: compressed transfer syntax .*JPEG 2000.*pylibjpeg"):
+        read_dicom(tmp_path / "c.dcm")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("case, message", [
+    ("corrupt", "not a readable DICOM file"),
+    ("truncated", "pixel data unreadable, probably truncated"),
+    ("missing", "no .dcm file in the series folder"),
+])
+def test_bad_files_stop_or_are_skipped(raws, tmp_path, case, message):
+    raw = _copy(raws["classic"], tmp_path / "raw")
+    m = prep(raws["classic"], tmp_path / "ok")
+    victim_rel = m["image_path"].iloc[0]
+    victim = raw / victim_rel
+    if case == "corrupt":
+        victim.write_bytes(b"not a dicom at all" * 10)
+    elif case == "truncated":
+        data = victim.read_bytes()
+        victim.write_bytes(data[: len(data) - 500])
+    else:
+        victim.unlink()
+    with pytest.raises(PrepError, match=message):
+        prep(raw, tmp_path / "stop")
+    got = prep(raw, tmp_path / "skip", "--skip-bad")
+    assert len(got) == len(m) - 1
+    skipped = pd.read_csv(tmp_path / "skip" / "skipped.csv")
+    assert len(skipped) == 1 and message in skipped["reason"].iloc[0]
+
+
+def test_bad_csvs_and_empty_split(raws, tmp_path):
+    raw = _copy(raws["classic"], tmp_path / "raw")
+    name = raw / "calc_case_description_test_set.csv"
+    df = pd.read_csv(name, dtype=str, keep_default_na=False)
+    df.drop(columns="pathology").to_csv(name, index=False)
+    with pytest.raises(PrepError, match=r"calc_case_description_test_set.csv: missing column\(s\) 'pathology'"):
+        prep(raw, tmp_path / "a")
+    df.assign(pathology=["MALIGNANT"] + ["MAYBE"] * (len(df) - 1)).to_csv(name, index=False)
+    with pytest.raises(PrepError, match=r"line 3: unknown pathology 'MAYBE'"):
+        prep(raw, tmp_path / "b")
+    df.to_csv(name, index=False)
+    (raw / "mass_case_description_train_set.csv").unlink()
+    with pytest.raises(PrepError, match="mass_case_description_train_set.csv: case-description CSV not found"):
+        prep(raw, tmp_path / "c")
+    # every test image unreadable: an empty split is an error even with --skip-bad
+    raw2 = _copy(raws["classic"], tmp_path / "raw2")
+    m = prep(raws["classic"], tmp_path / "ok")
+    for rel in m.loc[m["split"] == "test", "image_path"]:
+        (raw2 / rel).unlink()
+    with pytest.raises(PrepError, match="the test split is empty"):
+        prep(raw2, tmp_path / "d", "--skip-bad")
+    assert (tmp_path / "d" / "skipped.csv").is_file()
+
+
+def test_out_rules(raws, tmp_path):
+    prep(raws["classic"], tmp_path / "o")
+    with pytest.raises(PrepError, match="already holds a manifest.csv"):
+        prep(raws["classic"], tmp_path / "o")
+    prep(raws["classic"], tmp_path / "o", "--overwrite")
+    with pytest.raises(PrepError, match="inside --raw"):
+        prep(raws["classic"], raws["classic"] / "prepared")
+
+
+def test_real_csvs(reference_data, tmp_path):
+    root = reference_data / "cbis_ddsm_csv"
+    abn = read_case_csvs(tmp_path, csv_dir=root)
+    sizes = abn.groupby("csv").size().to_dict()
+    assert sizes == {"mass_case_description_train_set.csv": 1318, "mass_case_description_test_set.csv": 378,
+                     "calc_case_description_train_set.csv": 1546, "calc_case_description_test_set.csv": 326}
+    assert abn["image file path"].str.split("/").str[0].nunique() == 3103
+    assert not abn[["image file path", "cropped image file path", "ROI mask file path"]].apply(
+        lambda c: c.str.contains("\n")).any().any()
+    from medfl.prep.cbis_ddsm import image_table
+
+    img, both = image_table(abn)
+    assert len(img) == 3103 and len(both) == 31
+    assert not set(img.loc[img["split"] == "train", "patient_id"]) & set(img.loc[img["split"] == "test", "patient_id"])
+    # the fixture takes its rows from the real CSVs when they are there
+    info = generate(tmp_path / "fx", cases=8, seed=1, reference=reference_data, layout="classic")
+    assert info["rows_from"] == "reference"
+    m = prep(tmp_path / "fx", tmp_path / "fxo")
+    real_ids = set(abn["patient_id"])
+    assert set(m["subject_id"]) <= real_ids and len(m) == info["images"]
+
+
+def test_bundle_runs_end_to_end(tmp_path):
+    raw = Path(generate(tmp_path / "raw", cases=32, seed=5, layout="uid5")["root"])
+    data = tmp_path / "data"
+    m = prep(raw, data)
+    common = ["--bundle_root", str(tmp_path), "--dataset_dir", str(data), "--image_height", SIZE[0],
+              "--image_width", SIZE[1]]
+    train = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(BUNDLE / "configs" / "train.json"),
+             *common, "--fl#rounds", "1", "--fl#num_clients", "2", "--fl#partition#min_size", "3",
+             "--fl#model", "{'name': 'resnet10', 'width': 4}", "--fl#train#batch_size", "4", "--fl#progress", "False"]
+    env = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
+    proc = subprocess.run(train, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exp = tmp_path / "runs" / "cbis_ddsm"
+    for label in ("fedavg", "local"):
+        s = json.loads((exp / label / "summary.json").read_text())
+        assert s["rounds"] == 1 and s["num_clients"] == 2
+    part = pd.read_csv(exp / "partition.csv", keep_default_na=False)
+    assert set(part.loc[part["role"] == "global_test", "sample_id"]) == set(m.loc[m["split"] == "test", "sample_id"])
+    infer = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(BUNDLE / "configs" / "inference.json"),
+             *common, "--run_dir", str(exp / "fedavg")]
+    proc = subprocess.run(infer, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pred = pd.read_csv(exp / "fedavg" / "predictions.csv")
+    assert set(pred["sample_id"]) == set(m.loc[m["split"] == "test", "sample_id"])
+    assert set(pred["client_id"].astype(str)) == {"0", "1"}
+    assert np.allclose(pred[["prob_benign", "prob_malignant"]].sum(1), 1, atol=1e-5)
