@@ -67,6 +67,29 @@ def test_three_layouts_give_the_same_dataset(raws, tmp_path):
     assert not set(ref.loc[ref["split"] == "train", "subject_id"]) & set(ref.loc[ref["split"] == "test", "subject_id"])
 
 
+def test_older_tcia_folder_names_and_one_abnormality_type(raws, tmp_path):
+    """The older download: ``1-full mammogram images-<5>/000000.dcm``, no metadata.csv."""
+    import shutil
+
+    raw = tmp_path / "old"
+    shutil.copytree(raws["uid5"], raw)
+    for d in sorted((raw / "CBIS-DDSM").glob("*/*/*.000000-*"), reverse=True):
+        desc_uid = d.name.split(".000000-", 1)[1]
+        new = d.with_name("1-" + desc_uid)
+        d.rename(new)
+        for i, f in enumerate(sorted(new.glob("1-*.dcm"))):
+            f.rename(new / f"00000{i}.dcm")
+    assert not list(raw.rglob("1-1.dcm"))
+    ref = prep(raws["tcia"], tmp_path / "ref")
+    old = prep(raw, tmp_path / "o")
+    assert old[["sample_id", "label", "split"]].equals(ref[["sample_id", "label", "split"]])
+    assert old["image_path"].str.contains("/1-full mammogram images-").all()
+    calc = prep(raw, tmp_path / "c", "--abnormality", "calc")
+    assert len(calc) and set(calc["abnormality_type"]) == {"calc"}
+    assert calc["sample_id"].str.startswith("Calc-").all()
+    assert set(calc["sample_id"]) == set(ref.loc[ref["abnormality_type"] == "calc", "sample_id"])
+
+
 def test_csv_quirks_are_read(raws):
     abn = read_case_csvs(raws["tcia"])
     assert "breast_density" in abn.columns and "breast density" not in abn.columns
@@ -204,6 +227,9 @@ def test_real_csvs(reference_data, tmp_path):
     assert sizes == {"mass_case_description_train_set.csv": 1318, "mass_case_description_test_set.csv": 378,
                      "calc_case_description_train_set.csv": 1546, "calc_case_description_test_set.csv": 326}
     assert abn["image file path"].str.split("/").str[0].nunique() == 3103
+    assert set(abn["pathology"]) == {"MALIGNANT", "BENIGN", "BENIGN_WITHOUT_CALLBACK"}
+    calc_test = abn[abn["csv"] == "calc_case_description_test_set.csv"]
+    assert (calc_test["breast_density"] == "0").sum() == 2  # the two density-0 rows, kept as read
     assert not abn[["image file path", "cropped image file path", "ROI mask file path"]].apply(
         lambda c: c.str.contains("\n")).any().any()
     from medfl.prep.cbis_ddsm import image_table
@@ -227,7 +253,7 @@ def test_bundle_runs_end_to_end(tmp_path):
               "--image_width", SIZE[1]]
     train = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(BUNDLE / "configs" / "train.json"),
              *common, "--fl#rounds", "1", "--fl#num_clients", "2", "--fl#partition#min_size", "3",
-             "--fl#model", "{'name': 'resnet10', 'width': 4}", "--fl#train#batch_size", "4", "--fl#progress", "False"]
+             "--fl#model", "{'name': 'resnet18', 'width': 4}", "--fl#train#batch_size", "4", "--fl#progress", "False"]
     env = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
     proc = subprocess.run(train, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -244,4 +270,4 @@ def test_bundle_runs_end_to_end(tmp_path):
     pred = pd.read_csv(exp / "fedavg" / "predictions.csv")
     assert set(pred["sample_id"]) == set(m.loc[m["split"] == "test", "sample_id"])
     assert set(pred["client_id"].astype(str)) == {"0", "1"}
-    assert np.allclose(pred[["prob_benign", "prob_malignant"]].sum(1), 1, atol=1e-5)
+    assert np.allclose(pred[["prob_benign", "prob_malignant"]].sum(axis=1), 1, atol=1e-5)
