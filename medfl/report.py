@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["write_plots", "write_comparison", "summary_table", "format_table", "load_metrics"]
+__all__ = ["write_plots", "write_forgetting_plot", "write_comparison", "forgetting_table",
+           "summary_table", "format_table", "load_metrics"]
 
 PLOT_METRICS = ("accuracy", "auc", "f1")
 
@@ -36,9 +37,64 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
                        na_values=["", "nan", "NaN"])
 
 
+def write_forgetting_plot(run_dir: str | Path) -> Path | None:
+    """Write ``plots/forgetting.png``: global and mean local accuracy per round with their
+    recovery intervals shaded (the consistency measure), worst-client accuracy, backward
+    transfer on previously sampled clients, and the negative-flip rates. Returns the path,
+    or None when the run has no accuracy."""
+    from medfl.metrics.forgetting import forgetting_report
+
+    run_dir = Path(run_dir)
+    df = load_metrics(run_dir)
+    if "accuracy" not in df.columns:
+        return None
+    tm_path = run_dir / "train_metrics.csv"
+    tm = pd.read_csv(tm_path, dtype={"client_id": str}) if tm_path.is_file() else None
+    block, per = forgetting_report(df, tm)
+    if per.empty:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    ax = axes[0]
+    for key, col, color in (("global", "global_acc", "C0"), ("local", "local_acc", "C1")):
+        if per[col].notna().any():
+            c = block[key]["consistency"]
+            ax.plot(per["round"], per[col], marker="o", color=color,
+                    label=f"{key} (C={c:.3f})" if c is not None else key)
+            for iv in block[key]["intervals"]:
+                ax.axvspan(iv["start_round"], iv["end_round"], color=color, alpha=0.12)
+    if per["worst_local_acc"].notna().any():
+        ax.plot(per["round"], per["worst_local_acc"], ls="--", color="C3", label="worst client (local)")
+    ax.set_title("accuracy; shaded: recovery intervals")
+    ax.set_ylabel("accuracy")
+    axes[1].plot(per["round"], per["bwt"], marker="o", color="C2")
+    axes[1].axhline(0, color="grey", lw=0.8)
+    axes[1].set_title("BwT on previously sampled clients")
+    for col, label in (("global_neg_flip_rate", "global test"), ("local_neg_flip_rate", "local test")):
+        axes[2].plot(per["round"], per[col], marker="o", label=label)
+    axes[2].set_title("negative-flip rate vs previous evaluation")
+    from matplotlib.ticker import MaxNLocator
+
+    for a in axes:
+        a.set_xlabel("round")
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.suptitle(f"{run_dir.name}: forgetting")
+    fig.tight_layout()
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / "forgetting.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_plots(run_dir: str | Path) -> list[Path]:
-    """Write ``plots/curves.png`` (metric per round, mean and client range per split) and
-    ``plots/clients_<split>.png`` (final metrics per client as a heatmap). Returns the paths."""
+    """Write ``plots/curves.png`` (metric per round, mean and client range per split),
+    ``plots/clients_<split>.png`` (final metrics per client as a heatmap) and
+    ``plots/forgetting.png`` (:func:`write_forgetting_plot`). Returns the paths."""
     plt = _plt()
     run_dir = Path(run_dir)
     df = load_metrics(run_dir)
@@ -85,6 +141,9 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+    forgetting = write_forgetting_plot(run_dir)
+    if forgetting is not None:
+        written.append(forgetting)
     return written
 
 
@@ -108,10 +167,29 @@ def format_table(df: pd.DataFrame) -> str:
     return df.to_string(index=False, float_format=lambda x: f"{x:.4f}")
 
 
+def forgetting_table(summaries: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """One row per method with the scalar measures of its summary's ``forgetting`` block,
+    flattened as ``global_<name>``, ``local_<name>``, ``balance_<name>`` (the columns of
+    the FedKPer paper's Table 1 are ``global_acc_mean``, ``global_bwt_final``,
+    ``global_consistency``, ``local_acc_mean``, ``local_worst_client_acc_mean``,
+    ``local_consistency`` and ``balance_mean``)."""
+    rows = []
+    for label, summary in summaries.items():
+        block = summary.get("forgetting") or {}
+        row: dict[str, Any] = {"method": label}
+        for part in ("global", "local", "balance"):
+            for k, v in (block.get(part) or {}).items():
+                if v is None or isinstance(v, (int, float)) and not isinstance(v, bool):
+                    row[f"{part}_{k}"] = v
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:
     """Write ``comparison.csv`` (one row per method and split, mean/std/worst of each metric),
-    ``summaries.json`` and, when there are two or more methods, ``comparison.png`` (accuracy
-    and AUC per round for every method; a single method's curves are its ``curves.png``)."""
+    ``comparison_forgetting.csv`` (:func:`forgetting_table`), ``summaries.json`` and, when
+    there are two or more methods, ``comparison.png`` (accuracy and AUC per round for every
+    method; a single method's curves are its ``curves.png``)."""
     exp_dir = Path(exp_dir)
     rows = []
     for label, summary in summaries.items():
@@ -124,6 +202,8 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) 
             rows.append(row)
     path = exp_dir / "comparison.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
+    if any(s.get("forgetting") for s in summaries.values()):
+        forgetting_table(summaries).to_csv(exp_dir / "comparison_forgetting.csv", index=False)
     (exp_dir / "summaries.json").write_text(json.dumps(summaries, indent=2, default=str))
     if len(summaries) < 2:
         return path

@@ -235,14 +235,24 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
 def run_client_evaluate(
     method: Method, ctx: ClientContext, instruction: Instruction, splits: list[str],
     metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
-    cache: dict[tuple[str, str], dict[str, float]] | None = None,
+    cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
+    memory: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Build the client's evaluation model and compute metrics on each split, at the client.
 
     Only the metrics (scalars) leave the client. ``cache`` reuses results of a split that
     every client shares (``global_test``) when two clients hold identical models.
+
+    ``memory`` is the client's own evaluation memory, kept at the client between
+    evaluations (the in-process engine stores it per client beside the client state): for
+    each split it holds the per-sample correctness (a boolean tensor) of the previous
+    evaluation and is updated in place. When given, each split's metrics gain two scalars:
+    ``neg_flips`` (samples correct at the previous evaluation and wrong now) and
+    ``neg_flip_rate`` (that count over the split size), NaN at the first evaluation. The
+    per-sample vector itself never leaves the client.
     """
     from medfl.engine.training import predict_proba, state_fingerprint
+    from medfl.metrics.forgetting import negative_flips
 
     validate_payload(instruction.payload, f"evaluation instruction to client {ctx.client_id}")
     _seed_all(derive_seed(ctx.seed, "eval"))
@@ -251,11 +261,22 @@ def run_client_evaluate(
     fp = state_fingerprint(model) if cache is not None else ""
     for split in splits:
         key = (split, fp)
-        if cache is not None and split == "global_test" and key in cache:
-            out[split] = dict(cache[key])
-            continue
-        y, p = predict_proba(model, ctx.loader(split, shuffle=False), ctx.device)
-        out[split] = metric_fn(y, p)
-        if cache is not None and split == "global_test":
-            cache[key] = dict(out[split])
+        shared = cache is not None and split == "global_test"
+        if shared and key in cache:
+            scores, correct = dict(cache[key][0]), cache[key][1]
+        else:
+            y, p = predict_proba(model, ctx.loader(split, shuffle=False), ctx.device)
+            scores = metric_fn(y, p)
+            correct = (p.argmax(1) == y) if len(y) else np.zeros(0, dtype=bool)
+            if shared:
+                cache[key] = (dict(scores), correct)
+        if memory is not None:
+            prev = memory.get(split)
+            if prev is not None and len(prev) == len(correct) and len(correct):
+                flips = negative_flips(prev.numpy(), correct)
+                scores.update(neg_flips=float(flips), neg_flip_rate=flips / len(correct))
+            else:
+                scores.update(neg_flips=float("nan"), neg_flip_rate=float("nan"))
+            memory[split] = torch.from_numpy(np.asarray(correct, dtype=bool).copy())
+        out[split] = scores
     return out

@@ -7,10 +7,16 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
     config.json        resolved config (and the method entry) - enough to resume
     partition.csv      which sample went to which client and role
     metrics.csv        one row per (round, client, split) with every metric
-    train_metrics.csv  one row per (round, client) with what the client reported
-    summary.json       final metrics: mean, std, worst and best client per split
+    train_metrics.csv  one row per (round, client) with what the client reported; its
+                       (round, client_id) pairs are the record of the sampled clients
+    summary.json       final metrics: mean, std, worst and best client per split, and the
+                       ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
+    forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
+                       negative-flip rates, sampled clients
     checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept)
     clients/           each client's persistent state, versioned by round
+    eval_state/        each client's evaluation memory (last per-sample correctness, for
+                       the negative-flip counts; client-side, never sent), versioned by round
     plots/             PNG curves and per-client heatmaps (the reporting plugin)
 """
 
@@ -30,6 +36,7 @@ from medfl.config import method_label
 from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
 from medfl.engine.data import POOLED, FederatedData, split_data
 from medfl.messages import Instruction
+from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
 
@@ -75,11 +82,13 @@ def summarize_metrics(metrics: pd.DataFrame) -> dict[str, Any]:
         for m in names:
             col = df[m].astype(float)
             valid = col.dropna()
-            worst = df.loc[valid.idxmin(), "client_id"] if len(valid) else None
+            low = m in LOWER_IS_BETTER
+            worst = df.loc[valid.idxmax() if low else valid.idxmin(), "client_id"] if len(valid) else None
+            lo, hi = (float(valid.min()), float(valid.max())) if len(valid) else (float("nan"), float("nan"))
             block[m] = {"mean": float(valid.mean()) if len(valid) else float("nan"),
                         "std": float(valid.std(ddof=0)) if len(valid) else float("nan"),
-                        "worst": float(valid.min()) if len(valid) else float("nan"),
-                        "best": float(valid.max()) if len(valid) else float("nan"),
+                        "worst": hi if low else lo,
+                        "best": lo if low else hi,
                         "worst_client": None if worst is None else str(worst)}
         out[str(split)] = block
     return out
@@ -107,6 +116,7 @@ class Run:
         self.coordinator = cls.from_config(params)
         self.client_method = cls.from_config(params)  # the client role: never set up
         self.store = ClientStore(self.run_dir / "clients")
+        self.eval_store = ClientStore(self.run_dir / "eval_state")
         self.start_round = 1
         real = data.client_ids
         train_ids = [POOLED] if cls.pools_data else real
@@ -150,6 +160,7 @@ class Run:
         for old in sorted(path.parent.glob("round_*.pt"))[:-keep]:
             old.unlink()
         self.store.prune(r)
+        self.eval_store.prune(r)
 
     def _status(self, status: str, r: int) -> None:
         _write_json(self.run_dir / "status.json", {"status": status, "last_round": r,
@@ -178,6 +189,7 @@ class Run:
             self._write_static()
         self.coordinator.setup(self.federation)
         if not (resume or read_only):
+            self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
             return
         k = self.last_checkpoint()
         if k == 0:
@@ -186,6 +198,7 @@ class Run:
         self.coordinator.load_state_dict(ckpt["method"])
         if not read_only:
             self.store.rollback(k)
+            self.eval_store.rollback(k)
         self.start_round = k + 1
         for name in ("metrics", "train_metrics"):
             p = self.run_dir / f"{name}.csv"
@@ -226,14 +239,20 @@ class Run:
         return rows
 
     def evaluate(self, r: int) -> list[dict[str, Any]]:
-        """Every client evaluates its model of round ``r`` on each of ``eval_splits``."""
+        """Every client evaluates its model of round ``r`` on each of ``eval_splits``.
+
+        Each client's evaluation memory (its previous per-sample correctness, kept in
+        ``eval_state/``) gives the ``neg_flips`` and ``neg_flip_rate`` columns."""
         evals = self.coordinator.configure_evaluate(r)
         rows = []
         cache: dict = {}
         for cid in self.federation.eval_client_ids:
             ctx = self.context(cid, r, state_before=r + 1)
+            memory = self.eval_store.load(cid, r)
             scores = run_client_evaluate(self.client_method, ctx, evals.get(cid, Instruction()),
-                                         list(self.config["eval_splits"]), evaluate_metrics, cache)
+                                         list(self.config["eval_splits"]), evaluate_metrics, cache,
+                                         memory=memory)
+            self.eval_store.save(cid, r, memory)
             for split, m in scores.items():
                 name = "local_" + split if split != "global_test" else split
                 rows.append({"round": r, "client_id": cid, "client_name": self._names.get(cid, cid),
@@ -266,6 +285,9 @@ class Run:
                    "rounds": rounds, "num_clients": len(self.federation.eval_client_ids),
                    "seed": self.federation.seed, "wall_time_s_last_session": time.perf_counter() - t0,
                    "final": summarize_metrics(self.metrics)}
+        forgetting, per_round = forgetting_report(self.metrics, self.train_metrics)
+        summary["forgetting"] = forgetting
+        _write_csv(self.run_dir / "forgetting.csv", per_round)
         _write_json(self.run_dir / "summary.json", summary)
         self._status("finished", rounds)
         pm.hook.on_run_end(run=self, summary=summary)
