@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = [
+    "grouped_stratified_split",
     "PARTITIONERS",
     "Partition",
     "PartitionError",
@@ -732,3 +733,50 @@ def stratified_split(labels: np.ndarray, fractions: Mapping[str, float],
                 parts[j] = parts[donor][where:where + 1]
                 parts[donor] = np.delete(parts[donor], where)
     return {name: np.sort(p.astype(np.int64)) for name, p in zip(names, parts)}
+
+
+def grouped_stratified_split(labels: np.ndarray, groups: np.ndarray, fractions: Mapping[str, float],
+                             seed: int) -> dict[str, np.ndarray]:
+    """:func:`stratified_split` of whole groups (e.g. patients): every row of a group lands
+    in the same part, so no patient is in both a client's training and test data.
+
+    Groups are stratified by their most frequent label (ties: the largest label, e.g.
+    malignant over benign) and split with :func:`stratified_split`; part sizes therefore
+    follow the fractions in groups, not rows. When every group has one row this is exactly
+    :func:`stratified_split` of the rows.
+
+    Args:
+        labels: 1-D class labels, one per row.
+        groups: 1-D group keys, one per row (any hashable values).
+        fractions: part name -> fraction, as for :func:`stratified_split`.
+        seed: seed.
+
+    Returns:
+        Part name -> sorted ``int64`` row positions; disjoint, complete, group-pure.
+
+    Raises:
+        PartitionError: ``groups`` and ``labels`` differ in length, or what
+            :func:`stratified_split` raises.
+    """
+    labels = np.asarray(labels)
+    groups = np.asarray(groups)
+    if groups.shape != labels.shape:
+        raise _fail("grouped_stratified_split", f"groups has shape {groups.shape}, labels {labels.shape}; "
+                    "expected one group per row")
+    keys, inverse = np.unique(groups.astype(str), return_inverse=True)
+    if len(keys) == len(labels):
+        return stratified_split(labels, fractions, seed)
+    first = np.full(len(keys), len(labels), dtype=np.int64)
+    np.minimum.at(first, inverse, np.arange(len(labels)))
+    order = np.argsort(first, kind="stable")  # groups in order of first appearance
+    glabels = np.empty(len(keys), dtype=labels.dtype)
+    for g in range(len(keys)):
+        vals, counts = np.unique(labels[inverse == g], return_counts=True)
+        glabels[g] = vals[counts == counts.max()].max()
+    parts = stratified_split(glabels[order], fractions, seed)
+    out = {}
+    for name, gpos in parts.items():
+        chosen = np.zeros(len(keys), dtype=bool)
+        chosen[order[gpos]] = True
+        out[name] = np.flatnonzero(chosen[inverse]).astype(np.int64)
+    return out

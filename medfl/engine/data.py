@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from torch.utils.data import Dataset
 
-from medfl.data.partition import stratified_split
+from medfl.data.partition import grouped_stratified_split
 from medfl.data.source import DataError, FederatedSource
 from medfl.method import derive_seed
 from medfl.plugins import lookup
@@ -99,7 +99,9 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     """Assign ``source``'s rows to clients as ``cfg`` says, or reload a saved assignment.
 
     The rows with ``split == "test"`` (when the table has an official split) form the
-    global test set; otherwise a stratified ``global_test_fraction`` is held out. The rest
+    global test set; otherwise a stratified ``global_test_fraction`` is held out. Rows
+    sharing a ``group_column`` value (default ``subject_id``: one patient's images) stay in
+    one part of the global hold-out and of each client's local split. The rest
     is partitioned across ``num_clients`` clients by the configured partitioner, and each
     client's share is split into local ``client_split`` parts, stratified by label.
 
@@ -115,6 +117,17 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
         return FederatedData(source, assignments)
     seed = int(cfg["seed"])
     labels = table["label"].to_numpy()
+    # rows of one subject (a patient's several images) stay together in the held-out global
+    # test and in each client's train/val/test split; rows without a subject are their own group
+    gcol = cfg.get("group_column", "subject_id")
+    if gcol and gcol in table.columns:
+        keys = table[gcol].astype(str).to_numpy()
+        blank = pd.isna(table[gcol]).to_numpy() | (keys == "")
+        groups = np.where(blank, np.char.add("row:", np.arange(len(table)).astype(str)), keys)
+    elif gcol and gcol not in ("subject_id",):
+        raise DataError(f"group_column {gcol!r} is not a column of the dataset; columns: {', '.join(table.columns)}")
+    else:
+        groups = np.arange(len(table)).astype(str)
     if "split" in table.columns and (table["split"] == "test").any():
         is_test = (table["split"] == "test").to_numpy()
         pool_pos = np.flatnonzero(~is_test)
@@ -122,7 +135,7 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     else:
         f = float(cfg["global_test_fraction"])
         if f > 0:
-            parts = stratified_split(labels, {"pool": 1 - f, "test": f}, derive_seed(seed, "global"))
+            parts = grouped_stratified_split(labels, groups, {"pool": 1 - f, "test": f}, derive_seed(seed, "global"))
             pool_pos, test_pos = np.sort(parts["pool"]), np.sort(parts["test"])
         else:
             pool_pos, test_pos = np.arange(len(table)), np.zeros(0, dtype=np.int64)
@@ -134,7 +147,8 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     records = []
     for cid, pos in parts.items():
         local = pool_pos[np.asarray(pos, dtype=np.int64)]
-        split = stratified_split(labels[local], dict(cfg["client_split"]), derive_seed(seed, "split", cid))
+        split = grouped_stratified_split(labels[local], groups[local], dict(cfg["client_split"]),
+                                         derive_seed(seed, "split", cid))
         if not len(split.get("train", [])):
             raise DataError(f"partition: client {cid} has no training samples; lower num_clients or min_size")
         for role, idx in split.items():

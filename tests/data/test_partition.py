@@ -393,3 +393,50 @@ def test_stratified_split_zero_fraction_and_errors() -> None:
         stratified_split(labels, {}, 0)
     empty = stratified_split(np.array([], dtype=int), FRACTIONS, 0)
     assert all(len(p) == 0 for p in empty.values())
+
+
+def test_grouped_stratified_split_keeps_groups_whole():
+    from medfl.data.partition import grouped_stratified_split
+
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(40), rng.integers(1, 4, 40))
+    labels = (groups % 3 == 0).astype(int)
+    parts = grouped_stratified_split(labels, groups, {"train": 0.6, "val": 0.2, "test": 0.2}, seed=4)
+    allpos = np.concatenate(list(parts.values()))
+    assert sorted(allpos.tolist()) == list(range(len(labels)))  # disjoint and complete
+    owner = {}
+    for name, pos in parts.items():
+        for g in set(groups[pos].tolist()):
+            assert owner.setdefault(g, name) == name  # a group never straddles two parts
+    ng = {n: len(set(groups[p].tolist())) for n, p in parts.items()}
+    assert ng == {"train": 24, "val": 8, "test": 8}
+    # every group a single row: exactly the row-level stratified split
+    lab = rng.integers(0, 2, 30)
+    one = grouped_stratified_split(lab, np.arange(30), {"a": 0.5, "b": 0.5}, seed=1)
+    ref = stratified_split(lab, {"a": 0.5, "b": 0.5}, seed=1)
+    assert all(np.array_equal(one[k], ref[k]) for k in ref)
+    with pytest.raises(PartitionError, match="one group per row"):
+        grouped_stratified_split(lab, np.arange(29), {"a": 1.0}, seed=0)
+
+
+def test_split_data_keeps_a_subject_in_one_local_split(tiny_fl, resolve, tmp_path):
+    import pandas as pd
+
+    from medfl.data.source import FederatedSource
+    from medfl.engine.data import split_data
+
+    n = 120
+    table = pd.DataFrame({"label": np.arange(n) % 2, "subject_id": [f"p{i // 3}" for i in range(n)],
+                          "sample_id": [f"s{i}" for i in range(n)]})
+    src = FederatedSource(table=table, num_classes=2, class_names=["a", "b"], sample_shape=(1, 4, 4),
+                          make_dataset=lambda rows, train: None)
+    cfg = resolve({**tiny_fl, "partition": {"name": "iid"}, "num_clients": 2})
+    a = split_data(src, cfg).assignments
+    a["subject"] = table["subject_id"].to_numpy()[a["row"].to_numpy()]
+    # each client's local split keeps a subject's rows in one role; the cross-client
+    # partitioner (iid here) works on rows, so that is checked per client
+    for (cid, subject), g in a.groupby(["client_id", "subject"]):
+        assert g["role"].nunique() == 1, (cid, subject)
+    # the global hold-out takes whole subjects
+    held = set(a.loc[a["role"] == "global_test", "subject"])
+    assert held and not held & set(a.loc[a["role"] != "global_test", "subject"])
