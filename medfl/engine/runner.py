@@ -110,7 +110,7 @@ class Run:
         self.method_spec = dict(method_spec)
         self.run_dir = Path(run_dir)
         self.data = data
-        self.label = str(method_spec.get("label") or method_spec["name"])
+        self.label = method_label(method_spec)
         cls: type[Method] = lookup("method", method_spec["name"])
         params = {k: v for k, v in method_spec.items() if k not in ("name", "label")}
         self.coordinator = cls.from_config(params)
@@ -303,6 +303,30 @@ def _unique_dir(base: Path, overwrite: bool) -> Path:
     return base.with_name(f"{base.name}-{i}")
 
 
+def build_source(spec: dict[str, Any]) -> Any:
+    """The dataset a config's ``dataset`` section names, built by its registered plugin."""
+    rest = dict(spec)
+    return lookup("dataset", rest.pop("name"))(**rest)
+
+
+def _saved_config(path: Path) -> dict[str, Any]:
+    """A run or experiment directory's ``config.json``.
+
+    Raises:
+        RunError: there is none.
+    """
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise RunError(f"{path}: no config.json; not a medfl run or experiment directory")
+    return json.loads(cfg_file.read_text())
+
+
+def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any]) -> "Run":
+    """The :class:`Run` of a method run directory, on its saved partition."""
+    data = split_data(build_source(cfg["dataset"]), cfg, saved=path / "partition.csv")
+    return Run(cfg, saved["method"], path, data)
+
+
 def run_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run every method of a resolved config on one data split; return their summaries.
 
@@ -314,14 +338,12 @@ def run_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
 
     exp_dir = _unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
     exp_dir.mkdir(parents=True, exist_ok=True)
-    source_spec = dict(cfg["dataset"])
-    source = lookup("dataset", source_spec.pop("name"))(**source_spec)
-    data = split_data(source, cfg)
+    data = split_data(build_source(cfg["dataset"]), cfg)
     data.save(exp_dir / "partition.csv")
     _write_json(exp_dir / "config.json", {"fl": cfg})
     summaries: dict[str, Any] = {}
     for spec in cfg["methods"]:
-        label = str(spec.get("label") or spec["name"])
+        label = method_label(spec)
         run = Run(cfg, spec, exp_dir / label, data)
         run.prepare(resume=False)
         summaries[label] = run.execute(cfg.get("stop_after_round"))
@@ -341,14 +363,11 @@ def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
         RunError: ``path`` holds no run to resume.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise RunError(f"{path}: no config.json; not a medfl run or experiment directory")
-    saved = json.loads(cfg_file.read_text())
+    saved = _saved_config(path)
     if "method" not in saved:  # experiment directory: resume each method
         out = {}
         for spec in saved["fl"]["methods"]:
-            label = str(spec.get("label") or spec["name"])
+            label = method_label(spec)
             if (path / label / "config.json").is_file():
                 out[label] = resume(path / label, rounds)["summaries"][label]
         if out and all(out.values()):
@@ -359,10 +378,7 @@ def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
     cfg = saved["fl"]
     if rounds is not None:
         cfg["rounds"] = int(rounds)
-    source_spec = dict(cfg["dataset"])
-    source = lookup("dataset", source_spec.pop("name"))(**source_spec)
-    data = split_data(source, cfg, saved=path / "partition.csv")
-    run = Run(cfg, saved["method"], path, data)
+    run = _reopen(path, saved, cfg)
     run.prepare(resume=True)
     label = run.label
     if run.start_round > run.federation.rounds and (path / "summary.json").is_file():
@@ -396,26 +412,17 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     from medfl.engine.training import predict_proba
 
     run_dir = Path(run_dir)
-    cfg_file = run_dir / "config.json"
-    if not cfg_file.is_file():
-        raise RunError(f"{run_dir}: no config.json; not a medfl run directory")
-    saved = json.loads(cfg_file.read_text())
+    saved = _saved_config(run_dir)
     if "method" not in saved:
         raise RunError(f"{run_dir}: an experiment directory; pass one method's run directory "
                        f"({', '.join(method_label(m) for m in saved['fl']['methods'])})")
     cfg = saved["fl"]
-    source_spec = dict(cfg["dataset"])
-    source = lookup("dataset", source_spec.pop("name"))(**source_spec)
-    data = split_data(source, cfg, saved=run_dir / "partition.csv")
-    run = Run(cfg, saved["method"], run_dir, data)
+    run = _reopen(run_dir, saved, cfg)
     run.prepare(read_only=True)
     last = run.start_round - 1
     if last < 1:
         raise RunError(f"{run_dir}: no checkpoint yet; nothing to predict with")
-    target = source
-    if dataset is not None:
-        spec = dict(dataset)
-        target = lookup("dataset", spec.pop("name"))(**spec)
+    target = run.data.source if dataset is None else build_source(dataset)
     if split in (None, "", "all"):
         rows = target.table
     elif "split" not in target.table.columns:
