@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +45,21 @@ def reference_data() -> Path:
         pytest.skip("real metadata files not found: ../shared/reference_data beside the clone "
                     "(or MEDFL_REFERENCE_DATA) is needed for this test")
     return found
+
+
+def _run_bundle(config_file: str | Path, *args: str, check: bool = True, cwd: str | Path | None = None,
+                timeout: int = 300) -> "subprocess.CompletedProcess[str]":
+    """``python -m monai.bundle run --config_file CONFIG ARGS`` in a subprocess, without
+    progress bars; with ``check``, fail the test with the end of stderr when it fails."""
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(config_file), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "MEDFL_NO_PROGRESS": "1"})
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture
+def run_bundle():
+    """Run a MONAI bundle config through MONAI's CLI, as a user does (see :func:`_run_bundle`)."""
+    return _run_bundle

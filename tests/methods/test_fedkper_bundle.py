@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -17,18 +15,14 @@ from medfl.prep.derm7pt import main as prep
 BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "derm7pt_fedkper"
 
 
-def test_derm7pt_fedkper_bundle(tmp_path):
+def test_derm7pt_fedkper_bundle(tmp_path, run_bundle):
     generate("derm7pt", tmp_path / "raw", cases=600, seed=0, reference=False)
     os.environ["MEDFL_NO_PROGRESS"] = "1"
     assert prep(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "data"), "--size", "16",
                  "--crop-border", "2"]) == 0
-    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(BUNDLE / "configs" / "train.json"),
-           "--bundle_root", str(tmp_path), "--dataset_dir", str(tmp_path / "data"), "--image_size", "16",
-           "--fl#rounds", "2", "--fl#model", "{'name': 'small_cnn', 'width': 4}", "--fl#progress", "False",
-           "--fl#train#batch_size", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "MEDFL_NO_PROGRESS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bundle(BUNDLE / "configs" / "train.json", "--bundle_root", tmp_path, "--dataset_dir", tmp_path / "data",
+               "--image_size", "16", "--fl#rounds", "2", "--fl#model", "{'name': 'small_cnn', 'width': 4}",
+               "--fl#progress", "False", "--fl#train#batch_size", "4")
     exp = tmp_path / "runs" / "derm7pt_fedkper"
     sampled = {}
     for label in ("fedkper", "fedavg", "fedprox"):

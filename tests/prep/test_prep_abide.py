@@ -524,7 +524,7 @@ def test_fixture_rows_from_the_real_file(reference_data, tmp_path):
 
 # ----------------------------------------------------------------------------- bundle
 
-def test_bundle_runs_end_to_end(raw16, tmp_path):
+def test_bundle_runs_end_to_end(raw16, tmp_path, run_bundle):
     raw, info = raw16
     data = tmp_path / "data"
     df = _prep(raw, data, "--size", "24", "--atlas", "file", "--atlas-file", info["signal_atlas"])
@@ -536,12 +536,9 @@ def test_bundle_runs_end_to_end(raw16, tmp_path):
     centre = (small.affine @ np.r_[np.argwhere(grid_labels == big["label"]).mean(0), 1])[:3]
     assert np.allclose(centre, big[["x", "y", "z"]].to_numpy(float), atol=4.0)
 
-    base = [sys.executable, "-m", "monai.bundle", "run", "--bundle_root", str(tmp_path),
-            "--dataset_dir", str(data), "--spatial_size", "[24,24,24]"]
-    proc = subprocess.run(base + ["--config_file", str(BUNDLE / "configs" / "train.json"), "--fl#rounds", "1",
-                                  "--fl#model#width", "4", "--fl#progress", "False"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    base = ["--bundle_root", tmp_path, "--dataset_dir", data, "--spatial_size", "[24,24,24]"]
+    run_bundle(BUNDLE / "configs" / "train.json", *base, "--fl#rounds", "1", "--fl#model#width", "4",
+               "--fl#progress", "False")
     exp = tmp_path / "runs" / "abide"
     for label in ("fedavg", "local"):
         summary = json.loads((exp / label / "summary.json").read_text())
@@ -552,9 +549,7 @@ def test_bundle_runs_end_to_end(raw16, tmp_path):
     assert (clients["client_name"].str[2:] == clients["region"]).all()
     assert sorted(part.loc[part.role == "global_test", "sample_id"]) == sorted(df.loc[df.split == "test", "sample_id"])
 
-    proc = subprocess.run(base + ["--config_file", str(BUNDLE / "configs" / "inference.json")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bundle(BUNDLE / "configs" / "inference.json", *base)
     pred = pd.read_csv(exp / "fedavg" / "predictions.csv")
     assert len(pred) == 4 * int((df["split"] == "test").sum())
     assert np.allclose(pred[["prob_control", "prob_autism"]].sum(axis=1), 1.0, atol=1e-5)

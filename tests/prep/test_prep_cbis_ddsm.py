@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -245,28 +243,22 @@ def test_real_csvs(reference_data, tmp_path):
     assert set(m["subject_id"]) <= real_ids and len(m) == info["images"]
 
 
-def test_bundle_runs_end_to_end(tmp_path):
+def test_bundle_runs_end_to_end(tmp_path, run_bundle):
     raw = Path(generate(tmp_path / "raw", cases=32, seed=5, layout="uid5")["root"])
     data = tmp_path / "data"
     m = prep(raw, data)
     common = ["--bundle_root", str(tmp_path), "--dataset_dir", str(data), "--image_height", SIZE[0],
               "--image_width", SIZE[1]]
-    train = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(BUNDLE / "configs" / "train.json"),
-             *common, "--fl#rounds", "1", "--fl#num_clients", "2", "--fl#partition#min_size", "3",
-             "--fl#model", "{'name': 'resnet18', 'width': 4}", "--fl#train#batch_size", "4", "--fl#progress", "False"]
-    env = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
-    proc = subprocess.run(train, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bundle(BUNDLE / "configs" / "train.json", *common, "--fl#rounds", "1", "--fl#num_clients", "2",
+               "--fl#partition#min_size", "3", "--fl#model", "{'name': 'resnet18', 'width': 4}",
+               "--fl#train#batch_size", "4", "--fl#progress", "False")
     exp = tmp_path / "runs" / "cbis_ddsm"
     for label in ("fedavg", "local"):
         s = json.loads((exp / label / "summary.json").read_text())
         assert s["rounds"] == 1 and s["num_clients"] == 2
     part = pd.read_csv(exp / "partition.csv", keep_default_na=False)
     assert set(part.loc[part["role"] == "global_test", "sample_id"]) == set(m.loc[m["split"] == "test", "sample_id"])
-    infer = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(BUNDLE / "configs" / "inference.json"),
-             *common, "--run_dir", str(exp / "fedavg")]
-    proc = subprocess.run(infer, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bundle(BUNDLE / "configs" / "inference.json", *common, "--run_dir", exp / "fedavg")
     pred = pd.read_csv(exp / "fedavg" / "predictions.csv")
     assert set(pred["sample_id"]) == set(m.loc[m["split"] == "test", "sample_id"])
     assert set(pred["client_id"].astype(str)) == {"0", "1"}

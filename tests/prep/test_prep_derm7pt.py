@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -489,16 +488,12 @@ def test_bundle_configs_override_method_and_alpha():
     assert default["partition"]["alpha"] == 1.0
 
 
-def test_bundle_runs_with_monai_bundle_cli(prepared: dict, tmp_path: Path):
+def test_bundle_runs_with_monai_bundle_cli(prepared: dict, tmp_path: Path, run_bundle):
     data = prepared["out"]
     common = ["--bundle_root", str(tmp_path), "--dataset_dir", str(data), "--image_size", str(SIZE)]
-    train = [sys.executable, "-m", "monai.bundle", "run", "--config_file",
-             str(BUNDLE / "configs" / "train.json"), *common, "--fl#rounds", "1",
-             "--fl#num_clients", "2", "--fl#partition#min_size", "4", "--fl#progress", "False",
-             "--fl#model", "{'name': 'resnet10', 'width': 4}", "--fl#train#batch_size", "8"]
-    env = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
-    proc = subprocess.run(train, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bundle(BUNDLE / "configs" / "train.json", *common, "--fl#rounds", "1",
+               "--fl#num_clients", "2", "--fl#partition#min_size", "4", "--fl#progress", "False",
+               "--fl#model", "{'name': 'resnet10', 'width': 4}", "--fl#train#batch_size", "8", cwd=tmp_path)
     exp = tmp_path / "runs" / "derm7pt"
     for label in ("fedavg", "local"):
         summary = json.loads((exp / label / "summary.json").read_text())
@@ -508,10 +503,7 @@ def test_bundle_runs_with_monai_bundle_cli(prepared: dict, tmp_path: Path):
     assert saved["dataset"]["path"] == f"{data}/manifest.csv"
     assert saved["partition"]["alpha"] == 1.0 and saved["model"]["width"] == 4
 
-    infer = [sys.executable, "-m", "monai.bundle", "run", "--config_file",
-             str(BUNDLE / "configs" / "inference.json"), *common, "--run_dir", str(exp / "fedavg")]
-    proc = subprocess.run(infer, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bundle(BUNDLE / "configs" / "inference.json", *common, "--run_dir", exp / "fedavg", cwd=tmp_path)
     pred = pd.read_csv(exp / "fedavg" / "predictions.csv")
     m = prepared["manifest"]
     test = m[m["split"] == "test"].set_index("sample_id")

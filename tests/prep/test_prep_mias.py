@@ -7,8 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -504,18 +502,15 @@ def test_reference_fixture_uses_real_lines_verbatim(reference_data: Path, tmp_pa
 
 # ----------------------------------------------------------------------------------- bundle
 
-def test_bundle_runs_with_monai_bundle_cli_then_inference(raw_syn: Path, tmp_path: Path):
+def test_bundle_runs_with_monai_bundle_cli_then_inference(raw_syn: Path, tmp_path: Path, run_bundle):
     from medfl.bundle import load_bundle_config
 
     data = tmp_path / "data"
     m = prep(raw_syn, data, "--test-fraction", "0.3")
     common = ["--bundle_root", str(tmp_path), "--dataset_dir", str(data), "--image_size", str(SIZE)]
-    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file",
-           str(BUNDLE / "configs" / "train.json"), *common, "--fl#rounds", "1",
-           "--fl#num_clients", "2", "--fl#partition#min_size", "4", "--fl#train#batch_size", "8",
-           "--fl#model", "{'name': 'resnet10', 'width': 4}", "--fl#progress", "False"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bundle(BUNDLE / "configs" / "train.json", *common, "--fl#rounds", "1",
+               "--fl#num_clients", "2", "--fl#partition#min_size", "4", "--fl#train#batch_size", "8",
+               "--fl#model", "{'name': 'resnet10', 'width': 4}", "--fl#progress", "False")
     exp = tmp_path / "runs" / "mias"
     for label in ("fedavg", "local"):
         summary = json.loads((exp / label / "summary.json").read_text())
@@ -526,10 +521,7 @@ def test_bundle_runs_with_monai_bundle_cli_then_inference(raw_syn: Path, tmp_pat
     assert set(part.loc[part["role"] == "global_test", "sample_id"]) == test_ids
     assert (exp / "comparison.csv").is_file()
 
-    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file",
-           str(BUNDLE / "configs" / "inference.json"), *common]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bundle(BUNDLE / "configs" / "inference.json", *common)
     pred = pd.read_csv(exp / "fedavg" / "predictions.csv")
     assert list(pred.columns[-3:]) == ["prob_normal", "prob_benign", "prob_malignant"]
     assert len(pred) == 2 * len(test_ids) and set(pred["sample_id"]) == test_ids
