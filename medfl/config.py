@@ -36,7 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
     "client_split": {"train": 0.7, "val": 0.15, "test": 0.15},
     "model": {"name": "resnet10", "width": 16},
-    "client_models": {},            # per-client model overrides {client_id: {kwarg: value}}
+    "client_models": {},            # per-client model overrides {client_id: {kwarg: value}}, or a list in id order
     "train": {
         "epochs": 1,
         "batch_size": 16,
@@ -48,7 +48,7 @@ DEFAULTS: dict[str, Any] = {
         "num_workers": 0,
     },
     "methods": [{"name": "fedavg"}],
-    "eval_splits": ["test", "global_test"],
+    "eval_splits": ["test", "global_test"],  # + "cross_test": each model on every client's test split
     "eval_every": 1,                # evaluate every k rounds (the last round always; 0: last only)
     "keep_checkpoints": 2,
     "progress": True,
@@ -127,8 +127,12 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(split, dict) or "train" not in split or abs(sum(split.values()) - 1) > 1e-6:
         raise ConfigError(f"fl.client_split: expected fractions with 'train' summing to 1, got {split!r}")
     for i, s in enumerate(cfg["eval_splits"]):
-        if s != "global_test" and s not in split:
-            raise ConfigError(f"fl.eval_splits[{i}]: unknown split {s!r}; valid: global_test, {', '.join(split)}")
+        if s not in ("global_test", "cross_test") and s not in split:
+            raise ConfigError(f"fl.eval_splits[{i}]: unknown split {s!r}; valid: global_test, cross_test, "
+                              f"{', '.join(split)}")
+        if s == "cross_test" and "test" not in split:
+            raise ConfigError("fl.eval_splits: cross_test scores every client's 'test' split; "
+                              "client_split has no 'test'")
     try:
         for kind, key in (("dataset", "dataset"), ("partitioner", "partition"), ("model", "model")):
             lookup(kind, cfg[key]["name"])
@@ -138,7 +142,14 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
             cls.from_config(params)  # checks parameter names now, before any work
     except (PluginError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
-    if not isinstance(cfg["client_models"], dict):
-        raise ConfigError("fl.client_models: expected {client_id: {model kwarg: value}}")
+    cm = cfg["client_models"]
+    if isinstance(cm, list):  # one override dict per client, in client-id order "0", "1", ...
+        if len(cm) != cfg["num_clients"] or not all(isinstance(d, dict) for d in cm):
+            raise ConfigError(f"fl.client_models: a list needs one dict per client ({cfg['num_clients']}), "
+                              f"got {cm!r}")
+        cfg["client_models"] = cm = {str(i): dict(d) for i, d in enumerate(cm)}
+    if not isinstance(cm, dict) or not all(isinstance(v, dict) for v in cm.values()):
+        raise ConfigError("fl.client_models: expected {client_id: {model kwarg: value}} or a list of "
+                          "one {model kwarg: value} per client")
     registry()  # make sure every plugin loaded cleanly
     return cfg

@@ -12,9 +12,10 @@ Lifecycle of a run (rounds are numbered from 1)::
 
     coordinator.setup(federation)
     for round in 1..R:
-        instructions = coordinator.configure_round(round)          # {client_id: Instruction}
-        replies = {cid: client.client_update(ctx[cid], ins) ...}   # on each client
-        coordinator.server_update(round, replies)
+        for step in range(coordinator.round_steps(round)):         # 1 unless the method chains
+            instructions = coordinator.configure_round(round)      # {client_id: Instruction}
+            replies = {cid: client.client_update(ctx[cid], ins) ...}   # on each client
+            coordinator.server_update(round, replies)
         evals = coordinator.configure_evaluate(round)              # {client_id: Instruction}
         model = client.client_eval_model(ctx[cid], evals[cid])      # evaluated at the client
     coordinator.finalize()
@@ -181,6 +182,13 @@ class Method:
     def setup(self, federation: Federation) -> None:
         """Build the initial coordinator state. Default: remember the federation."""
         self.federation = federation
+
+    def round_steps(self, round: int) -> int:
+        """How many train steps ``round`` has (default 1). The engine calls
+        :meth:`configure_round`, the clients and :meth:`server_update` that many times in the
+        round, so a method can chain clients within a round (FedCross visits them one after
+        another); evaluation and the checkpoint follow the last step."""
+        return 1
 
     def configure_round(self, round: int) -> dict[str, Instruction]:
         """Who trains in ``round`` and with what. Default: sampled clients, empty payload."""

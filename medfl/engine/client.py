@@ -237,6 +237,7 @@ def run_client_evaluate(
     metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
     cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
     memory: dict[str, Any] | None = None,
+    peers: dict[str, Callable[[], Dataset]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Build the client's evaluation model and compute metrics on each split, at the client.
 
@@ -250,6 +251,11 @@ def run_client_evaluate(
     ``neg_flips`` (samples correct at the previous evaluation and wrong now) and
     ``neg_flip_rate`` (that count over the split size), NaN at the first evaluation. The
     per-sample vector itself never leaves the client.
+
+    ``peers`` (client id -> its local test dataset) adds the ``cross_test`` split: the same
+    model scored on each peer's test set (``cross_test@<peer>``, one entry per peer) and the
+    unweighted mean of those scores over peers (``cross_test``; ``n`` is the total count),
+    so every client's test set counts equally whatever its size.
     """
     from medfl.engine.training import predict_proba, state_fingerprint
     from medfl.metrics.forgetting import negative_flips
@@ -279,4 +285,18 @@ def run_client_evaluate(
                 scores.update(neg_flips=float("nan"), neg_flip_rate=float("nan"))
             memory[split] = torch.from_numpy(np.asarray(correct, dtype=bool).copy())
         out[split] = scores
+    if peers:
+        per_peer = []
+        bs = int(ctx.train.get("eval_batch_size", 64))
+        for pid in sorted(peers, key=lambda s: (len(s), s)):
+            ds = peers[pid]
+            ds = ds() if callable(ds) and not isinstance(ds, Dataset) else ds
+            y, p = predict_proba(model, DataLoader(ds, batch_size=bs, shuffle=False), ctx.device)
+            scores = metric_fn(y, p)
+            out[f"cross_test@{pid}"] = scores
+            per_peer.append(scores)
+        keys = [k for k in per_peer[0] if k != "n"]
+        mean = {k: float(np.nanmean([s[k] for s in per_peer])) if any(np.isfinite(s[k]) for s in per_peer)
+                else float("nan") for k in keys}
+        out["cross_test"] = {"n": float(sum(s["n"] for s in per_peer)), **mean}
     return out

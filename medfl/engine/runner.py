@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from medfl.config import method_label
 from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
 from medfl.engine.data import POOLED, FederatedData, split_data
-from medfl.messages import Instruction
+from medfl.messages import Instruction, Reply
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
@@ -131,6 +131,7 @@ class Run:
         )
         self.metrics = pd.DataFrame()
         self.train_metrics = pd.DataFrame()
+        self.cross = pd.DataFrame()
         self._names = data.client_names()
 
     # ------------------------------------------------------------------ files
@@ -200,32 +201,29 @@ class Run:
             self.store.rollback(k)
             self.eval_store.rollback(k)
         self.start_round = k + 1
-        for name in ("metrics", "train_metrics"):
-            p = self.run_dir / f"{name}.csv"
+        for name in ("metrics", "train_metrics", "cross"):
+            p = self.run_dir / f"{'cross_test' if name == 'cross' else name}.csv"
             if p.is_file():
-                df = pd.read_csv(p, dtype={"client_id": str, "client_name": str}, keep_default_na=False,
+                df = pd.read_csv(p, dtype={"client_id": str, "client_name": str, "data_client_id": str},
+                                 keep_default_na=False,
                                  na_values=["", "nan", "NaN"])
                 setattr(self, name, df[df["round"] <= k].reset_index(drop=True))
 
     def run_round(self, r: int, pm: Any) -> list[dict[str, Any]]:
         """Train, aggregate and evaluate round ``r``; return its evaluation rows."""
-        instructions = self.coordinator.configure_round(r)
-        unknown = sorted(set(instructions) - set(self.federation.client_ids))
-        if unknown:
-            raise RunError(f"method {self.label!r} addressed unknown client(s) {unknown} in round {r}")
-        replies = {}
         train_rows = []
-        for cid in sorted(instructions, key=lambda s: (len(s), s)):
-            ctx = self.context(cid, r)
-            reply = run_client_update(self.client_method, ctx, instructions[cid])
-            if ctx.state or self.store.has(cid):  # stateless methods write nothing
-                self.store.save(cid, r, ctx.state)
-            replies[cid] = reply
-            train_rows.append({"round": r, "client_id": cid, "num_examples": reply.num_examples,
-                               **{k: float(v) for k, v in reply.metrics.items()}})
-            pm.hook.on_client_end(run=self, round=r, client_id=cid, metrics=dict(reply.metrics))
-        self.coordinator.server_update(r, replies)
-        del replies
+        for _step in range(max(1, int(self.coordinator.round_steps(r)))):
+            instructions = self.coordinator.configure_round(r)
+            unknown = sorted(set(instructions) - set(self.federation.client_ids))
+            if unknown:
+                raise RunError(f"method {self.label!r} addressed unknown client(s) {unknown} in round {r}")
+            replies = self.update_clients(r, instructions)
+            for cid, reply in replies.items():
+                train_rows.append({"round": r, "client_id": cid, "num_examples": reply.num_examples,
+                                   **{k: float(v) for k, v in reply.metrics.items()}})
+                pm.hook.on_client_end(run=self, round=r, client_id=cid, metrics=dict(reply.metrics))
+            self.coordinator.server_update(r, replies)
+            del replies
         if train_rows:
             self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
             _write_csv(self.run_dir / "train_metrics.csv", self.train_metrics)
@@ -238,25 +236,71 @@ class Run:
         self._save_checkpoint(r)
         return rows
 
+    # ------------------------------------------------------------------ the transport seam
+    def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
+        """Run ``client_update`` on each addressed client; return the replies received.
+
+        This method and :meth:`evaluate_clients` are the only places where the coordinator
+        reaches clients: here every client runs in this process, one at a time, its state
+        loaded from and saved to ``clients/``. The Flower deployment overrides both to send
+        the same instructions to sites (a site that does not answer is left out of the
+        returned replies; the method's ``server_update`` sees only those that answered).
+        """
+        replies: dict[str, Reply] = {}
+        for cid in sorted(instructions, key=lambda s: (len(s), s)):
+            ctx = self.context(cid, r)
+            reply = run_client_update(self.client_method, ctx, instructions[cid])
+            if ctx.state or self.store.has(cid):  # stateless methods write nothing
+                self.store.save(cid, r, ctx.state)
+            replies[cid] = reply
+        return replies
+
+    def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
+                         ) -> dict[str, dict[str, dict[str, float]]]:
+        """Each evaluated client scores its model of round ``r`` on ``splits``, at the client.
+
+        Returns ``{client_id: {split: metrics}}``. ``cross_test`` (the FedSKD paper's Global
+        Test) scores the client's model on every client's local test split and averages
+        the metrics over those clients with equal weight; each (model, data) pair is also
+        returned under ``cross_test@<data client id>``. In a deployment that means the
+        client's evaluation model travels to the other sites for scoring; the data never moves.
+        """
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        cache: dict = {}
+        own = [s for s in splits if s != "cross_test"]
+        peers = None
+        if "cross_test" in splits:
+            peers = {j: self.data.dataset_factories(j, ["test"])["test"]
+                     for j in self.federation.eval_client_ids}
+        for cid in self.federation.eval_client_ids:
+            ctx = self.context(cid, r, state_before=r + 1)
+            memory = self.eval_store.load(cid, r)
+            out[cid] = run_client_evaluate(self.client_method, ctx, evals.get(cid, Instruction()),
+                                           own, evaluate_metrics, cache, memory=memory, peers=peers)
+            self.eval_store.save(cid, r, memory)
+        return out
+
     def evaluate(self, r: int) -> list[dict[str, Any]]:
         """Every client evaluates its model of round ``r`` on each of ``eval_splits``.
 
         Each client's evaluation memory (its previous per-sample correctness, kept in
-        ``eval_state/``) gives the ``neg_flips`` and ``neg_flip_rate`` columns."""
+        ``eval_state/``) gives the ``neg_flips`` and ``neg_flip_rate`` columns. Pairwise
+        ``cross_test`` scores go to ``cross_test.csv`` (one row per model and data client)."""
         evals = self.coordinator.configure_evaluate(r)
-        rows = []
-        cache: dict = {}
+        results = self.evaluate_clients(r, evals, list(self.config["eval_splits"]))
+        rows, pairs = [], []
         for cid in self.federation.eval_client_ids:
-            ctx = self.context(cid, r, state_before=r + 1)
-            memory = self.eval_store.load(cid, r)
-            scores = run_client_evaluate(self.client_method, ctx, evals.get(cid, Instruction()),
-                                         list(self.config["eval_splits"]), evaluate_metrics, cache,
-                                         memory=memory)
-            self.eval_store.save(cid, r, memory)
-            for split, m in scores.items():
-                name = "local_" + split if split != "global_test" else split
+            for split, m in results.get(cid, {}).items():
+                if split.startswith("cross_test@"):
+                    pairs.append({"round": r, "client_id": cid, "data_client_id": split.split("@", 1)[1],
+                                  **m})
+                    continue
+                name = "local_" + split if split not in ("global_test", "cross_test") else split
                 rows.append({"round": r, "client_id": cid, "client_name": self._names.get(cid, cid),
                              "split": name, **m})
+        if pairs:
+            self.cross = pd.concat([self.cross, pd.DataFrame(pairs)], ignore_index=True)
+            _write_csv(self.run_dir / "cross_test.csv", self.cross)
         return rows
 
     def execute(self, stop_after_round: int | None = None) -> dict[str, Any]:
