@@ -32,6 +32,7 @@ DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "dataset": {"name": "synthetic2d"},
     "global_test_fraction": 0.2,    # held-out global test when the data has no `split` column
+    "use_official_split": True,     # False: ignore the dataset's `split` column (its test rows join the pool)
     "group_column": "subject_id",   # rows sharing it (one patient) never straddle train/val/test splits
     "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
     "client_split": {"train": 0.7, "val": 0.15, "test": 0.15},

@@ -98,8 +98,8 @@ class FederatedData:
 def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path | None = None) -> FederatedData:
     """Assign ``source``'s rows to clients as ``cfg`` says, or reload a saved assignment.
 
-    The rows with ``split == "test"`` (when the table has an official split) form the
-    global test set; otherwise a stratified ``global_test_fraction`` is held out. Rows
+    The rows with ``split == "test"`` (when the table has an official split and
+    ``use_official_split`` is true) form the global test set; otherwise a stratified ``global_test_fraction`` is held out. Rows
     sharing a ``group_column`` value (default ``subject_id``: one patient's images) stay in
     one part of the global hold-out and of each client's local split. The rest
     is partitioned across ``num_clients`` clients by the configured partitioner, and each
@@ -128,7 +128,7 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
         raise DataError(f"group_column {gcol!r} is not a column of the dataset; columns: {', '.join(table.columns)}")
     else:
         groups = np.arange(len(table)).astype(str)
-    if "split" in table.columns and (table["split"] == "test").any():
+    if cfg.get("use_official_split", True) and "split" in table.columns and (table["split"] == "test").any():
         is_test = (table["split"] == "test").to_numpy()
         pool_pos = np.flatnonzero(~is_test)
         test_pos = np.flatnonzero(is_test)
