@@ -14,26 +14,42 @@ from typing import Any
 
 from medfl.config import resolve_config
 
-__all__ = ["run", "infer", "load_bundle_config", "parse_override_value"]
+__all__ = ["run", "print_result", "infer", "load_bundle_config", "parse_override_value"]
 
 
 def run(fl: dict[str, Any]) -> dict[str, Any]:
     """Resolve and run the ``fl`` section of a bundle config; print where results went."""
     from medfl.engine.runner import run_experiment
-    from medfl.report import format_table, summary_table
 
     cfg = resolve_config(fl)
     result = run_experiment(cfg)
+    print_result(result)
+    return result
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """Print each method's summary table (or, cross-validated, the CV table) and where the
+    results are; a stopped run gets the command that continues it."""
+    from medfl.report import format_table, summary_table
+
+    base = Path(result["dir"])
+    if "folds" in result:  # cross-validation: the table of mean ± std over folds
+        if result.get("cv"):
+            print(f"\n== {result['folds']}-fold cross-validation ({base / 'cv_table.md'})")
+            print((base / "cv_table.md").read_text())
+        else:
+            print(f"\n== cross-validation stopped before every fold finished; continue with "
+                  f"`medfl resume {base}`")
+        print(f"\nresults: {base}")
+        return
     for label, summary in result["summaries"].items():
-        run_dir = Path(result["dir"]) / label
+        run_dir = base if (base / "metrics.csv").is_file() else base / label
         if summary:
             print(f"\n== {label} ({run_dir})")
             print(format_table(summary_table(run_dir)))
         else:
-            print(f"\n== {label}: stopped after round {cfg['stop_after_round']}; continue with "
-                  f"`medfl resume {run_dir}`")
-    print(f"\nresults: {result['dir']}")
-    return result
+            print(f"\n== {label}: stopped early; continue with `medfl resume {run_dir}`")
+    print(f"\nresults: {base}")
 
 
 def infer(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,

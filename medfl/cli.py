@@ -62,15 +62,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """Continue a stopped run."""
+    from medfl.bundle import print_result
     from medfl.engine.runner import resume
-    from medfl.report import format_table, summary_table
 
-    result = resume(args.run_dir, rounds=args.rounds)
-    base = Path(result["dir"])
-    for label in result["summaries"]:
-        run_dir = base if (base / "metrics.csv").is_file() else base / label
-        print(f"\n== {label} ({run_dir})")
-        print(format_table(summary_table(run_dir)))
+    print_result(resume(args.run_dir, rounds=args.rounds))
     return 0
 
 

@@ -36,6 +36,10 @@ DEFAULTS: dict[str, Any] = {
     "group_column": "subject_id",   # rows sharing it (one patient) never straddle train/val/test splits
     "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
     "client_split": {"train": 0.7, "val": 0.15, "test": 0.15},
+    # k-fold cross-validation: folds > 1 runs every method once per fold (fold_<k>/), each
+    # client's test split being its k-th fold (from `column` when the dataset has one) and
+    # the rest split train:val in client_split's ratio; `metric` is the one cv_table reports
+    "cv": {"folds": 0, "column": None, "metric": "auc"},
     "model": {"name": "resnet10", "width": 16},
     "client_models": {},            # per-client model overrides {client_id: {kwarg: value}}, or a list in id order
     "train": {
@@ -101,6 +105,11 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"fl.train: expected a dict, got {value!r}")
             _check_keys(value, DEFAULTS["train"], "fl.train")
             cfg["train"].update(value)
+        elif key == "cv":
+            if not isinstance(value, dict):
+                raise ConfigError(f"fl.cv: expected a dict like {{'folds': 5}}, got {value!r}")
+            _check_keys(value, DEFAULTS["cv"], "fl.cv")
+            cfg["cv"].update(value)
         elif key in _NAMED:
             cfg[key] = _named(value, f"fl.{key}")
         else:
@@ -124,6 +133,14 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     stop = cfg["stop_after_round"]
     if stop is not None and (not isinstance(stop, int) or stop < 1):
         raise ConfigError(f"fl.stop_after_round: expected null or a positive integer, got {stop!r}")
+    cv = cfg["cv"]
+    folds = cv["folds"]
+    if not isinstance(folds, int) or isinstance(folds, bool) or folds < 0 or folds == 1:
+        raise ConfigError(f"fl.cv.folds: expected 0 (no cross-validation) or at least 2, got {folds!r}")
+    if cv["column"] is not None and not isinstance(cv["column"], str):
+        raise ConfigError(f"fl.cv.column: expected null or a column name, got {cv['column']!r}")
+    if not isinstance(cv["metric"], str):
+        raise ConfigError(f"fl.cv.metric: expected a metric name, got {cv['metric']!r}")
     split = cfg["client_split"]
     if not isinstance(split, dict) or "train" not in split or abs(sum(split.values()) - 1) > 1e-6:
         raise ConfigError(f"fl.client_split: expected fractions with 'train' summing to 1, got {split!r}")
@@ -134,6 +151,9 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         if s == "cross_test" and "test" not in split:
             raise ConfigError("fl.eval_splits: cross_test scores every client's 'test' split; "
                               "client_split has no 'test'")
+    if folds and "test" not in split:
+        raise ConfigError("fl.cv: cross-validation makes each fold a client's 'test' split; "
+                          "client_split has no 'test'")
     try:
         for kind, key in (("dataset", "dataset"), ("partitioner", "partition"), ("model", "model")):
             lookup(kind, cfg[key]["name"])
@@ -152,5 +172,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(cm, dict) or not all(isinstance(v, dict) for v in cm.values()):
         raise ConfigError("fl.client_models: expected {client_id: {model kwarg: value}} or a list of "
                           "one {model kwarg: value} per client")
-    registry()  # make sure every plugin loaded cleanly
+    metrics = registry()["metric"]  # also makes sure every plugin loaded cleanly
+    if folds and cv["metric"] not in metrics:
+        raise ConfigError(f"fl.cv.metric: unknown metric {cv['metric']!r}; valid: {', '.join(sorted(metrics))}")
     return cfg

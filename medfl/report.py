@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["write_plots", "write_forgetting_plot", "write_comparison", "forgetting_table",
-           "summary_table", "format_table", "load_metrics"]
+           "summary_table", "format_table", "load_metrics", "CV_SPLITS", "cv_results", "cv_summary",
+           "cv_table", "write_cv_report"]
 
 PLOT_METRICS = ("accuracy", "auc", "f1")
 
@@ -228,3 +229,159 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) 
     fig.savefig(exp_dir / "comparison.png", dpi=100)
     plt.close(fig)
     return path
+
+
+#: metrics.csv split -> the heading the FedSKD paper's Tables II/III give it.
+CV_SPLITS = {"local_test": "Local Test", "cross_test": "Global Test", "global_test": "Held-out Test"}
+
+
+def _mean_std(values: list[float]) -> dict[str, Any]:
+    """Mean and population std (ddof=0) of the finite values, with the values themselves."""
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
+    return {"mean": float(v.mean()) if len(v) else float("nan"),
+            "std": float(v.std(ddof=0)) if len(v) else float("nan"),
+            "folds": [None if x is None or not np.isfinite(x) else float(x) for x in values]}
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN/inf float replaced by ``None`` (strict JSON)."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
+def _pm(stats: dict[str, Any], digits: int = 3) -> str:
+    if not np.isfinite(stats["mean"]):
+        return "n/a"
+    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def cv_results(exp_dir: str | Path, labels: list[str], folds: int) -> pd.DataFrame:
+    """Final-round metrics of every (fold, method, client, split) of a cross-validated
+    experiment directory (``fold_<k>/<label>/metrics.csv``), with a ``fold`` and ``method``
+    column."""
+    frames = []
+    for k in range(folds):
+        for label in labels:
+            path = Path(exp_dir) / f"fold_{k}" / label / "metrics.csv"
+            if not path.is_file():
+                continue
+            df = pd.read_csv(path, dtype={"client_id": str, "client_name": str})
+            if df.empty:
+                continue
+            df = df[df["round"] == df["round"].max()]
+            frames.append(df.assign(fold=k, method=label))
+    if not frames:
+        return pd.DataFrame()
+    out = pd.concat(frames, ignore_index=True)
+    first = ["fold", "method", "round", "client_id", "client_name", "split"]
+    return out[first + [c for c in out.columns if c not in first]]
+
+
+def cv_summary(results: pd.DataFrame, labels: list[str], folds: int, metric: str = "auc") -> dict[str, Any]:
+    """Mean ± std over folds of ``metric`` per method, split and client, and overall.
+
+    "Overall" (a table's Mean column) is, in each fold, the mean over clients (each client
+    counts once, NaN skipped), then mean ± std of those fold means. Where the per-sample
+    sex is known, the eq. 16 fairness figures (:func:`medfl.metrics.fairness.fairness_report`
+    on the local test of each fold) get the same treatment.
+    """
+    from medfl.metrics.fairness import fairness_report
+
+    out: dict[str, Any] = {"metric": metric, "folds": folds, "std": "population (ddof=0) over folds",
+                           "methods": {}}
+    if results.empty:
+        return out
+    names = dict(zip(results["client_id"].astype(str), results["client_name"].astype(str)))
+    ids = sorted(names, key=lambda s: (len(s), s))
+    for label in labels:
+        res = results[results["method"] == label]
+        block: dict[str, Any] = {}
+        for split in CV_SPLITS:
+            part = res[res["split"] == split]
+            if part.empty or metric not in part.columns:
+                continue
+            per_fold = {k: part[part["fold"] == k] for k in range(folds)}
+            clients = {}
+            for cid in ids:
+                vals = []
+                for k in range(folds):
+                    row = per_fold[k][per_fold[k]["client_id"].astype(str) == cid]
+                    vals.append(float(row[metric].iloc[0]) if len(row) else float("nan"))
+                clients[cid] = {"name": names[cid], **_mean_std(vals)}
+            means = [float(np.nanmean(per_fold[k][metric].astype(float)))
+                     if per_fold[k][metric].notna().any() else float("nan") for k in range(folds)]
+            block[split] = {"clients": clients, "overall": _mean_std(means)}
+        fair = [fairness_report(res[res["fold"] == k]) for k in range(folds)]
+        if any(fair):
+            block["fairness"] = {key: _mean_std([f.get(key, float("nan")) if f else float("nan") for f in fair])
+                                 for key in ("auc_M", "auc_F", "avg", "delta_auc")}
+        out["methods"][label] = block
+    return out
+
+
+def cv_table(summary: dict[str, Any]) -> pd.DataFrame:
+    """The layout of the FedSKD paper's Tables II/III: one row per method; for Local Test
+    and Global Test a column per client and their Mean, each cell "mean ± std" over folds;
+    then the fairness columns of Table VII (Male, Female, Avg, Delta AUC) where known."""
+    rows = []
+    for label, block in summary.get("methods", {}).items():
+        row: dict[str, Any] = {"method": label}
+        for split, heading in CV_SPLITS.items():
+            if split not in block:
+                continue
+            for cid, stats in block[split]["clients"].items():
+                row[f"{heading}: {stats['name']}"] = _pm(stats)
+            row[f"{heading}: Mean"] = _pm(block[split]["overall"])
+        if "fairness" in block:
+            f = block["fairness"]
+            row.update({"Fairness: Male": _pm(f["auc_M"]), "Fairness: Female": _pm(f["auc_F"]),
+                        "Fairness: Avg": _pm(f["avg"]), "Fairness: ΔAUC": _pm(f["delta_auc"])})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def write_cv_report(exp_dir: str | Path, labels: list[str], folds: int, metric: str = "auc") -> dict[str, Any]:
+    """Write a cross-validated experiment's ``cv_results.csv`` (every final per-client metric
+    of every fold), ``cv_summary.json`` (:func:`cv_summary`), ``cv_table.csv`` and
+    ``cv_table.md`` (:func:`cv_table`) and ``cv_<metric>.png`` (overall mean ± std per
+    method and split); return the summary."""
+    exp_dir = Path(exp_dir)
+    results = cv_results(exp_dir, labels, folds)
+    results.to_csv(exp_dir / "cv_results.csv", index=False)
+    summary = cv_summary(results, labels, folds, metric)
+    (exp_dir / "cv_summary.json").write_text(json.dumps(_finite(summary), indent=2))
+    table = cv_table(summary)
+    table.to_csv(exp_dir / "cv_table.csv", index=False)
+    lines = [f"{metric} over {folds} folds, mean ± std (std over folds, ddof=0)", "",
+             "| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(str(v) for v in r) + " |" for r in table.itertuples(index=False)]
+    (exp_dir / "cv_table.md").write_text("\n".join(lines) + "\n")
+    splits = [s for s in CV_SPLITS if any(s in b for b in summary["methods"].values())]
+    if splits and summary["methods"]:
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(labels), 3.4))
+        width = 0.8 / len(splits)
+        for j, split in enumerate(splits):
+            xs, ms, ss = [], [], []
+            for i, label in enumerate(summary["methods"]):
+                st = summary["methods"][label].get(split, {}).get("overall")
+                if st:
+                    xs.append(i + j * width)
+                    ms.append(st["mean"])
+                    ss.append(st["std"])
+            ax.bar(xs, ms, width, yerr=ss, capsize=3, label=CV_SPLITS[split])
+        ax.set_xticks([i + width * (len(splits) - 1) / 2 for i in range(len(summary["methods"]))])
+        ax.set_xticklabels(list(summary["methods"]))
+        ax.set_ylabel(f"{metric} (mean over clients)")
+        ax.set_title(f"{folds}-fold cross-validation, mean ± std over folds", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        fig.savefig(exp_dir / f"cv_{metric}.png", dpi=100)
+        plt.close(fig)
+    return summary

@@ -16,6 +16,7 @@ The coordinator of all three only routes models: it aggregates nothing.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -151,7 +152,10 @@ def _masks(atlas: str | None, labels: list[int] | None) -> RegionMasks | None:
         return None
     key = (str(atlas), json.dumps(labels))
     if key not in _MASKS:
-        _MASKS[key] = load_region_masks(atlas, labels)
+        _MASKS[key] = masks = load_region_masks(atlas, labels)
+        if masks.dropped:
+            warnings.warn(f"atlas {atlas}: {len(masks.dropped)} requested region(s) have no voxel on the atlas "
+                          f"grid and are left out of the region term: {masks.dropped[:10]}", stacklevel=2)
     return _MASKS[key]
 
 

@@ -252,12 +252,17 @@ def run_client_evaluate(
     ``neg_flip_rate`` (that count over the split size), NaN at the first evaluation. The
     per-sample vector itself never leaves the client.
 
+    When the split's dataset carries subgroup attributes (``sample_attributes``, e.g. each
+    sample's sex from the manifest), its metrics also hold the AUC and size of each subgroup
+    (``auc_M``, ``n_M``, ``auc_F``, ``n_F``: :func:`medfl.metrics.fairness.subgroup_scores`).
+
     ``peers`` (client id -> its local test dataset) adds the ``cross_test`` split: the same
     model scored on each peer's test set (``cross_test@<peer>``, one entry per peer) and the
     unweighted mean of those scores over peers (``cross_test``; ``n`` is the total count),
     so every client's test set counts equally whatever its size.
     """
     from medfl.engine.training import predict_proba, state_fingerprint
+    from medfl.metrics.fairness import subgroup_scores
     from medfl.metrics.forgetting import negative_flips
 
     validate_payload(instruction.payload, f"evaluation instruction to client {ctx.client_id}")
@@ -273,6 +278,7 @@ def run_client_evaluate(
         else:
             y, p = predict_proba(model, ctx.loader(split, shuffle=False), ctx.device)
             scores = metric_fn(y, p)
+            scores.update(subgroup_scores(y, p, getattr(ctx.dataset(split), "sample_attributes", None)))
             correct = (p.argmax(1) == y) if len(y) else np.zeros(0, dtype=bool)
             if shared:
                 cache[key] = (dict(scores), correct)

@@ -15,7 +15,7 @@ from medfl.data.source import DataError, FederatedSource
 from medfl.method import derive_seed
 from medfl.plugins import lookup
 
-__all__ = ["FederatedData", "split_data", "POOLED"]
+__all__ = ["FederatedData", "split_data", "cv_folds", "sample_attributes", "SUBGROUP_CODES", "POOLED"]
 
 #: The client id of the pooled (centralized) client.
 POOLED = "pooled"
@@ -79,8 +79,20 @@ class FederatedData:
         """Lazily built datasets of each role for one client."""
         out: dict[str, Callable[[], Dataset]] = {}
         for role in roles:
-            out[role] = (lambda r=role: self.source.make_dataset(self.rows(client_id, r), r == "train"))
+            out[role] = (lambda r=role: self._build(client_id, r))
         return out
+
+    def _build(self, client_id: str, role: str) -> Dataset:
+        """One dataset, with its rows' subgroup attributes attached (:func:`sample_attributes`)."""
+        rows = self.rows(client_id, role)
+        ds = self.source.make_dataset(rows, role == "train")
+        attrs = sample_attributes(rows)
+        if attrs:
+            try:
+                ds.sample_attributes = attrs
+            except AttributeError:  # a dataset class with __slots__: no subgroup metrics
+                pass
+        return ds
 
     def sizes(self, client_id: str, roles: list[str]) -> dict[str, int]:
         """Number of samples of each role for one client."""
@@ -95,7 +107,57 @@ class FederatedData:
         self.assignments.to_csv(path, index=False)
 
 
-def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path | None = None) -> FederatedData:
+#: Manifest columns kept beside a dataset for subgroup metrics, and their accepted codes.
+SUBGROUP_CODES: dict[str, dict[str, str]] = {
+    "sex": {"M": "M", "F": "F", "MALE": "M", "FEMALE": "F", "1": "M", "2": "F"},
+}
+
+
+def sample_attributes(rows: pd.DataFrame) -> dict[str, np.ndarray]:
+    """Per-sample subgroup attributes of ``rows`` (``sex`` as ``M``/``F``/``""`` unknown).
+
+    They stay with the client's dataset (``dataset.sample_attributes``) so evaluation can
+    score each subgroup at the client; only the per-group scalars leave it."""
+    out = {}
+    for col, codes in SUBGROUP_CODES.items():
+        if col in rows.columns:
+            vals = rows[col].astype(str).str.strip().str.upper()
+            out[col] = vals.map(codes).fillna("").to_numpy(dtype=object)
+    return out
+
+
+def cv_folds(labels: np.ndarray, groups: np.ndarray, folds: int, seed: int,
+             column: np.ndarray | None = None, where: str = "cv") -> np.ndarray:
+    """The cross-validation fold (0..folds-1) of each row of one client's data.
+
+    With ``column`` (a dataset's own fold assignment, e.g. the ABIDE manifest's ``fold``)
+    its sorted distinct values are taken in turn as folds 0, 1, ...; when it has more
+    values than ``folds`` they are dealt round-robin (value rank modulo ``folds``), so a
+    5-fold column serves a 2-fold run. Otherwise folds are drawn grouped (rows of one
+    ``groups`` key share a fold) and stratified by label from ``seed``.
+
+    Raises:
+        DataError: ``column`` has fewer distinct values than ``folds``, or blank cells.
+    """
+    if column is not None:
+        col = pd.Series(column)
+        if col.isna().any() or (col.astype(str).str.strip() == "").any():
+            raise DataError(f"{where}: fold column has blank cells; expected a fold for every row")
+        values = sorted(col.unique(), key=lambda v: (str(type(v)), v))
+        if len(values) < folds:
+            raise DataError(f"{where}: fold column has {len(values)} distinct value(s) {values}; "
+                            f"cv.folds = {folds} needs at least {folds} (set cv.column null to draw folds)")
+        rank = {v: i % folds for i, v in enumerate(values)}
+        return col.map(rank).to_numpy(dtype=np.int64)
+    parts = grouped_stratified_split(labels, groups, {str(k): 1.0 / folds for k in range(folds)}, seed)
+    out = np.empty(len(labels), dtype=np.int64)
+    for k, idx in parts.items():
+        out[idx] = int(k)
+    return out
+
+
+def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path | None = None,
+               fold: int | None = None) -> FederatedData:
     """Assign ``source``'s rows to clients as ``cfg`` says, or reload a saved assignment.
 
     The rows with ``split == "test"`` (when the table has an official split and
@@ -105,9 +167,14 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     is partitioned across ``num_clients`` clients by the configured partitioner, and each
     client's share is split into local ``client_split`` parts, stratified by label.
 
+    With ``fold`` (cross-validation, ``cfg["cv"]["folds"]`` folds) the global hold-out and
+    the partition are those of every other fold; each client's rows are cut into folds
+    (:func:`cv_folds`, seeded per client, or the dataset's ``cv.column``), fold ``fold`` is
+    its ``test`` split and the rest is split ``train``:``val`` in ``client_split``'s ratio.
+
     Raises:
-        DataError: a saved partition does not match the dataset, or a client ends up
-            with an empty training set.
+        DataError: a saved partition does not match the dataset, a client ends up with an
+            empty training set, or ``fold`` is out of range.
     """
     table = source.table
     if saved is not None and Path(saved).is_file():
@@ -144,11 +211,24 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     partitioner = lookup("partitioner", spec.pop("name"))
     parts = partitioner(pool, int(cfg["num_clients"]), derive_seed(seed, "partition"), **spec)
     names = getattr(parts, "names", {})
+    cv = dict(cfg.get("cv") or {})
+    folds = int(cv.get("folds") or 0)
+    if fold is not None and not 0 <= fold < max(folds, 0):
+        raise DataError(f"cv: fold {fold} asked for, but cv.folds = {folds}; expected 0..{folds - 1}")
+    column = cv.get("column")
+    if fold is not None and column and column not in table.columns:
+        raise DataError(f"cv.column {column!r} is not a column of the dataset; columns: "
+                        f"{', '.join(map(str, table.columns))} (set cv.column null to draw folds)")
     records = []
     for cid, pos in parts.items():
         local = pool_pos[np.asarray(pos, dtype=np.int64)]
-        split = grouped_stratified_split(labels[local], groups[local], dict(cfg["client_split"]),
-                                         derive_seed(seed, "split", cid))
+        if fold is None:
+            split = grouped_stratified_split(labels[local], groups[local], dict(cfg["client_split"]),
+                                             derive_seed(seed, "split", cid))
+        else:
+            split = _fold_split(labels[local], groups[local], cfg, fold, derive_seed(seed, "cv", cid),
+                                None if not column else table[column].to_numpy()[local],
+                                f"client {cid} ({names.get(cid, f'client_{cid}')})")
         if not len(split.get("train", [])):
             raise DataError(f"partition: client {cid} has no training samples; lower num_clients or min_size")
         for role, idx in split.items():
@@ -161,4 +241,19 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     if "sample_id" in table.columns:
         a["sample_id"] = table["sample_id"].to_numpy()[a["row"].to_numpy()]
     return FederatedData(source, a)
+
+
+def _fold_split(labels: np.ndarray, groups: np.ndarray, cfg: dict[str, Any], fold: int, seed: int,
+                column: np.ndarray | None, where: str) -> dict[str, np.ndarray]:
+    """One client's cross-validation split: fold ``fold`` is ``test``, the rest train/val."""
+    folds = int(cfg["cv"]["folds"])
+    which = cv_folds(labels, groups, folds, seed, column, where=f"cv, {where}")
+    test = np.flatnonzero(which == fold)
+    rest = np.flatnonzero(which != fold)
+    t, v = float(cfg["client_split"].get("train", 1.0)), float(cfg["client_split"].get("val", 0.0))
+    if v > 0 and len(rest):
+        parts = grouped_stratified_split(labels[rest], groups[rest], {"train": t / (t + v), "val": v / (t + v)},
+                                         derive_seed(seed, "val", fold))
+        return {"train": rest[parts["train"]], "val": rest[parts["val"]], "test": test}
+    return {"train": rest, "test": test}
 

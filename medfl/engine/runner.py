@@ -36,6 +36,7 @@ from medfl.config import method_label
 from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
 from medfl.engine.data import POOLED, FederatedData, split_data
 from medfl.messages import Instruction, Reply
+from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
@@ -75,7 +76,8 @@ def summarize_metrics(metrics: pd.DataFrame) -> dict[str, Any]:
         return {}
     last = int(metrics["round"].max())
     final = metrics[metrics["round"] == last]
-    names = [c for c in final.columns if c not in ("round", "client_id", "client_name", "split", "n")]
+    names = [c for c in final.columns
+             if c not in ("round", "client_id", "client_name", "split", "n") and not c.startswith("n_")]
     out: dict[str, Any] = {"round": last}
     for split, df in final.groupby("split", sort=False):
         block = {}
@@ -331,6 +333,9 @@ class Run:
                    "final": summarize_metrics(self.metrics)}
         forgetting, per_round = forgetting_report(self.metrics, self.train_metrics)
         summary["forgetting"] = forgetting
+        fairness = fairness_report(self.metrics, "local_test")
+        if fairness:
+            summary["fairness"] = fairness
         _write_csv(self.run_dir / "forgetting.csv", per_round)
         _write_json(self.run_dir / "summary.json", summary)
         self._status("finished", rounds)
@@ -371,36 +376,90 @@ def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any]) -> "Run":
     return Run(cfg, saved["method"], path, data)
 
 
+def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, resume_runs: bool,
+                 rounds: int | None = None) -> dict[str, Any]:
+    """Run (or, with ``resume_runs``, continue) every method of ``cfg`` in ``exp_dir/<label>``.
+
+    A method whose directory already holds a run is resumed; one that never started runs
+    from round 1 on ``data`` (the experiment's split, reloaded from ``partition.csv`` when
+    ``None``). Writes ``comparison.csv`` once every method has finished."""
+    from medfl.report import write_comparison
+
+    summaries: dict[str, Any] = {}
+    for spec in cfg["methods"]:
+        label = method_label(spec)
+        if resume_runs and (exp_dir / label / "config.json").is_file():
+            summaries[label] = resume(exp_dir / label, rounds)["summaries"][label]
+            continue
+        if data is None:
+            data = split_data(build_source(cfg["dataset"]), cfg, saved=exp_dir / "partition.csv")
+        run_cfg = cfg if rounds is None else {**cfg, "rounds": int(rounds)}
+        run = Run(run_cfg, spec, exp_dir / label, data)
+        run.prepare(resume=False)
+        summaries[label] = run.execute(None if resume_runs else cfg.get("stop_after_round"))
+    if summaries and all(summaries.values()):
+        write_comparison(exp_dir, summaries)
+    return summaries
+
+
+def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None
+                   ) -> dict[str, Any]:
+    """Every fold of a cross-validated experiment in ``exp_dir/fold_<k>``, then the CV report.
+
+    Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
+    (``None`` while a fold is unfinished), "folds"}``."""
+    from medfl.report import write_cv_report
+
+    folds = int(cfg["cv"]["folds"])
+    source = None
+    out: dict[str, Any] = {}
+    for k in range(folds):
+        fold_dir = exp_dir / f"fold_{k}"
+        data = None
+        if not resume_runs or not (fold_dir / "partition.csv").is_file():
+            source = source or build_source(cfg["dataset"])
+            data = split_data(source, cfg, fold=k)
+            fold_dir.mkdir(parents=True, exist_ok=True)
+            data.save(fold_dir / "partition.csv")
+            _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k})
+        out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds)
+    labels = [method_label(m) for m in cfg["methods"]]
+    cv = None
+    if all(s and all(s.values()) for s in out.values()):
+        cv = write_cv_report(exp_dir, labels, folds, str(cfg["cv"].get("metric", "auc")))
+    return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
+
+
 def run_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run every method of a resolved config on one data split; return their summaries.
 
     The experiment directory is ``output_dir/name`` (``name-2``, ``name-3``... when it
     exists, unless ``overwrite``); each method runs in a subdirectory named by its label,
     and ``comparison.csv`` lists their final mean metrics side by side.
-    """
-    from medfl.report import write_comparison
 
+    With cross-validation (``cv.folds`` > 1) each fold is such an experiment in
+    ``fold_<k>/`` and the experiment directory gets ``cv_results.csv``, ``cv_table.csv``,
+    ``cv_table.md``, ``cv_summary.json`` and ``cv_<metric>.png``
+    (:func:`medfl.report.write_cv_report`); the result's ``summaries`` are then keyed by
+    fold (``fold_<k>``) and it also holds ``cv`` (the CV summary) and ``folds``.
+    """
     exp_dir = _unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
     exp_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(exp_dir / "config.json", {"fl": cfg})
+    if int((cfg.get("cv") or {}).get("folds") or 0) > 1:
+        return _cv_experiment(cfg, exp_dir, resume_runs=False)
     data = split_data(build_source(cfg["dataset"]), cfg)
     data.save(exp_dir / "partition.csv")
-    _write_json(exp_dir / "config.json", {"fl": cfg})
-    summaries: dict[str, Any] = {}
-    for spec in cfg["methods"]:
-        label = method_label(spec)
-        run = Run(cfg, spec, exp_dir / label, data)
-        run.prepare(resume=False)
-        summaries[label] = run.execute(cfg.get("stop_after_round"))
-    if all(summaries.values()):
-        write_comparison(exp_dir, summaries)
-    return {"dir": str(exp_dir), "summaries": summaries}
+    return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False)}
 
 
 def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
-    """Continue a stopped run directory (or every unfinished run of an experiment directory).
+    """Continue a stopped run directory, or every run of an experiment directory.
 
     Args:
-        path: a run directory (has ``config.json`` with a ``method``) or an experiment directory.
+        path: a run directory (has ``config.json`` with a ``method``), an experiment
+            directory, or a cross-validated experiment (its folds too: a fold that never
+            started runs from the beginning, and the CV report is rewritten at the end).
         rounds: a new total number of rounds (default: the configured one).
 
     Raises:
@@ -408,17 +467,11 @@ def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
     """
     path = Path(path)
     saved = _saved_config(path)
-    if "method" not in saved:  # experiment directory: resume each method
-        out = {}
-        for spec in saved["fl"]["methods"]:
-            label = method_label(spec)
-            if (path / label / "config.json").is_file():
-                out[label] = resume(path / label, rounds)["summaries"][label]
-        if out and all(out.values()):
-            from medfl.report import write_comparison
-
-            write_comparison(path, out)
-        return {"dir": str(path), "summaries": out}
+    if "method" not in saved:  # experiment (or fold) directory: resume each method
+        cfg = saved["fl"]
+        if "fold" not in saved and int((cfg.get("cv") or {}).get("folds") or 0) > 1:
+            return _cv_experiment(cfg, path, resume_runs=True, rounds=rounds)
+        return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds)}
     cfg = saved["fl"]
     if rounds is not None:
         cfg["rounds"] = int(rounds)
