@@ -76,11 +76,21 @@ def _config(name: str, data: Path, a: argparse.Namespace, seed: int) -> dict[str
     return fl
 
 
-def _collect(exp_dir: Path, label: str) -> dict[str, float]:
-    summary = json.loads((exp_dir / label / "summary.json").read_text())
-    final = summary["final"]
+def _collect(exp_dir: Path, label: str, folds: int) -> dict[str, float]:
+    """One seed's figures of one method: local/global AUC (mean over clients; with folds, the
+    cross-validated overall mean), seconds per round and the eq. 16 fairness gap."""
+    dirs = [exp_dir / f"fold_{k}" / label for k in range(folds)] if folds else [exp_dir / label]
+    summaries = [json.loads((d / "summary.json").read_text()) for d in dirs]
+    s_round = sum(s["wall_time_s_last_session"] / s["rounds"] for s in summaries) / len(summaries)
+    if folds:
+        block = json.loads((exp_dir / "cv_summary.json").read_text())["methods"][label]
+        fair = block.get("fairness", {}).get("delta_auc", {}).get("mean")
+        return {"local_auc": block["local_test"]["overall"]["mean"],
+                "global_auc": block["cross_test"]["overall"]["mean"], "s_per_round": s_round,
+                "delta_auc": float("nan") if fair is None else fair}
+    final = summaries[0]["final"]
     return {"local_auc": final["local_test"]["auc"]["mean"], "global_auc": final["cross_test"]["auc"]["mean"],
-            "s_per_round": summary["wall_time_s_last_session"] / summary["rounds"]}
+            "s_per_round": s_round, "delta_auc": summaries[0].get("fairness", {}).get("delta_auc", float("nan"))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             out = run_experiment(resolve_config(fl))
             print(f"{name} seed {seed}: {out['dir']} ({time.perf_counter() - t0:.0f} s)", flush=True)
             for label in METHODS:
-                rows.append({"dataset": name, "seed": seed, "method": label, **_collect(Path(out["dir"]), label)})
+                rows.append({"dataset": name, "seed": seed, "method": label, **_collect(Path(out["dir"]), label, a.folds)})
     per_seed = pd.DataFrame(rows)
     a.out.mkdir(parents=True, exist_ok=True)
     per_seed.to_csv(a.out / "per_seed.csv", index=False)
@@ -130,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         table.append({"dataset": name, "method": label,
                       "local_test_auc": f"{g.local_auc.mean():.3f} +- {g.local_auc.std(ddof=0):.3f}",
                       "global_test_auc": f"{g.global_auc.mean():.3f} +- {g.global_auc.std(ddof=0):.3f}",
+                      "delta_auc": f"{g.delta_auc.mean():.3f} +- {g.delta_auc.std(ddof=0):.3f}",
                       "s_per_round": round(float(g.s_per_round.mean()), 2),
                       "fedskd_cost_vs_fedcross_het": round(float(skd / cross), 2) if label == "fedskd" else None})
     t = pd.DataFrame(table)
