@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from medfl.messages import Instruction, Reply, SampleGuard, validate_payload
 from medfl.method import Method, derive_seed
 
-__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_evaluate"]
+__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_evaluate", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
 
@@ -301,8 +301,15 @@ def run_client_evaluate(
             scores = metric_fn(y, p)
             out[f"cross_test@{pid}"] = scores
             per_peer.append(scores)
-        keys = [k for k in per_peer[0] if k != "n"]
-        mean = {k: float(np.nanmean([s[k] for s in per_peer])) if any(np.isfinite(s[k]) for s in per_peer)
-                else float("nan") for k in keys}
-        out["cross_test"] = {"n": float(sum(s["n"] for s in per_peer)), **mean}
+        out["cross_test"] = cross_test_mean(per_peer)
     return out
+
+
+def cross_test_mean(per_peer: list[dict[str, float]]) -> dict[str, float]:
+    """The ``cross_test`` entry of one model from its scores on each peer's test split:
+    the unweighted mean over peers of each metric (NaN-aware: a peer whose metric is
+    undefined, e.g. AUC on one class, is skipped) and the total ``n``."""
+    keys = [k for k in per_peer[0] if k != "n"]
+    mean = {k: float(np.nanmean([s[k] for s in per_peer])) if any(np.isfinite(s[k]) for s in per_peer)
+            else float("nan") for k in keys}
+    return {"n": float(sum(s["n"] for s in per_peer)), **mean}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -41,7 +41,8 @@ from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
 
-__all__ = ["Run", "RunError", "run_experiment", "resume", "predict", "summarize_metrics", "evaluate_metrics"]
+__all__ = ["Run", "RunError", "RunFactory", "run_experiment", "resume", "predict", "summarize_metrics",
+           "evaluate_metrics"]
 
 ROLES = ["train", "val", "test", "global_test"]
 
@@ -352,6 +353,11 @@ def _unique_dir(base: Path, overwrite: bool) -> Path:
     return base.with_name(f"{base.name}-{i}")
 
 
+#: Builds a method's run: ``(cfg, method_spec, run_dir, data) -> Run`` (:class:`Run` itself,
+#: or a transport's subclass such as :class:`medfl.flower.server.FlowerRun` bound to its grid).
+RunFactory = Callable[[dict[str, Any], dict[str, Any], Path, FederatedData], "Run"]
+
+
 def build_source(spec: dict[str, Any]) -> Any:
     """The dataset a config's ``dataset`` section names, built by its registered plugin."""
     rest = dict(spec)
@@ -370,14 +376,15 @@ def _saved_config(path: Path) -> dict[str, Any]:
     return json.loads(cfg_file.read_text())
 
 
-def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any]) -> "Run":
+def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any], run_factory: "RunFactory | None" = None
+            ) -> "Run":
     """The :class:`Run` of a method run directory, on its saved partition."""
     data = split_data(build_source(cfg["dataset"]), cfg, saved=path / "partition.csv")
-    return Run(cfg, saved["method"], path, data)
+    return (run_factory or Run)(cfg, saved["method"], path, data)
 
 
 def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, resume_runs: bool,
-                 rounds: int | None = None) -> dict[str, Any]:
+                 rounds: int | None = None, run_factory: "RunFactory | None" = None) -> dict[str, Any]:
     """Run (or, with ``resume_runs``, continue) every method of ``cfg`` in ``exp_dir/<label>``.
 
     A method whose directory already holds a run is resumed; one that never started runs
@@ -389,12 +396,12 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
     for spec in cfg["methods"]:
         label = method_label(spec)
         if resume_runs and (exp_dir / label / "config.json").is_file():
-            summaries[label] = resume(exp_dir / label, rounds)["summaries"][label]
+            summaries[label] = resume(exp_dir / label, rounds, run_factory)["summaries"][label]
             continue
         if data is None:
             data = split_data(build_source(cfg["dataset"]), cfg, saved=exp_dir / "partition.csv")
         run_cfg = cfg if rounds is None else {**cfg, "rounds": int(rounds)}
-        run = Run(run_cfg, spec, exp_dir / label, data)
+        run = (run_factory or Run)(run_cfg, spec, exp_dir / label, data)
         run.prepare(resume=False)
         summaries[label] = run.execute(None if resume_runs else cfg.get("stop_after_round"))
     if summaries and all(summaries.values()):
@@ -402,8 +409,8 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
     return summaries
 
 
-def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None
-                   ) -> dict[str, Any]:
+def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
+                   run_factory: "RunFactory | None" = None, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every fold of a cross-validated experiment in ``exp_dir/fold_<k>``, then the CV report.
 
     Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
@@ -421,8 +428,8 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
             data = split_data(source, cfg, fold=k)
             fold_dir.mkdir(parents=True, exist_ok=True)
             data.save(fold_dir / "partition.csv")
-            _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k})
-        out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds)
+            _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
+        out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds, run_factory)
     labels = [method_label(m) for m in cfg["methods"]]
     cv = None
     if all(s and all(s.values()) for s in out.values()):
@@ -430,7 +437,8 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
     return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
 
 
-def run_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
+def run_experiment(cfg: dict[str, Any], run_factory: "RunFactory | None" = None,
+                   meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every method of a resolved config on one data split; return their summaries.
 
     The experiment directory is ``output_dir/name`` (``name-2``, ``name-3``... when it
@@ -442,18 +450,27 @@ def run_experiment(cfg: dict[str, Any]) -> dict[str, Any]:
     ``cv_table.md``, ``cv_summary.json`` and ``cv_<metric>.png``
     (:func:`medfl.report.write_cv_report`); the result's ``summaries`` are then keyed by
     fold (``fold_<k>``) and it also holds ``cv`` (the CV summary) and ``folds``.
+
+    Args:
+        cfg: the resolved ``fl`` config.
+        run_factory: builds each method's run (default :class:`Run`, in process); another
+            transport passes its own ``Run`` subclass here (:mod:`medfl.flower`).
+        meta: extra entries of the experiment's and folds' ``config.json``
+            (e.g. ``{"engine": "flower"}``).
     """
     exp_dir = _unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
     exp_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(exp_dir / "config.json", {"fl": cfg})
+    _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
     if int((cfg.get("cv") or {}).get("folds") or 0) > 1:
-        return _cv_experiment(cfg, exp_dir, resume_runs=False)
+        return _cv_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
     data = split_data(build_source(cfg["dataset"]), cfg)
     data.save(exp_dir / "partition.csv")
-    return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False)}
+    return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False,
+                                                           run_factory=run_factory)}
 
 
-def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
+def resume(path: str | Path, rounds: int | None = None, run_factory: "RunFactory | None" = None
+           ) -> dict[str, Any]:
     """Continue a stopped run directory, or every run of an experiment directory.
 
     Args:
@@ -461,6 +478,7 @@ def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
             directory, or a cross-validated experiment (its folds too: a fold that never
             started runs from the beginning, and the CV report is rewritten at the end).
         rounds: a new total number of rounds (default: the configured one).
+        run_factory: builds each run (default :class:`Run`; see :func:`run_experiment`).
 
     Raises:
         RunError: ``path`` holds no run to resume.
@@ -470,12 +488,14 @@ def resume(path: str | Path, rounds: int | None = None) -> dict[str, Any]:
     if "method" not in saved:  # experiment (or fold) directory: resume each method
         cfg = saved["fl"]
         if "fold" not in saved and int((cfg.get("cv") or {}).get("folds") or 0) > 1:
-            return _cv_experiment(cfg, path, resume_runs=True, rounds=rounds)
-        return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds)}
+            return _cv_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
+                                  meta={k: v for k, v in saved.items() if k != "fl"})
+        return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds,
+                                                            run_factory=run_factory)}
     cfg = saved["fl"]
     if rounds is not None:
         cfg["rounds"] = int(rounds)
-    run = _reopen(path, saved, cfg)
+    run = _reopen(path, saved, cfg, run_factory)
     run.prepare(resume=True)
     label = run.label
     if run.start_round > run.federation.rounds and (path / "summary.json").is_file():
