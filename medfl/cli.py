@@ -1,4 +1,4 @@
-"""The ``medfl`` command line: plugins, run, resume, report."""
+"""The ``medfl`` command line: plugins, run, resume, report, flower."""
 
 from __future__ import annotations
 
@@ -87,6 +87,154 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tls_args(args: argparse.Namespace, server: bool) -> tuple[bool, list[str]]:
+    """``(insecure, extra Flower arguments)`` from ``--insecure`` or the TLS options."""
+    if args.insecure:
+        return True, []
+    if server:
+        files = [args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certfile]
+        if not all(files):
+            raise SystemExit("medfl flower: pass --insecure (no TLS, e.g. on one machine) or all of "
+                             "--ssl-certfile, --ssl-keyfile and --ssl-ca-certfile")
+        return False, ["--ssl-certfile", files[0], "--ssl-keyfile", files[1], "--ssl-ca-certfile", files[2]]
+    if not args.root_certificates:
+        raise SystemExit("medfl flower: pass --insecure (no TLS, e.g. on one machine) or --root-certificates CA.pem")
+    return False, ["--root-certificates", args.root_certificates]
+
+
+def _exec(cmd: list[str]) -> int:
+    """Replace this process by ``cmd`` (so signals reach the Flower process directly)."""
+    import os
+
+    from medfl.flower.deploy import flower_env
+
+    sys.stdout.flush()
+    os.execve(cmd[0], cmd, flower_env())
+    return 0  # pragma: no cover - execv does not return
+
+
+def cmd_flower_superlink(args: argparse.Namespace) -> int:
+    """Start the SuperLink (step 1)."""
+    from medfl.flower.deploy import superlink_command
+
+    insecure, extra = _tls_args(args, server=True)
+    return _exec(superlink_command(args.host, args.port, insecure=insecure, database=args.database,
+                                   extra=extra))
+
+
+def cmd_flower_site(args: argparse.Namespace) -> int:
+    """Start one site's SuperNode (step 2)."""
+    from medfl.flower.deploy import site_command
+
+    insecure, extra = _tls_args(args, server=False)
+    overrides = _parse_overrides(args.overrides) if args.overrides else None
+    if overrides is not None and any(not k.startswith("fl#") for k in overrides):
+        raise SystemExit(f"medfl flower site: cannot read {sorted(overrides)}; put options before the "
+                         "config overrides, which look like fl#dataset#root=/data")
+    if not Path(args.config).is_file():
+        raise FileNotFoundError(f"{args.config}: config file not found")
+    from medfl.flower.deploy import flower_env
+    from medfl.flower.site import SiteSettings
+    from medfl.flower.worker import run_site, socket_for
+
+    sock = socket_for()
+    cmd = site_command(str(args.client_id), args.config, args.state_dir, args.superlink, port=args.port,
+                       host=args.host, insecure=insecure, overrides=overrides, device=args.device,
+                       worker=sock, extra=extra)
+    settings = SiteSettings(client_id=str(args.client_id), config=Path(args.config).resolve(),
+                            state_dir=Path(args.state_dir).resolve(), overrides=overrides or {},
+                            workdir=Path.cwd().resolve(), device=args.device)
+    return run_site(settings, cmd, env=flower_env())
+
+
+def cmd_flower_run(args: argparse.Namespace) -> int:
+    """Launch a run on a SuperLink with ``flwr run`` and stream its log (step 3)."""
+    import tempfile
+    import uuid
+
+    from medfl.flower.deploy import flwr_run, write_app
+
+    options = argparse.ArgumentParser(prog="medfl flower run", add_help=False)
+    _flower_run_options(options)
+    args, rest = options.parse_known_args(args.overrides or [], namespace=args)
+    args.overrides = rest
+    insecure, _ = _tls_args(args, server=False)
+    rc: dict[str, Any] = {"workdir": str(Path.cwd().resolve()), "round-timeout": args.round_timeout,
+                          "connect-timeout": args.connect_timeout, "hello-timeout": args.hello_timeout}
+    if args.resume:
+        rc.update(resume=str(Path(args.resume).resolve()), rounds=int(args.rounds or 0))
+    else:
+        if not args.config:
+            raise SystemExit("medfl flower run: give a bundle config (or --resume RUN_DIR)")
+        if not Path(args.config).is_file():
+            raise FileNotFoundError(f"{args.config}: config file not found")
+        rc.update(config=str(Path(args.config).resolve()), overrides=json.dumps(_parse_overrides(args.overrides)))
+    tmp = Path(tempfile.mkdtemp(prefix="medfl-flower-"))
+    result_file = Path(args.result_file).resolve() if args.result_file else tmp / f"result-{uuid.uuid4().hex}.json"
+    rc["result-file"] = str(result_file)
+    app_dir = write_app(tmp / "app")
+    code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
+                    root_certificates=None if insecure else args.root_certificates)
+    if result_file.is_file():  # the SuperLink runs on this machine: report the ServerApp's outcome
+        result = json.loads(result_file.read_text())
+        if not result.get("ok"):
+            print(f"medfl flower run: the run failed: {result.get('error')}", file=sys.stderr)
+            return 1
+        print(f"medfl flower run: results in {result['dir']}")
+    return code
+
+
+def _add_flower(sub: Any) -> None:
+    fp = sub.add_parser("flower", help="run methods across sites with Flower (SuperLink, sites, runs)",
+                        description="The three steps of a Flower deployment; see docs/flower.md.")
+    fsub = fp.add_subparsers(dest="flower_command", required=True)
+
+    sp = fsub.add_parser("superlink", help="step 1: start the SuperLink (Fleet, Control and Runtime APIs on one port)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to accept other machines)")
+    sp.add_argument("--port", type=int, default=9092, help="port of the SuperLink's APIs (default 9092)")
+    sp.add_argument("--database", default=None, help="SQLite file for the SuperLink's state (default: in memory)")
+    sp.add_argument("--insecure", action="store_true", help="no TLS (one machine, or a trusted network)")
+    sp.add_argument("--ssl-certfile")
+    sp.add_argument("--ssl-keyfile")
+    sp.add_argument("--ssl-ca-certfile")
+    sp.set_defaults(func=cmd_flower_superlink)
+
+    sp = fsub.add_parser("site", help="step 2: start one site's SuperNode (serves one client id with its data)")
+    sp.add_argument("--client-id", required=True, help="the client of the partition this site serves (0, 1, ...)")
+    sp.add_argument("--config", required=True, help="bundle config: where this site's data is and how the "
+                                                    "partition is drawn (same split settings as the run)")
+    sp.add_argument("--state-dir", required=True, help="where this site keeps its persistent client state")
+    sp.add_argument("--superlink", default="127.0.0.1:9092", help="the SuperLink's address HOST:PORT")
+    sp.add_argument("--host", default="127.0.0.1", help="address of this SuperNode's ClientApp runtime API")
+    sp.add_argument("--port", type=int, default=9094, help="port of that API; one per site on a machine")
+    sp.add_argument("--device", default=None, help="torch device of this site (default: the config's)")
+    sp.add_argument("--insecure", action="store_true", help="no TLS")
+    sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
+    sp.add_argument("overrides", nargs=argparse.REMAINDER, help="config overrides (fl#dataset#root=/data)")
+    sp.set_defaults(func=cmd_flower_site)
+
+    sp = fsub.add_parser("run", help="step 3: run a bundle config's experiment over the federation (flwr run)")
+    sp.add_argument("config", nargs="?", help="bundle config file, read on the SuperLink's machine")
+    sp.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value or key=value overrides")
+    _flower_run_options(sp)
+    sp.set_defaults(func=cmd_flower_run)
+
+
+def _flower_run_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--superlink", default="127.0.0.1:9092", help="the SuperLink's address HOST:PORT")
+    sp.add_argument("--resume", default=None, help="continue a stopped Flower run directory instead")
+    sp.add_argument("--rounds", type=int, default=None, help="with --resume: a new total number of rounds")
+    sp.add_argument("--round-timeout", type=float, default=600.0,
+                    help="seconds a site has to answer one exchange before it is left out (default 600)")
+    sp.add_argument("--connect-timeout", type=float, default=300.0,
+                    help="seconds to wait for every site at the start (default 300)")
+    sp.add_argument("--hello-timeout", type=float, default=60.0,
+                    help="seconds to wait for a site that (re)joins mid-run (default 60)")
+    sp.add_argument("--result-file", default=None, help="where the ServerApp writes its result (JSON)")
+    sp.add_argument("--insecure", action="store_true", help="no TLS")
+    sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``medfl``."""
     p = argparse.ArgumentParser(prog="medfl", description="Federated learning for medical imaging (MONAI + PyTorch).")
@@ -107,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("report", help="print the summary table of a run and write its plots")
     sp.add_argument("run_dir")
     sp.set_defaults(func=cmd_report)
+    _add_flower(sub)
     return p
 
 

@@ -1,0 +1,23 @@
+"""medfl across real sites with Flower: a SuperLink, one SuperNode per site, medfl's
+coordinator as the ServerApp.
+
+- :mod:`medfl.flower.server`: :class:`FlowerRun` (the engine's ``Run`` whose two transport
+  methods talk to SuperNodes) and the ``ServerApp``;
+- :mod:`medfl.flower.site`: the ``ClientApp`` each SuperNode runs: the method's client
+  steps on the site's own data, its persistent state kept at the site;
+- :mod:`medfl.flower.wire`: medfl messages as Flower records (tensors and scalars only);
+- :mod:`medfl.flower.protocol`: message types and the partition fingerprint;
+- :mod:`medfl.flower.deploy`: the commands of the three steps, and
+  :class:`LocalFederation` (a whole federation of processes on one machine).
+
+See ``docs/flower.md``. Flower is an optional dependency: ``pip install -e ".[flower]"``.
+"""
+
+from __future__ import annotations
+
+from medfl.flower.deploy import FlowerDeployError, LocalFederation, free_port
+from medfl.flower.server import FlowerRun, FlowerSettings, SiteFailure, resume_flower, run_flower_experiment
+from medfl.flower.site import Site, SiteError, SiteSettings
+
+__all__ = ["FlowerRun", "FlowerSettings", "SiteFailure", "run_flower_experiment", "resume_flower", "Site",
+           "SiteSettings", "SiteError", "LocalFederation", "FlowerDeployError", "free_port"]

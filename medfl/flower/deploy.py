@@ -1,0 +1,455 @@
+"""Start and stop the processes of a Flower deployment of medfl, and launch runs on it.
+
+The three steps (``docs/flower.md``), each a command of its own::
+
+    medfl flower superlink --port 9092                      # 1. the SuperLink (coordinator host)
+    medfl flower site --client-id 0 --config train.json \\
+        --state-dir state/site0 --superlink HOST:9092       # 2. one SuperNode per site
+    medfl flower run train.json --superlink HOST:9092       # 3. launch a run (flwr run)
+
+:func:`superlink_command`, :func:`site_command` and :func:`write_app` build what those
+commands execute; :class:`LocalFederation` runs a whole federation of separate processes
+on one machine (tests, benchmarks, trying it out) and always takes every process it
+started down again, including the ones Flower detaches (SuperExec, ServerApp and
+ClientApp processes): every process it starts carries a marker in its environment, and
+:meth:`LocalFederation.close` ends each process that still has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from medfl.flower.server import RUN_CONFIG
+
+__all__ = ["FlowerDeployError", "flower_env", "free_port", "superlink_command", "site_command", "node_config",
+           "write_app", "write_connection", "flwr_run", "LocalFederation", "MARKER_ENV"]
+
+#: Environment variable carrying a federation's marker into every process it starts.
+MARKER_ENV = "MEDFL_FLOWER_MARKER"
+#: How often Flower's SuperExec looks for new tasks (Flower's default is 1 s).
+TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+
+
+class FlowerDeployError(RuntimeError):
+    """A Flower process could not start, or a run did not finish."""
+
+
+def _bin(name: str) -> str:
+    """The path of a console script installed beside this Python (the venv's ``bin``)."""
+    here = Path(sys.executable).parent / name
+    if here.is_file():
+        return str(here)
+    found = shutil.which(name)
+    if not found:
+        raise FlowerDeployError(f"{name} not found beside {sys.executable} nor on PATH; "
+                                "install Flower with `pip install -e '.[flower]'`")
+    return found
+
+
+def flower_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with this Python's script directory first on
+    ``PATH``: Flower starts its helpers (``flower-superexec``, ``flwr-serverapp``,
+    ``flwr-clientapp``) by name, so they must be found from the same installation."""
+    out = dict(os.environ if env is None else env)
+    bindir = str(Path(sys.executable).parent)
+    parts = out.get("PATH", "").split(os.pathsep) if out.get("PATH") else []
+    if bindir not in parts:
+        out["PATH"] = os.pathsep.join([bindir, *parts])
+    out.setdefault(TASK_POLL_ENV, "0.1")
+    return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def superlink_command(host: str = "127.0.0.1", port: int = 9092, insecure: bool = True,
+                      database: str | None = None, extra: list[str] | None = None) -> list[str]:
+    """The ``flower-superlink`` command of a medfl federation: Fleet, Control and Runtime
+    APIs on ``host:port``, and no runtime installation of app dependencies (medfl is
+    installed on every machine; Flower would otherwise try ``uv sync`` for each run)."""
+    cmd = [_bin("flower-superlink"), "--host", host, "--port", str(port),
+           "--disable-runtime-dependency-installation"]
+    if insecure:
+        cmd.append("--insecure")
+    if database:
+        cmd += ["--database", database]
+    return cmd + list(extra or [])
+
+
+def node_config(client_id: str, config: str | Path, state_dir: str | Path, *, overrides: dict[str, Any] | None = None,
+                workdir: str | Path | None = None, device: str | None = None, worker: str | None = None) -> str:
+    """The ``--node-config`` string of a medfl site (paths made absolute; ``worker``: the
+    site worker's socket, see :mod:`medfl.flower.worker`)."""
+    def q(v: Any) -> str:
+        s = str(v)
+        if "'" in s:
+            raise FlowerDeployError(f"node config value {s!r} contains a single quote")
+        return f"'{s}'"
+
+    items = {"client-id": client_id, "config": Path(config).resolve(), "state-dir": Path(state_dir).resolve()}
+    if overrides:
+        items["overrides"] = json.dumps(overrides)
+    items["workdir"] = Path(workdir).resolve() if workdir else Path.cwd()
+    if device:
+        items["device"] = device
+    if worker:
+        items["worker"] = worker
+    return " ".join(f"{k}={q(v)}" for k, v in items.items())
+
+
+def site_command(client_id: str, config: str | Path, state_dir: str | Path, superlink: str, *,
+                 port: int = 9094, host: str = "127.0.0.1", insecure: bool = True,
+                 overrides: dict[str, Any] | None = None, workdir: str | Path | None = None,
+                 device: str | None = None, worker: str | None = None, extra: list[str] | None = None) -> list[str]:
+    """The ``flower-supernode`` command of one medfl site (its ClientApp runtime API on
+    ``host:port``: give every site on one machine its own port)."""
+    cmd = [_bin("flower-supernode"), "--superlink", superlink, "--host", host, "--port", str(port),
+           "--node-config", node_config(client_id, config, state_dir, overrides=overrides, workdir=workdir,
+                                        device=device, worker=worker)]
+    if insecure:
+        cmd.append("--insecure")
+    return cmd + list(extra or [])
+
+
+def write_app(directory: str | Path, **defaults: Any) -> Path:
+    """Write medfl's Flower app (a ``pyproject.toml`` naming medfl's ServerApp and
+    ClientApp and the run-config keys) to ``directory``, for ``flwr run DIRECTORY``.
+
+    medfl is installed on the SuperLink's and every site's machine and the ServerApp is
+    imported from there; the ClientApp is the light :mod:`medfl.flower.proxy`, shipped in
+    the app as ``medfl_flower_proxy.py`` so that Flower's per-message ClientApp process
+    does not import torch (see that module).
+    """
+    from medfl.flower import proxy
+    from medfl import __version__ as version
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {**RUN_CONFIG, **defaults}
+
+    def toml(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return json.dumps(str(v))
+
+    lines = [
+        "[build-system]", 'requires = ["setuptools>=68"]', 'build-backend = "setuptools.build_meta"', "",
+        "[project]", 'name = "medfl-flower"', f'version = "{version}"',
+        'description = "medfl methods across sites: medfl coordinator as ServerApp, medfl site as ClientApp"',
+        'license = "Apache-2.0"', "dependencies = []", "",
+        "[tool.flwr.app]", 'publisher = "medfl"', "",
+        "[tool.flwr.app.components]", 'serverapp = "medfl.flower.server:app"',
+        'clientapp = "medfl_flower_proxy:app"', "",
+        "[tool.flwr.app.config]",
+        *[f'"{k}" = {toml(v)}' for k, v in cfg.items()], "",
+    ]
+    (directory / "pyproject.toml").write_text("\n".join(lines))
+    (directory / "medfl_flower_proxy.py").write_text(Path(proxy.__file__).read_text())
+    return directory
+
+
+def write_connection(flwr_home: str | Path, superlink: str, name: str = "medfl", insecure: bool = True,
+                     root_certificates: str | None = None) -> Path:
+    """Write a Flower CLI configuration (``$FLWR_HOME/config.toml``) whose default
+    connection ``name`` points at ``superlink``."""
+    home = Path(flwr_home)
+    home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{name}"', "", f"[superlink.{name}]", f'address = "{superlink}"',
+             f"insecure = {'true' if insecure else 'false'}"]
+    if root_certificates:
+        lines.append(f'root-certificates = "{Path(root_certificates).resolve()}"')
+    path = home / "config.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *, insecure: bool = True,
+             flwr_home: str | Path | None = None, env: dict[str, str] | None = None,
+             timeout: float | None = None, stream_to: Any = None, root_certificates: str | None = None) -> int:
+    """``flwr run APP_DIR --stream`` against ``superlink`` with ``run_config`` overrides;
+    returns the CLI's exit code once the run has ended.
+
+    Raises:
+        FlowerDeployError: the run did not end within ``timeout`` seconds.
+    """
+    home = Path(flwr_home) if flwr_home else Path(tempfile.mkdtemp(prefix="medfl-flwr-home-"))
+    write_connection(home, superlink, insecure=insecure, root_certificates=root_certificates)
+    overrides = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else repr(v)}" for k, v in run_config.items())
+    cmd = [_bin("flwr"), "run", str(Path(app_dir).resolve()), "medfl", "--stream"]
+    if overrides:
+        cmd += ["--run-config", overrides]
+    full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(home)}
+    try:
+        proc = subprocess.run(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise FlowerDeployError(f"flwr run did not end within {timeout} s") from None
+    return int(proc.returncode)
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+def _marked_pids(marker: str) -> list[int]:
+    """Processes of this user whose environment carries ``marker`` (Linux ``/proc``)."""
+    out = []
+    needle = f"{MARKER_ENV}={marker}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                out.append(int(d.name))
+        except (OSError, PermissionError):
+            continue
+    return out
+
+
+class LocalFederation:
+    """A SuperLink and sites as separate processes on this machine (loopback, free ports).
+
+    Use as a context manager; every process started is ended on exit, even on error::
+
+        with LocalFederation(tmp) as fed:
+            fed.start_superlink()
+            for cid in ("0", "1", "2"):
+                fed.start_site(cid, "train.json")
+            fed.wait_for_nodes(3)
+            result = fed.run("train.json", {"fl#rounds": 2})
+
+    Args:
+        workdir: where logs, site state and the app go.
+        host: the loopback address to bind.
+        env: extra environment for every process.
+        task_poll_interval: Flower SuperExec's task polling interval in seconds (default
+            0.1; Flower's own default is 1.0).
+    """
+
+    def __init__(self, workdir: str | Path, host: str = "127.0.0.1", env: dict[str, str] | None = None,
+                 task_poll_interval: float = 0.1) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        self.marker = uuid.uuid4().hex
+        self.env = {**flower_env(), **(env or {}), MARKER_ENV: self.marker,
+                    TASK_POLL_ENV: str(task_poll_interval), "FLWR_HOME": str(self.workdir / "flwr_home"),
+                    "PYTHONUNBUFFERED": "1"}
+        self.superlink: str | None = None
+        self.procs: dict[str, _Proc] = {}
+        self.app_dir = write_app(self.workdir / "app")
+
+    # ------------------------------------------------------------------ processes
+    def _start(self, name: str, cmd: list[str]) -> _Proc:
+        log = self.workdir / "logs" / f"{name}.log"
+        log.parent.mkdir(exist_ok=True)
+        fh = open(log, "ab")  # noqa: SIM115 - the child owns it
+        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
+                                 start_new_session=True)
+        fh.close()
+        proc = _Proc(name, popen, log)
+        self.procs[name] = proc
+        return proc
+
+    def _wait_port(self, port: int, proc: _Proc, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise FlowerDeployError(f"{proc.name} exited with {proc.popen.returncode}:\n{self.tail(proc.name)}")
+            with socket.socket() as s:
+                if s.connect_ex((self.host, port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise FlowerDeployError(f"{proc.name} did not open port {port} within {timeout} s:\n{self.tail(proc.name)}")
+
+    def tail(self, name: str, chars: int = 3000) -> str:
+        """The end of a process's log."""
+        p = self.procs.get(name)
+        return p.log.read_text(errors="replace")[-chars:] if p and p.log.is_file() else ""
+
+    def start_superlink(self, port: int | None = None, timeout: float = 60.0) -> str:
+        """Start the SuperLink; return its address ``host:port`` once it listens."""
+        port = port or free_port(self.host)
+        proc = self._start("superlink", superlink_command(self.host, port))
+        self._wait_port(port, proc, timeout)
+        self.superlink = f"{self.host}:{port}"
+        return self.superlink
+
+    def start_site(self, client_id: str, config: str | Path, *, state_dir: str | Path | None = None,
+                   overrides: dict[str, Any] | None = None, timeout: float = 120.0, wait: bool = True) -> Path:
+        """Start site ``client_id`` (``medfl flower site``: its worker and SuperNode); return
+        its state directory. With ``wait``, return once its SuperNode listens (sites started
+        with ``wait=False`` start in parallel: see :meth:`wait_for_nodes`)."""
+        if self.superlink is None:
+            raise FlowerDeployError("start the SuperLink first")
+        state = Path(state_dir) if state_dir else self.workdir / "sites" / f"site{client_id}"
+        port = free_port(self.host)
+        cmd = [sys.executable, "-m", "medfl.cli", "flower", "site", "--client-id", str(client_id),
+               "--config", str(Path(config).resolve()), "--state-dir", str(state), "--superlink", self.superlink,
+               "--host", self.host, "--port", str(port), "--insecure"]
+        if overrides:
+            cmd += [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+        proc = self._start(f"site{client_id}", cmd)
+        if wait:
+            self._wait_port(port, proc, timeout)
+        return state
+
+    def kill_site(self, client_id: str) -> None:
+        """End site ``client_id`` at once (SIGKILL to its process group and to everything
+        it started), as a site that crashes or loses its network."""
+        proc = self.procs.pop(f"site{client_id}", None)
+        if proc is None:
+            return
+        children = _descendants(proc.popen.pid)
+        _kill_group(proc.popen, signal.SIGKILL)
+        for pid in children:
+            _kill_pid(pid, signal.SIGKILL)
+        proc.popen.wait(timeout=10)
+
+    def wait_for_nodes(self, count: int, timeout: float = 180.0) -> None:
+        """Wait until ``count`` SuperNodes have registered with the SuperLink (counted in its
+        log; a restarted site registers again and counts again).
+
+        Raises:
+            FlowerDeployError: a process exited, or too few registered in time.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.tail("superlink", 10**7).count("Activated node_id=") >= count:
+                return
+            for name, proc in self.procs.items():
+                if proc.popen.poll() is not None:
+                    raise FlowerDeployError(f"{name} exited with {proc.popen.returncode}:\n{self.tail(name)}")
+            time.sleep(0.2)
+        raise FlowerDeployError(f"fewer than {count} SuperNodes registered within {timeout} s")
+
+    # ------------------------------------------------------------------ runs
+    def run(self, config: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
+            resume: str | Path | None = None, rounds: int = 0, round_timeout: float = 120.0,
+            connect_timeout: float = 120.0, hello_timeout: float = 30.0, timeout: float = 600.0,
+            name: str = "run") -> dict[str, Any]:
+        """Launch a run with ``flwr run`` and wait for its end.
+
+        Returns:
+            The ServerApp's result: ``{"ok": True, "dir": experiment directory}`` or
+            ``{"ok": False, "error": ..., "traceback": ...}``; ``log`` is the ``flwr run``
+            output file.
+
+        Raises:
+            FlowerDeployError: no result came back (the ServerApp did not start).
+        """
+        if self.superlink is None:
+            raise FlowerDeployError("start the SuperLink first")
+        result_file = self.workdir / f"{name}-{uuid.uuid4().hex[:8]}.json"
+        rc: dict[str, Any] = {"workdir": str(self.workdir), "result-file": str(result_file),
+                              "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
+                              "hello-timeout": float(hello_timeout)}
+        if resume:
+            rc.update(resume=str(Path(resume).resolve()), rounds=int(rounds))
+        else:
+            rc.update(config=str(Path(str(config)).resolve()), overrides=json.dumps(overrides or {}))
+        log = self.workdir / "logs" / f"{result_file.stem}.log"
+        log.parent.mkdir(exist_ok=True)
+        with open(log, "wb") as fh:
+            code = flwr_run(self.app_dir, self.superlink, rc, flwr_home=self.workdir / "flwr_home", env=self.env,
+                            timeout=timeout, stream_to=fh)
+        deadline = time.monotonic() + 30
+        while not result_file.is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not result_file.is_file():
+            raise FlowerDeployError(f"flwr run exited with {code} and the ServerApp wrote no result:\n"
+                                    f"{log.read_text(errors='replace')[-4000:]}")
+        result = json.loads(result_file.read_text())
+        result["log"] = str(log)
+        return result
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """End every process this federation started: sites, then the SuperLink (SIGTERM,
+        SIGKILL after 5 s), then any process still carrying the marker."""
+        for name in [n for n in self.procs if n != "superlink"] + (["superlink"] if "superlink" in self.procs else []):
+            proc = self.procs.pop(name)
+            _kill_group(proc.popen, signal.SIGTERM)
+            try:
+                proc.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.popen, signal.SIGKILL)
+                proc.popen.wait(timeout=5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            left = _marked_pids(self.marker)
+            if not left:
+                return
+            for pid in left:
+                _kill_pid(pid, signal.SIGKILL)
+            time.sleep(0.2)
+        left = _marked_pids(self.marker)
+        if left:
+            raise FlowerDeployError(f"processes {left} of this federation would not end")
+
+    def stray_processes(self) -> list[int]:
+        """Processes started by this federation that are still alive."""
+        return _marked_pids(self.marker)
+
+    def __enter__(self) -> "LocalFederation":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_group(popen: subprocess.Popen[bytes], sig: int) -> None:
+    if popen.poll() is not None:
+        return
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        _kill_pid(popen.pid, sig)

@@ -1,0 +1,136 @@
+"""The ClientApp each SuperNode starts per message: a thin proxy to the site's worker.
+
+Flower 1.41 starts a fresh ``flwr-clientapp`` process for every message a SuperNode
+receives. Importing torch, MONAI and medfl in each of them costs seconds per message, so
+``medfl flower site`` runs a long-lived *site worker* next to the SuperNode
+(:mod:`medfl.flower.worker`: the site's config, data split and imports stay warm) and this
+ClientApp only forwards each message's records to it over a local Unix socket (the node
+config's ``worker`` entry) and returns the worker's answer. Without a ``worker`` entry the
+message is handled in this process by :func:`medfl.flower.site.handle` (slower, same result).
+
+This module imports nothing from medfl at import time (importing the ``medfl`` package
+pulls in torch): :func:`medfl.flower.deploy.write_app` ships a copy of it in the Flower
+app as ``medfl_flower_proxy``, so the per-message process loads only Flower.
+
+Frames on the socket: an 8-byte big-endian length, then that many bytes; a request is a
+JSON header frame (``{"type": message type}``) followed by the serialized ``RecordDict``
+(Flower's protobuf); an answer is a JSON header frame (``{"ok": true}`` or
+``{"ok": false, "error": text}``) followed, when ok, by the reply's ``RecordDict``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+__all__ = ["app", "forward", "send_frame", "recv_frame", "encode_records", "decode_records", "WorkerError"]
+
+_LEN = struct.Struct(">Q")
+
+
+class WorkerError(RuntimeError):
+    """The site worker failed to handle a message, or could not be reached."""
+
+
+def send_frame(sock: socket.socket, data: bytes) -> None:
+    """Send one length-prefixed frame."""
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise WorkerError("the site worker closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    """Receive one length-prefixed frame."""
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    return _recv_exact(sock, n)
+
+
+def encode_records(content: RecordDict) -> bytes:
+    """A ``RecordDict`` as Flower's protobuf bytes."""
+    from flwr.common.serde import recorddict_to_proto
+
+    return recorddict_to_proto(content).SerializeToString()
+
+
+def decode_records(data: bytes) -> RecordDict:
+    """The ``RecordDict`` of :func:`encode_records`' bytes."""
+    from flwr.common.serde import recorddict_from_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=E0611
+
+    return recorddict_from_proto(ProtoRecordDict.FromString(data))
+
+
+def forward(socket_path: str, message_type: str, content: RecordDict, timeout: float | None = None) -> RecordDict:
+    """Send one message's records to the site worker at ``socket_path``; return its answer.
+
+    Raises:
+        WorkerError: the worker is not running, or it failed (its error text included).
+    """
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(socket_path)
+    except OSError as exc:
+        raise WorkerError(f"medfl site worker not reachable at {socket_path} ({exc}); "
+                          "start the site with `medfl flower site`") from None
+    with sock:
+        send_frame(sock, json.dumps({"type": message_type}).encode())
+        send_frame(sock, encode_records(content))
+        header: dict[str, Any] = json.loads(recv_frame(sock))
+        if not header.get("ok"):
+            raise WorkerError(str(header.get("error", "the site worker failed")))
+        return decode_records(recv_frame(sock))
+
+
+def _dispatch(msg: Message, context: Context) -> Message:
+    node_config = dict(context.node_config)
+    worker = str(node_config.get("worker", "") or "")
+    message_type = msg.metadata.message_type
+    if worker:
+        content = forward(worker, message_type, msg.content)
+    else:  # no worker: handle the message in this process
+        from medfl.flower.site import handle_locally
+
+        content = handle_locally(node_config, message_type, msg.content)
+    return Message(content, reply_to=msg)
+
+
+app = ClientApp()
+
+
+@app.query("hello")
+def hello(msg: Message, context: Context) -> Message:
+    """``query.hello``: forwarded to the site."""
+    return _dispatch(msg, context)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """``train``: forwarded to the site."""
+    return _dispatch(msg, context)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """``evaluate``: forwarded to the site."""
+    return _dispatch(msg, context)
+
+
+@app.evaluate("score")
+def score(msg: Message, context: Context) -> Message:
+    """``evaluate.score``: forwarded to the site."""
+    return _dispatch(msg, context)

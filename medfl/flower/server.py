@@ -1,0 +1,548 @@
+"""The coordinator over Flower: :class:`FlowerRun` and the ``ServerApp``.
+
+:class:`FlowerRun` is the in-process :class:`~medfl.engine.runner.Run` with its two
+transport methods replaced: :meth:`~FlowerRun.update_clients` and
+:meth:`~FlowerRun.evaluate_clients` send each addressed client's
+:class:`~medfl.messages.Instruction` to the SuperNode serving that client, as a Flower
+message (:mod:`medfl.flower.wire`), and turn the answers back into
+:class:`~medfl.messages.Reply` objects and metrics. Everything else - the method's
+coordinator role, checkpoints, ``metrics.csv``, ``summary.json``, resume - is ``Run``'s,
+unchanged, so any method registered through the plugin contract runs over Flower with no
+method-specific code here: hub-and-spoke methods (FedAvg, FedProx, FedKPer...) and
+peer-to-peer ones (FedSKD, FedCross: the coordinator relays one site's model to another
+in the instructions; nothing is aggregated) alike.
+
+Sites and dropouts. A first ``query.hello`` asks every node which client id it serves and
+checks its partition fingerprint against the coordinator's (:class:`SiteDirectory`). A
+site that does not answer a round's message within ``round_timeout`` seconds (or whose
+node the SuperLink reports unavailable) is left out of that round's replies - the
+method's ``server_update`` sees only the sites that answered, exactly as with a sampled
+subset - and out of that round's evaluation rows. Every exchange is recorded in
+``flower_events.csv`` of the run directory. A node that comes back (a restarted SuperNode
+gets a new node id) is recognised by its hello before the next exchange and continues
+from the state it saved at the site.
+
+Per-site persistent state is never at the coordinator: the ``clients/`` and
+``eval_state/`` directories of a Flower run stay empty; each site keeps them under its
+own ``state-dir`` (:mod:`medfl.flower.site`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from medfl.engine.client import cross_test_mean
+from medfl.engine.data import FederatedData
+from medfl.engine.runner import Run, RunError, resume, run_experiment
+from medfl.flower import protocol as P
+from medfl.flower import wire
+from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
+
+__all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "run_flower_experiment",
+           "resume_flower", "app"]
+
+# Flower's error codes (flwr.common.constant.ErrorCode): a node gone or a message lost is a
+# dropout; an exception raised by the ClientApp is a failure of the run.
+_DROPOUT_CODES = {3, 4, 5, 8}   # MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE, CLIENT_APP_CRASHED
+_FAILURE_CODES = {0, 1, 2, 6, 7}  # UNKNOWN, LOAD_CLIENT_APP_EXCEPTION, CLIENT_APP_RAISED_EXCEPTION, ...
+
+
+class SiteFailure(RunError):
+    """A site answered with an error raised by medfl's ClientApp (a contract violation, a
+    bad config at the site, a bug): the run stops, naming the site and its reason."""
+
+
+@dataclass
+class FlowerSettings:
+    """How the coordinator talks to the sites.
+
+    Attributes:
+        round_timeout: seconds to wait for the sites' answers to one exchange (a training
+            step, an evaluation, a ``cross_test`` scoring); a site that has not answered
+            by then is left out of that exchange (default 600).
+        connect_timeout: seconds to wait at the start of a run for every client of the
+            partition to be served by a node (default 300).
+        hello_timeout: seconds to wait, before an exchange, for the hello of a node that
+            joined (or rejoined) mid-run (default 60).
+        poll_interval: seconds between two pulls of replies from the SuperLink (default 0.2).
+    """
+
+    round_timeout: float = 600.0
+    connect_timeout: float = 300.0
+    hello_timeout: float = 60.0
+    poll_interval: float = 0.2
+
+    @classmethod
+    def from_run_config(cls, run_config: dict[str, Any]) -> "FlowerSettings":
+        """Read ``round-timeout``, ``connect-timeout``, ``hello-timeout`` and
+        ``poll-interval`` from a Flower run config (absent keys keep their defaults)."""
+        kw = {}
+        for f in fields(cls):
+            key = f.name.replace("_", "-")
+            if key in run_config and run_config[key] not in ("", None):
+                kw[f.name] = float(run_config[key])
+        return cls(**kw)
+
+
+def _order(ids: Iterable[str]) -> list[str]:
+    """Client ids in the engine's order (numeric-looking ids by length, then text)."""
+    return sorted(ids, key=lambda s: (len(s), s))
+
+
+class SiteDirectory:
+    """Which Flower node serves which client id, kept up to date through ``query.hello``.
+
+    Args:
+        grid: the ServerApp's grid.
+        expected: ``{client id: (split sizes, partition digest)}`` the coordinator computed.
+        fold: the cross-validation fold (``None``: none), sent with the hello.
+        settings: timeouts.
+        log: called with one event dict per hello answered or lost.
+    """
+
+    def __init__(self, grid: Grid, expected: dict[str, tuple[dict[str, int], int]], fold: int | None,
+                 settings: FlowerSettings, log: Any) -> None:
+        self.grid = grid
+        self.expected = expected
+        self.fold = fold
+        self.settings = settings
+        self.log = log
+        self.nodes: dict[str, int] = {}       # client id -> node id
+        self.asked: set[int] = set()          # nodes sent a hello at least once
+        self.lost: set[int] = set()           # nodes that failed to answer an exchange
+        self.retired: set[int] = set()        # nodes replaced by a newer node of the same client
+        self.pending: dict[str, int] = {}     # hello message id -> node id
+
+    def _push_hello(self, node: int) -> None:
+        content = RecordDict()
+        wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "fold": self.fold})
+        msg = Message(content, dst_node_id=node, message_type=P.HELLO,
+                      ttl=max(60.0, self.settings.hello_timeout + self.settings.connect_timeout))
+        for mid in self.grid.push_messages([msg]):
+            self.pending[mid] = node
+        self.asked.add(node)
+
+    def _accept(self, node: int, reply: Message) -> None:
+        ctl = wire.take_json(reply.content, P.CONTROL, f"hello from node {node}")
+        cid = str(ctl.get("client"))
+        if cid not in self.expected:
+            raise RunError(f"node {node} serves client {cid!r}, which is not in this run's partition "
+                           f"(clients {_order(self.expected)}); check the site's client-id and config")
+        sizes, digest = self.expected[cid]
+        if int(ctl.get("protocol", -1)) != P.PROTOCOL:
+            raise RunError(f"site {cid} (node {node}) speaks medfl-over-Flower protocol {ctl.get('protocol')}, "
+                           f"the coordinator {P.PROTOCOL}: install the same medfl version on both sides")
+        if dict(ctl.get("sizes", {})) != sizes or int(ctl.get("digest", -1)) != digest:
+            raise RunError(f"site {cid} (node {node}) drew a different partition than the coordinator: its split "
+                           f"sizes are {ctl.get('sizes')}, the coordinator's {sizes} (fingerprint "
+                           f"{ctl.get('digest')} vs {digest}); give the site the same dataset and the same "
+                           "seed/num_clients/partition/client_split settings as the run's config")
+        old = self.nodes.get(cid)
+        if old is not None and old != node:
+            self.retired.add(old)
+        self.nodes[cid] = node
+        self.lost.discard(node)
+        self.log({"phase": "hello", "client_id": cid, "node_id": node, "status": "joined" if old is None
+                  else ("same" if old == node else f"replaces node {old}")})
+
+    def _pull_hellos(self) -> None:
+        if not self.pending:
+            return
+        for reply in self.grid.pull_messages(list(self.pending)):
+            node = self.pending.pop(reply.metadata.reply_to_message_id, None)
+            if node is None:
+                continue
+            if reply.has_error():
+                if reply.error.code in _DROPOUT_CODES:
+                    continue
+                raise SiteFailure(f"node {node} failed to answer medfl's hello: {reply.error.reason}")
+            self._accept(node, reply)
+
+    def refresh(self, need: Iterable[str] = (), timeout: float | None = None) -> None:
+        """Ask new nodes who they are; re-ask nodes lost earlier (without waiting for
+        them); wait up to ``timeout`` (default ``hello_timeout``) for the hellos of new
+        nodes, or until every client of ``need`` is served.
+
+        Raises:
+            RunError: a node serves an unknown client or drew another partition.
+        """
+        wait = self.settings.hello_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        need = set(need)
+        while True:
+            online = set(self.grid.get_node_ids())
+            for node in sorted(online - self.asked):
+                self._push_hello(node)
+            waiting_for = set(self.pending.values())
+            for node in sorted((self.lost & online) - waiting_for - self.retired):
+                self._push_hello(node)   # a node that missed an exchange: ask again, do not wait
+            self._pull_hellos()
+            fresh = {n for n in self.pending.values() if n not in self.lost}
+            missing = need - set(self.nodes)
+            if (not fresh and not missing) or time.monotonic() >= deadline:
+                return
+            time.sleep(self.settings.poll_interval)
+
+    def drop(self, cid: str) -> None:
+        """Forget ``cid``'s node after it missed an exchange (it is asked again later)."""
+        node = self.nodes.pop(cid, None)
+        if node is not None:
+            self.lost.add(node)
+
+
+class FlowerRun(Run):
+    """A :class:`~medfl.engine.runner.Run` whose clients are Flower SuperNodes.
+
+    Args:
+        cfg: the resolved ``fl`` config.
+        method_spec: this run's entry of ``cfg["methods"]``.
+        run_dir: the run directory (on the coordinator's machine).
+        data: the coordinator's copy of the split (sizes, ids, names, ``partition.csv``;
+            no sample is read from it here).
+        grid: the ServerApp's grid.
+        settings: timeouts (:class:`FlowerSettings`).
+        fold: the cross-validation fold of this run (default: the ``fold`` of the
+            ``config.json`` beside ``run_dir``, as the runner writes it for each fold).
+
+    Raises:
+        RunError: the method pools every client's data (``centralized``): that cannot
+            run across sites.
+    """
+
+    def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
+                 data: FederatedData, grid: Grid, settings: FlowerSettings | None = None,
+                 fold: int | None = None) -> None:
+        super().__init__(cfg, method_spec, run_dir, data)
+        if self.coordinator.pools_data:
+            raise RunError(f"method {self.label!r} pools every client's data in one place; it cannot run "
+                           "across sites over Flower (run it in process)")
+        self.grid = grid
+        self.settings = settings or FlowerSettings()
+        if fold is None:
+            fold_cfg = Path(run_dir).parent / "config.json"
+            fold = json.loads(fold_cfg.read_text()).get("fold") if fold_cfg.is_file() else None
+        self.fold = None if fold is None else int(fold)
+        self.run_id = ""
+        self.session = ""
+        self.resume_round = 0
+        self._ckpt = 0
+        self._events: list[dict[str, Any]] = []
+        expected = {cid: (P.split_sizes(data, cid), P.partition_digest(data, cid))
+                    for cid in self.federation.eval_client_ids}
+        self.sites = SiteDirectory(grid, expected, fold, self.settings, self._log)
+        self._guards = {cid: SampleGuard(tuple(data.source.sample_shape),
+                                         tuple(sorted(set(P.split_sizes(data, cid).values()))))
+                        for cid in self.federation.eval_client_ids}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _log(self, event: dict[str, Any]) -> None:
+        row = {"time": time.time(), "session": self.session, "round": None, "phase": "",
+               "client_id": "", "node_id": "", "status": "", "seconds": float("nan"), **event}
+        row["node_id"] = "" if row["node_id"] is None else str(row["node_id"])
+        self._events.append(row)
+
+    def _flush_events(self) -> None:
+        if not self._events:
+            return
+        path = self.run_dir / "flower_events.csv"
+        df = pd.DataFrame(self._events)
+        df.to_csv(path, mode="a", header=not path.is_file(), index=False)
+        self._events.clear()
+
+    def prepare(self, resume: bool = False, read_only: bool = False) -> None:
+        """As :meth:`Run.prepare`, then open a Flower session: a run id the sites key
+        their state by (new for a fresh run, kept on resume, in ``flower.json``), and wait
+        up to ``connect_timeout`` for a node serving every client.
+
+        Raises:
+            RunError: some client has no node by then, or a node's partition differs.
+        """
+        super().prepare(resume=resume, read_only=read_only)
+        if read_only:
+            return
+        meta_path = self.run_dir / "flower.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        if not resume or not meta.get("run_id"):
+            meta["run_id"] = uuid.uuid4().hex
+        self.run_id = str(meta["run_id"])
+        self.session = uuid.uuid4().hex
+        self.resume_round = self._ckpt = self.start_round - 1
+        meta.setdefault("sessions", []).append({"session": self.session, "resumed_from": self.resume_round,
+                                                "started": time.time()})
+        tmp = meta_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta, indent=2))
+        tmp.replace(meta_path)
+        t0 = time.monotonic()
+        ids = self.federation.eval_client_ids
+        self.sites.refresh(need=ids, timeout=self.settings.connect_timeout)
+        missing = [c for c in ids if c not in self.sites.nodes]
+        self._log({"phase": "connect", "status": "ok" if not missing else "missing " + " ".join(missing),
+                   "seconds": time.monotonic() - t0})
+        self._flush_events()
+        if missing:
+            raise RunError(f"no SuperNode serves client(s) {missing} after {self.settings.connect_timeout:.0f} s "
+                           f"(connected: {sorted(self.sites.nodes)}); start a site per client with "
+                           "`medfl flower site --client-id ID ...`")
+
+    def _save_checkpoint(self, r: int) -> None:
+        super()._save_checkpoint(r)
+        self._ckpt = r
+        self._flush_events()
+
+    def _control(self, r: int, cid: str, **extra: Any) -> dict[str, Any]:
+        return {"protocol": P.PROTOCOL, "run": self.run_id, "session": self.session, "resume": self.resume_round,
+                "ckpt": self._ckpt, "round": r, "seed": self.federation.seed, "client": cid, "fold": self.fold,
+                "method": self.method_spec, "model": self.federation.model_spec(cid),
+                "train": dict(self.federation.train), **extra}
+
+    def _instruction_content(self, r: int, cid: str, ins: Instruction, **extra: Any) -> RecordDict:
+        content = RecordDict()
+        wire.put_json(content, P.CONTROL, self._control(r, cid, **extra))
+        wire.put(content, "ins.payload", ins.payload, f"instruction to client {cid}")
+        wire.put(content, "ins.config", ins.config, f"instruction config to client {cid}")
+        return content
+
+    # ------------------------------------------------------------------ one exchange
+    def exchange(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict]
+                 ) -> dict[str, Message]:
+        """Send each client's content to its node and collect the answers.
+
+        Returns the replies of the clients that answered in time, in the engine's client
+        order; a client without a node, one whose node is unavailable and one that has
+        not answered within ``round_timeout`` are left out (and logged).
+
+        Raises:
+            SiteFailure: a site's ClientApp raised an error.
+        """
+        self.sites.refresh()
+        t0 = time.monotonic()
+        by_msg: dict[str, str] = {}
+        sent_at: dict[str, float] = {}
+        msgs, order = [], []
+        for cid in _order(outgoing):
+            node = self.sites.nodes.get(cid)
+            if node is None:
+                self._log({"round": r, "phase": phase, "client_id": cid, "status": "absent"})
+                continue
+            msgs.append(Message(outgoing[cid], dst_node_id=node, message_type=message_type, group_id=str(r),
+                                ttl=self.settings.round_timeout + 60.0))
+            order.append(cid)
+        for cid, mid in zip(order, self.grid.push_messages(msgs)):
+            by_msg[mid] = cid
+            sent_at[cid] = time.monotonic()
+        del msgs
+        replies: dict[str, Message] = {}
+        deadline = t0 + self.settings.round_timeout
+        while by_msg and time.monotonic() < deadline:
+            for reply in self.grid.pull_messages(list(by_msg)):
+                cid = by_msg.pop(reply.metadata.reply_to_message_id, None)
+                if cid is None:
+                    continue
+                node = self.sites.nodes.get(cid)
+                secs = time.monotonic() - sent_at[cid]
+                if reply.has_error():
+                    code, reason = reply.error.code, reply.error.reason or ""
+                    if code in _DROPOUT_CODES:
+                        self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
+                                   "status": f"dropped (error {code})", "seconds": secs})
+                        self.sites.drop(cid)
+                        continue
+                    self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
+                               "status": f"failed (error {code})", "seconds": secs})
+                    self._flush_events()
+                    raise SiteFailure(f"site {cid} failed in {phase} of round {r} (Flower error {code}): {reason}")
+                ctl = wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}")
+                if str(ctl.get("client")) != cid:
+                    raise RunError(f"{phase} of round {r}: node {node} answered as client {ctl.get('client')!r}, "
+                                   f"but serves client {cid!r} for this run")
+                replies[cid] = reply
+                self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node, "status": "ok",
+                           "seconds": secs})
+            if by_msg:
+                time.sleep(self.settings.poll_interval)
+        for cid in by_msg.values():
+            self._log({"round": r, "phase": phase, "client_id": cid, "node_id": self.sites.nodes.get(cid),
+                       "status": "timeout", "seconds": time.monotonic() - sent_at[cid]})
+            print(f"medfl flower: round {r}: site {cid} did not answer {phase} within "
+                  f"{self.settings.round_timeout:.0f} s; left out", file=sys.stderr, flush=True)
+            self.sites.drop(cid)
+        self._log({"round": r, "phase": phase + ":all", "status": f"{len(replies)}/{len(outgoing)}",
+                   "seconds": time.monotonic() - t0})
+        return {cid: replies[cid] for cid in _order(replies)}
+
+    # ------------------------------------------------------------------ the transport seam
+    def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
+        """Send every addressed client its instruction as a ``train`` message; return the
+        replies of the sites that answered, in the engine's client order. Each reply is
+        checked on arrival: tensors and numbers only, nothing shaped like the site's
+        images or per-sample labels (:func:`~medfl.messages.validate_payload`)."""
+        outgoing = {cid: self._instruction_content(r, cid, ins) for cid, ins in instructions.items()}
+        answers = self.exchange(r, "train", P.TRAIN, outgoing)
+        replies: dict[str, Reply] = {}
+        for cid, msg in answers.items():
+            where = f"reply of site {cid} in round {r}"
+            payload = wire.take(msg.content, "reply.payload", where, allow_str=False)
+            metrics = wire.take(msg.content, "reply.metrics", where + " (metrics)", allow_str=False)
+            validate_payload(payload, where, allow_str=False, guard=self._guards[cid],
+                             exempt=self.coordinator.payload_exemptions)
+            if not isinstance(payload, dict) or not isinstance(metrics, dict):
+                raise PayloadError(f"{where}: payload and metrics must be dicts")
+            ctl = wire.take_json(msg.content, P.CONTROL, where)
+            replies[cid] = Reply(payload=payload, metrics=metrics, num_examples=int(ctl.get("num_examples", 0)))
+        return replies
+
+    def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
+                         ) -> dict[str, dict[str, dict[str, float]]]:
+        """Each site scores its client's evaluation model of round ``r`` on its own splits.
+
+        With ``cross_test``, the sites also return their evaluation model's state; the
+        coordinator sends every model to every site (``evaluate.score``), which scores them
+        on its local test split and returns only metrics; the per-pair scores and their
+        mean are assembled as in process (a site that is out counts as neither model nor
+        data for that round)."""
+        own = [s for s in splits if s != "cross_test"]
+        cross = "cross_test" in splits
+        ids = self.federation.eval_client_ids
+        outgoing = {cid: self._instruction_content(r, cid, evals.get(cid, Instruction()), splits=own,
+                                                   want_model=cross) for cid in ids}
+        answers = self.exchange(r, "evaluate", P.EVALUATE, outgoing)
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        models: dict[str, Any] = {}
+        for cid, msg in answers.items():
+            where = f"evaluation of site {cid} in round {r}"
+            ctl = wire.take_json(msg.content, P.CONTROL, where)
+            out[cid] = {}
+            for split in ctl.get("splits", []):
+                out[cid][str(split)] = wire.read_metrics(msg.content.get(f"eval.{split}"), f"{where} ({split})")
+            if cross:
+                state = wire.take(msg.content, "model", where + " (model)", allow_str=False)
+                validate_payload(state, where + " (model)", allow_str=False, guard=self._guards[cid])
+                models[cid] = state
+        if cross and models:
+            specs = {cid: self.federation.model_spec(cid) for cid in models}
+            outgoing = {}
+            for cid in ids:
+                content = RecordDict()
+                wire.put_json(content, P.CONTROL, self._control(r, cid, specs=specs))
+                wire.put(content, "models", models, f"cross_test models to site {cid}")
+                outgoing[cid] = content
+            scored = self.exchange(r, "score", P.SCORE, outgoing)
+            del models, outgoing
+            by_owner: dict[str, dict[str, dict[str, float]]] = {}
+            for data_cid, msg in scored.items():
+                for key in msg.content:
+                    if key.startswith("score."):
+                        owner = key[len("score."):]
+                        by_owner.setdefault(owner, {})[data_cid] = wire.read_metrics(
+                            msg.content[key], f"cross_test of client {owner} at site {data_cid}")
+            for owner in _order(by_owner):
+                if owner not in out:
+                    continue
+                per_peer = []
+                for data_cid in _order(by_owner[owner]):
+                    out[owner][f"cross_test@{data_cid}"] = by_owner[owner][data_cid]
+                    per_peer.append(by_owner[owner][data_cid])
+                out[owner]["cross_test"] = cross_test_mean(per_peer)
+        return out
+
+
+# ---------------------------------------------------------------------- experiments
+def _factory(grid: Grid, settings: FlowerSettings | None) -> Any:
+    """The runner's ``run_factory`` building :class:`FlowerRun` on ``grid``."""
+    def build(cfg: dict[str, Any], spec: dict[str, Any], run_dir: Path, data: FederatedData) -> FlowerRun:
+        return FlowerRun(cfg, spec, run_dir, data, grid, settings)
+    return build
+
+
+def run_flower_experiment(cfg: dict[str, Any], grid: Grid, settings: FlowerSettings | None = None
+                          ) -> dict[str, Any]:
+    """Run every method of a resolved config over Flower: the in-process
+    :func:`medfl.engine.runner.run_experiment` with :class:`FlowerRun` as its runs (same
+    directory layout, ``comparison.csv``, cross-validation folds in ``fold_<k>/``; the
+    ``config.json`` files say ``"engine": "flower"``)."""
+    return run_experiment(cfg, run_factory=_factory(grid, settings), meta={"engine": "flower"})
+
+
+def resume_flower(path: str | Path, grid: Grid, settings: FlowerSettings | None = None,
+                  rounds: int | None = None) -> dict[str, Any]:
+    """Continue a stopped Flower run, experiment or cross-validated experiment directory
+    over Flower (:func:`medfl.engine.runner.resume` with :class:`FlowerRun`); its sites keep
+    their state under the run id in each run's ``flower.json`` and roll back what they
+    wrote after the last checkpoint."""
+    return resume(path, rounds, run_factory=_factory(grid, settings))
+
+
+# ---------------------------------------------------------------------- the ServerApp
+#: The run-config keys of medfl's Flower app and their defaults (``flwr run --run-config``).
+RUN_CONFIG: dict[str, Any] = {
+    "config": "",            # the bundle config (train.json) on the SuperLink's machine
+    "overrides": "{}",       # JSON of '#'-path overrides: {"fl#rounds": 3}
+    "workdir": "",           # where relative paths of the config are read
+    "resume": "",            # a stopped Flower run directory to continue instead
+    "rounds": 0,             # with resume: a new total number of rounds (0: as configured)
+    "result-file": "",       # where to write the result as JSON (on the SuperLink's machine)
+    "round-timeout": 600.0,
+    "connect-timeout": 300.0,
+    "hello-timeout": 60.0,
+    "poll-interval": 0.2,
+}
+
+
+def serve(grid: Grid, run_config: dict[str, Any]) -> dict[str, Any]:
+    """The ServerApp's work: run (or resume) the configured experiment over ``grid``.
+
+    Raises:
+        RunError: the run config names no bundle config, or the run fails.
+    """
+    import os
+
+    from medfl.bundle import load_bundle_config, print_result
+    from medfl.config import resolve_config
+
+    rc = {**RUN_CONFIG, **{k: v for k, v in run_config.items()}}
+    if rc["workdir"]:
+        os.chdir(str(rc["workdir"]))
+    settings = FlowerSettings.from_run_config(rc)
+    if rc["resume"]:
+        result = resume_flower(str(rc["resume"]), grid, settings, int(rc["rounds"]) or None)
+    else:
+        if not rc["config"]:
+            raise RunError("medfl flower: the run config names no bundle config; "
+                           "use `medfl flower run CONFIG` or --run-config \"config='/abs/train.json'\"")
+        overrides = json.loads(str(rc["overrides"]) or "{}")
+        cfg = resolve_config(load_bundle_config(str(rc["config"]), overrides))
+        result = run_flower_experiment(cfg, grid, settings)
+    print_result(result)
+    return result
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """medfl's coordinator as a Flower ServerApp (``flwr run``): reads the run config
+    (:data:`RUN_CONFIG`), runs the experiment and, with ``result-file``, writes
+    ``{"ok": true, "dir": ...}`` or ``{"ok": false, "error": ...}`` there."""
+    rc = dict(context.run_config)
+    result_file = str(rc.get("result-file", "") or "")
+    try:
+        result = serve(grid, rc)
+    except BaseException as exc:
+        if result_file:
+            Path(result_file).write_text(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                                     "traceback": traceback.format_exc()}))
+        raise
+    if result_file:
+        Path(result_file).write_text(json.dumps({"ok": True, "dir": result["dir"]}, default=str))

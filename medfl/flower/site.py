@@ -1,0 +1,364 @@
+"""A medfl site: the Flower ``ClientApp`` a SuperNode runs where one client's data lives.
+
+The SuperNode is started with a node config naming the site (``medfl flower site`` writes
+it)::
+
+    flower-supernode --insecure --superlink HOST:PORT \\
+        --node-config "client-id='0' config='/abs/train.json' state-dir='/abs/site0'"
+
+``client-id``
+    the client this site serves (an id of the experiment's partition, ``0``...).
+``config``
+    a medfl bundle config (``train.json``) whose ``fl`` section says where the data is
+    (``dataset``) and how the federation's partition is drawn (``seed``, ``num_clients``,
+    ``partition``, ``client_split``, ``global_test_fraction``, ``cv``...). The site draws
+    the split itself with :func:`medfl.engine.data.split_data`, exactly as the in-process
+    engine does, and keeps only its own rows (plus the global test rows); the coordinator
+    checks the result against its own through :func:`~medfl.flower.protocol.partition_digest`.
+``state-dir``
+    where this site keeps each run's persistent client state
+    (``<state-dir>/<run id>/site_<client id>/clients/``, a
+    :class:`~medfl.engine.client.ClientStore` versioned by round as in process) and its
+    evaluation memory (``.../eval_state/``). Nothing of it is sent to the coordinator.
+``overrides`` (optional)
+    JSON of ``#``-path overrides of the config (``{"fl#dataset#root": "/data"}``).
+``workdir`` (optional)
+    directory in which relative paths of the config are read (default: the SuperNode's).
+``device`` (optional)
+    torch device for this site's training (default: the config's ``device``).
+
+Which method runs, the model of each client, the local-training settings and the run seed
+come from the coordinator with every message. Each message is handled by the same
+functions the in-process engine calls (:func:`~medfl.engine.client.run_client_update`,
+:func:`~medfl.engine.client.run_client_evaluate`) on a
+:class:`~medfl.engine.client.ClientContext` built as :meth:`medfl.engine.runner.Run.context`
+builds it, so the same seed gives the same numbers. Every payload is checked on receipt and
+before it leaves (:func:`medfl.messages.validate_payload`): tensors and numbers only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from torch.utils.data import DataLoader
+
+from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
+from medfl.engine.data import FederatedData, split_data
+from medfl.flower import protocol as P
+from medfl.flower import wire
+from medfl.messages import Instruction, PayloadError, validate_payload
+from medfl.method import Method, derive_seed
+
+__all__ = ["SiteSettings", "Site", "SiteError", "handle", "handle_locally", "site_for", "app"]
+
+
+class SiteError(RuntimeError):
+    """A site cannot serve a message (wrong client id, bad node config, unknown protocol)."""
+
+
+@dataclass
+class SiteSettings:
+    """A site's node config (see the module docstring).
+
+    Attributes:
+        client_id: the client this site serves.
+        config: the bundle config file.
+        state_dir: the site's state directory.
+        overrides: ``#``-path overrides of the config.
+        workdir: where relative paths of the config are read (``None``: the current one).
+        device: torch device (``None``: the config's).
+    """
+
+    client_id: str
+    config: Path
+    state_dir: Path
+    overrides: dict[str, Any] = field(default_factory=dict)
+    workdir: Path | None = None
+    device: str | None = None
+
+    @classmethod
+    def from_node_config(cls, node_config: dict[str, Any]) -> "SiteSettings":
+        """Read a SuperNode's ``--node-config``.
+
+        Raises:
+            SiteError: a required key is missing or a value is malformed.
+        """
+        missing = [k for k in ("client-id", "config", "state-dir") if k not in node_config]
+        if missing:
+            raise SiteError(f"medfl site: node config lacks {', '.join(missing)}; start the SuperNode with "
+                            "--node-config \"client-id='0' config='/path/train.json' state-dir='/path/state'\" "
+                            f"(got keys {sorted(node_config)})")
+        overrides: dict[str, Any] = {}
+        raw = str(node_config.get("overrides", "") or "")
+        if raw:
+            try:
+                overrides = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise SiteError(f"medfl site: node config 'overrides' is not JSON: {exc}") from None
+            if not isinstance(overrides, dict):
+                raise SiteError("medfl site: node config 'overrides' must be a JSON object")
+        workdir = str(node_config.get("workdir", "") or "")
+        device = str(node_config.get("device", "") or "")
+        return cls(client_id=str(node_config["client-id"]), config=Path(str(node_config["config"])),
+                   state_dir=Path(str(node_config["state-dir"])), overrides=overrides,
+                   workdir=Path(workdir) if workdir else None, device=device or None)
+
+
+def _seed_all(seed: int) -> None:
+    """Seed torch and NumPy as :func:`medfl.engine.client.run_client_evaluate` does."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+class Site:
+    """One site: its config, its split of the data and its state stores.
+
+    Args:
+        settings: the node config.
+    """
+
+    def __init__(self, settings: SiteSettings) -> None:
+        from medfl.bundle import load_bundle_config
+        from medfl.config import resolve_config
+
+        self.settings = settings
+        self.client_id = settings.client_id
+        if settings.workdir is not None:
+            os.chdir(settings.workdir)
+        if not settings.config.is_file():
+            raise SiteError(f"medfl site {self.client_id}: config {settings.config} not found "
+                            f"(paths in the node config are read on the site's machine, from {Path.cwd()})")
+        self.cfg = resolve_config(load_bundle_config(settings.config, settings.overrides))
+        self.device = settings.device or str(self.cfg["device"])
+        self._data: dict[int | None, FederatedData] = {}
+        self._source: Any = None
+
+    # ------------------------------------------------------------------ data and state
+    def data(self, fold: int | None) -> FederatedData:
+        """This site's view of the split (``fold`` of a cross-validated experiment)."""
+        if fold not in self._data:
+            from medfl.engine.runner import build_source
+
+            if self._source is None:
+                self._source = build_source(self.cfg["dataset"])
+            data = split_data(self._source, self.cfg, fold=fold)
+            if self.client_id not in data.client_ids:
+                raise SiteError(f"medfl site: client id {self.client_id!r} is not in this config's partition "
+                                f"(clients {data.client_ids}); check client-id and num_clients")
+            self._data[fold] = data
+        return self._data[fold]
+
+    def _root(self, ctl: dict[str, Any]) -> Path:
+        run = str(ctl["run"])
+        if not run or "/" in run or run.startswith("."):
+            raise SiteError(f"medfl site: bad run id {run!r}")
+        return self.settings.state_dir / run / f"site_{self.client_id}"
+
+    def stores(self, ctl: dict[str, Any]) -> tuple[ClientStore, ClientStore]:
+        """The run's client-state and evaluation-memory stores, brought in line with the
+        coordinator: the first message of a new coordinator session rolls back versions
+        written after the round the session resumed from (as ``Run.prepare(resume=True)``
+        does in process), and every message prunes versions the coordinator's last
+        checkpoint no longer needs (as ``Run._save_checkpoint``)."""
+        root = self._root(ctl)
+        store, eval_store = ClientStore(root / "clients"), ClientStore(root / "eval_state")
+        marker = root / "session.json"
+        session = str(ctl["session"])
+        seen = json.loads(marker.read_text()).get("session") if marker.is_file() else None
+        if seen != session:
+            k = int(ctl["resume"])
+            store.rollback(k)
+            eval_store.rollback(k)
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"session": session, "resumed_from": k}))
+            tmp.replace(marker)
+        ckpt = int(ctl.get("ckpt", 0))
+        if ckpt > 0:
+            store.prune(ckpt)
+            eval_store.prune(ckpt)
+        return store, eval_store
+
+    def method(self, ctl: dict[str, Any]) -> Method:
+        """The method's client role, built from the coordinator's method entry."""
+        from medfl.plugins import lookup
+
+        spec = dict(ctl["method"])
+        cls: type[Method] = lookup("method", spec["name"])
+        return cls.from_config({k: v for k, v in spec.items() if k not in ("name", "label")})
+
+    def context(self, ctl: dict[str, Any], store: ClientStore, state_before: int | None = None) -> ClientContext:
+        """This client's context for the message's round, as ``Run.context`` builds it."""
+        cid, r = self.client_id, int(ctl["round"])
+        data = self.data(ctl.get("fold"))
+        return ClientContext(
+            client_id=cid, round=r, seed=derive_seed(int(ctl["seed"]), r, cid),
+            datasets=data.dataset_factories(cid, P.ROLES), model_spec=dict(ctl["model"]),
+            train=dict(ctl["train"]), device=self.device,
+            state=store.load(cid, r if state_before is None else state_before),
+            sample_shape=tuple(data.source.sample_shape), split_sizes=P.split_sizes(data, cid),
+        )
+
+    def check(self, ctl: dict[str, Any]) -> None:
+        """Refuse a message of another protocol or addressed to another client."""
+        if int(ctl.get("protocol", -1)) != P.PROTOCOL:
+            raise SiteError(f"medfl site {self.client_id}: message of protocol {ctl.get('protocol')}, "
+                            f"this site speaks {P.PROTOCOL} (same medfl version on both sides?)")
+        if "client" in ctl and str(ctl["client"]) != self.client_id:
+            raise SiteError(f"medfl site {self.client_id}: message addressed to client {ctl['client']!r}")
+
+    # ------------------------------------------------------------------ the steps
+    def hello(self, ctl: dict[str, Any]) -> dict[str, Any]:
+        """Who this site is and what its partition looks like (no data, no state)."""
+        data = self.data(ctl.get("fold"))
+        return {"protocol": P.PROTOCOL, "client": self.client_id, "sizes": P.split_sizes(data, self.client_id),
+                "digest": P.partition_digest(data, self.client_id)}
+
+    def train(self, ctl: dict[str, Any], ins: Instruction) -> tuple[Any, int, dict[str, Any]]:
+        """Run the method's ``client_update``; save the client's state at the site."""
+        store, _ = self.stores(ctl)
+        method = self.method(ctl)
+        ctx = self.context(ctl, store)
+        reply = run_client_update(method, ctx, ins)
+        if ctx.state or store.has(self.client_id):  # stateless methods write nothing
+            store.save(self.client_id, int(ctl["round"]), ctx.state)
+        # the wire side checks again what leaves the site
+        validate_payload(reply.payload, f"reply of site {self.client_id}", allow_str=False, guard=ctx.guard,
+                         exempt=method.payload_exemptions)
+        return reply.payload, int(reply.num_examples), dict(reply.metrics)
+
+    def evaluate(self, ctl: dict[str, Any], ins: Instruction) -> tuple[dict[str, dict[str, float]],
+                                                                          dict[str, torch.Tensor] | None]:
+        """Score the client's evaluation model of the round on its own splits (and return
+        the model's state when the coordinator asks for it, for ``cross_test``)."""
+        from medfl.engine.runner import evaluate_metrics
+
+        store, eval_store = self.stores(ctl)
+        method = self.method(ctl)
+        r = int(ctl["round"])
+        ctx = self.context(ctl, store, state_before=r + 1)
+        memory = eval_store.load(self.client_id, r)
+        splits = [str(s) for s in ctl["splits"]]
+        out = run_client_evaluate(method, ctx, ins, splits, evaluate_metrics, {}, memory=memory)
+        eval_store.save(self.client_id, r, memory)
+        state = None
+        if ctl.get("want_model"):
+            ctx = self.context(ctl, store, state_before=r + 1)
+            _seed_all(derive_seed(ctx.seed, "eval"))  # as run_client_evaluate builds it
+            model = method.client_eval_model(ctx, ins)
+            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            validate_payload(state, f"evaluation model of site {self.client_id}", allow_str=False, guard=ctx.guard)
+        return out, state
+
+    def score(self, ctl: dict[str, Any], models: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, float]]:
+        """``cross_test`` at this site: each given model scored on this client's test split."""
+        from medfl.engine.runner import evaluate_metrics
+        from medfl.engine.training import predict_proba
+        from medfl.models.registry import build_model
+
+        data = self.data(ctl.get("fold"))
+        specs: dict[str, Any] = dict(ctl["specs"])
+        ds = data.dataset_factories(self.client_id, ["test"])["test"]()
+        bs = int(dict(ctl["train"]).get("eval_batch_size", 64))
+        out: dict[str, dict[str, float]] = {}
+        for owner in sorted(models, key=lambda s: (len(s), s)):
+            model = build_model(dict(specs[owner]))
+            try:
+                model.load_state_dict(models[owner], strict=True)
+            except RuntimeError as exc:
+                raise SiteError(f"cross_test: the evaluation model of client {owner} is not a model of its "
+                                f"spec {specs[owner]} ({str(exc).splitlines()[0]}); cross_test over Flower "
+                                "needs the method's evaluation model to be the client's registered model") from None
+            y, p = predict_proba(model, DataLoader(ds, batch_size=bs, shuffle=False), self.device)
+            out[owner] = evaluate_metrics(y, p)
+        return out
+
+
+# ---------------------------------------------------------------------- message handling
+_SITES: dict[str, Site] = {}
+
+
+def site_for(node_config: dict[str, Any]) -> Site:
+    """The :class:`Site` of a node config (one per process and config)."""
+    settings = SiteSettings.from_node_config(node_config)
+    key = json.dumps([settings.client_id, str(settings.config), str(settings.state_dir),
+                      settings.overrides, str(settings.workdir), settings.device], sort_keys=True)
+    if key not in _SITES:
+        _SITES[key] = Site(settings)
+    return _SITES[key]
+
+
+def _answer(site: Site, content: RecordDict, **control: Any) -> RecordDict:
+    wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "client": site.client_id, **control})
+    return content
+
+
+def _instruction(content: RecordDict, where: str) -> Instruction:
+    return Instruction(payload=wire.take(content, "ins.payload", where),
+                       config=wire.take(content, "ins.config", where + " (config)"))
+
+
+def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
+    """Answer one medfl message (:mod:`medfl.flower.protocol`) at ``site``: decode and
+    check what came in, run the step, encode and check what goes out.
+
+    Raises:
+        SiteError: unknown message type, wrong protocol or client id.
+        PayloadError: something other than tensors and scalars in or out.
+    """
+    ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
+    site.check(ctl)
+    me = f"site {site.client_id}"
+    if message_type == P.HELLO:
+        info = site.hello(ctl)
+        return _answer(site, RecordDict(), sizes=info["sizes"], digest=info["digest"])
+    if message_type == P.TRAIN:
+        payload, n, metrics = site.train(ctl, _instruction(content, f"instruction to {me}"))
+        out = RecordDict()
+        wire.put(out, "reply.payload", payload, f"reply of {me}", allow_str=False)
+        wire.put(out, "reply.metrics", metrics, f"reply metrics of {me}", allow_str=False)
+        return _answer(site, out, num_examples=n)
+    if message_type == P.EVALUATE:
+        results, state = site.evaluate(ctl, _instruction(content, f"evaluation instruction to {me}"))
+        out = RecordDict()
+        for split, m in results.items():
+            out[f"eval.{split}"] = wire.metrics_record(m, f"evaluation of {me} ({split})")
+        if state is not None:
+            wire.put(out, "model", state, f"evaluation model of {me}", allow_str=False)
+        return _answer(site, out, splits=list(results))
+    if message_type == P.SCORE:
+        models = wire.take(content, "models", f"cross_test models sent to {me}")
+        if not isinstance(models, dict):
+            raise PayloadError(f"cross_test models sent to {me}: expected a dict")
+        results = site.score(ctl, models)
+        out = RecordDict()
+        for owner, m in results.items():
+            out[f"score.{owner}"] = wire.metrics_record(m, f"cross_test score at {me}")
+        return _answer(site, out, owners=list(results))
+    raise SiteError(f"{me}: unknown message type {message_type!r}")
+
+
+def handle_locally(node_config: dict[str, Any], message_type: str, content: RecordDict) -> RecordDict:
+    """:func:`handle` in this process, for the site named by ``node_config``."""
+    return handle(site_for(node_config), message_type, content)
+
+
+def _local(msg: Message, context: Context) -> Message:
+    return Message(handle_locally(dict(context.node_config), msg.metadata.message_type, msg.content), reply_to=msg)
+
+
+#: The ClientApp handling every message in the ClientApp process itself (no site worker);
+#: ``medfl flower`` uses the lighter :mod:`medfl.flower.proxy` instead.
+app = ClientApp()
+app.query("hello")(_local)
+app.train()(_local)
+app.evaluate()(_local)
+app.evaluate("score")(_local)

@@ -1,0 +1,165 @@
+"""The site worker: a long-lived process beside a site's SuperNode that handles its messages.
+
+``medfl flower site`` runs :func:`run_site`: it opens the worker's Unix socket, starts
+``flower-supernode`` as its child with the socket in the node config (``worker=...``), and
+answers the messages the per-message ClientApp processes (:mod:`medfl.flower.proxy`)
+forward to it, one at a time, with :func:`medfl.flower.site.handle`. The site's config,
+its split of the data, torch, MONAI and the method plugins stay loaded between messages;
+the persistent client state is on disk in the site's state directory either way, so a
+worker that is restarted continues where it left off.
+
+When the SuperNode exits, the worker exits too; when the worker is ended (SIGTERM,
+SIGINT), it ends the SuperNode first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+from medfl.flower.proxy import decode_records, encode_records, recv_frame, send_frame
+from medfl.flower.site import Site, SiteSettings, handle
+
+__all__ = ["SiteWorker", "run_site", "socket_for"]
+
+
+class SiteWorker:
+    """Answer forwarded messages for one site on a Unix socket.
+
+    Args:
+        settings: the site's node config.
+        socket_path: where to listen (created; removed on close).
+    """
+
+    def __init__(self, settings: SiteSettings, socket_path: str | Path) -> None:
+        self.settings = settings
+        self.socket_path = str(socket_path)
+        self.site: Site | None = None
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.socket_path)
+        self.server.listen(16)
+        self._stop = threading.Event()
+
+    def _site(self) -> Site:
+        if self.site is None:
+            self.site = Site(self.settings)
+        return self.site
+
+    def handle_connection(self, conn: socket.socket) -> None:
+        """Read one request from ``conn``, answer it (an error travels back as text)."""
+        with conn:
+            try:
+                header = json.loads(recv_frame(conn))
+                content = decode_records(recv_frame(conn))
+            except Exception:  # noqa: BLE001 - a broken request: drop the connection
+                return
+            try:
+                out = handle(self._site(), str(header.get("type", "")), content)
+                answer = encode_records(out)
+            except Exception as exc:  # noqa: BLE001 - reported to the ClientApp, which raises it
+                msg = f"{type(exc).__name__}: {exc}"
+                print(f"medfl site {self.settings.client_id}: {msg}\n{traceback.format_exc()}",
+                      file=sys.stderr, flush=True)
+                send_frame(conn, json.dumps({"ok": False, "error": msg}).encode())
+                return
+            send_frame(conn, json.dumps({"ok": True}).encode())
+            send_frame(conn, answer)
+
+    def serve_forever(self) -> None:
+        """Handle connections one after another until :meth:`stop`."""
+        self.server.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                raise
+            conn.settimeout(None)
+            self.handle_connection(conn)
+
+    def stop(self) -> None:
+        """Stop serving and remove the socket."""
+        self._stop.set()
+        try:
+            self.server.close()
+        finally:
+            if os.path.exists(self.socket_path):
+                os.unlink(self.socket_path)
+
+
+def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a site: the worker in this process, ``supernode_cmd`` (whose node config must
+    carry ``worker='<socket>'``, see :func:`socket_for`) as its child. Returns the
+    SuperNode's exit code.
+
+    Args:
+        settings: the site's node config.
+        supernode_cmd: the ``flower-supernode`` command, built with the socket path.
+        env: the SuperNode's environment.
+    """
+    sock_path = _socket_from_command(supernode_cmd)
+    worker = SiteWorker(settings, sock_path)
+    try:
+        worker._site()  # load config and data now: errors show at start, not at the first message
+    except Exception:
+        worker.stop()
+        raise
+    child = subprocess.Popen(supernode_cmd, env=env)
+
+    def _end(signum: int, _frame: Any) -> None:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, _end)
+    signal.signal(signal.SIGINT, _end)
+    watcher = threading.Thread(target=lambda: (child.wait(), worker.stop()), daemon=True)
+    watcher.start()
+    print(f"medfl site {settings.client_id}: worker on {sock_path}, SuperNode pid {child.pid}", flush=True)
+    try:
+        worker.serve_forever()
+    finally:
+        worker.stop()
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        shutil_rmtree(Path(sock_path).parent)
+    return int(child.returncode or 0)
+
+
+def socket_for() -> str:
+    """A fresh short Unix-socket path (socket paths are limited to about 100 characters)."""
+    return str(Path(tempfile.mkdtemp(prefix="medfl-site-")) / "worker.sock")
+
+
+def _socket_from_command(cmd: list[str]) -> str:
+    i = cmd.index("--node-config")
+    for item in cmd[i + 1].split(" "):
+        if item.startswith("worker="):
+            return item.split("=", 1)[1].strip("'\"")
+    raise ValueError("the SuperNode command's --node-config has no worker='<socket>' entry")
+
+
+def shutil_rmtree(path: Path) -> None:
+    """Remove the worker's temporary socket directory (ignoring errors)."""
+    import shutil
+
+    if path.name.startswith("medfl-site-"):
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,313 @@
+"""The Flower coordinator (:class:`FlowerRun`) and sites (:class:`Site`) in one process.
+
+A loop-back grid stands in for the SuperLink: every message is serialized to Flower's
+protobuf and back (as on the wire), handed to the addressed node's :class:`Site` with
+:func:`medfl.flower.site.handle`, and its answer serialized back. So these tests run the
+coordinator's and the sites' real code, fast and deterministically: the same numbers as in
+process, state kept at the sites, dropouts and rejoins, resume, and what the coordinator
+refuses. ``test_flower.py`` runs the same jobs over real Flower processes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pandas as pd
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
+
+from flwr.app import Error, Message, RecordDict  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from medfl.config import resolve_config  # noqa: E402
+from medfl.engine.data import split_data  # noqa: E402
+from medfl.engine.runner import Run, RunError, build_source, run_experiment  # noqa: E402
+from medfl.flower import protocol as P  # noqa: E402
+from medfl.flower import wire  # noqa: E402
+from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
+from medfl.flower.server import FlowerRun, FlowerSettings, SiteFailure, resume_flower, run_flower_experiment  # noqa: E402
+from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
+from medfl.messages import PayloadError  # noqa: E402
+
+from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config, numeric_equal, write_config  # noqa: E402
+
+FAST = FlowerSettings(round_timeout=2.0, connect_timeout=5.0, hello_timeout=2.0, poll_interval=0.01)
+
+#: ``(node, message type, control fields, reply content) -> reply content``
+Tamper = Callable[[int, str, dict[str, Any], RecordDict], RecordDict]
+
+
+class LoopGrid:
+    """A Flower ``Grid`` whose nodes are :class:`Site` objects in this process.
+
+    Args:
+        sites: node id -> the site it runs.
+        rule: ``(node, message type, control fields) -> "ok" | "unavailable" | "silent"``:
+            answer, answer with Flower's NODE_UNAVAILABLE error, or never answer.
+        tamper: rewrites a site's reply before it travels back.
+    """
+
+    def __init__(self, sites: dict[int, Site], rule: Callable[[int, str, dict[str, Any]], str] | None = None,
+                 tamper: Tamper | None = None) -> None:
+        self.sites = dict(sites)
+        self.rule = rule
+        self.tamper = tamper
+        self.pending: dict[str, tuple[Message, str, dict[str, Any]]] = {}
+        self.sent: list[tuple[int, str, int]] = []   # (node, message type, round)
+        self._n = 0
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(self.sites)
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        ids = []
+        for msg in messages:
+            self._n += 1
+            mid = f"m{self._n}"
+            msg.metadata.__dict__["_message_id"] = mid   # the SuperLink's job
+            node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
+            ctl = wire.take_json(msg.content, P.CONTROL, "loop grid")
+            self.sent.append((node, kind, int(ctl.get("round", 0) or 0)))
+            what = self.rule(node, kind, ctl) if self.rule else "ok"
+            ids.append(mid)
+            if what != "silent":   # answered when pulled, as a node answers after the push
+                self.pending[mid] = (msg, what, ctl)
+        return ids
+
+    def _answer(self, msg: Message, what: str, ctl: dict[str, Any]) -> Message:
+        node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
+        if what == "unavailable" or node not in self.sites:
+            return Message(Error(code=5, reason="node unavailable"), reply_to=msg)
+        try:
+            out = handle(self.sites[node], kind, decode_records(encode_records(msg.content)))
+            if self.tamper:
+                out = self.tamper(node, kind, ctl, out)
+            return Message(decode_records(encode_records(out)), reply_to=msg)
+        except Exception as exc:  # noqa: BLE001 - as Flower reports a ClientApp exception
+            return Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
+
+    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        return [self._answer(*self.pending.pop(m)) for m in message_ids if m in self.pending]
+
+
+@pytest.fixture(autouse=True)
+def task_identity() -> Iterator[None]:
+    """Flower stamps messages with the running task's identity (set by its ServerApp process)."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def _sites(work: Path, fl: dict[str, Any], tag: str = "") -> dict[int, Site]:
+    """Sites 0, 1, 2 as nodes 101, 102, 103, each with its own state directory."""
+    cfg = write_config(work / f"site{tag}.json", fl)
+    return {101 + i: Site(SiteSettings(client_id=str(i), config=cfg, state_dir=work / f"state{tag}" / f"site{i}"))
+            for i in range(3)}
+
+
+def _run_both(work: Path, name: str, job: dict[str, Any], grid_kw: dict[str, Any] | None = None
+              ) -> tuple[Path, Path, LoopGrid]:
+    fl = fl_config(work, name, job)
+    grid = LoopGrid(_sites(work, fl), **(grid_kw or {}))
+    out = run_flower_experiment(resolve_config(fl), grid, FAST)
+    ref = run_experiment(resolve_config({**fl, "name": name + "_ref"}))
+    label = fl["methods"][0]["name"]
+    return Path(out["dir"]) / label, Path(ref["dir"]) / label, grid
+
+
+def _no_state_at_coordinator(run_dir: Path) -> None:
+    for sub in ("clients", "eval_state"):
+        assert not list((run_dir / sub).rglob("state_r*.pt")), f"client state at the coordinator ({sub})"
+
+
+def test_fedavg_over_the_grid_equals_in_process(tmp_path: Path) -> None:
+    flower, local, grid = _run_both(tmp_path, "fedavg", FEDAVG)
+    for f in ("metrics.csv", "train_metrics.csv"):
+        numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f, atol=0.0)
+    assert json.loads((flower.parent / "config.json").read_text())["engine"] == "flower"
+    assert json.loads((flower / "summary.json").read_text())["rounds"] == 2
+    kinds = [k for _, k, _ in grid.sent]
+    assert kinds.count(P.HELLO) == 3 and kinds.count(P.TRAIN) == 6 and kinds.count(P.EVALUATE) == 6
+    events = pd.read_csv(flower / "flower_events.csv", dtype={"client_id": str})
+    assert set(events.loc[events["phase"] == "train", "status"]) == {"ok"}
+    _no_state_at_coordinator(flower)
+
+
+def test_fedskd_peer_to_peer_over_the_grid_equals_in_process(tmp_path: Path) -> None:
+    flower, local, grid = _run_both(tmp_path, "fedskd", FEDSKD)
+    for f in ("metrics.csv", "train_metrics.csv", "cross_test.csv"):
+        numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f, atol=0.0)
+    assert P.SCORE in {k for _, k, _ in grid.sent}      # the Global Test went through the sites
+    _no_state_at_coordinator(flower)
+    run_id = json.loads((flower / "flower.json").read_text())["run_id"]
+    for i in range(3):   # each site keeps its own DAM, versioned by round
+        assert (tmp_path / "state" / f"site{i}" / run_id / f"site_{i}" / "clients" / str(i) / "state_r0002.pt").is_file()
+
+
+class _Replica(Run):
+    """In process, with the participation a Flower run had: ``absent`` (round, client) pairs do not train."""
+
+    absent: set[tuple[int, str]] = set()
+
+    def update_clients(self, r, instructions):  # type: ignore[no-untyped-def]
+        return super().update_clients(r, {c: i for c, i in instructions.items() if (r, c) not in self.absent})
+
+
+def _replica(work: Path, fl: dict[str, Any], absent: set[tuple[int, str]]) -> Path:
+    cfg = resolve_config({**fl, "name": fl["name"] + "_ref"})
+    data = split_data(build_source(cfg["dataset"]), cfg)
+    run = _Replica(cfg, cfg["methods"][0], work / "runs" / cfg["name"] / cfg["methods"][0]["name"], data)
+    run.absent = absent
+    run.prepare()
+    run.execute()
+    return run.run_dir
+
+
+@pytest.mark.parametrize("failure", ["unavailable", "silent"])
+def test_site_drops_out_for_a_round_and_rejoins_with_its_state(tmp_path: Path, failure: str) -> None:
+    """Site 2 fails round 2's training (Flower reports its node gone, or it never answers),
+    then comes back as a new node (a restarted SuperNode) on the same state directory."""
+    fl = fl_config(tmp_path, "drop", FEDBN)
+    sites = _sites(tmp_path, fl)
+    grid = LoopGrid(sites)
+
+    def rule(node: int, kind: str, ctl: dict[str, Any]) -> str:
+        if node == 103 and kind == P.TRAIN and ctl["round"] == 2:
+            del grid.sites[103]    # the node is gone; a new one serving client 2 registers
+            grid.sites[203] = Site(sites[103].settings)
+            return failure
+        return "ok"
+
+    grid.rule = rule
+    out = run_flower_experiment(resolve_config(fl), grid, FAST)
+    run_dir = Path(out["dir"]) / "fedbn"
+    train = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
+    trained = {r: set(g["client_id"]) for r, g in train.groupby("round")}
+    assert trained == {1: {"0", "1", "2"}, 2: {"0", "1"}, 3: {"0", "1", "2"}}
+    events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
+    lost = events[(events["client_id"] == "2") & (events["round"] == 2) & (events["phase"] == "train")]
+    assert lost["status"].tolist() == ["dropped (error 5)" if failure == "unavailable" else "timeout"]
+    assert ((events["phase"] == "hello") & (events["client_id"] == "2") & (events["node_id"] == "203")).any()
+    ref = _replica(tmp_path, fl, {(2, "2")})
+    for f in ("metrics.csv", "train_metrics.csv"):
+        numeric_equal(pd.read_csv(ref / f), pd.read_csv(run_dir / f), f, atol=0.0)
+    _no_state_at_coordinator(run_dir)
+
+
+def test_stopped_flower_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
+    fl = fl_config(tmp_path, "stop", {**FEDBN, "stop_after_round": 1})
+    grid = LoopGrid(_sites(tmp_path, fl))
+    out = run_flower_experiment(resolve_config(fl), grid, FAST)
+    run_dir = Path(out["dir"]) / "fedbn"
+    assert not (run_dir / "summary.json").is_file()
+    grid = LoopGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
+    resumed = resume_flower(out["dir"], grid, FAST)       # the experiment directory, as `medfl flower run --resume`
+    assert resumed["summaries"]["fedbn"]["rounds"] == 3
+    ref = run_experiment(resolve_config({**fl, "name": "stop_ref", "stop_after_round": None}))
+    for f in ("metrics.csv", "train_metrics.csv"):
+        numeric_equal(pd.read_csv(Path(ref["dir"]) / "fedbn" / f), pd.read_csv(run_dir / f), f, atol=0.0)
+    sessions = json.loads((run_dir / "flower.json").read_text())["sessions"]
+    assert [s["resumed_from"] for s in sessions] == [0, 1]
+
+
+def _add_to_payload(extra: Callable[[], Any]) -> Tamper:
+    def tamper(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        if node == 102 and kind == P.TRAIN:
+            payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
+            payload["leak"] = extra()
+            out["reply.payload.arrays"], out["reply.payload.tree"] = _pack_raw(payload)
+        return out
+    return tamper
+
+
+def _pack_raw(value: Any) -> Any:
+    """``wire.pack`` without its outgoing check: what a modified site could send."""
+    from unittest import mock
+
+    with mock.patch.object(wire, "validate_payload", lambda *a, **k: None):
+        return wire.pack(value)
+
+
+@pytest.mark.parametrize("leak, match", [
+    (lambda: torch.zeros(4, 1, 16, 16), "looks like a batch of the client's images"),
+    (lambda: "/data/site1/patient_0001.dcm", "strings may not leave a client"),
+])
+def test_coordinator_refuses_a_reply_carrying_data(tmp_path: Path, leak: Callable[[], Any], match: str) -> None:
+    """A site whose code was changed to send images or text: the coordinator's wire side refuses it."""
+    fl = fl_config(tmp_path, "leak", {**FEDAVG, "rounds": 1})
+    grid = LoopGrid(_sites(tmp_path, fl), tamper=_add_to_payload(leak))
+    with pytest.raises(PayloadError, match=match) as info:
+        run_flower_experiment(resolve_config(fl), grid, FAST)
+    assert "site 1" in str(info.value)
+
+
+def test_site_drawing_another_partition_is_refused(tmp_path: Path) -> None:
+    fl = fl_config(tmp_path, "mismatch", FEDAVG)
+    sites = _sites(tmp_path, fl)
+    sites[103] = Site(SiteSettings(client_id="2", config=write_config(tmp_path / "other.json", {**fl, "seed": 1}),
+                                   state_dir=tmp_path / "other"))
+    with pytest.raises(RunError, match="site 2 .*drew a different partition"):
+        run_flower_experiment(resolve_config(fl), LoopGrid(sites), FAST)
+
+
+def test_site_serving_an_unknown_client_fails_the_run_with_its_reason(tmp_path: Path) -> None:
+    fl = fl_config(tmp_path, "unknown", FEDAVG)
+    sites = _sites(tmp_path, fl)
+    sites[104] = Site(SiteSettings(client_id="7", config=tmp_path / "site.json", state_dir=tmp_path / "s7"))
+    with pytest.raises(SiteFailure, match="client id '7' is not in this config's partition"):
+        run_flower_experiment(resolve_config(fl), LoopGrid(sites), FAST)
+
+
+def test_missing_site_fails_after_connect_timeout(tmp_path: Path) -> None:
+    fl = fl_config(tmp_path, "missing", FEDAVG)
+    sites = _sites(tmp_path, fl)
+    del sites[102]
+    quick = FlowerSettings(round_timeout=1.0, connect_timeout=0.2, hello_timeout=0.2, poll_interval=0.01)
+    with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['1'\]"):
+        run_flower_experiment(resolve_config(fl), LoopGrid(sites), quick)
+
+
+def test_pooled_methods_cannot_run_across_sites(tmp_path: Path) -> None:
+    fl = fl_config(tmp_path, "pooled", {**FEDAVG, "methods": [{"name": "centralized"}]})
+    cfg = resolve_config(fl)
+    data = split_data(build_source(cfg["dataset"]), cfg)
+    with pytest.raises(RunError, match="pools every client's data"):
+        FlowerRun(cfg, cfg["methods"][0], tmp_path / "run", data, LoopGrid({}), FAST)
+
+
+# ---------------------------------------------------------------------- the site alone
+def test_node_config_errors_name_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(SiteError, match="lacks config, state-dir"):
+        SiteSettings.from_node_config({"client-id": "0"})
+    with pytest.raises(SiteError, match="'overrides' is not JSON"):
+        SiteSettings.from_node_config({"client-id": "0", "config": "c.json", "state-dir": "s", "overrides": "{x"})
+    with pytest.raises(SiteError, match="config .*nope.json not found"):
+        Site(SiteSettings(client_id="0", config=tmp_path / "nope.json", state_dir=tmp_path))
+    s = SiteSettings.from_node_config({"client-id": 3, "config": "c.json", "state-dir": "s",
+                                       "overrides": '{"fl#seed": 2}', "device": ""})
+    assert (s.client_id, s.overrides, s.device) == ("3", {"fl#seed": 2}, None)
+
+
+def test_site_refuses_other_protocols_clients_and_message_types(tmp_path: Path) -> None:
+    site = _sites(tmp_path, fl_config(tmp_path, "x", FEDAVG))[101]
+
+    def msg(**ctl: Any) -> RecordDict:
+        content = RecordDict()
+        wire.put_json(content, P.CONTROL, ctl)
+        return content
+
+    with pytest.raises(SiteError, match="protocol 99"):
+        handle(site, P.HELLO, msg(protocol=99))
+    with pytest.raises(SiteError, match="addressed to client '1'"):
+        handle(site, P.HELLO, msg(protocol=P.PROTOCOL, client="1"))
+    with pytest.raises(SiteError, match="unknown message type 'query.secrets'"):
+        handle(site, "query.secrets", msg(protocol=P.PROTOCOL))
+    with pytest.raises(wire.WireError, match="no 'medfl' record"):
+        handle(site, P.HELLO, RecordDict())
+    hello = wire.take_json(handle(site, P.HELLO, msg(protocol=P.PROTOCOL, fold=None)), P.CONTROL, "hello")
+    assert hello["client"] == "0" and set(hello["sizes"]) == {"train", "val", "test"}

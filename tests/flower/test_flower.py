@@ -1,0 +1,149 @@
+"""medfl over Flower, end to end: a real SuperLink and three sites (``medfl flower site``:
+a SuperNode and its site worker) as separate processes on 127.0.0.1 with free ports.
+
+The same experiments run in process and over Flower must give the same metrics; a site
+killed mid-run is left out of a round and, restarted, continues from the state it kept.
+Every process is ended in the fixture's teardown, also when a test fails, and the
+teardown checks that none is left. Each run is bounded (``RUN_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
+
+from medfl.config import resolve_config  # noqa: E402
+from medfl.engine.data import split_data  # noqa: E402
+from medfl.engine.runner import Run, build_source, run_experiment  # noqa: E402
+from medfl.flower.deploy import LocalFederation  # noqa: E402
+
+from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config as _fl, numeric_equal as _numeric_equal  # noqa: E402
+from flower_cases import write_config as _write  # noqa: E402
+
+RUN_TIMEOUT = 300.0      # one flwr run, at most
+ROUND_TIMEOUT = 120.0    # a site's answer to one exchange (generous: honest runs never hit it)
+DROP_TIMEOUT = 25.0     # the dropout run: how long the coordinator waits for the killed site
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory):
+    """A SuperLink and sites 0, 1, 2 (``medfl flower site``), ended in teardown."""
+    work = tmp_path_factory.mktemp("flower")
+    site_cfg = _write(work / "site.json", _fl(work, "site", FEDAVG))
+    build_source(resolve_config(_fl(work, "site", FEDAVG))["dataset"])  # generate the data once, before the sites
+    fed = LocalFederation(work / "fed")
+    try:
+        fed.start_superlink()
+        for cid in ("0", "1", "2"):
+            fed.start_site(cid, site_cfg, wait=False)   # in parallel
+        fed.wait_for_nodes(3)
+        yield fed, work, site_cfg
+    finally:
+        fed.close()
+        assert fed.stray_processes() == [], "processes of the federation left running"
+
+
+def _flower_and_in_process(fed: LocalFederation, work: Path, name: str, extra: dict[str, Any]) -> tuple[Path, Path]:
+    fl = _fl(work, name, extra)
+    cfg_file = _write(work / f"{name}.json", fl)
+    res = fed.run(cfg_file, round_timeout=ROUND_TIMEOUT, timeout=RUN_TIMEOUT, name=name)
+    assert res["ok"], f"{res.get('error')}\n{res.get('traceback')}"
+    ref = run_experiment(resolve_config({**fl, "name": name + "_ref"}))
+    label = fl["methods"][0]["name"]
+    return Path(res["dir"]) / label, Path(ref["dir"]) / label
+
+
+def _no_state_at_coordinator(run_dir: Path) -> None:
+    for sub in ("clients", "eval_state"):
+        assert not list((run_dir / sub).rglob("state_r*.pt")), f"client state at the coordinator ({sub})"
+
+
+def test_fedavg_over_flower_matches_in_process(federation) -> None:
+    fed, work, _ = federation
+    flower, local = _flower_and_in_process(fed, work, "fedavg", FEDAVG)
+    for f in ("metrics.csv", "train_metrics.csv"):
+        _numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f)
+    assert (flower / "summary.json").is_file() and (flower / "checkpoints").is_dir()
+    events = pd.read_csv(flower / "flower_events.csv", dtype={"client_id": str})
+    ok = events[(events["status"] == "ok") & events["phase"].isin(["train", "evaluate"])]
+    assert len(ok) == 2 * 2 * 3   # rounds x (train, evaluate) x sites
+    _no_state_at_coordinator(flower)
+
+
+def test_fedskd_peer_to_peer_over_flower_matches_in_process(federation) -> None:
+    fed, work, _ = federation
+    flower, local = _flower_and_in_process(fed, work, "fedskd", FEDSKD)
+    for f in ("metrics.csv", "train_metrics.csv", "cross_test.csv"):
+        _numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f)
+    m = pd.read_csv(flower / "metrics.csv", dtype={"client_id": str})
+    assert set(m["split"]) == {"local_test", "cross_test"}
+    _no_state_at_coordinator(flower)
+    # each site keeps its own model (the DAM) in its own state directory
+    for cid in ("0", "1", "2"):
+        assert list((work / "fed" / "sites" / f"site{cid}").rglob(f"site_{cid}/clients/{cid}/state_r*.pt"))
+
+
+class _Replica(Run):
+    """In process, the participation a Flower run had: the (round, client) pairs listed
+    in ``absent`` do not train."""
+
+    absent: set[tuple[int, str]]
+
+    def update_clients(self, r, instructions):  # type: ignore[no-untyped-def]
+        return super().update_clients(r, {c: i for c, i in instructions.items() if (r, c) not in self.absent})
+
+
+def _status_round(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "status.json").read_text())["last_round"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def test_site_drops_out_and_rejoins_with_its_state(federation) -> None:
+    fed, work, site_cfg = federation
+    fl = _fl(work, "drop", FEDBN)
+    cfg_file = _write(work / "drop.json", fl)
+    run_dir = work / "runs" / "drop" / "fedbn"
+    result: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: result.update(fed.run(
+        cfg_file, round_timeout=DROP_TIMEOUT, hello_timeout=60.0, timeout=RUN_TIMEOUT, name="drop")), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while _status_round(run_dir) < 1 and runner.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _status_round(run_dir) >= 1, "round 1 never finished"
+    fed.kill_site("2")                 # site 2 crashes right after round 1
+    fed.start_site("2", site_cfg)      # ... and comes back (a new SuperNode, same state directory)
+    runner.join(RUN_TIMEOUT)
+    assert not runner.is_alive(), "the run did not finish"
+    assert result.get("ok"), f"{result.get('error')}\n{result.get('traceback')}"
+
+    train = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
+    trained = {r: set(g["client_id"]) for r, g in train.groupby("round")}
+    assert trained[1] == {"0", "1", "2"}
+    assert "2" not in trained[2] and trained[2] == {"0", "1"}, trained   # the round went on without it
+    assert trained[3] == {"0", "1", "2"}, trained                        # it rejoined
+    events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
+    lost = events[(events["client_id"] == "2") & (events["round"] == 2) & (events["phase"] == "train")]
+    assert lost["status"].str.startswith(("timeout", "dropped")).all() and len(lost) == 1
+    hellos = events[(events["phase"] == "hello") & (events["client_id"] == "2")]
+    assert hellos["node_id"].nunique() == 2, hellos   # the restarted site registered as a new node
+    # rejoined from its saved state: the same numbers as in process with the same participation
+    cfg = resolve_config({**fl, "name": "drop_ref"})
+    data = split_data(build_source(cfg["dataset"]), cfg)
+    replica = _Replica(cfg, cfg["methods"][0], work / "runs" / "drop_ref" / "fedbn", data)
+    replica.absent = {(r, c) for r in trained for c in ("0", "1", "2") if c not in trained[r]}
+    replica.prepare()
+    replica.execute()
+    _numeric_equal(pd.read_csv(replica.run_dir / "metrics.csv"), pd.read_csv(run_dir / "metrics.csv"), "metrics")
+    _numeric_equal(pd.read_csv(replica.run_dir / "train_metrics.csv"), pd.read_csv(run_dir / "train_metrics.csv"),
+                   "train_metrics")
+    _no_state_at_coordinator(run_dir)

@@ -1,0 +1,90 @@
+"""medfl messages as Flower records: exact round trips, and only tensors and scalars travel."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
+
+from medfl.flower import wire  # noqa: E402
+from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
+from medfl.messages import PayloadError  # noqa: E402
+
+
+def _same(a, b) -> None:  # type: ignore[no-untyped-def]
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b)
+    else:
+        assert a == b
+
+
+def test_pack_unpack_is_exact_through_flowers_protobuf() -> None:
+    g = torch.Generator().manual_seed(0)
+    value = {
+        "weights": {"conv.weight": torch.randn(3, 2, 3, 3, generator=g), "bn.num_batches_tracked": torch.tensor(7)},
+        "mask": torch.tensor([True, False]), "half": torch.randn(4, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(5, dtype=torch.int64), "empty": torch.zeros(0, 3),
+        "pair": (1, 2.5), "chain": [None, True, -3, float("nan"), float("inf"), 0.1 + 0.2], "name": "fedavg",
+        "z": {},
+    }
+    content = RecordDict()
+    wire.put(content, "ins", value, "test")
+    back = wire.take(decode_records(encode_records(content)), "ins", "test")
+    _same(value, back)
+    assert back["weights"]["conv.weight"].data_ptr() != value["weights"]["conv.weight"].data_ptr()
+    back["ids"][0] = 9   # decoded tensors are writable and own their memory
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"x": object()}, r"\['x'\].*object"),
+    ({"x": {1, 2}}, r"\['x'\].*set"),
+    ({"path": "/data/a.dcm"}, "strings may not leave a client"),
+])
+def test_only_tensors_and_scalars_leave_a_site(bad: dict, match: str) -> None:
+    with pytest.raises(PayloadError, match=match):
+        wire.pack(bad, "reply of site 0", allow_str=False)
+
+
+def test_malformed_records_are_refused_with_where() -> None:
+    arrays, tree = wire.pack({"a": torch.ones(2)}, "x")
+    with pytest.raises(wire.WireError, match="reply of site 2: tensor '0' missing"):
+        wire.unpack(ArrayRecord({}), tree, "reply of site 2")
+    with pytest.raises(wire.WireError, match="not valid JSON"):
+        wire.unpack(arrays, ConfigRecord({"tree": "{"}), "reply")
+    with pytest.raises(wire.WireError, match="unknown tree node"):
+        wire.unpack(arrays, ConfigRecord({"tree": '{"q": 1}'}), "reply")
+    with pytest.raises(PayloadError, match="strings may not leave"):   # checked again after decoding
+        wire.unpack(*wire.pack({"s": "text"}, "x"), "reply", allow_str=False)
+    with pytest.raises(wire.WireError, match="no 'reply.payload' in the message"):
+        wire.take(RecordDict(), "reply.payload", "reply of site 1")
+
+
+def test_metrics_and_control_records() -> None:
+    rec = wire.metrics_record({"auc": 0.75, "n": 12, "nan": float("nan")}, "eval")
+    assert isinstance(rec, MetricRecord)
+    got = wire.read_metrics(rec, "eval")
+    assert got["auc"] == 0.75 and got["n"] == 12.0 and math.isnan(got["nan"])
+    with pytest.raises(PayloadError, match=r"eval\['note'\]: metrics must be numbers, got str"):
+        wire.metrics_record({"note": "x"}, "eval")
+    with pytest.raises(wire.WireError, match="expected a MetricRecord"):
+        wire.read_metrics(ConfigRecord({"a": 1}), "eval")
+    content = RecordDict()
+    ctl = {"round": 3, "fold": None, "method": {"name": "fedskd", "gamma": 1.0}, "splits": ["test"]}
+    wire.put_json(content, "medfl", ctl)
+    assert wire.take_json(decode_records(encode_records(content)), "medfl", "x") == ctl
