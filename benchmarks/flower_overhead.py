@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""What does running a medfl job over Flower cost, against the in-process engine?
+
+The same FedAvg job (default: 3 clients, 4 rounds, ``small_cnn`` width 8 on the generated
+``synthetic2d`` set, 240 images of 32x32, batch 16, one local epoch, evaluation every
+round) runs twice:
+
+``in-process``
+    :func:`medfl.engine.runner.run_experiment` in this process (imports and plugin loading
+    done before the clock starts).
+``flower``
+    a real deployment on loopback: ``medfl flower superlink``, one ``medfl flower site``
+    per client (a SuperNode and its site worker, separate processes), and the run launched
+    with ``flwr run`` (:class:`medfl.flower.deploy.LocalFederation`).
+
+Measured:
+
+- start-up. In process: from the call to the first round's start (data split, run
+  directory, method set-up). Flower: *deployment* (SuperLink and sites started until every
+  SuperNode has registered; paid once for many runs) and *run* (from ``flwr run`` to the
+  coordinator having found every site: ServerApp process start, imports, hellos).
+- per-round seconds: in process from the ``on_round_end`` hook; over Flower from the
+  coordinator's ``flower_events.csv`` (end of each round's evaluation exchange). The first
+  round is reported apart (it warms caches); the per-round figure is the median of the
+  others.
+- overhead: Flower per round minus in-process per round, and their ratio; and the metrics
+  of both runs must agree (max absolute difference printed).
+
+Writes ``flower_overhead.csv`` and ``flower_overhead.json`` to ``--out`` and prints a
+table. ``python benchmarks/flower_overhead.py --help`` lists the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from medfl import hookimpl
+
+
+def job(work: Path, clients: int, rounds: int, samples: int, image_size: int, seed: int) -> dict[str, Any]:
+    """The ``fl`` config of the job (run name and output directory set by the caller)."""
+    return {
+        "seed": seed, "rounds": rounds, "num_clients": clients, "progress": False, "overwrite": True,
+        "dataset": {"name": "synthetic2d", "root": str(work / "data"), "num_samples": samples, "num_classes": 3,
+                    "image_size": image_size, "noise": 0.8},
+        "partition": {"name": "dirichlet", "alpha": 1.0, "min_size": 20},
+        "model": {"name": "small_cnn", "width": 8},
+        "train": {"epochs": 1, "batch_size": 16, "lr": 0.01, "optimizer": "sgd"},
+        "eval_splits": ["test", "global_test"], "eval_every": 1,
+        "methods": [{"name": "fedavg"}],
+    }
+
+
+class _RoundClock:
+    """A throwaway plugin timing each round's end."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+        self.start = 0.0
+
+    @hookimpl
+    def on_run_start(self, run: Any) -> None:  # noqa: ARG002
+        self.start = time.perf_counter()
+
+    @hookimpl
+    def on_round_end(self, run: Any, round: int, metrics: Any) -> None:  # noqa: A002, ARG002
+        self.ends.append(time.perf_counter())
+
+
+def in_process(fl: dict[str, Any]) -> dict[str, Any]:
+    """Run the job in process; return timings and the metrics file."""
+    from medfl.config import resolve_config
+    from medfl.engine.runner import run_experiment
+    from medfl.plugins import get_plugin_manager, registry
+
+    registry()
+    clock = _RoundClock()
+    pm = get_plugin_manager()
+    pm.register(clock, name="flower-overhead-clock")
+    try:
+        t0 = time.perf_counter()
+        out = run_experiment(resolve_config(fl))
+        total = time.perf_counter() - t0
+    finally:
+        pm.unregister(clock)
+    ends = [clock.start] + clock.ends
+    rounds = [b - a for a, b in zip(ends, ends[1:])]
+    return {"startup_s": clock.start - t0, "round_s": rounds, "total_s": total,
+            "metrics": str(Path(out["dir"]) / "fedavg" / "metrics.csv")}
+
+
+def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: float) -> dict[str, Any]:
+    """Run the job over a local Flower deployment; return timings and the metrics file."""
+    from medfl.flower.deploy import LocalFederation
+
+    cfg_file = work / "flower.json"
+    cfg_file.write_text(json.dumps({"fl": fl}))
+    with LocalFederation(work / "fed") as fed:
+        t0 = time.perf_counter()
+        fed.start_superlink()
+        for cid in range(clients):
+            fed.start_site(str(cid), cfg_file, wait=False)
+        fed.wait_for_nodes(clients)
+        deploy_s = time.perf_counter() - t0
+        launch = time.time()
+        t1 = time.perf_counter()
+        res = fed.run(cfg_file, round_timeout=round_timeout, timeout=3600, name="bench")
+        total = time.perf_counter() - t1
+    if not res.get("ok"):
+        raise RuntimeError(f"the Flower run failed: {res.get('error')}\n{res.get('traceback')}")
+    run_dir = Path(res["dir"]) / "fedavg"
+    ev = pd.read_csv(run_dir / "flower_events.csv")
+    connect = float(ev.loc[ev["phase"] == "connect", "time"].iloc[0])
+    ends = ev[ev["phase"] == "evaluate:all"].sort_values("round")["time"].astype(float).tolist()
+    marks = [connect] + ends
+    rounds = [b - a for a, b in zip(marks, marks[1:])]
+    phases = ev[ev["phase"].isin(["train:all", "evaluate:all"])].groupby("phase")["seconds"].median().to_dict()
+    return {"deploy_startup_s": deploy_s, "run_startup_s": connect - launch, "round_s": rounds, "total_s": total,
+            "exchange_median_s": phases, "metrics": str(run_dir / "metrics.csv")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--samples", type=int, default=240, help="images in the generated dataset")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--round-timeout", type=float, default=600.0)
+    p.add_argument("--out", default="benchmarks/results", help="where the CSV and JSON go")
+    args = p.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="medfl-flower-bench-"))
+    base = job(work, args.clients, args.rounds, args.samples, args.image_size, args.seed)
+    ip = in_process({**base, "name": "inproc", "output_dir": str(work / "runs")})
+    fw = over_flower({**base, "name": "flower", "output_dir": str(work / "runs")}, work, args.clients,
+                     args.round_timeout)
+    a, b = pd.read_csv(ip["metrics"]), pd.read_csv(fw["metrics"])
+    num = [c for c in a.columns if a[c].dtype.kind in "fi"]
+    diff = float(np.nanmax(np.abs(a[num].to_numpy(float) - b[num].to_numpy(float)))) if len(a) == len(b) else float("nan")
+
+    def steady(rounds: list[float]) -> float:
+        return statistics.median(rounds[1:]) if len(rounds) > 1 else rounds[0]
+
+    ip_round, fw_round = steady(ip["round_s"]), steady(fw["round_s"])
+    rows = [
+        {"what": "start-up (s)", "in_process": ip["startup_s"], "flower": fw["run_startup_s"],
+         "note": "flower: flwr run -> every site connected (ServerApp start, hellos)"},
+        {"what": "deployment start-up (s)", "in_process": 0.0, "flower": fw["deploy_startup_s"],
+         "note": "SuperLink + sites until all registered (once per deployment)"},
+        {"what": "round 1 (s)", "in_process": ip["round_s"][0], "flower": fw["round_s"][0], "note": "warm-up"},
+        {"what": "per round, median of rounds 2.. (s)", "in_process": ip_round, "flower": fw_round,
+         "note": f"overhead {fw_round - ip_round:+.2f} s/round, x{fw_round / ip_round:.1f}"},
+        {"what": "whole run (s)", "in_process": ip["total_s"], "flower": fw["total_s"], "note": "flwr run wall time"},
+    ]
+    table = pd.DataFrame(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "flower_overhead.csv", index=False)
+    report = {"job": {k: getattr(args, k) for k in ("clients", "rounds", "samples", "image_size", "seed")},
+              "in_process": ip, "flower": fw, "per_round_overhead_s": fw_round - ip_round,
+              "per_round_ratio": fw_round / ip_round, "metrics_max_abs_diff": diff,
+              "python": sys.version.split()[0]}
+    (out / "flower_overhead.json").write_text(json.dumps(report, indent=2, default=str))
+    with pd.option_context("display.width", 160, "display.max_colwidth", 70):
+        print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(f"\nFlower exchange medians (s): {fw['exchange_median_s']}")
+    print(f"metrics in process vs over Flower: max |diff| = {diff:.3g}")
+    print(f"wrote {out / 'flower_overhead.csv'} and {out / 'flower_overhead.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
