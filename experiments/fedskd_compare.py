@@ -71,6 +71,9 @@ def _config(name: str, data: Path, a: argparse.Namespace, seed: int) -> dict[str
     fl["model"] = {"name": "resnet10", "width": a.widths[0]}
     if a.lr is not None:
         fl["train"]["lr"] = a.lr
+    if a.local_epochs is not None:
+        fl["train"]["epochs"] = a.local_epochs
+    fl["methods"] = [m for m in fl["methods"] if m.get("label", m["name"]) in a.methods]
     if name == "derm7pt":
         fl["partition"]["min_size"] = 10
     return fl
@@ -105,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="first-stage widths of the clients' ResNet-10s (default 8 7 6 5)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the bundles' Adam 1e-4)")
     p.add_argument("--folds", type=int, default=0, help="cross-validation folds (default 0: one split)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS,
+                   help=f"methods to run (default {' '.join(METHODS)})")
+    p.add_argument("--local-epochs", type=int, default=None,
+                   help="train.epochs, used by Local only (FedSKD and FedCross-dagger take --iterations "
+                        "steps); default 1. About iterations / steps-per-epoch matches their compute")
     p.add_argument("--abide-cases", type=int, default=80, help="ABIDE fixture subjects (default 80)")
     p.add_argument("--abide-size", type=int, default=16, help="ABIDE volume side (default 16)")
     p.add_argument("--derm-cases", type=int, default=300, help="Derm7pt fixture cases (default 300)")
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             out = run_experiment(resolve_config(fl))
             print(f"{name} seed {seed}: {out['dir']} ({time.perf_counter() - t0:.0f} s)", flush=True)
-            for label in METHODS:
+            for label in a.methods:
                 rows.append({"dataset": name, "seed": seed, "method": label, **_collect(Path(out["dir"]), label, a.folds)})
     per_seed = pd.DataFrame(rows)
     a.out.mkdir(parents=True, exist_ok=True)
