@@ -10,6 +10,9 @@ of the generation parameters, so different settings never overwrite each other.
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import uuid
 import json
 from pathlib import Path
 
@@ -70,6 +73,10 @@ def generate_synthetic2d(
     out = Path(root) / f"synthetic2d-{tag}"
     if (out / "manifest.csv").is_file():
         return out
+    # written into a private directory renamed into place at the end, so processes that
+    # generate the same set at once (sites of a federation on one machine) never see a
+    # half-written one
+    final, out = out, Path(root) / f".synthetic2d-{tag}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     site_shift = rng.uniform(-0.3, 0.3, size=num_sites)
@@ -87,10 +94,16 @@ def generate_synthetic2d(
         rows.append({"sample_id": f"s{i:05d}", "path": name, "label": int(y),
                      "class_name": f"class_{int(y)}", "site": f"site_{site}"})
     (out / "params.json").write_text(json.dumps(params, indent=2))
-    tmp = out / "manifest.csv.tmp"
-    pd.DataFrame(rows).to_csv(tmp, index=False)
-    tmp.replace(out / "manifest.csv")  # written last: its presence means the set is complete
-    return out
+    pd.DataFrame(rows).to_csv(out / "manifest.csv", index=False)
+    if final.exists() and not (final / "manifest.csv").is_file():
+        shutil.rmtree(final, ignore_errors=True)   # left half-written by an older version
+    try:
+        out.rename(final)
+    except OSError:   # another process got there first: its set is the same
+        shutil.rmtree(out, ignore_errors=True)
+        if not (final / "manifest.csv").is_file():
+            raise
+    return final
 
 
 def synthetic2d(
