@@ -18,6 +18,7 @@ ClientApp processes): every process it starts carries a marker in its environmen
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -34,7 +35,7 @@ from typing import Any
 from medfl.flower.server import RUN_CONFIG
 
 __all__ = ["FlowerDeployError", "flower_env", "free_port", "superlink_command", "site_command", "node_config",
-           "write_app", "write_connection", "flwr_run", "LocalFederation", "MARKER_ENV"]
+           "write_app", "write_connection", "run_config_toml", "flwr_run", "LocalFederation", "MARKER_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
@@ -181,6 +182,26 @@ def write_connection(flwr_home: str | Path, superlink: str, name: str = "medfl",
     return path
 
 
+def run_config_toml(run_config: dict[str, Any]) -> str:
+    """A Flower run config (flat ``{key: str | int | float | bool}``) as TOML text.
+
+    Raises:
+        FlowerDeployError: a value of another type.
+    """
+    lines = []
+    for k, v in run_config.items():
+        if isinstance(v, bool):
+            val = "true" if v else "false"
+        elif isinstance(v, (int, float)):
+            val = repr(v) if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
+        elif isinstance(v, str):
+            val = json.dumps(v)   # a JSON string is a valid TOML basic string
+        else:
+            raise FlowerDeployError(f"run config {k!r}: expected a string, number or bool, got {type(v).__name__}")
+        lines.append(f"{json.dumps(str(k))} = {val}")
+    return "\n".join(lines) + "\n"
+
+
 def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *, insecure: bool = True,
              flwr_home: str | Path | None = None, env: dict[str, str] | None = None,
              timeout: float | None = None, stream_to: Any = None, root_certificates: str | None = None) -> int:
@@ -192,10 +213,13 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
     """
     home = Path(flwr_home) if flwr_home else Path(tempfile.mkdtemp(prefix="medfl-flwr-home-"))
     write_connection(home, superlink, insecure=insecure, root_certificates=root_certificates)
-    overrides = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else repr(v)}" for k, v in run_config.items())
     cmd = [_bin("flwr"), "run", str(Path(app_dir).resolve()), "medfl", "--stream"]
-    if overrides:
-        cmd += ["--run-config", overrides]
+    if run_config:
+        # as a TOML file: Flower's inline `key=value` form cannot carry a value holding both
+        # quote characters (the JSON of config overrides)
+        rc_file = home / f"run-config-{uuid.uuid4().hex[:8]}.toml"
+        rc_file.write_text(run_config_toml(run_config))
+        cmd += ["--run-config", str(rc_file)]
     full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(home)}
     try:
         proc = subprocess.run(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None,

@@ -53,7 +53,9 @@ def federation(tmp_path_factory: pytest.TempPathFactory):
 def _flower_and_in_process(fed: LocalFederation, work: Path, name: str, extra: dict[str, Any]) -> tuple[Path, Path]:
     fl = _fl(work, name, extra)
     cfg_file = _write(work / f"{name}.json", fl)
-    res = fed.run(cfg_file, round_timeout=ROUND_TIMEOUT, timeout=RUN_TIMEOUT, name=name)
+    # the config's own values as overrides: they travel as JSON holding both quote characters'
+    overrides = {"fl#train#lr": fl["train"]["lr"], "fl#name": name}
+    res = fed.run(cfg_file, overrides, round_timeout=ROUND_TIMEOUT, timeout=RUN_TIMEOUT, name=name)
     assert res["ok"], f"{res.get('error')}\n{res.get('traceback')}"
     ref = run_experiment(resolve_config({**fl, "name": name + "_ref"}))
     label = fl["methods"][0]["name"]

@@ -1,0 +1,53 @@
+"""The commands and files of a Flower deployment (no process started here)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
+
+from medfl.flower.deploy import (  # noqa: E402
+    FlowerDeployError, node_config, run_config_toml, site_command, superlink_command, write_app,
+)
+from medfl.flower.server import RUN_CONFIG  # noqa: E402
+
+
+def test_run_config_travels_as_toml_whatever_its_quotes() -> None:
+    """`medfl flower run ... --fl#name "it's"`: the overrides' JSON holds both quote characters,
+    which Flower's inline key=value form cannot carry."""
+    rc = {"config": "/data/my bundle/train.json", "overrides": json.dumps({"fl#name": "it's", "fl#rounds": 2}),
+          "round-timeout": 600.0, "rounds": 0, "resume": "", "flag": True}
+    assert tomllib.loads(run_config_toml(rc)) == rc
+    with pytest.raises(FlowerDeployError, match="'bad': expected a string, number or bool, got list"):
+        run_config_toml({"bad": [1]})
+
+
+def test_flower_app_names_medfls_components_and_run_config(tmp_path: Path) -> None:
+    app = write_app(tmp_path / "app")
+    meta = tomllib.loads((app / "pyproject.toml").read_text())
+    assert meta["tool"]["flwr"]["app"]["components"] == {"serverapp": "medfl.flower.server:app",
+                                                         "clientapp": "medfl_flower_proxy:app"}
+    assert meta["tool"]["flwr"]["app"]["config"] == RUN_CONFIG
+    # Flower starts the ClientApp once per message: at import it must load neither torch nor medfl
+    tree = ast.parse((app / "medfl_flower_proxy.py").read_text())
+    top = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    top += [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
+    assert top and not [m for m in top if m.split(".")[0] in ("torch", "medfl", "monai")], top
+
+
+def test_commands(tmp_path: Path) -> None:
+    sl = superlink_command("0.0.0.0", 9100)
+    assert sl[1:] == ["--host", "0.0.0.0", "--port", "9100", "--disable-runtime-dependency-installation",
+                      "--insecure"]
+    cmd = site_command("2", tmp_path / "train.json", tmp_path / "state", "hub:9100", port=9200,
+                       overrides={"fl#dataset#root": "/data"})
+    nc = cmd[cmd.index("--node-config") + 1]
+    assert f"config='{tmp_path / 'train.json'}'" in nc and "client-id='2'" in nc
+    assert """overrides='{"fl#dataset#root": "/data"}'""" in nc
+    with pytest.raises(FlowerDeployError, match="contains a single quote"):
+        node_config("0", tmp_path / "it's.json", tmp_path)
