@@ -149,6 +149,32 @@ def test_fedskd_peer_to_peer_over_the_grid_equals_in_process(tmp_path: Path) -> 
         assert (tmp_path / "state" / f"site{i}" / run_id / f"site_{i}" / "clients" / str(i) / "state_r0002.pt").is_file()
 
 
+OTHER_METHODS = ["fedprox", "fedadam", "fedavgm", "fedkper", "local", "fedcross", "fedcross_het"]
+
+
+def test_every_built_in_method_has_a_flower_check() -> None:
+    """A method added to medfl's own plugins must join one of the grid checks in this file."""
+    from medfl.plugins import registry
+
+    built_in = {n for n, r in registry()["method"].items() if r.distribution == "medfl"}
+    checked = {"fedavg", "fedskd", "fedbn", "centralized", *OTHER_METHODS}
+    assert "fedavg" in built_in
+    assert built_in - checked == set(), "add these methods to OTHER_METHODS"
+
+
+@pytest.mark.parametrize("method", OTHER_METHODS)
+def test_every_other_registered_method_runs_unchanged_over_the_grid(tmp_path: Path, method: str) -> None:
+    """No method-specific code in the Flower layer: each built-in method (FedAvg, FedSKD and
+    FedBN above; ``centralized`` pools data and is refused) gives its in-process numbers."""
+    job = {**FEDAVG, "rounds": 2, "eval_every": 0, "methods": [{"name": method}]}
+    if method == "fedcross_het":
+        job["client_models"] = [{"width": 4}, {"width": 3}, {"width": 2}]
+    flower, local, _ = _run_both(tmp_path, method, job)
+    for f in ("metrics.csv", "train_metrics.csv"):
+        numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f"{method}: {f}", atol=0.0)
+    _no_state_at_coordinator(flower)
+
+
 class _Replica(Run):
     """In process, with the participation a Flower run had: ``absent`` (round, client) pairs do not train."""
 
