@@ -12,7 +12,7 @@ from typing import Any
 
 from medfl.plugins import PluginError, lookup, registry
 
-__all__ = ["ConfigError", "DEFAULTS", "resolve_config", "method_label"]
+__all__ = ["ConfigError", "DEFAULTS", "resolve_config", "method_label", "build_method"]
 
 
 class ConfigError(ValueError):
@@ -83,6 +83,18 @@ def _named(value: Any, where: str) -> dict[str, Any]:
 def method_label(spec: dict[str, Any]) -> str:
     """The run-directory name of a method entry (``label`` if given, else its name)."""
     return str(spec.get("label") or spec["name"])
+
+
+def build_method(spec: dict[str, Any]) -> Any:
+    """A new :class:`~medfl.method.Method` of a method entry: the registered class of its
+    ``name`` built from its other keys (``label`` aside).
+
+    Raises:
+        PluginError: no method of that name is registered.
+        ValueError: the class takes no parameter of some key.
+    """
+    cls = lookup("method", spec["name"])
+    return cls.from_config({k: v for k, v in spec.items() if k not in ("name", "label")})
 
 
 def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
@@ -157,10 +169,8 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     try:
         for kind, key in (("dataset", "dataset"), ("partitioner", "partition"), ("model", "model")):
             lookup(kind, cfg[key]["name"])
-        for i, m in enumerate(cfg["methods"]):
-            cls = lookup("method", m["name"])
-            params = {k: v for k, v in m.items() if k not in ("name", "label")}
-            cls.from_config(params)  # checks parameter names now, before any work
+        for m in cfg["methods"]:
+            build_method(m)  # checks parameter names now, before any work
     except (PluginError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     cm = cfg["client_models"]

@@ -70,6 +70,11 @@ class SampleGuard:
     sample_shape: tuple[int, ...]
     split_sizes: tuple[int, ...]
 
+    @classmethod
+    def of(cls, sample_shape: Any, split_sizes: dict[str, int]) -> "SampleGuard":
+        """The guard of a client with samples of ``sample_shape`` and these split sizes."""
+        return cls(tuple(sample_shape), tuple(sorted(set(split_sizes.values()))))
+
 
 def _check_tensor(t: torch.Tensor, where: str, guard: SampleGuard | None) -> None:
     if guard is None:

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 from medfl.messages import Instruction, Reply, SampleGuard, validate_payload
 from medfl.method import Method, derive_seed
 
-__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_evaluate", "cross_test_mean"]
+__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_evaluate", "build_eval_model",
+           "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
 
@@ -204,7 +205,7 @@ class ClientContext:
     @property
     def guard(self) -> SampleGuard:
         """What this client's raw data looks like, for the reply check."""
-        return SampleGuard(tuple(self.sample_shape), tuple(sorted(set(self.split_sizes.values()))))
+        return SampleGuard.of(self.sample_shape, self.split_sizes)
 
 
 def _seed_all(seed: int) -> None:
@@ -212,8 +213,12 @@ def _seed_all(seed: int) -> None:
     np.random.seed(seed % (2**32))
 
 
-def run_client_update(method: Method, ctx: ClientContext, instruction: Instruction) -> Reply:
+def run_client_update(method: Method, ctx: ClientContext, instruction: Instruction,
+                      store: ClientStore | None = None) -> Reply:
     """Check the instruction, run ``method.client_update`` seeded, check the reply.
+
+    With ``store``, the client's persistent state (``ctx.state`` after the update) is saved
+    there for this round; a stateless method (empty state, nothing stored before) writes nothing.
 
     Raises:
         PayloadError: the instruction or reply carries something that may not travel.
@@ -229,6 +234,8 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
                      exempt=method.payload_exemptions)
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False)
     validate_payload(ctx.state, f"persistent state of client {ctx.client_id}", allow_str=True)
+    if store is not None and (ctx.state or store.has(ctx.client_id)):
+        store.save(ctx.client_id, ctx.round, ctx.state)
     return reply
 
 
@@ -261,13 +268,31 @@ def run_client_evaluate(
     unweighted mean of those scores over peers (``cross_test``; ``n`` is the total count),
     so every client's test set counts equally whatever its size.
     """
+    return evaluate_model(build_eval_model(method, ctx, instruction), ctx, splits, metric_fn, cache,
+                          memory=memory, peers=peers)
+
+
+def build_eval_model(method: Method, ctx: ClientContext, instruction: Instruction) -> nn.Module:
+    """Check the evaluation instruction and build the client's evaluation model, seeded
+    (the first step of :func:`run_client_evaluate`)."""
+    validate_payload(instruction.payload, f"evaluation instruction to client {ctx.client_id}")
+    _seed_all(derive_seed(ctx.seed, "eval"))
+    return method.client_eval_model(ctx, instruction)
+
+
+def evaluate_model(
+    model: nn.Module, ctx: ClientContext, splits: list[str],
+    metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
+    cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
+    memory: dict[str, Any] | None = None,
+    peers: dict[str, Callable[[], Dataset]] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Score the client's evaluation model (:func:`build_eval_model`) on ``splits``: the
+    second step of :func:`run_client_evaluate`, whose docstring says what it returns."""
     from medfl.engine.training import predict_proba, state_fingerprint
     from medfl.metrics.fairness import subgroup_scores
     from medfl.metrics.forgetting import negative_flips
 
-    validate_payload(instruction.payload, f"evaluation instruction to client {ctx.client_id}")
-    _seed_all(derive_seed(ctx.seed, "eval"))
-    model = method.client_eval_model(ctx, instruction)
     out: dict[str, dict[str, float]] = {}
     fp = state_fingerprint(model) if cache is not None else ""
     for split in splits:
@@ -293,16 +318,25 @@ def run_client_evaluate(
         out[split] = scores
     if peers:
         per_peer = []
-        bs = int(ctx.train.get("eval_batch_size", 64))
         for pid in sorted(peers, key=lambda s: (len(s), s)):
             ds = peers[pid]
             ds = ds() if callable(ds) and not isinstance(ds, Dataset) else ds
-            y, p = predict_proba(model, DataLoader(ds, batch_size=bs, shuffle=False), ctx.device)
-            scores = metric_fn(y, p)
+            scores = score_dataset(model, ds, ctx.train, ctx.device, metric_fn)
             out[f"cross_test@{pid}"] = scores
             per_peer.append(scores)
         out["cross_test"] = cross_test_mean(per_peer)
     return out
+
+
+def score_dataset(model: nn.Module, dataset: Dataset, train: dict[str, Any], device: str,
+                  metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]]) -> dict[str, float]:
+    """``model``'s metrics on ``dataset`` (a peer's test split, for ``cross_test``), in
+    batches of the run's ``eval_batch_size``."""
+    from medfl.engine.training import predict_proba
+
+    bs = int(train.get("eval_batch_size", 64))
+    y, p = predict_proba(model, DataLoader(dataset, batch_size=bs, shuffle=False), device)
+    return metric_fn(y, p)
 
 
 def cross_test_mean(per_peer: list[dict[str, float]]) -> dict[str, float]:

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from medfl.config import method_label
+from medfl.config import build_method, method_label
 from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
 from medfl.engine.data import POOLED, FederatedData, split_data
 from medfl.messages import Instruction, Reply
@@ -41,8 +41,8 @@ from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
 
-__all__ = ["Run", "RunError", "RunFactory", "run_experiment", "resume", "predict", "summarize_metrics",
-           "evaluate_metrics"]
+__all__ = ["Run", "RunError", "RunFactory", "client_context", "run_experiment", "resume", "predict",
+           "summarize_metrics", "evaluate_metrics"]
 
 ROLES = ["train", "val", "test", "global_test"]
 
@@ -114,10 +114,9 @@ class Run:
         self.run_dir = Path(run_dir)
         self.data = data
         self.label = method_label(method_spec)
-        cls: type[Method] = lookup("method", method_spec["name"])
-        params = {k: v for k, v in method_spec.items() if k not in ("name", "label")}
-        self.coordinator = cls.from_config(params)
-        self.client_method = cls.from_config(params)  # the client role: never set up
+        self.coordinator: Method = build_method(method_spec)
+        self.client_method: Method = build_method(method_spec)  # the client role: never set up
+        cls = type(self.coordinator)
         self.store = ClientStore(self.run_dir / "clients")
         self.eval_store = ClientStore(self.run_dir / "eval_state")
         self.start_round = 1
@@ -173,17 +172,9 @@ class Run:
     # ------------------------------------------------------------------ clients
     def context(self, client_id: str, round: int, state_before: int | None = None) -> ClientContext:
         """Build ``client_id``'s context for ``round`` with its persistent state loaded."""
-        roles = ROLES if client_id != POOLED else ["train", "val", "test"]
-        return ClientContext(
-            client_id=client_id, round=round,
-            seed=derive_seed(self.federation.seed, round, client_id),
-            datasets=self.data.dataset_factories(client_id, roles),
-            model_spec=self.federation.model_spec(client_id),
-            train=dict(self.federation.train), device=self.federation.device,
-            state=self.store.load(client_id, round if state_before is None else state_before),
-            sample_shape=tuple(self.data.source.sample_shape),
-            split_sizes=self.data.sizes(client_id, [r for r in roles if r != "global_test"]),
-        )
+        return client_context(self.data, client_id, round, run_seed=self.federation.seed,
+                              model_spec=self.federation.model_spec(client_id), train=self.federation.train,
+                              device=self.federation.device, store=self.store, state_before=state_before)
 
     # ------------------------------------------------------------------ rounds
     def prepare(self, resume: bool = False, read_only: bool = False) -> None:
@@ -251,11 +242,8 @@ class Run:
         """
         replies: dict[str, Reply] = {}
         for cid in sorted(instructions, key=lambda s: (len(s), s)):
-            ctx = self.context(cid, r)
-            reply = run_client_update(self.client_method, ctx, instructions[cid])
-            if ctx.state or self.store.has(cid):  # stateless methods write nothing
-                self.store.save(cid, r, ctx.state)
-            replies[cid] = reply
+            replies[cid] = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
+                                             store=self.store)
         return replies
 
     def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
@@ -342,6 +330,25 @@ class Run:
         self._status("finished", rounds)
         pm.hook.on_run_end(run=self, summary=summary)
         return summary
+
+
+def client_context(data: FederatedData, client_id: str, round: int, *, run_seed: int, model_spec: dict[str, Any],
+                   train: dict[str, Any], device: str, store: ClientStore, state_before: int | None = None
+                   ) -> ClientContext:
+    """``client_id``'s context for ``round`` on the split ``data``, its persistent state
+    loaded from ``store`` (as saved before round ``state_before``, default ``round``).
+
+    Every transport builds contexts here (:meth:`Run.context` in process, a Flower site at
+    the site), so the same run seed gives the same numbers."""
+    roles = ROLES if client_id != POOLED else ["train", "val", "test"]
+    return ClientContext(
+        client_id=client_id, round=round, seed=derive_seed(run_seed, round, client_id),
+        datasets=data.dataset_factories(client_id, roles), model_spec=dict(model_spec),
+        train=dict(train), device=device,
+        state=store.load(client_id, round if state_before is None else state_before),
+        sample_shape=tuple(data.source.sample_shape),
+        split_sizes=data.sizes(client_id, [r for r in roles if r != "global_test"]),
+    )
 
 
 def _unique_dir(base: Path, overwrite: bool) -> Path:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 
 from medfl.engine.data import FederatedData
+from medfl.engine.runner import ROLES
 
 __all__ = ["PROTOCOL", "HELLO", "TRAIN", "EVALUATE", "SCORE", "CONTROL", "ROLES", "OWN_SPLIT_ROLES",
            "partition_digest", "split_sizes"]
@@ -41,10 +42,9 @@ SCORE = "evaluate.score"
 #: Name of the control ``ConfigRecord`` in every medfl message.
 CONTROL = "medfl"
 
-#: The roles a client's context holds (as :meth:`medfl.engine.runner.Run.context`).
-ROLES = ["train", "val", "test", "global_test"]
-#: The roles whose sizes a client knows as its own (the reply guard and ``split_sizes``).
-OWN_SPLIT_ROLES = ["train", "val", "test"]
+#: The roles whose sizes a client knows as its own (the reply guard and ``split_sizes``):
+#: those of a client's context (:data:`medfl.engine.runner.ROLES`) but the shared global test.
+OWN_SPLIT_ROLES = [r for r in ROLES if r != "global_test"]
 
 
 def split_sizes(data: FederatedData, client_id: str) -> dict[str, int]:

@@ -241,8 +241,7 @@ class FlowerRun(Run):
         expected = {cid: (P.split_sizes(data, cid), P.partition_digest(data, cid))
                     for cid in self.federation.eval_client_ids}
         self.sites = SiteDirectory(grid, expected, fold, self.settings, self._log)
-        self._guards = {cid: SampleGuard(tuple(data.source.sample_shape),
-                                         tuple(sorted(set(P.split_sizes(data, cid).values()))))
+        self._guards = {cid: SampleGuard.of(data.source.sample_shape, P.split_sizes(data, cid))
                         for cid in self.federation.eval_client_ids}
 
     # ------------------------------------------------------------------ bookkeeping

@@ -29,11 +29,11 @@ it)::
 
 Which method runs, the model of each client, the local-training settings and the run seed
 come from the coordinator with every message. Each message is handled by the same
-functions the in-process engine calls (:func:`~medfl.engine.client.run_client_update`,
-:func:`~medfl.engine.client.run_client_evaluate`) on a
-:class:`~medfl.engine.client.ClientContext` built as :meth:`medfl.engine.runner.Run.context`
-builds it, so the same seed gives the same numbers. Every payload is checked on receipt and
-before it leaves (:func:`medfl.messages.validate_payload`): tensors and numbers only.
+functions the in-process engine calls (:func:`~medfl.engine.client.run_client_update`, and
+the two steps of :func:`~medfl.engine.client.run_client_evaluate`) on a
+:class:`~medfl.engine.client.ClientContext` built by the engine's own
+:func:`medfl.engine.runner.client_context`, so the same seed gives the same numbers. Every
+payload is checked on receipt and before it leaves (:func:`medfl.messages.validate_payload`): tensors and numbers only.
 """
 
 from __future__ import annotations
@@ -44,18 +44,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
-from torch.utils.data import DataLoader
 
-from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
+from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, evaluate_model, run_client_update,
+                                 score_dataset)
 from medfl.engine.data import FederatedData, split_data
 from medfl.flower import protocol as P
 from medfl.flower import wire
 from medfl.messages import Instruction, PayloadError, validate_payload
-from medfl.method import Method, derive_seed
+from medfl.method import Method
 
 __all__ = ["SiteSettings", "Site", "SiteError", "handle", "handle_locally", "site_for", "app"]
 
@@ -110,12 +109,6 @@ class SiteSettings:
         return cls(client_id=str(node_config["client-id"]), config=Path(str(node_config["config"])),
                    state_dir=Path(str(node_config["state-dir"])), overrides=overrides,
                    workdir=Path(workdir) if workdir else None, device=device or None)
-
-
-def _seed_all(seed: int) -> None:
-    """Seed torch and NumPy as :func:`medfl.engine.client.run_client_evaluate` does."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % (2**32))
 
 
 class Site:
@@ -189,23 +182,18 @@ class Site:
 
     def method(self, ctl: dict[str, Any]) -> Method:
         """The method's client role, built from the coordinator's method entry."""
-        from medfl.plugins import lookup
+        from medfl.config import build_method
 
-        spec = dict(ctl["method"])
-        cls: type[Method] = lookup("method", spec["name"])
-        return cls.from_config({k: v for k, v in spec.items() if k not in ("name", "label")})
+        return build_method(dict(ctl["method"]))
 
     def context(self, ctl: dict[str, Any], store: ClientStore, state_before: int | None = None) -> ClientContext:
-        """This client's context for the message's round, as ``Run.context`` builds it."""
-        cid, r = self.client_id, int(ctl["round"])
-        data = self.data(ctl.get("fold"))
-        return ClientContext(
-            client_id=cid, round=r, seed=derive_seed(int(ctl["seed"]), r, cid),
-            datasets=data.dataset_factories(cid, P.ROLES), model_spec=dict(ctl["model"]),
-            train=dict(ctl["train"]), device=self.device,
-            state=store.load(cid, r if state_before is None else state_before),
-            sample_shape=tuple(data.source.sample_shape), split_sizes=P.split_sizes(data, cid),
-        )
+        """This client's context for the message's round, built as in process
+        (:func:`medfl.engine.runner.client_context`)."""
+        from medfl.engine.runner import client_context
+
+        return client_context(self.data(ctl.get("fold")), self.client_id, int(ctl["round"]),
+                              run_seed=int(ctl["seed"]), model_spec=dict(ctl["model"]), train=dict(ctl["train"]),
+                              device=self.device, store=store, state_before=state_before)
 
     def check(self, ctl: dict[str, Any]) -> None:
         """Refuse a message of another protocol or addressed to another client."""
@@ -225,14 +213,9 @@ class Site:
     def train(self, ctl: dict[str, Any], ins: Instruction) -> tuple[Any, int, dict[str, Any]]:
         """Run the method's ``client_update``; save the client's state at the site."""
         store, _ = self.stores(ctl)
-        method = self.method(ctl)
-        ctx = self.context(ctl, store)
-        reply = run_client_update(method, ctx, ins)
-        if ctx.state or store.has(self.client_id):  # stateless methods write nothing
-            store.save(self.client_id, int(ctl["round"]), ctx.state)
-        # the wire side checks again what leaves the site
-        validate_payload(reply.payload, f"reply of site {self.client_id}", allow_str=False, guard=ctx.guard,
-                         exempt=method.payload_exemptions)
+        # checks the reply (tensors and numbers, nothing shaped like this site's data) before
+        # the wire side packs it, which checks it again
+        reply = run_client_update(self.method(ctl), self.context(ctl, store), ins, store=store)
         return reply.payload, int(reply.num_examples), dict(reply.metrics)
 
     def evaluate(self, ctl: dict[str, Any], ins: Instruction) -> tuple[dict[str, dict[str, float]],
@@ -242,18 +225,15 @@ class Site:
         from medfl.engine.runner import evaluate_metrics
 
         store, eval_store = self.stores(ctl)
-        method = self.method(ctl)
         r = int(ctl["round"])
         ctx = self.context(ctl, store, state_before=r + 1)
         memory = eval_store.load(self.client_id, r)
-        splits = [str(s) for s in ctl["splits"]]
-        out = run_client_evaluate(method, ctx, ins, splits, evaluate_metrics, {}, memory=memory)
+        # the two steps of run_client_evaluate, keeping the model for cross_test
+        model = build_eval_model(self.method(ctl), ctx, ins)
+        out = evaluate_model(model, ctx, [str(s) for s in ctl["splits"]], evaluate_metrics, memory=memory)
         eval_store.save(self.client_id, r, memory)
         state = None
         if ctl.get("want_model"):
-            ctx = self.context(ctl, store, state_before=r + 1)
-            _seed_all(derive_seed(ctx.seed, "eval"))  # as run_client_evaluate builds it
-            model = method.client_eval_model(ctx, ins)
             state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             validate_payload(state, f"evaluation model of site {self.client_id}", allow_str=False, guard=ctx.guard)
         return out, state
@@ -261,13 +241,11 @@ class Site:
     def score(self, ctl: dict[str, Any], models: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, float]]:
         """``cross_test`` at this site: each given model scored on this client's test split."""
         from medfl.engine.runner import evaluate_metrics
-        from medfl.engine.training import predict_proba
         from medfl.models.registry import build_model
 
         data = self.data(ctl.get("fold"))
         specs: dict[str, Any] = dict(ctl["specs"])
         ds = data.dataset_factories(self.client_id, ["test"])["test"]()
-        bs = int(dict(ctl["train"]).get("eval_batch_size", 64))
         out: dict[str, dict[str, float]] = {}
         for owner in sorted(models, key=lambda s: (len(s), s)):
             model = build_model(dict(specs[owner]))
@@ -277,8 +255,7 @@ class Site:
                 raise SiteError(f"cross_test: the evaluation model of client {owner} is not a model of its "
                                 f"spec {specs[owner]} ({str(exc).splitlines()[0]}); cross_test over Flower "
                                 "needs the method's evaluation model to be the client's registered model") from None
-            y, p = predict_proba(model, DataLoader(ds, batch_size=bs, shuffle=False), self.device)
-            out[owner] = evaluate_metrics(y, p)
+            out[owner] = score_dataset(model, ds, dict(ctl["train"]), self.device, evaluate_metrics)
         return out
 
 
