@@ -383,15 +383,15 @@ def _saved_config(path: Path) -> dict[str, Any]:
     return json.loads(cfg_file.read_text())
 
 
-def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any], run_factory: "RunFactory | None" = None
+def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any], run_factory: RunFactory = Run
             ) -> "Run":
     """The :class:`Run` of a method run directory, on its saved partition."""
     data = split_data(build_source(cfg["dataset"]), cfg, saved=path / "partition.csv")
-    return (run_factory or Run)(cfg, saved["method"], path, data)
+    return run_factory(cfg, saved["method"], path, data)
 
 
 def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, resume_runs: bool,
-                 rounds: int | None = None, run_factory: "RunFactory | None" = None) -> dict[str, Any]:
+                 rounds: int | None = None, run_factory: RunFactory = Run) -> dict[str, Any]:
     """Run (or, with ``resume_runs``, continue) every method of ``cfg`` in ``exp_dir/<label>``.
 
     A method whose directory already holds a run is resumed; one that never started runs
@@ -408,7 +408,7 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
         if data is None:
             data = split_data(build_source(cfg["dataset"]), cfg, saved=exp_dir / "partition.csv")
         run_cfg = cfg if rounds is None else {**cfg, "rounds": int(rounds)}
-        run = (run_factory or Run)(run_cfg, spec, exp_dir / label, data)
+        run = run_factory(run_cfg, spec, exp_dir / label, data)
         run.prepare(resume=False)
         summaries[label] = run.execute(None if resume_runs else cfg.get("stop_after_round"))
     if summaries and all(summaries.values()):
@@ -417,7 +417,7 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
 
 
 def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
-                   run_factory: "RunFactory | None" = None, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+                   run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every fold of a cross-validated experiment in ``exp_dir/fold_<k>``, then the CV report.
 
     Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
@@ -444,7 +444,7 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
     return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
 
 
-def run_experiment(cfg: dict[str, Any], run_factory: "RunFactory | None" = None,
+def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every method of a resolved config on one data split; return their summaries.
 
@@ -476,7 +476,7 @@ def run_experiment(cfg: dict[str, Any], run_factory: "RunFactory | None" = None,
                                                            run_factory=run_factory)}
 
 
-def resume(path: str | Path, rounds: int | None = None, run_factory: "RunFactory | None" = None
+def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory = Run
            ) -> dict[str, Any]:
     """Continue a stopped run directory, or every run of an experiment directory.
 
