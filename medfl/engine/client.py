@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from medfl.engine.data import client_order
 from medfl.messages import Instruction, Reply, SampleGuard, validate_payload
 from medfl.method import Method, derive_seed
 
@@ -318,7 +319,7 @@ def evaluate_model(
         out[split] = scores
     if peers:
         per_peer = []
-        for pid in sorted(peers, key=lambda s: (len(s), s)):
+        for pid in client_order(peers):
             ds = peers[pid]
             ds = ds() if callable(ds) and not isinstance(ds, Dataset) else ds
             scores = score_dataset(model, ds, ctx.train, ctx.device, metric_fn)

@@ -15,10 +15,17 @@ from medfl.data.source import DataError, FederatedSource
 from medfl.method import derive_seed
 from medfl.plugins import lookup
 
-__all__ = ["FederatedData", "split_data", "cv_folds", "sample_attributes", "SUBGROUP_CODES", "POOLED"]
+__all__ = ["FederatedData", "split_data", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
+           "POOLED"]
 
 #: The client id of the pooled (centralized) client.
 POOLED = "pooled"
+
+
+def client_order(ids: Any) -> list[str]:
+    """Client ids (as strings) in the engine's order: by length, then text, so "2" comes
+    before "10". Clients are trained, evaluated and replied for in this order everywhere."""
+    return sorted(map(str, ids), key=lambda s: (len(s), s))
 
 
 @dataclass
@@ -58,7 +65,7 @@ class FederatedData:
     def client_ids(self) -> list[str]:
         """Client ids in numeric order."""
         ids = self.assignments.loc[self.assignments["client_id"] != "", "client_id"].unique()
-        return sorted(map(str, ids), key=lambda s: (len(s), s))
+        return client_order(ids)
 
     def client_names(self) -> dict[str, str]:
         """Client id -> readable name (e.g. a site or region)."""

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from medfl.config import build_method, method_label
 from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
-from medfl.engine.data import POOLED, FederatedData, split_data
+from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.messages import Instruction, Reply
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
@@ -241,7 +241,7 @@ class Run:
         returned replies; the method's ``server_update`` sees only those that answered).
         """
         replies: dict[str, Reply] = {}
-        for cid in sorted(instructions, key=lambda s: (len(s), s)):
+        for cid in client_order(instructions):
             replies[cid] = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
                                              store=self.store)
         return replies

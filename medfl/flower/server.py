@@ -43,7 +43,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from medfl.engine.client import cross_test_mean
-from medfl.engine.data import FederatedData
+from medfl.engine.data import FederatedData, client_order
 from medfl.engine.runner import Run, RunError, resume, run_experiment
 from medfl.flower import protocol as P
 from medfl.flower import wire
@@ -95,11 +95,6 @@ class FlowerSettings:
         return cls(**kw)
 
 
-def _order(ids: Iterable[str]) -> list[str]:
-    """Client ids in the engine's order (numeric-looking ids by length, then text)."""
-    return sorted(ids, key=lambda s: (len(s), s))
-
-
 class SiteDirectory:
     """Which Flower node serves which client id, kept up to date through ``query.hello``.
 
@@ -138,7 +133,7 @@ class SiteDirectory:
         cid = str(ctl.get("client"))
         if cid not in self.expected:
             raise RunError(f"node {node} serves client {cid!r}, which is not in this run's partition "
-                           f"(clients {_order(self.expected)}); check the site's client-id and config")
+                           f"(clients {client_order(self.expected)}); check the site's client-id and config")
         sizes, digest = self.expected[cid]
         if int(ctl.get("protocol", -1)) != P.PROTOCOL:
             raise RunError(f"site {cid} (node {node}) speaks medfl-over-Flower protocol {ctl.get('protocol')}, "
@@ -329,7 +324,7 @@ class FlowerRun(Run):
         by_msg: dict[str, str] = {}
         sent_at: dict[str, float] = {}
         msgs, order = [], []
-        for cid in _order(outgoing):
+        for cid in client_order(outgoing):
             node = self.sites.nodes.get(cid)
             if node is None:
                 self._log({"round": r, "phase": phase, "client_id": cid, "status": "absent"})
@@ -378,7 +373,7 @@ class FlowerRun(Run):
             self.sites.drop(cid)
         self._log({"round": r, "phase": phase + ":all", "status": f"{len(replies)}/{len(outgoing)}",
                    "seconds": time.monotonic() - t0})
-        return {cid: replies[cid] for cid in _order(replies)}
+        return {cid: replies[cid] for cid in client_order(replies)}
 
     # ------------------------------------------------------------------ the transport seam
     def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
@@ -445,11 +440,11 @@ class FlowerRun(Run):
                         owner = key[len("score."):]
                         by_owner.setdefault(owner, {})[data_cid] = wire.read_metrics(
                             msg.content[key], f"cross_test of client {owner} at site {data_cid}")
-            for owner in _order(by_owner):
+            for owner in client_order(by_owner):
                 if owner not in out:
                     continue
                 per_peer = []
-                for data_cid in _order(by_owner[owner]):
+                for data_cid in client_order(by_owner[owner]):
                     out[owner][f"cross_test@{data_cid}"] = by_owner[owner][data_cid]
                     per_peer.append(by_owner[owner][data_cid])
                 out[owner]["cross_test"] = cross_test_mean(per_peer)

@@ -50,7 +50,7 @@ from flwr.clientapp import ClientApp
 
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, evaluate_model, run_client_update,
                                  score_dataset)
-from medfl.engine.data import FederatedData, split_data
+from medfl.engine.data import FederatedData, client_order, split_data
 from medfl.flower import protocol as P
 from medfl.flower import wire
 from medfl.messages import Instruction, PayloadError, validate_payload
@@ -247,7 +247,7 @@ class Site:
         specs: dict[str, Any] = dict(ctl["specs"])
         ds = data.dataset_factories(self.client_id, ["test"])["test"]()
         out: dict[str, dict[str, float]] = {}
-        for owner in sorted(models, key=lambda s: (len(s), s)):
+        for owner in client_order(models):
             model = build_model(dict(specs[owner]))
             try:
                 model.load_state_dict(models[owner], strict=True)
