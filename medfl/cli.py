@@ -152,26 +152,25 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
     import tempfile
     import uuid
 
-    from medfl.flower.deploy import flwr_run, write_app
+    from medfl.flower.deploy import flwr_run, make_run_config, write_app
 
     options = argparse.ArgumentParser(prog="medfl flower run", add_help=False)
     _flower_run_options(options)
     args, rest = options.parse_known_args(args.overrides or [], namespace=args)
     args.overrides = rest
     insecure, _ = _tls_args(args, server=False)
-    rc: dict[str, Any] = {"workdir": str(Path.cwd().resolve()), "round-timeout": args.round_timeout,
-                          "connect-timeout": args.connect_timeout, "hello-timeout": args.hello_timeout}
-    if args.resume:
-        rc.update(resume=str(Path(args.resume).resolve()), rounds=int(args.rounds or 0))
-    else:
+    overrides = None
+    if not args.resume:
         if not args.config:
             raise SystemExit("medfl flower run: give a bundle config (or --resume RUN_DIR)")
         if not Path(args.config).is_file():
             raise FileNotFoundError(f"{args.config}: config file not found")
-        rc.update(config=str(Path(args.config).resolve()), overrides=json.dumps(_parse_overrides(args.overrides)))
+        overrides = _parse_overrides(args.overrides)
     tmp = Path(tempfile.mkdtemp(prefix="medfl-flower-"))
     result_file = Path(args.result_file).resolve() if args.result_file else tmp / f"result-{uuid.uuid4().hex}.json"
-    rc["result-file"] = str(result_file)
+    rc = make_run_config(workdir=Path.cwd(), result_file=result_file, round_timeout=args.round_timeout,
+                         connect_timeout=args.connect_timeout, hello_timeout=args.hello_timeout,
+                         config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds)
     app_dir = write_app(tmp / "app")
     code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
                     root_certificates=None if insecure else args.root_certificates)

@@ -35,7 +35,8 @@ from typing import Any
 from medfl.flower.server import RUN_CONFIG
 
 __all__ = ["FlowerDeployError", "flower_env", "free_port", "superlink_command", "site_command", "node_config",
-           "write_app", "write_connection", "run_config_toml", "flwr_run", "LocalFederation", "MARKER_ENV"]
+           "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "LocalFederation",
+           "MARKER_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
@@ -142,15 +143,6 @@ def write_app(directory: str | Path, **defaults: Any) -> Path:
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = {**RUN_CONFIG, **defaults}
-
-    def toml(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        return json.dumps(str(v))
-
     lines = [
         "[build-system]", 'requires = ["setuptools>=68"]', 'build-backend = "setuptools.build_meta"', "",
         "[project]", 'name = "medfl-flower"', f'version = "{version}"',
@@ -159,8 +151,7 @@ def write_app(directory: str | Path, **defaults: Any) -> Path:
         "[tool.flwr.app]", 'publisher = "medfl"', "",
         "[tool.flwr.app.components]", 'serverapp = "medfl.flower.server:app"',
         'clientapp = "medfl_flower_proxy:app"', "",
-        "[tool.flwr.app.config]",
-        *[f'"{k}" = {toml(v)}' for k, v in cfg.items()], "",
+        "[tool.flwr.app.config]", run_config_toml({**RUN_CONFIG, **defaults}),
     ]
     (directory / "pyproject.toml").write_text("\n".join(lines))
     (directory / "medfl_flower_proxy.py").write_text(Path(proxy.__file__).read_text())
@@ -180,6 +171,22 @@ def write_connection(flwr_home: str | Path, superlink: str, name: str = "medfl",
     path = home / "config.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeout: float, connect_timeout: float,
+                    hello_timeout: float, config: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                    resume: str | Path | None = None, rounds: int | None = None) -> dict[str, Any]:
+    """The run config (keys of :data:`~medfl.flower.server.RUN_CONFIG`) of one ``flwr run``
+    of medfl's app: a bundle ``config`` with its ``#``-path ``overrides``, or a stopped run
+    directory to ``resume`` (optionally to a new total of ``rounds``); paths made absolute."""
+    rc: dict[str, Any] = {"workdir": str(Path(workdir).resolve()), "result-file": str(result_file),
+                          "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
+                          "hello-timeout": float(hello_timeout)}
+    if resume:
+        rc.update(resume=str(Path(resume).resolve()), rounds=int(rounds or 0))
+    else:
+        rc.update(config=str(Path(str(config)).resolve()), overrides=json.dumps(overrides or {}))
+    return rc
 
 
 def run_config_toml(run_config: dict[str, Any]) -> str:
@@ -386,13 +393,9 @@ class LocalFederation:
         if self.superlink is None:
             raise FlowerDeployError("start the SuperLink first")
         result_file = self.workdir / f"{name}-{uuid.uuid4().hex[:8]}.json"
-        rc: dict[str, Any] = {"workdir": str(self.workdir), "result-file": str(result_file),
-                              "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
-                              "hello-timeout": float(hello_timeout)}
-        if resume:
-            rc.update(resume=str(Path(resume).resolve()), rounds=int(rounds))
-        else:
-            rc.update(config=str(Path(str(config)).resolve()), overrides=json.dumps(overrides or {}))
+        rc = make_run_config(workdir=self.workdir, result_file=result_file, round_timeout=round_timeout,
+                             connect_timeout=connect_timeout, hello_timeout=hello_timeout, config=config,
+                             overrides=overrides, resume=resume, rounds=rounds)
         log = self.workdir / "logs" / f"{result_file.stem}.log"
         log.parent.mkdir(exist_ok=True)
         with open(log, "wb") as fh:

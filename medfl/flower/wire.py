@@ -24,7 +24,6 @@ Flat ``{name: number}`` results (evaluation metrics) travel as ``MetricRecord``
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import numpy as np
@@ -195,5 +194,5 @@ def read_metrics(record: Any, where: str) -> dict[str, float]:
     for k, v in record.items():
         if isinstance(v, list):
             raise WireError(f"{where}[{k!r}]: a list where a scalar metric was expected")
-        out[k] = float(v) if not (isinstance(v, float) and math.isnan(v)) else float("nan")
+        out[k] = float(v)
     return out

@@ -51,3 +51,35 @@ def test_commands(tmp_path: Path) -> None:
     assert """overrides='{"fl#dataset#root": "/data"}'""" in nc
     with pytest.raises(FlowerDeployError, match="contains a single quote"):
         node_config("0", tmp_path / "it's.json", tmp_path)
+
+
+def test_flower_run_command_sends_the_run_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`medfl flower run`: what the ServerApp is told (no process is started: flwr_run is caught)."""
+    import medfl.flower.deploy as deploy
+    from medfl.cli import main
+
+    sent: list[dict] = []
+    monkeypatch.setattr(deploy, "flwr_run", lambda app, superlink, rc, **kw: sent.append(
+        {"app": app, "superlink": superlink, **rc}) or 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.json").write_text("{}")
+    assert main(["flower", "run", "train.json", "--insecure", "--superlink", "hub:9100", "--round-timeout", "30",
+                 "--fl#rounds", "3", "--fl#name", "it's"]) == 0
+    rc = sent[-1]
+    assert rc["superlink"] == "hub:9100" and (Path(rc["app"]) / "medfl_flower_proxy.py").is_file()
+    assert rc["config"] == str(tmp_path.resolve() / "train.json") and rc["workdir"] == str(tmp_path.resolve())
+    assert json.loads(rc["overrides"]) == {"fl#rounds": 3, "fl#name": "it's"}
+    assert (rc["round-timeout"], rc["connect-timeout"], rc["hello-timeout"]) == (30.0, 300.0, 60.0)
+    assert "resume" not in rc and rc["result-file"].endswith(".json")
+    assert set(rc) - {"app", "superlink"} <= set(RUN_CONFIG)
+
+    assert main(["flower", "run", "--resume", "runs/demo", "--rounds", "4", "--insecure"]) == 0
+    rc = sent[-1]
+    assert rc["resume"] == str(tmp_path.resolve() / "runs" / "demo") and rc["rounds"] == 4
+    assert "config" not in rc and "overrides" not in rc
+
+    with pytest.raises(SystemExit, match="give a bundle config"):
+        main(["flower", "run", "--insecure"])
+    assert main(["flower", "run", "missing.json", "--insecure"]) != 0
+    assert "missing.json: config file not found" in capsys.readouterr().err
