@@ -1,0 +1,93 @@
+"""Every built-in method's numbers on a tiny job, against numbers recorded before a change.
+
+A change of the method contract or the engine must not move any built-in method's results.
+``builtin_numbers.json`` holds, per method, the ``metrics.csv`` and ``train_metrics.csv`` of
+a two-round job on the synthetic set, as the code wrote them when the file was recorded;
+this test reruns the jobs and compares every value exactly (same machine kind, same pinned
+torch). When a change moves a method's numbers on purpose, re-record with
+``python tests/engine/test_builtin_numbers.py --write`` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from medfl.config import resolve_config
+from medfl.engine.runner import run_experiment
+
+GOLDEN = Path(__file__).with_name("builtin_numbers.json")
+
+_DATA: dict[str, Any] = {
+    "seed": 3, "num_clients": 3, "progress": False,
+    "dataset": {"name": "synthetic2d", "num_samples": 96, "num_classes": 2, "image_size": 16, "noise": 0.5},
+    "partition": {"name": "dirichlet", "alpha": 1.0, "min_size": 8},
+    "train": {"batch_size": 8, "lr": 0.05}, "rounds": 2,
+}
+_CNN = {"model": {"name": "small_cnn", "width": 4}}
+_P2P = {"model": {"name": "resnet10", "width": 4}, "client_models": [{"width": 4}, {"width": 3}, {"width": 2}],
+        "train": {"batch_size": 8, "lr": 0.001, "optimizer": "adam"}, "eval_splits": ["test", "cross_test"]}
+
+#: method entry and job of each built-in method
+JOBS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "centralized": ({"name": "centralized"}, _CNN),
+    "local": ({"name": "local"}, _CNN),
+    "fedavg": ({"name": "fedavg"}, {**_CNN, "fraction": 0.67}),
+    "fedprox": ({"name": "fedprox", "mu": 0.1}, _CNN),
+    "fedavgm": ({"name": "fedavgm"}, _CNN),
+    "fedbn": ({"name": "fedbn"}, _CNN),
+    "fedadam": ({"name": "fedadam"}, _CNN),
+    "fedkper": ({"name": "fedkper"}, _CNN),
+    "fedskd": ({"name": "fedskd", "iterations": 2}, _P2P),
+    "fedcross": ({"name": "fedcross", "iterations": 2}, {k: v for k, v in _P2P.items() if k != "client_models"}),
+    "fedcross_het": ({"name": "fedcross_het", "iterations": 2}, _P2P),
+}
+
+
+def run_job(method: str, work: Path) -> dict[str, str]:
+    """Run ``method``'s job in ``work``; return its metrics files as CSV text."""
+    spec, job = JOBS[method]
+    fl = json.loads(json.dumps({**_DATA, **job}))
+    fl["train"] = {**_DATA["train"], **job.get("train", {})}
+    fl.update(name=method, output_dir=str(work / "runs"), methods=[spec])
+    fl["dataset"]["root"] = str(work / "data")
+    out = run_experiment(resolve_config(fl))
+    run_dir = Path(out["dir"]) / method
+    return {f: (run_dir / f).read_text() for f in ("metrics.csv", "train_metrics.csv")}
+
+
+@pytest.mark.parametrize("method", sorted(JOBS))
+def test_builtin_method_numbers_are_unchanged(method: str, tmp_path: Path) -> None:
+    golden = json.loads(GOLDEN.read_text())
+    assert sorted(golden) == sorted(JOBS), "re-record builtin_numbers.json after adding a job"
+    now = run_job(method, tmp_path)
+    for f, text in golden[method].items():
+        want, got = pd.read_csv(io.StringIO(text)), pd.read_csv(io.StringIO(now[f]))
+        # columns may be added by a change; every recorded column keeps its exact values
+        missing = [c for c in want.columns if c not in got.columns]
+        assert not missing, f"{method} {f}: columns {missing} are gone"
+        pd.testing.assert_frame_equal(got[list(want.columns)], want, check_exact=True, obj=f"{method} {f}")
+
+
+def test_every_built_in_method_has_recorded_numbers() -> None:
+    from medfl.plugins import registry
+
+    builtin = {n for n, reg in registry()["method"].items() if reg.distribution == "medfl"}
+    assert builtin <= set(JOBS), f"record numbers for {sorted(builtin - set(JOBS))}"
+
+
+if __name__ == "__main__":  # re-record: python tests/engine/test_builtin_numbers.py --write
+    import tempfile
+
+    if "--write" not in sys.argv:
+        raise SystemExit("usage: python tests/engine/test_builtin_numbers.py --write")
+    with tempfile.TemporaryDirectory() as tmp:
+        numbers = {m: run_job(m, Path(tmp) / m) for m in sorted(JOBS)}
+    GOLDEN.write_text(json.dumps(numbers, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
