@@ -40,9 +40,10 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
 
 def write_forgetting_plot(run_dir: str | Path) -> Path | None:
     """Write ``plots/forgetting.png``: global and mean local accuracy per round with their
-    recovery intervals shaded (the consistency measure), worst-client accuracy, backward
-    transfer on previously sampled clients, and the negative-flip rates. Returns the path,
-    or None when the run has no accuracy."""
+    recovery intervals shaded (the paper's consistency C, in the legend) and the unfinished
+    last interval hatched (counted only by medfl's open-interval reading), worst-client
+    accuracy, backward transfer on previously sampled clients, and the negative-flip rates.
+    Returns the path, or None when the run has no accuracy."""
     from medfl.metrics.forgetting import forgetting_report
 
     run_dir = Path(run_dir)
@@ -64,9 +65,13 @@ def write_forgetting_plot(run_dir: str | Path) -> Path | None:
                     label=f"{key} (C={c:.3f})" if c is not None else key)
             for iv in block[key]["intervals"]:
                 ax.axvspan(iv["start_round"], iv["end_round"], color=color, alpha=0.12)
+            open_iv = block[key].get("open_interval")
+            if open_iv:
+                ax.axvspan(open_iv["start_round"], open_iv["end_round"], facecolor="none",
+                           edgecolor=color, hatch="//", alpha=0.3, lw=0)
     if per["worst_local_acc"].notna().any():
         ax.plot(per["round"], per["worst_local_acc"], ls="--", color="C3", label="worst client (local)")
-    ax.set_title("accuracy; shaded: recovery intervals")
+    ax.set_title("accuracy; shaded: recovery intervals, hatched: peak not regained", fontsize=9)
     ax.set_ylabel("accuracy")
     axes[1].plot(per["round"], per["bwt"], marker="o", color="C2")
     axes[1].axhline(0, color="grey", lw=0.8)
@@ -173,7 +178,9 @@ def forgetting_table(summaries: dict[str, dict[str, Any]]) -> pd.DataFrame:
     flattened as ``global_<name>``, ``local_<name>``, ``balance_<name>`` (the columns of
     the FedKPer paper's Table 1 are ``global_acc_mean``, ``global_bwt_final``,
     ``global_consistency``, ``local_acc_mean``, ``local_worst_client_acc_mean``,
-    ``local_consistency`` and ``balance_mean``)."""
+    ``local_consistency`` and ``balance_mean``; the ``*_consistency`` and ``*_aipfr``
+    columns are the paper's, ``*_open_intervals`` medfl's open-interval reading, see
+    :mod:`medfl.metrics.forgetting`)."""
     rows = []
     for label, summary in summaries.items():
         block = summary.get("forgetting") or {}

@@ -22,10 +22,17 @@ Choices where the paper leaves room (each is tested in ``tests/metrics/test_forg
   to (or exceeds)") and is itself the next peak.
 * Eq. 7 is taken literally: the sum runs over both ends of the interval and uses the
   absolute deviation, so a recovery that overshoots the peak adds its overshoot.
-* Only intervals with at least one round strictly between their ends count (paper). The
-  *unfinished* last interval (a peak that is never regained before the run ends) counts by
-  default, closed at the last round, as if the run ended there (``include_unfinished``):
-  otherwise a run that peaks and then only declines would score a perfect consistency.
+* Only intervals with at least one round strictly between their ends count (paper).
+* A peak that is never regained before the run ends has **no** interval (paper: an interval
+  ends at the first later round that returns to the peak), so ``consistency`` and ``aipfr``
+  ignore the decline after the last peak: for accuracy ``[.6, .4, .7, .5, .3]`` the only
+  interval is ``[0, 2]`` with IPFR ``(0 + .2/.6 + .1/.6) / 2 = .25``, so C = 0.75.
+* medfl extension, *open intervals* (``include_unfinished=True``; ``consistency_open_intervals``
+  and ``aipfr_open_intervals`` in the report): the unfinished last interval also counts,
+  closed at the last round as if the run ended there. The paper's value ignores a final
+  decline, so a run that peaks and then only declines scores a perfect consistency; the
+  open-interval reading charges that decline. For ``[.6, .4, .7, .5, .3]`` it adds
+  ``[2, 4]`` with IPFR ``(0 + .2/.7 + .4/.7) / 2 = 3/7``, so C = 1 - (.25 + 3/7) / 2 = 0.6607.
 * No interval at all (a non-decreasing curve, a single round): AIPFR = 0, C = 1. An empty
   trajectory gives NaN.
 * BwT at round T uses, for each client sampled in some round before T, the most recent such
@@ -124,13 +131,16 @@ def ipfr(acc: Sequence[float], start: int, end: int) -> float:
     return float(np.abs(peak - a[start:end + 1]).sum() / peak / (end - start))
 
 
-def recovery_intervals(acc: Sequence[float], *, include_unfinished: bool = True) -> list[RecoveryInterval]:
+def recovery_intervals(acc: Sequence[float], *,
+                       include_unfinished: bool = False) -> list[RecoveryInterval]:
     """The recovery intervals of ``acc`` that have at least one intermediate round.
 
     Scans the values in order; a value ``>=`` the running maximum closes the open interval
     and starts the next one. NaN values are dropped first (positions refer to the cleaned
-    sequence). ``include_unfinished``: also return the open interval at the end (a peak not
-    regained), closed at the last value, when it has at least one value after its peak.
+    sequence). By default only the paper's intervals, which end where the peak is regained.
+    ``include_unfinished`` (medfl extension, see the module doc): also return the open
+    interval at the end (a peak not regained), closed at the last value, when it has at
+    least one value after its peak.
     """
     a = _clean(acc)
     out: list[RecoveryInterval] = []
@@ -147,16 +157,22 @@ def recovery_intervals(acc: Sequence[float], *, include_unfinished: bool = True)
     return out
 
 
-def aipfr(acc: Sequence[float], *, include_unfinished: bool = True) -> float:
-    """Average IPFR over the recovery intervals (eq. 8); 0 with no interval, NaN if empty."""
+def aipfr(acc: Sequence[float], *, include_unfinished: bool = False) -> float:
+    """Average IPFR over the recovery intervals (eq. 8); 0 with no interval, NaN if empty.
+
+    ``include_unfinished=True`` also averages the unfinished last interval (medfl's
+    open-interval reading, see the module doc); the default is the paper's."""
     if len(_clean(acc)) == 0:
         return float("nan")
     intervals = recovery_intervals(acc, include_unfinished=include_unfinished)
     return float(np.mean([iv.ipfr for iv in intervals])) if intervals else 0.0
 
 
-def consistency(acc: Sequence[float], *, include_unfinished: bool = True) -> float:
-    """Consistency ``C = 1 - AIPFR`` (eq. 9): 1 for a curve that never drops; NaN if empty."""
+def consistency(acc: Sequence[float], *, include_unfinished: bool = False) -> float:
+    """Consistency ``C = 1 - AIPFR`` (eq. 9): 1 for a curve that never drops; NaN if empty.
+
+    The default is the paper's value (a peak never regained has no interval);
+    ``include_unfinished=True`` gives medfl's open-interval reading (see the module doc)."""
     return 1.0 - aipfr(acc, include_unfinished=include_unfinished)
 
 
@@ -293,18 +309,29 @@ def _nanmean(values: Iterable[float]) -> float:
     return float(v.mean()) if v.size else float("nan")
 
 
-def _curve_block(rounds: list[int], curve: pd.Series, include_unfinished: bool) -> dict[str, Any]:
+def _interval_dict(kept: list[int], iv: RecoveryInterval) -> dict[str, Any]:
+    return {"start_round": kept[iv.start], "end_round": kept[iv.end], "ipfr": iv.ipfr,
+            "recovered": iv.recovered}
+
+
+def _curve_block(rounds: list[int], curve: pd.Series) -> dict[str, Any]:
+    """Accuracy, the paper's consistency / AIPFR / intervals and the open-interval reading
+    of one accuracy curve (``rounds`` gives each value's round)."""
     values = curve.to_numpy(dtype=np.float64)
     kept = [r for r, v in zip(rounds, values) if not np.isnan(v)]
-    intervals = recovery_intervals(values, include_unfinished=include_unfinished)
+    with_open = recovery_intervals(values, include_unfinished=True)
+    intervals = [iv for iv in with_open if iv.recovered]
+    unfinished = [iv for iv in with_open if not iv.recovered]
     return {
         "acc_final": _num(float(values[-1])) if len(values) else None,
         "acc_mean": _num(_nanmean(values)),
-        "consistency": _num(consistency(values, include_unfinished=include_unfinished)),
-        "aipfr": _num(aipfr(values, include_unfinished=include_unfinished)),
+        "consistency": _num(consistency(values)),
+        "aipfr": _num(aipfr(values)),
         "n_intervals": len(intervals),
-        "intervals": [{"start_round": kept[iv.start], "end_round": kept[iv.end],
-                       "ipfr": iv.ipfr, "recovered": iv.recovered} for iv in intervals],
+        "intervals": [_interval_dict(kept, iv) for iv in intervals],
+        "consistency_open_intervals": _num(consistency(values, include_unfinished=True)),
+        "aipfr_open_intervals": _num(aipfr(values, include_unfinished=True)),
+        "open_interval": _interval_dict(kept, unfinished[0]) if unfinished else None,
     }
 
 
@@ -313,7 +340,6 @@ def forgetting_report(
     train_metrics: pd.DataFrame | None = None,
     *,
     metric: str = "accuracy",
-    include_unfinished: bool = True,
 ) -> tuple[dict[str, Any], pd.DataFrame]:
     """The forgetting measures of one run, for any method.
 
@@ -322,16 +348,20 @@ def forgetting_report(
             ``neg_flip_rate`` column when the engine's evaluation memory was on).
         train_metrics: the run's ``train_metrics.csv``: which clients trained in each round.
         metric: the accuracy column the measures are computed on.
-        include_unfinished: count the unfinished last recovery interval (see module doc).
 
     Returns:
         ``(block, per_round)``. ``block`` (for ``summary.json``) has ``global`` (global-test
-        accuracy: final, mean over rounds, consistency, AIPFR, intervals; BwT at the last
-        round and its mean over rounds; negative-flip rate on the global test set, final
-        and mean over round pairs), ``local`` (the same for the mean local accuracy, plus the
-        worst client's final accuracy and its mean over rounds, the mean of the clients' own
-        consistencies, the local negative-flip rate) and ``balance`` (final and from the
-        means over rounds, as in the paper's Table 1). NaN values are ``None``.
+        accuracy: final, mean over rounds, ``consistency`` and ``aipfr`` as in the paper,
+        its recovery ``intervals``; BwT at the last round and its mean over rounds;
+        negative-flip rate on the global test set, final and mean over round pairs),
+        ``local`` (the same for the mean local accuracy, plus the worst client's final
+        accuracy and its mean over rounds, ``client_consistency_mean``: the mean of the
+        clients' own consistencies, the local negative-flip rate) and ``balance`` (final and
+        from the means over rounds, as in the paper's Table 1). Beside each consistency,
+        AIPFR and client-consistency mean, the ``*_open_intervals`` key is medfl's
+        open-interval reading (the unfinished last interval counted too, see the module
+        doc), and ``open_interval`` is that unfinished interval (None when the last peak
+        was regained or is the last round). NaN values are ``None``.
         ``per_round`` has one row per evaluated round: ``global_acc``, ``local_acc``,
         ``worst_local_acc``, ``worst_client``, ``balance``, ``bwt``, ``bwt_clients``,
         ``global_neg_flip_rate``, ``local_neg_flip_rate``, ``sampled``.
@@ -366,20 +396,22 @@ def forgetting_report(
         "round", "global_acc", "local_acc", "worst_local_acc", "worst_client", "balance", "bwt",
         "bwt_clients", "global_neg_flip_rate", "local_neg_flip_rate", "sampled"])
     if per_round.empty:
-        return {"metric": metric, "rounds": [], "include_unfinished": include_unfinished}, per_round
+        return {"metric": metric, "rounds": []}, per_round
     last = per_round.iloc[-1]
-    glob = _curve_block(rounds, per_round["global_acc"], include_unfinished)
+    glob = _curve_block(rounds, per_round["global_acc"])
     glob.update({
         "bwt_final": _num(float(last["bwt"])), "bwt_clients": int(last["bwt_clients"]),
         "bwt_mean": _num(_nanmean(per_round["bwt"])),
         "neg_flip_rate_final": _num(float(last["global_neg_flip_rate"])),
         "neg_flip_rate_mean": _num(_nanmean(per_round["global_neg_flip_rate"])),
     })
-    loc = _curve_block(rounds, per_round["local_acc"], include_unfinished)
-    client_c = [consistency(l_tab[c].to_numpy(), include_unfinished=include_unfinished)
-                for c in l_tab.columns]
+    loc = _curve_block(rounds, per_round["local_acc"])
+    client_c = [consistency(l_tab[c].to_numpy()) for c in l_tab.columns]
+    client_c_open = [consistency(l_tab[c].to_numpy(), include_unfinished=True)
+                     for c in l_tab.columns]
     loc.update({
         "client_consistency_mean": _num(_nanmean(client_c)),
+        "client_consistency_mean_open_intervals": _num(_nanmean(client_c_open)),
         "worst_client_acc_final": _num(float(last["worst_local_acc"])),
         "worst_client_final": last["worst_client"] or None,
         "worst_client_acc_mean": _num(_nanmean(per_round["worst_local_acc"])),
@@ -388,8 +420,7 @@ def forgetting_report(
     })
     g_mean, l_mean = _nanmean(per_round["global_acc"]), _nanmean(per_round["local_acc"])
     block = {
-        "metric": metric, "rounds": rounds, "include_unfinished": include_unfinished,
-        "global": glob, "local": loc,
+        "metric": metric, "rounds": rounds, "global": glob, "local": loc,
         "balance": {"final": _num(float(last["balance"])), "mean": _num(balance(g_mean, l_mean))},
     }
     return block, per_round

@@ -55,16 +55,42 @@ def test_dip_and_recovery():
     assert consistency([0.5, float("nan"), 0.25, 0.5]) == pytest.approx(0.75)
 
 
+def test_paper_example_peak_not_regained_has_no_interval():
+    """Eq. 7 by hand on [.6, .4, .7, .5, .3]: peaks at 0 (.6) and 2 (.7). Round 2 regains .6,
+    closing [0, 2]: IPFR = (|.6-.6| + |.6-.4| + |.6-.7|) / .6 / (2 - 0) = (0 + .2 + .1) / 1.2
+    = .25. The peak .7 is never regained, so it starts no interval (paper): M = 1,
+    AIPFR = .25, C = .75."""
+    acc = [0.6, 0.4, 0.7, 0.5, 0.3]
+    assert recovery_intervals(acc) == [RecoveryInterval(0, 2, pytest.approx(0.25), True)]
+    assert aipfr(acc) == pytest.approx(0.25)
+    assert consistency(acc) == pytest.approx(0.75)
+
+
+def test_open_interval_variant_hand_computed():
+    """medfl's open-interval reading of [.6, .4, .7, .5, .3]: the unfinished [2, 4] also
+    counts, closed at the last round: (|.7-.7| + |.7-.5| + |.7-.3|) / .7 / (4 - 2) = 3/7;
+    AIPFR = (.25 + 3/7) / 2 = 19/56, C = 37/56 = 0.6607."""
+    acc = [0.6, 0.4, 0.7, 0.5, 0.3]
+    ivs = recovery_intervals(acc, include_unfinished=True)
+    assert [(iv.start, iv.end, iv.recovered) for iv in ivs] == [(0, 2, True), (2, 4, False)]
+    assert ivs[1].ipfr == pytest.approx((0 + 0.2 / 0.7 + 0.4 / 0.7) / 2)
+    assert aipfr(acc, include_unfinished=True) == pytest.approx(19 / 56)
+    assert consistency(acc, include_unfinished=True) == pytest.approx(37 / 56)
+    assert consistency(acc, include_unfinished=True) == pytest.approx(0.6607, abs=1e-4)
+
+
 def test_never_recovering_after_a_peak():
     acc = [0.4, 0.8, 0.6, 0.4]
-    # unfinished interval [1, 3] closed at the last round: (0 + 0.25 + 0.5) / 2
-    assert recovery_intervals(acc) == [RecoveryInterval(1, 3, pytest.approx(0.375), False)]
-    assert consistency(acc) == pytest.approx(0.625)
-    # the paper's closed intervals only: nothing to average, C = 1
-    assert recovery_intervals(acc, include_unfinished=False) == []
-    assert consistency(acc, include_unfinished=False) == 1.0
+    # the paper: the peak 0.8 is never regained, so there is no interval and C = 1
+    assert recovery_intervals(acc) == []
+    assert aipfr(acc) == 0.0 and consistency(acc) == 1.0
+    # open intervals: [1, 3] closed at the last round, (0 + 0.25 + 0.5) / 2
+    assert recovery_intervals(acc, include_unfinished=True) == [
+        RecoveryInterval(1, 3, pytest.approx(0.375), False)]
+    assert consistency(acc, include_unfinished=True) == pytest.approx(0.625)
     # a drop in the very last round is an unfinished interval with one round after the peak
-    assert aipfr([0.5, 0.6, 0.3]) == pytest.approx((0 + 0.5) / 1)
+    assert aipfr([0.5, 0.6, 0.3]) == 0.0
+    assert aipfr([0.5, 0.6, 0.3], include_unfinished=True) == pytest.approx((0 + 0.5) / 1)
 
 
 def test_single_round_and_empty():
@@ -155,15 +181,28 @@ def test_forgetting_report_hand_computed():
     g, l = block["global"], block["local"]
     assert g["acc_final"] == pytest.approx(0.6) and g["acc_mean"] == pytest.approx(0.55)
     assert g["consistency"] == pytest.approx(1 - 0.125)  # (0 + .25 + 0) / 2
+    assert g["aipfr"] == pytest.approx(0.125) and g["n_intervals"] == 1
     assert g["intervals"] == [{"start_round": 1, "end_round": 3, "ipfr": pytest.approx(0.125), "recovered": True}]
+    # the last round regains the peak: nothing open, both readings agree
+    assert g["open_interval"] is None
+    assert g["consistency_open_intervals"] == pytest.approx(g["consistency"])
+    assert g["aipfr_open_intervals"] == pytest.approx(g["aipfr"])
     assert g["bwt_final"] == pytest.approx(-0.15) and g["bwt_clients"] == 2
     assert g["bwt_mean"] == pytest.approx((-0.2 - 0.15) / 2)
     assert g["neg_flip_rate_final"] == pytest.approx(0.1) and g["neg_flip_rate_mean"] == pytest.approx(0.175)
-    # local mean curve 0.6, 0.55, 0.5 never regains its peak: unfinished (0 + 1/12 + 1/6) / 2
-    assert l["consistency"] == pytest.approx(1 - (0.05 / 0.6 + 0.1 / 0.6) / 2)
-    assert l["intervals"][0]["recovered"] is False
-    # client 0: 0.8, 0.6, 0.7 -> (0 + .25 + .125) / 2; client 1: 0.4, 0.5, 0.3 -> (0 + .4) / 1
-    assert l["client_consistency_mean"] == pytest.approx(((1 - 0.1875) + (1 - 0.4)) / 2)
+    # local mean curve 0.6, 0.55, 0.5 never regains its peak: no interval (paper), C = 1;
+    # open intervals: the unfinished [1, 3], (0 + 1/12 + 1/6) / 2
+    assert l["consistency"] == 1.0 and l["aipfr"] == 0.0
+    assert l["intervals"] == [] and l["n_intervals"] == 0
+    assert l["consistency_open_intervals"] == pytest.approx(1 - (0.05 / 0.6 + 0.1 / 0.6) / 2)
+    assert l["aipfr_open_intervals"] == pytest.approx((0.05 / 0.6 + 0.1 / 0.6) / 2)
+    assert l["open_interval"] == {"start_round": 1, "end_round": 3,
+                                  "ipfr": pytest.approx(0.125), "recovered": False}
+    # client 0: 0.8, 0.6, 0.7 and client 1: 0.4, 0.5, 0.3 never regain their peaks: C = 1 each;
+    # open intervals: client 0 (0 + .25 + .125) / 2, client 1 (0 + .4) / 1
+    assert l["client_consistency_mean"] == 1.0
+    assert l["client_consistency_mean_open_intervals"] == pytest.approx(
+        ((1 - 0.1875) + (1 - 0.4)) / 2)
     assert l["worst_client_acc_final"] == pytest.approx(0.3) and l["worst_client_final"] == "1"
     assert l["worst_client_acc_mean"] == pytest.approx(0.4)
     assert l["neg_flip_rate_final"] == pytest.approx(0.2) and l["neg_flip_rate_mean"] == pytest.approx(0.15)
@@ -171,6 +210,26 @@ def test_forgetting_report_hand_computed():
     json.dumps(block, allow_nan=False)  # NaNs become None: valid JSON
     empty, per0 = forgetting_report(pd.DataFrame(), None)
     assert per0.empty and empty["rounds"] == []
+
+
+def test_forgetting_report_consistency_is_the_papers_on_the_worked_example():
+    """The [.6, .4, .7, .5, .3] trajectory through the whole report: summary's consistency
+    0.75 (paper), the open-interval reading 37/56 beside it."""
+    curve = [0.6, 0.4, 0.7, 0.5, 0.3]
+    rows = [{"round": r + 1, "client_id": c, "split": s, "accuracy": v}
+            for r, v in enumerate(curve) for c in ("0", "1") for s in ("local_test", "global_test")]
+    block, _ = forgetting_report(pd.DataFrame(rows), None)
+    for part in ("global", "local"):
+        b = block[part]
+        assert b["consistency"] == pytest.approx(0.75) and b["aipfr"] == pytest.approx(0.25)
+        assert b["intervals"] == [{"start_round": 1, "end_round": 3, "ipfr": pytest.approx(0.25),
+                                   "recovered": True}]
+        assert b["consistency_open_intervals"] == pytest.approx(37 / 56)
+        assert b["aipfr_open_intervals"] == pytest.approx(19 / 56)
+        assert b["open_interval"] == {"start_round": 3, "end_round": 5,
+                                      "ipfr": pytest.approx(3 / 7), "recovered": False}
+    assert block["local"]["client_consistency_mean"] == pytest.approx(0.75)
+    assert block["local"]["client_consistency_mean_open_intervals"] == pytest.approx(37 / 56)
 
 
 # ----------------------------------------------------------------------------- at the client
@@ -260,6 +319,16 @@ def test_summary_block_for_fedavg_and_local_and_resume(tiny_fl, resolve):
         assert m.loc[m["round"] == 1, "neg_flip_rate"].isna().all()
         assert m.loc[m["round"] == 2, "neg_flip_rate"].between(0, 1).all()
         assert (m["neg_flips"].dropna() == (m["neg_flip_rate"] * m["n"]).dropna().round()).all()
+        # every consistency of the block is the paper's, the open-interval reading beside it
+        for part, split in (("global", "global_test"), ("local", "local_test")):
+            curve = m[m["split"] == split].groupby("round")["accuracy"].mean().to_numpy()
+            assert block[part]["consistency"] == pytest.approx(consistency(curve))
+            assert block[part]["consistency_open_intervals"] == pytest.approx(
+                consistency(curve, include_unfinished=True))
+        per_client = m[m["split"] == "local_test"].pivot_table(index="round", columns="client_id",
+                                                                 values="accuracy")
+        assert block["local"]["client_consistency_mean"] == pytest.approx(
+            float(np.mean([consistency(per_client[c].to_numpy()) for c in per_client])))
     fa = pd.read_csv(exp / "fedavg" / "metrics.csv")
     g2 = fa[(fa["round"] == 2) & (fa["split"] == "global_test")]
     assert g2["neg_flip_rate"].nunique() == 1  # one global model: the same flips at every client
@@ -270,6 +339,8 @@ def test_summary_block_for_fedavg_and_local_and_resume(tiny_fl, resolve):
     assert idle and (lm.loc[(lm["round"] == 2) & lm["client_id"].isin(idle), "neg_flips"] == 0).all()
     comp = pd.read_csv(exp / "comparison_forgetting.csv")
     assert comp["method"].tolist() == ["fedavg", "local"] and "global_consistency" in comp
+    assert "global_consistency_open_intervals" in comp
+    assert "local_client_consistency_mean_open_intervals" in comp
     # stopped after round 1 and resumed: the same flips and forgetting table
     stopped = run_experiment(resolve(dict(tiny_fl, name="part", stop_after_round=1,
                                           methods=[{"name": "fedavg"}])))
