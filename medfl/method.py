@@ -16,9 +16,18 @@ Lifecycle of a run (rounds are numbered from 1)::
             instructions = coordinator.configure_round(round)      # {client_id: Instruction}
             replies = {cid: client.client_update(ctx[cid], ins) ...}   # on each client
             coordinator.server_update(round, replies)
-        evals = coordinator.configure_evaluate(round)              # {client_id: Instruction}
-        model = client.client_eval_model(ctx[cid], evals[cid])      # evaluated at the client
+        checks = coordinator.configure_validate(round)             # {} (the default): no exchange
+        scores = {cid: client.client_validate(ctx[cid], ins) ...}  # scalars, on each client
+        coordinator.server_validate(round, scores)
+        if round is evaluated (eval_every, and always the last):
+            evals = coordinator.configure_evaluate(round)          # {client_id: Instruction}
+            model = client.client_eval_model(ctx[cid], evals[cid])  # evaluated at the client
+            coordinator.server_evaluate(round, results)            # the scalars of every split
+        checkpoint(coordinator.state_dict())
     coordinator.finalize()
+
+A client's ``ctx.state`` is the state it saved last: a second step of the same round
+(``round_steps`` > 1) and the validation exchange see what the first step left.
 
 Messages carry tensors and scalars only (see :mod:`medfl.messages`).
 """
@@ -39,7 +48,12 @@ from medfl.messages import Instruction, Reply
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.engine.client import ClientContext
 
-__all__ = ["Federation", "Method", "MethodConfigError", "derive_seed"]
+__all__ = ["Federation", "Method", "MethodConfigError", "EvalResults", "derive_seed"]
+
+#: What the clients reported from one evaluation: ``{client_id: {split: {metric: value}}}``
+#: (splits named as in ``metrics.csv``'s rows before the ``local_`` prefix: ``test``, ``val``,
+#: ``global_test``, ``cross_test``; ``cross_test@<peer>`` holds one peer's scores).
+EvalResults = dict[str, dict[str, dict[str, float]]]
 
 
 class MethodConfigError(ValueError):
@@ -197,9 +211,26 @@ class Method:
     def server_update(self, round: int, replies: dict[str, Reply]) -> None:
         """Fold the clients' replies into the coordinator state. Default: nothing."""
 
+    def configure_validate(self, round: int) -> dict[str, Instruction]:
+        """Who runs :meth:`client_validate` after the training steps of ``round``, and with
+        what (e.g. FedSDC+ sends every head to rank them on each client's validation split).
+        Default: nobody (no validation exchange; nothing is sent)."""
+        return {}
+
+    def server_validate(self, round: int, results: dict[str, dict[str, float]]) -> None:
+        """Receive the scalars each client's :meth:`client_validate` returned in ``round``
+        (only clients that answered). Runs before the round's evaluation and checkpoint, so
+        what it stores in the coordinator state is checkpointed with the round. Default: nothing."""
+
     def configure_evaluate(self, round: int) -> dict[str, Instruction]:
         """What each client needs to build its evaluation model. Default: nothing."""
         return {cid: Instruction() for cid in self.federation.eval_client_ids}
+
+    def server_evaluate(self, round: int, results: EvalResults) -> None:
+        """Receive the evaluation scalars of ``round`` (what ``metrics.csv`` gets), per client
+        and split, before the round's checkpoint. Called only in rounds that are evaluated
+        (``eval_every``, and always the last); clients that did not answer are absent.
+        Default: nothing."""
 
     def finalize(self) -> None:
         """Post-hoc stages after the last round (server refinement, ensembles). Default: none."""
@@ -216,10 +247,41 @@ class Method:
         """Run on one client: train and reply. Must be overridden."""
         raise NotImplementedError(f"method {self.name!r} does not implement client_update")
 
+    def client_validate(self, client: "ClientContext", instruction: Instruction) -> dict[str, float]:
+        """Run on one client when :meth:`configure_validate` addresses it: compute scalars
+        (e.g. each head's micro-F1 on ``client.dataset("val")``) for :meth:`server_validate`.
+
+        Returns a flat dict of numbers; it is checked like a reply (numbers only, nothing
+        that repeats the client's labels or images). ``client.state`` may be read and
+        updated (it is saved again after the exchange)."""
+        raise NotImplementedError(f"method {self.name!r} addressed clients in configure_validate "
+                                  "but does not implement client_validate")
+
     def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
         """Run on one client: the model whose predictions are this client's evaluation.
 
-        The returned module maps a batch ``(B, C, H, W[, D])`` to logits ``(B, K)``;
-        ensembles return a module that combines several heads. Must be overridden.
+        The returned module maps a batch ``(B, C, H, W[, D])`` to logits ``(B, K)``, which
+        the engine turns into probabilities with a softmax. A module that computes class
+        probabilities itself (a mean of softmaxes, vote fractions) sets the attribute
+        ``returns_probabilities = True`` (see :class:`medfl.models.ProbabilityModel`); its
+        rows must be non-negative and sum to 1. Must be overridden.
+
+        Global Test (``cross_test``) over Flower scores this model at the other sites: they
+        rebuild its structure with :meth:`eval_model_skeleton` and load its state dict.
         """
         raise NotImplementedError(f"method {self.name!r} does not implement client_eval_model")
+
+    def eval_model_skeleton(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        """A module with the structure of ``client``'s evaluation model, whose weights are
+        then replaced by the evaluated model's state dict (``load_state_dict(strict=True)``).
+
+        Used where a client's evaluation model is scored away from that client: ``cross_test``
+        over Flower, where each site scores every other site's model on its own test split.
+        ``client`` is then a context of the model's owner that holds **no data and no state**
+        (its ``model_spec``, ``train`` settings, ``seed`` and ``client_id`` are the owner's),
+        and ``instruction`` is the owner's evaluation instruction. The default calls
+        :meth:`client_eval_model` on that context, which is right whenever the evaluation
+        model's structure follows from the model spec and the instruction (every built-in
+        method). Override it when the structure depends on the client's state.
+        """
+        return self.client_eval_model(client, instruction)

@@ -86,8 +86,8 @@ class FedKPer(HubAndSpoke):
 
     with ``q_k`` the local model's and ``q_g`` the received (frozen) global model's predictions
     on the client's batch, and gradient-norm clipping at ``clip``. After training, the client
-    measures ``A_k``, the trained local model's accuracy on its own training set, and the
-    normalised entropy of its label histogram (eqs. 4-5)::
+    measures ``A_k``, the trained local model's accuracy on its own (un-augmented) training
+    set, and the normalised entropy of its label histogram (eqs. 4-5)::
 
         pi_{k,c} = m_{k,c} / (M_k + eps)
         d_k = -sum_c pi_{k,c} log(pi_{k,c} + eps) / (log C + eps)
@@ -109,7 +109,13 @@ class FedKPer(HubAndSpoke):
     * The teacher is the received global model in evaluation mode (BatchNorm running statistics,
       no dropout), frozen for the whole local update.
     * ``A_k`` is measured *after* local training (the paper: "we evaluate each local model on its
-      corresponding local train set"), in evaluation mode over the whole training split.
+      corresponding local train set"), in evaluation mode (BatchNorm running statistics, no
+      dropout) over the whole training split **without augmentation**
+      (``client.loader("train", augment=False)``): the split's images as evaluation sees
+      them. ``A_k`` is a reliability proxy for the model the client sends: measured through
+      the random training transforms it would change with the transforms drawn for that
+      pass (a noisy aggregation weight) and score the model on images it is never evaluated
+      on.
     * ``d_k`` is clamped at 0: with ``eps`` inside the log, a single-class histogram gives
       ``d_k`` of about ``-1e-12`` instead of 0, which would make ``p_bar_k`` negative.
     * Gradient clipping (``clip``) applies in every variant (the ablations included); ``None``
@@ -176,7 +182,8 @@ class FedKPer(HubAndSpoke):
 
     def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
         """Train from the global model with eq. 3 and clipping; reply with the model and,
-        for eq. 6 aggregation, the score ``A_k (eps + d_k)``."""
+        for eq. 6 aggregation, the score ``A_k (eps + d_k)`` (``A_k`` on the training split
+        without augmentation, in evaluation mode)."""
         model = self._client_model(client, instruction)
         loss_fn = self.local_loss(client, model, instruction)
         opt = make_optimizer(model.parameters(), client.train)
@@ -186,7 +193,8 @@ class FedKPer(HubAndSpoke):
         local = self.local_keys(model)
         payload: dict[str, Any] = {"model": {k: v for k, v in full.items() if k not in local}}
         if self.aggregation == "fedkper":
-            y, p = predict_proba(model, client.loader("train", shuffle=False), client.device)
+            # A_k on the un-augmented training split, in eval mode (predict_proba sets it)
+            y, p = predict_proba(model, client.loader("train", shuffle=False, augment=False), client.device)
             acc = float((p.argmax(1) == y).mean()) if len(y) else 0.0
             hist = client.label_histogram(int(client.model_spec["num_classes"]))
             payload["score"] = aggregation_score(acc, hist, self.eps)

@@ -24,15 +24,37 @@ from medfl.engine.data import client_order
 from medfl.messages import Instruction, Reply, SampleGuard, validate_payload
 from medfl.method import Method, derive_seed
 
-__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_evaluate", "build_eval_model",
-           "evaluate_model", "score_dataset", "cross_test_mean"]
+__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_validate", "run_client_evaluate",
+           "build_eval_model", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
 
-#: Model objects reused by :meth:`ClientContext.load_model` (spec and device -> module),
-#: least recently used first; a process runs one client at a time, so one per spec suffices.
-_SHELLS: "OrderedDict[str, nn.Module]" = OrderedDict()
+#: Model objects reused by :meth:`ClientContext.load_model` (spec and device -> the module
+#: and its :func:`_signature` as built), least recently used first; a process runs one
+#: client at a time, so one per spec suffices.
+_SHELLS: "OrderedDict[str, tuple[nn.Module, dict[str, Any]]]" = OrderedDict()
 _MAX_SHELLS = 8
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def _signature(model: nn.Module) -> dict[str, Any]:
+    """State-dict keys with shape and dtype, and the module tree (names and types)."""
+    sig: dict[str, Any] = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    sig[" modules"] = tuple((n, type(m)) for n, m in model.named_modules())
+    return sig
+
+
+def _pristine(model: nn.Module, sig: dict[str, Any]) -> bool:
+    """Whether ``model`` is still as built: same :func:`_signature`, no hooks on any module,
+    no attributes added to a parameter (Opacus's ``grad_sample``...)."""
+    if any(getattr(m, d, None) for m in model.modules() for d in _HOOK_DICTS):
+        return False
+    if any(vars(p) for p in model.parameters()):
+        return False
+    return _signature(model) == sig
 
 
 class ClientStore:
@@ -128,16 +150,29 @@ class ClientContext:
     sample_shape: tuple[int, ...] = ()
     split_sizes: dict[str, int] = field(default_factory=dict)
     _shells_taken: set[str] = field(default_factory=set, repr=False)
+    _built: dict[tuple[str, bool], Dataset] = field(default_factory=dict, repr=False)
 
-    def dataset(self, split: str = "train") -> Dataset:
-        """The client's dataset of ``split``."""
+    def dataset(self, split: str = "train", *, augment: bool | None = None) -> Dataset:
+        """The client's dataset of ``split``.
+
+        Args:
+            split: ``train``, ``val``, ``test`` or ``global_test``.
+            augment: apply the dataset's random training transforms. Default: only for
+                ``train``. ``dataset("train", augment=False)`` is the training split as the
+                evaluation sees images (e.g. to measure accuracy on the training data).
+        """
         if split not in self.datasets:
             raise KeyError(f"client {self.client_id} has no split {split!r}; has {sorted(self.datasets)}")
-        ds = self.datasets[split]
-        if callable(ds) and not isinstance(ds, Dataset):
-            ds = ds()
-            self.datasets[split] = ds
-        return ds
+        default = split == "train"
+        aug = default if augment is None else bool(augment)
+        if (split, aug) not in self._built:
+            src = self.datasets[split]
+            if isinstance(src, Dataset) or not callable(src):
+                ds = src  # given ready-made: the one variant there is
+            else:
+                ds = src() if aug == default else _call_with_augment(src, aug)
+            self._built[(split, aug)] = ds
+        return self._built[(split, aug)]
 
     def num_examples(self, split: str = "train") -> int:
         """Number of samples in ``split``."""
@@ -146,13 +181,17 @@ class ClientContext:
         return len(self.dataset(split))
 
     def loader(self, split: str = "train", *, shuffle: bool | None = None,
-               batch_size: int | None = None) -> DataLoader:
-        """A DataLoader over ``split``; training shuffles with a generator seeded by ``seed``."""
+               batch_size: int | None = None, augment: bool | None = None) -> DataLoader:
+        """A DataLoader over ``split`` (``augment`` as in :meth:`dataset`).
+
+        ``shuffle`` defaults to ``split == "train"`` (seeded by :attr:`seed`, so the same
+        round draws the same batches); ``batch_size`` defaults to ``train["batch_size"]``
+        (16) for ``train`` and ``train["eval_batch_size"]`` (64) for the other splits."""
         shuffle = (split == "train") if shuffle is None else shuffle
         gen = torch.Generator().manual_seed(derive_seed(self.seed, "loader", split))
         bs = int(batch_size or (self.train.get("batch_size", 16) if split == "train"
                                 else self.train.get("eval_batch_size", 64)))
-        return DataLoader(self.dataset(split), batch_size=bs, shuffle=shuffle, generator=gen,
+        return DataLoader(self.dataset(split, augment=augment), batch_size=bs, shuffle=shuffle, generator=gen,
                           num_workers=int(self.train.get("num_workers", 0)))
 
     def build_model(self, **overrides: Any) -> nn.Module:
@@ -164,23 +203,32 @@ class ClientContext:
             torch.manual_seed(derive_seed(self.seed, "build", self.client_id))
             return build_model(spec).to(self.device)
 
-    def load_model(self, state: dict[str, torch.Tensor]) -> nn.Module:
-        """A model of this client's spec holding exactly ``state``.
+    def load_model(self, state: dict[str, torch.Tensor], *, fresh: bool = False) -> nn.Module:
+        """A model of this client's spec holding exactly ``state`` (in training mode, every
+        parameter trainable, no gradients).
 
-        When ``state`` covers every entry of the model's state dict, a model object of the
-        same spec left by an earlier client context in this process is reused (gradients
-        cleared, all parameters trainable, training mode), which saves building and
-        initialising a model for every client every round (ResNet-18: about 150 ms against
-        5 ms); otherwise a fresh model (:meth:`build_model`) receives ``state`` on top of its
-        initialisation. Either way the weights are the same. A context never gets the same
-        object twice, so two models loaded in one client step are independent.
+        Building and initialising a model for every client every round is costly (ResNet-18:
+        about 150 ms against 5 ms to load weights), so when ``state`` covers the whole state
+        dict, the model object of the same spec that an earlier client context in this
+        process used may be handed out again. That object is reused only if it is exactly as
+        built: same module tree, parameter shapes and dtypes, no hooks on any module (Opacus's
+        ``GradSampleModule`` and ``make_private`` add them), no attributes added to its
+        parameters (``grad_sample``). Anything else gets a fresh model, so wrapping, hooking
+        or changing the module you get is safe. A context never gets the same object twice,
+        so two models loaded in one client step are independent.
+
+        Pass ``fresh=True`` (or use :meth:`build_model` and ``load_state_dict``) when the
+        model must outlive this client step, e.g. kept in a module-level cache: a reused
+        object will be handed to the next client in this process.
         """
         key = json.dumps([self.model_spec, str(self.device)], sort_keys=True, default=str)
-        model = _SHELLS.get(key) if key not in self._shells_taken else None
+        entry = _SHELLS.get(key) if key not in self._shells_taken and not fresh else None
         self._shells_taken.add(key)
-        if model is not None and set(model.state_dict()) <= set(state):
+        keys = [k for k in entry[1] if k != " modules"] if entry is not None else []
+        if entry is not None and set(keys) <= set(state) and _pristine(*entry):
+            model = entry[0]
             _SHELLS.move_to_end(key)
-            model.load_state_dict({k: state[k] for k in model.state_dict()})
+            model.load_state_dict({k: state[k] for k in keys})
             for p in model.parameters():
                 p.grad = None
                 p.requires_grad_(True)
@@ -189,7 +237,7 @@ class ClientContext:
         full = model.state_dict()
         full.update({k: v for k, v in state.items() if k in full})
         model.load_state_dict(full)
-        _SHELLS[key] = model
+        _SHELLS[key] = (model, _signature(model))
         _SHELLS.move_to_end(key)
         while len(_SHELLS) > _MAX_SHELLS:
             _SHELLS.popitem(last=False)
@@ -197,7 +245,7 @@ class ClientContext:
 
     def label_histogram(self, num_classes: int, split: str = "train") -> np.ndarray:
         """Counts of each class in ``split`` (computed locally; a method may share it)."""
-        ds = self.dataset(split)
+        ds = self.dataset(split, augment=False)
         labels = getattr(ds, "labels", None)
         if labels is None:
             labels = np.array([int(ds[i][1]) for i in range(len(ds))])
@@ -207,6 +255,15 @@ class ClientContext:
     def guard(self) -> SampleGuard:
         """What this client's raw data looks like, for the reply check."""
         return SampleGuard.of(self.sample_shape, self.split_sizes)
+
+
+def _call_with_augment(factory: Callable[..., Dataset], augment: bool) -> Dataset:
+    """Build a dataset variant from a factory that takes ``augment`` (the engine's do)."""
+    try:
+        return factory(augment=augment)
+    except TypeError as exc:
+        raise TypeError(f"this client's dataset factory cannot build a variant with augment={augment} "
+                        f"({exc})") from None
 
 
 def _seed_all(seed: int) -> None:
@@ -238,6 +295,33 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     if store is not None and (ctx.state or store.has(ctx.client_id)):
         store.save(ctx.client_id, ctx.round, ctx.state)
     return reply
+
+
+def run_client_validate(method: Method, ctx: ClientContext, instruction: Instruction,
+                        store: ClientStore | None = None) -> dict[str, float]:
+    """Check the instruction, run ``method.client_validate`` seeded, check its scalars.
+
+    The validation exchange (:meth:`medfl.method.Method.configure_validate`): what comes
+    back is a flat dict of numbers, checked like a reply's metrics. With ``store``, the
+    client's state is saved again for this round when the method has any.
+
+    Raises:
+        PayloadError: the instruction or the result carries something that may not travel.
+        TypeError: the result is not a dict of numbers.
+    """
+    validate_payload(instruction.payload, f"validation instruction to client {ctx.client_id}")
+    validate_payload(instruction.config, f"validation instruction config to client {ctx.client_id}")
+    _seed_all(derive_seed(ctx.seed, "validate"))
+    scores = method.client_validate(ctx, instruction)
+    where = f"validation of method {method.name!r} at client {ctx.client_id}"
+    if not isinstance(scores, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in scores.items()):
+        raise TypeError(f"{where}: client_validate must return a flat dict of numbers, got {scores!r:.200}")
+    validate_payload(scores, where, allow_str=False, guard=ctx.guard)
+    validate_payload(ctx.state, f"persistent state of client {ctx.client_id}", allow_str=True)
+    if store is not None and (ctx.state or store.has(ctx.client_id)):
+        store.save(ctx.client_id, ctx.round, ctx.state)
+    return {k: float(v) for k, v in scores.items()}
 
 
 def run_client_evaluate(
@@ -279,6 +363,33 @@ def build_eval_model(method: Method, ctx: ClientContext, instruction: Instructio
     validate_payload(instruction.payload, f"evaluation instruction to client {ctx.client_id}")
     _seed_all(derive_seed(ctx.seed, "eval"))
     return method.client_eval_model(ctx, instruction)
+
+
+def build_peer_model(method: Method, owner: str, round: int, run_seed: int, model_spec: dict[str, Any],
+                     train: dict[str, Any], device: str, instruction: Instruction,
+                     state: dict[str, torch.Tensor]) -> nn.Module:
+    """Client ``owner``'s evaluation model, rebuilt away from ``owner`` (``cross_test`` at
+    another site): the method's :meth:`~medfl.method.Method.eval_model_skeleton` on a
+    context of ``owner`` with no data and no state, then ``state`` (the evaluated model's
+    state dict, as ``owner`` sent it) loaded strictly.
+
+    Raises:
+        ValueError: the skeleton does not take ``state`` (the evaluation model's structure
+            depends on something other than the model spec and the instruction).
+    """
+    validate_payload(instruction.payload, f"evaluation instruction of client {owner}")
+    ctx = ClientContext(client_id=owner, round=round, seed=derive_seed(run_seed, round, owner), datasets={},
+                        model_spec=dict(model_spec), train=dict(train), device=device)
+    _seed_all(derive_seed(ctx.seed, "eval"))
+    model = method.eval_model_skeleton(ctx, instruction)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"cross_test: method {method.name!r}: the evaluation model of client {owner} does not fit the "
+            f"skeleton built from its spec and evaluation instruction ({str(exc).splitlines()[0]}); "
+            "override Method.eval_model_skeleton when the structure depends on the client's state") from None
+    return model
 
 
 def evaluate_model(

@@ -82,17 +82,21 @@ class FederatedData:
         """The source rows of ``client_id``'s ``role`` (``global_test`` ignores the client)."""
         return self.source.table.iloc[self.positions(client_id, role)]
 
-    def dataset_factories(self, client_id: str, roles: list[str]) -> dict[str, Callable[[], Dataset]]:
-        """Lazily built datasets of each role for one client."""
-        out: dict[str, Callable[[], Dataset]] = {}
+    def dataset_factories(self, client_id: str, roles: list[str]) -> dict[str, Callable[..., Dataset]]:
+        """Lazily built datasets of each role for one client.
+
+        Each factory takes an optional ``augment`` (default: augment the ``train`` role
+        only), so a client can read its training split without random transforms."""
+        out: dict[str, Callable[..., Dataset]] = {}
         for role in roles:
-            out[role] = (lambda r=role: self._build(client_id, r))
+            out[role] = (lambda augment=None, r=role: self._build(client_id, r, augment))
         return out
 
-    def _build(self, client_id: str, role: str) -> Dataset:
-        """One dataset, with its rows' subgroup attributes attached (:func:`sample_attributes`)."""
+    def _build(self, client_id: str, role: str, augment: bool | None = None) -> Dataset:
+        """One dataset, with its rows' subgroup attributes attached (:func:`sample_attributes`);
+        ``augment`` defaults to ``role == "train"``."""
         rows = self.rows(client_id, role)
-        ds = self.source.make_dataset(rows, role == "train")
+        ds = self.source.make_dataset(rows, role == "train" if augment is None else bool(augment))
         attrs = sample_attributes(rows)
         if attrs:
             try:

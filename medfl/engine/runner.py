@@ -9,6 +9,8 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
     metrics.csv        one row per (round, client, split) with every metric
     train_metrics.csv  one row per (round, client) with what the client reported; its
                        (round, client_id) pairs are the record of the sampled clients
+    validation_metrics.csv  one row per (round, client) of a method's validation exchange
+                       (``Method.configure_validate``), when it has one
     summary.json       final metrics: mean, std, worst and best client per split, and the
                        ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
     forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
@@ -33,7 +35,8 @@ import torch
 from tqdm.auto import tqdm
 
 from medfl.config import build_method, method_label
-from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
+from medfl.engine.client import (ClientContext, ClientStore, run_client_evaluate, run_client_update,
+                                 run_client_validate)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.messages import Instruction, Reply
 from medfl.metrics.fairness import fairness_report
@@ -133,6 +136,7 @@ class Run:
         )
         self.metrics = pd.DataFrame()
         self.train_metrics = pd.DataFrame()
+        self.validation = pd.DataFrame()
         self.cross = pd.DataFrame()
         self._names = data.client_names()
 
@@ -195,8 +199,10 @@ class Run:
             self.store.rollback(k)
             self.eval_store.rollback(k)
         self.start_round = k + 1
-        for name in ("metrics", "train_metrics", "cross"):
-            p = self.run_dir / f"{'cross_test' if name == 'cross' else name}.csv"
+        files = {"metrics": "metrics", "train_metrics": "train_metrics", "cross": "cross_test",
+                 "validation": "validation_metrics"}
+        for name, stem in files.items():
+            p = self.run_dir / f"{stem}.csv"
             if p.is_file():
                 df = pd.read_csv(p, dtype={"client_id": str, "client_name": str, "data_client_id": str},
                                  keep_default_na=False,
@@ -208,9 +214,7 @@ class Run:
         train_rows = []
         for _step in range(max(1, int(self.coordinator.round_steps(r)))):
             instructions = self.coordinator.configure_round(r)
-            unknown = sorted(set(instructions) - set(self.federation.client_ids))
-            if unknown:
-                raise RunError(f"method {self.label!r} addressed unknown client(s) {unknown} in round {r}")
+            self._addressed(instructions, self.federation.client_ids, r, "configure_round")
             replies = self.update_clients(r, instructions)
             for cid, reply in replies.items():
                 train_rows.append({"round": r, "client_id": cid, "num_examples": reply.num_examples,
@@ -221,6 +225,16 @@ class Run:
         if train_rows:
             self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
             _write_csv(self.run_dir / "train_metrics.csv", self.train_metrics)
+        checks = self.coordinator.configure_validate(r)
+        if checks:
+            self._addressed(checks, self.federation.eval_client_ids, r, "configure_validate")
+            scores = self.validate_clients(r, checks)
+            self.coordinator.server_validate(r, scores)
+            if scores:
+                rows_v = [{"round": r, "client_id": cid, **{k: float(v) for k, v in m.items()}}
+                          for cid, m in scores.items()]
+                self.validation = pd.concat([self.validation, pd.DataFrame(rows_v)], ignore_index=True)
+                _write_csv(self.run_dir / "validation_metrics.csv", self.validation)
         every = int(self.config.get("eval_every", 1))
         rows = []
         if r == self.federation.rounds or (every > 0 and r % every == 0):
@@ -229,6 +243,11 @@ class Run:
             _write_csv(self.run_dir / "metrics.csv", self.metrics)
         self._save_checkpoint(r)
         return rows
+
+    def _addressed(self, instructions: dict[str, Instruction], allowed: list[str], r: int, hook: str) -> None:
+        unknown = sorted(set(instructions) - set(allowed))
+        if unknown:
+            raise RunError(f"method {self.label!r} addressed unknown client(s) {unknown} in {hook} of round {r}")
 
     # ------------------------------------------------------------------ the transport seam
     def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
@@ -245,6 +264,14 @@ class Run:
             replies[cid] = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
                                              store=self.store)
         return replies
+
+    def validate_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
+        """Run ``client_validate`` on each addressed client (the validation exchange of
+        :meth:`Method.configure_validate`); return each client's scalars. A transport seam
+        like :meth:`update_clients`: over Flower, the sites that answered."""
+        return {cid: run_client_validate(self.client_method, self.context(cid, r), instructions[cid],
+                                         store=self.store)
+                for cid in client_order(instructions)}
 
     def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
                          ) -> dict[str, dict[str, dict[str, float]]]:
@@ -278,7 +305,10 @@ class Run:
         ``eval_state/``) gives the ``neg_flips`` and ``neg_flip_rate`` columns. Pairwise
         ``cross_test`` scores go to ``cross_test.csv`` (one row per model and data client)."""
         evals = self.coordinator.configure_evaluate(r)
+        self._addressed(evals, self.federation.eval_client_ids, r, "configure_evaluate")
         results = self.evaluate_clients(r, evals, list(self.config["eval_splits"]))
+        self.coordinator.server_evaluate(r, {cid: {split: dict(m) for split, m in results[cid].items()}
+                                             for cid in client_order(results)})
         rows, pairs = [], []
         for cid in self.federation.eval_client_ids:
             for split, m in results.get(cid, {}).items():
@@ -336,7 +366,8 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
                    train: dict[str, Any], device: str, store: ClientStore, state_before: int | None = None
                    ) -> ClientContext:
     """``client_id``'s context for ``round`` on the split ``data``, its persistent state
-    loaded from ``store`` (as saved before round ``state_before``, default ``round``).
+    loaded from ``store``: the newest state saved before round ``state_before`` (default
+    ``round + 1``: the latest, including what an earlier step of this round saved).
 
     Every transport builds contexts here (:meth:`Run.context` in process, a Flower site at
     the site), so the same run seed gives the same numbers."""
@@ -345,7 +376,7 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
         client_id=client_id, round=round, seed=derive_seed(run_seed, round, client_id),
         datasets=data.dataset_factories(client_id, roles), model_spec=dict(model_spec),
         train=dict(train), device=device,
-        state=store.load(client_id, round if state_before is None else state_before),
+        state=store.load(client_id, round + 1 if state_before is None else state_before),
         sample_shape=tuple(data.source.sample_shape),
         split_sizes=data.sizes(client_id, [r for r in roles if r != "global_test"]),
     )

@@ -24,7 +24,11 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 def make_optimizer(params: Iterable[torch.nn.Parameter], train: dict[str, Any]) -> torch.optim.Optimizer:
     """Build the local optimizer named by ``train["optimizer"]`` (``sgd``, ``adam``, ``adamw``).
 
-    Uses ``lr``, ``momentum`` (SGD) and ``weight_decay`` from ``train``.
+    Defaults, when ``train`` does not say: ``sgd`` with ``lr`` 0.01, ``momentum`` 0.9 and
+    ``weight_decay`` 0 (Adam/AdamW: ``lr`` 0.01, ``weight_decay`` 0, torch's betas).
+
+    Raises:
+        ValueError: an unknown optimizer name.
     """
     name = str(train.get("optimizer", "sgd")).lower()
     lr = float(train.get("lr", 0.01))
@@ -55,22 +59,28 @@ def train_epochs(
 ) -> dict[str, float]:
     """Train ``model`` for ``epochs`` passes over ``loader``.
 
+    Batches without a sample (Opacus's Poisson sampling draws them) are skipped, and so
+    are batches of one sample when the model has BatchNorm (it cannot train on them):
+    neither runs the loss nor steps the optimizer, so neither turns the loss into NaN.
+
     Args:
         loss_fn: ``loss_fn(model, x, y) -> loss``; default cross-entropy of ``model(x)``.
         clip_grad_norm: clip the global gradient norm to this value when given.
         max_steps: stop after this many optimizer steps when given.
 
     Returns:
-        ``{"loss": mean training loss, "steps": optimizer steps}``.
+        ``{"loss": mean training loss over the samples trained on (0 when none),
+        "steps": optimizer steps}``.
     """
     model.to(device).train()
     loss_fn = loss_fn or _ce
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     total, count, steps = 0.0, 0, 0
     for _ in range(epochs):
         for x, y in loader:
+            if x.shape[0] == 0 or (x.shape[0] < 2 and has_bn):
+                continue  # nothing to learn from; BatchNorm cannot train on a batch of one
             x, y = x.to(device), y.to(device)
-            if x.shape[0] < 2 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-                continue  # BatchNorm cannot train on a batch of one
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model, x, y)
             loss.backward()
@@ -87,11 +97,16 @@ def train_epochs(
 
 @torch.no_grad()
 def predict_proba(model: nn.Module, loader: DataLoader, device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
-    """Return ``(labels (N,), class probabilities (N, K))`` of ``model`` over ``loader``."""
+    """Return ``(labels (N,), class probabilities (N, K))`` of ``model`` over ``loader``.
+
+    The model's outputs are logits, turned into probabilities with a softmax, unless the
+    model declares ``returns_probabilities`` (:func:`medfl.models.as_probabilities`)."""
+    from medfl.models.outputs import as_probabilities
+
     model.to(device).eval()
     ys, ps = [], []
     for x, y in loader:
-        ps.append(torch.softmax(model(x.to(device)).float(), dim=1).cpu())
+        ps.append(as_probabilities(model, model(x.to(device))).cpu())
         ys.append(torch.as_tensor(y))
     if not ys:
         return np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32)

@@ -16,9 +16,16 @@ model specs, the local-training settings...) next to its payload records
     one evaluation (:func:`medfl.engine.client.run_client_evaluate`) on the listed own
     splits; metrics come back as one ``MetricRecord`` per split (``eval.<split>``), and,
     when ``cross_test`` is asked for, the evaluation model's state (``model``).
+``evaluate.validate``
+    the method's validation exchange (``Method.configure_validate`` /
+    ``client_validate``): an instruction under ``ins``; the scalars come back as one
+    ``MetricRecord`` (``validate``).
 ``evaluate.score``
     ``cross_test``: other clients' evaluation models (``models``: ``{client id: state}``)
     scored on this site's local test split; only the metrics come back (``score.<id>``).
+    Each model is rebuilt with the method's ``eval_model_skeleton`` from its owner's model
+    spec and evaluation instruction (``ins.<k>.payload``/``ins.<k>.config``, shared by the
+    owners that ``ins_of`` maps to ``k``), so any method's evaluation model can be scored.
 """
 
 from __future__ import annotations
@@ -28,15 +35,16 @@ import hashlib
 from medfl.engine.data import FederatedData
 from medfl.engine.runner import ROLES
 
-__all__ = ["PROTOCOL", "HELLO", "TRAIN", "EVALUATE", "SCORE", "CONTROL", "ROLES", "OWN_SPLIT_ROLES",
+__all__ = ["PROTOCOL", "HELLO", "TRAIN", "EVALUATE", "VALIDATE", "SCORE", "CONTROL", "ROLES", "OWN_SPLIT_ROLES",
            "partition_digest", "split_sizes"]
 
 #: Version of this protocol; a site refuses messages of another version.
-PROTOCOL = 1
+PROTOCOL = 2
 
 HELLO = "query.hello"
 TRAIN = "train"
 EVALUATE = "evaluate"
+VALIDATE = "evaluate.validate"
 SCORE = "evaluate.score"
 
 #: Name of the control ``ConfigRecord`` in every medfl message.

@@ -130,6 +130,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     return _dispatch(msg, context)
 
 
+@app.evaluate("validate")
+def validate(msg: Message, context: Context) -> Message:
+    """``evaluate.validate``: forwarded to the site."""
+    return _dispatch(msg, context)
+
+
 @app.evaluate("score")
 def score(msg: Message, context: Context) -> Message:
     """``evaluate.score``: forwarded to the site."""

@@ -76,17 +76,20 @@ class FlowerSettings:
         hello_timeout: seconds to wait, before an exchange, for the hello of a node that
             joined (or rejoined) mid-run (default 60).
         poll_interval: seconds between two pulls of replies from the SuperLink (default 0.2).
+        progress_interval: while waiting for the sites at the start, say every so many
+            seconds which clients have no site yet (default 15).
     """
 
     round_timeout: float = 600.0
     connect_timeout: float = 300.0
     hello_timeout: float = 60.0
     poll_interval: float = 0.2
+    progress_interval: float = 15.0
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> "FlowerSettings":
-        """Read ``round-timeout``, ``connect-timeout``, ``hello-timeout`` and
-        ``poll-interval`` from a Flower run config (absent keys keep their defaults)."""
+        """Read ``round-timeout``, ``connect-timeout``, ``hello-timeout``, ``poll-interval``
+        and ``progress-interval`` from a Flower run config (absent keys keep their defaults)."""
         kw = {}
         for f in fields(cls):
             key = f.name.replace("_", "-")
@@ -279,7 +282,7 @@ class FlowerRun(Run):
         tmp.replace(meta_path)
         t0 = time.monotonic()
         ids = self.federation.eval_client_ids
-        self.sites.refresh(need=ids, timeout=self.settings.connect_timeout)
+        self._connect(ids, t0)
         missing = [c for c in ids if c not in self.sites.nodes]
         self._log({"phase": "connect", "status": "ok" if not missing else "missing " + " ".join(missing),
                    "seconds": time.monotonic() - t0})
@@ -288,6 +291,28 @@ class FlowerRun(Run):
             raise RunError(f"no SuperNode serves client(s) {missing} after {self.settings.connect_timeout:.0f} s "
                            f"(connected: {sorted(self.sites.nodes)}); start a site per client with "
                            "`medfl flower site --client-id ID ...`")
+
+    def _connect(self, ids: list[str], t0: float) -> None:
+        """Wait up to ``connect_timeout`` for a node serving each client of ``ids``, saying on
+        stderr every ``progress_interval`` seconds which are still missing (sites on other
+        machines may never come: the coordinator cannot tell, the user can)."""
+        deadline = t0 + self.settings.connect_timeout
+        waited = False
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            self.sites.refresh(need=ids, timeout=min(left, max(self.settings.progress_interval, 0.1)))
+            missing = [c for c in ids if c not in self.sites.nodes]
+            if not missing or time.monotonic() >= deadline:
+                break
+            waited = True
+            nodes = len(self.grid.get_node_ids())
+            print(f"medfl flower: waiting for sites ({time.monotonic() - t0:.0f} of "
+                  f"{self.settings.connect_timeout:.0f} s): no site serves client(s) {', '.join(missing)} yet; "
+                  f"connected: {', '.join(sorted(self.sites.nodes)) or 'none'} ({nodes} SuperNode(s) registered)",
+                  file=sys.stderr, flush=True)
+        if waited and not missing:
+            print(f"medfl flower: every site connected after {time.monotonic() - t0:.0f} s", file=sys.stderr,
+                  flush=True)
 
     def _save_checkpoint(self, r: int) -> None:
         super()._save_checkpoint(r)
@@ -396,15 +421,25 @@ class FlowerRun(Run):
             replies[cid] = Reply(payload=payload, metrics=metrics, num_examples=int(ctl.get("num_examples", 0)))
         return replies
 
+    def validate_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
+        """Send every addressed client its validation instruction (``evaluate.validate``);
+        return the scalars of the sites that answered, in the engine's client order."""
+        outgoing = {cid: self._instruction_content(r, cid, ins) for cid, ins in instructions.items()}
+        answers = self.exchange(r, "validate", P.VALIDATE, outgoing)
+        return {cid: wire.read_metrics(msg.content.get("validate"), f"validation of site {cid} in round {r}")
+                for cid, msg in answers.items()}
+
     def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
                          ) -> dict[str, dict[str, dict[str, float]]]:
         """Each site scores its client's evaluation model of round ``r`` on its own splits.
 
         With ``cross_test``, the sites also return their evaluation model's state; the
-        coordinator sends every model to every site (``evaluate.score``), which scores them
-        on its local test split and returns only metrics; the per-pair scores and their
-        mean are assembled as in process (a site that is out counts as neither model nor
-        data for that round)."""
+        coordinator sends every model to every site (``evaluate.score``) with its owner's
+        model spec and evaluation instruction (identical instructions are sent once), and the
+        site rebuilds each model with the method's ``eval_model_skeleton`` (any evaluation
+        model: ensembles, probability models), scores it on its local test split and returns
+        only metrics; the per-pair scores and their mean are assembled as in process (a site
+        that is out counts as neither model nor data for that round)."""
         own = [s for s in splits if s != "cross_test"]
         cross = "cross_test" in splits
         ids = self.federation.eval_client_ids
@@ -425,11 +460,23 @@ class FlowerRun(Run):
                 models[cid] = state
         if cross and models:
             specs = {cid: self.federation.model_spec(cid) for cid in models}
+            shared: list[Instruction] = []   # each distinct evaluation instruction once
+            ins_of: dict[str, int] = {}
+            for owner in models:
+                ins = evals.get(owner, Instruction())
+                k = next((i for i, x in enumerate(shared) if x is ins), None)
+                if k is None:
+                    shared.append(ins)
+                    k = len(shared) - 1
+                ins_of[owner] = k
             outgoing = {}
             for cid in ids:
                 content = RecordDict()
-                wire.put_json(content, P.CONTROL, self._control(r, cid, specs=specs))
+                wire.put_json(content, P.CONTROL, self._control(r, cid, specs=specs, ins_of=ins_of))
                 wire.put(content, "models", models, f"cross_test models to site {cid}")
+                for k, ins in enumerate(shared):
+                    wire.put(content, f"ins.{k}.payload", ins.payload, f"cross_test instruction {k} to site {cid}")
+                    wire.put(content, f"ins.{k}.config", ins.config, f"cross_test instruction {k} to site {cid}")
                 outgoing[cid] = content
             scored = self.exchange(r, "score", P.SCORE, outgoing)
             del models, outgoing
@@ -490,6 +537,7 @@ RUN_CONFIG: dict[str, Any] = {
     "connect-timeout": 300.0,
     "hello-timeout": 60.0,
     "poll-interval": 0.2,
+    "progress-interval": 15.0,   # seconds between "waiting for sites" lines at the start
 }
 
 

@@ -48,8 +48,8 @@ import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, evaluate_model, run_client_update,
-                                 score_dataset)
+from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_peer_model, evaluate_model,
+                                 run_client_update, run_client_validate, score_dataset)
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl.flower import protocol as P
 from medfl.flower import wire
@@ -238,23 +238,36 @@ class Site:
             validate_payload(state, f"evaluation model of site {self.client_id}", allow_str=False, guard=ctx.guard)
         return out, state
 
-    def score(self, ctl: dict[str, Any], models: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, float]]:
-        """``cross_test`` at this site: each given model scored on this client's test split."""
+    def validate(self, ctl: dict[str, Any], ins: Instruction) -> dict[str, float]:
+        """Run the method's ``client_validate`` (the validation exchange); save the
+        client's state at the site."""
+        store, _ = self.stores(ctl)
+        return run_client_validate(self.method(ctl), self.context(ctl, store), ins, store=store)
+
+    def score(self, ctl: dict[str, Any], models: dict[str, dict[str, torch.Tensor]],
+              instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
+        """``cross_test`` at this site: each given model scored on this client's test split.
+
+        Each owner's evaluation model is rebuilt by the method's ``eval_model_skeleton``
+        from the owner's model spec and evaluation instruction
+        (:func:`~medfl.engine.client.build_peer_model`), so ensembles and probability models
+        score here exactly as at their owner."""
         from medfl.engine.runner import evaluate_metrics
-        from medfl.models.registry import build_model
 
         data = self.data(ctl.get("fold"))
         specs: dict[str, Any] = dict(ctl["specs"])
+        method = self.method(ctl)
         ds = data.dataset_factories(self.client_id, ["test"])["test"]()
         out: dict[str, dict[str, float]] = {}
         for owner in client_order(models):
-            model = build_model(dict(specs[owner]))
+            if owner not in specs or owner not in instructions:
+                raise SiteError(f"cross_test: the coordinator sent the model of client {owner} without its "
+                                "spec or evaluation instruction")
             try:
-                model.load_state_dict(models[owner], strict=True)
-            except RuntimeError as exc:
-                raise SiteError(f"cross_test: the evaluation model of client {owner} is not a model of its "
-                                f"spec {specs[owner]} ({str(exc).splitlines()[0]}); cross_test over Flower "
-                                "needs the method's evaluation model to be the client's registered model") from None
+                model = build_peer_model(method, owner, int(ctl["round"]), int(ctl["seed"]), dict(specs[owner]),
+                                         dict(ctl["train"]), self.device, instructions[owner], models[owner])
+            except ValueError as exc:
+                raise SiteError(str(exc)) from None
             out[owner] = score_dataset(model, ds, dict(ctl["train"]), self.device, evaluate_metrics)
         return out
 
@@ -278,9 +291,9 @@ def _answer(site: Site, content: RecordDict, **control: Any) -> RecordDict:
     return content
 
 
-def _instruction(content: RecordDict, where: str) -> Instruction:
-    return Instruction(payload=wire.take(content, "ins.payload", where),
-                       config=wire.take(content, "ins.config", where + " (config)"))
+def _instruction(content: RecordDict, where: str, prefix: str = "ins") -> Instruction:
+    return Instruction(payload=wire.take(content, f"{prefix}.payload", where),
+                       config=wire.take(content, f"{prefix}.config", where + " (config)"))
 
 
 def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
@@ -311,11 +324,19 @@ def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
         if state is not None:
             wire.put(out, "model", state, f"evaluation model of {me}", allow_str=False)
         return _answer(site, out, splits=list(results))
+    if message_type == P.VALIDATE:
+        scores = site.validate(ctl, _instruction(content, f"validation instruction to {me}"))
+        out = RecordDict()
+        out["validate"] = wire.metrics_record(scores, f"validation of {me}")
+        return _answer(site, out)
     if message_type == P.SCORE:
         models = wire.take(content, "models", f"cross_test models sent to {me}")
         if not isinstance(models, dict):
             raise PayloadError(f"cross_test models sent to {me}: expected a dict")
-        results = site.score(ctl, models)
+        ins_of = {str(k): int(v) for k, v in dict(ctl.get("ins_of", {})).items()}
+        shared = {k: _instruction(content, f"cross_test instruction {k} sent to {me}", prefix=f"ins.{k}")
+                  for k in sorted(set(ins_of.values()))}
+        results = site.score(ctl, models, {owner: shared[k] for owner, k in ins_of.items()})
         out = RecordDict()
         for owner, m in results.items():
             out[f"score.{owner}"] = wire.metrics_record(m, f"cross_test score at {me}")
@@ -338,4 +359,5 @@ app = ClientApp()
 app.query("hello")(_local)
 app.train()(_local)
 app.evaluate()(_local)
+app.evaluate("validate")(_local)
 app.evaluate("score")(_local)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from medfl.models.outputs import ProbabilityModel, as_probabilities, returns_probabilities
 from medfl.models.resnet import (
     RESNET_DEPTHS,
     FeatureModel,
@@ -19,7 +20,10 @@ __all__ = [
     "RESNET_DEPTHS",
     "FeatureModel",
     "FeatureResNet",
+    "ProbabilityModel",
     "SmallCNN",
+    "as_probabilities",
+    "returns_probabilities",
     "resnet10",
     "resnet18",
     "resnet34",

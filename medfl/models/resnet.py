@@ -463,10 +463,11 @@ def resnet50(
 
 
 def small_cnn(
-    *, spatial_dims: int = 2, in_channels: int = 1, num_classes: int = 2, width: int = 16
+    *, spatial_dims: int = 2, in_channels: int = 1, num_classes: int = 2, width: int = 16,
+    norm: str = "batch",
 ) -> SmallCNN:
-    """A :class:`SmallCNN` with batch norm."""
-    return SmallCNN(spatial_dims, in_channels, num_classes, width)
+    """A :class:`SmallCNN`; ``norm`` is ``"batch"`` (default) or ``"instance"``."""
+    return SmallCNN(spatial_dims, in_channels, num_classes, width, norm)
 
 
 def split_state_dict(

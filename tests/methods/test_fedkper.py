@@ -184,7 +184,7 @@ def test_payload_audit_score_and_clipping(tiny_fl, resolve, tmp_path, monkeypatc
     # the score is A_k (eps + d_k) of the *trained* model on the client's training split
     check = run.context(cid, 1)
     model = check.load_model(reply.payload["model"]).eval()
-    x, y = next(iter(check.loader("train", shuffle=False, batch_size=10_000)))
+    x, y = next(iter(check.loader("train", shuffle=False, batch_size=10_000, augment=False)))
     with torch.no_grad():
         acc = float((model(x).argmax(1) == y).float().mean())
     hist = np.bincount(y.numpy(), minlength=2)
@@ -197,6 +197,53 @@ def test_payload_audit_score_and_clipping(tiny_fl, resolve, tmp_path, monkeypatc
         rep = run_client_update(r.client_method, r.context(cid, 1), ins[cid])
         assert set(rep.payload) == keys
         assert (seen[-1]["loss_fn"] is not None) == distils
+
+
+def test_score_accuracy_is_measured_on_the_unaugmented_training_split(tiny_fl, resolve, tmp_path):
+    """A_k of eq. 6 comes from the plain training split, not from the augmented loader.
+
+    The source's training-time ("augmented", ``make_dataset(rows, train=True)``) variant
+    flips every label, so on it the accuracy of any model is exactly ``1 - `` its accuracy
+    on the plain split: a score computed through augmentation cannot match the plain one."""
+    import dataclasses
+
+    from medfl.data.source import ArrayDataset
+
+    cfg = resolve(tiny_fl)
+    registry()
+    src_spec = dict(cfg["dataset"])
+    source = lookup("dataset", src_spec.pop("name"))(**src_spec)
+    root = Path(source.info["directory"])
+    calls: list[bool] = []
+
+    def make_dataset(rows: pd.DataFrame, train: bool) -> ArrayDataset:
+        calls.append(bool(train))
+        labels = rows["label"].to_numpy()
+        return ArrayDataset(rows["path"].tolist(), 1 - labels if train else labels, root=root)
+
+    garbled = dataclasses.replace(source, make_dataset=make_dataset)
+    run = Run(cfg, {"name": "fedkper"}, tmp_path / "fedkper", split_data(garbled, cfg))
+    run.prepare()
+    ins = run.coordinator.configure_round(1)
+    cid = sorted(ins)[0]
+    reply = run_client_update(run.client_method, run.context(cid, 1), ins[cid])
+    assert False in calls  # the client built its training split without augmentation
+
+    check = run.context(cid, 1)
+    model = check.load_model(reply.payload["model"]).eval()
+
+    def accuracy(augment: bool) -> tuple[float, np.ndarray]:
+        x, y = next(iter(check.loader("train", shuffle=False, batch_size=10_000, augment=augment)))
+        with torch.no_grad():
+            return float((model(x).argmax(1) == y).float().mean()), y.numpy()
+
+    plain, y_plain = accuracy(False)
+    augmented, _ = accuracy(True)
+    assert augmented == pytest.approx(1 - plain)
+    assert abs(plain - augmented) > 0.05  # the two readings are told apart
+    d = label_entropy(np.bincount(y_plain, minlength=2))  # binary: flipping keeps d_k
+    assert reply.payload["score"] == pytest.approx(plain * (1e-12 + d), rel=1e-6)
+    assert reply.payload["score"] != pytest.approx(augmented * (1e-12 + d), rel=1e-3)
 
 
 def test_two_round_run_samples_like_fedavg(tiny_fl, resolve):

@@ -1,0 +1,122 @@
+"""Methods that exercise the method contract's extension points, shared by the in-process
+tests (tests/engine/test_method_hooks.py) and the same checks over Flower
+(tests/flower/test_contract_over_flower.py). ``register_test_methods`` is a fixture body."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from medfl import hookimpl
+from medfl.engine.client import ClientContext
+from medfl.engine.hub import HubAndSpoke
+from medfl.engine.training import make_optimizer, predict_proba, train_epochs
+from medfl.messages import Instruction, Reply
+from medfl.method import Method
+from medfl.models import ProbabilityModel
+from medfl.plugins import get_plugin_manager
+
+__all__ = ["StepCounter", "ValidatingAvg", "MeanOfTwo", "EnsembleLocal", "Stray", "registered"]
+
+
+class StepCounter(Method):
+    """Two training steps a round; each client counts its updates in its persistent state."""
+
+    name = "test_step_counter"
+    seen: list[tuple[int, str, int]] = []   # (round, client, counter before the update)
+
+    def round_steps(self, round: int) -> int:
+        return 2
+
+    def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
+        before = int(client.state.get("count", 0))
+        client.state["count"] = before + 1
+        return Reply(metrics={"count": float(before + 1)}, num_examples=client.num_examples())
+
+    def client_eval_model(self, client: ClientContext, instruction: Instruction) -> nn.Module:
+        return client.build_model()
+
+
+class ValidatingAvg(HubAndSpoke):
+    """FedAvg whose coordinator ranks clients by validation accuracy (a validation exchange)
+    and keeps what every evaluation reported."""
+
+    name = "test_validating_avg"
+    received: dict[str, Any] = {}
+
+    def configure_validate(self, round: int) -> dict[str, Instruction]:
+        return {cid: Instruction(payload={"model": self.global_state}, config={"tag": "val"})
+                for cid in self.federation.eval_client_ids}
+
+    def client_validate(self, client: ClientContext, instruction: Instruction) -> dict[str, float]:
+        assert instruction.config["tag"] == "val"
+        y, p = predict_proba(self._client_model(client, instruction), client.loader("val"), client.device)
+        client.state["validated"] = torch.tensor(client.round)
+        return {"val_accuracy": float((p.argmax(1) == y).mean()), "val_n": float(len(y))}
+
+    def server_validate(self, round: int, results: dict[str, dict[str, float]]) -> None:
+        self.best = max(results, key=lambda c: results[c]["val_accuracy"])
+        ValidatingAvg.received.setdefault("validate", []).append((round, results))
+
+    def server_evaluate(self, round: int, results: dict[str, dict[str, dict[str, float]]]) -> None:
+        ValidatingAvg.received.setdefault("evaluate", []).append((round, results))
+
+
+class MeanOfTwo(ProbabilityModel):
+    """An ensemble returning the mean of two models' softmaxes."""
+
+    def __init__(self, a: nn.Module, b: nn.Module) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.softmax(self.a(x), 1) + torch.softmax(self.b(x), 1)) / 2
+
+
+class EnsembleLocal(Method):
+    """Each client trains two models of its own; its evaluation model is their mean probability."""
+
+    name = "test_ensemble_local"
+
+    def _models(self, client: ClientContext) -> tuple[nn.Module, nn.Module]:
+        a, b = client.build_model(), client.build_model(width=3)
+        if "a" in client.state:
+            a.load_state_dict(client.state["a"])
+            b.load_state_dict(client.state["b"])
+        return a, b
+
+    def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
+        a, b = self._models(client)
+        for m, key in ((a, "a"), (b, "b")):
+            train_epochs(m, client.loader("train"), make_optimizer(m.parameters(), client.train))
+            client.state[key] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        return Reply(num_examples=client.num_examples())
+
+    def client_eval_model(self, client: ClientContext, instruction: Instruction) -> nn.Module:
+        return MeanOfTwo(*self._models(client))
+
+
+class Stray(ValidatingAvg):
+    """Addresses a client that does not exist in its validation exchange."""
+
+    name = "test_stray"
+
+    def configure_validate(self, round: int) -> dict[str, Instruction]:
+        return {"nobody": Instruction()}
+
+
+class _Plugin:
+    @hookimpl
+    def register_methods(self, register: Any) -> None:
+        for cls in (StepCounter, ValidatingAvg, EnsembleLocal, Stray):
+            register(cls)
+
+
+def registered() -> Iterator[None]:
+    """Register these methods for the duration of a test (use as a fixture body)."""
+    pm = get_plugin_manager()
+    pm.register(_Plugin(), name="method-hooks-test")
+    yield
+    pm.unregister(name="method-hooks-test")
