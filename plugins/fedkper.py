@@ -167,7 +167,7 @@ class FedKPer(HubAndSpoke):
         ``distill``."""
         if not self.distill:
             return None
-        teacher = self._client_model(client, instruction).to(client.device).eval()
+        teacher = self.client_model(client, instruction).to(client.device).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
         cap, temp = self.lambda_cap, self.temperature
@@ -184,7 +184,7 @@ class FedKPer(HubAndSpoke):
         """Train from the global model with eq. 3 and clipping; reply with the model and,
         for eq. 6 aggregation, the score ``A_k (eps + d_k)`` (``A_k`` on the training split
         without augmentation, in evaluation mode)."""
-        model = self._client_model(client, instruction)
+        model = self.client_model(client, instruction)
         loss_fn = self.local_loss(client, model, instruction)
         opt = make_optimizer(model.parameters(), client.train)
         stats = train_epochs(model, client.loader("train"), opt, int(client.train.get("epochs", 1)),

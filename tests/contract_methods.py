@@ -52,7 +52,7 @@ class ValidatingAvg(HubAndSpoke):
 
     def client_validate(self, client: ClientContext, instruction: Instruction) -> dict[str, float]:
         assert instruction.config["tag"] == "val"
-        y, p = predict_proba(self._client_model(client, instruction), client.loader("val"), client.device)
+        y, p = predict_proba(self.client_model(client, instruction), client.loader("val"), client.device)
         client.state["validated"] = torch.tensor(client.round)
         return {"val_accuracy": float((p.argmax(1) == y).mean()), "val_n": float(len(y))}
 

@@ -27,6 +27,42 @@ def test_median_aggregation_hand_computed():
     assert out["w"].tolist() == [1.5, 2.0]
 
 
+def _example():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import medfl_median
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    return medfl_median
+
+
+def test_snapshots_are_ranked_by_mean_validation_accuracy():
+    from medfl.method import Federation
+
+    ex = _example()
+    m = ex.MedianSnapshots(keep=3, top=2)
+    m.setup(Federation(client_ids=["0", "1"], eval_client_ids=["0", "1"], num_examples={"0": 4, "1": 4},
+                       num_classes=2, rounds=3, seed=0, model={"name": "small_cnn", "width": 2}))
+    for r in (1, 2, 3):
+        m.snapshots = (m.snapshots + [{"w": torch.tensor(float(r))}])[-3:]
+    nan = float("nan")
+    m.server_validate(3, {"0": {"acc_0": 0.9, "acc_1": 0.2, "acc_2": 0.5},
+                          "1": {"acc_0": 0.7, "acc_1": 0.4, "acc_2": nan}})   # client 1: no score for 2
+    assert m.chosen == [0, 2]   # means 0.8, 0.3, 0.5
+    assert [p["w"].item() for p in m.configure_evaluate(3)["0"].payload["models"]] == [1.0, 3.0]
+    restored = ex.MedianSnapshots(keep=3, top=2)
+    restored.load_state_dict(m.state_dict())
+    assert restored.chosen == [0, 2] and len(restored.snapshots) == 3
+
+
+def test_mean_probability_ensemble_returns_probabilities():
+    ex = _example()
+    torch.manual_seed(0)
+    ens = ex.MeanProbability([torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)])
+    p = ens(torch.randn(5, 3))
+    assert ens.returns_probabilities and torch.allclose(p.sum(1), torch.ones(5))
+
+
 def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
@@ -37,15 +73,20 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     info = {p["name"]: p for p in json.loads(listed.stdout)}
     plugin = info["medfl-plugin-example:median"]
     assert plugin["distribution"] == "medfl-plugin-example" and plugin["version"] == "0.1.0"
-    assert plugin["registered"] == {"method": ["median"]}
+    assert plugin["registered"] == {"method": ["median", "median_snapshots"]}
     cfg = tmp_path / "train.json"
-    tiny_fl.update(rounds=1, methods=[{"name": "median"}])
+    tiny_fl.update(rounds=3, eval_splits=["test", "cross_test"],
+                   methods=[{"name": "median"}, {"name": "median_snapshots", "keep": 2, "top": 1}])
     cfg.write_text(json.dumps({"fl": tiny_fl}))
     proc = subprocess.run([sys.executable, "-m", "medfl.cli", "run", str(cfg)], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((Path(tiny_fl["output_dir"]) / "t" / "median" / "summary.json").read_text())
     assert summary["method"] == "median"
+    snap = Path(tiny_fl["output_dir"]) / "t" / "median_snapshots"
+    assert json.loads((snap / "summary.json").read_text())["final"]["cross_test"]["accuracy"]["mean"] >= 0
+    val = (snap / "validation_metrics.csv").read_text().splitlines()
+    assert val[0] == "round,client_id,acc_0,acc_1" and len(val) == 1 + 2 * 3   # rounds 2 and 3
     # MEDFL_LOAD_PLUGINS restricts third-party plugins
     env["MEDFL_LOAD_PLUGINS"] = ""
     listed = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "--json"], env=env,

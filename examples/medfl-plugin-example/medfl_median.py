@@ -1,19 +1,32 @@
-"""A third-party medfl method: FedAvg with coordinate-wise median aggregation.
+"""A third-party medfl plugin: two methods written from docs/plugins.md alone.
 
-Yin et al., "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"
-(ICML 2018): the global model is the coordinate-wise median of the clients' models, which
-tolerates a minority of arbitrary (faulty or malicious) updates. Integer buffers take the
-median too (lower median for an even count, so the value is one a client sent).
+``median``: FedAvg with coordinate-wise median aggregation (Yin et al., "Byzantine-Robust
+Distributed Learning: Towards Optimal Statistical Rates", ICML 2018): the global model is
+the coordinate-wise median of the clients' models, which tolerates a minority of arbitrary
+(faulty or malicious) updates. Integer buffers take the median too (lower median for an even
+count, so the value is one a client sent). It overrides one ``HubAndSpoke`` piece.
+
+``median_snapshots``: the same training, evaluated as an ensemble of the best recent global
+models. It shows the rest of the contract: coordinator state that is checkpointed, a
+validation exchange (``configure_validate`` / ``client_validate`` / ``server_validate``:
+only scalars leave the clients), and an evaluation model that returns probabilities
+(``ProbabilityModel``), which the Global Test (``cross_test``) scores over Flower too.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
+from torch import nn
 
-from medfl import hookimpl
+from medfl import Instruction, hookimpl
 from medfl.engine.hub import HubAndSpoke
+from medfl.engine.training import predict_proba
+from medfl.models import ProbabilityModel
 
-__all__ = ["FedMedian", "register_methods"]
+__all__ = ["FedMedian", "MedianSnapshots", "MeanProbability", "register_methods"]
 
 
 class FedMedian(HubAndSpoke):
@@ -34,7 +47,101 @@ class FedMedian(HubAndSpoke):
         return out
 
 
+class MeanProbability(ProbabilityModel):
+    """An ensemble whose output is the mean of its members' softmax probabilities."""
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(members)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean class probabilities ``(B, K)``."""
+        return torch.stack([torch.softmax(m(x), dim=1) for m in self.members]).mean(dim=0)
+
+
+class MedianSnapshots(FedMedian):
+    """FedMedian, evaluated as the mean probability of its best recent global models.
+
+    The coordinator keeps the last ``keep`` global models (snapshots). After each round's
+    training, every client scores each snapshot on its own ``val`` split and returns one
+    accuracy per snapshot (scalars); the coordinator keeps the ``top`` snapshots with the best
+    mean validation accuracy over the clients that have validation data (ties: the newer
+    snapshot). Each client is evaluated with the mean probability of the kept snapshots.
+
+    Args:
+        keep: how many recent global models to keep (>= 1).
+        top: how many of them form the evaluated ensemble (1..keep).
+    """
+
+    name = "median_snapshots"
+    description = "Median aggregation; ensemble of the best recent global models by validation accuracy"
+
+    def __init__(self, keep: int = 3, top: int = 2) -> None:
+        if int(keep) < 1 or not 1 <= int(top) <= int(keep):
+            raise ValueError(f"median_snapshots: need keep >= 1 and 1 <= top <= keep, got keep={keep}, top={top}")
+        self.keep, self.top = int(keep), int(top)
+
+    # ---------------------------------------------------------------- coordinator
+    def setup(self, federation) -> None:
+        """The global model (``HubAndSpoke``), no snapshots yet."""
+        super().setup(federation)
+        self.snapshots: list[dict[str, torch.Tensor]] = []
+        self.chosen: list[int] = []
+
+    def server_update(self, round: int, replies) -> None:
+        """Median-aggregate, then remember the new global model as the newest snapshot."""
+        super().server_update(round, replies)
+        self.snapshots = (self.snapshots + [dict(self.global_state)])[-self.keep:]
+        self.chosen = list(range(len(self.snapshots)))[-self.top:]
+
+    def configure_validate(self, round: int) -> dict[str, Instruction]:
+        """Every client scores every snapshot (nothing to rank with a single one)."""
+        if len(self.snapshots) < 2:
+            return {}
+        ins = Instruction(payload={"snapshots": self.snapshots})
+        return {cid: ins for cid in self.federation.eval_client_ids}
+
+    def server_validate(self, round: int, results: dict[str, dict[str, float]]) -> None:
+        """Keep the ``top`` snapshots of best mean validation accuracy."""
+        means = []
+        for i in range(len(self.snapshots)):
+            accs = [r[f"acc_{i}"] for r in results.values() if math.isfinite(r.get(f"acc_{i}", math.nan))]
+            means.append(sum(accs) / len(accs) if accs else -1.0)
+        ranked = sorted(range(len(means)), key=lambda i: (means[i], i), reverse=True)
+        self.chosen = sorted(ranked[: self.top])
+
+    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
+        """Send the chosen snapshots (the global model before any round has run)."""
+        models = [self.snapshots[i] for i in self.chosen] or [self.global_state]
+        ins = Instruction(payload={"models": models})
+        return {cid: ins for cid in self.federation.eval_client_ids}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint: the global model, the snapshots and which are chosen."""
+        return {"global": self.global_state, "snapshots": self.snapshots, "chosen": list(self.chosen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` wrote."""
+        self.global_state = state["global"]
+        self.snapshots = list(state["snapshots"])
+        self.chosen = [int(i) for i in state["chosen"]]
+
+    # ---------------------------------------------------------------- client
+    def client_validate(self, client, instruction: Instruction) -> dict[str, float]:
+        """Accuracy of each snapshot on this client's ``val`` split (NaN when it has none)."""
+        out = {}
+        for i, snapshot in enumerate(instruction.payload["snapshots"]):
+            y, p = predict_proba(client.load_model(snapshot), client.loader("val"), client.device)
+            out[f"acc_{i}"] = float((p.argmax(1) == y).mean()) if len(y) else math.nan
+        return out
+
+    def client_eval_model(self, client, instruction: Instruction) -> nn.Module:
+        """The mean probability of the snapshots in the instruction."""
+        return MeanProbability([client.load_model(s) for s in instruction.payload["models"]])
+
+
 @hookimpl
 def register_methods(register):
-    """Register ``median``."""
+    """Register ``median`` and ``median_snapshots``."""
     register(FedMedian)
+    register(MedianSnapshots)

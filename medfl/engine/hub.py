@@ -3,8 +3,9 @@
 :class:`HubAndSpoke` is the shared skeleton of FedAvg and its relatives (FedProx, FedAvgM,
 FedAdam, FedBN, FedKPer, median aggregation...). A subclass changes one piece: the local
 loss (:meth:`HubAndSpoke.local_loss`), which keys stay at the client
-(:meth:`HubAndSpoke.local_keys`), the client weights (:meth:`HubAndSpoke.client_weights`)
-or the server step (:meth:`HubAndSpoke.server_step`).
+(:meth:`HubAndSpoke.local_keys`), the client weights (:meth:`HubAndSpoke.client_weights`),
+the aggregation (:meth:`HubAndSpoke.aggregate`) or the server step
+(:meth:`HubAndSpoke.server_step`); docs/plugins.md lists their signatures and defaults.
 """
 
 from __future__ import annotations
@@ -104,12 +105,14 @@ class HubAndSpoke(Method):
         self.global_state = state["global"]
 
     # ------------------------------------------------------------ client side
-    def _client_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+    def client_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        """At the client: the received global model with this client's local keys (what
+        both :meth:`client_update` and :meth:`client_eval_model` start from)."""
         return client.load_model({**instruction.payload["model"], **client.state.get("local", {})})
 
     def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
         """Load the global model (plus local keys), train ``epochs``, send the shared part."""
-        model = self._client_model(client, instruction)
+        model = self.client_model(client, instruction)
         train = client.train
         opt = make_optimizer(model.parameters(), train)
         stats = train_epochs(model, client.loader("train"), opt, int(train.get("epochs", 1)),
@@ -126,4 +129,4 @@ class HubAndSpoke(Method):
 
     def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
         """The global model with this client's local keys."""
-        return self._client_model(client, instruction)
+        return self.client_model(client, instruction)
