@@ -167,6 +167,21 @@ def test_a_hooked_or_wrapped_model_is_never_handed_to_the_next_client() -> None:
         assert torch.equal(v, state[k])
 
 
+def test_opacus_can_wrap_the_model_of_every_client_in_turn() -> None:
+    opacus = pytest.importorskip("opacus", reason="opacus is a test dependency (pip install -e '.[test]')")
+    spec = {"name": "small_cnn", "width": 4, "in_channels": 1, "num_classes": 2, "norm": "instance"}
+    registry()
+    state = ClientContext("a", 1, 0, {}, spec, {}).build_model().state_dict()
+    seen = []
+    for cid in "abc":   # as three clients of one round in one process
+        model = ClientContext(cid, 1, 0, {}, spec, {}).load_model(state)
+        wrapped = opacus.GradSampleModule(model)
+        wrapped(torch.randn(4, 1, 8, 8)).sum().backward()
+        assert next(model.parameters()).grad_sample.shape[0] == 4
+        seen.append(model)
+    assert len({id(m) for m in seen}) == 3
+
+
 # ------------------------------------------------------------------ training helpers
 def test_train_epochs_skips_empty_batches() -> None:
     torch.manual_seed(0)
