@@ -3,27 +3,96 @@
 A bundle's ``configs/train.json`` holds the experiment in its ``fl`` section and runs it with
 ``"run": "$medfl.bundle.run(@fl)"``, so ``python -m monai.bundle run --config_file
 bundles/<name>/configs/train.json --fl#rounds 3`` works like ``medfl run``.
+
+:func:`run` and :func:`infer` are command-line entry points: a mistake in the config or the
+data (an unknown method or parameter, a missing file...) ends the process with one line
+``medfl: error: ...`` on stderr and exit code 2, as ``medfl run`` does, instead of an
+exception that MONAI would re-wrap in "Failed to evaluate ConfigExpression" (see
+:func:`exit_on_user_error`). Python code that wants the exceptions calls
+:func:`medfl.engine.runner.run_experiment` and :func:`medfl.engine.runner.predict`.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from medfl.config import resolve_config
+from medfl.config import ConfigError, resolve_config
 
-__all__ = ["run", "print_result", "infer", "load_bundle_config", "parse_override_value"]
+__all__ = ["run", "print_result", "infer", "load_bundle_config", "parse_override_value", "user_errors",
+           "exit_on_user_error", "USER_ERROR_EXIT"]
+
+#: Exit code of a run stopped by a mistake in its input (that of ``medfl run``; argparse's too).
+USER_ERROR_EXIT = 2
 
 
-def run(fl: dict[str, Any]) -> dict[str, Any]:
-    """Resolve and run the ``fl`` section of a bundle config; print where results went."""
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions medfl raises, with a message meant for the user, about bad input: the
+    config (:class:`~medfl.config.ConfigError`, and the method, model and partition
+    parameter errors it wraps), plugin names (:class:`~medfl.plugins.PluginError`), the
+    data (:class:`~medfl.data.source.DataError`), a run directory or a run that cannot go
+    on (:class:`~medfl.engine.runner.RunError`), a method's payload breaking the message
+    contract (:class:`~medfl.messages.PayloadError`) and a missing file.
+
+    Anything else (``KeyError``, ``TypeError``, a plain ``ValueError``...) is taken for a
+    bug and keeps its traceback."""
+    from medfl.data.partition import PartitionError
+    from medfl.data.source import DataError
+    from medfl.engine.runner import RunError
+    from medfl.messages import PayloadError
+    from medfl.method import MethodConfigError
+    from medfl.models.registry import ModelConfigError
+    from medfl.plugins import PluginError
+
+    return (ConfigError, PluginError, RunError, DataError, PartitionError, MethodConfigError, ModelConfigError,
+            PayloadError, FileNotFoundError)
+
+
+@contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Turn a :func:`user_errors` exception into the line ``medfl: error: MESSAGE`` on stderr
+    and ``SystemExit(USER_ERROR_EXIT)``.
+
+    ``SystemExit`` is not an ``Exception``, so MONAI's expression evaluation (which
+    re-raises every ``Exception`` as "Failed to evaluate ConfigExpression") lets it through:
+    under ``python -m monai.bundle run`` the medfl message is the last line printed and the
+    exit code is non-zero. The original exception stays attached as ``__cause__``.
+    """
+    try:
+        yield
+    except user_errors() as exc:
+        sys.stdout.flush()
+        print(f"medfl: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(USER_ERROR_EXIT) from exc
+
+
+def run(fl: dict[str, Any], *, exit_on_error: bool = True) -> dict[str, Any]:
+    """Resolve and run the ``fl`` section of a bundle config; print where results went.
+
+    Args:
+        fl: the ``fl`` section (MONAI has resolved its references).
+        exit_on_error: end the process on a mistake in the input (see
+            :func:`exit_on_user_error`); ``False`` raises the exception instead.
+
+    Raises:
+        SystemExit: with ``exit_on_error``, a mistake in the config or the data, after
+            printing ``medfl: error: ...`` to stderr.
+    """
     from medfl.engine.runner import run_experiment
 
-    cfg = resolve_config(fl)
-    result = run_experiment(cfg)
-    print_result(result)
+    def go() -> dict[str, Any]:
+        result = run_experiment(resolve_config(fl))
+        print_result(result)
+        return result
+
+    if not exit_on_error:
+        return go()
+    with exit_on_user_error():
+        result = go()
     return result
 
 
@@ -55,13 +124,19 @@ def print_result(result: dict[str, Any]) -> None:
 def infer(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,
           clients: list[str] | None = None, split: str | None = None) -> Path:
     """A bundle's ``inference.json`` entry point: predict with a finished run's client
-    models (see :func:`medfl.engine.runner.predict`) and print where the CSV went."""
+    models (see :func:`medfl.engine.runner.predict`) and print where the CSV went.
+
+    Raises:
+        SystemExit: a mistake in the arguments, the run directory or the data (see
+            :func:`exit_on_user_error`), after printing ``medfl: error: ...`` to stderr.
+    """
     from medfl.engine.runner import predict
     from medfl.plugins import registry
 
-    registry()
-    path = predict(run_dir, dataset, output, clients, split)
-    print(f"predictions: {path}")
+    with exit_on_user_error():
+        registry()
+        path = predict(run_dir, dataset, output, clients, split)
+        print(f"predictions: {path}")
     return path
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,13 +31,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from medfl.flower.server import RUN_CONFIG
 
 __all__ = ["FlowerDeployError", "flower_env", "free_port", "superlink_command", "site_command", "node_config",
-           "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "LocalFederation",
-           "MARKER_ENV"]
+           "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
+           "started_run_id", "LocalFederation", "MARKER_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
@@ -175,13 +176,18 @@ def write_connection(flwr_home: str | Path, superlink: str, name: str = "medfl",
 
 def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeout: float, connect_timeout: float,
                     hello_timeout: float, config: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                    resume: str | Path | None = None, rounds: int | None = None) -> dict[str, Any]:
+                    resume: str | Path | None = None, rounds: int | None = None,
+                    progress_interval: float | None = None) -> dict[str, Any]:
     """The run config (keys of :data:`~medfl.flower.server.RUN_CONFIG`) of one ``flwr run``
     of medfl's app: a bundle ``config`` with its ``#``-path ``overrides``, or a stopped run
-    directory to ``resume`` (optionally to a new total of ``rounds``); paths made absolute."""
+    directory to ``resume`` (optionally to a new total of ``rounds``); paths made absolute.
+    ``progress_interval``: seconds between the coordinator's "waiting for sites" lines
+    (``None``: the app's default)."""
     rc: dict[str, Any] = {"workdir": str(Path(workdir).resolve()), "result-file": str(result_file),
                           "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
                           "hello-timeout": float(hello_timeout)}
+    if progress_interval is not None:
+        rc["progress-interval"] = float(progress_interval)
     if resume:
         rc.update(resume=str(Path(resume).resolve()), rounds=int(rounds or 0))
     else:
@@ -211,12 +217,19 @@ def run_config_toml(run_config: dict[str, Any]) -> str:
 
 def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *, insecure: bool = True,
              flwr_home: str | Path | None = None, env: dict[str, str] | None = None,
-             timeout: float | None = None, stream_to: Any = None, root_certificates: str | None = None) -> int:
+             timeout: float | None = None, stream_to: Any = None, root_certificates: str | None = None,
+             watch: Callable[[], str | None] | None = None, watch_interval: float = 0.5) -> int:
     """``flwr run APP_DIR --stream`` against ``superlink`` with ``run_config`` overrides;
     returns the CLI's exit code once the run has ended.
 
+    Args:
+        watch: called every ``watch_interval`` seconds while the run goes on; a string it
+            returns (why the run cannot succeed) ends the ``flwr run`` process and is raised.
+
     Raises:
-        FlowerDeployError: the run did not end within ``timeout`` seconds.
+        FlowerDeployError: the run did not end within ``timeout`` seconds, or ``watch``
+            gave a reason to stop waiting. The run itself goes on at the SuperLink
+            (:func:`flwr_stop` stops it).
     """
     home = Path(flwr_home) if flwr_home else Path(tempfile.mkdtemp(prefix="medfl-flwr-home-"))
     write_connection(home, superlink, insecure=insecure, root_certificates=root_certificates)
@@ -228,12 +241,49 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
         rc_file.write_text(run_config_toml(run_config))
         cmd += ["--run-config", str(rc_file)]
     full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(home)}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    proc = subprocess.Popen(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None)
     try:
-        proc = subprocess.run(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None,
+        while True:
+            wait = watch_interval if watch else None
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                wait = left if wait is None else min(wait, left)
+            try:
+                return int(proc.wait(timeout=wait))
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                raise FlowerDeployError(f"flwr run did not end within {timeout} s")
+            reason = watch() if watch else None
+            if reason:
+                raise FlowerDeployError(reason)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def started_run_id(output: str) -> int | None:
+    """The run id in ``flwr run``'s output ("Successfully started run 123..."), if any."""
+    found = re.findall(r"started run (\d+)", output)
+    return int(found[-1]) if found else None
+
+
+def flwr_stop(run_id: int, flwr_home: str | Path, env: dict[str, str] | None = None, timeout: float = 30.0) -> bool:
+    """``flwr stop RUN_ID`` on the default connection of ``flwr_home`` (see
+    :func:`write_connection`); ``True`` if the SuperLink accepted it."""
+    full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(flwr_home)}
+    try:
+        proc = subprocess.run([_bin("flwr"), "stop", str(run_id)], env=full_env, capture_output=True,
                               timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise FlowerDeployError(f"flwr run did not end within {timeout} s") from None
-    return int(proc.returncode)
+        return False
+    return proc.returncode == 0
 
 
 @dataclass
@@ -319,6 +369,25 @@ class LocalFederation:
         p = self.procs.get(name)
         return p.log.read_text(errors="replace")[-chars:] if p and p.log.is_file() else ""
 
+    def last_lines(self, name: str, lines: int = 12) -> str:
+        """The last ``lines`` non-empty lines of a process's log."""
+        return "\n".join([ln for ln in self.tail(name, 20000).splitlines() if ln.strip()][-lines:])
+
+    def sites_gone(self) -> str | None:
+        """Why no site of this federation can join a run, or ``None``: every site process
+        started here (and not ended by :meth:`kill_site`) has exited, or the SuperLink has.
+        The message names each such process, its exit code and the end of its log."""
+        sites = {n: p for n, p in self.procs.items() if n.startswith("site")}
+        link = self.procs.get("superlink")
+        if link is not None and link.popen.poll() is not None:
+            return (f"the SuperLink exited with code {link.popen.returncode}:\n"
+                    + _indent(self.last_lines("superlink")))
+        if not sites or any(p.popen.poll() is None for p in sites.values()):
+            return None
+        parts = [f"site {n[len('site'):]} exited with code {p.popen.returncode} ({p.log}):\n"
+                 + _indent(self.last_lines(n)) for n, p in sites.items()]
+        return "every site of this federation has exited, so none can join the run:\n" + "\n".join(parts)
+
     def start_superlink(self, port: int | None = None, timeout: float = 60.0) -> str:
         """Start the SuperLink; return its address ``host:port`` once it listens."""
         port = port or free_port(self.host)
@@ -379,8 +448,12 @@ class LocalFederation:
     def run(self, config: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
             resume: str | Path | None = None, rounds: int = 0, round_timeout: float = 120.0,
             connect_timeout: float = 120.0, hello_timeout: float = 30.0, timeout: float = 600.0,
-            name: str = "run") -> dict[str, Any]:
+            name: str = "run", progress_interval: float | None = None) -> dict[str, Any]:
         """Launch a run with ``flwr run`` and wait for its end.
+
+        While it waits, it watches the processes it started (:meth:`sites_gone`): once every
+        site has exited (a site whose config fails exits at once) no site can ever join, so
+        the run is stopped at once instead of waiting out ``connect_timeout``.
 
         Returns:
             The ServerApp's result: ``{"ok": True, "dir": experiment directory}`` or
@@ -388,19 +461,31 @@ class LocalFederation:
             output file.
 
         Raises:
-            FlowerDeployError: no result came back (the ServerApp did not start).
+            FlowerDeployError: no result came back (the ServerApp did not start), the run
+                did not end within ``timeout`` seconds, or every site (or the SuperLink)
+                exited: the message gives their exit codes and the ends of their logs.
         """
         if self.superlink is None:
             raise FlowerDeployError("start the SuperLink first")
         result_file = self.workdir / f"{name}-{uuid.uuid4().hex[:8]}.json"
         rc = make_run_config(workdir=self.workdir, result_file=result_file, round_timeout=round_timeout,
                              connect_timeout=connect_timeout, hello_timeout=hello_timeout, config=config,
-                             overrides=overrides, resume=resume, rounds=rounds)
+                             overrides=overrides, resume=resume, rounds=rounds, progress_interval=progress_interval)
+        gone = self.sites_gone()
+        if gone:
+            raise FlowerDeployError(f"run {name!r} not started: {gone}")
         log = self.workdir / "logs" / f"{result_file.stem}.log"
         log.parent.mkdir(exist_ok=True)
         with open(log, "wb") as fh:
-            code = flwr_run(self.app_dir, self.superlink, rc, flwr_home=self.workdir / "flwr_home", env=self.env,
-                            timeout=timeout, stream_to=fh)
+            try:
+                code = flwr_run(self.app_dir, self.superlink, rc, flwr_home=self.workdir / "flwr_home",
+                                env=self.env, timeout=timeout, stream_to=fh, watch=self.sites_gone)
+            except FlowerDeployError as exc:
+                # stop the run at the SuperLink too: its ServerApp would wait out connect_timeout
+                run_id = started_run_id(log.read_text(errors="replace"))
+                stopped = run_id is not None and flwr_stop(run_id, self.workdir / "flwr_home", env=self.env)
+                how = "stopped" if stopped else "given up (flwr stop failed; close() ends its processes)"
+                raise FlowerDeployError(f"run {name!r} {how}: {exc}") from None
         deadline = time.monotonic() + 30
         while not result_file.is_file() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -444,6 +529,10 @@ class LocalFederation:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
 
 
 def _descendants(pid: int) -> list[int]:

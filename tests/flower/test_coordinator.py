@@ -298,6 +298,22 @@ def test_missing_site_fails_after_connect_timeout(tmp_path: Path) -> None:
         run_flower_experiment(resolve_config(fl), LoopGrid(sites), quick)
 
 
+def test_coordinator_says_which_sites_it_still_waits_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Sites on other machines may never come: while waiting, the coordinator names the
+    clients that have no site yet (every ``progress_interval`` seconds)."""
+    fl = fl_config(tmp_path, "waiting", FEDAVG)
+    sites = _sites(tmp_path, fl)
+    del sites[102]
+    quick = FlowerSettings(round_timeout=1.0, connect_timeout=0.5, hello_timeout=0.2, poll_interval=0.01,
+                           progress_interval=0.1)
+    with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['1'\]"):
+        run_flower_experiment(resolve_config(fl), LoopGrid(sites), quick)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("medfl flower: waiting for sites")]
+    assert len(lines) >= 2, lines
+    assert "no site serves client(s) 1 yet; connected: 0, 2 (2 SuperNode(s) registered)" in lines[-1]
+    assert FlowerSettings.from_run_config({"progress-interval": 20}).progress_interval == 20.0
+
+
 def test_pooled_methods_cannot_run_across_sites(tmp_path: Path) -> None:
     fl = fl_config(tmp_path, "pooled", {**FEDAVG, "methods": [{"name": "centralized"}]})
     cfg = resolve_config(fl)

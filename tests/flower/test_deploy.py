@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
 from medfl.flower.deploy import (  # noqa: E402
-    FlowerDeployError, node_config, run_config_toml, site_command, superlink_command, write_app,
+    FlowerDeployError, node_config, run_config_toml, site_command, started_run_id, superlink_command, write_app,
 )
 from medfl.flower.server import RUN_CONFIG  # noqa: E402
 
@@ -51,6 +51,8 @@ def test_commands(tmp_path: Path) -> None:
     assert """overrides='{"fl#dataset#root": "/data"}'""" in nc
     with pytest.raises(FlowerDeployError, match="contains a single quote"):
         node_config("0", tmp_path / "it's.json", tmp_path)
+    assert started_run_id("Loading project...\nSuccessfully started run 7469108812\nStarting logstream") == 7469108812
+    assert started_run_id("flwr: cannot connect") is None
 
 
 def test_flower_run_command_sends_the_run_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -71,6 +73,7 @@ def test_flower_run_command_sends_the_run_config(tmp_path: Path, monkeypatch: py
     assert rc["config"] == str(tmp_path.resolve() / "train.json") and rc["workdir"] == str(tmp_path.resolve())
     assert json.loads(rc["overrides"]) == {"fl#rounds": 3, "fl#name": "it's"}
     assert (rc["round-timeout"], rc["connect-timeout"], rc["hello-timeout"]) == (30.0, 300.0, 60.0)
+    assert rc["progress-interval"] == 15.0
     assert "resume" not in rc and rc["result-file"].endswith(".json")
     assert set(rc) - {"app", "superlink"} <= set(RUN_CONFIG)
 
@@ -83,3 +86,42 @@ def test_flower_run_command_sends_the_run_config(tmp_path: Path, monkeypatch: py
         main(["flower", "run", "--insecure"])
     assert main(["flower", "run", "missing.json", "--insecure"]) != 0
     assert "missing.json: config file not found" in capsys.readouterr().err
+
+
+def test_flower_site_command_takes_the_same_overrides_as_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`medfl flower site` takes any '#' path of the bundle config (``bundle_root=...`` too, as
+    `medfl run` and `medfl flower run` do), and options that follow the overrides stay options
+    (no process is started: run_site is caught)."""
+    import medfl.flower.worker as worker
+    from medfl.cli import main
+
+    started: list[tuple] = []
+    monkeypatch.setattr(worker, "run_site", lambda settings, cmd, env=None: started.append((settings, cmd)) or 0)
+    monkeypatch.setattr(worker, "socket_for", lambda: str(tmp_path / "worker.sock"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.json").write_text('{"bundle_root": ".", "fl": {}}')
+    base = ["flower", "site", "--client-id", "1", "--config", "train.json", "--state-dir", "state", "--insecure"]
+    assert main([*base, "bundle_root=/x", "fl#dataset#root=/data", "--port", "9123", "--fl#rounds", "3"]) == 0
+    settings, cmd = started[-1]
+    want = {"bundle_root": "/x", "fl#dataset#root": "/data", "fl#rounds": 3}
+    assert settings.overrides == want and settings.client_id == "1"
+    assert cmd[cmd.index("--port") + 1] == "9123"
+    nc = cmd[cmd.index("--node-config") + 1]
+    assert f"overrides='{json.dumps(want)}'" in nc and f"worker='{tmp_path / 'worker.sock'}'" in nc
+    assert main(base) == 0   # no override: none in the node config
+    settings, cmd = started[-1]
+    assert settings.overrides == {} and "overrides=" not in cmd[cmd.index("--node-config") + 1]
+    with pytest.raises(SystemExit, match="cannot read override 'bundle_root'"):
+        main([*base, "bundle_root"])
+
+
+def test_site_applies_any_bundle_override(tmp_path: Path) -> None:
+    """A site's ``bundle_root`` override reaches the ``fl`` section through ``@bundle_root``."""
+    from medfl.flower.site import Site, SiteSettings
+
+    cfg = tmp_path / "train.json"
+    cfg.write_text(json.dumps({"bundle_root": "/nowhere", "data_dir": "$@bundle_root + '/data'",
+                               "fl": {"dataset": {"name": "synthetic2d", "root": "@data_dir"}}}))
+    site = Site(SiteSettings(client_id="0", config=cfg, state_dir=tmp_path / "state",
+                             overrides={"bundle_root": str(tmp_path), "fl#seed": 3}))
+    assert site.cfg["dataset"]["root"] == f"{tmp_path}/data" and site.cfg["seed"] == 3
