@@ -1,4 +1,4 @@
-"""The ``medfl`` command line: plugins, run, resume, report, flower."""
+"""The ``medfl`` command line: plugins, run, resume, report, approve, flower."""
 
 from __future__ import annotations
 
@@ -36,6 +36,32 @@ def _parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _subparser(*names: str) -> argparse.ArgumentParser:
+    """The parser of the command ``medfl NAMES...`` (e.g. ``("flower", "site")``)."""
+    parser = build_parser()
+    for name in names:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+def _options_after_overrides(args: argparse.Namespace, *names: str) -> list[str]:
+    """Parse into ``args`` the options of the command ``medfl NAMES...`` that came after its
+    config overrides (its ``overrides`` positional takes everything after the first one:
+    ``medfl flower site ... fl#dataset#root=/data --port 9095``); return the overrides left.
+    Options win: an override key spelled like an option (``--device cuda``) is the option."""
+    import copy
+
+    late = argparse.ArgumentParser(prog="medfl " + " ".join(names), add_help=False, allow_abbrev=False)
+    for action in _subparser(*names)._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            again = copy.copy(action)
+            again.required, again.default = False, argparse.SUPPRESS   # given earlier or not at all
+            late._add_action(again)
+    _, rest = late.parse_known_args(list(args.overrides or []), namespace=args)
+    return rest
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     """List every plugin and what it registered."""
     from medfl.plugins import plugin_info, registry
@@ -56,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from medfl.bundle import load_bundle_config, run
 
     fl = load_bundle_config(args.config, _parse_overrides(args.overrides))
-    run(fl)
+    run(fl, exit_on_error=False)  # main() reports medfl's errors
     return 0
 
 
@@ -85,6 +111,79 @@ def cmd_report(args: argparse.Namespace) -> int:
         for p in write_plots(run_dir):
             print(f"wrote {p}")
     return 0
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    """Record, revoke or list the plugins a site's operator approves (:mod:`medfl.approval`)."""
+    from medfl.approval import ApprovalError, Approvals, approvals_path, code_identity
+
+    path = Path(args.file) if args.file else (approvals_path() or Path("approvals.json"))
+    try:
+        if args.list:
+            approvals = Approvals.load(path)
+            print(f"{path}:")
+            for (kind, name), entry in sorted(approvals.entries.items()):
+                try:
+                    status = approvals.refusal(code_identity(kind, name)) or "ok: the installed code is the approved code"
+                except ApprovalError as exc:
+                    status = str(exc)
+                print(f"  {kind} {name!r} ({entry.get('distribution')} {entry.get('version')}, "
+                      f"sha256 {entry['sha256'][:12]}..., approved {entry.get('approved_at', '?')}): {status}")
+            return 0
+        if not args.names:
+            raise SystemExit("medfl approve: name the plugin(s) to approve (or --list)")
+        approvals = Approvals.load(path, missing_ok=True)
+        for name in args.names:
+            if args.revoke:
+                if not approvals.revoke(args.kind, name):
+                    raise ApprovalError(f"{args.kind} {name!r} is not in {path}")
+                print(f"revoked {args.kind} {name!r} in {path}")
+                continue
+            identity = code_identity(args.kind, name)
+            approvals.approve(identity)
+            print(f"approved {identity.describe()} in {path}; its code: {', '.join(identity.files)}")
+        approvals.save()
+    except ApprovalError as exc:
+        print(f"medfl: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_approve(sub: Any) -> None:
+    sp = sub.add_parser("approve", help="approve plugins (methods) to run at this site: name, version, code hash",
+                        description="Record in an approvals file the identity of installed plugins (distribution, "
+                                    "version, sha256 of their source files) after reviewing their code; a site "
+                                    "started with --approvals FILE runs nothing else (see docs/flower.md).")
+    sp.add_argument("names", nargs="*", help="registered names, e.g. fedavg fedskd")
+    sp.add_argument("--kind", default="method", help="plugin kind (default: method)")
+    sp.add_argument("--file", default=None,
+                    help="approvals file (default: $MEDFL_APPROVALS, else approvals.json here)")
+    sp.add_argument("--revoke", action="store_true", help="remove the approvals of the names instead")
+    sp.add_argument("--list", action="store_true", help="list the approvals and whether the installed code matches")
+    sp.set_defaults(func=cmd_approve)
+
+
+def _site_approvals(args: argparse.Namespace) -> None:
+    """Enforce ``--approvals FILE`` at this site (through :data:`medfl.approval.APPROVALS_ENV`,
+    which the site worker in this process reads), or warn that no approvals are enforced."""
+    import os
+
+    from medfl.approval import APPROVALS_ENV, ApprovalError, Approvals, approvals_path
+
+    path = Path(args.approvals).resolve() if getattr(args, "approvals", None) else approvals_path()
+    who = f"medfl site {args.client_id}"
+    if path is None:
+        print(f"{who}: WARNING: no --approvals file: this site runs any method installed here that the coordinator "
+              "names; review and approve methods with `medfl approve NAME --file approvals.json` and start the site "
+              "with --approvals approvals.json", file=sys.stderr, flush=True)
+        return
+    try:
+        approvals = Approvals.load(path)
+    except ApprovalError as exc:
+        raise SystemExit(f"{who}: {exc}") from None
+    os.environ[APPROVALS_ENV] = str(path)
+    names = ", ".join(f"{k} {n!r}" for k, n in sorted(approvals.entries)) or "nothing"
+    print(f"{who}: runs only what {path} approves: {names}", flush=True)
 
 
 def _tls_args(args: argparse.Namespace, server: bool) -> tuple[bool, list[str]]:
@@ -126,13 +225,13 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     """Start one site's SuperNode (step 2)."""
     from medfl.flower.deploy import site_command
 
+    # the same overrides as `medfl run` and `medfl flower run`: any '#' path of the bundle
+    # config (fl#dataset#root=/data, bundle_root=/x); options may also follow them
+    overrides = _parse_overrides(_options_after_overrides(args, "flower", "site")) or None
     insecure, extra = _tls_args(args, server=False)
-    overrides = _parse_overrides(args.overrides) if args.overrides else None
-    if overrides is not None and any(not k.startswith("fl#") for k in overrides):
-        raise SystemExit(f"medfl flower site: cannot read {sorted(overrides)}; put options before the "
-                         "config overrides, which look like fl#dataset#root=/data")
     if not Path(args.config).is_file():
         raise FileNotFoundError(f"{args.config}: config file not found")
+    _site_approvals(args)
     from medfl.flower.deploy import flower_env
     from medfl.flower.site import SiteSettings
     from medfl.flower.worker import run_site, socket_for
@@ -170,7 +269,8 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
     result_file = Path(args.result_file).resolve() if args.result_file else tmp / f"result-{uuid.uuid4().hex}.json"
     rc = make_run_config(workdir=Path.cwd(), result_file=result_file, round_timeout=args.round_timeout,
                          connect_timeout=args.connect_timeout, hello_timeout=args.hello_timeout,
-                         config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds)
+                         config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds,
+                         progress_interval=args.progress_interval)
     app_dir = write_app(tmp / "app")
     code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
                     root_certificates=None if insecure else args.root_certificates)
@@ -209,7 +309,12 @@ def _add_flower(sub: Any) -> None:
     sp.add_argument("--device", default=None, help="torch device of this site (default: the config's)")
     sp.add_argument("--insecure", action="store_true", help="no TLS")
     sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
-    sp.add_argument("overrides", nargs=argparse.REMAINDER, help="config overrides (fl#dataset#root=/data)")
+    sp.add_argument("--approvals", default=None,
+                    help="approvals file (`medfl approve`): run only the methods it approves, with the same "
+                         "version and code hash; without it the site runs any installed method (and warns)")
+    sp.add_argument("overrides", nargs=argparse.REMAINDER,
+                    help="config overrides after the options, as for `medfl run`: any '#' path of the bundle "
+                         "config (fl#dataset#root=/data bundle_root=/x; key=value first, then also --key value)")
     sp.set_defaults(func=cmd_flower_site)
 
     sp = fsub.add_parser("run", help="step 3: run a bundle config's experiment over the federation (flwr run)")
@@ -229,6 +334,9 @@ def _flower_run_options(sp: argparse.ArgumentParser) -> None:
                     help="seconds to wait for every site at the start (default 300)")
     sp.add_argument("--hello-timeout", type=float, default=60.0,
                     help="seconds to wait for a site that (re)joins mid-run (default 60)")
+    sp.add_argument("--progress-interval", type=float, default=15.0,
+                    help="while waiting for the sites at the start, say every so many seconds which clients "
+                         "have no site yet (default 15)")
     sp.add_argument("--result-file", default=None, help="where the ServerApp writes its result (JSON)")
     sp.add_argument("--insecure", action="store_true", help="no TLS")
     sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
@@ -254,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("report", help="print the summary table of a run and write its plots")
     sp.add_argument("run_dir")
     sp.set_defaults(func=cmd_report)
+    _add_approve(sub)
     _add_flower(sub)
     return p
 

@@ -6,22 +6,33 @@ values are :class:`torch.Tensor`, ``int``, ``float``, ``bool``, ``None`` and (in
 instructions only) ``str`` config values, nested in ``dict`` (string keys), ``list`` or
 ``tuple``. Anything else (arrays of objects, bytes, images as PIL/numpy, paths) is refused.
 
-Replies are checked further against the client's data (:class:`SampleGuard`): no tensor may
-look like a batch of the client's images (its trailing dimensions equal the sample shape and
-its leading dimension counts samples) and no 1-D integer tensor may be as long as one of
-the client's splits (per-sample labels). A method that must share per-sample features by
-design (FedTPF's DP-noised distilled features) lists those reply keys in
-``Method.payload_exemptions`` and documents it.
+What leaves a client is also compared with the client's own data, where the data is: a
+:class:`~medfl.guard.ContentGuard` (``ClientContext.guard``) refuses a reply payload,
+reply metrics or evaluation model that holds the client's labels or images, whatever their
+dtype, shape or container (see :mod:`medfl.guard`). That check catches mistakes; it cannot
+stop a plugin written to leak, which runs at the site: approving what runs at a site
+(:mod:`medfl.approval`) and differential privacy on what leaves it are the protections.
+
+The coordinator has no data; it checks types and, with a :class:`SampleGuard`, refuses a
+tensor shaped like a batch of the client's images (its trailing dimensions equal the sample
+shape and its leading dimension counts samples). It has no rule on the length of integer
+vectors: that rule refused legitimate quantised weights whose length equalled a split size.
+
+A method that must share per-sample values by design (FedTPF's DP-noised distilled
+features) lists those reply keys in ``Method.payload_exemptions`` and documents it: an
+exempted top-level key skips both the content check and the coordinator's shape check
+(never the type check), and must be released through a declared differential-privacy
+mechanism.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["PayloadError", "Instruction", "Reply", "SampleGuard", "validate_payload"]
+__all__ = ["PayloadError", "Instruction", "Reply", "Guard", "SampleGuard", "validate_payload"]
 
 Scalar = int | float | bool | str | None
 
@@ -58,40 +69,57 @@ class Reply:
     num_examples: int = 0
 
 
+class Guard(Protocol):
+    """A check of an outgoing message beyond its types (:class:`SampleGuard` at the
+    coordinator, :class:`medfl.guard.ContentGuard` at a client)."""
+
+    def check(self, value: Any, where: str, exempt: frozenset[str] = frozenset()) -> None:
+        """Raise :class:`PayloadError` if ``value`` (top-level keys ``exempt`` aside) holds client data."""
+
+
 @dataclass(frozen=True)
 class SampleGuard:
-    """What a client's data looks like, to recognise raw data in a reply.
+    """The shape of a client's samples, to recognise a batch of images in a reply where
+    the data is not at hand (the coordinator).
 
     Attributes:
         sample_shape: shape of one input sample, e.g. ``(1, 64, 64)``.
-        split_sizes: number of samples in each of the client's splits.
+        split_sizes: number of samples in each of the client's splits (kept for callers;
+            no rule uses them: a tensor's length says nothing of its content).
     """
 
     sample_shape: tuple[int, ...]
-    split_sizes: tuple[int, ...]
+    split_sizes: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, sample_shape: Any, split_sizes: dict[str, int]) -> "SampleGuard":
         """The guard of a client with samples of ``sample_shape`` and these split sizes."""
         return cls(tuple(sample_shape), tuple(sorted(set(split_sizes.values()))))
 
+    def check(self, value: Any, where: str, exempt: frozenset[str] = frozenset()) -> None:
+        """Refuse a tensor in ``value`` shaped like a batch of the client's images.
 
-def _check_tensor(t: torch.Tensor, where: str, guard: SampleGuard | None) -> None:
-    if guard is None:
-        return
+        Raises:
+            PayloadError: naming the key path and the shape.
+        """
+        if isinstance(value, torch.Tensor):
+            _check_tensor(value, where, self)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if key not in exempt:   # exemptions name top-level keys
+                    self.check(item, f"{where}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                self.check(item, f"{where}[{i}]")
+
+
+def _check_tensor(t: torch.Tensor, where: str, guard: SampleGuard) -> None:
     shape = tuple(t.shape)
     k = len(guard.sample_shape)
     if k and len(shape) == k + 1 and shape[1:] == guard.sample_shape and shape[0] > 1:
         raise PayloadError(
             f"{where}: tensor of shape {shape} looks like a batch of the client's images "
             f"(sample shape {guard.sample_shape}); images never leave a client"
-        )
-    if len(shape) == 1 and not t.is_floating_point() and not t.is_complex() and (
-        shape[0] in {n for n in guard.split_sizes if n > 1}
-    ):
-        raise PayloadError(
-            f"{where}: integer tensor of length {shape[0]} matches the size of one of the "
-            f"client's data splits {guard.split_sizes}; per-sample labels never leave a client"
         )
 
 
@@ -100,25 +128,30 @@ def validate_payload(
     where: str = "payload",
     *,
     allow_str: bool = True,
-    guard: SampleGuard | None = None,
+    guard: Guard | None = None,
     exempt: frozenset[str] = frozenset(),
 ) -> None:
-    """Check that ``value`` holds only tensors and scalars.
+    """Check that ``value`` holds only tensors and scalars, then apply ``guard``.
 
     Args:
         value: the payload (usually a dict) to check, recursively.
         where: a readable location used in error messages, e.g. ``"reply from client 3"``.
         allow_str: whether string scalars are allowed (instructions: yes; replies: no).
-        guard: when given, also refuse tensors that look like the client's samples or labels.
+        guard: when given, also refuse client data: a :class:`~medfl.guard.ContentGuard`
+            (at the client: the client's labels and images) or a :class:`SampleGuard` (at the
+            coordinator: image-shaped batches).
         exempt: top-level keys excused from the ``guard`` check (never from the type check).
 
     Raises:
-        PayloadError: naming the offending key path and its type.
+        PayloadError: naming the offending key path and its type (or what the guard found).
     """
-    if isinstance(value, torch.Tensor):
-        _check_tensor(value, where, guard)
-        return
-    if value is None or isinstance(value, (bool, int, float)):
+    _check_types(value, where, allow_str)
+    if guard is not None:
+        guard.check(value, where, exempt)
+
+
+def _check_types(value: Any, where: str, allow_str: bool) -> None:
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float)):
         return
     if isinstance(value, str):
         if not allow_str:
@@ -130,12 +163,11 @@ def validate_payload(
         for key, item in value.items():
             if not isinstance(key, str):
                 raise PayloadError(f"{where}: dict keys must be str, got {type(key).__name__}")
-            sub_guard = None if key in exempt else guard  # exemptions name top-level keys
-            validate_payload(item, f"{where}[{key!r}]", allow_str=allow_str, guard=sub_guard)
+            _check_types(item, f"{where}[{key!r}]", allow_str)
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            validate_payload(item, f"{where}[{i}]", allow_str=allow_str, guard=guard)
+            _check_types(item, f"{where}[{i}]", allow_str)
         return
     raise PayloadError(
         f"{where}: only tensors and scalars may travel between coordinator and clients; "

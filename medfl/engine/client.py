@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from medfl.engine.data import client_order
-from medfl.messages import Instruction, Reply, SampleGuard, validate_payload
+from medfl.messages import Guard, Instruction, Reply, validate_payload
 from medfl.method import Method, derive_seed
 
 __all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_validate", "run_client_evaluate",
@@ -252,9 +252,16 @@ class ClientContext:
         return np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)
 
     @property
-    def guard(self) -> SampleGuard:
-        """What this client's raw data looks like, for the reply check."""
-        return SampleGuard.of(self.sample_shape, self.split_sizes)
+    def guard(self) -> Guard:
+        """The check of what leaves this client against its own labels and images
+        (:class:`medfl.guard.ContentGuard`; its reference is built at the first check and
+        cached per dataset for the process). One guard per context."""
+        from medfl.guard import ContentGuard
+
+        guard = self.__dict__.get("_content_guard")
+        if guard is None:
+            guard = self.__dict__["_content_guard"] = ContentGuard.for_client(self)
+        return guard
 
 
 def _call_with_augment(factory: Callable[..., Dataset], augment: bool) -> Dataset:
@@ -290,7 +297,7 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     where = f"reply of method {method.name!r} from client {ctx.client_id}"
     validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard,
                      exempt=method.payload_exemptions)
-    validate_payload(reply.metrics, where + " (metrics)", allow_str=False)
+    validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
     validate_payload(ctx.state, f"persistent state of client {ctx.client_id}", allow_str=True)
     if store is not None and (ctx.state or store.has(ctx.client_id)):
         store.save(ctx.client_id, ctx.round, ctx.state)

@@ -404,8 +404,9 @@ class FlowerRun(Run):
     def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
         """Send every addressed client its instruction as a ``train`` message; return the
         replies of the sites that answered, in the engine's client order. Each reply is
-        checked on arrival: tensors and numbers only, nothing shaped like the site's
-        images or per-sample labels (:func:`~medfl.messages.validate_payload`)."""
+        checked on arrival: tensors and numbers only, nothing shaped like a batch of the
+        site's images (:func:`~medfl.messages.validate_payload`; the site compared the reply
+        with its own labels and images before sending it, :mod:`medfl.guard`)."""
         outgoing = {cid: self._instruction_content(r, cid, ins) for cid, ins in instructions.items()}
         answers = self.exchange(r, "train", P.TRAIN, outgoing)
         replies: dict[str, Reply] = {}

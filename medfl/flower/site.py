@@ -33,7 +33,17 @@ functions the in-process engine calls (:func:`~medfl.engine.client.run_client_up
 the two steps of :func:`~medfl.engine.client.run_client_evaluate`) on a
 :class:`~medfl.engine.client.ClientContext` built by the engine's own
 :func:`medfl.engine.runner.client_context`, so the same seed gives the same numbers. Every
-payload is checked on receipt and before it leaves (:func:`medfl.messages.validate_payload`): tensors and numbers only.
+payload is checked on receipt and before it leaves (:func:`medfl.messages.validate_payload`): tensors and numbers only;
+what leaves (reply payload, reply metrics, the evaluation model sent for ``cross_test``) is
+also compared with this site's own labels and images (:mod:`medfl.guard`).
+
+Which plugins run here is the site operator's decision (:mod:`medfl.approval`): with an
+approvals file (``medfl flower site --approvals FILE``, or ``MEDFL_APPROVALS=FILE`` in the
+environment of a plain ``flower-supernode``), :meth:`Site.check` refuses every message
+naming a method (or filter) that is not approved there with the same distribution version
+and code hash, before any plugin code runs; the coordinator's run then fails with a
+:class:`~medfl.flower.server.SiteFailure` naming the site and the reason. Without one, the
+site runs any method installed in its environment and says so.
 """
 
 from __future__ import annotations
@@ -196,12 +206,22 @@ class Site:
                               device=self.device, store=store, state_before=state_before)
 
     def check(self, ctl: dict[str, Any]) -> None:
-        """Refuse a message of another protocol or addressed to another client."""
+        """Refuse a message of another protocol, addressed to another client, or asking
+        for a plugin (method, filter) this site's operator did not approve: with an
+        approvals file (:data:`medfl.approval.APPROVALS_ENV`, set by ``medfl flower site
+        --approvals``), every plugin the message names must be in it with the same version
+        and code hash (:mod:`medfl.approval`). Runs before any plugin code."""
+        from medfl.approval import ApprovalError, check_control
+
         if int(ctl.get("protocol", -1)) != P.PROTOCOL:
             raise SiteError(f"medfl site {self.client_id}: message of protocol {ctl.get('protocol')}, "
                             f"this site speaks {P.PROTOCOL} (same medfl version on both sides?)")
         if "client" in ctl and str(ctl["client"]) != self.client_id:
             raise SiteError(f"medfl site {self.client_id}: message addressed to client {ctl['client']!r}")
+        try:
+            check_control(ctl, f"medfl site {self.client_id}")
+        except ApprovalError as exc:
+            raise SiteError(f"medfl site {self.client_id}: {exc}") from None
 
     # ------------------------------------------------------------------ the steps
     def hello(self, ctl: dict[str, Any]) -> dict[str, Any]:
@@ -213,8 +233,8 @@ class Site:
     def train(self, ctl: dict[str, Any], ins: Instruction) -> tuple[Any, int, dict[str, Any]]:
         """Run the method's ``client_update``; save the client's state at the site."""
         store, _ = self.stores(ctl)
-        # checks the reply (tensors and numbers, nothing shaped like this site's data) before
-        # the wire side packs it, which checks it again
+        # checks the reply (tensors and numbers, none of this site's labels or images) before
+        # the wire side packs it, which checks its types again
         reply = run_client_update(self.method(ctl), self.context(ctl, store), ins, store=store)
         return reply.payload, int(reply.num_examples), dict(reply.metrics)
 

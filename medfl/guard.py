@@ -1,0 +1,897 @@
+"""The content guard: recognise a client's own labels and images in what leaves the client.
+
+A method's client code runs where the data is, so no rule on what a message *looks like*
+can stop a plugin that means to leak (what protects a site is its operator approving the
+code that runs there, :mod:`medfl.approval`, and differential privacy on what leaves). This
+guard catches *mistakes*: a plugin that puts the client's labels or images in a reply, its
+metrics or an evaluation model, whatever the dtype, shape or container. It compares the
+*content* of everything that leaves with the client's own data, and never refuses a tensor
+because of its shape, so model weights of any dtype pass.
+
+What is compared (:class:`ContentGuard`, built lazily from the client's datasets and cached
+per dataset for the life of the process):
+
+Labels
+    each split's label vector (from the dataset's ``labels`` or its items) and, for the
+    training split, the same vector in the order of the client's seeded training loader
+    (first epochs), which is how a plugin collecting ``y`` from its batches would send it.
+    Every tensor, every list of numbers and the run of all scalars of the message (a dict
+    of per-sample metrics) is scanned, flattened row- and (2-D) column-major, as ints,
+    floats or bools, for a split's labels as a contiguous run (inside padding too); a 2-D
+    block (or a 1-D vector of ``n * K`` values) holding one-hot rows or class
+    probabilities is also read through its argmax along either axis. A match counts only
+    if it is improbable by chance. Its *surprise* is ``-sum_i log2 q(y_i) - log2(places it
+    could start)``, with ``q`` the frequency of each label value in the scanned sequence
+    itself (the probability of the match if that sequence were random with its own value
+    frequencies); it must reach :data:`LABEL_MIN_BITS` plus ``log2`` of the number of
+    (sequence, label vector) tests in the message that could have matched. So a chance
+    match has probability below ``2 ** -16`` per message even in tensors made of 0/1
+    values (1-bit quantised weights); a constant label vector (surprise 0) never counts.
+    The price: a split whose label vector carries fewer bits (fewer than about 20-30
+    balanced binary samples) is not recognised.
+Images
+    for each sample of each split (seen without training augmentation), up to
+    :data:`VALUE_PROBES` *probe values*: exact float32 bit patterns of distinct pixel values
+    drawn from the brighter half of the sample, keeping only values that float16 and
+    bfloat16 cannot represent (``0``, ``1``, ``0.5``, small integers... also occur in
+    weights). A float32/float64/integer tensor (and the message's scalars) hits a probe
+    when the value occurs anywhere in it: order, shape, transposition and splitting across
+    several tensors do not matter, hits are pooled over the whole message. A sample is
+    recognised when at least half of its probes (and at least 4) are hit; samples with
+    fewer than :data:`MIN_VALUE_PROBES` usable values have no value probes.
+
+    float16/bfloat16 tensors cannot be compared value by value (65,536 codes: a large
+    tensor holds most of them), so each sample also has *gram probes*: runs of
+    :data:`GRAM` consecutive pixels along each axis (both directions), rounded to float16
+    and to bfloat16, at up to :data:`GRAM_POSITIONS` places per axis; a low-precision
+    tensor hits a gram probe when the same run occurs in it flattened (a flattened,
+    channel-squeezed or transposed image keeps the runs of one axis). Samples with too few
+    distinct non-round values for value probes (integer-valued or heavily quantised
+    images) get exact (float32) gram probes instead. Runs with fewer than 3 distinct values
+    or more than half zeros are not used as probes (backgrounds, constant regions). A
+    sample is recognised when half of its gram positions along one axis (at least 3) occur.
+
+What it does not recognise is listed in ``docs/flower.md`` ("What the payload guard and
+approvals protect"): images transformed in value (intensity augmentation, noise,
+resampling, normalisation done by the plugin, quantisation), crops and small patches,
+images whose pixels take very few distinct values (binary masks), labels re-encoded
+(offset, permuted, hashed) or in an order other than the dataset's and the loader's, and
+anything encoded on purpose.
+
+Cost (``benchmarks/payload_guard.py``, 2-core VM, one thread): building the reference reads
+every sample once per process (about 1 ms per 128x128 image, reading included) and keeps
+about 1.5 KB per sample plus 3 MiB of lookup tables per client; checking a ResNet-18 reply
+(11.2 M values) takes 20-45 ms in float32, 45-100 ms in int8, 0.2-0.25 s in float16/bfloat16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["ContentGuard", "SplitReference", "LABEL_MIN_BITS", "VALUE_PROBES", "GRAM", "GRAM_POSITIONS",
+           "IMAGE_FRACTION", "build_split_reference", "clear_reference_cache", "loader_orders"]
+
+#: A label vector found in a message counts when a chance match anywhere in the message
+#: would have probability below ``2 ** -LABEL_MIN_BITS`` (see the module docstring).
+LABEL_MIN_BITS = 16.0
+#: Probe values kept per sample.
+VALUE_PROBES = 16
+#: A sample with fewer distinct non-round values gets exact gram probes instead.
+MIN_VALUE_PROBES = 8
+#: Length of a gram probe (consecutive pixels along one axis).
+GRAM = 8
+#: Gram probes per axis, per sample and precision.
+GRAM_POSITIONS = 8
+#: Fraction of a sample's probes that must occur in a message for it to be recognised.
+IMAGE_FRACTION = 0.5
+#: Training-loader epochs whose sample order is also a reference label order.
+LOADER_EPOCHS = 3
+
+_VARIANTS = ("f16", "bf16", "exact")
+_AXES = 8                          # gram groups: sample * _AXES + axis
+_TABLE_BITS = 20                   # prefilter tables: 2**20 booleans (1 MiB)
+_MULT = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
+                  0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9],
+                 dtype=np.uint64)
+_CACHE: "OrderedDict[str, SplitReference]" = OrderedDict()
+_CACHE_MAX = 64
+_MERGED: "OrderedDict[tuple[str, ...], _Index]" = OrderedDict()   # a client's splits, merged
+_MERGED_MAX = 4
+_log = logging.getLogger("medfl.guard")
+_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------- references
+@dataclass
+class SplitReference:
+    """What one split of a client's data looks like, for the content check.
+
+    Attributes:
+        n: number of samples.
+        labels: the label of each sample, in dataset order.
+        vbits: float32 bit patterns of all value probes (uint32).
+        vsample: the sample of each value probe.
+        vcount: number of value probes of each sample.
+        grams: per precision (``f16``, ``bf16``, ``exact``): ``(keys, position)`` of each
+            gram probe; a position (a run at one place of one sample) has two keys, one per
+            direction, and its id indexes ``gsample``.
+        gsample: per precision, the sample of each gram position.
+        gaxis: per precision, the axis each gram position runs along.
+    """
+
+    n: int
+    labels: np.ndarray
+    vbits: np.ndarray
+    vsample: np.ndarray
+    vcount: np.ndarray
+    grams: dict[str, tuple[np.ndarray, np.ndarray]]
+    gsample: dict[str, np.ndarray]
+    gaxis: dict[str, np.ndarray]
+
+    def gcount(self, variant: str) -> np.ndarray:
+        """Number of gram positions of each sample at a precision."""
+        return np.bincount(self.gsample[variant], minlength=self.n)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by this reference."""
+        total = self.labels.nbytes + self.vbits.nbytes + self.vsample.nbytes + self.vcount.nbytes
+        for keys, pos in self.grams.values():
+            total += keys.nbytes + pos.nbytes
+        return total + sum(c.nbytes for c in self.gsample.values()) + sum(c.nbytes for c in self.gaxis.values())
+
+    @property
+    def unprotected(self) -> int:
+        """Samples that no image probe can recognise in float32 (too few distinct values)."""
+        ok = (self.vcount >= MIN_VALUE_PROBES) | (self.gcount("exact") >= 3)
+        return int((~ok).sum())
+
+
+def _round_mask(values: np.ndarray) -> np.ndarray:
+    """Float32 values that float16 or bfloat16 represent exactly (and non-finite ones)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        f16 = values.astype(np.float16).astype(np.float32) == values
+    bf16 = (values.view(np.uint32) & np.uint32(0xFFFF)) == 0
+    return f16 | bf16 | ~np.isfinite(values)
+
+
+def _codes(values: np.ndarray, variant: str) -> np.ndarray:
+    """The integer code of each float32 value at a precision (``f16``, ``bf16``, ``exact``)."""
+    if variant == "exact":
+        return values.view(np.uint32)
+    if variant == "f16":
+        with np.errstate(over="ignore", invalid="ignore"):
+            return values.astype(np.float16).view(np.uint16)
+    bits = values.view(np.uint32).astype(np.uint64)            # bfloat16: round to nearest even
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def _zero_code(variant: str) -> tuple[int, int]:
+    return (0, 0x80000000) if variant == "exact" else (0, 0x8000)
+
+
+def _gram_keys(grams: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of ``grams`` (``GRAM`` codes)."""
+    g = grams.astype(np.uint64)
+    key = np.zeros(len(g), dtype=np.uint64)
+    for k in range(g.shape[1]):
+        key += g[:, k] * _MULT[k]
+    key ^= key >> np.uint64(31)
+    key *= np.uint64(0x7FB5D329728EA185)
+    key ^= key >> np.uint64(27)
+    return key
+
+
+def _sample_probes(x: np.ndarray, rng: np.random.Generator, exact_grams: bool
+                   ) -> tuple[np.ndarray, dict[str, list[tuple[int, np.ndarray]]]]:
+    """Value probes (float32 values) and gram probes (per precision, ``(axis, codes)`` with
+    ``codes`` of shape ``(k, GRAM)``, one row per position, read forward along ``axis``) of
+    one sample ``x`` (float32, any shape)."""
+    flat = x.reshape(-1)
+    picks = flat[rng.integers(0, flat.size, size=min(flat.size, 512))] if flat.size else flat
+    cand = np.unique(picks)
+    cand = cand[~_round_mask(cand)]
+    if cand.size < 2 * VALUE_PROBES:
+        cand = np.unique(flat)
+        cand = cand[~_round_mask(cand)]
+    if cand.size >= MIN_VALUE_PROBES:
+        mag = np.abs(cand)
+        bright = cand[mag >= np.median(mag)]
+        if bright.size >= MIN_VALUE_PROBES:
+            cand = bright
+        values = rng.choice(cand, size=min(VALUE_PROBES, cand.size), replace=False).astype(np.float32)
+    else:
+        values = np.zeros(0, dtype=np.float32)
+    variants = ["f16", "bf16"] + (["exact"] if values.size < MIN_VALUE_PROBES or exact_grams else [])
+    grams: dict[str, list[tuple[int, np.ndarray]]] = {v: [] for v in _VARIANTS}
+    for variant in variants:
+        codes = _codes(np.ascontiguousarray(x, dtype=np.float32), variant)
+        zeros = _zero_code(variant)
+        for axis in range(codes.ndim):
+            size = codes.shape[axis]
+            if size < GRAM:
+                continue
+            rows = np.moveaxis(codes, axis, -1).reshape(-1, size)
+            tries = 8 * GRAM_POSITIONS
+            r = rng.integers(0, rows.shape[0], size=tries)
+            s = rng.integers(0, size - GRAM + 1, size=tries)
+            cand_g = rows[r[:, None], s[:, None] + np.arange(GRAM)]
+            srt = np.sort(cand_g, axis=1)
+            distinct = 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1)
+            nzero = ((cand_g == zeros[0]) | (cand_g == zeros[1])).sum(axis=1)
+            ok = (distinct >= 3) & (nzero <= GRAM // 2)
+            good = cand_g[ok]
+            first = np.sort(np.unique(good, axis=0, return_index=True)[1]) if len(good) else []
+            chosen = good[first][:GRAM_POSITIONS]                 # distinct runs, in random order
+            if len(chosen):
+                grams[variant].append((axis, chosen))
+    return values, grams
+
+
+def _item_image(item: Any) -> Any:
+    if isinstance(item, dict):
+        return item.get("image", next(iter(item.values())))
+    if isinstance(item, (tuple, list)):
+        return item[0]
+    return item
+
+
+def _item_label(item: Any) -> int:
+    if isinstance(item, dict):
+        return int(item.get("label", -1))
+    if isinstance(item, (tuple, list)) and len(item) > 1:
+        return int(torch.as_tensor(item[1]).reshape(-1)[0])
+    return -1
+
+
+def _labels_of(ds: Dataset) -> np.ndarray | None:
+    labels = getattr(ds, "labels", None)
+    if labels is None:
+        return None
+    return np.asarray(labels, dtype=np.int64).reshape(-1)
+
+
+def _fingerprint(ds: Dataset) -> str:
+    """Which samples a dataset holds: its type, size, labels, its first sample (so that
+    another preprocessing of the same files differs) and its file list (or, without one,
+    two more of its samples)."""
+    h = hashlib.sha1()
+    n = len(ds)  # type: ignore[arg-type]
+    h.update(f"{type(ds).__module__}.{type(ds).__qualname__}:{n}:{VALUE_PROBES}:{GRAM}".encode())
+    labels = _labels_of(ds)
+    if labels is not None:
+        h.update(labels.tobytes())
+    files = getattr(ds, "files", None) or getattr(ds, "paths", None)
+    listed = files is not None and len(files) == n
+    if listed:
+        h.update("\n".join(map(str, files)).encode())
+    for i in (sorted({0} if listed else {0, n // 2, n - 1}) if n else []):
+        x = torch.as_tensor(_item_image(ds[i])).as_subclass(torch.Tensor).detach().cpu().contiguous()
+        h.update(str(x.dtype).encode() + str(tuple(x.shape)).encode() + x.numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_split_reference(ds: Dataset, exact_grams: bool = False) -> SplitReference:
+    """The reference of one dataset (every sample read once).
+
+    Args:
+        ds: a dataset of ``(image, label)`` items (or dicts with ``image``/``label``).
+        exact_grams: give every sample exact gram probes (normally only samples without
+            enough probe values get them).
+    """
+    n = len(ds)  # type: ignore[arg-type]
+    labels = _labels_of(ds)
+    collect = labels is None
+    ys = np.zeros(n, dtype=np.int64)
+    vb, vs, vc = [], [], np.zeros(n, dtype=np.int32)
+    gk: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    gp: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    gs: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    ga: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    next_pos = {v: 0 for v in _VARIANTS}
+    for i in range(n):
+        item = ds[i]
+        if collect:
+            ys[i] = _item_label(item)
+        x = torch.as_tensor(_item_image(item)).as_subclass(torch.Tensor).detach().cpu()
+        x = (x.real if x.is_complex() else x).to(torch.float32).numpy()
+        rng = np.random.default_rng([i, n, 20240607])
+        values, grams = _sample_probes(x, rng, exact_grams)
+        vb.append(values.view(np.uint32))
+        vs.append(np.full(values.size, i, dtype=np.int32))
+        vc[i] = values.size
+        for variant, blocks in grams.items():
+            if not blocks:
+                continue
+            fwd = np.concatenate([b for _, b in blocks])
+            k = len(fwd)
+            pos = np.arange(next_pos[variant], next_pos[variant] + k, dtype=np.int32)
+            next_pos[variant] += k
+            gk[variant] += [_gram_keys(fwd), _gram_keys(fwd[:, ::-1])]
+            gp[variant] += [pos, pos]
+            gs[variant].append(np.full(k, i, dtype=np.int32))
+            ga[variant].append(np.concatenate([np.full(len(b), a, dtype=np.int8) for a, b in blocks]))
+    cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dtype=dt))
+    return SplitReference(
+        n=n, labels=ys if collect else labels,
+        vbits=cat(vb, np.uint32), vsample=cat(vs, np.int32), vcount=vc,
+        grams={v: (cat(gk[v], np.uint64), cat(gp[v], np.int32)) for v in _VARIANTS},
+        gsample={v: cat(gs[v], np.int32) for v in _VARIANTS},
+        gaxis={v: cat(ga[v], np.int8) for v in _VARIANTS})
+
+
+def _lru_get(cache: "OrderedDict[Any, Any]", key: Any) -> Any:
+    with _LOCK:
+        hit = cache.get(key)
+        if hit is not None:
+            cache.move_to_end(key)
+        return hit
+
+
+def _lru_put(cache: "OrderedDict[Any, Any]", key: Any, value: Any, size: int) -> None:
+    with _LOCK:
+        cache[key] = value
+        while len(cache) > size:
+            cache.popitem(last=False)
+
+
+def _cached_reference(ds: Dataset) -> tuple[str, SplitReference]:
+    """``(fingerprint, reference)`` of a dataset, built once per process."""
+    key = _fingerprint(ds)
+    ref = _lru_get(_CACHE, key)
+    if ref is None:
+        ref = build_split_reference(ds)
+        if ref.unprotected:
+            _log.warning("payload guard: %d of %d samples (%s) have too few distinct pixel values to be "
+                         "recognised in float32 messages (binary or constant images)", ref.unprotected, ref.n,
+                         type(ds).__name__)
+        _lru_put(_CACHE, key, ref, _CACHE_MAX)
+    return key, ref
+
+
+def clear_reference_cache() -> None:
+    """Forget every cached split reference and merged index (tests, benchmarks)."""
+    with _LOCK:
+        _CACHE.clear()
+        _MERGED.clear()
+
+
+# ---------------------------------------------------------------------- the merged index
+@dataclass
+class _Index:
+    """The image references of a client's splits, merged, with prefilter tables."""
+
+    names: list[tuple[str, int]]                  # global sample -> (split, index in split)
+    vbits: np.ndarray
+    vsample: np.ndarray
+    vneed: np.ndarray                              # hits needed per sample (0: not protected)
+    vtable: np.ndarray | None
+    vrange: tuple[np.uint32, np.uint32]            # smallest and largest |probe| as float32 bits
+    grams: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)   # keys, position
+    ggroup: dict[str, np.ndarray] = field(default_factory=dict)   # position -> sample * _AXES + axis
+    gneed: dict[str, np.ndarray] = field(default_factory=dict)    # hits needed per (sample, axis) group
+    gtable: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _need(count: np.ndarray, min_count: int, min_hits: int) -> np.ndarray:
+    """Probe hits that recognise each sample (0: too few probes, never recognised)."""
+    need = np.maximum(min_hits, np.ceil(IMAGE_FRACTION * count)).astype(np.int64)
+    need[count < min_count] = 0
+    return need
+
+
+def _table(slots: np.ndarray) -> np.ndarray:
+    table = np.zeros(1 << _TABLE_BITS, dtype=bool)
+    table[slots] = True
+    return table
+
+
+def _value_slot(bits: np.ndarray) -> np.ndarray:
+    return (bits & np.uint32((1 << _TABLE_BITS) - 1)).astype(np.intp)
+
+
+def _key_slot(keys: np.ndarray) -> np.ndarray:
+    return (keys >> np.uint64(64 - _TABLE_BITS)).astype(np.intp)
+
+
+def _magnitude_range(vbits: np.ndarray) -> tuple[np.uint32, np.uint32]:
+    if not vbits.size:
+        return np.uint32(1), np.uint32(0)
+    mag = vbits & np.uint32(0x7FFFFFFF)
+    return mag.min(), mag.max()
+
+
+def _merge(refs: list[tuple[str, SplitReference]]) -> _Index:
+    names: list[tuple[str, int]] = []
+    vb, vs, vc = [], [], []
+    gk: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    gp: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    gs: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    offset, pos_offset = 0, {v: 0 for v in _VARIANTS}
+    for split, ref in refs:
+        names += [(split, i) for i in range(ref.n)]
+        vb.append(ref.vbits)
+        vs.append(ref.vsample.astype(np.int64) + offset)
+        vc.append(ref.vcount)
+        for v in _VARIANTS:
+            keys, pos = ref.grams[v]
+            gk[v].append(keys)
+            gp[v].append(pos.astype(np.int64) + pos_offset[v])
+            gs[v].append((ref.gsample[v].astype(np.int64) + offset) * _AXES + ref.gaxis[v])
+            pos_offset[v] += ref.gsample[v].size
+        offset += ref.n
+    cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dtype=dt))
+    vbits = cat(vb, np.uint32)
+    index = _Index(names=names, vbits=vbits, vsample=cat(vs, np.int64),
+                   vneed=_need(cat(vc, np.int64), MIN_VALUE_PROBES, 4),
+                   vtable=_table(_value_slot(vbits)) if vbits.size else None,
+                   vrange=_magnitude_range(vbits))
+    for v in _VARIANTS:
+        keys = cat(gk[v], np.uint64)
+        if keys.size:
+            group = cat(gs[v], np.int64)
+            index.grams[v] = (keys, cat(gp[v], np.int64))
+            index.ggroup[v] = group
+            index.gneed[v] = _need(np.bincount(group, minlength=offset * _AXES), 3, 3)
+            index.gtable[v] = _table(_key_slot(keys))
+    return index
+
+
+# ---------------------------------------------------------------------- walking a message
+@dataclass
+class _Leaves:
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    stacks: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    lists: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    scalars: list[float] = field(default_factory=list)
+    scalar_paths: list[str] = field(default_factory=list)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (bool, int, float)) and not isinstance(x, str)
+
+
+def _walk(value: Any, path: str, out: _Leaves, exempt: frozenset[str], top: bool) -> None:
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.numel() == 1:
+            item = t.reshape(-1)[0]
+            out.scalars.append(float(item.real if t.is_complex() else item))
+            out.scalar_paths.append(path)
+        elif t.numel() > 1:
+            out.tensors.append((path, t))
+        return
+    if _number(value):
+        out.scalars.append(float(value))
+        out.scalar_paths.append(path)
+        return
+    if isinstance(value, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in value.items() if not (top and k in exempt)]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        block = _number_block(value)
+        if block is not None:
+            out.lists.append((path, block))
+    else:
+        return
+    for p, v in items:
+        _walk(v, p, out, exempt, False)
+    tensors = [v for _, v in items if isinstance(v, torch.Tensor) and 1 < v.numel() <= 4096]
+    if len(tensors) > 1 and len({tuple(t.shape) for t in tensors}) == 1 and len(tensors) == len(items):
+        out.stacks.append((f"{path}[*]", torch.stack([t.detach().cpu() for t in tensors])))
+
+
+def _number_block(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """A list of numbers, or a rectangular list of lists of numbers, as a float64 array."""
+    if len(value) < 2:
+        return None
+    if all(_number(v) for v in value):
+        return np.asarray([float(v) for v in value], dtype=np.float64)
+    if all(isinstance(v, (list, tuple)) and v and all(_number(u) for u in v) for v in value) and len(
+            {len(v) for v in value}) == 1:
+        return np.asarray([[float(u) for u in v] for v in value], dtype=np.float64)
+    return None
+
+
+def _numeric(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a NumPy array: floats as float32/float64, integers as they are."""
+    t = t.detach().cpu()
+    if t.is_complex():
+        t = t.real
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    elif t.dtype in (torch.float16, torch.bfloat16) or (t.is_floating_point() and t.dtype != torch.float64):
+        t = t.to(torch.float32)
+    elif not t.is_floating_point() and t.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32,
+                                                        torch.int64):
+        t = t.to(torch.int64)
+    return t.contiguous().numpy()
+
+
+# ---------------------------------------------------------------------- the label scan
+def _runs(mask: np.ndarray, min_len: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of True of at least ``min_len``."""
+    if not mask.any():
+        return []
+    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
+    starts, ends = np.nonzero(d == 1)[0], np.nonzero(d == -1)[0]
+    keep = (ends - starts) >= min_len
+    return list(zip(starts[keep].tolist(), ends[keep].tolist()))
+
+
+def _surprise(seq: np.ndarray, y: np.ndarray) -> float:
+    """``-sum_i log2 q(y_i) - log2(len(seq) - n + 1)``, ``q`` the frequency of each value in ``seq``."""
+    vals, counts = np.unique(y, return_counts=True)
+    bits = 0.0
+    for v, c in zip(vals.tolist(), counts.tolist()):
+        q = max(int(np.count_nonzero(seq == v)), 1) / len(seq)
+        bits -= c * math.log2(q)
+    return bits - math.log2(len(seq) - len(y) + 1)
+
+
+def _search(seq: np.ndarray, labels: list[tuple[str, np.ndarray]], whole: bool
+            ) -> tuple[list[tuple[str, int, int, float]], int]:
+    """Look for each label vector in ``seq``: as a contiguous run (``whole``: as the whole
+    sequence). Returns the matches ``(description, start, length, surprise in bits)`` and
+    the number of tests that could have matched by chance (label vectors that fit in a run
+    of label-like values of ``seq``), for the multiple-testing correction."""
+    if whole:
+        usable = [(d, y) for d, y in labels if len(y) == len(seq)]
+        found = [(d, 0, len(y), _surprise(seq, y)) for d, y in usable if np.array_equal(seq, y)]
+        return found, len(usable)
+    usable = [(d, y) for d, y in labels if len(y) <= len(seq)]
+    if not usable:
+        return [], 0
+    lo = min(int(y.min()) for _, y in usable)
+    hi = max(int(y.max()) for _, y in usable)
+    if seq.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            mask = (seq >= lo) & (seq <= hi) & (seq == np.floor(seq))
+    else:
+        mask = (seq >= lo) & (seq <= hi)
+    runs = _runs(mask, min(len(y) for _, y in usable))
+    if not runs:
+        return [], 0
+    longest = max(b - a for a, b in runs)
+    tests = sum(1 for _, y in usable if len(y) <= longest)
+    found: dict[str, tuple[str, int, int, float]] = {}
+    patterns = [(d, y, np.ascontiguousarray(y, dtype=np.int64).tobytes()) for d, y in usable]
+    for a, b in runs:
+        seg = np.ascontiguousarray(seq[a:b]).astype(np.int64).tobytes()
+        for desc, y, pat in patterns:
+            if desc in found or len(y) > b - a:
+                continue
+            at = seg.find(pat)
+            while at != -1 and at % 8:
+                at = seg.find(pat, at + 1)
+            if at != -1:
+                found[desc] = (desc, a + at // 8, len(y), _surprise(seq, y))
+    return list(found.values()), tests
+
+
+def _class_block(m: np.ndarray, axis: int) -> bool:
+    """Whether a 2-D block looks like one-hot rows or class probabilities along ``axis``
+    (non-negative, summing to 1): only such blocks are read through their argmax, since the
+    argmax of arbitrary numbers is a fair coin that would match short label vectors."""
+    if m.shape[axis] < 2 or m.dtype.kind not in "fiub":
+        return False
+    with np.errstate(invalid="ignore"):
+        return bool(np.all(m >= 0) and np.allclose(m.sum(axis=axis, dtype=np.float64), 1.0, atol=1e-3))
+
+
+def _label_candidates(arr: np.ndarray, sizes: set[int], one_d: bool) -> list[tuple[str, np.ndarray, bool]]:
+    """The 1-D sequences of a tensor (or list) in which label vectors are looked for, and
+    whether a label vector must fill the whole sequence: flattened (runs); a 2-D block also
+    by columns (runs) and, when it holds one-hot rows or class probabilities, through its
+    argmax (whole); a vector of ``n * K`` such values also as ``n`` rows of ``K`` (whole)."""
+    out = [("", arr.reshape(-1), False)]
+    dims = [d for d in arr.shape if d != 1]
+    blocks: list[tuple[str, np.ndarray]] = []
+    if len(dims) == 2:
+        m = arr.reshape(dims)
+        out.append((" (read by columns)", np.ascontiguousarray(m.T).reshape(-1), False))
+        blocks.append(("", m))
+    elif one_d or len(dims) <= 1:
+        flat = arr.reshape(-1)
+        for n in sizes:
+            k = flat.size // n
+            if 2 <= k <= 1024 and k * n == flat.size:
+                blocks.append((f" (as {n} rows of {k})", flat.reshape(n, k)))
+                blocks.append((f" (as {k} rows of {n})", flat.reshape(k, n)))
+    for how, m in blocks:
+        if m.shape[0] in sizes and _class_block(m, 1):
+            out.append((f"{how} (argmax of each row)", m.argmax(axis=1), True))
+        if m.shape[1] in sizes and _class_block(m, 0):
+            out.append((f"{how} (argmax of each column)", m.argmax(axis=0), True))
+    return out
+
+
+def _rolling_keys(codes: np.ndarray) -> np.ndarray:
+    """:func:`_gram_keys` of every run of ``GRAM`` consecutive codes (``len - GRAM + 1`` keys)."""
+    m = codes.size - GRAM + 1
+    key = np.zeros(m, dtype=np.uint64)
+    for k in range(GRAM):
+        key += codes[k:k + m].astype(np.uint64) * _MULT[k]
+    key ^= key >> np.uint64(31)
+    key *= np.uint64(0x7FB5D329728EA185)
+    key ^= key >> np.uint64(27)
+    return key
+
+
+_CHUNK = 1 << 20
+
+
+# ---------------------------------------------------------------------- the guard
+class ContentGuard:
+    """Recognise a client's own labels and images in an outgoing message.
+
+    Args:
+        client_id: the client, for messages.
+        datasets: the client's splits: name -> a dataset or a function building it (called
+            at the first check; build it without training augmentation).
+        loader_orders: per split, the sample orders of the client's training loader (the
+            label vector in these orders is looked for too), or a function returning them.
+
+    The reference of each dataset is built at the first check (one pass over its samples)
+    and cached for the process, keyed by what the dataset holds.
+    """
+
+    def __init__(self, client_id: str, datasets: dict[str, Dataset | Callable[[], Dataset]],
+                 loader_orders: dict[str, list[np.ndarray]] | Callable[[], dict[str, list[np.ndarray]]] | None = None
+                 ) -> None:
+        self.client_id = str(client_id)
+        self._datasets = dict(datasets)
+        self._orders = loader_orders
+        self._index: _Index | None = None
+        self._labels: list[tuple[str, np.ndarray]] = []
+
+    @classmethod
+    def for_client(cls, ctx: Any) -> "ContentGuard":
+        """The guard of a :class:`~medfl.engine.client.ClientContext`: its splits seen
+        without augmentation, and the orders of its training loader's first epochs."""
+        splits = [s for s in ctx.datasets if "~" not in s]
+
+        def plain(split: str) -> Callable[[], Dataset]:
+            def build() -> Dataset:
+                try:
+                    return ctx.dataset(split, augment=False)
+                except TypeError:   # a dataset factory without an augment switch
+                    return ctx.dataset(split)
+            return build
+
+        def orders() -> dict[str, list[np.ndarray]]:
+            if "train" not in splits:
+                return {}
+            epochs = min(int(ctx.train.get("epochs", 1) or 1), LOADER_EPOCHS)
+            try:
+                return {"train": loader_orders(ctx.loader("train"), epochs)}
+            except Exception:  # noqa: BLE001 - no loader to replay: the dataset order only
+                return {}
+
+        return cls(ctx.client_id, {s: plain(s) for s in splits}, orders)
+
+    # -------------------------------------------------------------- reference
+    def index(self) -> _Index:
+        """The merged image reference of the client's splits (built on first use; the
+        label vectors to look for are set at the same time)."""
+        if self._index is None:
+            refs, keys = [], []
+            for split, ds in self._datasets.items():
+                if callable(ds) and not isinstance(ds, Dataset):
+                    ds = ds()
+                key, ref = _cached_reference(ds)
+                refs.append((split, ref))
+                keys.append(f"{split}:{key}")
+            orders = self._orders() if callable(self._orders) else (self._orders or {})
+            labels = []
+            for split, ref in refs:
+                labels.append((f"{split} split", ref.labels))
+                for e, order in enumerate(orders.get(split, []), 1):
+                    if len(order) == ref.n:
+                        labels.append((f"{split} split, in the order of training epoch {e}", ref.labels[order]))
+            merged = _lru_get(_MERGED, tuple(keys))
+            if merged is None:
+                merged = _merge(refs)
+                _lru_put(_MERGED, tuple(keys), merged, _MERGED_MAX)
+            self._labels, self._index = labels, merged
+        return self._index
+
+    def stats(self) -> dict[str, Any]:
+        """Samples covered, probes and memory of the reference (reports, benchmarks)."""
+        ix = self.index()
+        protected = ix.vneed > 0
+        if "exact" in ix.gneed:
+            protected = protected | (ix.gneed["exact"].reshape(-1, _AXES) > 0).any(axis=1)
+        ref_bytes = ix.vbits.nbytes + ix.vsample.nbytes + sum(y.nbytes for _, y in self._labels)
+        ref_bytes += sum(k.nbytes + p.nbytes for k, p in ix.grams.values())
+        ref_bytes += sum(g.nbytes for g in ix.ggroup.values())
+        tables = (ix.vtable.nbytes if ix.vtable is not None else 0) + sum(t.nbytes for t in ix.gtable.values())
+        return {"samples": len(ix.names), "unprotected_samples": int((~protected).sum()),
+                "value_probes": int(ix.vbits.size),
+                "gram_probes": {v: int(g[0].size) for v, g in ix.grams.items()},
+                "label_vectors": len(self._labels), "reference_bytes": int(ref_bytes), "table_bytes": int(tables)}
+
+    # -------------------------------------------------------------- the check
+    def check(self, value: Any, where: str, exempt: frozenset[str] = frozenset()) -> None:
+        """Refuse ``value`` if it holds the client's labels or images.
+
+        Args:
+            value: an outgoing message part (a reply's payload or metrics, a model state).
+            where: its readable location, e.g. ``"reply of method 'x' from client 3"``.
+            exempt: top-level keys not checked (``Method.payload_exemptions``).
+
+        Raises:
+            PayloadError: naming the key path, the client, the split and what was found.
+        """
+        leaves = _Leaves()
+        _walk(value, "", leaves, exempt, True)
+        if not (leaves.tensors or leaves.scalars or leaves.stacks):
+            return
+        ix = self.index()
+        self._check_labels(ix, leaves, where)
+        self._check_images(ix, leaves, where)
+
+    def _fail(self, msg: str) -> None:
+        from medfl.messages import PayloadError
+
+        raise PayloadError(msg)
+
+    def _check_labels(self, ix: _Index, leaves: _Leaves, where: str) -> None:
+        labels = [(d, y) for d, y in self._labels if len(y) > 1 and np.unique(y).size > 1]
+        if not labels:
+            return
+        sizes = {len(y) for _, y in labels}
+        shortest = min(sizes)
+        seqs: list[tuple[str, np.ndarray, bool]] = []
+        for path, t in leaves.tensors + leaves.stacks:
+            if t.numel() >= shortest:
+                seqs.append((path, _numeric(t), t.dim() == 1))
+        for path, arr in leaves.lists:
+            if arr.size >= shortest:
+                seqs.append((path, arr, arr.ndim == 1))
+        if len(leaves.scalars) >= shortest:
+            seqs.append(("\0scalars", np.asarray(leaves.scalars, dtype=np.float64), True))
+        matches, tests = [], 0
+        for path, arr, one_d in seqs:
+            for how, seq, whole in _label_candidates(arr, sizes, one_d):
+                found, n_tests = _search(seq, labels, whole)
+                tests += n_tests
+                matches += [(path, how, *m) for m in found]
+        if not matches:
+            return
+        need = LABEL_MIN_BITS + math.log2(max(tests, 1))
+        for path, how, desc, start, n, bits in matches:
+            if bits < need:
+                continue
+            if path == "\0scalars":
+                if how:
+                    path = f" (the message's {len(leaves.scalars)} numbers, in order)"
+                else:
+                    path = f"{leaves.scalar_paths[start]}..{leaves.scalar_paths[start + n - 1]}"
+            self._fail(f"{where}{path}{how}: holds the labels of client {self.client_id}'s {desc} "
+                       f"({n} samples, from position {start}; {bits:.0f} bits, a chance match would need "
+                       f"{need:.0f}); per-sample labels never leave a client")
+
+    def _check_images(self, ix: _Index, leaves: _Leaves, where: str) -> None:
+        vhits: dict[str, np.ndarray] = {}                       # path -> matched value-probe ids
+        ghits: dict[str, dict[str, np.ndarray]] = {}            # variant -> path -> matched positions
+        items: list[tuple[str, Any]] = list(leaves.tensors)
+        items += [(path, arr.astype(np.float32).reshape(-1)) for path, arr in leaves.lists]
+        if leaves.scalars:
+            items.append((f" (the message's {len(leaves.scalars)} numbers)",
+                          np.asarray(leaves.scalars, dtype=np.float32)))
+        for path, t in items:
+            if isinstance(t, torch.Tensor):
+                t = t.detach().cpu()
+                if t.is_complex():
+                    t = t.real
+                if t.dtype in (torch.float16, torch.bfloat16):
+                    variant = "f16" if t.dtype == torch.float16 else "bf16"
+                    codes = t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+                    self._gram_hits(ix, variant, codes, path, ghits)
+                    continue
+                values = t.to(torch.float32).contiguous().numpy().reshape(-1)
+            else:
+                values = t
+            bits = values.view(np.uint32)
+            if ix.vtable is not None:
+                hit = self._value_hits(ix, bits)
+                if hit.size:
+                    vhits[path] = hit
+            self._gram_hits(ix, "exact", bits, path, ghits)
+        if vhits:
+            hits = np.unique(np.concatenate(list(vhits.values())))
+            per_sample = np.bincount(ix.vsample[hits], minlength=len(ix.names))
+            bad = np.nonzero((ix.vneed > 0) & (per_sample >= ix.vneed))[0]
+            if bad.size:
+                s = int(bad[np.argmax(per_sample[bad] / ix.vneed[bad])])
+                path = max(vhits, key=lambda p: int((ix.vsample[vhits[p]] == s).sum()))
+                self._image_error(ix, where, path, s, int(per_sample[s]), int((ix.vsample == s).sum()),
+                                  "probe values", bad.size)
+        for variant, by_path in ghits.items():
+            group = ix.ggroup[variant]
+            hits = np.unique(np.concatenate(list(by_path.values())))
+            per_group = np.bincount(group[hits], minlength=len(ix.names) * _AXES)
+            need = ix.gneed[variant]
+            bad = np.nonzero((need > 0) & (per_group >= need))[0]
+            if bad.size:
+                g = int(bad[np.argmax(per_group[bad] / need[bad])])
+                path = max(by_path, key=lambda p: int((group[by_path[p]] == g).sum()))
+                name = {"f16": "float16", "bf16": "bfloat16", "exact": "float32"}[variant]
+                self._image_error(ix, where, path, g // _AXES, int(per_group[g]), int((group == g).sum()),
+                                  f"runs of {GRAM} pixels along axis {g % _AXES} (as {name})",
+                                  np.unique(bad // _AXES).size)
+
+    @staticmethod
+    def _value_hits(ix: _Index, bits: np.ndarray) -> np.ndarray:
+        """The value probes (ids) whose float32 bit pattern occurs in ``bits``: values outside
+        the probes' magnitude range are dropped by an integer comparison (the bit patterns
+        of non-negative floats are ordered), the rest by the prefilter table, then exactly."""
+        found = []
+        lo, hi = ix.vrange
+        for a in range(0, bits.size, _CHUNK):
+            c = bits[a:a + _CHUNK]
+            mag = c & np.uint32(0x7FFFFFFF)
+            c = c[(mag >= lo) & (mag <= hi)]
+            c = c[ix.vtable[_value_slot(c)]] if c.size else c   # type: ignore[index]
+            if c.size:
+                found.append(c)
+        if not found:
+            return np.zeros(0, dtype=np.int64)
+        return np.nonzero(np.isin(ix.vbits, np.unique(np.concatenate(found))))[0]
+
+    def _gram_hits(self, ix: _Index, variant: str, codes: np.ndarray, path: str,
+                   ghits: dict[str, dict[str, np.ndarray]]) -> None:
+        """Record which gram positions of ``variant`` occur in ``codes`` (a flattened tensor)."""
+        if variant not in ix.grams or codes.size < GRAM:
+            return
+        keys, pos = ix.grams[variant]
+        table = ix.gtable[variant]
+        m = codes.size - GRAM + 1
+        found = []
+        for a in range(0, m, _CHUNK):
+            k = _rolling_keys(codes[a:min(m, a + _CHUNK) + GRAM - 1])
+            cand = k[table[_key_slot(k)]]
+            if cand.size:
+                hit = np.isin(keys, cand)
+                if hit.any():
+                    found.append(pos[hit])
+        if found:
+            ghits.setdefault(variant, {})[path] = np.unique(np.concatenate(found))
+
+    def _image_error(self, ix: _Index, where: str, path: str, sample: int, hits: int, total: int,
+                     what: str, count: int) -> None:
+        split, i = ix.names[sample]
+        more = f" (and {count - 1} more of its samples)" if count > 1 else ""
+        self._fail(f"{where}{path}: holds image {i} of client {self.client_id}'s {split} split{more}: "
+                   f"{hits} of its {total} {what} occur in it; images never leave a client")
+
+
+def loader_orders(loader: DataLoader, epochs: int) -> list[np.ndarray]:
+    """The sample order of each of the first ``epochs`` passes over ``loader`` (a shuffling
+    loader with its own generator, as :meth:`ClientContext.loader` builds), replayed on
+    sample indices without reading a sample."""
+    gen = getattr(loader, "generator", None)
+    if gen is None or not isinstance(loader.sampler, torch.utils.data.RandomSampler):
+        return []
+    n = len(loader.dataset)  # type: ignore[arg-type]
+    replay = torch.Generator()
+    replay.set_state(gen.get_state())
+    idx = DataLoader(range(n), batch_size=loader.batch_size or 1, shuffle=True,  # type: ignore[arg-type]
+                     generator=replay)
+    out = []
+    for _ in range(max(0, epochs)):
+        order = [b.reshape(-1) for b in idx]
+        out.append(torch.cat(order).numpy() if order else np.zeros(0, dtype=np.int64))
+    return out

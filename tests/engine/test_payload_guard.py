@@ -1,0 +1,320 @@
+"""The payload guard compares what leaves a client with the client's own labels and images.
+
+Every leak form the old shape rules let through is caught at ``run_client_update`` with an
+error naming the client and the reply key; model weights of every registered model in
+every dtype (float32/16, bfloat16, int8/uint8 quantised) never trigger it, including the
+BatchNorm vector whose length equals a split size; an end-to-end probe plugin writing
+labels into its metrics makes the run fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from medfl.engine.client import ClientContext, run_client_update
+from medfl.guard import ContentGuard, clear_reference_cache
+from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
+from medfl.method import Method
+
+N, K = 64, 3
+
+
+class _Data(TensorDataset):
+    """``(image, label)`` items with the ``labels`` array medfl's datasets expose."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        super().__init__(x, y)
+        self.labels = y.numpy()
+
+
+def _data(n: int, shape: tuple[int, ...], seed: int, classes: int = K, normal: bool = False) -> _Data:
+    """``n`` random images (uniform on [-0.5, 1.5], or standard normal like z-scored images)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((n, *shape), generator=g) if normal else torch.rand((n, *shape), generator=g) * 2 - 0.5
+    return _Data(x, torch.randint(0, classes, (n,), generator=g))
+
+
+def _ctx(train: _Data, test: _Data | None = None, client: str = "3") -> ClientContext:
+    datasets: dict[str, Any] = {"train": train}
+    if test is not None:
+        datasets["test"] = test
+    return ClientContext(client_id=client, round=1, seed=11, datasets=datasets, model_spec={},
+                         train={"batch_size": 8, "epochs": 2})
+
+
+class _Leak(Method):
+    """Replies with whatever ``make(ctx)`` builds, in the payload or in the metrics."""
+
+    name = "leak_probe"
+
+    def __init__(self, make: Callable[[ClientContext], Any] = lambda c: None, into: str = "payload",
+                 key: str = "leak") -> None:
+        self.make, self.into, self.key = make, into, key
+
+    def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
+        value = self.make(client)
+        weights = {"w": torch.randn(32, 16), "b": torch.zeros(32)}
+        if self.into == "metrics":
+            metrics = value if isinstance(value, dict) else {self.key: value}
+            return Reply(payload=weights, metrics={"loss": 0.3, **metrics})
+        return Reply(payload={**weights, self.key: value}, metrics={"loss": 0.3})
+
+
+def _x(c: ClientContext) -> torch.Tensor:
+    return c.dataset("train").tensors[0]
+
+
+def _y(c: ClientContext) -> torch.Tensor:
+    return c.dataset("train").tensors[1]
+
+
+LABEL_LEAKS: dict[str, Callable[[ClientContext], Any]] = {
+    "int64": _y,
+    "float": lambda c: _y(c).float(),
+    "(N,1)": lambda c: _y(c)[:, None].float(),
+    "(1,N)": lambda c: _y(c)[None].double(),
+    "padded by one": lambda c: torch.cat([_y(c).float(), torch.tensor([7.0])]),
+    "padded in front": lambda c: torch.cat([torch.tensor([2, 0]), _y(c)]).to(torch.int8),
+    "one-hot": lambda c: torch.nn.functional.one_hot(_y(c), K).float(),
+    "one-hot transposed": lambda c: torch.nn.functional.one_hot(_y(c), K).T.contiguous(),
+    "probabilities": lambda c: torch.softmax(5 * torch.nn.functional.one_hot(_y(c), K).float(), 1),
+    "one-hot flattened": lambda c: torch.nn.functional.one_hot(_y(c), K).flatten(),
+    "label column of a table": lambda c: torch.cat([torch.randn(N, 4), _y(c)[:, None].float()], 1),
+    "Python list": lambda c: _y(c).tolist(),
+    "list of one-hot rows": lambda c: list(torch.nn.functional.one_hot(_y(c), K).float()),
+    "list of 0-d tensors": lambda c: list(_y(c)),
+    "loader order": lambda c: torch.cat([b[1] for b in c.loader("train")]),
+    "test split": lambda c: c.dataset("test").tensors[1].float(),
+}
+
+IMAGE_LEAKS: dict[str, Callable[[ClientContext], Any]] = {
+    "batch": _x,
+    "one image": lambda c: _x(c)[5],
+    "flattened": lambda c: _x(c).flatten(),
+    "(N, HW)": lambda c: _x(c).reshape(N, -1),
+    "channel-squeezed": lambda c: _x(c)[:, 0],
+    "transposed": lambda c: _x(c)[:, 0].transpose(1, 2).contiguous(),
+    "shuffled pixels": lambda c: _x(c)[7].flatten()[torch.randperm(_x(c)[7].numel())],
+    "list of tensors": lambda c: list(_x(c)),
+    "list of rows": lambda c: list(_x(c)[0, 0]),
+    "dict of tensors": lambda c: {f"s{i}": _x(c)[i] for i in range(N)},
+    "float64": lambda c: _x(c).double(),
+    "float16": lambda c: _x(c).half(),
+    "bfloat16 transposed": lambda c: _x(c)[:, 0].transpose(1, 2).contiguous().bfloat16(),
+    "Python list of floats": lambda c: _x(c)[2].flatten().tolist(),
+}
+
+
+@pytest.fixture(scope="module")
+def ctx_data() -> tuple[_Data, _Data]:
+    clear_reference_cache()
+    return _data(N, (1, 16, 16), seed=0), _data(24, (1, 16, 16), seed=1)
+
+
+@pytest.mark.parametrize("form", list(LABEL_LEAKS))
+def test_labels_in_a_reply_are_refused_in_any_form(ctx_data: tuple[_Data, _Data], form: str) -> None:
+    ctx = _ctx(*ctx_data)
+    with pytest.raises(PayloadError, match=r"client 3\b.*\['leak'\].*labels of client 3's (train|test) split"):
+        run_client_update(_Leak(LABEL_LEAKS[form]), ctx, Instruction())
+
+
+@pytest.mark.parametrize("form", list(IMAGE_LEAKS))
+def test_images_in_a_reply_are_refused_in_any_form(ctx_data: tuple[_Data, _Data], form: str) -> None:
+    ctx = _ctx(*ctx_data)
+    with pytest.raises(PayloadError, match=r"client 3\b.*\['leak'\].*holds image \d+ of client 3's train split"):
+        run_client_update(_Leak(IMAGE_LEAKS[form]), ctx, Instruction())
+
+
+@pytest.mark.parametrize("form", ["list", "per-sample keys", "one-hot rows"])
+def test_labels_in_the_metrics_are_refused(ctx_data: tuple[_Data, _Data], form: str) -> None:
+    make = {"list": lambda c: _y(c).tolist(),
+            "per-sample keys": lambda c: {f"y{i}": float(v) for i, v in enumerate(_y(c).tolist())},
+            "one-hot rows": lambda c: torch.nn.functional.one_hot(_y(c), K).tolist()}[form]
+    with pytest.raises(PayloadError, match=r"client 3 \(metrics\).*labels of client 3's train split"):
+        run_client_update(_Leak(make, into="metrics"), _ctx(*ctx_data), Instruction())
+
+
+def test_scalars_and_histograms_pass(ctx_data: tuple[_Data, _Data]) -> None:
+    """What methods legitimately send: scalars, label histograms, prototypes, logits on
+    other data, a constant vector as long as a split."""
+    def make(c: ClientContext) -> Any:
+        return {"hist": torch.bincount(_y(c), minlength=K), "proto": torch.randn(K, 16), "acc": 0.75,
+                "ones": torch.ones(N), "counts": [int(v) for v in torch.bincount(_y(c), minlength=K)]}
+    reply = run_client_update(_Leak(make), _ctx(*ctx_data), Instruction())
+    assert "leak" in reply.payload
+
+
+def test_exempt_keys_skip_the_content_check_but_not_the_type_check(ctx_data: tuple[_Data, _Data]) -> None:
+    class _Exempt(_Leak):
+        payload_exemptions = frozenset({"leak"})
+
+    run_client_update(_Exempt(_x), _ctx(*ctx_data), Instruction())
+    with pytest.raises(PayloadError, match="only tensors and scalars"):
+        run_client_update(_Exempt(lambda c: object()), _ctx(*ctx_data), Instruction())
+
+
+def test_few_labels_are_not_distinguishable_from_chance() -> None:
+    """Eight binary labels (at most 8 bits) could be any 0/1 vector: not refused; the
+    same vector in a 64-sample split is."""
+    small = _data(8, (1, 8, 8), seed=2, classes=2)
+    guard = ContentGuard("0", {"train": small})
+    guard.check({"mask": torch.as_tensor(small.labels)}, "reply")
+    big = _data(64, (1, 8, 8), seed=3, classes=2)
+    with pytest.raises(PayloadError, match="labels"):
+        ContentGuard("0", {"train": big}).check({"mask": torch.as_tensor(big.labels) > 0}, "reply")   # as bools
+
+
+# ---------------------------------------------------------------------- no false positives
+def test_random_binary_vectors_and_probability_blocks_are_not_taken_for_labels() -> None:
+    """The worst case for chance matches: many 0/1 vectors (1-bit quantised weights) and
+    class-probability blocks as long as the client's small splits. The threshold grows
+    with the number of tests in the message, so none is refused."""
+    rng = np.random.default_rng(0)
+    for trial in range(25):
+        g = torch.Generator().manual_seed(trial)
+        guard = ContentGuard("0", {f"s{n}": _data(n, (1, 4, 4), seed=100 * trial + n, classes=2)
+                                   for n in (12, 16, 24, 32, 64)})
+        msg: dict[str, Any] = {f"bits{i}": torch.randint(0, 2, (int(rng.choice([12, 16, 32, 64, 128])),),
+                                                         generator=g).to(torch.uint8) for i in range(100)}
+        msg.update({f"p{i}": torch.softmax(torch.randn(int(rng.choice([12, 16, 24, 32, 64])), 2, generator=g), 1)
+                    for i in range(50)})
+        guard.check(msg, f"trial {trial}")
+
+
+def _quantise(state: dict[str, torch.Tensor], how: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, w in state.items():
+        if not w.is_floating_point():
+            out[k] = w
+        elif how == "int8":
+            scale = w.abs().max().clamp_min(1e-12) / 127
+            out[k] = (w / scale).round().clamp(-127, 127).to(torch.int8)
+        elif how == "uint8":
+            lo, hi = w.min(), w.max()
+            out[k] = ((w - lo) / (hi - lo).clamp_min(1e-12) * 255).round().to(torch.uint8)
+        elif how == "int2":
+            scale = w.abs().max().clamp_min(1e-12)
+            out[k] = (w / scale * 1.5).round().clamp(-1, 1).to(torch.int8) + 1     # {0, 1, 2}
+        else:
+            out[k] = w.to(getattr(torch, how))
+    return out
+
+
+def _trained(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for k, v in model.state_dict().items():
+        if "running_var" in k:
+            out[k] = torch.rand(v.shape, generator=g) * 3
+        elif "running_mean" in k:
+            out[k] = torch.randn(v.shape, generator=g)
+        elif "num_batches_tracked" in k:
+            out[k] = torch.tensor(48)
+        elif v.is_floating_point():
+            out[k] = v + 0.02 * torch.randn(v.shape, generator=g) * v.std().nan_to_num(0.02)
+        else:
+            out[k] = v
+    return out
+
+
+MODELS = [("small_cnn", 2, {}), ("resnet10", 2, {}), ("resnet18", 2, {}),
+          ("small_cnn", 3, {}), ("resnet10", 3, {"width": 16}), ("resnet18", 3, {"width": 16})]
+
+
+@pytest.mark.parametrize("name, dims, kw", MODELS, ids=[f"{m}-{d}d" for m, d, _ in MODELS])
+def test_model_weights_of_any_dtype_never_trigger_the_guard(name: str, dims: int, kw: dict[str, Any]) -> None:
+    """Initial and trained-like weights, float32/float16/bfloat16 and int8/uint8/2-bit
+    quantised, against a client whose split sizes equal the models' BatchNorm lengths and
+    whose images hold values of the weights' range (uniform in 2D, z-scored in 3D)."""
+    from medfl.models.registry import build_model
+
+    shape = (1, 16, 16) if dims == 2 else (1, 12, 12, 12)
+    guard = ContentGuard("0", {f"split{n}": _data(n, shape, seed=n, classes=2, normal=dims == 3)
+                               for n in (8, 16, 32, 64, 128)})
+    model = build_model({"name": name, "spatial_dims": dims, "in_channels": 1, "num_classes": 2, **kw})
+    for weights in (model.state_dict(), _trained(model)):
+        for how in ("float32", "float16", "bfloat16", "int8", "uint8", "int2"):
+            guard.check(_quantise(weights, how), f"{name} {dims}D {how}")
+
+
+def test_a_quantised_batchnorm_vector_as_long_as_a_split_passes() -> None:
+    """The reported false positive: per-tensor 8-bit quantisation of a BatchNorm vector of
+    length 8 with a split of 8 samples (the old rule refused any integer vector that long)."""
+    split = _data(8, (1, 8, 8), seed=4, classes=2)
+    bn = torch.nn.BatchNorm2d(8)
+    bn.weight.data = 1 + 0.1 * torch.randn(8)
+    state = _quantise(bn.state_dict(), "int8")
+    assert state["weight"].shape == (8,) and state["weight"].dtype == torch.int8
+    ContentGuard("0", {"train": split}).check(state, "reply")
+    SampleGuard.of((1, 8, 8), {"train": 8}).check(state, "reply")      # the coordinator's check too
+
+
+def test_the_coordinator_still_refuses_image_shaped_batches() -> None:
+    guard = SampleGuard.of((1, 8, 8), {"train": 10})
+    validate_payload({"sd": torch.nn.Conv2d(1, 4, 3).state_dict(), "y": torch.arange(10)}, guard=guard)
+    with pytest.raises(PayloadError, match="looks like a batch"):
+        validate_payload({"x": torch.zeros(10, 1, 8, 8)}, guard=guard)
+    validate_payload({"x": torch.zeros(10, 1, 8, 8)}, guard=guard, exempt=frozenset({"x"}))
+
+
+def test_images_with_few_distinct_values_are_reported_unprotected(caplog: pytest.LogCaptureFixture) -> None:
+    """Binary images: value probes and runs would match any 0/1 tensor, so none are kept,
+    and the guard says so (documented in docs/flower.md)."""
+    binary = _Data((torch.rand(12, 1, 16, 16) > 0.5).float(), torch.randint(0, 2, (12,)))
+    guard = ContentGuard("0", {"train": binary})
+    with caplog.at_level("WARNING", logger="medfl.guard"):
+        assert guard.stats()["unprotected_samples"] == 12
+    assert "too few distinct pixel values" in caplog.text
+    raw = _Data(torch.randint(0, 256, (12, 1, 16, 16)).float(), torch.randint(0, 2, (12,)))   # integer-valued
+    with pytest.raises(PayloadError, match="runs of 8 pixels"):
+        ContentGuard("0", {"train": raw}).check({"x": raw.tensors[0].to(torch.uint8)}, "reply")
+
+
+# ---------------------------------------------------------------------- end to end
+class _Probe(Method):
+    """The issue's probe: trains nothing, writes every training label into its metrics."""
+
+    name = "label_probe"
+
+    def setup(self, federation: Any) -> None:
+        self.federation = federation
+
+    def configure_round(self, round: int) -> dict[str, Instruction]:
+        return {cid: Instruction() for cid in self.federation.sample(round)}
+
+    def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
+        labels = np.asarray(client.dataset("train").labels)
+        return Reply(metrics={f"label_{i}": float(v) for i, v in enumerate(labels)}, num_examples=len(labels))
+
+    def server_update(self, replies: dict[str, Reply]) -> None:
+        pass
+
+    def client_eval_model(self, client: ClientContext, instruction: Instruction) -> torch.nn.Module:
+        return client.build_model()
+
+
+def test_a_probe_writing_labels_into_metrics_fails_the_run(tiny_fl: dict[str, Any], resolve: Any) -> None:
+    from medfl import hookimpl
+    from medfl.engine.runner import run_experiment
+    from medfl.plugins import get_plugin_manager
+
+    class Plugin:
+        @hookimpl
+        def register_methods(self, register: Any) -> None:
+            register(_Probe)
+
+    pm = get_plugin_manager()
+    pm.register(Plugin(), name="label-probe-test")
+    try:
+        tiny_fl["dataset"]["num_samples"] = 240
+        tiny_fl.update(rounds=1, methods=[{"name": "label_probe"}])
+        with pytest.raises(PayloadError, match=r"reply of method 'label_probe' from client 0 \(metrics\)"
+                                               r"\['label_0'\]\.\.\['label_\d+'\]: holds the labels of client 0"):
+            run_experiment(resolve(tiny_fl))
+    finally:
+        pm.unregister(name="label-probe-test")
