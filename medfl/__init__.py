@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from medfl.context import ClientContext
 from medfl.hookspecs import hookimpl
 from medfl.messages import Instruction, PayloadError, Reply
 from medfl.method import Federation, Method
 
 __version__ = "0.1.0"
 
-__all__ = ["hookimpl", "Instruction", "Reply", "PayloadError", "Federation", "Method", "__version__"]
+__all__ = ["hookimpl", "Instruction", "Reply", "PayloadError", "Federation", "Method", "ClientContext",
+           "__version__"]

@@ -4,7 +4,7 @@ A method runs in two roles. The *coordinator* instance gets :meth:`Method.setup`
 who trains with what (:meth:`Method.configure_round`), and folds the replies in
 (:meth:`Method.server_update`). The *client* instance runs :meth:`Method.client_update` and
 :meth:`Method.client_eval_model` on one client at a time and sees only that client's
-:class:`~medfl.engine.client.ClientContext` (its data, its persistent state) and the
+:class:`~medfl.context.ClientContext` (its data, its persistent state) and the
 instruction. The engine builds the two roles as separate objects from the same parameters,
 in-process as over Flower, so a method can never reach coordinator state from a client.
 
@@ -34,21 +34,19 @@ Messages carry tensors and scalars only (see :mod:`medfl.messages`).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
+from medfl.context import ClientContext
 from medfl.messages import Instruction, Reply
+from medfl.seeding import derive_seed, round_half_up
 
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.engine.client import ClientContext
-
-__all__ = ["Federation", "Method", "MethodConfigError", "EvalResults", "derive_seed"]
+__all__ = ["Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "derive_seed"]
 
 #: What the clients reported from one evaluation: ``{client_id: {split: {metric: value}}}``
 #: (splits named as in ``metrics.csv``'s rows before the ``local_`` prefix: ``test``, ``val``,
@@ -58,16 +56,6 @@ EvalResults = dict[str, dict[str, dict[str, float]]]
 
 class MethodConfigError(ValueError):
     """A method was given parameters it does not accept."""
-
-
-def derive_seed(*parts: Any) -> int:
-    """Derive a 31-bit seed from any parts (run seed, round, client id...), stably.
-
-    Every random draw in medfl is seeded from ``(seed, round, client)`` this way, so a run
-    resumed at round k draws exactly what an uninterrupted run draws.
-    """
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).hexdigest()
-    return int(digest[:8], 16) & 0x7FFFFFFF
 
 
 @dataclass
@@ -131,11 +119,6 @@ class Federation:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.seed, seed_tag, client_id or "global"))
             return build_model(self.model_spec(client_id))
-
-
-def round_half_up(x: float) -> int:
-    """Round to the nearest integer, halves up (Python's round() rounds halves to even)."""
-    return int(np.floor(x + 0.5))
 
 
 class Method:
@@ -243,11 +226,11 @@ class Method:
         """Restore coordinator state written by :meth:`state_dict`."""
 
     # ---------------------------------------------------------------- client side
-    def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
+    def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
         """Run on one client: train and reply. Must be overridden."""
         raise NotImplementedError(f"method {self.name!r} does not implement client_update")
 
-    def client_validate(self, client: "ClientContext", instruction: Instruction) -> dict[str, float]:
+    def client_validate(self, client: ClientContext, instruction: Instruction) -> dict[str, float]:
         """Run on one client when :meth:`configure_validate` addresses it: compute scalars
         (e.g. each head's micro-F1 on ``client.dataset("val")``) for :meth:`server_validate`.
 
@@ -257,7 +240,7 @@ class Method:
         raise NotImplementedError(f"method {self.name!r} addressed clients in configure_validate "
                                   "but does not implement client_validate")
 
-    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+    def client_eval_model(self, client: ClientContext, instruction: Instruction) -> nn.Module:
         """Run on one client: the model whose predictions are this client's evaluation.
 
         The returned module maps a batch ``(B, C, H, W[, D])`` to logits ``(B, K)``, which
@@ -271,7 +254,7 @@ class Method:
         """
         raise NotImplementedError(f"method {self.name!r} does not implement client_eval_model")
 
-    def eval_model_skeleton(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+    def eval_model_skeleton(self, client: ClientContext, instruction: Instruction) -> nn.Module:
         """A module with the structure of ``client``'s evaluation model, whose weights are
         then replaced by the evaluated model's state dict (``load_state_dict(strict=True)``).
 

@@ -14,7 +14,7 @@ from medfl.messages import Instruction, Reply
 from medfl.method import Method
 
 if TYPE_CHECKING:  # pragma: no cover
-    from medfl.engine.client import ClientContext
+    from medfl.context import ClientContext
 
 __all__ = ["Centralized", "Local", "FedAvg", "FedProx", "FedAvgM", "FedBN", "FedAdam"]
 

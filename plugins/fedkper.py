@@ -19,7 +19,7 @@ from medfl.engine.training import get_state, make_optimizer, predict_proba, trai
 from medfl.messages import Instruction, Reply
 
 if TYPE_CHECKING:  # pragma: no cover
-    from medfl.engine.client import ClientContext
+    from medfl.context import ClientContext
 
 __all__ = ["FedKPer", "label_entropy", "aggregation_score", "kper_loss", "register_methods"]
 

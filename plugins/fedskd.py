@@ -32,7 +32,7 @@ from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method, MethodConfigError, derive_seed
 
 if TYPE_CHECKING:  # pragma: no cover
-    from medfl.engine.client import ClientContext
+    from medfl.context import ClientContext
 
 __all__ = ["FedSKD", "FedCross", "FedCrossHet", "permutation", "load_region_masks", "register_methods"]
 

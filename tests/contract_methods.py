@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from medfl import hookimpl
-from medfl.engine.client import ClientContext
+from medfl.context import ClientContext
 from medfl.engine.hub import HubAndSpoke
 from medfl.engine.training import make_optimizer, predict_proba, train_epochs
 from medfl.messages import Instruction, Reply

@@ -1,17 +1,15 @@
-"""The client side: a client's view of its data and its persistent state on disk.
+"""The client side: the client steps every transport runs, and the client's state on disk.
 
-:class:`ClientContext` is all a method's client code may touch. It is built by the
-transport (the in-process engine or a Flower SuperNode) and knows nothing of the
-coordinator. :func:`run_client_update` and :func:`run_client_evaluate` are the
-transport-independent client steps: both engines call them, so the same checks apply.
+:func:`run_client_update`, :func:`run_client_validate` and :func:`run_client_evaluate` are
+the transport-independent client steps: the in-process engine and a Flower site both call
+them on a :class:`~medfl.context.ClientContext` (defined in :mod:`medfl.context`, beside the
+method contract, and re-exported here), so the same checks apply. :class:`ClientStore` keeps
+each client's persistent state, versioned by round.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,42 +18,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from medfl.context import ClientContext
 from medfl.engine.data import client_order
-from medfl.messages import Guard, Instruction, Reply, validate_payload
-from medfl.method import Method, derive_seed
+from medfl.messages import Instruction, Reply, validate_payload
+from medfl.method import Method
+from medfl.seeding import derive_seed
 
 __all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_validate", "run_client_evaluate",
            "build_eval_model", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
-
-#: Model objects reused by :meth:`ClientContext.load_model` (spec and device -> the module
-#: and its :func:`_signature` as built), least recently used first; a process runs one
-#: client at a time, so one per spec suffices.
-_SHELLS: "OrderedDict[str, tuple[nn.Module, dict[str, Any]]]" = OrderedDict()
-_MAX_SHELLS = 8
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
-
-
-def _signature(model: nn.Module) -> dict[str, Any]:
-    """State-dict keys with shape and dtype, and the module tree (names and types)."""
-    sig: dict[str, Any] = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-    sig[" modules"] = tuple((n, type(m)) for n, m in model.named_modules())
-    return sig
-
-
-def _pristine(model: nn.Module, sig: dict[str, Any]) -> bool:
-    """Whether ``model`` is still as built: same :func:`_signature`, no hooks on any module,
-    no attributes added to a parameter (Opacus's ``grad_sample``...)."""
-    if any(getattr(m, d, None) for m in model.modules() for d in _HOOK_DICTS):
-        return False
-    if any(vars(p) for p in model.parameters()):
-        return False
-    return _signature(model) == sig
-
 
 class ClientStore:
     """Per-client persistent state as versioned files ``<root>/<client_id>/state_rNNNN.pt``.
@@ -118,159 +90,6 @@ class ClientStore:
             for r, p in self._files(d.name):
                 if r > after_round:
                     p.unlink()
-
-
-@dataclass
-class ClientContext:
-    """One client's view during one round: its data, persistent state and settings.
-
-    Attributes:
-        client_id: the client's id.
-        round: the current round (1-based).
-        seed: a seed derived from (run seed, round, client id); the engine seeds torch with it
-            before the client code runs.
-        datasets: the client's datasets by split name (``train``, ``val``, ``test``,
-            ``global_test``), built lazily.
-        model_spec: the spec of this client's model (name and keyword arguments).
-        train: local-training settings (``epochs``, ``batch_size``, ``lr``, ``optimizer``...).
-        device: torch device string.
-        state: persistent state (tensors and scalars) loaded from the client's store;
-            whatever the method leaves here after ``client_update`` is saved for the next round.
-        sample_shape: shape of one input sample.
-    """
-
-    client_id: str
-    round: int
-    seed: int
-    datasets: dict[str, Callable[[], Dataset] | Dataset]
-    model_spec: dict[str, Any]
-    train: dict[str, Any]
-    device: str = "cpu"
-    state: dict[str, Any] = field(default_factory=dict)
-    sample_shape: tuple[int, ...] = ()
-    split_sizes: dict[str, int] = field(default_factory=dict)
-    _shells_taken: set[str] = field(default_factory=set, repr=False)
-    _built: dict[tuple[str, bool], Dataset] = field(default_factory=dict, repr=False)
-
-    def dataset(self, split: str = "train", *, augment: bool | None = None) -> Dataset:
-        """The client's dataset of ``split``.
-
-        Args:
-            split: ``train``, ``val``, ``test`` or ``global_test``.
-            augment: apply the dataset's random training transforms. Default: only for
-                ``train``. ``dataset("train", augment=False)`` is the training split as the
-                evaluation sees images (e.g. to measure accuracy on the training data).
-        """
-        if split not in self.datasets:
-            raise KeyError(f"client {self.client_id} has no split {split!r}; has {sorted(self.datasets)}")
-        default = split == "train"
-        aug = default if augment is None else bool(augment)
-        if (split, aug) not in self._built:
-            src = self.datasets[split]
-            if isinstance(src, Dataset) or not callable(src):
-                ds = src  # given ready-made: the one variant there is
-            else:
-                ds = src() if aug == default else _call_with_augment(src, aug)
-            self._built[(split, aug)] = ds
-        return self._built[(split, aug)]
-
-    def num_examples(self, split: str = "train") -> int:
-        """Number of samples in ``split``."""
-        if split in self.split_sizes:
-            return self.split_sizes[split]
-        return len(self.dataset(split))
-
-    def loader(self, split: str = "train", *, shuffle: bool | None = None,
-               batch_size: int | None = None, augment: bool | None = None) -> DataLoader:
-        """A DataLoader over ``split`` (``augment`` as in :meth:`dataset`).
-
-        ``shuffle`` defaults to ``split == "train"`` (seeded by :attr:`seed`, so the same
-        round draws the same batches); ``batch_size`` defaults to ``train["batch_size"]``
-        (16) for ``train`` and ``train["eval_batch_size"]`` (64) for the other splits."""
-        shuffle = (split == "train") if shuffle is None else shuffle
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, "loader", split))
-        bs = int(batch_size or (self.train.get("batch_size", 16) if split == "train"
-                                else self.train.get("eval_batch_size", 64)))
-        return DataLoader(self.dataset(split, augment=augment), batch_size=bs, shuffle=shuffle, generator=gen,
-                          num_workers=int(self.train.get("num_workers", 0)))
-
-    def build_model(self, **overrides: Any) -> nn.Module:
-        """A fresh model of this client's spec, initialised from a seed of (seed, client)."""
-        from medfl.models.registry import build_model
-
-        spec = {**self.model_spec, **overrides}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.seed, "build", self.client_id))
-            return build_model(spec).to(self.device)
-
-    def load_model(self, state: dict[str, torch.Tensor], *, fresh: bool = False) -> nn.Module:
-        """A model of this client's spec holding exactly ``state`` (in training mode, every
-        parameter trainable, no gradients).
-
-        Building and initialising a model for every client every round is costly (ResNet-18:
-        about 150 ms against 5 ms to load weights), so when ``state`` covers the whole state
-        dict, the model object of the same spec that an earlier client context in this
-        process used may be handed out again. That object is reused only if it is exactly as
-        built: same module tree, parameter shapes and dtypes, no hooks on any module (Opacus's
-        ``GradSampleModule`` and ``make_private`` add them), no attributes added to its
-        parameters (``grad_sample``). Anything else gets a fresh model, so wrapping, hooking
-        or changing the module you get is safe. A context never gets the same object twice,
-        so two models loaded in one client step are independent.
-
-        Pass ``fresh=True`` (or use :meth:`build_model` and ``load_state_dict``) when the
-        model must outlive this client step, e.g. kept in a module-level cache: a reused
-        object will be handed to the next client in this process.
-        """
-        key = json.dumps([self.model_spec, str(self.device)], sort_keys=True, default=str)
-        entry = _SHELLS.get(key) if key not in self._shells_taken and not fresh else None
-        self._shells_taken.add(key)
-        keys = [k for k in entry[1] if k != " modules"] if entry is not None else []
-        if entry is not None and set(keys) <= set(state) and _pristine(*entry):
-            model = entry[0]
-            _SHELLS.move_to_end(key)
-            model.load_state_dict({k: state[k] for k in keys})
-            for p in model.parameters():
-                p.grad = None
-                p.requires_grad_(True)
-            return model.train()
-        model = self.build_model()
-        full = model.state_dict()
-        full.update({k: v for k, v in state.items() if k in full})
-        model.load_state_dict(full)
-        _SHELLS[key] = (model, _signature(model))
-        _SHELLS.move_to_end(key)
-        while len(_SHELLS) > _MAX_SHELLS:
-            _SHELLS.popitem(last=False)
-        return model
-
-    def label_histogram(self, num_classes: int, split: str = "train") -> np.ndarray:
-        """Counts of each class in ``split`` (computed locally; a method may share it)."""
-        ds = self.dataset(split, augment=False)
-        labels = getattr(ds, "labels", None)
-        if labels is None:
-            labels = np.array([int(ds[i][1]) for i in range(len(ds))])
-        return np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)
-
-    @property
-    def guard(self) -> Guard:
-        """The check of what leaves this client against its own labels and images
-        (:class:`medfl.guard.ContentGuard`; its reference is built at the first check and
-        cached per dataset for the process). One guard per context."""
-        from medfl.guard import ContentGuard
-
-        guard = self.__dict__.get("_content_guard")
-        if guard is None:
-            guard = self.__dict__["_content_guard"] = ContentGuard.for_client(self)
-        return guard
-
-
-def _call_with_augment(factory: Callable[..., Dataset], augment: bool) -> Dataset:
-    """Build a dataset variant from a factory that takes ``augment`` (the engine's do)."""
-    try:
-        return factory(augment=augment)
-    except TypeError as exc:
-        raise TypeError(f"this client's dataset factory cannot build a variant with augment={augment} "
-                        f"({exc})") from None
 
 
 def _seed_all(seed: int) -> None:

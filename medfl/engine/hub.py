@@ -10,17 +10,16 @@ the aggregation (:meth:`HubAndSpoke.aggregate`) or the server step
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from medfl.context import ClientContext
 from medfl.engine.training import get_state, make_optimizer, train_epochs, weighted_average
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method
 
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.engine.client import ClientContext
 
 __all__ = ["HubAndSpoke", "norm_keys"]
 
@@ -60,7 +59,7 @@ class HubAndSpoke(Method):
         """State-dict keys that stay at the client (never sent). Default: none."""
         return set()
 
-    def local_loss(self, client: "ClientContext", model: nn.Module, instruction: Instruction
+    def local_loss(self, client: ClientContext, model: nn.Module, instruction: Instruction
                    ) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """The local training loss ``f(model, x, y)``; ``None`` means cross-entropy."""
         return None
@@ -105,12 +104,12 @@ class HubAndSpoke(Method):
         self.global_state = state["global"]
 
     # ------------------------------------------------------------ client side
-    def client_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+    def client_model(self, client: ClientContext, instruction: Instruction) -> nn.Module:
         """At the client: the received global model with this client's local keys (what
         both :meth:`client_update` and :meth:`client_eval_model` start from)."""
         return client.load_model({**instruction.payload["model"], **client.state.get("local", {})})
 
-    def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
+    def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
         """Load the global model (plus local keys), train ``epochs``, send the shared part."""
         model = self.client_model(client, instruction)
         train = client.train
@@ -127,6 +126,6 @@ class HubAndSpoke(Method):
         return Reply(payload={"model": shared}, metrics=stats,
                      num_examples=client.num_examples("train"))
 
-    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+    def client_eval_model(self, client: ClientContext, instruction: Instruction) -> nn.Module:
         """The global model with this client's local keys."""
         return self.client_model(client, instruction)

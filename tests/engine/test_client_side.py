@@ -8,7 +8,7 @@ import pandas as pd
 import torch
 
 from medfl.data.synthetic import synthetic2d
-from medfl.engine.client import ClientContext
+from medfl.context import ClientContext
 from medfl.engine.data import POOLED, FederatedData, split_data
 from medfl.plugins import registry
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from medfl.config import resolve_config
-from medfl.engine.client import ClientContext
+from medfl.context import ClientContext
 from medfl.engine.runner import run_experiment
 from medfl.engine.training import make_optimizer, predict_proba, train_epochs
 from medfl.messages import Instruction, Reply
@@ -225,3 +225,13 @@ def test_training_split_without_augmentation_in_any_order() -> None:
     assert float(ctx.dataset("test")[0][0]) == 1.0 and built[-1] is None
     with pytest.raises(KeyError, match="has no split 'val'"):
         ctx.dataset("val")
+
+
+def test_the_contract_modules_do_not_import_the_engine() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, medfl.method, medfl.context; "
+            "bad = sorted(m for m in sys.modules if m.startswith('medfl.engine') or m.startswith('medfl.flower')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
