@@ -131,7 +131,10 @@ def test_the_check_runs_before_any_plugin_code_and_covers_every_message(tmp_path
 
 def test_without_approvals_a_site_runs_any_installed_method_and_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import medfl.approval
+
     monkeypatch.delenv(APPROVALS_ENV, raising=False)
+    monkeypatch.setattr(medfl.approval, "_WARNED", set())   # warned once per process: not by an earlier test
     assert _run(tmp_path, "fedavg", "open")["summaries"]["fedavg"]["rounds"] == 1
     assert "medfl site 0: running method 'fedavg' without approval" in capsys.readouterr().err
 
