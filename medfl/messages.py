@@ -82,19 +82,14 @@ class SampleGuard:
     """The shape of a client's samples, to recognise a batch of images in a reply where
     the data is not at hand (the coordinator).
 
+    It has no rule on the length of a tensor (a length says nothing of the content), so it
+    needs nothing of the client but the shape of one sample, the same for every client.
+
     Attributes:
         sample_shape: shape of one input sample, e.g. ``(1, 64, 64)``.
-        split_sizes: number of samples in each of the client's splits (kept for callers;
-            no rule uses them: a tensor's length says nothing of its content).
     """
 
     sample_shape: tuple[int, ...]
-    split_sizes: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, sample_shape: Any, split_sizes: dict[str, int]) -> "SampleGuard":
-        """The guard of a client with samples of ``sample_shape`` and these split sizes."""
-        return cls(tuple(sample_shape), tuple(sorted(set(split_sizes.values()))))
 
     def check(self, value: Any, where: str, exempt: frozenset[str] = frozenset()) -> None:
         """Refuse a tensor in ``value`` shaped like a batch of the client's images.

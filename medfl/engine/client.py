@@ -97,6 +97,20 @@ def _seed_all(seed: int) -> None:
     np.random.seed(seed % (2**32))
 
 
+def _check_instruction(instruction: Instruction, what: str, client_id: str) -> None:
+    """Check an instruction's payload and config before a client step runs on it."""
+    validate_payload(instruction.payload, f"{what} to client {client_id}")
+    validate_payload(instruction.config, f"{what} config to client {client_id}")
+
+
+def _keep_state(ctx: ClientContext, store: ClientStore | None) -> None:
+    """Check the client's persistent state after a step and save it for the round in
+    ``store``; a stateless method (empty state, nothing stored before) writes nothing."""
+    validate_payload(ctx.state, f"persistent state of client {ctx.client_id}", allow_str=True)
+    if store is not None and (ctx.state or store.has(ctx.client_id)):
+        store.save(ctx.client_id, ctx.round, ctx.state)
+
+
 def run_client_update(method: Method, ctx: ClientContext, instruction: Instruction,
                       store: ClientStore | None = None) -> Reply:
     """Check the instruction, run ``method.client_update`` seeded, check the reply.
@@ -107,8 +121,7 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     Raises:
         PayloadError: the instruction or reply carries something that may not travel.
     """
-    validate_payload(instruction.payload, f"instruction to client {ctx.client_id}")
-    validate_payload(instruction.config, f"instruction config to client {ctx.client_id}")
+    _check_instruction(instruction, "instruction", ctx.client_id)
     _seed_all(ctx.seed)
     reply = method.client_update(ctx, instruction)
     if not isinstance(reply, Reply):
@@ -117,9 +130,7 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard,
                      exempt=method.payload_exemptions)
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
-    validate_payload(ctx.state, f"persistent state of client {ctx.client_id}", allow_str=True)
-    if store is not None and (ctx.state or store.has(ctx.client_id)):
-        store.save(ctx.client_id, ctx.round, ctx.state)
+    _keep_state(ctx, store)
     return reply
 
 
@@ -135,8 +146,7 @@ def run_client_validate(method: Method, ctx: ClientContext, instruction: Instruc
         PayloadError: the instruction or the result carries something that may not travel.
         TypeError: the result is not a dict of numbers.
     """
-    validate_payload(instruction.payload, f"validation instruction to client {ctx.client_id}")
-    validate_payload(instruction.config, f"validation instruction config to client {ctx.client_id}")
+    _check_instruction(instruction, "validation instruction", ctx.client_id)
     _seed_all(derive_seed(ctx.seed, "validate"))
     scores = method.client_validate(ctx, instruction)
     where = f"validation of method {method.name!r} at client {ctx.client_id}"
@@ -144,9 +154,7 @@ def run_client_validate(method: Method, ctx: ClientContext, instruction: Instruc
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in scores.items()):
         raise TypeError(f"{where}: client_validate must return a flat dict of numbers, got {scores!r:.200}")
     validate_payload(scores, where, allow_str=False, guard=ctx.guard)
-    validate_payload(ctx.state, f"persistent state of client {ctx.client_id}", allow_str=True)
-    if store is not None and (ctx.state or store.has(ctx.client_id)):
-        store.save(ctx.client_id, ctx.round, ctx.state)
+    _keep_state(ctx, store)
     return {k: float(v) for k, v in scores.items()}
 
 

@@ -239,8 +239,7 @@ class FlowerRun(Run):
         expected = {cid: (P.split_sizes(data, cid), P.partition_digest(data, cid))
                     for cid in self.federation.eval_client_ids}
         self.sites = SiteDirectory(grid, expected, fold, self.settings, self._log)
-        self._guards = {cid: SampleGuard.of(data.source.sample_shape, P.split_sizes(data, cid))
-                        for cid in self.federation.eval_client_ids}
+        self._guard = SampleGuard(tuple(data.source.sample_shape))   # the same for every site
 
     # ------------------------------------------------------------------ bookkeeping
     def _log(self, event: dict[str, Any]) -> None:
@@ -414,7 +413,7 @@ class FlowerRun(Run):
             where = f"reply of site {cid} in round {r}"
             payload = wire.take(msg.content, "reply.payload", where, allow_str=False)
             metrics = wire.take(msg.content, "reply.metrics", where + " (metrics)", allow_str=False)
-            validate_payload(payload, where, allow_str=False, guard=self._guards[cid],
+            validate_payload(payload, where, allow_str=False, guard=self._guard,
                              exempt=self.coordinator.payload_exemptions)
             if not isinstance(payload, dict) or not isinstance(metrics, dict):
                 raise PayloadError(f"{where}: payload and metrics must be dicts")
@@ -457,7 +456,7 @@ class FlowerRun(Run):
                 out[cid][str(split)] = wire.read_metrics(msg.content.get(f"eval.{split}"), f"{where} ({split})")
             if cross:
                 state = wire.take(msg.content, "model", where + " (model)", allow_str=False)
-                validate_payload(state, where + " (model)", allow_str=False, guard=self._guards[cid])
+                validate_payload(state, where + " (model)", allow_str=False, guard=self._guard)
                 models[cid] = state
         if cross and models:
             specs = {cid: self.federation.model_spec(cid) for cid in models}

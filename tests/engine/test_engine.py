@@ -131,7 +131,7 @@ def test_engine_rejects_client_data_in_replies(tiny_fl, resolve, leak, match):
 def test_validate_payload_allows_state_dicts():
     sd = torch.nn.Conv2d(1, 4, 3).state_dict()
     validate_payload({"model": sd, "lr": 0.1, "names": ["a"]}, allow_str=True)
-    guard = SampleGuard((1, 8, 8), (10, 3))
+    guard = SampleGuard((1, 8, 8))
     validate_payload({"model": sd, "proto": torch.zeros(2, 16)}, allow_str=False, guard=guard)
     with pytest.raises(PayloadError):
         validate_payload({"x": torch.zeros(10, 1, 8, 8)}, guard=guard)

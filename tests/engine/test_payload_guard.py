@@ -21,6 +21,8 @@ from medfl.guard import ContentGuard, clear_reference_cache
 from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
 from medfl.method import Method
 
+from contract_methods import methods_registered
+
 N, K = 64, 3
 
 
@@ -251,11 +253,11 @@ def test_a_quantised_batchnorm_vector_as_long_as_a_split_passes() -> None:
     state = _quantise(bn.state_dict(), "int8")
     assert state["weight"].shape == (8,) and state["weight"].dtype == torch.int8
     ContentGuard("0", {"train": split}).check(state, "reply")
-    SampleGuard.of((1, 8, 8), {"train": 8}).check(state, "reply")      # the coordinator's check too
+    SampleGuard((1, 8, 8)).check(state, "reply")      # the coordinator's check too
 
 
 def test_the_coordinator_still_refuses_image_shaped_batches() -> None:
-    guard = SampleGuard.of((1, 8, 8), {"train": 10})
+    guard = SampleGuard((1, 8, 8))
     validate_payload({"sd": torch.nn.Conv2d(1, 4, 3).state_dict(), "y": torch.arange(10)}, guard=guard)
     with pytest.raises(PayloadError, match="looks like a batch"):
         validate_payload({"x": torch.zeros(10, 1, 8, 8)}, guard=guard)
@@ -299,22 +301,11 @@ class _Probe(Method):
 
 
 def test_a_probe_writing_labels_into_metrics_fails_the_run(tiny_fl: dict[str, Any], resolve: Any) -> None:
-    from medfl import hookimpl
     from medfl.engine.runner import run_experiment
-    from medfl.plugins import get_plugin_manager
 
-    class Plugin:
-        @hookimpl
-        def register_methods(self, register: Any) -> None:
-            register(_Probe)
-
-    pm = get_plugin_manager()
-    pm.register(Plugin(), name="label-probe-test")
-    try:
+    with methods_registered(_Probe, name="label-probe-test"):
         tiny_fl["dataset"]["num_samples"] = 240
         tiny_fl.update(rounds=1, methods=[{"name": "label_probe"}])
         with pytest.raises(PayloadError, match=r"reply of method 'label_probe' from client 0 \(metrics\)"
                                                r"\['label_0'\]\.\.\['label_\d+'\]: holds the labels of client 0"):
             run_experiment(resolve(tiny_fl))
-    finally:
-        pm.unregister(name="label-probe-test")
