@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import json
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -84,15 +84,9 @@ def run(fl: dict[str, Any], *, exit_on_error: bool = True) -> dict[str, Any]:
     """
     from medfl.engine.runner import run_experiment
 
-    def go() -> dict[str, Any]:
+    with exit_on_user_error() if exit_on_error else nullcontext():
         result = run_experiment(resolve_config(fl))
         print_result(result)
-        return result
-
-    if not exit_on_error:
-        return go()
-    with exit_on_user_error():
-        result = go()
     return result
 
 

@@ -4,6 +4,7 @@ tests (tests/engine/test_method_hooks.py) and the same checks over Flower
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -18,7 +19,7 @@ from medfl.method import Method
 from medfl.models import ProbabilityModel
 from medfl.plugins import get_plugin_manager
 
-__all__ = ["StepCounter", "ValidatingAvg", "MeanOfTwo", "EnsembleLocal", "Stray", "registered"]
+__all__ = ["StepCounter", "ValidatingAvg", "MeanOfTwo", "EnsembleLocal", "Stray", "methods_registered", "registered"]
 
 
 class StepCounter(Method):
@@ -107,16 +108,25 @@ class Stray(ValidatingAvg):
         return {"nobody": Instruction()}
 
 
-class _Plugin:
-    @hookimpl
-    def register_methods(self, register: Any) -> None:
-        for cls in (StepCounter, ValidatingAvg, EnsembleLocal, Stray):
-            register(cls)
+@contextmanager
+def methods_registered(*classes: type[Method], name: str = "test-methods") -> Iterator[None]:
+    """Register method ``classes`` as one plugin named ``name`` while the block runs."""
+
+    class Plugin:
+        @hookimpl
+        def register_methods(self, register: Any) -> None:
+            for cls in classes:
+                register(cls)
+
+    pm = get_plugin_manager()
+    pm.register(Plugin(), name=name)
+    try:
+        yield
+    finally:
+        pm.unregister(name=name)
 
 
 def registered() -> Iterator[None]:
     """Register these methods for the duration of a test (use as a fixture body)."""
-    pm = get_plugin_manager()
-    pm.register(_Plugin(), name="method-hooks-test")
-    yield
-    pm.unregister(name="method-hooks-test")
+    with methods_registered(StepCounter, ValidatingAvg, EnsembleLocal, Stray, name="method-hooks-test"):
+        yield

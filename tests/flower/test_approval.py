@@ -25,6 +25,7 @@ from medfl.flower.server import SiteFailure, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site, SiteError  # noqa: E402
 from medfl.plugins import get_plugin_manager  # noqa: E402
 
+from contract_methods import methods_registered  # noqa: E402
 from flower_cases import FEDAVG, fl_config  # noqa: E402
 from test_coordinator import FAST, LoopGrid, _sites, task_identity  # noqa: E402,F401  (autouse fixture)
 
@@ -185,7 +186,6 @@ def test_code_identity_of_a_runtime_plugin(plugin: tuple[str, Path]) -> None:
 def test_a_leaking_evaluation_model_is_refused_at_the_site(tmp_path: Path) -> None:
     """``cross_test`` over Flower sends each site's evaluation model; the site compares it
     with its own data first (the check of :meth:`Site.evaluate`)."""
-    from medfl import hookimpl
     from medfl_plugins.baselines import FedAvg
 
     class LeakyEval(FedAvg):
@@ -196,22 +196,13 @@ def test_a_leaking_evaluation_model_is_refused_at_the_site(tmp_path: Path) -> No
             model.register_buffer("stash", torch.tensor(client.dataset("global_test").labels).float())
             return model
 
-    class Plugin:
-        @hookimpl
-        def register_methods(self, register: Any) -> None:
-            register(LeakyEval)
-
-    pm = get_plugin_manager()
-    pm.register(Plugin(), name="leaky-eval-test")
-    try:
+    with methods_registered(LeakyEval, name="leaky-eval-test"):
         fl = fl_config(tmp_path, "leaky", {**FEDAVG, "rounds": 1, "eval_splits": ["test", "cross_test"],
                                             "methods": [{"name": "leaky_eval"}]})
         fl["dataset"]["num_samples"] = 240
         with pytest.raises(SiteFailure, match=r"site 0 failed in evaluate .*PayloadError: evaluation model of "
                                               r"site 0\['stash'\]: holds the labels of client 0's global_test"):
             run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
-    finally:
-        pm.unregister(name="leaky-eval-test")
 
 
 def test_site_check_refuses_before_building_the_method(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
