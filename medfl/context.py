@@ -68,6 +68,11 @@ class ClientContext:
         state: persistent state (tensors and scalars) loaded from the client's store;
             whatever the method leaves here after ``client_update`` is saved for the next round.
         sample_shape: shape of one input sample.
+        noise_key: a secret of the site mixed into the seeds of privacy noise (DP-SGD's
+            sampling and noise, ``dp_gaussian``'s noise). Empty in process: the noise is then
+            reproducible from the run seed, a simulation (whoever knows the seed could
+            subtract it). A Flower site sets its own secret (:mod:`medfl.flower.site`), so the
+            coordinator, which knows the run seed, cannot.
     """
 
     client_id: str
@@ -80,6 +85,7 @@ class ClientContext:
     state: dict[str, Any] = field(default_factory=dict)
     sample_shape: tuple[int, ...] = ()
     split_sizes: dict[str, int] = field(default_factory=dict)
+    noise_key: str = field(default="", repr=False)
     _shells_taken: set[str] = field(default_factory=set, repr=False)
     _built: dict[tuple[str, bool], Dataset] = field(default_factory=dict, repr=False)
 

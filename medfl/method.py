@@ -46,7 +46,7 @@ from medfl.context import ClientContext
 from medfl.messages import Instruction, Reply
 from medfl.seeding import derive_seed, round_half_up
 
-__all__ = ["Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "derive_seed"]
+__all__ = ["Configurable", "Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "derive_seed"]
 
 #: What the clients reported from one evaluation: ``{client_id: {split: {metric: value}}}``
 #: (splits named as in ``metrics.csv``'s rows before the ``local_`` prefix: ``test``, ``val``,
@@ -121,7 +121,46 @@ class Federation:
             return build_model(self.model_spec(client_id))
 
 
-class Method:
+class Configurable:
+    """Something built from a config entry ``{"name": ..., **parameters}``: a method or a
+    reply filter. Its parameters are the keyword arguments of ``__init__`` (with defaults);
+    :meth:`from_config` refuses any other key."""
+
+    name: ClassVar[str] = ""
+    _kind: ClassVar[str] = "plugin"   # for error messages: "method", "filter"
+
+    @classmethod
+    def parameters(cls) -> dict[str, Any]:
+        """The hyperparameters and their defaults, from ``__init__``'s signature."""
+        sig = inspect.signature(cls.__init__)
+        return {
+            n: (None if p.default is inspect.Parameter.empty else p.default)
+            for n, p in sig.parameters.items()
+            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
+
+    @classmethod
+    def from_config(cls, params: dict[str, Any]) -> Any:
+        """Instantiate from a config dict, refusing unknown parameters.
+
+        Raises:
+            MethodConfigError: naming the unknown keys and listing the valid ones.
+        """
+        valid = cls.parameters()
+        unknown = sorted(set(params) - set(valid))
+        if unknown:
+            raise MethodConfigError(
+                f"{cls._kind} {cls.name!r} has no parameter(s) {', '.join(map(repr, unknown))}; "
+                f"valid parameters: {', '.join(sorted(valid)) or '(none)'}"
+            )
+        return cls(**params)
+
+    def hparams(self) -> dict[str, Any]:
+        """The values of this instance's hyperparameters (for the resolved config)."""
+        return {k: getattr(self, k, v) for k, v in self.parameters().items()}
+
+
+class Method(Configurable):
     """Base class of every federated-learning method (one subclass per method).
 
     Subclasses set ``name`` (the registry name), ``description``, and accept their
@@ -135,45 +174,27 @@ class Method:
             client (the Centralized reference); not available in a federated deployment.
         payload_exemptions: reply keys excused from the per-sample check (see
             :mod:`medfl.messages`); each must be justified in the method's docstring.
+        reply_state: the reply-payload keys that carry model state (a flat dict of tensors,
+            e.g. a state dict), each mapped to the instruction-payload key holding the state
+            the client started from (``None``: no such reference). Reply filters
+            (``fl.filters``: quantization, ``dp_gaussian``...) transform exactly these
+            entries; a filter that works on the update (``dp_gaussian``: returned minus
+            received) needs the reference. Empty (the default): the reply carries no model
+            state and no filter can be applied.
+        supports_dp_sgd: the method's local training honours ``train.dp`` (DP-SGD with
+            Opacus, :mod:`medfl.privacy.dp_sgd`); a run asking for ``train.dp`` with another
+            method is refused before training.
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     pools_data: ClassVar[bool] = False
     payload_exemptions: ClassVar[frozenset[str]] = frozenset()
+    reply_state: ClassVar[dict[str, str | None]] = {}
+    supports_dp_sgd: ClassVar[bool] = False
+    _kind: ClassVar[str] = "method"
 
     federation: Federation
-
-    # ---------------------------------------------------------------- construction
-    @classmethod
-    def parameters(cls) -> dict[str, Any]:
-        """The method's hyperparameters and their defaults, from ``__init__``'s signature."""
-        sig = inspect.signature(cls.__init__)
-        return {
-            n: (None if p.default is inspect.Parameter.empty else p.default)
-            for n, p in sig.parameters.items()
-            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        }
-
-    @classmethod
-    def from_config(cls, params: dict[str, Any]) -> "Method":
-        """Instantiate from a config dict, refusing unknown parameters.
-
-        Raises:
-            MethodConfigError: naming the unknown keys and listing the valid ones.
-        """
-        valid = cls.parameters()
-        unknown = sorted(set(params) - set(valid))
-        if unknown:
-            raise MethodConfigError(
-                f"method {cls.name!r} has no parameter(s) {', '.join(map(repr, unknown))}; "
-                f"valid parameters: {', '.join(sorted(valid)) or '(none)'}"
-            )
-        return cls(**params)
-
-    def hparams(self) -> dict[str, Any]:
-        """The values of this instance's hyperparameters (for the resolved config)."""
-        return {k: getattr(self, k, v) for k, v in self.parameters().items()}
 
     # ---------------------------------------------------------------- coordinator side
     def setup(self, federation: Federation) -> None:
@@ -217,6 +238,14 @@ class Method:
 
     def finalize(self) -> None:
         """Post-hoc stages after the last round (server refinement, ensembles). Default: none."""
+
+    def default_filters(self) -> list[dict[str, Any]]:
+        """Reply filters this method always applies (e.g. PFedCDP's clipping, noise and 8-bit
+        quantization of its update), as config entries ``{"name": ..., **parameters}``.
+        They run before the run's configured ``filters`` and are planned, applied at each
+        client, undone at the coordinator and accounted (``privacy.csv``) exactly like them.
+        Default: none."""
+        return []
 
     def state_dict(self) -> dict[str, Any]:
         """Coordinator state to checkpoint (tensors and scalars). Default: empty."""

@@ -70,6 +70,7 @@ class Centralized(_OwnModel):
     name = "centralized"
     description = "Centralized training on pooled data (upper reference, not federated)"
     pools_data = True
+    reply_state = {"model": None}   # quantization applies; nothing is an update of what was sent
 
     def setup(self, federation: Any) -> None:
         """Start without a model: the pooled client builds it."""
@@ -117,7 +118,11 @@ class FedAvg(HubAndSpoke):
 class FedProx(HubAndSpoke):
     """FedProx (Li et al., MLSys 2020): FedAvg with a proximal term on the local loss.
 
-    Local loss: ``CE + mu / 2 * ||w - w_global||^2`` over all trainable parameters.
+    Local loss: ``CE + mu / 2 * ||w - w_global||^2`` over all parameters; the proximal term
+    is :meth:`local_regularizer`. Under DP-SGD (``train.dp``) only the cross-entropy goes
+    through per-sample clipping and noise; the proximal term's gradient, which does not
+    depend on the data, is added to the noised gradient before each step (post-processing,
+    no privacy cost).
 
     Args:
         mu: proximal coefficient (default 0.01).
@@ -131,18 +136,24 @@ class FedProx(HubAndSpoke):
             raise ValueError(f"fedprox: mu must be >= 0, got {mu}")
         self.mu = float(mu)
 
-    def local_loss(self, client: "ClientContext", model: nn.Module, instruction: Instruction
-                   ) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """Cross-entropy plus the proximal term to the received global weights."""
-        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
+    def local_regularizer(self, client: "ClientContext", model: nn.Module, instruction: Instruction
+                          ) -> Callable[[nn.Module], torch.Tensor]:
+        """The proximal term ``mu / 2 * sum_p ||p - p_global||^2`` to the received weights.
+
+        The anchors follow ``model.parameters()``'s order and are matched by position, so the
+        term works on the model or on a wrapper of it (Opacus's) whose names differ."""
+        anchor = [p.detach().clone() for p in model.parameters()]
         mu = self.mu
 
-        def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            ce = nn.functional.cross_entropy(m(x), y)
-            prox = sum(((p - anchor[n]) ** 2).sum() for n, p in m.named_parameters())
-            return ce + 0.5 * mu * prox
+        def proximal(m: nn.Module) -> torch.Tensor:
+            params = list(m.parameters())
+            if len(params) != len(anchor):
+                raise ValueError(f"fedprox: the model has {len(params)} parameters, the proximal "
+                                 f"anchor {len(anchor)}")
+            prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+            return 0.5 * mu * prox
 
-        return loss
+        return proximal
 
 
 class FedAvgM(HubAndSpoke):

@@ -5,20 +5,29 @@ FedAdam, FedBN, FedKPer, median aggregation...). A subclass changes one piece: t
 loss (:meth:`HubAndSpoke.local_loss`), which keys stay at the client
 (:meth:`HubAndSpoke.local_keys`), the client weights (:meth:`HubAndSpoke.client_weights`),
 the aggregation (:meth:`HubAndSpoke.aggregate`) or the server step
-(:meth:`HubAndSpoke.server_step`); docs/plugins.md lists their signatures and defaults.
+(:meth:`HubAndSpoke.server_step`); docs/plugins.md lists their signatures and defaults. A
+data-independent term of the local objective goes in :meth:`HubAndSpoke.local_regularizer`,
+which keeps it out of DP-SGD's per-sample gradients.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
 from medfl.context import ClientContext
-from medfl.engine.training import get_state, make_optimizer, train_epochs, weighted_average
+from medfl.engine.training import (
+    get_state,
+    make_optimizer,
+    train_epochs,
+    weighted_average,
+    with_regularizer,
+)
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method
+from medfl.seeding import derive_seed
 
 
 __all__ = ["HubAndSpoke", "norm_keys"]
@@ -42,7 +51,18 @@ class HubAndSpoke(Method):
 
     Coordinator state: ``global_state`` (the shared part of the model). Client state:
     ``local`` (the keys :meth:`local_keys` keeps at the client), if any.
+
+    Sample-level DP: when the run's local-training settings carry a resolved ``dp`` section
+    (``client.train["dp"]``: ``noise_multiplier``, ``max_grad_norm``...), the local epochs are
+    DP-SGD (:func:`medfl.privacy.dp_sgd.train_epochs_dp`: Poisson sampling, per-sample
+    clipping and Gaussian noise with Opacus) on a DP-compatible model; ``train.clip_grad_norm``
+    does not apply then (per-sample clipping replaces it), and :meth:`local_regularizer`'s
+    gradient is added after the noise.
     """
+
+    #: reply key carrying model state -> instruction key holding the state it started from
+    reply_state: ClassVar[dict[str, str | None]] = {"model": "model"}
+    supports_dp_sgd: ClassVar[bool] = True
 
     global_state: State
 
@@ -61,7 +81,22 @@ class HubAndSpoke(Method):
 
     def local_loss(self, client: ClientContext, model: nn.Module, instruction: Instruction
                    ) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """The local training loss ``f(model, x, y)``; ``None`` means cross-entropy."""
+        """The local training loss ``f(model, x, y)``; ``None`` means cross-entropy.
+
+        Under DP-SGD it must be the mean over the batch of per-sample losses (a term that
+        does not depend on the data belongs in :meth:`local_regularizer`)."""
+        return None
+
+    def local_regularizer(self, client: ClientContext, model: nn.Module, instruction: Instruction
+                          ) -> Callable[[nn.Module], torch.Tensor] | None:
+        """A data-independent term ``r(model) -> scalar tensor`` added to the local loss
+        (FedProx's proximal term); ``None`` (the default) means none.
+
+        Plain training minimises ``local_loss(m, x, y) + r(m)``. Under DP-SGD, ``r``'s
+        gradient is added to the clipped, noised gradient before each step (post-processing:
+        it costs no privacy and is never clipped). Called once per :meth:`client_update`,
+        with the model it starts from; ``r`` may receive that model or a wrapper of it, so
+        it should walk ``m.parameters()`` rather than rely on parameter names."""
         return None
 
     def client_weights(self, replies: dict[str, Reply]) -> list[float]:
@@ -110,14 +145,33 @@ class HubAndSpoke(Method):
         return client.load_model({**instruction.payload["model"], **client.state.get("local", {})})
 
     def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
-        """Load the global model (plus local keys), train ``epochs``, send the shared part."""
+        """Load the global model (plus local keys), train ``epochs``, send the shared part.
+
+        With ``client.train["dp"]`` (a dict), the epochs are DP-SGD
+        (:func:`medfl.privacy.dp_sgd.train_epochs_dp`, seeded by the client's seed) and the
+        metrics add ``dp_steps``, ``dp_sample_rate`` and ``dp_noise_multiplier``."""
         model = self.client_model(client, instruction)
         train = client.train
         opt = make_optimizer(model.parameters(), train)
-        stats = train_epochs(model, client.loader("train"), opt, int(train.get("epochs", 1)),
-                             device=client.device,
-                             loss_fn=self.local_loss(client, model, instruction),
-                             clip_grad_norm=train.get("clip_grad_norm"))
+        dp = train.get("dp")
+        if isinstance(dp, dict):
+            from medfl.privacy.dp_sgd import train_epochs_dp  # imports Opacus: only under DP
+
+            stats = train_epochs_dp(
+                model, client.dataset("train"), opt, int(train.get("epochs", 1)),
+                batch_size=int(train.get("batch_size", 16)),
+                noise_multiplier=float(dp["noise_multiplier"]),
+                max_grad_norm=float(dp["max_grad_norm"]),
+                seed=derive_seed(client.seed, "dp_sgd", client.noise_key), device=client.device,
+                loss_fn=self.local_loss(client, model, instruction),
+                num_workers=int(train.get("num_workers", 0)),
+                regularizer=self.local_regularizer(client, model, instruction))
+        else:
+            loss_fn = self.local_loss(client, model, instruction)
+            regularizer = self.local_regularizer(client, model, instruction)
+            stats = train_epochs(model, client.loader("train"), opt, int(train.get("epochs", 1)),
+                                 device=client.device, loss_fn=with_regularizer(loss_fn, regularizer),
+                                 clip_grad_norm=train.get("clip_grad_norm"))
         full = get_state(model)
         local = self.local_keys(model)
         shared = {k: v for k, v in full.items() if k not in local}

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 __all__ = [
     "make_optimizer",
     "train_epochs",
+    "with_regularizer",
     "predict_proba",
     "get_state",
     "weighted_average",
@@ -19,6 +20,7 @@ __all__ = [
 ]
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+Regularizer = Callable[[nn.Module], torch.Tensor]
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], train: dict[str, Any]) -> torch.optim.Optimizer:
@@ -44,6 +46,32 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], train: dict[str, Any]) 
 
 def _ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
+
+
+def with_regularizer(loss_fn: LossFn | None, regularizer: Regularizer | None) -> LossFn | None:
+    """The local loss plus a data-independent term, for plain (non-DP) training.
+
+    What it is for: :meth:`medfl.engine.hub.HubAndSpoke.local_regularizer` (FedProx's proximal
+    term) in :func:`train_epochs`; DP-SGD instead adds the term's gradient after clipping and
+    noise (:func:`medfl.privacy.dp_sgd.train_epochs_dp`).
+
+    Args:
+        loss_fn: ``loss_fn(model, x, y) -> loss``; ``None`` means cross-entropy of ``model(x)``.
+        regularizer: ``regularizer(model) -> scalar tensor``, or ``None``.
+
+    Returns:
+        ``loss_fn`` itself (``None`` stays ``None``) when there is no regularizer; otherwise
+        ``f(model, x, y) = loss_fn(model, x, y) + regularizer(model)``, the loss computed
+        first.
+    """
+    if regularizer is None:
+        return loss_fn
+    base = loss_fn or _ce
+
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return base(model, x, y) + regularizer(model)
+
+    return loss
 
 
 def train_epochs(

@@ -19,12 +19,26 @@ class ModelConfigError(ValueError):
 def build_model(spec: dict[str, Any]) -> nn.Module:
     """Build the registered model ``spec["name"]`` with the other keys as keyword arguments.
 
+    One key is reserved and never reaches the factory: ``"dp_compatible"`` (default false).
+    When true, the built model goes through Opacus's fixer
+    (:func:`medfl.privacy.dp_sgd.make_private_model`: BatchNorm -> GroupNorm...), so DP-SGD
+    (:func:`medfl.privacy.dp_sgd.train_epochs_dp`) can train it; the run sets it on every
+    model spec when local training is differentially private, so the coordinator's model
+    and the clients' have the same layers and state-dict keys.
+
     Raises:
         PluginError: unknown model name (lists the valid ones).
-        ModelConfigError: an argument the factory does not accept (lists the valid ones).
+        ModelConfigError: an argument the factory does not accept (lists the valid ones), or a
+            ``dp_compatible`` that is not a bool.
+        PrivacyConfigError: ``dp_compatible`` is true and Opacus cannot make the model
+            trainable with per-sample gradients (the message lists the layers).
     """
     spec = dict(spec)
     name = spec.pop("name")
+    dp_compatible = spec.pop("dp_compatible", False)
+    if not isinstance(dp_compatible, bool):
+        raise ModelConfigError(f"model {name!r}: dp_compatible must be true or false, "
+                               f"got {dp_compatible!r}")
     factory = lookup("model", name)
     sig = inspect.signature(factory)
     if not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
@@ -34,4 +48,9 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
                 f"model {name!r} takes no argument(s) {', '.join(unknown)}; valid: "
                 f"{', '.join(sig.parameters)}"
             )
-    return factory(**spec)
+    model = factory(**spec)
+    if dp_compatible:
+        from medfl.privacy.dp_sgd import make_private_model  # imports Opacus: only when asked
+
+        model = make_private_model(model, where=f"model {name!r}")[0]
+    return model
