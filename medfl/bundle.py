@@ -36,7 +36,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     parameter errors it wraps), plugin names (:class:`~medfl.plugins.PluginError`), the
     data (:class:`~medfl.data.source.DataError`), a run directory or a run that cannot go
     on (:class:`~medfl.engine.runner.RunError`), a method's payload breaking the message
-    contract (:class:`~medfl.messages.PayloadError`) and a missing file.
+    contract (:class:`~medfl.messages.PayloadError`), privacy settings no noise can meet
+    (:class:`~medfl.privacy.accounting.PrivacyConfigError`: delta >= 1/N, a budget too low,
+    a model Opacus cannot train; filter errors are :class:`~medfl.method.MethodConfigError`)
+    and a missing file.
 
     Anything else (``KeyError``, ``TypeError``, a plain ``ValueError``...) is taken for a
     bug and keeps its traceback."""
@@ -47,9 +50,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from medfl.method import MethodConfigError
     from medfl.models.registry import ModelConfigError
     from medfl.plugins import PluginError
+    from medfl.privacy.accounting import PrivacyConfigError
 
     return (ConfigError, PluginError, RunError, DataError, PartitionError, MethodConfigError, ModelConfigError,
-            PayloadError, FileNotFoundError)
+            PayloadError, PrivacyConfigError, FileNotFoundError)
 
 
 @contextmanager

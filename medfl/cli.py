@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``medfl``."""
     p = argparse.ArgumentParser(prog="medfl", description="Federated learning for medical imaging (MONAI + PyTorch).")
     sub = p.add_subparsers(dest="command", required=True)
-    sp = sub.add_parser("plugins", help="list registered methods, models, partitioners, datasets, metrics")
+    sp = sub.add_parser("plugins", help="list registered methods, models, partitioners, datasets, metrics, filters")
     sp.add_argument("--json", action="store_true", help="print every plugin as JSON (name, version, hooks, registered)")
     sp.set_defaults(func=cmd_plugins)
     sp = sub.add_parser("run", help="run a bundle config (e.g. bundles/demo/configs/train.json)",
@@ -369,15 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``medfl`` command."""
-    from medfl.config import ConfigError
-    from medfl.data.source import DataError
-    from medfl.engine.runner import RunError
-    from medfl.plugins import PluginError
+    from medfl.bundle import user_errors
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, PluginError, RunError, DataError, FileNotFoundError, KeyError) as exc:
+    except (*user_errors(), KeyError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"medfl: error: {msg}", file=sys.stderr)
         return 2

@@ -12,7 +12,8 @@ from typing import Any
 
 from medfl.plugins import PluginError, lookup, registry
 
-__all__ = ["ConfigError", "DEFAULTS", "resolve_config", "method_label", "build_method"]
+__all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "resolve_config", "method_label", "build_method",
+           "method_train", "method_filters", "check_dp_sgd"]
 
 
 class ConfigError(ValueError):
@@ -51,7 +52,14 @@ DEFAULTS: dict[str, Any] = {
         "momentum": 0.9,
         "weight_decay": 0.0,
         "num_workers": 0,
+        # DP-SGD in local training (Opacus): {"epsilon": 3 | "noise_multiplier": 1.1,
+        # "max_grad_norm": 1.0, "delta": 1e-5, "accountant": "rdp"}; null: off
+        "dp": None,
     },
+    # reply filters applied to every method's model state (a method entry's own "filters"
+    # replaces this list): e.g. [{"name": "dp_gaussian", "epsilon": 3, "clip": 1.0},
+    # {"name": "quantize", "bits": 8}]; `medfl plugins` lists them
+    "filters": [],
     "methods": [{"name": "fedavg"}],
     "eval_splits": ["test", "global_test"],  # + "cross_test": each model on every client's test split
     "eval_every": 1,                # evaluate every k rounds (the last round always; 0: last only)
@@ -80,6 +88,15 @@ def _named(value: Any, where: str) -> dict[str, Any]:
     return dict(value)
 
 
+#: Keys of a method entry that are not the method's parameters: its run-directory name, its
+#: own filter chain (replaces ``fl.filters``) and overrides of ``fl.train`` for this method.
+ENTRY_KEYS = ("name", "label", "filters", "train")
+
+#: Keys of ``train.dp`` (DP-SGD) and their defaults; ``epsilon`` or ``noise_multiplier``.
+DP_SGD_DEFAULTS: dict[str, Any] = {"epsilon": None, "noise_multiplier": None, "max_grad_norm": 1.0,
+                                   "delta": 1e-5, "accountant": "rdp"}
+
+
 def method_label(spec: dict[str, Any]) -> str:
     """The run-directory name of a method entry (``label`` if given, else its name)."""
     return str(spec.get("label") or spec["name"])
@@ -94,7 +111,85 @@ def build_method(spec: dict[str, Any]) -> Any:
         ValueError: the class takes no parameter of some key.
     """
     cls = lookup("method", spec["name"])
-    return cls.from_config({k: v for k, v in spec.items() if k not in ("name", "label")})
+    return cls.from_config({k: v for k, v in spec.items() if k not in ENTRY_KEYS})
+
+
+def method_train(cfg: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """The local-training settings of one method entry: ``fl.train`` with the entry's own
+    ``train`` overrides."""
+    return {**cfg["train"], **(spec.get("train") or {})}
+
+
+def method_filters(cfg: dict[str, Any], spec: dict[str, Any]) -> list[Any]:
+    """The configured filter chain of one method entry: its own ``filters`` when it has
+    the key (``[]`` turns ``fl.filters`` off for it), else ``fl.filters``."""
+    return list(spec["filters"] if "filters" in spec else cfg.get("filters") or [])
+
+
+def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
+    """Check a ``train.dp`` section (DP-SGD) on its own and fill its defaults.
+
+    Returns:
+        ``None`` when DP-SGD is off, else the section with every key of
+        :data:`DP_SGD_DEFAULTS`.
+
+    Raises:
+        ConfigError: unknown key, neither or both of ``epsilon`` and ``noise_multiplier``,
+            epsilon <= 0, delta outside (0, 1), max_grad_norm <= 0, an unknown accountant.
+    """
+    from medfl.privacy.accounting import PrivacyConfigError, check_accountant, check_positive
+
+    if dp is None or dp is False:
+        return None
+    if not isinstance(dp, dict):
+        raise ConfigError(f"{where}: expected null or a dict like {{\"epsilon\": 3, \"max_grad_norm\": 1.0}}, "
+                          f"got {dp!r}")
+    _check_keys(dp, DP_SGD_DEFAULTS, where)
+    out = {**DP_SGD_DEFAULTS, **dp}
+    try:
+        if (out["epsilon"] is None) == (out["noise_multiplier"] is None):
+            raise ConfigError(f"{where}: give exactly one of epsilon (a target, the noise is derived) and "
+                              f"noise_multiplier; got epsilon={out['epsilon']!r}, "
+                              f"noise_multiplier={out['noise_multiplier']!r}")
+        if out["epsilon"] is not None:
+            out["epsilon"] = check_positive(out["epsilon"], "epsilon", where)
+        else:
+            out["noise_multiplier"] = check_positive(out["noise_multiplier"], "noise_multiplier", where)
+        out["max_grad_norm"] = check_positive(out["max_grad_norm"], "max_grad_norm", where)
+        delta = out["delta"]
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < float(delta) < 1:
+            raise ConfigError(f"{where}: delta must be a number in (0, 1), got {delta!r}")
+        out["delta"] = float(delta)
+        out["accountant"] = check_accountant(out["accountant"], where)
+    except PrivacyConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    return out
+
+
+def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
+    """Check a method entry's ``train`` overrides, its DP-SGD support and its filter chain
+    (the method's own default filters in front of the configured ones)."""
+    from medfl.filters import FilterChain, FilterConfigError
+    from medfl.privacy.accounting import PrivacyConfigError
+
+    if "train" in m:
+        if not isinstance(m["train"], dict):
+            raise ConfigError(f"{where}.train: expected a dict of fl.train overrides, got {m['train']!r}")
+        _check_keys(m["train"], DEFAULTS["train"], f"{where}.train")
+        if "dp" in m["train"]:
+            m["train"]["dp"] = check_dp_sgd(m["train"]["dp"], f"{where}.train.dp")
+    method = build_method(m)
+    cls = type(method)
+    if method_train(cfg, m)["dp"] is not None and not cls.supports_dp_sgd:
+        raise ConfigError(f"{where}: method {cls.name!r} does not support DP-SGD (train.dp): its local training "
+                          "is not plain per-sample-loss SGD that Opacus can privatise (see its docstring); use a "
+                          "reply filter such as dp_gaussian, or an entry's own \"train\": {\"dp\": null}")
+    specs = list(method.default_filters()) + method_filters(cfg, m)
+    fwhere = f"{where}.filters" if "filters" in m or method.default_filters() else "fl.filters"
+    try:
+        FilterChain.from_specs(specs, fwhere).check(cls, fwhere)
+    except (FilterConfigError, PrivacyConfigError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
@@ -173,6 +268,12 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
             build_method(m)  # checks parameter names now, before any work
     except (PluginError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
+    cfg["train"]["dp"] = check_dp_sgd(cfg["train"]["dp"], "fl.train.dp")
+    if not isinstance(cfg["filters"], list):
+        raise ConfigError(f"fl.filters: expected a list of filters like [{{\"name\": \"quantize\", \"bits\": 8}}], "
+                          f"got {cfg['filters']!r}")
+    for i, m in enumerate(cfg["methods"]):
+        _check_entry(cfg, m, f"fl.methods[{i}] ({method_label(m)})")
     cm = cfg["client_models"]
     if isinstance(cm, list):  # one override dict per client, in client-id order "0", "1", ...
         if len(cm) != cfg["num_clients"] or not all(isinstance(d, dict) for d in cm):

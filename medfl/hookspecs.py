@@ -74,6 +74,17 @@ def register_metrics(register: Register) -> None:
 
 
 @hookspec
+def register_filters(register: Register) -> None:
+    """Register reply filters.
+
+    Call ``register(FilterClass)`` for each :class:`medfl.filters.Filter` subclass; the name
+    is ``FilterClass.name``. A run names a chain of them in ``fl.filters`` (or a method
+    entry's ``filters``); each transforms the model state of a client's reply at the client
+    and is undone at the coordinator (see :mod:`medfl.filters` and docs/plugins.md).
+    """
+
+
+@hookspec
 def on_run_start(run: Any) -> None:
     """Called once when a run starts or resumes, before its first round.
 

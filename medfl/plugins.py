@@ -45,6 +45,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "medfl_plugins.datasets",
     "medfl_plugins.metrics",
     "medfl_plugins.reporting",
+    "medfl_plugins.privacy",
 )
 
 #: Kinds of registered things and the registration hook that provides each.
@@ -54,6 +55,7 @@ KINDS: dict[str, str] = {
     "partitioner": "register_partitioners",
     "dataset": "register_datasets",
     "metric": "register_metrics",
+    "filter": "register_filters",
 }
 
 

@@ -1,4 +1,4 @@
-"""Readable results: summary tables, metric curves and per-client heatmaps (PNG)."""
+"""Readable results: summary tables, metric curves, per-client heatmaps and communication (PNG)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["write_plots", "write_forgetting_plot", "write_comparison", "forgetting_table",
+__all__ = ["write_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_comparison",
+           "forgetting_table",
            "summary_table", "format_table", "load_metrics", "CV_SPLITS", "cv_results", "cv_summary",
            "cv_table", "write_cv_report"]
 
@@ -97,10 +98,101 @@ def write_forgetting_plot(run_dir: str | Path) -> Path | None:
     return path
 
 
+def _run_csv(run_dir: Path, name: str) -> pd.DataFrame | None:
+    """A run's per-round CSV ``name`` (``None`` when it is missing or empty)."""
+    path = run_dir / name
+    if not path.is_file():
+        return None
+    df = pd.read_csv(path, dtype={"client_id": str})
+    return None if df.empty else df
+
+
+def _save_plot(fig: Any, run_dir: Path, name: str) -> Path:
+    """Save ``fig`` as ``run_dir/plots/name`` and close it."""
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / name
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+    return path
+
+
+def write_communication_plot(run_dir: str | Path) -> Path | None:
+    """Write ``plots/communication.png``: megabytes (1 MB = 1e6 bytes) sent to and received
+    from all clients in each round, stacked by phase (``train``, ``validate``, ``evaluate``,
+    ``score``), from the run's ``communication.csv`` (:mod:`medfl.engine.traffic`). Returns
+    the path, or None when the run has no such file (or an empty one)."""
+    from medfl.engine.traffic import PHASES
+
+    run_dir = Path(run_dir)
+    df = _run_csv(run_dir, "communication.csv")
+    if df is None:
+        return None
+    plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
+    rounds = sorted(df["round"].unique())
+    phases = [p for p in PHASES if (df["phase"] == p).any()]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, col, title in ((axes[0], "bytes_to_client", "to clients"), (axes[1], "bytes_from_client", "from clients")):
+        bottom = np.zeros(len(rounds))
+        for k, phase in enumerate(phases):
+            mb = (df[df["phase"] == phase].groupby("round")[col].sum().reindex(rounds, fill_value=0) / 1e6).to_numpy()
+            ax.bar(rounds, mb, bottom=bottom, color=f"C{k}", label=phase)
+            bottom += mb
+        ax.set_title(f"{title}: {bottom.sum() / len(rounds):.3g} MB per round")
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("MB (all clients)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{run_dir.name}: communication per round")
+    fig.tight_layout()
+    return _save_plot(fig, run_dir, "communication.png")
+
+
+def write_privacy_plot(run_dir: str | Path) -> Path | None:
+    """Write ``plots/privacy.png``: each client's epsilon spent over the rounds (one panel
+    per mechanism, the target as a dashed line where there is one), from the run's
+    ``privacy.csv`` (:mod:`medfl.privacy.ledger`). Returns the path, or None for a run
+    without differential privacy."""
+    run_dir = Path(run_dir)
+    df = _run_csv(run_dir, "privacy.csv")
+    if df is None:
+        return None
+    targets: dict[str, Any] = {}
+    cfg = run_dir / "config.json"
+    if cfg.is_file():
+        plan = json.loads(cfg.read_text()).get("privacy", {})
+        targets["dp_sgd"] = (plan.get("dp_sgd") or {}).get("epsilon")
+        for f in plan.get("filters", []):
+            if f.get("epsilon") is not None:
+                targets[str(f["name"])] = f["epsilon"]
+    plt = _plt()
+    mechs = list(dict.fromkeys(df["mechanism"]))
+    fig, axes = plt.subplots(1, len(mechs), figsize=(5.2 * len(mechs), 3.6), squeeze=False)
+    for ax, mech in zip(axes[0], mechs):
+        g = df[df["mechanism"] == mech]
+        for cid, rows in g.groupby("client_id", sort=False):
+            ax.plot(rows["round"], rows["epsilon"], marker="o", label=f"client {cid}")
+        if targets.get(mech) is not None:
+            ax.axhline(float(targets[mech]), ls="--", color="k", lw=1, label="target")
+        ax.set_title(f"{mech} ({g['unit'].iloc[0]}-level, delta={float(g['delta'].iloc[0]):g}, "
+                     f"{g['accountant'].iloc[0]})", fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylabel("epsilon spent")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save_plot(fig, run_dir, "privacy.png")
+
+
 def write_plots(run_dir: str | Path) -> list[Path]:
     """Write ``plots/curves.png`` (metric per round, mean and client range per split),
-    ``plots/clients_<split>.png`` (final metrics per client as a heatmap) and
-    ``plots/forgetting.png`` (:func:`write_forgetting_plot`). Returns the paths."""
+    ``plots/clients_<split>.png`` (final metrics per client as a heatmap),
+    ``plots/forgetting.png`` (:func:`write_forgetting_plot`) and, when the run has a
+    ``communication.csv``, ``plots/communication.png`` (:func:`write_communication_plot`),
+    and a ``privacy.csv``, ``plots/privacy.png`` (:func:`write_privacy_plot`). Returns the paths."""
     plt = _plt()
     run_dir = Path(run_dir)
     df = load_metrics(run_dir)
@@ -147,9 +239,10 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    forgetting = write_forgetting_plot(run_dir)
-    if forgetting is not None:
-        written.append(forgetting)
+    for extra in (write_forgetting_plot, write_communication_plot, write_privacy_plot):
+        path = extra(run_dir)
+        if path is not None:
+            written.append(path)
     return written
 
 
@@ -193,8 +286,34 @@ def forgetting_table(summaries: dict[str, dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _mb_per_round(summary: dict[str, Any]) -> dict[str, float]:
+    """A summary's mean megabytes (1e6 bytes) per round to and from all clients (NaN when
+    its ``communication`` block is missing)."""
+    per_round = (summary.get("communication") or {}).get("per_round") or {}
+
+    def mb(key: str) -> float:
+        v = per_round.get(key)
+        return float(v) / 1e6 if isinstance(v, (int, float)) else float("nan")
+
+    return {"mb_to_clients_per_round": mb("bytes_to_clients"), "mb_from_clients_per_round": mb("bytes_from_clients")}
+
+
+def _epsilon(summary: dict[str, Any]) -> dict[str, Any]:
+    """A summary's worst client's final epsilon (``inf`` for a run without differential
+    privacy, which guarantees nothing) and the mechanisms it comes from."""
+    privacy = summary.get("privacy") or {}
+    eps = privacy.get("epsilon")
+    return {"epsilon": float("inf") if eps is None else float(eps),
+            "dp_mechanisms": "+".join(privacy.get("mechanisms") or {}) or "none"}
+
+
 def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:
-    """Write ``comparison.csv`` (one row per method and split, mean/std/worst of each metric),
+    """Write ``comparison.csv`` (one row per method and split, mean/std/worst of each metric,
+    and the method's communication cost: ``mb_to_clients_per_round`` and
+    ``mb_from_clients_per_round``, the mean megabytes (1 MB = 1e6 bytes) sent to and
+    received from all clients per round, from the summary's ``communication`` block, and its
+    privacy: ``epsilon``, the worst client's final epsilon, ``inf`` without DP, and
+    ``dp_mechanisms``),
     ``comparison_forgetting.csv`` (:func:`forgetting_table`), ``summaries.json`` and, when
     there are two or more methods, ``comparison.png`` (accuracy and AUC per round for every
     method; a single method's curves are its ``curves.png``)."""
@@ -207,6 +326,8 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) 
             row: dict[str, Any] = {"method": label, "split": split}
             for m, stats in block.items():
                 row[f"{m}_mean"], row[f"{m}_std"], row[f"{m}_worst"] = stats["mean"], stats["std"], stats["worst"]
+            row.update(_mb_per_round(summary))
+            row.update(_epsilon(summary))
             rows.append(row)
     path = exp_dir / "comparison.csv"
     pd.DataFrame(rows).to_csv(path, index=False)

@@ -128,7 +128,11 @@ class FedKPer(HubAndSpoke):
 
     Privacy: the reply's payload is the model state and the scalar score; no label histogram,
     accuracy or per-sample value leaves the client (``metrics`` holds only the training loss and
-    step count, as for every method).
+    step count, as for every method). Reply filters (``dp_gaussian``, ``quantize``) apply to
+    the model state; the score is not covered by ``dp_gaussian``'s noise (the run lists it
+    under ``not_covered``). DP-SGD (``train.dp``) is refused: eq. 3's ``lambda`` is a function
+    of the whole batch and the update clips the global gradient norm, so a sample's influence
+    is not bounded by per-sample clipping.
 
     Args:
         distill: use the adaptive distillation term (eq. 3); False trains with cross-entropy.
@@ -141,6 +145,9 @@ class FedKPer(HubAndSpoke):
     """
 
     name = "fedkper"
+    # eq. 3's lambda depends on the whole batch and the local update clips the global gradient
+    # norm: neither is a mean of per-sample terms that DP-SGD can clip per sample
+    supports_dp_sgd = False
     description = "FedKPer: adaptive global-teacher distillation and accuracy x label-entropy aggregation"
 
     def __init__(self, distill: bool = True, aggregation: str = "fedkper", lambda_cap: float = 10.0,

@@ -205,6 +205,8 @@ class FedSKD(Method):
 
     name = "fedskd"
     description = "FedSKD: P2P mutual learning with batch/pixel/region similarity distillation (paper 004)"
+    # the DAM it sends was never sent to it: quantization applies, update filters (DP) do not
+    reply_state = {"dam": None}
 
     def __init__(self, gamma: float = 1.0, terms: list[str] | None = None, stages: list[int] | None = None,
                  skd_start: float = 0.0, atlas: str | None = None, atlas_labels: list[int] | None = None,
@@ -378,6 +380,7 @@ class FedCross(Method):
 
     name = "fedcross"
     description = "FedCross: one model fine-tuned sequentially through the clients (P2P baseline of paper 004)"
+    reply_state = {"model": "model"}
 
     def __init__(self, iterations: int | None = None) -> None:
         self.iterations = _check_iterations(iterations)
@@ -455,6 +458,8 @@ class FedCrossHet(Method):
 
     name = "fedcross_het"
     description = "FedCross-dagger: heterogeneous models circulated P2P and fine-tuned (baseline of paper 004)"
+    # a client's first model is built from a seed, not received: no reference for update filters
+    reply_state = {"model": None}
 
     def __init__(self, iterations: int | None = None) -> None:
         self.iterations = _check_iterations(iterations)

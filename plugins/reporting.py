@@ -12,5 +12,6 @@ __all__ = ["on_run_end"]
 
 @hookimpl
 def on_run_end(run: Any, summary: dict[str, Any]) -> None:
-    """Write the metric curves and per-client heatmaps to ``run_dir/plots``."""
+    """Write the metric curves, per-client heatmaps, forgetting, communication and (for a
+    differentially private run) epsilon plots to ``run_dir/plots``."""
     write_plots(run.run_dir)

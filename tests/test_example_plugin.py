@@ -73,10 +73,11 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     info = {p["name"]: p for p in json.loads(listed.stdout)}
     plugin = info["medfl-plugin-example:median"]
     assert plugin["distribution"] == "medfl-plugin-example" and plugin["version"] == "0.1.0"
-    assert plugin["registered"] == {"method": ["median", "median_snapshots"]}
+    assert plugin["registered"] == {"method": ["median", "median_snapshots"], "filter": ["half"]}
     cfg = tmp_path / "train.json"
     tiny_fl.update(rounds=3, eval_splits=["test", "cross_test"],
-                   methods=[{"name": "median"}, {"name": "median_snapshots", "keep": 2, "top": 1}])
+                   methods=[{"name": "median", "filters": [{"name": "half"}]},
+                            {"name": "median_snapshots", "keep": 2, "top": 1}])
     cfg.write_text(json.dumps({"fl": tiny_fl}))
     proc = subprocess.run([sys.executable, "-m", "medfl.cli", "run", str(cfg)], env=env,
                           capture_output=True, text=True)
@@ -92,3 +93,24 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     listed = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "--json"], env=env,
                             capture_output=True, text=True, check=True)
     assert "medfl-plugin-example:median" not in {p["name"] for p in json.loads(listed.stdout)}
+
+
+def test_half_filter_round_trip_and_refusals():
+    import pytest
+
+    from medfl.filters import FilterContext
+    from medfl.messages import PayloadError
+
+    ex = _example()
+    ref = {"w": torch.randn(4, 3), "n": torch.tensor(5)}
+    new = {"w": ref["w"] + 0.01, "n": torch.tensor(7)}
+    ctx = FilterContext(client_id="0", round=1, step=0, seed=1, key="model", reference=ref,
+                        model_spec={}, where="reply")
+    sent = ex.Half().apply(new, ctx)
+    assert sent["w"].dtype == torch.float16 and sent["n"].dtype == torch.int64
+    back = ex.Half().undo(sent, ctx)
+    assert back["w"].dtype == torch.float32 and torch.allclose(back["w"], new["w"], rtol=2**-10)
+    with pytest.raises(PayloadError, match="float16"):
+        ex.Half().undo({"w": new["w"]}, ctx)
+    with pytest.raises(ValueError, match="range"):
+        ex.Half().apply({"w": torch.full((2,), 1e6)}, ctx)

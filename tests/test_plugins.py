@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from medfl import hookimpl, hookspecs
+from medfl.filters import Filter
 from medfl import plugins as plugins_mod
 from medfl.cli import main
 from medfl.plugins import PluginError, get_plugin_manager, lookup, registry
@@ -144,18 +145,37 @@ def test_registration_hooks_take_third_party_things(tiny_fl, resolve):
         def register_metrics(self, register):
             register(lambda y, p: float(np.mean(p.max(axis=1))), name="mean_confidence")
 
+        @hookimpl
+        def register_filters(self, register):
+            register(Negate)
+
+    calls: list[str] = []
+
+    class Negate(Filter):
+        name = "negate"
+
+        def apply(self, state, ctx):
+            calls.append("apply")
+            return {k: -v if v.is_floating_point() else v for k, v in state.items()}
+
+        def undo(self, value, ctx):
+            calls.append("undo")
+            return {k: -v if v.is_floating_point() else v for k, v in value.items()}
+
     pm = get_plugin_manager()
     pm.register(Extra(), name="extra")
     try:
         tiny_fl.update(model={"name": "tiny_cnn", "width": 4}, partition={"name": "iid_again"},
-                       rounds=1)
+                       rounds=1, filters=["negate"])
         tiny_fl["dataset"] = dict(tiny_fl["dataset"], name="synthetic_again")
         out = run_experiment(resolve(tiny_fl))
         final = out["summaries"]["fedavg"]["final"]["local_test"]
         assert 0 < final["mean_confidence"]["mean"] <= 1
+        n = tiny_fl["num_clients"]   # every client applied it, the coordinator undid each
+        assert calls == ["apply"] * n + ["undo"] * n
     finally:
         pm.unregister(name="extra")
-    assert "tiny_cnn" not in registry()["model"]
+    assert "tiny_cnn" not in registry()["model"] and "negate" not in registry()["filter"]
 
 
 def test_every_hookspec_has_a_test():

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from medfl.context import ClientContext
 from medfl.engine.data import client_order
+from medfl.filters import FilterChain
 from medfl.messages import Instruction, Reply, validate_payload
 from medfl.method import Method
 from medfl.seeding import derive_seed
@@ -112,11 +113,20 @@ def _keep_state(ctx: ClientContext, store: ClientStore | None) -> None:
 
 
 def run_client_update(method: Method, ctx: ClientContext, instruction: Instruction,
-                      store: ClientStore | None = None) -> Reply:
-    """Check the instruction, run ``method.client_update`` seeded, check the reply.
+                      store: ClientStore | None = None, filters: FilterChain | None = None,
+                      step: int = 0) -> Reply:
+    """Check the instruction, run ``method.client_update`` seeded, check the reply, then
+    apply the run's reply ``filters`` (:mod:`medfl.filters`) and check what they produced.
+
+    The content guard (the client's own labels and images, :mod:`medfl.guard`) sees the
+    reply both as the method returned it and as it leaves after the filters.
 
     With ``store``, the client's persistent state (``ctx.state`` after the update) is saved
     there for this round; a stateless method (empty state, nothing stored before) writes nothing.
+
+    Args:
+        step: the training step within the round (``Method.round_steps``), which seeds the
+            filters' randomness.
 
     Raises:
         PayloadError: the instruction or reply carries something that may not travel.
@@ -130,6 +140,12 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard,
                      exempt=method.payload_exemptions)
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
+    if filters:
+        reply.payload = filters.apply(type(method), reply.payload, instruction.payload, client_id=ctx.client_id,
+                                      round=ctx.round, step=step, seed=ctx.seed, model_spec=ctx.model_spec,
+                                      where=where, noise_key=ctx.noise_key)
+        validate_payload(reply.payload, where + " (after filters)", allow_str=False, guard=ctx.guard,
+                         exempt=method.payload_exemptions)
     _keep_state(ctx, store)
     return reply
 

@@ -8,11 +8,22 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
     partition.csv      which sample went to which client and role
     metrics.csv        one row per (round, client, split) with every metric
     train_metrics.csv  one row per (round, client) with what the client reported; its
-                       (round, client_id) pairs are the record of the sampled clients
+                       (round, client_id) pairs are the record of the sampled clients;
+                       ``bytes_to_client``/``bytes_from_client``: that training step's
+                       instruction and reply as Flower sends them (one row per step for a
+                       method with several steps a round)
     validation_metrics.csv  one row per (round, client) of a method's validation exchange
                        (``Method.configure_validate``), when it has one
-    summary.json       final metrics: mean, std, worst and best client per split, and the
+    privacy.csv        per round and client of a differentially private run: mechanism,
+                       noise, clip, steps, sampling rate, epsilon spent so far, delta
+                       (:mod:`medfl.privacy.ledger`)
+    communication.csv  one row per (round, client, phase: train, validate, evaluate, score)
+                       with ``bytes_to_client``, ``bytes_from_client`` and ``messages``: the
+                       encoded size of the messages as Flower sends them, measured in process
+                       too (:mod:`medfl.engine.traffic`)
+    summary.json       final metrics: mean, std, worst and best client per split, the
                        ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
+                       and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`)
     forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
                        negative-flip rates, sampled clients
     checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept)
@@ -25,6 +36,7 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,20 +46,28 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from medfl.config import build_method, method_label
-from medfl.engine.client import (ClientContext, ClientStore, run_client_evaluate, run_client_update,
+from medfl import wire
+from medfl.config import build_method, method_filters, method_label, method_train
+from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, evaluate_model, run_client_update,
                                  run_client_validate)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
+from medfl.engine.traffic import Traffic
+from medfl.filters import FilterChain
 from medfl.messages import Instruction, Reply
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
+from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
 
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "run_experiment", "resume", "predict",
            "summarize_metrics", "evaluate_metrics"]
 
 ROLES = ["train", "val", "test", "global_test"]
+
+#: The run and session ids of an in-process run's control fields: placeholders as long as
+#: the ``uuid4().hex`` ids a Flower run sends, so the measured messages have Flower's size.
+PLACEHOLDER_ID = "0" * 32
 
 
 class RunError(RuntimeError):
@@ -110,6 +130,10 @@ class Run:
         data: the federated data split (shared by every method of an experiment).
     """
 
+    #: Where the privacy noise of a DP run comes from (``config.json``'s ``privacy.noise_seeds``).
+    noise_source = ("the run seed: a reproducible simulation (whoever knows the seed could regenerate the noise; "
+                    "over Flower each site mixes in its own secret)")
+
     def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
                  data: FederatedData) -> None:
         self.config = cfg
@@ -131,9 +155,26 @@ class Run:
             num_classes=data.source.num_classes, rounds=int(cfg["rounds"]), seed=int(cfg["seed"]),
             fraction=float(cfg["fraction"]), model=dict(cfg["model"]),
             client_models={str(k): dict(v) for k, v in cfg["client_models"].items()},
-            train=dict(cfg["train"]), device=str(cfg["device"]),
+            train=method_train(cfg, method_spec), device=str(cfg["device"]),
             in_channels=data.source.in_channels, spatial_dims=data.source.spatial_dims,
         )
+        where = f"method {self.label!r}"
+        chain = FilterChain.from_specs(list(self.coordinator.default_filters()) + method_filters(cfg, method_spec),
+                                       f"{where}: filters")
+        chain.check(cls, f"{where}: filters")
+        #: the run's differential privacy and filters, resolved (noise derived) before training
+        self.privacy = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
+        self.ledger = PrivacyLedger(self.privacy)
+        self._step = 0
+        #: bytes sent to and received from each client (``communication.csv``)
+        self.traffic = Traffic()
+        # the control fields every message carries (:meth:`_control`); a transport with real
+        # ids (Flower) replaces the placeholders when it opens its session
+        self.run_id = PLACEHOLDER_ID
+        self.session = PLACEHOLDER_ID
+        self.resume_round = 0      # the round this session started from
+        self._ckpt = 0             # the last checkpointed round
+        self.fold = _fold_of(self.run_dir)
         self.metrics = pd.DataFrame()
         self.train_metrics = pd.DataFrame()
         self.validation = pd.DataFrame()
@@ -153,16 +194,42 @@ class Run:
     def _write_static(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "checkpoints").mkdir(exist_ok=True)
+        privacy = self.privacy.describe()
+        if self.privacy.private:
+            privacy["noise_seeds"] = self.noise_source
         _write_json(self.run_dir / "config.json", {"fl": self.config, "method": self.method_spec,
-                                                   "method_hparams": self.coordinator.hparams()})
+                                                   "method_hparams": self.coordinator.hparams(),
+                                                   "privacy": privacy})
         if not (self.run_dir / "partition.csv").exists():
             self.data.save(self.run_dir / "partition.csv")
+
+    def _log_privacy(self) -> None:
+        """Say on stderr what the run's differential privacy is (and what Opacus's validator
+        changed in the model for DP-SGD); the same is in ``config.json`` under ``privacy``."""
+        if not self.privacy.private:
+            return
+        plan, lines = self.privacy, []
+        for rel in plan.chain.releases():
+            lines.append(f"{rel.mechanism}: noise multiplier {rel.noise_multiplier:.4g}, clip {rel.clip:g}, "
+                         f"delta {rel.delta:g}, accountant {rel.accountant} (client-level)")
+        if plan.dp_sgd is not None:
+            p = plan.dp_sgd
+            sig = sorted(set(round(v, 4) for v in p.noise.values()))
+            lines.append(f"dp_sgd: max_grad_norm {p.settings['max_grad_norm']:g}, delta {p.settings['delta']:g}, "
+                         f"accountant {p.settings['accountant']}, noise multiplier per client "
+                         f"{', '.join(f'{v:g}' for v in sig)} (sample-level)")
+            if p.model_fix:
+                lines.append(f"dp_sgd: Opacus's ModuleValidator replaced {len(p.model_fix)} layer(s) of the model "
+                             f"for per-sample gradients: {p.model_fix[0]}" + (" ..." if len(p.model_fix) > 1 else ""))
+        for line in lines:
+            print(f"medfl [{self.label}] privacy: {line}", file=sys.stderr, flush=True)
 
     def _save_checkpoint(self, r: int) -> None:
         path = self._checkpoint_path(r)
         tmp = path.with_suffix(".tmp")
         torch.save({"round": r, "method": self.coordinator.state_dict()}, tmp)
         tmp.replace(path)
+        self._ckpt = r
         keep = max(1, int(self.config["keep_checkpoints"]))
         for old in sorted(path.parent.glob("round_*.pt"))[:-keep]:
             old.unlink()
@@ -177,7 +244,8 @@ class Run:
     def context(self, client_id: str, round: int, state_before: int | None = None) -> ClientContext:
         """Build ``client_id``'s context for ``round`` with its persistent state loaded."""
         return client_context(self.data, client_id, round, run_seed=self.federation.seed,
-                              model_spec=self.federation.model_spec(client_id), train=self.federation.train,
+                              model_spec=self.federation.model_spec(client_id),
+                              train=self.privacy.client_train(client_id),
                               device=self.federation.device, store=self.store, state_before=state_before)
 
     # ------------------------------------------------------------------ rounds
@@ -186,6 +254,7 @@ class Run:
         (``read_only``: load the last checkpoint and change nothing on disk, for predicting)."""
         if not read_only:
             self._write_static()
+            self._log_privacy()
         self.coordinator.setup(self.federation)
         if not (resume or read_only):
             self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
@@ -199,25 +268,40 @@ class Run:
             self.store.rollback(k)
             self.eval_store.rollback(k)
         self.start_round = k + 1
+        self.resume_round = self._ckpt = k
         files = {"metrics": "metrics", "train_metrics": "train_metrics", "cross": "cross_test",
                  "validation": "validation_metrics"}
         for name, stem in files.items():
-            p = self.run_dir / f"{stem}.csv"
-            if p.is_file():
-                df = pd.read_csv(p, dtype={"client_id": str, "client_name": str, "data_client_id": str},
-                                 keep_default_na=False,
-                                 na_values=["", "nan", "NaN"])
-                setattr(self, name, df[df["round"] <= k].reset_index(drop=True))
+            df = _read_rounds(self.run_dir / f"{stem}.csv", k)
+            if df is not None:
+                setattr(self, name, df)
+        privacy = _read_rounds(self.run_dir / "privacy.csv", k)
+        if privacy is not None:
+            self.ledger.load(privacy)
+        traffic = _read_rounds(self.run_dir / "communication.csv", k)
+        if traffic is not None:
+            self.traffic.load(traffic)
 
     def run_round(self, r: int, pm: Any) -> list[dict[str, Any]]:
         """Train, aggregate and evaluate round ``r``; return its evaluation rows."""
         train_rows = []
-        for _step in range(max(1, int(self.coordinator.round_steps(r)))):
+        addressed: dict[str, int] = {}
+        dp_steps: dict[str, float] = {}
+        for step in range(max(1, int(self.coordinator.round_steps(r)))):
+            self._step = step
             instructions = self.coordinator.configure_round(r)
             self._addressed(instructions, self.federation.client_ids, r, "configure_round")
-            replies = self.update_clients(r, instructions)
+            for cid in instructions:
+                addressed[cid] = addressed.get(cid, 0) + 1
+            self.traffic.begin()
+            replies = self.unfilter(r, instructions, self.update_clients(r, instructions))
+            sent = self.traffic.tally("train")
             for cid, reply in replies.items():
+                if "dp_steps" in reply.metrics:
+                    dp_steps[cid] = dp_steps.get(cid, 0.0) + float(reply.metrics["dp_steps"])
+                to_client, from_client = sent.get(cid, (0, 0))
                 train_rows.append({"round": r, "client_id": cid, "num_examples": reply.num_examples,
+                                   "bytes_to_client": to_client, "bytes_from_client": from_client,
                                    **{k: float(v) for k, v in reply.metrics.items()}})
                 pm.hook.on_client_end(run=self, round=r, client_id=cid, metrics=dict(reply.metrics))
             self.coordinator.server_update(r, replies)
@@ -225,6 +309,9 @@ class Run:
         if train_rows:
             self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
             _write_csv(self.run_dir / "train_metrics.csv", self.train_metrics)
+        if self.privacy.private:
+            self.ledger.record(r, addressed, dp_steps if self.privacy.dp_sgd is not None else None)
+            _write_csv(self.run_dir / "privacy.csv", self.ledger.frame())
         checks = self.coordinator.configure_validate(r)
         if checks:
             self._addressed(checks, self.federation.eval_client_ids, r, "configure_validate")
@@ -241,13 +328,53 @@ class Run:
             rows = self.evaluate(r)
             self.metrics = pd.concat([self.metrics, pd.DataFrame(rows)], ignore_index=True)
             _write_csv(self.run_dir / "metrics.csv", self.metrics)
+        _write_csv(self.run_dir / "communication.csv", self.traffic.frame())
         self._save_checkpoint(r)
         return rows
+
+    def unfilter(self, r: int, instructions: dict[str, Instruction], replies: dict[str, Reply]
+                 ) -> dict[str, Reply]:
+        """Undo the run's reply filters on each reply (dequantize, add back the state the
+        client was sent...) so the method receives full states, whatever the transport.
+
+        Raises:
+            PayloadError: a reply is not what the filters produce (naming the client).
+        """
+        chain = self.privacy.chain
+        for cid, reply in replies.items():
+            self.privacy.note_reply(reply.payload)
+            if chain:
+                reply.payload = chain.undo(type(self.coordinator), reply.payload, instructions[cid].payload,
+                                           client_id=cid, round=r, step=self._step,
+                                           seed=derive_seed(self.federation.seed, r, cid),
+                                           model_spec=self.federation.model_spec(cid),
+                                           where=f"reply of client {cid} in round {r}")
+        return replies
 
     def _addressed(self, instructions: dict[str, Instruction], allowed: list[str], r: int, hook: str) -> None:
         unknown = sorted(set(instructions) - set(allowed))
         if unknown:
             raise RunError(f"method {self.label!r} addressed unknown client(s) {unknown} in {hook} of round {r}")
+
+    # ------------------------------------------------------------------ messages
+    def _control(self, r: int, cid: str, **extra: Any) -> dict[str, Any]:
+        """The control fields of a message to client ``cid`` in round ``r`` (the ``medfl``
+        record of :mod:`medfl.wire`), plus ``extra``. Over Flower they travel with every
+        message; in process they are built only to measure the messages a deployment would
+        send, with :data:`PLACEHOLDER_ID` for the run and session ids."""
+        return {"protocol": wire.PROTOCOL, "run": self.run_id, "session": self.session, "resume": self.resume_round,
+                "ckpt": self._ckpt, "round": r, "seed": self.federation.seed, "client": cid, "fold": self.fold,
+                "method": self.method_spec, "model": self.federation.model_spec(cid),
+                "train": self.privacy.client_train(cid), "filters": self.privacy.chain.specs(), "step": self._step,
+                **extra}
+
+    def _request_sizes(self, r: int, instructions: dict[str, Instruction], **extra: Any) -> dict[str, int]:
+        """Encoded size of the message each client of ``instructions`` would be sent
+        (:func:`medfl.wire.instruction_request`); the tensors that several clients are sent
+        (the global model) are packed once (:class:`medfl.wire.RecordCache`)."""
+        cache = wire.RecordCache()
+        return {cid: wire.encoded_size(wire.instruction_request(self._control(r, cid, **extra), ins, cache))
+                for cid, ins in instructions.items()}
 
     # ------------------------------------------------------------------ the transport seam
     def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
@@ -258,20 +385,33 @@ class Run:
         loaded from and saved to ``clients/``. The Flower deployment overrides both to send
         the same instructions to sites (a site that does not answer is left out of the
         returned replies; the method's ``server_update`` sees only those that answered).
+
+        Each exchange is recorded in :attr:`traffic` (``train``) with the sizes of the
+        instruction and reply as Flower would send them (:mod:`medfl.wire`).
         """
+        order = client_order(instructions)
+        sent = self._request_sizes(r, {cid: instructions[cid] for cid in order})
         replies: dict[str, Reply] = {}
-        for cid in client_order(instructions):
-            replies[cid] = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
-                                             store=self.store)
+        for cid in order:
+            reply = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
+                                      store=self.store, filters=self.privacy.chain, step=self._step)
+            back = wire.encoded_size(wire.train_answer(cid, reply.payload, reply.metrics, reply.num_examples))
+            self.traffic.add(r, cid, "train", sent[cid], back)
+            replies[cid] = reply
         return replies
 
     def validate_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
         """Run ``client_validate`` on each addressed client (the validation exchange of
         :meth:`Method.configure_validate`); return each client's scalars. A transport seam
         like :meth:`update_clients`: over Flower, the sites that answered."""
-        return {cid: run_client_validate(self.client_method, self.context(cid, r), instructions[cid],
-                                         store=self.store)
-                for cid in client_order(instructions)}
+        order = client_order(instructions)
+        sent = self._request_sizes(r, {cid: instructions[cid] for cid in order})
+        out = {}
+        for cid in order:
+            out[cid] = run_client_validate(self.client_method, self.context(cid, r), instructions[cid],
+                                           store=self.store)
+            self.traffic.add(r, cid, "validate", sent[cid], wire.encoded_size(wire.validate_answer(cid, out[cid])))
+        return out
 
     def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
                          ) -> dict[str, dict[str, dict[str, float]]]:
@@ -282,21 +422,55 @@ class Run:
         the metrics over those clients with equal weight; each (model, data) pair is also
         returned under ``cross_test@<data client id>``. In a deployment that means the
         client's evaluation model travels to the other sites for scoring; the data never moves.
+
+        The exchanges a deployment would have are recorded in :attr:`traffic`: ``evaluate``
+        (the instruction; the metrics and, with ``cross_test``, the model's state) and
+        ``score`` (every model and the shared instructions to each site, its scores back).
         """
         out: dict[str, dict[str, dict[str, float]]] = {}
         cache: dict = {}
         own = [s for s in splits if s != "cross_test"]
+        cross = "cross_test" in splits
+        ids = client_order(self.federation.eval_client_ids)
         peers = None
-        if "cross_test" in splits:
-            peers = {j: self.data.dataset_factories(j, ["test"])["test"]
-                     for j in self.federation.eval_client_ids}
-        for cid in self.federation.eval_client_ids:
+        if cross:
+            peers = {j: self.data.dataset_factories(j, ["test"])["test"] for j in self.federation.eval_client_ids}
+        used = {cid: evals.get(cid, Instruction()) for cid in ids}
+        sent = self._request_sizes(r, used, splits=own, want_model=cross)
+        models: dict[str, dict[str, torch.Tensor]] = {}
+        for cid in ids:
             ctx = self.context(cid, r, state_before=r + 1)
             memory = self.eval_store.load(cid, r)
-            out[cid] = run_client_evaluate(self.client_method, ctx, evals.get(cid, Instruction()),
-                                           own, evaluate_metrics, cache, memory=memory, peers=peers)
+            # the two steps of run_client_evaluate, as a site runs them: the model is at hand
+            model = build_eval_model(self.client_method, ctx, used[cid])
+            results = evaluate_model(model, ctx, own, evaluate_metrics, cache, memory=memory)
             self.eval_store.save(cid, r, memory)
+            state = None
+            if cross:
+                state = {k: v.detach().cpu() for k, v in model.state_dict().items()}   # as a site sends it
+                models[cid] = state
+            self.traffic.add(r, cid, "evaluate", sent[cid], wire.encoded_size(wire.evaluate_answer(cid, results, state)))
+            if peers is not None:
+                results.update(evaluate_model(model, ctx, [], evaluate_metrics, peers=peers))
+            out[cid] = results
+            del model
+        if models:
+            self._measure_scores(r, used, models, out)
         return out
+
+    def _measure_scores(self, r: int, used: dict[str, Instruction], models: dict[str, dict[str, torch.Tensor]],
+                        out: dict[str, dict[str, dict[str, float]]]) -> None:
+        """Record the ``score`` exchange of ``cross_test`` a deployment would have: each site
+        is sent every evaluation model and the shared evaluation instructions
+        (:func:`medfl.wire.score_request`) and answers one ``MetricRecord`` per model."""
+        specs = {cid: self.federation.model_spec(cid) for cid in models}
+        shared, ins_of = wire.share_instructions({owner: used[owner] for owner in models})
+        cache = wire.RecordCache()
+        for cid in client_order(self.federation.eval_client_ids):
+            request = wire.score_request(self._control(r, cid, specs=specs, ins_of=ins_of), models, shared, cache)
+            scores = {owner: out[owner][f"cross_test@{cid}"] for owner in models}
+            self.traffic.add(r, cid, "score", wire.encoded_size(request),
+                             wire.encoded_size(wire.score_answer(cid, scores)))
 
     def evaluate(self, r: int) -> list[dict[str, Any]]:
         """Every client evaluates its model of round ``r`` on each of ``eval_splits``.
@@ -337,8 +511,14 @@ class Run:
         for r in bar:
             rows = self.run_round(r, pm)
             local = [x.get("accuracy") for x in rows if x["split"] == "local_test"]
+            post = {}
             if local:
-                bar.set_postfix(local_acc=f"{sum(local) / len(local):.3f}")
+                post["local_acc"] = f"{sum(local) / len(local):.3f}"
+            eps = [float(x["epsilon"]) for x in self.ledger.rows if x["round"] == r]
+            if eps:
+                post["eps"] = f"{max(eps):.2f}"
+            if post:
+                bar.set_postfix(post)
             self._status("running", r)
             pm.hook.on_round_end(run=self, round=r, metrics=rows)
         bar.close()
@@ -352,6 +532,8 @@ class Run:
                    "final": summarize_metrics(self.metrics)}
         forgetting, per_round = forgetting_report(self.metrics, self.train_metrics)
         summary["forgetting"] = forgetting
+        summary["privacy"] = self.ledger.summary()
+        summary["communication"] = self.traffic.summary(rounds)
         fairness = fairness_report(self.metrics, "local_test")
         if fairness:
             summary["fairness"] = fairness
@@ -362,15 +544,36 @@ class Run:
         return summary
 
 
+def _fold_of(run_dir: Path) -> int | None:
+    """The cross-validation fold of a run: the ``fold`` of the ``config.json`` beside
+    ``run_dir``, as :func:`run_experiment` writes it for each fold (``None``: none)."""
+    cfg = run_dir.parent / "config.json"
+    try:
+        fold = json.loads(cfg.read_text()).get("fold") if cfg.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if fold is None else int(fold)
+
+
+def _read_rounds(path: Path, upto: int) -> pd.DataFrame | None:
+    """The rows of a per-round CSV of a run up to round ``upto`` (``None``: no such file)."""
+    if not path.is_file():
+        return None
+    df = pd.read_csv(path, dtype={"client_id": str, "client_name": str, "data_client_id": str},
+                     keep_default_na=False, na_values=["", "nan", "NaN"])
+    return df[df["round"] <= upto].reset_index(drop=True)
+
+
 def client_context(data: FederatedData, client_id: str, round: int, *, run_seed: int, model_spec: dict[str, Any],
-                   train: dict[str, Any], device: str, store: ClientStore, state_before: int | None = None
-                   ) -> ClientContext:
+                   train: dict[str, Any], device: str, store: ClientStore, state_before: int | None = None,
+                   noise_key: str = "") -> ClientContext:
     """``client_id``'s context for ``round`` on the split ``data``, its persistent state
     loaded from ``store``: the newest state saved before round ``state_before`` (default
     ``round + 1``: the latest, including what an earlier step of this round saved).
 
     Every transport builds contexts here (:meth:`Run.context` in process, a Flower site at
-    the site), so the same run seed gives the same numbers."""
+    the site), so the same run seed gives the same numbers. ``noise_key`` is the site's
+    secret for privacy noise (:attr:`medfl.context.ClientContext.noise_key`; empty in process)."""
     roles = ROLES if client_id != POOLED else ["train", "val", "test"]
     return ClientContext(
         client_id=client_id, round=round, seed=derive_seed(run_seed, round, client_id),
@@ -379,6 +582,7 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
         state=store.load(client_id, round + 1 if state_before is None else state_before),
         sample_shape=tuple(data.source.sample_shape),
         split_sizes=data.sizes(client_id, [r for r in roles if r != "global_test"]),
+        noise_key=noise_key,
     )
 
 

@@ -5,12 +5,13 @@ coordinator as the ServerApp.
   methods talk to SuperNodes) and the ``ServerApp``;
 - :mod:`medfl.flower.site`: the ``ClientApp`` each SuperNode runs: the method's client
   steps on the site's own data, its persistent state kept at the site;
-- :mod:`medfl.flower.wire`: medfl messages as Flower records (tensors and scalars only);
-- :mod:`medfl.flower.protocol`: message types and the partition fingerprint;
+- :mod:`medfl.flower.protocol`: message types and the partition fingerprint (the messages'
+  content is built by :mod:`medfl.wire`, shared with the in-process engine, which measures it);
 - :mod:`medfl.flower.deploy`: the commands of the three steps, and
   :class:`LocalFederation` (a whole federation of processes on one machine).
 
-See ``docs/flower.md``. Flower is an optional dependency: ``pip install -e ".[flower]"``.
+See ``docs/flower.md``. Flower (``flwr``) is a dependency of medfl itself: the in-process
+engine builds the same message contents (:mod:`medfl.wire`) to measure its traffic.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@ names and the partition fingerprint both sides compute.
 
 Every medfl message carries a ``medfl`` ``ConfigRecord`` of control fields (JSON values:
 the run and session ids, the round, the run seed, the addressed client id, the method and
-model specs, the local-training settings...) next to its payload records
-(:mod:`medfl.flower.wire`). Message types (``<category>.<action>``, Flower's convention):
+model specs, the local-training settings...) next to its payload records; every
+message's content is built by :mod:`medfl.wire` (shared with the in-process engine, which
+measures the same contents), and :data:`PROTOCOL` and :data:`CONTROL` are defined there.
+Message types (``<category>.<action>``, Flower's convention):
 
 ``query.hello``
     which client id does this node serve, and what does its partition look like
@@ -34,21 +36,16 @@ import hashlib
 
 from medfl.engine.data import FederatedData
 from medfl.engine.runner import ROLES
+from medfl.wire import CONTROL, PROTOCOL
 
 __all__ = ["PROTOCOL", "HELLO", "TRAIN", "EVALUATE", "VALIDATE", "SCORE", "CONTROL", "ROLES", "OWN_SPLIT_ROLES",
            "partition_digest", "split_sizes"]
-
-#: Version of this protocol; a site refuses messages of another version.
-PROTOCOL = 2
 
 HELLO = "query.hello"
 TRAIN = "train"
 EVALUATE = "evaluate"
 VALIDATE = "evaluate.validate"
 SCORE = "evaluate.score"
-
-#: Name of the control ``ConfigRecord`` in every medfl message.
-CONTROL = "medfl"
 
 #: The roles whose sizes a client knows as its own (the reply guard and ``split_sizes``):
 #: those of a client's context (:data:`medfl.engine.runner.ROLES`) but the shared global test.

@@ -4,7 +4,7 @@
 transport methods replaced: :meth:`~FlowerRun.update_clients` and
 :meth:`~FlowerRun.evaluate_clients` send each addressed client's
 :class:`~medfl.messages.Instruction` to the SuperNode serving that client, as a Flower
-message (:mod:`medfl.flower.wire`), and turn the answers back into
+message (built by :mod:`medfl.wire`), and turn the answers back into
 :class:`~medfl.messages.Reply` objects and metrics. Everything else - the method's
 coordinator role, checkpoints, ``metrics.csv``, ``summary.json``, resume - is ``Run``'s,
 unchanged, so any method registered through the plugin contract runs over Flower with no
@@ -18,9 +18,10 @@ site that does not answer a round's message within ``round_timeout`` seconds (or
 node the SuperLink reports unavailable) is left out of that round's replies - the
 method's ``server_update`` sees only the sites that answered, exactly as with a sampled
 subset - and out of that round's evaluation rows. Every exchange is recorded in
-``flower_events.csv`` of the run directory. A node that comes back (a restarted SuperNode
-gets a new node id) is recognised by its hello before the next exchange and continues
-from the state it saved at the site.
+``flower_events.csv`` of the run directory, and the encoded size of every message sent
+and received in ``communication.csv`` (as in process: :mod:`medfl.engine.traffic`). A
+node that comes back (a restarted SuperNode gets a new node id) is recognised by its hello
+before the next exchange and continues from the state it saved at the site.
 
 Per-site persistent state is never at the coordinator: the ``clients/`` and
 ``eval_state/`` directories of a Flower run stay empty; each site keeps them under its
@@ -42,11 +43,11 @@ import pandas as pd
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from medfl import wire
 from medfl.engine.client import cross_test_mean
 from medfl.engine.data import FederatedData, client_order
 from medfl.engine.runner import Run, RunError, resume, run_experiment
 from medfl.flower import protocol as P
-from medfl.flower import wire
 from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
 
 __all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "run_flower_experiment",
@@ -218,6 +219,9 @@ class FlowerRun(Run):
             run across sites.
     """
 
+    noise_source = ("each site's own secret (<state-dir>/noise.key) mixed with the run seed, unless a site "
+                    "sets MEDFL_REPRODUCIBLE_NOISE=1")
+
     def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
                  data: FederatedData, grid: Grid, settings: FlowerSettings | None = None,
                  fold: int | None = None) -> None:
@@ -227,18 +231,14 @@ class FlowerRun(Run):
                            "across sites over Flower (run it in process)")
         self.grid = grid
         self.settings = settings or FlowerSettings()
-        if fold is None:
-            fold_cfg = Path(run_dir).parent / "config.json"
-            fold = json.loads(fold_cfg.read_text()).get("fold") if fold_cfg.is_file() else None
-        self.fold = None if fold is None else int(fold)
-        self.run_id = ""
+        if fold is not None:   # else Run's: the fold of the config.json beside run_dir
+            self.fold = int(fold)
+        self.run_id = ""       # set by prepare (flower.json)
         self.session = ""
-        self.resume_round = 0
-        self._ckpt = 0
         self._events: list[dict[str, Any]] = []
         expected = {cid: (P.split_sizes(data, cid), P.partition_digest(data, cid))
                     for cid in self.federation.eval_client_ids}
-        self.sites = SiteDirectory(grid, expected, fold, self.settings, self._log)
+        self.sites = SiteDirectory(grid, expected, self.fold, self.settings, self._log)
         self._guard = SampleGuard(tuple(data.source.sample_shape))   # the same for every site
 
     # ------------------------------------------------------------------ bookkeeping
@@ -272,8 +272,7 @@ class FlowerRun(Run):
         if not resume or not meta.get("run_id"):
             meta["run_id"] = uuid.uuid4().hex
         self.run_id = str(meta["run_id"])
-        self.session = uuid.uuid4().hex
-        self.resume_round = self._ckpt = self.start_round - 1
+        self.session = uuid.uuid4().hex   # resume_round and _ckpt: set by Run.prepare
         meta.setdefault("sessions", []).append({"session": self.session, "resumed_from": self.resume_round,
                                                 "started": time.time()})
         tmp = meta_path.with_suffix(".tmp")
@@ -315,21 +314,10 @@ class FlowerRun(Run):
 
     def _save_checkpoint(self, r: int) -> None:
         super()._save_checkpoint(r)
-        self._ckpt = r
         self._flush_events()
 
-    def _control(self, r: int, cid: str, **extra: Any) -> dict[str, Any]:
-        return {"protocol": P.PROTOCOL, "run": self.run_id, "session": self.session, "resume": self.resume_round,
-                "ckpt": self._ckpt, "round": r, "seed": self.federation.seed, "client": cid, "fold": self.fold,
-                "method": self.method_spec, "model": self.federation.model_spec(cid),
-                "train": dict(self.federation.train), **extra}
-
     def _instruction_content(self, r: int, cid: str, ins: Instruction, **extra: Any) -> RecordDict:
-        content = RecordDict()
-        wire.put_json(content, P.CONTROL, self._control(r, cid, **extra))
-        wire.put(content, "ins.payload", ins.payload, f"instruction to client {cid}")
-        wire.put(content, "ins.config", ins.config, f"instruction config to client {cid}")
-        return content
+        return wire.instruction_request(self._control(r, cid, **extra), ins)
 
     # ------------------------------------------------------------------ one exchange
     def exchange(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict]
@@ -340,6 +328,10 @@ class FlowerRun(Run):
         order; a client without a node, one whose node is unavailable and one that has
         not answered within ``round_timeout`` are left out (and logged).
 
+        Every message sent is recorded in :attr:`traffic` under ``phase`` with the encoded
+        size of its content and of the answer's (:func:`medfl.wire.encoded_size`; a client
+        that did not answer counts its request only; one without a node was sent nothing).
+
         Raises:
             SiteFailure: a site's ClientApp raised an error.
         """
@@ -348,11 +340,14 @@ class FlowerRun(Run):
         by_msg: dict[str, str] = {}
         sent_at: dict[str, float] = {}
         msgs, order = [], []
+        size_to: dict[str, int] = {}
+        size_from: dict[str, int] = {}
         for cid in client_order(outgoing):
             node = self.sites.nodes.get(cid)
             if node is None:
                 self._log({"round": r, "phase": phase, "client_id": cid, "status": "absent"})
                 continue
+            size_to[cid] = wire.encoded_size(outgoing[cid])
             msgs.append(Message(outgoing[cid], dst_node_id=node, message_type=message_type, group_id=str(r),
                                 ttl=self.settings.round_timeout + 60.0))
             order.append(cid)
@@ -385,6 +380,7 @@ class FlowerRun(Run):
                     raise RunError(f"{phase} of round {r}: node {node} answered as client {ctl.get('client')!r}, "
                                    f"but serves client {cid!r} for this run")
                 replies[cid] = reply
+                size_from[cid] = wire.encoded_size(reply.content)
                 self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node, "status": "ok",
                            "seconds": secs})
             if by_msg:
@@ -397,6 +393,8 @@ class FlowerRun(Run):
             self.sites.drop(cid)
         self._log({"round": r, "phase": phase + ":all", "status": f"{len(replies)}/{len(outgoing)}",
                    "seconds": time.monotonic() - t0})
+        for cid in order:
+            self.traffic.add(r, cid, phase, size_to[cid], size_from.get(cid, 0))
         return {cid: replies[cid] for cid in client_order(replies)}
 
     # ------------------------------------------------------------------ the transport seam
@@ -460,24 +458,10 @@ class FlowerRun(Run):
                 models[cid] = state
         if cross and models:
             specs = {cid: self.federation.model_spec(cid) for cid in models}
-            shared: list[Instruction] = []   # each distinct evaluation instruction once
-            ins_of: dict[str, int] = {}
-            for owner in models:
-                ins = evals.get(owner, Instruction())
-                k = next((i for i, x in enumerate(shared) if x is ins), None)
-                if k is None:
-                    shared.append(ins)
-                    k = len(shared) - 1
-                ins_of[owner] = k
-            outgoing = {}
-            for cid in ids:
-                content = RecordDict()
-                wire.put_json(content, P.CONTROL, self._control(r, cid, specs=specs, ins_of=ins_of))
-                wire.put(content, "models", models, f"cross_test models to site {cid}")
-                for k, ins in enumerate(shared):
-                    wire.put(content, f"ins.{k}.payload", ins.payload, f"cross_test instruction {k} to site {cid}")
-                    wire.put(content, f"ins.{k}.config", ins.config, f"cross_test instruction {k} to site {cid}")
-                outgoing[cid] = content
+            # each distinct evaluation instruction once
+            shared, ins_of = wire.share_instructions({owner: evals.get(owner, Instruction()) for owner in models})
+            outgoing = {cid: wire.score_request(self._control(r, cid, specs=specs, ins_of=ins_of), models, shared)
+                        for cid in ids}
             scored = self.exchange(r, "score", P.SCORE, outgoing)
             del models, outgoing
             by_owner: dict[str, dict[str, dict[str, float]]] = {}

@@ -18,8 +18,9 @@ it)::
 ``state-dir``
     where this site keeps each run's persistent client state
     (``<state-dir>/<run id>/site_<client id>/clients/``, a
-    :class:`~medfl.engine.client.ClientStore` versioned by round as in process) and its
-    evaluation memory (``.../eval_state/``). Nothing of it is sent to the coordinator.
+    :class:`~medfl.engine.client.ClientStore` versioned by round as in process), its
+    evaluation memory (``.../eval_state/``) and its secret for privacy noise
+    (``<state-dir>/noise.key``, :func:`site_noise_key`). Nothing of it is sent to the coordinator.
 ``overrides`` (optional)
     JSON of ``#``-path overrides of the config (``{"fl#dataset#root": "/data"}``).
 ``workdir`` (optional)
@@ -61,12 +62,13 @@ from flwr.clientapp import ClientApp
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_peer_model, evaluate_model,
                                  run_client_update, run_client_validate, score_dataset)
 from medfl.engine.data import FederatedData, client_order, split_data
+from medfl import wire
 from medfl.flower import protocol as P
-from medfl.flower import wire
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
 
-__all__ = ["SiteSettings", "Site", "SiteError", "handle", "handle_locally", "site_for", "app"]
+__all__ = ["SiteSettings", "Site", "SiteError", "handle", "handle_locally", "site_for", "site_noise_key", "app",
+           "REPRODUCIBLE_NOISE_ENV"]
 
 
 class SiteError(RuntimeError):
@@ -143,6 +145,7 @@ class Site:
         self.device = settings.device or str(self.cfg["device"])
         self._data: dict[int | None, FederatedData] = {}
         self._source: Any = None
+        self.noise_key = site_noise_key(settings.state_dir, self.client_id)
 
     # ------------------------------------------------------------------ data and state
     def data(self, fold: int | None) -> FederatedData:
@@ -203,7 +206,7 @@ class Site:
 
         return client_context(self.data(ctl.get("fold")), self.client_id, int(ctl["round"]),
                               run_seed=int(ctl["seed"]), model_spec=dict(ctl["model"]), train=dict(ctl["train"]),
-                              device=self.device, store=store, state_before=state_before)
+                              device=self.device, store=store, state_before=state_before, noise_key=self.noise_key)
 
     def check(self, ctl: dict[str, Any]) -> None:
         """Refuse a message of another protocol, addressed to another client, or asking
@@ -232,10 +235,16 @@ class Site:
 
     def train(self, ctl: dict[str, Any], ins: Instruction) -> tuple[Any, int, dict[str, Any]]:
         """Run the method's ``client_update``; save the client's state at the site."""
+        from medfl.filters import FilterChain
+
         store, _ = self.stores(ctl)
+        # the coordinator's resolved filter entries (approved by Site.check): applied to the
+        # reply here, undone at the coordinator
+        filters = FilterChain.from_specs(ctl.get("filters") or [], f"filters sent to site {self.client_id}")
         # checks the reply (tensors and numbers, none of this site's labels or images) before
-        # the wire side packs it, which checks its types again
-        reply = run_client_update(self.method(ctl), self.context(ctl, store), ins, store=store)
+        # and after the filters, before the wire side packs it, which checks its types again
+        reply = run_client_update(self.method(ctl), self.context(ctl, store), ins, store=store, filters=filters,
+                                  step=int(ctl.get("step", 0)))
         return reply.payload, int(reply.num_examples), dict(reply.metrics)
 
     def evaluate(self, ctl: dict[str, Any], ins: Instruction) -> tuple[dict[str, dict[str, float]],
@@ -292,6 +301,41 @@ class Site:
         return out
 
 
+#: Set to ``1`` in a site's environment to draw privacy noise from the run seed alone, as in
+#: process (tests and simulations that compare the two; no guarantee against the coordinator).
+REPRODUCIBLE_NOISE_ENV = "MEDFL_REPRODUCIBLE_NOISE"
+
+
+def site_noise_key(state_dir: Path, client_id: str) -> str:
+    """The site's secret for privacy noise: 32 random bytes (hex) kept in
+    ``<state-dir>/noise.key`` (created on first use, readable by its owner only), mixed into
+    the seeds of every DP draw at this site (:attr:`medfl.context.ClientContext.noise_key`).
+    The run seed is known to the coordinator; without a secret it could regenerate the noise
+    and subtract it. Empty (noise from the run seed alone) when :data:`REPRODUCIBLE_NOISE_ENV`
+    is ``1``, which the site says on stderr."""
+    import secrets
+    import sys
+
+    if os.environ.get(REPRODUCIBLE_NOISE_ENV, "") == "1":
+        print(f"medfl site {client_id}: {REPRODUCIBLE_NOISE_ENV}=1: privacy noise is drawn from the run seed alone "
+              "(reproducible, as in process): no DP guarantee against whoever knows the seed", file=sys.stderr,
+              flush=True)
+        return ""
+    path = Path(state_dir) / "noise.key"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        tmp.replace(path)
+    key = path.read_text().strip()
+    if len(key) < 32:
+        raise SiteError(f"medfl site {client_id}: {path} holds no usable secret (expected 64 hex characters); "
+                        "delete it to make a new one")
+    return key
+
+
 # ---------------------------------------------------------------------- message handling
 _SITES: dict[str, Site] = {}
 
@@ -306,11 +350,6 @@ def site_for(node_config: dict[str, Any]) -> Site:
     return _SITES[key]
 
 
-def _answer(site: Site, content: RecordDict, **control: Any) -> RecordDict:
-    wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "client": site.client_id, **control})
-    return content
-
-
 def _instruction(content: RecordDict, where: str, prefix: str = "ins") -> Instruction:
     return Instruction(payload=wire.take(content, f"{prefix}.payload", where),
                        config=wire.take(content, f"{prefix}.config", where + " (config)"))
@@ -318,7 +357,8 @@ def _instruction(content: RecordDict, where: str, prefix: str = "ins") -> Instru
 
 def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
     """Answer one medfl message (:mod:`medfl.flower.protocol`) at ``site``: decode and
-    check what came in, run the step, encode and check what goes out.
+    check what came in, run the step, encode and check what goes out (the answer's content
+    is built by :mod:`medfl.wire`, as the in-process engine builds it to measure it).
 
     Raises:
         SiteError: unknown message type, wrong protocol or client id.
@@ -329,26 +369,16 @@ def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
     me = f"site {site.client_id}"
     if message_type == P.HELLO:
         info = site.hello(ctl)
-        return _answer(site, RecordDict(), sizes=info["sizes"], digest=info["digest"])
+        return wire.answer(site.client_id, sizes=info["sizes"], digest=info["digest"])
     if message_type == P.TRAIN:
         payload, n, metrics = site.train(ctl, _instruction(content, f"instruction to {me}"))
-        out = RecordDict()
-        wire.put(out, "reply.payload", payload, f"reply of {me}", allow_str=False)
-        wire.put(out, "reply.metrics", metrics, f"reply metrics of {me}", allow_str=False)
-        return _answer(site, out, num_examples=n)
+        return wire.train_answer(site.client_id, payload, metrics, n)
     if message_type == P.EVALUATE:
         results, state = site.evaluate(ctl, _instruction(content, f"evaluation instruction to {me}"))
-        out = RecordDict()
-        for split, m in results.items():
-            out[f"eval.{split}"] = wire.metrics_record(m, f"evaluation of {me} ({split})")
-        if state is not None:
-            wire.put(out, "model", state, f"evaluation model of {me}", allow_str=False)
-        return _answer(site, out, splits=list(results))
+        return wire.evaluate_answer(site.client_id, results, state)
     if message_type == P.VALIDATE:
         scores = site.validate(ctl, _instruction(content, f"validation instruction to {me}"))
-        out = RecordDict()
-        out["validate"] = wire.metrics_record(scores, f"validation of {me}")
-        return _answer(site, out)
+        return wire.validate_answer(site.client_id, scores)
     if message_type == P.SCORE:
         models = wire.take(content, "models", f"cross_test models sent to {me}")
         if not isinstance(models, dict):
@@ -357,10 +387,7 @@ def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
         shared = {k: _instruction(content, f"cross_test instruction {k} sent to {me}", prefix=f"ins.{k}")
                   for k in sorted(set(ins_of.values()))}
         results = site.score(ctl, models, {owner: shared[k] for owner, k in ins_of.items()})
-        out = RecordDict()
-        for owner, m in results.items():
-            out[f"score.{owner}"] = wire.metrics_record(m, f"cross_test score at {me}")
-        return _answer(site, out, owners=list(results))
+        return wire.score_answer(site.client_id, results)
     raise SiteError(f"{me}: unknown message type {message_type!r}")
 
 

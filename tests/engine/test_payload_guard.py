@@ -309,3 +309,53 @@ def test_a_probe_writing_labels_into_metrics_fails_the_run(tiny_fl: dict[str, An
         with pytest.raises(PayloadError, match=r"reply of method 'label_probe' from client 0 \(metrics\)"
                                                r"\['label_0'\]\.\.\['label_\d+'\]: holds the labels of client 0"):
             run_experiment(resolve(tiny_fl))
+
+
+# ---------------------------------------------------------------- reply filters (quantize)
+@pytest.mark.parametrize("name, dims, kw", MODELS[:4], ids=[f"{m}-{d}d" for m, d, _ in MODELS[:4]])
+def test_the_quantize_filters_packed_codes_never_trigger_the_guard(name: str, dims: int, kw: dict[str, Any]) -> None:
+    """What ``quantize`` sends (bit-packed uint8 codes plus ranges) at 1, 4, 8 and 16 bits,
+    of initial and trained-like weights, passes the content guard and the coordinator's check."""
+    from medfl.filters import FilterChain
+    from medfl.models.registry import build_model
+    from medfl_plugins.baselines import Centralized
+
+    shape = (1, 16, 16) if dims == 2 else (1, 12, 12, 12)
+    guard = ContentGuard("0", {f"split{n}": _data(n, shape, seed=n, classes=2, normal=dims == 3)
+                               for n in (8, 16, 32, 64, 128)})
+    model = build_model({"name": name, "spatial_dims": dims, "in_channels": 1, "num_classes": 2, **kw})
+    for weights in (model.state_dict(), _trained(model)):
+        for bits in (1, 4, 8, 16):
+            chain = FilterChain.from_specs([{"name": "quantize", "bits": bits}])
+            sent = chain.apply(Centralized, {"model": weights}, {}, client_id="0", round=1, step=0, seed=3,
+                               model_spec={}, where="reply")
+            guard.check(sent, f"{name} {dims}D {bits} bits")
+            SampleGuard(shape).check(sent, "reply")
+
+
+class _QuantizedLeak(_Leak):
+    """A method whose reply's model state goes through the run's filters."""
+
+    name = "quantized_leak_probe"
+    reply_state = {"model": None}
+
+    def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
+        reply = super().client_update(client, instruction)
+        model = {k: v for k, v in reply.payload.items() if k in ("w", "b")}
+        rest = {k: v for k, v in reply.payload.items() if k not in ("w", "b")}
+        if self.into == "model":   # the leak hidden inside the filtered model state
+            model[self.key] = self.make(client)
+            rest.pop(self.key, None)
+        return Reply(payload={"model": model, **rest}, metrics=reply.metrics)
+
+
+@pytest.mark.parametrize("into", ["payload", "model"])
+def test_labels_are_still_refused_when_the_reply_is_quantized(ctx_data: tuple[_Data, _Data], into: str) -> None:
+    from medfl.filters import FilterChain
+
+    chain = FilterChain.from_specs([{"name": "quantize", "bits": 8}])
+    ok = _QuantizedLeak(make=lambda c: torch.tensor(1.5))
+    run_client_update(ok, _ctx(*ctx_data), Instruction(), filters=chain)     # a clean reply passes
+    leak = _QuantizedLeak(make=lambda c: _y(c).float(), into=into)
+    with pytest.raises(PayloadError, match="client 3"):
+        run_client_update(leak, _ctx(*ctx_data), Instruction(), filters=chain)

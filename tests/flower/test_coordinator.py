@@ -27,7 +27,7 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.data import split_data  # noqa: E402
 from medfl.engine.runner import Run, RunError, build_source, run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
-from medfl.flower import wire  # noqa: E402
+from medfl import wire  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
 from medfl.flower.server import FlowerRun, FlowerSettings, SiteFailure, resume_flower, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402

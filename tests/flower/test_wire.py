@@ -11,7 +11,7 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 
-from medfl.flower import wire  # noqa: E402
+from medfl import wire  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
 from medfl.messages import PayloadError  # noqa: E402
 

@@ -1,0 +1,294 @@
+"""A run's privacy: what it applies (:class:`PrivacyPlan`) and what it has spent (:class:`PrivacyLedger`).
+
+The coordinator plans a run's differential privacy once, before any training, from the
+config: the reply filter chain (``dp_gaussian``: client-level DP on updates) and DP-SGD in
+local training (``train.dp``: sample-level DP, :mod:`medfl.privacy.dp_sgd`). Where a target
+epsilon is given, the noise multiplier is derived with Opacus's accountant over what the
+run will do: every client's planned releases are known in advance, because the clients of
+each round are drawn from the run seed (:meth:`medfl.method.Federation.sample`).
+
+The ledger then records, after every round, each client's releases of that round and its
+epsilon spent so far (Opacus's accountant over the client's whole history): ``privacy.csv``
+and the ``privacy`` block of ``summary.json``. It counts a release for every client that was
+*sent* a training instruction, whether or not its reply arrived (a reply lost on the way may
+still have been seen), so a client's epsilon is never under-reported. The accounting needs
+nothing from the clients; a DP-SGD client's own step count (its reply's ``dp_steps`` metric)
+is checked against the plan, and a mismatch stops the run.
+
+Whose guarantee, against whom:
+
+``dp_gaussian`` (unit: a client's whole dataset)
+    each release is the Gaussian mechanism on the clipped update (sensitivity ``clip``,
+    zero-out adjacency: the client's update replaced by zeros), seen by the coordinator.
+    The coordinator picks who takes part, so there is no amplification by sampling: the
+    sample rate is 1 and a client's epsilon composes over the rounds it took part in.
+``dp_sgd`` (unit: one training sample of one client)
+    Opacus's DP-SGD with Poisson sampling at rate ``1 / ceil(N_k / batch_size)`` for
+    ``epochs * ceil(N_k / batch_size)`` steps per local update, composed over the client's
+    updates; each client's epsilon is its own (its own N_k and steps).
+
+What the epsilon does not cover: the training metrics a reply carries (mean loss, step
+counts), ``num_examples``, evaluation and validation scalars, and reply entries other than
+the filtered model state (``PrivacyPlan.uncovered``); the summary lists them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from medfl.filters import FilterChain
+from medfl.method import Federation, Method
+from medfl.privacy.accounting import PrivacyConfigError, check_budget, epsilon_spent, noise_for_epsilon
+
+__all__ = ["PrivacyPlan", "PrivacyLedger", "DpSgdPlan", "PRIVACY_COLUMNS", "planned_releases"]
+
+#: Columns of ``privacy.csv``.
+PRIVACY_COLUMNS = ["round", "client_id", "mechanism", "unit", "noise_multiplier", "clip", "steps", "total_steps",
+                   "sample_rate", "epsilon", "delta", "accountant"]
+
+
+def planned_releases(federation: Federation, rounds: int | None = None) -> dict[str, int]:
+    """How many rounds each training client takes part in over ``rounds`` (default: the
+    federation's), from the seeded sampling schedule."""
+    counts = {cid: 0 for cid in federation.client_ids}
+    for r in range(1, int(rounds or federation.rounds) + 1):
+        for cid in federation.sample(r):
+            counts[cid] += 1
+    return counts
+
+
+@dataclass
+class DpSgdPlan:
+    """DP-SGD (``train.dp``) resolved per client.
+
+    Attributes:
+        settings: the checked ``train.dp`` section (:func:`medfl.config.check_dp_sgd`).
+        noise: each client's noise multiplier.
+        sample_rate: each client's Poisson sampling rate.
+        steps: each client's optimizer steps per local update.
+        model_fix: what Opacus's validator replaced in the model (e.g. BatchNorm -> GroupNorm).
+    """
+
+    settings: dict[str, Any]
+    noise: dict[str, float]
+    sample_rate: dict[str, float]
+    steps: dict[str, int]
+    model_fix: list[str] = field(default_factory=list)
+
+
+class PrivacyPlan:
+    """The DP a run applies, resolved at the coordinator before training.
+
+    Args:
+        chain: the run's reply filter chain (already checked against the method).
+        federation: the run's federation; its model spec gains ``dp_compatible`` when
+            DP-SGD is on (Opacus's validator replaces BatchNorm by GroupNorm everywhere).
+        method: the coordinator's method (its reply keys, for ``uncovered``).
+        where: config location for error messages.
+
+    Raises:
+        PrivacyConfigError: a budget no noise can reach, delta >= 1/N, a model Opacus cannot
+            train, a method without DP-SGD support.
+    """
+
+    def __init__(self, chain: FilterChain, federation: Federation, method: Method, where: str = "fl") -> None:
+        self.chain = chain
+        self.federation = federation
+        self.chain_keys = list(type(method).reply_state)
+        chain.plan(federation, f"{where}, filters")
+        self.dp_sgd: DpSgdPlan | None = None
+        dp = federation.train.get("dp")
+        if dp:
+            self.dp_sgd = self._plan_dp_sgd(dict(dp), federation, type(method), f"{where}, train.dp")
+        self.uncovered: list[str] = []
+        if self.private:
+            self.uncovered = ["training metrics in replies (mean loss, step counts)", "num_examples",
+                              "evaluation and validation scalars"]
+        self._extra: set[str] = set()
+
+    def note_reply(self, payload: dict[str, Any]) -> None:
+        """Note reply entries a DP filter chain did not cover (entries outside the method's
+        ``reply_state``, e.g. FedKPer's aggregation score): they join :attr:`uncovered`."""
+        if not self.chain.releases():
+            return
+        extra = set(payload) - set(self.chain_keys) - self._extra
+        if extra:
+            self._extra |= extra
+            self.uncovered = [u for u in self.uncovered if not u.startswith("reply entries")]
+            self.uncovered.append(f"reply entries outside the filtered model state: {sorted(self._extra)}")
+
+    @property
+    def private(self) -> bool:
+        """Whether the run makes any DP release."""
+        return bool(self.chain.releases()) or self.dp_sgd is not None
+
+    # ------------------------------------------------------------------ DP-SGD
+    @staticmethod
+    def _plan_dp_sgd(dp: dict[str, Any], federation: Federation, cls: type[Method], where: str) -> DpSgdPlan:
+        from medfl.privacy.dp_sgd import make_private_model, planned_steps
+
+        if not cls.supports_dp_sgd:
+            raise PrivacyConfigError(f"{where}: method {cls.name!r} does not support DP-SGD")
+        train = federation.train
+        bs, epochs = int(train.get("batch_size", 16)), int(train.get("epochs", 1))
+        rounds = planned_releases(federation)
+        noise, rate, steps = {}, {}, {}
+        for cid in federation.client_ids:
+            n = int(federation.num_examples.get(cid, 0))
+            check_budget(dp.get("epsilon"), float(dp["delta"]), max(n, 1), f"{where} (client {cid})")
+            steps[cid], rate[cid] = planned_steps(n, bs, epochs)
+            if dp.get("noise_multiplier") is not None:
+                noise[cid] = float(dp["noise_multiplier"])
+            else:
+                # a client the schedule never samples still gets the noise of one update
+                noise[cid] = noise_for_epsilon(float(dp["epsilon"]), float(dp["delta"]), rate[cid],
+                                               steps[cid] * max(rounds[cid], 1), dp["accountant"])
+        spec = federation.model_spec()
+        from medfl.models.registry import build_model
+
+        _, fixed = make_private_model(build_model(spec), where=f"model {spec['name']!r}")
+        federation.model = {**federation.model, "dp_compatible": True}
+        return DpSgdPlan(settings=dp, noise=noise, sample_rate=rate, steps=steps, model_fix=fixed)
+
+    def client_train(self, client_id: str) -> dict[str, Any]:
+        """A client's local-training settings: the run's, with ``dp`` resolved for it
+        (its own ``noise_multiplier``) when DP-SGD is on."""
+        train = dict(self.federation.train)
+        if self.dp_sgd is not None and client_id in self.dp_sgd.noise:
+            train["dp"] = {**self.dp_sgd.settings, "noise_multiplier": self.dp_sgd.noise[client_id]}
+        return train
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as JSON for ``config.json`` (what is noised, with what, and what is not covered)."""
+        out: dict[str, Any] = {"private": self.private, "filters": self.chain.specs()}
+        for rel in self.chain.releases():
+            out[rel.mechanism] = {"unit": rel.unit, "noise_multiplier": rel.noise_multiplier, "clip": rel.clip,
+                                  "sample_rate": rel.sample_rate, "delta": rel.delta, "accountant": rel.accountant,
+                                  "planned_releases": planned_releases(self.federation)}
+        if self.dp_sgd is not None:
+            p = self.dp_sgd
+            out["dp_sgd"] = {"unit": "sample", **p.settings, "noise_multiplier": p.noise, "sample_rate": p.sample_rate,
+                             "steps_per_update": p.steps, "planned_updates": planned_releases(self.federation),
+                             "model_fix": p.model_fix}
+        if self.uncovered:
+            out["not_covered"] = self.uncovered
+        return out
+
+
+class PrivacyLedger:
+    """Every client's DP releases and epsilon, round by round (``privacy.csv``).
+
+    Args:
+        plan: the run's :class:`PrivacyPlan`.
+    """
+
+    def __init__(self, plan: PrivacyPlan) -> None:
+        self.plan = plan
+        self.history: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+        self.rows: list[dict[str, Any]] = []
+
+    def load(self, df: pd.DataFrame) -> None:
+        """Rebuild the histories from ``privacy.csv`` rows (a resumed run)."""
+        self.rows = df.to_dict("records")
+        self.history.clear()
+        for row in self.rows:
+            key = (str(row["client_id"]), str(row["mechanism"]))
+            self.history.setdefault(key, []).append(
+                (float(row["noise_multiplier"]), float(row["sample_rate"]), int(row["steps"])))
+
+    def record(self, round: int, addressed: dict[str, int], reported_steps: dict[str, float] | None = None
+               ) -> list[dict[str, Any]]:
+        """Record round ``round``: ``addressed`` maps each client sent a training instruction
+        to how many times (train steps). ``reported_steps`` (DP-SGD clients' ``dp_steps``)
+        is checked against the plan.
+
+        Raises:
+            PrivacyConfigError: a client reports other DP-SGD steps than planned (the
+                accounting would be wrong).
+        """
+        new = []
+        for rel in self.plan.chain.releases():
+            for cid in sorted(addressed, key=_order):
+                new.append(self._add(round, cid, rel.mechanism, rel.unit, rel.noise_multiplier, rel.clip,
+                                     rel.sample_rate, addressed[cid], rel.delta, rel.accountant))
+        p = self.plan.dp_sgd
+        if p is not None:
+            for cid in sorted(addressed, key=_order):
+                planned = p.steps[cid] * addressed[cid]
+                got = (reported_steps or {}).get(cid)
+                if got is not None and int(round_float(got)) != planned:
+                    raise PrivacyConfigError(
+                        f"round {round}: client {cid} reports {got:g} DP-SGD steps, the privacy plan accounts "
+                        f"{planned}; its epsilon would be wrong (a method or dataset that changes the number of "
+                        "local steps cannot use train.dp)")
+                new.append(self._add(round, cid, "dp_sgd", "sample", p.noise[cid], float(p.settings["max_grad_norm"]),
+                                     p.sample_rate[cid], planned, float(p.settings["delta"]), p.settings["accountant"]))
+        self.rows.extend(new)
+        return new
+
+    def _add(self, round: int, cid: str, mech: str, unit: str, sigma: float, clip: float, q: float, steps: int,
+             delta: float, accountant: str) -> dict[str, Any]:
+        hist = self.history.setdefault((cid, mech), [])
+        if steps > 0:
+            if hist and hist[-1][0] == sigma and hist[-1][1] == q:
+                hist[-1] = (sigma, q, hist[-1][2] + steps)
+            else:
+                hist.append((sigma, q, steps))
+        eps = epsilon_spent(hist, delta, accountant)
+        return {"round": round, "client_id": cid, "mechanism": mech, "unit": unit, "noise_multiplier": sigma,
+                "clip": clip, "steps": steps, "total_steps": sum(h[2] for h in hist), "sample_rate": q,
+                "epsilon": eps, "delta": delta, "accountant": accountant}
+
+    def frame(self) -> pd.DataFrame:
+        """The rows as a DataFrame with :data:`PRIVACY_COLUMNS`."""
+        return pd.DataFrame(self.rows, columns=PRIVACY_COLUMNS)
+
+    def summary(self) -> dict[str, Any]:
+        """The ``privacy`` block of ``summary.json``: per mechanism the worst client's final
+        epsilon (and which client), delta, accountant and noise; ``epsilon`` is the worst
+        over mechanisms (``null`` for a run without DP, which guarantees nothing)."""
+        plan = self.plan
+        out: dict[str, Any] = {"private": plan.private, "epsilon": None, "mechanisms": {}}
+        if not plan.private:
+            return out
+        df = self.frame()
+        for mech, g in df.groupby("mechanism", sort=False):
+            last = g.groupby("client_id").tail(1)
+            worst = last.loc[last["epsilon"].astype(float).idxmax()]
+            block = {"unit": str(worst["unit"]), "epsilon": float(worst["epsilon"]),
+                     "worst_client": str(worst["client_id"]), "delta": float(worst["delta"]),
+                     "accountant": str(worst["accountant"]),
+                     "per_client": {str(c): float(e) for c, e in zip(last["client_id"], last["epsilon"])},
+                     "noise_multiplier": {str(c): float(s) for c, s in zip(last["client_id"], last["noise_multiplier"])},
+                     "clip": float(worst["clip"])}
+            target = _target(plan, str(mech))
+            if target is not None:
+                block["target_epsilon"] = target
+            out["mechanisms"][str(mech)] = block
+        eps = [b["epsilon"] for b in out["mechanisms"].values()]
+        out["epsilon"] = max(eps) if eps else 0.0
+        out["not_covered"] = list(plan.uncovered)
+        return out
+
+
+def _target(plan: PrivacyPlan, mech: str) -> float | None:
+    if mech == "dp_sgd" and plan.dp_sgd is not None:
+        return plan.dp_sgd.settings.get("epsilon")
+    for f in plan.chain.filters:
+        rel = f.release()
+        if rel is not None and rel.mechanism == mech:
+            return getattr(f, "epsilon", None)
+    return None
+
+
+def round_float(x: float) -> float:
+    """``x`` rounded to the nearest integer (steps travel as floats in metrics)."""
+    return math.floor(float(x) + 0.5)
+
+
+def _order(cid: str) -> tuple[int, Any]:
+    return (0, int(cid)) if str(cid).isdigit() else (1, str(cid))

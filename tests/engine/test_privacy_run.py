@@ -1,0 +1,137 @@
+"""Differential privacy in a whole run: the epsilon in privacy.csv and summary.json is what
+Opacus's accountant gives for the run's noise, sampling rate and steps; a target epsilon is
+reached (within the accountant's tolerance) and never exceeded; a resumed run reports the
+same epsilon as an uninterrupted one; DP-SGD trains a ResNet with GroupNorm and gives each
+client its own epsilon."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from opacus.accountants import create_accountant
+
+from medfl.engine.runner import resume, run_experiment
+
+
+def _run(resolve: Any, fl: dict[str, Any]) -> Path:
+    """Run a one-method experiment; its run directory."""
+    cfg = resolve(fl)
+    out = run_experiment(cfg)
+    return Path(out["dir"]) / (cfg["methods"][0].get("label") or cfg["methods"][0]["name"])
+
+
+def _opacus_epsilon(history: list[tuple[float, float, int]], delta: float, accountant: str = "rdp") -> float:
+    acc = create_accountant(mechanism=accountant)
+    acc.history = list(history)
+    with np.errstate(divide="ignore"):   # PRV takes log(1 - q) at q = 1 on purpose
+        return float(acc.get_epsilon(delta))
+
+
+def _privacy(run: Path) -> pd.DataFrame:
+    return pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
+
+
+def test_dp_gaussian_run_reports_opacus_epsilon_and_reaches_the_target(tiny_fl: dict, resolve: Any) -> None:
+    fl = {**tiny_fl, "rounds": 3, "filters": [{"name": "dp_gaussian", "epsilon": 4.0, "delta": 1e-3, "clip": 1.0}]}
+    run = _run(resolve, fl)
+    df = _privacy(run)
+    assert list(df.columns) == ["round", "client_id", "mechanism", "unit", "noise_multiplier", "clip", "steps",
+                                "total_steps", "sample_rate", "epsilon", "delta", "accountant"]
+    assert len(df) == 3 * 3 and set(df["mechanism"]) == {"dp_gaussian"} and set(df["sample_rate"]) == {1.0}
+    sigma = float(df["noise_multiplier"].iloc[0])
+    for _, row in df.iterrows():    # each round's epsilon so far is Opacus's for that history
+        assert row["epsilon"] == pytest.approx(_opacus_epsilon([(sigma, 1.0, int(row["round"]))], 1e-3), rel=1e-9)
+    final = df[df["round"] == 3]["epsilon"]
+    assert 4.0 - 0.01 <= final.max() <= 4.0          # every client takes part in every round
+    summary = json.loads((run / "summary.json").read_text())["privacy"]
+    block = summary["mechanisms"]["dp_gaussian"]
+    assert summary["epsilon"] == pytest.approx(final.max()) and block["target_epsilon"] == 4.0
+    assert block["accountant"] == "rdp" and block["delta"] == 1e-3 and block["unit"] == "client"
+    assert "num_examples" in summary["not_covered"]
+    cfg = json.loads((run / "config.json").read_text())["privacy"]
+    assert cfg["dp_gaussian"]["noise_multiplier"] == sigma and cfg["filters"][0]["noise_multiplier"] == sigma
+    assert (run / "plots" / "privacy.png").is_file()
+    cmp = pd.read_csv(run.parent / "comparison.csv")
+    assert (cmp["epsilon"] == pytest.approx(final.max())).all() and set(cmp["dp_mechanisms"]) == {"dp_gaussian"}
+
+
+def test_each_client_spends_only_in_the_rounds_it_takes_part_in(tiny_fl: dict, resolve: Any) -> None:
+    fl = {**tiny_fl, "rounds": 4, "num_clients": 3, "fraction": 0.5,
+          "filters": [{"name": "dp_gaussian", "noise_multiplier": 1.5, "delta": 1e-3}]}
+    run = _run(resolve, fl)
+    df = _privacy(run)
+    tm = pd.read_csv(run / "train_metrics.csv", dtype={"client_id": str})
+    assert sorted(zip(df["round"], df["client_id"])) == sorted(zip(tm["round"], tm["client_id"]))
+    for cid, rows in df.groupby("client_id"):
+        k = len(rows)
+        assert rows["epsilon"].iloc[-1] == pytest.approx(_opacus_epsilon([(1.5, 1.0, k)], 1e-3), rel=1e-9)
+    per_client = json.loads((run / "summary.json").read_text())["privacy"]["mechanisms"]["dp_gaussian"]["per_client"]
+    assert len(set(per_client.values())) > 1       # clients sampled a different number of times
+
+
+def test_a_resumed_dp_run_reports_the_same_epsilon(tiny_fl: dict, resolve: Any) -> None:
+    fl = {**tiny_fl, "rounds": 3, "filters": [{"name": "dp_gaussian", "epsilon": 2.0, "delta": 1e-3},
+                                              {"name": "quantize", "bits": 8}]}
+    full = _run(resolve, {**fl, "name": "full"})
+    stopped = _run(resolve, {**fl, "name": "stopped", "stop_after_round": 1})
+    assert not (stopped / "summary.json").exists()
+    resume(stopped)
+    for f in ("privacy.csv", "metrics.csv"):
+        a, b = pd.read_csv(full / f), pd.read_csv(stopped / f)
+        pd.testing.assert_frame_equal(a, b)
+    s1 = json.loads((full / "summary.json").read_text())["privacy"]
+    s2 = json.loads((stopped / "summary.json").read_text())["privacy"]
+    assert s1 == s2
+
+
+def test_prv_accountant_is_selectable(tiny_fl: dict, resolve: Any) -> None:
+    fl = {**tiny_fl, "rounds": 2, "filters": [{"name": "dp_gaussian", "epsilon": 3.0, "delta": 1e-3,
+                                               "accountant": "prv"}]}
+    df = _privacy(_run(resolve, fl))
+    assert set(df["accountant"]) == {"prv"}
+    last = df[df["round"] == 2].iloc[0]
+    assert last["epsilon"] == pytest.approx(
+        _opacus_epsilon([(float(last["noise_multiplier"]), 1.0, 2)], 1e-3, "prv"), rel=1e-6)
+    assert last["epsilon"] <= 3.0 + 1e-9
+
+
+def test_a_run_without_dp_says_it_guarantees_nothing(tiny_fl: dict, resolve: Any) -> None:
+    run = _run(resolve, {**tiny_fl, "rounds": 1})
+    assert not (run / "privacy.csv").exists()
+    privacy = json.loads((run / "summary.json").read_text())["privacy"]
+    assert privacy == {"private": False, "epsilon": None, "mechanisms": {}}
+    cmp = pd.read_csv(run.parent / "comparison.csv")
+    assert (cmp["epsilon"] == float("inf")).all() and set(cmp["dp_mechanisms"]) == {"none"}
+
+
+def test_dp_sgd_trains_a_resnet_with_groupnorm_and_gives_each_client_its_epsilon(
+        tiny_fl: dict, resolve: Any, capfd: pytest.CaptureFixture) -> None:
+    fl = {**tiny_fl, "rounds": 2, "model": {"name": "resnet10", "width": 4},
+          "train": {**tiny_fl["train"], "dp": {"epsilon": 5.0, "delta": 1e-3, "max_grad_norm": 1.0}}}
+    run = _run(resolve, fl)
+    err = capfd.readouterr().err
+    assert "GroupNorm" in err and "dp_sgd" in err
+    cfg = json.loads((run / "config.json").read_text())
+    fix = cfg["privacy"]["dp_sgd"]["model_fix"]
+    assert fix and all("BatchNorm" in line and "GroupNorm" in line for line in fix)
+    state = __import__("torch").load(sorted((run / "checkpoints").glob("round_*.pt"))[-1], weights_only=True)
+    assert not any("running_mean" in k for k in state["method"]["global"])
+    df = _privacy(run)
+    assert set(df["mechanism"]) == {"dp_sgd"} and set(df["unit"]) == {"sample"}
+    sizes = pd.read_csv(run / "train_metrics.csv", dtype={"client_id": str}).groupby("client_id")["num_examples"].first()
+    tm = pd.read_csv(run / "train_metrics.csv", dtype={"client_id": str})
+    for cid, rows in df.groupby("client_id"):
+        q, sigma = float(rows["sample_rate"].iloc[0]), float(rows["noise_multiplier"].iloc[0])
+        bs = 8
+        assert q == pytest.approx(1 / -(-int(sizes[cid]) // bs))
+        steps = int(rows["total_steps"].iloc[-1])
+        assert steps == int(tm[tm["client_id"] == cid]["dp_steps"].sum())
+        eps = rows["epsilon"].iloc[-1]
+        assert eps == pytest.approx(_opacus_epsilon([(sigma, q, steps)], 1e-3), rel=1e-9)
+        assert 5.0 - 0.01 <= eps <= 5.0
+    assert df.groupby("client_id")["noise_multiplier"].first().nunique() > 1   # each client its own N_k
