@@ -114,9 +114,28 @@ def print_result(result: dict[str, Any]) -> None:
         if summary:
             print(f"\n== {label} ({run_dir})")
             print(format_table(summary_table(run_dir)))
+            print(_privacy_line(summary))
         else:
             print(f"\n== {label}: stopped early; continue with `medfl resume {run_dir}`")
     print(f"\nresults: {base}")
+
+
+def _privacy_line(summary: dict[str, Any]) -> str:
+    """One line on what the run released: its epsilon (per DP mechanism, the worst client)
+    and its bytes per round."""
+    privacy = summary.get("privacy") or {}
+    mechs = privacy.get("mechanisms") or {}
+    if mechs:
+        eps = "; ".join(f"{name} epsilon {b['epsilon']:.3g} (worst client {b['worst_client']}, {b['unit']}-level, "
+                        f"delta {b['delta']:g}, {b['accountant']})" for name, b in mechs.items())
+    else:
+        eps = "no differential privacy"
+    per_round = (summary.get("communication") or {}).get("per_round") or {}
+    mb = ""
+    if per_round:
+        mb = (f"; {per_round.get('bytes_to_clients', 0) / 1e6:.3g} MB to and "
+              f"{per_round.get('bytes_from_clients', 0) / 1e6:.3g} MB from the clients per round")
+    return f"privacy: {eps}{mb}"
 
 
 def infer(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,

@@ -13,7 +13,7 @@ from typing import Any
 from medfl.plugins import PluginError, lookup, registry
 
 __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "resolve_config", "method_label", "build_method",
-           "method_train", "method_filters", "check_dp_sgd"]
+           "method_train", "check_dp_sgd"]
 
 
 class ConfigError(ValueError):
@@ -114,16 +114,20 @@ def build_method(spec: dict[str, Any]) -> Any:
     return cls.from_config({k: v for k, v in spec.items() if k not in ENTRY_KEYS})
 
 
-def method_train(cfg: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+def method_train(cfg: dict[str, Any], spec: dict[str, Any], method: Any = None) -> dict[str, Any]:
     """The local-training settings of one method entry: ``fl.train`` with the entry's own
-    ``train`` overrides."""
-    return {**cfg["train"], **(spec.get("train") or {})}
+    ``train`` overrides.
 
-
-def method_filters(cfg: dict[str, Any], spec: dict[str, Any]) -> list[Any]:
-    """The configured filter chain of one method entry: its own ``filters`` when it has
-    the key (``[]`` turns ``fl.filters`` off for it), else ``fl.filters``."""
-    return list(spec["filters"] if "filters" in spec else cfg.get("filters") or [])
+    With ``method`` (its class or an instance), ``fl.train.dp`` is dropped for a method that
+    cannot train with DP-SGD and sends no model state (``local``: nothing it trains leaves
+    the client, so there is nothing to protect); the run says so. DP-SGD named in the
+    entry's own ``train`` always stays (and is refused for such a method)."""
+    train = {**cfg["train"], **(spec.get("train") or {})}
+    cls = method if isinstance(method, type) or method is None else type(method)
+    if (cls is not None and train.get("dp") is not None and "dp" not in (spec.get("train") or {})
+            and not cls.supports_dp_sgd and not cls.reply_state):
+        train["dp"] = None
+    return train
 
 
 def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
@@ -169,7 +173,7 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
 def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
     """Check a method entry's ``train`` overrides, its DP-SGD support and its filter chain
     (the method's own default filters in front of the configured ones)."""
-    from medfl.filters import FilterChain, FilterConfigError
+    from medfl.filters import FilterConfigError, configured_filters
     from medfl.privacy.accounting import PrivacyConfigError
 
     if "train" in m:
@@ -180,14 +184,12 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
             m["train"]["dp"] = check_dp_sgd(m["train"]["dp"], f"{where}.train.dp")
     method = build_method(m)
     cls = type(method)
-    if method_train(cfg, m)["dp"] is not None and not cls.supports_dp_sgd:
+    if method_train(cfg, m, cls)["dp"] is not None and not cls.supports_dp_sgd:
         raise ConfigError(f"{where}: method {cls.name!r} does not support DP-SGD (train.dp): its local training "
                           "is not plain per-sample-loss SGD that Opacus can privatise (see its docstring); use a "
                           "reply filter such as dp_gaussian, or an entry's own \"train\": {\"dp\": null}")
-    specs = list(method.default_filters()) + method_filters(cfg, m)
-    fwhere = f"{where}.filters" if "filters" in m or method.default_filters() else "fl.filters"
     try:
-        FilterChain.from_specs(specs, fwhere).check(cls, fwhere)
+        configured_filters(cfg, m, method)
     except (FilterConfigError, PrivacyConfigError) as exc:
         raise ConfigError(str(exc)) from None
 

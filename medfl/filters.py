@@ -44,7 +44,8 @@ from medfl.messages import PayloadError
 from medfl.method import Configurable, Federation, Method, MethodConfigError
 from medfl.seeding import derive_seed
 
-__all__ = ["Filter", "FilterChain", "FilterContext", "FilterConfigError", "Release", "parameter_keys"]
+__all__ = ["Filter", "FilterChain", "FilterContext", "FilterConfigError", "FilterMismatchError", "Release",
+           "parameter_keys", "configured_filters"]
 
 State = dict[str, torch.Tensor]
 
@@ -52,6 +53,11 @@ State = dict[str, torch.Tensor]
 class FilterConfigError(MethodConfigError):
     """A filter chain cannot work with this run: unknown filter, bad parameter, wrong order,
     or a method whose reply has no model state to filter."""
+
+
+class FilterMismatchError(FilterConfigError):
+    """A valid chain that one method cannot take: its reply carries no model state, or no
+    reference state for an update filter (``fl.filters`` then skips that method)."""
 
 
 @dataclass(frozen=True)
@@ -265,10 +271,9 @@ class FilterChain:
             return
         names = ", ".join(f.name for f in self.filters)
         if not method.reply_state:
-            raise FilterConfigError(
+            raise FilterMismatchError(
                 f"{where}: method {method.name!r} sends no model state (its reply_state is empty), so the "
-                f"filter(s) {names} have nothing to work on; remove them for this method (an entry's "
-                "own \"filters\": [] overrides fl.filters)")
+                f"filter(s) {names} have nothing to work on; remove them from this method's entry")
         for i, f in enumerate(self.filters[:-1]):
             if f.encodes:
                 raise FilterConfigError(f"{where}[{i}]: filter {f.name!r} encodes the state (its output is not a "
@@ -276,7 +281,7 @@ class FilterChain:
         needing = [f.name for f in self.filters if f.uses_update]
         no_ref = sorted(k for k, ref in method.reply_state.items() if ref is None)
         if needing and no_ref:
-            raise FilterConfigError(
+            raise FilterMismatchError(
                 f"{where}: filter(s) {', '.join(needing)} work on the update (returned minus received state), "
                 f"but method {method.name!r} sends its reply key(s) {no_ref} without a state it received "
                 "(reply_state maps them to None)")
@@ -413,3 +418,30 @@ def _sum(reference: State | None, update: State, where: str) -> State:
         else:
             out[k] = v.to(ref.dtype)
     return out
+
+
+def configured_filters(cfg: dict[str, Any], spec: dict[str, Any], method: Method) -> tuple[FilterChain, str]:
+    """The filter chain of one method entry of a resolved ``fl`` config, checked against the
+    method: its ``default_filters()``, then the entry's own ``filters`` when it has the key
+    (``[]`` turns ``fl.filters`` off for it), else ``fl.filters``.
+
+    ``fl.filters`` applies to every method that can take it; a method that cannot (its reply
+    carries no model state, like ``local``, whose replies carry metrics only, or no state it
+    was sent, for an update filter) runs without it, and the second value says why (the
+    run records it). Filters named in the entry itself, or by the method, must apply.
+
+    Raises:
+        FilterConfigError: an unknown filter or parameter, a wrong order, or filters the
+            entry (or the method) names that the method cannot take.
+    """
+    own = "filters" in spec
+    where = f"method {spec.get('label') or spec['name']!r}: filters" if own else "fl.filters"
+    chain = FilterChain.from_specs(list(method.default_filters()) + list(spec["filters"] if own else
+                                                                          cfg.get("filters") or []), where)
+    try:
+        chain.check(type(method), where)
+    except FilterMismatchError as exc:
+        if own or method.default_filters():
+            raise
+        return FilterChain([]), str(exc)
+    return chain, ""

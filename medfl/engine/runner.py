@@ -47,12 +47,12 @@ import torch
 from tqdm.auto import tqdm
 
 from medfl import wire
-from medfl.config import build_method, method_filters, method_label, method_train
+from medfl.config import build_method, method_label, method_train
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, evaluate_model, run_client_update,
                                  run_client_validate)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.engine.traffic import Traffic
-from medfl.filters import FilterChain
+from medfl.filters import configured_filters
 from medfl.messages import Instruction, Reply
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
@@ -155,13 +155,11 @@ class Run:
             num_classes=data.source.num_classes, rounds=int(cfg["rounds"]), seed=int(cfg["seed"]),
             fraction=float(cfg["fraction"]), model=dict(cfg["model"]),
             client_models={str(k): dict(v) for k, v in cfg["client_models"].items()},
-            train=method_train(cfg, method_spec), device=str(cfg["device"]),
+            train=method_train(cfg, method_spec, cls), device=str(cfg["device"]),
             in_channels=data.source.in_channels, spatial_dims=data.source.spatial_dims,
         )
         where = f"method {self.label!r}"
-        chain = FilterChain.from_specs(list(self.coordinator.default_filters()) + method_filters(cfg, method_spec),
-                                       f"{where}: filters")
-        chain.check(cls, f"{where}: filters")
+        chain, self.filters_skipped = configured_filters(cfg, method_spec, self.coordinator)
         #: the run's differential privacy and filters, resolved (noise derived) before training
         self.privacy = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
         self.ledger = PrivacyLedger(self.privacy)
@@ -197,6 +195,8 @@ class Run:
         privacy = self.privacy.describe()
         if self.privacy.private:
             privacy["noise_seeds"] = self.noise_source
+        if self.filters_skipped:
+            privacy["filters_not_applied"] = self.filters_skipped
         _write_json(self.run_dir / "config.json", {"fl": self.config, "method": self.method_spec,
                                                    "method_hparams": self.coordinator.hparams(),
                                                    "privacy": privacy})
@@ -206,6 +206,12 @@ class Run:
     def _log_privacy(self) -> None:
         """Say on stderr what the run's differential privacy is (and what Opacus's validator
         changed in the model for DP-SGD); the same is in ``config.json`` under ``privacy``."""
+        if self.filters_skipped:
+            print(f"medfl [{self.label}] privacy: runs without fl.filters: {self.filters_skipped}", file=sys.stderr,
+                  flush=True)
+        if self.config["train"].get("dp") and not self.federation.train.get("dp"):
+            print(f"medfl [{self.label}] privacy: runs without fl.train.dp: method {self.coordinator.name!r} sends "
+                  "no model state (nothing it trains leaves the client)", file=sys.stderr, flush=True)
         if not self.privacy.private:
             return
         plan, lines = self.privacy, []

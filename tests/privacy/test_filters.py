@@ -215,7 +215,30 @@ def test_delta_must_be_below_one_over_the_number_of_clients(tiny_fl: dict, resol
 def test_filters_on_a_method_without_the_state_they_need(tiny_fl: dict, resolve: Any, method: str,
                                                           match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        resolve({**tiny_fl, "methods": [method], "filters": [{"name": "dp_gaussian", "epsilon": 3}]})
+        resolve({**tiny_fl, "methods": [{"name": method, "filters": [{"name": "dp_gaussian", "epsilon": 3}]}]})
+
+
+def test_fl_filters_skip_a_method_that_cannot_take_them_and_the_run_says_so(
+        tiny_fl: dict, resolve: Any, capfd: pytest.CaptureFixture) -> None:
+    """``local`` sends metrics only: fl.filters does not apply to it, and its run records why
+    (config.json, stderr, comparison.csv's epsilon column says inf)."""
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    from medfl.engine.runner import run_experiment
+
+    cfg = resolve({**tiny_fl, "rounds": 1, "methods": ["fedavg", "local"],
+                   "filters": [{"name": "dp_gaussian", "noise_multiplier": 1.0, "delta": 1e-3}]})
+    out = Path(run_experiment(cfg)["dir"])
+    assert "[local] privacy: runs without fl.filters: fl.filters: method 'local' sends no model state" in \
+        capfd.readouterr().err
+    plan = json.loads((out / "local" / "config.json").read_text())["privacy"]
+    assert plan["private"] is False and "sends no model state" in plan["filters_not_applied"]
+    assert json.loads((out / "fedavg" / "config.json").read_text())["privacy"]["private"] is True
+    cmp = pd.read_csv(out / "comparison.csv").groupby("method")["epsilon"].first()
+    assert cmp["local"] == float("inf") and cmp["fedavg"] < float("inf")
 
 
 def test_quantize_applies_to_peer_to_peer_methods_and_entries_override_fl_filters(tiny_fl: dict,
@@ -243,12 +266,16 @@ def test_bad_dp_sgd_settings_fail_at_config_time(tiny_fl: dict, resolve: Any, dp
 
 
 def test_dp_sgd_is_refused_for_methods_that_cannot_use_it(tiny_fl: dict, resolve: Any) -> None:
-    for method in ("fedkper", "local", "fedskd"):
+    dp = {**tiny_fl["train"], "dp": {"epsilon": 3}}
+    for method in ("fedkper", "fedskd", "centralized"):
         with pytest.raises(ConfigError, match="does not support DP-SGD"):
-            resolve({**tiny_fl, "methods": [method], "train": {**tiny_fl["train"], "dp": {"epsilon": 3}}})
+            resolve({**tiny_fl, "methods": [method], "train": dp})
     # an entry's own train section turns it off for that method
-    resolve({**tiny_fl, "methods": [{"name": "local", "train": {"dp": None}}, "fedavg"],
-             "train": {**tiny_fl["train"], "dp": {"epsilon": 3}}})
+    resolve({**tiny_fl, "methods": [{"name": "fedkper", "train": {"dp": None}}, "fedavg"], "train": dp})
+    # local sends no model: fl.train.dp does not apply to it; named in its own entry, it is refused
+    resolve({**tiny_fl, "methods": ["local", "fedavg"], "train": dp})
+    with pytest.raises(ConfigError, match="does not support DP-SGD"):
+        resolve({**tiny_fl, "methods": [{"name": "local", "train": {"dp": {"epsilon": 3}}}]})
 
 
 def test_filter_config_error_is_a_value_error() -> None:
