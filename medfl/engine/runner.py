@@ -284,6 +284,12 @@ class Run:
         privacy = _read_rounds(self.run_dir / "privacy.csv", k)
         if privacy is not None:
             self.ledger.load(privacy)
+            changed = self.ledger.changed_noise()
+            if changed and not read_only:
+                print(f"medfl [{self.label}] privacy: the resumed run's noise differs from the noise spent so far "
+                      f"(another number of rounds re-derives it for the target epsilon): {changed[0]}"
+                      f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; privacy.csv reports the "
+                      "epsilon actually spent, which may end above the target", file=sys.stderr, flush=True)
         traffic = _read_rounds(self.run_dir / "communication.csv", k)
         if traffic is not None:
             self.traffic.load(traffic)

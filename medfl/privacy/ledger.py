@@ -200,6 +200,25 @@ class PrivacyLedger:
             self.history.setdefault(key, []).append(
                 (float(row["noise_multiplier"]), float(row["sample_rate"]), int(row["steps"])))
 
+    def changed_noise(self) -> list[str]:
+        """After :meth:`load`: the mechanisms and clients whose planned noise multiplier
+        differs from the one their history was spent at (a run resumed with another number of
+        rounds re-derives the noise for a target epsilon), one line each. The epsilon the
+        ledger reports stays exact; the target may no longer hold."""
+        planned: dict[tuple[str, str], float] = {}
+        for rel in self.plan.chain.releases():
+            for cid in self.plan.federation.client_ids:
+                planned[(cid, rel.mechanism)] = rel.noise_multiplier
+        if self.plan.dp_sgd is not None:
+            for cid, sigma in self.plan.dp_sgd.noise.items():
+                planned[(cid, "dp_sgd")] = sigma
+        out = []
+        for (cid, mech), hist in sorted(self.history.items()):
+            now = planned.get((cid, mech))
+            if hist and now is not None and abs(hist[-1][0] - now) > 1e-12 * max(1.0, now):
+                out.append(f"{mech}: client {cid} spent at noise multiplier {hist[-1][0]:.4g}, continues at {now:.4g}")
+        return out
+
     def record(self, round: int, addressed: dict[str, int], reported_steps: dict[str, float] | None = None
                ) -> list[dict[str, Any]]:
         """Record round ``round``: ``addressed`` maps each client sent a training instruction

@@ -135,3 +135,19 @@ def test_dp_sgd_trains_a_resnet_with_groupnorm_and_gives_each_client_its_epsilon
         assert eps == pytest.approx(_opacus_epsilon([(sigma, q, steps)], 1e-3), rel=1e-9)
         assert 5.0 - 0.01 <= eps <= 5.0
     assert df.groupby("client_id")["noise_multiplier"].first().nunique() > 1   # each client its own N_k
+
+
+def test_resuming_with_more_rounds_says_the_noise_changed_and_reports_the_true_epsilon(
+        tiny_fl: dict, resolve: Any, capfd: pytest.CaptureFixture) -> None:
+    fl = {**tiny_fl, "rounds": 2, "stop_after_round": 1,
+          "filters": [{"name": "dp_gaussian", "epsilon": 2.0, "delta": 1e-3}]}
+    run = _run(resolve, fl)
+    capfd.readouterr()
+    resume(run, rounds=4)
+    assert "noise differs from the noise spent so far" in capfd.readouterr().err
+    df = _privacy(run)
+    sigma = df.groupby("round")["noise_multiplier"].first()
+    s1, s2 = float(sigma[1]), float(sigma[4])
+    assert s2 > s1      # four planned rounds need more noise than two for the same target
+    last = df[df["round"] == 4].iloc[0]
+    assert last["epsilon"] == pytest.approx(_opacus_epsilon([(s1, 1.0, 1), (s2, 1.0, 3)], 1e-3), rel=1e-9)
