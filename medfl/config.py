@@ -141,7 +141,7 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
         ConfigError: unknown key, neither or both of ``epsilon`` and ``noise_multiplier``,
             epsilon <= 0, delta outside (0, 1), max_grad_norm <= 0, an unknown accountant.
     """
-    from medfl.privacy.accounting import PrivacyConfigError, check_accountant, check_positive
+    from medfl.privacy.accounting import PrivacyConfigError, check_accountant, check_delta, check_positive
 
     if dp is None or dp is False:
         return None
@@ -160,10 +160,7 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
         else:
             out["noise_multiplier"] = check_positive(out["noise_multiplier"], "noise_multiplier", where)
         out["max_grad_norm"] = check_positive(out["max_grad_norm"], "max_grad_norm", where)
-        delta = out["delta"]
-        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < float(delta) < 1:
-            raise ConfigError(f"{where}: delta must be a number in (0, 1), got {delta!r}")
-        out["delta"] = float(delta)
+        out["delta"] = check_delta(out["delta"], where)
         out["accountant"] = check_accountant(out["accountant"], where)
     except PrivacyConfigError as exc:
         raise ConfigError(str(exc)) from None

@@ -45,7 +45,7 @@ from medfl.method import Configurable, Federation, Method, MethodConfigError
 from medfl.seeding import derive_seed
 
 __all__ = ["Filter", "FilterChain", "FilterContext", "FilterConfigError", "FilterMismatchError", "Release",
-           "parameter_keys", "configured_filters"]
+           "parameter_keys", "float_buffer_keys", "configured_filters"]
 
 State = dict[str, torch.Tensor]
 
@@ -85,15 +85,15 @@ class Release:
     unit: str = "client"
 
 
-_PARAM_KEYS: dict[str, list[str]] = {}
+_MODEL_KEYS: dict[str, tuple[list[str], list[str]]] = {}
 
 
-def parameter_keys(model_spec: dict[str, Any]) -> list[str]:
-    """Names of the parameters (not buffers) of the model ``model_spec`` builds, in state-dict
-    order: what ``dp_gaussian`` noises. Built once per spec and process, on the ``meta``
-    device where the factory allows it (no memory, no random draws)."""
+def _model_keys(model_spec: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(parameter names, floating-point buffer names) of the model ``model_spec`` builds, in
+    state-dict order; built once per spec and process, on the ``meta`` device where the
+    factory allows it (no memory, no random draws)."""
     key = json.dumps(model_spec, sort_keys=True, default=str)
-    if key not in _PARAM_KEYS:
+    if key not in _MODEL_KEYS:
         from medfl.models.registry import build_model
 
         with torch.random.fork_rng(devices=[]):
@@ -103,8 +103,23 @@ def parameter_keys(model_spec: dict[str, Any]) -> list[str]:
             except Exception:  # noqa: BLE001 - a factory that cannot build on meta builds normally
                 model = build_model(model_spec)
         names = {n for n, _ in model.named_parameters()}
-        _PARAM_KEYS[key] = [k for k in model.state_dict(keep_vars=True) if k in names]
-    return list(_PARAM_KEYS[key])
+        state = model.state_dict(keep_vars=True)
+        _MODEL_KEYS[key] = ([k for k in state if k in names],
+                            [k for k, v in state.items() if k not in names and v.is_floating_point()])
+    params, buffers = _MODEL_KEYS[key]
+    return list(params), list(buffers)
+
+
+def parameter_keys(model_spec: dict[str, Any]) -> list[str]:
+    """Names of the parameters (not buffers) of the model ``model_spec`` builds, in state-dict
+    order: what ``dp_gaussian`` noises."""
+    return _model_keys(model_spec)[0]
+
+
+def float_buffer_keys(model_spec: dict[str, Any]) -> list[str]:
+    """Names of the floating-point buffers (BatchNorm running statistics...) of the model
+    ``model_spec`` builds: statistics of the data that ``dp_gaussian`` does not noise."""
+    return _model_keys(model_spec)[1]
 
 
 @dataclass
@@ -141,9 +156,9 @@ class FilterContext:
     def generator(self, tag: str = "") -> torch.Generator:
         """A CPU generator seeded by (seed, filter position, reply key, ``tag``, the site's
         noise key): draw every random number of a filter from it."""
-        g = torch.Generator()
-        g.manual_seed(derive_seed(self.seed, "filter", self.index, self.key, tag, self.noise_key) % (2**63))
-        return g
+        from medfl.privacy.gaussian import noise_generator
+
+        return noise_generator(derive_seed(self.seed, "filter", self.index, self.key, tag, self.noise_key))
 
     def parameter_keys(self) -> list[str]:
         """The parameter names of the client's model (:func:`parameter_keys`)."""

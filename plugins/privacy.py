@@ -14,10 +14,10 @@ from typing import Any, Callable
 import torch
 
 from medfl import hookimpl
-from medfl.filters import Filter, FilterConfigError, FilterContext, Release
+from medfl.filters import Filter, FilterConfigError, FilterContext, Release, float_buffer_keys
 from medfl.messages import PayloadError
 from medfl.method import Federation
-from medfl.privacy.accounting import check_accountant, check_budget, check_positive, noise_for_epsilon
+from medfl.privacy.accounting import check_accountant, check_budget, check_delta, check_positive, noise_for_epsilon
 from medfl.privacy.gaussian import add_noise, clip_update
 from medfl.privacy.ledger import planned_releases
 from medfl.privacy.quantize import dequantize_tensor, quantize_tensor
@@ -79,9 +79,7 @@ class DpGaussian(Filter):
         if self.epsilon is None and self.noise_multiplier is None:
             raise FilterConfigError("dp_gaussian: give a target epsilon (the noise is derived from it) or a "
                                     "noise_multiplier")
-        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < float(delta) < 1:
-            raise FilterConfigError(f"dp_gaussian: delta must be a number in (0, 1), got {delta!r}")
-        self.delta = float(delta)
+        self.delta = check_delta(delta, where)
         self.accountant = check_accountant(accountant, where)
         if keys not in KEY_MODES:
             raise FilterConfigError(f"dp_gaussian: keys must be one of {', '.join(KEY_MODES)}, got {keys!r}")
@@ -100,14 +98,7 @@ class DpGaussian(Filter):
                                                       self.accountant)
             self._derived = True
         if self.keys == "parameters":
-            from medfl.filters import parameter_keys
-            from medfl.models.registry import build_model
-
-            spec = federation.model_spec()
-            with torch.random.fork_rng(devices=[]):
-                state = build_model(spec).state_dict()
-            params = set(parameter_keys(spec))
-            kept = [k for k, v in state.items() if v.is_floating_point() and k not in params]
+            kept = float_buffer_keys(federation.model_spec())
             if kept:
                 print(f"medfl: {where}: the model's {len(kept)} floating-point buffer(s) (BatchNorm running "
                       "statistics...) are not covered by the noise, so they are not sent: the global model keeps "

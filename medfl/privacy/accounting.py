@@ -37,6 +37,7 @@ __all__ = [
     "PrivacyConfigError",
     "check_accountant",
     "check_budget",
+    "check_delta",
     "check_positive",
     "epsilon_spent",
     "noise_for_epsilon",
@@ -189,7 +190,12 @@ def _check_history(
     return entries
 
 
-def _check_delta(delta: Any, where: str) -> float:
+def check_delta(delta: Any, where: str) -> float:
+    """``delta`` as a float when it is a number with ``0 < delta < 1``.
+
+    Raises:
+        PrivacyConfigError: naming ``where`` and the value.
+    """
     if not _is_number(delta) or not 0 < delta < 1:
         raise PrivacyConfigError(f"{where}: delta={delta!r} must be a number with 0 < delta < 1")
     return float(delta)
@@ -242,7 +248,7 @@ def epsilon_spent(
     where = "epsilon_spent"
     check_accountant(accountant, where)
     entries = [e for e in _check_history(history, where) if e[2] > 0]
-    delta = _check_delta(delta, where)
+    delta = check_delta(delta, where)
     if not entries:
         return 0.0
     if any(sigma == 0 for sigma, _, _ in entries):
@@ -308,7 +314,7 @@ def noise_for_epsilon(
     where = "noise_for_epsilon"
     check_accountant(accountant, where)
     check_positive(epsilon, "epsilon", where)
-    delta = _check_delta(delta, where)
+    delta = check_delta(delta, where)
     if not _is_number(sample_rate) or not 0 < sample_rate <= 1:
         raise PrivacyConfigError(
             f"{where}: sample_rate must be a number with 0 < q <= 1, got {sample_rate!r}"

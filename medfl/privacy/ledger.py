@@ -34,7 +34,6 @@ the filtered model state (``PrivacyPlan.uncovered``); the summary lists them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +42,7 @@ import pandas as pd
 from medfl.filters import FilterChain
 from medfl.method import Federation, Method
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, epsilon_spent, noise_for_epsilon
+from medfl.seeding import round_half_up
 
 __all__ = ["PrivacyPlan", "PrivacyLedger", "DpSgdPlan", "PRIVACY_COLUMNS", "planned_releases"]
 
@@ -222,7 +222,7 @@ class PrivacyLedger:
     def record(self, round: int, addressed: dict[str, int], reported_steps: dict[str, float] | None = None
                ) -> list[dict[str, Any]]:
         """Record round ``round``: ``addressed`` maps each client sent a training instruction
-        to how many times (train steps). ``reported_steps`` (DP-SGD clients' ``dp_steps``)
+        to how many times (train steps), in the order its rows are written. ``reported_steps`` (DP-SGD clients' ``dp_steps``)
         is checked against the plan.
 
         Raises:
@@ -231,15 +231,15 @@ class PrivacyLedger:
         """
         new = []
         for rel in self.plan.chain.releases():
-            for cid in sorted(addressed, key=_order):
+            for cid in addressed:
                 new.append(self._add(round, cid, rel.mechanism, rel.unit, rel.noise_multiplier, rel.clip,
                                      rel.sample_rate, addressed[cid], rel.delta, rel.accountant))
         p = self.plan.dp_sgd
         if p is not None:
-            for cid in sorted(addressed, key=_order):
+            for cid in addressed:
                 planned = p.steps[cid] * addressed[cid]
                 got = (reported_steps or {}).get(cid)
-                if got is not None and int(round_float(got)) != planned:
+                if got is not None and round_half_up(got) != planned:
                     raise PrivacyConfigError(
                         f"round {round}: client {cid} reports {got:g} DP-SGD steps, the privacy plan accounts "
                         f"{planned}; its epsilon would be wrong (a method or dataset that changes the number of "
@@ -302,12 +302,3 @@ def _target(plan: PrivacyPlan, mech: str) -> float | None:
         if rel is not None and rel.mechanism == mech:
             return getattr(f, "epsilon", None)
     return None
-
-
-def round_float(x: float) -> float:
-    """``x`` rounded to the nearest integer (steps travel as floats in metrics)."""
-    return math.floor(float(x) + 0.5)
-
-
-def _order(cid: str) -> tuple[int, Any]:
-    return (0, int(cid)) if str(cid).isdigit() else (1, str(cid))

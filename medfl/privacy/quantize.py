@@ -139,6 +139,21 @@ def pack_codes(codes: np.ndarray, bits: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
+def _check_packed(packed: Any, n: int, bits: int, error: type[Exception], what: str, take: str,
+                  unit: str) -> None:
+    """Raise ``error`` unless ``packed`` is a 1-D strided uint8 tensor of the
+    ``ceil(n * bits / 8)`` bytes that ``n`` codes of ``bits`` bits take (``what`` and ``take``
+    start the two messages)."""
+    if (not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8
+            or packed.layout != torch.strided or packed.dim() != 1):
+        got = (f"{packed.dtype} tensor of shape {tuple(packed.shape)}"
+               if isinstance(packed, torch.Tensor) else type(packed).__name__)
+        raise error(f"{what} must be a 1-D uint8 tensor, got {got}")
+    expected = _packed_len(n, bits)
+    if packed.numel() != expected:
+        raise error(f"{take} {expected} {unit}, got {packed.numel()}")
+
+
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> np.ndarray:
     """Unpack ``n`` codes of ``bits`` bits each, the inverse of :func:`pack_codes`.
 
@@ -157,16 +172,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> np.ndarray:
     bits = _check_bits(bits, "unpack_codes")
     if not _is_int(n) or n < 0:
         raise ValueError(f"unpack_codes: n must be an int >= 0, got {n!r}")
-    if (not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8
-            or packed.layout != torch.strided or packed.dim() != 1):
-        what = (f"{packed.dtype} tensor of shape {tuple(packed.shape)}"
-                if isinstance(packed, torch.Tensor) else type(packed).__name__)
-        raise ValueError(f"unpack_codes: packed must be a 1-D uint8 tensor, got {what}")
-    expected = _packed_len(n, bits)
-    if packed.numel() != expected:
-        raise ValueError(
-            f"unpack_codes: {n} codes of {bits} bits take {expected} bytes, got {packed.numel()}"
-        )
+    _check_packed(packed, n, bits, ValueError, "unpack_codes: packed",
+                  f"unpack_codes: {n} codes of {bits} bits take", "bytes")
     raw = packed.detach().cpu().contiguous().numpy()
     if bits == 8:
         return raw.astype(np.int64)
@@ -339,18 +346,9 @@ def dequantize_tensor(q: dict[str, Any], where: str) -> torch.Tensor:
     lo, hi = float(lo), float(hi)
     if lo > hi:
         raise PayloadError(f"{where}: lo={lo!r} exceeds hi={hi!r}")
-    if (not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8
-            or packed.layout != torch.strided or packed.dim() != 1):
-        what = (f"{packed.dtype} tensor of shape {tuple(packed.shape)}"
-                if isinstance(packed, torch.Tensor) else type(packed).__name__)
-        raise PayloadError(f"{where}: codes must be a 1-D uint8 tensor, got {what}")
     n = math.prod(shape)
-    expected = _packed_len(n, bits)
-    if packed.numel() != expected:
-        raise PayloadError(
-            f"{where}: {n} values of {bits} bits take {expected} code bytes, got "
-            f"{packed.numel()}"
-        )
+    _check_packed(packed, n, bits, PayloadError, f"{where}: codes", f"{where}: {n} values of {bits} bits take",
+                  "code bytes")
     levels = 2**bits - 1
     if hi == lo:
         values = np.full(n, lo, dtype=np.float64)
