@@ -1,7 +1,19 @@
-"""Models following the :class:`FeatureModel` protocol (ResNets on MONAI blocks, a small CNN)."""
+"""Models following the :class:`FeatureModel` protocol (ResNets on MONAI blocks, small CNNs,
+PFedCDP's two-block CNNs) and a weighted ensemble of registered models."""
 
 from __future__ import annotations
 
+from medfl.models.cnn import (
+    PFEDCDP_B_DROPOUT,
+    TwoBlockCNN,
+    WeightedEnsemble,
+    pfedcdp_a,
+    pfedcdp_b,
+    pfedcdp_c,
+    pfedcdp_student,
+    two_block_cnn,
+    weighted_ensemble,
+)
 from medfl.models.outputs import ProbabilityModel, as_probabilities, returns_probabilities
 from medfl.models.resnet import (
     RESNET_DEPTHS,
@@ -17,12 +29,19 @@ from medfl.models.resnet import (
 )
 
 __all__ = [
+    "PFEDCDP_B_DROPOUT",
     "RESNET_DEPTHS",
     "FeatureModel",
     "FeatureResNet",
     "ProbabilityModel",
     "SmallCNN",
+    "TwoBlockCNN",
+    "WeightedEnsemble",
     "as_probabilities",
+    "pfedcdp_a",
+    "pfedcdp_b",
+    "pfedcdp_c",
+    "pfedcdp_student",
     "returns_probabilities",
     "resnet10",
     "resnet18",
@@ -30,4 +49,6 @@ __all__ = [
     "resnet50",
     "small_cnn",
     "split_state_dict",
+    "two_block_cnn",
+    "weighted_ensemble",
 ]
