@@ -8,12 +8,14 @@ Unknown keys and unknown plugin names fail with an error listing the valid ones.
 from __future__ import annotations
 
 import copy
+import math
+from numbers import Real
 from typing import Any
 
 from medfl.plugins import PluginError, lookup, registry
 
-__all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "resolve_config", "method_label", "build_method",
-           "method_train", "check_dp_sgd"]
+__all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_KEYS", "PUBLIC_TEST_FRACTION",
+           "resolve_config", "method_label", "build_method", "method_train", "check_dp_sgd", "check_public_dataset"]
 
 
 class ConfigError(ValueError):
@@ -35,6 +37,12 @@ DEFAULTS: dict[str, Any] = {
     "global_test_fraction": 0.2,    # held-out global test when the data has no `split` column
     "use_official_split": True,     # False: ignore the dataset's `split` column (its test rows join the pool)
     "group_column": "subject_id",   # rows sharing it (one patient) never straddle train/val/test splits
+    # a dataset only the coordinator reads (never a client), e.g. MIAS as the public/proxy set
+    # that knowledge-distillation methods distil into: null, or {"name": <dataset plugin>,
+    # **its parameters} plus the reserved keys "test_fraction" (0.15: the test share drawn by
+    # group when there is no official split), "use_official_split" and "group_column" (both
+    # default to the run's); see medfl.engine.public
+    "public_dataset": None,
     "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
     "client_split": {"train": 0.7, "val": 0.15, "test": 0.15},
     # k-fold cross-validation: folds > 1 runs every method once per fold (fold_<k>/), each
@@ -95,6 +103,60 @@ ENTRY_KEYS = ("name", "label", "filters", "train")
 #: Keys of ``train.dp`` (DP-SGD) and their defaults; ``epsilon`` or ``noise_multiplier``.
 DP_SGD_DEFAULTS: dict[str, Any] = {"epsilon": None, "noise_multiplier": None, "max_grad_norm": 1.0,
                                    "delta": 1e-5, "accountant": "rdp"}
+
+
+#: Keys of ``public_dataset`` that are not the dataset plugin's parameters.
+PUBLIC_KEYS = ("test_fraction", "use_official_split", "group_column")
+
+#: Default ``public_dataset.test_fraction``.
+PUBLIC_TEST_FRACTION = 0.15
+
+
+def check_public_dataset(value: Any, run: dict[str, Any] | None = None,
+                         where: str = "fl.public_dataset") -> dict[str, Any] | None:
+    """Check a ``public_dataset`` section on its own and fill its reserved keys.
+
+    Args:
+        value: ``None`` (no public dataset), a dataset plugin name, or
+            ``{"name": <dataset plugin>, **plugin parameters}`` with optional reserved keys
+            (:data:`PUBLIC_KEYS`): ``test_fraction`` (a number in (0, 1), default
+            :data:`PUBLIC_TEST_FRACTION`), ``use_official_split`` (a bool) and
+            ``group_column`` (a column name, or ``None``: every row its own group).
+        run: the ``fl`` config whose ``use_official_split`` and ``group_column`` are the
+            defaults (default: those of :data:`DEFAULTS`).
+        where: the key named in error messages.
+
+    Returns:
+        ``None`` when there is no public dataset, else a new dict with ``name``, the plugin
+        parameters and every reserved key.
+
+    Raises:
+        ConfigError: not a named spec, an unknown dataset plugin, or a bad reserved value;
+            the message names ``<where>.<key>``.
+    """
+    if value is None or value is False:
+        return None
+    spec = _named(value, where)
+    try:
+        lookup("dataset", spec["name"])
+    except PluginError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    run = run or {}
+    f = spec.get("test_fraction", PUBLIC_TEST_FRACTION)
+    if not isinstance(f, Real) or isinstance(f, bool) or not math.isfinite(f) or not 0 < f < 1:
+        raise ConfigError(f"{where}.test_fraction: expected a number in (0, 1) (the share of the public "
+                          f"dataset held out as its test split), got {f!r}")
+    spec["test_fraction"] = float(f)
+    official = spec.get("use_official_split", run.get("use_official_split", DEFAULTS["use_official_split"]))
+    if not isinstance(official, bool):
+        raise ConfigError(f"{where}.use_official_split: expected true or false, got {official!r}")
+    spec["use_official_split"] = official
+    group = spec.get("group_column", run.get("group_column", DEFAULTS["group_column"]))
+    if group is not None and (not isinstance(group, str) or not group):
+        raise ConfigError(f"{where}.group_column: expected a column name or null (every row its own group), "
+                          f"got {group!r}")
+    spec["group_column"] = group
+    return spec
 
 
 def method_label(spec: dict[str, Any]) -> str:
@@ -198,8 +260,8 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         The resolved config (a new dict), with ``methods`` as a list of dicts.
 
     Raises:
-        ConfigError: unknown key, bad value, or unknown dataset/partitioner/model/method name;
-            the message lists the valid choices.
+        ConfigError: unknown key, bad value, or unknown dataset/partitioner/model/method name
+            (``public_dataset`` included); the message lists the valid choices.
     """
     if not isinstance(fl, dict):
         raise ConfigError(f"fl: expected a dict, got {type(fl).__name__}")
@@ -267,6 +329,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
             build_method(m)  # checks parameter names now, before any work
     except (PluginError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
+    cfg["public_dataset"] = check_public_dataset(cfg["public_dataset"], cfg)
     cfg["train"]["dp"] = check_dp_sgd(cfg["train"]["dp"], "fl.train.dp")
     if not isinstance(cfg["filters"], list):
         raise ConfigError(f"fl.filters: expected a list of filters like [{{\"name\": \"quantize\", \"bits\": 8}}], "
