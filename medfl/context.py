@@ -73,6 +73,11 @@ class ClientContext:
             reproducible from the run seed, a simulation (whoever knows the seed could
             subtract it). A Flower site sets its own secret (:mod:`medfl.flower.site`), so the
             coordinator, which knows the run seed, cannot.
+        deployed: the client runs on its own machine (a Flower site): what it measures of
+            the machine (:meth:`medfl.method.Method.client_profile`) is real. False in
+            process (a simulation: every client shares this machine).
+        coordinator: the coordinator's address (``host:port`` of the Flower SuperLink) where
+            the site knows it, else empty.
     """
 
     client_id: str
@@ -86,6 +91,8 @@ class ClientContext:
     sample_shape: tuple[int, ...] = ()
     split_sizes: dict[str, int] = field(default_factory=dict)
     noise_key: str = field(default="", repr=False)
+    deployed: bool = False
+    coordinator: str = ""
     _shells_taken: set[str] = field(default_factory=set, repr=False)
     _built: dict[tuple[str, bool], Dataset] = field(default_factory=dict, repr=False)
 

@@ -11,6 +11,9 @@ in-process as over Flower, so a method can never reach coordinator state from a 
 Lifecycle of a run (rounds are numbered from 1)::
 
     coordinator.setup(federation)
+    profiles = coordinator.configure_profile()                     # {} (the default): no exchange
+    scores = {cid: client.client_profile(ctx[cid], ins) ...}       # scalars, once, before round 1
+    coordinator.server_profile(scores)
     for round in 1..R:
         for step in range(coordinator.round_steps(round)):         # 1 unless the method chains
             instructions = coordinator.configure_round(round)      # {client_id: Instruction}
@@ -25,6 +28,9 @@ Lifecycle of a run (rounds are numbered from 1)::
             coordinator.server_evaluate(round, results)            # the scalars of every split
         checkpoint(coordinator.state_dict())
     coordinator.finalize()
+    for name, (spec, state) in coordinator.final_models().items():   # {} (the default): none
+        scores of the model on the public test split (at the coordinator) and on every
+        client's own splits (at the client), in final_metrics.csv
 
 A client's ``ctx.state`` is the state it saved last: a second step of the same round
 (``round_steps`` > 1) and the validation exchange see what the first step left.
@@ -76,6 +82,10 @@ class Federation:
         client_models: per-client model overrides ``{client_id: {kwarg: value}}``.
         train: local-training settings (epochs, batch_size, lr, optimizer, ...).
         device: torch device string.
+        public: the coordinator's public dataset (``fl.public_dataset``, a
+            :class:`medfl.engine.public.PublicData`: ``dataset(split)``, ``loader(split)``,
+            splits ``train`` and ``test``), or ``None``. It exists only at the coordinator:
+            clients never see a :class:`Federation`, so no client code can reach it.
     """
 
     client_ids: list[str]
@@ -91,6 +101,7 @@ class Federation:
     device: str = "cpu"
     in_channels: int = 1
     spatial_dims: int = 2
+    public: Any = None
 
     def sample(self, round: int) -> list[str]:
         """Clients sampled for ``round``: seeded by (seed, round) only, so every method
@@ -201,6 +212,18 @@ class Method(Configurable):
         """Build the initial coordinator state. Default: remember the federation."""
         self.federation = federation
 
+    def configure_profile(self) -> dict[str, Instruction]:
+        """Who reports a profile before round 1, and with what (e.g. PFedCDP asks every
+        client for its capability scores to cluster them). The engine runs this exchange
+        once, before the first round of a run (again only if the run is resumed before its
+        first checkpoint); :meth:`server_profile` stores what it needs in the coordinator
+        state, which the checkpoints keep. Default: nobody (no exchange; nothing is sent)."""
+        return {}
+
+    def server_profile(self, results: dict[str, dict[str, float]]) -> None:
+        """Receive the scalars each client's :meth:`client_profile` returned (only clients
+        that answered), before round 1. Default: nothing."""
+
     def round_steps(self, round: int) -> int:
         """How many train steps ``round`` has (default 1). The engine calls
         :meth:`configure_round`, the clients and :meth:`server_update` that many times in the
@@ -239,6 +262,29 @@ class Method(Configurable):
     def finalize(self) -> None:
         """Post-hoc stages after the last round (server refinement, ensembles). Default: none."""
 
+    def final_models(self) -> dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+        """Models the coordinator built in :meth:`finalize` that the run should score:
+        ``{name: (model spec, state dict)}``, the spec naming a registered model
+        (``{"name": "pfedcdp_student", ...}``; ``spatial_dims``, ``in_channels`` and
+        ``num_classes`` are filled in from the dataset when absent). The engine scores each
+        on the public test split at the coordinator (``fl.public_dataset``) and sends it to
+        every evaluated client, which scores it on its own splits (``eval_splits`` but
+        ``cross_test``) and returns only metrics: ``final_metrics.csv`` and the summary's
+        ``final_models`` block. Default: none."""
+        return {}
+
+    def report(self) -> dict[str, Any]:
+        """What the method wants a person to read about the run (JSON values: PFedCDP's
+        clusters, teacher weights and Shapley values), written to ``summary.json`` under
+        ``method_report`` at the end of the run. Default: nothing."""
+        return {}
+
+    def client_groups(self) -> dict[str, str]:
+        """A group name per client (PFedCDP's capability clusters), for per-group curves and
+        final metrics (``groups.csv``, the summary's ``groups`` block, ``plots/groups.png``).
+        Asked at the end of a run. Default: no groups."""
+        return {}
+
     def default_filters(self) -> list[dict[str, Any]]:
         """Reply filters this method always applies (e.g. PFedCDP's clipping, noise and 8-bit
         quantization of its update), as config entries ``{"name": ..., **parameters}``.
@@ -258,6 +304,16 @@ class Method(Configurable):
     def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
         """Run on one client: train and reply. Must be overridden."""
         raise NotImplementedError(f"method {self.name!r} does not implement client_update")
+
+    def client_profile(self, client: ClientContext, instruction: Instruction) -> dict[str, float]:
+        """Run on one client when :meth:`configure_profile` addresses it, before round 1:
+        return a flat dict of numbers about the client (capability scores...). Checked like
+        a reply (numbers only, nothing that repeats the client's labels or images).
+        ``client.deployed`` tells whether it runs on the client's own machine (a Flower
+        site, where it can measure it) or in a simulation; ``client.coordinator`` is the
+        coordinator's address where the site knows it."""
+        raise NotImplementedError(f"method {self.name!r} addressed clients in configure_profile "
+                                  "but does not implement client_profile")
 
     def client_validate(self, client: ClientContext, instruction: Instruction) -> dict[str, float]:
         """Run on one client when :meth:`configure_validate` addresses it: compute scalars

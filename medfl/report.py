@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["write_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_comparison",
+__all__ = ["write_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_group_plot",
+           "write_comparison",
            "forgetting_table",
            "summary_table", "format_table", "load_metrics", "CV_SPLITS", "cv_results", "cv_summary",
            "cv_table", "write_cv_report"]
@@ -187,12 +188,47 @@ def write_privacy_plot(run_dir: str | Path) -> Path | None:
     return _save_plot(fig, run_dir, "privacy.png")
 
 
+def write_group_plot(run_dir: str | Path) -> Path | None:
+    """Write ``plots/groups.png``: per client group (``groups.csv``: PFedCDP's capability
+    clusters, the paper's Fig. 2), the mean accuracy of the group's clients per round on each
+    evaluated split. Returns the path, or None for a run without groups."""
+    run_dir = Path(run_dir)
+    groups = _run_csv(run_dir, "groups.csv")
+    metrics = _run_csv(run_dir, "metrics.csv")
+    if groups is None or metrics is None or "accuracy" not in metrics.columns:
+        return None
+    of = dict(zip(groups["client_id"].astype(str), groups["group"].astype(str)))
+    metrics = metrics.assign(group=metrics["client_id"].astype(str).map(of)).dropna(subset=["group"])
+    plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
+    splits = list(dict.fromkeys(metrics["split"]))
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.0 * len(splits), 3.6), squeeze=False)
+    for ax, split in zip(axes[0], splits):
+        part = metrics[metrics["split"] == split]
+        for g in dict.fromkeys(groups["group"].astype(str)):
+            curve = part[part["group"] == g].groupby("round")["accuracy"].mean()
+            n = int((groups["group"].astype(str) == g).sum())
+            if len(curve):
+                ax.plot(curve.index, curve.values, marker="o", label=f"{g} ({n} client{'s' if n != 1 else ''})")
+        ax.set_title(f"{split}: mean accuracy per group")
+        ax.set_xlabel("round")
+        ax.set_ylabel("accuracy")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    return _save_plot(fig, run_dir, "groups.png")
+
+
 def write_plots(run_dir: str | Path) -> list[Path]:
     """Write ``plots/curves.png`` (metric per round, mean and client range per split),
     ``plots/clients_<split>.png`` (final metrics per client as a heatmap),
     ``plots/forgetting.png`` (:func:`write_forgetting_plot`) and, when the run has a
     ``communication.csv``, ``plots/communication.png`` (:func:`write_communication_plot`),
-    and a ``privacy.csv``, ``plots/privacy.png`` (:func:`write_privacy_plot`). Returns the paths."""
+    a ``privacy.csv``, ``plots/privacy.png`` (:func:`write_privacy_plot`), and a ``groups.csv``,
+    ``plots/groups.png`` (:func:`write_group_plot`). Returns the paths."""
     plt = _plt()
     run_dir = Path(run_dir)
     df = load_metrics(run_dir)
@@ -239,7 +275,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    for extra in (write_forgetting_plot, write_communication_plot, write_privacy_plot):
+    for extra in (write_forgetting_plot, write_communication_plot, write_privacy_plot, write_group_plot):
         path = extra(run_dir)
         if path is not None:
             written.append(path)

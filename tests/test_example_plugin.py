@@ -88,6 +88,15 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     assert json.loads((snap / "summary.json").read_text())["final"]["cross_test"]["accuracy"]["mean"] >= 0
     val = (snap / "validation_metrics.csv").read_text().splitlines()
     assert val[0] == "round,client_id,acc_0,acc_1" and len(val) == 1 + 2 * 3   # rounds 2 and 3
+    # the profile exchange, groups, report and final model of the contract
+    assert (snap / "profile.csv").read_text().splitlines()[0] == "client_id,val_samples"
+    assert (snap / "groups.csv").read_text().splitlines()[0] == "client_id,client_name,group"
+    s_snap = json.loads((snap / "summary.json").read_text())
+    assert s_snap["method_report"]["kept_snapshots"] == 2 and len(s_snap["method_report"]["validation_sizes"]) == 3
+    # eval_splits test and cross_test: the final model is scored on each client's own test split
+    assert set(s_snap["final_models"]["best_snapshot"]) == {"round", "local_test"}
+    final = (snap / "final_metrics.csv").read_text().splitlines()
+    assert final[0].startswith("model,round,client_id,client_name,split,n,") and len(final) == 1 + 3
     # MEDFL_LOAD_PLUGINS restricts third-party plugins
     env["MEDFL_LOAD_PLUGINS"] = ""
     listed = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "--json"], env=env,

@@ -7,10 +7,14 @@ the coordinate-wise median of the clients' models, which tolerates a minority of
 count, so the value is one a client sent). It overrides one ``HubAndSpoke`` piece.
 
 ``median_snapshots``: the same training, evaluated as an ensemble of the best recent global
-models. It shows the rest of the contract: coordinator state that is checkpointed, a
-validation exchange (``configure_validate`` / ``client_validate`` / ``server_validate``:
-only scalars leave the clients), and an evaluation model that returns probabilities
-(``ProbabilityModel``), which the Global Test (``cross_test``) scores over Flower too.
+models. It shows the rest of the contract: coordinator state that is checkpointed, a profile
+exchange before round 1 (``configure_profile`` / ``client_profile`` / ``server_profile``:
+each client says how many validation samples it has, so only clients that have some are
+asked to validate), a validation exchange (``configure_validate`` / ``client_validate`` /
+``server_validate``: only scalars leave the clients), an evaluation model that returns
+probabilities (``ProbabilityModel``), which the Global Test (``cross_test``) scores over
+Flower too, client groups (``client_groups``), a report in ``summary.json`` (``report``) and
+a final model the run scores at every client (``final_models``: the best snapshot).
 
 ``half``: a reply filter (``"filters": [{"name": "half"}]``) that sends every
 floating-point tensor of a reply's model state in float16 (half the bytes of float32) and
@@ -94,7 +98,20 @@ class MedianSnapshots(FedMedian):
         super().setup(federation)
         self.snapshots: list[dict[str, torch.Tensor]] = []
         self.chosen: list[int] = []
+        self.val_sizes: dict[str, int] = {}
 
+    def configure_profile(self) -> dict[str, Instruction]:
+        """Before round 1, every client says how many validation samples it has."""
+        return {cid: Instruction() for cid in self.federation.eval_client_ids}
+
+    def server_profile(self, results: dict[str, dict[str, float]]) -> None:
+        """Remember each client's validation size (a client that did not answer: 0)."""
+        self.val_sizes = {cid: int(results.get(cid, {}).get("val_samples", 0))
+                          for cid in self.federation.eval_client_ids}
+
+    def client_groups(self) -> dict[str, str]:
+        """Clients that validate snapshots and those without a validation split."""
+        return {cid: "validates" if n > 0 else "no_val" for cid, n in self.val_sizes.items()}
     def server_update(self, round: int, replies) -> None:
         """Median-aggregate, then remember the new global model as the newest snapshot."""
         super().server_update(round, replies)
@@ -106,7 +123,7 @@ class MedianSnapshots(FedMedian):
         if len(self.snapshots) < 2:
             return {}
         ins = Instruction(payload={"snapshots": self.snapshots})
-        return {cid: ins for cid in self.federation.eval_client_ids}
+        return {cid: ins for cid in self.federation.eval_client_ids if self.val_sizes.get(cid, 1) > 0}
 
     def server_validate(self, round: int, results: dict[str, dict[str, float]]) -> None:
         """Keep the ``top`` snapshots of best mean validation accuracy."""
@@ -116,6 +133,7 @@ class MedianSnapshots(FedMedian):
             means.append(sum(accs) / len(accs) if accs else -1.0)
         ranked = sorted(range(len(means)), key=lambda i: (means[i], i), reverse=True)
         self.chosen = sorted(ranked[: self.top])
+        self.val_means = means
 
     def configure_evaluate(self, round: int) -> dict[str, Instruction]:
         """Send the chosen snapshots (the global model before any round has run)."""
@@ -123,17 +141,36 @@ class MedianSnapshots(FedMedian):
         ins = Instruction(payload={"models": models})
         return {cid: ins for cid in self.federation.eval_client_ids}
 
+    def final_models(self) -> dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+        """The newest chosen snapshot, as a model of the run's spec: the run scores it at
+        every client (and on the public test split when the run has one)."""
+        if not self.snapshots:
+            return {}
+        best = self.snapshots[(self.chosen or [len(self.snapshots) - 1])[-1]]
+        return {"best_snapshot": (self.federation.model_spec(), best)}
+
+    def report(self) -> dict[str, Any]:
+        """Which snapshots form the ensemble, and the clients' validation sizes."""
+        return {"kept_snapshots": len(self.snapshots), "chosen": list(self.chosen),
+                "validation_sizes": dict(self.val_sizes)}
+
     def state_dict(self) -> dict[str, Any]:
-        """Checkpoint: the global model, the snapshots and which are chosen."""
-        return {"global": self.global_state, "snapshots": self.snapshots, "chosen": list(self.chosen)}
+        """Checkpoint: the global model, the snapshots, which are chosen, validation sizes."""
+        return {"global": self.global_state, "snapshots": self.snapshots, "chosen": list(self.chosen),
+                "val_sizes": {k: torch.tensor(v) for k, v in self.val_sizes.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` wrote."""
         self.global_state = state["global"]
         self.snapshots = list(state["snapshots"])
         self.chosen = [int(i) for i in state["chosen"]]
+        self.val_sizes = {k: int(v) for k, v in state.get("val_sizes", {}).items()}
 
     # ---------------------------------------------------------------- client
+    def client_profile(self, client, instruction: Instruction) -> dict[str, float]:
+        """How many validation samples this client has (a count, no sample)."""
+        return {"val_samples": float(client.num_examples("val"))}
+
     def client_validate(self, client, instruction: Instruction) -> dict[str, float]:
         """Accuracy of each snapshot on this client's ``val`` split (NaN when it has none)."""
         out = {}

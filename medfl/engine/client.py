@@ -25,8 +25,8 @@ from medfl.messages import Instruction, Reply, validate_payload
 from medfl.method import Method
 from medfl.seeding import derive_seed
 
-__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_validate", "run_client_evaluate",
-           "build_eval_model", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
+__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_validate", "run_client_profile",
+           "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
 
@@ -162,13 +162,26 @@ def run_client_validate(method: Method, ctx: ClientContext, instruction: Instruc
         PayloadError: the instruction or the result carries something that may not travel.
         TypeError: the result is not a dict of numbers.
     """
-    _check_instruction(instruction, "validation instruction", ctx.client_id)
-    _seed_all(derive_seed(ctx.seed, "validate"))
-    scores = method.client_validate(ctx, instruction)
-    where = f"validation of method {method.name!r} at client {ctx.client_id}"
+    return _scalar_exchange(method, ctx, instruction, store, "validate")
+
+
+def run_client_profile(method: Method, ctx: ClientContext, instruction: Instruction,
+                       store: ClientStore | None = None) -> dict[str, float]:
+    """Check the instruction, run ``method.client_profile`` seeded, check its scalars: the
+    profile exchange before round 1 (:meth:`medfl.method.Method.configure_profile`),
+    checked exactly like the validation exchange (:func:`run_client_validate`)."""
+    return _scalar_exchange(method, ctx, instruction, store, "profile")
+
+
+def _scalar_exchange(method: Method, ctx: ClientContext, instruction: Instruction, store: ClientStore | None,
+                     kind: str) -> dict[str, float]:
+    _check_instruction(instruction, f"{kind} instruction", ctx.client_id)
+    _seed_all(derive_seed(ctx.seed, kind))
+    scores = getattr(method, f"client_{kind}")(ctx, instruction)
+    where = f"{kind} of method {method.name!r} at client {ctx.client_id}"
     if not isinstance(scores, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in scores.items()):
-        raise TypeError(f"{where}: client_validate must return a flat dict of numbers, got {scores!r:.200}")
+        raise TypeError(f"{where}: client_{kind} must return a flat dict of numbers, got {scores!r:.200}")
     validate_payload(scores, where, allow_str=False, guard=ctx.guard)
     _keep_state(ctx, store)
     return {k: float(v) for k, v in scores.items()}
@@ -240,6 +253,47 @@ def build_peer_model(method: Method, owner: str, round: int, run_seed: int, mode
             f"skeleton built from its spec and evaluation instruction ({str(exc).splitlines()[0]}); "
             "override Method.eval_model_skeleton when the structure depends on the client's state") from None
     return model
+
+
+def build_final_model(spec: dict[str, Any], state: dict[str, torch.Tensor], ctx: ClientContext,
+                      where: str) -> nn.Module:
+    """A final model of the coordinator (:meth:`medfl.method.Method.final_models`) rebuilt
+    from its registered spec and loaded strictly with ``state``, in evaluation mode on the
+    client's device. ``spatial_dims``, ``in_channels`` and ``num_classes`` default to the
+    client's model spec (the dataset's).
+
+    Raises:
+        ValueError: the spec cannot be built or the state does not fit it (naming ``where``).
+    """
+    from medfl.models.registry import build_model
+
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ValueError(f"{where}: a final model's spec must be a dict naming a registered model, got {spec!r:.200}")
+    full = {k: ctx.model_spec[k] for k in ("spatial_dims", "in_channels", "num_classes") if k in ctx.model_spec}
+    full.update(spec)
+    validate_payload(state, where, allow_str=False)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model = build_model(full)
+        model.load_state_dict(state, strict=True)
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{where}: cannot build {spec.get('name')!r} with the state sent "
+                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    return model.to(ctx.device).eval()
+
+
+def evaluate_final_models(ctx: ClientContext, finals: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]],
+                          splits: list[str], metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]]
+                          ) -> dict[str, dict[str, dict[str, float]]]:
+    """Score each final model on the client's ``splits``, at the client: ``{name: {split:
+    metrics}}``. No evaluation memory is read or written (the per-round negative-flip
+    counts stay about the method's own models)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in finals:
+        spec, state = finals[name]
+        model = build_final_model(spec, state, ctx, f"final model {name!r} sent to client {ctx.client_id}")
+        out[name] = evaluate_model(model, ctx, splits, metric_fn)
+    return out
 
 
 def evaluate_model(

@@ -14,6 +14,11 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
                        method with several steps a round)
     validation_metrics.csv  one row per (round, client) of a method's validation exchange
                        (``Method.configure_validate``), when it has one
+    profile.csv        one row per client of a method's profile exchange before round 1
+                       (``Method.configure_profile``: PFedCDP's capability scores), when it has one
+    final_metrics.csv  the coordinator's final models (``Method.final_models``: PFedCDP's
+                       refined student) on the public test split and every client's splits
+    groups.csv         the method's client groups (``Method.client_groups``), when it has any
     privacy.csv        per round and client of a differentially private run: mechanism,
                        noise, clip, steps, sampling rate, epsilon spent so far, delta
                        (:mod:`medfl.privacy.ledger`)
@@ -48,7 +53,8 @@ from tqdm.auto import tqdm
 
 from medfl import wire
 from medfl.config import build_method, method_label, method_train
-from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, evaluate_model, run_client_update,
+from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model,
+                                 evaluate_final_models, evaluate_model, run_client_profile, run_client_update,
                                  run_client_validate)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.engine.traffic import Traffic
@@ -60,7 +66,7 @@ from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
 
-__all__ = ["Run", "RunError", "RunFactory", "client_context", "run_experiment", "resume", "predict",
+__all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "run_experiment", "resume", "predict",
            "summarize_metrics", "evaluate_metrics"]
 
 ROLES = ["train", "val", "test", "global_test"]
@@ -150,13 +156,20 @@ class Run:
         real = data.client_ids
         train_ids = [POOLED] if cls.pools_data else real
         sizes = {cid: len(data.rows(cid, "train")) for cid in train_ids}
+        from medfl.engine.public import PublicData, check_compatible
+
+        #: the coordinator's public dataset (``fl.public_dataset``), read here only
+        self.public = PublicData.from_config(cfg)
+        if self.public is not None:
+            check_compatible(self.public, data.source.num_classes, tuple(data.source.sample_shape),
+                             f"fl.public_dataset of method {self.label!r}")
         self.federation = Federation(
             client_ids=train_ids, eval_client_ids=real, num_examples=sizes,
             num_classes=data.source.num_classes, rounds=int(cfg["rounds"]), seed=int(cfg["seed"]),
             fraction=float(cfg["fraction"]), model=dict(cfg["model"]),
             client_models={str(k): dict(v) for k, v in cfg["client_models"].items()},
             train=method_train(cfg, method_spec, cls), device=str(cfg["device"]),
-            in_channels=data.source.in_channels, spatial_dims=data.source.spatial_dims,
+            in_channels=data.source.in_channels, spatial_dims=data.source.spatial_dims, public=self.public,
         )
         where = f"method {self.label!r}"
         chain, self.filters_skipped = configured_filters(cfg, method_spec, self.coordinator)
@@ -177,6 +190,7 @@ class Run:
         self.train_metrics = pd.DataFrame()
         self.validation = pd.DataFrame()
         self.cross = pd.DataFrame()
+        self.final_metrics = pd.DataFrame()
         self._names = data.client_names()
 
     # ------------------------------------------------------------------ files
@@ -197,9 +211,11 @@ class Run:
             privacy["noise_seeds"] = self.noise_source
         if self.filters_skipped:
             privacy["filters_not_applied"] = self.filters_skipped
-        _write_json(self.run_dir / "config.json", {"fl": self.config, "method": self.method_spec,
-                                                   "method_hparams": self.coordinator.hparams(),
-                                                   "privacy": privacy})
+        static = {"fl": self.config, "method": self.method_spec, "method_hparams": self.coordinator.hparams(),
+                  "privacy": privacy}
+        if self.public is not None:
+            static["public_dataset"] = self.public.describe()
+        _write_json(self.run_dir / "config.json", static)
         if not (self.run_dir / "partition.csv").exists():
             self.data.save(self.run_dir / "partition.csv")
 
@@ -345,6 +361,19 @@ class Run:
         self._save_checkpoint(r)
         return rows
 
+    def profile(self) -> None:
+        """The method's profile exchange, once before round 1 (:meth:`Method.configure_profile`):
+        each addressed client's scalars go to :meth:`Method.server_profile` and ``profile.csv``."""
+        instructions = self.coordinator.configure_profile()
+        if not instructions:
+            return
+        self._addressed(instructions, self.federation.eval_client_ids, 1, "configure_profile")
+        self._step = 0
+        results = self.profile_clients(1, instructions)
+        self.coordinator.server_profile(results)
+        rows = [{"client_id": cid, **{k: float(v) for k, v in m.items()}} for cid, m in results.items()]
+        _write_csv(self.run_dir / "profile.csv", pd.DataFrame(rows))
+
     def unfilter(self, r: int, instructions: dict[str, Instruction], replies: dict[str, Reply]
                  ) -> dict[str, Reply]:
         """Undo the run's reply filters on each reply (dequantize, add back the state the
@@ -425,6 +454,45 @@ class Run:
                                            store=self.store)
             self.traffic.add(r, cid, "validate", sent[cid], wire.encoded_size(wire.validate_answer(cid, out[cid])))
         return out
+
+    def profile_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
+        """Run ``client_profile`` on each addressed client (the profile exchange of
+        :meth:`Method.configure_profile`, before round ``r`` = 1); return each client's
+        scalars. A transport seam like :meth:`update_clients`."""
+        order = client_order(instructions)
+        sent = self._request_sizes(r, {cid: instructions[cid] for cid in order}, exchange="profile")
+        out = {}
+        for cid in order:
+            out[cid] = run_client_profile(self.client_method, self.context(cid, r), instructions[cid],
+                                          store=self.store)
+            self.traffic.add(r, cid, "profile", sent[cid], wire.encoded_size(wire.validate_answer(cid, out[cid])))
+        return out
+
+    def final_evaluate_clients(self, r: int, finals: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]],
+                               splits: list[str]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+        """Every evaluated client scores the coordinator's final models on its own
+        ``splits``: ``{client_id: {model name: {split: metrics}}}``. A transport seam like
+        :meth:`evaluate_clients`; the models travel as one instruction per client
+        (:meth:`final_instruction`), counted as the ``final`` phase of round ``r``."""
+        ins = self.final_instruction(finals)
+        ids = client_order(self.federation.eval_client_ids)
+        sent = self._request_sizes(r, {cid: ins for cid in ids}, splits=splits, final=True)
+        out = {}
+        for cid in ids:
+            ctx = self.context(cid, r, state_before=r + 1)
+            # read back from the instruction, as a site does
+            out[cid] = evaluate_final_models(ctx, final_models_of(ins, f"final models sent to client {cid}"), splits,
+                                             evaluate_metrics)
+            flat = {f"{name}/{split}": m for name, per in out[cid].items() for split, m in per.items()}
+            self.traffic.add(r, cid, "final", sent[cid], wire.encoded_size(wire.evaluate_answer(cid, flat)))
+        return out
+
+    @staticmethod
+    def final_instruction(finals: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> Instruction:
+        """The instruction carrying the final models: states in the payload, specs (JSON)
+        in the config; :func:`final_models_of` reads it back at the client."""
+        return Instruction(payload={name: state for name, (_, state) in finals.items()},
+                           config={"final_specs": json.dumps({name: spec for name, (spec, _) in finals.items()})})
 
     def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
                          ) -> dict[str, dict[str, dict[str, float]]]:
@@ -511,6 +579,57 @@ class Run:
             _write_csv(self.run_dir / "cross_test.csv", self.cross)
         return rows
 
+    def evaluate_finals(self, r: int) -> dict[str, Any]:
+        """Score the coordinator's final models (:meth:`Method.final_models`) on the public
+        test split, here, and on every client's own splits, at the clients; write
+        ``final_metrics.csv`` and return the summary's ``final_models`` block: per model,
+        per split, the mean/std/worst/best over clients (:func:`summarize_metrics`)."""
+        finals = self.coordinator.final_models()
+        if not finals:
+            return {}
+        from medfl.engine.training import predict_proba
+
+        rows: list[dict[str, Any]] = []
+        if self.public is not None:
+            ctx = ClientContext(client_id="coordinator", round=r, seed=self.federation.seed, datasets={},
+                                model_spec=self.federation.model_spec(), train=dict(self.federation.train),
+                                device=self.federation.device)
+            loader = self.public.loader("test", batch_size=int(self.federation.train.get("eval_batch_size", 64)),
+                                        shuffle=False, augment=False)
+            for name, (spec, state) in finals.items():
+                model = build_final_model(spec, state, ctx, f"final model {name!r}")
+                y, p = predict_proba(model, loader, self.federation.device)
+                rows.append({"model": name, "round": r, "client_id": "coordinator", "client_name": "coordinator",
+                             "split": "public_test", **evaluate_metrics(y, p)})
+        splits = [s for s in self.config["eval_splits"] if s != "cross_test"]
+        results = self.final_evaluate_clients(r, finals, splits)
+        for cid in client_order(results):
+            for name, per in results[cid].items():
+                for split, m in per.items():
+                    rows.append({"model": name, "round": r, "client_id": cid, "client_name": self._names.get(cid, cid),
+                                 "split": "local_" + split if split != "global_test" else split, **m})
+        self.final_metrics = pd.DataFrame(rows)
+        _write_csv(self.run_dir / "final_metrics.csv", self.final_metrics)
+        _write_csv(self.run_dir / "communication.csv", self.traffic.frame())
+        return {name: summarize_metrics(df.drop(columns=["model"]))
+                for name, df in self.final_metrics.groupby("model", sort=False)}
+
+    def write_groups(self, groups: dict[str, str]) -> dict[str, Any]:
+        """Write ``groups.csv`` (client, group) and return the summary's ``groups`` block:
+        each group's clients and the last round's mean of every metric per split over them."""
+        frame = pd.DataFrame([{"client_id": cid, "client_name": self._names.get(cid, cid), "group": g}
+                              for cid, g in groups.items()])
+        _write_csv(self.run_dir / "groups.csv", frame)
+        out: dict[str, Any] = {}
+        for g, part in frame.groupby("group", sort=False):
+            ids = set(part["client_id"])
+            sub = self.metrics[self.metrics["client_id"].astype(str).isin(ids)] if len(self.metrics) else self.metrics
+            final = summarize_metrics(sub) if len(sub) else {}
+            out[str(g)] = {"clients": client_order(list(ids)),
+                           "final": {split: {m: v["mean"] for m, v in block.items()}
+                                     for split, block in final.items() if isinstance(block, dict)}}
+        return out
+
     def execute(self, stop_after_round: int | None = None) -> dict[str, Any]:
         """Run the remaining rounds; return the summary (empty when stopped early)."""
         pm = get_plugin_manager()
@@ -521,6 +640,8 @@ class Run:
         bar = tqdm(range(self.start_round, last + 1), desc=f"{self.label}", unit="round",
                    disable=not self.config.get("progress", True), leave=True,
                    initial=self.start_round - 1, total=rounds)
+        if self.start_round == 1 and last >= 1:
+            self.profile()
         for r in bar:
             rows = self.run_round(r, pm)
             local = [x.get("accuracy") for x in rows if x["split"] == "local_test"]
@@ -539,6 +660,7 @@ class Run:
             self._status("stopped", last)
             return {}
         self.coordinator.finalize()
+        finals = self.evaluate_finals(rounds)
         summary = {"method": self.method_spec["name"], "label": self.label,
                    "rounds": rounds, "num_clients": len(self.federation.eval_client_ids),
                    "seed": self.federation.seed, "wall_time_s_last_session": time.perf_counter() - t0,
@@ -550,11 +672,39 @@ class Run:
         fairness = fairness_report(self.metrics, "local_test")
         if fairness:
             summary["fairness"] = fairness
+        if finals:
+            summary["final_models"] = finals
+        groups = self.coordinator.client_groups()
+        if groups:
+            summary["groups"] = self.write_groups(groups)
+        if self.public is not None:
+            summary["public_dataset"] = self.public.describe()
+        report = self.coordinator.report()
+        if report:
+            summary["method_report"] = report
         _write_csv(self.run_dir / "forgetting.csv", per_round)
         _write_json(self.run_dir / "summary.json", summary)
         self._status("finished", rounds)
         pm.hook.on_run_end(run=self, summary=summary)
         return summary
+
+
+def final_models_of(instruction: Instruction, where: str) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """The final models an instruction of :meth:`Run.final_instruction` carries:
+    ``{name: (spec, state)}``.
+
+    Raises:
+        ValueError: the specs are not JSON naming exactly the payload's models.
+    """
+    try:
+        specs = json.loads(str(instruction.config.get("final_specs", "")))
+    except ValueError:
+        raise ValueError(f"{where}: final_specs is not JSON") from None
+    payload = instruction.payload if isinstance(instruction.payload, dict) else {}
+    if not isinstance(specs, dict) or set(specs) != set(payload):
+        raise ValueError(f"{where}: the final models' specs ({sorted(specs) if isinstance(specs, dict) else specs!r}) "
+                         f"do not name the models sent ({sorted(payload)})")
+    return {str(name): (dict(specs[name]), payload[name]) for name in specs}
 
 
 def _fold_of(run_dir: Path) -> int | None:
@@ -579,14 +729,16 @@ def _read_rounds(path: Path, upto: int) -> pd.DataFrame | None:
 
 def client_context(data: FederatedData, client_id: str, round: int, *, run_seed: int, model_spec: dict[str, Any],
                    train: dict[str, Any], device: str, store: ClientStore, state_before: int | None = None,
-                   noise_key: str = "") -> ClientContext:
+                   noise_key: str = "", deployed: bool = False, coordinator: str = "") -> ClientContext:
     """``client_id``'s context for ``round`` on the split ``data``, its persistent state
     loaded from ``store``: the newest state saved before round ``state_before`` (default
     ``round + 1``: the latest, including what an earlier step of this round saved).
 
     Every transport builds contexts here (:meth:`Run.context` in process, a Flower site at
     the site), so the same run seed gives the same numbers. ``noise_key`` is the site's
-    secret for privacy noise (:attr:`medfl.context.ClientContext.noise_key`; empty in process)."""
+    secret for privacy noise (:attr:`medfl.context.ClientContext.noise_key`; empty in process);
+    ``deployed`` and ``coordinator`` say whether the client runs on its own machine and
+    where the coordinator is (a Flower site)."""
     roles = ROLES if client_id != POOLED else ["train", "val", "test"]
     return ClientContext(
         client_id=client_id, round=round, seed=derive_seed(run_seed, round, client_id),
@@ -595,7 +747,7 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
         state=store.load(client_id, round + 1 if state_before is None else state_before),
         sample_shape=tuple(data.source.sample_shape),
         split_sizes=data.sizes(client_id, [r for r in roles if r != "global_test"]),
-        noise_key=noise_key,
+        noise_key=noise_key, deployed=deployed, coordinator=coordinator,
     )
 
 

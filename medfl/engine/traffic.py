@@ -10,6 +10,9 @@ in process the engine builds the same contents and measures them
 
 :class:`Traffic` sums them per ``(round, client_id, phase)``; phases are :data:`PHASES`:
 
+``profile``
+    the method's profile exchange before round 1 (:meth:`medfl.method.Method.configure_profile`),
+    counted in round 1;
 ``train``
     every training step's instruction and reply (a method with several steps per round,
     :meth:`medfl.method.Method.round_steps`, adds them up);
@@ -20,7 +23,10 @@ in process the engine builds the same contents and measures them
     model's state);
 ``score``
     ``cross_test``: every evaluation model and the shared evaluation instructions sent to
-    each site, one ``MetricRecord`` per model back.
+    each site, one ``MetricRecord`` per model back;
+``final``
+    the coordinator's final models (:meth:`medfl.method.Method.final_models`) sent to each
+    client after the last round and their metrics back, counted in the last round.
 
 A request a client never answered (a Flower site that dropped out) counts its bytes to the
 client only. Flower's ``query.hello`` exchanges (no round) are not counted.
@@ -36,7 +42,7 @@ import pandas as pd
 __all__ = ["Traffic", "PHASES", "COLUMNS"]
 
 #: The exchanges of a round, in the order a round runs them.
-PHASES = ("train", "validate", "evaluate", "score")
+PHASES = ("profile", "train", "validate", "evaluate", "score", "final")
 
 #: The columns of ``communication.csv``.
 COLUMNS = ["round", "client_id", "phase", "bytes_to_client", "bytes_from_client", "messages"]
@@ -102,7 +108,8 @@ class Traffic:
             contents, :func:`medfl.wire.encoded_size`); ``messages``: requests sent.
         ``per_round``
             those totals divided by the run's ``rounds`` (mean bytes per round, all clients
-            and phases together).
+            and phases together), without the one-off ``final`` phase (the final models sent
+            for scoring after the last round), which ``by_phase`` reports.
         ``train_per_client_round``
             the mean over the ``train`` rows (one per client that was sent a training
             instruction in a round) of ``bytes_to_client`` / ``bytes_from_client``: what one
@@ -112,6 +119,8 @@ class Traffic:
         """
         df = self.frame()
         to, frm = int(df["bytes_to_client"].sum()), int(df["bytes_from_client"].sum())
+        rounds_only = df[df["phase"] != "final"]
+        to_r, frm_r = int(rounds_only["bytes_to_client"].sum()), int(rounds_only["bytes_from_client"].sum())
         n = max(1, int(rounds))
         train = df[df["phase"] == "train"]
 
@@ -128,7 +137,7 @@ class Traffic:
                                    "messages": int(part["messages"].sum())}
         return {"bytes_to_clients": to, "bytes_from_clients": frm, "messages": int(df["messages"].sum()),
                 "rounds": int(rounds),
-                "per_round": {"bytes_to_clients": to / n, "bytes_from_clients": frm / n},
+                "per_round": {"bytes_to_clients": to_r / n, "bytes_from_clients": frm_r / n},
                 "train_per_client_round": {"bytes_to_client": mean("bytes_to_client"),
                                            "bytes_from_client": mean("bytes_from_client")},
                 "by_phase": by_phase}

@@ -96,9 +96,11 @@ def superlink_command(host: str = "127.0.0.1", port: int = 9092, insecure: bool 
 
 
 def node_config(client_id: str, config: str | Path, state_dir: str | Path, *, overrides: dict[str, Any] | None = None,
-                workdir: str | Path | None = None, device: str | None = None, worker: str | None = None) -> str:
+                workdir: str | Path | None = None, device: str | None = None, worker: str | None = None,
+                superlink: str | None = None) -> str:
     """The ``--node-config`` string of a medfl site (paths made absolute; ``worker``: the
-    site worker's socket, see :mod:`medfl.flower.worker`)."""
+    site worker's socket, see :mod:`medfl.flower.worker`; ``superlink``: the Fleet API
+    address the site connects to, which a method may measure its latency against)."""
     def q(v: Any) -> str:
         s = str(v)
         if "'" in s:
@@ -113,6 +115,8 @@ def node_config(client_id: str, config: str | Path, state_dir: str | Path, *, ov
         items["device"] = device
     if worker:
         items["worker"] = worker
+    if superlink:
+        items["superlink"] = superlink
     return " ".join(f"{k}={q(v)}" for k, v in items.items())
 
 
@@ -124,7 +128,7 @@ def site_command(client_id: str, config: str | Path, state_dir: str | Path, supe
     ``host:port``: give every site on one machine its own port)."""
     cmd = [_bin("flower-supernode"), "--superlink", superlink, "--host", host, "--port", str(port),
            "--node-config", node_config(client_id, config, state_dir, overrides=overrides, workdir=workdir,
-                                        device=device, worker=worker)]
+                                        device=device, worker=worker, superlink=superlink)]
     if insecure:
         cmd.append("--insecure")
     return cmd + list(extra or [])

@@ -427,6 +427,38 @@ class FlowerRun(Run):
         return {cid: wire.read_metrics(msg.content.get("validate"), f"validation of site {cid} in round {r}")
                 for cid, msg in answers.items()}
 
+    def profile_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
+        """Send every addressed client its profile instruction (an ``evaluate.validate``
+        message whose control record says ``exchange: profile``); return the scalars of the
+        sites that answered (measured on each site's machine: ``ClientContext.deployed``)."""
+        outgoing = {cid: self._instruction_content(r, cid, ins, exchange="profile")
+                    for cid, ins in instructions.items()}
+        answers = self.exchange(r, "profile", P.VALIDATE, outgoing)
+        return {cid: wire.read_metrics(msg.content.get("validate"), f"profile of site {cid}")
+                for cid, msg in answers.items()}
+
+    def final_evaluate_clients(self, r: int, finals: dict[str, tuple[dict[str, Any], dict[str, Any]]],
+                               splits: list[str]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+        """Send the final models to every site (an ``evaluate`` message with ``final`` in
+        its control record); each site rebuilds them from their registered specs, scores
+        them on its own splits and returns only metrics (``eval.<model>/<split>``)."""
+        ins = self.final_instruction(finals)
+        outgoing = {cid: self._instruction_content(r, cid, ins, splits=splits, final=True)
+                    for cid in self.federation.eval_client_ids}
+        answers = self.exchange(r, "final", P.EVALUATE, outgoing)
+        out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+        for cid, msg in answers.items():
+            where = f"final evaluation of site {cid}"
+            ctl = wire.take_json(msg.content, P.CONTROL, where)
+            per: dict[str, dict[str, dict[str, float]]] = {}
+            for key in ctl.get("splits", []):
+                name, _, split = str(key).partition("/")
+                if name not in finals or split not in splits:
+                    raise PayloadError(f"{where}: unexpected result {key!r}")
+                per.setdefault(name, {})[split] = wire.read_metrics(msg.content.get(f"eval.{key}"), f"{where} ({key})")
+            out[cid] = per
+        return out
+
     def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
                          ) -> dict[str, dict[str, dict[str, float]]]:
         """Each site scores its client's evaluation model of round ``r`` on its own splits.

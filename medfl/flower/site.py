@@ -59,8 +59,9 @@ import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_peer_model, evaluate_model,
-                                 run_client_update, run_client_validate, score_dataset)
+from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_peer_model,
+                                 evaluate_final_models, evaluate_model, run_client_profile, run_client_update,
+                                 run_client_validate, score_dataset)
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl import wire
 from medfl.flower import protocol as P
@@ -86,6 +87,9 @@ class SiteSettings:
         overrides: ``#``-path overrides of the config.
         workdir: where relative paths of the config are read (``None``: the current one).
         device: torch device (``None``: the config's).
+        superlink: the SuperLink's Fleet API address (``host:port``) the site connects to,
+            when the node config names it (``medfl flower site`` does): what a method
+            measures the coordinator's latency against (``ClientContext.coordinator``).
     """
 
     client_id: str
@@ -94,6 +98,7 @@ class SiteSettings:
     overrides: dict[str, Any] = field(default_factory=dict)
     workdir: Path | None = None
     device: str | None = None
+    superlink: str = ""
 
     @classmethod
     def from_node_config(cls, node_config: dict[str, Any]) -> "SiteSettings":
@@ -120,7 +125,8 @@ class SiteSettings:
         device = str(node_config.get("device", "") or "")
         return cls(client_id=str(node_config["client-id"]), config=Path(str(node_config["config"])),
                    state_dir=Path(str(node_config["state-dir"])), overrides=overrides,
-                   workdir=Path(workdir) if workdir else None, device=device or None)
+                   workdir=Path(workdir) if workdir else None, device=device or None,
+                   superlink=str(node_config.get("superlink", "") or ""))
 
 
 class Site:
@@ -206,7 +212,8 @@ class Site:
 
         return client_context(self.data(ctl.get("fold")), self.client_id, int(ctl["round"]),
                               run_seed=int(ctl["seed"]), model_spec=dict(ctl["model"]), train=dict(ctl["train"]),
-                              device=self.device, store=store, state_before=state_before, noise_key=self.noise_key)
+                              device=self.device, store=store, state_before=state_before, noise_key=self.noise_key,
+                              deployed=True, coordinator=self.settings.superlink)
 
     def check(self, ctl: dict[str, Any]) -> None:
         """Refuse a message of another protocol, addressed to another client, or asking
@@ -251,11 +258,17 @@ class Site:
                                                                           dict[str, torch.Tensor] | None]:
         """Score the client's evaluation model of the round on its own splits (and return
         the model's state when the coordinator asks for it, for ``cross_test``)."""
-        from medfl.engine.runner import evaluate_metrics
+        from medfl.engine.runner import evaluate_metrics, final_models_of
 
         store, eval_store = self.stores(ctl)
         r = int(ctl["round"])
         ctx = self.context(ctl, store, state_before=r + 1)
+        if ctl.get("final"):
+            # the coordinator's final models (Method.final_models): rebuilt from registered
+            # specs, scored on this client's splits; no evaluation memory is touched
+            finals = final_models_of(ins, f"final models sent to site {self.client_id}")
+            per = evaluate_final_models(ctx, finals, [str(s) for s in ctl["splits"]], evaluate_metrics)
+            return {f"{name}/{split}": m for name, d in per.items() for split, m in d.items()}, None
         memory = eval_store.load(self.client_id, r)
         # the two steps of run_client_evaluate, keeping the model for cross_test
         model = build_eval_model(self.method(ctl), ctx, ins)
@@ -268,10 +281,12 @@ class Site:
         return out, state
 
     def validate(self, ctl: dict[str, Any], ins: Instruction) -> dict[str, float]:
-        """Run the method's ``client_validate`` (the validation exchange); save the
-        client's state at the site."""
+        """Run the method's ``client_validate`` (the validation exchange), or its
+        ``client_profile`` when the control record says ``exchange: profile`` (the profile
+        exchange before round 1, measured on this machine); save the client's state at the site."""
         store, _ = self.stores(ctl)
-        return run_client_validate(self.method(ctl), self.context(ctl, store), ins, store=store)
+        step = run_client_profile if ctl.get("exchange") == "profile" else run_client_validate
+        return step(self.method(ctl), self.context(ctl, store), ins, store=store)
 
     def score(self, ctl: dict[str, Any], models: dict[str, dict[str, torch.Tensor]],
               instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:

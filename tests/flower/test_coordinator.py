@@ -332,7 +332,9 @@ def test_node_config_errors_name_what_is_missing(tmp_path: Path) -> None:
         Site(SiteSettings(client_id="0", config=tmp_path / "nope.json", state_dir=tmp_path))
     s = SiteSettings.from_node_config({"client-id": 3, "config": "c.json", "state-dir": "s",
                                        "overrides": '{"fl#seed": 2}', "device": ""})
-    assert (s.client_id, s.overrides, s.device) == ("3", {"fl#seed": 2}, None)
+    assert (s.client_id, s.overrides, s.device, s.superlink) == ("3", {"fl#seed": 2}, None, "")
+    assert SiteSettings.from_node_config({"client-id": 3, "config": "c.json", "state-dir": "s",
+                                          "superlink": "hub:9100"}).superlink == "hub:9100"
 
 
 def test_site_refuses_other_protocols_clients_and_message_types(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ def test_commands(tmp_path: Path) -> None:
     nc = cmd[cmd.index("--node-config") + 1]
     assert f"config='{tmp_path / 'train.json'}'" in nc and "client-id='2'" in nc
     assert """overrides='{"fl#dataset#root": "/data"}'""" in nc
+    assert "superlink='hub:9100'" in nc     # what a method measures the coordinator's latency against
     with pytest.raises(FlowerDeployError, match="contains a single quote"):
         node_config("0", tmp_path / "it's.json", tmp_path)
     assert started_run_id("Loading project...\nSuccessfully started run 7469108812\nStarting logstream") == 7469108812
