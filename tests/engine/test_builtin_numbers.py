@@ -47,6 +47,9 @@ JOBS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fedskd": ({"name": "fedskd", "iterations": 2}, _P2P),
     "fedcross": ({"name": "fedcross", "iterations": 2}, {k: v for k, v in _P2P.items() if k != "client_models"}),
     "fedcross_het": ({"name": "fedcross_het", "iterations": 2}, _P2P),
+    "pfedcdp": ({"name": "pfedcdp", "refine_epochs": 1, "capabilities": "draw"},
+                {**_CNN, "public_dataset": {"name": "synthetic2d", "num_samples": 40, "num_classes": 2,
+                                            "image_size": 16, "noise": 0.5, "seed": 1}}),
 }
 
 
@@ -57,6 +60,8 @@ def run_job(method: str, work: Path) -> dict[str, str]:
     fl["train"] = {**_DATA["train"], **job.get("train", {})}
     fl.update(name=method, output_dir=str(work / "runs"), methods=[spec])
     fl["dataset"]["root"] = str(work / "data")
+    if "public_dataset" in fl:
+        fl["public_dataset"]["root"] = str(work / "public")
     out = run_experiment(resolve_config(fl))
     run_dir = Path(out["dir"]) / method
     return {f: (run_dir / f).read_text() for f in ("metrics.csv", "train_metrics.csv")}

@@ -1,0 +1,781 @@
+"""PFedCDP (paper 000): capability clusters, Fisher-masked personalisation, classifier KD,
+private quantized extractor updates, and post-hoc Shapley-weighted multi-teacher distillation
+with supervised contrastive learning on the coordinator's public set.
+
+The method is :class:`PFedCDP`; its docstring gives the algorithm step by step, the choices
+where the paper is silent or inconsistent, and where the authors' code is known to be wrong.
+The pieces live where other methods can reuse them: capability scores and clusters in
+:mod:`medfl.capability`, the losses in :mod:`medfl.losses.distill`, Shapley values in
+:mod:`medfl.shapley`, the paper's CNNs in :mod:`medfl.models.cnn`, the DP and quantization
+in the built-in ``dp_gaussian`` and ``quantize`` filters (:mod:`medfl_plugins.privacy`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from medfl import hookimpl
+from medfl.capability import CLUSTERS, SCORES, assign_cluster, draw_capabilities, measure_capabilities, overall_score
+from medfl.engine.training import get_state, make_optimizer, train_epochs, weighted_average
+from medfl.losses.distill import ensemble_logits, kd_loss, sup_mtkd_loss
+from medfl.messages import Instruction, Reply
+from medfl.method import Federation, Method, MethodConfigError, derive_seed
+from medfl.models.registry import build_model
+from medfl.shapley import (balanced_subset, ensemble_game, feature_importance, mean_importance, shapley_values,
+                           teacher_weights)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from medfl.context import ClientContext
+
+__all__ = ["PFedCDP", "AUTHORS_TEACHER_WEIGHTS", "DEFAULT_CLUSTER_MODELS", "fisher_information", "fisher_masks",
+           "mix_extractor", "register_methods"]
+
+State = dict[str, torch.Tensor]
+
+#: The paper's models per cluster (section IV.A.2): A for High, B for Medium, C for Low.
+DEFAULT_CLUSTER_MODELS: dict[str, dict[str, Any]] = {"high": {"name": "pfedcdp_a"}, "medium": {"name": "pfedcdp_b"},
+                                                     "low": {"name": "pfedcdp_c"}}
+#: The fixed teacher weights of the authors' code (high, medium, low), kept for comparison only.
+AUTHORS_TEACHER_WEIGHTS = (0.4, 0.35, 0.25)
+CAPABILITY_MODES = ("auto", "draw", "measure")
+SERVER_CLASSIFIER = ("public", "init")
+TEACHER_WEIGHTS = ("shapley", "uniform", "fixed")
+FEATURE_SHAP = ("off", "printed")
+SHAPLEY_SCORES = ("accuracy", "balanced_accuracy", "auc")
+
+
+# --------------------------------------------------------------------------- pieces
+
+def fisher_information(model: nn.Module, batches: Any, keys: list[str], device: str = "cpu",
+                       max_batches: int | None = None) -> tuple[State, int]:
+    """Empirical Fisher information of the parameters ``keys`` (eq. 3) on ``batches``.
+
+    For each mini-batch, the squared gradient of the batch's mean log-likelihood (the
+    negative cross-entropy) with respect to each parameter; averaged over the batches
+    (``max_batches`` of them, all when ``None``). The model is in evaluation mode (no
+    dropout, BatchNorm's running statistics), so the importance does not depend on random
+    dropout masks. Returns the Fisher tensors (same shapes as the parameters) and the
+    number of batches used."""
+    model = model.to(device).eval()
+    params = dict(model.named_parameters())
+    missing = [k for k in keys if k not in params]
+    if missing:
+        raise KeyError(f"fisher_information: not parameters of the model: {missing[:5]}")
+    fisher = {k: torch.zeros_like(params[k]) for k in keys}
+    used = 0
+    for x, y in batches:
+        if max_batches is not None and used >= max_batches:
+            break
+        if x.shape[0] == 0:
+            continue
+        model.zero_grad(set_to_none=True)
+        loglik = -nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        grads = torch.autograd.grad(loglik, [params[k] for k in keys], allow_unused=True)
+        for k, g in zip(keys, grads):
+            if g is not None:
+                fisher[k] += g.detach() ** 2
+        used += 1
+    if used:
+        fisher = {k: v / used for k, v in fisher.items()}
+    return fisher, used
+
+
+def fisher_masks(fisher: State, *, keep: float | None = None, threshold: float | None = None) -> State:
+    """The personal masks of eq. 4 (1: keep the client's own value); the global mask of
+    eq. 5 is ``1 - personal``.
+
+    ``threshold`` is the paper's T_Fisher: ``F >= T`` is personal. ``keep`` is the quantile
+    form: T is the ``keep`` quantile from the top over every entry of every tensor together
+    (``keep=0.2``: the 20 % most important entries; ties at T are kept). Entries with zero
+    Fisher information are never personal: the local data says nothing about them."""
+    if (keep is None) == (threshold is None):
+        raise ValueError("fisher_masks: give exactly one of keep (a fraction) or threshold (T_Fisher)")
+    if threshold is None:
+        flat = torch.cat([v.reshape(-1).double() for v in fisher.values()]) if fisher else torch.zeros(0)
+        k = int(math.ceil(float(keep) * flat.numel()))
+        if k <= 0 or flat.numel() == 0:
+            return {name: torch.zeros_like(v, dtype=torch.bool) for name, v in fisher.items()}
+        threshold_t = torch.topk(flat, k).values[-1]
+        return {name: (v.double() >= threshold_t) & (v > 0) for name, v in fisher.items()}
+    return {name: (v >= float(threshold)) & (v > 0) for name, v in fisher.items()}
+
+
+def mix_extractor(own: State, global_: State, personal: State) -> State:
+    """Eq. 6: ``M_personal * W_own + M_global * W_global`` with ``M_global = 1 - M_personal``,
+    per entry of the extractor's state. Entries without a mask (buffers: BatchNorm running
+    statistics) take the global value."""
+    out = {}
+    for k, g in global_.items():
+        if k in personal and k in own:
+            out[k] = torch.where(personal[k], own[k], g)
+        else:
+            out[k] = g.clone()
+    return out
+
+
+def _build(spec: dict[str, Any], seed: int, device: str = "cpu") -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        return build_model(dict(spec)).to(device)
+
+
+def _split_keys(model: nn.Module) -> tuple[list[str], list[str]]:
+    if not hasattr(model, "head_keys") or not hasattr(model, "body_keys") or not hasattr(model, "embed"):
+        raise MethodConfigError(f"pfedcdp: {type(model).__name__} has no extractor/classifier split (head_keys, "
+                                "body_keys, embed): use a registered medfl model (pfedcdp_a/b/c, small_cnn, resnet*)")
+    return list(model.body_keys()), list(model.head_keys())
+
+
+def _freeze_body(model: nn.Module) -> None:
+    """Evaluation mode for every module but the head (no dropout, no BatchNorm update)."""
+    for name, mod in model.named_modules():
+        if name and not name.startswith("head"):
+            mod.eval()
+
+
+def _check_unit(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise MethodConfigError(f"pfedcdp: {name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _check_pos_int(value: Any, name: str, zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
+        raise MethodConfigError(f"pfedcdp: {name} must be an integer >= {0 if zero else 1}, got {value!r}")
+    return int(value)
+
+
+def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise MethodConfigError(f"pfedcdp: {name} must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def _check_pos(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value) > 0:
+        raise MethodConfigError(f"pfedcdp: {name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------- the method
+
+class PFedCDP(Method):
+    """PFedCDP (Shadin, Zhang, Wang, Pan; paper 000).
+
+    **Clusters** (eqs. 1-2). Before round 1 every client reports four capability scores in
+    [0, 1] through the profile exchange (:meth:`Method.configure_profile`; nothing else
+    leaves it): CPU (frequency now / maximum), memory (available / total), battery (level,
+    1.0 without a battery) and network (1 - latency / ``max_latency_ms`` to the coordinator).
+    ``capabilities`` says where they come from: ``"measure"`` (this machine,
+    :func:`medfl.capability.measure_capabilities`), ``"draw"`` (a seeded simulation draw),
+    ``"auto"`` (measured at a Flower site, drawn in process, where every client shares one
+    machine), or the scores themselves (a list in client order or ``{client_id: {...}}``).
+    The coordinator computes ``C_O = w . scores`` (``capability_weights``) and the cluster:
+    High if ``C_O >= t_high``, Medium if ``t_medium <= C_O < t_high``, Low otherwise. A
+    client that does not answer, or answers something that is not four scores in [0, 1], is
+    put in Low (and the run says so). Each cluster has its own model (``cluster_models``,
+    default the paper's A / B / C), initialised once per run.
+
+    **Client, round t** (Algorithm 1). The instruction carries the cluster's global extractor
+    ``W_L,global(t-1)``, the server's classifier ``W_C,server(t-1)`` and the cluster's spec.
+
+    1. Fisher information (eq. 3) of the client's own extractor of round t-1 (with its own
+       classifier) on its training split without augmentation: per mini-batch the squared
+       gradient of the mean log-likelihood, averaged over ``fisher_batches`` batches (all
+       when ``None``).
+    2. Masks (eqs. 4-5): personal where ``F >= T_Fisher`` (``fisher_threshold``) or, by
+       default, for the top ``fisher_keep`` fraction of the extractor's entries (a raw
+       threshold does not transfer between models); global elsewhere. The paper's eqs. 4
+       and 5 both hold at ``F = T``, which would add the two values; we give ties to the
+       personal mask only (``M_global = 1 - M_personal``), and zero Fisher is never personal.
+    3. Eq. 6: ``W_L(t) = M_personal * W_L,own(t-1) + M_global * W_L,global(t-1)``: a
+       parameter above the threshold keeps the client's own value, the others take the
+       global one (the authors' code computes the masks and then never applies them; ours is
+       tested to change what the client keeps). Round 1 (no own extractor yet) starts from
+       the global one; so does a client's classifier, from the server's.
+    4. ``extractor_epochs`` epochs of cross-entropy on the whole local model (extractor and
+       the client's classifier). Algorithm 1 as printed never trains the extractor (it is
+       frozen and only the classifier learns), so no feature learning would happen anywhere;
+       ``extractor_epochs = 0`` is that literal algorithm, the default 1 is our reading.
+    5. The classifier alone trains ``train.epochs`` epochs on eq. 11,
+       ``(1 - kd_lambda) CE + kd_lambda T^2 KL(teacher || student)``, the extractor frozen
+       (evaluation mode), the teacher being the cluster's global extractor with the server's
+       classifier (evaluation mode, no gradient).
+    6. The reply is the extractor alone (``reply_state``); its update
+       ``W_L(t) - W_L,global(t-1)`` is clipped to ``clip`` (C2), noised for a target
+       ``epsilon`` (``dp_gaussian``, sigma from the accountant over the run's rounds) and
+       quantized to ``bits`` bits (``quantize``, eqs. 14-15 per tensor): the method's
+       :meth:`default_filters`, planned, applied, undone and accounted by the engine like any
+       filter. The classifier, the Fisher information and the masks never leave the client;
+       they stay in its state with its own extractor (before the noise: the client's own
+       model is not a release).
+
+    **Coordinator** (Algorithm 2). Dequantize (the filters' undo), FedAvg within each
+    cluster (weights: training-set sizes) to the cluster's new global extractor. How the
+    server's classifier ``W_C,server`` is trained is never said; with
+    ``server_classifier="public"`` (default) the coordinator fits it each round on its
+    public set (``fl.public_dataset``) on top of the cluster's frozen new extractor
+    (``server_epochs`` epochs of cross-entropy; also once at setup, so round 1's teacher is
+    not random); ``"init"`` keeps it at its initial value (the other reading: nothing trains
+    it). The public set never reaches a client.
+
+    **Post-hoc refinement** (``finalize``, Algorithm 2 lines 15-28). The cluster models that
+    trained (extractor + server classifier) are teachers. Teacher weights
+    (``teacher_weights``): ``"shapley"`` (default) the exact Shapley value of each teacher in
+    the game v(S) = ``shapley_score`` of the mean-logit ensemble of S on a class-balanced
+    subset of the public *training* split (``shapley_samples`` per class; the test split
+    is kept for the final scores), negative values clipped to 0 and normalised
+    (:func:`medfl.shapley.teacher_weights`); ``"uniform"``; ``"fixed"`` the authors' code's
+    [0.4, 0.35, 0.25] (High, Medium, Low), for comparison; or a list. A new student
+    (``student_model``, default the paper's 16-32 filter CNN with dense 64 and dropout 0.5)
+    trains ``refine_epochs`` epochs (Adam, ``refine_lr``) on the public training split with
+    eq. 18: ``(1 - alpha) SupCon(student embeddings; tau) + alpha T^2 KL(weighted teacher
+    ensemble || student)``. Eq. 16-19's feature Shapley values (``feature_shap="printed"``):
+    psi^(k) per teacher from the ``shap`` package (GradientExplainer, |SHAP| averaged over
+    ``shap_samples`` public samples and the classes), psi their mean, and eq. 19 as printed:
+    ``(1/|F|) sum_i psi_i L = mean(psi) L``, a constant factor on the loss (with Adam it
+    changes nothing but epsilon's relative size); it is computed, reported and applied, and
+    off by default because as printed it cannot weight features.
+
+    The run scores the refined student, each teacher and the weighted teacher ensemble
+    (:meth:`final_models`) on the public test split and on every client's splits
+    (``final_metrics.csv``); the clusters are the run's groups (``groups.csv``, per-cluster
+    curves in ``plots/groups.png``); :meth:`report` holds the scores, clusters, teacher
+    weights and Shapley values.
+
+    Args:
+        capabilities: ``"auto"``, ``"draw"``, ``"measure"``, a list of score dicts in client
+            order, or ``{client_id: {"cpu", "memory", "battery", "network"}}``.
+        capability_weights: w1..w4 of eq. 1 (summing to 1).
+        t_high, t_medium: the thresholds T_H and T_M of eq. 2 (the paper gives no values).
+        max_latency_ms: the maximum acceptable latency of the network score.
+        cluster_models: ``{"high": spec, "medium": spec, "low": spec}`` (any registered model
+            with an extractor/classifier split); default the paper's A / B / C.
+        fisher_keep: the fraction of extractor entries kept personal (quantile form).
+        fisher_threshold: T_Fisher (raw form); give this or ``fisher_keep``.
+        fisher_batches: mini-batches for the Fisher information (``None``: the whole split).
+        extractor_epochs: local CE epochs of the extractor after the mixing (0: Algorithm 1
+            as printed).
+        kd_lambda, kd_temperature: lambda and T_KD of eq. 11 (the paper gives no values).
+        server_classifier: ``"public"`` or ``"init"`` (see above).
+        server_epochs: epochs of the server classifier's fit on the public set per round.
+        epsilon, clip, delta, accountant: the update's DP (paper: epsilon 5, C2 2.5);
+            ``epsilon=None`` sends it without noise (not private; the run says so).
+        bits: quantization bits (paper: 8); ``None`` sends floats.
+        refine: run the post-hoc refinement.
+        student_model: the student's spec.
+        refine_epochs, refine_lr: the student's training.
+        alpha, refine_temperature, tau: eq. 18's alpha, T and SupCon's temperature.
+        teacher_weights: ``"shapley"``, ``"uniform"``, ``"fixed"`` or a list of weights.
+        shapley_score: v(S)'s score: ``accuracy``, ``balanced_accuracy`` or ``auc``.
+        shapley_samples: public samples per class in the Shapley game (``None``: as many as
+            the smallest class has).
+        feature_shap: ``"off"`` or ``"printed"`` (eqs. 16 and 19 as printed).
+        shap_samples: public samples explained per teacher (and as many as background).
+        shap_nsamples: GradientExplainer's samples per explained input (its ``nsamples``).
+        grad_clip: the global gradient-norm clip of the client's local training (both
+            phases; not in the paper, ``None`` turns it off). With the paper's privacy
+            (epsilon 5, C2 2.5) every coordinate of a client's update gets noise of standard
+            deviation sigma * C2 (sigma 1.35 for 2 rounds, 4.27 for the paper's 20: noise of
+            3.4 to 10.7 per coordinate against an update clipped to norm 2.5), so the cluster's
+            extractor is mostly noise and unclipped local steps on it overflow; the clip keeps
+            training finite.
+    """
+
+    name = "pfedcdp"
+    description = ("PFedCDP: capability clusters, Fisher-masked personalisation, classifier KD, DP + quantized "
+                   "extractor updates, Shapley-weighted MTKD + SupCon on a public set")
+    reply_state = {"extractor": "extractor"}
+    supports_dp_sgd = False
+
+    def __init__(self, capabilities: Any = "auto", capability_weights: list[float] | tuple[float, ...] = (0.25,) * 4,
+                 t_high: float = 0.6, t_medium: float = 0.4, max_latency_ms: float = 200.0,
+                 cluster_models: dict[str, dict[str, Any]] | None = None,
+                 fisher_keep: float | None = 0.2, fisher_threshold: float | None = None,
+                 fisher_batches: int | None = None, extractor_epochs: int = 1,
+                 kd_lambda: float = 0.5, kd_temperature: float = 2.0,
+                 server_classifier: str = "public", server_epochs: int = 1,
+                 epsilon: float | None = 5.0, clip: float = 2.5, delta: float = 1e-5, accountant: str = "rdp",
+                 bits: int | None = 8, refine: bool = True, student_model: dict[str, Any] | None = None,
+                 refine_epochs: int = 5, refine_lr: float = 1e-3, alpha: float = 0.5,
+                 refine_temperature: float = 2.0, tau: float = 0.07, teacher_weights: Any = "shapley",
+                 shapley_score: str = "accuracy", shapley_samples: int | None = None,
+                 feature_shap: str = "off", shap_samples: int = 16, shap_nsamples: int = 200,
+                 grad_clip: float | None = 5.0) -> None:
+        if isinstance(capabilities, str):
+            if capabilities not in CAPABILITY_MODES:
+                raise MethodConfigError(f"pfedcdp: capabilities must be one of {', '.join(CAPABILITY_MODES)}, a list "
+                                        f"of score dicts or a dict by client id, got {capabilities!r}")
+        else:
+            entries = capabilities.values() if isinstance(capabilities, dict) else capabilities
+            if not isinstance(capabilities, (list, tuple, dict)):
+                raise MethodConfigError(f"pfedcdp: capabilities: unexpected {type(capabilities).__name__}")
+            for e in entries:
+                try:
+                    overall_score(dict(e), capability_weights)
+                except (TypeError, ValueError) as exc:
+                    raise MethodConfigError(f"pfedcdp: capabilities: {exc}") from None
+        self.capabilities = capabilities
+        try:
+            overall_score({k: 1.0 for k in SCORES}, capability_weights)
+            assign_cluster(0.5, float(t_high), float(t_medium))
+        except (TypeError, ValueError) as exc:
+            raise MethodConfigError(f"pfedcdp: {exc}") from None
+        self.capability_weights = [float(w) for w in capability_weights]
+        self.t_high, self.t_medium = float(t_high), float(t_medium)
+        self.max_latency_ms = _check_pos(max_latency_ms, "max_latency_ms")
+        models = dict(DEFAULT_CLUSTER_MODELS)
+        if cluster_models is not None:
+            if not isinstance(cluster_models, dict) or set(cluster_models) - set(CLUSTERS):
+                raise MethodConfigError(f"pfedcdp: cluster_models must map some of {', '.join(CLUSTERS)} to model "
+                                        f"specs, got {cluster_models!r}")
+            for c, spec in cluster_models.items():
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                    raise MethodConfigError(f"pfedcdp: cluster_models[{c!r}] must be a model spec with a 'name'")
+                models[c] = dict(spec)
+        self.cluster_models = models
+        if (fisher_keep is None) == (fisher_threshold is None):
+            raise MethodConfigError("pfedcdp: give exactly one of fisher_keep (a fraction, e.g. 0.2) or "
+                                    "fisher_threshold (T_Fisher); set the other to null")
+        self.fisher_keep = None if fisher_keep is None else _check_unit(fisher_keep, "fisher_keep")
+        self.fisher_threshold = None if fisher_threshold is None else float(fisher_threshold)
+        self.fisher_batches = None if fisher_batches is None else _check_pos_int(fisher_batches, "fisher_batches")
+        self.extractor_epochs = _check_pos_int(extractor_epochs, "extractor_epochs", zero=True)
+        self.kd_lambda = _check_unit(kd_lambda, "kd_lambda")
+        self.kd_temperature = _check_pos(kd_temperature, "kd_temperature")
+        self.server_classifier = _check_choice(server_classifier, "server_classifier", SERVER_CLASSIFIER)
+        self.server_epochs = _check_pos_int(server_epochs, "server_epochs")
+        self.epsilon = None if epsilon is None else _check_pos(epsilon, "epsilon")
+        self.clip = _check_pos(clip, "clip")
+        self.delta = float(delta)
+        self.accountant = str(accountant)
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16):
+            raise MethodConfigError(f"pfedcdp: bits must be an integer from 1 to 16 or null, got {bits!r}")
+        self.bits = bits
+        self.refine = bool(refine)
+        self.student_model = dict(student_model or {"name": "pfedcdp_student"})
+        self.refine_epochs = _check_pos_int(refine_epochs, "refine_epochs", zero=True)
+        self.refine_lr = _check_pos(refine_lr, "refine_lr")
+        self.alpha = _check_unit(alpha, "alpha")
+        self.refine_temperature = _check_pos(refine_temperature, "refine_temperature")
+        self.tau = _check_pos(tau, "tau")
+        if isinstance(teacher_weights, str):
+            if teacher_weights not in TEACHER_WEIGHTS:
+                raise MethodConfigError(f"pfedcdp: teacher_weights must be one of {', '.join(TEACHER_WEIGHTS)} or a "
+                                        f"list of numbers, got {teacher_weights!r}")
+        elif not (isinstance(teacher_weights, (list, tuple)) and teacher_weights
+                  and all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in teacher_weights)
+                  and sum(teacher_weights) > 0):
+            raise MethodConfigError(f"pfedcdp: teacher_weights list must hold non-negative numbers with a positive "
+                                    f"sum, got {teacher_weights!r}")
+        self.teacher_weights = teacher_weights if isinstance(teacher_weights, str) else [float(w) for w in teacher_weights]
+        self.shapley_score = _check_choice(shapley_score, "shapley_score", SHAPLEY_SCORES)
+        self.shapley_samples = None if shapley_samples is None else _check_pos_int(shapley_samples, "shapley_samples")
+        self.feature_shap = _check_choice(feature_shap, "feature_shap", FEATURE_SHAP)
+        self.shap_samples = _check_pos_int(shap_samples, "shap_samples")
+        self.shap_nsamples = _check_pos_int(shap_nsamples, "shap_nsamples")
+        self.grad_clip = None if grad_clip is None else _check_pos(grad_clip, "grad_clip")
+
+    def hparams(self) -> dict[str, Any]:
+        """The resolved hyperparameters (cluster_models and student_model filled in)."""
+        out = super().hparams()
+        out["capability_weights"] = list(self.capability_weights)
+        return out
+
+    # ------------------------------------------------------------------ shared
+    def _spec(self, c: str) -> dict[str, Any]:
+        fed = self.federation
+        return {"spatial_dims": fed.spatial_dims, "in_channels": fed.in_channels, "num_classes": fed.num_classes,
+                **self.cluster_models[c]}
+
+    def default_filters(self) -> list[dict[str, Any]]:
+        """``dp_gaussian`` on the extractor's update (clip C2, target epsilon; ``keys: all``,
+        as the cluster models differ from the run's ``fl.model``) and ``quantize`` (bits)."""
+        out: list[dict[str, Any]] = []
+        if self.epsilon is not None:
+            out.append({"name": "dp_gaussian", "epsilon": self.epsilon, "clip": self.clip, "delta": self.delta,
+                        "accountant": self.accountant, "keys": "all"})
+        if self.bits is not None:
+            out.append({"name": "quantize", "bits": self.bits})
+        return out
+
+    # ------------------------------------------------------------------ coordinator: setup, profile
+    def setup(self, federation: Federation) -> None:
+        """One model per cluster (seeded); the server classifiers fitted on the public set."""
+        super().setup(federation)
+        if isinstance(self.capabilities, (list, tuple)) and len(self.capabilities) != len(federation.eval_client_ids):
+            raise MethodConfigError(f"pfedcdp: capabilities lists {len(self.capabilities)} clients, the run has "
+                                    f"{len(federation.eval_client_ids)}")
+        if isinstance(self.capabilities, dict):
+            missing = sorted(set(federation.eval_client_ids) - set(map(str, self.capabilities)))
+            if missing:
+                raise MethodConfigError(f"pfedcdp: capabilities has no scores for client(s) {missing}")
+        needs_public = self.server_classifier == "public" or self.refine
+        if needs_public and federation.public is None:
+            raise MethodConfigError("pfedcdp: server_classifier 'public' and the post-hoc refinement need a public "
+                                    "dataset at the coordinator: set fl.public_dataset (e.g. MIAS), or use "
+                                    "server_classifier: 'init' and refine: false")
+        self.extractors: dict[str, State] = {}
+        self.heads: dict[str, State] = {}
+        for c in CLUSTERS:
+            model = _build(self._spec(c), derive_seed(federation.seed, "pfedcdp", c))
+            body, head = _split_keys(model)
+            state = get_state(model)
+            self.extractors[c] = {k: state[k] for k in body}
+            self.heads[c] = {k: state[k] for k in head}
+            if self.server_classifier == "public":
+                self._fit_head(c, 0)
+        self.assign: dict[str, str] = {}
+        self.scores: dict[str, dict[str, float]] = {}
+        self.trained: set[str] = set()
+        self.report_: dict[str, Any] = {}
+        self.student: State | None = None
+
+    def configure_profile(self) -> dict[str, Instruction]:
+        """Every client reports its four capability scores."""
+        return {cid: Instruction() for cid in self.federation.eval_client_ids}
+
+    def client_profile(self, client: "ClientContext", instruction: Instruction) -> dict[str, float]:
+        """The four scores of eq. 1 (measured, drawn or configured; see the class docstring)."""
+        mode = self.capabilities
+        if isinstance(mode, dict):
+            return {k: float(v) for k, v in dict(mode[client.client_id]).items() if k in SCORES}
+        if isinstance(mode, (list, tuple)):
+            if not client.client_id.isdigit() or int(client.client_id) >= len(mode):
+                raise MethodConfigError(f"pfedcdp: capabilities is a list; client {client.client_id!r} has no entry")
+            return {k: float(v) for k, v in dict(mode[int(client.client_id)]).items() if k in SCORES}
+        if mode == "measure" or (mode == "auto" and client.deployed):
+            scores, notes = measure_capabilities(client.coordinator or None, max_latency_ms=self.max_latency_ms)
+            print(f"medfl pfedcdp: client {client.client_id}: capability scores measured on this machine: "
+                  + "; ".join(f"{k} {scores[k]:.3f} ({notes[k]})" for k in SCORES), file=sys.stderr, flush=True)
+            return {k: float(scores[k]) for k in SCORES}
+        return dict(draw_capabilities([client.client_id], client.seed)[client.client_id])
+
+    def server_profile(self, results: dict[str, dict[str, float]]) -> None:
+        """Eqs. 1-2: each client's overall score and cluster; missing or bad scores -> Low."""
+        for cid in self.federation.eval_client_ids:
+            got = results.get(cid)
+            try:
+                if got is None:
+                    raise ValueError("no answer")
+                scores = {k: float(got[k]) for k in SCORES}
+                score = overall_score(scores, self.capability_weights)
+                self.assign[cid] = assign_cluster(score, self.t_high, self.t_medium)
+                self.scores[cid] = {**scores, "overall": score}
+            except (KeyError, TypeError, ValueError) as exc:
+                print(f"medfl pfedcdp: client {cid}: no usable capability scores ({exc}); placed in the low "
+                      "cluster", file=sys.stderr, flush=True)
+                self.assign[cid] = "low"
+                self.scores[cid] = {"overall": float("nan")}
+
+    def _cluster(self, cid: str) -> str:
+        if not self.assign:  # a run resumed before round 1's checkpoint without a profile: all Low
+            raise MethodConfigError("pfedcdp: clients have no clusters (the profile exchange did not run)")
+        return self.assign.get(cid, "low")
+
+    # ------------------------------------------------------------------ coordinator: rounds
+    def configure_round(self, round: int) -> dict[str, Instruction]:
+        """Each sampled client gets its cluster's extractor, server classifier and spec."""
+        out = {}
+        for cid in self.federation.sample(round):
+            c = self._cluster(cid)
+            out[cid] = Instruction(payload={"extractor": self.extractors[c], "server_head": self.heads[c]},
+                                   config={"spec": json.dumps(self._spec(c)), "cluster": c})
+        return out
+
+    def server_update(self, round: int, replies: dict[str, Reply]) -> None:
+        """FedAvg of the (dequantized, noised) extractors within each cluster; the server
+        classifiers refitted on the public set."""
+        for c in CLUSTERS:
+            members = [cid for cid in replies if self._cluster(cid) == c]
+            if not members:
+                continue
+            states = [replies[cid].payload["extractor"] for cid in members]
+            weights = [float(max(replies[cid].num_examples, 0)) for cid in members]
+            if sum(weights) <= 0:
+                weights = [1.0] * len(members)
+            self.extractors[c] = weighted_average(states, weights)
+            self.trained.update(members)
+            if self.server_classifier == "public":
+                self._fit_head(c, round)
+
+    def _fit_head(self, c: str, round: int) -> None:
+        """Fit cluster ``c``'s server classifier on the public training split on top of its
+        frozen extractor (``server_epochs`` epochs of cross-entropy)."""
+        fed = self.federation
+        model = _build(self._spec(c), 0, fed.device)
+        model.load_state_dict({**self.extractors[c], **self.heads[c]})
+        seed = derive_seed(fed.seed, "server_head", c, round)
+        loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)), seed=seed)
+        head = list(model.head.parameters())
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in head:
+            p.requires_grad_(True)
+        opt = make_optimizer(head, fed.train)
+
+        def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            _freeze_body(m)
+            with torch.no_grad():
+                z = m.embed(x)
+            return nn.functional.cross_entropy(m.head(z), y)
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            train_epochs(model, loader, opt, self.server_epochs, device=fed.device, loss_fn=loss)
+        state = get_state(model)
+        self.heads[c] = {k: state[k] for k in self.heads[c]}
+
+    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
+        """The cluster's spec; the cluster's model too for a client that never trained."""
+        out = {}
+        for cid in self.federation.eval_client_ids:
+            c = self._cluster(cid)
+            payload = {} if cid in self.trained else {"extractor": self.extractors[c], "server_head": self.heads[c]}
+            out[cid] = Instruction(payload=payload, config={"spec": json.dumps(self._spec(c)), "cluster": c})
+        return out
+
+    def client_groups(self) -> dict[str, str]:
+        """The capability cluster of each client."""
+        return dict(self.assign)
+
+    # ------------------------------------------------------------------ client
+    def _client_spec(self, instruction: Instruction) -> dict[str, Any]:
+        try:
+            spec = json.loads(str(instruction.config["spec"]))
+        except (KeyError, ValueError):
+            raise MethodConfigError("pfedcdp: the instruction carries no model spec") from None
+        return dict(spec)
+
+    def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
+        """Algorithm 1: Fisher masks, eq. 6, extractor epochs, classifier KD; reply with the
+        extractor (the engine's filters clip, noise and quantize its update)."""
+        spec = self._client_spec(instruction)
+        g_ext: State = instruction.payload["extractor"]
+        s_head: State = instruction.payload["server_head"]
+        device = client.device
+        model = _build(spec, derive_seed(client.seed, "model"), device)
+        body, head_keys = _split_keys(model)
+        if set(body) != set(g_ext) or set(head_keys) != set(s_head):
+            raise MethodConfigError(f"pfedcdp: client {client.client_id}: the cluster model sent does not match "
+                                    f"its spec {spec.get('name')!r}")
+        own_ext = client.state.get("extractor")
+        own_head = client.state.get("head")
+        if own_ext is not None and set(own_ext) != set(g_ext):   # the cluster's model changed: start over
+            own_ext, own_head = None, None
+        metrics: dict[str, float] = {}
+        # 1-3. Fisher information of the own model, masks, eq. 6
+        if own_ext is not None:
+            model.load_state_dict({**own_ext, **(own_head or s_head)})
+            params = {n for n, _ in model.named_parameters()}
+            keys = [k for k in body if k in params]
+            fisher, used = fisher_information(model, client.loader("train", augment=False), keys, device,
+                                              self.fisher_batches)
+            masks = fisher_masks(fisher, keep=self.fisher_keep, threshold=self.fisher_threshold)
+            mixed = mix_extractor(own_ext, g_ext, masks)
+            total = sum(m.numel() for m in masks.values())
+            metrics.update(fisher_batches=float(used),
+                           personal_fraction=float(sum(int(m.sum()) for m in masks.values())) / max(total, 1))
+        else:
+            mixed = {k: v.clone() for k, v in g_ext.items()}
+            metrics.update(fisher_batches=0.0, personal_fraction=0.0)
+        head_state = own_head if own_head is not None else s_head
+        model.load_state_dict({**mixed, **head_state})
+        for p in model.parameters():
+            p.requires_grad_(True)
+        # 4. the extractor's local epochs (0: Algorithm 1 as printed)
+        if self.extractor_epochs:
+            opt = make_optimizer(model.parameters(), client.train)
+            stats = train_epochs(model, client.loader("train"), opt, self.extractor_epochs, device=device,
+                                 clip_grad_norm=self.grad_clip)
+            metrics.update(loss_extractor=stats["loss"], steps_extractor=stats["steps"])
+        # 5. the classifier on eq. 11, the extractor frozen; teacher = global extractor + server head
+        teacher = _build(spec, 0, device)
+        teacher.load_state_dict({**g_ext, **s_head})
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in set(head_keys))
+        lam, temp = self.kd_lambda, self.kd_temperature
+
+        def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            _freeze_body(m)
+            with torch.no_grad():
+                z = m.embed(x)
+                zt = teacher(x)
+            return kd_loss(m.head(z), zt, y, lam=lam, temperature=temp)
+
+        opt = make_optimizer(model.head.parameters(), client.train)
+        stats = train_epochs(model, client.loader("train"), opt, int(client.train.get("epochs", 1)), device=device,
+                             loss_fn=loss, clip_grad_norm=self.grad_clip)
+        metrics.update(loss=stats["loss"], steps=stats["steps"])
+        state = get_state(model)
+        ext = {k: state[k] for k in body}
+        client.state["extractor"] = ext
+        client.state["head"] = {k: state[k] for k in head_keys}
+        return Reply(payload={"extractor": ext}, metrics=metrics, num_examples=client.num_examples("train"))
+
+    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        """The personalised model: the client's own extractor and classifier (the cluster's
+        model for a client that has not trained yet)."""
+        spec = self._client_spec(instruction)
+        model = _build(spec, 0, client.device)
+        ext, head = client.state.get("extractor"), client.state.get("head")
+        if ext is not None and head is not None and set(ext) | set(head) == set(model.state_dict()):
+            model.load_state_dict({**ext, **head})
+        elif "extractor" in instruction.payload:
+            model.load_state_dict({**instruction.payload["extractor"], **instruction.payload["server_head"]})
+        return model.eval()
+
+    # ------------------------------------------------------------------ post hoc
+    def _teacher(self, c: str) -> nn.Module:
+        model = _build(self._spec(c), 0, self.federation.device)
+        model.load_state_dict({**self.extractors[c], **self.heads[c]})
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model.eval()
+
+    def _teacher_clusters(self) -> list[str]:
+        return [c for c in CLUSTERS if any(self._cluster(cid) == c for cid in self.trained)]
+
+    def _weights(self, clusters: list[str], logits: list[torch.Tensor], y: np.ndarray) -> tuple[list[float], Any]:
+        """The teacher weights and (for ``shapley``) the Shapley values."""
+        if self.teacher_weights == "uniform":
+            return [1.0 / len(clusters)] * len(clusters), None
+        if self.teacher_weights == "fixed":
+            w = [AUTHORS_TEACHER_WEIGHTS[CLUSTERS.index(c)] for c in clusters]
+            return [v / sum(w) for v in w], None
+        if isinstance(self.teacher_weights, list):
+            if len(self.teacher_weights) != len(CLUSTERS):
+                raise MethodConfigError(f"pfedcdp: teacher_weights lists {len(self.teacher_weights)} weights; give "
+                                        f"one per cluster ({', '.join(CLUSTERS)})")
+            w = [self.teacher_weights[CLUSTERS.index(c)] for c in clusters]
+            if sum(w) <= 0:
+                w = [1.0] * len(clusters)
+            return [v / sum(w) for v in w], None
+        idx = balanced_subset(y, self.shapley_samples, derive_seed(self.federation.seed, "shapley"))
+        game = ensemble_game([z[idx] for z in logits], y[idx], self.shapley_score,
+                             num_classes=self.federation.num_classes)
+        values = shapley_values(len(clusters), game)
+        return teacher_weights(values), {"values": values, "v_all": game(frozenset(range(len(clusters)))),
+                                         "v_empty": game(frozenset()), "samples": int(len(idx))}
+
+    def finalize(self) -> None:
+        """Shapley-weighted multi-teacher KD with SupCon on the public set (eq. 18)."""
+        if not self.refine:
+            return
+        fed = self.federation
+        clusters = self._teacher_clusters()
+        if not clusters:
+            print("medfl pfedcdp: no cluster trained; nothing to refine", file=sys.stderr, flush=True)
+            return
+        teachers = [self._teacher(c) for c in clusters]
+        bs = int(fed.train.get("eval_batch_size", 64))
+        plain = fed.public.loader("train", batch_size=bs, shuffle=False, augment=False)
+        logits, y = [], None
+        for t in teachers:
+            zs, ys = [], []
+            with torch.no_grad():
+                for x, yy in plain:
+                    zs.append(t(x.to(fed.device)).cpu())
+                    ys.append(yy)
+            logits.append(torch.cat(zs))
+            y = torch.cat(ys).numpy()
+        weights, shap_info = self._weights(clusters, logits, y)
+        report: dict[str, Any] = {"teachers": clusters, "teacher_weights_mode": self.teacher_weights,
+                                  "teacher_weights": dict(zip(clusters, weights))}
+        if shap_info is not None:
+            report["shapley"] = {"score": self.shapley_score, "values": dict(zip(clusters, shap_info["values"])),
+                                 "v_all": shap_info["v_all"], "v_empty": shap_info["v_empty"],
+                                 "samples": shap_info["samples"]}
+        scale = 1.0
+        if self.feature_shap == "printed":
+            xs = torch.cat([x for x, _ in plain])
+            n = min(self.shap_samples, len(xs))
+            gen = torch.Generator().manual_seed(derive_seed(fed.seed, "shap"))
+            pick = torch.randperm(len(xs), generator=gen)[: 2 * n]
+            background, explain = xs[pick[:n]], xs[pick[n: 2 * n]] if len(pick) > n else xs[pick[:n]]
+            psis = [feature_importance(t, background, explain, nsamples=self.shap_nsamples,
+                                       seed=derive_seed(fed.seed, "shap", c))
+                    for t, c in zip(teachers, clusters)]
+            psi = mean_importance(psis)
+            scale = float(np.mean(psi))
+            report["feature_shap"] = {"mode": "printed", "mean_psi": scale, "samples": int(n),
+                                      "per_teacher_mean_psi": {c: float(np.mean(p)) for c, p in zip(clusters, psis)}}
+        # the student
+        student = _build({"spatial_dims": fed.spatial_dims, "in_channels": fed.in_channels,
+                          "num_classes": fed.num_classes, **self.student_model},
+                         derive_seed(fed.seed, "student"), fed.device)
+        _split_keys(student)
+        opt = torch.optim.Adam(student.parameters(), lr=self.refine_lr)
+        loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)),
+                                   seed=derive_seed(fed.seed, "refine"))
+        alpha, temp, tau = self.alpha, self.refine_temperature, self.tau
+
+        def loss(m: nn.Module, x: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                zt = ensemble_logits([t(x) for t in teachers], weights)
+            emb = m.embed(x)
+            return scale * sup_mtkd_loss(m.head(emb), emb, zt, yb, alpha=alpha, temperature=temp, tau=tau)
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(fed.seed, "refine", "init"))
+            stats = train_epochs(student, loader, opt, self.refine_epochs, device=fed.device, loss_fn=loss)
+        report["refine"] = {"epochs": self.refine_epochs, "loss": stats["loss"], "steps": stats["steps"],
+                            "public_train": int(fed.public.size("train"))}
+        self.student = get_state(student)
+        self.report_ = report
+        self._teacher_weights = dict(zip(clusters, weights))
+        print(f"medfl pfedcdp: refined the student on {fed.public.size('train')} public samples; teacher weights "
+              + ", ".join(f"{c} {w:.3f}" for c, w in zip(clusters, weights)), file=sys.stderr, flush=True)
+
+    def final_models(self) -> dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+        """The refined student, each cluster's teacher and their weighted ensemble."""
+        out: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        clusters = self._teacher_clusters()
+        for c in clusters:
+            out[f"teacher_{c}"] = (self._spec(c), {**self.extractors[c], **self.heads[c]})
+        weights = getattr(self, "_teacher_weights", None)
+        if clusters and weights:
+            members = [self._spec(c) for c in clusters]
+            state = {f"members.{i}.{k}": v for i, c in enumerate(clusters)
+                     for k, v in {**self.extractors[c], **self.heads[c]}.items()}
+            out["teacher_ensemble"] = ({"name": "weighted_ensemble", "members": members,
+                                        "weights": [weights[c] for c in clusters]}, state)
+        if self.student is not None:
+            out["student"] = (dict(self.student_model), self.student)
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """Clusters, capability scores, teacher weights and Shapley values (summary.json)."""
+        counts = {c: sum(1 for v in self.assign.values() if v == c) for c in CLUSTERS}
+        return {"clusters": dict(self.assign), "cluster_sizes": counts, "capability_scores": self.scores,
+                "thresholds": {"t_high": self.t_high, "t_medium": self.t_medium}, **self.report_}
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Cluster extractors and server classifiers, the assignment, who trained."""
+        return {"extractors": self.extractors, "heads": self.heads, "assign": json.dumps(self.assign),
+                "scores": json.dumps(self.scores), "trained": json.dumps(sorted(self.trained))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.extractors = {c: dict(v) for c, v in state["extractors"].items()}
+        self.heads = {c: dict(v) for c, v in state["heads"].items()}
+        self.assign = dict(json.loads(state["assign"]))
+        self.scores = dict(json.loads(state["scores"]))
+        self.trained = set(json.loads(state["trained"]))
+
+
+@hookimpl
+def register_methods(register: Callable[..., None]) -> None:
+    """Register PFedCDP."""
+    register(PFedCDP)
