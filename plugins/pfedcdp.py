@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
 
 __all__ = ["PFedCDP", "AUTHORS_TEACHER_WEIGHTS", "DEFAULT_CLUSTER_MODELS", "fisher_information", "fisher_masks",
-           "mix_extractor", "register_methods"]
+           "mix_extractor", "recalibrate_norms", "register_methods"]
 
 State = dict[str, torch.Tensor]
 
@@ -126,11 +126,39 @@ def _build(spec: dict[str, Any], seed: int, device: str = "cpu") -> nn.Module:
         return build_model(dict(spec)).to(device)
 
 
-def _split_keys(model: nn.Module) -> tuple[list[str], list[str]]:
+def _split_keys(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
+    """The extractor's parameters, its buffers (BatchNorm statistics) and the classifier's keys."""
     if not hasattr(model, "head_keys") or not hasattr(model, "body_keys") or not hasattr(model, "embed"):
         raise MethodConfigError(f"pfedcdp: {type(model).__name__} has no extractor/classifier split (head_keys, "
                                 "body_keys, embed): use a registered medfl model (pfedcdp_a/b/c, small_cnn, resnet*)")
-    return list(model.body_keys()), list(model.head_keys())
+    params = {n for n, _ in model.named_parameters()}
+    body = list(model.body_keys())
+    return [k for k in body if k in params], [k for k in body if k not in params], list(model.head_keys())
+
+
+def recalibrate_norms(model: nn.Module, loader: Any, device: str = "cpu") -> int:
+    """Re-estimate every BatchNorm's running statistics of ``model`` on ``loader`` (a
+    cumulative average over its batches, no gradient, other modules in evaluation mode);
+    returns the number of batches used (0 and nothing changed for a model without BatchNorm)."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return 0
+    model.to(device).eval()
+    saved = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+        m.train()
+    used = 0
+    with torch.no_grad():
+        for x, _ in loader:
+            if x.shape[0] > 1:
+                model(x.to(device))
+                used += 1
+    for m, mom in zip(norms, saved):
+        m.momentum = mom
+    model.eval()
+    return used
 
 
 def _freeze_body(model: nn.Module) -> None:
@@ -215,7 +243,11 @@ class PFedCDP(Method):
        :meth:`default_filters`, planned, applied, undone and accounted by the engine like any
        filter. The classifier, the Fisher information and the masks never leave the client;
        they stay in its state with its own extractor (before the noise: the client's own
-       model is not a release).
+       model is not a release). BatchNorm statistics of a cluster model with BatchNorm
+       (``resnet*``) are statistics of the data that the noise does not cover: they never
+       leave the client, which keeps its own (as FedBN does); the coordinator re-estimates
+       its cluster model's statistics on the public set (:func:`recalibrate_norms`) for the
+       teacher and the server classifier. The paper's models have no BatchNorm.
 
     **Coordinator** (Algorithm 2). Dequantize (the filters' undo), FedAvg within each
     cluster (weights: training-set sizes) to the cluster's new global extractor. How the
@@ -396,8 +428,9 @@ class PFedCDP(Method):
                 **self.cluster_models[c]}
 
     def default_filters(self) -> list[dict[str, Any]]:
-        """``dp_gaussian`` on the extractor's update (clip C2, target epsilon; ``keys: all``,
-        as the cluster models differ from the run's ``fl.model``) and ``quantize`` (bits)."""
+        """``dp_gaussian`` on the extractor's update (clip C2, target epsilon; ``keys: all``:
+        the reply holds the extractor's parameters only, and the cluster models differ from
+        the run's ``fl.model``) and ``quantize`` (bits)."""
         out: list[dict[str, Any]] = []
         if self.epsilon is not None:
             out.append({"name": "dp_gaussian", "epsilon": self.epsilon, "clip": self.clip, "delta": self.delta,
@@ -423,13 +456,16 @@ class PFedCDP(Method):
                                     "dataset at the coordinator: set fl.public_dataset (e.g. MIAS), or use "
                                     "server_classifier: 'init' and refine: false")
         self.extractors: dict[str, State] = {}
+        self.buffers: dict[str, State] = {}
         self.heads: dict[str, State] = {}
         for c in CLUSTERS:
             model = _build(self._spec(c), derive_seed(federation.seed, "pfedcdp", c))
-            body, head = _split_keys(model)
+            params, buffers, head = _split_keys(model)
             state = get_state(model)
-            self.extractors[c] = {k: state[k] for k in body}
+            self.extractors[c] = {k: state[k] for k in params}
+            self.buffers[c] = {k: state[k] for k in buffers}
             self.heads[c] = {k: state[k] for k in head}
+            self._calibrate(c)
             if self.server_classifier == "public":
                 self._fit_head(c, 0)
         self.assign: dict[str, str] = {}
@@ -486,9 +522,17 @@ class PFedCDP(Method):
         out = {}
         for cid in self.federation.sample(round):
             c = self._cluster(cid)
-            out[cid] = Instruction(payload={"extractor": self.extractors[c], "server_head": self.heads[c]},
-                                   config={"spec": json.dumps(self._spec(c)), "cluster": c})
+            out[cid] = Instruction(payload=self._payload(c), config={"spec": json.dumps(self._spec(c)), "cluster": c})
         return out
+
+    def _payload(self, c: str) -> dict[str, State]:
+        """Cluster ``c``'s model as sent: the extractor's parameters (what the client's
+        reply updates), its buffers and the server's classifier."""
+        return {"extractor": self.extractors[c], "extractor_buffers": self.buffers[c], "server_head": self.heads[c]}
+
+    def _state(self, c: str) -> State:
+        """Cluster ``c``'s whole model state (extractor, its buffers, server classifier)."""
+        return {**self.extractors[c], **self.buffers[c], **self.heads[c]}
 
     def server_update(self, round: int, replies: dict[str, Reply]) -> None:
         """FedAvg of the (dequantized, noised) extractors within each cluster; the server
@@ -503,15 +547,30 @@ class PFedCDP(Method):
                 weights = [1.0] * len(members)
             self.extractors[c] = weighted_average(states, weights)
             self.trained.update(members)
+            self._calibrate(c)
             if self.server_classifier == "public":
                 self._fit_head(c, round)
+
+    def _calibrate(self, c: str) -> None:
+        """Re-estimate cluster ``c``'s BatchNorm statistics on the public training split
+        (clients never send theirs; without a public set or BatchNorm, nothing changes)."""
+        fed = self.federation
+        if not self.buffers[c] or fed.public is None:
+            return
+        model = _build(self._spec(c), 0, fed.device)
+        model.load_state_dict(self._state(c))
+        loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)), shuffle=False,
+                                   augment=False)
+        if recalibrate_norms(model, loader, fed.device):
+            state = get_state(model)
+            self.buffers[c] = {k: state[k] for k in self.buffers[c]}
 
     def _fit_head(self, c: str, round: int) -> None:
         """Fit cluster ``c``'s server classifier on the public training split on top of its
         frozen extractor (``server_epochs`` epochs of cross-entropy)."""
         fed = self.federation
         model = _build(self._spec(c), 0, fed.device)
-        model.load_state_dict({**self.extractors[c], **self.heads[c]})
+        model.load_state_dict(self._state(c))
         seed = derive_seed(fed.seed, "server_head", c, round)
         loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)), seed=seed)
         head = list(model.head.parameters())
@@ -538,7 +597,7 @@ class PFedCDP(Method):
         out = {}
         for cid in self.federation.eval_client_ids:
             c = self._cluster(cid)
-            payload = {} if cid in self.trained else {"extractor": self.extractors[c], "server_head": self.heads[c]}
+            payload = {} if cid in self.trained else self._payload(c)
             out[cid] = Instruction(payload=payload, config={"spec": json.dumps(self._spec(c)), "cluster": c})
         return out
 
@@ -559,24 +618,24 @@ class PFedCDP(Method):
         extractor (the engine's filters clip, noise and quantize its update)."""
         spec = self._client_spec(instruction)
         g_ext: State = instruction.payload["extractor"]
+        g_buf: State = instruction.payload["extractor_buffers"]
         s_head: State = instruction.payload["server_head"]
         device = client.device
         model = _build(spec, derive_seed(client.seed, "model"), device)
-        body, head_keys = _split_keys(model)
-        if set(body) != set(g_ext) or set(head_keys) != set(s_head):
+        body, buffer_keys, head_keys = _split_keys(model)
+        if set(body) != set(g_ext) or set(buffer_keys) != set(g_buf) or set(head_keys) != set(s_head):
             raise MethodConfigError(f"pfedcdp: client {client.client_id}: the cluster model sent does not match "
                                     f"its spec {spec.get('name')!r}")
         own_ext = client.state.get("extractor")
         own_head = client.state.get("head")
+        own_buf = client.state.get("buffers") or g_buf
         if own_ext is not None and set(own_ext) != set(g_ext):   # the cluster's model changed: start over
-            own_ext, own_head = None, None
+            own_ext, own_head, own_buf = None, None, g_buf
         metrics: dict[str, float] = {}
         # 1-3. Fisher information of the own model, masks, eq. 6
         if own_ext is not None:
-            model.load_state_dict({**own_ext, **(own_head or s_head)})
-            params = {n for n, _ in model.named_parameters()}
-            keys = [k for k in body if k in params]
-            fisher, used = fisher_information(model, client.loader("train", augment=False), keys, device,
+            model.load_state_dict({**own_ext, **own_buf, **(own_head or s_head)})
+            fisher, used = fisher_information(model, client.loader("train", augment=False), body, device,
                                               self.fisher_batches)
             masks = fisher_masks(fisher, keep=self.fisher_keep, threshold=self.fisher_threshold)
             mixed = mix_extractor(own_ext, g_ext, masks)
@@ -587,7 +646,7 @@ class PFedCDP(Method):
             mixed = {k: v.clone() for k, v in g_ext.items()}
             metrics.update(fisher_batches=0.0, personal_fraction=0.0)
         head_state = own_head if own_head is not None else s_head
-        model.load_state_dict({**mixed, **head_state})
+        model.load_state_dict({**mixed, **own_buf, **head_state})
         for p in model.parameters():
             p.requires_grad_(True)
         # 4. the extractor's local epochs (0: Algorithm 1 as printed)
@@ -598,7 +657,7 @@ class PFedCDP(Method):
             metrics.update(loss_extractor=stats["loss"], steps_extractor=stats["steps"])
         # 5. the classifier on eq. 11, the extractor frozen; teacher = global extractor + server head
         teacher = _build(spec, 0, device)
-        teacher.load_state_dict({**g_ext, **s_head})
+        teacher.load_state_dict({**g_ext, **g_buf, **s_head})
         teacher.eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
@@ -620,6 +679,7 @@ class PFedCDP(Method):
         state = get_state(model)
         ext = {k: state[k] for k in body}
         client.state["extractor"] = ext
+        client.state["buffers"] = {k: state[k] for k in buffer_keys}
         client.state["head"] = {k: state[k] for k in head_keys}
         return Reply(payload={"extractor": ext}, metrics=metrics, num_examples=client.num_examples("train"))
 
@@ -628,17 +688,18 @@ class PFedCDP(Method):
         model for a client that has not trained yet)."""
         spec = self._client_spec(instruction)
         model = _build(spec, 0, client.device)
-        ext, head = client.state.get("extractor"), client.state.get("head")
-        if ext is not None and head is not None and set(ext) | set(head) == set(model.state_dict()):
-            model.load_state_dict({**ext, **head})
+        own = {**client.state.get("extractor", {}), **client.state.get("buffers", {}), **client.state.get("head", {})}
+        if own and set(own) == set(model.state_dict()):
+            model.load_state_dict(own)
         elif "extractor" in instruction.payload:
-            model.load_state_dict({**instruction.payload["extractor"], **instruction.payload["server_head"]})
+            p = instruction.payload
+            model.load_state_dict({**p["extractor"], **p["extractor_buffers"], **p["server_head"]})
         return model.eval()
 
     # ------------------------------------------------------------------ post hoc
     def _teacher(self, c: str) -> nn.Module:
         model = _build(self._spec(c), 0, self.federation.device)
-        model.load_state_dict({**self.extractors[c], **self.heads[c]})
+        model.load_state_dict(self._state(c))
         for p in model.parameters():
             p.requires_grad_(False)
         return model.eval()
@@ -714,7 +775,7 @@ class PFedCDP(Method):
         student = _build({"spatial_dims": fed.spatial_dims, "in_channels": fed.in_channels,
                           "num_classes": fed.num_classes, **self.student_model},
                          derive_seed(fed.seed, "student"), fed.device)
-        _split_keys(student)
+        _split_keys(student)   # the student needs embed() for SupCon
         opt = torch.optim.Adam(student.parameters(), lr=self.refine_lr)
         loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)),
                                    seed=derive_seed(fed.seed, "refine"))
@@ -742,12 +803,12 @@ class PFedCDP(Method):
         out: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
         clusters = self._teacher_clusters()
         for c in clusters:
-            out[f"teacher_{c}"] = (self._spec(c), {**self.extractors[c], **self.heads[c]})
+            out[f"teacher_{c}"] = (self._spec(c), self._state(c))
         weights = getattr(self, "_teacher_weights", None)
         if clusters and weights:
             members = [self._spec(c) for c in clusters]
             state = {f"members.{i}.{k}": v for i, c in enumerate(clusters)
-                     for k, v in {**self.extractors[c], **self.heads[c]}.items()}
+                     for k, v in self._state(c).items()}
             out["teacher_ensemble"] = ({"name": "weighted_ensemble", "members": members,
                                         "weights": [weights[c] for c in clusters]}, state)
         if self.student is not None:
@@ -763,12 +824,14 @@ class PFedCDP(Method):
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Cluster extractors and server classifiers, the assignment, who trained."""
-        return {"extractors": self.extractors, "heads": self.heads, "assign": json.dumps(self.assign),
+        return {"extractors": self.extractors, "buffers": self.buffers, "heads": self.heads,
+                "assign": json.dumps(self.assign),
                 "scores": json.dumps(self.scores), "trained": json.dumps(sorted(self.trained))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.extractors = {c: dict(v) for c, v in state["extractors"].items()}
+        self.buffers = {c: dict(v) for c, v in state["buffers"].items()}
         self.heads = {c: dict(v) for c, v in state["heads"].items()}
         self.assign = dict(json.loads(state["assign"]))
         self.scores = dict(json.loads(state["scores"]))

@@ -181,7 +181,7 @@ def test_only_the_extractor_update_leaves_a_client_noised_and_quantized(tmp_path
     assert set(sent) == set(model.body_keys())                # no classifier key
     for k, v in sent.items():                                 # 8-bit codes with their range, no float state
         assert isinstance(v, dict) and v["codes"].dtype == torch.uint8, k
-    assert set(ctx.state) == {"extractor", "head"} and set(ctx.state["head"]) == set(model.head_keys())
+    assert set(ctx.state) == {"extractor", "buffers", "head"} and set(ctx.state["head"]) == set(model.head_keys())
     # the coordinator undoes the chain: a full extractor state, off the reference by the noised update
     back = run.unfilter(1, ins, {cid: reply})[cid].payload["extractor"]
     assert set(back) == set(ins[cid].payload["extractor"])
@@ -305,3 +305,31 @@ def test_feature_shapley_values_as_printed_scale_the_loss(tmp_path):
     assert fs["mean_psi"] == pytest.approx(sum(fs["per_teacher_mean_psi"].values()) / 3)
     assert fs["mean_psi"] > 0 and rep["refine"]["steps"] > 0
     assert set(m.final_models()) == {"student", "teacher_ensemble", "teacher_high", "teacher_medium", "teacher_low"}
+
+
+def test_any_registered_model_per_cluster_and_batchnorm_statistics_stay_at_the_client(tmp_path):
+    """ResNet-10 (BatchNorm) for High, small CNN for Medium: the reply holds the extractor's
+    parameters only (BatchNorm statistics are data statistics the noise does not cover); the
+    coordinator re-estimates its cluster model's statistics on the public set."""
+    run = _run(tmp_path, capabilities=SCORES_BY_CLIENT,
+               cluster_models={"high": {"name": "resnet10", "width": 2}, "medium": {"name": "small_cnn", "width": 4}})
+    m = run.coordinator
+    ins = m.configure_round(1)
+    assert json.loads(ins["0"].config["spec"])["name"] == "resnet10"
+    assert json.loads(ins["1"].config["spec"])["name"] == "small_cnn"
+    assert json.loads(ins["3"].config["spec"])["name"] == "pfedcdp_c"
+    before = {k: v.clone() for k, v in m.buffers["high"].items()}
+    assert any(k.endswith("running_mean") for k in before)
+    ctx = run.context("0", 1)
+    reply = run_client_update(run.client_method, ctx, ins["0"], filters=run.privacy.chain)
+    model = cdp._build(json.loads(ins["0"].config["spec"]), 0)
+    params = {n for n, _ in model.named_parameters()}
+    assert set(reply.payload["extractor"]) == set(model.body_keys()) & params      # no running statistics
+    assert set(ctx.state["buffers"]) == set(model.body_keys()) - params              # kept at the client
+    replies = run.unfilter(1, {"0": ins["0"]}, {"0": reply})
+    m.server_update(1, replies)
+    changed = [k for k in before if k.endswith("running_mean") and not torch.equal(before[k], m.buffers["high"][k])]
+    assert changed                                                                   # re-estimated on public data
+    teacher = m._teacher("high")
+    x, _ = next(iter(m.federation.public.loader("test", batch_size=4, shuffle=False)))
+    assert torch.isfinite(teacher(x)).all()
