@@ -27,13 +27,17 @@ import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from medfl.config import PUBLIC_KEYS, ConfigError, check_public_dataset
+from medfl.config import DEFAULTS, PUBLIC_KEYS, ConfigError, check_public_dataset
 from medfl.data.partition import stratified_split
 from medfl.data.source import DataError, FederatedSource
 from medfl.plugins import lookup
 from medfl.seeding import derive_seed
 
 __all__ = ["PUBLIC_KEYS", "SPLITS", "PublicData", "build_public_source", "check_compatible"]
+
+#: The run's default grouping column: absent from a table, every row is its own group (as in
+#: :func:`medfl.engine.data.split_data`); any other column named must exist.
+DEFAULT_GROUP_COLUMN = DEFAULTS["group_column"]
 
 #: The splits of a public dataset.
 SPLITS = ("train", "test")
@@ -55,6 +59,9 @@ def _groups(table: pd.DataFrame, column: str | None) -> tuple[np.ndarray, str | 
 
     Rows with a blank key are their own group, as in :func:`medfl.engine.data.split_data`."""
     n = len(table)
+    if column and column not in table.columns and column != DEFAULT_GROUP_COLUMN:
+        raise DataError(f"fl.public_dataset.group_column: the public dataset has no column {column!r} "
+                        f"(columns: {', '.join(map(str, table.columns))})")
     if column and column in table.columns:
         keys = table[column].astype(str).to_numpy()
         blank = pd.isna(table[column]).to_numpy() | (keys == "")

@@ -125,9 +125,10 @@ def test_groups_never_straddle_and_are_stratified_by_worst_label(tmp_path):
     expected = {y: round(0.15 * n) for y, n in worst.value_counts().items()}
     assert sum(test_worst.values()) == round(0.15 * 30)
     assert all(abs(test_worst.get(y, 0) - k) <= 1 for y, k in expected.items())
-    # a missing group column falls back to one group per row
-    rows = _public(tmp_path / "b", group_column="no_such_column")
-    assert rows.group_column is None and rows.size("test") == round(0.15 * len(table))
+    # a named column the table lacks is an error (a typo must not silently split images of one
+    # patient); only the run's default subject_id may be absent (one group per row)
+    with pytest.raises(DataError, match="group_column: the public dataset has no column 'no_such_column'"):
+        _public(tmp_path / "b", group_column="no_such_column")
 
 
 def test_official_split_is_honoured_or_ignored(tmp_path):
