@@ -313,7 +313,7 @@ class PFedCDP(Method):
         shap_samples: public samples explained per teacher (and as many as background).
         shap_nsamples: GradientExplainer's samples per explained input (its ``nsamples``).
         grad_clip: the global gradient-norm clip of the client's local training (both
-            phases; not in the paper, ``None`` turns it off). With the paper's privacy
+            phases) and of the server classifier's fit; not in the paper, ``None`` turns it off. With the paper's privacy
             (epsilon 5, C2 2.5) every coordinate of a client's update gets noise of standard
             deviation sigma * C2 (sigma 1.35 for 2 rounds, 4.27 for the paper's 20: noise of
             3.4 to 10.7 per coordinate against an update clipped to norm 2.5), so the cluster's
@@ -588,7 +588,8 @@ class PFedCDP(Method):
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            train_epochs(model, loader, opt, self.server_epochs, device=fed.device, loss_fn=loss)
+            train_epochs(model, loader, opt, self.server_epochs, device=fed.device, loss_fn=loss,
+                         clip_grad_norm=self.grad_clip)
         state = get_state(model)
         self.heads[c] = {k: state[k] for k in self.heads[c]}
 

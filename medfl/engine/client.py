@@ -283,16 +283,19 @@ def build_final_model(spec: dict[str, Any], state: dict[str, torch.Tensor], ctx:
 
 
 def evaluate_final_models(ctx: ClientContext, finals: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]],
-                          splits: list[str], metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]]
+                          splits: list[str], metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
+                          cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None
                           ) -> dict[str, dict[str, dict[str, float]]]:
     """Score each final model on the client's ``splits``, at the client: ``{name: {split:
     metrics}}``. No evaluation memory is read or written (the per-round negative-flip
-    counts stay about the method's own models)."""
+    counts stay about the method's own models). ``cache`` as in :func:`evaluate_model`: the
+    shared ``global_test`` split is scored once per model in a process that holds several
+    clients."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name in finals:
         spec, state = finals[name]
         model = build_final_model(spec, state, ctx, f"final model {name!r} sent to client {ctx.client_id}")
-        out[name] = evaluate_model(model, ctx, splits, metric_fn)
+        out[name] = evaluate_model(model, ctx, splits, metric_fn, cache)
     return out
 
 

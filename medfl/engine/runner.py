@@ -478,11 +478,12 @@ class Run:
         ids = client_order(self.federation.eval_client_ids)
         sent = self._request_sizes(r, {cid: ins for cid in ids}, splits=splits, final=True)
         out = {}
+        cache: dict = {}
         for cid in ids:
             ctx = self.context(cid, r, state_before=r + 1)
             # read back from the instruction, as a site does
             out[cid] = evaluate_final_models(ctx, final_models_of(ins, f"final models sent to client {cid}"), splits,
-                                             evaluate_metrics)
+                                             evaluate_metrics, cache)
             flat = {f"{name}/{split}": m for name, per in out[cid].items() for split, m in per.items()}
             self.traffic.add(r, cid, "final", sent[cid], wire.encoded_size(wire.evaluate_answer(cid, flat)))
         return out
