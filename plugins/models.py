@@ -10,6 +10,7 @@ from typing import Callable
 
 from medfl import hookimpl
 from medfl.models.cnn import (
+    input_weighted,
     pfedcdp_a,
     pfedcdp_b,
     pfedcdp_c,
@@ -25,10 +26,10 @@ __all__ = ["register_models"]
 @hookimpl
 def register_models(register: Callable[..., None]) -> None:
     """Register ``resnet10``, ``resnet18``, ``resnet34``, ``resnet50``, ``small_cnn``,
-    ``two_block_cnn``, ``pfedcdp_a``, ``pfedcdp_b``, ``pfedcdp_c``, ``pfedcdp_student`` and
-    ``weighted_ensemble``."""
+    ``two_block_cnn``, ``pfedcdp_a``, ``pfedcdp_b``, ``pfedcdp_c``, ``pfedcdp_student``,
+    ``weighted_ensemble`` and ``input_weighted``."""
     for factory in (
         resnet10, resnet18, resnet34, resnet50, small_cnn,
-        two_block_cnn, pfedcdp_a, pfedcdp_b, pfedcdp_c, pfedcdp_student, weighted_ensemble,
+        two_block_cnn, pfedcdp_a, pfedcdp_b, pfedcdp_c, pfedcdp_student, weighted_ensemble, input_weighted,
     ):
         register(factory, name=factory.__name__)

@@ -28,8 +28,8 @@ from medfl.losses.distill import ensemble_logits, kd_loss, sup_mtkd_loss
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method, MethodConfigError, derive_seed
 from medfl.models.registry import build_model
-from medfl.shapley import (balanced_subset, ensemble_game, feature_importance, mean_importance, shapley_values,
-                           teacher_weights)
+from medfl.shapley import (balanced_subset, ensemble_game, feature_importance, importance_weights, mean_importance,
+                           shapley_values, teacher_weights)
 
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
@@ -47,7 +47,7 @@ AUTHORS_TEACHER_WEIGHTS = (0.4, 0.35, 0.25)
 CAPABILITY_MODES = ("auto", "draw", "measure")
 SERVER_CLASSIFIER = ("public", "init")
 TEACHER_WEIGHTS = ("shapley", "uniform", "fixed")
-FEATURE_SHAP = ("off", "printed")
+FEATURE_SHAP = ("off", "printed", "input")
 SHAPLEY_SCORES = ("accuracy", "balanced_accuracy", "auc")
 
 
@@ -274,7 +274,12 @@ class PFedCDP(Method):
     ``shap_samples`` public samples and the classes), psi their mean, and eq. 19 as printed:
     ``(1/|F|) sum_i psi_i L = mean(psi) L``, a constant factor on the loss (with Adam it
     changes nothing but epsilon's relative size); it is computed, reported and applied, and
-    off by default because as printed it cannot weight features.
+    off by default because as printed it cannot weight features. ``feature_shap="input"`` is
+    the per-feature weighting we judge to be meant: psi becomes multiplicative weights of mean
+    1 (:func:`medfl.shapley.importance_weights`, floor 0.1) and the student sees ``x * w``
+    (the ``input_weighted`` model, so the weights travel with it and apply at evaluation
+    too); the teachers see ``x``: the student is pushed to match them from the features they
+    rely on.
 
     The run scores the refined student, each teacher and the weighted teacher ensemble
     (:meth:`final_models`) on the public test split and on every client's splits
@@ -309,7 +314,8 @@ class PFedCDP(Method):
         shapley_score: v(S)'s score: ``accuracy``, ``balanced_accuracy`` or ``auc``.
         shapley_samples: public samples per class in the Shapley game (``None``: as many as
             the smallest class has).
-        feature_shap: ``"off"`` or ``"printed"`` (eqs. 16 and 19 as printed).
+        feature_shap: ``"off"``, ``"printed"`` (eqs. 16 and 19 as printed) or ``"input"``
+            (psi weights the student's input, feature by feature).
         shap_samples: public samples explained per teacher (and as many as background).
         shap_nsamples: GradientExplainer's samples per explained input (its ``nsamples``).
         grad_clip: the global gradient-norm clip of the client's local training (both
@@ -759,7 +765,10 @@ class PFedCDP(Method):
                                  "v_all": shap_info["v_all"], "v_empty": shap_info["v_empty"],
                                  "samples": shap_info["samples"]}
         scale = 1.0
-        if self.feature_shap == "printed":
+        student_spec = {"spatial_dims": fed.spatial_dims, "in_channels": fed.in_channels,
+                        "num_classes": fed.num_classes, **self.student_model}
+        weights_map = None
+        if self.feature_shap != "off":
             xs = torch.cat([x for x, _ in plain])
             n = min(self.shap_samples, len(xs))
             gen = torch.Generator().manual_seed(derive_seed(fed.seed, "shap"))
@@ -769,13 +778,21 @@ class PFedCDP(Method):
                                        seed=derive_seed(fed.seed, "shap", c))
                     for t, c in zip(teachers, clusters)]
             psi = mean_importance(psis)
-            scale = float(np.mean(psi))
-            report["feature_shap"] = {"mode": "printed", "mean_psi": scale, "samples": int(n),
+            report["feature_shap"] = {"mode": self.feature_shap, "mean_psi": float(np.mean(psi)),
+                                      "samples": int(n),
                                       "per_teacher_mean_psi": {c: float(np.mean(p)) for c, p in zip(clusters, psis)}}
+            if self.feature_shap == "printed":      # eq. 19 as printed: (1/|F|) sum_i psi_i L = mean(psi) L
+                scale = float(np.mean(psi))
+            else:                                   # per feature: the student sees x * w(psi), mean(w) = 1
+                weights_map = importance_weights(psi, floor=0.1)
+                student_spec = {"name": "input_weighted", "inner": dict(self.student_model),
+                                "shape": list(weights_map.shape), "spatial_dims": fed.spatial_dims,
+                                "in_channels": fed.in_channels, "num_classes": fed.num_classes}
+                report["feature_shap"].update(weight_min=float(weights_map.min()), weight_max=float(weights_map.max()))
         # the student
-        student = _build({"spatial_dims": fed.spatial_dims, "in_channels": fed.in_channels,
-                          "num_classes": fed.num_classes, **self.student_model},
-                         derive_seed(fed.seed, "student"), fed.device)
+        student = _build(student_spec, derive_seed(fed.seed, "student"), fed.device)
+        if weights_map is not None:
+            student.feature_weights.copy_(torch.as_tensor(weights_map, dtype=torch.float32))
         _split_keys(student)   # the student needs embed() for SupCon
         opt = torch.optim.Adam(student.parameters(), lr=self.refine_lr)
         loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)),
@@ -794,6 +811,8 @@ class PFedCDP(Method):
         report["refine"] = {"epochs": self.refine_epochs, "loss": stats["loss"], "steps": stats["steps"],
                             "public_train": int(fed.public.size("train"))}
         self.student = get_state(student)
+        self._student_spec = {k: v for k, v in student_spec.items()
+                              if k not in ("spatial_dims", "in_channels", "num_classes")}
         self.report_ = report
         self._teacher_weights = dict(zip(clusters, weights))
         print(f"medfl pfedcdp: refined the student on {fed.public.size('train')} public samples; teacher weights "
@@ -813,7 +832,7 @@ class PFedCDP(Method):
             out["teacher_ensemble"] = ({"name": "weighted_ensemble", "members": members,
                                         "weights": [weights[c] for c in clusters]}, state)
         if self.student is not None:
-            out["student"] = (dict(self.student_model), self.student)
+            out["student"] = (dict(getattr(self, "_student_spec", self.student_model)), self.student)
         return out
 
     def report(self) -> dict[str, Any]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from medfl.models.cnn import (
     PFEDCDP_B_DROPOUT,
+    InputWeighted,
     TwoBlockCNN,
     WeightedEnsemble,
     pfedcdp_a,
     pfedcdp_b,
     pfedcdp_c,
     pfedcdp_student,
+    input_weighted,
     two_block_cnn,
     weighted_ensemble,
 )
@@ -33,11 +35,13 @@ __all__ = [
     "RESNET_DEPTHS",
     "FeatureModel",
     "FeatureResNet",
+    "InputWeighted",
     "ProbabilityModel",
     "SmallCNN",
     "TwoBlockCNN",
     "WeightedEnsemble",
     "as_probabilities",
+    "input_weighted",
     "pfedcdp_a",
     "pfedcdp_b",
     "pfedcdp_c",

@@ -42,6 +42,8 @@ __all__ = [
     "PFEDCDP_B_DROPOUT",
     "TwoBlockCNN",
     "WeightedEnsemble",
+    "InputWeighted",
+    "input_weighted",
     "two_block_cnn",
     "pfedcdp_a",
     "pfedcdp_b",
@@ -234,6 +236,48 @@ class WeightedEnsemble(nn.Module):
         return f"weights={[round(w, 6) for w in self.weights]}"
 
 
+class InputWeighted(_KeysMixin, nn.Module):
+    """A :class:`~medfl.models.resnet.FeatureModel` that sees its input multiplied, feature by
+    feature, by fixed weights (a buffer, so they travel in the state dict).
+
+    PFedCDP's per-feature reading of eq. 19 (``feature_shap="input"``): the weights come from
+    the teachers' mean SHAP importance map (:func:`medfl.shapley.importance_weights`, mean 1),
+    so the student learns from, and is evaluated on, inputs in which the features the teachers
+    rely on are emphasised and the others damped. ``inner`` is any registered FeatureModel.
+
+    Args:
+        inner: the wrapped model.
+        shape: the per-sample input shape ``(C, H, W[, D])`` of the weights (initially ones).
+    """
+
+    def __init__(self, inner: nn.Module, shape: Sequence[int]) -> None:
+        super().__init__()
+        for attr in ("embed", "head", "forward_features"):
+            if not hasattr(inner, attr):
+                raise ValueError(f"input_weighted: the inner model {type(inner).__name__} has no {attr}()")
+        self.inner = inner
+        self.register_buffer("feature_weights", torch.ones(tuple(int(v) for v in shape)))
+        self.head_prefix = "inner." + getattr(inner, "head_prefix", "head.")
+        self.embed_dim = getattr(inner, "embed_dim", None)
+
+    @property
+    def head(self) -> nn.Module:
+        """The inner model's head."""
+        return self.inner.head
+
+    def forward_features(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The inner model's logits and stage outputs on the weighted input."""
+        return self.inner.forward_features(x * self.feature_weights)
+
+    def embed(self, x: Tensor) -> Tensor:
+        """The inner model's embedding of the weighted input."""
+        return self.inner.embed(x * self.feature_weights)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits of the weighted input."""
+        return self.inner(x * self.feature_weights)
+
+
 # --------------------------------------------------------------------------------------------
 # factories
 # --------------------------------------------------------------------------------------------
@@ -358,3 +402,21 @@ def weighted_ensemble(
             raise ValueError(f"weights must not all be zero, got {list(weights)!r}")
         norm = [float(w) / total for w in weights]
     return WeightedEnsemble(specs, norm)
+
+
+def input_weighted(
+    *,
+    inner: dict[str, Any],
+    shape: Sequence[int],
+    spatial_dims: int = 2,
+    in_channels: int = 1,
+    num_classes: int = 2,
+) -> InputWeighted:
+    """An :class:`InputWeighted` around the registered model ``inner`` (a spec; its
+    ``spatial_dims``, ``in_channels`` and ``num_classes`` default to these), with weights of
+    per-sample ``shape`` (all ones until a state dict sets them)."""
+    full = {"spatial_dims": spatial_dims, "in_channels": in_channels, "num_classes": num_classes, **dict(inner)}
+    if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)) or len(shape) != spatial_dims + 1:
+        raise ValueError(f"input_weighted: shape must be (C, H, W[, D]) with {spatial_dims} spatial dims, "
+                         f"got {shape!r}")
+    return InputWeighted(build_model(full), shape)

@@ -333,3 +333,28 @@ def test_any_registered_model_per_cluster_and_batchnorm_statistics_stay_at_the_c
     teacher = m._teacher("high")
     x, _ = next(iter(m.federation.public.loader("test", batch_size=4, shuffle=False)))
     assert torch.isfinite(teacher(x)).all()
+
+
+def test_feature_shapley_values_weight_the_students_input(tmp_path):
+    """The per-feature reading of eq. 19: psi becomes input weights of mean 1 that travel with
+    the student (the input_weighted model), so a client scores the student as it was trained."""
+    pytest.importorskip("shap", reason="the shap package computes eq. 16's feature importance")
+    from medfl.models.registry import build_model
+
+    m = _run(tmp_path, capabilities=SCORES_BY_CLIENT, epsilon=None, feature_shap="input", shap_samples=4,
+             shap_nsamples=8).coordinator
+    m.trained = {"0", "1", "3"}
+    m.finalize()
+    spec, state = m.final_models()["student"]
+    assert spec["name"] == "input_weighted" and spec["inner"] == {"name": "pfedcdp_student"}
+    w = state["feature_weights"]
+    assert tuple(w.shape) == (1, 12, 12) and float(w.mean()) == pytest.approx(1.0, abs=1e-5)
+    assert float(w.min()) >= 0.1 - 1e-6 and float(w.max()) > 1.0         # not all ones: psi varies
+    rep = m.report()["feature_shap"]
+    assert rep["mode"] == "input" and rep["weight_min"] == pytest.approx(float(w.min()))
+    rebuilt = build_model({"spatial_dims": 2, "in_channels": 1, "num_classes": 2, **spec})
+    rebuilt.load_state_dict(state, strict=True)
+    x = torch.randn(3, 1, 12, 12)
+    inner = build_model({"name": "pfedcdp_student", "spatial_dims": 2, "in_channels": 1, "num_classes": 2})
+    inner.load_state_dict({k[len("inner."):]: v for k, v in state.items() if k.startswith("inner.")})
+    torch.testing.assert_close(rebuilt.eval()(x), inner.eval()(x * w))
