@@ -115,9 +115,39 @@ def print_result(result: dict[str, Any]) -> None:
             print(f"\n== {label} ({run_dir})")
             print(format_table(summary_table(run_dir)))
             print(_privacy_line(summary))
+            for line in _final_lines(summary):
+                print(line)
         else:
             print(f"\n== {label}: stopped early; continue with `medfl resume {run_dir}`")
     print(f"\nresults: {base}")
+
+
+def _final_lines(summary: dict[str, Any]) -> list[str]:
+    """Lines on a method's final models (``final_metrics.csv``: e.g. PFedCDP's refined
+    student) and client groups (``groups.csv``): mean accuracy and AUC per split."""
+    def scores(block: dict[str, Any]) -> str:
+        parts = []
+        for split, metrics in block.items():
+            if not isinstance(metrics, dict):
+                continue
+            acc = (metrics.get("accuracy") or {}).get("mean") if isinstance(metrics.get("accuracy"), dict) \
+                else metrics.get("accuracy")
+            auc = (metrics.get("auc") or {}).get("mean") if isinstance(metrics.get("auc"), dict) else metrics.get("auc")
+            if acc is not None:
+                parts.append(f"{split} accuracy {float(acc):.3f}" + ("" if auc is None else f" AUC {float(auc):.3f}"))
+        return "; ".join(parts)
+
+    lines = []
+    finals = summary.get("final_models") or {}
+    if finals:
+        lines.append("final models (final_metrics.csv; mean over clients):")
+        lines += [f"  {name}: {scores(block)}" for name, block in finals.items()]
+    groups = summary.get("groups") or {}
+    if groups:
+        lines.append("groups (groups.csv; last round, mean over the group's clients):")
+        lines += [f"  {g} ({len(b.get('clients', []))} clients): {scores(b.get('final', {}))}"
+                  for g, b in groups.items()]
+    return lines
 
 
 def _privacy_line(summary: dict[str, Any]) -> str:

@@ -35,10 +35,13 @@ def test_cbis_ddsm_pfedcdp_bundle(tmp_path, run_bundle, monkeypatch):
     assert set(pd.read_csv(public / "manifest.csv")["label"]) == {0, 1}
 
     # default dataset_dir: bundle_root/data, with cbis_ddsm/ and mias/ below it
-    run_bundle(BUNDLE / "configs" / "train.json", "--bundle_root", tmp_path, "--image_size", SIZE,
-               "--fl#rounds", "2", "--fl#num_clients", "4", "--fl#progress", "False",
-               "--fl#partition#min_size", "4", "--fl#partition#max_retries", "1000",
-               "--fl#train#batch_size", "4", "--fl#train#epochs", "1", "--fl#methods#0#refine_epochs", "1")
+    proc = run_bundle(BUNDLE / "configs" / "train.json", "--bundle_root", tmp_path, "--image_size", SIZE,
+                      "--fl#rounds", "2", "--fl#num_clients", "4", "--fl#progress", "False",
+                      "--fl#partition#min_size", "4", "--fl#partition#max_retries", "1000",
+                      "--fl#train#batch_size", "4", "--fl#train#epochs", "1", "--fl#methods#0#refine_epochs", "1")
+    # the console names the refined student's scores and the clusters' under PFedCDP's table
+    assert "final models (final_metrics.csv" in proc.stdout and "  student: public_test accuracy" in proc.stdout
+    assert "groups (groups.csv" in proc.stdout
     exp = tmp_path / "runs" / "cbis_ddsm_pfedcdp"
     summaries = {m: json.loads((exp / m / "summary.json").read_text()) for m in METHODS}
     cdp = summaries["pfedcdp"]
