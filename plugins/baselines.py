@@ -1,4 +1,5 @@
-"""Baseline methods: Centralized, Local, FedAvg, FedProx, FedAvgM, FedBN, FedAdam."""
+"""Baseline methods: Centralized, Local, FedAvg, FedProx, FedAvgM, FedBN, the adaptive server
+optimizers FedAdam, FedYogi and FedAdagrad (one implementation), and FedDisco."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from medfl.method import Method
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
 
-__all__ = ["Centralized", "Local", "FedAvg", "FedProx", "FedAvgM", "FedBN", "FedAdam"]
+__all__ = ["Centralized", "Local", "FedAvg", "FedProx", "FedAvgM", "FedBN", "FedAdam", "FedYogi", "FedAdagrad",
+           "FedDisco", "disco_discrepancy", "disco_weights"]
 
 State = dict[str, torch.Tensor]
 
@@ -203,16 +205,24 @@ class FedAdam(HubAndSpoke):
     With ``delta = avg(w_k) - w_old``: ``m <- b1 m + (1 - b1) delta``;
     ``v <- b2 v + (1 - b2) delta^2``; ``w <- w_old + eta * m / (sqrt(v) + tau)``, without
     bias correction as in the paper. Buffers (BatchNorm statistics) take the plain average.
+    FedYogi and FedAdagrad (:class:`FedYogi`, :class:`FedAdagrad`) are this class with another
+    second-moment update (:meth:`second_moment`). ``v`` starts at 0 (Algorithm 2 allows any
+    ``v_-1 >= tau^2``; with 0 the first step is ``eta * m / (|m| / sqrt(1 - b2) + tau)``-like,
+    bounded by ``tau``).
 
     Args:
         eta: server learning rate (default 0.01).
         beta1: first-moment decay (default 0.9).
-        beta2: second-moment decay (default 0.99).
+        beta2: second-moment decay (default 0.99; FedAdagrad does not use it).
         tau: adaptivity (default 1e-3).
     """
 
     name = "fedadam"
     description = "FedAvg with an Adam server optimizer"
+
+    def second_moment(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Adam's ``v <- b2 v + (1 - b2) delta^2``."""
+        return self.beta2 * v + (1 - self.beta2) * delta**2
 
     def __init__(self, eta: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3) -> None:
         if eta <= 0 or tau <= 0:
@@ -222,14 +232,14 @@ class FedAdam(HubAndSpoke):
         self.v: State = {}
 
     def server_step(self, round: int, old: State, aggregated: State) -> State:
-        """One Adam step on the pseudo-gradient of the parameters."""
+        """One adaptive step on the pseudo-gradient of the parameters."""
         new = dict(aggregated)
         for k in self.param_keys:
             if k not in old:
                 continue
             delta = aggregated[k] - old[k]
             m = self.beta1 * self.m.get(k, torch.zeros_like(delta)) + (1 - self.beta1) * delta
-            v = self.beta2 * self.v.get(k, torch.zeros_like(delta)) + (1 - self.beta2) * delta**2
+            v = self.second_moment(self.v.get(k, torch.zeros_like(delta)), delta)
             self.m[k], self.v[k] = m, v
             new[k] = old[k] + self.eta * m / (v.sqrt() + self.tau)
         return new
@@ -241,6 +251,105 @@ class FedAdam(HubAndSpoke):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore global model and both moments."""
         self.global_state, self.m, self.v = state["global"], state["m"], state["v"]
+
+
+class FedYogi(FedAdam):
+    """FedYogi (Reddi et al., ICLR 2021, Algorithm 2): FedAdam with Yogi's second moment,
+    ``v <- v - (1 - b2) delta^2 sign(v - delta^2)``, which grows ``v`` additively and keeps
+    it from shrinking as fast as Adam's when updates get small. Same parameters as FedAdam."""
+
+    name = "fedyogi"
+    description = "FedAvg with a Yogi server optimizer"
+
+    def second_moment(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Yogi's ``v - (1 - b2) delta^2 sign(v - delta^2)``."""
+        d2 = delta**2
+        return v - (1 - self.beta2) * d2 * torch.sign(v - d2)
+
+
+class FedAdagrad(FedAdam):
+    """FedAdagrad (Reddi et al., ICLR 2021, Algorithm 2): FedAdam with Adagrad's second moment,
+    ``v <- v + delta^2`` (``beta2`` unused). Same parameters as FedAdam."""
+
+    name = "fedadagrad"
+    description = "FedAvg with an Adagrad server optimizer"
+
+    def second_moment(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Adagrad's ``v + delta^2``."""
+        return v + delta**2
+
+
+def disco_discrepancy(hist: Any, metric: str = "l2") -> float:
+    """FedDisco's discrepancy ``d_k`` between a client's label distribution and the uniform
+    one (the balanced target distribution FedDisco assumes): the L2 distance of the
+    normalised histogram from ``1/K`` (``metric="l2"``) or ``KL(uniform || local)`` with a
+    1e-12 floor (``"kl"``). An empty histogram gives the uniform's distance 0."""
+    h = torch.as_tensor(hist, dtype=torch.float64).reshape(-1)
+    if h.numel() == 0 or float(h.sum()) <= 0:
+        return 0.0
+    p = h / h.sum()
+    u = torch.full_like(p, 1.0 / p.numel())
+    if metric == "l2":
+        return float(torch.linalg.vector_norm(p - u))
+    if metric == "kl":
+        return float((u * (u.log() - p.clamp_min(1e-12).log())).sum())
+    raise ValueError(f"feddisco: metric must be 'l2' or 'kl', got {metric!r}")
+
+
+def disco_weights(sizes: list[float], discrepancies: list[float], a: float = 0.5, b: float = 0.1) -> list[float]:
+    """FedDisco's aggregation weights (Ye et al., ICML 2023, eq. 5): ``p_k ∝ ReLU(n_k - a d_k
+    + b)`` with ``n_k`` the client's share of the samples; normalised to sum 1. If every
+    term is 0, the weights fall back to the sample shares (FedAvg)."""
+    total = float(sum(sizes))
+    shares = [float(n) / total if total > 0 else 1.0 / len(sizes) for n in sizes]
+    raw = [max(0.0, n - a * d + b) for n, d in zip(shares, discrepancies)]
+    if sum(raw) <= 0:
+        return shares
+    return [r / sum(raw) for r in raw]
+
+
+class FedDisco(HubAndSpoke):
+    """FedDisco (Ye et al., ICML 2023, "Discrepancy-Aware Collaboration"): FedAvg whose
+    aggregation weights are ``ReLU(n_k - a d_k + b)``, normalised (:func:`disco_weights`):
+    dataset share ``n_k`` and discrepancy ``d_k`` between the client's label distribution and
+    the global one, so clients whose labels are skewed count less.
+
+    What leaves a client: the model and one scalar, ``d_k``. FedDisco's global distribution is
+    the uniform one (the balanced test distribution it targets), so each client computes
+    ``d_k`` from its own label histogram (:func:`disco_discrepancy`) and the histogram itself
+    never leaves it: ``d_k`` alone says how far from balanced the client is, not which classes
+    it holds. (A global target estimated from every client's histogram would need the
+    histograms at the coordinator; we do not offer it.) ``d_k`` is not covered by a reply
+    filter's noise (the run lists it under ``not_covered``), like FedKPer's score.
+
+    Args:
+        a: the discrepancy's weight (FedDisco's default 0.5).
+        b: the offset (default 0.1).
+        metric: ``"l2"`` (FedDisco's default) or ``"kl"``.
+    """
+
+    name = "feddisco"
+    description = "FedAvg weighted by dataset share and label-distribution discrepancy (FedDisco)"
+
+    def __init__(self, a: float = 0.5, b: float = 0.1, metric: str = "l2") -> None:
+        if metric not in ("l2", "kl"):
+            raise ValueError(f"feddisco: metric must be 'l2' or 'kl', got {metric!r}")
+        if a < 0:
+            raise ValueError(f"feddisco: a must be >= 0, got {a}")
+        self.a, self.b, self.metric = float(a), float(b), str(metric)
+
+    def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
+        """FedAvg's local training; the reply adds ``discrepancy`` (one scalar)."""
+        reply = super().client_update(client, instruction)
+        hist = client.label_histogram(int(client.model_spec["num_classes"]))
+        reply.payload["discrepancy"] = disco_discrepancy(hist, self.metric)
+        return reply
+
+    def client_weights(self, replies: dict[str, Reply]) -> list[float]:
+        """Eq. 5's weights from ``num_examples`` and each reply's ``discrepancy``."""
+        sizes = [float(r.num_examples) for r in replies.values()]
+        d = [float(r.payload.get("discrepancy", 0.0)) for r in replies.values()]
+        return disco_weights(sizes, d, self.a, self.b)
 
 
 class FedBN(HubAndSpoke):
@@ -261,5 +370,5 @@ class FedBN(HubAndSpoke):
 @hookimpl
 def register_methods(register: Callable[..., None]) -> None:
     """Register the baseline methods."""
-    for cls in (Centralized, Local, FedAvg, FedProx, FedAvgM, FedBN, FedAdam):
+    for cls in (Centralized, Local, FedAvg, FedProx, FedAvgM, FedBN, FedAdam, FedYogi, FedAdagrad, FedDisco):
         register(cls)
