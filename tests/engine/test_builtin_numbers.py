@@ -46,6 +46,7 @@ JOBS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fedyogi": ({"name": "fedyogi"}, _CNN),
     "fedadagrad": ({"name": "fedadagrad"}, _CNN),
     "feddisco": ({"name": "feddisco"}, _CNN),
+    "fedsdc": ({"name": "fedsdc", "gamma": 0.5}, _CNN),
     "fedkper": ({"name": "fedkper"}, _CNN),
     "fedskd": ({"name": "fedskd", "iterations": 2}, _P2P),
     "fedcross": ({"name": "fedcross", "iterations": 2}, {k: v for k, v in _P2P.items() if k != "client_models"}),

@@ -149,8 +149,8 @@ def test_fedskd_peer_to_peer_over_the_grid_equals_in_process(tmp_path: Path) -> 
         assert (tmp_path / "state" / f"site{i}" / run_id / f"site_{i}" / "clients" / str(i) / "state_r0002.pt").is_file()
 
 
-OTHER_METHODS = ["fedprox", "fedadam", "fedyogi", "fedadagrad", "feddisco", "fedavgm", "fedkper", "local", "fedcross",
-                 "fedcross_het"]
+OTHER_METHODS = ["fedprox", "fedadam", "fedyogi", "fedadagrad", "feddisco", "fedsdc", "fedavgm", "fedkper", "local",
+                 "fedcross", "fedcross_het"]
 
 
 def test_every_built_in_method_has_a_flower_check() -> None:
