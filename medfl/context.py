@@ -140,12 +140,10 @@ class ClientContext:
 
     def build_model(self, **overrides: Any) -> nn.Module:
         """A fresh model of this client's spec, initialised from a seed of (seed, client)."""
-        from medfl.models.registry import build_model
+        from medfl.models.registry import build_seeded
 
-        spec = {**self.model_spec, **overrides}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.seed, "build", self.client_id))
-            return build_model(spec).to(self.device)
+        return build_seeded({**self.model_spec, **overrides}, derive_seed(self.seed, "build", self.client_id),
+                            self.device)
 
     def load_model(self, state: dict[str, torch.Tensor], *, fresh: bool = False) -> nn.Module:
         """A model of this client's spec holding exactly ``state`` (in training mode, every

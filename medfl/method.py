@@ -125,11 +125,9 @@ class Federation:
 
     def build_model(self, client_id: str | None = None, *, seed_tag: Any = "init") -> nn.Module:
         """Build a freshly initialised model (seeded by run seed, tag and client id)."""
-        from medfl.models.registry import build_model
+        from medfl.models.registry import build_seeded
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.seed, seed_tag, client_id or "global"))
-            return build_model(self.model_spec(client_id))
+        return build_seeded(self.model_spec(client_id), derive_seed(self.seed, seed_tag, client_id or "global"))
 
 
 class Configurable:

@@ -154,8 +154,10 @@ class FedSDC(Method):
         self.gamma = None if gamma is None else float(gamma)
 
     # ------------------------------------------------------------------ shared
-    def _body(self, spec: dict[str, Any]) -> nn.Module:
-        model = build_model(dict(spec))
+    @staticmethod
+    def _checked_body(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
+        """``model`` if it can serve as the body (a FeatureModel: ``embed``, ``embed_dim``,
+        ``head_keys``)."""
         for attr in ("embed", "embed_dim", "head_keys"):
             if not hasattr(model, attr):
                 raise MethodConfigError(f"fedsdc: {spec.get('name')!r} has no {attr}: the body must be a registered "
@@ -171,7 +173,7 @@ class FedSDC(Method):
               seed: int) -> tuple[nn.Module, list[nn.Module]]:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = self._body(spec)
+            model = self._checked_body(build_model(dict(spec)), spec)
             built = [make_head(int(model.embed_dim), w, int(spec["num_classes"]), self.dropout) for w in widths]
         model.load_state_dict({**model.state_dict(), **body})
         for h, s in zip(built, heads):
@@ -182,10 +184,7 @@ class FedSDC(Method):
     def setup(self, federation: Federation) -> None:
         """The body from the run seed, N heads of seeded widths."""
         super().setup(federation)
-        spec = federation.model_spec()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(federation.seed, "init", "global"))
-            model = self._body(spec)
+        model = self._checked_body(federation.build_model(), federation.model_spec())
         keys = self._body_keys(model)
         full = get_state(model)
         self.body = {k: full[k] for k in keys}

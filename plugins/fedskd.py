@@ -55,11 +55,9 @@ def permutation(client_ids: list[str], seed: int, round: int) -> dict[str, str]:
 
 def _build(spec: dict[str, Any], seed: int, device: str) -> nn.Module:
     """A model of ``spec`` initialised from ``seed`` (the same on any site)."""
-    from medfl.models.registry import build_model
+    from medfl.models.registry import build_seeded
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        return build_model(dict(spec)).to(device)
+    return build_seeded(spec, seed, device)
 
 
 def _load(spec: dict[str, Any], seed: int, state: State | None, device: str) -> nn.Module:

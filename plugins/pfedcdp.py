@@ -27,7 +27,7 @@ from medfl.engine.training import get_state, make_optimizer, train_epochs, weigh
 from medfl.losses.distill import ensemble_logits, kd_loss, sup_mtkd_loss
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method, MethodConfigError, derive_seed
-from medfl.models.registry import build_model
+from medfl.models.registry import build_seeded
 from medfl.shapley import (balanced_subset, ensemble_game, feature_importance, importance_weights, mean_importance,
                            shapley_values, teacher_weights)
 
@@ -118,12 +118,6 @@ def mix_extractor(own: State, global_: State, personal: State) -> State:
         else:
             out[k] = g.clone()
     return out
-
-
-def _build(spec: dict[str, Any], seed: int, device: str = "cpu") -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        return build_model(dict(spec)).to(device)
 
 
 def _split_keys(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
@@ -254,7 +248,7 @@ class PFedCDP(Method):
     server's classifier ``W_C,server`` is trained is never said; with
     ``server_classifier="public"`` (default) the coordinator fits it each round on its
     public set (``fl.public_dataset``) on top of the cluster's frozen new extractor
-    (``server_epochs`` epochs of cross-entropy; also once at setup, so round 1's teacher is
+    (``server_epochs`` epochs of cross-entropy; also once before round 1, so its teacher is
     not random); ``"init"`` keeps it at its initial value (the other reading: nothing trains
     it). The public set never reaches a client.
 
@@ -465,15 +459,15 @@ class PFedCDP(Method):
         self.buffers: dict[str, State] = {}
         self.heads: dict[str, State] = {}
         for c in CLUSTERS:
-            model = _build(self._spec(c), derive_seed(federation.seed, "pfedcdp", c))
+            model = build_seeded(self._spec(c), derive_seed(federation.seed, "pfedcdp", c))
             params, buffers, head = _split_keys(model)
             state = get_state(model)
             self.extractors[c] = {k: state[k] for k in params}
             self.buffers[c] = {k: state[k] for k in buffers}
             self.heads[c] = {k: state[k] for k in head}
-            self._calibrate(c)
-            if self.server_classifier == "public":
-                self._fit_head(c, 0)
+        # the initial models' BatchNorm statistics and server classifiers come from the public
+        # set before round 1's instructions (configure_round); a resumed run loads them instead
+        self._initial_fit_due = True
         self.assign: dict[str, str] = {}
         self.scores: dict[str, dict[str, float]] = {}
         self.trained: set[str] = set()
@@ -524,7 +518,15 @@ class PFedCDP(Method):
 
     # ------------------------------------------------------------------ coordinator: rounds
     def configure_round(self, round: int) -> dict[str, Instruction]:
-        """Each sampled client gets its cluster's extractor, server classifier and spec."""
+        """Each sampled client gets its cluster's extractor, server classifier and spec (the
+        first call of a fresh run fits the initial models on the public set first, so round
+        1's teacher is not random)."""
+        if self._initial_fit_due:
+            for c in CLUSTERS:
+                self._calibrate(c)
+                if self.server_classifier == "public":
+                    self._fit_head(c, 0)
+            self._initial_fit_due = False
         out = {}
         for cid in self.federation.sample(round):
             c = self._cluster(cid)
@@ -539,6 +541,12 @@ class PFedCDP(Method):
     def _state(self, c: str) -> State:
         """Cluster ``c``'s whole model state (extractor, its buffers, server classifier)."""
         return {**self.extractors[c], **self.buffers[c], **self.heads[c]}
+
+    def _cluster_model(self, c: str) -> nn.Module:
+        """Cluster ``c``'s model holding :meth:`_state`, on the run's device."""
+        model = build_seeded(self._spec(c), 0, self.federation.device)
+        model.load_state_dict(self._state(c))
+        return model
 
     def server_update(self, round: int, replies: dict[str, Reply]) -> None:
         """FedAvg of the (dequantized, noised) extractors within each cluster; the server
@@ -563,8 +571,7 @@ class PFedCDP(Method):
         fed = self.federation
         if not self.buffers[c] or fed.public is None:
             return
-        model = _build(self._spec(c), 0, fed.device)
-        model.load_state_dict(self._state(c))
+        model = self._cluster_model(c)
         loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)), shuffle=False,
                                    augment=False)
         if recalibrate_norms(model, loader, fed.device):
@@ -575,8 +582,7 @@ class PFedCDP(Method):
         """Fit cluster ``c``'s server classifier on the public training split on top of its
         frozen extractor (``server_epochs`` epochs of cross-entropy)."""
         fed = self.federation
-        model = _build(self._spec(c), 0, fed.device)
-        model.load_state_dict(self._state(c))
+        model = self._cluster_model(c)
         seed = derive_seed(fed.seed, "server_head", c, round)
         loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)), seed=seed)
         head = list(model.head.parameters())
@@ -628,7 +634,7 @@ class PFedCDP(Method):
         g_buf: State = instruction.payload["extractor_buffers"]
         s_head: State = instruction.payload["server_head"]
         device = client.device
-        model = _build(spec, derive_seed(client.seed, "model"), device)
+        model = build_seeded(spec, derive_seed(client.seed, "model"), device)
         body, buffer_keys, head_keys = _split_keys(model)
         if set(body) != set(g_ext) or set(buffer_keys) != set(g_buf) or set(head_keys) != set(s_head):
             raise MethodConfigError(f"pfedcdp: client {client.client_id}: the cluster model sent does not match "
@@ -663,7 +669,7 @@ class PFedCDP(Method):
                                  clip_grad_norm=self.grad_clip)
             metrics.update(loss_extractor=stats["loss"], steps_extractor=stats["steps"])
         # 5. the classifier on eq. 11, the extractor frozen; teacher = global extractor + server head
-        teacher = _build(spec, 0, device)
+        teacher = build_seeded(spec, 0, device)
         teacher.load_state_dict({**g_ext, **g_buf, **s_head})
         teacher.eval()
         for p in teacher.parameters():
@@ -694,7 +700,7 @@ class PFedCDP(Method):
         """The personalised model: the client's own extractor and classifier (the cluster's
         model for a client that has not trained yet)."""
         spec = self._client_spec(instruction)
-        model = _build(spec, 0, client.device)
+        model = build_seeded(spec, 0, client.device)
         own = {**client.state.get("extractor", {}), **client.state.get("buffers", {}), **client.state.get("head", {})}
         if own and set(own) == set(model.state_dict()):
             model.load_state_dict(own)
@@ -705,8 +711,7 @@ class PFedCDP(Method):
 
     # ------------------------------------------------------------------ post hoc
     def _teacher(self, c: str) -> nn.Module:
-        model = _build(self._spec(c), 0, self.federation.device)
-        model.load_state_dict(self._state(c))
+        model = self._cluster_model(c)
         for p in model.parameters():
             p.requires_grad_(False)
         return model.eval()
@@ -790,7 +795,7 @@ class PFedCDP(Method):
                                 "in_channels": fed.in_channels, "num_classes": fed.num_classes}
                 report["feature_shap"].update(weight_min=float(weights_map.min()), weight_max=float(weights_map.max()))
         # the student
-        student = _build(student_spec, derive_seed(fed.seed, "student"), fed.device)
+        student = build_seeded(student_spec, derive_seed(fed.seed, "student"), fed.device)
         if weights_map is not None:
             student.feature_weights.copy_(torch.as_tensor(weights_map, dtype=torch.float32))
         _split_keys(student)   # the student needs embed() for SupCon
@@ -852,6 +857,7 @@ class PFedCDP(Method):
         """Restore :meth:`state_dict`."""
         self.extractors = {c: dict(v) for c, v in state["extractors"].items()}
         self.buffers = {c: dict(v) for c, v in state["buffers"].items()}
+        self._initial_fit_due = False
         self.heads = {c: dict(v) for c, v in state["heads"].items()}
         self.assign = dict(json.loads(state["assign"]))
         self.scores = dict(json.loads(state["scores"]))

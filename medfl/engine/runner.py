@@ -446,26 +446,24 @@ class Run:
         """Run ``client_validate`` on each addressed client (the validation exchange of
         :meth:`Method.configure_validate`); return each client's scalars. A transport seam
         like :meth:`update_clients`: over Flower, the sites that answered."""
-        order = client_order(instructions)
-        sent = self._request_sizes(r, {cid: instructions[cid] for cid in order})
-        out = {}
-        for cid in order:
-            out[cid] = run_client_validate(self.client_method, self.context(cid, r), instructions[cid],
-                                           store=self.store)
-            self.traffic.add(r, cid, "validate", sent[cid], wire.encoded_size(wire.validate_answer(cid, out[cid])))
-        return out
+        return self._scalar_clients(r, instructions, run_client_validate, "validate")
 
     def profile_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
         """Run ``client_profile`` on each addressed client (the profile exchange of
         :meth:`Method.configure_profile`, before round ``r`` = 1); return each client's
         scalars. A transport seam like :meth:`update_clients`."""
+        return self._scalar_clients(r, instructions, run_client_profile, "profile", exchange="profile")
+
+    def _scalar_clients(self, r: int, instructions: dict[str, Instruction], step: Callable[..., dict[str, float]],
+                        phase: str, **extra: Any) -> dict[str, dict[str, float]]:
+        """Run a scalar exchange's client ``step`` on each addressed client, in process,
+        recording its messages under ``phase`` (``extra``: the control fields Flower adds)."""
         order = client_order(instructions)
-        sent = self._request_sizes(r, {cid: instructions[cid] for cid in order}, exchange="profile")
+        sent = self._request_sizes(r, {cid: instructions[cid] for cid in order}, **extra)
         out = {}
         for cid in order:
-            out[cid] = run_client_profile(self.client_method, self.context(cid, r), instructions[cid],
-                                          store=self.store)
-            self.traffic.add(r, cid, "profile", sent[cid], wire.encoded_size(wire.validate_answer(cid, out[cid])))
+            out[cid] = step(self.client_method, self.context(cid, r), instructions[cid], store=self.store)
+            self.traffic.add(r, cid, phase, sent[cid], wire.encoded_size(wire.validate_answer(cid, out[cid])))
         return out
 
     def final_evaluate_clients(self, r: int, finals: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]],

@@ -422,19 +422,22 @@ class FlowerRun(Run):
     def validate_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
         """Send every addressed client its validation instruction (``evaluate.validate``);
         return the scalars of the sites that answered, in the engine's client order."""
-        outgoing = {cid: self._instruction_content(r, cid, ins) for cid, ins in instructions.items()}
-        answers = self.exchange(r, "validate", P.VALIDATE, outgoing)
-        return {cid: wire.read_metrics(msg.content.get("validate"), f"validation of site {cid} in round {r}")
-                for cid, msg in answers.items()}
+        return self._scalar_exchange(r, instructions, "validate", f"validation of site {{}} in round {r}")
 
     def profile_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
         """Send every addressed client its profile instruction (an ``evaluate.validate``
         message whose control record says ``exchange: profile``); return the scalars of the
         sites that answered (measured on each site's machine: ``ClientContext.deployed``)."""
-        outgoing = {cid: self._instruction_content(r, cid, ins, exchange="profile")
-                    for cid, ins in instructions.items()}
-        answers = self.exchange(r, "profile", P.VALIDATE, outgoing)
-        return {cid: wire.read_metrics(msg.content.get("validate"), f"profile of site {cid}")
+        return self._scalar_exchange(r, instructions, "profile", "profile of site {}", exchange="profile")
+
+    def _scalar_exchange(self, r: int, instructions: dict[str, Instruction], phase: str, where: str,
+                         **extra: Any) -> dict[str, dict[str, float]]:
+        """One ``evaluate.validate`` exchange (``extra``: control fields telling the site which
+        client step to run); the scalars of the sites that answered (``where``: the error
+        location, ``{}`` the site)."""
+        outgoing = {cid: self._instruction_content(r, cid, ins, **extra) for cid, ins in instructions.items()}
+        answers = self.exchange(r, phase, P.VALIDATE, outgoing)
+        return {cid: wire.read_metrics(msg.content.get("validate"), where.format(cid))
                 for cid, msg in answers.items()}
 
     def final_evaluate_clients(self, r: int, finals: dict[str, tuple[dict[str, Any], dict[str, Any]]],

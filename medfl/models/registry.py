@@ -5,11 +5,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
 from medfl.plugins import lookup
 
-__all__ = ["build_model", "ModelConfigError"]
+__all__ = ["build_model", "build_seeded", "ModelConfigError"]
 
 
 class ModelConfigError(ValueError):
@@ -54,3 +55,11 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 
         model = make_private_model(model, where=f"model {name!r}")[0]
     return model
+
+
+def build_seeded(spec: dict[str, Any], seed: int, device: str = "cpu") -> nn.Module:
+    """:func:`build_model` initialised from ``seed`` (the same weights on any machine), on
+    ``device``, leaving the caller's torch random state untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        return build_model(dict(spec)).to(device)

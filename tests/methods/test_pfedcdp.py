@@ -21,6 +21,7 @@ from medfl.engine.runner import Run, resume, run_experiment
 from medfl.engine.data import split_data
 from medfl.engine.runner import build_source
 from medfl.method import MethodConfigError
+from medfl.models.registry import build_seeded
 from medfl_plugins import pfedcdp as cdp
 from medfl_plugins.pfedcdp import PFedCDP, fisher_information, fisher_masks, mix_extractor
 
@@ -110,7 +111,7 @@ def test_client_keeps_its_own_value_where_fisher_is_high_and_takes_the_global_on
     reply = run.client_method.client_update(ctx, ins[cid])
     got = reply.payload["extractor"]
     # the masks, computed independently on the client's own model
-    model = cdp._build(spec, 0)
+    model = build_seeded(spec, 0)
     model.load_state_dict({**own, **head})
     keys = [k for k, _ in model.named_parameters() if k in own]
     fisher, _ = fisher_information(model, run.context(cid, 1).loader("train", augment=False), keys)
@@ -175,7 +176,7 @@ def test_only_the_extractor_update_leaves_a_client_noised_and_quantized(tmp_path
     cid = "0"
     ctx = run.context(cid, 1)
     reply = run_client_update(run.client_method, ctx, ins[cid], filters=run.privacy.chain)
-    model = cdp._build(json.loads(ins[cid].config["spec"]), 0)
+    model = build_seeded(json.loads(ins[cid].config["spec"]), 0)
     assert set(reply.payload) == {"extractor"}
     sent = reply.payload["extractor"]
     assert set(sent) == set(model.body_keys())                # no classifier key
@@ -322,7 +323,7 @@ def test_any_registered_model_per_cluster_and_batchnorm_statistics_stay_at_the_c
     assert any(k.endswith("running_mean") for k in before)
     ctx = run.context("0", 1)
     reply = run_client_update(run.client_method, ctx, ins["0"], filters=run.privacy.chain)
-    model = cdp._build(json.loads(ins["0"].config["spec"]), 0)
+    model = build_seeded(json.loads(ins["0"].config["spec"]), 0)
     params = {n for n, _ in model.named_parameters()}
     assert set(reply.payload["extractor"]) == set(model.body_keys()) & params      # no running statistics
     assert set(ctx.state["buffers"]) == set(model.body_keys()) - params              # kept at the client
