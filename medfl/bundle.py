@@ -100,6 +100,14 @@ def print_result(result: dict[str, Any]) -> None:
     from medfl.report import format_table, summary_table
 
     base = Path(result["dir"])
+    if "seed_list" in result:  # repeated over seeds: the table of mean ± std over seeds
+        if result.get("seeds"):
+            print(f"\n== {len(result['seed_list'])} seed(s) {result['seed_list']} ({base / 'seeds_table.md'})")
+            print((base / "seeds_table.md").read_text())
+        else:
+            print(f"\n== stopped before every seed finished; continue with `medfl resume {base}`")
+        print(f"\nresults: {base}")
+        return
     if "folds" in result:  # cross-validation: the table of mean ± std over folds
         if result.get("cv"):
             print(f"\n== {result['folds']}-fold cross-validation ({base / 'cv_table.md'})")

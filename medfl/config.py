@@ -35,6 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "dataset": {"name": "synthetic2d"},
     "global_test_fraction": 0.2,    # held-out global test when the data has no `split` column
+    "global_test_per_class": None,  # or k: hold out k rows of every class instead (FedSDC's NIID-1: 30)
     "use_official_split": True,     # False: ignore the dataset's `split` column (its test rows join the pool)
     "group_column": "subject_id",   # rows sharing it (one patient) never straddle train/val/test splits
     # a dataset only the coordinator reads (never a client), e.g. MIAS as the public/proxy set
@@ -49,6 +50,9 @@ DEFAULTS: dict[str, Any] = {
     # client's test split being its k-th fold (from `column` when the dataset has one) and
     # the rest split train:val in client_split's ratio; `metric` is the one cv_table reports
     "cv": {"folds": 0, "column": None, "metric": "auc"},
+    # repeat the whole experiment once per seed (seed_<s>/: split, initialisation and
+    # training order all follow the seed) and report mean ± std over seeds: e.g. [0, 1, 2, 3, 4]
+    "seeds": None,
     "model": {"name": "resnet10", "width": 16},
     "client_models": {},            # per-client model overrides {client_id: {kwarg: value}}, or a list in id order
     "train": {
@@ -298,6 +302,10 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"fl.rounds: expected at least 1, got {cfg['rounds']}")
     if not (0 < float(cfg["fraction"]) <= 1):
         raise ConfigError(f"fl.fraction: expected a number in (0, 1], got {cfg['fraction']!r}")
+    per_class = cfg["global_test_per_class"]
+    if per_class is not None and (not isinstance(per_class, int) or isinstance(per_class, bool) or per_class < 1):
+        raise ConfigError(f"fl.global_test_per_class: expected null or a positive integer (rows held out per "
+                          f"class), got {per_class!r}")
     stop = cfg["stop_after_round"]
     if stop is not None and (not isinstance(stop, int) or stop < 1):
         raise ConfigError(f"fl.stop_after_round: expected null or a positive integer, got {stop!r}")
@@ -309,6 +317,17 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"fl.cv.column: expected null or a column name, got {cv['column']!r}")
     if not isinstance(cv["metric"], str):
         raise ConfigError(f"fl.cv.metric: expected a metric name, got {cv['metric']!r}")
+    seeds = cfg["seeds"]
+    if seeds is not None:
+        if (not isinstance(seeds, list) or not seeds
+                or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in seeds)):
+            raise ConfigError(f"fl.seeds: expected null or a non-empty list of non-negative integers like "
+                              f"[0, 1, 2, 3, 4], got {seeds!r}")
+        if len(set(seeds)) != len(seeds):
+            raise ConfigError(f"fl.seeds: a seed is listed twice in {seeds}")
+        if folds:
+            raise ConfigError("fl.seeds and fl.cv.folds: repeat over seeds or cross-validate, not both "
+                              "(set one of them null/0)")
     split = cfg["client_split"]
     if not isinstance(split, dict) or "train" not in split or abs(sum(split.values()) - 1) > 1e-6:
         raise ConfigError(f"fl.client_split: expected fractions with 'train' summing to 1, got {split!r}")

@@ -13,7 +13,7 @@ __all__ = ["write_plots", "write_forgetting_plot", "write_communication_plot", "
            "write_comparison",
            "forgetting_table",
            "summary_table", "format_table", "load_metrics", "CV_SPLITS", "cv_results", "cv_summary",
-           "cv_table", "write_cv_report"]
+           "cv_table", "write_cv_report", "SEED_METRICS", "seeds_results", "seeds_summary", "write_seeds_report"]
 
 PLOT_METRICS = ("accuracy", "auc", "f1")
 
@@ -547,5 +547,92 @@ def write_cv_report(exp_dir: str | Path, labels: list[str], folds: int, metric: 
         ax.grid(alpha=0.3, axis="y")
         fig.tight_layout()
         fig.savefig(exp_dir / f"cv_{metric}.png", dpi=100)
+        plt.close(fig)
+    return summary
+
+
+#: Metrics of the over-seeds table, in column order (those a run has): micro-F1 first, the
+#: primary metric of FedSDC's tables.
+SEED_METRICS = ("micro_f1", "accuracy", "f1", "auc")
+
+
+def seeds_results(summaries: dict[int, dict[str, dict[str, Any]]]) -> pd.DataFrame:
+    """One row per (seed, method, split): each metric's final mean over clients, from the
+    runs' summaries (``{seed: {label: summary}}``)."""
+    rows = []
+    for seed, by_label in summaries.items():
+        for label, summary in by_label.items():
+            for split, block in (summary or {}).get("final", {}).items():
+                if isinstance(block, dict):
+                    rows.append({"seed": int(seed), "method": label, "split": split,
+                                 **{m: stats["mean"] for m, stats in block.items()}})
+    return pd.DataFrame(rows)
+
+
+def seeds_summary(results: pd.DataFrame) -> dict[str, Any]:
+    """Mean ± population std (ddof=0) over seeds of every metric, per method and split, with
+    the per-seed values (in seed order)."""
+    seeds = sorted(results["seed"].unique().tolist()) if not results.empty else []
+    out: dict[str, Any] = {"seeds": seeds, "std": "population (ddof=0) over seeds", "methods": {}}
+    metrics = [c for c in results.columns if c not in ("seed", "method", "split") and c != "n"]
+    for label in dict.fromkeys(results.get("method", pd.Series(dtype=str))):
+        block: dict[str, Any] = {}
+        for split, part in results[results["method"] == label].groupby("split", sort=False):
+            per_seed = part.set_index("seed")
+            block[str(split)] = {}
+            for m in metrics:
+                stats = _mean_std([float(per_seed[m].get(sd, float("nan"))) for sd in seeds])
+                block[str(split)][m] = {"mean": stats["mean"], "std": stats["std"], "values": stats["folds"]}
+        out["methods"][label] = block
+    return out
+
+
+def write_seeds_report(exp_dir: str | Path, summaries: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Write an experiment repeated over seeds: ``seeds_results.csv`` (:func:`seeds_results`),
+    ``seeds_summary.json`` (:func:`seeds_summary`), ``seeds_table.csv`` and ``seeds_table.md``
+    (one row per method; for each split a "mean ± std" column per metric of
+    :data:`SEED_METRICS`) and ``seeds_metrics.png`` (micro-F1 and AUC per method and split,
+    bars of the mean with the std as error bars); return the summary."""
+    exp_dir = Path(exp_dir)
+    results = seeds_results(summaries)
+    results.to_csv(exp_dir / "seeds_results.csv", index=False)
+    summary = seeds_summary(results)
+    (exp_dir / "seeds_summary.json").write_text(json.dumps(_finite(summary), indent=2))
+    rows = []
+    for label, block in summary["methods"].items():
+        row: dict[str, Any] = {"method": label}
+        for split in ("global_test", "local_test"):
+            for m in SEED_METRICS:
+                if m in block.get(split, {}):
+                    row[f"{split}: {m}"] = _pm(block[split][m])
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    table.to_csv(exp_dir / "seeds_table.csv", index=False)
+    n = len(summary["seeds"])
+    lines = [f"final mean over clients, mean ± std over {n} seed(s) {summary['seeds']} (ddof=0)", "",
+             "| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(str(v) for v in r) + " |" for r in table.itertuples(index=False)]
+    (exp_dir / "seeds_table.md").write_text("\n".join(lines) + "\n")
+    shown = [m for m in ("micro_f1", "auc") if m in results.columns]
+    splits = [sp for sp in ("global_test", "local_test") if not results.empty and sp in set(results["split"])]
+    if shown and splits and summary["methods"]:
+        plt = _plt()
+        labels = list(summary["methods"])
+        fig, axes = plt.subplots(1, len(shown), figsize=(1.6 + 1.3 * len(labels) * len(shown), 3.4), squeeze=False)
+        width = 0.8 / len(splits)
+        for ax, m in zip(axes[0], shown):
+            for j, split in enumerate(splits):
+                stats = [summary["methods"][lb].get(split, {}).get(m) for lb in labels]
+                xs = [i + j * width for i, st in enumerate(stats) if st]
+                ax.bar(xs, [st["mean"] for st in stats if st], width, yerr=[st["std"] for st in stats if st],
+                       capsize=3, label=split)
+            ax.set_xticks([i + width * (len(splits) - 1) / 2 for i in range(len(labels))])
+            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+            ax.set_ylabel(f"{m} (mean over clients)")
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"mean ± std over {n} seed(s)", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(exp_dir / "seeds_metrics.png", dpi=100)
         plt.close(fig)
     return summary

@@ -11,14 +11,16 @@ Every partitioner has the signature ``func(table, num_clients, seed, **params)``
 It returns a :class:`Partition`: a ``dict`` mapping client ids ``"0"``, ``"1"``, ... (strings,
 in order) to sorted ``int64`` arrays of row *positions* (``iloc`` positions, ``0 ..
 len(table) - 1``), with the human-readable client names in :attr:`Partition.names`. Every
-row goes to exactly one client (disjoint and complete); the only exception is
+row goes to exactly one client (disjoint and complete); the exceptions are
 :func:`label_skew` with ``allow_unassigned=True``, which drops the rows of labels no client
-owns. Bad input raises :class:`PartitionError` naming the parameter and what was expected.
+owns, and :func:`class_sample`, whose leftover rows become the global test set
+(:attr:`Partition.rest`). Bad input raises :class:`PartitionError` naming the parameter and what was expected.
 
 The built-in partitioners are listed in :data:`PARTITIONERS`. :func:`partition_table` turns a
 partition into a table that can be saved (and :func:`partition_from_table` reads it back),
-:func:`class_counts` tabulates labels per client, and :func:`stratified_split` splits one
-client's rows into e.g. train/val/test.
+:func:`class_counts` tabulates labels per client, :func:`stratified_split` splits one
+client's rows into e.g. train/val/test, and :func:`per_class_holdout` holds out a fixed
+number of rows per class as a test set (the engine's ``global_test_per_class``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ __all__ = [
     "PartitionError",
     "check_partition",
     "class_counts",
+    "class_sample",
     "dirichlet",
     "iid",
     "label_skew",
     "natural",
     "partition_from_table",
     "partition_table",
+    "per_class_holdout",
     "quantity_skew",
     "stratified_split",
 ]
@@ -51,6 +55,10 @@ __all__ = [
 
 class PartitionError(ValueError):
     """A partition was requested with bad parameters, or cannot be produced."""
+
+
+#: What may become of rows a partition leaves unassigned (:attr:`Partition.rest`).
+REST_ROLES = (None, "global_test")
 
 
 class Partition(dict[str, np.ndarray]):
@@ -64,21 +72,31 @@ class Partition(dict[str, np.ndarray]):
         names: client id -> display name. Default: ``None``, meaning ``"client_<id>"`` for
             every client; ids missing from a given mapping also get ``"client_<id>"``.
 
+        rest: what becomes of rows no client holds: ``None`` (dropped, as
+            :func:`label_skew` with ``allow_unassigned``) or ``"global_test"`` (the engine
+            adds them to the held-out global test set, as :func:`class_sample` asks).
+
     Attributes:
         names: client id -> display name (e.g. ``"EUROPE"`` for :func:`natural`,
             ``"client_0"`` for the other partitioners).
+        rest: as the argument.
     """
 
     names: dict[str, str]
+    rest: str | None
 
     def __init__(
         self,
         data: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]] = (),
         names: Mapping[str, str] | None = None,
+        rest: str | None = None,
     ) -> None:
         super().__init__(data)
         given = dict(names or {})
         self.names = {cid: str(given.get(cid, f"client_{cid}")) for cid in self}
+        if rest not in REST_ROLES:
+            raise PartitionError(f"Partition: rest must be one of {REST_ROLES}, got {rest!r}")
+        self.rest = rest
 
     def sizes(self) -> dict[str, int]:
         """Number of rows held by each client, in client order."""
@@ -209,7 +227,7 @@ def check_partition(parts: Mapping[str, Any], num_rows: int | pd.DataFrame, *,
             f"{gap.size} row(s) assigned to no client, e.g. positions {gap[:5].tolist()}"
         )
     names = getattr(parts, "names", None)
-    return Partition(data, names=names)
+    return Partition(data, names=names, rest=getattr(parts, "rest", None))
 
 
 # --------------------------------------------------------------------------- partitioners
@@ -550,12 +568,194 @@ def natural(
 
 
 #: The built-in partitioners by name.
+
+
+def _pair(func: str, name: str, value: Any, low: int, high: int | None = None) -> tuple[int, int]:
+    """``[lo, hi]`` (or one integer for both) as two integers with ``low <= lo <= hi``."""
+    pair = [value, value] if _is_int(value) else value
+    ok = (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_is_int(v) for v in pair)
+          and low <= pair[0] <= pair[1] and (high is None or pair[1] <= high))
+    if not ok:
+        top = "" if high is None else f" and hi <= {high}"
+        raise _fail(func, f"{name} must be [lo, hi] integers with {low} <= lo <= hi{top} (or one integer), "
+                    f"got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _groups_of(func: str, table: pd.DataFrame, group_column: str | None) -> np.ndarray:
+    """Group index per row: rows sharing ``group_column`` (one patient or lesion) share one;
+    a blank cell, a missing default column or ``None`` makes each row its own group."""
+    n = len(table)
+    if group_column is None or (group_column == "subject_id" and group_column not in table.columns):
+        return np.arange(n)
+    if group_column not in table.columns:
+        raise _fail(func, f"group_column {group_column!r} is not a column of the table; it has "
+                    f"{list(map(str, table.columns))} (use null: every row its own group)")
+    keys = table[group_column].astype(str).to_numpy()
+    blank = pd.isna(table[group_column]).to_numpy() | (keys == "")
+    keys = np.where(blank, np.char.add("\0row:", np.arange(n).astype(str)), keys)
+    return np.unique(keys, return_inverse=True)[1].astype(np.int64)
+
+
+def _group_labels(labels: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Each group's label: its most frequent one (ties: the largest, as
+    :func:`grouped_stratified_split`)."""
+    out = np.empty(int(groups.max()) + 1 if len(groups) else 0, dtype=labels.dtype)
+    for g in range(len(out)):
+        vals, counts = np.unique(labels[groups == g], return_counts=True)
+        out[g] = vals[counts == counts.max()].max()
+    return out
+
+
+def class_sample(
+    table: pd.DataFrame,
+    num_clients: int,
+    seed: int,
+    classes: int | list[int] = (5, 6),
+    per_class: int | list[int] = (20, 60),
+    group_column: str | None = "subject_id",
+    rest: str | None = "global_test",
+    max_retries: int = 100,
+) -> Partition:
+    """Few classes, few samples each; the rest is test: the NIID-2 split of FedSDC (after
+    FedDisco, Ye et al. 2023).
+
+    Each client in turn draws how many classes it holds, uniformly in ``classes`` (FedSDC:
+    5 to 6), picks that many distinct classes at random among those that still have at
+    least ``per_class[0]`` unassigned rows, and for each draws a sample size uniformly in
+    ``per_class`` (FedSDC: 20 to 60) and takes that many of the class's unassigned rows at
+    random (all of them when fewer remain). Rows are taken in whole groups (``group_column``,
+    one lesion's or patient's images), so a size is rounded up to the group that crosses it
+    and no group is split between a client and the test set. Rows no client takes are, with
+    ``rest="global_test"``, the held-out global test set (the engine appends them to it;
+    FedSDC: "the remaining samples are used for testing"), or dropped with ``rest=None``.
+    A whole draw is repeated (up to ``max_retries``) when some client finds too few classes
+    left.
+
+    Args:
+        table: manifest with an integer ``label`` column.
+        num_clients: number of clients.
+        seed: seed for :func:`numpy.random.default_rng`.
+        classes: ``[lo, hi]`` classes per client (or one number), ``1 <= lo <= hi <= K``.
+        per_class: ``[lo, hi]`` rows per class and client (or one number), ``lo >= 1``.
+        group_column: rows sharing this column's value move together (``None``: every row
+            on its own; the default ``subject_id`` may be absent).
+        rest: ``"global_test"`` (default) or ``None`` (drop the rows no client takes).
+        max_retries: maximum number of whole draws (>= 1).
+
+    Returns:
+        The :class:`Partition`, clients named ``"client_<i>"``, with :attr:`Partition.rest`.
+
+    Raises:
+        PartitionError: on bad parameters, or when no draw within ``max_retries`` finds every
+            client enough classes with ``per_class[0]`` rows left (the message says how many
+            rows the request needs at least and how many the classes hold).
+    """
+    func = "class_sample"
+    _check_table(func, table)
+    n = len(table)
+    num_clients = _check_clients(func, num_clients, n)
+    labels = _labels(func, table)
+    values = np.unique(labels)
+    c_lo, c_hi = _pair(func, "classes", classes, 1, len(values))
+    s_lo, s_hi = _pair(func, "per_class", per_class, 1)
+    max_retries = _check_int(func, "max_retries", max_retries, 1)
+    if rest not in REST_ROLES:
+        raise _fail(func, f"rest must be 'global_test' or null (drop the rows no client takes), got {rest!r}")
+    groups = _groups_of(func, table, group_column)
+    glabel = _group_labels(labels, groups)
+    gsize = np.bincount(groups, minlength=len(glabel))
+    rng = _rng(func, seed)
+    for _ in range(max_retries):
+        pools = {c: list(rng.permutation(np.flatnonzero(glabel == c))) for c in values}
+        left = {c: int(gsize[pools[c]].sum()) for c in values}
+        taken: list[list[int]] = []
+        for _client in range(num_clients):
+            k = int(rng.integers(c_lo, c_hi + 1))
+            eligible = [c for c in values if left[c] >= s_lo]
+            if len(eligible) < k:
+                break
+            mine: list[int] = []
+            for c in rng.choice(np.asarray(eligible), size=k, replace=False):
+                want, got = int(rng.integers(s_lo, s_hi + 1)), 0
+                while pools[c] and got < want:
+                    g = pools[c].pop()
+                    mine.append(g)
+                    got += int(gsize[g])
+                left[c] -= got
+            taken.append(mine)
+        else:
+            member = np.full(len(glabel), -1)
+            for i, mine in enumerate(taken):
+                member[mine] = i
+            owner = member[groups]
+            return Partition({str(i): np.flatnonzero(owner == i).astype(np.int64) for i in range(num_clients)},
+                             rest=rest)
+    counts = {values[j].item(): int((labels == values[j]).sum()) for j in range(len(values))}
+    raise _fail(func, f"impossible: {num_clients} clients of {c_lo}-{c_hi} classes with at least {s_lo} rows "
+                f"each need at least {num_clients * c_lo * s_lo} rows spread over enough classes; the "
+                f"classes hold {counts} (no draw worked in max_retries={max_retries}); use fewer clients, "
+                "fewer classes per client or a smaller per_class")
+
+
+def per_class_holdout(labels: np.ndarray, groups: np.ndarray | None, per_class: int, seed: int) -> np.ndarray:
+    """Row positions of a test set of ``per_class`` rows of every class (NIID-1 of FedSDC,
+    after FedDisco: "30 samples per class are reserved for testing").
+
+    Whole groups (one patient's or lesion's rows) are taken, each counted for its most
+    frequent label, in a seeded random order: first every group that still fits within
+    ``per_class``, then, when the class is still short, the smallest remaining groups until
+    it has ``per_class`` rows (so a class may get a few more than ``per_class``, never fewer).
+
+    Args:
+        labels: 1-D class labels, one per row.
+        groups: 1-D group keys, one per row, or ``None`` (every row its own group).
+        per_class: rows to hold out per class (>= 1).
+        seed: seed for :func:`numpy.random.default_rng`.
+
+    Returns:
+        Sorted ``int64`` row positions.
+
+    Raises:
+        PartitionError: ``per_class`` is not a positive integer, or a class has no more than
+            ``per_class`` rows (nothing would be left to train on; the message lists them).
+    """
+    func = "per_class_holdout"
+    labels = np.asarray(labels)
+    per_class = _check_int(func, "per_class", per_class, 1)
+    keys = np.arange(len(labels)) if groups is None else np.unique(np.asarray(groups).astype(str),
+                                                                   return_inverse=True)[1]
+    glabel = _group_labels(labels, keys)
+    gsize = np.bincount(keys, minlength=len(glabel))
+    values, counts = np.unique(labels, return_counts=True)
+    short = {v.item(): int(c) for v, c in zip(values, counts) if c <= per_class}
+    if short:
+        raise _fail(func, f"per_class={per_class} test rows per class leave no training rows for class(es) "
+                    f"{short} (rows per class); expected every class to hold more than {per_class}")
+    rng = _rng(func, seed)
+    chosen = np.zeros(len(glabel), dtype=bool)
+    for c in values:
+        order = rng.permutation(np.flatnonzero(glabel == c))
+        got = 0
+        for g in order:
+            if got + gsize[g] <= per_class:
+                chosen[g] = True
+                got += int(gsize[g])
+        for g in sorted((g for g in order if not chosen[g]), key=lambda g: (gsize[g], g)):
+            if got >= per_class:
+                break
+            chosen[g] = True
+            got += int(gsize[g])
+    return np.flatnonzero(chosen[keys]).astype(np.int64)
+
+
 PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "dirichlet": dirichlet,
     "label_skew": label_skew,
     "quantity_skew": quantity_skew,
     "iid": iid,
     "natural": natural,
+    "class_sample": class_sample,
 }
 
 

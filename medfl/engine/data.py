@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 from torch.utils.data import Dataset
 
-from medfl.data.partition import grouped_stratified_split
+from medfl.data.partition import PartitionError, grouped_stratified_split, per_class_holdout
 from medfl.data.source import DataError, FederatedSource
 from medfl.method import derive_seed
 from medfl.plugins import lookup
@@ -172,7 +172,11 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     """Assign ``source``'s rows to clients as ``cfg`` says, or reload a saved assignment.
 
     The rows with ``split == "test"`` (when the table has an official split and
-    ``use_official_split`` is true) form the global test set; otherwise a stratified ``global_test_fraction`` is held out. Rows
+    ``use_official_split`` is true) form the global test set; otherwise ``global_test_per_class``
+    rows of every class (:func:`~medfl.data.partition.per_class_holdout`) or else a stratified
+    ``global_test_fraction`` is held out. A partitioner whose result has ``rest ==
+    "global_test"`` (:func:`~medfl.data.partition.class_sample`) adds the rows no client took
+    to the global test set. Rows
     sharing a ``group_column`` value (default ``subject_id``: one patient's images) stay in
     one part of the global hold-out and of each client's local split. The rest
     is partitioned across ``num_clients`` clients by the configured partitioner, and each
@@ -206,10 +210,22 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
         raise DataError(f"group_column {gcol!r} is not a column of the dataset; columns: {', '.join(table.columns)}")
     else:
         groups = np.arange(len(table)).astype(str)
-    if cfg.get("use_official_split", True) and "split" in table.columns and (table["split"] == "test").any():
+    per_class = cfg.get("global_test_per_class")
+    official = cfg.get("use_official_split", True) and "split" in table.columns and (table["split"] == "test").any()
+    if official and per_class:
+        raise DataError(f"global_test_per_class = {per_class} asks for a drawn global test set, but the dataset "
+                        "has an official split (a 'split' column with test rows); set use_official_split "
+                        "false to draw one, or global_test_per_class null to use the official test rows")
+    if official:
         is_test = (table["split"] == "test").to_numpy()
         pool_pos = np.flatnonzero(~is_test)
         test_pos = np.flatnonzero(is_test)
+    elif per_class:
+        try:
+            test_pos = per_class_holdout(labels, groups, int(per_class), derive_seed(seed, "global"))
+        except PartitionError as exc:
+            raise DataError(f"global_test_per_class: {exc}") from exc
+        pool_pos = np.setdiff1d(np.arange(len(table)), test_pos)
     else:
         f = float(cfg["global_test_fraction"])
         if f > 0:
@@ -222,6 +238,9 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     partitioner = lookup("partitioner", spec.pop("name"))
     parts = partitioner(pool, int(cfg["num_clients"]), derive_seed(seed, "partition"), **spec)
     names = getattr(parts, "names", {})
+    if getattr(parts, "rest", None) == "global_test":  # e.g. class_sample: the rows no client took
+        taken = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts.values()] or [np.zeros(0, np.int64)])
+        test_pos = np.sort(np.concatenate([test_pos, np.setdiff1d(pool_pos, pool_pos[taken])]))
     cv = dict(cfg.get("cv") or {})
     folds = int(cv.get("folds") or 0)
     if fold is not None and not 0 <= fold < max(folds, 0):

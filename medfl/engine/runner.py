@@ -843,6 +843,36 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
     return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
 
 
+def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
+                      run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every seed of ``cfg["seeds"]`` as its own experiment in ``exp_dir/seed_<s>`` (the seed
+    draws the split, the models' initialisation and the training order alike), then the
+    report of mean ± std over seeds (:func:`medfl.report.write_seeds_report`).
+
+    Returns ``{"dir", "summaries": {"seed_<s>": {label: summary}}, "seeds": the report
+    (``None`` while a seed is unfinished), "seed_list"}``."""
+    from medfl.report import write_seeds_report
+
+    seeds = [int(s) for s in cfg["seeds"]]
+    source = None
+    out: dict[str, Any] = {}
+    for s in seeds:
+        seed_dir = exp_dir / f"seed_{s}"
+        seed_cfg = {**cfg, "seed": s, "seeds": None}
+        data = None
+        if not resume_runs or not (seed_dir / "partition.csv").is_file():
+            source = source or build_source(cfg["dataset"])
+            data = split_data(source, seed_cfg)
+            seed_dir.mkdir(parents=True, exist_ok=True)
+            data.save(seed_dir / "partition.csv")
+            _write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
+        out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
+    report = None
+    if all(block and all(block.values()) for block in out.values()):
+        report = write_seeds_report(exp_dir, {s: out[f"seed_{s}"] for s in seeds})
+    return {"dir": str(exp_dir), "summaries": out, "seeds": report, "seed_list": seeds}
+
+
 def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every method of a resolved config on one data split; return their summaries.
@@ -857,6 +887,12 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
     (:func:`medfl.report.write_cv_report`); the result's ``summaries`` are then keyed by
     fold (``fold_<k>``) and it also holds ``cv`` (the CV summary) and ``folds``.
 
+    With ``seeds`` (a list) the whole experiment runs once per seed in ``seed_<s>/`` and
+    the experiment directory gets ``seeds_results.csv``, ``seeds_summary.json``,
+    ``seeds_table.csv``, ``seeds_table.md`` and ``seeds_metrics.png`` (mean ± std over
+    seeds; :func:`medfl.report.write_seeds_report`); ``summaries`` are keyed by seed
+    (``seed_<s>``) and the result also holds ``seeds`` (that summary) and ``seed_list``.
+
     Args:
         cfg: the resolved ``fl`` config.
         run_factory: builds each method's run (default :class:`Run`, in process); another
@@ -869,6 +905,8 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
     _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
     if int((cfg.get("cv") or {}).get("folds") or 0) > 1:
         return _cv_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
+    if cfg.get("seeds"):
+        return _seeds_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
     data = split_data(build_source(cfg["dataset"]), cfg)
     data.save(exp_dir / "partition.csv")
     return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False,
@@ -896,6 +934,9 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
         if "fold" not in saved and int((cfg.get("cv") or {}).get("folds") or 0) > 1:
             return _cv_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
                                   meta={k: v for k, v in saved.items() if k != "fl"})
+        if cfg.get("seeds"):
+            return _seeds_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
+                                     meta={k: v for k, v in saved.items() if k != "fl"})
         return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds,
                                                             run_factory=run_factory)}
     cfg = saved["fl"]
