@@ -964,7 +964,9 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
         output: the CSV to write (default ``run_dir/predictions.csv``).
         clients: client ids whose models predict (default: every client of the run).
         split: keep only rows whose ``split`` column equals this (e.g. ``test``); ``None``,
-            ``""`` or ``"all"``: every row.
+            ``""`` or ``"all"``: every row; ``"global_test"``: the run's held-out global test
+            samples as ``partition.csv`` lists them (by ``sample_id`` in another dataset
+            spec; e.g. HAM10000, which has no official split).
 
     Returns:
         The CSV path: one row per (client, sample) with ``sample_id``, ``label``,
@@ -989,6 +991,16 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     target = run.data.source if dataset is None else build_source(dataset)
     if split in (None, "", "all"):
         rows = target.table
+    elif split == "global_test":
+        a = run.data.assignments
+        held = a[a["role"] == "global_test"]
+        if dataset is None:
+            rows = target.table.iloc[np.sort(held["row"].to_numpy())]
+        elif "sample_id" in target.table.columns and "sample_id" in held.columns:
+            rows = target.table[target.table["sample_id"].astype(str).isin(set(held["sample_id"].astype(str)))]
+        else:
+            raise RunError("split 'global_test' means the run's held-out samples, found by sample_id; this dataset "
+                           "has no sample_id column (use 'all' or a value of its 'split' column)")
     elif "split" not in target.table.columns:
         raise RunError(f"split {split!r} asked for, but the dataset has no 'split' column; use 'all'")
     else:

@@ -39,6 +39,13 @@ def test_predict_matches_the_last_evaluation(tiny_fl, resolve, tmp_path):
     mine = pred[(pred["client_id"] == "0") & pred["sample_id"].isin(test_ids)]
     assert len(mine) == len(test_ids)
     assert (mine["prediction"] == mine["label"]).mean() == pytest.approx(float(last["accuracy"].iloc[0]))
+    # split "global_test": exactly the run's held-out samples, from its own data or a dataset spec
+    held = pd.read_csv(infer(run_dir, output=tmp_path / "held.csv", clients=["0"], split="global_test"),
+                       dtype={"sample_id": str})
+    assert set(held["sample_id"]) == test_ids and len(held) == len(test_ids)
+    spec = dict(tiny_fl["dataset"])
+    again = pd.read_csv(predict(run_dir, spec, tmp_path / "again.csv", ["0"], "global_test"), dtype={"sample_id": str})
+    pd.testing.assert_frame_equal(held, again)
 
 
 def test_predict_errors_name_the_problem(tiny_fl, resolve, tmp_path):
