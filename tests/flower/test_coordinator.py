@@ -177,6 +177,20 @@ def test_every_other_registered_method_runs_unchanged_over_the_grid(tmp_path: Pa
     _no_state_at_coordinator(flower)
 
 
+def test_fedsdc_plus_ranks_heads_through_the_sites_as_in_process(tmp_path: Path) -> None:
+    """FedSDC+: every head goes to every site in the validation exchange, only micro-F1 scalars
+    come back, and the coordinator keeps the same top-gamma heads as in process."""
+    job = {**FEDAVG, "rounds": 2, "eval_every": 0, "client_split": {"train": 0.6, "val": 0.2, "test": 0.2},
+           "methods": [{"name": "fedsdc", "gamma": 0.3}]}
+    flower, local, grid = _run_both(tmp_path, "fedsdc", job)
+    for f in ("metrics.csv", "train_metrics.csv", "validation_metrics.csv"):
+        numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f"fedsdc+: {f}", atol=0.0)
+    reports = [json.loads((d / "summary.json").read_text())["method_report"] for d in (flower, local)]
+    assert reports[0] == reports[1] and len(reports[0]["ensemble_heads"]) == 1
+    assert [k for _, k, _ in grid.sent].count(P.VALIDATE) == 6  # 3 sites x 2 rounds
+    _no_state_at_coordinator(flower)
+
+
 class _Replica(Run):
     """In process, with the participation a Flower run had: ``absent`` (round, client) pairs do not train."""
 
