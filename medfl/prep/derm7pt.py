@@ -474,19 +474,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _remove_stale(out: Path, keep: set[str], report: PrepReport) -> None:
+def _remove_stale(out: Path, keep: set[str], report: PrepReport,
+                  subfolders: Sequence[str] = ("derm", "clinic")) -> None:
     """After ``--overwrite``: delete arrays an earlier run wrote that the new manifest does
-    not name (only ``.npy`` files under ``out/arrays/{derm,clinic}``)."""
+    not name (only ``.npy`` files under ``out/arrays/<subfolder>``; ``""`` is ``arrays/``
+    itself). An emptied subfolder is removed."""
     stale = 0
-    for sub in ("derm", "clinic"):
-        folder = out / "arrays" / sub
+    for sub in subfolders:
+        folder = out / "arrays" / sub if sub else out / "arrays"
         if not folder.is_dir():
             continue
+        prefix = f"arrays/{sub}/" if sub else "arrays/"
         for f in folder.glob("*.npy"):
-            if f"arrays/{sub}/{f.name}" not in keep:
+            if prefix + f.name not in keep:
                 f.unlink()
                 stale += 1
-        if not any(folder.iterdir()):
+        if sub and not any(folder.iterdir()):
             shutil.rmtree(folder)
     if stale:
         report.note(f"--overwrite: removed {stale} array(s) of an earlier run not in this manifest")

@@ -1,0 +1,274 @@
+"""HAM10000: the fixture generator in every layout the download comes in, data_prep/ham10000.py,
+and one clear error for each kind of bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from medfl.fixtures import generate
+from medfl.prep.common import PrepError
+from medfl.prep.ham10000 import CLASS_NAMES, build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+CASES = 60
+SIZE = 16
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEDFL_NO_PROGRESS", "1")
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``root``."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def prep(raw: Path, out: Path, *extra: str) -> int:
+    return main(["--raw", str(raw), "--out", str(out), "--size", str(SIZE), *extra])
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Dataverse-layout fixture (shared, never modified: tests copy it)."""
+    root = tmp_path_factory.mktemp("ham") / "raw"
+    generate("ham10000", root, cases=CASES, seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def prepared(raw: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("ham_out") / "data"
+    assert prep(raw, out) == 0
+    return {"out": out, "manifest": pd.read_csv(out / "manifest.csv", keep_default_na=False)}
+
+
+def meta_of(raw: Path) -> pd.DataFrame:
+    return pd.read_csv(raw / "HAM10000_metadata.csv", dtype=str, keep_default_na=False)
+
+
+def test_fixture_layout_lesions_and_classes(raw: Path):
+    meta = meta_of(raw)
+    assert list(meta.columns) == ["lesion_id", "image_id", "dx", "dx_type", "age", "sex", "localization", "dataset"]
+    assert set(meta["dx"]) == set(CLASS_NAMES) and meta["image_id"].is_unique
+    assert meta.groupby("lesion_id").size().max() >= 2  # lesions with several images
+    assert (meta.groupby("lesion_id")["dx"].nunique() == 1).all()
+    numbers = meta["image_id"].str[5:].astype(int)
+    for _, rec in meta.iterrows():
+        part = 1 if int(rec["image_id"][5:]) < 29306 else 2
+        assert (raw / f"HAM10000_images_part_{part}" / f"{rec['image_id']}.jpg").is_file()
+    assert numbers.min() >= 24306 and numbers.max() <= 34320
+    counts = generate("ham10000", raw.parent / "big", cases=700, seed=1)["classes"]
+    assert min(counts.values()) >= 50 and max(counts, key=counts.get) == "nv"
+
+
+def test_fixture_is_deterministic(tmp_path: Path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    generate("ham10000", a, cases=12, seed=3)
+    generate("ham10000", b, cases=12, seed=3)
+    assert tree_hash(a) == tree_hash(b)
+
+
+def test_manifest_rows_match_the_metadata(raw: Path, prepared: dict):
+    m, meta = prepared["manifest"], meta_of(raw)
+    assert len(m) == CASES and list(m["image_id"]) == list(meta["image_id"])
+    assert list(m["class_name"]) == list(meta["dx"])
+    assert (m["label"] == [CLASS_NAMES.index(d) for d in meta["dx"]]).all()
+    assert (m["subject_id"] == meta["lesion_id"]).all() and (m["site"] == meta["dataset"]).all()
+    assert set(m["sex"]) <= {"F", "M", ""} and (m["sex"] == meta["sex"].map({"male": "M", "female": "F",
+                                                                            "unknown": ""})).all()
+    assert (m["split"] == "").all()  # no official split: the run draws the global test set
+    arr = np.load(prepared["out"] / m["path"].iloc[0])
+    assert arr.shape == (3, SIZE, SIZE) and arr.dtype == np.float32 and 0 <= arr.min() and arr.max() <= 1
+    report = json.loads((prepared["out"] / "report.json").read_text())
+    assert report["counts"]["written"] == CASES and report["counts"]["max_images_per_lesion"] >= 2
+
+
+def test_fixture_class_signal_is_learnable(prepared: dict):
+    """Mean lesion colour alone separates the seven classes well above chance."""
+    m = prepared["manifest"]
+    feats = np.stack([np.load(prepared["out"] / p)[:, 5:11, 5:11].mean(axis=(1, 2)) for p in m["path"]])
+    labels = m["label"].to_numpy()
+    centroids = np.stack([feats[labels == c].mean(0) for c in range(7)])
+    pred = np.argmin(((feats[:, None] - centroids[None]) ** 2).sum(-1), axis=1)
+    assert (pred == labels).mean() >= 0.6
+
+
+@pytest.mark.parametrize("layout, extra", [("kaggle", ()), ("tab", ()), ("single", ("--images", "images"))])
+def test_every_download_layout_gives_the_same_manifest(layout: str, extra: tuple[str, ...], prepared: dict,
+                                                       tmp_path: Path):
+    raw = tmp_path / layout
+    info = generate("ham10000", raw, cases=CASES, seed=0, layout=layout)
+    assert info["rows_from"] == "synthetic"
+    assert prep(raw, tmp_path / "out", *extra) == 0
+    m = pd.read_csv(tmp_path / "out" / "manifest.csv", keep_default_na=False)
+    ref = prepared["manifest"]
+    for col in ("sample_id", "label", "subject_id", "site", "sex", "age", "dx_type"):
+        assert list(m[col].astype(str)) == list(ref[col].astype(str)), col
+    first = m["path"].iloc[0]
+    assert np.array_equal(np.load(tmp_path / "out" / first), np.load(prepared["out"] / first))
+
+
+def test_overwrite_is_refused_then_removes_stale_arrays(raw: Path, tmp_path: Path):
+    out = tmp_path / "o"
+    assert prep(raw, out, "--limit", "10") == 0
+    with pytest.raises(PrepError, match="manifest"):
+        prep(raw, out)
+    stale = out / "arrays" / "ham10000_ISIC_9999999.npy"
+    np.save(stale, np.zeros(1, np.float32))
+    assert prep(raw, out, "--overwrite", "--limit", "5") == 0
+    assert not stale.exists() and len(list((out / "arrays").glob("*.npy"))) == 5
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _edit(raw: Path, line: int, column: str, value: str) -> None:
+    meta = meta_of(raw)
+    meta.loc[line - 2, column] = value
+    meta.to_csv(raw / "HAM10000_metadata.csv", index=False)
+
+
+def _image_of(raw: Path, line: int) -> Path:
+    image = meta_of(raw)["image_id"].iloc[line - 2]
+    return next(raw.glob(f"HAM10000_images_part_*/{image}.jpg"))
+
+
+def unknown_dx(raw: Path) -> str:
+    _edit(raw, 5, "dx", "melanoma")
+    return r"HAM10000_metadata.csv line 5 \(ISIC_\d+\), column 'dx': 'melanoma'; expected one of akiec, bcc"
+
+
+def unknown_dx_type(raw: Path) -> str:
+    _edit(raw, 6, "dx_type", "biopsy")
+    return r"line 6 \(ISIC_\d+\), column 'dx_type': 'biopsy'; expected one of histo, follow_up"
+
+
+def bad_age(raw: Path) -> str:
+    _edit(raw, 7, "age", "eighty")
+    return r"line 7 \(ISIC_\d+\), column 'age': 'eighty'; expected years"
+
+
+def bad_sex(raw: Path) -> str:
+    _edit(raw, 8, "sex", "x")
+    return r"line 8 \(ISIC_\d+\), column 'sex': 'x'; expected male, female, unknown or empty"
+
+
+def missing_image(raw: Path) -> str:
+    path = _image_of(raw, 9)
+    path.unlink()
+    return rf"line 9 \({path.stem}\): image {path.stem}.jpg not found in .*HAM10000_images_part_1"
+
+
+def truncated_jpeg(raw: Path) -> str:
+    path = _image_of(raw, 10)
+    path.write_bytes(path.read_bytes()[:300])
+    return rf"{path.name}: corrupt or truncated image"
+
+
+def differing_copies(raw: Path) -> str:
+    path = _image_of(raw, 11)
+    copy = raw / "ham10000_images_part_1" / path.name
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(_image_of(raw, 12).read_bytes())  # another image under this name
+    return rf"{path.name} and .*ham10000_images_part_1/{path.name}: two different files for image"
+
+
+def duplicate_image_id(raw: Path) -> str:
+    meta = meta_of(raw)
+    meta.loc[3, "image_id"] = meta.loc[2, "image_id"]
+    meta.to_csv(raw / "HAM10000_metadata.csv", index=False)
+    return r"lines 4 and 5, column 'image_id': ISIC_\d+ appears twice"
+
+
+def lesion_with_two_dx(raw: Path) -> str:
+    meta = meta_of(raw)
+    multi = meta.groupby("lesion_id").filter(lambda g: len(g) > 1)
+    lesion = multi["lesion_id"].iloc[0]
+    rows = meta.index[meta["lesion_id"] == lesion]
+    meta.loc[rows[1], "dx"] = "vasc" if meta.loc[rows[0], "dx"] != "vasc" else "nv"
+    meta.to_csv(raw / "HAM10000_metadata.csv", index=False)
+    return rf"lines {rows[0] + 2} and {rows[1] + 2}: lesion {lesion} has dx"
+
+
+def bad_image_id(raw: Path) -> str:
+    _edit(raw, 3, "image_id", "IMG_1")
+    return r"line 3, column 'image_id': 'IMG_1'; expected ISIC_<digits>"
+
+
+def missing_column(raw: Path) -> str:
+    meta_of(raw).drop(columns="dx_type").to_csv(raw / "HAM10000_metadata.csv", index=False)
+    return r"HAM10000_metadata.csv.*dx_type"
+
+
+def missing_metadata(raw: Path) -> str:
+    (raw / "HAM10000_metadata.csv").unlink()
+    return r"no HAM10000_metadata.csv, HAM10000_metadata.tab, HAM10000_metadata; expected the HAM10000 download"
+
+
+def no_image_folders(raw: Path) -> str:
+    for d in raw.glob("HAM10000_images_part_*"):
+        shutil.rmtree(d)
+    return r"none of HAM10000_images_part_1, HAM10000_images_part_2 exists"
+
+
+def empty_metadata(raw: Path) -> str:
+    (raw / "HAM10000_metadata.csv").write_text("")
+    return r"HAM10000_metadata.csv: empty file; expected a header lesion_id,image_id,dx"
+
+
+BAD_INPUTS: list[tuple[Callable[[Path], str], bool]] = [
+    (unknown_dx, True), (unknown_dx_type, True), (bad_age, True), (bad_sex, True), (missing_image, True),
+    (truncated_jpeg, True), (differing_copies, True), (duplicate_image_id, False), (lesion_with_two_dx, False),
+    (bad_image_id, False), (missing_column, False), (missing_metadata, False), (no_image_folders, False),
+    (empty_metadata, False),
+]
+
+
+@pytest.mark.parametrize("mutate,per_file", BAD_INPUTS, ids=[b[0].__name__ for b in BAD_INPUTS])
+def test_bad_input(raw: Path, tmp_path: Path, mutate, per_file: bool):
+    work = tmp_path / "raw"
+    shutil.copytree(raw, work)
+    expected = mutate(work)
+    before = tree_hash(work)
+    with pytest.raises(PrepError) as err:
+        prep(work, tmp_path / "stop")
+    assert len(str(err.value).splitlines()) == 1
+    assert re.search(expected, str(err.value)), str(err.value)
+    assert not (tmp_path / "stop" / "manifest.csv").exists()
+    if per_file:
+        assert prep(work, tmp_path / "skip", "--skip-bad") == 0
+        skipped = pd.read_csv(tmp_path / "skip" / "skipped.csv")
+        assert len(skipped) == 1 and skipped["reason"].iloc[0] == str(err.value)
+        assert len(pd.read_csv(tmp_path / "skip" / "manifest.csv")) == CASES - 1
+    else:
+        with pytest.raises(PrepError):
+            prep(work, tmp_path / "skip", "--skip-bad")
+    assert tree_hash(work) == before  # the download is never modified
+
+
+def test_script_reports_errors_and_help(raw: Path, tmp_path: Path):
+    script = str(REPO / "data_prep" / "ham10000.py")
+    proc = subprocess.run([sys.executable, script, "--raw", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --raw ") and "Traceback" not in proc.stderr
+    ok = subprocess.run([sys.executable, script, "--raw", str(raw), "--out", str(tmp_path / "ok"), "--size", "8",
+                         "--limit", "5"], capture_output=True, text=True, timeout=120,
+                        env={"MEDFL_NO_PROGRESS": "1", "PATH": "/usr/bin:/bin"})
+    assert ok.returncode == 0, ok.stderr
+    text = build_parser().format_help()
+    for opt in ("--raw", "--out", "--skip-bad", "--overwrite", "--limit", "--size", "--aspect", "--metadata",
+                "--images", "HAM10000_images_part_1"):
+        assert opt in text
