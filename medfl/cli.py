@@ -101,10 +101,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     path = Path(args.run_dir)
     run_dirs = [path] if (path / "metrics.csv").is_file() else sorted(
-        p.parent for p in path.glob("*/metrics.csv"))
+        p.parent for p in path.rglob("metrics.csv"))  # experiments, and their seed_<s>/ or fold_<k>/
     if not run_dirs:
         print(f"medfl: {path}: no metrics.csv here or in its subdirectories", file=sys.stderr)
         return 2
+    for table in ("seeds_table.md", "cv_table.md"):
+        if (path / table).is_file():
+            print(f"\n== {path / table}")
+            print((path / table).read_text())
     for run_dir in run_dirs:
         print(f"\n== {run_dir}")
         print(format_table(summary_table(run_dir)))

@@ -39,6 +39,11 @@ def test_seeds_repeat_the_experiment_and_report_mean_and_std(tiny_fl, resolve, c
     assert open(f"{exp}/seeds_metrics.png", "rb").read(4) == b"\x89PNG"
     print_result(result)
     assert "2 seed(s) [3, 5]" in capsys.readouterr().out
+    from medfl.cli import main as cli
+
+    assert cli(["report", exp]) == 0  # the table over seeds, then every seed's runs
+    out = capsys.readouterr().out
+    assert "seeds_table.md" in out and out.count("== ") == 1 + 4
 
 
 def test_a_stopped_seeds_experiment_resumes_to_the_same_numbers(tiny_fl, resolve, tmp_path) -> None:
