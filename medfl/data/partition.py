@@ -50,6 +50,7 @@ __all__ = [
     "per_class_holdout",
     "quantity_skew",
     "stratified_split",
+    "subset",
 ]
 
 
@@ -570,6 +571,98 @@ def natural(
 #: The built-in partitioners by name.
 
 
+
+def subset(
+    table: pd.DataFrame,
+    num_clients: int,
+    seed: int,
+    share: float = 0.9,
+    minor_fraction: float | None = None,
+) -> Partition:
+    """Extreme quantity skew, "Subset" (FedTPF, after FedFed): one class makes up at least
+    ``share`` of each client's data.
+
+    Each client gets a dominant class: the classes in a seeded order, dealt round-robin over
+    the clients (so with ``num_clients >= K`` every class dominates some client). Of each
+    dominated class, ``minor_fraction`` of its rows (default ``0.9 * (1 - share)``) go to a
+    common minor pool and the rest is split evenly among the clients it dominates; a class
+    that dominates no client goes to the pool whole. The pool's rows are then dealt, in a
+    seeded order, to clients of another dominant class, each time to the client with the
+    most room left, a client's room being ``floor(dominant rows * (1 - share) / share)`` so its
+    dominant class keeps at least ``share`` of its rows. Every row is assigned.
+
+    Args:
+        table: manifest with an integer ``label`` column.
+        num_clients: number of clients.
+        seed: seed for :func:`numpy.random.default_rng`.
+        share: the dominant class's least share of each client, in (0, 1) (paper: "over 90%").
+        minor_fraction: share of each dominated class given to other clients, in [0, 1 - share];
+            default ``0.9 * (1 - share)``.
+
+    Returns:
+        The :class:`Partition`, clients named ``"client_<i>"``.
+
+    Raises:
+        PartitionError: on bad parameters, a client without rows of its dominant class, or a
+            pool that does not fit in the clients' room (e.g. fewer clients than classes and a
+            large undominated class); the message gives the sizes.
+    """
+    func = "subset"
+    _check_table(func, table)
+    n = len(table)
+    num_clients = _check_clients(func, num_clients, n)
+    if not isinstance(share, Real) or isinstance(share, bool) or not 0 < share < 1:
+        raise _fail(func, f"share must be a number in (0, 1), got {share!r}")
+    share = float(share)
+    if minor_fraction is None:
+        minor_fraction = 0.9 * (1 - share)
+    if (not isinstance(minor_fraction, Real) or isinstance(minor_fraction, bool)
+            or not 0 <= minor_fraction <= 1 - share):
+        raise _fail(func, f"minor_fraction must be in [0, 1 - share = {1 - share:g}], got {minor_fraction!r}")
+    labels = _labels(func, table)
+    classes = np.unique(labels)
+    rng = _rng(func, seed)
+    order = classes[rng.permutation(len(classes))]
+    dominant = [order[i % len(order)] for i in range(num_clients)]
+    buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    pool: list[np.ndarray] = []
+    for c in classes:
+        rows = rng.permutation(np.flatnonzero(labels == c))
+        owners = [i for i in range(num_clients) if dominant[i] == c]
+        if not owners:
+            pool.append(rows)
+            continue
+        k = int(math.floor(minor_fraction * len(rows)))
+        pool.append(rows[:k])
+        for i, piece in zip(owners, np.array_split(rows[k:], len(owners))):
+            buckets[i].append(piece)
+    dom_rows = np.array([sum(len(p) for p in b) for b in buckets])
+    empty = [str(i) for i in range(num_clients) if dom_rows[i] == 0]
+    if empty:
+        raise _fail(func, f"clients {empty} get no rows of their dominant class (it has fewer rows than the "
+                    "clients it dominates); use fewer clients")
+    room = np.floor(dom_rows * (1 - share) / share).astype(np.int64)
+    total_room = int(room.sum())
+    left = [rows for rows in pool if len(rows)]
+    pooled = np.concatenate(left) if left else np.zeros(0, np.int64)
+    pooled = pooled[rng.permutation(len(pooled))]
+    extra: list[list[int]] = [[] for _ in range(num_clients)]
+    dom_arr = np.asarray(dominant)
+    for r in pooled:
+        free = np.where(dom_arr != labels[r], room, -1)
+        i = int(np.argmax(free))
+        if free[i] <= 0:
+            raise _fail(func, f"the {len(pooled)} rows for the minor classes do not fit: each client may hold "
+                        f"{(1 - share) / share:.3f} x its dominant rows of other classes (room {total_room} in "
+                        f"all); use more clients (every class then dominates one), a smaller share or a smaller "
+                        "minor_fraction")
+        extra[i].append(int(r))
+        room[i] -= 1
+    for i in range(num_clients):
+        buckets[i].append(np.asarray(extra[i], dtype=np.int64))
+    return _finish(buckets)
+
+
 def _pair(func: str, name: str, value: Any, low: int, high: int | None = None) -> tuple[int, int]:
     """``[lo, hi]`` (or one integer for both) as two integers with ``low <= lo <= hi``."""
     pair = [value, value] if _is_int(value) else value
@@ -756,6 +849,7 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "iid": iid,
     "natural": natural,
     "class_sample": class_sample,
+    "subset": subset,
 }
 
 

@@ -98,7 +98,8 @@ def _mean_label_entropy(table: pd.DataFrame, parts: Partition) -> float:
 
 
 def test_registry_keys() -> None:
-    assert set(PARTITIONERS) == {"dirichlet", "label_skew", "quantity_skew", "iid", "natural", "class_sample"}
+    assert set(PARTITIONERS) == {"dirichlet", "label_skew", "quantity_skew", "iid", "natural", "class_sample",
+                                 "subset"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
