@@ -93,6 +93,17 @@ def test_runs_and_the_evaluated_model_is_the_ensemble(tiny_fl):
     assert len(plus["method_report"]["ensemble_heads"]) == 1 and len(plus["method_report"]["validation_micro_f1"]) == 3
     for s in (plain, plus):   # micro-F1, the paper's primary metric, is in every summary
         assert 0 <= s["final"]["global_test"]["micro_f1"]["mean"] <= 1
+    # ... and it is the ensemble's: medfl predict rebuilds body + all three checkpointed heads,
+    # and the vote's accuracy (= micro-F1 for one label per image) on the held-out images
+    # matches the summary's micro-F1
+    from medfl.engine.runner import predict
+
+    run_dir = Path(out["dir"]) / "fedsdc"
+    pred = pd.read_csv(predict(run_dir, split="global_test"), dtype={"client_id": str})
+    state = torch.load(sorted((run_dir / "checkpoints").glob("*.pt"))[-1], weights_only=False)
+    assert len(state["method"]["heads"]) == 3
+    micro = pred.groupby("client_id").apply(lambda d: float((d["prediction"] == d["label"]).mean()))
+    assert micro.mean() == pytest.approx(plain["final"]["global_test"]["micro_f1"]["mean"])
 
 
 def test_a_stopped_run_resumes_to_the_uninterrupted_numbers(tiny_fl, tmp_path):
