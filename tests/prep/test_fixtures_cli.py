@@ -24,4 +24,4 @@ def test_cli_passes_options_and_rejects_unknown_ones(tmp_path):
     assert bad.returncode == 2 and "takes no option(s) layuot; valid:" in bad.stderr
     with pytest.raises(ValueError, match="unknown fixture dataset 'isic'"):
         generate("isic", tmp_path / "i")
-    assert sorted(GENERATORS) == ["abide", "cbis_ddsm", "derm7pt", "ham10000", "mias"]
+    assert sorted(GENERATORS) == ["abide", "cbis_ddsm", "derm7pt", "ham10000", "medmnist", "mias"]

@@ -1,0 +1,146 @@
+"""MedMNIST: the fixture writes the download's exact npz format; data_prep/medmnist.py keeps
+the official split, checks every key against the dataset's facts and refuses bad files with
+one clear message."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from medfl.fixtures import generate
+from medfl.prep.common import PrepError
+from medfl.prep.medmnist import DATASETS, build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEDFL_NO_PROGRESS", "1")
+
+
+def prep(raw: Path, out: Path, *extra: str) -> pd.DataFrame:
+    assert main(["--raw", str(raw), "--out", str(out), *extra]) == 0
+    return pd.read_csv(out / "manifest.csv", keep_default_na=False)
+
+
+@pytest.mark.parametrize("flag, size, shape", [("pathmnist", 28, (3, 28, 28)), ("breastmnist", 28, (1, 28, 28)),
+                                               ("organmnist3d", 28, (1, 28, 28, 28)), ("dermamnist", 64, (3, 64, 64))])
+def test_round_trip_keeps_the_official_split_and_labels(tmp_path: Path, flag: str, size: int, shape: tuple) -> None:
+    info = generate("medmnist", tmp_path / "raw", cases=40, seed=0, flag=flag, size=size)
+    m = prep(tmp_path / "raw", tmp_path / "out", "--flag", flag, "--size", str(size))
+    with np.load(info["path"]) as npz:
+        for split in ("train", "val", "test"):
+            rows = m[m["split"] == split].sort_values("index")
+            assert list(rows["label"]) == npz[f"{split}_labels"][:, 0].tolist()
+            first = np.load(tmp_path / "out" / rows["path"].iloc[0])
+            assert first.shape == shape and first.dtype == np.float32
+            stored = npz[f"{split}_images"][0].astype(np.float32) / 255
+            assert np.allclose(first, np.moveaxis(stored, -1, 0) if shape[0] == 3 else stored[None])
+    assert list(m["class_name"]) == [DATASETS[flag].classes[y] for y in m["label"]]
+    assert (m["subject_id"] == m["sample_id"]).all()
+    # the file itself as --raw: flag and size come from its name
+    again = prep(Path(info["path"]), tmp_path / "again")
+    assert list(again["label"]) == list(m["label"])
+
+
+def test_chestmnist_is_refused_unless_reduced_to_one_label(tmp_path: Path) -> None:
+    info = generate("medmnist", tmp_path / "raw", cases=30, seed=1, flag="chestmnist")
+    with pytest.raises(PrepError, match="chestmnist is multi-label .* pass --chest-label any"):
+        main(["--raw", info["path"], "--out", str(tmp_path / "a")])
+    with np.load(info["path"]) as npz:
+        findings = np.concatenate([npz[f"{s}_labels"] for s in ("train", "val", "test")])
+    anyf = prep(Path(info["path"]), tmp_path / "any", "--chest-label", "any")
+    assert anyf.sort_values(["split", "index"]).shape[0] == len(findings)
+    order = pd.concat([anyf[anyf["split"] == s].sort_values("index") for s in ("train", "val", "test")])
+    assert list(order["label"]) == (findings.max(1) > 0).astype(int).tolist()
+    third = prep(Path(info["path"]), tmp_path / "three", "--chest-label", "effusion")
+    order = pd.concat([third[third["split"] == s].sort_values("index") for s in ("train", "val", "test")])
+    assert list(order["label"]) == findings[:, 2].tolist() and set(order["class_name"]) <= {"effusion", "no effusion"}
+    with pytest.raises(PrepError, match="--chest-label 'lungs': expected 'any', an index 0-13"):
+        main(["--raw", info["path"], "--out", str(tmp_path / "b"), "--chest-label", "lungs"])
+
+
+def test_retinamnist_grades_are_classes_with_a_note(tmp_path: Path) -> None:
+    info = generate("medmnist", tmp_path / "raw", cases=30, seed=0, flag="retinamnist")
+    prep(Path(info["path"]), tmp_path / "out")
+    assert "ordinal; medfl treats them as 5 classes" in (tmp_path / "out" / "report.json").read_text()
+
+
+def _rewrite(path: Path, **changes) -> None:
+    with np.load(path) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    for key, value in changes.items():
+        if value is None:
+            arrays.pop(key)
+        else:
+            arrays[key] = value
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: _rewrite(p, val_labels=None), r"no key 'val_labels'; a MedMNIST file holds"),
+    (lambda p: _rewrite(p, test_images=np.zeros((5, 28, 28), np.uint8)),
+     r"key 'test_images': uint8 array of shape \(5, 28, 28\); expected uint8 \(N, H, W, 3\)"),
+    (lambda p: _rewrite(p, train_images=np.zeros((42, 28, 28, 3), np.float32)),
+     r"key 'train_images': float32 array .* expected uint8"),
+    (lambda p: _rewrite(p, test_labels=np.zeros((3, 1), np.uint8)), r"12 test images but 3 labels"),
+    (lambda p: _rewrite(p, train_labels=np.full((42, 1), 9, np.uint8)),
+     r"key 'train_labels', row 0: \[9\]; expected values in 0\.\.8 \(9 classes\)"),
+    (lambda p: _rewrite(p, train_labels=np.zeros((42, 2), np.uint8)), r"key 'train_labels': shape \(42, 2\); expected \(N, 1\)"),
+    (lambda p: _rewrite(p, val_labels=np.full((6, 1), 0.5)), r"key 'val_labels': float64 values; expected integer"),
+    (lambda p: _rewrite(p, val_images=np.zeros((0, 28, 28, 3), np.uint8), val_labels=np.zeros((0, 1), np.uint8)),
+     r"key 'val_images': no images"),
+    (lambda p: p.write_bytes(p.read_bytes()[:200]), r"not a readable .npz file"),
+])
+def test_bad_files_stop_with_one_message(tmp_path: Path, change, message) -> None:
+    info = generate("medmnist", tmp_path / "raw", cases=60, seed=0, flag="pathmnist")
+    path = Path(info["path"])
+    change(path)
+    with pytest.raises(PrepError) as err:
+        main(["--raw", str(path), "--out", str(tmp_path / "out")])
+    assert len(str(err.value).splitlines()) == 1 and str(path) in str(err.value)
+    assert re.search(message, str(err.value)), str(err.value)
+    assert not (tmp_path / "out" / "manifest.csv").exists()
+
+
+def test_choosing_the_file_is_checked(tmp_path: Path) -> None:
+    generate("medmnist", tmp_path / "raw", cases=40, seed=0, flag="pathmnist")
+    with pytest.raises(PrepError, match="is a folder: pass --flag"):
+        main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "o")])
+    with pytest.raises(PrepError, match=r"pathmnist_128.npz: not found; the folder holds pathmnist.npz"):
+        main(["--raw", str(tmp_path / "raw"), "--flag", "pathmnist", "--size", "128", "--out", str(tmp_path / "o")])
+    with pytest.raises(PrepError, match="--size 224: organmnist3d comes in sizes 28, 64"):
+        main(["--raw", str(tmp_path / "raw"), "--flag", "organmnist3d", "--size", "224", "--out", str(tmp_path / "o")])
+    odd = tmp_path / "raw" / "mydata.npz"
+    odd.write_bytes((tmp_path / "raw" / "pathmnist.npz").read_bytes())
+    with pytest.raises(PrepError, match="not a MedMNIST file name"):
+        main(["--raw", str(odd), "--out", str(tmp_path / "o")])
+    assert len(prep(odd, tmp_path / "named", "--flag", "pathmnist")) == 40
+
+
+def test_overwrite_resize_and_the_script(tmp_path: Path) -> None:
+    info = generate("medmnist", tmp_path / "raw", cases=40, seed=0, flag="bloodmnist")
+    out = tmp_path / "out"
+    prep(Path(info["path"]), out, "--limit", "3")
+    with pytest.raises(PrepError, match="manifest"):
+        main(["--raw", info["path"], "--out", str(out)])
+    small = prep(Path(info["path"]), out, "--overwrite", "--resize", "16", "--limit", "2")
+    assert len(small) == 6 and np.load(out / small["path"].iloc[0]).shape == (3, 16, 16)
+    assert len(list((out / "arrays").rglob("*.npy"))) == 6  # the earlier run's extra arrays are gone
+    script = str(REPO / "data_prep" / "medmnist.py")
+    ok = subprocess.run([sys.executable, script, "--raw", info["path"], "--out", str(tmp_path / "s")],
+                        capture_output=True, text=True, timeout=120, env={"MEDFL_NO_PROGRESS": "1", "PATH": "/usr/bin:/bin"})
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, script, "--raw", str(tmp_path / "none"), "--out", str(tmp_path / "t")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --raw ") and "Traceback" not in bad.stderr
+    text = build_parser().format_help()
+    for opt in ("--raw", "--out", "--flag", "--size", "--resize", "--chest-label", "--overwrite", "--limit"):
+        assert opt in text
