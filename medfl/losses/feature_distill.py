@@ -1,0 +1,128 @@
+"""The loss terms and aggregation weights of FedTPF's feature-distillation model (paper 003),
+reusable by FedFed-style methods: a VAE generator, a WGAN-GP critic, a classifier on the
+residual ``x_s = x - x_hat``, and the class prototypes that anchor the VAE's latent codes.
+
+* eq. 5: :func:`class_prototypes`, the class means of the task model's embeddings;
+* eq. 6: :func:`prototype_loss`, each sample's latent ``z`` pulled to its class prototype;
+* eq. 7's VAE term: :func:`vae_loss` (reconstruction + KL to N(0, I));
+* eq. 7's WGAN-GP term: :func:`critic_loss` (with :func:`gradient_penalty`) and
+  :func:`generator_adversarial_loss`;
+* eqs. 8-9: :func:`performance_change` and :func:`decay_weights`, the adaptive decay of the
+  aggregation weight of clients that stopped distilling.
+
+Every function works on tensors of any spatial rank (2D images, 3D volumes): per-sample sums
+run over all non-batch dimensions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+
+__all__ = ["class_prototypes", "prototype_loss", "vae_loss", "gradient_penalty", "critic_loss",
+           "generator_adversarial_loss", "performance_change", "decay_weights"]
+
+
+def class_prototypes(embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5: ``omega^m = mean of the embeddings of class m``.
+
+    Args:
+        embeddings: ``(N, d)`` task-model embeddings of a client's samples.
+        labels: ``(N,)`` integer labels.
+        num_classes: K.
+
+    Returns:
+        ``(prototypes, present)``: ``(K, d)`` class means (zeros for a class the client does
+        not hold) and a ``(K,)`` bool mask of the classes it holds.
+    """
+    labels = labels.long()
+    sums = torch.zeros(num_classes, embeddings.shape[1], dtype=embeddings.dtype, device=embeddings.device)
+    sums.index_add_(0, labels, embeddings)
+    counts = torch.bincount(labels, minlength=num_classes).to(embeddings.dtype)
+    present = counts > 0
+    protos = sums / counts.clamp_min(1).unsqueeze(1)
+    return protos, present
+
+
+def prototype_loss(z: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor,
+                   present: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 6: the mean over the batch of ``||z_i - omega^{y_i}||_2^2``, ``z_i = mu_i + sigma_i *
+    eps`` (the reparameterised latent). Samples of a class without a prototype (``present``
+    false) are left out; a batch with none left gives 0.
+
+    Args:
+        z: ``(B, d)`` latent codes (same d as the prototypes).
+        labels: ``(B,)`` labels.
+        prototypes: ``(K, d)``, from :func:`class_prototypes` (no gradient flows into them).
+        present: ``(K,)`` mask; default every class.
+    """
+    labels = labels.long()
+    keep = torch.ones_like(labels, dtype=torch.bool) if present is None else present[labels]
+    if not keep.any():
+        return z.sum() * 0.0
+    diff = z[keep] - prototypes.detach()[labels[keep]]
+    return diff.pow(2).sum(dim=1).mean()
+
+
+def vae_loss(x: torch.Tensor, x_hat: torch.Tensor, mu: torch.Tensor, logvar: torch.Tensor,
+             beta: float = 1.0) -> torch.Tensor:
+    """Eq. 7's VAE term: per-sample squared reconstruction error ``||x - x_hat||^2`` (eq. 1)
+    plus ``beta`` times the KL divergence of ``N(mu, exp(logvar))`` from ``N(0, I)``
+    (``-1/2 sum(1 + logvar - mu^2 - exp(logvar))``), averaged over the batch."""
+    recon = (x - x_hat).pow(2).flatten(1).sum(dim=1)
+    kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).flatten(1).sum(dim=1)
+    return (recon + beta * kl).mean()
+
+
+def gradient_penalty(critic: Callable[[torch.Tensor], torch.Tensor], real: torch.Tensor, fake: torch.Tensor,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """WGAN-GP's penalty (Gulrajani et al. 2017): ``E[(||grad_x D(x_tilde)||_2 - 1)^2]`` at
+    ``x_tilde = e * real + (1 - e) * fake``, ``e ~ U[0, 1]`` per sample (seeded by
+    ``generator``). Differentiable in the critic's parameters."""
+    e = torch.rand((real.shape[0],) + (1,) * (real.dim() - 1), generator=generator, device=real.device,
+                   dtype=real.dtype)
+    mixed = (e * real.detach() + (1 - e) * fake.detach()).requires_grad_(True)
+    out = critic(mixed)
+    (grad,) = torch.autograd.grad(out.sum(), mixed, create_graph=True)
+    return (grad.flatten(1).norm(2, dim=1) - 1).pow(2).mean()
+
+
+def critic_loss(critic: Callable[[torch.Tensor], torch.Tensor], real: torch.Tensor, fake: torch.Tensor,
+                gp_weight: float = 10.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The critic's WGAN-GP loss: ``E[D(fake)] - E[D(real)] + gp_weight * penalty`` (the
+    critic learns to score real images above reconstructions; ``fake`` is detached)."""
+    return (critic(fake.detach()).mean() - critic(real).mean()
+            + gp_weight * gradient_penalty(critic, real, fake, generator))
+
+
+def generator_adversarial_loss(critic: Callable[[torch.Tensor], torch.Tensor], fake: torch.Tensor) -> torch.Tensor:
+    """The generator's WGAN term: ``-E[D(x_hat)]`` (reconstructions the critic scores as real)."""
+    return -critic(fake).mean()
+
+
+def performance_change(now: Mapping[str, float], before: Mapping[str, float],
+                       distilling: set[str] | list[str]) -> float:
+    """Eq. 9: ``Delta_perf(t) = mean over the still-distilling clients k of p_k(t) - p_k(t-1)``,
+    ``p_k`` the global distillation model's accuracy on client k's test set. Clients without
+    both values are left out; none left gives 0."""
+    deltas = [float(now[k]) - float(before[k]) for k in distilling if k in now and k in before
+              and math.isfinite(float(now[k])) and math.isfinite(float(before[k]))]
+    return sum(deltas) / len(deltas) if deltas else 0.0
+
+
+def decay_weights(stopped_at: Mapping[str, int | None], round: int, delta_perf: float, lam: float
+                  ) -> dict[str, float]:
+    """Eq. 8: each client's decay coefficient ``alpha_k(t)``: 1 before it stops distilling
+    (``stopped_at[k]`` is ``None`` or later than ``round``), ``exp(-lam * max(0,
+    delta_perf))`` from its stop round on.
+
+    As printed, the equation is not cumulative (``alpha_k(t)`` depends on this round's
+    ``Delta_perf`` only) and a larger accuracy change gives a *smaller* weight, while the
+    paper's prose says a large change should slow the decay. We implement the equation; a
+    method that wants the prose can pass ``-delta_perf`` or multiply the factors over rounds.
+    """
+    factor = math.exp(-float(lam) * max(0.0, float(delta_perf)))
+    return {k: (1.0 if t is None or round < int(t) else factor) for k, t in stopped_at.items()}

@@ -1,0 +1,78 @@
+"""FedTPF's distillation-model terms by hand on small tensors: prototypes (eq. 5), the
+prototype pull (eq. 6), the VAE loss, WGAN-GP's penalty and losses, and the decay weights of
+eqs. 8-9 over a scripted accuracy sequence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from medfl.losses.feature_distill import (
+    class_prototypes, critic_loss, decay_weights, generator_adversarial_loss, gradient_penalty, performance_change,
+    prototype_loss, vae_loss,
+)
+
+__all__: list[str] = []
+
+
+def test_prototypes_are_class_means_and_absent_classes_are_masked() -> None:
+    emb = torch.tensor([[1.0, 0.0], [3.0, 2.0], [0.0, 4.0]])
+    protos, present = class_prototypes(emb, torch.tensor([0, 0, 2]), 3)
+    assert torch.equal(protos, torch.tensor([[2.0, 1.0], [0.0, 0.0], [0.0, 4.0]]))
+    assert present.tolist() == [True, False, True]
+
+
+def test_prototype_loss_is_the_mean_squared_distance_to_the_own_class_prototype() -> None:
+    protos = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    z = torch.tensor([[1.0, 2.0], [1.0, 1.0], [3.0, 3.0]], requires_grad=True)
+    loss = prototype_loss(z, torch.tensor([0, 1, 1]), protos)
+    assert loss.item() == pytest.approx((5 + 0 + 8) / 3)
+    loss.backward()
+    assert torch.allclose(z.grad, 2 * torch.tensor([[1.0, 2.0], [0.0, 0.0], [2.0, 2.0]]) / 3)
+    masked = prototype_loss(z, torch.tensor([0, 1, 1]), protos, torch.tensor([True, False]))
+    assert masked.item() == pytest.approx(5.0)  # class 1 has no prototype at this client
+    assert prototype_loss(z, torch.tensor([1, 1, 1]), protos, torch.tensor([True, False])).item() == 0.0
+
+
+def test_vae_loss_is_reconstruction_plus_kl() -> None:
+    x = torch.zeros(2, 1, 2, 2)
+    x_hat = torch.ones(2, 1, 2, 2) * 0.5          # recon 4 * 0.25 = 1 per sample
+    mu = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    logvar = torch.tensor([[0.0, 0.0], [math.log(2.0), 0.0]])
+    kl = torch.tensor([0.5 * 1.0, -0.5 * (1 + math.log(2.0) - 2.0)])  # per sample
+    assert vae_loss(x, x_hat, mu, logvar).item() == pytest.approx(1.0 + kl.mean().item())
+    assert vae_loss(x, x_hat, mu, logvar, beta=0.0).item() == pytest.approx(1.0)
+
+
+def test_gradient_penalty_of_a_linear_critic_by_hand() -> None:
+    w = torch.tensor([3.0, 4.0])                   # ||grad|| = 5 everywhere
+    critic = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        critic.weight.copy_(w.unsqueeze(0))
+    real, fake = torch.randn(4, 2), torch.randn(4, 2)
+    gp = gradient_penalty(critic, real, fake, torch.Generator().manual_seed(0))
+    assert gp.item() == pytest.approx((5 - 1) ** 2)
+    gp.backward()                                   # d/dw (||w|| - 1)^2 = 2 (||w|| - 1) w / ||w||
+    assert torch.allclose(critic.weight.grad, 2 * 4 * w.unsqueeze(0) / 5)
+    critic.zero_grad()
+    loss = critic_loss(critic, real, fake, gp_weight=10.0, generator=torch.Generator().manual_seed(0))
+    assert loss.item() == pytest.approx((critic(fake).mean() - critic(real).mean()).item() + 160.0, rel=1e-5)
+    assert generator_adversarial_loss(critic, fake).item() == pytest.approx(-critic(fake).mean().item())
+
+
+def test_decay_weights_over_a_scripted_accuracy_sequence() -> None:
+    # clients a and b stop distilling at rounds 2 and 4; c keeps distilling
+    stopped = {"a": 2, "b": 4, "c": None}
+    acc = {1: {"b": 0.50, "c": 0.40}, 2: {"b": 0.60, "c": 0.46}, 3: {"b": 0.62, "c": 0.50}, 4: {"c": 0.49}}
+    lam = 5.0
+    expected = {2: {"a": math.exp(-lam * 0.08), "b": 1.0, "c": 1.0},   # delta = mean(0.10, 0.06)
+                3: {"a": math.exp(-lam * 0.03), "b": 1.0, "c": 1.0},   # delta = mean(0.02, 0.04)
+                4: {"a": 1.0, "b": 1.0, "c": 1.0}}                      # delta = -0.01 -> max(0, .) = 0
+    for t in (2, 3, 4):
+        distilling = [k for k, s in stopped.items() if s is None or t <= s]
+        delta = performance_change(acc[t], acc[t - 1], [k for k in distilling if k != "a"])
+        got = decay_weights(stopped, t, delta, lam)
+        assert got == pytest.approx(expected[t]), t
+    assert performance_change({"a": float("nan")}, {"a": 0.1}, ["a"]) == 0.0
