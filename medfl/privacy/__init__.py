@@ -4,7 +4,9 @@ noise, quantization.
 Re-exported here: :mod:`medfl.privacy.accounting`, :mod:`medfl.privacy.gaussian` and
 :mod:`medfl.privacy.quantize`. Import the others from their modules:
 :mod:`medfl.privacy.dp_sgd` (DP-SGD in local training with Opacus) and
-:mod:`medfl.privacy.ledger` (a run's privacy plan and its per-client epsilon). docs/privacy.md
+:mod:`medfl.privacy.ledger` (a run's privacy plan and its per-client epsilon) and
+:mod:`medfl.privacy.feature_release` (a per-sample DP release of features, FedTPF's shared
+set; not yet used by a method). docs/privacy.md
 says what each mechanism guarantees."""
 
 from __future__ import annotations

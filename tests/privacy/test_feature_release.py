@@ -1,0 +1,63 @@
+"""The DP release of per-sample features (FedTPF's shared set): clipping, the noise the
+accountant gives, the recorded epsilon, Laplace's scale, bad budgets refused, and the
+noise-to-signal comparison of x_s against x."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from medfl.privacy.accounting import PrivacyConfigError, epsilon_spent, noise_for_epsilon
+from medfl.privacy.feature_release import noise_comparison, release_features
+
+__all__: list[str] = []
+
+
+def test_gaussian_release_clips_each_sample_and_records_the_accountants_epsilon() -> None:
+    x_s = torch.zeros(4000, 2, 3, 3)
+    x_s[:, 0, 0, 0] = 10.0                                  # norm 10, clipped to 2
+    x_p, rel = release_features(x_s, epsilon=3.0, clip=2.0, delta=1e-5, generator=torch.Generator().manual_seed(0))
+    z = noise_for_epsilon(3.0, 1e-5, 1.0, 1)
+    assert rel.noise_multiplier == pytest.approx(z) and rel.noise_std == pytest.approx(2.0 * z)
+    assert rel.epsilon == pytest.approx(epsilon_spent([(z, 1.0, 1)], 1e-5)) and rel.epsilon <= 3.0
+    assert rel.clipped_fraction == 1.0 and rel.samples == 4000 and rel.unit == "sample"
+    assert x_p.shape == x_s.shape
+    assert x_p[:, 0, 0, 0].mean().item() == pytest.approx(2.0, abs=4 * rel.noise_std / math.sqrt(4000))
+    assert x_p[:, 1].std().item() == pytest.approx(rel.noise_std, rel=0.05)
+    again, _ = release_features(x_s, epsilon=3.0, clip=2.0, delta=1e-5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x_p, again)                            # seeded noise
+
+
+def test_laplace_release_is_pure_dp_with_scale_clip_over_epsilon() -> None:
+    x_s = torch.full((20000, 4), 0.1)                        # L1 norm 0.4 < clip: not clipped
+    x_p, rel = release_features(x_s, epsilon=2.0, clip=1.0, mechanism="laplace",
+                                generator=torch.Generator().manual_seed(1))
+    assert rel.delta == 0.0 and rel.epsilon == 2.0 and rel.clipped_fraction == 0.0 and rel.accountant is None
+    noise = (x_p - x_s).flatten()
+    assert noise.abs().mean().item() == pytest.approx(0.5, rel=0.03)  # E|Laplace(b)| = b = clip / epsilon
+    assert rel.noise_std == pytest.approx(0.5 * math.sqrt(2))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"epsilon": 0}, "epsilon"), ({"epsilon": math.inf}, "epsilon must be a finite number > 0"), ({"clip": -1}, "clip"),
+    ({"mechanism": "uniform"}, "mechanism must be one of gaussian, laplace"), ({"delta": 1.5}, "delta"),
+])
+def test_bad_budgets_release_nothing(kwargs, message) -> None:
+    args = {"epsilon": 1.0, "clip": 1.0, **kwargs}
+    with pytest.raises(PrivacyConfigError, match=message):
+        release_features(torch.ones(3, 4), **args)
+    with pytest.raises(PrivacyConfigError, match="NaN or infinite"):
+        release_features(torch.tensor([[float("nan"), 1.0]]), epsilon=1.0, clip=1.0)
+
+
+def test_noise_comparison_smaller_features_need_less_noise_for_the_same_budget() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(200, 1, 8, 8, generator=g)
+    x_s = 0.1 * (x - 0.5)
+    out = noise_comparison(x, x_s, epsilon=5.0)
+    assert out["x_s_noise_std"] < out["x_noise_std"] and out["x_s_clip"] < out["x_clip"]
+    assert out["x_noise_std"] == pytest.approx(out["noise_multiplier"] * out["x_clip"])
+    # the noise needed scales with the clip norm, so relative to its own signal it is alike
+    assert out["x_s_noise_to_signal"] == pytest.approx(out["x_noise_to_signal"], rel=0.5)
