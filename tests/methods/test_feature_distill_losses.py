@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from medfl.losses.feature_distill import (
-    class_prototypes, critic_loss, decay_weights, generator_adversarial_loss, gradient_penalty, performance_change,
-    prototype_loss, vae_loss,
+    class_prototypes, critic_loss, decay_weights, distillation_converged, generator_adversarial_loss, gradient_penalty,
+    performance_change, prototype_loss, residual_cosine, vae_loss,
 )
 
 __all__: list[str] = []
@@ -76,3 +76,22 @@ def test_decay_weights_over_a_scripted_accuracy_sequence() -> None:
         got = decay_weights(stopped, t, delta, lam)
         assert got == pytest.approx(expected[t]), t
     assert performance_change({"a": float("nan")}, {"a": 0.1}, ["a"]) == 0.0
+
+
+def test_residual_cosine_by_hand() -> None:
+    x_r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    x_s = torch.tensor([[0.0, 2.0], [2.0, 2.0]])
+    assert residual_cosine(x_r, x_s) == pytest.approx(0.5)  # (0 + 1) / 2
+
+
+@pytest.mark.parametrize("accuracy, cosine, expected", [
+    ([0.91, 0.90, 0.92], [0.10, 0.12, 0.11], (True, "met")),
+    ([0.91, 0.92], [0.1, 0.1], (False, "fewer than 3 evaluations")),
+    ([0.5, 0.91, 0.87, 0.90], [0.1, 0.1, 0.1, 0.1], (False, "residual accuracy 0.870 < 0.880")),
+    ([0.90, 0.91, 0.92], [0.10, 0.15, 0.10], (False, "cosine(x_r, x_s) 0.150 >= 0.15")),
+    ([0.88, 0.99, 0.95], [0.1, 0.1, 0.1], (False, "accuracy moved 0.110 > 0.05 over 3 evaluations")),
+    ([0.9, 0.9, 0.9], [0.01, 0.14, 0.05], (False, "cosine moved 0.130 > 0.05 over 3 evaluations")),
+])
+def test_stop_condition_names_the_criterion_not_met(accuracy, cosine, expected) -> None:
+    assert distillation_converged(accuracy, cosine) == expected
+    assert distillation_converged([0.7] * 3, [0.1] * 3, target=0.7)[0]  # configurable
