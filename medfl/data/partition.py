@@ -568,10 +568,6 @@ def natural(
     return _finish(buckets, names=names)
 
 
-#: The built-in partitioners by name.
-
-
-
 def subset(
     table: pd.DataFrame,
     num_clients: int,
@@ -842,6 +838,7 @@ def per_class_holdout(labels: np.ndarray, groups: np.ndarray | None, per_class: 
     return np.flatnonzero(chosen[keys]).astype(np.int64)
 
 
+#: The built-in partitioners by name.
 PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "dirichlet": dirichlet,
     "label_skew": label_skew,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -38,7 +39,7 @@ from medfl.data.source import DataError
 __all__ = [
     "PrepError", "PrepReport", "MANIFEST_COLUMNS", "base_parser", "check_dirs", "save_array",
     "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
-    "progress",
+    "progress", "size_pair", "remove_stale_arrays",
 ]
 
 #: Columns every manifest starts with (empty where unknown).
@@ -262,3 +263,31 @@ def run_script(main: Callable[[list[str] | None], int], argv: list[str] | None =
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code or 0)
+
+
+def size_pair(values: Sequence[int], parser: argparse.ArgumentParser) -> tuple[int, int]:
+    """``--size N`` or ``--size H W`` as ``(H, W)``; anything else is a usage error."""
+    if len(values) not in (1, 2) or min(values) < 1:
+        parser.error(f"--size: expected N or H W, positive, got {' '.join(map(str, values))}")
+    return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
+
+
+def remove_stale_arrays(out: Path, keep: set[str], report: PrepReport, subfolders: Sequence[str] = ("",)) -> None:
+    """After ``--overwrite``: delete the ``.npy`` files an earlier run wrote under
+    ``out/arrays/<subfolder>`` (``""``: ``arrays/`` itself) that the new manifest does not
+    name (``keep``: paths relative to ``out``); a folder left empty is removed, and the count
+    goes into the report."""
+    stale = 0
+    for sub in subfolders:
+        folder = out / "arrays" / sub if sub else out / "arrays"
+        if not folder.is_dir():
+            continue
+        prefix = f"arrays/{sub}/" if sub else "arrays/"
+        for f in sorted(folder.glob("*.npy")):
+            if prefix + f.name not in keep:
+                f.unlink()
+                stale += 1
+        if not any(folder.iterdir()):
+            shutil.rmtree(folder)
+    if stale:
+        report.note(f"--overwrite: removed {stale} array(s) of an earlier run not in this manifest")

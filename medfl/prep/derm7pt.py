@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 from collections import Counter
 from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
@@ -42,7 +41,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, require_columns,
-    resize_image, save_array, write_manifest,
+    remove_stale_arrays, resize_image, save_array, size_pair, write_manifest,
 )
 
 __all__ = [
@@ -337,12 +336,6 @@ example:
     return p
 
 
-def _sizes(values: Sequence[int], p: argparse.ArgumentParser) -> tuple[int, int]:
-    if len(values) not in (1, 2) or min(values) < 1:
-        p.error(f"--size: expected N or H W, positive, got {' '.join(map(str, values))}")
-    return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
-
-
 def main(argv: list[str] | None = None) -> int:
     """Prepare Derm7pt: parse ``argv``, write the manifest, arrays and report into ``--out``.
 
@@ -355,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    size = _sizes(args.size, parser)
+    size = size_pair(args.size, parser)
     if args.clinic_crop_border is None:
         args.clinic_crop_border = args.crop_border
     if min(args.crop_border, args.clinic_crop_border) < 0:
@@ -467,29 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         report.note(f"--limit {args.limit} left split(s) {', '.join(missing)} without cases")
     table = write_manifest(out, rows, extra_order=["case_num", "meta_row", "diagnosis"])
     if args.overwrite:
-        _remove_stale(out, set(table["path"]) | set(table.get("clinic_path", pd.Series()).dropna()),
-                      report)
+        remove_stale_arrays(out, set(table["path"]) | set(table.get("clinic_path", pd.Series()).dropna()),
+                            report, subfolders=("derm", "clinic"))
     report.write(out)
     print(report.summary())
     return 0
-
-
-def _remove_stale(out: Path, keep: set[str], report: PrepReport,
-                  subfolders: Sequence[str] = ("derm", "clinic")) -> None:
-    """After ``--overwrite``: delete arrays an earlier run wrote that the new manifest does
-    not name (only ``.npy`` files under ``out/arrays/<subfolder>``; ``""`` is ``arrays/``
-    itself). An emptied subfolder is removed."""
-    stale = 0
-    for sub in subfolders:
-        folder = out / "arrays" / sub if sub else out / "arrays"
-        if not folder.is_dir():
-            continue
-        prefix = f"arrays/{sub}/" if sub else "arrays/"
-        for f in folder.glob("*.npy"):
-            if prefix + f.name not in keep:
-                f.unlink()
-                stale += 1
-        if sub and not any(folder.iterdir()):
-            shutil.rmtree(folder)
-    if stale:
-        report.note(f"--overwrite: removed {stale} array(s) of an earlier run not in this manifest")

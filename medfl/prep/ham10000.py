@@ -44,10 +44,10 @@ from typing import Any
 import pandas as pd
 
 from medfl.prep.common import (
-    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, require_columns, save_array,
-    write_manifest,
+    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays,
+    require_columns, save_array, size_pair, write_manifest,
 )
-from medfl.prep.derm7pt import _remove_stale, _sizes, preprocess_image
+from medfl.prep.derm7pt import preprocess_image
 
 __all__ = [
     "CLASS_NAMES", "DX_TYPES", "COLUMNS", "IMAGE_FOLDERS", "METADATA_NAMES", "SEX_CODES", "find_metadata",
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    size = _sizes(args.size, parser)
+    size = size_pair(args.size, parser)
     if args.crop_border < 0:
         parser.error("--crop-border: expected 0 or more pixels")
     if args.limit is not None and args.limit < 1:
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if first[0] != key:
             raise PrepError(f"{meta_rel} lines {first[1]} and {i + 2}: lesion {lesion} has dx {first[0]!r} and "
                             f"{dx!r}; expected one diagnosis per lesion", meta_path)
-    todo = list(range(len(meta)))[:args.limit] if args.limit is not None else list(range(len(meta)))
+    todo = list(range(len(meta)))[:args.limit]
     rows: list[dict[str, Any]] = []
     formats: Counter[str] = Counter()
     shapes: Counter[str] = Counter()
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     table = write_manifest(out, rows, extra_order=["lesion_id", "image_id", "dx", "dx_type", "age", "localization",
                                                    "dataset", "meta_row"])
     if args.overwrite:
-        _remove_stale(out, set(table["path"]), report, subfolders=("",))
+        remove_stale_arrays(out, set(table["path"]), report)
     report.write(out)
     print(report.summary())
     return 0

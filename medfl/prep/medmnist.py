@@ -35,9 +35,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from medfl.prep.common import PrepError, PrepReport, base_parser, check_dirs, progress, resize_image, save_array, \
-    write_manifest
-from medfl.prep.derm7pt import _remove_stale
+from medfl.prep.common import (
+    PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays, resize_image, save_array,
+    write_manifest,
+)
 
 __all__ = ["Dataset", "DATASETS", "SPLITS", "SIZES", "parse_name", "find_file", "load_split", "chest_binary",
            "build_parser", "main"]
@@ -172,10 +173,10 @@ def load_split(npz: Any, path: Path, split: str, info: Dataset) -> tuple[np.ndar
     if len(images) == 0:
         raise PrepError(f"{path}, key '{split}_images': no images; expected the official {split} split", path)
     width = len(_CHEST) if info.task == "multi-label" else 1
+    if labels.ndim == 1 and width == 1:
+        labels = labels.reshape(-1, 1)
     if labels.ndim != 2 or labels.shape[1] != width:
-        labels = labels.reshape(-1, 1) if labels.ndim == 1 and width == 1 else labels
-        if labels.ndim != 2 or labels.shape[1] != width:
-            raise PrepError(f"{path}, key '{split}_labels': shape {labels.shape}; expected (N, {width})", path)
+        raise PrepError(f"{path}, key '{split}_labels': shape {labels.shape}; expected (N, {width})", path)
     if len(labels) != len(images):
         raise PrepError(f"{path}: {len(images)} {split} images but {len(labels)} labels; expected one label row "
                         "per image", path)
@@ -187,9 +188,9 @@ def load_split(npz: Any, path: Path, split: str, info: Dataset) -> tuple[np.ndar
     bad = (labels < 0) | (labels > top)
     if bad.any():
         i = int(np.argwhere(bad)[0][0])
-        raise PrepError(f"{path}, key '{split}_labels', row {i}: {labels[i].tolist()}; expected values in 0..{top} "
-                        f"({len(info.classes)} classes)" if info.task != "multi-label" else
-                        f"{path}, key '{split}_labels', row {i}: {labels[i].tolist()}; expected 0/1 per finding", path)
+        expected = ("0/1 per finding" if info.task == "multi-label"
+                    else f"values in 0..{top} ({len(info.classes)} classes)")
+        raise PrepError(f"{path}, key '{split}_labels', row {i}: {labels[i].tolist()}; expected {expected}", path)
     return images, labels.astype(np.int64)
 
 
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                          "index": i})
     table = write_manifest(out, rows, extra_order=["index"])
     if args.overwrite:
-        _remove_stale(out, set(table["path"]), report, subfolders=SPLITS)
+        remove_stale_arrays(out, set(table["path"]), report, subfolders=SPLITS)
     report.counts = {"flag": flag, "size": size, "task": info.task,
                      "splits": {s: sum(1 for r in rows if r["split"] == s) for s in SPLITS},
                      "classes": {c: sum(1 for r in rows if r["class_name"] == c) for c in classes},

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +58,7 @@ import numpy as np
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, resize_image,
-    save_array, write_manifest,
+    remove_stale_arrays, save_array, write_manifest,
 )
 
 __all__ = [
@@ -725,22 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         "refnum", "image_number", "background", "tissue", "image_class", "abnormality",
         "severity", "x", "y", "radius", "num_abnormalities", "info_lines"])
     if args.overwrite:
-        _remove_stale(out, set(table["path"]), report)
+        remove_stale_arrays(out, set(table["path"]), report)
     report.write(out)
     print(report.summary())
     return 0
-
-
-def _remove_stale(out: Path, keep: set[str], report: PrepReport) -> None:
-    """After ``--overwrite``: delete ``.npy`` files under ``out/arrays`` that an earlier run
-    wrote and the new manifest does not name."""
-    folder = out / "arrays"
-    stale = 0
-    for f in sorted(folder.glob("*.npy")) if folder.is_dir() else []:
-        if f"arrays/{f.name}" not in keep:
-            f.unlink()
-            stale += 1
-    if folder.is_dir() and not any(folder.iterdir()):
-        shutil.rmtree(folder)
-    if stale:
-        report.note(f"--overwrite: removed {stale} array(s) of an earlier run not in this manifest")
