@@ -21,8 +21,10 @@ vectors: that rule refused legitimate quantised weights whose length equalled a 
 A method that must share per-sample values by design (FedTPF's DP-noised distilled
 features) lists those reply keys in ``Method.payload_exemptions`` and documents it: an
 exempted top-level key skips both the content check and the coordinator's shape check
-(never the type check), and must be released through a declared differential-privacy
-mechanism.
+(never the type check), only in a reply to an instruction whose config carries
+``RELEASE_FLAG`` (``"dp_release": True``), and must be released through a declared
+differential-privacy mechanism (``Method.release_plan``). Every other reply of the method,
+and every reply of every other method, is checked in full.
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["PayloadError", "Instruction", "Reply", "Guard", "SampleGuard", "validate_payload"]
+__all__ = ["RELEASE_FLAG", "PayloadError", "Instruction", "Reply", "Guard", "SampleGuard", "validate_payload"]
 
 Scalar = int | float | bool | str | None
+
+#: The instruction-config key that asks a client for its method's declared DP release: only
+#: a reply to such an instruction may carry the method's ``payload_exemptions`` keys unchecked.
+RELEASE_FLAG = "dp_release"
 
 
 class PayloadError(TypeError):

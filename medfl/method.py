@@ -182,7 +182,10 @@ class Method(Configurable):
         pools_data: the engine pools every client's training data into one ``"pooled"``
             client (the Centralized reference); not available in a federated deployment.
         payload_exemptions: reply keys excused from the per-sample check (see
-            :mod:`medfl.messages`); each must be justified in the method's docstring.
+            :mod:`medfl.messages`), only in replies to an instruction whose config carries
+            ``RELEASE_FLAG: True`` (``"dp_release"``); each must be a declared DP release
+            (:meth:`Method.release_plan`, :meth:`Method.round_releases`) and justified in the
+            method's docstring.
         reply_state: the reply-payload keys that carry model state (a flat dict of tensors,
             e.g. a state dict), each mapped to the instruction-payload key holding the state
             the client started from (``None``: no such reference). Reply filters
@@ -289,6 +292,24 @@ class Method(Configurable):
         They run before the run's configured ``filters`` and are planned, applied at each
         client, undone at the coordinator and accounted (``privacy.csv``) exactly like them.
         Default: none."""
+        return []
+
+    def release_plan(self) -> Any:
+        """The per-sample differential-privacy release this method makes itself (FedTPF's
+        shared features), as a :class:`medfl.filters.Release` (``unit="sample"``,
+        ``sample_rate`` 1.0: each sample released once per request), or ``None`` (the
+        default: the method releases nothing per sample). Computed from the method's
+        hyperparameters alone: the run asks for it before :meth:`setup`, to plan and record
+        the privacy of the run. A release with ``noise_multiplier`` 0 is a non-private
+        measurement: its epsilon is recorded as infinite."""
+        return None
+
+    def round_releases(self, round: int) -> list[str]:
+        """The clients this round's instructions asked for the release of
+        :meth:`release_plan` (instructions whose config carries ``"dp_release": True``),
+        asked after the round's training steps. The privacy ledger records one release per
+        client named here, whether or not its reply arrived (a lost reply may have been
+        seen). Default: none."""
         return []
 
     def state_dict(self) -> dict[str, Any]:

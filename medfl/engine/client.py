@@ -21,11 +21,11 @@ from torch.utils.data import DataLoader, Dataset
 from medfl.context import ClientContext
 from medfl.engine.data import client_order
 from medfl.filters import FilterChain
-from medfl.messages import Instruction, Reply, validate_payload
+from medfl.messages import RELEASE_FLAG, Instruction, Reply, validate_payload
 from medfl.method import Method
 from medfl.seeding import derive_seed
 
-__all__ = ["ClientStore", "ClientContext", "run_client_update", "run_client_validate", "run_client_profile",
+__all__ = ["ClientStore", "ClientContext", "release_exemptions", "run_client_update", "run_client_validate", "run_client_profile",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
@@ -104,6 +104,16 @@ def _check_instruction(instruction: Instruction, what: str, client_id: str) -> N
     validate_payload(instruction.config, f"{what} config to client {client_id}")
 
 
+def release_exemptions(method: Method, instruction: Instruction) -> frozenset[str]:
+    """The reply keys excused from the per-sample checks for a reply to ``instruction``: the
+    method's ``payload_exemptions``, but only when the instruction asks for its declared DP
+    release (``config["dp_release"]`` true); every other reply of the method is checked in
+    full, so a per-sample value under an exempted key outside the release is refused."""
+    if method.payload_exemptions and instruction.config.get(RELEASE_FLAG) is True:
+        return frozenset(method.payload_exemptions)
+    return frozenset()
+
+
 def _keep_state(ctx: ClientContext, store: ClientStore | None) -> None:
     """Check the client's persistent state after a step and save it for the round in
     ``store``; a stateless method (empty state, nothing stored before) writes nothing."""
@@ -137,15 +147,15 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     if not isinstance(reply, Reply):
         raise TypeError(f"method {method.name!r}: client_update must return a Reply, got {type(reply).__name__}")
     where = f"reply of method {method.name!r} from client {ctx.client_id}"
-    validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard,
-                     exempt=method.payload_exemptions)
+    exempt = release_exemptions(method, instruction)
+    validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard, exempt=exempt)
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
     if filters:
         reply.payload = filters.apply(type(method), reply.payload, instruction.payload, client_id=ctx.client_id,
                                       round=ctx.round, step=step, seed=ctx.seed, model_spec=ctx.model_spec,
                                       where=where, noise_key=ctx.noise_key)
         validate_payload(reply.payload, where + " (after filters)", allow_str=False, guard=ctx.guard,
-                         exempt=method.payload_exemptions)
+                         exempt=exempt)
     _keep_state(ctx, store)
     return reply
 

@@ -338,8 +338,9 @@ class Run:
             self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
             _write_csv(self.run_dir / "train_metrics.csv", self.train_metrics)
         if self.privacy.private:
+            released = self.coordinator.round_releases(r) if self.privacy.method_release is not None else []
             self.ledger.record(r, {cid: addressed[cid] for cid in client_order(addressed)},
-                               dp_steps if self.privacy.dp_sgd is not None else None)
+                               dp_steps if self.privacy.dp_sgd is not None else None, released)
             _write_csv(self.run_dir / "privacy.csv", self.ledger.frame())
         checks = self.coordinator.configure_validate(r)
         if checks:

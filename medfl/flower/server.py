@@ -44,7 +44,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from medfl import wire
-from medfl.engine.client import cross_test_mean
+from medfl.engine.client import cross_test_mean, release_exemptions
 from medfl.engine.data import FederatedData, client_order
 from medfl.engine.runner import Run, RunError, resume, run_experiment
 from medfl.flower import protocol as P
@@ -412,7 +412,7 @@ class FlowerRun(Run):
             payload = wire.take(msg.content, "reply.payload", where, allow_str=False)
             metrics = wire.take(msg.content, "reply.metrics", where + " (metrics)", allow_str=False)
             validate_payload(payload, where, allow_str=False, guard=self._guard,
-                             exempt=self.coordinator.payload_exemptions)
+                             exempt=release_exemptions(self.coordinator, instructions[cid]))
             if not isinstance(payload, dict) or not isinstance(metrics, dict):
                 raise PayloadError(f"{where}: payload and metrics must be dicts")
             ctl = wire.take_json(msg.content, P.CONTROL, where)

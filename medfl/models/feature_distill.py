@@ -11,7 +11,7 @@ code to the class prototype computed in that embedding space (eq. 5).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -108,13 +108,16 @@ class DistillWeights:
 def distill_step(vae: DistillVAE, critic: Critic, classifier: nn.Module, x: torch.Tensor, y: torch.Tensor,
                  prototypes: torch.Tensor | None, present: torch.Tensor | None, weights: DistillWeights,
                  opt_model: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer | None,
-                 generator: torch.Generator | None = None) -> dict[str, float]:
+                 generator: torch.Generator | None = None,
+                 perturb: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
     """One local-distillation step on a batch (LocalDisTraining of Algorithm 1).
 
     First the critic (when ``weights.wgan > 0``): WGAN-GP loss on ``x`` against the detached
     ``x_hat``. Then generator and classifier together on eq. 7: ``l1 * VAE + l2 * (-D(x_hat)) +
     l3 * L_po + l4 * CE(f(x - x_hat), y)``; ``opt_model`` holds the VAE's and the classifier's
-    parameters. Returns the terms (floats) and the batch's residual accuracy.
+    parameters. ``perturb`` maps ``x_s`` to what the classifier sees (the paper's ``x_p = x_s +
+    n``: :func:`medfl.privacy.feature_release.perturb_features`); default ``x_s`` as it is.
+    Returns the terms (floats) and the batch's residual accuracy.
     """
     if weights.wgan > 0 and opt_critic is not None:
         with torch.no_grad():
@@ -128,7 +131,7 @@ def distill_step(vae: DistillVAE, critic: Critic, classifier: nn.Module, x: torc
     opt_model.zero_grad()
     x_hat, z, mu, logvar = vae(x, generator)
     x_s = x - x_hat
-    logits = classifier(x_s)
+    logits = classifier(perturb(x_s) if perturb is not None else x_s)
     ce = F.cross_entropy(logits, y)
     v = vae_loss(x, x_hat, mu, logvar)
     adv = generator_adversarial_loss(critic, x_hat) if weights.wgan > 0 else torch.zeros((), device=x.device)
@@ -137,6 +140,7 @@ def distill_step(vae: DistillVAE, critic: Critic, classifier: nn.Module, x: torc
     total = weights.vae * v + weights.wgan * adv + weights.proto * po + weights.ce * ce
     total.backward()
     opt_model.step()
+    total, v, adv, c_loss, po, ce = (t.detach() for t in (total, v, adv, c_loss, po, ce))
     return {"loss": float(total), "vae": float(v), "wgan_generator": float(adv), "critic": float(c_loss),
             "prototype": float(po), "ce": float(ce),
             "residual_accuracy": float((logits.argmax(1) == y).float().mean()),

@@ -30,7 +30,7 @@ import torch
 
 from medfl.privacy.accounting import PrivacyConfigError, check_delta, check_positive, epsilon_spent, noise_for_epsilon
 
-__all__ = ["MECHANISMS", "Release", "release_features", "noise_comparison"]
+__all__ = ["MECHANISMS", "Release", "release_features", "release_noise", "perturb_features", "noise_comparison"]
 
 MECHANISMS = ("gaussian", "laplace")
 
@@ -77,10 +77,7 @@ def release_features(x_s: torch.Tensor, *, epsilon: float, clip: float, delta: f
     if not torch.isfinite(x_s).all():
         raise PrivacyConfigError(f"{where}: x_s holds NaN or infinite values; nothing is released")
     flat = x_s.detach().flatten(1).double()
-    order = 2 if mechanism == "gaussian" else 1
-    norms = flat.norm(p=order, dim=1)
-    scale = torch.clamp(clip / norms.clamp_min(1e-12), max=1.0)
-    clipped = flat * scale.unsqueeze(1)
+    clipped, norms = _clip(flat, clip, mechanism)
     if mechanism == "gaussian":
         delta = check_delta(delta, where)
         z = noise_for_epsilon(epsilon, delta, 1.0, 1, accountant)
@@ -97,6 +94,48 @@ def release_features(x_s: torch.Tensor, *, epsilon: float, clip: float, delta: f
                          float((norms > clip).double().mean()), accountant=None)
     x_p = (clipped + noise).to(x_s.dtype).view_as(x_s)
     return x_p, record
+
+
+def _clip(flat: torch.Tensor, clip: float, mechanism: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``flat`` scaled to norm at most ``clip`` (L2 for ``gaussian``, L1 for
+    ``laplace``): ``(clipped, norms before clipping)``; differentiable."""
+    norms = flat.norm(p=2 if mechanism == "gaussian" else 1, dim=1)
+    scale = torch.clamp(clip / norms.clamp_min(1e-12), max=1.0)
+    return flat * scale.unsqueeze(1), norms
+
+
+def release_noise(*, epsilon: float | None, clip: float, delta: float = 1e-5, mechanism: str = "gaussian",
+                  accountant: str = "rdp") -> float:
+    """The noise one release adds per coordinate: the Gaussian std ``z * clip`` (``z`` from
+    the accountant at ``(epsilon, delta)``) or the Laplace scale ``clip / epsilon``; 0 when
+    ``epsilon`` is ``None`` (noise off). What :func:`release_features` draws, so a classifier
+    can be trained on features perturbed as they will be released (:func:`perturb_features`)."""
+    if epsilon is None:
+        return 0.0
+    where = "release_noise"
+    epsilon, clip = check_positive(epsilon, "epsilon", where), check_positive(clip, "clip", where)
+    if mechanism == "laplace":
+        return clip / epsilon
+    if mechanism != "gaussian":
+        raise PrivacyConfigError(f"{where}: mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
+    return noise_for_epsilon(epsilon, check_delta(delta, where), 1.0, 1, accountant) * clip
+
+
+def perturb_features(x_s: torch.Tensor, *, clip: float, noise: float, mechanism: str = "gaussian",
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """``clip(x_s) + n`` as the release makes it, differentiable in ``x_s``: each sample
+    clipped to norm ``clip`` (L2, or L1 for ``laplace``) and noise of per-coordinate
+    ``noise`` (Gaussian std, or Laplace scale) added, drawn from ``generator``. For training
+    (the paper's classifier sees ``x_p = x_s + n``), not a release: nothing is accounted."""
+    clipped, _ = _clip(x_s.flatten(1), clip, mechanism)
+    if noise > 0:
+        if mechanism == "gaussian":
+            n = torch.randn(clipped.shape, generator=generator, dtype=clipped.dtype, device="cpu") * noise
+        else:
+            u = torch.rand(clipped.shape, generator=generator, dtype=clipped.dtype, device="cpu") - 0.5
+            n = -noise * torch.sign(u) * torch.log1p(-2 * u.abs())
+        clipped = clipped + n.to(clipped.device)
+    return clipped.view_as(x_s)
 
 
 def noise_comparison(x: torch.Tensor, x_s: torch.Tensor, *, epsilon: float, delta: float = 1e-5,

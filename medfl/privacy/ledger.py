@@ -22,6 +22,12 @@ Whose guarantee, against whom:
     zero-out adjacency: the client's update replaced by zeros), seen by the coordinator.
     The coordinator picks who takes part, so there is no amplification by sampling: the
     sample rate is 1 and a client's epsilon composes over the rounds it took part in.
+a method's own release (``Method.release_plan``; unit: one training sample of one client)
+    FedTPF's shared features: each sample's features are clipped and noised once, the
+    Gaussian mechanism at sample rate 1 accounted by Opacus's accountant (``feature_gaussian``)
+    or the Laplace mechanism with its pure epsilon, composed by summation
+    (``feature_laplace``, accountant ``laplace``). A release with noise multiplier 0 (a
+    measurement with the noise off) records an infinite epsilon.
 ``dp_sgd`` (unit: one training sample of one client)
     Opacus's DP-SGD with Poisson sampling at rate ``1 / ceil(N_k / batch_size)`` for
     ``epochs * ceil(N_k / batch_size)`` steps per local update, composed over the client's
@@ -34,6 +40,7 @@ the filtered model state (``PrivacyPlan.uncovered``); the summary lists them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +106,9 @@ class PrivacyPlan:
         self.chain = chain
         self.federation = federation
         self.chain_keys = list(type(method).reply_state)
+        #: the method's own per-sample release (``Method.release_plan``), or None
+        self.method_release = method.release_plan()
+        self.method_target = getattr(method, "epsilon", None) if self.method_release is not None else None
         chain.plan(federation, f"{where}, filters")
         self.dp_sgd: DpSgdPlan | None = None
         dp = federation.train.get("dp")
@@ -109,6 +119,10 @@ class PrivacyPlan:
             self.uncovered = ["training metrics in replies (mean loss, step counts)", "num_examples",
                               "evaluation and validation scalars"]
         self._extra: set[str] = set()
+        if self.method_release is not None:
+            self.uncovered += [f"labels and everything else in the release replies beside the features "
+                               f"({sorted(type(method).payload_exemptions)}: labels travel in the clear)",
+                               "every other reply entry (model states are sent without DP)"]
 
     def note_reply(self, payload: dict[str, Any]) -> None:
         """Note reply entries a DP filter chain did not cover (entries outside the method's
@@ -124,7 +138,7 @@ class PrivacyPlan:
     @property
     def private(self) -> bool:
         """Whether the run makes any DP release."""
-        return bool(self.chain.releases()) or self.dp_sgd is not None
+        return bool(self.chain.releases()) or self.dp_sgd is not None or self.method_release is not None
 
     # ------------------------------------------------------------------ DP-SGD
     @staticmethod
@@ -169,6 +183,13 @@ class PrivacyPlan:
             out[rel.mechanism] = {"unit": rel.unit, "noise_multiplier": rel.noise_multiplier, "clip": rel.clip,
                                   "sample_rate": rel.sample_rate, "delta": rel.delta, "accountant": rel.accountant,
                                   "planned_releases": planned_releases(self.federation)}
+        rel = self.method_release
+        if rel is not None:
+            out[rel.mechanism] = {"unit": rel.unit, "noise_multiplier": rel.noise_multiplier, "clip": rel.clip,
+                                  "sample_rate": rel.sample_rate, "delta": rel.delta, "accountant": rel.accountant,
+                                  "target_epsilon": self.method_target,
+                                  "private": rel.noise_multiplier > 0,
+                                  "releases": "each training sample once, when the method asks for it"}
         if self.dp_sgd is not None:
             p = self.dp_sgd
             out["dp_sgd"] = {"unit": "sample", **p.settings, "noise_multiplier": p.noise, "sample_rate": p.sample_rate,
@@ -212,6 +233,9 @@ class PrivacyLedger:
         if self.plan.dp_sgd is not None:
             for cid, sigma in self.plan.dp_sgd.noise.items():
                 planned[(cid, "dp_sgd")] = sigma
+        if self.plan.method_release is not None:
+            for cid in self.plan.federation.client_ids:
+                planned[(cid, self.plan.method_release.mechanism)] = self.plan.method_release.noise_multiplier
         out = []
         for (cid, mech), hist in sorted(self.history.items()):
             now = planned.get((cid, mech))
@@ -219,11 +243,12 @@ class PrivacyLedger:
                 out.append(f"{mech}: client {cid} spent at noise multiplier {hist[-1][0]:.4g}, continues at {now:.4g}")
         return out
 
-    def record(self, round: int, addressed: dict[str, int], reported_steps: dict[str, float] | None = None
-               ) -> list[dict[str, Any]]:
+    def record(self, round: int, addressed: dict[str, int], reported_steps: dict[str, float] | None = None,
+               released: list[str] | None = None) -> list[dict[str, Any]]:
         """Record round ``round``: ``addressed`` maps each client sent a training instruction
         to how many times (train steps), in the order its rows are written. ``reported_steps`` (DP-SGD clients' ``dp_steps``)
-        is checked against the plan.
+        is checked against the plan. ``released``: the clients asked for the method's own
+        per-sample release this round (``Method.round_releases``), one release each.
 
         Raises:
             PrivacyConfigError: a client reports other DP-SGD steps than planned (the
@@ -246,6 +271,11 @@ class PrivacyLedger:
                         "local steps cannot use train.dp)")
                 new.append(self._add(round, cid, "dp_sgd", "sample", p.noise[cid], float(p.settings["max_grad_norm"]),
                                      p.sample_rate[cid], planned, float(p.settings["delta"]), p.settings["accountant"]))
+        rel = self.plan.method_release
+        if rel is not None:
+            for cid in released or []:
+                new.append(self._add(round, str(cid), rel.mechanism, rel.unit, rel.noise_multiplier, rel.clip,
+                                     rel.sample_rate, 1, rel.delta, rel.accountant))
         self.rows.extend(new)
         return new
 
@@ -257,7 +287,7 @@ class PrivacyLedger:
                 hist[-1] = (sigma, q, hist[-1][2] + steps)
             else:
                 hist.append((sigma, q, steps))
-        eps = epsilon_spent(hist, delta, accountant)
+        eps = _epsilon(hist, delta, accountant)
         return {"round": round, "client_id": cid, "mechanism": mech, "unit": unit, "noise_multiplier": sigma,
                 "clip": clip, "steps": steps, "total_steps": sum(h[2] for h in hist), "sample_rate": q,
                 "epsilon": eps, "delta": delta, "accountant": accountant}
@@ -290,13 +320,38 @@ class PrivacyLedger:
             out["mechanisms"][str(mech)] = block
         eps = [b["epsilon"] for b in out["mechanisms"].values()]
         out["epsilon"] = max(eps) if eps else 0.0
+        open_ = [m for m, b in out["mechanisms"].items() if not math.isfinite(b["epsilon"])]
+        if open_:
+            # a release with the noise off (a measurement): no guarantee; JSON has no infinity
+            out["private"], out["epsilon"] = False, None
+            out["non_private_releases"] = open_
+            for m in open_:
+                block = out["mechanisms"][m]
+                block["epsilon"] = None
+                block["per_client"] = {c: (e if math.isfinite(e) else None) for c, e in block["per_client"].items()}
         out["not_covered"] = list(plan.uncovered)
         return out
+
+
+def _epsilon(hist: list[tuple[float, float, int]], delta: float, accountant: str) -> float:
+    """Epsilon of a history of ``(noise_multiplier, sample_rate, steps)``: Opacus's
+    accountant; for the Laplace mechanism (``accountant == "laplace"``, noise multiplier
+    ``1 / epsilon`` of one release) the sum of the releases' pure epsilons; infinite when
+    any release carried no noise."""
+    if not hist:
+        return 0.0
+    if any(sigma <= 0 for sigma, _, steps in hist if steps > 0):
+        return float("inf")
+    if accountant == "laplace":
+        return float(sum(steps / sigma for sigma, _, steps in hist))
+    return epsilon_spent(hist, delta, accountant)
 
 
 def _target(plan: PrivacyPlan, mech: str) -> float | None:
     if mech == "dp_sgd" and plan.dp_sgd is not None:
         return plan.dp_sgd.settings.get("epsilon")
+    if plan.method_release is not None and mech == plan.method_release.mechanism:
+        return plan.method_target
     for f in plan.chain.filters:
         rel = f.release()
         if rel is not None and rel.mechanism == mech:

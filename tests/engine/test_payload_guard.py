@@ -155,9 +155,21 @@ def test_exempt_keys_skip_the_content_check_but_not_the_type_check(ctx_data: tup
     class _Exempt(_Leak):
         payload_exemptions = frozenset({"leak"})
 
-    run_client_update(_Exempt(_x), _ctx(*ctx_data), Instruction())
+    release = Instruction(config={"dp_release": True})
+    run_client_update(_Exempt(_x), _ctx(*ctx_data), release)
     with pytest.raises(PayloadError, match="only tensors and scalars"):
-        run_client_update(_Exempt(lambda c: object()), _ctx(*ctx_data), Instruction())
+        run_client_update(_Exempt(lambda c: object()), _ctx(*ctx_data), release)
+
+
+def test_exempt_keys_are_checked_outside_the_declared_release(ctx_data: tuple[_Data, _Data]) -> None:
+    """An exempted key holding the client's images is refused in a reply to any instruction
+    that does not ask for the release (``dp_release`` missing, false, or a string)."""
+    class _Exempt(_Leak):
+        payload_exemptions = frozenset({"leak"})
+
+    for config in ({}, {"dp_release": False}, {"dp_release": "yes"}):
+        with pytest.raises(PayloadError, match=r"\['leak'\]: holds image 0 of client 3's train split"):
+            run_client_update(_Exempt(_x), _ctx(*ctx_data), Instruction(config=config))
 
 
 def test_few_labels_are_not_distinguishable_from_chance() -> None:
