@@ -322,9 +322,13 @@ class FedTPF(Method):
                                "converged": sorted(self.stopped_at), "clients": len(self.federation.client_ids)}
 
     def _build_shared(self, round: int, replies: dict[str, Reply]) -> None:
-        shape = None
+        # the reference shape: the most common among the replies (one bad site cannot set it)
+        shapes = [tuple(r.payload["shared_x"].shape[1:]) for r in replies.values()
+                  if isinstance(r.payload.get("shared_x"), torch.Tensor)]
+        shape = max(shapes, key=shapes.count) if shapes else None
+        fed = self.federation
         xs, ys = [], []
-        k = self.federation.num_classes
+        k = fed.num_classes
         for cid, r in replies.items():
             where = f"release reply of client {cid} in round {round}"
             x, y = r.payload.get("shared_x"), r.payload.get("shared_y")
@@ -338,10 +342,9 @@ class FedTPF(Method):
             if n != int(y.shape[0]) or n != int(r.num_examples) or n > limit:
                 raise PayloadError(f"{where}: {n} features, {int(y.shape[0])} labels, num_examples "
                                    f"{r.num_examples}; the client holds {limit} training samples")
-            if shape is None:
-                shape = tuple(x.shape[1:])
-            if tuple(x.shape[1:]) != shape:
-                raise PayloadError(f"{where}: feature shape {tuple(x.shape[1:])} differs from {shape}")
+            if tuple(x.shape[1:]) != shape or x.shape[1] != fed.in_channels or x.dim() - 2 != fed.spatial_dims:
+                raise PayloadError(f"{where}: feature shape {tuple(x.shape[1:])} differs from the other sites' "
+                                   f"{shape} or from {fed.in_channels} channels in {fed.spatial_dims}D")
             if not torch.isfinite(x).all() or (n and (int(y.min()) < 0 or int(y.max()) >= k)):
                 raise PayloadError(f"{where}: non-finite features or labels outside [0, {k})")
             xs.append(x.float())

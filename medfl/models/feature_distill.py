@@ -144,7 +144,7 @@ def distill_step(vae: DistillVAE, critic: Critic, classifier: nn.Module, x: torc
     return {"loss": float(total), "vae": float(v), "wgan_generator": float(adv), "critic": float(c_loss),
             "prototype": float(po), "ce": float(ce),
             "residual_accuracy": float((logits.argmax(1) == y).float().mean()),
-            "residual_norm_ratio": float(x_s.flatten(1).norm(dim=1).mean() / x.flatten(1).norm(dim=1).mean()
+            "residual_norm_ratio": float(x_s.detach().flatten(1).norm(dim=1).mean() / x.flatten(1).norm(dim=1).mean()
                                          .clamp_min(1e-12))}
 
 

@@ -51,6 +51,8 @@ JOBS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fedskd": ({"name": "fedskd", "iterations": 2}, _P2P),
     "fedcross": ({"name": "fedcross", "iterations": 2}, {k: v for k, v in _P2P.items() if k != "client_models"}),
     "fedcross_het": ({"name": "fedcross_het", "iterations": 2}, _P2P),
+    "fedtpf": ({"name": "fedtpf", "distill_rounds": 1, "vae_width": 4, "critic_width": 4}, _CNN),
+    "fedfed": ({"name": "fedfed", "distill_rounds": 1, "vae_width": 4}, _CNN),
     "pfedcdp": ({"name": "pfedcdp", "refine_epochs": 1, "capabilities": "draw"},
                 {**_CNN, "public_dataset": {"name": "synthetic2d", "num_samples": 40, "num_classes": 2,
                                             "image_size": 16, "noise": 0.5, "seed": 1}}),

@@ -159,7 +159,8 @@ def test_every_built_in_method_has_a_flower_check() -> None:
 
     built_in = {n for n, r in registry()["method"].items() if r.distribution == "medfl"}
     # pfedcdp: tests/flower/test_pfedcdp_flower.py (it needs a public dataset and its own checks)
-    checked = {"fedavg", "fedskd", "fedbn", "centralized", "pfedcdp", *OTHER_METHODS}
+    # fedtpf, fedfed: tests/flower/test_fedtpf_flower.py (stage switch, release round, reproducible noise)
+    checked = {"fedavg", "fedskd", "fedbn", "centralized", "pfedcdp", "fedtpf", "fedfed", *OTHER_METHODS}
     assert "fedavg" in built_in
     assert built_in - checked == set(), "add these methods to OTHER_METHODS"
 

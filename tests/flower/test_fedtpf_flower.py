@@ -1,0 +1,90 @@
+"""FedTPF over Flower (the loop-back grid of test_coordinator.py: the coordinator's and the
+sites' real code): stage 1, the stop-condition validation exchange, the release round and
+stage 2 give the in-process numbers; only the release reply carries per-sample features, and
+only in answer to the release instruction; a site whose release reply carries features of the
+wrong shape is refused naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
+
+from medfl import wire  # noqa: E402
+from medfl.flower import protocol as P  # noqa: E402
+from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
+
+from flower_cases import numeric_equal  # noqa: E402
+import test_coordinator  # noqa: E402
+from test_coordinator import _no_state_at_coordinator, _run_both  # noqa: E402
+
+task_identity = test_coordinator.task_identity
+
+JOB: dict[str, Any] = {"rounds": 4, "model": {"name": "small_cnn", "width": 4}, "train": {"batch_size": 8, "lr": 0.05},
+                       "client_split": {"train": 0.6, "val": 0.2, "test": 0.2},
+                       "methods": [{"name": "fedtpf", "distill_rounds": 2, "epsilon": 4.0, "vae_width": 4,
+                                    "critic_width": 4}]}
+
+
+def test_fedtpf_over_flower_gives_the_in_process_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(REPRODUCIBLE_NOISE_ENV, "1")   # the sites draw the release noise from the run seed alone
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def rule(node: int, kind: str, ctl: dict[str, Any]) -> str:
+        seen.append((kind, ctl))
+        return "ok"
+
+    flower, local, grid = _run_both(tmp_path, "tpf", JOB, {"rule": rule})
+    for f in ("metrics.csv", "train_metrics.csv", "privacy.csv", "validation_metrics.csv"):
+        numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f"fedtpf: {f}", atol=0.0)
+    reports = [json.loads((d / "summary.json").read_text()) for d in (flower, local)]
+    assert reports[0]["method_report"] == reports[1]["method_report"]
+    assert reports[0]["privacy"]["epsilon"] == reports[1]["privacy"]["epsilon"] <= 4.0
+    # round 3 is the transition: 3 release messages and 3 training messages
+    trains = [r for (_, k, r) in grid.sent if k == P.TRAIN]
+    assert [trains.count(r) for r in (1, 2, 3, 4)] == [3, 3, 6, 3]
+    assert [r for (_, k, r) in grid.sent if k == P.VALIDATE] == [1, 1, 1]    # after round 1 only
+    _no_state_at_coordinator(flower)
+
+
+def test_a_site_sending_features_outside_the_release_or_of_the_wrong_shape_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(REPRODUCIBLE_NOISE_ENV, "1")
+
+    first: list[int] = []
+
+    def tamper(node: int, kind: str, ctl: dict[str, Any], out: Any) -> Any:
+        if kind == P.TRAIN and int(ctl.get("round", 0)) == 3 and first in ([], [node]):
+            first[:] = [node]
+            payload = wire.take(out, "reply.payload", "test", allow_str=False)
+            if "shared_x" in payload:
+                payload["shared_x"] = payload["shared_x"][:, :, :4]
+                wire.put(out, "reply.payload", payload, "test", allow_str=False)
+        return out
+
+    with pytest.raises(Exception, match=r"release reply of client \d in round 3: feature shape"):
+        _run_both(tmp_path, "tpf_bad", JOB, {"tamper": tamper})
+
+
+def test_image_shaped_features_outside_the_release_round_are_refused(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shared_x`` is excused from the coordinator's shape check only in a reply to the
+    release instruction: the same key in a stage-2 training reply is refused."""
+    import torch
+
+    monkeypatch.setenv(REPRODUCIBLE_NOISE_ENV, "1")
+
+    def tamper(node: int, kind: str, ctl: dict[str, Any], out: Any) -> Any:
+        if kind == P.TRAIN and int(ctl.get("round", 0)) == 4:
+            payload = wire.take(out, "reply.payload", "test", allow_str=False)
+            payload["shared_x"] = torch.rand(20, 1, 16, 16)   # shaped like a batch of the images
+            wire.put(out, "reply.payload", payload, "test", allow_str=False)
+        return out
+
+    with pytest.raises(Exception, match=r"reply of site \d in round 4\['shared_x'\]"):
+        _run_both(tmp_path, "tpf_leak", JOB, {"tamper": tamper})
