@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from medfl.config import ConfigError, resolve_config
 
-__all__ = ["run", "print_result", "infer", "load_bundle_config", "parse_override_value", "user_errors",
+__all__ = ["run", "choose", "print_result", "infer", "load_bundle_config", "parse_override_value", "user_errors",
            "exit_on_user_error", "USER_ERROR_EXIT"]
 
 #: Exit code of a run stopped by a mistake in its input (that of ``medfl run``; argparse's too).
@@ -92,6 +92,19 @@ def run(fl: dict[str, Any], *, exit_on_error: bool = True) -> dict[str, Any]:
         result = run_experiment(resolve_config(fl))
         print_result(result)
     return result
+
+
+def choose(options: dict[str, Any], key: Any, what: str) -> Any:
+    """``options[key]``, for a bundle variable that picks one of several named settings
+    (``"partition": "$medfl.bundle.choose(@splits, @split, 'split')"``); an unknown key stops
+    the run with one message naming ``what`` and listing the valid keys.
+
+    Raises:
+        ConfigError: ``key`` is not one of ``options``.
+    """
+    if not isinstance(key, str) or key not in options:
+        raise ConfigError(f"{what}: {key!r} is not one of {', '.join(map(repr, options))}")
+    return options[key]
 
 
 def print_result(result: dict[str, Any]) -> None:
