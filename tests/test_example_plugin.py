@@ -73,11 +73,12 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     info = {p["name"]: p for p in json.loads(listed.stdout)}
     plugin = info["medfl-plugin-example:median"]
     assert plugin["distribution"] == "medfl-plugin-example" and plugin["version"] == "0.1.0"
-    assert plugin["registered"] == {"method": ["median", "median_snapshots"], "filter": ["half"]}
+    assert plugin["registered"] == {"method": ["dp_shared_images", "median", "median_snapshots"], "filter": ["half"]}
     cfg = tmp_path / "train.json"
     tiny_fl.update(rounds=3, eval_splits=["test", "cross_test"],
                    methods=[{"name": "median", "filters": [{"name": "half"}]},
-                            {"name": "median_snapshots", "keep": 2, "top": 1}])
+                            {"name": "median_snapshots", "keep": 2, "top": 1},
+                            {"name": "dp_shared_images", "epsilon": 4.0}])
     cfg.write_text(json.dumps({"fl": tiny_fl}))
     proc = subprocess.run([sys.executable, "-m", "medfl.cli", "run", str(cfg)], env=env,
                           capture_output=True, text=True)
@@ -97,6 +98,12 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     assert set(s_snap["final_models"]["best_snapshot"]) == {"round", "local_test"}
     final = (snap / "final_metrics.csv").read_text().splitlines()
     assert final[0].startswith("model,round,client_id,client_name,split,n,") and len(final) == 1 + 3
+    # a per-sample DP release declared through the contract: one per client, in round 1
+    shared = Path(tiny_fl["output_dir"]) / "t" / "dp_shared_images"
+    privacy = (shared / "privacy.csv").read_text().splitlines()
+    assert len(privacy) == 1 + 3 and all(row.startswith("1,") and ",shared_images,sample," in row
+                                         for row in privacy[1:])
+    assert 0 < json.loads((shared / "summary.json").read_text())["privacy"]["epsilon"] <= 4.0
     # MEDFL_LOAD_PLUGINS restricts third-party plugins
     env["MEDFL_LOAD_PLUGINS"] = ""
     listed = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "--json"], env=env,

@@ -16,6 +16,16 @@ probabilities (``ProbabilityModel``), which the Global Test (``cross_test``) sco
 Flower too, client groups (``client_groups``), a report in ``summary.json`` (``report``) and
 a final model the run scores at every client (``final_models``: the best snapshot).
 
+``dp_shared_images``: FedAvg on each client's data plus a shared set of every client's
+training images, each released once under per-sample differential privacy (clipped and
+noised with :func:`medfl.privacy.feature_release.release_features`) in round 1. It shows how
+a method sends per-sample data at all: the reply keys in ``payload_exemptions``, excused from
+the engine's per-sample check only in replies to an instruction whose config carries
+``"dp_release": True``, the release declared by ``release_plan`` (the run's ``privacy.csv``
+records each client's epsilon) and ``round_releases`` (who was asked when). Labels travel in
+the clear. It is the "share DP raw data" baseline FedTPF argues against: the same epsilon
+drowns whole images in noise.
+
 ``half``: a reply filter (``"filters": [{"name": "half"}]``) that sends every
 floating-point tensor of a reply's model state in float16 (half the bytes of float32) and
 turns it back into the dtype the coordinator sent. It shows the filter contract: ``apply`` at
@@ -31,13 +41,18 @@ import torch
 from torch import nn
 
 from medfl import Instruction, hookimpl
+from medfl.method import derive_seed
 from medfl.engine.hub import HubAndSpoke
 from medfl.engine.training import predict_proba
-from medfl.filters import Filter, FilterContext
-from medfl.messages import PayloadError
+from medfl.engine.training import get_state, make_optimizer, train_epochs
+from medfl.filters import Filter, FilterContext, Release
+from medfl.messages import PayloadError, Reply
+from medfl.privacy.accounting import noise_for_epsilon
+from medfl.privacy.feature_release import release_features
 from medfl.models import ProbabilityModel
 
-__all__ = ["FedMedian", "MedianSnapshots", "MeanProbability", "Half", "register_methods", "register_filters"]
+__all__ = ["FedMedian", "MedianSnapshots", "MeanProbability", "DpSharedImages", "Half", "register_methods",
+           "register_filters"]
 
 
 class FedMedian(HubAndSpoke):
@@ -184,11 +199,112 @@ class MedianSnapshots(FedMedian):
         return MeanProbability([client.load_model(s) for s in instruction.payload["models"]])
 
 
+class DpSharedImages(HubAndSpoke):
+    """FedAvg on local data plus every client's images, released once with per-sample DP.
+
+    Round 1 has two steps: every client releases its training images (clip to L2 norm
+    ``clip``, Gaussian noise for ``(epsilon, delta)``, one release per image) with their
+    labels; the coordinator keeps them as the shared set. From then on each sampled client
+    trains on its own data and the shared set, shuffled together.
+    """
+
+    name = "dp_shared_images"
+    description = "FedAvg plus a shared set of DP-noised images (one per-sample release)"
+    payload_exemptions = frozenset({"shared_x", "shared_y"})
+
+    def __init__(self, epsilon: float = 8.0, clip: float = 5.0, delta: float = 1e-5) -> None:
+        if not (epsilon > 0 and clip > 0 and 0 < delta < 1):
+            raise ValueError("dp_shared_images: epsilon and clip must be > 0, delta in (0, 1)")
+        self.epsilon, self.clip, self.delta = float(epsilon), float(clip), float(delta)
+
+    def release_plan(self) -> Release:
+        """One Gaussian release per image (sample rate 1), asked once."""
+        z = noise_for_epsilon(self.epsilon, self.delta, 1.0, 1, "rdp")
+        return Release("shared_images", z, self.clip, 1.0, self.delta, "rdp", unit="sample")
+
+    def setup(self, federation) -> None:
+        super().setup(federation)
+        self.shared: dict[str, torch.Tensor] = {}
+        self.asked = 0
+
+    def round_steps(self, round: int) -> int:
+        return 2 if round == 1 and not self.shared else 1
+
+    def round_releases(self, round: int) -> list[str]:
+        return list(self.federation.client_ids) if round == self.asked else []
+
+    def configure_round(self, round: int) -> dict[str, Instruction]:
+        if not self.shared:   # the release step: every client, flagged as the declared DP release
+            self.asked = round
+            ins = Instruction(config={"dp_release": True, "epsilon": self.epsilon, "clip": self.clip,
+                                      "delta": self.delta})
+            return {cid: ins for cid in self.federation.client_ids}
+        return {cid: Instruction(payload={"model": self.global_state, **self.shared})
+                for cid in self.federation.sample(round)}
+
+    def server_update(self, round: int, replies) -> None:
+        if self.shared:
+            return super().server_update(round, replies)
+        xs, ys = [], []
+        for cid, reply in replies.items():
+            x, y = reply.payload.get("shared_x"), reply.payload.get("shared_y")
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.is_floating_point()
+                    and len(x) == len(y) == reply.num_examples and torch.isfinite(x).all()
+                    and ((y >= 0) & (y < self.federation.num_classes)).all()):
+                raise PayloadError(f"release of client {cid}: expected finite float images and labels in "
+                                   f"[0, {self.federation.num_classes}), one per training sample")
+            xs.append(x.float())
+            ys.append(y.long())
+        self.shared = {"shared_x": torch.cat(xs), "shared_y": torch.cat(ys)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "shared": self.shared, "asked": self.asked}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.shared, self.asked = dict(state["shared"]), int(state["asked"])
+
+    def client_update(self, client, instruction: Instruction) -> Reply:
+        if instruction.config.get("dp_release") is True:
+            cfg = instruction.config
+            data = client.dataset("train", augment=False)
+            x = torch.stack([data[i][0] for i in range(len(data))])
+            y = torch.tensor([int(data[i][1]) for i in range(len(data))])
+            g = torch.Generator().manual_seed(derive_seed(client.seed, "release", client.noise_key))
+            x_p, rec = release_features(x, epsilon=float(cfg["epsilon"]), clip=float(cfg["clip"]),
+                                        delta=float(cfg["delta"]), generator=g)
+            return Reply(payload={"shared_x": x_p, "shared_y": y}, metrics={"clipped_fraction": rec.clipped_fraction},
+                         num_examples=len(y))
+        model = self.client_model(client, instruction)
+        shared = torch.utils.data.TensorDataset(instruction.payload["shared_x"], instruction.payload["shared_y"])
+        both = torch.utils.data.ConcatDataset([client.dataset("train"), _Labelled(shared)])
+        loader = torch.utils.data.DataLoader(both, batch_size=int(client.train.get("batch_size", 16)), shuffle=True,
+                                             generator=torch.Generator().manual_seed(client.seed))
+        stats = train_epochs(model, loader, make_optimizer(model.parameters(), client.train),
+                             int(client.train.get("epochs", 1)), device=client.device)
+        return Reply(payload={"model": get_state(model)}, metrics=stats, num_examples=client.num_examples())
+
+
+class _Labelled(torch.utils.data.Dataset):
+    """``(image, int label)`` items, like a client dataset's, from a TensorDataset."""
+
+    def __init__(self, inner: torch.utils.data.TensorDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        x, y = self.inner[i]
+        return x, int(y)
+
+
 @hookimpl
 def register_methods(register):
-    """Register ``median`` and ``median_snapshots``."""
+    """Register ``median``, ``median_snapshots`` and ``dp_shared_images``."""
     register(FedMedian)
     register(MedianSnapshots)
+    register(DpSharedImages)
 
 
 class Half(Filter):
