@@ -61,6 +61,14 @@ def _sub(state: State, prefix: str) -> State:
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def _size(client: ClientContext, split: str) -> int:
+    """Samples in the client's ``split``; 0 when it has no such split."""
+    try:
+        return int(client.num_examples(split))
+    except KeyError:
+        return 0
+
+
 def _as_float(value: Any) -> float:
     try:
         out = float(value)
@@ -528,8 +536,8 @@ class FedTPF(Method):
         """``p_k``: the global distillation model's residual accuracy on this client's ``val``
         split (``test`` without one), the cosine of ``x_hat`` and ``x_s``, and the stop condition
         over this client's history (``converged`` 1 once met; the model is frozen then)."""
-        split = "val" if client.num_examples("val") > 0 else "test"
-        if client.num_examples(split) == 0:
+        split = "val" if _size(client, "val") > 0 else "test"
+        if _size(client, split) == 0:
             return {"residual_accuracy": math.nan, "cosine": math.nan, "converged": 0.0}
         distill = instruction.payload["distill"]
         vae, _, cls = self._client_nets(client, distill)

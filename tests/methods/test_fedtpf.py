@@ -265,6 +265,13 @@ def test_laplace_and_noise_off_are_recorded_as_such(tmp_path: Path, entry: dict,
         assert block["epsilon"] == pytest.approx(eps) and privacy["epsilon"].tolist() == pytest.approx([eps] * 3)
 
 
+def test_without_a_val_split_the_stop_condition_reads_the_test_split(tmp_path: Path) -> None:
+    out = run_experiment(resolve_config(_job(tmp_path, {"name": "fedtpf", "distill_rounds": 2, **SMALL}, rounds=3,
+                                             client_split={"train": 0.8, "test": 0.2})))
+    val = pd.read_csv(Path(out["dir"]) / "fedtpf" / "validation_metrics.csv")
+    assert len(val) == 3 and val["residual_accuracy"].between(0, 1).all()
+
+
 @pytest.mark.parametrize("stop", [2, 3])
 def test_resume_across_the_stage_switch_gives_identical_results(tmp_path: Path, stop: int) -> None:
     """Stopped before the transition round (2) or right after it (3), the resumed run ends
