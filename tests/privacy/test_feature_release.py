@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from medfl.privacy.accounting import PrivacyConfigError, epsilon_spent, noise_for_epsilon
-from medfl.privacy.feature_release import noise_comparison, release_features
+from medfl.privacy.feature_release import noise_comparison, perturb_features, release_features, release_noise
 
 __all__: list[str] = []
 
@@ -61,3 +61,24 @@ def test_noise_comparison_smaller_features_need_less_noise_for_the_same_budget()
     assert out["x_noise_std"] == pytest.approx(out["noise_multiplier"] * out["x_clip"])
     # the noise needed scales with the clip norm, so relative to its own signal it is alike
     assert out["x_s_noise_to_signal"] == pytest.approx(out["x_noise_to_signal"], rel=0.5)
+
+
+def test_training_perturbation_matches_the_release_and_passes_gradients() -> None:
+    """``perturb_features`` clips and noises as ``release_features`` does (the classifier is
+    trained on what will be released), differentiably; ``release_noise`` is the release's
+    per-coordinate noise (0 with the noise off)."""
+    x = torch.tensor([[3.0, 4.0], [0.3, 0.4]], requires_grad=True)        # norms 5 and 0.5
+    clipped = perturb_features(x, clip=1.0, noise=0.0)
+    torch.testing.assert_close(clipped.detach(), torch.tensor([[0.6, 0.8], [0.3, 0.4]]))
+    clipped.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    z = noise_for_epsilon(2.0, 1e-5, 1.0, 1, "rdp")
+    assert release_noise(epsilon=2.0, clip=3.0, delta=1e-5) == pytest.approx(z * 3.0)
+    assert release_noise(epsilon=2.0, clip=3.0, mechanism="laplace") == pytest.approx(1.5)
+    assert release_noise(epsilon=None, clip=3.0) == 0.0
+    big = torch.zeros(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    noisy = perturb_features(big, clip=1.0, noise=0.5, generator=g)
+    assert float(noisy.std()) == pytest.approx(0.5, rel=0.05)
+    lap = perturb_features(big, clip=1.0, noise=0.5, mechanism="laplace", generator=g)
+    assert float(lap.abs().mean()) == pytest.approx(0.5, rel=0.08)                  # E|Laplace(b)| = b
