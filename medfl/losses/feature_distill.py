@@ -84,8 +84,9 @@ def gradient_penalty(critic: Callable[[torch.Tensor], torch.Tensor], real: torch
     """WGAN-GP's penalty (Gulrajani et al. 2017): ``E[(||grad_x D(x_tilde)||_2 - 1)^2]`` at
     ``x_tilde = e * real + (1 - e) * fake``, ``e ~ U[0, 1]`` per sample (seeded by
     ``generator``). Differentiable in the critic's parameters."""
-    e = torch.rand((real.shape[0],) + (1,) * (real.dim() - 1), generator=generator, device=real.device,
-                   dtype=real.dtype)
+    where = generator.device if generator is not None else real.device
+    e = torch.rand((real.shape[0],) + (1,) * (real.dim() - 1), generator=generator, device=where,
+                   dtype=real.dtype).to(real.device)
     mixed = (e * real.detach() + (1 - e) * fake.detach()).requires_grad_(True)
     out = critic(mixed)
     (grad,) = torch.autograd.grad(out.sum(), mixed, create_graph=True)

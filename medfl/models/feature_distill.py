@@ -71,7 +71,9 @@ class DistillVAE(nn.Module):
         """``(x_hat, z, mu, logvar)``, ``z = mu + sigma * eps`` (reparameterised; ``eps``
         seeded by ``generator``)."""
         mu, logvar = self.encode(x)
-        eps = torch.randn(mu.shape, generator=generator, device=mu.device, dtype=mu.dtype)
+        # drawn where the generator lives (a CPU generator seeds CUDA runs too), then moved
+        where = generator.device if generator is not None else mu.device
+        eps = torch.randn(mu.shape, generator=generator, device=where, dtype=mu.dtype).to(mu.device)
         z = mu + torch.exp(0.5 * logvar) * eps
         return self.decode(z, tuple(x.shape[2:])), z, mu, logvar
 
