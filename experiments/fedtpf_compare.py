@@ -12,7 +12,9 @@ initialisation):
 ablations (``--ablations``, on the first setting only): ``fedtpf_noproto`` (``lambda_proto``
 0), ``fedtpf_nodecay`` (``decay`` off), ``fedtpf_nocritic`` (``lambda_wgan`` 0) and
 ``fedtpf_nonoise`` (``epsilon`` null: the release is clipped, not noised; a measurement,
-flagged non-private in its ``privacy.csv`` and here).
+flagged non-private in its ``privacy.csv`` and here), and a control, ``fedtpf_labelsonly``
+(clip 1e-6: the shared features are all but zero, so the shared set carries only its labels:
+what the labels alone buy).
 
 Settings: ``--splits`` among ``dirichlet_0.1``, ``dirichlet_0.3``, ``dirichlet_1.0``,
 ``label_skew_2`` (#C=2) and ``subset`` (90 % of each client's data from one class) at
@@ -71,7 +73,8 @@ def arms(a: argparse.Namespace, ablations: bool) -> list[dict[str, Any]]:
         out += [{"name": "fedtpf", "label": "fedtpf_noproto", **common, "lambda_proto": 0.0},
                 {"name": "fedtpf", "label": "fedtpf_nodecay", **common, "decay": False},
                 {"name": "fedtpf", "label": "fedtpf_nocritic", **common, "lambda_wgan": 0.0},
-                {"name": "fedtpf", "label": "fedtpf_nonoise", **common, "epsilon": None}]
+                {"name": "fedtpf", "label": "fedtpf_nonoise", **common, "epsilon": None},
+                {"name": "fedtpf", "label": "fedtpf_labelsonly", **{**common, "clip": 1e-6}}]
     return out
 
 
