@@ -33,3 +33,14 @@ def test_bundle_is_well_formed(bundle: Path):
     assert (bundle / "docs" / "README.md").is_file()
     if bundle.name != "demo":
         ConfigParser.load_config_file(str(bundle / "configs" / "inference.json"))
+
+
+@pytest.mark.parametrize("bundle", BUNDLES, ids=[b.name for b in BUNDLES])
+def test_bundle_metadata_uses_no_deprecated_key(bundle: Path):
+    """MONAI renames deprecated metadata keys with a warning at every run
+    (``optional_packages_version`` -> ``required_packages_version``): follow the current schema."""
+    from monai.bundle.utils import DEPRECATED_ID_MAPPING
+
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
+    old = sorted(set(meta) & set(DEPRECATED_ID_MAPPING))
+    assert not old, f"{bundle.name}: deprecated {old}; use {[DEPRECATED_ID_MAPPING[k] for k in old]}"
