@@ -24,10 +24,12 @@ from typing import Any, Iterator
 from medfl.config import ConfigError, resolve_config
 
 __all__ = ["run", "choose", "print_result", "infer", "load_bundle_config", "parse_override_value", "user_errors",
-           "exit_on_user_error", "USER_ERROR_EXIT"]
+           "exit_on_user_error", "USER_ERROR_EXIT", "INTERRUPTED_EXIT"]
 
 #: Exit code of a run stopped by a mistake in its input (that of ``medfl run``; argparse's too).
 USER_ERROR_EXIT = 2
+#: exit code after Ctrl-C (128 + SIGINT, as shells report it)
+INTERRUPTED_EXIT = 130
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -64,7 +66,8 @@ def exit_on_user_error() -> Iterator[None]:
     ``SystemExit`` is not an ``Exception``, so MONAI's expression evaluation (which
     re-raises every ``Exception`` as "Failed to evaluate ConfigExpression") lets it through:
     under ``python -m monai.bundle run`` the medfl message is the last line printed and the
-    exit code is non-zero. The original exception stays attached as ``__cause__``.
+    exit code is non-zero. The original exception stays attached as ``__cause__``. Ctrl-C
+    (``KeyboardInterrupt``) ends the process with :data:`INTERRUPTED_EXIT` and no traceback.
     """
     try:
         yield
@@ -72,6 +75,8 @@ def exit_on_user_error() -> Iterator[None]:
         sys.stdout.flush()
         print(f"medfl: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from exc
+    except KeyboardInterrupt:   # the run printed what was saved and how to resume: no traceback
+        raise SystemExit(INTERRUPTED_EXIT) from None
 
 
 def run(fl: dict[str, Any], *, exit_on_error: bool = True) -> dict[str, Any]:

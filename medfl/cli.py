@@ -372,8 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``medfl`` command."""
-    from medfl.bundle import user_errors
+    """Entry point of the ``medfl`` command. Exit codes: 0, 2 for a mistake in the input
+    (one ``medfl: error:`` line), 130 for Ctrl-C (after the run's line saying how to resume)."""
+    from medfl.bundle import INTERRUPTED_EXIT, user_errors
 
     args = build_parser().parse_args(argv)
     try:
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"medfl: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # the run said what was saved and how to resume
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -640,6 +640,27 @@ class Run:
         bar = tqdm(range(self.start_round, last + 1), desc=f"{self.label}", unit="round",
                    disable=not self.config.get("progress", True), leave=True,
                    initial=self.start_round - 1, total=rounds)
+        try:
+            self._rounds(bar, last, pm)
+        except KeyboardInterrupt:
+            bar.close()
+            self._status("interrupted", self._ckpt)
+            top = self.run_dir.parent
+            while (top.parent / "config.json").is_file():
+                top = top.parent
+            saved = (f"rounds 1-{self._ckpt} are saved in {self.run_dir}" if self._ckpt else
+                     f"no round was finished yet in {self.run_dir} (a resume starts at round 1)")
+            print(f"\nmedfl [{self.label}]: interrupted; {saved} (status.json says \"interrupted\"); "
+                  f"continue with: medfl resume {top}", file=sys.stderr, flush=True)
+            raise
+        bar.close()
+        if last < rounds:
+            self._status("stopped", last)
+            return {}
+        return self._finish(rounds, t0)
+
+    def _rounds(self, bar: Any, last: int, pm: Any) -> None:
+        """The round loop of :meth:`execute` (the profile exchange first on a fresh run)."""
         if self.start_round == 1 and last >= 1:
             self.profile()
         for r in bar:
@@ -655,10 +676,10 @@ class Run:
                 bar.set_postfix(post)
             self._status("running", r)
             pm.hook.on_round_end(run=self, round=r, metrics=rows)
-        bar.close()
-        if last < rounds:
-            self._status("stopped", last)
-            return {}
+
+    def _finish(self, rounds: int, t0: float) -> dict[str, Any]:
+        """After the last round: finalize, score the final models, write the summary."""
+        pm = get_plugin_manager()
         self.coordinator.finalize()
         finals = self.evaluate_finals(rounds)
         summary = {"method": self.method_spec["name"], "label": self.label,
