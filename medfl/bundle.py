@@ -40,14 +40,16 @@ def user_errors() -> tuple[type[BaseException], ...]:
     on (:class:`~medfl.engine.runner.RunError`), a method's payload breaking the message
     contract (:class:`~medfl.messages.PayloadError`), privacy settings no noise can meet
     (:class:`~medfl.privacy.accounting.PrivacyConfigError`: delta >= 1/N, a budget too low,
-    a model Opacus cannot train; filter errors are :class:`~medfl.method.MethodConfigError`)
-    and a missing file.
+    a model Opacus cannot train; filter errors are :class:`~medfl.method.MethodConfigError`),
+    a training run that diverged (:class:`~medfl.engine.training.NonFiniteError`, naming the
+    client and round) and a missing file.
 
     Anything else (``KeyError``, ``TypeError``, a plain ``ValueError``...) is taken for a
     bug and keeps its traceback."""
     from medfl.data.partition import PartitionError
     from medfl.data.source import DataError
     from medfl.engine.runner import RunError
+    from medfl.engine.training import NonFiniteError
     from medfl.messages import PayloadError
     from medfl.method import MethodConfigError
     from medfl.models.registry import ModelConfigError
@@ -55,7 +57,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from medfl.privacy.accounting import PrivacyConfigError
 
     return (ConfigError, PluginError, RunError, DataError, PartitionError, MethodConfigError, ModelConfigError,
-            PayloadError, PrivacyConfigError, FileNotFoundError)
+            PayloadError, PrivacyConfigError, NonFiniteError, FileNotFoundError)
 
 
 @contextmanager

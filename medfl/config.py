@@ -15,7 +15,8 @@ from typing import Any
 from medfl.plugins import PluginError, lookup, registry
 
 __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_KEYS", "PUBLIC_TEST_FRACTION",
-           "resolve_config", "method_label", "build_method", "method_train", "check_dp_sgd", "check_public_dataset"]
+           "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_train", "check_dp_sgd",
+           "check_public_dataset", "check_train", "check_device"]
 
 
 class ConfigError(ValueError):
@@ -233,6 +234,65 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
     return out
 
 
+#: local optimizers :func:`medfl.engine.training.make_optimizer` builds
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def check_train(train: dict[str, Any], where: str) -> None:
+    """Check local-training settings before anything is written: ``epochs``, ``batch_size``,
+    ``eval_batch_size`` positive integers, ``num_workers`` a non-negative one, ``lr`` a finite
+    positive number, ``momentum`` in [0, 1), ``weight_decay`` finite and >= 0, ``optimizer``
+    one of :data:`OPTIMIZERS`, ``clip_grad_norm`` null or positive.
+
+    Raises:
+        ConfigError: naming ``where``'s key, the value and what was expected.
+    """
+    def number(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}.{key}: expected a finite number, got {value!r}")
+        return float(value)
+
+    for key, low in (("epochs", 1), ("batch_size", 1), ("eval_batch_size", 1), ("num_workers", 0)):
+        if key in train:
+            v = train[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"{where}.{key}: expected an integer >= {low}, got {v!r}")
+    if "lr" in train and number("lr", train["lr"]) <= 0:
+        raise ConfigError(f"{where}.lr: expected a positive learning rate, got {train['lr']!r}")
+    if "momentum" in train and not 0 <= number("momentum", train["momentum"]) < 1:
+        raise ConfigError(f"{where}.momentum: expected a number in [0, 1), got {train['momentum']!r}")
+    if "weight_decay" in train and number("weight_decay", train["weight_decay"]) < 0:
+        raise ConfigError(f"{where}.weight_decay: expected a number >= 0, got {train['weight_decay']!r}")
+    if "optimizer" in train and str(train["optimizer"]).lower() not in OPTIMIZERS:
+        raise ConfigError(f"{where}.optimizer: unknown optimizer {train['optimizer']!r}; valid: {', '.join(OPTIMIZERS)}")
+    clip = train.get("clip_grad_norm")
+    if clip is not None and number("clip_grad_norm", clip) <= 0:
+        raise ConfigError(f"{where}.clip_grad_norm: expected null or a positive number, got {clip!r}")
+
+
+def check_device(device: Any, where: str = "fl.device", *, available: bool = False) -> str:
+    """Check a torch device name (``cpu``, ``cuda``, ``cuda:N``, ``mps``); with ``available``,
+    also that this machine has it (in-process runs check before anything is written).
+
+    Raises:
+        ConfigError: a name torch does not parse, or a device this machine lacks.
+    """
+    import torch
+
+    try:
+        dev = torch.device(str(device))
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"{where}: {device!r} is not a device; expected cpu, cuda, cuda:N or mps") from None
+    if available and dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (dev.index or 0) >= n:
+            raise ConfigError(f"{where}: {device!r} but this machine has {n} CUDA device(s)"
+                              + (f" (cuda:0 .. cuda:{n - 1})" if n else "; use cpu"))
+    if available and dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{where}: 'mps' but this machine has no MPS device; use cpu")
+    return str(device)
+
+
 def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
     """Check a method entry's ``train`` overrides, its DP-SGD support and its filter chain
     (the method's own default filters in front of the configured ones)."""
@@ -247,6 +307,8 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
             m["train"]["dp"] = check_dp_sgd(m["train"]["dp"], f"{where}.train.dp")
     method = build_method(m)
     cls = type(method)
+    if "train" in m:
+        check_train(method_train(cfg, m, cls), f"{where}.train")
     if method_train(cfg, m, cls)["dp"] is not None and not cls.supports_dp_sgd:
         raise ConfigError(f"{where}: method {cls.name!r} does not support DP-SGD (train.dp): its local training "
                           "is not plain per-sample-loss SGD that Opacus can privatise (see its docstring); use a "
@@ -300,6 +362,10 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"fl.{key}: expected a non-negative integer, got {cfg[key]!r}")
     if cfg["rounds"] < 1:
         raise ConfigError(f"fl.rounds: expected at least 1, got {cfg['rounds']}")
+    if cfg["num_clients"] < 1:
+        raise ConfigError(f"fl.num_clients: expected at least 1, got {cfg['num_clients']}")
+    check_train(cfg["train"], "fl.train")
+    check_device(cfg["device"])
     if not (0 < float(cfg["fraction"]) <= 1):
         raise ConfigError(f"fl.fraction: expected a number in (0, 1], got {cfg['fraction']!r}")
     per_class = cfg["global_test_per_class"]

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from medfl.context import ClientContext
 from medfl.engine.data import client_order
+from medfl.engine.training import NonFiniteError
 from medfl.filters import FilterChain
 from medfl.messages import RELEASE_FLAG, Instruction, Reply, validate_payload
 from medfl.method import Method
@@ -104,6 +105,18 @@ def _check_instruction(instruction: Instruction, what: str, client_id: str) -> N
     validate_payload(instruction.config, f"{what} config to client {client_id}")
 
 
+def _non_finite(value: Any, path: str) -> str:
+    """The path of the first floating-point tensor in ``value`` holding NaN or infinity ("" if none)."""
+    if isinstance(value, torch.Tensor):
+        return path or "payload" if value.is_floating_point() and not torch.isfinite(value).all() else ""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{path}[{k!r}]")
+        if found:
+            return found
+    return ""
+
+
 def release_exemptions(method: Method, instruction: Instruction) -> frozenset[str]:
     """The reply keys excused from the per-sample checks for a reply to ``instruction``: the
     method's ``payload_exemptions``, but only when the instruction asks for its declared DP
@@ -143,10 +156,17 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     """
     _check_instruction(instruction, "instruction", ctx.client_id)
     _seed_all(ctx.seed)
-    reply = method.client_update(ctx, instruction)
+    try:
+        reply = method.client_update(ctx, instruction)
+    except NonFiniteError as exc:
+        raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: {exc}") from None
     if not isinstance(reply, Reply):
         raise TypeError(f"method {method.name!r}: client_update must return a Reply, got {type(reply).__name__}")
     where = f"reply of method {method.name!r} from client {ctx.client_id}"
+    bad = _non_finite(reply.payload, "")
+    if bad:
+        raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: the reply's {bad} holds NaN or infinite "
+                             "values (training diverged); lower train.lr or set train.clip_grad_norm")
     exempt = release_exemptions(method, instruction)
     validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard, exempt=exempt)
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)

@@ -52,7 +52,7 @@ import torch
 from tqdm.auto import tqdm
 
 from medfl import wire
-from medfl.config import build_method, method_label, method_train
+from medfl.config import build_method, check_device, method_label, method_train
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model,
                                  evaluate_final_models, evaluate_model, run_client_profile, run_client_update,
                                  run_client_validate)
@@ -642,6 +642,10 @@ class Run:
                    initial=self.start_round - 1, total=rounds)
         try:
             self._rounds(bar, last, pm)
+        except Exception:
+            bar.close()
+            self._status("failed", self._ckpt)   # never left "running"; resume restarts after _ckpt
+            raise
         except KeyboardInterrupt:
             bar.close()
             self._status("interrupted", self._ckpt)
@@ -922,6 +926,11 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
         meta: extra entries of the experiment's and folds' ``config.json``
             (e.g. ``{"engine": "flower"}``).
     """
+    if run_factory is Run:   # in process: this machine trains, so it must have the device
+        check_device(cfg["device"], available=True)
+    plain = not (int((cfg.get("cv") or {}).get("folds") or 0) > 1 or cfg.get("seeds"))
+    # the split first: a dataset or partition that cannot work stops before anything is written
+    data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
     exp_dir = _unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
     exp_dir.mkdir(parents=True, exist_ok=True)
     _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
@@ -929,7 +938,7 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
         return _cv_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
     if cfg.get("seeds"):
         return _seeds_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
-    data = split_data(build_source(cfg["dataset"]), cfg)
+    assert data is not None
     data.save(exp_dir / "partition.csv")
     return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False,
                                                            run_factory=run_factory)}

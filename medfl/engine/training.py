@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 __all__ = [
+    "NonFiniteError",
     "make_optimizer",
     "train_epochs",
     "with_regularizer",
@@ -111,16 +113,25 @@ def train_epochs(
             x, y = x.to(device), y.to(device)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model, x, y)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise NonFiniteError(f"the training loss became {value} at optimizer step {steps + 1}; lower "
+                                     "train.lr or set train.clip_grad_norm")
             loss.backward()
             if clip_grad_norm is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
             optimizer.step()
-            total += float(loss.detach()) * x.shape[0]
+            total += value * x.shape[0]
             count += x.shape[0]
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 return {"loss": total / max(count, 1), "steps": float(steps)}
     return {"loss": total / max(count, 1), "steps": float(steps)}
+
+
+class NonFiniteError(ValueError):
+    """Training produced a NaN or infinite loss or weights: the run stops, naming the client
+    and round (:func:`medfl.engine.client.run_client_update` adds them)."""
 
 
 @torch.no_grad()

@@ -1,0 +1,54 @@
+"""Bad local-training settings stop before anything is written (issue 19), with one message
+naming the key; a run whose training diverges stops naming the client and round, and its
+status says "failed"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from medfl.cli import main
+from medfl.config import ConfigError, resolve_config
+from medfl.engine.runner import run_experiment
+from medfl.engine.training import NonFiniteError
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"train": {"lr": -0.5}}, r"fl.train.lr: expected a positive learning rate, got -0.5"),
+    ({"train": {"lr": "fast"}}, r"fl.train.lr: expected a finite number, got 'fast'"),
+    ({"train": {"batch_size": 0}}, r"fl.train.batch_size: expected an integer >= 1, got 0"),
+    ({"train": {"epochs": -1}}, r"fl.train.epochs: expected an integer >= 1, got -1"),
+    ({"train": {"optimizer": "lbfgs"}}, r"fl.train.optimizer: unknown optimizer 'lbfgs'; valid: sgd, adam, adamw"),
+    ({"train": {"momentum": 1.5}}, r"fl.train.momentum: expected a number in \[0, 1\)"),
+    ({"num_clients": 0}, r"fl.num_clients: expected at least 1, got 0"),
+    ({"device": "gpu7"}, r"fl.device: 'gpu7' is not a device"),
+    ({"methods": [{"name": "fedavg", "train": {"lr": 0}}]}, r"fl.methods\[0\] \(fedavg\).train.lr: expected a positive"),
+])
+def test_bad_settings_are_refused_by_name(tiny_fl, change, message) -> None:
+    fl = dict(tiny_fl)
+    for k, v in change.items():
+        fl[k] = {**fl.get(k, {}), **v} if k == "train" else v
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(fl)
+
+
+def test_nothing_is_written_for_a_device_or_partition_that_cannot_work(tiny_fl, tmp_path, capsys) -> None:
+    out = Path(tiny_fl["output_dir"])
+    for change, message in (({"device": "cuda:7"}, "fl.device: 'cuda:7' but this machine has"),
+                            ({"num_clients": 500}, "num_clients=500 is more than the number of rows")):
+        cfg = tmp_path / "train.json"
+        cfg.write_text(json.dumps({"fl": {**tiny_fl, **change}}))
+        assert main(["run", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+        assert not (out / "t").exists()
+
+
+def test_a_diverging_run_stops_naming_client_and_round(tiny_fl) -> None:
+    fl = dict(tiny_fl, train={**tiny_fl["train"], "lr": 1e8}, rounds=3)
+    with pytest.raises(NonFiniteError, match=r"client \d, round \d: "):
+        run_experiment(resolve_config(fl))
+    status = json.loads((Path(tiny_fl["output_dir"]) / "t" / "fedavg" / "status.json").read_text())
+    assert status["status"] == "failed"
