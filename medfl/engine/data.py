@@ -15,7 +15,7 @@ from medfl.data.source import DataError, FederatedSource
 from medfl.method import derive_seed
 from medfl.plugins import lookup
 
-__all__ = ["FederatedData", "split_data", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
+__all__ = ["FederatedData", "split_data", "read_partition", "PARTITION_COLUMNS", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
            "POOLED"]
 
 #: The client id of the pooled (centralized) client.
@@ -114,8 +114,69 @@ class FederatedData:
         return {cid: len(self.positions(cid, "train")) for cid in self.client_ids}
 
     def save(self, path: str | Path) -> None:
-        """Write the assignment table as CSV."""
-        self.assignments.to_csv(path, index=False)
+        """Write the assignment table as CSV, atomically (a temporary file renamed into place),
+        with a sidecar ``<name>.sha256`` holding the file's SHA-256 and row count, which
+        :func:`read_partition` checks: a kill mid-write never leaves a short partition that a
+        resume would take for the whole one."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        self.assignments.to_csv(tmp, index=False)
+        digest = _sha256(tmp)
+        side = path.with_name(path.name + ".sha256")
+        side_tmp = side.with_name(side.name + ".tmp")
+        side_tmp.write_text(f"{digest} {len(self.assignments)}\n")
+        side_tmp.replace(side)
+        tmp.replace(path)
+
+
+PARTITION_COLUMNS = ("row", "client_id", "role")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_partition(path: str | Path) -> pd.DataFrame:
+    """Read a saved ``partition.csv`` and check it is whole: its sidecar checksum and row
+    count when the sidecar exists (runs written before it had none), the columns
+    :data:`PARTITION_COLUMNS` with no blank cell, unique non-negative row positions.
+
+    Raises:
+        DataError: naming the file and what is wrong; nothing is guessed (a partition that
+            lost rows would silently drop clients or samples from a resumed run).
+    """
+    path = Path(path)
+    damaged = f"{path}: the saved partition is damaged"
+    advice = "; restore it from a backup or start a new run (a resumed run must train on the same split)"
+    side = path.with_name(path.name + ".sha256")
+    if side.is_file():
+        parts = side.read_text().split()
+        if len(parts) != 2 or _sha256(path) != parts[0]:
+            raise DataError(f"{damaged}: its SHA-256 differs from the one written with it ({side.name}){advice}")
+    if path.stat().st_size == 0:
+        raise DataError(f"{damaged}: the file is empty{advice}")
+    try:
+        df = pd.read_csv(path, dtype={"client_id": str, "client_name": str}, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise DataError(f"{damaged}: not a readable CSV ({exc}){advice}") from None
+    missing = [c for c in PARTITION_COLUMNS if c not in df.columns]
+    if missing:
+        raise DataError(f"{damaged}: no column(s) {missing}; has {list(df.columns)}{advice}")
+    if side.is_file() and len(df) != int(side.read_text().split()[1]):
+        raise DataError(f"{damaged}: {len(df)} rows, {side.read_text().split()[1]} were written{advice}")
+    rows = pd.to_numeric(df["row"], errors="coerce")
+    if rows.isna().any() or (df["role"] == "").any() or ((df["client_id"] == "") & (df["role"] != "global_test")).any():
+        raise DataError(f"{damaged}: blank or non-numeric cells in {list(PARTITION_COLUMNS)}{advice}")
+    if (rows < 0).any() or rows.duplicated().any():
+        raise DataError(f"{damaged}: negative or repeated row positions{advice}")
+    df["row"] = rows.astype(int)
+    return df
 
 
 #: Manifest columns kept beside a dataset for subgroup metrics, and their accepted codes.
@@ -193,7 +254,7 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     """
     table = source.table
     if saved is not None and Path(saved).is_file():
-        assignments = pd.read_csv(saved, dtype={"client_id": str, "client_name": str}, keep_default_na=False)
+        assignments = read_partition(saved)
         if assignments["row"].max() >= len(table):
             raise DataError(f"{saved}: saved partition refers to rows beyond the dataset ({len(table)} rows)")
         return FederatedData(source, assignments)
