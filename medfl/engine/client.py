@@ -19,14 +19,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from medfl.context import ClientContext
-from medfl.engine.data import client_order
+from medfl.engine.data import client_order, sha256_file
 from medfl.engine.training import NonFiniteError
 from medfl.filters import FilterChain
 from medfl.messages import RELEASE_FLAG, Instruction, Reply, validate_payload
 from medfl.method import Method
 from medfl.seeding import derive_seed
 
-__all__ = ["ClientStore", "ClientContext", "release_exemptions", "run_client_update", "run_client_validate", "run_client_profile",
+__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "run_client_update", "run_client_validate", "run_client_profile",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
@@ -59,22 +59,59 @@ class ClientStore:
         return bool(self._files(client_id))
 
     def load(self, client_id: str, before_round: int) -> dict[str, Any]:
-        """The newest saved state of ``client_id`` from a round earlier than ``before_round``."""
+        """The newest saved state of ``client_id`` from a round earlier than ``before_round``.
+
+        Raises:
+            RuntimeError: the file does not match the checksum written with it (naming it).
+        """
         files = [p for r, p in self._files(client_id) if r < before_round]
         if not files:
             return {}
+        problem = check_sum(files[-1])
+        if problem:
+            raise RuntimeError(f"client {client_id}'s saved state {files[-1]}: {problem}")
         return torch.load(files[-1], map_location="cpu", weights_only=True)
 
     def save(self, client_id: str, round: int, state: dict[str, Any]) -> None:
-        """Write ``state`` as the client's state after ``round`` (atomically)."""
+        """Write ``state`` as the client's state after ``round`` (atomically), with a sidecar
+        ``.sha256`` of the file that :meth:`load` and :meth:`verify` check."""
         d = self.root / client_id
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".state_r{round:04d}.pt.tmp"
         torch.save(state, tmp)
-        tmp.replace(d / f"state_r{round:04d}.pt")
+        path = d / f"state_r{round:04d}.pt"
+        write_sum(tmp, path)
+        tmp.replace(path)
+
+    def index(self, upto_round: int) -> dict[str, list[Any]]:
+        """``{client_id: [round, sha256]}`` of each client's newest state from a round up to
+        ``upto_round``: what a checkpoint of that round records, so a resume can check that
+        the states it continues from are the ones the checkpoint was taken with."""
+        out: dict[str, list[Any]] = {}
+        if not self.root.is_dir():
+            return out
+        for d in sorted(self.root.iterdir()):
+            files = [(r, p) for r, p in self._files(d.name) if r <= upto_round]
+            if files:
+                r, p = files[-1]
+                side = _sum_path(p)
+                out[d.name] = [r, side.read_text().split()[0] if side.is_file() else sha256_file(p)]
+        return out
+
+    def verify(self, index: dict[str, list[Any]]) -> list[str]:
+        """Problems with the states ``index`` (:meth:`index`) names: missing or changed files."""
+        problems = []
+        for cid, (r, digest) in sorted(index.items()):
+            path = self.root / cid / f"state_r{int(r):04d}.pt"
+            if not path.is_file():
+                problems.append(f"client {cid}'s state of round {int(r)} is missing ({path})")
+            elif sha256_file(path) != digest:
+                problems.append(f"client {cid}'s state of round {int(r)} changed since the checkpoint ({path})")
+        return problems
 
     def prune(self, upto_round: int) -> None:
-        """Drop versions no longer needed once the checkpoint of ``upto_round`` exists."""
+        """Drop versions no longer needed once the checkpoint of ``upto_round`` exists (the
+        run passes its *oldest* kept checkpoint, so each kept checkpoint keeps its states)."""
         if not self.root.is_dir():
             return
         for d in self.root.iterdir():
@@ -82,7 +119,7 @@ class ClientStore:
             keep = [p for r, p in files if r <= upto_round][-1:]
             for r, p in files:
                 if r <= upto_round and p not in keep:
-                    p.unlink()
+                    _unlink_with_sum(p)
 
     def rollback(self, after_round: int) -> None:
         """Delete versions written after ``after_round`` (a resumed run redoes them)."""
@@ -91,7 +128,33 @@ class ClientStore:
         for d in self.root.iterdir():
             for r, p in self._files(d.name):
                 if r > after_round:
-                    p.unlink()
+                    _unlink_with_sum(p)
+
+
+def _sum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def write_sum(written: Path, final: Path) -> None:
+    """Write ``final``'s checksum sidecar from the file ``written`` (about to be renamed to
+    ``final``), atomically, before the rename: a file never exists without its sum."""
+    side = _sum_path(final)
+    tmp = side.with_name("." + side.name + ".tmp")
+    tmp.write_text(sha256_file(written) + "\n")
+    tmp.replace(side)
+
+
+def check_sum(path: Path) -> str:
+    """Why ``path`` does not match its sidecar checksum ("" when it does or has none)."""
+    side = _sum_path(path)
+    if side.is_file() and sha256_file(path) != side.read_text().split()[0]:
+        return "its SHA-256 differs from the one written with it (the file was changed or damaged)"
+    return ""
+
+
+def _unlink_with_sum(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _sum_path(path).unlink(missing_ok=True)
 
 
 def _seed_all(seed: int) -> None:

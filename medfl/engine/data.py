@@ -15,7 +15,7 @@ from medfl.data.source import DataError, FederatedSource
 from medfl.method import derive_seed
 from medfl.plugins import lookup
 
-__all__ = ["FederatedData", "split_data", "read_partition", "PARTITION_COLUMNS", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
+__all__ = ["FederatedData", "split_data", "read_partition", "PARTITION_COLUMNS", "sha256_file", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
            "POOLED"]
 
 #: The client id of the pooled (centralized) client.
@@ -121,7 +121,7 @@ class FederatedData:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         self.assignments.to_csv(tmp, index=False)
-        digest = _sha256(tmp)
+        digest = sha256_file(tmp)
         side = path.with_name(path.name + ".sha256")
         side_tmp = side.with_name(side.name + ".tmp")
         side_tmp.write_text(f"{digest} {len(self.assignments)}\n")
@@ -132,7 +132,8 @@ class FederatedData:
 PARTITION_COLUMNS = ("row", "client_id", "role")
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 of a file (hex), read in 1 MiB blocks."""
     import hashlib
 
     h = hashlib.sha256()
@@ -157,7 +158,7 @@ def read_partition(path: str | Path) -> pd.DataFrame:
     side = path.with_name(path.name + ".sha256")
     if side.is_file():
         parts = side.read_text().split()
-        if len(parts) != 2 or _sha256(path) != parts[0]:
+        if len(parts) != 2 or sha256_file(path) != parts[0]:
             raise DataError(f"{damaged}: its SHA-256 differs from the one written with it ({side.name}){advice}")
     if path.stat().st_size == 0:
         raise DataError(f"{damaged}: the file is empty{advice}")

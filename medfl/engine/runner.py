@@ -53,9 +53,9 @@ from tqdm.auto import tqdm
 
 from medfl import wire
 from medfl.config import build_method, check_device, method_label, method_train
-from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model,
+from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
                                  evaluate_final_models, evaluate_model, run_client_profile, run_client_update,
-                                 run_client_validate)
+                                 run_client_validate, write_sum)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.engine.traffic import Traffic
 from medfl.filters import configured_filters
@@ -185,6 +185,7 @@ class Run:
         self.session = PLACEHOLDER_ID
         self.resume_round = 0      # the round this session started from
         self._ckpt = 0             # the last checkpointed round
+        self._prune_to = 0         # the oldest kept checkpoint: client states before it may go
         self.fold = _fold_of(self.run_dir)
         self.metrics = pd.DataFrame()
         self.train_metrics = pd.DataFrame()
@@ -247,16 +248,68 @@ class Run:
             print(f"medfl [{self.label}] privacy: {line}", file=sys.stderr, flush=True)
 
     def _save_checkpoint(self, r: int) -> None:
+        """Write round ``r``'s checkpoint (atomically, with a checksum sidecar) recording the
+        client states it goes with, drop checkpoints beyond ``keep_checkpoints``, and prune
+        client states that no kept checkpoint needs (each kept one keeps its own, so a resume
+        can fall back to it)."""
         path = self._checkpoint_path(r)
         tmp = path.with_suffix(".tmp")
-        torch.save({"round": r, "method": self.coordinator.state_dict()}, tmp)
+        torch.save({"round": r, "method": self.coordinator.state_dict(),
+                    "client_states": self.store.index(r), "eval_states": self.eval_store.index(r)}, tmp)
+        write_sum(tmp, path)
         tmp.replace(path)
         self._ckpt = r
         keep = max(1, int(self.config["keep_checkpoints"]))
         for old in sorted(path.parent.glob("round_*.pt"))[:-keep]:
             old.unlink()
-        self.store.prune(r)
-        self.eval_store.prune(r)
+            old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+        self._prune_to = min(self._kept_checkpoints(), default=r)
+        self.store.prune(self._prune_to)
+        self.eval_store.prune(self._prune_to)
+
+    def _kept_checkpoints(self) -> list[int]:
+        d = self.run_dir / "checkpoints"
+        return sorted(int(p.stem.split("_")[1]) for p in d.glob("round_*.pt")) if d.is_dir() else []
+
+    def _intact_checkpoint(self, read_only: bool) -> tuple[int, dict[str, Any] | None]:
+        """The newest checkpoint that is whole (its checksum, readable, the client states it
+        records present and unchanged), newest first; a damaged newer one is renamed
+        ``*.damaged`` (kept, never deleted) and the run says which round it falls back to.
+
+        Raises:
+            RunError: checkpoints exist but none is intact.
+        """
+        problems = []
+        for k in reversed(self._kept_checkpoints()):
+            path = self._checkpoint_path(k)
+            problem = check_sum(path)
+            ckpt = None
+            if not problem:
+                try:
+                    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+                    if not isinstance(ckpt, dict) or "method" not in ckpt:
+                        problem = "not a medfl checkpoint"
+                except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+                    problem = f"unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+            if not problem:
+                lost = (self.store.verify(ckpt.get("client_states", {}))
+                        + self.eval_store.verify(ckpt.get("eval_states", {})))
+                problem = "; ".join(lost[:3]) + (f" (and {len(lost) - 3} more)" if len(lost) > 3 else "")
+            if not problem:
+                if problems and not read_only:
+                    for bad, why in problems:
+                        bad.replace(bad.with_name(bad.name + ".damaged"))
+                        print(f"medfl [{self.label}]: {bad.name} is damaged ({why}); kept as {bad.name}.damaged",
+                              file=sys.stderr, flush=True)
+                    print(f"medfl [{self.label}]: resuming from the last intact checkpoint, round {k}",
+                          file=sys.stderr, flush=True)
+                return k, ckpt
+            problems.append((path, problem))
+        if problems:
+            detail = "; ".join(f"{p.name}: {why}" for p, why in problems)
+            raise RunError(f"{self.run_dir}: no intact checkpoint to resume from ({detail}); start a new run "
+                           f"(or raise fl.keep_checkpoints, default 2, to keep more to fall back to)")
+        return 0, None
 
     def _status(self, status: str, r: int) -> None:
         _write_json(self.run_dir / "status.json", {"status": status, "last_round": r,
@@ -281,16 +334,16 @@ class Run:
         if not (resume or read_only):
             self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
             return
-        k = self.last_checkpoint()
-        if k == 0:
+        k, ckpt = self._intact_checkpoint(read_only)
+        if k == 0 or ckpt is None:
             return
-        ckpt = torch.load(self._checkpoint_path(k), map_location="cpu", weights_only=True)
         self.coordinator.load_state_dict(ckpt["method"])
         if not read_only:
             self.store.rollback(k)
             self.eval_store.rollback(k)
         self.start_round = k + 1
         self.resume_round = self._ckpt = k
+        self._prune_to = min(self._kept_checkpoints(), default=k)
         files = {"metrics": "metrics", "train_metrics": "train_metrics", "cross": "cross_test",
                  "validation": "validation_metrics"}
         for name, stem in files.items():
@@ -406,7 +459,7 @@ class Run:
         message; in process they are built only to measure the messages a deployment would
         send, with :data:`PLACEHOLDER_ID` for the run and session ids."""
         return {"protocol": wire.PROTOCOL, "run": self.run_id, "session": self.session, "resume": self.resume_round,
-                "ckpt": self._ckpt, "round": r, "seed": self.federation.seed, "client": cid, "fold": self.fold,
+                "ckpt": self._prune_to, "round": r, "seed": self.federation.seed, "client": cid, "fold": self.fold,
                 "method": self.method_spec, "model": self.federation.model_spec(cid),
                 "train": self.privacy.client_train(cid), "filters": self.privacy.chain.specs(), "step": self._step,
                 **extra}

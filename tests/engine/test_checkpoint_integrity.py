@@ -1,0 +1,77 @@
+"""Checkpoints and client states carry checksums and a resume continues only from a whole
+one (issue 19): 64 flipped bytes in the latest checkpoint or a deleted client state used to
+resume silently (that client restarting from scratch). Now the run falls back to the last
+intact checkpoint *with its client states* (kept for every kept checkpoint) and ends with the
+uninterrupted run's numbers, or stops with one message when none is intact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from medfl.config import resolve_config
+from medfl.engine.runner import RunError, resume, run_experiment
+
+
+@pytest.fixture
+def job(tiny_fl) -> dict:
+    # FedBN keeps its norm layers at each client: real client state to lose
+    return dict(tiny_fl, rounds=4, methods=[{"name": "fedbn"}], keep_checkpoints=2)
+
+
+def _runs(job: dict) -> tuple[Path, Path]:
+    full = Path(run_experiment(resolve_config(dict(job, name="full")))["dir"]) / "fedbn"
+    part = Path(run_experiment(resolve_config(dict(job, name="part", stop_after_round=3)))["dir"]) / "fedbn"
+    assert sorted(p.name for p in (part / "checkpoints").glob("round_*.pt")) == ["round_0002.pt", "round_0003.pt"]
+    # each kept checkpoint keeps its client states
+    assert {p.name for p in (part / "clients" / "0").glob("state_r*.pt")} == {"state_r0002.pt", "state_r0003.pt"}
+    return full, part
+
+
+def _same(full: Path, part: Path) -> None:
+    for f in ("metrics.csv", "train_metrics.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(full / f), pd.read_csv(part / f), check_exact=True, obj=f)
+
+
+def _flip(path: Path, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(n):
+        data[(len(data) // 3 + 97 * i) % len(data)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(job, capsys) -> None:
+    full, part = _runs(job)
+    _flip(part / "checkpoints" / "round_0003.pt")
+    resume(part)
+    err = capsys.readouterr().err
+    assert "round_0003.pt is damaged (its SHA-256 differs" in err and "last intact checkpoint, round 2" in err
+    assert (part / "checkpoints" / "round_0003.pt.damaged").is_file()       # kept, not deleted
+    _same(full, part)
+
+
+def test_a_deleted_client_state_falls_back_to_a_checkpoint_whose_states_are_whole(job, capsys) -> None:
+    full, part = _runs(job)
+    (part / "clients" / "1" / "state_r0003.pt").unlink()
+    resume(part)
+    assert "client 1's state of round 3 is missing" in capsys.readouterr().err
+    _same(full, part)
+
+
+def test_an_old_checkpoint_without_a_checksum_is_still_checked_by_reading_it(job) -> None:
+    full, part = _runs(job)
+    ckpt = part / "checkpoints" / "round_0003.pt"
+    (part / "checkpoints" / "round_0003.pt.sha256").unlink()
+    ckpt.write_bytes(ckpt.read_bytes()[:100])                               # truncated
+    resume(part)
+    _same(full, part)
+
+
+def test_no_intact_checkpoint_stops_with_one_message(job) -> None:
+    _, part = _runs(job)
+    for k in (2, 3):
+        _flip(part / "checkpoints" / f"round_{k:04d}.pt")
+    with pytest.raises(RunError, match=r"no intact checkpoint to resume from \(round_0003.pt: its SHA-256 differs"):
+        resume(part)
