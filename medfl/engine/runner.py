@@ -41,6 +41,7 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -186,6 +187,7 @@ class Run:
         self.resume_round = 0      # the round this session started from
         self._ckpt = 0             # the last checkpointed round
         self._prune_to = 0         # the oldest kept checkpoint: client states before it may go
+        self._lock: Any = None     # the run directory's lock while this process writes it
         self.fold = _fold_of(self.run_dir)
         self.metrics = pd.DataFrame()
         self.train_metrics = pd.DataFrame()
@@ -326,8 +328,15 @@ class Run:
     # ------------------------------------------------------------------ rounds
     def prepare(self, resume: bool = False, read_only: bool = False) -> None:
         """Create the run directory, or reload a stopped run's state when ``resume``
-        (``read_only``: load the last checkpoint and change nothing on disk, for predicting)."""
+        (``read_only``: load the last checkpoint and change nothing on disk, for predicting).
+        A writing run holds the run directory's lock until :meth:`execute` ends.
+
+        Raises:
+            RunError: another process holds the run directory.
+        """
         if not read_only:
+            if self._lock is None:
+                self._lock = _lock(self.run_dir)
             self._write_static()
             self._log_privacy()
         self.coordinator.setup(self.federation)
@@ -684,7 +693,15 @@ class Run:
         return out
 
     def execute(self, stop_after_round: int | None = None) -> dict[str, Any]:
-        """Run the remaining rounds; return the summary (empty when stopped early)."""
+        """Run the remaining rounds; return the summary (empty when stopped early). Releases
+        the run directory's lock when it returns or fails."""
+        try:
+            return self._execute(stop_after_round)
+        finally:
+            _unlock(self._lock)
+            self._lock = None
+
+    def _execute(self, stop_after_round: int | None) -> dict[str, Any]:
         pm = get_plugin_manager()
         pm.hook.on_run_start(run=self)
         rounds = self.federation.rounds
@@ -829,13 +846,55 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
     )
 
 
-def _unique_dir(base: Path, overwrite: bool) -> Path:
-    if overwrite or not base.exists():
+def _create_unique_dir(base: Path, overwrite: bool) -> Path:
+    """Create the experiment directory: ``base``, or the first free ``base-2``, ``base-3``...
+    Each name is taken by an atomic ``mkdir``, so runs started at the same moment never share
+    one; ``overwrite`` reuses ``base``."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        base.mkdir(exist_ok=True)
         return base
-    i = 2
-    while base.with_name(f"{base.name}-{i}").exists():
-        i += 1
-    return base.with_name(f"{base.name}-{i}")
+    i = 1
+    while True:
+        cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            cand.mkdir()
+            return cand
+        except FileExistsError:
+            i += 1
+
+
+def _lock(run_dir: Path) -> Any:
+    """Hold ``run_dir/.lock`` exclusively for this process (``fcntl.flock``: released when the
+    process dies, so a crash never leaves a stale lock); the file names the holder's pid.
+
+    Raises:
+        RunError: another process holds it (two resumes of one run would corrupt it).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no locking
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunError(f"{run_dir} is in use by another medfl process (pid {holder}); wait for it to finish or "
+                       "stop it, then resume") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def _unlock(handle: Any) -> None:
+    if handle is not None:
+        handle.close()
 
 
 #: Builds a method's run: ``(cfg, method_spec, run_dir, data) -> Run`` (:class:`Run` itself,
@@ -984,8 +1043,7 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
     plain = not (int((cfg.get("cv") or {}).get("folds") or 0) > 1 or cfg.get("seeds"))
     # the split first: a dataset or partition that cannot work stops before anything is written
     data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
-    exp_dir = _unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
-    exp_dir.mkdir(parents=True, exist_ok=True)
+    exp_dir = _create_unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
     _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
     if int((cfg.get("cv") or {}).get("folds") or 0) > 1:
         return _cv_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
@@ -1030,6 +1088,8 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     run.prepare(resume=True)
     label = run.label
     if run.start_round > run.federation.rounds and (path / "summary.json").is_file():
+        _unlock(run._lock)
+        run._lock = None
         return {"dir": str(path), "summaries": {label: json.loads((path / "summary.json").read_text())}}
     return {"dir": str(path), "summaries": {label: run.execute(None)}}
 
