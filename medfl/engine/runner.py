@@ -712,6 +712,11 @@ class Run:
                    initial=self.start_round - 1, total=rounds)
         try:
             self._rounds(bar, last, pm)
+            bar.close()
+            if last < rounds:
+                self._status("stopped", last)
+                return {}
+            return self._finish(rounds, t0)
         except Exception:
             bar.close()
             self._status("failed", self._ckpt)   # never left "running"; resume restarts after _ckpt
@@ -727,11 +732,6 @@ class Run:
             print(f"\nmedfl [{self.label}]: interrupted; {saved} (status.json says \"interrupted\"); "
                   f"continue with: medfl resume {top}", file=sys.stderr, flush=True)
             raise
-        bar.close()
-        if last < rounds:
-            self._status("stopped", last)
-            return {}
-        return self._finish(rounds, t0)
 
     def _rounds(self, bar: Any, last: int, pm: Any) -> None:
         """The round loop of :meth:`execute` (the profile exchange first on a fresh run)."""
@@ -779,8 +779,8 @@ class Run:
             summary["method_report"] = report
         _write_csv(self.run_dir / "forgetting.csv", per_round)
         _write_json(self.run_dir / "summary.json", summary)
+        pm.hook.on_run_end(run=self, summary=summary)     # plots and reports; then the run is finished
         self._status("finished", rounds)
-        pm.hook.on_run_end(run=self, summary=summary)
         return summary
 
 
@@ -967,12 +967,13 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
     for k in range(folds):
         fold_dir = exp_dir / f"fold_{k}"
         data = None
-        if not resume_runs or not (fold_dir / "partition.csv").is_file():
+        # config.json first, partition.csv last: the partition marks a complete fold directory
+        if not resume_runs or not (fold_dir / "partition.csv").is_file() or not (fold_dir / "config.json").is_file():
             source = source or build_source(cfg["dataset"])
             data = split_data(source, cfg, fold=k)
             fold_dir.mkdir(parents=True, exist_ok=True)
-            data.save(fold_dir / "partition.csv")
             _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
+            data.save(fold_dir / "partition.csv")
         out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds, run_factory)
     labels = [method_label(m) for m in cfg["methods"]]
     cv = None
@@ -998,12 +999,12 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
         seed_dir = exp_dir / f"seed_{s}"
         seed_cfg = {**cfg, "seed": s, "seeds": None}
         data = None
-        if not resume_runs or not (seed_dir / "partition.csv").is_file():
+        if not resume_runs or not (seed_dir / "partition.csv").is_file() or not (seed_dir / "config.json").is_file():
             source = source or build_source(cfg["dataset"])
             data = split_data(source, seed_cfg)
             seed_dir.mkdir(parents=True, exist_ok=True)
-            data.save(seed_dir / "partition.csv")
             _write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
+            data.save(seed_dir / "partition.csv")
         out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
     report = None
     if all(block and all(block.values()) for block in out.values()):
@@ -1088,9 +1089,17 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     run.prepare(resume=True)
     label = run.label
     if run.start_round > run.federation.rounds and (path / "summary.json").is_file():
+        summary = json.loads((path / "summary.json").read_text())
+        try:
+            status = json.loads((path / "status.json").read_text()).get("status")
+        except (OSError, ValueError):
+            status = None
+        if status != "finished":   # stopped after the summary, before the plots and reports
+            get_plugin_manager().hook.on_run_end(run=run, summary=summary)
+            run._status("finished", run.federation.rounds)
         _unlock(run._lock)
         run._lock = None
-        return {"dir": str(path), "summaries": {label: json.loads((path / "summary.json").read_text())}}
+        return {"dir": str(path), "summaries": {label: summary}}
     return {"dir": str(path), "summaries": {label: run.execute(None)}}
 
 

@@ -201,3 +201,18 @@ def test_cross_validated_experiment_and_resume(cv_fl, resolve) -> None:
     resumed = resume(part["dir"])
     assert resumed["cv"] is not None
     pd.testing.assert_frame_equal(pd.read_csv(Path(part["dir"]) / "cv_results.csv"), results)
+
+
+def test_a_fold_killed_before_its_config_was_written_is_rebuilt_on_resume(cv_fl, resolve) -> None:
+    """Killed right after fold_2/partition.csv (issue 19: fold_2/config.json then stayed
+    missing for good): a resume writes it and runs the fold."""
+    import shutil
+
+    part = run_experiment(resolve({**cv_fl, "name": "kill", "stop_after_round": 1}))
+    fold = Path(part["dir"]) / "fold_2"
+    (fold / "config.json").unlink()
+    for label in ("fedavg", "local"):
+        shutil.rmtree(fold / label)
+    resumed = resume(part["dir"])
+    assert resumed["cv"] is not None and json.loads((fold / "config.json").read_text())["fold"] == 2
+    assert json.loads((fold / "fedavg" / "summary.json").read_text())["rounds"] == 2

@@ -55,3 +55,24 @@ def test_ctrl_c_under_the_bundle_runner_exits_130_without_a_traceback(tiny_fl, m
         bundle_run(dict(tiny_fl, name="b"))
     assert stop.value.code == 130 and stop.value.__cause__ is None
     assert "interrupted; no round was finished yet" in capsys.readouterr().err
+
+
+def test_a_run_stopped_after_its_summary_draws_its_plots_on_resume(tiny_fl, monkeypatch) -> None:
+    """A kill between summary.json and the plots left a run that resume called finished
+    without plots; now the run is "finished" only after its end-of-run hooks, and resume
+    completes them."""
+    import medfl_plugins.reporting as reporting
+
+    def boom(run_dir):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reporting, "write_plots", boom)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(resolve_config(dict(tiny_fl, name="p")))
+    run = Path(tiny_fl["output_dir"]) / "p" / "fedavg"
+    assert (run / "summary.json").is_file() and not (run / "plots").exists()
+    assert json.loads((run / "status.json").read_text())["status"] == "interrupted"
+    monkeypatch.undo()
+    resume(run)
+    assert list((run / "plots").glob("*.png"))
+    assert json.loads((run / "status.json").read_text())["status"] == "finished"
