@@ -77,6 +77,7 @@ DEFAULTS: dict[str, Any] = {
     "eval_splits": ["test", "global_test"],  # + "cross_test": each model on every client's test split
     "eval_every": 1,                # evaluate every k rounds (the last round always; 0: last only)
     "keep_checkpoints": 2,
+    "max_reply_failures": 3,        # a client whose replies fail the coordinator's checks this often is excluded (0: never)
     "progress": True,
     "overwrite": False,             # False: a new directory name-2, name-3... if name exists
 }
@@ -357,7 +358,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     labels = [method_label(m) for m in cfg["methods"]]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"fl.methods: two entries share a name {labels}; give one a 'label'")
-    for key in ("rounds", "num_clients", "seed", "keep_checkpoints", "eval_every"):
+    for key in ("rounds", "num_clients", "seed", "keep_checkpoints", "eval_every", "max_reply_failures"):
         if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 0:
             raise ConfigError(f"fl.{key}: expected a non-negative integer, got {cfg[key]!r}")
     if cfg["rounds"] < 1:

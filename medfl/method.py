@@ -312,6 +312,14 @@ class Method(Configurable):
         seen). Default: none."""
         return []
 
+    def check_reply(self, client_id: str, instruction: Instruction, reply: Reply) -> str:
+        """Why the coordinator cannot take ``reply`` (a short reason), or ``""``. Called for
+        every reply before :meth:`server_update`, after the engine's own checks (num_examples
+        within the client's training size, finite values, model states shaped like the state
+        sent); a reply with a reason is dropped from the round and the client's failures
+        counted (``max_reply_failures``). Default: ``""``."""
+        return ""
+
     def state_dict(self) -> dict[str, Any]:
         """Coordinator state to checkpoint (tensors and scalars). Default: empty."""
         return {}

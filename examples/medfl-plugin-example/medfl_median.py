@@ -22,9 +22,10 @@ noised with :func:`medfl.privacy.feature_release.release_features`) in round 1. 
 a method sends per-sample data at all: the reply keys in ``payload_exemptions``, excused from
 the engine's per-sample check only in replies to an instruction whose config carries
 ``"dp_release": True``, the release declared by ``release_plan`` (the run's ``privacy.csv``
-records each client's epsilon) and ``round_releases`` (who was asked when). Labels travel in
-the clear. It is the "share DP raw data" baseline FedTPF argues against: the same epsilon
-drowns whole images in noise.
+records each client's epsilon) and ``round_releases`` (who was asked when), each release
+checked in ``check_reply`` (a bad one is dropped from the round). Labels travel in the clear.
+It is the "share DP raw data" baseline FedTPF argues against: the same epsilon drowns whole
+images in noise.
 
 ``half``: a reply filter (``"filters": [{"name": "half"}]``) that sends every
 floating-point tensor of a reply's model state in float16 (half the bytes of float32) and
@@ -242,20 +243,26 @@ class DpSharedImages(HubAndSpoke):
         return {cid: Instruction(payload={"model": self.global_state, **self.shared})
                 for cid in self.federation.sample(round)}
 
+    def check_reply(self, client_id: str, instruction: Instruction, reply) -> str:
+        """A release must hold finite float images and labels in range, one per training
+        sample; a site that sends anything else is dropped from the round (not the run)."""
+        if instruction.config.get("dp_release") is not True:
+            return ""
+        x, y = reply.payload.get("shared_x"), reply.payload.get("shared_y")
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.is_floating_point()
+                and len(x) == len(y) == reply.num_examples and bool(torch.isfinite(x).all())
+                and bool(((y >= 0) & (y < self.federation.num_classes)).all())):
+            return (f"expected finite float images and labels in [0, {self.federation.num_classes}), one per "
+                    "training sample")
+        return ""
+
     def server_update(self, round: int, replies) -> None:
         if self.shared:
             return super().server_update(round, replies)
-        xs, ys = [], []
-        for cid, reply in replies.items():
-            x, y = reply.payload.get("shared_x"), reply.payload.get("shared_y")
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.is_floating_point()
-                    and len(x) == len(y) == reply.num_examples and torch.isfinite(x).all()
-                    and ((y >= 0) & (y < self.federation.num_classes)).all()):
-                raise PayloadError(f"release of client {cid}: expected finite float images and labels in "
-                                   f"[0, {self.federation.num_classes}), one per training sample")
-            xs.append(x.float())
-            ys.append(y.long())
-        self.shared = {"shared_x": torch.cat(xs), "shared_y": torch.cat(ys)}
+        kept = list(replies.values())   # every reply passed check_reply
+        if kept:
+            self.shared = {"shared_x": torch.cat([r.payload["shared_x"].float() for r in kept]),
+                           "shared_y": torch.cat([r.payload["shared_y"].long() for r in kept])}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "shared": self.shared, "asked": self.asked}

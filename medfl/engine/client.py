@@ -9,6 +9,7 @@ each client's persistent state, versioned by round.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +27,7 @@ from medfl.messages import RELEASE_FLAG, Instruction, Reply, validate_payload
 from medfl.method import Method
 from medfl.seeding import derive_seed
 
-__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "run_client_update", "run_client_validate", "run_client_profile",
+__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
@@ -168,13 +169,16 @@ def _check_instruction(instruction: Instruction, what: str, client_id: str) -> N
     validate_payload(instruction.config, f"{what} config to client {client_id}")
 
 
-def _non_finite(value: Any, path: str) -> str:
-    """The path of the first floating-point tensor in ``value`` holding NaN or infinity ("" if none)."""
+def first_non_finite(value: Any, path: str = "") -> str:
+    """The path of the first floating-point tensor or float in ``value`` (nested dicts,
+    lists, tuples) holding NaN or infinity; "" when there is none."""
     if isinstance(value, torch.Tensor):
-        return path or "payload" if value.is_floating_point() and not torch.isfinite(value).all() else ""
+        return (path or "payload") if value.is_floating_point() and not bool(torch.isfinite(value).all()) else ""
+    if isinstance(value, float):
+        return (path or "payload") if not math.isfinite(value) else ""
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
     for k, v in items:
-        found = _non_finite(v, f"{path}[{k!r}]")
+        found = first_non_finite(v, f"{path}[{k!r}]")
         if found:
             return found
     return ""
@@ -226,7 +230,7 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     if not isinstance(reply, Reply):
         raise TypeError(f"method {method.name!r}: client_update must return a Reply, got {type(reply).__name__}")
     where = f"reply of method {method.name!r} from client {ctx.client_id}"
-    bad = _non_finite(reply.payload, "")
+    bad = first_non_finite(reply.payload)
     if bad:
         raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: the reply's {bad} holds NaN or infinite "
                              "values (training diverged); lower train.lr or set train.clip_grad_norm")

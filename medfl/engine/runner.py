@@ -55,8 +55,8 @@ from tqdm.auto import tqdm
 from medfl import wire
 from medfl.config import build_method, check_device, method_label, method_train
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
-                                 evaluate_final_models, evaluate_model, run_client_profile, run_client_update,
-                                 run_client_validate, write_sum)
+                                 evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
+                                 run_client_update, run_client_validate, write_sum)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.engine.traffic import Traffic
 from medfl.filters import configured_filters
@@ -188,6 +188,8 @@ class Run:
         self._ckpt = 0             # the last checkpointed round
         self._prune_to = 0         # the oldest kept checkpoint: client states before it may go
         self._lock: Any = None     # the run directory's lock while this process writes it
+        self._failures: dict[str, int] = {}   # replies of each client that failed the checks
+        self._excluded: set[str] = set()      # clients excluded by max_reply_failures
         self.fold = _fold_of(self.run_dir)
         self.metrics = pd.DataFrame()
         self.train_metrics = pd.DataFrame()
@@ -257,7 +259,8 @@ class Run:
         path = self._checkpoint_path(r)
         tmp = path.with_suffix(".tmp")
         torch.save({"round": r, "method": self.coordinator.state_dict(),
-                    "client_states": self.store.index(r), "eval_states": self.eval_store.index(r)}, tmp)
+                    "client_states": self.store.index(r), "eval_states": self.eval_store.index(r),
+                    "engine": {"failures": dict(self._failures), "excluded": sorted(self._excluded)}}, tmp)
         write_sum(tmp, path)
         tmp.replace(path)
         self._ckpt = r
@@ -347,6 +350,9 @@ class Run:
         if k == 0 or ckpt is None:
             return
         self.coordinator.load_state_dict(ckpt["method"])
+        engine = ckpt.get("engine", {})
+        self._failures = {str(c): int(n) for c, n in engine.get("failures", {}).items()}
+        self._excluded = {str(c) for c in engine.get("excluded", [])}
         if not read_only:
             self.store.rollback(k)
             self.eval_store.rollback(k)
@@ -381,10 +387,11 @@ class Run:
             self._step = step
             instructions = self.coordinator.configure_round(r)
             self._addressed(instructions, self.federation.client_ids, r, "configure_round")
+            instructions = self._without_excluded(instructions)
             for cid in instructions:
                 addressed[cid] = addressed.get(cid, 0) + 1
             self.traffic.begin()
-            replies = self.unfilter(r, instructions, self.update_clients(r, instructions))
+            replies = self.screen(r, instructions, self.unfilter(r, instructions, self.update_clients(r, instructions)))
             sent = self.traffic.tally("train")
             for cid, reply in replies.items():
                 if "dp_steps" in reply.metrics:
@@ -407,6 +414,7 @@ class Run:
         checks = self.coordinator.configure_validate(r)
         if checks:
             self._addressed(checks, self.federation.eval_client_ids, r, "configure_validate")
+            checks = self._without_excluded(checks)
             scores = self.validate_clients(r, checks)
             self.coordinator.server_validate(r, scores)
             if scores:
@@ -455,6 +463,67 @@ class Run:
                                            model_spec=self.federation.model_spec(cid),
                                            where=f"reply of client {cid} in round {r}")
         return replies
+
+    # ------------------------------------------------------------------ untrusted replies
+    def screen(self, r: int, instructions: dict[str, Instruction], replies: dict[str, Reply]) -> dict[str, Reply]:
+        """Check every reply against what the coordinator expects before the method sees it;
+        drop one that fails from the round (the others go on, as for a client that timed
+        out) with a row in ``reply_events.csv`` naming the client and the reason, and exclude
+        a client from later rounds once ``max_reply_failures`` of its replies failed."""
+        kept: dict[str, Reply] = {}
+        for cid, reply in replies.items():
+            reason = self.reply_problem(cid, instructions[cid], reply)
+            if not reason:
+                kept[cid] = reply
+                continue
+            self._failures[cid] = self._failures.get(cid, 0) + 1
+            self._reply_event(r, cid, "dropped", reason)
+            limit = int(self.config.get("max_reply_failures", 3))
+            if limit and self._failures[cid] >= limit and cid not in self._excluded:
+                self._excluded.add(cid)
+                self._reply_event(r, cid, "excluded", f"{self._failures[cid]} replies failed the checks "
+                                                      f"(max_reply_failures {limit}); no further instructions")
+        return kept
+
+    def reply_problem(self, cid: str, instruction: Instruction, reply: Reply) -> str:
+        """Why the coordinator cannot take ``reply`` from ``cid`` ("" when it can): a
+        ``num_examples`` outside 0..the training size the client declared, NaN or infinite
+        values anywhere in the payload, a model state (the method's ``reply_state``) whose keys,
+        shapes or dtypes differ from the state the client was sent, or the method's own
+        :meth:`~medfl.method.Method.check_reply`."""
+        n, declared = reply.num_examples, int(self.federation.num_examples.get(cid, 0))
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= declared:
+            return f"num_examples {n!r} outside 0..{declared} (the client's training-set size)"
+        bad = first_non_finite(reply.payload)
+        if bad:
+            return f"payload{bad} holds NaN or infinite values"
+        for key, ref_key in type(self.coordinator).reply_state.items():
+            ref = instruction.payload.get(ref_key) if ref_key else None
+            if not isinstance(ref, dict) or key not in reply.payload:
+                continue
+            got = reply.payload[key]
+            if not isinstance(got, dict) or list(got) != list(ref):
+                extra = sorted(set(got) - set(ref)) if isinstance(got, dict) else []
+                missing = sorted(set(ref) - set(got)) if isinstance(got, dict) else []
+                return (f"payload[{key!r}] is not the state it was sent: "
+                        + (f"missing {missing[:3]} " if missing else "") + (f"extra {extra[:3]}" if extra else
+                                                                              "another key order or type"))
+            for k, v in got.items():
+                want = ref[k]
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(want.shape) or v.dtype != want.dtype:
+                    shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                    return (f"payload[{key!r}][{k!r}] is {shape} {getattr(v, 'dtype', '')}; expected "
+                            f"{tuple(want.shape)} {want.dtype}")
+        return str(self.coordinator.check_reply(cid, instruction, reply) or "")
+
+    def _reply_event(self, r: int, cid: str, status: str, reason: str) -> None:
+        print(f"medfl [{self.label}] round {r}: reply of client {cid} {status}: {reason}", file=sys.stderr, flush=True)
+        path = self.run_dir / "reply_events.csv"
+        row = pd.DataFrame([{"round": r, "step": self._step, "client_id": cid, "status": status, "reason": reason}])
+        row.to_csv(path, mode="a", header=not path.is_file(), index=False)
+
+    def _without_excluded(self, instructions: dict[str, Instruction]) -> dict[str, Instruction]:
+        return {cid: ins for cid, ins in instructions.items() if cid not in self._excluded}
 
     def _addressed(self, instructions: dict[str, Instruction], allowed: list[str], r: int, hook: str) -> None:
         unknown = sorted(set(instructions) - set(allowed))
@@ -574,7 +643,7 @@ class Run:
         cache: dict = {}
         own = [s for s in splits if s != "cross_test"]
         cross = "cross_test" in splits
-        ids = client_order(self.federation.eval_client_ids)
+        ids = [cid for cid in client_order(self.federation.eval_client_ids) if cid not in self._excluded]
         peers = None
         if cross:
             peers = {j: self.data.dataset_factories(j, ["test"])["test"] for j in self.federation.eval_client_ids}

@@ -475,7 +475,7 @@ class FlowerRun(Run):
         that is out counts as neither model nor data for that round)."""
         own = [s for s in splits if s != "cross_test"]
         cross = "cross_test" in splits
-        ids = self.federation.eval_client_ids
+        ids = [cid for cid in self.federation.eval_client_ids if cid not in self._excluded]
         outgoing = {cid: self._instruction_content(r, cid, evals.get(cid, Instruction()), splits=own,
                                                    want_model=cross) for cid in ids}
         answers = self.exchange(r, "evaluate", P.EVALUATE, outgoing)

@@ -372,3 +372,24 @@ def test_site_refuses_other_protocols_clients_and_message_types(tmp_path: Path) 
         handle(site, P.HELLO, RecordDict())
     hello = wire.take_json(handle(site, P.HELLO, msg(protocol=P.PROTOCOL, fold=None)), P.CONTROL, "hello")
     assert hello["client"] == "0" and set(hello["sizes"]) == {"train", "val", "test"}
+
+
+def test_a_site_sending_nan_weights_is_dropped_from_the_round_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Issue 19: NaN updates were averaged in and the run died blaming an honest site; now
+    the coordinator's reply checks drop the reply, name the site in reply_events.csv, and the
+    other sites' round completes."""
+    def nan_weights(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        if node == 102 and kind == P.TRAIN and int(ctl.get("round", 0)) == 1:
+            payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
+            key = next(iter(payload["model"]))
+            payload["model"][key] = payload["model"][key] * float("nan")
+            out["reply.payload.arrays"], out["reply.payload.tree"] = _pack_raw(payload)
+        return out
+
+    fl = fl_config(tmp_path, "nan", FEDAVG)
+    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl), tamper=nan_weights), FAST)
+    run_dir = Path(out["dir"]) / "fedavg"
+    events = pd.read_csv(run_dir / "reply_events.csv", dtype={"client_id": str})
+    assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"]]
+    assert "NaN or infinite" in events["reason"].iloc[0]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2

@@ -1,0 +1,73 @@
+"""Replies are checked before the method sees them (issue 19): a reply that fails is dropped
+from the round with an event naming the client and the reason, the round goes on with the
+others, and a client that keeps failing is excluded. Here the transport tampers with client
+1's replies after the client's own checks, as a hostile site would."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+import pytest
+import torch
+
+from medfl.config import resolve_config
+from medfl.engine.runner import Run, resume, run_experiment
+from medfl.messages import Reply
+
+
+def _factory(tamper: Callable[[Reply], None], rounds: set[int], absent: bool = False) -> type[Run]:
+    class Tampered(Run):
+        def update_clients(self, r, instructions):  # type: ignore[no-untyped-def]
+            if absent:   # the reference: client 1 simply does not answer in those rounds
+                instructions = {c: i for c, i in instructions.items() if not (c == "1" and r in rounds)}
+            replies = super().update_clients(r, instructions)
+            if not absent and r in rounds and "1" in replies:
+                tamper(replies["1"])
+            return replies
+    return Tampered
+
+
+def _state(reply: Reply) -> dict[str, torch.Tensor]:
+    return reply.payload["model"]
+
+
+CASES: dict[str, tuple[Callable[[Reply], Any], str]] = {
+    "nan": (lambda r: _state(r).__setitem__(next(iter(_state(r))), _state(r)[next(iter(_state(r)))] * math.nan),
+            "holds NaN or infinite values"),
+    "broadcast_shape": (lambda r: _state(r).__setitem__(next(iter(_state(r))), torch.zeros(1, 1, 1, 1)),
+                        "expected ("),
+    "extra_tensor": (lambda r: _state(r).__setitem__("extra", torch.zeros(10)), "extra ['extra']"),
+    "huge_weight": (lambda r: setattr(r, "num_examples", 10**12), "num_examples 1000000000000 outside 0.."),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_reply_is_dropped_and_the_round_goes_on(tiny_fl, case) -> None:
+    tamper, reason = CASES[case]
+    job = dict(tiny_fl, rounds=3)
+    got = run_experiment(resolve_config(dict(job, name="bad")), run_factory=_factory(tamper, {2}))
+    ref = run_experiment(resolve_config(dict(job, name="ref")), run_factory=_factory(tamper, {2}, absent=True))
+    bad, good = Path(got["dir"]) / "fedavg", Path(ref["dir"]) / "fedavg"
+    events = pd.read_csv(bad / "reply_events.csv", dtype={"client_id": str})
+    assert events[["round", "client_id", "status"]].values.tolist() == [[2, "1", "dropped"]]
+    assert reason in events["reason"].iloc[0]
+    # the aggregate is FedAvg over the other clients: the same numbers as when client 1 is silent
+    m_bad, m_good = pd.read_csv(bad / "metrics.csv"), pd.read_csv(good / "metrics.csv")
+    pd.testing.assert_frame_equal(m_bad, m_good, check_exact=True)
+
+
+def test_a_client_that_keeps_failing_is_excluded_and_stays_excluded_on_resume(tiny_fl) -> None:
+    tamper = CASES["nan"][0]
+    job = dict(tiny_fl, rounds=5, max_reply_failures=2)
+    part = run_experiment(resolve_config(dict(job, stop_after_round=3)), run_factory=_factory(tamper, {1, 2, 3, 4, 5}))
+    run = Path(part["dir"]) / "fedavg"
+    resume(run, run_factory=_factory(tamper, {1, 2, 3, 4, 5}))
+    events = pd.read_csv(run / "reply_events.csv", dtype={"client_id": str})
+    assert events[["round", "status"]].values.tolist() == [[1, "dropped"], [2, "dropped"], [2, "excluded"]]
+    metrics = pd.read_csv(run / "metrics.csv", dtype={"client_id": str})
+    assert set(metrics.loc[metrics["round"] >= 3, "client_id"]) == {"0", "2"}    # no instructions, no scores
+    train = pd.read_csv(run / "train_metrics.csv", dtype={"client_id": str})
+    assert "1" not in set(train.loc[train["round"] >= 3, "client_id"])
