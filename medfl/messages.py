@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["RELEASE_FLAG", "PayloadError", "Instruction", "Reply", "Guard", "SampleGuard", "validate_payload"]
+__all__ = ["RELEASE_FLAG", "state_mismatch", "PayloadError", "Instruction", "Reply", "Guard", "SampleGuard", "validate_payload"]
 
 Scalar = int | float | bool | str | None
 
@@ -174,3 +174,21 @@ def _check_types(value: Any, where: str, allow_str: bool) -> None:
         f"{where}: only tensors and scalars may travel between coordinator and clients; "
         f"got {type(value).__module__}.{type(value).__qualname__}"
     )
+
+
+def state_mismatch(got: Any, ref: dict[str, Any], where: str = "state") -> str:
+    """Why ``got`` is not a state dict like ``ref`` (same keys in the same order, tensors of
+    the same shapes and dtypes), or "" when it is: what a coordinator checks a returned model
+    against the model it sent (a site may send anything)."""
+    if not isinstance(got, dict) or list(got) != list(ref):
+        if not isinstance(got, dict):
+            return f"{where} is {type(got).__name__}, not a state dict"
+        extra, missing = sorted(set(got) - set(ref)), sorted(set(ref) - set(got))
+        return (f"{where} is not the state it was sent: " + (f"missing {missing[:3]} " if missing else "")
+                + (f"extra {extra[:3]}" if extra else "") or f"{where}: keys in another order")
+    for k, v in got.items():
+        want = ref[k]
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(want.shape) or v.dtype != want.dtype:
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            return f"{where}[{k!r}] is {shape} {getattr(v, 'dtype', '')}; expected {tuple(want.shape)} {want.dtype}"
+    return ""

@@ -28,7 +28,7 @@ from medfl.losses.feature_distill import (
     performance_change,
     residual_cosine,
 )
-from medfl.messages import RELEASE_FLAG, Instruction, PayloadError, Reply
+from medfl.messages import RELEASE_FLAG, Instruction, Reply, state_mismatch
 from medfl.method import Federation, Method, MethodConfigError, derive_seed
 from medfl.models.feature_distill import Critic, DistillVAE, DistillWeights, distill_step, parameters_of
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, noise_for_epsilon
@@ -329,34 +329,49 @@ class FedTPF(Method):
             self.transition = {"after_round": round, "reason": reason,
                                "converged": sorted(self.stopped_at), "clients": len(self.federation.client_ids)}
 
-    def _build_shared(self, round: int, replies: dict[str, Reply]) -> None:
-        # the reference shape: the most common among the replies (one bad site cannot set it)
-        shapes = [tuple(r.payload["shared_x"].shape[1:]) for r in replies.values()
-                  if isinstance(r.payload.get("shared_x"), torch.Tensor)]
-        shape = max(shapes, key=shapes.count) if shapes else None
-        fed = self.federation
-        xs, ys = [], []
-        k = fed.num_classes
-        for cid, r in replies.items():
-            where = f"release reply of client {cid} in round {round}"
-            x, y = r.payload.get("shared_x"), r.payload.get("shared_y")
+    def check_reply(self, client_id: str, instruction: Instruction, reply: Reply) -> str:
+        """A site may send anything: stage 1 and 2 replies must return the models they were
+        sent (same keys, shapes, dtypes); a release must hold float features ``(N, C, ...)``
+        with the federation's channels and dimensions, integer labels in ``[0, K)``, N equal
+        to ``num_examples``. A reply that fails is dropped from the round by the engine."""
+        stage = instruction.config.get("stage")
+        if stage == "release":
+            x, y = reply.payload.get("shared_x"), reply.payload.get("shared_y")
+            fed = self.federation
             if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-                raise PayloadError(f"{where}: shared_x and shared_y must be tensors")
-            if not x.is_floating_point() or x.dim() < 3 or y.dim() != 1 or y.is_floating_point():
-                raise PayloadError(f"{where}: expected float features (N, C, ...) and integer labels (N,), "
-                                   f"got {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
+                return "shared_x and shared_y must be tensors"
+            if not x.is_floating_point() or y.dim() != 1 or y.is_floating_point():
+                return (f"expected float features and integer labels (N,), got {tuple(x.shape)} {x.dtype} and "
+                        f"{tuple(y.shape)} {y.dtype}")
+            if x.dim() - 2 != fed.spatial_dims or x.shape[1] != fed.in_channels:
+                return f"feature shape {tuple(x.shape[1:])}: expected {fed.in_channels} channels in {fed.spatial_dims}D"
             n = int(x.shape[0])
-            limit = int(self.federation.num_examples.get(cid, 0))
-            if n != int(y.shape[0]) or n != int(r.num_examples) or n > limit:
-                raise PayloadError(f"{where}: {n} features, {int(y.shape[0])} labels, num_examples "
-                                   f"{r.num_examples}; the client holds {limit} training samples")
-            if tuple(x.shape[1:]) != shape or x.shape[1] != fed.in_channels or x.dim() - 2 != fed.spatial_dims:
-                raise PayloadError(f"{where}: feature shape {tuple(x.shape[1:])} differs from the other sites' "
-                                   f"{shape} or from {fed.in_channels} channels in {fed.spatial_dims}D")
-            if not torch.isfinite(x).all() or (n and (int(y.min()) < 0 or int(y.max()) >= k)):
-                raise PayloadError(f"{where}: non-finite features or labels outside [0, {k})")
-            xs.append(x.float())
-            ys.append(y.long())
+            if n != int(y.shape[0]) or n != int(reply.num_examples):
+                return f"{n} features, {int(y.shape[0])} labels, num_examples {reply.num_examples}"
+            if n and (int(y.min()) < 0 or int(y.max()) >= fed.num_classes):
+                return f"labels outside [0, {fed.num_classes})"
+            return ""
+        for key in ("model", "distill"):
+            if key in instruction.payload:
+                problem = state_mismatch(reply.payload.get(key), instruction.payload[key], key)
+                if problem:
+                    return problem
+        return ""
+
+    def _build_shared(self, round: int, replies: dict[str, Reply]) -> None:
+        """D^s from the release replies (each passed :meth:`check_reply`); a reply whose
+        feature size differs from the most common one among the sites is left out (one bad
+        site cannot set the shape) and listed in the report."""
+        shapes = {cid: tuple(r.payload["shared_x"].shape[1:]) for cid, r in replies.items()}
+        counts = list(shapes.values())
+        shape = max(counts, key=counts.count) if counts else None
+        xs, ys, odd = [], [], []
+        for cid, r in replies.items():
+            if shapes[cid] != shape:
+                odd.append(cid)
+                continue
+            xs.append(r.payload["shared_x"].float())
+            ys.append(r.payload["shared_y"].long())
             self.release_stats[cid] = {m: float(v) for m, v in r.metrics.items()}
         if xs:
             self.shared_x, self.shared_y = torch.cat(xs), torch.cat(ys)
@@ -365,6 +380,8 @@ class FedTPF(Method):
         self.transition["release_round"] = round
         self.transition["shared_samples"] = int(self.shared_y.numel())
         self.transition["contributors"] = len(xs)
+        if odd:
+            self.transition["left_out"] = {cid: f"feature shape {shapes[cid]}, the others' {shape}" for cid in odd}
 
     def configure_validate(self, round: int) -> dict[str, Instruction]:
         """Stage 1 (stop condition or decay on): the aggregated distillation model to every

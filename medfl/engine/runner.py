@@ -60,7 +60,7 @@ from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, b
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.engine.traffic import Traffic
 from medfl.filters import configured_filters
-from medfl.messages import Instruction, Reply
+from medfl.messages import Instruction, Reply, state_mismatch
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
@@ -499,21 +499,10 @@ class Run:
             return f"payload{bad} holds NaN or infinite values"
         for key, ref_key in type(self.coordinator).reply_state.items():
             ref = instruction.payload.get(ref_key) if ref_key else None
-            if not isinstance(ref, dict) or key not in reply.payload:
-                continue
-            got = reply.payload[key]
-            if not isinstance(got, dict) or list(got) != list(ref):
-                extra = sorted(set(got) - set(ref)) if isinstance(got, dict) else []
-                missing = sorted(set(ref) - set(got)) if isinstance(got, dict) else []
-                return (f"payload[{key!r}] is not the state it was sent: "
-                        + (f"missing {missing[:3]} " if missing else "") + (f"extra {extra[:3]}" if extra else
-                                                                              "another key order or type"))
-            for k, v in got.items():
-                want = ref[k]
-                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(want.shape) or v.dtype != want.dtype:
-                    shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                    return (f"payload[{key!r}][{k!r}] is {shape} {getattr(v, 'dtype', '')}; expected "
-                            f"{tuple(want.shape)} {want.dtype}")
+            if isinstance(ref, dict) and key in reply.payload:
+                problem = state_mismatch(reply.payload[key], ref, f"payload[{key!r}]")
+                if problem:
+                    return problem
         return str(self.coordinator.check_reply(cid, instruction, reply) or "")
 
     def _reply_event(self, r: int, cid: str, status: str, reason: str) -> None:

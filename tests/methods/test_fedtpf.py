@@ -1,12 +1,13 @@
 """FedTPF and FedFed (paper 003): eqs. 8-9's weights by hand over a scripted accuracy sequence,
 the stop condition and the stage switch, the release (one per sample, epsilon from the
-accountant, Laplace and noise-off), what leaves a client in each stage, hostile release
-replies, a run of each, and resume across the stage switch."""
+accountant, Laplace and noise-off), what leaves a client in each stage, hostile replies
+(check_reply), a run of each, and resume across the stage switch."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from medfl.config import resolve_config
 from medfl.engine.runner import resume, run_experiment
-from medfl.messages import PayloadError, Reply
+from medfl.messages import Reply
 from medfl.method import Federation, MethodConfigError
 from medfl.privacy.accounting import epsilon_spent, noise_for_epsilon
 from medfl_plugins.fedtpf import FedFed, FedTPF
@@ -131,24 +132,38 @@ def test_stage_1_ends_at_distill_rounds_at_the_latest_and_fedfed_never_validates
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda r: r.payload.update(shared_x=r.payload["shared_x"][:, :, :5]), "differs from"),
     (lambda r: r.payload.update(shared_y=r.payload["shared_y"] + 5), r"labels outside \[0, 2\)"),
-    (lambda r: r.payload.update(shared_x=r.payload["shared_x"] * math.inf), "non-finite"),
-    (lambda r: setattr(r, "num_examples", 3), "num_examples 3"),
+    (lambda r: setattr(r, "num_examples", 3), "10 features, 10 labels, num_examples 3"),
     (lambda r: r.payload.update(shared_y=r.payload["shared_y"].float()), "integer labels"),
     (lambda r: r.payload.pop("shared_x"), "must be tensors"),
+    (lambda r: r.payload.update(shared_x=r.payload["shared_x"].repeat(1, 3, 1, 1)), "expected 1 channels in 2D"),
 ])
-def test_a_hostile_release_reply_is_refused_naming_the_client(bad: Any, message: str) -> None:
+def test_a_hostile_release_reply_fails_check_reply(bad: Any, message: str) -> None:
+    """What the engine drops from the round (it also drops NaN values and num_examples above
+    the client's training size for every method: tests/engine/test_reply_screening.py)."""
     m = FedTPF(distill_rounds=1, **SMALL)
     m.setup(_fed())
     m.server_update(1, _replies(m, {c: 0.0 for c in "012"}))
+    release = m.configure_round(2)["1"]
     replies = _release_replies(m, {"0": 30, "1": 10, "2": 20})
+    assert m.check_reply("1", release, replies["1"]) == ""
     bad(replies["1"])
-    with pytest.raises(PayloadError, match=f"client 1 in round 2: .*{message}"):
-        m.server_update(2, replies)
-    too_many = _release_replies(m, {"0": 31})
-    with pytest.raises(PayloadError, match="holds 30 training samples"):
-        m.server_update(2, too_many)
+    assert re.search(message, m.check_reply("1", release, replies["1"]))
+
+
+def test_a_release_of_another_feature_size_is_left_out_and_stage_1_replies_must_return_the_models() -> None:
+    m = FedTPF(distill_rounds=1, **SMALL)
+    m.setup(_fed())
+    distill = m.configure_round(1)["0"]
+    sent = _replies(m, {"0": 0.0})["0"]
+    assert m.check_reply("0", distill, sent) == ""
+    sent.payload["distill"]["extra"] = torch.zeros(3)
+    assert "distill is not the state it was sent: extra ['extra']" in m.check_reply("0", distill, sent)
+    m.server_update(1, _replies(m, {c: 0.0 for c in "012"}))
+    replies = _release_replies(m, {"0": 30, "1": 10, "2": 20})
+    replies["1"].payload["shared_x"] = replies["1"].payload["shared_x"][:, :, :5]
+    m.server_update(2, replies)
+    assert m.shared_x.shape == (50, 1, 12, 12) and "1" in m.transition["left_out"]
 
 
 def test_bad_settings_are_refused_before_training() -> None:
