@@ -10,7 +10,7 @@ from torch import nn
 
 from medfl import hookimpl
 from medfl.engine.hub import HubAndSpoke, norm_keys
-from medfl.engine.training import get_state, make_optimizer, train_epochs
+from medfl.engine.training import coordinate_median, get_state, make_optimizer, train_epochs, trimmed_mean
 from medfl.messages import Instruction, Reply
 from medfl.method import Method
 
@@ -111,10 +111,37 @@ class Centralized(_OwnModel):
 
 
 class FedAvg(HubAndSpoke):
-    """FedAvg (McMahan et al., AISTATS 2017): average of local models weighted by sample count."""
+    """FedAvg (McMahan et al., AISTATS 2017): average of local models weighted by sample count.
+
+    Args:
+        aggregation: ``"mean"`` (FedAvg's weighted mean, the default), or a robust,
+            unweighted rule for federations where some sites may send arbitrary models (Yin et
+            al., ICML 2018): ``"median"`` (coordinate-wise median) or ``"trimmed_mean"``
+            (coordinate-wise mean without the ``trim`` fraction of largest and smallest values).
+        trim: the fraction trimmed at each end by ``"trimmed_mean"`` (0.1), in [0, 0.5).
+    """
 
     name = "fedavg"
-    description = "Federated averaging weighted by local sample counts"
+    description = "Federated averaging weighted by local sample counts (robust median / trimmed mean optional)"
+
+    def __init__(self, aggregation: str = "mean", trim: float = 0.1) -> None:
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"fedavg: aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+        if isinstance(trim, bool) or not isinstance(trim, (int, float)) or not 0 <= trim < 0.5:
+            raise ValueError(f"fedavg: trim must be a number in [0, 0.5), got {trim!r}")
+        self.aggregation, self.trim = aggregation, float(trim)
+
+    def aggregate(self, states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+        """The weighted mean, or the robust rule ``aggregation`` names (weights unused)."""
+        if self.aggregation == "median":
+            return coordinate_median(states)
+        if self.aggregation == "trimmed_mean":
+            return trimmed_mean(states, self.trim)
+        return super().aggregate(states, weights)
+
+
+#: FedAvg's aggregation rules
+AGGREGATIONS = ("mean", "median", "trimmed_mean")
 
 
 class FedProx(HubAndSpoke):

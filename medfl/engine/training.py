@@ -12,6 +12,8 @@ from torch.utils.data import DataLoader
 
 __all__ = [
     "NonFiniteError",
+    "coordinate_median",
+    "trimmed_mean",
     "make_optimizer",
     "train_epochs",
     "with_regularizer",
@@ -183,6 +185,54 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
         acc = sum(float(wi) * s[k].double() for wi, s in zip(w, states))
         ref = states[0][k]
         out[k] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
+    return out
+
+
+def coordinate_median(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Coordinate-wise median of state dicts (Yin et al., ICML 2018), unweighted: with an
+    even count the mean of the two middle values for floating tensors, the lower one for
+    integer tensors (a value some client sent). Tolerates fewer than half the clients sending
+    arbitrary values.
+
+    Raises:
+        ValueError: no states, or mismatched keys.
+    """
+    return _coordinatewise(states, 0.0, "coordinate_median")
+
+
+def trimmed_mean(states: list[dict[str, torch.Tensor]], trim: float) -> dict[str, torch.Tensor]:
+    """Coordinate-wise trimmed mean (Yin et al., ICML 2018): drop the ``floor(trim * n)``
+    largest and smallest values of each coordinate and average the rest (float64), unweighted;
+    integer tensors round. ``trim`` in [0, 0.5); 0 is the plain mean.
+
+    Raises:
+        ValueError: no states, mismatched keys, or ``trim`` outside [0, 0.5).
+    """
+    if not 0 <= trim < 0.5:
+        raise ValueError(f"trimmed_mean: trim must be in [0, 0.5), got {trim}")
+    return _coordinatewise(states, trim, "trimmed_mean")
+
+
+def _coordinatewise(states: list[dict[str, torch.Tensor]], trim: float, what: str) -> dict[str, torch.Tensor]:
+    if not states:
+        raise ValueError(f"{what}: no states to aggregate")
+    keys = list(states[0])
+    if any(list(s) != keys for s in states[1:]):
+        raise ValueError(f"{what}: state dicts have different keys")
+    n = len(states)
+    out: dict[str, torch.Tensor] = {}
+    for k in keys:
+        ref = states[0][k]
+        stacked = torch.stack([s[k] for s in states]).double().sort(dim=0).values
+        if what == "coordinate_median":
+            if n % 2 or not ref.is_floating_point():
+                agg = stacked[(n - 1) // 2]
+            else:
+                agg = (stacked[n // 2 - 1] + stacked[n // 2]) / 2
+        else:
+            cut = int(math.floor(trim * n))
+            agg = stacked[cut:n - cut].mean(dim=0)
+        out[k] = agg.to(ref.dtype) if ref.is_floating_point() else agg.round().to(ref.dtype)
     return out
 
 
