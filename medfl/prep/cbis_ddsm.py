@@ -23,6 +23,8 @@ Labels are per mammogram: malignant if any of its abnormalities is MALIGNANT, ot
 
 from __future__ import annotations
 
+import os
+
 import csv
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,7 +168,9 @@ class Resolver:
                 raise PrepError(f"{meta}: missing column(s) {', '.join(missing)}; expected TCIA's metadata.csv", meta)
             for uid, loc in zip(table["Series UID"], table["File Location"]):
                 loc = loc.replace("\\", "/")
-                self.series_dirs[uid.strip()] = (meta.parent / loc).resolve()
+                # normalised, not resolved: a CBIS-DDSM folder that is a symlink to another disk
+                # stays under --raw, so image paths in the manifest stay relative to it
+                self.series_dirs[uid.strip()] = Path(os.path.normpath(meta.parent / loc))
             self.layout = "tcia (metadata.csv)"
         self.bases = [b for b in (self.raw, self.raw / "CBIS-DDSM") if b.is_dir()]
 
@@ -291,6 +295,14 @@ def _roi_crop(img: np.ndarray, mask: np.ndarray, size: tuple[int, int], margin: 
     return resize_image(img[r0:r1, c0:c1], size, "pad")
 
 
+def _relative(file: Path, raw: Path) -> str:
+    """``file`` relative to ``raw`` when it lies under it, else its absolute path."""
+    try:
+        return file.relative_to(raw).as_posix()
+    except ValueError:
+        return os.path.relpath(file, raw) if os.path.isabs(file) else str(file)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Prepare CBIS-DDSM: see ``python data_prep/cbis_ddsm.py --help``."""
     p = base_parser("cbis_ddsm", __doc__.split("\n\n")[0] + "\n\nLayouts, labels and the patient rule: "
@@ -341,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         x, facts, file = got
         common = {"subject_id": rec.patient_id, "site": "CBIS-DDSM", "sex": "F", "split": rec.split,
-                  "image_path": str(file.relative_to(raw)), "abnormality_type": rec.kind,
+                  "image_path": _relative(file, raw), "abnormality_type": rec.kind,
                   "laterality": rec.laterality, "view": rec.view, "breast_density": rec.breast_density,
                   "source_csv": where}
         if not a.roi_crops:

@@ -166,10 +166,18 @@ def check_dirs(raw: Path, out: Path, overwrite: bool) -> tuple[Path, Path]:
     if out == raw or raw in out.parents:
         raise PrepError(f"--out {out} is inside --raw {raw}; data_prep never writes into the raw "
                         "dataset, choose an --out outside it", out)
+    if out.exists() and not out.is_dir():
+        raise PrepError(f"--out {out} is a file; expected a folder to write the prepared dataset into", out)
     if (out / "manifest.csv").exists() and not overwrite:
         raise PrepError(f"--out {out} already holds a manifest.csv from an earlier run; pass "
                         "--overwrite to replace it, or choose another --out", out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PrepError(f"--out {out}: cannot create it ({exc.strerror or exc}); choose a folder you can write to",
+                        out) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise PrepError(f"--out {out}: not writable; choose a folder you can write to", out)
     return raw, out
 
 

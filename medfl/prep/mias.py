@@ -158,7 +158,8 @@ def read_info_lines(path: Path) -> tuple[str | None, list[tuple[int, str]]]:
     if not path.is_file():
         raise PrepError(f"{path}: not found; expected mini-MIAS's Info.txt", path)
     try:
-        text = path.read_bytes().decode("ascii")
+        data = path.read_bytes()
+        text = data.removeprefix(b"\xef\xbb\xbf").decode("ascii")     # a UTF-8 BOM, as the other scripts accept
     except UnicodeDecodeError as exc:
         raise PrepError(f"{path}: not a text file ({exc}); expected mini-MIAS's Info.txt",
                         path) from exc

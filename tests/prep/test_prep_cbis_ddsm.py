@@ -263,3 +263,43 @@ def test_bundle_runs_end_to_end(tmp_path, run_bundle):
     assert set(pred["sample_id"]) == set(m.loc[m["split"] == "test", "sample_id"])
     assert set(pred["client_id"].astype(str)) == {"0", "1"}
     assert np.allclose(pred[["prob_benign", "prob_malignant"]].sum(axis=1), 1, atol=1e-5)
+
+
+def test_a_cbis_ddsm_folder_that_is_a_symlink_to_another_disk(raws, tmp_path):
+    """Issue 19: TCIA's CBIS-DDSM folder symlinked from another disk crashed in relative_to;
+    the manifest now lists image paths under --raw, as for a plain folder."""
+    import shutil
+
+    src = raws["tcia"]
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for p in src.iterdir():
+        if p.name != "CBIS-DDSM":
+            shutil.copy(p, raw / p.name)
+    disk = Path(shutil.copytree(src / "CBIS-DDSM", tmp_path / "other_disk" / "CBIS-DDSM"))
+    (raw / "CBIS-DDSM").symlink_to(disk, target_is_directory=True)
+    got, ref = prep(raw, tmp_path / "o"), prep(src, tmp_path / "ref")
+    assert got.drop(columns=["image_path"]).equals(ref.drop(columns=["image_path"]))
+    assert got["image_path"].str.startswith("CBIS-DDSM/").all()
+    assert got["image_path"].tolist() == ref["image_path"].tolist()
+
+
+def test_out_that_is_a_file_stops_with_one_message(raws, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(PrepError, match="is a file; expected a folder"):
+        prep(raws["classic"], tmp_path / "afile")
+    with pytest.raises(PrepError, match="afile/out: cannot create it"):         # a file in the way
+        prep(raws["classic"], tmp_path / "afile" / "out")
+
+
+def test_out_in_a_read_only_folder_stops_with_one_message(raws, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root): no read-only folder to test")
+        with pytest.raises(PrepError, match="not writable|cannot create it"):
+            prep(raws["classic"], locked / "out")
+    finally:
+        locked.chmod(0o700)

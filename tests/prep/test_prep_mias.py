@@ -533,3 +533,12 @@ def test_bundle_runs_with_monai_bundle_cli_then_inference(raw_syn: Path, tmp_pat
         "dataset_dir": str(data), "fl#methods": [{"name": "fedprox", "mu": 0.01}]})
     assert fl["methods"] == [{"name": "fedprox", "mu": 0.01}]
     assert fl["dataset"]["path"] == f"{data}/manifest.csv" and fl["dataset"]["cache"] == "memory"
+
+
+def test_info_txt_with_a_utf8_bom_is_read(raw_syn: Path, raw_copy: Path, tmp_path: Path):
+    """Issue 19: an Info.txt saved by an editor with a UTF-8 BOM failed as 'not a text file'
+    (the other scripts accept a BOM)."""
+    plain = prep(raw_syn, tmp_path / "plain")
+    info = raw_copy / "Info.txt"
+    info.write_bytes(b"\xef\xbb\xbf" + info.read_bytes())
+    assert prep(raw_copy, tmp_path / "bom").drop(columns=["image_path"]).equals(plain.drop(columns=["image_path"]))
