@@ -24,6 +24,7 @@ Labels are per mammogram: malignant if any of its abnormalities is MALIGNANT, ot
 from __future__ import annotations
 
 import os
+import re
 
 import csv
 from dataclasses import dataclass, field
@@ -214,43 +215,91 @@ class Resolver:
         return [literal] + [f for f in files if f != literal] if literal.is_file() else files
 
 
+#: what a CBIS-DDSM image (mammogram, ROI crop or mask) must be
+MAMMO_PHOTOMETRIC = ("MONOCHROME1", "MONOCHROME2")
+
+
 def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
-    """Pixel data of an MG DICOM as float32 in [0, 1] (MONOCHROME1 inverted) and header facts.
+    """Pixel data of an MG DICOM as float32 in [0, 1] (MONOCHROME1 inverted, signed pixel
+    data shifted to start at 0) and header facts.
+
+    What a mammogram must be is checked before any pixel is cached: modality MG (when the
+    header names one), one grayscale frame (MONOCHROME1/2: palette or RGB images are not
+    intensities), 8 or 16 bits allocated (a 1-bit segmentation or a 32-bit dose map is not a
+    mammogram).
 
     Raises:
-        PrepError: unreadable or truncated file, no pixel data, or a compressed transfer
-            syntax without an installed decoder (naming what to install).
+        PrepError: not a DICOM file (a zero-byte file or another format named .dcm), no
+            pixel data, a header that says it is not a mammogram, a compressed transfer syntax
+            without an installed decoder (naming what to install), pixel data shorter than the
+            header promises (truncated), or another decoding failure (its message).
     """
     import pydicom
     from pydicom.errors import InvalidDicomError
 
+    head = path.read_bytes()[:132] if path.is_file() else b""
+    if path.is_file() and not head:
+        raise PrepError(f"{path}: an empty file (0 bytes); expected a DICOM image", path)
+    for magic, kind in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"II*\x00", "a TIFF image"),
+                        (b"MM\x00*", "a TIFF image")):
+        if head.startswith(magic):
+            raise PrepError(f"{path}: {kind} named .dcm, not a DICOM file; expected the DICOM from the download",
+                            path)
     try:
         ds = pydicom.dcmread(path)
-    except (InvalidDicomError, OSError, EOFError, ValueError, KeyError) as exc:
+    except InvalidDicomError as exc:
+        why = re.sub(r"\s*(Use|or set) .?force.*$", "", str(exc))   # no option of ours forces a read
+        raise PrepError(f"{path}: not a DICOM file ({why})", path) from exc
+    except (OSError, EOFError, ValueError, KeyError) as exc:
         raise PrepError(f"{path}: not a readable DICOM file ({type(exc).__name__}: {exc})", path) from exc
     if "PixelData" not in ds:
         raise PrepError(f"{path}: DICOM without pixel data; expected an MG image", path)
-    ts = str(getattr(ds.file_meta, "TransferSyntaxUID", "1.2.840.10008.1.2"))
+    modality = str(getattr(ds, "Modality", "") or "")
+    if modality and modality.upper() != "MG":
+        raise PrepError(f"{path}: modality {modality}; expected MG (a mammogram)", path)
+    photometric = str(getattr(ds, "PhotometricInterpretation", "MONOCHROME2") or "MONOCHROME2").upper()
+    if photometric not in MAMMO_PHOTOMETRIC:
+        raise PrepError(f"{path}: photometric interpretation {photometric}; expected MONOCHROME1 or MONOCHROME2 "
+                        "(a grayscale mammogram: palette or colour values are not intensities)", path)
+    if "BitsAllocated" not in ds:
+        raise PrepError(f"{path}: the header lacks BitsAllocated (0028,0100); the pixel data cannot be decoded", path)
+    allocated = int(ds.BitsAllocated)
+    if allocated not in (8, 16):
+        what = "a 1-bit image (a segmentation?)" if allocated == 1 else f"{allocated}-bit pixels (a dose or float map?)"
+        raise PrepError(f"{path}: {what}; expected 8- or 16-bit mammogram pixels", path)
+    ts_elem = getattr(ds.file_meta, "TransferSyntaxUID", None)
+    ts = str(ts_elem or "1.2.840.10008.1.2")
     try:
         arr = ds.pixel_array
     except Exception as exc:  # noqa: BLE001 - decoders raise many types
         if ts not in _NATIVE:
-            name = getattr(getattr(ds.file_meta, "TransferSyntaxUID", None), "name", ts)
+            name = getattr(ts_elem, "name", ts)
             raise PrepError(f"{path}: compressed transfer syntax {name} ({ts}) cannot be decoded: {exc}. "
                             "Install a decoder plugin (pylibjpeg with pylibjpeg-libjpeg/-openjpeg, or "
                             "python-gdcm)", path) from exc
-        raise PrepError(f"{path}: pixel data unreadable, probably truncated ({exc})", path) from exc
-    bits = int(getattr(ds, "BitsStored", 16))
+        expected = int(getattr(ds, "Rows", 0)) * int(getattr(ds, "Columns", 0)) * allocated // 8
+        got = len(ds.PixelData) if isinstance(ds.PixelData, (bytes, bytearray)) else -1
+        if 0 <= got < expected:
+            raise PrepError(f"{path}: pixel data unreadable, probably truncated ({got} bytes, the header's "
+                            f"{ds.Rows} x {ds.Columns} x {allocated} bits needs {expected})", path) from exc
+        if ts_elem is None:
+            raise PrepError(f"{path}: pixel data unreadable ({exc}); the file meta has no TransferSyntaxUID, so how "
+                            "the pixels are encoded is unknown", path) from exc
+        raise PrepError(f"{path}: pixel data unreadable ({type(exc).__name__}: {exc})", path) from exc
+    bits = int(getattr(ds, "BitsStored", allocated) or allocated)
     x = arr.astype(np.float32)
     if x.ndim != 2:
         raise PrepError(f"{path}: expected one grayscale frame, got pixel array of shape {arr.shape}", path)
+    if int(getattr(ds, "PixelRepresentation", 0) or 0) == 1:
+        x = x + float(2 ** (bits - 1))      # signed: [-2^(b-1), 2^(b-1) - 1] -> [0, 2^b - 1]
     top = float(2 ** bits - 1)
-    if str(getattr(ds, "PhotometricInterpretation", "MONOCHROME2")) == "MONOCHROME1":
+    if photometric == "MONOCHROME1":
         x = top - x
     facts = {"bits": bits, "rows": int(arr.shape[0]), "cols": int(arr.shape[1]),
-             "photometric": str(getattr(ds, "PhotometricInterpretation", "")), "transfer_syntax": ts,
+             "photometric": photometric, "transfer_syntax": ts,
+             "signed": int(getattr(ds, "PixelRepresentation", 0) or 0) == 1,
              "laterality": str(getattr(ds, "Laterality", "")), "patient_id": str(getattr(ds, "PatientID", ""))}
-    return x / top, facts
+    return np.clip(x / top, 0.0, 1.0), facts
 
 
 def is_mask(path: Path) -> bool:

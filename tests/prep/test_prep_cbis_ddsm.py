@@ -161,7 +161,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("case, message", [
-    ("corrupt", "not a readable DICOM file"),
+    ("corrupt", "not a DICOM file"),
     ("truncated", "pixel data unreadable, probably truncated"),
     ("missing", "no .dcm file in the series folder"),
 ])
@@ -303,3 +303,56 @@ def test_out_in_a_read_only_folder_stops_with_one_message(raws, tmp_path):
             prep(raws["classic"], locked / "out")
     finally:
         locked.chmod(0o700)
+
+
+def _mg(tmp_path: Path, name: str, **changes) -> Path:
+    """A fixture mammogram DICOM with header fields changed (what a real archive also holds)."""
+    px = np.array([[0, 1000], [65535, 30000]], dtype=np.uint16)
+    path = tmp_path / name
+    write_mg_dicom(path, px, "P", "1.2.3", "1.2.4", "full mammogram images", "L", "CC")
+    ds = pydicom.dcmread(path)
+    for k, v in changes.items():
+        if v is None:
+            delattr(ds, k)
+        else:
+            setattr(ds, k, v)
+    ds.save_as(path, enforce_file_format=True)
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"PhotometricInterpretation": "PALETTE COLOR"}, "photometric interpretation PALETTE COLOR; expected MONOCHROME1"),
+    ({"Modality": "RTDOSE"}, "modality RTDOSE; expected MG"),
+    ({"BitsAllocated": 1, "BitsStored": 1, "HighBit": 0}, "a 1-bit image .a segmentation.."),
+    ({"BitsAllocated": 32, "BitsStored": 32, "HighBit": 31}, "32-bit pixels"),
+    ({"BitsAllocated": None}, r"lacks BitsAllocated \(0028,0100\)"),
+])
+def test_dicoms_that_are_not_mammograms_stop_before_any_pixel_is_cached(tmp_path, changes, message):
+    """Issue 19: palette-colour, 1-bit segmentation and 32-bit dose DICOMs were cached as
+    mammograms (palette indices as intensities, a dose map as [0, 0.0003])."""
+    with pytest.raises(PrepError, match=message):
+        read_dicom(_mg(tmp_path, "x.dcm", **changes))
+
+
+def test_signed_pixel_data_maps_to_0_1(tmp_path):
+    """Signed 16-bit pixels gave negative values where [0, 1] is documented."""
+    path = tmp_path / "s.dcm"
+    px = np.array([[-32768, 0], [32767, -1]], dtype=np.int16)
+    write_mg_dicom(path, px.view(np.uint16), "P", "1.2.3", "1.2.4", "full mammogram images", "L", "CC")
+    ds = pydicom.dcmread(path)
+    ds.PixelRepresentation = 1
+    ds.PixelData = px.tobytes()
+    ds.save_as(path, enforce_file_format=True)
+    x, facts = read_dicom(path)
+    assert facts["signed"] and x.min() == 0.0 and x.max() == 1.0
+    assert np.allclose(x, (px.astype(np.float64) + 32768) / 65535)
+
+
+def test_not_a_dicom_says_what_it_is(tmp_path):
+    (tmp_path / "empty.dcm").write_bytes(b"")
+    with pytest.raises(PrepError, match="an empty file .0 bytes."):
+        read_dicom(tmp_path / "empty.dcm")
+    (tmp_path / "png.dcm").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 200)
+    with pytest.raises(PrepError, match="a PNG image named .dcm") as e:
+        read_dicom(tmp_path / "png.dcm")
+    assert "force" not in str(e.value)
