@@ -82,7 +82,7 @@ __all__ = [
     "read_phenotypic", "select_rows", "parse_subject", "assign_folds", "find_phenotypic",
     "find_layout", "load_volume", "load_derivative", "same_grid", "resample_to_grid",
     "resize_volume", "crop_cc_atlas", "rois_3mm_atlas", "read_coordinates", "sphere_atlas",
-    "label_atlas", "atlas_table", "prepare_atlas", "write_atlas", "load_atlas",
+    "label_atlas", "check_label_volume", "atlas_table", "prepare_atlas", "write_atlas", "load_atlas",
     "atlas_for_manifest", "build_parser", "main",
 ]
 
@@ -618,6 +618,32 @@ def resize_volume(vol: np.ndarray, size: Sequence[int], aspect: str = "stretch",
 
 # --------------------------------------------------------------------------- atlases
 
+def check_label_volume(data: np.ndarray, path: str | Path) -> np.ndarray:
+    """``data`` as int32 labels, after checking it is an atlas: finite, integer-valued, and
+    piecewise constant (most voxels of a labelled region share their neighbour's label). A
+    grey-matter probability map stored as 0..255 integers passes the first two tests and
+    fails the third: its values change between most neighbouring voxels.
+
+    Raises:
+        PrepError: naming the file and which test failed.
+    """
+    values = np.asarray(data)
+    if not np.all(np.isfinite(values)) or not np.allclose(values, np.round(values)):
+        raise PrepError(f"{path}: not a label volume (non-integer values: a probability or intensity map?); "
+                        "expected integer labels with 0 as background", path)
+    ints = np.round(values).astype(np.int32)
+    a, b = ints[:-1], ints[1:]
+    inside = (a != 0) & (b != 0)
+    if inside.sum() >= 100:
+        same = float((a[inside] == b[inside]).mean())
+        if same < 0.5:
+            distinct = len(np.unique(ints)) - 1
+            raise PrepError(f"{path}: not a label volume: neighbouring voxels share a value only {100 * same:.0f} % "
+                            f"of the time ({distinct} distinct values); an atlas's regions are piecewise constant "
+                            "(a probability or intensity map stored as integers?)", path)
+    return ints
+
+
 def crop_cc_atlas(data: np.ndarray, affine: np.ndarray, path: str | Path = "CC200.nii.gz"
                   ) -> tuple[np.ndarray, list[str]]:
     """Put PCP's CC200/CC400 label volume on the grid: crop ``[1:62, 1:74, :]``.
@@ -629,6 +655,7 @@ def crop_cc_atlas(data: np.ndarray, affine: np.ndarray, path: str | Path = "CC20
         The int32 labels on :data:`GRID_SHAPE`, and notes (labels lost, resampling).
     """
     notes: list[str] = []
+    data = check_label_volume(data, path)
     cropped_affine = affine.copy()
     cropped_affine[:3, 3] = affine[:3, :3] @ np.array([1, 1, 0]) + affine[:3, 3]
     if tuple(data.shape) == _CC_SHAPE and same_grid(GRID_SHAPE, cropped_affine):
@@ -649,7 +676,7 @@ def rois_3mm_atlas(data: np.ndarray, affine: np.ndarray, path: str | Path = "roi
                    ) -> tuple[np.ndarray, list[str]]:
     """The Dosenbach-160 ``rois_3mm`` volume on the grid, without labels above 160 (223)."""
     notes: list[str] = []
-    labels = np.asarray(data).astype(np.int32)
+    labels = check_label_volume(data, path)
     if not same_grid(labels.shape, affine):
         labels = resample_to_grid(labels, affine, order=0)
         notes.append(f"{path}: not on the data grid; resampled by nearest neighbour")
@@ -755,11 +782,7 @@ def label_atlas(path: str | Path) -> tuple[np.ndarray, list[str]]:
         PrepError: unreadable, not 3D, not integer-valued, or no label left on the grid.
     """
     data, affine = load_volume(path, "atlas label volume")
-    values = np.asarray(data)
-    if not np.all(np.isfinite(values)) or not np.allclose(values, np.round(values)):
-        raise PrepError(f"{path}: not a label volume (non-integer values); expected integer labels "
-                        "with 0 as background", path)
-    ints = np.round(values).astype(np.int32)
+    ints = check_label_volume(data, path)
     notes: list[str] = []
     if same_grid(ints.shape, affine):
         labels = ints

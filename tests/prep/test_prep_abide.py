@@ -554,3 +554,32 @@ def test_bundle_runs_end_to_end(raw16, tmp_path, run_bundle):
     assert len(pred) == 4 * int((df["split"] == "test").sum())
     assert np.allclose(pred[["prob_control", "prob_autism"]].sum(axis=1), 1.0, atol=1e-5)
     assert set(pred["prediction"]) <= {0, 1}
+
+
+def test_a_probability_map_stored_as_integers_is_not_an_atlas(tmp_path):
+    """Issue 19: a grey-matter probability map (0..255) was accepted as a 255-region atlas."""
+    import nibabel as nib
+
+    from medfl.prep.abide import GRID_AFFINE, GRID_SHAPE, check_label_volume, label_atlas
+
+    z, y, x = np.meshgrid(*[np.linspace(-1, 1, n) for n in GRID_SHAPE], indexing="ij")
+    gm = np.clip(255 * np.exp(-(x ** 2 + y ** 2 + z ** 2) * 2) * (0.75 + 0.25 * np.sin(9 * x)), 1, 255)
+    path = tmp_path / "gm_prob.nii.gz"
+    nib.save(nib.Nifti1Image(gm.round().astype(np.uint8), GRID_AFFINE), path)
+    with pytest.raises(PrepError, match="neighbouring voxels share a value only"):
+        label_atlas(path)
+    with pytest.raises(PrepError, match="non-integer values: a probability or intensity map"):
+        check_label_volume(gm / 255, "gm.nii.gz")
+    i, j, k = np.indices(GRID_SHAPE)
+    blocks = ((i // 6) * 100 + (j // 6) * 10 + k // 6 + 1).astype(np.int16)   # 6-voxel cubes: piecewise constant
+    assert check_label_volume(blocks, "blocks").max() == blocks.max()
+
+
+def test_the_real_atlases_pass_the_label_check(reference_data):
+    import nibabel as nib
+
+    from medfl.prep.abide import check_label_volume
+
+    for name in ("CC200.nii.gz", "CC400.nii.gz", "rois_3mm.nii.gz", "aal_mask_pad.nii.gz", "ho_mask_pad.nii.gz"):
+        data = np.asarray(nib.load(reference_data / "abide_pcp" / "rois" / name).dataobj)
+        assert check_label_volume(data, name).max() > 100
