@@ -256,18 +256,38 @@ def resolve_image(images: Path, rel: str, column: str, where: str) -> Path:
 
 
 def load_rgb(path: Path) -> tuple[np.ndarray, str]:
-    """Read an image file fully as ``(H, W, 3)`` uint8 RGB; return it and PIL's format name.
+    """Read an image file fully as ``(H, W, 3)`` uint8 RGB, upright; return it and PIL's
+    format name.
+
+    The EXIF orientation is applied (a phone or camera photo stored sideways is turned as a
+    viewer shows it). 16-bit grayscale images (PNG/TIFF modes ``I;16``, ``I``) are scaled
+    from 0..65535 to 0..255 (PIL's own conversion clips them: a 16-bit PNG became a constant
+    white image); floating-point images are refused.
 
     Raises:
-        PrepError: the file is not a readable image, or is truncated.
+        PrepError: the file is not a readable image, is truncated, holds negative or
+            floating-point pixel values.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
             fmt = str(im.format)
             im.load()  # decodes everything: a truncated JPEG fails here
-            rgb = np.asarray(im.convert("RGB"))
+            im = ImageOps.exif_transpose(im)
+            if im.mode == "F":
+                raise PrepError(f"{path}: a floating-point image (mode F); expected an 8- or 16-bit photograph",
+                                path)
+            if im.mode.startswith("I"):
+                wide = np.asarray(im).astype(np.float64)
+                if wide.min() < 0:
+                    raise PrepError(f"{path}: negative pixel values (mode {im.mode}); expected an 8- or 16-bit "
+                                    "photograph", path)
+                scale = 255.0 / 65535.0 if (im.mode.startswith("I;16") or wide.max() > 255) else 1.0
+                grey = np.clip(np.round(wide * scale), 0, 255).astype(np.uint8)
+                rgb = np.repeat(grey[..., None], 3, axis=2)
+            else:
+                rgb = np.asarray(im.convert("RGB"))
     except FileNotFoundError as exc:
         raise PrepError(f"{path}: image not found", path) from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:

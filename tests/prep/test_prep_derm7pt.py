@@ -511,3 +511,26 @@ def test_bundle_runs_with_monai_bundle_cli(prepared: dict, tmp_path: Path, run_b
     assert (pred["label"].to_numpy() == test.loc[pred["sample_id"], "label"].to_numpy()).all()
     probs = pred[[f"prob_{c}" for c in CLASS_NAMES]].to_numpy()
     assert np.allclose(probs.sum(1), 1, atol=1e-4) and set(pred["prediction"]) <= set(range(5))
+
+
+def test_16_bit_and_exif_rotated_images_are_read_as_they_are_seen(tmp_path):
+    """Issue 19: a 16-bit PNG was cached as a constant 1.0 (PIL's RGB conversion clips it),
+    and an EXIF-rotated photo was cached sideways."""
+    from PIL import Image
+
+    from medfl.prep.derm7pt import load_rgb
+
+    ramp = np.tile(np.linspace(0, 65535, 40).astype(np.uint16), (20, 1))
+    Image.fromarray(ramp).save(tmp_path / "deep.png")                  # a 16-bit grayscale PNG
+    rgb, fmt = load_rgb(tmp_path / "deep.png")
+    assert fmt == "PNG" and rgb.shape == (20, 40, 3) and rgb.min() == 0 and rgb.max() == 255
+    assert np.array_equal(rgb[0, :, 0], np.round(ramp[0] / 257).astype(np.uint8))
+
+    photo = np.zeros((20, 40, 3), np.uint8)
+    photo[:, :10] = 255                                    # a white band on the left as stored
+    exif = Image.Exif()
+    exif[0x0112] = 6                                       # Orientation: rotate 90 degrees clockwise to view
+    Image.fromarray(photo).save(tmp_path / "side.jpg", exif=exif, quality=95)
+    upright, _ = load_rgb(tmp_path / "side.jpg")
+    assert upright.shape == (40, 20, 3)                    # turned as a viewer shows it
+    assert upright[:10].mean() > 200 and upright[-10:].mean() < 50   # the band is now on top
