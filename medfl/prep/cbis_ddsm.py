@@ -112,7 +112,40 @@ def read_case_csvs(raw: Path, abnormality: str = "both", csv_dir: Path | None = 
             df["kind"], df["split"], df["csv"] = kind, split, name
             df["csv_line"] = np.arange(len(df)) + 2
             frames.append(df)
-    return pd.concat(frames, ignore_index=True)
+    table = pd.concat(frames, ignore_index=True)
+    return _drop_repeated_rows(table)
+
+
+#: one abnormality of one mammogram: a CSV row is unique by these
+ABNORMALITY_KEY = ["patient_id", "left or right breast", "image view", "abnormality id", "kind"]
+
+
+def _drop_repeated_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """Drop rows repeating an earlier row of the same abnormality word for word (a CSV
+    concatenated twice, or a line pasted again: counted twice they double the abnormality);
+    ``table.attrs["repeated_rows"]`` lists them for the report.
+
+    Raises:
+        PrepError: two rows of one abnormality that differ (which one is right is unknown).
+    """
+    data_cols = [c for c in table.columns if c not in ("csv", "csv_line", "split")]
+    dup_key = table.duplicated(ABNORMALITY_KEY, keep=False)
+    repeated: list[str] = []
+    if dup_key.any():
+        for _, group in table[dup_key].groupby(ABNORMALITY_KEY, sort=False):
+            first = group.iloc[0]
+            for _, other in group.iloc[1:].iterrows():
+                if not other[data_cols].equals(first[data_cols]):
+                    diff = [c for c in data_cols if other[c] != first[c]][:3]
+                    raise PrepError(f"{other['csv']} line {other['csv_line']} and {first['csv']} line "
+                                    f"{first['csv_line']}: abnormality {first['abnormality id']} of "
+                                    f"{first['patient_id']} {first['left or right breast']} {first['image view']} "
+                                    f"appears twice with different {', '.join(diff)}; expected one row per "
+                                    "abnormality", other["csv"])
+                repeated.append(f"{other['csv']} line {other['csv_line']} (= line {first['csv_line']})")
+        table = table[~table.duplicated(ABNORMALITY_KEY, keep="first")].reset_index(drop=True)
+    table.attrs["repeated_rows"] = repeated
+    return table
 
 
 def image_table(abn: pd.DataFrame, overlap: str = "move-to-test") -> tuple[pd.DataFrame, list[str]]:
@@ -378,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     report = PrepReport("cbis_ddsm", str(raw), str(out), a.skip_bad, options={
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("raw", "out")})
     abn = read_case_csvs(raw, a.abnormality, a.csv_dir)
+    repeated = abn.attrs.get("repeated_rows", [])
+    if repeated:
+        report.note(f"{len(repeated)} CSV row(s) repeat an earlier row word for word and were counted once: "
+                    + "; ".join(repeated[:5]) + (" ..." if len(repeated) > 5 else ""))
     images, both = image_table(abn, a.patient_overlap)
     if both:
         report.note(f"{len(both)} patient(s) in both train and test CSVs ({a.patient_overlap}): "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 from pathlib import Path
 
@@ -356,3 +357,23 @@ def test_not_a_dicom_says_what_it_is(tmp_path):
     with pytest.raises(PrepError, match="a PNG image named .dcm") as e:
         read_dicom(tmp_path / "png.dcm")
     assert "force" not in str(e.value)
+
+
+def test_repeated_csv_rows_are_counted_once_and_conflicting_ones_stop(raws, tmp_path):
+    """Issue 19: duplicated CBIS CSV rows doubled the abnormality count silently."""
+    raw = _copy(raws["classic"], tmp_path / "raw")
+    ref = read_case_csvs(raws["classic"])
+    csv_path = raw / "mass_case_description_train_set.csv"
+    lines = csv_path.read_text().splitlines(keepends=True)
+    csv_path.write_text("".join(lines + [lines[1]]))                 # the first data row pasted again
+    again = read_case_csvs(raw)
+    assert len(again) == len(ref) and len(again.attrs["repeated_rows"]) == 1
+    assert re.fullmatch(r"mass_case_description_train_set.csv line \d+ \(= line 2\)", again.attrs["repeated_rows"][0])
+    prep(raw, tmp_path / "o")
+    notes = json.loads((tmp_path / "o" / "report.json").read_text())["notes"]
+    assert any("repeat an earlier row word for word" in n for n in notes)
+    fields = lines[1].split(",")
+    fields[fields.index("MALIGNANT") if "MALIGNANT" in fields else fields.index("BENIGN")] = "BENIGN_WITHOUT_CALLBACK"
+    csv_path.write_text("".join(lines + [",".join(fields)]))
+    with pytest.raises(PrepError, match="appears twice with different pathology"):
+        read_case_csvs(raw)
