@@ -145,9 +145,10 @@ def write_sum(written: Path, final: Path) -> None:
     tmp.replace(side)
 
 
-def check_sum(path: Path) -> str:
-    """Why ``path`` does not match its sidecar checksum ("" when it does or has none)."""
-    side = _sum_path(path)
+def check_sum(path: Path, sum_of: Path | None = None) -> str:
+    """Why ``path`` does not match the sidecar checksum of ``sum_of`` (default ``path``):
+    "" when it does, or when there is no sidecar (files written before checksums)."""
+    side = _sum_path(sum_of or path)
     if side.is_file() and sha256_file(path) != side.read_text().split()[0]:
         return "its SHA-256 differs from the one written with it (the file was changed or damaged)"
     return ""

@@ -96,8 +96,11 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _write_csv(path: Path, df: pd.DataFrame) -> None:
+    """Write ``df`` atomically with a checksum sidecar (``<name>.sha256``) that a resume
+    checks (:func:`_read_rounds`)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     df.to_csv(tmp, index=False)
+    write_sum(tmp, path)
     tmp.replace(path)
 
 
@@ -875,6 +878,14 @@ def _read_rounds(path: Path, upto: int) -> pd.DataFrame | None:
     """The rows of a per-round CSV of a run up to round ``upto`` (``None``: no such file)."""
     if not path.is_file():
         return None
+    problem = check_sum(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    if problem and tmp.is_file() and not check_sum(tmp, sum_of=path):
+        tmp.replace(path)        # killed between the checksum and the rename: finish the write
+        problem = ""
+    if problem:
+        raise RunError(f"{path}: {problem}; a resume would continue from rows that are not the ones the run "
+                       "wrote (rows lost or changed). Restore the file, or start a new run")
     df = pd.read_csv(path, dtype={"client_id": str, "client_name": str, "data_client_id": str},
                      keep_default_na=False, na_values=["", "nan", "NaN"])
     return df[df["round"] <= upto].reset_index(drop=True)

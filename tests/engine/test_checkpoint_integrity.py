@@ -75,3 +75,19 @@ def test_no_intact_checkpoint_stops_with_one_message(job) -> None:
         _flip(part / "checkpoints" / f"round_{k:04d}.pt")
     with pytest.raises(RunError, match=r"no intact checkpoint to resume from \(round_0003.pt: its SHA-256 differs"):
         resume(part)
+
+
+def test_metrics_rows_lost_or_changed_stop_the_resume(job) -> None:
+    """metrics.csv with rows dropped resumed silently with rc 0; now it is checked against the
+    checksum written with it. A kill between the checksum and the rename is finished instead."""
+    _, part = _runs(job)
+    metrics = part / "metrics.csv"
+    good = metrics.read_text()
+    lines = good.splitlines(keepends=True)
+    (part / "metrics.csv.tmp").write_text(good)      # what a kill just before the rename leaves
+    metrics.write_text("".join(lines[:-2]))           # and an older file in place
+    resume(part)                                      # the interrupted write is finished, the run goes on
+    assert metrics.read_text().startswith(good) and not (part / "metrics.csv.tmp").exists()
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-3]))
+    with pytest.raises(RunError, match=r"metrics.csv: its SHA-256 differs.*rows lost or changed"):
+        resume(part, rounds=5)
