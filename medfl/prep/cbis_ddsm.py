@@ -248,6 +248,17 @@ class Resolver:
         return [literal] + [f for f in files if f != literal] if literal.is_file() else files
 
 
+def _decoder_available(ts: str) -> bool:
+    """Whether pydicom has a working decoder for transfer syntax ``ts`` on this machine."""
+    try:
+        from pydicom.pixels import get_decoder
+        from pydicom.uid import UID
+
+        return bool(get_decoder(UID(ts)).is_available)
+    except Exception:  # noqa: BLE001 - an unknown syntax or an older pydicom: assume none
+        return False
+
+
 #: what a CBIS-DDSM image (mammogram, ROI crop or mask) must be
 MAMMO_PHOTOMETRIC = ("MONOCHROME1", "MONOCHROME2")
 
@@ -307,6 +318,10 @@ def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
     except Exception as exc:  # noqa: BLE001 - decoders raise many types
         if ts not in _NATIVE:
             name = getattr(ts_elem, "name", ts)
+            if _decoder_available(ts):
+                raise PrepError(f"{path}: compressed transfer syntax {name} ({ts}): the installed decoder could not "
+                                f"decode it ({exc}); the file is damaged or its header (Rows, Columns, bits) "
+                                "disagrees with the compressed data", path) from exc
             raise PrepError(f"{path}: compressed transfer syntax {name} ({ts}) cannot be decoded: {exc}. "
                             "Install a decoder plugin (pylibjpeg with pylibjpeg-libjpeg/-openjpeg, or "
                             "python-gdcm)", path) from exc

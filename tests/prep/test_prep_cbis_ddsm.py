@@ -140,7 +140,7 @@ def test_monochrome1_is_inverted(tmp_path):
     assert np.allclose(a, px / 65535) and np.allclose(b, 1 - px / 65535)
 
 
-def test_compressed_without_decoder_names_the_decoder(tmp_path):
+def test_compressed_without_decoder_names_the_decoder(tmp_path, monkeypatch):
     from pydicom.encaps import encapsulate
     from pydicom.uid import JPEG2000Lossless
 
@@ -150,6 +150,14 @@ def test_compressed_without_decoder_names_the_decoder(tmp_path):
     ds.PixelData = encapsulate([b"\xff\x4f\xff\x51" + b"\x00" * 40])
     ds["PixelData"].VR = "OB"
     ds.save_as(tmp_path / "c.dcm", enforce_file_format=True)
+    import medfl.prep.cbis_ddsm as cbis
+
+    # issue 19: with a decoder installed, a bogus stream must not ask to install one
+    monkeypatch.setattr(cbis, "_decoder_available", lambda ts: True)
+    with pytest.raises(PrepError, match=r"(?s)JPEG 2000.*the installed decoder could not decode it") as e:
+        read_dicom(tmp_path / "c.dcm")
+    assert "Install" not in str(e.value)
+    monkeypatch.setattr(cbis, "_decoder_available", lambda ts: False)
     with pytest.raises(PrepError, match=r"(?s)c.dcm: compressed transfer syntax .*JPEG 2000.*pylibjpeg"):
         read_dicom(tmp_path / "c.dcm")
 
