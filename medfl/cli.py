@@ -247,7 +247,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     settings = SiteSettings(client_id=str(args.client_id), config=Path(args.config).resolve(),
                             state_dir=Path(args.state_dir).resolve(), overrides=overrides or {},
                             workdir=Path.cwd().resolve(), device=args.device)
-    return run_site(settings, cmd, env=flower_env())
+    return run_site(settings, cmd, env=flower_env(), restart=not getattr(args, "no_restart", False))
 
 
 def cmd_flower_run(args: argparse.Namespace) -> int:
@@ -316,6 +316,9 @@ def _add_flower(sub: Any) -> None:
     sp.add_argument("--approvals", default=None,
                     help="approvals file (`medfl approve`): run only the methods it approves, with the same "
                          "version and code hash; without it the site runs any installed method (and warns)")
+    sp.add_argument("--no-restart", action="store_true",
+                    help="end the site when its SuperNode exits (default: start it again with a growing wait, "
+                         "1 s to 60 s, so a SuperLink restart or an outage never ends the site)")
     sp.add_argument("overrides", nargs=argparse.REMAINDER,
                     help="config overrides after the options, as for `medfl run`: any '#' path of the bundle "
                          "config (fl#dataset#root=/data bundle_root=/x; key=value first, then also --key value)")

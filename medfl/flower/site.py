@@ -50,6 +50,7 @@ site runs any method installed in its environment and says so.
 from __future__ import annotations
 
 import json
+import re
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,8 +171,10 @@ class Site:
 
     def _root(self, ctl: dict[str, Any]) -> Path:
         run = str(ctl["run"])
-        if not run or "/" in run or run.startswith("."):
-            raise SiteError(f"medfl site: bad run id {run!r}")
+        # a coordinator names the run; it must not be able to point the site outside its
+        # --state-dir (everything the site writes or deletes lives under state_dir/run/)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}", run):
+            raise SiteError(f"medfl site: bad run id {run!r}; expected letters, digits, '_' or '-'")
         return self.settings.state_dir / run / f"site_{self.client_id}"
 
     def stores(self, ctl: dict[str, Any]) -> tuple[ClientStore, ClientStore]:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -101,15 +102,25 @@ class SiteWorker:
                 os.unlink(self.socket_path)
 
 
-def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, str] | None = None) -> int:
+def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, str] | None = None, *,
+             restart: bool = True, backoff: float = 1.0, max_backoff: float = 60.0) -> int:
     """Run a site: the worker in this process, ``supernode_cmd`` (whose node config must
-    carry ``worker='<socket>'``, see :func:`socket_for`) as its child. Returns the
-    SuperNode's exit code.
+    carry ``worker='<socket>'``, see :func:`socket_for`) as its child, until told to stop
+    (SIGTERM or SIGINT). Returns the SuperNode's last exit code.
+
+    With ``restart`` (the default), a SuperNode that exits on its own (a SuperLink that
+    restarted without its database no longer knows the node and answers 401; a network
+    outage longer than Flower's retries) is started again after ``backoff`` seconds, doubling
+    up to ``max_backoff`` (reset after a SuperNode that ran for ``max_backoff``), with a log
+    line each time: a site keeps serving until its operator stops it.
 
     Args:
         settings: the site's node config.
         supernode_cmd: the ``flower-supernode`` command, built with the socket path.
         env: the SuperNode's environment.
+        restart: start the SuperNode again when it exits on its own.
+        backoff: the first wait before a restart, in seconds.
+        max_backoff: the longest wait between restarts.
     """
     sock_path = _socket_from_command(supernode_cmd)
     worker = SiteWorker(settings, sock_path)
@@ -118,22 +129,46 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
     except Exception:
         worker.stop()
         raise
-    child = subprocess.Popen(supernode_cmd, env=env)
+    stopping = threading.Event()
+    procs = [subprocess.Popen(supernode_cmd, env=env)]
+    who = f"medfl site {settings.client_id}"
 
     def _end(signum: int, _frame: Any) -> None:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+        stopping.set()
+        if procs[-1].poll() is None:
+            procs[-1].send_signal(signal.SIGTERM)
         worker.stop()
+
+    def _supervise() -> None:
+        delay = backoff
+        while True:
+            started = time.monotonic()
+            code = procs[-1].wait()
+            if stopping.is_set() or not restart:
+                worker.stop()
+                return
+            if time.monotonic() - started >= max_backoff:
+                delay = backoff
+            print(f"{who}: the SuperNode exited with code {code} (the SuperLink may have restarted or be out of "
+                  f"reach); starting it again in {delay:g} s (stop the site with Ctrl-C or SIGTERM)", flush=True)
+            if stopping.wait(delay):
+                worker.stop()
+                return
+            delay = min(delay * 2, max_backoff)
+            procs.append(subprocess.Popen(supernode_cmd, env=env))
+            print(f"{who}: SuperNode pid {procs[-1].pid}", flush=True)
 
     signal.signal(signal.SIGTERM, _end)
     signal.signal(signal.SIGINT, _end)
-    watcher = threading.Thread(target=lambda: (child.wait(), worker.stop()), daemon=True)
+    watcher = threading.Thread(target=_supervise, daemon=True)
     watcher.start()
-    print(f"medfl site {settings.client_id}: worker on {sock_path}, SuperNode pid {child.pid}", flush=True)
+    print(f"{who}: worker on {sock_path}, SuperNode pid {procs[-1].pid}", flush=True)
     try:
         worker.serve_forever()
     finally:
+        stopping.set()
         worker.stop()
+        child = procs[-1]
         if child.poll() is None:
             child.terminate()
             try:
@@ -141,7 +176,7 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
             except subprocess.TimeoutExpired:
                 child.kill()
         shutil_rmtree(Path(sock_path).parent)
-    return int(child.returncode or 0)
+    return int(procs[-1].returncode or 0)
 
 
 def socket_for() -> str:

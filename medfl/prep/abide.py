@@ -1146,7 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
                             "another --test-fold, or --test-fold none", out)
     df = write_manifest(out, rows, extra_order=[
         "region", "region_client", "site_id", "age", "mean_fd", "fold", "dx_group", "file_id",
-        "channels", "resampled", "atlas"])
+        "channels", "resampled", "atlas"], classes=CLASS_NAMES, report=report)
     pd.DataFrame(excluded, columns=["sub_id", "file_id", "site_id", "line", "rule", "reason"]).to_csv(
         out / "excluded.csv", index=False)
     missing_regions = [r for r in REGION_ORDER if r not in set(df["region"])]

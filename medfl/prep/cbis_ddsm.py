@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             report.write(out)
             raise PrepError(f"the {split} split is empty after skipping {len(report.skipped)} item(s); "
                             f"see {out / 'skipped.csv'}", split)
-    df = write_manifest(out, rows)
+    df = write_manifest(out, rows, classes=CLASS_NAMES, report=report)
     report.counts = {"abnormalities": len(abn), "images_listed": len(images), "samples_written": len(df),
                      "layout": resolver.layout,
                      "per_split": {s: int((df["split"] == s).sum()) for s in ("train", "test")},

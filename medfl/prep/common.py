@@ -191,11 +191,15 @@ def save_array(out: Path, rel: str, arr: np.ndarray) -> str:
     return rel
 
 
-def write_manifest(out: Path, rows: list[dict[str, Any]], extra_order: Sequence[str] = ()) -> pd.DataFrame:
+def write_manifest(out: Path, rows: list[dict[str, Any]], extra_order: Sequence[str] = (), *,
+                   classes: Sequence[str] | None = None, report: "PrepReport | None" = None) -> pd.DataFrame:
     """Write ``out/manifest.csv`` with :data:`MANIFEST_COLUMNS` first.
 
-    An expected split that ended up empty (every row skipped) is the script's to check:
-    only it knows which splits the dataset has.
+    With ``classes`` (the dataset's class names, by label), a class left without any sample
+    (every one skipped by ``--skip-bad``, cut by ``--limit``, or missing from a partial
+    download) is reported: a warning on stderr and a note in ``report``, because a run on the
+    manifest can neither learn nor score it. An expected split that ended up empty is the
+    script's to check: only it knows which splits the dataset has.
 
     Raises:
         PrepError: no rows at all, or a duplicated ``sample_id``.
@@ -215,6 +219,21 @@ def write_manifest(out: Path, rows: list[dict[str, Any]], extra_order: Sequence[
         dup = df.loc[df["sample_id"].duplicated(), "sample_id"].iloc[0]
         raise PrepError(f"{out}: sample_id {dup!r} appears twice; expected one row per sample", out)
     df.to_csv(out / "manifest.csv", index=False)
+    if classes is not None:
+        present = set(df["label"].astype(int))
+        empty = [f"{i} {name}" for i, name in enumerate(classes) if i not in present]
+        if empty:
+            why = []
+            if report is not None and report.skipped:
+                why.append(f"{len(report.skipped)} item(s) skipped")
+            if report is not None and report.options.get("limit"):
+                why.append(f"--limit {report.options['limit']}")
+            text = (f"class(es) {', '.join(empty)} have no sample in the manifest"
+                    + (f" ({', '.join(why)})" if why else " (not in the download?)")
+                    + ": a run can neither learn nor score them")
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+            if report is not None:
+                report.note(text)
     return df
 
 

@@ -478,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [s for s in SPLIT_FILES if not todo_per_split.get(s, 0)]
     if missing:
         report.note(f"--limit {args.limit} left split(s) {', '.join(missing)} without cases")
-    table = write_manifest(out, rows, extra_order=["case_num", "meta_row", "diagnosis"])
+    table = write_manifest(out, rows, extra_order=["case_num", "meta_row", "diagnosis"],
+                           classes=CLASS_NAMES, report=report)
     if args.overwrite:
         remove_stale_arrays(out, set(table["path"]) | set(table.get("clinic_path", pd.Series()).dropna()),
                             report, subfolders=("derm", "clinic"))

@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     report.note("HAM10000 has no official train/test split in its metadata: the manifest's split column is empty "
                 "(a run draws its global test set: global_test_per_class or global_test_fraction)")
     table = write_manifest(out, rows, extra_order=["lesion_id", "image_id", "dx", "dx_type", "age", "localization",
-                                                   "dataset", "meta_row"])
+                                                   "dataset", "meta_row"], classes=CLASS_NAMES, report=report)
     if args.overwrite:
         remove_stale_arrays(out, set(table["path"]), report)
     report.write(out)

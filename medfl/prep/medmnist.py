@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                          "image_path": f"{path.name}:{split}_images[{i}]", "label": int(flat[i]),
                          "class_name": classes[int(flat[i])], "subject_id": sample_id, "split": split,
                          "index": i})
-    table = write_manifest(out, rows, extra_order=["index"])
+    table = write_manifest(out, rows, extra_order=["index"], classes=classes, report=report)
     if args.overwrite:
         remove_stale_arrays(out, set(table["path"]), report, subfolders=SPLITS)
     report.counts = {"flag": flag, "size": size, "task": info.task,

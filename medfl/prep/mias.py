@@ -723,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         report.write(out)
     table = write_manifest(out, samples, extra_order=[
         "refnum", "image_number", "background", "tissue", "image_class", "abnormality",
-        "severity", "x", "y", "radius", "num_abnormalities", "info_lines"])
+        "severity", "x", "y", "radius", "num_abnormalities", "info_lines"], classes=names, report=report)
     if args.overwrite:
         remove_stale_arrays(out, set(table["path"]), report)
     report.write(out)

@@ -272,3 +272,15 @@ def test_script_reports_errors_and_help(raw: Path, tmp_path: Path):
     for opt in ("--raw", "--out", "--skip-bad", "--overwrite", "--limit", "--size", "--aspect", "--metadata",
                 "--images", "HAM10000_images_part_1"):
         assert opt in text
+
+
+def test_a_limit_that_empties_a_class_warns(tmp_path, capsys):
+    """Issue 19: --limit or --skip-bad that empties a class must warn (a run can neither learn
+    nor score it); the report says which."""
+    generate("ham10000", tmp_path / "raw", cases=60, seed=0, reference=False)
+    assert main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "out"), "--size", "16",
+                 "--limit", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: class(es)" in err and "have no sample in the manifest (--limit 3)" in err
+    notes = json.loads((tmp_path / "out" / "report.json").read_text())["notes"]
+    assert any("a run can neither learn nor score them" in n for n in notes)

@@ -1,0 +1,73 @@
+"""A site keeps serving when its SuperNode exits (issue 19: after a SuperLink restart the
+sites got 401 and exited with code 0, and the run never resumed until someone restarted
+them). The site's supervisor starts the SuperNode again with a growing wait and a log line,
+and ends only when told to (SIGTERM). A stand-in SuperNode that exits at once shows it
+without a SuperLink."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
+
+from flower_cases import FEDAVG, fl_config, write_config  # noqa: E402
+
+SUPERVISE = """
+import sys
+from pathlib import Path
+from medfl.flower.site import SiteSettings
+from medfl.flower.worker import run_site, socket_for
+config, state, starts, restart = sys.argv[1:5]
+sock = socket_for()
+# the stand-in SuperNode: note the start, exit with code 0 as Flower's did on a 401
+cmd = [sys.executable, "-c", f"open({starts!r}, 'a').write('x')", "--node-config", f"worker='{sock}'"]
+settings = SiteSettings(client_id="0", config=Path(config), state_dir=Path(state))
+sys.exit(run_site(settings, cmd, restart=restart == "1", backoff=0.2, max_backoff=0.8))
+"""
+
+
+def _start(tmp_path: Path, restart: bool) -> tuple[subprocess.Popen, Path]:
+    fl = fl_config(tmp_path, "restart", FEDAVG)
+    config = write_config(tmp_path / "site.json", fl)
+    starts = tmp_path / "starts.txt"
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISE, str(config), str(tmp_path / "state"), str(starts),
+                             "1" if restart else "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "MEDFL_NO_PROGRESS": "1"})
+    return proc, starts
+
+
+def test_the_supernode_is_started_again_until_the_site_is_told_to_stop(tmp_path: Path) -> None:
+    proc, starts = _start(tmp_path, restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not starts.is_file() or len(starts.read_text()) < 4):
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[0]            # still serving
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert len(starts.read_text()) >= 4
+    assert "the SuperNode exited with code 0" in out and "starting it again in 0.2 s" in out
+    assert "starting it again in 0.8 s" in out                    # the wait doubles up to max_backoff
+
+
+def test_no_restart_ends_the_site_with_the_supernode(tmp_path: Path) -> None:
+    proc, starts = _start(tmp_path, restart=False)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and len(starts.read_text()) == 1 and "starting it again" not in out
+
+
+@pytest.mark.parametrize("run", ["../../etc", ".hidden", "a/b", "..", "", "x" * 200, "run\x00id"])
+def test_a_coordinator_cannot_point_a_site_outside_its_state_dir(tmp_path: Path, run: str) -> None:
+    from medfl.flower.site import Site, SiteError, SiteSettings
+
+    fl = fl_config(tmp_path, "paths", FEDAVG)
+    site = Site(SiteSettings(client_id="0", config=write_config(tmp_path / "site.json", fl), state_dir=tmp_path / "s"))
+    with pytest.raises(SiteError, match="bad run id"):
+        site._root({"run": run})
+    assert site._root({"run": "3f2a-run_7"}) == tmp_path / "s" / "3f2a-run_7" / "site_0"
