@@ -43,7 +43,10 @@ def test_client_store_versions_prune_and_rollback(tmp_path):
     assert store.load("0", 3)["w"].item() == 2.0  # state *before* round 3
     assert store.load("0", 99)["w"].item() == 3.0
     store.prune(2)  # checkpoint of round 2 exists: round 1's version is no longer needed
-    assert sorted(p.name for p in (tmp_path / "0").iterdir()) == ["state_r0002.pt", "state_r0003.pt"]
+    assert sorted(p.name for p in (tmp_path / "0").glob("state_r*.pt")) == ["state_r0002.pt", "state_r0003.pt"]
+    # each state has its checksum beside it; the pruned one's went with it
+    assert sorted(p.name for p in (tmp_path / "0").glob("*.sha256")) == ["state_r0002.pt.sha256",
+                                                                         "state_r0003.pt.sha256"]
     store.rollback(2)  # resuming after round 2 redoes round 3
     assert store.load("0", 99)["w"].item() == 2.0
 
