@@ -72,7 +72,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     PrepError, PrepReport, base_parser, check_dirs, progress, require_columns, save_array,
-    write_manifest,
+    write_manifest, staged_main,
 )
 
 __all__ = [
@@ -1038,6 +1038,7 @@ def _size(values: Sequence[int] | None) -> tuple[int, int, int] | None:
     return (int(values[0]), int(values[1]), int(values[2]))
 
 
+@staged_main
 def main(argv: list[str] | None = None) -> int:
     """Prepare ABIDE-I PCP derivatives: see ``python data_prep/abide.py --help``."""
     args = build_parser().parse_args(argv)

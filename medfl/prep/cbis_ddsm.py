@@ -36,7 +36,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, resize_image, save_array,
-    write_manifest,
+    write_manifest, staged_main,
 )
 
 __all__ = ["main", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
@@ -400,6 +400,7 @@ def _relative(file: Path, raw: Path) -> str:
         return os.path.relpath(file, raw) if os.path.isabs(file) else str(file)
 
 
+@staged_main
 def main(argv: list[str] | None = None) -> int:
     """Prepare CBIS-DDSM: see ``python data_prep/cbis_ddsm.py --help``."""
     p = base_parser("cbis_ddsm", __doc__.split("\n\n")[0] + "\n\nLayouts, labels and the patient rule: "

@@ -41,7 +41,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, require_columns,
-    remove_stale_arrays, resize_image, save_array, size_pair, write_manifest,
+    remove_stale_arrays, resize_image, save_array, size_pair, write_manifest, staged_main,
 )
 
 __all__ = [
@@ -356,6 +356,7 @@ example:
     return p
 
 
+@staged_main
 def main(argv: list[str] | None = None) -> int:
     """Prepare Derm7pt: parse ``argv``, write the manifest, arrays and report into ``--out``.
 

@@ -45,7 +45,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays,
-    require_columns, save_array, size_pair, write_manifest,
+    require_columns, save_array, size_pair, write_manifest, staged_main,
 )
 from medfl.prep.derm7pt import preprocess_image
 
@@ -224,6 +224,7 @@ example:
     return p
 
 
+@staged_main
 def main(argv: list[str] | None = None) -> int:
     """Prepare HAM10000: parse ``argv``, write the manifest, arrays and report into ``--out``.
 

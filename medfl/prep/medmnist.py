@@ -37,7 +37,7 @@ import numpy as np
 
 from medfl.prep.common import (
     PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays, resize_image, save_array,
-    write_manifest,
+    write_manifest, staged_main,
 )
 
 __all__ = ["Dataset", "DATASETS", "SPLITS", "SIZES", "parse_name", "find_file", "load_split", "chest_binary",
@@ -226,6 +226,7 @@ example:
     return p
 
 
+@staged_main
 def main(argv: list[str] | None = None) -> int:
     """Prepare one MedMNIST file: parse ``argv``, write manifest, arrays and report.
 

@@ -58,7 +58,7 @@ import numpy as np
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, resize_image,
-    remove_stale_arrays, save_array, write_manifest,
+    remove_stale_arrays, save_array, write_manifest, staged_main,
 )
 
 __all__ = [
@@ -557,6 +557,7 @@ def _joined(rows: Sequence[InfoRow], attr: str) -> str:
     return ";".join("" if getattr(r, attr) is None else str(getattr(r, attr)) for r in rows)
 
 
+@staged_main
 def main(argv: list[str] | None = None) -> int:
     """Prepare mini-MIAS: parse ``argv``, write the manifest, arrays and report into ``--out``.
 

@@ -97,20 +97,21 @@ def test_flower_site_command_takes_the_same_overrides_as_run(tmp_path: Path, mon
     from medfl.cli import main
 
     started: list[tuple] = []
-    monkeypatch.setattr(worker, "run_site", lambda settings, cmd, env=None: started.append((settings, cmd)) or 0)
+    monkeypatch.setattr(worker, "run_site", lambda settings, cmd, env=None, restart=True: started.append((settings, cmd, restart)) or 0)
     monkeypatch.setattr(worker, "socket_for", lambda: str(tmp_path / "worker.sock"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.json").write_text('{"bundle_root": ".", "fl": {}}')
     base = ["flower", "site", "--client-id", "1", "--config", "train.json", "--state-dir", "state", "--insecure"]
     assert main([*base, "bundle_root=/x", "fl#dataset#root=/data", "--port", "9123", "--fl#rounds", "3"]) == 0
-    settings, cmd = started[-1]
+    settings, cmd, restart = started[-1]
     want = {"bundle_root": "/x", "fl#dataset#root": "/data", "fl#rounds": 3}
-    assert settings.overrides == want and settings.client_id == "1"
+    assert settings.overrides == want and settings.client_id == "1" and restart is True
     assert cmd[cmd.index("--port") + 1] == "9123"
     nc = cmd[cmd.index("--node-config") + 1]
     assert f"overrides='{json.dumps(want)}'" in nc and f"worker='{tmp_path / 'worker.sock'}'" in nc
-    assert main(base) == 0   # no override: none in the node config
-    settings, cmd = started[-1]
+    assert main([*base, "--no-restart"]) == 0   # no override: none in the node config
+    settings, cmd, restart = started[-1]
+    assert restart is False
     assert settings.overrides == {} and "overrides=" not in cmd[cmd.index("--node-config") + 1]
     with pytest.raises(SystemExit, match="cannot read override 'bundle_root'"):
         main([*base, "bundle_root"])

@@ -215,7 +215,7 @@ def test_bad_csvs_and_empty_split(raws, tmp_path):
         (raw2 / rel).unlink()
     with pytest.raises(PrepError, match="the test split is empty"):
         prep(raw2, tmp_path / "d", "--skip-bad")
-    assert (tmp_path / "d" / "skipped.csv").is_file()
+    assert (tmp_path / "d.failed" / "skipped.csv").is_file() and not (tmp_path / "d").exists()   # no half output
 
 
 def test_out_rules(raws, tmp_path):

@@ -415,8 +415,9 @@ def test_split_emptied_by_skipping(raw_syn: Path, tmp_path: Path):
     with pytest.raises(PrepError, match=rf"split 'val' \(.*valid_indexes.csv\) is empty: all its "
                                         rf"{len(val_rows)} case\(s\) were skipped"):
         prep(raw, tmp_path / "b", "--skip-bad")
-    assert len(pd.read_csv(tmp_path / "b" / "skipped.csv")) == len(val_rows)
-    assert not (tmp_path / "b" / "manifest.csv").exists()
+    # a stopped run leaves no half dataset at --out; its report is kept beside it
+    assert len(pd.read_csv(tmp_path / "b.failed" / "skipped.csv")) == len(val_rows)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.failed" / "manifest.csv").exists()
 
 
 def test_script_reports_errors_and_help(tmp_path: Path):

@@ -284,3 +284,69 @@ def test_a_limit_that_empties_a_class_warns(tmp_path, capsys):
     assert "warning: class(es)" in err and "have no sample in the manifest (--limit 3)" in err
     notes = json.loads((tmp_path / "out" / "report.json").read_text())["notes"]
     assert any("a run can neither learn nor score them" in n for n in notes)
+
+
+def _no_partials(parent: Path) -> None:
+    assert not [p.name for p in parent.iterdir() if ".partial-" in p.name]
+
+
+def test_a_stop_never_leaves_half_an_output(raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Issue 19: every stop left a partial --out (cached arrays, no manifest). Now the script
+    writes into a staging folder beside --out and renames it into place only at the end; a
+    stop (a bad file, Ctrl-C) leaves no --out, only its report in <out>.failed/."""
+    import medfl.prep.ham10000 as ham
+
+    work = tmp_path / "raw"
+    shutil.copytree(raw, work)
+    victim = next(work.rglob("*.jpg"))
+    victim.write_bytes(b"not a jpeg")
+    with pytest.raises(PrepError, match=re.escape(str(victim))):
+        prep(work, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    _no_partials(tmp_path)
+    # every image skipped: the run fails after writing its report, which is kept beside --out
+    for jpg in work.rglob("*.jpg"):
+        jpg.write_bytes(b"not a jpeg")
+    with pytest.raises(PrepError, match=r"out\.failed/skipped\.csv"):
+        prep(work, tmp_path / "out", "--skip-bad")
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.failed" / "skipped.csv").is_file()
+    assert json.loads((tmp_path / "out.failed" / "report.json").read_text())["num_skipped"] == CASES
+    real, calls = ham.preprocess_image, []
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ham, "preprocess_image", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prep(raw, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+    _no_partials(tmp_path)
+    # a run killed outright (kill -9) leaves its staging folder; the next run removes it
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f".out3.partial-{dead.pid}" / "arrays").mkdir(parents=True)
+    monkeypatch.setattr(ham, "preprocess_image", real)
+    assert prep(raw, tmp_path / "out3") == 0
+    _no_partials(tmp_path)
+
+
+def test_overwrite_keeps_the_earlier_dataset_until_the_new_one_is_whole(raw: Path, tmp_path: Path):
+    out = tmp_path / "data"
+    assert prep(raw, out) == 0
+    (out / "my_notes.txt").write_text("mine")                    # a file of the user's
+    before = tree_hash(out)
+    work = tmp_path / "raw"
+    shutil.copytree(raw, work)
+    next(work.rglob("*.jpg")).write_bytes(b"not a jpeg")
+    with pytest.raises(PrepError):
+        prep(work, out, "--overwrite")
+    assert tree_hash(out) == before                              # a failed --overwrite changes nothing
+    assert prep(raw, out, "--overwrite", "--limit", "5") == 0
+    assert len(list((out / "arrays").glob("*.npy"))) == 5       # no stale arrays of the earlier run
+    assert (out / "my_notes.txt").read_text() == "mine"         # the user's file is kept
+    assert json.loads((out / "report.json").read_text())["out"] == str(out.resolve())
+    assert not (tmp_path / "data.failed").exists()             # the earlier failure's report is gone
+    _no_partials(tmp_path)

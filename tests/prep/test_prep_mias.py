@@ -261,8 +261,9 @@ def test_overwrite_refused_then_replaces_and_removes_stale_arrays(raw_syn: Path,
     assert len(m) == 6 and sorted(p.name for p in (out / "arrays").iterdir()) == sorted(
         f"{s}.npy" for s in m["sample_id"])
     with pytest.raises(PrepError, match="test split is empty"):   # a failed --overwrite run
-        prep(raw_syn, out, "--overwrite", "--limit", "2")          # leaves no stale manifest
-    assert not (out / "manifest.csv").exists()
+        prep(raw_syn, out, "--overwrite", "--limit", "2")          # keeps the earlier dataset whole
+    assert pd.read_csv(out / "manifest.csv")["sample_id"].tolist() == m["sample_id"].tolist()
+    assert sorted(p.name for p in (out / "arrays").iterdir()) == sorted(f"{s}.npy" for s in m["sample_id"])
     with pytest.raises(PrepError, match="inside --raw"):
         prep(raw_syn, raw_syn / "prepared")
     assert not (raw_syn / "prepared").exists()
@@ -425,12 +426,13 @@ def test_empty_split_is_an_error(raw_copy: Path, tmp_path: Path):
         p.write_bytes(b"P5\n128 128\n255\n")
     with pytest.raises(PrepError, match="the test split is empty"):
         prep(raw_copy, tmp_path / "b", "--skip-bad")
-    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    report = json.loads((tmp_path / "b.failed" / "report.json").read_text())
     assert report["num_skipped"] == 19 and report["counts"]["samples"] == 1
     files[0].write_bytes(b"P5\n128 128\n255\n")
     with pytest.raises(PrepError, match="no samples left to write.*skipped.csv"):
         prep(raw_copy, tmp_path / "c", "--skip-bad", "--test-fraction", "0")
-    assert len(pd.read_csv(tmp_path / "c" / "skipped.csv")) == 20
+    assert len(pd.read_csv(tmp_path / "c.failed" / "skipped.csv")) == 20
+    assert not any((tmp_path / d).exists() for d in ("a", "b", "c"))
 
 
 PGM_CASES = [
