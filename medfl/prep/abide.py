@@ -72,7 +72,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     PrepError, PrepReport, base_parser, check_dirs, progress, require_columns, save_array,
-    write_manifest, staged_main,
+    write_manifest, staged_main, NotDownloaded, keep_present,
 )
 
 __all__ = [
@@ -1052,7 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
         raise PrepError(f"--test-fold {args.test_fold}: expected 0..{args.folds - 1} or none")
     raw, out = check_dirs(args.raw, args.out, args.overwrite)
     report = PrepReport("abide", str(raw), str(out), args.skip_bad,
-                        options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+                        options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                        present_only=args.present_only)
 
     layout = find_layout(raw, args.pipeline, args.strategy, derivatives, args.layout)
     pheno = find_phenotypic(raw, args.phenotypic, layout)
@@ -1077,6 +1078,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         seen[("SUB_ID", subject.sub_id)] = seen[("FILE_ID", subject.file_id)] = subject.line
         subjects.append(subject)
+    def locate(s: Subject) -> None:
+        for d in derivatives:
+            if not layout.path(s.file_id, d).is_file():
+                path = layout.path(s.file_id, d)
+                raise NotDownloaded(f"{path}: file not found; expected the {d} map of {s.file_id} "
+                                    f"(listed by {pheno.name} line {s.line}, SUB_ID {s.sub_id})", path)
+
+    subjects = keep_present(subjects, locate, report, name=lambda s: s.file_id)
     if args.limit is not None:
         subjects = subjects[:max(0, args.limit)]
     folds = assign_folds(subjects, args.folds, args.seed)
@@ -1105,6 +1114,7 @@ def main(argv: list[str] | None = None) -> int:
     for subject, fold in progress(list(zip(subjects, folds)), "abide", total=len(subjects)):
         def prepare(s: Subject = subject) -> tuple[np.ndarray, bool, int]:
             channels, flags, bad = [], [], 0
+            locate(s)
             for d in derivatives:
                 vol, res, n_bad = load_derivative(layout.path(s.file_id, d), args.resample,
                                                   f"{d} map of {s.file_id}")

@@ -36,7 +36,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, resize_image, save_array,
-    write_manifest, staged_main,
+    write_manifest, staged_main, NotDownloaded, keep_present,
 )
 
 __all__ = ["main", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
@@ -235,8 +235,9 @@ class Resolver:
                     if self.layout == "unknown":
                         self.layout = "uid5"
                     return se
-        raise PrepError(f"{csv_path}: image not found in any layout under {self.raw} (classic path, "
-                        "metadata.csv series, or a <Subject>/...-<last5 study>/...-<last5 series> folder)", csv_path)
+        raise NotDownloaded(f"{csv_path}: image not found in any layout under {self.raw} (classic path, "
+                            "metadata.csv series, or a <Subject>/...-<last5 study>/...-<last5 series> folder)",
+                            csv_path)
 
     def files(self, csv_path: str) -> list[Path]:
         """The .dcm files of the series (the literal file first when it exists)."""
@@ -425,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     raw, out = check_dirs(a.raw, a.out, a.overwrite)
     report = PrepReport("cbis_ddsm", str(raw), str(out), a.skip_bad, options={
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("raw", "out")})
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("raw", "out")},
+        present_only=a.present_only)
     abn = read_case_csvs(raw, a.abnormality, a.csv_dir)
     repeated = abn.attrs.get("repeated_rows", [])
     if repeated:
@@ -435,9 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     if both:
         report.note(f"{len(both)} patient(s) in both train and test CSVs ({a.patient_overlap}): "
                     + ", ".join(both[:10]) + (" ..." if len(both) > 10 else ""))
+    resolver = Resolver(raw)
+    present = keep_present(range(len(images)), lambda i: resolver.series_dir(images.iloc[i, 0]), report,
+                           name=lambda i: images.iloc[i, 0])
+    images = images.iloc[present]
     if a.limit:
         images = images.iloc[: a.limit]
-    resolver = Resolver(raw)
     if a.overwrite and (out / "manifest.csv").exists():
         (out / "manifest.csv").unlink()
     rows: list[dict[str, Any]] = []

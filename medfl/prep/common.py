@@ -39,7 +39,7 @@ from medfl.data.source import DataError
 __all__ = [
     "PrepError", "PrepReport", "MANIFEST_COLUMNS", "base_parser", "check_dirs", "save_array",
     "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
-    "progress", "size_pair", "remove_stale_arrays", "staged_main",
+    "progress", "size_pair", "remove_stale_arrays", "staged_main", "NotDownloaded", "keep_present",
 ]
 
 #: Columns every manifest starts with (empty where unknown).
@@ -56,6 +56,17 @@ class PrepError(DataError):
     def __init__(self, message: str, item: str | Path | None = None) -> None:
         super().__init__(message)
         self.item = str(item) if item is not None else ""
+
+
+class NotDownloaded(PrepError):
+    """A sample the metadata lists whose file is not under ``--raw`` at all: a partial
+    download, which ``--present-only`` prepares without (a file that is there but unreadable
+    is a plain :class:`PrepError`)."""
+
+
+#: the hint a stop on an absent file ends with
+PRESENT_ONLY_HINT = ("; if the download is partial, pass --present-only to prepare the samples "
+                     "that are present (the others are listed in skipped.csv)")
 
 
 def require_columns(table: pd.DataFrame, columns: Sequence[str], where: str | Path) -> None:
@@ -76,6 +87,8 @@ class PrepReport:
     out: str
     skip_bad: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    #: skip samples whose files were not downloaded (``--present-only``)
+    present_only: bool = False
     skipped: list[dict[str, str]] = field(default_factory=list)
     counts: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -96,34 +109,46 @@ class PrepReport:
         """Record a remark for the reader (e.g. a choice the script made)."""
         self.notes.append(text)
 
+    def _handle(self, exc: PrepError, item: str | Path, stage: str) -> None:
+        """Record ``exc`` as a skip when the options allow it, or re-raise it."""
+        absent = isinstance(exc, NotDownloaded)
+        if not (self.skip_bad or (absent and self.present_only)):
+            if absent and exc.args and PRESENT_ONLY_HINT not in str(exc.args[0]):
+                exc.args = (f"{exc.args[0]}{PRESENT_ONLY_HINT}", *exc.args[1:])
+            raise exc
+        self.skip(exc.item or item, str(exc), "not downloaded" if absent else stage)
+
     @contextmanager
     def guard(self, item: str | Path, stage: str = "") -> Iterator[None]:
         """Run a per-item step: a :class:`PrepError` inside is skipped and recorded when
-        ``skip_bad``, and re-raised otherwise. Use ``with report.guard(path): ...``;
-        :meth:`attempt` is the function form that says whether the step succeeded."""
+        ``skip_bad`` (a :class:`NotDownloaded` also when ``present_only``), and re-raised
+        otherwise. Use ``with report.guard(path): ...``; :meth:`attempt` is the function form
+        that says whether the step succeeded."""
         try:
             yield
         except PrepError as exc:
-            if not self.skip_bad:
-                raise
-            self.skip(exc.item or item, str(exc), stage)
+            self._handle(exc, item, stage)
 
     def attempt(self, item: str | Path, fn: Callable[[], Any], stage: str = "") -> tuple[bool, Any]:
         """Call ``fn``; returns ``(True, result)``, or ``(False, None)`` when it raised a
-        :class:`PrepError` and ``skip_bad`` is set (recorded), re-raising otherwise."""
+        :class:`PrepError` that :meth:`guard` would skip (recorded), re-raising otherwise."""
         try:
             return True, fn()
         except PrepError as exc:
-            if not self.skip_bad:
-                raise
-            self.skip(exc.item or item, str(exc), stage)
+            self._handle(exc, item, stage)
             return False, None
+
+    @property
+    def not_downloaded(self) -> int:
+        """How many listed samples were skipped because their files are absent."""
+        return sum(1 for s in self.skipped if s["stage"] == "not downloaded")
 
     def write(self, out: Path) -> None:
         """Write ``report.json`` and ``skipped.csv`` into ``out``."""
         doc = {"dataset": self.dataset, "raw": self.raw, "out": self.out, "skip_bad": self.skip_bad,
-               "options": self.options, "counts": self.counts, "notes": self.notes,
-               "num_skipped": len(self.skipped), "seconds": round(time.time() - self.started, 2),
+               "present_only": self.present_only, "options": self.options, "counts": self.counts,
+               "notes": self.notes, "num_skipped": len(self.skipped),
+               "num_not_downloaded": self.not_downloaded, "seconds": round(time.time() - self.started, 2),
                "skipped": self.skipped}
         (out / "report.json").write_text(json.dumps(doc, indent=2, default=str))
         pd.DataFrame(self.skipped, columns=["item", "stage", "reason"]).to_csv(out / "skipped.csv", index=False)
@@ -131,6 +156,9 @@ class PrepReport:
     def summary(self) -> str:
         """A few lines for the terminal."""
         lines = [f"{self.dataset}: " + ", ".join(f"{k} {v}" for k, v in self.counts.items())]
+        if self.not_downloaded:
+            lines.append(f"partial download: {self.not_downloaded} listed sample(s) not present under "
+                         "--raw were left out (--present-only); they are in skipped.csv as 'not downloaded'")
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)} item(s); see {Path(self.out) / 'skipped.csv'}")
             for s in self.skipped[:5]:
@@ -141,9 +169,10 @@ class PrepReport:
         return "\n".join(lines)
 
 
-def base_parser(name: str, description: str) -> argparse.ArgumentParser:
+def base_parser(name: str, description: str, partial: bool = True) -> argparse.ArgumentParser:
     """The options every data_prep script takes: ``--raw``, ``--out``, ``--skip-bad``,
-    ``--overwrite``, ``--limit``."""
+    ``--overwrite``, ``--limit``, and ``--present-only`` where a dataset is downloaded file
+    by file (``partial``)."""
     p = argparse.ArgumentParser(prog=f"python data_prep/{name}.py", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--raw", required=True, type=Path, help="the dataset as downloaded (read only)")
@@ -157,7 +186,38 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
                         "(default: refuse to touch an --out that has a manifest.csv)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="prepare only the first N samples (for a quick look)")
+    if partial:
+        p.add_argument("--present-only", action="store_true",
+                       help="a partial download: prepare the samples whose files are present and "
+                            "list the absent ones in skipped.csv as 'not downloaded' (report.json "
+                            "counts them; --limit counts present samples). Default: stop at the "
+                            "first absent file")
     return p
+
+
+def keep_present(items: Sequence[Any], locate: Callable[[Any], Any], report: PrepReport,
+                 name: Callable[[Any], str] = str) -> list[Any]:
+    """With ``report.present_only``, the items whose files are present, in order: ``locate``
+    raises :class:`NotDownloaded` for an absent one, which is recorded as skipped (any other
+    error is left for the item's own step to meet). Without it, ``items`` unchanged. Run it
+    before ``--limit`` so that the limit counts samples that can be prepared."""
+    if not report.present_only:
+        return list(items)
+    kept = []
+    for item in items:
+        try:
+            locate(item)
+        except NotDownloaded as exc:
+            report.skip(exc.item or name(item), str(exc), "not downloaded")
+            continue
+        except PrepError:
+            pass
+        kept.append(item)
+    if items and not kept:
+        raise PrepError(f"--present-only: none of the {len(items)} listed sample(s) has its file under "
+                        f"--raw {report.raw}; check --raw (the folder the archive was extracted to)",
+                        report.raw)
+    return kept
 
 
 def check_dirs(raw: Path, out: Path, overwrite: bool) -> tuple[Path, Path]:

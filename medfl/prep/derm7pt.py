@@ -42,6 +42,7 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, require_columns,
     remove_stale_arrays, resize_image, save_array, size_pair, write_manifest, staged_main,
+    NotDownloaded, keep_present,
 )
 
 __all__ = [
@@ -232,8 +233,12 @@ def _case_variant(images: Path, rel: str) -> str | None:
     return "/".join(found) if cur.is_file() else None
 
 
-def resolve_image(images: Path, rel: str, column: str, where: str) -> Path:
+def resolve_image(images: Path, rel: str, column: str, where: str,
+                  listed: frozenset[str] = frozenset()) -> Path:
     """The file a ``derm``/``clinic`` cell names, taken verbatim under ``images/``.
+    ``listed``: every path meta.csv names; a file differing only in case that meta.csv names
+    itself (the real release has ``Nel016.jpg`` and ``NEL016.JPG`` as two images) is not
+    offered as a mix-up.
 
     Raises:
         PrepError: the cell is empty or leaves ``images/``, or the file does not exist (the
@@ -248,10 +253,12 @@ def resolve_image(images: Path, rel: str, column: str, where: str) -> Path:
     path = images / rel
     if not path.is_file():
         variant = _case_variant(images, rel)
+        if variant in listed:
+            variant = None
         hint = (f"; images/{variant} exists but differs in case (paths are used verbatim, "
                 "folders such as FCL and FCl are different)" if variant else "")
-        raise PrepError(f"{path}: image not found (named by {where}, column {column!r}){hint}",
-                        path)
+        raise (PrepError if variant else NotDownloaded)(
+            f"{path}: image not found (named by {where}, column {column!r}){hint}", path)
     return path
 
 
@@ -389,17 +396,30 @@ def main(argv: list[str] | None = None) -> int:
                                  "clinic_crop_border":
                                      args.clinic_crop_border if args.clinic else None,
                                  "limit": args.limit,
-                                 "release": str(release)})
+                                 "release": str(release)}, present_only=args.present_only)
     required = list(REQUIRED_COLUMNS) + (["clinic"] if args.clinic else [])
     meta = read_meta(meta_path, required)
     split_of, split_sizes = read_splits(meta_dir, len(meta))
     unassigned = len(meta) - len(split_of)
     if unassigned:
         report.note(f"{unassigned} meta.csv row(s) are in no index file and were left out")
-    rows_todo = list(split_of.index)
+    meta_rel = meta_path.relative_to(raw).as_posix()
+    listed = frozenset(str(v) for c in ("derm", "clinic") if c in meta.columns for v in meta[c] if v)
+
+    def locate(r: int) -> None:
+        where = f"{meta_rel} line {r + 2} (case_num {meta.iloc[r]['case_num']})"
+        for column in ("derm", "clinic") if args.clinic else ("derm",):
+            resolve_image(images, meta.iloc[r][column], column, where, listed)
+
+    rows_todo = keep_present(list(split_of.index), locate, report)
+    absent_splits = [s for s in SPLIT_FILES if (split_of == s).any() and not any(split_of[r] == s for r in rows_todo)]
+    if absent_splits:
+        s = absent_splits[0]
+        raise PrepError(f"split {s!r} ({meta_dir / SPLIT_FILES[s]}): none of its {int((split_of == s).sum())} "
+                        "case(s) has its images under --raw (--present-only); a bundle needs every split: "
+                        "download some of its images", meta_dir / SPLIT_FILES[s])
     if args.limit is not None:
         rows_todo = rows_todo[:args.limit]
-    meta_rel = meta_path.relative_to(raw).as_posix()
 
     rows: list[dict[str, Any]] = []
     formats: Counter[str] = Counter()
@@ -419,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             continue
         ok, derm_file = report.attempt(
-            where, lambda: resolve_image(images, rec["derm"], "derm", where), "derm")
+            where, lambda: resolve_image(images, rec["derm"], "derm", where, listed), "derm")
         if not ok:
             continue
         ok, derm = report.attempt(derm_file, lambda: preprocess_image(
@@ -429,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         clinic = None
         if args.clinic:
             ok, clinic_file = report.attempt(
-                where, lambda: resolve_image(images, rec["clinic"], "clinic", where), "clinic")
+                where, lambda: resolve_image(images, rec["clinic"], "clinic", where, listed), "clinic")
             if not ok:
                 continue
             ok, clinic = report.attempt(clinic_file, lambda: preprocess_image(

@@ -45,7 +45,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays,
-    require_columns, save_array, size_pair, write_manifest, staged_main,
+    require_columns, save_array, size_pair, write_manifest, staged_main, NotDownloaded, keep_present,
 )
 from medfl.prep.derm7pt import preprocess_image
 
@@ -191,7 +191,8 @@ def find_image(folders: list[Path], image_id: str, where: str) -> Path:
     """
     hits = [f / f"{image_id}.jpg" for f in folders if (f / f"{image_id}.jpg").is_file()]
     if not hits:
-        raise PrepError(f"{where}: image {image_id}.jpg not found in {', '.join(str(f) for f in folders)}", where)
+        raise NotDownloaded(f"{where}: image {image_id}.jpg not found in {', '.join(str(f) for f in folders)}",
+                            where)
     for other in hits[1:]:
         if not filecmp.cmp(hits[0], other, shallow=False):
             raise PrepError(f"{hits[0]} and {other}: two different files for image {image_id}; expected "
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     report = PrepReport("ham10000", str(raw), str(out), skip_bad=args.skip_bad,
                         options={"size": list(size), "aspect": args.aspect, "crop_border": args.crop_border,
                                  "metadata": str(meta_path), "images": [str(f) for f in folders],
-                                 "limit": args.limit})
+                                 "limit": args.limit}, present_only=args.present_only)
     meta = read_metadata(meta_path)
     meta_rel = meta_path.relative_to(raw).as_posix() if raw in meta_path.parents else str(meta_path)
     lesion_dx: dict[str, tuple[str, int]] = {}
@@ -260,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         if first[0] != key:
             raise PrepError(f"{meta_rel} lines {first[1]} and {i + 2}: lesion {lesion} has dx {first[0]!r} and "
                             f"{dx!r}; expected one diagnosis per lesion", meta_path)
-    todo = list(range(len(meta)))[:args.limit]
+    todo = keep_present(range(len(meta)), lambda r: find_image(
+        folders, meta.iloc[r]["image_id"], f"{meta_rel} line {r + 2} ({meta.iloc[r]['image_id']})"), report)
+    todo = todo[:args.limit]
     rows: list[dict[str, Any]] = []
     formats: Counter[str] = Counter()
     shapes: Counter[str] = Counter()

@@ -217,7 +217,7 @@ sample, MedMNIST has no patient ids), arrays/<split>/ (float32 (C, H, W) or (1, 
 
 example:
   python data_prep/medmnist.py --raw ~/data/medmnist --flag pathmnist --out ~/data/pathmnist_28
-  python data_prep/medmnist.py --raw ~/data/medmnist/chestmnist_64.npz --chest-label any --out ~/data/chest""")
+  python data_prep/medmnist.py --raw ~/data/medmnist/chestmnist_64.npz --chest-label any --out ~/data/chest""", partial=False)
     p.add_argument("--flag", choices=sorted(DATASETS), default=None, help="the dataset (default: from the file name)")
     p.add_argument("--size", type=int, default=28, help="28 (default: <flag>.npz), 64, 128 or 224 (<flag>_<size>.npz)")
     p.add_argument("--resize", type=int, default=None, metavar="N", help="resample 2D images to N x N (default: as stored)")

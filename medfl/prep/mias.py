@@ -58,7 +58,7 @@ import numpy as np
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, resize_image,
-    remove_stale_arrays, save_array, write_manifest, staged_main,
+    remove_stale_arrays, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
 )
 
 __all__ = [
@@ -345,8 +345,8 @@ def index_images(raw: Path) -> dict[str, list[Path]]:
 def _resolve(files: dict[str, list[Path]], refnum: str, where: str, raw: Path) -> Path:
     found = files.get(refnum.lower(), [])
     if not found:
-        raise PrepError(f"{refnum}.pgm: image missing (listed by {where}); expected "
-                        f"{refnum}.pgm under --raw {raw}", f"{refnum}.pgm")
+        raise NotDownloaded(f"{refnum}.pgm: image missing (listed by {where}); expected "
+                            f"{refnum}.pgm under --raw {raw}", f"{refnum}.pgm")
     if len(found) > 1:
         raise PrepError(f"{refnum}.pgm: found {len(found)} times ({', '.join(map(str, found))}); "
                         "expected one file per image", found[0])
@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         "info": str(info_path), "classes": args.classes, "size": args.size, "aspect": args.aspect,
         "roi": args.roi, "roi_size": args.roi_size if args.roi else None,
         "roi_margin": args.roi_margin if args.roi else None, "test_fraction": args.test_fraction,
-        "seed": args.seed, "limit": args.limit})
+        "seed": args.seed, "limit": args.limit}, present_only=args.present_only)
 
     # Info.txt: the file itself must be sound; a bad line drops its image (with --skip-bad).
     header, lines = read_info_lines(info_path)
@@ -606,9 +606,11 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             del images[ref]
     order = sorted(images, key=lambda r: images[r][0].number)
+    files = index_images(raw)
+    order = keep_present(order, lambda r: _resolve(files, r, f"{info_rel} line {images[r][0].line}", raw),
+                         report, name=lambda r: f"{r}.pgm")
     considered = order[:args.limit] if args.limit is not None else order
 
-    files = index_images(raw)
     listed = {r.lower() for r in images} | {r.lower() for r in bad}
     unlisted = sorted(k for k in files if k not in listed)
     if unlisted:

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from medfl.fixtures import generate
-from medfl.prep.common import PrepError
+from medfl.prep.common import PRESENT_ONLY_HINT, PrepError
 from medfl.prep.derm7pt import (
     CLASS_NAMES, DIAGNOSIS_CLASSES, META_COLUMNS, build_parser, crop_border, diagnosis_class,
     main, read_meta, sex_code,
@@ -391,7 +391,9 @@ def test_bad_input(raw_syn: Path, tmp_path: Path, mutate, per_file: bool, extra:
         assert prep(raw, tmp_path / "skip", "--skip-bad", *extra) == 0
         skipped = pd.read_csv(tmp_path / "skip" / "skipped.csv")
         assert len(skipped) == 1, skipped
-        assert str(err.value) == skipped["reason"].iloc[0]
+        # the stop says the same, plus the --present-only hint when the file is absent
+        assert str(err.value).replace(PRESENT_ONLY_HINT, "") == skipped["reason"].iloc[0]
+        assert (PRESENT_ONLY_HINT in str(err.value)) == (mutate in (missing_image, missing_clinic))
         m = pd.read_csv(tmp_path / "skip" / "manifest.csv")
         assert len(m) == CASES - 1
         assert json.loads((tmp_path / "skip" / "report.json").read_text())["num_skipped"] == 1
