@@ -479,14 +479,21 @@ class Run:
             if not reason:
                 kept[cid] = reply
                 continue
-            self._failures[cid] = self._failures.get(cid, 0) + 1
-            self._reply_event(r, cid, "dropped", reason)
-            limit = int(self.config.get("max_reply_failures", 3))
-            if limit and self._failures[cid] >= limit and cid not in self._excluded:
-                self._excluded.add(cid)
-                self._reply_event(r, cid, "excluded", f"{self._failures[cid]} replies failed the checks "
-                                                      f"(max_reply_failures {limit}); no further instructions")
+            self.refuse(r, cid, reason)
         return kept
+
+    def refuse(self, r: int, cid: str, reason: str) -> None:
+        """Drop a reply of ``cid`` from round ``r`` (a row in ``reply_events.csv``) and exclude
+        the client from later rounds once ``max_reply_failures`` of its replies were refused:
+        for the engine's checks (:meth:`screen`) and a transport's (a Flower message that
+        cannot be decoded)."""
+        self._failures[cid] = self._failures.get(cid, 0) + 1
+        self._reply_event(r, cid, "dropped", reason)
+        limit = int(self.config.get("max_reply_failures", 3))
+        if limit and self._failures[cid] >= limit and cid not in self._excluded:
+            self._excluded.add(cid)
+            self._reply_event(r, cid, "excluded", f"{self._failures[cid]} replies failed the checks "
+                                                  f"(max_reply_failures {limit}); no further instructions")
 
     def reply_problem(self, cid: str, instruction: Instruction, reply: Reply) -> str:
         """Why the coordinator cannot take ``reply`` from ``cid`` ("" when it can): a

@@ -49,6 +49,18 @@ from medfl.engine.data import FederatedData, client_order
 from medfl.engine.runner import Run, RunError, resume, run_experiment
 from medfl.flower import protocol as P
 from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
+from medfl.wire import WireError
+
+#: what decoding a site's message raises when the message is malformed (PayloadError is a TypeError)
+_UNDECODABLE = (PayloadError, TypeError, ValueError, KeyError, OverflowError)
+
+
+def _listed(ctl: dict[str, Any], key: str, where: str) -> list[str]:
+    """The list of strings ``ctl[key]`` of a site's control record."""
+    value = ctl.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PayloadError(f"{where}: {key!r} must be a list of names, got {value!r:.80}")
+    return value
 
 __all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "run_flower_experiment",
            "resume_flower", "app"]
@@ -375,10 +387,16 @@ class FlowerRun(Run):
                                "status": f"failed (error {code})", "seconds": secs})
                     self._flush_events()
                     raise SiteFailure(f"site {cid} failed in {phase} of round {r} (Flower error {code}): {reason}")
-                ctl = wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}")
-                if str(ctl.get("client")) != cid:
-                    raise RunError(f"{phase} of round {r}: node {node} answered as client {ctl.get('client')!r}, "
-                                   f"but serves client {cid!r} for this run")
+                try:
+                    ctl = wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}")
+                    if str(ctl.get("client")) != cid:
+                        raise WireError(f"{phase} reply of node {node}: answered as client {ctl.get('client')!r}, "
+                                        f"but serves client {cid!r} for this run")
+                except _UNDECODABLE as exc:
+                    self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
+                               "status": "refused", "seconds": secs})
+                    self.refuse(r, cid, f"{phase}: {exc}")
+                    continue
                 replies[cid] = reply
                 size_from[cid] = wire.encoded_size(reply.content)
                 self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node, "status": "ok",
@@ -406,8 +424,8 @@ class FlowerRun(Run):
         with its own labels and images before sending it, :mod:`medfl.guard`)."""
         outgoing = {cid: self._instruction_content(r, cid, ins) for cid, ins in instructions.items()}
         answers = self.exchange(r, "train", P.TRAIN, outgoing)
-        replies: dict[str, Reply] = {}
-        for cid, msg in answers.items():
+
+        def decode(cid: str, msg: Message) -> Reply:
             where = f"reply of site {cid} in round {r}"
             payload = wire.take(msg.content, "reply.payload", where, allow_str=False)
             metrics = wire.take(msg.content, "reply.metrics", where + " (metrics)", allow_str=False)
@@ -416,8 +434,25 @@ class FlowerRun(Run):
             if not isinstance(payload, dict) or not isinstance(metrics, dict):
                 raise PayloadError(f"{where}: payload and metrics must be dicts")
             ctl = wire.take_json(msg.content, P.CONTROL, where)
-            replies[cid] = Reply(payload=payload, metrics=metrics, num_examples=int(ctl.get("num_examples", 0)))
-        return replies
+            n = ctl.get("num_examples", 0)
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise PayloadError(f"{where}: num_examples {n!r} is not an integer")
+            return Reply(payload=payload, metrics=metrics, num_examples=n)
+
+        return self._decode(r, "train", answers, decode)
+
+    def _decode(self, r: int, phase: str, answers: dict[str, Message], decode: Any) -> dict[str, Any]:
+        """``decode(cid, message)`` for every answer; one that cannot be decoded (a missing or
+        malformed record, a payload the audit rejects) is refused (:meth:`Run.refuse`: dropped
+        from the round with a row in ``reply_events.csv``, the site excluded after
+        ``max_reply_failures``) and the round goes on with the others."""
+        out: dict[str, Any] = {}
+        for cid, msg in answers.items():
+            try:
+                out[cid] = decode(cid, msg)
+            except _UNDECODABLE as exc:
+                self.refuse(r, cid, f"{phase}: {exc}")
+        return out
 
     def validate_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:
         """Send every addressed client its validation instruction (``evaluate.validate``);
@@ -437,8 +472,8 @@ class FlowerRun(Run):
         location, ``{}`` the site)."""
         outgoing = {cid: self._instruction_content(r, cid, ins, **extra) for cid, ins in instructions.items()}
         answers = self.exchange(r, phase, P.VALIDATE, outgoing)
-        return {cid: wire.read_metrics(msg.content.get("validate"), where.format(cid))
-                for cid, msg in answers.items()}
+        return self._decode(r, phase, answers,
+                            lambda cid, msg: wire.read_metrics(msg.content.get("validate"), where.format(cid)))
 
     def final_evaluate_clients(self, r: int, finals: dict[str, tuple[dict[str, Any], dict[str, Any]]],
                                splits: list[str]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
@@ -449,18 +484,19 @@ class FlowerRun(Run):
         outgoing = {cid: self._instruction_content(r, cid, ins, splits=splits, final=True)
                     for cid in self.federation.eval_client_ids}
         answers = self.exchange(r, "final", P.EVALUATE, outgoing)
-        out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
-        for cid, msg in answers.items():
+
+        def decode(cid: str, msg: Message) -> dict[str, dict[str, dict[str, float]]]:
             where = f"final evaluation of site {cid}"
             ctl = wire.take_json(msg.content, P.CONTROL, where)
             per: dict[str, dict[str, dict[str, float]]] = {}
-            for key in ctl.get("splits", []):
+            for key in _listed(ctl, "splits", where):
                 name, _, split = str(key).partition("/")
                 if name not in finals or split not in splits:
                     raise PayloadError(f"{where}: unexpected result {key!r}")
                 per.setdefault(name, {})[split] = wire.read_metrics(msg.content.get(f"eval.{key}"), f"{where} ({key})")
-            out[cid] = per
-        return out
+            return per
+
+        return self._decode(r, "final", answers, decode)
 
     def evaluate_clients(self, r: int, evals: dict[str, Instruction], splits: list[str]
                          ) -> dict[str, dict[str, dict[str, float]]]:
@@ -481,15 +517,24 @@ class FlowerRun(Run):
         answers = self.exchange(r, "evaluate", P.EVALUATE, outgoing)
         out: dict[str, dict[str, dict[str, float]]] = {}
         models: dict[str, Any] = {}
-        for cid, msg in answers.items():
+
+        def decode(cid: str, msg: Message) -> tuple[dict[str, dict[str, float]], Any]:
             where = f"evaluation of site {cid} in round {r}"
             ctl = wire.take_json(msg.content, P.CONTROL, where)
-            out[cid] = {}
-            for split in ctl.get("splits", []):
-                out[cid][str(split)] = wire.read_metrics(msg.content.get(f"eval.{split}"), f"{where} ({split})")
+            results = {}
+            for split in _listed(ctl, "splits", where):
+                if split not in own:
+                    raise PayloadError(f"{where}: metrics for split {split!r}, which was not asked for ({own})")
+                results[str(split)] = wire.read_metrics(msg.content.get(f"eval.{split}"), f"{where} ({split})")
+            state = None
             if cross:
                 state = wire.take(msg.content, "model", where + " (model)", allow_str=False)
                 validate_payload(state, where + " (model)", allow_str=False, guard=self._guard)
+            return results, state
+
+        for cid, (results, state) in self._decode(r, "evaluate", answers, decode).items():
+            out[cid] = results
+            if cross:
                 models[cid] = state
         if cross and models:
             specs = {cid: self.federation.model_spec(cid) for cid in models}
@@ -500,12 +545,21 @@ class FlowerRun(Run):
             scored = self.exchange(r, "score", P.SCORE, outgoing)
             del models, outgoing
             by_owner: dict[str, dict[str, dict[str, float]]] = {}
-            for data_cid, msg in scored.items():
+
+            def scores(data_cid: str, msg: Message) -> dict[str, dict[str, float]]:
+                got = {}
                 for key in msg.content:
                     if key.startswith("score."):
                         owner = key[len("score."):]
-                        by_owner.setdefault(owner, {})[data_cid] = wire.read_metrics(
-                            msg.content[key], f"cross_test of client {owner} at site {data_cid}")
+                        if owner not in specs:
+                            raise PayloadError(f"score reply of site {data_cid}: a score for client {owner!r}, "
+                                               "whose model it was not sent")
+                        got[owner] = wire.read_metrics(msg.content[key], f"cross_test of client {owner} at site {data_cid}")
+                return got
+
+            for data_cid, got in self._decode(r, "score", scored, scores).items():
+                for owner, m in got.items():
+                    by_owner.setdefault(owner, {})[data_cid] = m
             for owner in client_order(by_owner):
                 if owner not in out:
                     continue

@@ -31,7 +31,6 @@ from medfl import wire  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
 from medfl.flower.server import FlowerRun, FlowerSettings, SiteFailure, resume_flower, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
-from medfl.messages import PayloadError  # noqa: E402
 
 from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config, numeric_equal, write_config  # noqa: E402
 
@@ -108,6 +107,18 @@ def _sites(work: Path, fl: dict[str, Any], tag: str = "") -> dict[int, Site]:
     cfg = write_config(work / f"site{tag}.json", fl)
     return {101 + i: Site(SiteSettings(client_id=str(i), config=cfg, state_dir=work / f"state{tag}" / f"site{i}"))
             for i in range(3)}
+
+
+def _tampered_run(tmp_path: Path, name: str, job: dict[str, Any], tamper: Callable[..., Any],
+                  method: str = "fedavg") -> tuple[Path, pd.DataFrame]:
+    """Run ``job`` over the loop-back grid with ``tamper`` rewriting the sites' replies; return
+    the method's run directory and its ``reply_events.csv`` (empty when nothing was refused)."""
+    fl = fl_config(tmp_path, name, job)
+    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl), tamper=tamper), FAST)
+    run_dir = Path(out["dir"]) / method
+    path = run_dir / "reply_events.csv"
+    events = pd.read_csv(path, dtype={"client_id": str}) if path.is_file() else pd.DataFrame()
+    return run_dir, events
 
 
 def _run_both(work: Path, name: str, job: dict[str, Any], grid_kw: dict[str, Any] | None = None
@@ -281,12 +292,45 @@ def _pack_raw(value: Any) -> Any:
     (lambda: "/data/site1/patient_0001.dcm", "strings may not leave a client"),
 ])
 def test_coordinator_refuses_a_reply_carrying_data(tmp_path: Path, leak: Callable[[], Any], match: str) -> None:
-    """A site whose code was changed to send images or text: the coordinator's wire side refuses it."""
-    fl = fl_config(tmp_path, "leak", {**FEDAVG, "rounds": 1})
-    grid = LoopGrid(_sites(tmp_path, fl), tamper=_add_to_payload(leak))
-    with pytest.raises(PayloadError, match=match) as info:
-        run_flower_experiment(resolve_config(fl), grid, FAST)
-    assert "site 1" in str(info.value)
+    """A site whose code was changed to send images or text: the coordinator's wire side refuses
+    the reply (issue 19: it used to stop the whole run), names the site in reply_events.csv,
+    and the round goes on with the others; a site that keeps doing it is excluded."""
+    run_dir, events = _tampered_run(tmp_path, "leak", {**FEDAVG, "rounds": 3, "max_reply_failures": 2},
+                                    _add_to_payload(leak))
+    assert events[["round", "client_id", "status"]].values.tolist() == [
+        [1, "1", "dropped"], [2, "1", "dropped"], [2, "1", "excluded"]]
+    assert events["reason"].iloc[0].startswith("train: reply of site 1 in round 1")
+    assert events["reason"].str.contains(match).iloc[:2].all()
+    trained = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
+    assert "1" not in set(trained["client_id"]) and json.loads((run_dir / "summary.json").read_text())["rounds"] == 3
+
+
+def test_undecodable_replies_are_refused_not_fatal(tmp_path: Path) -> None:
+    """Issue 19: a reply whose records are missing or malformed (a bare KeyError, a non-integer
+    num_examples, metrics for splits nobody asked for) stopped the run; now each is refused
+    with a reason naming the site, in train, evaluate and the client check alike."""
+    def garble(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        r = int(ctl.get("round", 0))
+        if node == 102 and kind == P.TRAIN and r == 1:
+            del out["reply.payload.tree"]
+        if node == 102 and kind == P.TRAIN and r == 2:
+            control = wire.take_json(out, P.CONTROL, "tamper")
+            wire.put_json(out, P.CONTROL, {**control, "num_examples": "1e12"})
+        if node == 101 and kind == P.EVALUATE and r == 1:
+            control = wire.take_json(out, P.CONTROL, "tamper")
+            wire.put_json(out, P.CONTROL, {**control, "splits": [*control.get("splits", []), "secret"]})
+        return out
+
+    run_dir, events = _tampered_run(tmp_path, "garble", {**FEDAVG, "rounds": 2}, garble)
+    got = events[["round", "client_id", "status"]].values.tolist()
+    assert [1, "1", "dropped"] in got and [2, "1", "dropped"] in got and [1, "0", "dropped"] in got
+    reasons = " | ".join(events["reason"])
+    assert "no 'reply.payload' in the message" in reasons or "'tree'" in reasons
+    assert "num_examples '1e12' is not an integer" in reasons
+    assert "split 'secret', which was not asked for" in reasons
+    metrics = pd.read_csv(run_dir / "metrics.csv", dtype={"client_id": str})
+    assert not ((metrics["round"] == 1) & (metrics["client_id"] == "0")).any()   # its evaluation was refused
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
 
 
 def test_site_drawing_another_partition_is_refused(tmp_path: Path) -> None:
@@ -386,10 +430,7 @@ def test_a_site_sending_nan_weights_is_dropped_from_the_round_and_the_run_goes_o
             out["reply.payload.arrays"], out["reply.payload.tree"] = _pack_raw(payload)
         return out
 
-    fl = fl_config(tmp_path, "nan", FEDAVG)
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl), tamper=nan_weights), FAST)
-    run_dir = Path(out["dir"]) / "fedavg"
-    events = pd.read_csv(run_dir / "reply_events.csv", dtype={"client_id": str})
+    run_dir, events = _tampered_run(tmp_path, "nan", FEDAVG, nan_weights)
     assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"]]
     assert "NaN or infinite" in events["reason"].iloc[0]
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2

@@ -21,7 +21,7 @@ from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
 
 from flower_cases import numeric_equal  # noqa: E402
 import test_coordinator  # noqa: E402
-from test_coordinator import _no_state_at_coordinator, _run_both  # noqa: E402
+from test_coordinator import _no_state_at_coordinator, _run_both, _tampered_run  # noqa: E402
 
 task_identity = test_coordinator.task_identity
 
@@ -82,17 +82,21 @@ def test_a_site_releasing_features_of_another_size_is_left_out_of_the_shared_set
 def test_image_shaped_features_outside_the_release_round_are_refused(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``shared_x`` is excused from the coordinator's shape check only in a reply to the
-    release instruction: the same key in a stage-2 training reply is refused."""
+    release instruction: the same key in a stage-2 training reply is refused (dropped from the
+    round with an event naming the site; the run goes on, issue 19)."""
     import torch
 
     monkeypatch.setenv(REPRODUCIBLE_NOISE_ENV, "1")
 
     def tamper(node: int, kind: str, ctl: dict[str, Any], out: Any) -> Any:
-        if kind == P.TRAIN and int(ctl.get("round", 0)) == 4:
+        if kind == P.TRAIN and int(ctl.get("round", 0)) == 4 and node == 101:
             payload = wire.take(out, "reply.payload", "test", allow_str=False)
             payload["shared_x"] = torch.rand(20, 1, 16, 16)   # shaped like a batch of the images
             wire.put(out, "reply.payload", payload, "test", allow_str=False)
         return out
 
-    with pytest.raises(Exception, match=r"reply of site \d in round 4\['shared_x'\]"):
-        _run_both(tmp_path, "tpf_leak", JOB, {"tamper": tamper})
+    run_dir, events = _tampered_run(tmp_path, "tpf_leak", JOB, tamper, method="fedtpf")
+    assert events[["round", "client_id", "status"]].values.tolist() == [[4, "0", "dropped"]]
+    assert "reply of site 0 in round 4['shared_x']" in events["reason"].iloc[0]
+    trained = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
+    assert sorted(trained[trained["round"] == 4]["client_id"]) == ["1", "2"]
