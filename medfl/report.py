@@ -291,7 +291,9 @@ def summary_table(run_dir: str | Path) -> pd.DataFrame:
     for split, g in last.groupby("split", sort=False):
         for m in cols:
             v = g[m].astype(float)
-            rows.append({"split": split, "metric": m, "mean": v.mean(), "std": v.std(ddof=0),
+            rows.append({"split": split, "metric": m,
+                         "reported_by": str(g["reported_by"].iloc[0]) if "reported_by" in g.columns else "",
+                         "mean": v.mean(), "std": v.std(ddof=0),
                          "worst": v.min(), "worst_client": g.loc[v.idxmin(), "client_id"] if v.notna().any() else "",
                          "best": v.max()})
     return pd.DataFrame(rows)

@@ -97,7 +97,7 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     # eval_splits test and cross_test: the final model is scored on each client's own test split
     assert set(s_snap["final_models"]["best_snapshot"]) == {"round", "local_test"}
     final = (snap / "final_metrics.csv").read_text().splitlines()
-    assert final[0].startswith("model,round,client_id,client_name,split,n,") and len(final) == 1 + 3
+    assert final[0].startswith("model,round,client_id,client_name,split,reported_by,n,") and len(final) == 1 + 3
     # a per-sample DP release declared through the contract: one per client, in round 1
     shared = Path(tiny_fl["output_dir"]) / "t" / "dp_shared_images"
     privacy = (shared / "privacy.csv").read_text().splitlines()

@@ -6,7 +6,8 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
 
     config.json        resolved config (and the method entry) - enough to resume
     partition.csv      which sample went to which client and role
-    metrics.csv        one row per (round, client, split) with every metric
+    metrics.csv        one row per (round, client, split) with every metric; ``reported_by``
+                       says whose word it is across sites (:data:`METRICS_PROVENANCE`)
     train_metrics.csv  one row per (round, client) with what the client reported; its
                        (round, client_id) pairs are the record of the sampled clients;
                        ``bytes_to_client``/``bytes_from_client``: that training step's
@@ -26,7 +27,8 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
                        with ``bytes_to_client``, ``bytes_from_client`` and ``messages``: the
                        encoded size of the messages as Flower sends them, measured in process
                        too (:mod:`medfl.engine.traffic`)
-    summary.json       final metrics: mean, std, worst and best client per split, the
+    summary.json       final metrics: mean, std, worst and best client per split, their
+                       ``reported_by`` provenance, the
                        ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
                        and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`)
     forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
@@ -68,7 +70,7 @@ from medfl.plugins import get_plugin_manager, lookup, registry
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
 
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "run_experiment", "resume", "predict",
-           "summarize_metrics", "evaluate_metrics"]
+           "summarize_metrics", "evaluate_metrics", "reported_by", "METRICS_PROVENANCE"]
 
 ROLES = ["train", "val", "test", "global_test"]
 
@@ -79,6 +81,40 @@ PLACEHOLDER_ID = "0" * 32
 
 class RunError(RuntimeError):
     """A run cannot start or continue (e.g. nothing to resume)."""
+
+
+#: Whose word a number is, by the split of ``metrics.csv``/``final_metrics.csv`` (its
+#: ``reported_by`` column): ``self``, a site scoring its own model on data only it holds
+#: (across sites nobody can check it: a hostile site can claim accuracy 1.0); ``peers``,
+#: every site scoring the model on its own test split and the coordinator averaging
+#: (``cross_test``; the model's own site is one of them); ``coordinator``, computed at the
+#: coordinator (``public_test``). In process medfl's own code computes every number; the
+#: column says whose word it is when the same run goes across sites.
+METRICS_PROVENANCE = {"local_train": "self", "local_val": "self", "local_test": "self", "global_test": "self",
+                      "cross_test": "peers", "public_test": "coordinator"}
+
+
+def reported_by(split: str) -> str:
+    """The ``reported_by`` value of a ``metrics.csv`` split (:data:`METRICS_PROVENANCE`; a
+    split it does not name is a site's own evaluation, ``self``)."""
+    return METRICS_PROVENANCE.get(split, "self")
+
+
+def metrics_provenance(metrics: pd.DataFrame, train_metrics: pd.DataFrame) -> dict[str, Any]:
+    """The summary's ``reported_by`` block: per split of the run's metrics, whose word it is
+    (:data:`METRICS_PROVENANCE`), and the same for ``train_metrics.csv``'s columns."""
+    splits = [str(x) for x in dict.fromkeys(metrics["split"])] if "split" in metrics.columns else []
+    train: dict[str, str] = {}
+    for col in train_metrics.columns:
+        if col in ("round", "client_id"):
+            continue
+        train[str(col)] = ("coordinator" if col.startswith("bytes_") else
+                           "self (checked against the training size the site declared)" if col == "num_examples"
+                           else "self")
+    return {"metrics": {split: reported_by(split) for split in splits}, "train_metrics": train,
+            "meaning": {"self": "a site about its own model on its own data: unverifiable across sites",
+                        "peers": "every site scored the model on its own test split (its own site included)",
+                        "coordinator": "computed at the coordinator"}}
 
 
 def evaluate_metrics(y, probs) -> dict[str, float]:
@@ -111,7 +147,7 @@ def summarize_metrics(metrics: pd.DataFrame) -> dict[str, Any]:
     last = int(metrics["round"].max())
     final = metrics[metrics["round"] == last]
     names = [c for c in final.columns
-             if c not in ("round", "client_id", "client_name", "split", "n") and not c.startswith("n_")]
+             if c not in ("round", "client_id", "client_name", "split", "reported_by", "n") and not c.startswith("n_")]
     out: dict[str, Any] = {"round": last}
     for split, df in final.groupby("split", sort=False):
         block = {}
@@ -698,12 +734,13 @@ class Run:
         for cid in self.federation.eval_client_ids:
             for split, m in results.get(cid, {}).items():
                 if split.startswith("cross_test@"):
-                    pairs.append({"round": r, "client_id": cid, "data_client_id": split.split("@", 1)[1],
-                                  **m})
+                    data = split.split("@", 1)[1]
+                    pairs.append({"round": r, "client_id": cid, "data_client_id": data,
+                                  "reported_by": "self" if data == cid else "peer", **m})
                     continue
                 name = "local_" + split if split not in ("global_test", "cross_test") else split
                 rows.append({"round": r, "client_id": cid, "client_name": self._names.get(cid, cid),
-                             "split": name, **m})
+                             "split": name, "reported_by": reported_by(name), **m})
         if pairs:
             self.cross = pd.concat([self.cross, pd.DataFrame(pairs)], ignore_index=True)
             _write_csv(self.run_dir / "cross_test.csv", self.cross)
@@ -730,14 +767,16 @@ class Run:
                 model = build_final_model(spec, state, ctx, f"final model {name!r}")
                 y, p = predict_proba(model, loader, self.federation.device)
                 rows.append({"model": name, "round": r, "client_id": "coordinator", "client_name": "coordinator",
-                             "split": "public_test", **evaluate_metrics(y, p)})
+                             "split": "public_test", "reported_by": reported_by("public_test"),
+                             **evaluate_metrics(y, p)})
         splits = [s for s in self.config["eval_splits"] if s != "cross_test"]
         results = self.final_evaluate_clients(r, finals, splits)
         for cid in client_order(results):
             for name, per in results[cid].items():
                 for split, m in per.items():
+                    split = "local_" + split if split != "global_test" else split
                     rows.append({"model": name, "round": r, "client_id": cid, "client_name": self._names.get(cid, cid),
-                                 "split": "local_" + split if split != "global_test" else split, **m})
+                                 "split": split, "reported_by": reported_by(split), **m})
         self.final_metrics = pd.DataFrame(rows)
         _write_csv(self.run_dir / "final_metrics.csv", self.final_metrics)
         _write_csv(self.run_dir / "communication.csv", self.traffic.frame())
@@ -827,7 +866,8 @@ class Run:
         summary = {"method": self.method_spec["name"], "label": self.label,
                    "rounds": rounds, "num_clients": len(self.federation.eval_client_ids),
                    "seed": self.federation.seed, "wall_time_s_last_session": time.perf_counter() - t0,
-                   "final": summarize_metrics(self.metrics)}
+                   "final": summarize_metrics(self.metrics),
+                   "reported_by": metrics_provenance(self.metrics, self.train_metrics)}
         forgetting, per_round = forgetting_report(self.metrics, self.train_metrics)
         summary["forgetting"] = forgetting
         summary["privacy"] = self.ledger.summary()

@@ -305,6 +305,34 @@ def test_coordinator_refuses_a_reply_carrying_data(tmp_path: Path, leak: Callabl
     assert "1" not in set(trained["client_id"]) and json.loads((run_dir / "summary.json").read_text())["rounds"] == 3
 
 
+def test_metrics_a_site_reports_about_itself_are_marked(tmp_path: Path) -> None:
+    """Issue 19: a site claimed global-test accuracy 1.0 for a model the others scored 0.53.
+    Its claim is well-formed and cannot be checked (only it evaluates its model on its data),
+    so it is kept but marked ``reported_by = self``; ``cross_test``, which the peers score on
+    their own data, is marked ``peers`` and shows what the model really does."""
+    def boast(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        if node == 101 and kind == P.EVALUATE and "eval.global_test" in out:
+            out["eval.global_test"] = wire.metrics_record({**dict(out["eval.global_test"]), "accuracy": 1.0}, "tamper")
+        return out
+
+    job = {**FEDAVG, "eval_splits": ["test", "global_test", "cross_test"]}
+    run_dir, events = _tampered_run(tmp_path, "boast", job, boast)
+    assert events.empty
+    metrics = pd.read_csv(run_dir / "metrics.csv", dtype={"client_id": str})
+    assert dict(zip(metrics["split"], metrics["reported_by"])) == {
+        "local_test": "self", "global_test": "self", "cross_test": "peers"}
+    last = metrics[metrics["round"] == metrics["round"].max()].set_index(["client_id", "split"])
+    assert last.loc[("0", "global_test"), "accuracy"] == 1.0
+    assert last.loc[("0", "cross_test"), "accuracy"] < 1.0          # the peers' word
+    cross = pd.read_csv(run_dir / "cross_test.csv", dtype={"client_id": str, "data_client_id": str})
+    assert ((cross["reported_by"] == "self") == (cross["client_id"] == cross["data_client_id"])).all()
+    assert set(cross["reported_by"]) == {"self", "peer"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reported_by"]["metrics"] == {"local_test": "self", "global_test": "self", "cross_test": "peers"}
+    assert summary["reported_by"]["train_metrics"]["bytes_from_client"] == "coordinator"
+    assert summary["reported_by"]["train_metrics"]["loss"] == "self"
+
+
 def test_undecodable_replies_are_refused_not_fatal(tmp_path: Path) -> None:
     """Issue 19: a reply whose records are missing or malformed (a bare KeyError, a non-integer
     num_examples, metrics for splits nobody asked for) stopped the run; now each is refused

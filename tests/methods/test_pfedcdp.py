@@ -211,6 +211,9 @@ def test_a_run_scores_the_student_on_public_and_client_test_splits(finished):
     assert set(final["model"]) == {"student", "teacher_ensemble", "teacher_high", "teacher_medium", "teacher_low"}
     student = final[final["model"] == "student"]
     assert set(student["split"]) == {"public_test", "local_test", "global_test"}
+    # whose word each score is: the coordinator's on the public split, each site's own elsewhere
+    assert dict(zip(student["split"], student["reported_by"])) == {
+        "public_test": "coordinator", "local_test": "self", "global_test": "self"}
     assert set(student.loc[student["split"] == "local_test", "client_id"]) == {"0", "1", "2", "3"}
     assert {"accuracy", "precision", "recall", "specificity", "f1", "auc"} <= set(final.columns)
     assert set(summary["final_models"]["student"]) >= {"public_test", "local_test", "global_test"}
