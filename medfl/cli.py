@@ -221,8 +221,58 @@ def cmd_flower_superlink(args: argparse.Namespace) -> int:
     from medfl.flower.deploy import superlink_command
 
     insecure, extra = _tls_args(args, server=True)
+    if args.enable_supernode_auth:
+        if insecure:
+            raise SystemExit("medfl flower superlink: --enable-supernode-auth needs TLS (Flower signs each "
+                             "site's requests over an encrypted connection only): drop --insecure and give "
+                             "--ssl-certfile, --ssl-keyfile and --ssl-ca-certfile (`medfl flower certs` makes "
+                             "a set for trying it out)")
+        extra.append("--enable-supernode-auth")
     return _exec(superlink_command(args.host, args.port, insecure=insecure, database=args.database,
                                    extra=extra))
+
+
+def cmd_flower_certs(args: argparse.Namespace) -> int:
+    """Write a certificate authority and a SuperLink certificate for ``--host``."""
+    from medfl.flower.auth import AuthError, make_certificates
+
+    try:
+        paths = make_certificates(args.out, args.host, days=args.days)
+    except AuthError as exc:
+        raise SystemExit(f"medfl flower certs: {exc}") from None
+    print(f"SuperLink: --ssl-certfile {paths['server']} --ssl-keyfile {paths['server_key']} "
+          f"--ssl-ca-certfile {paths['ca']}")
+    print(f"sites and `medfl flower run`: --root-certificates {paths['ca']}  (keep {paths['ca_key']} offline)")
+    return 0
+
+
+def cmd_flower_keys(args: argparse.Namespace) -> int:
+    """Write one key pair per site name."""
+    from medfl.flower.auth import AuthError, make_site_key
+
+    try:
+        for name in args.names:
+            private, public = make_site_key(args.out, name)
+            print(f"{name}: private {private} (stays at the site: --auth-key), public {public} "
+                  "(to register at the SuperLink)")
+    except AuthError as exc:
+        raise SystemExit(f"medfl flower keys: {exc}") from None
+    return 0
+
+
+def cmd_flower_register_site(args: argparse.Namespace) -> int:
+    """Register site public keys at a SuperLink started with ``--enable-supernode-auth``."""
+    from medfl.flower.auth import AuthError, register_site
+
+    insecure, _ = _tls_args(args, server=False)
+    try:
+        for key in args.public_keys:
+            node = register_site(key, args.superlink, root_certificates=args.root_certificates,
+                                 insecure=insecure, name=args.name)
+            print(f"{key}: registered as node {node}")
+    except AuthError as exc:
+        raise SystemExit(f"medfl flower register-site: {exc}") from None
+    return 0
 
 
 def cmd_flower_site(args: argparse.Namespace) -> int:
@@ -235,6 +285,16 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     insecure, extra = _tls_args(args, server=False)
     if not Path(args.config).is_file():
         raise FileNotFoundError(f"{args.config}: config file not found")
+    if args.auth_key:
+        from medfl.flower.auth import AuthError, check_private_key
+
+        if insecure:
+            raise SystemExit("medfl flower site: --auth-key needs TLS: drop --insecure and give "
+                             "--root-certificates CA.pem")
+        try:
+            extra += ["--auth-supernode-private-key", str(check_private_key(args.auth_key).resolve())]
+        except AuthError as exc:
+            raise SystemExit(f"medfl flower site: {exc}") from None
     _site_approvals(args)
     from medfl.flower.deploy import flower_env
     from medfl.flower.site import SiteSettings
@@ -300,7 +360,33 @@ def _add_flower(sub: Any) -> None:
     sp.add_argument("--ssl-certfile")
     sp.add_argument("--ssl-keyfile")
     sp.add_argument("--ssl-ca-certfile")
+    sp.add_argument("--enable-supernode-auth", action="store_true",
+                    help="accept only SuperNodes whose public key was registered (`medfl flower register-site`); "
+                         "needs TLS")
     sp.set_defaults(func=cmd_flower_superlink)
+
+    sp = fsub.add_parser("certs", help="write a CA and a SuperLink certificate (trying TLS out; use your PKI "
+                                       "in production)")
+    sp.add_argument("--out", required=True, help="folder for ca.pem, ca.key, server.pem, server.key (new files only)")
+    sp.add_argument("--host", action="append", required=True,
+                    help="name or IP address the sites use for the SuperLink (repeat for several)")
+    sp.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    sp.set_defaults(func=cmd_flower_certs)
+
+    sp = fsub.add_parser("keys", help="write a SuperNode key pair per site name (<name>.key stays at the site, "
+                                      "<name>.pub is registered at the SuperLink)")
+    sp.add_argument("names", nargs="+", help="one name per key pair, e.g. site0 site1")
+    sp.add_argument("--out", required=True, help="folder for the key files (new files only)")
+    sp.set_defaults(func=cmd_flower_keys)
+
+    sp = fsub.add_parser("register-site", help="register site public keys at a SuperLink started with "
+                                               "--enable-supernode-auth; prints each node id")
+    sp.add_argument("public_keys", nargs="+", help="<name>.pub files from `medfl flower keys`")
+    sp.add_argument("--superlink", default="127.0.0.1:9092", help="the SuperLink's address HOST:PORT")
+    sp.add_argument("--insecure", action="store_true", help="no TLS (refused by a SuperLink with authentication)")
+    sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
+    sp.add_argument("--name", default=None, help="a name the SuperLink lists the node under")
+    sp.set_defaults(func=cmd_flower_register_site)
 
     sp = fsub.add_parser("site", help="step 2: start one site's SuperNode (serves one client id with its data)")
     sp.add_argument("--client-id", required=True, help="the client of the partition this site serves (0, 1, ...)")
@@ -313,6 +399,9 @@ def _add_flower(sub: Any) -> None:
     sp.add_argument("--device", default=None, help="torch device of this site (default: the config's)")
     sp.add_argument("--insecure", action="store_true", help="no TLS")
     sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
+    sp.add_argument("--auth-key", default=None,
+                    help="this site's private key (`medfl flower keys`), for a SuperLink started with "
+                         "--enable-supernode-auth; its public key must be registered there")
     sp.add_argument("--approvals", default=None,
                     help="approvals file (`medfl approve`): run only the methods it approves, with the same "
                          "version and code hash; without it the site runs any installed method (and warns)")

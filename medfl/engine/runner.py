@@ -828,17 +828,24 @@ class Run:
             bar.close()
             self._status("failed", self._ckpt)   # never left "running"; resume restarts after _ckpt
             raise
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit):
+            # Ctrl-C, or a SIGTERM turned into SystemExit (Flower's ServerApp when its
+            # SuperLink is stopped or restarted): the saved rounds stay, resumable
             bar.close()
             self._status("interrupted", self._ckpt)
             top = self.run_dir.parent
             while (top.parent / "config.json").is_file():
                 top = top.parent
-            saved = (f"rounds 1-{self._ckpt} are saved in {self.run_dir}" if self._ckpt else
+            saved = (f"round 1 is saved in {self.run_dir}" if self._ckpt == 1 else
+                     f"rounds 1-{self._ckpt} are saved in {self.run_dir}" if self._ckpt else
                      f"no round was finished yet in {self.run_dir} (a resume starts at round 1)")
             print(f"\nmedfl [{self.label}]: interrupted; {saved} (status.json says \"interrupted\"); "
-                  f"continue with: medfl resume {top}", file=sys.stderr, flush=True)
+                  f"continue with: {self.resume_command(top)}", file=sys.stderr, flush=True)
             raise
+
+    def resume_command(self, top: Path) -> str:
+        """The command that continues this run's experiment ``top`` (told on an interruption)."""
+        return f"medfl resume {top}"
 
     def _rounds(self, bar: Any, last: int, pm: Any) -> None:
         """The round loop of :meth:`execute` (the profile exchange first on a fresh run)."""

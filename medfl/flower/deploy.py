@@ -330,10 +330,14 @@ class LocalFederation:
         env: extra environment for every process.
         task_poll_interval: Flower SuperExec's task polling interval in seconds (default
             0.1; Flower's own default is 1.0).
+        tls: encrypt every connection with a certificate authority and SuperLink
+            certificate made for this federation (``certs/``; :mod:`medfl.flower.auth`).
+        auth: SuperNode authentication (implies ``tls``): the SuperLink accepts only sites
+            registered with :meth:`register_site`.
     """
 
     def __init__(self, workdir: str | Path, host: str = "127.0.0.1", env: dict[str, str] | None = None,
-                 task_poll_interval: float = 0.1) -> None:
+                 task_poll_interval: float = 0.1, tls: bool = False, auth: bool = False) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host = host
@@ -344,6 +348,21 @@ class LocalFederation:
         self.superlink: str | None = None
         self.procs: dict[str, _Proc] = {}
         self.app_dir = write_app(self.workdir / "app")
+        self.auth = auth
+        self.tls = tls or auth
+        self.certs: dict[str, Path] = {}
+        self.keys: dict[str, Path] = {}          # client id -> its private key (registered sites)
+        if self.tls:
+            from medfl.flower.auth import make_certificates
+
+            certs = self.workdir / "certs"
+            self.certs = ({k: certs / f for k, f in (("ca", "ca.pem"), ("ca_key", "ca.key"), ("server", "server.pem"),
+                                                      ("server_key", "server.key"))}
+                          if (certs / "ca.pem").is_file() else make_certificates(certs, [host, "localhost"]))
+
+    def _client_tls(self) -> list[str]:
+        """A site's (or the CLI's) TLS arguments: the federation's CA, or ``--insecure``."""
+        return ["--root-certificates", str(self.certs["ca"])] if self.tls else ["--insecure"]
 
     # ------------------------------------------------------------------ processes
     def _start(self, name: str, cmd: list[str]) -> _Proc:
@@ -392,29 +411,69 @@ class LocalFederation:
                  + _indent(self.last_lines(n)) for n, p in sites.items()]
         return "every site of this federation has exited, so none can join the run:\n" + "\n".join(parts)
 
-    def start_superlink(self, port: int | None = None, timeout: float = 60.0) -> str:
-        """Start the SuperLink; return its address ``host:port`` once it listens."""
+    def start_superlink(self, port: int | None = None, timeout: float = 60.0, database: str | Path | None = None
+                        ) -> str:
+        """Start the SuperLink; return its address ``host:port`` once it listens. With
+        ``database`` (an SQLite file) its state survives a restart (:meth:`stop_superlink`
+        and start it again on the same port)."""
         port = port or free_port(self.host)
-        proc = self._start("superlink", superlink_command(self.host, port))
+        extra: list[str] = []
+        if self.tls:
+            extra = ["--ssl-certfile", str(self.certs["server"]), "--ssl-keyfile", str(self.certs["server_key"]),
+                     "--ssl-ca-certfile", str(self.certs["ca"])] + (["--enable-supernode-auth"] if self.auth else [])
+        proc = self._start("superlink", superlink_command(self.host, port, insecure=not self.tls,
+                                                          database=database, extra=extra))
         self._wait_port(port, proc, timeout)
         self.superlink = f"{self.host}:{port}"
         return self.superlink
 
+    def stop_superlink(self) -> None:
+        """End the SuperLink (SIGTERM, SIGKILL after 5 s), as an outage or an upgrade would;
+        the sites stay up and keep trying to reach it."""
+        proc = self.procs.pop("superlink", None)
+        if proc is None:
+            return
+        _end(proc.popen)
+        proc.log.rename(proc.log.with_name(f"superlink-{uuid.uuid4().hex[:6]}.log"))
+
+    def register_site(self, client_id: str) -> int:
+        """Make site ``client_id`` a key pair (``keys/site<id>.key``) and register its public
+        key at the SuperLink (``auth`` federations); return the node id bound to it. The
+        site started next with :meth:`start_site` uses the key."""
+        from medfl.flower.auth import make_site_key, register_site
+
+        if self.superlink is None:
+            raise FlowerDeployError("start the SuperLink first")
+        private, public = make_site_key(self.workdir / "keys", f"site{client_id}")
+        node = register_site(public, self.superlink, root_certificates=self.certs.get("ca"), insecure=not self.tls,
+                             env=self.env)
+        self.keys[str(client_id)] = private
+        return node
+
     def start_site(self, client_id: str, config: str | Path, *, state_dir: str | Path | None = None,
-                   overrides: dict[str, Any] | None = None, timeout: float = 120.0, wait: bool = True) -> Path:
+                   overrides: dict[str, Any] | None = None, timeout: float = 120.0, wait: bool = True,
+                   auth_key: str | Path | None = None, restart: bool = True, name: str | None = None) -> Path:
         """Start site ``client_id`` (``medfl flower site``: its worker and SuperNode); return
         its state directory. With ``wait``, return once its SuperNode listens (sites started
-        with ``wait=False`` start in parallel: see :meth:`wait_for_nodes`)."""
+        with ``wait=False`` start in parallel: see :meth:`wait_for_nodes`). ``auth_key``: the
+        private key to sign with (default: the one :meth:`register_site` made, if any);
+        ``restart=False`` passes ``--no-restart``; ``name``: the process's name here (default
+        ``site<id>``; another name is not counted as a site of the federation)."""
         if self.superlink is None:
             raise FlowerDeployError("start the SuperLink first")
         state = Path(state_dir) if state_dir else self.workdir / "sites" / f"site{client_id}"
         port = free_port(self.host)
         cmd = [sys.executable, "-m", "medfl.cli", "flower", "site", "--client-id", str(client_id),
                "--config", str(Path(config).resolve()), "--state-dir", str(state), "--superlink", self.superlink,
-               "--host", self.host, "--port", str(port), "--insecure"]
+               "--host", self.host, "--port", str(port), *self._client_tls()]
+        key = auth_key or self.keys.get(str(client_id))
+        if key:
+            cmd += ["--auth-key", str(key)]
+        if not restart:
+            cmd.append("--no-restart")
         if overrides:
             cmd += [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-        proc = self._start(f"site{client_id}", cmd)
+        proc = self._start(name or f"site{client_id}", cmd)
         if wait:
             self._wait_port(port, proc, timeout)
         return state
@@ -483,7 +542,8 @@ class LocalFederation:
         with open(log, "wb") as fh:
             try:
                 code = flwr_run(self.app_dir, self.superlink, rc, flwr_home=self.workdir / "flwr_home",
-                                env=self.env, timeout=timeout, stream_to=fh, watch=self.sites_gone)
+                                env=self.env, timeout=timeout, stream_to=fh, watch=self.sites_gone,
+                                insecure=not self.tls, root_certificates=str(self.certs["ca"]) if self.tls else None)
             except FlowerDeployError as exc:
                 # stop the run at the SuperLink too: its ServerApp would wait out connect_timeout
                 run_id = started_run_id(log.read_text(errors="replace"))
@@ -505,13 +565,7 @@ class LocalFederation:
         """End every process this federation started: sites, then the SuperLink (SIGTERM,
         SIGKILL after 5 s), then any process still carrying the marker."""
         for name in [n for n in self.procs if n != "superlink"] + (["superlink"] if "superlink" in self.procs else []):
-            proc = self.procs.pop(name)
-            _kill_group(proc.popen, signal.SIGTERM)
-            try:
-                proc.popen.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc.popen, signal.SIGKILL)
-                proc.popen.wait(timeout=5)
+            _end(self.procs.pop(name).popen)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             left = _marked_pids(self.marker)
@@ -564,6 +618,16 @@ def _kill_pid(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _end(popen: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+    """End a process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    _kill_group(popen, signal.SIGTERM)
+    try:
+        popen.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _kill_group(popen, signal.SIGKILL)
+        popen.wait(timeout=grace)
 
 
 def _kill_group(popen: subprocess.Popen[bytes], sig: int) -> None:

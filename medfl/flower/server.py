@@ -234,6 +234,11 @@ class FlowerRun(Run):
     noise_source = ("each site's own secret (<state-dir>/noise.key) mixed with the run seed, unless a site "
                     "sets MEDFL_REPRODUCIBLE_NOISE=1")
 
+    def resume_command(self, top: Path) -> str:
+        """Over Flower a run continues with ``medfl flower run --resume`` (the sites keep
+        their state)."""
+        return f"medfl flower run --resume {top} (with the same --superlink and TLS options)"
+
     def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
                  data: FederatedData, grid: Grid, settings: FlowerSettings | None = None,
                  fold: int | None = None) -> None:
@@ -655,8 +660,14 @@ def main(grid: Grid, context: Context) -> None:
     try:
         result = serve(grid, rc)
     except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            error = ("the coordinator was stopped (a signal: the SuperLink was stopped or restarted, or Ctrl-C); "
+                     "the finished rounds are saved and status.json says \"interrupted\": continue with "
+                     "`medfl flower run --resume RUN_DIR` once the SuperLink is back")
         if result_file:
-            Path(result_file).write_text(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}",
+            Path(result_file).write_text(json.dumps({"ok": False, "error": error, "interrupted":
+                                                     isinstance(exc, (SystemExit, KeyboardInterrupt)),
                                                      "traceback": traceback.format_exc()}))
         raise
     if result_file:

@@ -30,7 +30,18 @@ from typing import Any
 from medfl.flower.proxy import decode_records, encode_records, recv_frame, send_frame
 from medfl.flower.site import Site, SiteSettings, handle
 
-__all__ = ["SiteWorker", "run_site", "socket_for"]
+__all__ = ["SiteWorker", "run_site", "socket_for", "exit_reason"]
+
+
+def exit_reason(code: int | None) -> str:
+    """What a SuperNode's exit status tells the site's operator. Flower exits with 0 when
+    the SuperLink drops the node (a SuperLink restarted without its database answers 401)
+    and with 1 on any error, a refused authentication included."""
+    if code == 0:
+        return "the SuperLink may have restarted or dropped this node"
+    return ("no connection to the SuperLink, or it refused this node: its message is above; is the SuperLink "
+            "up, do the TLS settings match, and where it requires authentication, is this site's public key "
+            "registered there (`medfl flower register-site`) and its private key given with --auth-key?")
 
 
 class SiteWorker:
@@ -149,8 +160,8 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
                 return
             if time.monotonic() - started >= max_backoff:
                 delay = backoff
-            print(f"{who}: the SuperNode exited with code {code} (the SuperLink may have restarted or be out of "
-                  f"reach); starting it again in {delay:g} s (stop the site with Ctrl-C or SIGTERM)", flush=True)
+            print(f"{who}: the SuperNode exited with code {code} ({exit_reason(code)}); starting it again in {delay:g} s "
+                  "(stop the site with Ctrl-C or SIGTERM)", flush=True)
             if stopping.wait(delay):
                 worker.stop()
                 return

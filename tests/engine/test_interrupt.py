@@ -15,12 +15,12 @@ from medfl.config import resolve_config
 from medfl.engine.runner import Run, resume, run_experiment
 
 
-def _interrupt_at(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+def _interrupt_at(monkeypatch: pytest.MonkeyPatch, at: int, signal: BaseException | None = None) -> None:
     real = Run.run_round
 
     def run_round(self, r, pm):  # type: ignore[no-untyped-def]
         if r == at:
-            raise KeyboardInterrupt
+            raise signal if signal is not None else KeyboardInterrupt
         return real(self, r, pm)
 
     monkeypatch.setattr(Run, "run_round", run_round)
@@ -45,6 +45,24 @@ def test_ctrl_c_leaves_an_interrupted_run_that_resumes_exactly(tiny_fl, tmp_path
         pd.testing.assert_frame_equal(pd.read_csv(Path(full["dir"]) / "fedavg" / f), pd.read_csv(exp / "fedavg" / f),
                                       check_exact=True, obj=f)
     assert json.loads((exp / "fedavg" / "status.json").read_text())["status"] == "finished"
+
+
+def test_sigterm_turned_into_system_exit_leaves_an_interrupted_run(tiny_fl, monkeypatch, capsys):
+    """Flower's ServerApp turns SIGTERM (its SuperLink stopped or restarted) into SystemExit:
+    the run is "interrupted" (it stayed "running" before) and resumes exactly."""
+    tiny_fl.update(rounds=3)
+    full = run_experiment(resolve_config(dict(tiny_fl, name="full")))
+    _interrupt_at(monkeypatch, 2, SystemExit(0))
+    with pytest.raises(SystemExit):
+        run_experiment(resolve_config(dict(tiny_fl, name="term")))
+    exp = Path(tiny_fl["output_dir"]) / "term"
+    assert "interrupted; round 1 is saved" in capsys.readouterr().err
+    status = json.loads((exp / "fedavg" / "status.json").read_text())
+    assert status["status"] == "interrupted" and status["last_round"] == 1
+    monkeypatch.undo()
+    resume(exp)
+    pd.testing.assert_frame_equal(pd.read_csv(Path(full["dir"]) / "fedavg" / "metrics.csv"),
+                                  pd.read_csv(exp / "fedavg" / "metrics.csv"), check_exact=True)
 
 
 def test_ctrl_c_under_the_bundle_runner_exits_130_without_a_traceback(tiny_fl, monkeypatch, capsys):

@@ -24,21 +24,22 @@ import sys
 from pathlib import Path
 from medfl.flower.site import SiteSettings
 from medfl.flower.worker import run_site, socket_for
-config, state, starts, restart = sys.argv[1:5]
+config, state, starts, restart, code = sys.argv[1:6]
 sock = socket_for()
-# the stand-in SuperNode: note the start, exit with code 0 as Flower's did on a 401
-cmd = [sys.executable, "-c", f"open({starts!r}, 'a').write('x')", "--node-config", f"worker='{sock}'"]
+# the stand-in SuperNode: note the start, exit with code 0 as Flower's did on a 401 (or `code`)
+cmd = [sys.executable, "-c", f"open({starts!r}, 'a').write('x'); raise SystemExit({int(code)})",
+       "--node-config", f"worker='{sock}'"]
 settings = SiteSettings(client_id="0", config=Path(config), state_dir=Path(state))
 sys.exit(run_site(settings, cmd, restart=restart == "1", backoff=0.2, max_backoff=0.8))
 """
 
 
-def _start(tmp_path: Path, restart: bool) -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path: Path, restart: bool, code: int = 0) -> tuple[subprocess.Popen, Path]:
     fl = fl_config(tmp_path, "restart", FEDAVG)
     config = write_config(tmp_path / "site.json", fl)
     starts = tmp_path / "starts.txt"
     proc = subprocess.Popen([sys.executable, "-c", SUPERVISE, str(config), str(tmp_path / "state"), str(starts),
-                             "1" if restart else "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             "1" if restart else "0", str(code)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "MEDFL_NO_PROGRESS": "1"})
     return proc, starts
 
@@ -54,6 +55,20 @@ def test_the_supernode_is_started_again_until_the_site_is_told_to_stop(tmp_path:
     assert len(starts.read_text()) >= 4
     assert "the SuperNode exited with code 0" in out and "starting it again in 0.2 s" in out
     assert "starting it again in 0.8 s" in out                    # the wait doubles up to max_backoff
+
+
+def test_a_supernode_the_superlink_refused_gets_a_hint(tmp_path: Path) -> None:
+    """Flower exits with 1 on any error (its own code 305 for this one): no connection, or (with SuperNode authentication) a key the
+    SuperLink does not know; the site keeps trying (the key may be registered later) and
+    its log says what to check."""
+    proc, starts = _start(tmp_path, restart=True, code=1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not starts.is_file() or len(starts.read_text()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert "exited with code 1 (no connection to the SuperLink, or it refused this node" in out
+    assert "`medfl flower register-site`" in out and "--auth-key" in out
 
 
 def test_no_restart_ends_the_site_with_the_supernode(tmp_path: Path) -> None:
