@@ -13,7 +13,8 @@ peer-to-peer ones (FedSKD, FedCross: the coordinator relays one site's model to 
 in the instructions; nothing is aggregated) alike.
 
 Sites and dropouts. A first ``query.hello`` asks every node which client id it serves and
-checks its partition fingerprint against the coordinator's (:class:`SiteDirectory`). A
+checks its partition fingerprint against the coordinator's (:class:`SiteDirectory`); a node
+that fails the check is refused for the run, with an event, and cannot stop it. A
 site that does not answer a round's message within ``round_timeout`` seconds (or whose
 node the SuperLink reports unavailable) is left out of that round's replies - the
 method's ``server_update`` sees only the sites that answered, exactly as with a sampled
@@ -133,6 +134,7 @@ class SiteDirectory:
         self.asked: set[int] = set()          # nodes sent a hello at least once
         self.lost: set[int] = set()           # nodes that failed to answer an exchange
         self.retired: set[int] = set()        # nodes replaced by a newer node of the same client
+        self.refused: dict[int, str] = {}     # nodes whose hello was refused -> why (never asked again)
         self.pending: dict[str, int] = {}     # hello message id -> node id
 
     def _push_hello(self, node: int) -> None:
@@ -144,21 +146,38 @@ class SiteDirectory:
             self.pending[mid] = node
         self.asked.add(node)
 
+    def _refuse(self, node: int, cid: str, reason: str) -> None:
+        """Refuse ``node`` for this run: an event, a line on stderr, and it is never asked
+        again; the run goes on with the other nodes (a hostile or misconfigured node cannot
+        stop it; if a client is then left without a site, the connect error quotes this)."""
+        self.refused[node] = reason
+        self.log({"phase": "hello", "client_id": cid, "node_id": node, "status": f"refused: {reason}"})
+        print(f"medfl flower: node {node} refused: {reason}", file=sys.stderr, flush=True)
+
     def _accept(self, node: int, reply: Message) -> None:
-        ctl = wire.take_json(reply.content, P.CONTROL, f"hello from node {node}")
-        cid = str(ctl.get("client"))
+        try:
+            ctl = wire.take_json(reply.content, P.CONTROL, f"hello from node {node}")
+            cid = str(ctl.get("client"))
+            protocol = int(ctl.get("protocol", -1))
+            sizes_got, digest_got = dict(ctl.get("sizes", {})), int(ctl.get("digest", -1))
+        except _UNDECODABLE as exc:
+            self._refuse(node, "", f"its hello cannot be read ({type(exc).__name__}: {exc})")
+            return
         if cid not in self.expected:
-            raise RunError(f"node {node} serves client {cid!r}, which is not in this run's partition "
-                           f"(clients {client_order(self.expected)}); check the site's client-id and config")
+            self._refuse(node, cid, f"node {node} serves client {cid!r}, which is not in this run's partition "
+                                    f"(clients {client_order(self.expected)}); check the site's client-id and config")
+            return
         sizes, digest = self.expected[cid]
-        if int(ctl.get("protocol", -1)) != P.PROTOCOL:
-            raise RunError(f"site {cid} (node {node}) speaks medfl-over-Flower protocol {ctl.get('protocol')}, "
-                           f"the coordinator {P.PROTOCOL}: install the same medfl version on both sides")
-        if dict(ctl.get("sizes", {})) != sizes or int(ctl.get("digest", -1)) != digest:
-            raise RunError(f"site {cid} (node {node}) drew a different partition than the coordinator: its split "
-                           f"sizes are {ctl.get('sizes')}, the coordinator's {sizes} (fingerprint "
-                           f"{ctl.get('digest')} vs {digest}); give the site the same dataset and the same "
-                           "seed/num_clients/partition/client_split settings as the run's config")
+        if protocol != P.PROTOCOL:
+            self._refuse(node, cid, f"site {cid} (node {node}) speaks medfl-over-Flower protocol {protocol}, the "
+                                    f"coordinator {P.PROTOCOL}: install the same medfl version on both sides")
+            return
+        if sizes_got != sizes or digest_got != digest:
+            self._refuse(node, cid, f"site {cid} (node {node}) drew a different partition than the coordinator: its "
+                                    f"split sizes are {sizes_got}, the coordinator's {sizes} (fingerprint "
+                                    f"{digest_got} vs {digest}); give the site the same dataset and the same "
+                                    "seed/num_clients/partition/client_split settings as the run's config")
+            return
         old = self.nodes.get(cid)
         if old is not None and old != node:
             self.retired.add(old)
@@ -177,7 +196,8 @@ class SiteDirectory:
             if reply.has_error():
                 if reply.error.code in _DROPOUT_CODES:
                     continue
-                raise SiteFailure(f"node {node} failed to answer medfl's hello: {reply.error.reason}")
+                self._refuse(node, "", f"node {node} failed to answer medfl's hello: {reply.error.reason}")
+                continue
             self._accept(node, reply)
 
     def refresh(self, need: Iterable[str] = (), timeout: float | None = None) -> None:
@@ -303,8 +323,10 @@ class FlowerRun(Run):
                    "seconds": time.monotonic() - t0})
         self._flush_events()
         if missing:
+            refused = "".join(f"; refused {why}" if why.startswith(("node", "site")) else f"; refused node {n}: {why}"
+                              for n, why in sorted(self.sites.refused.items()))
             raise RunError(f"no SuperNode serves client(s) {missing} after {self.settings.connect_timeout:.0f} s "
-                           f"(connected: {sorted(self.sites.nodes)}); start a site per client with "
+                           f"(connected: {sorted(self.sites.nodes)}){refused}; start a site per client with "
                            "`medfl flower site --client-id ID ...`")
 
     def _connect(self, ids: list[str], t0: float) -> None:

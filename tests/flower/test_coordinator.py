@@ -29,7 +29,7 @@ from medfl.engine.runner import Run, RunError, build_source, run_experiment  # n
 from medfl.flower import protocol as P  # noqa: E402
 from medfl import wire  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
-from medfl.flower.server import FlowerRun, FlowerSettings, SiteFailure, resume_flower, run_flower_experiment  # noqa: E402
+from medfl.flower.server import FlowerRun, FlowerSettings, resume_flower, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
 
 from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config, numeric_equal, write_config  # noqa: E402
@@ -366,16 +366,42 @@ def test_site_drawing_another_partition_is_refused(tmp_path: Path) -> None:
     sites = _sites(tmp_path, fl)
     sites[103] = Site(SiteSettings(client_id="2", config=write_config(tmp_path / "other.json", {**fl, "seed": 1}),
                                    state_dir=tmp_path / "other"))
-    with pytest.raises(RunError, match="site 2 .*drew a different partition"):
+    # refused, so client 2 has no site: the connect error says why
+    with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['2'\].*refused site 2 .*drew a different "
+                                       "partition"):
         run_flower_experiment(resolve_config(fl), LoopGrid(sites), FAST)
 
 
-def test_site_serving_an_unknown_client_fails_the_run_with_its_reason(tmp_path: Path) -> None:
+def test_a_node_whose_hello_is_refused_cannot_stop_the_run(tmp_path: Path) -> None:
+    """Issue 19: a node serving an unknown client, answering the hello with an error, with
+    garbage or with another partition stopped the whole run; now each is refused (an event
+    and a stderr line naming the node and why), never asked again, and the run goes on."""
     fl = fl_config(tmp_path, "unknown", FEDAVG)
     sites = _sites(tmp_path, fl)
     sites[104] = Site(SiteSettings(client_id="7", config=tmp_path / "site.json", state_dir=tmp_path / "s7"))
-    with pytest.raises(SiteFailure, match="client id '7' is not in this config's partition"):
-        run_flower_experiment(resolve_config(fl), LoopGrid(sites), FAST)
+    sites[105] = Site(SiteSettings(client_id="1", config=tmp_path / "site.json", state_dir=tmp_path / "s105"))
+    sites[106] = Site(SiteSettings(client_id="2", config=tmp_path / "site.json", state_dir=tmp_path / "s106"))
+
+    def garble(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        if kind == P.HELLO and node == 105:
+            del out[P.CONTROL]
+        if kind == P.HELLO and node == 106:
+            control = wire.take_json(out, P.CONTROL, "tamper")
+            wire.put_json(out, P.CONTROL, {**control, "digest": 12345})
+        return out
+
+    out = run_flower_experiment(resolve_config(fl), LoopGrid(sites, tamper=garble), FAST)
+    run_dir = Path(out["dir"]) / "fedavg"
+    events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
+    refused = events[events["status"].astype(str).str.startswith("refused")]
+    why = dict(zip(refused["node_id"], refused["status"]))
+    assert set(why) == {"104", "105", "106"}
+    assert "client id '7' is not in this config's partition" in why["104"]
+    assert "its hello cannot be read" in why["105"]
+    assert "site 2 (node 106) drew a different partition" in why["106"]
+    assert (events["phase"] == "hello").sum() == 6          # refused nodes are not asked again
+    trained = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
+    assert len(trained) == 2 * 3                              # the three honest sites, both rounds
 
 
 def test_missing_site_fails_after_connect_timeout(tmp_path: Path) -> None:
