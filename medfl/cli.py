@@ -264,12 +264,25 @@ def cmd_flower_register_site(args: argparse.Namespace) -> int:
     """Register site public keys at a SuperLink started with ``--enable-supernode-auth``."""
     from medfl.flower.auth import AuthError, register_site
 
+    from medfl.flower.auth import pin_site
+
     insecure, _ = _tls_args(args, server=False)
+    if args.client_id is not None and (len(args.public_keys) != 1 or not args.nodes_file):
+        raise SystemExit("medfl flower register-site: --client-id takes one public key and --nodes-file FILE "
+                         "(the sites.json that `medfl flower run --site-nodes` reads)")
     try:
+        if args.nodes_file and Path(args.nodes_file).exists():
+            from medfl.flower.auth import read_site_nodes
+
+            read_site_nodes(args.nodes_file)          # a broken file stops before anything is registered
         for key in args.public_keys:
             node = register_site(key, args.superlink, root_certificates=args.root_certificates,
                                  insecure=insecure, name=args.name)
             print(f"{key}: registered as node {node}")
+            if args.client_id is not None:
+                pin_site(args.nodes_file, args.client_id, node)
+                print(f"{args.nodes_file}: client {args.client_id} is served by node {node} only "
+                      "(give it to `medfl flower run --site-nodes`)")
     except AuthError as exc:
         raise SystemExit(f"medfl flower register-site: {exc}") from None
     return 0
@@ -331,10 +344,18 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
         overrides = _parse_overrides(args.overrides)
     tmp = Path(tempfile.mkdtemp(prefix="medfl-flower-"))
     result_file = Path(args.result_file).resolve() if args.result_file else tmp / f"result-{uuid.uuid4().hex}.json"
+    site_nodes = None
+    if args.site_nodes:
+        from medfl.flower.auth import AuthError, read_site_nodes
+
+        try:
+            site_nodes = read_site_nodes(args.site_nodes)
+        except AuthError as exc:
+            raise SystemExit(f"medfl flower run: --site-nodes {exc}") from None
     rc = make_run_config(workdir=Path.cwd(), result_file=result_file, round_timeout=args.round_timeout,
                          connect_timeout=args.connect_timeout, hello_timeout=args.hello_timeout,
                          config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds,
-                         progress_interval=args.progress_interval)
+                         progress_interval=args.progress_interval, site_nodes=site_nodes)
     app_dir = write_app(tmp / "app")
     code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
                     root_certificates=None if insecure else args.root_certificates)
@@ -386,6 +407,10 @@ def _add_flower(sub: Any) -> None:
     sp.add_argument("--insecure", action="store_true", help="no TLS (refused by a SuperLink with authentication)")
     sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
     sp.add_argument("--name", default=None, help="a name the SuperLink lists the node under")
+    sp.add_argument("--client-id", default=None,
+                    help="the client this site serves: recorded with its node id in --nodes-file, so that no "
+                         "other node may serve it (`medfl flower run --site-nodes`)")
+    sp.add_argument("--nodes-file", default=None, help="the sites.json to record --client-id in (created if absent)")
     sp.set_defaults(func=cmd_flower_register_site)
 
     sp = fsub.add_parser("site", help="step 2: start one site's SuperNode (serves one client id with its data)")
@@ -434,6 +459,9 @@ def _flower_run_options(sp: argparse.ArgumentParser) -> None:
                     help="while waiting for the sites at the start, say every so many seconds which clients "
                          "have no site yet (default 15)")
     sp.add_argument("--result-file", default=None, help="where the ServerApp writes its result (JSON)")
+    sp.add_argument("--site-nodes", default=None,
+                    help="sites.json from `medfl flower register-site --client-id`: each client is served only "
+                         "by the node registered for it (with SuperNode authentication, by the site's key)")
     sp.add_argument("--insecure", action="store_true", help="no TLS")
     sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
 

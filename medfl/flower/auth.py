@@ -18,7 +18,10 @@ keeps its node id and a machine without a registered key cannot pose as a site. 
 :func:`make_certificates` writes a certificate authority and a server certificate for
 trying this on one machine or a test network; :func:`make_site_key` a site's key pair
 (P-384, OpenSSH encoding, as Flower reads them); :func:`register_site` runs
-``flwr supernode register`` against a SuperLink and returns the node id it assigned.
+``flwr supernode register`` against a SuperLink and returns the node id it assigned;
+:func:`pin_site` records which client id that node serves (a ``sites.json`` given to
+``medfl flower run --site-nodes``), so that a registered site cannot claim another site's
+client id either.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["AuthError", "make_certificates", "make_site_key", "register_site", "check_private_key"]
+__all__ = ["AuthError", "make_certificates", "make_site_key", "register_site", "check_private_key",
+           "parse_site_nodes", "read_site_nodes", "pin_site"]
 
 #: what a key file name may be: a plain name (it becomes ``<name>.key`` and ``<name>.pub``)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -221,3 +225,67 @@ def _last_json(text: str) -> dict:
         except json.JSONDecodeError:
             start = text.find("{", start + 1)
     return {}
+
+
+def parse_site_nodes(text: str, where: str) -> dict[str, int]:
+    """``{client id: node id}`` from JSON ``text`` (``where`` names it in errors).
+
+    Raises:
+        AuthError: not a JSON object of client ids to positive integer node ids, or one
+            node registered for two clients.
+    """
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise AuthError(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); expected "
+                        '{"client id": node id, ...}') from None
+    if not isinstance(raw, dict):
+        raise AuthError(f'{where}: expected a JSON object {{"client id": node id, ...}}, got {type(raw).__name__}')
+    out: dict[str, int] = {}
+    for cid, node in raw.items():
+        if isinstance(node, bool) or not isinstance(node, int) or node <= 0:
+            raise AuthError(f"{where}: client {cid!r}: node id {node!r} is not a positive integer (the id "
+                            "`medfl flower register-site` printed)")
+        out[str(cid)] = node
+    seen: dict[int, str] = {}
+    for cid, node in out.items():
+        if node in seen:
+            raise AuthError(f"{where}: node {node} is registered for clients {seen[node]!r} and {cid!r}; a node "
+                            "serves one client")
+        seen[node] = cid
+    return out
+
+
+def read_site_nodes(path: str | Path) -> dict[str, int]:
+    """Read a ``sites.json`` (:func:`parse_site_nodes`); a missing file is an error."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise AuthError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    return parse_site_nodes(text, str(path))
+
+
+def pin_site(path: str | Path, client_id: str, node: int) -> dict[str, int]:
+    """Record in ``path`` (created if absent, replaced atomically) that client ``client_id``
+    is served by ``node``; return the whole mapping.
+
+    Raises:
+        AuthError: the file is not a valid mapping, or the client is already pinned to
+            another node or the node to another client (nothing is changed then: edit the
+            file by hand if a site's key was replaced).
+    """
+    path = Path(path)
+    nodes = read_site_nodes(path) if path.exists() else {}
+    cid = str(client_id)
+    if nodes.get(cid, node) != node:
+        raise AuthError(f"{path}: client {cid!r} is already served by node {nodes[cid]}; remove that entry first "
+                        "if the site's key was replaced")
+    for other, n in nodes.items():
+        if n == node and other != cid:
+            raise AuthError(f"{path}: node {node} already serves client {other!r}")
+    nodes[cid] = node
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(nodes, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return nodes

@@ -181,17 +181,21 @@ def write_connection(flwr_home: str | Path, superlink: str, name: str = "medfl",
 def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeout: float, connect_timeout: float,
                     hello_timeout: float, config: str | Path | None = None, overrides: dict[str, Any] | None = None,
                     resume: str | Path | None = None, rounds: int | None = None,
-                    progress_interval: float | None = None) -> dict[str, Any]:
+                    progress_interval: float | None = None, site_nodes: dict[str, int] | None = None
+                    ) -> dict[str, Any]:
     """The run config (keys of :data:`~medfl.flower.server.RUN_CONFIG`) of one ``flwr run``
     of medfl's app: a bundle ``config`` with its ``#``-path ``overrides``, or a stopped run
     directory to ``resume`` (optionally to a new total of ``rounds``); paths made absolute.
     ``progress_interval``: seconds between the coordinator's "waiting for sites" lines
-    (``None``: the app's default)."""
+    (``None``: the app's default); ``site_nodes``: ``{client id: node id}``, the only node
+    that may serve each client (:func:`medfl.flower.auth.pin_site`)."""
     rc: dict[str, Any] = {"workdir": str(Path(workdir).resolve()), "result-file": str(result_file),
                           "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
                           "hello-timeout": float(hello_timeout)}
     if progress_interval is not None:
         rc["progress-interval"] = float(progress_interval)
+    if site_nodes:
+        rc["site-nodes"] = json.dumps({str(k): int(v) for k, v in site_nodes.items()})
     if resume:
         rc.update(resume=str(Path(resume).resolve()), rounds=int(rounds or 0))
     else:
@@ -511,7 +515,8 @@ class LocalFederation:
     def run(self, config: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
             resume: str | Path | None = None, rounds: int = 0, round_timeout: float = 120.0,
             connect_timeout: float = 120.0, hello_timeout: float = 30.0, timeout: float = 600.0,
-            name: str = "run", progress_interval: float | None = None) -> dict[str, Any]:
+            name: str = "run", progress_interval: float | None = None,
+            site_nodes: dict[str, int] | None = None) -> dict[str, Any]:
         """Launch a run with ``flwr run`` and wait for its end.
 
         While it waits, it watches the processes it started (:meth:`sites_gone`): once every
@@ -533,7 +538,8 @@ class LocalFederation:
         result_file = self.workdir / f"{name}-{uuid.uuid4().hex[:8]}.json"
         rc = make_run_config(workdir=self.workdir, result_file=result_file, round_timeout=round_timeout,
                              connect_timeout=connect_timeout, hello_timeout=hello_timeout, config=config,
-                             overrides=overrides, resume=resume, rounds=rounds, progress_interval=progress_interval)
+                             overrides=overrides, resume=resume, rounds=rounds, progress_interval=progress_interval,
+                             site_nodes=site_nodes)
         gone = self.sites_gone()
         if gone:
             raise FlowerDeployError(f"run {name!r} not started: {gone}")

@@ -92,6 +92,11 @@ class FlowerSettings:
         poll_interval: seconds between two pulls of replies from the SuperLink (default 0.2).
         progress_interval: while waiting for the sites at the start, say every so many
             seconds which clients have no site yet (default 15).
+        site_nodes: JSON ``{client id: node id}`` (``medfl flower register-site --client-id``):
+            each client is served only by the node registered for it, whose id Flower binds
+            to the site's key under SuperNode authentication; a hello from any other node for
+            that client is refused. Empty (the default): the last node to say hello for a
+            client serves it.
     """
 
     round_timeout: float = 600.0
@@ -99,17 +104,34 @@ class FlowerSettings:
     hello_timeout: float = 60.0
     poll_interval: float = 0.2
     progress_interval: float = 15.0
+    site_nodes: str = ""
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> "FlowerSettings":
-        """Read ``round-timeout``, ``connect-timeout``, ``hello-timeout``, ``poll-interval``
-        and ``progress-interval`` from a Flower run config (absent keys keep their defaults)."""
-        kw = {}
+        """Read ``round-timeout``, ``connect-timeout``, ``hello-timeout``, ``poll-interval``,
+        ``progress-interval`` and ``site-nodes`` from a Flower run config (absent keys keep
+        their defaults)."""
+        kw: dict[str, Any] = {}
         for f in fields(cls):
             key = f.name.replace("_", "-")
             if key in run_config and run_config[key] not in ("", None):
-                kw[f.name] = float(run_config[key])
+                kw[f.name] = str(run_config[key]) if f.name == "site_nodes" else float(run_config[key])
         return cls(**kw)
+
+    def pins(self) -> dict[str, int]:
+        """``site_nodes`` read: ``{client id: node id}`` (``{}`` when empty).
+
+        Raises:
+            RunError: not a JSON object of client ids to integer node ids.
+        """
+        if not self.site_nodes:
+            return {}
+        from medfl.flower.auth import AuthError, parse_site_nodes
+
+        try:
+            return parse_site_nodes(self.site_nodes, "site-nodes")
+        except AuthError as exc:
+            raise RunError(str(exc)) from None
 
 
 class SiteDirectory:
@@ -135,6 +157,7 @@ class SiteDirectory:
         self.lost: set[int] = set()           # nodes that failed to answer an exchange
         self.retired: set[int] = set()        # nodes replaced by a newer node of the same client
         self.refused: dict[int, str] = {}     # nodes whose hello was refused -> why (never asked again)
+        self.pins = settings.pins()           # client id -> the only node that may serve it ({}: any)
         self.pending: dict[str, int] = {}     # hello message id -> node id
 
     def _push_hello(self, node: int) -> None:
@@ -166,6 +189,12 @@ class SiteDirectory:
         if cid not in self.expected:
             self._refuse(node, cid, f"node {node} serves client {cid!r}, which is not in this run's partition "
                                     f"(clients {client_order(self.expected)}); check the site's client-id and config")
+            return
+        if self.pins and self.pins.get(cid) != node:
+            self._refuse(node, cid, f"node {node} says it serves client {cid!r}, which is registered to "
+                                    + (f"node {self.pins[cid]}" if cid in self.pins else "no node")
+                                    + " (site-nodes); a site registered for another client, or a node "
+                                      "without a registration for this one")
             return
         sizes, digest = self.expected[cid]
         if protocol != P.PROTOCOL:
@@ -638,6 +667,7 @@ RUN_CONFIG: dict[str, Any] = {
     "hello-timeout": 60.0,
     "poll-interval": 0.2,
     "progress-interval": 15.0,   # seconds between "waiting for sites" lines at the start
+    "site-nodes": "",        # JSON {client id: node id}: only that node may serve the client
 }
 
 

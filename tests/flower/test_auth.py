@@ -6,8 +6,6 @@ site run for real in test_deploy_auth.py."""
 from __future__ import annotations
 
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,8 @@ from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec, rsa  # noqa: E402
 
-from medfl.flower.auth import AuthError, check_private_key, make_certificates, make_site_key  # noqa: E402
+from medfl.flower.auth import (AuthError, check_private_key, make_certificates, make_site_key,  # noqa: E402
+                               parse_site_nodes, pin_site, read_site_nodes)
 
 
 def test_site_key_pair_is_what_flower_reads(tmp_path: Path) -> None:
@@ -74,29 +73,62 @@ def test_certificates_name_the_hosts_and_chain_to_the_ca(tmp_path: Path) -> None
         make_certificates(tmp_path / "none", [])
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "medfl.cli", "flower", *args], capture_output=True, text=True,
-                          timeout=120)
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int | str, str, str]:
+    """``medfl flower ARGS`` in this process: (exit code or SystemExit message, stdout, stderr)."""
+    from medfl.cli import main
+
+    try:
+        code: int | str = main(["flower", *args])
+    except SystemExit as exc:
+        code = exc.code if exc.code is not None else 0
+    out = capsys.readouterr()
+    return code, out.out, out.err + (code if isinstance(code, str) else "")
 
 
-def test_cli_keys_and_certs_and_their_refusals(tmp_path: Path) -> None:
-    done = _cli("keys", "--out", str(tmp_path / "k"), "site0", "site1")
-    assert done.returncode == 0, done.stderr
-    assert "site1: private" in done.stdout and (tmp_path / "k" / "site1.pub").is_file()
-    again = _cli("keys", "--out", str(tmp_path / "k"), "site1")
-    assert again.returncode != 0 and "site1.key: exists" in again.stderr and "Traceback" not in again.stderr
-    certs = _cli("certs", "--out", str(tmp_path / "c"), "--host", "127.0.0.1")
-    assert certs.returncode == 0 and "--ssl-certfile" in certs.stdout and "--root-certificates" in certs.stdout
+def test_cli_keys_and_certs_and_their_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(capsys, "keys", "--out", str(tmp_path / "k"), "site0", "site1")
+    assert code == 0 and "site1: private" in out and (tmp_path / "k" / "site1.pub").is_file()
+    code, _, err = _cli(capsys, "keys", "--out", str(tmp_path / "k"), "site1")
+    assert code != 0 and "site1.key: exists" in err
+    code, out, _ = _cli(capsys, "certs", "--out", str(tmp_path / "c"), "--host", "127.0.0.1")
+    assert code == 0 and "--ssl-certfile" in out and "--root-certificates" in out
+    ca = str(tmp_path / "c" / "ca.pem")
     # authentication without TLS: Flower would refuse it later, medfl says why at once
-    link = _cli("superlink", "--insecure", "--enable-supernode-auth")
-    assert link.returncode != 0 and "--enable-supernode-auth needs TLS" in link.stderr
+    code, _, err = _cli(capsys, "superlink", "--insecure", "--enable-supernode-auth")
+    assert code != 0 and "--enable-supernode-auth needs TLS" in err
     cfg = tmp_path / "train.json"
     cfg.write_text('{"fl": {}}')
-    site = _cli("site", "--client-id", "0", "--config", str(cfg), "--state-dir", str(tmp_path / "s"), "--insecure",
-                "--auth-key", str(tmp_path / "k" / "site0.key"))
-    assert site.returncode != 0 and "--auth-key needs TLS" in site.stderr
-    site = _cli("site", "--client-id", "0", "--config", str(cfg), "--state-dir", str(tmp_path / "s"),
-                "--root-certificates", str(tmp_path / "c" / "ca.pem"), "--auth-key", str(tmp_path / "k" / "site0.pub"))
-    assert site.returncode != 0 and "not an OpenSSH private key" in site.stderr and "Traceback" not in site.stderr
-    reg = _cli("register-site", str(tmp_path / "k" / "nope.pub"), "--root-certificates", str(tmp_path / "c" / "ca.pem"))
-    assert reg.returncode != 0 and "public key file not found" in reg.stderr
+    site = ["site", "--client-id", "0", "--config", str(cfg), "--state-dir", str(tmp_path / "s")]
+    code, _, err = _cli(capsys, *site, "--insecure", "--auth-key", str(tmp_path / "k" / "site0.key"))
+    assert code != 0 and "--auth-key needs TLS" in err
+    code, _, err = _cli(capsys, *site, "--root-certificates", ca, "--auth-key", str(tmp_path / "k" / "site0.pub"))
+    assert code != 0 and "not an OpenSSH private key" in err
+    code, _, err = _cli(capsys, "register-site", str(tmp_path / "k" / "nope.pub"), "--root-certificates", ca)
+    assert code != 0 and "public key file not found" in err
+    code, _, err = _cli(capsys, "register-site", str(tmp_path / "k" / "site0.pub"), "--root-certificates", ca,
+                        "--client-id", "0")
+    assert code != 0 and "--client-id takes one public key and --nodes-file" in err
+    (tmp_path / "sites.json").write_text('{"0": "x"}')
+    code, _, err = _cli(capsys, "run", str(cfg), "--insecure", "--site-nodes", str(tmp_path / "sites.json"))
+    assert code != 0 and "node id 'x' is not a positive integer" in err
+
+
+def test_site_nodes_file_pins_one_node_per_client(tmp_path: Path) -> None:
+    sites = tmp_path / "sites.json"
+    assert pin_site(sites, "0", 11) == {"0": 11}
+    assert pin_site(sites, "1", 12) == {"0": 11, "1": 12}
+    assert pin_site(sites, "1", 12) == {"0": 11, "1": 12}          # registering again is harmless
+    before = sites.read_text()
+    with pytest.raises(AuthError, match="client '1' is already served by node 12"):
+        pin_site(sites, "1", 13)
+    with pytest.raises(AuthError, match="node 11 already serves client '0'"):
+        pin_site(sites, "2", 11)
+    assert sites.read_text() == before and read_site_nodes(sites) == {"0": 11, "1": 12}
+    for text, message in [("[1, 2]", "expected a JSON object"), ("{", "not JSON"),
+                          ('{"0": "11"}', "node id '11' is not a positive integer"),
+                          ('{"0": true}', "is not a positive integer"), ('{"0": 5, "1": 5}', "a node serves one client")]:
+        with pytest.raises(AuthError, match=message):
+            parse_site_nodes(text, "sites.json")
+    with pytest.raises(AuthError, match="cannot be read"):
+        read_site_nodes(tmp_path / "absent.json")
+

@@ -361,6 +361,31 @@ def test_undecodable_replies_are_refused_not_fatal(tmp_path: Path) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
 
 
+def test_pinned_clients_are_served_only_by_their_registered_node(tmp_path: Path) -> None:
+    """Issue 19: "the last hello for a client id wins". With site-nodes (client -> the node
+    registered for it), a second node claiming client 1, with the right config and data, is
+    refused and client 1 stays with its registered node."""
+    import dataclasses
+
+    fl = fl_config(tmp_path, "pinned", FEDAVG)
+    sites = _sites(tmp_path, fl)
+    sites[104] = Site(SiteSettings(client_id="1", config=tmp_path / "site.json", state_dir=tmp_path / "s104"))
+    pins = dataclasses.replace(FAST, site_nodes=json.dumps({"0": 101, "1": 102, "2": 103}))
+    run_dir = Path(run_flower_experiment(resolve_config(fl), LoopGrid(sites), pins)["dir"]) / "fedavg"
+    events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
+    hellos = events[events["phase"] == "hello"]
+    served = hellos[hellos["status"] == "joined"]
+    assert dict(zip(served["client_id"], served["node_id"])) == {"0": "101", "1": "102", "2": "103"}
+    refused = hellos[hellos["status"].str.startswith("refused")]
+    assert refused["node_id"].tolist() == ["104"]
+    assert "node 104 says it serves client '1', which is registered to node 102" in refused["status"].iloc[0]
+    # a malformed mapping stops the run before anything is sent
+    bad = dataclasses.replace(FAST, site_nodes=json.dumps({"0": 101, "1": 101}))
+    with pytest.raises(RunError, match="node 101 is registered for clients '0' and '1'"):
+        run_flower_experiment(resolve_config(fl_config(tmp_path, "bad_pins", FEDAVG)), LoopGrid(_sites(tmp_path, fl)),
+                              bad)
+
+
 def test_site_drawing_another_partition_is_refused(tmp_path: Path) -> None:
     fl = fl_config(tmp_path, "mismatch", FEDAVG)
     sites = _sites(tmp_path, fl)

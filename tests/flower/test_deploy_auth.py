@@ -3,7 +3,9 @@ processes on 127.0.0.1 (issue 19: any machine that reached the Fleet API could p
 site; after a SuperLink restart the sites exited and the run never resumed).
 
 TLS with a CA made for the test, ``--enable-supernode-auth``, three sites whose keys are
-registered and an intruder with the right config and data but an unregistered key. The
+registered and pinned to their client ids (``site-nodes``), an intruder with the right config
+and data but an unregistered key, and an impostor with a registered key that claims another
+site's client id. The
 SuperLink keeps its state in a database; it is stopped after round 1 and started again on
 the same port: the sites reconnect on their own with the node ids bound to their keys, the
 interrupted run resumes with ``--resume`` and ends with the in-process numbers.
@@ -73,7 +75,11 @@ def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path
         intruder_key, _ = make_site_key(tmp_path / "intruder", "intruder")
         fed.start_site("1", site_cfg, state_dir=tmp_path / "intruder_state", auth_key=intruder_key,
                        restart=False, wait=False, name="intruder")
-        fed.wait_for_nodes(3)
+        # a registered site (client 3's key, say) that claims client 1: site-nodes refuses it
+        impostor = fed.register_site("3")
+        fed.start_site("1", site_cfg, state_dir=tmp_path / "impostor_state", auth_key=fed.keys["3"], wait=False,
+                       name="impostor")
+        fed.wait_for_nodes(4)
         intruder = fed.procs["intruder"].popen
         intruder.wait(timeout=120)
         assert intruder.returncode == 1, (intruder.returncode, fed.tail("intruder"))     # Flower's error exit
@@ -83,7 +89,8 @@ def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path
 
         def first() -> None:
             try:
-                result.update(fed.run(cfg_file, round_timeout=60.0, timeout=RUN_TIMEOUT, name="first"))
+                result.update(fed.run(cfg_file, round_timeout=60.0, timeout=RUN_TIMEOUT, name="first",
+                                      site_nodes=nodes))
             except FlowerDeployError as exc:     # the ServerApp may die before it writes its result
                 result["deploy_error"] = str(exc)
 
@@ -106,7 +113,7 @@ def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path
         status = json.loads((run_dir / "status.json").read_text())
         assert status["last_round"] == 1 and status["status"] in ("interrupted", "running"), status
         resumed = fed.run(resume=tmp_path / "runs" / "job", round_timeout=60.0, hello_timeout=120.0,
-                          timeout=RUN_TIMEOUT, name="resumed")
+                          timeout=RUN_TIMEOUT, name="resumed", site_nodes=nodes)
         assert resumed["ok"], f"{resumed.get('error')}\n{resumed.get('traceback')}"
     finally:
         fed.close()
@@ -117,5 +124,9 @@ def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path
     # every hello, before and after the restart, came from the node bound to the site's key
     events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
     hellos = events[events["phase"] == "hello"]
-    assert len(hellos) >= 6 and set(hellos["client_id"]) == set(nodes)     # before and after the restart
-    assert all(int(n) == nodes[c] for c, n in zip(hellos["client_id"], hellos["node_id"]))
+    joined = hellos[~hellos["status"].str.startswith("refused")]
+    assert len(joined) >= 6 and set(joined["client_id"]) == set(nodes)     # before and after the restart
+    assert all(int(n) == nodes[c] for c, n in zip(joined["client_id"], joined["node_id"]))
+    refused = hellos[hellos["status"].str.startswith("refused")]
+    assert set(refused["node_id"].astype(int)) == {impostor}                 # in both sessions
+    assert "which is registered to node" in refused["status"].iloc[0]
