@@ -67,14 +67,16 @@ __all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "run_f
            "resume_flower", "app"]
 
 # Flower's error codes (flwr.common.constant.ErrorCode): a node gone or a message lost is a
-# dropout; an exception raised by the ClientApp is a failure of the run.
+# dropout; an exception raised by the ClientApp is that site's failure: its reply is dropped
+# (and counted), and the run stops only when every site asked failed.
 _DROPOUT_CODES = {3, 4, 5, 8}   # MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE, CLIENT_APP_CRASHED
 _FAILURE_CODES = {0, 1, 2, 6, 7}  # UNKNOWN, LOAD_CLIENT_APP_EXCEPTION, CLIENT_APP_RAISED_EXCEPTION, ...
 
 
 class SiteFailure(RunError):
-    """A site answered with an error raised by medfl's ClientApp (a contract violation, a
-    bad config at the site, a bug): the run stops, naming the site and its reason."""
+    """Every site asked in an exchange answered with an error raised by medfl's ClientApp
+    (a contract violation, a method or filter no site approved, a bug): the run stops,
+    naming each site and its reason. One failing site among others is dropped instead."""
 
 
 @dataclass
@@ -400,8 +402,12 @@ class FlowerRun(Run):
         size of its content and of the answer's (:func:`medfl.wire.encoded_size`; a client
         that did not answer counts its request only; one without a node was sent nothing).
 
+        A site that answers with an error (its ClientApp raised: its plugin failed, it
+        refused an unapproved method) is dropped like a bad reply (:meth:`Run.refuse`: an
+        event, exclusion after ``max_reply_failures``), so one site cannot stop the run.
+
         Raises:
-            SiteFailure: a site's ClientApp raised an error.
+            SiteFailure: every site asked answered with an error (each one's reason quoted).
         """
         self.sites.refresh()
         t0 = time.monotonic()
@@ -424,6 +430,7 @@ class FlowerRun(Run):
             sent_at[cid] = time.monotonic()
         del msgs
         replies: dict[str, Message] = {}
+        failed: dict[str, str] = {}     # sites that answered with an error -> what it said
         deadline = t0 + self.settings.round_timeout
         while by_msg and time.monotonic() < deadline:
             for reply in self.grid.pull_messages(list(by_msg)):
@@ -441,8 +448,8 @@ class FlowerRun(Run):
                         continue
                     self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
                                "status": f"failed (error {code})", "seconds": secs})
-                    self._flush_events()
-                    raise SiteFailure(f"site {cid} failed in {phase} of round {r} (Flower error {code}): {reason}")
+                    failed[cid] = f"site {cid} failed in {phase} of round {r} (Flower error {code}): {reason}"
+                    continue
                 try:
                     ctl = wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}")
                     if str(ctl.get("client")) != cid:
@@ -467,6 +474,14 @@ class FlowerRun(Run):
             self.sites.drop(cid)
         self._log({"round": r, "phase": phase + ":all", "status": f"{len(replies)}/{len(outgoing)}",
                    "seconds": time.monotonic() - t0})
+        if failed and len(failed) == len(order):
+            # every site asked failed: the method, a filter or an approval is wrong everywhere
+            self._flush_events()
+            raise SiteFailure("; ".join(failed[cid] for cid in client_order(failed)))
+        for cid in client_order(failed):
+            # one site's error (its code failed, it refused the method, or it answers errors on
+            # purpose) cannot stop the run: dropped like any bad reply, excluded by policy
+            self.refuse(r, cid, failed[cid])
         for cid in order:
             self.traffic.add(r, cid, phase, size_to[cid], size_from.get(cid, 0))
         return {cid: replies[cid] for cid in client_order(replies)}

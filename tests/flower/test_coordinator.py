@@ -333,6 +333,24 @@ def test_metrics_a_site_reports_about_itself_are_marked(tmp_path: Path) -> None:
     assert summary["reported_by"]["train_metrics"]["loss"] == "self"
 
 
+def test_a_site_answering_with_errors_is_dropped_then_excluded(tmp_path: Path) -> None:
+    """Issue 19: one site's Flower error (its code raised, or it answers errors on purpose)
+    stopped every run; now it is dropped like a bad reply and excluded by policy (the run
+    stops only when every site asked fails: tests/flower/test_approval.py)."""
+    def fail(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        if node == 102 and kind == P.TRAIN:
+            raise RuntimeError("boom")
+        return out
+
+    run_dir, events = _tampered_run(tmp_path, "errors", {**FEDAVG, "rounds": 3, "max_reply_failures": 2}, fail)
+    assert events[["round", "client_id", "status"]].values.tolist() == [
+        [1, "1", "dropped"], [2, "1", "dropped"], [2, "1", "excluded"]]
+    assert events["reason"].iloc[0] == "site 1 failed in train of round 1 (Flower error 2): RuntimeError: boom"
+    trained = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
+    assert sorted(trained[trained["round"] == 3]["client_id"]) == ["0", "2"]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 3
+
+
 def test_undecodable_replies_are_refused_not_fatal(tmp_path: Path) -> None:
     """Issue 19: a reply whose records are missing or malformed (a bare KeyError, a non-integer
     num_examples, metrics for splits nobody asked for) stopped the run; now each is refused
