@@ -343,6 +343,17 @@ class FlowerRun(Run):
         self.session = uuid.uuid4().hex   # resume_round and _ckpt: set by Run.prepare
         meta.setdefault("sessions", []).append({"session": self.session, "resumed_from": self.resume_round,
                                                 "started": time.time()})
+        if self.sites.pins:
+            meta["site_nodes"] = self.sites.pins          # a resume keeps them without --site-nodes
+        elif resume and isinstance(meta.get("site_nodes"), dict):
+            from medfl.flower.auth import AuthError, parse_site_nodes
+
+            try:
+                self.sites.pins = parse_site_nodes(json.dumps(meta["site_nodes"]), f"{meta_path} site_nodes")
+            except AuthError as exc:
+                raise RunError(str(exc)) from None
+            print(f"medfl flower: clients are served only by the nodes registered for them ({meta_path})",
+                  file=sys.stderr, flush=True)
         tmp = meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta, indent=2))
         tmp.replace(meta_path)

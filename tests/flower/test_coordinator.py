@@ -385,17 +385,22 @@ def test_pinned_clients_are_served_only_by_their_registered_node(tmp_path: Path)
     refused and client 1 stays with its registered node."""
     import dataclasses
 
-    fl = fl_config(tmp_path, "pinned", FEDAVG)
+    fl = fl_config(tmp_path, "pinned", {**FEDAVG, "stop_after_round": 1})
     sites = _sites(tmp_path, fl)
     sites[104] = Site(SiteSettings(client_id="1", config=tmp_path / "site.json", state_dir=tmp_path / "s104"))
     pins = dataclasses.replace(FAST, site_nodes=json.dumps({"0": 101, "1": 102, "2": 103}))
-    run_dir = Path(run_flower_experiment(resolve_config(fl), LoopGrid(sites), pins)["dir"]) / "fedavg"
+    exp = run_flower_experiment(resolve_config(fl), LoopGrid(sites), pins)["dir"]
+    # the resume is given no site-nodes: it keeps the first session's (flower.json)
+    assert resume_flower(exp, LoopGrid(sites), FAST)["summaries"]["fedavg"]["rounds"] == 2
+    run_dir = Path(exp) / "fedavg"
+    assert json.loads((run_dir / "flower.json").read_text())["site_nodes"] == {"0": 101, "1": 102, "2": 103}
     events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
     hellos = events[events["phase"] == "hello"]
     served = hellos[hellos["status"] == "joined"]
-    assert dict(zip(served["client_id"], served["node_id"])) == {"0": "101", "1": "102", "2": "103"}
+    assert served["session"].nunique() == 2
+    assert set(zip(served["client_id"], served["node_id"])) == {("0", "101"), ("1", "102"), ("2", "103")}
     refused = hellos[hellos["status"].str.startswith("refused")]
-    assert refused["node_id"].tolist() == ["104"]
+    assert refused["node_id"].tolist() == ["104", "104"]                  # in both sessions
     assert "node 104 says it serves client '1', which is registered to node 102" in refused["status"].iloc[0]
     # a malformed mapping stops the run before anything is sent
     bad = dataclasses.replace(FAST, site_nodes=json.dumps({"0": 101, "1": 101}))
