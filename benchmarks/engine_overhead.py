@@ -53,9 +53,38 @@ from typing import Any
 from medfl import hookimpl
 
 HERE = Path(__file__).resolve().parent
-MODEL = {"name": "small_cnn"}  # width 16, batch norm
+MODEL = {"name": "small_cnn"}  # width 16, batch norm (set by --workload)
 NUM_CLASSES = 10
 IMAGE_SIZE = 28
+SPATIAL_DIMS = 2
+
+#: ``--workload`` presets: the model, the input and the defaults of the job's size (each can
+#: still be set with its own option). ``tiny`` is the original job; ``resnet2d`` looks like a
+#: Derm7pt run (2D ResNet-10 at 128x128, 20 clients), ``resnet3d`` like an ABIDE run (3D
+#: ResNet-10 at 32^3, 4 clients). The ResNets are width 16 so that a 2-core machine measures
+#: them in minutes; the overhead ratio is what the benchmark is for, not the absolute time.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "tiny": {"model": {"name": "small_cnn"}, "image_size": 28, "spatial_dims": 2, "clients": 10,
+             "samples": 256, "batch_size": 32, "rounds": 10},
+    "resnet2d": {"model": {"name": "resnet10", "width": 16}, "image_size": 128, "spatial_dims": 2,
+                 "clients": 20, "samples": 40, "batch_size": 16, "rounds": 3},
+    "resnet3d": {"model": {"name": "resnet10", "width": 16}, "image_size": 32, "spatial_dims": 3,
+                 "clients": 4, "samples": 40, "batch_size": 4, "rounds": 3},
+}
+
+
+def set_workload(name: str) -> dict[str, Any]:
+    """Make ``name`` the job of this process (module settings read by every way); return it."""
+    global MODEL, IMAGE_SIZE, SPATIAL_DIMS
+    w = WORKLOADS[name]
+    MODEL, IMAGE_SIZE, SPATIAL_DIMS = dict(w["model"]), int(w["image_size"]), int(w["spatial_dims"])
+    return w
+
+
+def describe_model() -> str:
+    """The model and input of the current workload, for the report."""
+    extra = ", ".join(f"{k} {v}" for k, v in MODEL.items() if k != "name")
+    return f"{MODEL['name']}{f' ({extra})' if extra else ''} on random 1x" + "x".join([str(IMAGE_SIZE)] * SPATIAL_DIMS)
 CLIENT_SPLIT = {"train": 0.8, "test": 0.2}
 EVAL_BATCH_SIZE = 64
 LR, MOMENTUM = 0.01, 0.9
@@ -73,7 +102,8 @@ def fl_config(clients: int, rounds: int, samples: int, batch_size: int, seed: in
         "name": "engine_overhead", "output_dir": output_dir, "overwrite": True,
         "seed": seed, "rounds": rounds, "num_clients": clients,
         "dataset": {"name": "random_blocks", "num_blocks": clients, "samples_per_block": samples,
-                    "num_classes": NUM_CLASSES, "image_size": IMAGE_SIZE, "seed": seed},
+                    "num_classes": NUM_CLASSES, "image_size": IMAGE_SIZE, "seed": seed,
+                    "spatial_dims": SPATIAL_DIMS},
         "global_test_fraction": 0.0,
         "partition": {"name": "natural", "column": "block"},
         "client_split": dict(CLIENT_SPLIT),
@@ -133,7 +163,7 @@ def _source(clients: int, samples: int, seed: int):  # noqa: ANN202
     from medfl.data.random_blocks import random_blocks
 
     return random_blocks(num_blocks=clients, samples_per_block=samples, num_classes=NUM_CLASSES,
-                         image_size=IMAGE_SIZE, seed=seed)
+                         image_size=IMAGE_SIZE, seed=seed, spatial_dims=SPATIAL_DIMS)
 
 
 def client_rows(clients: int, samples: int, seed: int, rounds: int, batch_size: int
@@ -154,9 +184,10 @@ def client_rows(clients: int, samples: int, seed: int, rounds: int, batch_size: 
 
 
 def build_model():  # noqa: ANN201
-    from medfl.models.resnet import small_cnn
+    """The workload's model, built from its spec as medfl builds it."""
+    from medfl.models.registry import build_model as from_spec
 
-    return small_cnn(spatial_dims=2, in_channels=1, num_classes=NUM_CLASSES)
+    return from_spec({**MODEL, "spatial_dims": SPATIAL_DIMS, "in_channels": 1, "num_classes": NUM_CLASSES})
 
 
 def initial_state(seed: int) -> dict[str, Any]:
@@ -457,7 +488,7 @@ def spawn(a: argparse.Namespace, mode: str, clients: int, rounds: int, work: Pat
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--child-dir", str(d),
            "--clients", str(clients), "--rounds", str(rounds),
            "--samples-per-client", str(a.samples_per_client), "--batch-size", str(a.batch_size),
-           "--seed", str(a.seed), "--cpus", str(a.cpus),
+           "--seed", str(a.seed), "--cpus", str(a.cpus), "--workload", a.workload,
            "--flower-client-cpus", str(a.flower_client_cpus)]
     if a.flower_logs:
         cmd.append("--flower-logs")
@@ -501,11 +532,15 @@ def main(argv: list[str] | None = None) -> int:
                     "medfl's in-process engine and with Flower's simulation.",
         epilog="Targets: medfl <= 1.05x plain loop, medfl <= 0.5x Flower simulation, peak memory "
                "with 100 clients <= 1.5x that with 10. See benchmarks/README.md.")
-    p.add_argument("--clients", type=int, default=10, help="number of clients (default 10)")
-    p.add_argument("--rounds", type=int, default=10, help="FedAvg rounds (default 10)")
-    p.add_argument("--samples-per-client", type=int, default=256,
-                   help="samples per client, split 80/20 into train/test (default 256)")
-    p.add_argument("--batch-size", type=int, default=32, help="local batch size (default 32)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+                   help="the job: tiny (small_cnn, 1x28x28, 10 clients; the default), resnet2d (ResNet-10 width 16, "
+                        "1x128x128, 20 clients), resnet3d (3D ResNet-10 width 16, 1x32^3, 4 clients); the options "
+                        "below override its sizes")
+    p.add_argument("--clients", type=int, default=None, help="number of clients (default: the workload's)")
+    p.add_argument("--rounds", type=int, default=None, help="FedAvg rounds (default: the workload's)")
+    p.add_argument("--samples-per-client", type=int, default=None,
+                   help="samples per client, split 80/20 into train/test (default: the workload's)")
+    p.add_argument("--batch-size", type=int, default=None, help="local batch size (default: the workload's)")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed runs of plain and medfl, interleaved; medians are reported (default 5)")
     p.add_argument("--flower-repeats", type=int, default=1,
@@ -531,6 +566,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", choices=["plain", "medfl", "flower"], help=argparse.SUPPRESS)
     p.add_argument("--child-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    w = set_workload(a.workload)
+    for opt, key in (("clients", "clients"), ("rounds", "rounds"), ("samples_per_client", "samples"),
+                     ("batch_size", "batch_size")):
+        if getattr(a, opt) is None:
+            setattr(a, opt, int(w[key]))
     if a.flower_client_cpus is None:
         a.flower_client_cpus = a.cpus
     if a.child:
@@ -541,8 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "settings": {"clients": a.clients, "rounds": a.rounds, "samples_per_client": a.samples_per_client,
-                     "train_per_client": None, "batch_size": a.batch_size, "model": "small_cnn (width 16)",
-                     "input": [1, IMAGE_SIZE, IMAGE_SIZE], "classes": NUM_CLASSES, "optimizer":
+                     "train_per_client": None, "batch_size": a.batch_size, "workload": a.workload,
+                     "model": dict(MODEL), "input": [1, *[IMAGE_SIZE] * SPATIAL_DIMS], "classes": NUM_CLASSES,
+                     "optimizer":
                      f"sgd lr {LR} momentum {MOMENTUM}", "local_epochs": 1, "seed": a.seed,
                      "cpus": a.cpus, "flower_client_cpus": a.flower_client_cpus,
                      "repeats": a.repeats, "python": sys.version.split()[0]},
@@ -561,8 +602,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
         n_train = int(round(CLIENT_SPLIT["train"] * a.samples_per_client))
         report["settings"]["train_per_client"] = f"about {n_train}"
-        print(f"FedAvg, {a.clients} clients x {a.rounds} rounds, small_cnn on random 1x{IMAGE_SIZE}x"
-              f"{IMAGE_SIZE} images ({NUM_CLASSES} classes), {a.samples_per_client} samples per client "
+        print(f"FedAvg, {a.clients} clients x {a.rounds} rounds, {describe_model()} "
+              f"({NUM_CLASSES} classes), {a.samples_per_client} samples per client "
               f"(80% train / 20% test), batch {a.batch_size}, SGD lr {LR} momentum {MOMENTUM}, "
               f"1 local epoch, {a.cpus} CPU thread(s); every run in a fresh process.")
         if not a.memory_only:

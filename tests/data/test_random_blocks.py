@@ -44,3 +44,23 @@ def test_block_images_shape_and_bad_arguments():
     for bad in ({"num_blocks": 0}, {"samples_per_block": -1}, {"image_size": 2.5}, {"num_classes": True}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             random_blocks(**bad)
+
+
+def test_volumes_for_a_3d_job():
+    """``spatial_dims=3`` (the ABIDE-like benchmark workload): cubic volumes, the same
+    determinism, a learnable class signal; 2D data is unchanged by the option."""
+    src = random_blocks(num_blocks=2, samples_per_block=200, num_classes=2, image_size=6, signal=2.0, seed=1,
+                        spatial_dims=3)
+    assert src.sample_shape == (1, 6, 6, 6) and "6x6x6 volumes" in src.description
+    x, y = src.make_dataset(src.table, True).tensors
+    assert x.shape == (400, 1, 6, 6, 6)
+    assert torch.equal(src.make_dataset(src.table.iloc[[7, 301]], False).tensors[0], x[[7, 301]])
+    m0, m1 = x[y == 0].mean(0), x[y == 1].mean(0)
+    d0, d1 = ((x - m0) ** 2).flatten(1).sum(1), ((x - m1) ** 2).flatten(1).sum(1)
+    assert ((d1 < d0).long() == y).float().mean() > 0.9
+    flat = random_blocks(num_blocks=1, samples_per_block=5, image_size=8, seed=3)
+    assert torch.equal(flat.make_dataset(flat.table, True).tensors[0],
+                       random_blocks(num_blocks=1, samples_per_block=5, image_size=8, seed=3,
+                                     spatial_dims=2).make_dataset(flat.table, True).tensors[0])
+    with pytest.raises(ValueError, match="spatial_dims must be 2 or 3"):
+        random_blocks(spatial_dims=1)
