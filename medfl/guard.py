@@ -104,7 +104,7 @@ _MULT = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x
                   0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9],
                  dtype=np.uint64)
 _CACHE: "OrderedDict[str, SplitReference]" = OrderedDict()
-_CACHE_MAX = 64
+_CACHE_MAX = 256                   # split references (about 1.5 KB per sample each)
 _MERGED: "OrderedDict[tuple[str, ...], _Index]" = OrderedDict()   # a client's splits, merged
 _MERGED_MAX = 4
 _log = logging.getLogger("medfl.guard")
@@ -668,6 +668,9 @@ class ContentGuard:
                     return ctx.dataset(split, augment=False)
                 except TypeError:   # a dataset factory without an augment switch
                     return ctx.dataset(split)
+            key = getattr(ctx.datasets.get(split), "guard_key", None)
+            if key:
+                build.guard_key = key  # type: ignore[attr-defined]
             return build
 
         def orders() -> dict[str, list[np.ndarray]]:
@@ -688,9 +691,19 @@ class ContentGuard:
         if self._index is None:
             refs, keys = [], []
             for split, ds in self._datasets.items():
-                if callable(ds) and not isinstance(ds, Dataset):
-                    ds = ds()
-                key, ref = _cached_reference(ds)
+                # a factory that names its samples (``guard_key``: the engine's datasets, the
+                # same every round) is not built again once its reference is cached
+                hint = getattr(ds, "guard_key", None) if callable(ds) and not isinstance(ds, Dataset) else None
+                ref = _lru_get(_CACHE, f"key:{hint}") if hint else None
+                if ref is not None:
+                    key = f"key:{hint}"
+                else:
+                    if callable(ds) and not isinstance(ds, Dataset):
+                        ds = ds()
+                    key, ref = _cached_reference(ds)
+                    if hint:
+                        _lru_put(_CACHE, f"key:{hint}", ref, _CACHE_MAX)
+                        key = f"key:{hint}"
                 refs.append((split, ref))
                 keys.append(f"{split}:{key}")
             orders = self._orders() if callable(self._orders) else (self._orders or {})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -44,6 +46,9 @@ class FederatedData:
 
     def __post_init__(self) -> None:
         self._positions: dict[tuple[str, str], np.ndarray] | None = None
+        # names this object's datasets for caches that outlive a round (the payload guard's
+        # reference): unique per object, never reused as id() would be
+        self.token = uuid.uuid4().hex
 
     def _index(self) -> dict[tuple[str, str], np.ndarray]:
         """(client id, role) -> row positions, built once (the table is filtered per call
@@ -89,7 +94,10 @@ class FederatedData:
         only), so a client can read its training split without random transforms."""
         out: dict[str, Callable[..., Dataset]] = {}
         for role in roles:
-            out[role] = (lambda augment=None, r=role: self._build(client_id, r, augment))
+            build = (lambda augment=None, r=role: self._build(client_id, r, augment))
+            # the same samples every round: the guard can reuse its reference without building
+            build.guard_key = f"{self.token}:{client_id}:{role}"  # type: ignore[attr-defined]
+            out[role] = build
         return out
 
     def _build(self, client_id: str, role: str, augment: bool | None = None) -> Dataset:

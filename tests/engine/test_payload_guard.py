@@ -371,3 +371,44 @@ def test_labels_are_still_refused_when_the_reply_is_quantized(ctx_data: tuple[_D
     leak = _QuantizedLeak(make=lambda c: _y(c).float(), into=into)
     with pytest.raises(PayloadError, match="client 3"):
         run_client_update(leak, _ctx(*ctx_data), Instruction(), filters=chain)
+
+
+def test_the_guard_reads_a_clients_splits_once_per_run(tiny_fl) -> None:
+    """Issue 20: the guard built every split of a client again every round only to find its
+    cached reference. The engine's dataset factories name their samples (``guard_key``), so a
+    later round's guard reuses the reference without building anything, and another split of
+    the data (a new FederatedData) is read afresh."""
+    from medfl.config import resolve_config
+    from medfl.engine.data import split_data
+    from medfl.engine.runner import build_source
+
+    cfg = resolve_config(tiny_fl)
+    clear_reference_cache()
+    built: list[tuple[str, str]] = []
+
+    def counted(data):  # type: ignore[no-untyped-def]
+        real = data._build
+        data._build = lambda cid, role, augment=None: built.append((cid, role)) or real(cid, role, augment)
+        return data
+
+    data = counted(split_data(build_source(cfg["dataset"]), cfg))
+    roles = ["train", "test", "global_test"]
+    for rnd in (1, 2, 3):
+        ctx = ClientContext(client_id="0", round=rnd, seed=0, datasets=data.dataset_factories("0", roles),
+                            model_spec={}, train={"batch_size": 8, "epochs": 1})
+        ContentGuard.for_client(ctx).index()
+        if rnd == 1:
+            first = list(built)
+    # round 1: each split without augmentation, and the training loader (whose sample order
+    # the guard replays; the round's training uses that same dataset); later rounds: only that
+    assert sorted(first) == sorted([("0", r) for r in roles] + [("0", "train")])
+    assert built[len(first):] == [("0", "train")] * 2
+    # the reused reference still recognises the client's images in a later round
+    images = ctx.dataset("train", augment=False)
+    with pytest.raises(PayloadError, match="image"):
+        validate_payload({"x": torch.stack([images[i][0] for i in range(len(images))])}, "reply",
+                         guard=ContentGuard.for_client(ctx))
+    again = counted(split_data(build_source(cfg["dataset"]), cfg))
+    ContentGuard.for_client(ClientContext(client_id="0", round=1, seed=0, datasets=again.dataset_factories("0", roles),
+                                          model_spec={}, train={"batch_size": 8, "epochs": 1})).index()
+    assert len(built) == 2 * len(first) + 2 + 1   # + the labels check's train dataset above
