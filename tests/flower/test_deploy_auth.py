@@ -72,14 +72,14 @@ def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path
         nodes = {cid: fed.register_site(cid) for cid in ("0", "1", "2")}
         for cid in nodes:
             fed.start_site(cid, site_cfg, wait=False)
-        intruder_key, _ = make_site_key(tmp_path / "intruder", "intruder")
-        fed.start_site("1", site_cfg, state_dir=tmp_path / "intruder_state", auth_key=intruder_key,
-                       restart=False, wait=False, name="intruder")
         # a registered site (client 3's key, say) that claims client 1: site-nodes refuses it
         impostor = fed.register_site("3")
         fed.start_site("1", site_cfg, state_dir=tmp_path / "impostor_state", auth_key=fed.keys["3"], wait=False,
                        name="impostor")
-        fed.wait_for_nodes(4)
+        fed.wait_for_nodes(4)      # (it ends at the first process that exits: the intruder comes after)
+        intruder_key, _ = make_site_key(tmp_path / "intruder", "intruder")
+        fed.start_site("1", site_cfg, state_dir=tmp_path / "intruder_state", auth_key=intruder_key,
+                       restart=False, wait=False, name="intruder")
         intruder = fed.procs["intruder"].popen
         intruder.wait(timeout=120)
         assert intruder.returncode == 1, (intruder.returncode, fed.tail("intruder"))     # Flower's error exit
