@@ -67,9 +67,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "tiny": {"model": {"name": "small_cnn"}, "image_size": 28, "spatial_dims": 2, "clients": 10,
              "samples": 256, "batch_size": 32, "rounds": 10},
     "resnet2d": {"model": {"name": "resnet10", "width": 16}, "image_size": 128, "spatial_dims": 2,
-                 "clients": 20, "samples": 40, "batch_size": 16, "rounds": 3},
+                 "clients": 20, "samples": 160, "batch_size": 16, "rounds": 3},
     "resnet3d": {"model": {"name": "resnet10", "width": 16}, "image_size": 32, "spatial_dims": 3,
-                 "clients": 4, "samples": 40, "batch_size": 4, "rounds": 3},
+                 "clients": 4, "samples": 80, "batch_size": 4, "rounds": 3},
 }
 
 
