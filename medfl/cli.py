@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["main", "build_parser"]
 
@@ -232,14 +233,24 @@ def cmd_flower_superlink(args: argparse.Namespace) -> int:
                                    extra=extra))
 
 
-def cmd_flower_certs(args: argparse.Namespace) -> int:
-    """Write a certificate authority and a SuperLink certificate for ``--host``."""
-    from medfl.flower.auth import AuthError, make_certificates
+@contextmanager
+def _auth_errors(who: str) -> Iterator[None]:
+    """Turn a key, certificate or registration error (:class:`medfl.flower.auth.AuthError`)
+    into one line of ``who``'s, without a traceback."""
+    from medfl.flower.auth import AuthError
 
     try:
-        paths = make_certificates(args.out, args.host, days=args.days)
+        yield
     except AuthError as exc:
-        raise SystemExit(f"medfl flower certs: {exc}") from None
+        raise SystemExit(f"{who}: {exc}") from None
+
+
+def cmd_flower_certs(args: argparse.Namespace) -> int:
+    """Write a certificate authority and a SuperLink certificate for ``--host``."""
+    from medfl.flower.auth import make_certificates
+
+    with _auth_errors("medfl flower certs"):
+        paths = make_certificates(args.out, args.host, days=args.days)
     print(f"SuperLink: --ssl-certfile {paths['server']} --ssl-keyfile {paths['server_key']} "
           f"--ssl-ca-certfile {paths['ca']}")
     print(f"sites and `medfl flower run`: --root-certificates {paths['ca']}  (keep {paths['ca_key']} offline)")
@@ -248,32 +259,26 @@ def cmd_flower_certs(args: argparse.Namespace) -> int:
 
 def cmd_flower_keys(args: argparse.Namespace) -> int:
     """Write one key pair per site name."""
-    from medfl.flower.auth import AuthError, make_site_key
+    from medfl.flower.auth import make_site_key
 
-    try:
+    with _auth_errors("medfl flower keys"):
         for name in args.names:
             private, public = make_site_key(args.out, name)
             print(f"{name}: private {private} (stays at the site: --auth-key), public {public} "
                   "(to register at the SuperLink)")
-    except AuthError as exc:
-        raise SystemExit(f"medfl flower keys: {exc}") from None
     return 0
 
 
 def cmd_flower_register_site(args: argparse.Namespace) -> int:
     """Register site public keys at a SuperLink started with ``--enable-supernode-auth``."""
-    from medfl.flower.auth import AuthError, register_site
-
-    from medfl.flower.auth import pin_site
+    from medfl.flower.auth import pin_site, read_site_nodes, register_site
 
     insecure, _ = _tls_args(args, server=False)
     if args.client_id is not None and (len(args.public_keys) != 1 or not args.nodes_file):
         raise SystemExit("medfl flower register-site: --client-id takes one public key and --nodes-file FILE "
                          "(the sites.json that `medfl flower run --site-nodes` reads)")
-    try:
+    with _auth_errors("medfl flower register-site"):
         if args.nodes_file and Path(args.nodes_file).exists():
-            from medfl.flower.auth import read_site_nodes
-
             read_site_nodes(args.nodes_file)          # a broken file stops before anything is registered
         for key in args.public_keys:
             node = register_site(key, args.superlink, root_certificates=args.root_certificates,
@@ -283,8 +288,6 @@ def cmd_flower_register_site(args: argparse.Namespace) -> int:
                 pin_site(args.nodes_file, args.client_id, node)
                 print(f"{args.nodes_file}: client {args.client_id} is served by node {node} only "
                       "(give it to `medfl flower run --site-nodes`)")
-    except AuthError as exc:
-        raise SystemExit(f"medfl flower register-site: {exc}") from None
     return 0
 
 
@@ -299,15 +302,13 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     if not Path(args.config).is_file():
         raise FileNotFoundError(f"{args.config}: config file not found")
     if args.auth_key:
-        from medfl.flower.auth import AuthError, check_private_key
+        from medfl.flower.auth import check_private_key
 
         if insecure:
             raise SystemExit("medfl flower site: --auth-key needs TLS: drop --insecure and give "
                              "--root-certificates CA.pem")
-        try:
+        with _auth_errors("medfl flower site"):
             extra += ["--auth-supernode-private-key", str(check_private_key(args.auth_key).resolve())]
-        except AuthError as exc:
-            raise SystemExit(f"medfl flower site: {exc}") from None
     _site_approvals(args)
     from medfl.flower.deploy import flower_env
     from medfl.flower.site import SiteSettings
@@ -346,12 +347,10 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
     result_file = Path(args.result_file).resolve() if args.result_file else tmp / f"result-{uuid.uuid4().hex}.json"
     site_nodes = None
     if args.site_nodes:
-        from medfl.flower.auth import AuthError, read_site_nodes
+        from medfl.flower.auth import read_site_nodes
 
-        try:
+        with _auth_errors("medfl flower run: --site-nodes"):
             site_nodes = read_site_nodes(args.site_nodes)
-        except AuthError as exc:
-            raise SystemExit(f"medfl flower run: --site-nodes {exc}") from None
     rc = make_run_config(workdir=Path.cwd(), result_file=result_file, round_timeout=args.round_timeout,
                          connect_timeout=args.connect_timeout, hello_timeout=args.hello_timeout,
                          config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds,

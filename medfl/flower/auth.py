@@ -34,9 +34,10 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["AuthError", "make_certificates", "make_site_key", "register_site", "check_private_key",
-           "parse_site_nodes", "read_site_nodes", "pin_site"]
+__all__ = ["AuthError", "make_certificates", "certificate_paths", "make_site_key", "register_site",
+           "check_private_key", "parse_site_nodes", "read_site_nodes", "pin_site"]
 
 #: what a key file name may be: a plain name (it becomes ``<name>.key`` and ``<name>.pub``)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -121,6 +122,14 @@ def check_private_key(path: str | Path) -> Path:
     return path
 
 
+def certificate_paths(out: str | Path) -> dict[str, Path]:
+    """Where :func:`make_certificates` writes in ``out``: ``ca`` (ca.pem), ``ca_key``,
+    ``server`` (server.pem) and ``server_key``."""
+    out = Path(out)
+    return {"ca": out / "ca.pem", "ca_key": out / "ca.key", "server": out / "server.pem",
+            "server_key": out / "server.key"}
+
+
 def make_certificates(out: str | Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
     """Write a certificate authority (``ca.pem``, ``ca.key``) and a server certificate for
     the SuperLink signed by it (``server.pem``, ``server.key``) valid for ``hosts`` (names
@@ -138,8 +147,7 @@ def make_certificates(out: str | Path, hosts: list[str], days: int = 365) -> dic
     if not hosts:
         raise AuthError("--host: give the name or address the sites use to reach the SuperLink")
     out = _out_dir(out)
-    paths = {k: out / f for k, f in (("ca", "ca.pem"), ("ca_key", "ca.key"),
-                                      ("server", "server.pem"), ("server_key", "server.key"))}
+    paths = certificate_paths(out)
     for path in paths.values():
         if path.exists():
             raise AuthError(f"{path}: exists; remove it or choose another --out (nothing was overwritten)")
@@ -227,15 +235,16 @@ def _last_json(text: str) -> dict:
     return {}
 
 
-def parse_site_nodes(text: str, where: str) -> dict[str, int]:
-    """``{client id: node id}`` from JSON ``text`` (``where`` names it in errors).
+def parse_site_nodes(text: str | dict[str, Any], where: str) -> dict[str, int]:
+    """``{client id: node id}`` from JSON ``text``, or from a mapping already decoded (a
+    run's flower.json); ``where`` names it in errors.
 
     Raises:
         AuthError: not a JSON object of client ids to positive integer node ids, or one
             node registered for two clients.
     """
     try:
-        raw = json.loads(text)
+        raw = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError as exc:
         raise AuthError(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); expected "
                         '{"client id": node id, ...}') from None

@@ -357,12 +357,11 @@ class LocalFederation:
         self.certs: dict[str, Path] = {}
         self.keys: dict[str, Path] = {}          # client id -> its private key (registered sites)
         if self.tls:
-            from medfl.flower.auth import make_certificates
+            from medfl.flower.auth import certificate_paths, make_certificates
 
             certs = self.workdir / "certs"
-            self.certs = ({k: certs / f for k, f in (("ca", "ca.pem"), ("ca_key", "ca.key"), ("server", "server.pem"),
-                                                      ("server_key", "server.key"))}
-                          if (certs / "ca.pem").is_file() else make_certificates(certs, [host, "localhost"]))
+            self.certs = (certificate_paths(certs) if (certs / "ca.pem").is_file()
+                          else make_certificates(certs, [host, "localhost"]))
 
     def _client_tls(self) -> list[str]:
         """A site's (or the CLI's) TLS arguments: the federation's CA, or ``--insecure``."""

@@ -126,14 +126,18 @@ class FlowerSettings:
         Raises:
             RunError: not a JSON object of client ids to integer node ids.
         """
-        if not self.site_nodes:
-            return {}
-        from medfl.flower.auth import AuthError, parse_site_nodes
+        return _pins(self.site_nodes, "site-nodes") if self.site_nodes else {}
 
-        try:
-            return parse_site_nodes(self.site_nodes, "site-nodes")
-        except AuthError as exc:
-            raise RunError(str(exc)) from None
+
+def _pins(value: str | dict[str, Any], where: str) -> dict[str, int]:
+    """``{client id: node id}`` from a site-nodes JSON text or mapping
+    (:func:`medfl.flower.auth.parse_site_nodes`), its errors as :class:`RunError`."""
+    from medfl.flower.auth import AuthError, parse_site_nodes
+
+    try:
+        return parse_site_nodes(value, where)
+    except AuthError as exc:
+        raise RunError(str(exc)) from None
 
 
 class SiteDirectory:
@@ -346,12 +350,7 @@ class FlowerRun(Run):
         if self.sites.pins:
             meta["site_nodes"] = self.sites.pins          # a resume keeps them without --site-nodes
         elif resume and isinstance(meta.get("site_nodes"), dict):
-            from medfl.flower.auth import AuthError, parse_site_nodes
-
-            try:
-                self.sites.pins = parse_site_nodes(json.dumps(meta["site_nodes"]), f"{meta_path} site_nodes")
-            except AuthError as exc:
-                raise RunError(str(exc)) from None
+            self.sites.pins = _pins(meta["site_nodes"], f"{meta_path} site_nodes")
             print(f"medfl flower: clients are served only by the nodes registered for them ({meta_path})",
                   file=sys.stderr, flush=True)
         tmp = meta_path.with_suffix(".tmp")
@@ -738,14 +737,14 @@ def main(grid: Grid, context: Context) -> None:
     try:
         result = serve(grid, rc)
     except BaseException as exc:
+        stopped = isinstance(exc, (SystemExit, KeyboardInterrupt))
         error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        if stopped:
             error = ("the coordinator was stopped (a signal: the SuperLink was stopped or restarted, or Ctrl-C); "
                      "the finished rounds are saved and status.json says \"interrupted\": continue with "
                      "`medfl flower run --resume RUN_DIR` once the SuperLink is back")
         if result_file:
-            Path(result_file).write_text(json.dumps({"ok": False, "error": error, "interrupted":
-                                                     isinstance(exc, (SystemExit, KeyboardInterrupt)),
+            Path(result_file).write_text(json.dumps({"ok": False, "error": error, "interrupted": stopped,
                                                      "traceback": traceback.format_exc()}))
         raise
     if result_file:

@@ -64,6 +64,9 @@ class NotDownloaded(PrepError):
     is a plain :class:`PrepError`)."""
 
 
+#: the skipped.csv stage of a sample whose file was not downloaded (``--present-only``)
+NOT_DOWNLOADED = "not downloaded"
+
 #: the hint a stop on an absent file ends with
 PRESENT_ONLY_HINT = ("; if the download is partial, pass --present-only to prepare the samples "
                      "that are present (the others are listed in skipped.csv)")
@@ -116,7 +119,7 @@ class PrepReport:
             if absent and exc.args and PRESENT_ONLY_HINT not in str(exc.args[0]):
                 exc.args = (f"{exc.args[0]}{PRESENT_ONLY_HINT}", *exc.args[1:])
             raise exc
-        self.skip(exc.item or item, str(exc), "not downloaded" if absent else stage)
+        self.skip(exc.item or item, str(exc), NOT_DOWNLOADED if absent else stage)
 
     @contextmanager
     def guard(self, item: str | Path, stage: str = "") -> Iterator[None]:
@@ -141,7 +144,7 @@ class PrepReport:
     @property
     def not_downloaded(self) -> int:
         """How many listed samples were skipped because their files are absent."""
-        return sum(1 for s in self.skipped if s["stage"] == "not downloaded")
+        return sum(1 for s in self.skipped if s["stage"] == NOT_DOWNLOADED)
 
     def write(self, out: Path) -> None:
         """Write ``report.json`` and ``skipped.csv`` into ``out``."""
@@ -208,7 +211,7 @@ def keep_present(items: Sequence[Any], locate: Callable[[Any], Any], report: Pre
         try:
             locate(item)
         except NotDownloaded as exc:
-            report.skip(exc.item or name(item), str(exc), "not downloaded")
+            report._handle(exc, name(item), NOT_DOWNLOADED)   # present_only: recorded as skipped
             continue
         except PrepError:
             pass
@@ -284,10 +287,9 @@ def _finish_stage(work: Path, out: Path, ok: bool) -> None:
     not exist; otherwise each entry replaces the one of its name, others are kept), or, after a
     failure, keep only the report (``report.json``, ``skipped.csv``) in ``<out>.failed/`` and
     remove the rest."""
-    for name in ("report.json",):
-        f = work / name
-        if f.is_file():       # the report names the folder the dataset ends up in
-            f.write_text(f.read_text().replace(str(work), str(out)))
+    report = work / "report.json"
+    if report.is_file():       # the report names the folder the dataset ends up in
+        report.write_text(report.read_text().replace(str(work), str(out)))
     if ok:
         if not out.exists():
             work.rename(out)
