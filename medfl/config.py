@@ -16,7 +16,7 @@ from medfl.plugins import PluginError, lookup, registry
 
 __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_KEYS", "PUBLIC_TEST_FRACTION",
            "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_train", "check_dp_sgd",
-           "check_public_dataset", "check_train", "check_device"]
+           "check_public_dataset", "check_train", "check_device", "TRAIN_OPTIONAL"]
 
 
 class ConfigError(ValueError):
@@ -81,6 +81,14 @@ DEFAULTS: dict[str, Any] = {
     "progress": True,
     "overwrite": False,             # False: a new directory name-2, name-3... if name exists
 }
+
+#: Keys of ``train`` that are valid but absent unless set (they change how a client computes,
+#: not what it learns, so configs without them send the same messages as before):
+#: ``amp`` mixed precision ("bf16" or "fp16", with a gradient scaler; :mod:`medfl.engine.training`),
+#: ``channels_last`` (channels-last memory format for 2D/3D convolutions), ``pin_memory``
+#: (page-locked batches; null: on for CUDA devices).
+TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memory": None}
+AMP_DTYPES = ("bf16", "fp16")
 
 _NAMED = ("dataset", "partition", "model")
 
@@ -243,7 +251,8 @@ def check_train(train: dict[str, Any], where: str) -> None:
     """Check local-training settings before anything is written: ``epochs``, ``batch_size``,
     ``eval_batch_size`` positive integers, ``num_workers`` a non-negative one, ``lr`` a finite
     positive number, ``momentum`` in [0, 1), ``weight_decay`` finite and >= 0, ``optimizer``
-    one of :data:`OPTIMIZERS`, ``clip_grad_norm`` null or positive.
+    one of :data:`OPTIMIZERS`, ``clip_grad_norm`` null or positive, ``amp`` null, ``bf16`` or
+    ``fp16``, ``channels_last`` and ``pin_memory`` booleans (null: the default).
 
     Raises:
         ConfigError: naming ``where``'s key, the value and what was expected.
@@ -269,6 +278,12 @@ def check_train(train: dict[str, Any], where: str) -> None:
     clip = train.get("clip_grad_norm")
     if clip is not None and number("clip_grad_norm", clip) <= 0:
         raise ConfigError(f"{where}.clip_grad_norm: expected null or a positive number, got {clip!r}")
+    if train.get("amp") is not None and train["amp"] not in AMP_DTYPES:
+        raise ConfigError(f"{where}.amp: expected null (full precision), 'bf16' or 'fp16', got {train['amp']!r}")
+    for key in ("channels_last", "pin_memory"):
+        v = train.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise ConfigError(f"{where}.{key}: expected true, false or null, got {v!r}")
 
 
 def check_device(device: Any, where: str = "fl.device", *, available: bool = False) -> str:
@@ -303,7 +318,7 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
     if "train" in m:
         if not isinstance(m["train"], dict):
             raise ConfigError(f"{where}.train: expected a dict of fl.train overrides, got {m['train']!r}")
-        _check_keys(m["train"], DEFAULTS["train"], f"{where}.train")
+        _check_keys(m["train"], {**DEFAULTS["train"], **TRAIN_OPTIONAL}, f"{where}.train")
         if "dp" in m["train"]:
             m["train"]["dp"] = check_dp_sgd(m["train"]["dp"], f"{where}.train.dp")
     method = build_method(m)
@@ -314,6 +329,9 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: method {cls.name!r} does not support DP-SGD (train.dp): its local training "
                           "is not plain per-sample-loss SGD that Opacus can privatise (see its docstring); use a "
                           "reply filter such as dp_gaussian, or an entry's own \"train\": {\"dp\": null}")
+    if method_train(cfg, m, cls)["dp"] is not None and method_train(cfg, m, cls).get("amp"):
+        raise ConfigError(f"{where}: train.amp with DP-SGD (train.dp): Opacus clips per-sample gradients in full "
+                          "precision and medfl does not mix the two; drop one of them")
     try:
         configured_filters(cfg, m, method)
     except (FilterConfigError, PrivacyConfigError) as exc:
@@ -338,7 +356,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         if key == "train":
             if not isinstance(value, dict):
                 raise ConfigError(f"fl.train: expected a dict, got {value!r}")
-            _check_keys(value, DEFAULTS["train"], "fl.train")
+            _check_keys(value, {**DEFAULTS["train"], **TRAIN_OPTIONAL}, "fl.train")
             cfg["train"].update(value)
         elif key == "cv":
             if not isinstance(value, dict):

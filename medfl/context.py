@@ -130,13 +130,26 @@ class ClientContext:
 
         ``shuffle`` defaults to ``split == "train"`` (seeded by :attr:`seed`, so the same
         round draws the same batches); ``batch_size`` defaults to ``train["batch_size"]``
-        (16) for ``train`` and ``train["eval_batch_size"]`` (64) for the other splits."""
+        (16) for ``train`` and ``train["eval_batch_size"]`` (64) for the other splits.
+        ``train["num_workers"]`` processes read and transform the batches (0: this process),
+        into page-locked memory when ``train["pin_memory"]`` says so (default: on a CUDA
+        device), so that copies to the GPU can overlap compute."""
         shuffle = (split == "train") if shuffle is None else shuffle
         gen = torch.Generator().manual_seed(derive_seed(self.seed, "loader", split))
         bs = int(batch_size or (self.train.get("batch_size", 16) if split == "train"
                                 else self.train.get("eval_batch_size", 64)))
+        workers = int(self.train.get("num_workers", 0))
+        pin = self.train.get("pin_memory")
+        pin = torch.device(str(self.device)).type == "cuda" if pin is None else bool(pin)
+        # each worker reseeds the dataset's random transforms from its torch seed, which the
+        # loader draws from ``gen``: the same batches for the same seed and num_workers (the
+        # order and the images without augmentation are those of num_workers 0; augmented
+        # images differ from num_workers 0, whose transforms draw from the process's state)
+        init = None
+        if workers:
+            from monai.data.utils import worker_init_fn as init
         return DataLoader(self.dataset(split, augment=augment), batch_size=bs, shuffle=shuffle, generator=gen,
-                          num_workers=int(self.train.get("num_workers", 0)))
+                          num_workers=workers, pin_memory=pin, worker_init_fn=init)
 
     def build_model(self, **overrides: Any) -> nn.Module:
         """A fresh model of this client's spec, initialised from a seed of (seed, client)."""

@@ -51,7 +51,7 @@ from medfl.messages import Instruction, PayloadError, validate_payload
 
 __all__ = ["PROTOCOL", "CONTROL", "pack", "unpack", "put", "take", "metrics_record", "read_metrics", "put_json",
            "take_json", "WireError", "RecordCache", "encoded_size", "instruction_request", "share_instructions",
-           "score_request", "answer", "train_answer", "evaluate_answer", "validate_answer", "score_answer"]
+           "score_request", "answer", "train_answer", "train_answer_size", "ArraySizes", "evaluate_answer", "validate_answer", "score_answer"]
 
 #: Version of the medfl-over-Flower protocol; a site refuses messages of another version.
 PROTOCOL = 2
@@ -82,7 +82,49 @@ def _array_to_tensor(a: Array, special: str | None) -> torch.Tensor:
     return t
 
 
-def pack(value: Any, where: str = "message", *, allow_str: bool = True) -> tuple[ArrayRecord, ConfigRecord]:
+class ArraySizes:
+    """What :func:`encoded_size` needs of the ``ArrayRecord`` that :func:`pack` would build -
+    each array's key, NumPy dtype and shape - without copying a tensor: how the in-process
+    engine measures a reply it never sends (:func:`train_answer_size`).
+
+    Args:
+        entries: ``(key, numpy dtype name, shape)`` per array, in :func:`pack`'s order.
+    """
+
+    def __init__(self, entries: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        self.entries = entries
+
+    def record(self) -> ArrayRecord:
+        """An ``ArrayRecord`` of zeros of the same keys, dtypes and shapes (the same encoded size)."""
+        return ArrayRecord({k: Array(np.zeros(shape, dtype=dt)) for k, dt, shape in self.entries})
+
+
+#: Serialised byte length of an ``Array`` by (dtype, shape): the data plus NumPy's header.
+_DATA_LENGTHS: dict[tuple[str, tuple[int, ...]], int] = {}
+#: NumPy dtype name of each torch dtype (bfloat16 travels as int16).
+_NUMPY_DTYPES: dict[torch.dtype, str] = {}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> str:
+    if dtype not in _NUMPY_DTYPES:
+        _NUMPY_DTYPES[dtype] = ("int16" if dtype == torch.bfloat16
+                                else str(torch.empty(0, dtype=dtype).numpy().dtype))
+    return _NUMPY_DTYPES[dtype]
+
+
+def _data_length(dtype: str, shape: tuple[int, ...]) -> int:
+    key = (dtype, shape)
+    n = _DATA_LENGTHS.get(key)
+    if n is None:
+        n = len(Array(np.zeros(shape, dtype=dtype)).data)
+        if len(_DATA_LENGTHS) >= 4096:
+            _DATA_LENGTHS.clear()
+        _DATA_LENGTHS[key] = n
+    return n
+
+
+def pack(value: Any, where: str = "message", *, allow_str: bool = True, measure: bool = False
+         ) -> tuple[Any, ConfigRecord]:
     """Encode a tree of tensors and scalars as ``(ArrayRecord, ConfigRecord)``.
 
     Args:
@@ -90,17 +132,23 @@ def pack(value: Any, where: str = "message", *, allow_str: bool = True) -> tuple
             ``bool``, ``None`` and (when ``allow_str``) ``str``.
         where: where the value goes, for error messages.
         allow_str: whether strings may be sent (instructions yes, anything from a site no).
+        measure: return :class:`ArraySizes` instead of the ``ArrayRecord`` (no tensor is
+            copied; only :func:`encoded_size`-style measuring can use it).
 
     Raises:
         PayloadError: ``value`` holds anything else (checked before encoding).
     """
     validate_payload(value, where, allow_str=allow_str)
-    arrays: dict[str, Array] = {}
+    arrays: dict[str, Any] = {}
 
     def enc(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             key = str(len(arrays))
-            arrays[key], special = _tensor_to_array(v)
+            if measure:
+                arrays[key] = (_numpy_dtype(v.dtype), tuple(v.shape))
+                special = "bfloat16" if v.dtype == torch.bfloat16 else None
+            else:
+                arrays[key], special = _tensor_to_array(v)
             return {"t": key} if special is None else {"t": key, "x": special}
         if isinstance(v, dict):
             return {"d": [[k, enc(x)] for k, x in v.items()]}
@@ -111,6 +159,8 @@ def pack(value: Any, where: str = "message", *, allow_str: bool = True) -> tuple
         return {"s": v}
 
     tree = json.dumps(enc(value), allow_nan=True)
+    if measure:
+        return ArraySizes([(k, dt, shape) for k, (dt, shape) in arrays.items()]), ConfigRecord({"tree": tree})
     return ArrayRecord(arrays), ConfigRecord({"tree": tree})
 
 
@@ -276,11 +326,16 @@ _ARRAY_RECORD_SIZES: dict[Any, int] = {}
 
 def _share(name: str, record: Any) -> int:
     """Bytes that ``record`` stored under ``name`` adds to an encoded ``RecordDict``."""
-    if isinstance(record, ArrayRecord):
-        sig = (name, tuple((k, a.dtype, tuple(a.shape), a.stype, len(a.data)) for k, a in record.items()))
+    if isinstance(record, (ArrayRecord, ArraySizes)):
+        if isinstance(record, ArraySizes):
+            sig = (name, tuple((k, dt, shape, "numpy.ndarray", _data_length(dt, shape))
+                               for k, dt, shape in record.entries))
+        else:
+            sig = (name, tuple((k, a.dtype, tuple(a.shape), a.stype, len(a.data)) for k, a in record.items()))
         n = _ARRAY_RECORD_SIZES.get(sig)
         if n is None:
-            n = recorddict_to_proto(RecordDict({name: record})).ByteSize()
+            real = record.record() if isinstance(record, ArraySizes) else record
+            n = recorddict_to_proto(RecordDict({name: real})).ByteSize()
             if len(_ARRAY_RECORD_SIZES) >= 4096:
                 _ARRAY_RECORD_SIZES.clear()
             _ARRAY_RECORD_SIZES[sig] = n
@@ -385,6 +440,21 @@ def train_answer(client: str, payload: Any, metrics: dict[str, Any], num_example
     put(out, "reply.payload", payload, f"reply of {me}", allow_str=False)
     put(out, "reply.metrics", metrics, f"reply metrics of {me}", allow_str=False)
     return answer(client, out, num_examples=int(num_examples))
+
+
+def train_answer_size(client: str, payload: Any, metrics: dict[str, Any], num_examples: int) -> int:
+    """``encoded_size(train_answer(client, payload, metrics, num_examples))`` without copying
+    the payload's tensors (the in-process engine measures every reply this way).
+
+    Raises:
+        PayloadError: as :func:`train_answer`.
+    """
+    me = f"site {client}"
+    arrays, tree = pack(payload, f"reply of {me}", allow_str=False, measure=True)
+    rest = RecordDict()
+    put(rest, "reply.metrics", metrics, f"reply metrics of {me}", allow_str=False)
+    answer(client, rest, num_examples=int(num_examples))
+    return _share("reply.payload.arrays", arrays) + _share("reply.payload.tree", tree) + encoded_size(rest)
 
 
 def evaluate_answer(client: str, results: dict[str, dict[str, float]], state: dict[str, Any] | None = None

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from medfl import hookimpl
-from medfl.engine.training import get_state, make_optimizer
+from medfl.engine.training import autocast, backward_step, get_state, grad_scaler, make_optimizer
 from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method, MethodConfigError, derive_seed
@@ -311,25 +311,27 @@ class FedSKD(Method):
         active = [t for t in self.terms if t != "region" or masks is not None]
         sums = {"loss": 0.0, "ce_dam": 0.0, "ce_ktm": 0.0, **{f"skd_{t}": 0.0 for t in active}}
         steps = 0
+        scaler = grad_scaler(client.device)   # train.amp fp16 (None otherwise)
         for x, y in _batches(client, self.iterations):
             x, y = x.to(client.device), y.to(client.device)
             opt.zero_grad(set_to_none=True)
-            logits_d, feats_d = dam.forward_features(x)
-            ce_d = F.cross_entropy(logits_d, y)
+            with autocast():   # train.amp: the forward passes in bf16/fp16; the losses in float32
+                logits_d, feats_d = dam.forward_features(x)
+                if ktm is not None:
+                    logits_k, feats_k = ktm.forward_features(x)
+            ce_d = F.cross_entropy(logits_d.float(), y)
             loss = ce_d
             if ktm is not None:
-                logits_k, feats_k = ktm.forward_features(x)
-                ce_k = F.cross_entropy(logits_k, y)
+                ce_k = F.cross_entropy(logits_k.float(), y)
                 loss = loss + ce_k
                 sums["ce_ktm"] += float(ce_k.detach())
                 if gamma > 0:
-                    skd, parts = skd_loss(self._selected(feats_d), self._selected(feats_k),
-                                          terms=self.terms, masks=masks)
+                    skd, parts = skd_loss([f.float() for f in self._selected(feats_d)],
+                                          [f.float() for f in self._selected(feats_k)], terms=self.terms, masks=masks)
                     loss = loss + gamma * skd
                     for t, v in parts.items():
                         sums[f"skd_{t}"] += v
-            loss.backward()
-            opt.step()
+            backward_step(loss, opt, scaler)
             sums["loss"] += float(loss.detach())
             sums["ce_dam"] += float(ce_d.detach())
             steps += 1
@@ -350,12 +352,14 @@ def _fine_tune(model: nn.Module, client: "ClientContext", iterations: int | None
     opt = make_optimizer(model.parameters(), client.train)
     total, steps = 0.0, 0
     model.train()
+    scaler = grad_scaler(client.device)
     for x, y in _batches(client, iterations):
         x, y = x.to(client.device), y.to(client.device)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        with autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        backward_step(loss, opt, scaler)
         total += float(loss.detach())
         steps += 1
     return {"loss": total / max(steps, 1), "steps": float(steps)}

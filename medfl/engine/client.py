@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from medfl.context import ClientContext
 from medfl.engine.data import client_order, sha256_file
-from medfl.engine.training import NonFiniteError
+from medfl.engine.training import NonFiniteError, compute_settings
 from medfl.filters import FilterChain
 from medfl.messages import RELEASE_FLAG, Instruction, Reply, validate_payload
 from medfl.method import Method
@@ -225,7 +225,8 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     _check_instruction(instruction, "instruction", ctx.client_id)
     _seed_all(ctx.seed)
     try:
-        reply = method.client_update(ctx, instruction)
+        with compute_settings(ctx.train, ctx.device):
+            reply = method.client_update(ctx, instruction)
     except NonFiniteError as exc:
         raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: {exc}") from None
     if not isinstance(reply, Reply):
@@ -275,7 +276,8 @@ def _scalar_exchange(method: Method, ctx: ClientContext, instruction: Instructio
                      kind: str) -> dict[str, float]:
     _check_instruction(instruction, f"{kind} instruction", ctx.client_id)
     _seed_all(derive_seed(ctx.seed, kind))
-    scores = getattr(method, f"client_{kind}")(ctx, instruction)
+    with compute_settings(ctx.train, ctx.device):
+        scores = getattr(method, f"client_{kind}")(ctx, instruction)
     where = f"{kind} of method {method.name!r} at client {ctx.client_id}"
     if not isinstance(scores, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in scores.items()):
@@ -323,7 +325,8 @@ def build_eval_model(method: Method, ctx: ClientContext, instruction: Instructio
     (the first step of :func:`run_client_evaluate`)."""
     validate_payload(instruction.payload, f"evaluation instruction to client {ctx.client_id}")
     _seed_all(derive_seed(ctx.seed, "eval"))
-    return method.client_eval_model(ctx, instruction)
+    with compute_settings(ctx.train, ctx.device):
+        return method.client_eval_model(ctx, instruction)
 
 
 def build_peer_model(method: Method, owner: str, round: int, run_seed: int, model_spec: dict[str, Any],
@@ -418,7 +421,8 @@ def evaluate_model(
         if shared and key in cache:
             scores, correct = dict(cache[key][0]), cache[key][1]
         else:
-            y, p = predict_proba(model, ctx.loader(split, shuffle=False), ctx.device)
+            with compute_settings(ctx.train, ctx.device):
+                y, p = predict_proba(model, ctx.loader(split, shuffle=False), ctx.device)
             scores = metric_fn(y, p)
             scores.update(subgroup_scores(y, p, getattr(ctx.dataset(split), "sample_attributes", None)))
             correct = (p.argmax(1) == y) if len(y) else np.zeros(0, dtype=bool)
@@ -452,7 +456,8 @@ def score_dataset(model: nn.Module, dataset: Dataset, train: dict[str, Any], dev
     from medfl.engine.training import predict_proba
 
     bs = int(train.get("eval_batch_size", 64))
-    y, p = predict_proba(model, DataLoader(dataset, batch_size=bs, shuffle=False), device)
+    with compute_settings(train, device):
+        y, p = predict_proba(model, DataLoader(dataset, batch_size=bs, shuffle=False), device)
     return metric_fn(y, p)
 
 

@@ -61,6 +61,7 @@ from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, b
                                  run_client_update, run_client_validate, write_sum)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.engine.traffic import Traffic
+from medfl.engine.training import compute_settings
 from medfl.filters import configured_filters
 from medfl.messages import Instruction, Reply, state_mismatch
 from medfl.metrics.fairness import fairness_report
@@ -440,7 +441,8 @@ class Run:
                                    "bytes_to_client": to_client, "bytes_from_client": from_client,
                                    **{k: float(v) for k, v in reply.metrics.items()}})
                 pm.hook.on_client_end(run=self, round=r, client_id=cid, metrics=dict(reply.metrics))
-            self.coordinator.server_update(r, replies)
+            with compute_settings(self.federation.train, self.federation.device):
+                self.coordinator.server_update(r, replies)
             del replies
         if train_rows:
             self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
@@ -604,7 +606,7 @@ class Run:
         for cid in order:
             reply = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
                                       store=self.store, filters=self.privacy.chain, step=self._step)
-            back = wire.encoded_size(wire.train_answer(cid, reply.payload, reply.metrics, reply.num_examples))
+            back = wire.train_answer_size(cid, reply.payload, reply.metrics, reply.num_examples)
             self.traffic.add(r, cid, "train", sent[cid], back)
             replies[cid] = reply
         return replies

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -11,6 +14,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 __all__ = [
+    "Compute",
+    "compute_settings",
+    "current_compute",
+    "autocast",
+    "grad_scaler",
+    "backward_step",
     "NonFiniteError",
     "coordinate_median",
     "trimmed_mean",
@@ -25,6 +34,92 @@ __all__ = [
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Regularizer = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Compute:
+    """How a step computes (not what it learns): mixed precision and memory format.
+
+    Attributes:
+        amp: ``"bf16"`` or ``"fp16"``: forward passes under :func:`torch.autocast` in that
+            type (``fp16`` training also scales the loss with a :class:`torch.amp.GradScaler`);
+            ``None``: full precision.
+        channels_last: models and 4D/5D batches in channels-last memory format while training
+            and predicting (faster convolutions on recent GPUs and on CPUs with oneDNN).
+        device: the device type autocast applies to (``cpu``, ``cuda``, ``mps``).
+    """
+
+    amp: str | None = None
+    channels_last: bool = False
+    device: str = "cpu"
+
+    @classmethod
+    def from_train(cls, train: dict[str, Any], device: str) -> "Compute":
+        """The settings of a ``train`` dict (``amp``, ``channels_last``) on ``device``."""
+        return cls(amp=train.get("amp") or None, channels_last=bool(train.get("channels_last")),
+                   device=torch.device(str(device)).type)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast type, or ``None``."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.amp or "")
+
+
+_COMPUTE: ContextVar[Compute] = ContextVar("medfl_compute", default=Compute())
+
+
+def current_compute() -> Compute:
+    """The settings of the step running now (full precision outside any step)."""
+    return _COMPUTE.get()
+
+
+@contextmanager
+def compute_settings(train: dict[str, Any], device: str) -> Iterator[Compute]:
+    """Run a client's (or the coordinator's) step with the ``amp`` and ``channels_last`` of
+    its ``train`` settings: :func:`train_epochs`, :func:`predict_proba` and :func:`autocast`
+    follow them. The engine wraps every method hook in it; a method never needs to."""
+    token = _COMPUTE.set(Compute.from_train(train, device))
+    try:
+        yield _COMPUTE.get()
+    finally:
+        _COMPUTE.reset(token)
+
+
+def autocast() -> ContextManager[Any]:
+    """:func:`torch.autocast` with the step's ``amp`` type, or a no-op in full precision:
+    for a method's own training or scoring loop (``with autocast(): loss = ...``), so that
+    ``train.amp`` reaches it as it reaches :func:`train_epochs`."""
+    c = _COMPUTE.get()
+    return torch.autocast(device_type=c.device, dtype=c.dtype) if c.dtype is not None else nullcontext()
+
+
+def grad_scaler(device: str) -> "torch.amp.GradScaler | None":
+    """A :class:`torch.amp.GradScaler` when the step trains in ``fp16`` (small gradients would
+    underflow without one), else ``None``: pass it to :func:`backward_step`."""
+    return torch.amp.GradScaler(torch.device(str(device)).type) if _COMPUTE.get().amp == "fp16" else None
+
+
+def backward_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler | None" = None,
+                  clip_grad_norm: float | None = None, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+    """``loss.backward()``, optional gradient-norm clipping of ``params``, ``optimizer.step()``,
+    through ``scaler`` when given (:func:`grad_scaler`): what a method's own training loop
+    calls so that ``train.amp`` = ``fp16`` works there as in :func:`train_epochs`."""
+    if scaler is None:
+        loss.backward()
+        if clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(list(params or []), clip_grad_norm)
+        optimizer.step()
+        return
+    scaler.scale(loss).backward()
+    if clip_grad_norm is not None:
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(list(params or []), clip_grad_norm)
+    scaler.step(optimizer)   # skipped when the scaled gradients overflowed
+    scaler.update()
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format | None:
+    return {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], train: dict[str, Any]) -> torch.optim.Optimizer:
@@ -100,35 +195,50 @@ def train_epochs(
         clip_grad_norm: clip the global gradient norm to this value when given.
         max_steps: stop after this many optimizer steps when given.
 
+    The step's :class:`Compute` settings (``train.amp``, ``train.channels_last``, set by the
+    engine with :func:`compute_settings`) apply: forward passes under autocast, an fp16
+    gradient scaler (a step whose scaled gradients overflowed is skipped, as torch does),
+    channels-last batches and model (the model is back in the usual layout on return).
+
     Returns:
         ``{"loss": mean training loss over the samples trained on (0 when none),
         "steps": optimizer steps}``.
     """
     model.to(device).train()
     loss_fn = loss_fn or _ce
+    compute = _COMPUTE.get()
+    scaler = grad_scaler(device)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     total, count, steps = 0.0, 0, 0
-    for _ in range(epochs):
-        for x, y in loader:
-            if x.shape[0] == 0 or (x.shape[0] < 2 and has_bn):
-                continue  # nothing to learn from; BatchNorm cannot train on a batch of one
-            x, y = x.to(device), y.to(device)
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model, x, y)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise NonFiniteError(f"the training loss became {value} at optimizer step {steps + 1}; lower "
-                                     "train.lr or set train.clip_grad_norm")
-            loss.backward()
-            if clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-            optimizer.step()
-            total += value * x.shape[0]
-            count += x.shape[0]
-            steps += 1
-            if max_steps is not None and steps >= max_steps:
-                return {"loss": total / max(count, 1), "steps": float(steps)}
-    return {"loss": total / max(count, 1), "steps": float(steps)}
+    fmt: torch.memory_format | None = None
+    try:
+        for _ in range(epochs):
+            for x, y in loader:
+                if x.shape[0] == 0 or (x.shape[0] < 2 and has_bn):
+                    continue  # nothing to learn from; BatchNorm cannot train on a batch of one
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                if compute.channels_last and _memory_format(x) is not None:
+                    if fmt is None:
+                        fmt = _memory_format(x)
+                        model.to(memory_format=fmt)
+                    x = x.contiguous(memory_format=fmt)
+                optimizer.zero_grad(set_to_none=True)
+                with autocast():
+                    loss = loss_fn(model, x, y)
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise NonFiniteError(f"the training loss became {value} at optimizer step {steps + 1}; lower "
+                                         "train.lr or set train.clip_grad_norm")
+                backward_step(loss, optimizer, scaler, clip_grad_norm, model.parameters())
+                total += value * x.shape[0]
+                count += x.shape[0]
+                steps += 1
+                if max_steps is not None and steps >= max_steps:
+                    return {"loss": total / max(count, 1), "steps": float(steps)}
+        return {"loss": total / max(count, 1), "steps": float(steps)}
+    finally:
+        if fmt is not None:   # states leave in the usual layout
+            model.to(memory_format=torch.contiguous_format)
 
 
 class NonFiniteError(ValueError):
@@ -145,10 +255,24 @@ def predict_proba(model: nn.Module, loader: DataLoader, device: str = "cpu") -> 
     from medfl.models.outputs import as_probabilities
 
     model.to(device).eval()
+    channels_last = _COMPUTE.get().channels_last
     ys, ps = [], []
-    for x, y in loader:
-        ps.append(as_probabilities(model, model(x.to(device))).cpu())
-        ys.append(torch.as_tensor(y))
+    fmt: torch.memory_format | None = None
+    try:
+        for x, y in loader:
+            x = x.to(device, non_blocking=True)
+            if channels_last and _memory_format(x) is not None:
+                if fmt is None:
+                    fmt = _memory_format(x)
+                    model.to(memory_format=fmt)
+                x = x.contiguous(memory_format=fmt)
+            with autocast():
+                out = model(x)
+            ps.append(as_probabilities(model, out.float()).cpu())
+            ys.append(torch.as_tensor(y))
+    finally:
+        if fmt is not None:
+            model.to(memory_format=torch.contiguous_format)
     if not ys:
         return np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32)
     return torch.cat(ys).numpy(), torch.cat(ps).numpy()

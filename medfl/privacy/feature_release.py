@@ -92,7 +92,8 @@ def release_features(x_s: torch.Tensor, *, epsilon: float, clip: float, delta: f
         noise = -b * torch.sign(u) * torch.log1p(-2 * u.abs())
         record = Release("laplace", epsilon, 0.0, clip, b * math.sqrt(2), 1.0 / epsilon, len(flat),
                          float((norms > clip).double().mean()), accountant=None)
-    x_p = (clipped + noise).to(x_s.dtype).view_as(x_s)
+    # the noise is drawn on the generator's device (the CPU: seeded the same on any machine)
+    x_p = (clipped + noise.to(clipped.device)).to(x_s.dtype).view_as(x_s)
     return x_p, record
 
 

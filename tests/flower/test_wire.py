@@ -88,3 +88,24 @@ def test_metrics_and_control_records() -> None:
     ctl = {"round": 3, "fold": None, "method": {"name": "fedskd", "gamma": 1.0}, "splits": ["test"]}
     wire.put_json(content, "medfl", ctl)
     assert wire.take_json(decode_records(encode_records(content)), "medfl", "x") == ctl
+
+
+def test_reply_size_without_copying_equals_the_encoded_reply() -> None:
+    """The in-process engine measures each reply with :func:`wire.train_answer_size` (no
+    tensor copied); it must be the byte count of the reply Flower would carry."""
+    g = torch.Generator().manual_seed(1)
+    payloads = [
+        {"model": {"w": torch.randn(16, 8, 3, 3, generator=g), "n": torch.tensor(3)}},
+        {"half": torch.randn(5, generator=g).to(torch.bfloat16), "flags": torch.tensor([True, False]),
+         "nested": [torch.zeros(0, 4), (torch.arange(3, dtype=torch.int32), 2.5)], "none": None},
+        {"big": torch.randn(300, 700, generator=g, dtype=torch.float64)},   # a long NumPy header
+        {},
+    ]
+    for i, payload in enumerate(payloads):
+        for metrics in ({}, {"loss": 0.123456789, "steps": 3.0}):
+            want = wire.encoded_size(wire.train_answer("12", payload, metrics, 40 + i))
+            assert wire.train_answer_size("12", payload, metrics, 40 + i) == want, (i, metrics)
+            # twice: the second answer comes from the size cache
+            assert wire.train_answer_size("12", payload, metrics, 40 + i) == want
+    with pytest.raises(PayloadError, match="strings may not leave a client"):
+        wire.train_answer_size("1", {"path": "/x.dcm"}, {}, 1)

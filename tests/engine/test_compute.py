@@ -1,0 +1,152 @@
+"""How a step computes: mixed precision (``train.amp``), channels-last memory format and
+the DataLoader's workers and pinned memory (issue 20). The CPU runs what it supports:
+bf16 and fp16 autocast, channels-last; CUDA paths are the same code on another device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from medfl.config import ConfigError, resolve_config
+from medfl.engine.runner import run_experiment
+from medfl.engine.training import Compute, autocast, compute_settings, current_compute, predict_proba, train_epochs
+from medfl.models.registry import build_model
+
+
+def _model(seed: int = 0, spatial_dims: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_model({"name": "resnet10", "width": 4, "spatial_dims": spatial_dims, "in_channels": 1,
+                        "num_classes": 3})
+
+
+def _loader(seed: int = 0, spatial_dims: int = 2, n: int = 24) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, *[12] * spatial_dims, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+
+def _train(train: dict, spatial_dims: int = 2, max_steps: int | None = None
+           ) -> tuple[dict[str, float], dict[str, torch.Tensor], nn.Module]:
+    model = _model(spatial_dims=spatial_dims)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with compute_settings(train, "cpu"):
+        stats = train_epochs(model, _loader(spatial_dims=spatial_dims), opt, 2, device="cpu", max_steps=max_steps)
+    return stats, {k: v.clone() for k, v in model.state_dict().items()}, model
+
+
+def test_full_precision_settings_change_nothing() -> None:
+    """The reference where it must be exact: no settings, and settings that say full
+    precision, train to the same bits."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    plain = train_epochs(model, _loader(), opt, 2, device="cpu")
+    stats, state, _ = _train({"amp": None, "channels_last": False})
+    assert stats == plain
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert current_compute() == Compute()   # the settings end with the step
+
+
+def test_bf16_autocast_step_runs_on_cpu() -> None:
+    seen: list[torch.dtype] = []
+    stats, state, model = _train({"amp": "bf16"})
+    first_conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    first_conv.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with compute_settings({"amp": "bf16"}, "cpu"):
+        y, p = predict_proba(model, _loader(), "cpu")
+        with autocast():
+            model(torch.randn(2, 1, 12, 12))
+    assert seen and set(seen) == {torch.bfloat16}          # convolutions ran in bf16
+    assert p.dtype == np.float32 and np.allclose(p.sum(1), 1, atol=1e-3)
+    assert stats["steps"] == 6 and np.isfinite(stats["loss"])
+    ref_stats, ref_state, _ = _train({})
+    assert all(v.dtype == ref_state[k].dtype for k, v in state.items())   # weights stay float32
+    moved = [k for k, v in state.items() if v.is_floating_point() and not torch.equal(v, _model().state_dict()[k])]
+    assert moved                                                            # it learned something
+    assert abs(stats["loss"] - ref_stats["loss"]) < 0.1                    # and about what fp32 did
+
+
+def test_fp16_with_grad_scaler_on_cpu() -> None:
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.nn.functional.conv2d(torch.randn(1, 1, 4, 4), torch.randn(1, 1, 3, 3))
+        torch.amp.GradScaler("cpu")
+    except (RuntimeError, TypeError) as exc:   # an older CPU build
+        pytest.skip(f"this torch build has no fp16 autocast on CPU: {exc}")
+    stats, state, _ = _train({"amp": "fp16"}, spatial_dims=2)
+    assert np.isfinite(stats["loss"]) and stats["steps"] == 6
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("spatial_dims", [2, 3])
+def test_channels_last_trains_like_contiguous(spatial_dims: int) -> None:
+    # one step: the same numbers up to float rounding (the kernels sum in another order)
+    ref_stats, ref, _ = _train({}, spatial_dims, max_steps=1)
+    stats, state, model = _train({"channels_last": True}, spatial_dims, max_steps=1)
+    assert abs(stats["loss"] - ref_stats["loss"]) < 1e-5
+    for k, v in state.items():
+        if v.is_floating_point():
+            assert torch.allclose(v, ref[k], atol=1e-5), k
+    # six steps with momentum amplify the rounding, but not beyond it
+    ref_stats, _, _ = _train({}, spatial_dims)
+    stats, _, model = _train({"channels_last": True}, spatial_dims)
+    assert abs(stats["loss"] - ref_stats["loss"]) < 1e-2
+    # the states leave in the usual layout (the wire and checkpoints see plain tensors)
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"amp": "fp32"}, "fl.train.amp: expected null"),
+    ({"channels_last": "yes"}, "fl.train.channels_last: expected true, false or null"),
+    ({"pin_memory": 1}, "fl.train.pin_memory: expected true, false or null"),
+    ({"amp": "bf16", "dp": {"noise_multiplier": 1.0, "max_grad_norm": 1.0}}, "train.amp with DP-SGD"),
+])
+def test_bad_compute_settings_are_refused(tmp_path: Path, train: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve_config({"output_dir": str(tmp_path), "train": train, "dataset": {"name": "synthetic2d",
+                                                                                "root": str(tmp_path / "d")}})
+    assert message in str(err.value)
+
+
+def _manifest(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    (tmp_path / "arrays").mkdir()
+    rows = []
+    for s in range(36):
+        x = rng.normal(size=(1, 8, 8)).astype(np.float32) + s % 2
+        np.save(tmp_path / f"arrays/s{s}.npy", x)
+        rows.append({"sample_id": f"s{s}", "path": f"arrays/s{s}.npy", "label": s % 2, "subject_id": f"sub{s}",
+                     "site": f"site{s % 3}"})
+    pd.DataFrame(rows).to_csv(tmp_path / "manifest.csv", index=False)
+    return tmp_path / "manifest.csv"
+
+
+def test_a_run_with_amp_channels_last_and_loader_workers(tmp_path: Path) -> None:
+    """End to end through the engine: bf16 + channels-last + two loader worker processes
+    with pinned memory; without augmentation the workers give num_workers 0's batches, so
+    the full-precision runs agree exactly whatever the workers."""
+    fl = {"output_dir": str(tmp_path / "runs"), "seed": 0, "rounds": 2, "num_clients": 3, "progress": False,
+          "dataset": {"name": "manifest", "path": str(_manifest(tmp_path)), "num_classes": 2},
+          "partition": {"name": "natural", "column": "site"}, "global_test_fraction": 0.0,
+          "model": {"name": "small_cnn", "width": 4}, "methods": [{"name": "fedavg"}],
+          "train": {"batch_size": 4, "lr": 0.05}}
+    ref = run_experiment(resolve_config({**fl, "name": "ref"}))
+    workers = run_experiment(resolve_config({**fl, "name": "workers", "train": {**fl["train"], "num_workers": 2,
+                                                                                 "pin_memory": True}}))
+    mixed = run_experiment(resolve_config({**fl, "name": "mixed", "train": {**fl["train"], "amp": "bf16",
+                                                                             "channels_last": True}}))
+    a, b = (pd.read_csv(Path(r["dir"]) / "fedavg" / "metrics.csv") for r in (ref, workers))
+    pd.testing.assert_frame_equal(a, b)
+    m = pd.read_csv(Path(mixed["dir"]) / "fedavg" / "metrics.csv")
+    assert len(m) == len(a) and m["accuracy"].isna().equals(a["accuracy"].isna())
+    assert m["accuracy"].dropna().between(0, 1).all() and len(m["accuracy"].dropna()) == 6
+    t = pd.read_csv(Path(mixed["dir"]) / "fedavg" / "train_metrics.csv")
+    assert np.isfinite(t["loss"]).all() and (t["steps"] > 0).all()
