@@ -82,7 +82,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run a bundle config's experiment."""
     from medfl.bundle import load_bundle_config, run
 
-    fl = load_bundle_config(args.config, _parse_overrides(args.overrides))
+    fl = load_bundle_config(args.config, _parse_overrides(_options_after_overrides(args, "run")))
+    if getattr(args, "backend", None):   # keeps the config's backend resources
+        backend = fl.get("backend")
+        fl["backend"] = {**backend, "name": args.backend} if isinstance(backend, dict) else args.backend
     run(fl, exit_on_error=False)  # main() reports medfl's errors
     return 0
 
@@ -476,6 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Run the experiment in a bundle config's 'fl' section. Overrides use "
                                     "MONAI's '#' paths: --fl#rounds 3  --fl#methods#0#name fedprox  fl#seed=1")
     sp.add_argument("config", help="bundle config file (JSON or YAML)")
+    sp.add_argument("--backend", choices=["inprocess", "ray"], default=None,
+                    help="where the clients run: one after another in this process (inprocess, the default) or in "
+                         "parallel on Flower's simulation runtime (ray; the config's fl#backend sets its resources, "
+                         "e.g. {\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0.5}); same as "
+                         "--fl#backend ray")
     sp.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value or key=value overrides")
     sp.set_defaults(func=cmd_run)
     sp = sub.add_parser("resume", help="continue a stopped run or experiment directory")

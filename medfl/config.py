@@ -16,7 +16,8 @@ from medfl.plugins import PluginError, lookup, registry
 
 __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_KEYS", "PUBLIC_TEST_FRACTION",
            "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_train", "check_dp_sgd",
-           "check_public_dataset", "check_train", "check_device", "TRAIN_OPTIONAL"]
+           "check_public_dataset", "check_train", "check_device",
+           "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL"]
 
 
 class ConfigError(ValueError):
@@ -79,6 +80,11 @@ DEFAULTS: dict[str, Any] = {
     "keep_checkpoints": 2,
     "max_reply_failures": 3,        # a client whose replies fail the coordinator's checks this often is excluded (0: never)
     "progress": True,
+    # where the clients run: "inprocess" (one after another in this process) or "ray"
+    # (Flower's simulation runtime: clients in parallel Ray actors, through the same
+    # ServerApp/ClientApp code as a deployment; needs `pip install "medfl[simulation]"`),
+    # e.g. {"name": "ray", "client_cpus": 1, "client_gpus": 0.5} (see BACKEND_DEFAULTS)
+    "backend": "inprocess",
     "overwrite": False,             # False: a new directory name-2, name-3... if name exists
 }
 
@@ -286,6 +292,43 @@ def check_train(train: dict[str, Any], where: str) -> None:
             raise ConfigError(f"{where}.{key}: expected true, false or null, got {v!r}")
 
 
+#: The keys of a ``backend`` entry and their defaults.
+BACKEND_DEFAULTS: dict[str, Any] = {
+    "name": "inprocess",
+    "client_cpus": 1,         # CPU cores each simulated client holds (its torch threads)
+    "client_gpus": 0.0,       # GPUs (or a share, 0.25: four clients per GPU) each client holds
+    "num_cpus": None,         # cores Ray may use in all (null: every core of the machine)
+    "num_gpus": None,         # GPUs Ray may use in all (null: every GPU)
+}
+BACKENDS = ("inprocess", "ray")
+
+
+def check_backend(value: Any, where: str = "fl.backend") -> dict[str, Any]:
+    """Check a ``backend`` entry (a name, or ``{"name": ..., **BACKEND_DEFAULTS keys}``)
+    and return it with every key filled in.
+
+    Raises:
+        ConfigError: unknown backend or key, or a resource count that is not a
+            non-negative number (``client_cpus`` at least 1).
+    """
+    entry = {"name": value} if isinstance(value, str) else value
+    if not isinstance(entry, dict) or entry.get("name") not in BACKENDS:
+        raise ConfigError(f"{where}: expected one of {', '.join(map(repr, BACKENDS))} or "
+                          f"{{\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0}}, got {value!r}")
+    _check_keys(entry, BACKEND_DEFAULTS, where)
+    out = {**BACKEND_DEFAULTS, **entry}
+    for key in ("client_cpus", "client_gpus", "num_cpus", "num_gpus"):
+        v = out[key]
+        if v is None and key.startswith("num_"):
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
+            raise ConfigError(f"{where}.{key}: expected a non-negative number, got {v!r}")
+    if out["client_cpus"] < 1 or out["client_cpus"] != int(out["client_cpus"]):
+        raise ConfigError(f"{where}.client_cpus: expected a whole number of cores >= 1, got {out['client_cpus']!r}")
+    out["client_cpus"] = int(out["client_cpus"])
+    return out
+
+
 def check_device(device: Any, where: str = "fl.device", *, available: bool = False) -> str:
     """Check a torch device name (``cpu``, ``cuda``, ``cuda:N``, ``mps``); with ``available``,
     also that this machine has it (in-process runs check before anything is written).
@@ -385,6 +428,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"fl.num_clients: expected at least 1, got {cfg['num_clients']}")
     check_train(cfg["train"], "fl.train")
     check_device(cfg["device"])
+    cfg["backend"] = check_backend(cfg["backend"])
     if not (0 < float(cfg["fraction"]) <= 1):
         raise ConfigError(f"fl.fraction: expected a number in (0, 1], got {cfg['fraction']!r}")
     per_class = cfg["global_test_per_class"]

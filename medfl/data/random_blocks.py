@@ -14,15 +14,9 @@ own client::
     {"dataset": {"name": "random_blocks", "num_blocks": 10, "samples_per_block": 256},
      "partition": {"name": "natural", "column": "block"}, "num_clients": 10}
 
-:func:`random_blocks` is not registered by medfl's built-in plugins; register it at run
-time (``benchmarks/engine_overhead.py`` does)::
-
-    class _Plugin:
-        @medfl.hookimpl
-        def register_datasets(self, register):
-            register(random_blocks, name="random_blocks")
-
-    get_plugin_manager().register(_Plugin(), name="random_blocks")
+:func:`random_blocks` is registered by medfl's built-in dataset plugin as ``random_blocks``
+(so processes that load the plugins themselves, such as the simulation runtime's Ray
+actors, have it too).
 """
 
 from __future__ import annotations

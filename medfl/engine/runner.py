@@ -1166,6 +1166,10 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
     """
     if run_factory is Run:   # in process: this machine trains, so it must have the device
         check_device(cfg["device"], available=True)
+        from medfl.flower.simulation import is_simulated, run_simulated
+
+        if is_simulated(cfg, run_factory):   # fl.backend "ray": Flower's simulation runtime
+            return run_simulated(cfg)
     plain = not (int((cfg.get("cv") or {}).get("folds") or 0) > 1 or cfg.get("seeds"))
     # the split first: a dataset or partition that cannot work stops before anything is written
     data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
@@ -1197,6 +1201,10 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     """
     path = Path(path)
     saved = _saved_config(path)
+    from medfl.flower.simulation import is_simulated, resume_simulated
+
+    if is_simulated(saved["fl"], run_factory):   # a run of the simulation runtime continues there
+        return resume_simulated(path, saved["fl"], rounds)
     if "method" not in saved:  # experiment (or fold) directory: resume each method
         cfg = saved["fl"]
         if "fold" not in saved and int((cfg.get("cv") or {}).get("folds") or 0) > 1:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import sys
+import re
 import time
 import traceback
 import uuid
@@ -71,6 +72,19 @@ __all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "run_f
 # (and counted), and the run stops only when every site asked failed.
 _DROPOUT_CODES = {3, 4, 5, 8}   # MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE, CLIENT_APP_CRASHED
 _FAILURE_CODES = {0, 1, 2, 6, 7}  # UNKNOWN, LOAD_CLIENT_APP_EXCEPTION, CLIENT_APP_RAISED_EXCEPTION, ...
+
+
+def error_reason(reason: str | None) -> str:
+    """What a site's error reply says, without the runtime's wrapping: the simulation
+    runtime sends a Ray traceback ending in ``ClientAppException ... Message: <the site's
+    error>``; a deployed ClientApp sends ``<class '...'>:<'<the site's error>'>``."""
+    text = (reason or "").strip()
+    marker = "ClientAppException occurred. Message:"
+    if marker in text:
+        text = text.rsplit(marker, 1)[1].strip()
+        text = text.removesuffix("'>").strip()
+    found = re.fullmatch(r"<class '[\w.()]+'>:<'(.*)'>", text, flags=re.S)
+    return found.group(1) if found else text
 
 
 class SiteFailure(RunError):
@@ -149,13 +163,16 @@ class SiteDirectory:
         fold: the cross-validation fold (``None``: none), sent with the hello.
         settings: timeouts.
         log: called with one event dict per hello answered or lost.
+        seed: the run seed, sent with the hello: the site draws its split with it (``None``:
+            the site's config's).
     """
 
     def __init__(self, grid: Grid, expected: dict[str, tuple[dict[str, int], int]], fold: int | None,
-                 settings: FlowerSettings, log: Any) -> None:
+                 settings: FlowerSettings, log: Any, seed: int | None = None) -> None:
         self.grid = grid
         self.expected = expected
         self.fold = fold
+        self.seed = seed
         self.settings = settings
         self.log = log
         self.nodes: dict[str, int] = {}       # client id -> node id
@@ -168,7 +185,7 @@ class SiteDirectory:
 
     def _push_hello(self, node: int) -> None:
         content = RecordDict()
-        wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "fold": self.fold})
+        wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "fold": self.fold, "seed": self.seed})
         msg = Message(content, dst_node_id=node, message_type=P.HELLO,
                       ttl=max(60.0, self.settings.hello_timeout + self.settings.connect_timeout))
         for mid in self.grid.push_messages([msg]):
@@ -231,7 +248,8 @@ class SiteDirectory:
             if reply.has_error():
                 if reply.error.code in _DROPOUT_CODES:
                     continue
-                self._refuse(node, "", f"node {node} failed to answer medfl's hello: {reply.error.reason}")
+                self._refuse(node, "", f"node {node} failed to answer medfl's hello: "
+                                         f"{error_reason(reply.error.reason)}")
                 continue
             self._accept(node, reply)
 
@@ -288,6 +306,7 @@ class FlowerRun(Run):
 
     noise_source = ("each site's own secret (<state-dir>/noise.key) mixed with the run seed, unless a site "
                     "sets MEDFL_REPRODUCIBLE_NOISE=1")
+    connect_hint = "start a site per client with `medfl flower site --client-id ID ...`"
 
     def resume_command(self, top: Path) -> str:
         """Over Flower a run continues with ``medfl flower run --resume`` (the sites keep
@@ -310,7 +329,7 @@ class FlowerRun(Run):
         self._events: list[dict[str, Any]] = []
         expected = {cid: (P.split_sizes(data, cid), P.partition_digest(data, cid))
                     for cid in self.federation.eval_client_ids}
-        self.sites = SiteDirectory(grid, expected, self.fold, self.settings, self._log)
+        self.sites = SiteDirectory(grid, expected, self.fold, self.settings, self._log, self.federation.seed)
         self._guard = SampleGuard(tuple(data.source.sample_shape))   # the same for every site
 
     # ------------------------------------------------------------------ bookkeeping
@@ -366,9 +385,8 @@ class FlowerRun(Run):
         if missing:
             refused = "".join(f"; refused {why}" if why.startswith(("node", "site")) else f"; refused node {n}: {why}"
                               for n, why in sorted(self.sites.refused.items()))
-            raise RunError(f"no SuperNode serves client(s) {missing} after {self.settings.connect_timeout:.0f} s "
-                           f"(connected: {sorted(self.sites.nodes)}){refused}; start a site per client with "
-                           "`medfl flower site --client-id ID ...`")
+            raise RunError(f"no SuperNode serves client(s) {missing} after {time.monotonic() - t0:.0f} s "
+                           f"(connected: {sorted(self.sites.nodes)}){refused}; {self.connect_hint}")
 
     def _connect(self, ids: list[str], t0: float) -> None:
         """Wait up to ``connect_timeout`` for a node serving each client of ``ids``, saying on
@@ -450,7 +468,7 @@ class FlowerRun(Run):
                 node = self.sites.nodes.get(cid)
                 secs = time.monotonic() - sent_at[cid]
                 if reply.has_error():
-                    code, reason = reply.error.code, reply.error.reason or ""
+                    code, reason = reply.error.code, error_reason(reply.error.reason)
                     if code in _DROPOUT_CODES:
                         self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
                                    "status": f"dropped (error {code})", "seconds": secs})

@@ -10,8 +10,10 @@ it)::
     the client this site serves (an id of the experiment's partition, ``0``...).
 ``config``
     a medfl bundle config (``train.json``) whose ``fl`` section says where the data is
-    (``dataset``) and how the federation's partition is drawn (``seed``, ``num_clients``,
-    ``partition``, ``client_split``, ``global_test_fraction``, ``cv``...). The site draws
+    (``dataset``) and how the federation's partition is drawn (``num_clients``,
+    ``partition``, ``client_split``, ``global_test_fraction``, ``cv``...; the seed is the
+    run's, sent by the coordinator with every message, so an experiment repeated over
+    ``seeds`` draws each seed's split). The site draws
     the split itself with :func:`medfl.engine.data.split_data`, exactly as the in-process
     engine does, and keeps only its own rows (plus the global test rows); the coordinator
     checks the result against its own through :func:`~medfl.flower.protocol.partition_digest`.
@@ -91,6 +93,13 @@ class SiteSettings:
         superlink: the SuperLink's Fleet API address (``host:port``) the site connects to,
             when the node config names it (``medfl flower site`` does): what a method
             measures the coordinator's latency against (``ClientContext.coordinator``).
+        resolved: the resolved ``fl`` config itself, instead of reading ``config`` (the
+            simulation runtime, :mod:`medfl.flower.simulation`, hands every simulated site
+            the coordinator's; ``config`` is then only a name in messages).
+        simulated: a site of the simulation runtime, not on a machine of its own: as in
+            process, privacy noise is drawn from the run seed alone (coordinator and sites are
+            one user's processes; a deployed site keeps its own secret, :func:`site_noise_key`)
+            and ``ClientContext.deployed`` is false.
     """
 
     client_id: str
@@ -100,6 +109,8 @@ class SiteSettings:
     workdir: Path | None = None
     device: str | None = None
     superlink: str = ""
+    resolved: dict[str, Any] | None = None
+    simulated: bool = False
 
     @classmethod
     def from_node_config(cls, node_config: dict[str, Any]) -> "SiteSettings":
@@ -145,29 +156,36 @@ class Site:
         self.client_id = settings.client_id
         if settings.workdir is not None:
             os.chdir(settings.workdir)
-        if not settings.config.is_file():
-            raise SiteError(f"medfl site {self.client_id}: config {settings.config} not found "
-                            f"(paths in the node config are read on the site's machine, from {Path.cwd()})")
-        self.cfg = resolve_config(load_bundle_config(settings.config, settings.overrides))
+        if settings.resolved is not None:
+            self.cfg = resolve_config(settings.resolved)
+        else:
+            if not settings.config.is_file():
+                raise SiteError(f"medfl site {self.client_id}: config {settings.config} not found "
+                                f"(paths in the node config are read on the site's machine, from {Path.cwd()})")
+            self.cfg = resolve_config(load_bundle_config(settings.config, settings.overrides))
         self.device = settings.device or str(self.cfg["device"])
-        self._data: dict[int | None, FederatedData] = {}
+        self._data: dict[tuple[int | None, int], FederatedData] = {}
         self._source: Any = None
-        self.noise_key = site_noise_key(settings.state_dir, self.client_id)
+        self.noise_key = "" if settings.simulated else site_noise_key(settings.state_dir, self.client_id)
 
     # ------------------------------------------------------------------ data and state
-    def data(self, fold: int | None) -> FederatedData:
-        """This site's view of the split (``fold`` of a cross-validated experiment)."""
-        if fold not in self._data:
+    def data(self, fold: int | None, seed: Any = None) -> FederatedData:
+        """This site's view of the split (``fold`` of a cross-validated experiment), drawn
+        with the run's ``seed`` (the coordinator's; an experiment repeated over ``seeds``
+        draws one split per seed) or, without one, the config's."""
+        seed = int(self.cfg["seed"] if seed is None else seed)
+        key = (fold, seed)
+        if key not in self._data:
             from medfl.engine.runner import build_source
 
             if self._source is None:
                 self._source = build_source(self.cfg["dataset"])
-            data = split_data(self._source, self.cfg, fold=fold)
+            data = split_data(self._source, {**self.cfg, "seed": seed}, fold=fold)
             if self.client_id not in data.client_ids:
                 raise SiteError(f"medfl site: client id {self.client_id!r} is not in this config's partition "
                                 f"(clients {data.client_ids}); check client-id and num_clients")
-            self._data[fold] = data
-        return self._data[fold]
+            self._data[key] = data
+        return self._data[key]
 
     def _root(self, ctl: dict[str, Any]) -> Path:
         run = str(ctl["run"])
@@ -213,10 +231,10 @@ class Site:
         (:func:`medfl.engine.runner.client_context`)."""
         from medfl.engine.runner import client_context
 
-        return client_context(self.data(ctl.get("fold")), self.client_id, int(ctl["round"]),
+        return client_context(self.data(ctl.get("fold"), ctl.get("seed")), self.client_id, int(ctl["round"]),
                               run_seed=int(ctl["seed"]), model_spec=dict(ctl["model"]), train=dict(ctl["train"]),
                               device=self.device, store=store, state_before=state_before, noise_key=self.noise_key,
-                              deployed=True, coordinator=self.settings.superlink)
+                              deployed=not self.settings.simulated, coordinator=self.settings.superlink)
 
     def check(self, ctl: dict[str, Any]) -> None:
         """Refuse a message of another protocol, addressed to another client, or asking
@@ -231,6 +249,8 @@ class Site:
                             f"this site speaks {P.PROTOCOL} (same medfl version on both sides?)")
         if "client" in ctl and str(ctl["client"]) != self.client_id:
             raise SiteError(f"medfl site {self.client_id}: message addressed to client {ctl['client']!r}")
+        if self.settings.simulated:   # the user's own simulated sites: nothing to approve
+            return
         try:
             check_control(ctl, f"medfl site {self.client_id}")
         except ApprovalError as exc:
@@ -239,7 +259,7 @@ class Site:
     # ------------------------------------------------------------------ the steps
     def hello(self, ctl: dict[str, Any]) -> dict[str, Any]:
         """Who this site is and what its partition looks like (no data, no state)."""
-        data = self.data(ctl.get("fold"))
+        data = self.data(ctl.get("fold"), ctl.get("seed"))
         return {"protocol": P.PROTOCOL, "client": self.client_id, "sizes": P.split_sizes(data, self.client_id),
                 "digest": P.partition_digest(data, self.client_id)}
 
@@ -301,7 +321,7 @@ class Site:
         score here exactly as at their owner."""
         from medfl.engine.runner import evaluate_metrics
 
-        data = self.data(ctl.get("fold"))
+        data = self.data(ctl.get("fold"), ctl.get("seed"))
         specs: dict[str, Any] = dict(ctl["specs"])
         method = self.method(ctl)
         ds = data.dataset_factories(self.client_id, ["test"])["test"]()

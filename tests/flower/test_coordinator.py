@@ -412,7 +412,8 @@ def test_pinned_clients_are_served_only_by_their_registered_node(tmp_path: Path)
 def test_site_drawing_another_partition_is_refused(tmp_path: Path) -> None:
     fl = fl_config(tmp_path, "mismatch", FEDAVG)
     sites = _sites(tmp_path, fl)
-    sites[103] = Site(SiteSettings(client_id="2", config=write_config(tmp_path / "other.json", {**fl, "seed": 1}),
+    sites[103] = Site(SiteSettings(client_id="2", config=write_config(tmp_path / "other.json", {
+        **fl, "client_split": {"train": 0.5, "val": 0.25, "test": 0.25}}),
                                    state_dir=tmp_path / "other"))
     # refused, so client 2 has no site: the connect error says why
     with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['2'\].*refused site 2 .*drew a different "
@@ -536,3 +537,18 @@ def test_a_site_sending_nan_weights_is_dropped_from_the_round_and_the_run_goes_o
     assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"]]
     assert "NaN or infinite" in events["reason"].iloc[0]
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+
+
+def test_an_experiment_over_seeds_runs_across_sites(tmp_path: Path) -> None:
+    """Each seed of ``seeds`` draws its own split; the sites draw theirs with the seed the
+    coordinator sends (before, a site drew the config's seed and every other seed's hello was
+    refused as another partition)."""
+    fl = {**fl_config(tmp_path, "seeds", {**FEDAVG, "rounds": 1}), "seeds": [0, 3]}
+    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+    ref = run_experiment(resolve_config({**fl, "name": "seeds_ref"}))
+    for seed in (0, 3):
+        a = pd.read_csv(Path(ref["dir"]) / f"seed_{seed}" / "fedavg" / "metrics.csv")
+        b = pd.read_csv(Path(out["dir"]) / f"seed_{seed}" / "fedavg" / "metrics.csv")
+        numeric_equal(a, b, f"seed {seed}")
+    split0, split3 = (pd.read_csv(Path(out["dir"]) / f"seed_{s}" / "partition.csv") for s in (0, 3))
+    assert not split0.equals(split3)   # the seeds really drew different splits

@@ -1,0 +1,244 @@
+"""Parallel clients on one machine: medfl on Flower's simulation runtime (Ray).
+
+``"backend": "ray"`` in the ``fl`` section (or ``{"name": "ray", "client_cpus": 1,
+"client_gpus": 0.25}``; :data:`medfl.config.BACKEND_DEFAULTS`), or ``medfl run CONFIG
+--backend ray``, runs the experiment through :func:`flwr.simulation.run_simulation`: the
+coordinator is :class:`~medfl.flower.server.FlowerRun` (the deployment's ServerApp code,
+over Flower's in-memory grid instead of a SuperLink) and every client is a simulated
+SuperNode whose messages are handled by the deployment's own
+:func:`medfl.flower.site.handle` in a Ray actor. Ray runs as many actors as the resources
+allow (cores / ``client_cpus``, GPUs / ``client_gpus``), so the clients of a round train in
+parallel; each actor keeps torch, the plugins and the sites it served loaded between
+messages.
+
+Compared with the in-process engine, for the same seed the metrics are the same (a test
+proves it): the sites draw the split themselves from the same config, privacy noise comes
+from the run seed (as in process; a deployed site mixes in its own secret) and
+``ClientContext.deployed`` is false. What differs: each actor sets its torch threads to
+``client_cpus``; the run directory also has ``flower.json`` and ``flower_events.csv``;
+the sites' persistent state is kept under ``<output_dir>/.simulation/<run id>/`` (the run
+id is in ``flower.json``), which ``medfl resume`` needs to continue the run and which can
+be deleted once a run will not be continued.
+
+Ray is an optional dependency: ``pip install "medfl[simulation]"`` (Flower's own
+``flwr[simulation]`` extra).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from medfl.engine.data import FederatedData, client_order, split_data
+from medfl.engine.runner import Run, RunError, build_source, resume, run_experiment
+from medfl.flower.server import FlowerRun, FlowerSettings
+from medfl.flower.site import Site, SiteSettings, handle
+
+__all__ = ["SimulationRun", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing",
+           "STATE_FOLDER"]
+
+#: Folder of ``output_dir`` holding the simulated sites' persistent state, by run id.
+STATE_FOLDER = ".simulation"
+
+
+def ray_missing() -> str:
+    """Empty when Ray can be imported, else what to install."""
+    if importlib.util.find_spec("ray") is None:
+        return ("fl.backend 'ray' runs the clients on Flower's simulation runtime, which needs Ray: "
+                "pip install \"medfl[simulation]\" (or \"flwr[simulation]\")")
+    return ""
+
+
+class SimulationRun(FlowerRun):
+    """A :class:`FlowerRun` over the simulation runtime's in-memory grid: the same
+    coordinator as a deployment; it resumes with ``medfl resume`` and says where its
+    sites' state is."""
+
+    noise_source = ("the run seed: a reproducible simulation on Flower's simulation runtime (as in process; "
+                    "whoever knows the seed could regenerate the noise)")
+    connect_hint = "every simulated node serves one client of the config's partition (fl.num_clients)"
+
+    def resume_command(self, top: Path) -> str:
+        """A simulated run continues like an in-process one."""
+        return f"medfl resume {top}"
+
+    def _connect(self, ids: list[str], t0: float) -> None:
+        """Every simulated node exists from the start: wait until each has answered its
+        hello (or was refused: a site that cannot build its split), not for nodes to come."""
+        deadline = t0 + self.settings.connect_timeout
+        while True:
+            self.sites.refresh(need=ids, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            if all(c in self.sites.nodes for c in ids) or time.monotonic() >= deadline:
+                return
+            online = set(self.grid.get_node_ids())
+            if online and online <= set(self.sites.refused) | set(self.sites.nodes.values()):
+                return   # every node answered; the caller reports the refusals
+
+
+class SimulatedSites:
+    """The ClientApp handler of every simulated SuperNode: node ``partition-id`` k serves
+    the k-th client of the partition, as a :class:`~medfl.flower.site.Site` built from the
+    coordinator's resolved config. Pickled to each Ray actor; the sites an actor built stay
+    cached there.
+
+    Args:
+        cfg: the resolved ``fl`` config (what the coordinator runs).
+        client_ids: the clients, in the order of the simulated nodes.
+        state_dir: where the sites keep their persistent state.
+        workdir: where relative paths of the config are read (the coordinator's folder).
+        threads: torch threads of each actor (its ``client_cpus``).
+    """
+
+    def __init__(self, cfg: dict[str, Any], client_ids: list[str], state_dir: Path, workdir: Path,
+                 threads: int) -> None:
+        self.cfg = cfg
+        self.client_ids = list(client_ids)
+        self.state_dir = Path(state_dir)
+        self.workdir = Path(workdir)
+        self.threads = int(threads)
+        self._sites: dict[str, Site] = {}
+        self._source: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # what travels to each Ray actor: the settings, not a site or dataset built here
+        return {**self.__dict__, "_sites": {}, "_source": None}
+
+    def site(self, partition_id: int) -> Site:
+        """The site of simulated node ``partition_id`` (built on first use)."""
+        if not 0 <= partition_id < len(self.client_ids):
+            raise RunError(f"simulated node {partition_id}: the partition has {len(self.client_ids)} clients")
+        cid = self.client_ids[partition_id]
+        if cid not in self._sites:
+            import torch
+
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+            site = Site(SiteSettings(client_id=cid, config=Path("<simulation>"), state_dir=self.state_dir,
+                                     workdir=self.workdir, resolved=self.cfg, simulated=True))
+            # the sites of one actor read one dataset object (one cache, one file index), not one each
+            if self._source is None:
+                self._source = build_source(site.cfg["dataset"])
+            site._source = self._source
+            self._sites[cid] = site
+        return self._sites[cid]
+
+    def __call__(self, msg: Message, context: Context) -> Message:
+        site = self.site(int(context.node_config["partition-id"]))
+        return Message(handle(site, msg.metadata.message_type, msg.content), reply_to=msg)
+
+
+def _client_app(handler: SimulatedSites) -> ClientApp:
+    app = ClientApp()
+    for register in (app.query("hello"), app.train(), app.evaluate(), app.evaluate("validate"),
+                     app.evaluate("score")):
+        register(handler)
+    return app
+
+
+def _backend_config(backend: dict[str, Any]) -> dict[str, Any]:
+    init: dict[str, Any] = {}
+    if backend.get("num_cpus") is not None:
+        init["num_cpus"] = int(backend["num_cpus"])
+    if backend.get("num_gpus") is not None:
+        init["num_gpus"] = int(backend["num_gpus"])
+    return {"client_resources": {"num_cpus": int(backend["client_cpus"]), "num_gpus": float(backend["client_gpus"])},
+            "init_args": init}
+
+
+def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[str, Any]:
+    """Run ``serve(grid)`` as the ServerApp with one simulated SuperNode per client."""
+    missing = ray_missing()
+    if missing:
+        raise RunError(missing)
+    backend = cfg["backend"]
+    if str(cfg["device"]).startswith("cuda") and not backend["client_gpus"]:
+        raise RunError(f"fl.device is {cfg['device']!r} but fl.backend.client_gpus is 0: a simulated client sees a GPU "
+                       "only when it holds one; set e.g. {\"name\": \"ray\", \"client_gpus\": 0.5} (two clients per "
+                       "GPU)")
+    from flwr.simulation import run_simulation
+
+    state_dir = (Path(cfg["output_dir"]) / STATE_FOLDER).resolve()
+    handler = SimulatedSites(cfg, client_ids, state_dir, Path.cwd(), backend["client_cpus"])
+    out: dict[str, Any] = {}
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        out["result"] = serve(grid)
+
+    # Ray's coming default (it warns otherwise): a client holding no GPU is not hidden the
+    # machine's; a CUDA run without client_gpus is refused above
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    quiet = _DropDeprecation()
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addFilter(quiet)
+    try:
+        run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
+                       backend_config=_backend_config(backend))
+    finally:
+        flwr_logger.removeFilter(quiet)
+    if "result" not in out:
+        raise RunError("Flower's simulation runtime ended before the experiment finished (its log is above)")
+    return out["result"]
+
+
+class _DropDeprecation(logging.Filter):
+    """Drop Flower's notice that ``run_simulation`` is deprecated in favour of ``flwr run``:
+    medfl calls it for the user, who cannot act on it (docs/flower.md says so)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "run_simulation" not in str(record.getMessage())
+
+
+def _settings() -> FlowerSettings:
+    # every simulated node is there from the start; replies arrive through memory
+    return FlowerSettings(poll_interval=0.01, connect_timeout=120.0, hello_timeout=60.0, progress_interval=30.0)
+
+
+def _factory(grid: Grid) -> Any:
+    def build(cfg: dict[str, Any], spec: dict[str, Any], run_dir: Path, data: FederatedData) -> SimulationRun:
+        return SimulationRun(cfg, spec, run_dir, data, grid, _settings())
+    return build
+
+
+def _client_ids(cfg: dict[str, Any]) -> list[str]:
+    """Every client of the experiment's partitions (each seed's, with ``seeds``): one
+    simulated node each."""
+    fold = 0 if int((cfg.get("cv") or {}).get("folds") or 0) > 1 else None
+    source = build_source(cfg["dataset"])
+    ids: set[str] = set()
+    for seed in cfg.get("seeds") or [cfg["seed"]]:
+        ids.update(split_data(source, {**cfg, "seed": seed}, fold=fold).client_ids)
+    return client_order(list(ids))
+
+
+def run_simulated(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run every method of a resolved config on the simulation runtime (the result of
+    :func:`medfl.engine.runner.run_experiment`; ``config.json`` says ``"engine":
+    "simulation"``).
+
+    Raises:
+        RunError: Ray is not installed, or the run fails.
+    """
+    return _simulate(cfg, _client_ids(cfg), lambda grid: run_experiment(
+        cfg, run_factory=_factory(grid), meta={"engine": "simulation"}))
+
+
+def resume_simulated(path: str | Path, cfg: dict[str, Any], rounds: int | None = None) -> dict[str, Any]:
+    """Continue a stopped simulated run or experiment (``cfg``: its saved ``fl`` config)."""
+    return _simulate(cfg, _client_ids(cfg), lambda grid: resume(path, rounds, run_factory=_factory(grid)))
+
+
+def is_simulated(cfg: dict[str, Any], run_factory: Any) -> bool:
+    """Whether the runner should hand ``cfg`` to this module (backend ``ray``, default runs)."""
+    backend = cfg.get("backend") or "inprocess"
+    name = backend if isinstance(backend, str) else backend.get("name")
+    return run_factory is Run and name == "ray"

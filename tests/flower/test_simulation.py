@@ -1,0 +1,134 @@
+"""medfl on Flower's simulation runtime (``fl.backend: ray``): the deployment's ServerApp
+and ClientApp code with the clients in parallel Ray actors must give the in-process
+engine's numbers for the same seed, resume like it, and refuse what cannot work.
+
+Each run starts Ray (a few seconds); the jobs are the tiny ones of the Flower tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from medfl.config import ConfigError, resolve_config
+from medfl.engine.runner import RunError, resume, run_experiment
+from medfl.flower import simulation
+
+from flower_cases import fl_config, numeric_equal, write_config
+
+ray = pytest.importorskip("ray", reason="the simulation runtime needs Ray: pip install -e '.[test]' installs it")
+
+# a stateless method with a DP filter (noise drawn at the sites) and a stateful one
+JOB: dict[str, Any] = {"rounds": 3, "model": {"name": "small_cnn", "width": 4},
+                       "train": {"batch_size": 8, "lr": 0.05}, "eval_splits": ["test", "global_test", "cross_test"],
+                       "methods": [{"name": "fedavg", "filters": [{"name": "dp_gaussian", "epsilon": 50.0,
+                                                                    "clip": 5.0}]},
+                                   {"name": "fedbn"}]}
+RAY = {"name": "ray", "client_cpus": 1, "num_cpus": 2}
+
+
+def _compare(sim: Path, ref: Path, label: str) -> None:
+    for f in ("metrics.csv", "train_metrics.csv", "cross_test.csv", "privacy.csv"):
+        if (ref / label / f).is_file():
+            numeric_equal(pd.read_csv(ref / label / f), pd.read_csv(sim / label / f), f"{label} {f}", atol=0)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread, as each simulated client (``client_cpus`` 1): the same float
+    sums in the same order, so the numbers can be compared exactly."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_simulation_runtime_matches_in_process_and_resumes(tmp_path: Path, one_thread: None) -> None:
+    ref = run_experiment(resolve_config(fl_config(tmp_path, "ref", JOB)))
+    sim = run_experiment(resolve_config({**fl_config(tmp_path, "sim", JOB), "backend": RAY}))
+    ref_dir, sim_dir = Path(ref["dir"]), Path(sim["dir"])
+    assert json.loads((sim_dir / "config.json").read_text())["engine"] == "simulation"
+    for label in ("fedavg", "fedbn"):
+        _compare(sim_dir, ref_dir, label)
+        events = pd.read_csv(sim_dir / label / "flower_events.csv")
+        assert (events[events["phase"] == "train"]["status"] == "ok").sum() == 3 * 3   # rounds x clients
+        # the client state stays at the (simulated) sites, as in a deployment
+        assert not list((sim_dir / label / "clients").rglob("state_r*.pt"))
+    run_id = json.loads((sim_dir / "fedbn" / "flower.json").read_text())["run_id"]
+    assert list((tmp_path / "runs" / simulation.STATE_FOLDER / run_id).rglob("state_r*.pt"))
+    privacy = pd.read_csv(sim_dir / "fedavg" / "privacy.csv")
+    assert len(privacy) and (privacy["epsilon"] > 0).all()
+    static = json.loads((sim_dir / "fedavg" / "config.json").read_text())
+    assert "simulation runtime" in static["privacy"]["noise_seeds"]
+
+    # stopped after round 1, continued with `medfl resume`: the uninterrupted run's numbers
+    stopped = run_experiment(resolve_config({**fl_config(tmp_path, "stop", JOB), "backend": RAY,
+                                             "stop_after_round": 1}))
+    status = json.loads((Path(stopped["dir"]) / "fedbn" / "status.json").read_text())
+    assert status["last_round"] == 1
+    resumed = resume(stopped["dir"])
+    for label in ("fedavg", "fedbn"):
+        _compare(Path(resumed["dir"]), ref_dir, label)
+
+
+def test_cli_backend_option_runs_on_the_simulation_runtime(tmp_path: Path) -> None:
+    from medfl.cli import main
+
+    fl = fl_config(tmp_path, "cli", {**JOB, "rounds": 1, "methods": [{"name": "fedavg"}],
+                                     "backend": {"name": "inprocess", "client_cpus": 1, "num_cpus": 2}})
+    cfg = write_config(tmp_path / "train.json", fl)
+    assert main(["run", str(cfg), "--fl#name", "cli", "--backend", "ray"]) == 0
+    saved = json.loads((tmp_path / "runs" / "cli" / "config.json").read_text())
+    assert saved["engine"] == "simulation"
+    assert saved["fl"]["backend"] == {"name": "ray", "client_cpus": 1, "client_gpus": 0.0, "num_cpus": 2,
+                                      "num_gpus": None}   # the option keeps the config's resources
+
+
+@pytest.mark.parametrize("backend, message", [
+    ("threads", "expected one of 'inprocess', 'ray'"),
+    ({"name": "ray", "cpus": 1}, "unknown key(s) 'cpus'"),
+    ({"name": "ray", "client_cpus": 0}, "client_cpus: expected a whole number of cores >= 1"),
+    ({"name": "ray", "client_gpus": -1}, "client_gpus: expected a non-negative number"),
+    ({"name": "ray", "num_cpus": "all"}, "num_cpus: expected a non-negative number"),
+])
+def test_bad_backend_entries_are_refused(tmp_path: Path, backend: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match="fl.backend") as err:
+        resolve_config({**fl_config(tmp_path, "bad", JOB), "backend": backend})
+    assert message in str(err.value)
+
+
+def test_simulation_refuses_what_cannot_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = resolve_config({**fl_config(tmp_path, "x", JOB), "backend": RAY, "device": "cuda"})
+    with pytest.raises(RunError, match="client_gpus is 0"):
+        simulation.run_simulated(cfg)
+    monkeypatch.setattr(simulation.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RunError, match=r'pip install "medfl\[simulation\]"'):
+        simulation.run_simulated(resolve_config({**fl_config(tmp_path, "y", JOB), "backend": RAY}))
+    assert not (tmp_path / "runs" / "y").exists()
+
+
+def test_a_simulated_site_that_cannot_serve_stops_the_run_with_its_reason(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every simulated node exists from the start: when one cannot serve its client (here
+    node 2 is told to serve client 7, which the partition lacks) the run stops as soon as
+    every node has answered, quoting the refusal, instead of waiting for a node to come."""
+    monkeypatch.setattr(simulation, "_client_ids", lambda cfg: ["0", "1", "7"])
+    monkeypatch.setattr(simulation, "_settings", lambda: simulation.FlowerSettings(
+        poll_interval=0.01, connect_timeout=900.0))
+    cfg = resolve_config({**fl_config(tmp_path, "missing", {**JOB, "rounds": 1, "methods": [{"name": "fedavg"}]}),
+                          "backend": RAY})
+    with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['2'\]") as caught:
+        simulation.run_simulated(cfg)
+    message = str(caught.value)
+    # the site's own words, without Ray's traceback around them
+    assert re.search(r"refused node \d+ failed to answer medfl's hello: medfl site: client id '7' is not in "
+                     r"this config's partition \(clients \['0', '1', '2'\]\); check client-id and num_clients; "
+                     r"every simulated node serves", message), message
+    assert "ray::" not in message and "Traceback" not in message
