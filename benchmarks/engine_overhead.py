@@ -119,16 +119,10 @@ def fl_config(clients: int, rounds: int, samples: int, batch_size: int, seed: in
 
 
 class _DatasetPlugin:
-    """Throwaway plugin registering the ``random_blocks`` dataset (and timing hooks)."""
+    """Throwaway plugin with timing hooks (``random_blocks`` is a built-in dataset)."""
 
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
-
-    @hookimpl
-    def register_datasets(self, register):  # noqa: ANN001
-        from medfl.data.random_blocks import random_blocks
-
-        register(random_blocks, name="random_blocks")
 
     @hookimpl
     def on_run_start(self, run):  # noqa: ANN001

@@ -26,6 +26,12 @@ Measured:
 - overhead: Flower per round minus in-process per round, and their ratio; and the metrics
   of both runs must agree (max absolute difference printed).
 
+The anchor (issue 20): the same job as a plain Flower app (``plain_flower_app.py``: Flower's
+own ``FedAvg`` strategy, a plain PyTorch ClientApp, same data, model and rounds) on the same
+kind of loopback deployment (a SuperLink and one plain ``flower-supernode`` per client); its
+per-round time is what medfl over Flower is compared with (target: medfl <= 1.1x plain Flower).
+The job evaluates each client's test split every round in all three.
+
 Writes ``flower_overhead.csv`` and ``flower_overhead.json`` to ``--out`` and prints a
 table. ``python benchmarks/flower_overhead.py --help`` lists the options.
 """
@@ -56,7 +62,7 @@ def job(work: Path, clients: int, rounds: int, samples: int, image_size: int, se
         "partition": {"name": "dirichlet", "alpha": 1.0, "min_size": 20},
         "model": {"name": "small_cnn", "width": 8},
         "train": {"epochs": 1, "batch_size": 16, "lr": 0.01, "optimizer": "sgd"},
-        "eval_splits": ["test", "global_test"], "eval_every": 1,
+        "eval_splits": ["test"], "eval_every": 1,   # what the plain Flower anchor evaluates too
         "methods": [{"name": "fedavg"}],
     }
 
@@ -129,6 +135,47 @@ def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: flo
             "exchange_median_s": phases, "metrics": str(run_dir / "metrics.csv")}
 
 
+def plain_flower(fl: dict[str, Any], work: Path, clients: int, rounds: int, timeout: float = 3600) -> dict[str, Any]:
+    """The anchor: Flower's own FedAvg (``plain_flower_app.py``) on the same job, on the same
+    kind of loopback deployment (a SuperLink, one plain ``flower-supernode`` per client)."""
+    import shutil
+
+    from medfl.flower.deploy import LocalFederation, flwr_run, free_port, read_result
+
+    app = work / "plain_app"
+    app.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).resolve().parent / "plain_flower_app.py", app / "plain_flower_app.py")
+    (app / "pyproject.toml").write_text("\n".join([
+        "[build-system]", 'requires = ["setuptools>=68"]', 'build-backend = "setuptools.build_meta"', "",
+        "[project]", 'name = "plain-flower-anchor"', 'version = "1.0.0"', "dependencies = []", "",
+        "[tool.flwr.app]", 'publisher = "medfl-benchmarks"', "",
+        "[tool.flwr.app.components]", 'serverapp = "plain_flower_app:server"', 'clientapp = "plain_flower_app:client"',
+        "", "[tool.flwr.app.config]", 'fl = "{}"', "rounds = 1", 'result-file = ""', ""]))
+    result_file = work / "plain_result.json"
+    with LocalFederation(work / "plain_fed") as fed:
+        t0 = time.perf_counter()
+        fed.start_superlink()
+        for k in range(clients):
+            # a plain SuperNode: Flower's own ClientApp process per message, no medfl site worker
+            fed._start(f"site{k}", [str(Path(sys.executable).parent / "flower-supernode"), "--insecure",
+                                    "--superlink", str(fed.superlink), "--port", str(free_port()),
+                                    "--node-config", f"partition-id={k} num-partitions={clients}"])
+        fed.wait_for_nodes(clients)
+        deploy_s = time.perf_counter() - t0
+        launch = time.time()
+        t1 = time.perf_counter()
+        log = work / "plain_run.log"
+        with open(log, "wb") as fh:
+            code = flwr_run(app, str(fed.superlink), {"fl": json.dumps(fl), "rounds": rounds,
+                                                      "result-file": str(result_file)},
+                            flwr_home=work / "plain_fed" / "flwr_home", env=fed.env, timeout=timeout, stream_to=fh)
+        total = time.perf_counter() - t1
+        found = read_result(result_file, log, code)
+    marks = [found["start"]] + found["round_end"]
+    return {"deploy_startup_s": deploy_s, "run_startup_s": found["start"] - launch,
+            "round_s": [b - a for a, b in zip(marks, marks[1:])], "total_s": total}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=3)
@@ -138,11 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--round-timeout", type=float, default=600.0)
     p.add_argument("--out", default="benchmarks/results", help="where the CSV and JSON go")
+    p.add_argument("--skip-anchor", action="store_true",
+                   help="do not run the plain Flower app (Flower's FedAvg) on the same deployment")
     args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="medfl-flower-bench-"))
     base = job(work, args.clients, args.rounds, args.samples, args.image_size, args.seed)
     ip = in_process({**base, "name": "inproc", "output_dir": str(work / "runs")})
+    anchor = None if args.skip_anchor else plain_flower(base, work, args.clients, args.rounds)
     fw = over_flower({**base, "name": "flower", "output_dir": str(work / "runs")}, work, args.clients,
                      args.round_timeout)
     a, b = pd.read_csv(ip["metrics"]), pd.read_csv(fw["metrics"])
@@ -163,6 +213,15 @@ def main(argv: list[str] | None = None) -> int:
          "note": f"overhead {fw_round - ip_round:+.2f} s/round, x{fw_round / ip_round:.1f}"},
         {"what": "whole run (s)", "in_process": ip["total_s"], "flower": fw["total_s"], "note": "flwr run wall time"},
     ]
+    ratio_anchor = None
+    if anchor is not None:
+        plain_round = steady(anchor["round_s"])
+        ratio_anchor = fw_round / plain_round
+        for row, value in zip(rows, [anchor["run_startup_s"], anchor["deploy_startup_s"], anchor["round_s"][0],
+                                     plain_round, anchor["total_s"]]):
+            row["plain_flower"] = value
+        rows[3]["note"] += (f"; medfl over Flower / plain Flower = {ratio_anchor:.2f}x "
+                            f"(target <= 1.1: {'PASS' if ratio_anchor <= 1.1 else 'MISS'})")
     table = pd.DataFrame(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"job": {k: getattr(args, k) for k in ("clients", "rounds", "samples", "image_size", "seed")},
               "in_process": ip, "flower": fw, "per_round_overhead_s": fw_round - ip_round,
               "per_round_ratio": fw_round / ip_round, "metrics_max_abs_diff": diff,
+              "plain_flower": anchor, "per_round_ratio_vs_plain_flower": ratio_anchor,
               "python": sys.version.split()[0]}
     (out / "flower_overhead.json").write_text(json.dumps(report, indent=2, default=str))
     with pd.option_context("display.width", 160, "display.max_colwidth", 70):

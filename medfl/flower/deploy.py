@@ -37,7 +37,7 @@ from medfl.flower.server import RUN_CONFIG
 
 __all__ = ["FlowerDeployError", "flower_env", "free_port", "superlink_command", "site_command", "node_config",
            "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "started_run_id", "LocalFederation", "MARKER_ENV"]
+           "read_result", "started_run_id", "LocalFederation", "MARKER_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
@@ -274,6 +274,22 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def read_result(result_file: Path, log: Path, code: int | None, wait: float = 30.0) -> dict[str, Any]:
+    """The JSON a ServerApp wrote to ``result_file`` once ``flwr run`` returned (waiting up to
+    ``wait`` seconds: the SuperLink may still be writing it).
+
+    Raises:
+        FlowerDeployError: no result came: quotes ``flwr run``'s exit ``code`` and the end of ``log``.
+    """
+    deadline = time.monotonic() + wait
+    while not result_file.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not result_file.is_file():
+        raise FlowerDeployError(f"flwr run exited with {code} and the ServerApp wrote no result:\n"
+                                f"{log.read_text(errors='replace')[-4000:]}")
+    return json.loads(result_file.read_text())
 
 
 def started_run_id(output: str) -> int | None:
@@ -555,13 +571,7 @@ class LocalFederation:
                 stopped = run_id is not None and flwr_stop(run_id, self.workdir / "flwr_home", env=self.env)
                 how = "stopped" if stopped else "given up (flwr stop failed; close() ends its processes)"
                 raise FlowerDeployError(f"run {name!r} {how}: {exc}") from None
-        deadline = time.monotonic() + 30
-        while not result_file.is_file() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not result_file.is_file():
-            raise FlowerDeployError(f"flwr run exited with {code} and the ServerApp wrote no result:\n"
-                                    f"{log.read_text(errors='replace')[-4000:]}")
-        result = json.loads(result_file.read_text())
+        result = read_result(result_file, log, code)
         result["log"] = str(log)
         return result
 
