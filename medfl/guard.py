@@ -99,14 +99,16 @@ LOADER_EPOCHS = 3
 
 _VARIANTS = ("f16", "bf16", "exact")
 _AXES = 8                          # gram groups: sample * _AXES + axis
-_TABLE_BITS = 20                   # prefilter tables: 2**20 booleans (1 MiB)
+_TABLE_BITS = 20                   # prefilter tables: at most 2**20 booleans (1 MiB) ...
+_TABLE_MIN_BITS = 12               # ... at least 2**12, and 16 slots per probe in between
+_TABLE_SLOTS_PER_PROBE = 16        # (a random value passes the prefilter with odds <= 1/16)
 _MULT = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
                   0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9],
                  dtype=np.uint64)
 _CACHE: "OrderedDict[str, SplitReference]" = OrderedDict()
 _CACHE_MAX = 256                   # split references (about 1.5 KB per sample each)
 _MERGED: "OrderedDict[tuple[str, ...], _Index]" = OrderedDict()   # a client's splits, merged
-_MERGED_MAX = 4
+_MERGED_BYTES = 32 << 20          # merged indices kept, in bytes (tables sized to the probes: ~0.5-1 MiB a client)
 _log = logging.getLogger("medfl.guard")
 _LOCK = threading.Lock()
 
@@ -339,10 +341,14 @@ def _lru_get(cache: "OrderedDict[Any, Any]", key: Any) -> Any:
         return hit
 
 
-def _lru_put(cache: "OrderedDict[Any, Any]", key: Any, value: Any, size: int) -> None:
+def _lru_put(cache: "OrderedDict[Any, Any]", key: Any, value: Any, size: int,
+             weight: Callable[[Any], int] | None = None) -> None:
+    """Keep ``value``; drop the least recently used entries beyond ``size`` entries (or,
+    with ``weight``, beyond ``size`` in total weight; the newest entry always stays)."""
     with _LOCK:
         cache[key] = value
-        while len(cache) > size:
+        total = (lambda: sum(map(weight, cache.values()))) if weight else (lambda: len(cache))
+        while len(cache) > 1 and total() > size:
             cache.popitem(last=False)
 
 
@@ -383,6 +389,15 @@ class _Index:
     gneed: dict[str, np.ndarray] = field(default_factory=dict)    # hits needed per (sample, axis) group
     gtable: dict[str, np.ndarray] = field(default_factory=dict)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory of the arrays (what the merged-index cache counts)."""
+        arrays = [self.vbits, self.vsample, self.vneed, *self.ggroup.values(), *self.gneed.values(),
+                  *self.gtable.values(), *(a for pair in self.grams.values() for a in pair)]
+        if self.vtable is not None:
+            arrays.append(self.vtable)
+        return int(sum(a.nbytes for a in arrays))
+
 
 def _need(count: np.ndarray, min_count: int, min_hits: int) -> np.ndarray:
     """Probe hits that recognise each sample (0: too few probes, never recognised)."""
@@ -391,18 +406,25 @@ def _need(count: np.ndarray, min_count: int, min_hits: int) -> np.ndarray:
     return need
 
 
-def _table(slots: np.ndarray) -> np.ndarray:
-    table = np.zeros(1 << _TABLE_BITS, dtype=bool)
+def _table_bits(probes: int) -> int:
+    """Bits of a prefilter table for ``probes`` entries: about 16 slots per probe, within
+    [2**12, 2**20] (a merged index is rebuilt for every client that is not cached, and a
+    fixed 1 MiB table per variant made the cache hold only a few clients)."""
+    return min(_TABLE_BITS, max(_TABLE_MIN_BITS, (probes * _TABLE_SLOTS_PER_PROBE - 1).bit_length()))
+
+
+def _table(slots: np.ndarray, tbits: int) -> np.ndarray:
+    table = np.zeros(1 << tbits, dtype=bool)
     table[slots] = True
     return table
 
 
-def _value_slot(bits: np.ndarray) -> np.ndarray:
-    return (bits & np.uint32((1 << _TABLE_BITS) - 1)).astype(np.intp)
+def _value_slot(bits: np.ndarray, tbits: int) -> np.ndarray:
+    return (bits & np.uint32((1 << tbits) - 1)).astype(np.intp)
 
 
-def _key_slot(keys: np.ndarray) -> np.ndarray:
-    return (keys >> np.uint64(64 - _TABLE_BITS)).astype(np.intp)
+def _key_slot(keys: np.ndarray, tbits: int) -> np.ndarray:
+    return (keys >> np.uint64(64 - tbits)).astype(np.intp)
 
 
 def _magnitude_range(vbits: np.ndarray) -> tuple[np.uint32, np.uint32]:
@@ -435,7 +457,8 @@ def _merge(refs: list[tuple[str, SplitReference]]) -> _Index:
     vbits = cat(vb, np.uint32)
     index = _Index(names=names, vbits=vbits, vsample=cat(vs, np.int64),
                    vneed=_need(cat(vc, np.int64), MIN_VALUE_PROBES, 4),
-                   vtable=_table(_value_slot(vbits)) if vbits.size else None,
+                   vtable=_table(_value_slot(vbits, _table_bits(vbits.size)), _table_bits(vbits.size))
+                   if vbits.size else None,
                    vrange=_magnitude_range(vbits))
     for v in _VARIANTS:
         keys = cat(gk[v], np.uint64)
@@ -444,7 +467,8 @@ def _merge(refs: list[tuple[str, SplitReference]]) -> _Index:
             index.grams[v] = (keys, cat(gp[v], np.int64))
             index.ggroup[v] = group
             index.gneed[v] = _need(np.bincount(group, minlength=offset * _AXES), 3, 3)
-            index.gtable[v] = _table(_key_slot(keys))
+            tbits = _table_bits(keys.size)
+            index.gtable[v] = _table(_key_slot(keys, tbits), tbits)
     return index
 
 
@@ -716,7 +740,7 @@ class ContentGuard:
             merged = _lru_get(_MERGED, tuple(keys))
             if merged is None:
                 merged = _merge(refs)
-                _lru_put(_MERGED, tuple(keys), merged, _MERGED_MAX)
+                _lru_put(_MERGED, tuple(keys), merged, _MERGED_BYTES, weight=lambda ix: ix.nbytes)
             self._labels, self._index = labels, merged
         return self._index
 
@@ -853,11 +877,12 @@ class ContentGuard:
         of non-negative floats are ordered), the rest by the prefilter table, then exactly."""
         found = []
         lo, hi = ix.vrange
+        tbits = ix.vtable.size.bit_length() - 1   # type: ignore[union-attr]
         for a in range(0, bits.size, _CHUNK):
             c = bits[a:a + _CHUNK]
             mag = c & np.uint32(0x7FFFFFFF)
             c = c[(mag >= lo) & (mag <= hi)]
-            c = c[ix.vtable[_value_slot(c)]] if c.size else c   # type: ignore[index]
+            c = c[ix.vtable[_value_slot(c, tbits)]] if c.size else c   # type: ignore[index]
             if c.size:
                 found.append(c)
         if not found:
@@ -871,11 +896,12 @@ class ContentGuard:
             return
         keys, pos = ix.grams[variant]
         table = ix.gtable[variant]
+        tbits = table.size.bit_length() - 1
         m = codes.size - GRAM + 1
         found = []
         for a in range(0, m, _CHUNK):
             k = _rolling_keys(codes[a:min(m, a + _CHUNK) + GRAM - 1])
-            cand = k[table[_key_slot(k)]]
+            cand = k[table[_key_slot(k, tbits)]]
             if cand.size:
                 hit = np.isin(keys, cand)
                 if hit.any():
@@ -901,8 +927,9 @@ def loader_orders(loader: DataLoader, epochs: int) -> list[np.ndarray]:
     n = len(loader.dataset)  # type: ignore[arg-type]
     replay = torch.Generator()
     replay.set_state(gen.get_state())
-    idx = DataLoader(range(n), batch_size=loader.batch_size or 1, shuffle=True,  # type: ignore[arg-type]
-                     generator=replay)
+    # one batch per pass: the order is the sampler's whatever the batch size (without
+    # drop_last), and collating 1 batch instead of n / batch_size is what costs here
+    idx = DataLoader(range(n), batch_size=max(n, 1), shuffle=True, generator=replay)  # type: ignore[arg-type]
     out = []
     for _ in range(max(0, epochs)):
         order = [b.reshape(-1) for b in idx]

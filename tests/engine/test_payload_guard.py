@@ -412,3 +412,43 @@ def test_the_guard_reads_a_clients_splits_once_per_run(tiny_fl) -> None:
     ContentGuard.for_client(ClientContext(client_id="0", round=1, seed=0, datasets=again.dataset_factories("0", roles),
                                           model_spec={}, train={"batch_size": 8, "epochs": 1})).index()
     assert len(built) == 2 * len(first) + 2 + 1   # + the labels check's train dataset above
+
+
+def test_the_merged_index_of_every_client_stays_cached_across_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20: the merged index (a client's splits with their prefilter tables) was kept for
+    4 clients only, so with more clients every round merged every client's index again. The
+    tables are sized to the probes now and the cache is bounded in bytes: 12 clients are
+    merged once, their indices are reused, and they still recognise their images."""
+    import medfl.guard as guard_module
+
+    clear_reference_cache()
+    merges: list[int] = []
+    real_merge = guard_module._merge
+    monkeypatch.setattr(guard_module, "_merge", lambda refs: merges.append(1) or real_merge(refs))
+    clients = {str(c): _data(40, (1, 16, 16), seed=300 + c) for c in range(12)}
+    for _round in range(3):
+        for cid, data in clients.items():
+            ContentGuard(cid, {"train": data}).index()
+    assert len(merges) == 12
+    sizes = [ix.nbytes for ix in guard_module._MERGED.values()]
+    assert len(sizes) == 12 and max(sizes) < 2 << 20, sizes   # not 4 MiB of fixed tables each
+    cid, data = "7", clients["7"]
+    with pytest.raises(PayloadError, match="image"):
+        ContentGuard(cid, {"train": data}).check({"x": data.tensors[0][:8].clone()}, "reply")
+
+
+@pytest.mark.parametrize("n, batch", [(1, 8), (13, 4), (64, 8), (65, 64)])
+def test_the_replayed_training_order_is_the_loaders(n: int, batch: int) -> None:
+    """The guard replays a shuffling loader's sample order (one batch per pass) without
+    reading a sample; it must be the order the loader itself yields, epoch after epoch."""
+    from torch.utils.data import DataLoader
+
+    from medfl.guard import loader_orders
+
+    data = _data(n, (1, 2, 2), seed=n)
+    loader = DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(5))
+    replayed = loader_orders(loader, 3)
+    position = {float(x.sum()): i for i, (x, _) in enumerate(data)}
+    for epoch in range(3):
+        seen = [position[float(x.sum())] for xb, _ in loader for x in xb]
+        assert replayed[epoch].tolist() == seen
