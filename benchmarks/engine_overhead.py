@@ -123,6 +123,8 @@ class _DatasetPlugin:
 
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
+        self.profiler: Any = None
+        self.profile_span: tuple[int, int, str] = (0, 0, "")
 
     @hookimpl
     def on_run_start(self, run):  # noqa: ANN001
@@ -135,6 +137,17 @@ class _DatasetPlugin:
     @hookimpl
     def on_round_end(self, run, round, metrics):  # noqa: ANN001, A002
         self.marks[f"round_end_{round}"] = time.perf_counter()
+        if self.profiler is not None and round == self.profile_span[0]:
+            self.profiler.enable()
+        elif self.profiler is not None and round == self.profile_span[1]:
+            self.profiler.disable()
+            self.profiler.dump_stats(self.profile_span[2])
+
+    def profile_rounds(self, after: int, until: int, out: str) -> None:
+        """Profile from the end of round ``after`` to the end of round ``until`` into ``out``."""
+        import cProfile
+
+        self.profiler, self.profile_span = cProfile.Profile(), (after, until, out)
 
     @hookimpl(tryfirst=True)
     def on_run_end(self, run, summary):  # noqa: ANN001
@@ -339,6 +352,8 @@ def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from medfl.engine.runner import run_experiment
 
     plugin = ensure_plugin()  # plugin discovery happens once per process, before the clock starts
+    if getattr(a, "profile", None):
+        plugin.profile_rounds(2, a.rounds - 1, a.profile)
     cfg = resolve_config(fl_config(a.clients, a.rounds, a.samples_per_client, a.batch_size,
                                    a.seed, str(work / "runs")))
     rss0 = current_rss_mb()
@@ -486,6 +501,8 @@ def spawn(a: argparse.Namespace, mode: str, clients: int, rounds: int, work: Pat
            "--flower-client-cpus", str(a.flower_client_cpus)]
     if a.flower_logs:
         cmd.append("--flower-logs")
+    if getattr(a, "profile", None):
+        cmd += ["--profile", str(Path(a.profile).resolve())]
     print(f"  {label:<28s} ...", end="", flush=True)
     t0 = time.perf_counter()
     with open(d / "log.txt", "w") as log:
@@ -518,6 +535,29 @@ def compare_states(p1: str, p2: str) -> float:
     # floating-point entries only: integer buffers (BatchNorm's num_batches_tracked) are
     # averaged and rounded by medfl and the plain loop, and truncated by Flower's float32 mean
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
+
+
+def profile_steady_rounds(a: argparse.Namespace) -> int:
+    """``--profile``: one medfl run in a fresh process, profiled over its steady rounds; print
+    where the time goes (by own time and by cumulative time)."""
+    import pstats
+
+    if a.rounds < 4:
+        raise SystemExit(f"--profile needs --rounds >= 4 (rounds 3..R-1 are profiled), got {a.rounds}")
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="medfl-bench-"))
+    try:
+        res = spawn(a, "medfl", a.clients, a.rounds, work, "medfl-profiled")
+        steady = res["round_s"][2:a.rounds - 1]
+        print(f"\nrounds 3..{a.rounds - 1} under cProfile: {sum(steady) / len(steady):.3f} s/round "
+              f"(profiling slows Python code; compare shares, not seconds)")
+        stats = pstats.Stats(a.profile)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
+        print(f"stats written to {a.profile} (python -m pstats {a.profile})")
+    finally:
+        if not a.keep and not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,6 +594,10 @@ def main(argv: list[str] | None = None) -> int:
                         "with all cores, as plain and medfl run)")
     p.add_argument("--flower-logs", action="store_true", help="keep Flower's INFO logs (in the child log)")
     p.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
+    p.add_argument("--profile", metavar="OUT",
+                   help="instead of timing: run medfl once under cProfile from the end of round 2 to the end "
+                        "of round R-1 (the steady rounds; needs --rounds >= 4), write the stats to OUT (pstats) "
+                        "and print the functions that take the most time")
     p.add_argument("--workdir", help="where runs are written (default: a temporary directory, removed)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--child-timeout", type=float, default=900, help=argparse.SUPPRESS)
@@ -570,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         run_child(a)
         return 0
+    if a.profile:
+        return profile_steady_rounds(a)
 
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="medfl-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """A plain Flower app - Flower's own ``FedAvg`` strategy, a ClientApp with a plain PyTorch
 training loop - on the data and model of ``flower_overhead.py``'s job: the anchor medfl over
-Flower is measured against (issue 20). ``flower_overhead.py --anchor`` copies this file into
+Flower is measured against (issue 20). ``flower_overhead.py`` (unless ``--skip-anchor``) copies this file into
 a Flower app directory and runs it with ``flwr run`` on the same loopback deployment as medfl:
 a SuperLink and one ``flower-supernode`` per client (node config ``partition-id``).
 
