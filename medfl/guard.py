@@ -234,7 +234,9 @@ def _sample_probes(x: np.ndarray, rng: np.random.Generator, exact_grams: bool
             nzero = ((cand_g == zeros[0]) | (cand_g == zeros[1])).sum(axis=1)
             ok = (distinct >= 3) & (nzero <= GRAM // 2)
             good = cand_g[ok]
-            first = np.sort(np.unique(good, axis=0, return_index=True)[1]) if len(good) else []
+            # the first occurrence of each distinct run, found through the runs' 64-bit keys
+            # (what the index stores; NumPy's row-wise unique costs 4x more per sample)
+            first = np.sort(np.unique(_gram_keys(good), return_index=True)[1]) if len(good) else []
             chosen = good[first][:GRAM_POSITIONS]                 # distinct runs, in random order
             if len(chosen):
                 grams[variant].append((axis, chosen))
