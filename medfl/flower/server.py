@@ -34,10 +34,11 @@ from __future__ import annotations
 import json
 import sys
 import re
+import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -121,6 +122,9 @@ class FlowerSettings:
     poll_interval: float = 0.2
     progress_interval: float = 15.0
     site_nodes: str = ""
+    #: set by the process that runs the coordinator in a thread (the simulation runtime) to
+    #: stop it: the next wait raises ``KeyboardInterrupt`` there (not a run-config key)
+    stop: threading.Event | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> "FlowerSettings":
@@ -129,10 +133,23 @@ class FlowerSettings:
         their defaults)."""
         kw: dict[str, Any] = {}
         for f in fields(cls):
+            if f.name == "stop":
+                continue
             key = f.name.replace("_", "-")
             if key in run_config and run_config[key] not in ("", None):
                 kw[f.name] = str(run_config[key]) if f.name == "site_nodes" else float(run_config[key])
         return cls(**kw)
+
+    def pause(self) -> None:
+        """Wait one ``poll_interval`` between two pulls, unless the run was told to stop.
+
+        Raises:
+            KeyboardInterrupt: :attr:`stop` is set (the coordinator then saves what it has
+                and says how to resume, as after Ctrl-C in process).
+        """
+        if self.stop is not None and self.stop.is_set():
+            raise KeyboardInterrupt
+        time.sleep(self.poll_interval)
 
     def pins(self) -> dict[str, int]:
         """``site_nodes`` read: ``{client id: node id}`` (``{}`` when empty).
@@ -276,7 +293,7 @@ class SiteDirectory:
             missing = need - set(self.nodes)
             if (not fresh and not missing) or time.monotonic() >= deadline:
                 return
-            time.sleep(self.settings.poll_interval)
+            self.settings.pause()
 
     def drop(self, cid: str) -> None:
         """Forget ``cid``'s node after it missed an exchange (it is asked again later)."""
@@ -493,7 +510,7 @@ class FlowerRun(Run):
                 self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node, "status": "ok",
                            "seconds": secs})
             if by_msg:
-                time.sleep(self.settings.poll_interval)
+                self.settings.pause()
         for cid in by_msg.values():
             self._log({"round": r, "phase": phase, "client_id": cid, "node_id": self.sites.nodes.get(cid),
                        "status": "timeout", "seconds": time.monotonic() - sent_at[cid]})

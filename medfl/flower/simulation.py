@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,8 @@ def _backend_config(backend: dict[str, Any]) -> dict[str, Any]:
 
 
 def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[str, Any]:
-    """Run ``serve(grid)`` as the ServerApp with one simulated SuperNode per client."""
+    """Run ``serve(grid, stop)`` as the ServerApp with one simulated SuperNode per client; Ctrl-C
+    sets ``stop``, and the coordinator saves its rounds and stops (``KeyboardInterrupt`` here)."""
     missing = ray_missing()
     if missing:
         raise RunError(missing)
@@ -169,10 +171,19 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
     handler = SimulatedSites(cfg, client_ids, state_dir, Path.cwd(), backend["client_cpus"])
     out: dict[str, Any] = {}
     server = ServerApp()
+    stop, done = threading.Event(), threading.Event()
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        out["result"] = serve(grid)
+        # the coordinator runs in Flower's ServerApp thread; Ctrl-C reaches the main thread
+        # (Flower's runtime loop), which sets ``stop``: the coordinator's next wait raises
+        # KeyboardInterrupt here, it saves its rounds and says how to resume
+        try:
+            out["result"] = serve(grid, stop)
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+        finally:
+            done.set()
 
     # Ray's coming default (it warns otherwise): a client holding no GPU is not hidden the
     # machine's; a CUDA run without client_gpus is refused above
@@ -183,8 +194,15 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
     try:
         run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
                        backend_config=_backend_config(backend))
+    except KeyboardInterrupt:
+        stop.set()
+        quiet.stopping = True
+        done.wait(_STOP_WAIT)   # the coordinator notices within one poll interval
+        raise
     finally:
         flwr_logger.removeFilter(quiet)
+    if out.get("interrupted"):
+        raise KeyboardInterrupt
     if "result" not in out:
         raise RunError("Flower's simulation runtime ended before the experiment finished (its log is above)")
     return out["result"]
@@ -192,10 +210,19 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
 
 class _DropDeprecation(logging.Filter):
     """Drop Flower's notice that ``run_simulation`` is deprecated in favour of ``flwr run``:
-    medfl calls it for the user, who cannot act on it (docs/flower.md says so)."""
+    medfl calls it for the user, who cannot act on it (docs/flower.md says so); once the
+    user stopped the run, drop the errors of clients whose actors Ctrl-C ended too."""
+
+    stopping = False
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.stopping and record.levelno >= logging.ERROR:
+            return False
         return "run_simulation" not in str(record.getMessage())
+
+
+#: Seconds the main thread waits, after Ctrl-C, for the coordinator to save and stop.
+_STOP_WAIT = 60.0
 
 
 def _settings() -> FlowerSettings:
@@ -203,9 +230,11 @@ def _settings() -> FlowerSettings:
     return FlowerSettings(poll_interval=0.01, connect_timeout=120.0, hello_timeout=60.0, progress_interval=30.0)
 
 
-def _factory(grid: Grid) -> Any:
+def _factory(grid: Grid, stop: threading.Event | None = None) -> Any:
     def build(cfg: dict[str, Any], spec: dict[str, Any], run_dir: Path, data: FederatedData) -> SimulationRun:
-        return SimulationRun(cfg, spec, run_dir, data, grid, _settings())
+        settings = _settings()
+        settings.stop = stop
+        return SimulationRun(cfg, spec, run_dir, data, grid, settings)
     return build
 
 
@@ -228,13 +257,14 @@ def run_simulated(cfg: dict[str, Any]) -> dict[str, Any]:
     Raises:
         RunError: Ray is not installed, or the run fails.
     """
-    return _simulate(cfg, _client_ids(cfg), lambda grid: run_experiment(
-        cfg, run_factory=_factory(grid), meta={"engine": "simulation"}))
+    return _simulate(cfg, _client_ids(cfg), lambda grid, stop: run_experiment(
+        cfg, run_factory=_factory(grid, stop), meta={"engine": "simulation"}))
 
 
 def resume_simulated(path: str | Path, cfg: dict[str, Any], rounds: int | None = None) -> dict[str, Any]:
     """Continue a stopped simulated run or experiment (``cfg``: its saved ``fl`` config)."""
-    return _simulate(cfg, _client_ids(cfg), lambda grid: resume(path, rounds, run_factory=_factory(grid)))
+    return _simulate(cfg, _client_ids(cfg), lambda grid, stop: resume(path, rounds,
+                                                                         run_factory=_factory(grid, stop)))
 
 
 def is_simulated(cfg: dict[str, Any], run_factory: Any) -> bool:

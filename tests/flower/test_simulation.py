@@ -78,17 +78,46 @@ def test_simulation_runtime_matches_in_process_and_resumes(tmp_path: Path, one_t
         _compare(Path(resumed["dir"]), ref_dir, label)
 
 
-def test_cli_backend_option_runs_on_the_simulation_runtime(tmp_path: Path) -> None:
-    from medfl.cli import main
+def test_cli_backend_option_runs_on_the_simulation_runtime_and_ctrl_c_stops_it(tmp_path: Path) -> None:
+    """`medfl run CONFIG --backend ray` as a user runs it (a process of its own), stopped with
+    Ctrl-C once a round is saved: the coordinator runs in Flower's ServerApp thread while
+    Ctrl-C reaches the main thread, which must stop it, not leave it waiting for clients whose
+    actors Ctrl-C ended. It exits 130 at once, status.json says "interrupted" and the message
+    says how to resume; the option keeps the config's backend resources."""
+    import signal
+    import subprocess
+    import sys
+    import time
 
-    fl = fl_config(tmp_path, "cli", {**JOB, "rounds": 1, "methods": [{"name": "fedavg"}],
+    fl = fl_config(tmp_path, "cli", {**JOB, "rounds": 200, "methods": [{"name": "fedavg"}],
+                                     "eval_splits": ["test"],
                                      "backend": {"name": "inprocess", "client_cpus": 1, "num_cpus": 2}})
     cfg = write_config(tmp_path / "train.json", fl)
-    assert main(["run", str(cfg), "--fl#name", "cli", "--backend", "ray"]) == 0
-    saved = json.loads((tmp_path / "runs" / "cli" / "config.json").read_text())
-    assert saved["engine"] == "simulation"
-    assert saved["fl"]["backend"] == {"name": "ray", "client_cpus": 1, "client_gpus": 0.0, "num_cpus": 2,
-                                      "num_gpus": None}   # the option keeps the config's resources
+    status = tmp_path / "runs" / "cli" / "fedavg" / "status.json"
+    proc = subprocess.Popen([sys.executable, "-m", "medfl.cli", "run", str(cfg), "--backend", "ray"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if status.is_file() and json.loads(status.read_text() or "{}").get("last_round", 0) >= 1:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    saved = json.loads(status.read_text())
+    assert saved["status"] == "interrupted" and 1 <= saved["last_round"] < 200
+    assert "interrupted" in err and f"continue with: medfl resume {tmp_path / 'runs' / 'cli'}" in err
+    assert "Traceback" not in err, err[-3000:]
+    config = json.loads((tmp_path / "runs" / "cli" / "config.json").read_text())
+    assert config["engine"] == "simulation"
+    assert config["fl"]["backend"] == {"name": "ray", "client_cpus": 1, "client_gpus": 0.0, "num_cpus": 2,
+                                       "num_gpus": None}   # the option keeps the config's resources
 
 
 @pytest.mark.parametrize("backend, message", [
