@@ -29,6 +29,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -191,6 +193,23 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
     quiet = _DropDeprecation()
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.addFilter(quiet)
+    def stopping(*_: Any) -> None:
+        # first Ctrl-C: the coordinator saves and returns at its next poll, the ServerApp ends
+        # and Flower's runtime stops once the clients' current messages are answered (ending
+        # the actors under a pending answer instead can leave Flower's runtime threads waiting
+        # on Ray for ever); a second Ctrl-C stops at once
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        quiet.stopping = True
+        sys.stderr.write("medfl: stopping (the finished rounds are kept; the clients finish the message they "
+                         "are on; Ctrl-C again to stop at once)\n")
+        sys.stderr.flush()
+
+    previous = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) not in (
+            signal.SIG_IGN, None):
+        previous = signal.signal(signal.SIGINT, stopping)
     try:
         run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
                        backend_config=_backend_config(backend))
@@ -200,6 +219,8 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
         done.wait(_STOP_WAIT)   # the coordinator notices within one poll interval
         raise
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         flwr_logger.removeFilter(quiet)
     if out.get("interrupted"):
         raise KeyboardInterrupt
