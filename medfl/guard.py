@@ -613,20 +613,27 @@ def _class_block(m: np.ndarray, axis: int) -> bool:
     if m.shape[axis] < 2 or m.dtype.kind not in "fiub":
         return False
     with np.errstate(invalid="ignore"):
-        return bool(np.all(m >= 0) and np.allclose(m.sum(axis=axis, dtype=np.float64), 1.0, atol=1e-3))
+        if not np.all(m >= 0):
+            return False
+        # ``np.allclose(sums, 1, atol=1e-3)`` without its per-call overhead (NaN fails both)
+        return bool(np.max(np.abs(m.sum(axis=axis, dtype=np.float64) - 1.0)) <= 1e-3 + 1e-5)
 
 
-def _label_candidates(arr: np.ndarray, sizes: set[int], one_d: bool) -> list[tuple[str, np.ndarray, bool]]:
+def _label_candidates(arr: np.ndarray, sizes: set[int], one_d: bool, runs: bool = True
+                      ) -> list[tuple[str, np.ndarray, bool]]:
     """The 1-D sequences of a tensor (or list) in which label vectors are looked for, and
     whether a label vector must fill the whole sequence: flattened (runs); a 2-D block also
     by columns (runs) and, when it holds one-hot rows or class probabilities, through its
-    argmax (whole); a vector of ``n * K`` such values also as ``n`` rows of ``K`` (whole)."""
-    out = [("", arr.reshape(-1), False)]
+    argmax (whole); a vector of ``n * K`` such values also as ``n`` rows of ``K`` (whole).
+    ``runs=False`` (the tensor holds too few label-like values for any run to match) leaves
+    out the two run readings."""
+    out = [("", arr.reshape(-1), False)] if runs else []
     dims = [d for d in arr.shape if d != 1]
     blocks: list[tuple[str, np.ndarray]] = []
     if len(dims) == 2:
         m = arr.reshape(dims)
-        out.append((" (read by columns)", np.ascontiguousarray(m.T).reshape(-1), False))
+        if runs:
+            out.append((" (read by columns)", np.ascontiguousarray(m.T).reshape(-1), False))
         blocks.append(("", m))
     elif one_d or len(dims) <= 1:
         flat = arr.reshape(-1)
@@ -641,6 +648,48 @@ def _label_candidates(arr: np.ndarray, sizes: set[int], one_d: bool) -> list[tup
         if m.shape[1] in sizes and _class_block(m, 0):
             out.append((f"{how} (argmax of each column)", m.argmax(axis=0), True))
     return out
+
+
+def _may_hold_runs(tensors: list[torch.Tensor], lo: int, hi: int, shortest: int
+                   ) -> tuple[list[bool], list[bool]]:
+    """For each tensor, whether it holds at least ``shortest`` label-like values (whole
+    numbers in ``[lo, hi]``, the range of every label vector): one with fewer cannot hold a
+    run that :func:`_search` would match, in any reading; and whether all its values are
+    ``>= 0`` (a one-hot or probability block must be). Real floating-point tensors are
+    counted together in one pass (a model's dozens of tensors cost one concatenation, not
+    dozens of NumPy calls); any other tensor is answered True, True (searched as before).
+    Counting in float32 only adds candidates: a whole number in range stays one, and a value
+    that rounds onto one is searched too."""
+    runs, nonneg = [True] * len(tensors), [True] * len(tensors)
+    idx = [i for i, t in enumerate(tensors)
+           if t.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)]
+    if not idx:
+        return runs, nonneg
+    with torch.no_grad():
+        flat = torch.cat([tensors[i].detach().reshape(-1).cpu().to(torch.float32) for i in idx]).numpy()
+    starts = np.cumsum([0] + [tensors[i].numel() for i in idx[:-1]])
+    with np.errstate(invalid="ignore"):
+        like = (flat >= lo) & (flat <= hi)
+        like &= np.floor(flat) == flat
+        counts = np.add.reduceat(like, starts, dtype=np.int64).tolist()
+        # NaN fails ``>= 0``: a block holding NaN is no class block
+        negatives = [not v >= 0 for v in np.minimum.reduceat(flat, starts).tolist()]
+    for i, c, n in zip(idx, counts, negatives):
+        runs[i], nonneg[i] = c >= shortest, not n
+    return runs, nonneg
+
+
+def _may_be_block(shape: torch.Size, sizes: set[int]) -> bool:
+    """Whether :func:`_label_candidates` may read a tensor of ``shape`` through an argmax:
+    a 2-D block (dimensions of 1 dropped) or a vector of ``n * K`` values, ``n`` a label
+    vector's length."""
+    dims = [d for d in shape if d != 1]
+    if len(dims) == 2:
+        return True
+    if len(dims) <= 1 or len(shape) == 1:
+        n_all = math.prod(shape)
+        return any(2 <= n_all // n <= 1024 and (n_all // n) * n == n_all for n in sizes)
+    return False
 
 
 def _rolling_keys(codes: np.ndarray) -> np.ndarray:
@@ -792,18 +841,21 @@ class ContentGuard:
             return
         sizes = {len(y) for _, y in labels}
         shortest = min(sizes)
-        seqs: list[tuple[str, np.ndarray, bool]] = []
-        for path, t in leaves.tensors + leaves.stacks:
-            if t.numel() >= shortest:
-                seqs.append((path, _numeric(t), t.dim() == 1))
+        tensors = [(path, t) for path, t in leaves.tensors + leaves.stacks if t.numel() >= shortest]
+        runs, nonneg = _may_hold_runs([t for _, t in tensors], min(int(y.min()) for _, y in labels),
+                                      max(int(y.max()) for _, y in labels), shortest)
+        seqs: list[tuple[str, np.ndarray, bool, bool]] = []
+        for (path, t), can_run, blocks in zip(tensors, runs, nonneg):
+            if can_run or (blocks and _may_be_block(t.shape, sizes)):
+                seqs.append((path, _numeric(t), t.dim() == 1, can_run))
         for path, arr in leaves.lists:
             if arr.size >= shortest:
-                seqs.append((path, arr, arr.ndim == 1))
+                seqs.append((path, arr, arr.ndim == 1, True))
         if len(leaves.scalars) >= shortest:
-            seqs.append(("\0scalars", np.asarray(leaves.scalars, dtype=np.float64), True))
+            seqs.append(("\0scalars", np.asarray(leaves.scalars, dtype=np.float64), True, True))
         matches, tests = [], 0
-        for path, arr, one_d in seqs:
-            for how, seq, whole in _label_candidates(arr, sizes, one_d):
+        for path, arr, one_d, can_run in seqs:
+            for how, seq, whole in _label_candidates(arr, sizes, one_d, can_run):
                 found, n_tests = _search(seq, labels, whole)
                 tests += n_tests
                 matches += [(path, how, *m) for m in found]

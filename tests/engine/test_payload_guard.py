@@ -452,3 +452,51 @@ def test_the_replayed_training_order_is_the_loaders(n: int, batch: int) -> None:
     for epoch in range(3):
         seen = [position[float(x.sum())] for xb, _ in loader for x in xb]
         assert replayed[epoch].tolist() == seen
+
+
+@pytest.mark.parametrize("form", ["float", "(N,1)", "one-hot", "probabilities", "one-hot flattened",
+                                  "label column of a table", "padded by one", "bfloat16", "float64 among NaN"])
+def test_labels_hidden_among_a_models_weights_are_refused(ctx_data: tuple[_Data, _Data], form: str) -> None:
+    """The label scan first counts, over all of a reply's floating tensors in one pass, the
+    whole numbers in the labels' range and the negative values, and skips the readings a
+    tensor cannot match: a leak put among a real model's weights (dozens of tensors) is
+    still found, whatever its form."""
+    from medfl.models.registry import build_model
+
+    leaks = {**LABEL_LEAKS, "bfloat16": lambda c: _y(c).bfloat16(),
+             "float64 among NaN": lambda c: torch.cat([torch.full((3,), float("nan")), _y(c).double()])}
+    state = build_model({"name": "resnet10", "width": 16, "spatial_dims": 2, "in_channels": 1,
+                         "num_classes": K}).state_dict()
+
+    def make(c: ClientContext) -> dict[str, Any]:
+        return {**{k: v.clone() for k, v in state.items()}, "zz.leak": leaks[form](c)}
+
+    class _InState(_Leak):
+        def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
+            return Reply(payload=make(client), metrics={"loss": 0.3})
+
+    if form == "float64 among NaN":   # NaN is refused as non-finite before the guard runs: check directly
+        with pytest.raises(PayloadError, match=r"\['zz.leak'\].*labels of client 3's train split"):
+            ContentGuard("3", {"train": ctx_data[0]}).check(make(_ctx(*ctx_data)), "reply")
+        return
+    with pytest.raises(PayloadError, match=r"\['zz.leak'\].*labels of client 3's (train|test) split"):
+        run_client_update(_InState(), _ctx(*ctx_data), Instruction())
+
+
+def test_the_non_finite_check_of_a_model_state_names_the_tensor() -> None:
+    """``first_non_finite`` sums a model state's floating tensors in one pass: a NaN or an
+    infinity in any of them is named; finite values whose sum overflows are not refused."""
+    from medfl.engine.client import first_non_finite
+    from medfl.models.registry import build_model
+
+    state = {k: v.clone() for k, v in build_model({"name": "resnet10", "width": 16, "spatial_dims": 2,
+                                                    "in_channels": 1, "num_classes": 2}).state_dict().items()}
+    assert first_non_finite(state) == ""
+    key = sorted(k for k, v in state.items() if v.is_floating_point())[7]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = {**state, key: state[key].clone()}
+        broken[key].view(-1)[-1] = bad
+        assert first_non_finite(broken) == f"[{key!r}]"
+    huge = {**state, "big": torch.full((4,), 3e38), "wide": torch.tensor([1e300], dtype=torch.float64)}
+    assert first_non_finite(huge) == ""
+    assert first_non_finite({**huge, "half": torch.tensor([float("inf")], dtype=torch.float16)}) == "['half']"
