@@ -3,8 +3,12 @@
 A change of the method contract or the engine must not move any built-in method's results.
 ``builtin_numbers.json`` holds, per method, the ``metrics.csv`` and ``train_metrics.csv`` of
 a two-round job on the synthetic set, as the code wrote them when the file was recorded;
-this test reruns the jobs and compares every value exactly (same machine kind, same pinned
-torch). When a change moves a method's numbers on purpose, re-record with
+this test reruns the jobs and compares them: evaluation metrics and counts exactly, training
+losses to a relative 1e-5 and message sizes to 32 bytes. The pinned torch computes the same
+numbers on one machine kind, but another CPU kind (AVX-512 or AVX2 kernels) sums in another
+order: training losses then move by about 1e-7 relative (2e-6 where noise is scaled by them)
+and a reply's size by a byte or two (scalars travel as text). A change of a method moves
+them by orders of magnitude more. When a change moves a method's numbers on purpose, re-record with
 ``python tests/engine/test_builtin_numbers.py --write`` and say why in the commit.
 """
 
@@ -83,7 +87,31 @@ def test_builtin_method_numbers_are_unchanged(method: str, tmp_path: Path) -> No
         # columns may be added by a change; every recorded column keeps its exact values
         missing = [c for c in want.columns if c not in got.columns]
         assert not missing, f"{method} {f}: columns {missing} are gone"
-        pd.testing.assert_frame_equal(got[list(want.columns)], want, check_exact=True, obj=f"{method} {f}")
+        got = got[list(want.columns)]
+        assert len(got) == len(want), f"{method} {f}: {len(got)} rows, recorded {len(want)}"
+        for col in want.columns:
+            assert_column_matches(got[col], want[col], f"{method} {f} column {col!r}")
+
+
+#: floating-point training values (losses, distances) that another CPU kind rounds differently
+RTOL = 1e-5
+#: message sizes: a scalar's text may gain or lose a digit
+BYTES_ATOL = 32
+
+
+def assert_column_matches(got: pd.Series, want: pd.Series, what: str) -> None:
+    """Compare one recorded column: metrics.csv and any non-float column exactly, except
+    ``bytes_*`` counts (within :data:`BYTES_ATOL`); floats of train_metrics.csv within
+    :data:`RTOL`. Missing values must stay missing."""
+    assert (got.isna() == want.isna()).all(), f"{what}: missing values moved: {got.tolist()} vs {want.tolist()}"
+    if str(got.name).startswith("bytes_"):
+        diff = (got - want).abs().max()
+        assert diff <= BYTES_ATOL, f"{what}: sizes differ by up to {diff} bytes: {got.tolist()} vs {want.tolist()}"
+    elif want.dtype.kind == "f" and "train_metrics" in what:
+        pd.testing.assert_series_equal(got.astype(float), want, check_exact=False, rtol=RTOL, atol=1e-8,
+                                       obj=what)
+    else:
+        pd.testing.assert_series_equal(got, want, check_exact=True, obj=what)
 
 
 def test_every_built_in_method_has_recorded_numbers() -> None:
