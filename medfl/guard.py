@@ -619,30 +619,38 @@ def _class_block(m: np.ndarray, axis: int) -> bool:
         return bool(np.max(np.abs(m.sum(axis=axis, dtype=np.float64) - 1.0)) <= 1e-3 + 1e-5)
 
 
+def _block_shapes(shape: tuple[int, ...], sizes: set[int], one_d: bool) -> list[tuple[str, tuple[int, int]]]:
+    """The 2-D blocks that :func:`_label_candidates` reads a value of ``shape`` as, each with
+    its description: a 2-D shape itself (dimensions of 1 dropped); a vector (or ``one_d``
+    value) of ``n * K`` values, ``n`` a label vector's length and ``2 <= K <= 1024``, as
+    ``n`` rows of ``K`` and as ``K`` rows of ``n``; anything else none."""
+    dims = [d for d in shape if d != 1]
+    if len(dims) == 2:
+        return [("", (dims[0], dims[1]))]
+    if not (one_d or len(dims) <= 1):
+        return []
+    size = math.prod(shape)
+    out = []
+    for n in sizes:
+        k = size // n
+        if 2 <= k <= 1024 and k * n == size:
+            out += [(f" (as {n} rows of {k})", (n, k)), (f" (as {k} rows of {n})", (k, n))]
+    return out
+
+
 def _label_candidates(arr: np.ndarray, sizes: set[int], one_d: bool, runs: bool = True
                       ) -> list[tuple[str, np.ndarray, bool]]:
     """The 1-D sequences of a tensor (or list) in which label vectors are looked for, and
     whether a label vector must fill the whole sequence: flattened (runs); a 2-D block also
     by columns (runs) and, when it holds one-hot rows or class probabilities, through its
-    argmax (whole); a vector of ``n * K`` such values also as ``n`` rows of ``K`` (whole).
-    ``runs=False`` (the tensor holds too few label-like values for any run to match) leaves
-    out the two run readings."""
+    argmax (whole); a vector of ``n * K`` such values also as ``n`` rows of ``K`` (whole)
+    (:func:`_block_shapes`). ``runs=False`` (the tensor holds too few label-like values for
+    any run to match) leaves out the two run readings."""
     out = [("", arr.reshape(-1), False)] if runs else []
-    dims = [d for d in arr.shape if d != 1]
-    blocks: list[tuple[str, np.ndarray]] = []
-    if len(dims) == 2:
-        m = arr.reshape(dims)
-        if runs:
-            out.append((" (read by columns)", np.ascontiguousarray(m.T).reshape(-1), False))
-        blocks.append(("", m))
-    elif one_d or len(dims) <= 1:
-        flat = arr.reshape(-1)
-        for n in sizes:
-            k = flat.size // n
-            if 2 <= k <= 1024 and k * n == flat.size:
-                blocks.append((f" (as {n} rows of {k})", flat.reshape(n, k)))
-                blocks.append((f" (as {k} rows of {n})", flat.reshape(k, n)))
+    blocks = [(how, arr.reshape(rc)) for how, rc in _block_shapes(arr.shape, sizes, one_d)]
     for how, m in blocks:
+        if runs and not how:   # the value itself is 2-D: read by columns too
+            out.append((" (read by columns)", np.ascontiguousarray(m.T).reshape(-1), False))
         if m.shape[0] in sizes and _class_block(m, 1):
             out.append((f"{how} (argmax of each row)", m.argmax(axis=1), True))
         if m.shape[1] in sizes and _class_block(m, 0):
@@ -677,19 +685,6 @@ def _may_hold_runs(tensors: list[torch.Tensor], lo: int, hi: int, shortest: int
     for i, c, n in zip(idx, counts, negatives):
         runs[i], nonneg[i] = c >= shortest, not n
     return runs, nonneg
-
-
-def _may_be_block(shape: torch.Size, sizes: set[int]) -> bool:
-    """Whether :func:`_label_candidates` may read a tensor of ``shape`` through an argmax:
-    a 2-D block (dimensions of 1 dropped) or a vector of ``n * K`` values, ``n`` a label
-    vector's length."""
-    dims = [d for d in shape if d != 1]
-    if len(dims) == 2:
-        return True
-    if len(dims) <= 1 or len(shape) == 1:
-        n_all = math.prod(shape)
-        return any(2 <= n_all // n <= 1024 and (n_all // n) * n == n_all for n in sizes)
-    return False
 
 
 def _rolling_keys(codes: np.ndarray) -> np.ndarray:
@@ -846,7 +841,7 @@ class ContentGuard:
                                       max(int(y.max()) for _, y in labels), shortest)
         seqs: list[tuple[str, np.ndarray, bool, bool]] = []
         for (path, t), can_run, blocks in zip(tensors, runs, nonneg):
-            if can_run or (blocks and _may_be_block(t.shape, sizes)):
+            if can_run or (blocks and _block_shapes(tuple(t.shape), sizes, t.dim() == 1)):
                 seqs.append((path, _numeric(t), t.dim() == 1, can_run))
         for path, arr in leaves.lists:
             if arr.size >= shortest:

@@ -178,18 +178,17 @@ def first_non_finite(value: Any, path: str = "") -> str:
     if isinstance(value, float):
         return (path or "payload") if not math.isfinite(value) else ""
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
-    if isinstance(value, dict) and len(value) > 8:
-        # a model state: one pass over its real floating tensors (their sum is finite only if
-        # every value is; a sum that overflows walks them one by one), the per-entry walk
-        # only for the rest or to name the culprit
-        floats = [v for v in value.values() if isinstance(v, torch.Tensor) and v.is_floating_point()
-                  and not v.is_complex()]
-        if len(floats) > 8 and len({v.device for v in floats}) == 1:
-            with torch.no_grad():
-                fine = bool(torch.isfinite(torch.cat([v.detach().reshape(-1).float() for v in floats]).sum()))
-            if fine:
-                items = [(k, v) for k, v in value.items() if not (isinstance(v, torch.Tensor) and v.is_floating_point()
-                                                                  and not v.is_complex())]
+    floats = [k for k, v in value.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+              ] if isinstance(value, dict) and len(value) > 8 else []
+    if len(floats) > 8 and len({value[k].device for k in floats}) == 1:
+        # a model state: one pass over its floating tensors (their sum is finite only if every
+        # value is; a sum that overflows walks them one by one), the per-entry walk only for
+        # the rest or to name the culprit
+        with torch.no_grad():
+            total = torch.cat([value[k].detach().reshape(-1).float() for k in floats]).sum()
+        if bool(torch.isfinite(total)):
+            checked = set(floats)
+            items = [(k, v) for k, v in value.items() if k not in checked]
     for k, v in items:
         found = first_non_finite(v, f"{path}[{k!r}]")
         if found:

@@ -193,6 +193,7 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
     quiet = _DropDeprecation()
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.addFilter(quiet)
+
     def stopping(*_: Any) -> None:
         # first Ctrl-C: the coordinator saves and returns at its next poll, the ServerApp ends
         # and Flower's runtime stops once the clients' current messages are answered (ending
