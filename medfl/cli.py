@@ -100,8 +100,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """Print a run's summary table and (re)write its plots."""
-    from medfl.report import format_table, summary_table, write_plots
+    """Print a run's summary table and (re)write its plots (an experiment's too)."""
+    from medfl.report import format_table, summary_table, write_experiment_plots, write_plots
 
     path = Path(args.run_dir)
     run_dirs = [path] if (path / "metrics.csv").is_file() else sorted(
@@ -117,6 +117,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"\n== {run_dir}")
         print(format_table(summary_table(run_dir)))
         for p in write_plots(run_dir):
+            print(f"wrote {p}")
+    if not (path / "metrics.csv").is_file():
+        for p in write_experiment_plots(path):
             print(f"wrote {p}")
     return 0
 
@@ -490,8 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir")
     sp.add_argument("--rounds", type=int, default=None, help="new total number of rounds (default: as configured)")
     sp.set_defaults(func=cmd_resume)
-    sp = sub.add_parser("report", help="print the summary table of a run and write its plots")
-    sp.add_argument("run_dir")
+    sp = sub.add_parser("report", help="print the summary table of a run (or of every run of an experiment) "
+                                       "and draw its plots again (runs with \"plots\": false or "
+                                       "MEDFL_NO_PLOTS drew none)")
+    sp.add_argument("run_dir", help="a run directory, or an experiment's (its comparison, seeds and CV "
+                                    "figures are drawn too)")
     sp.set_defaults(func=cmd_report)
     _add_approve(sub)
     _add_flower(sub)

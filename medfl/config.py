@@ -17,7 +17,7 @@ from medfl.plugins import PluginError, lookup, registry
 __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_KEYS", "PUBLIC_TEST_FRACTION",
            "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
-           "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL"]
+           "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL"]
 
 
 class ConfigError(ValueError):
@@ -94,6 +94,12 @@ DEFAULTS: dict[str, Any] = {
 #: ``channels_last`` (channels-last memory format for 2D/3D convolutions), ``pin_memory``
 #: (page-locked batches; null: on for CUDA devices).
 TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memory": None}
+
+#: Top-level keys that are valid but absent unless set: ``plots`` (``false``: no PNG plots at the
+#: end of runs and experiments, the CSV/JSON results are written all the same and ``medfl
+#: report RUN_DIR`` draws the plots later; the environment variable ``MEDFL_NO_PLOTS=1`` does
+#: the same for every run of a process and its children, :func:`medfl.report.plots_wanted`).
+FL_OPTIONAL: dict[str, Any] = {"plots": True}
 AMP_DTYPES = ("bf16", "fp16")
 
 _NAMED = ("dataset", "partition", "model")
@@ -393,7 +399,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(fl, dict):
         raise ConfigError(f"fl: expected a dict, got {type(fl).__name__}")
-    _check_keys(fl, DEFAULTS, "fl")
+    _check_keys(fl, {**DEFAULTS, **FL_OPTIONAL}, "fl")
     cfg = copy.deepcopy(DEFAULTS)
     for key, value in fl.items():
         if key == "train":
@@ -410,6 +416,12 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
             cfg[key] = _named(value, f"fl.{key}")
         else:
             cfg[key] = copy.deepcopy(value)
+    if "plots" in cfg:
+        # a bundle's command line may hand over the word ("--fl#plots false" through MONAI's CLI)
+        word = {"true": True, "false": False}.get(cfg["plots"].lower()) if isinstance(cfg["plots"], str) else None
+        cfg["plots"] = cfg["plots"] if word is None else word
+        if not isinstance(cfg["plots"], bool):
+            raise ConfigError(f"fl.plots: expected true or false, got {cfg['plots']!r}")
     methods = cfg["methods"]
     if isinstance(methods, (str, dict)):
         methods = [methods]

@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["write_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_group_plot",
+__all__ = ["plots_wanted", "write_plots", "write_experiment_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_group_plot",
            "write_comparison",
            "forgetting_table",
            "summary_table", "format_table", "load_metrics", "CV_SPLITS", "cv_results", "cv_summary",
            "cv_table", "write_cv_report", "SEED_METRICS", "seeds_results", "seeds_summary", "write_seeds_report"]
 
 PLOT_METRICS = ("accuracy", "auc", "f1")
+
+
+def plots_wanted(cfg: dict[str, Any] | None = None) -> bool:
+    """Whether runs and experiments draw their PNG plots when they end: not when the
+    environment variable ``MEDFL_NO_PLOTS`` is set (to anything but ``""``, ``0``, ``false``
+    or ``no``: for sweeps and CI, and it reaches a bundle's or a Flower app's processes), nor
+    when the config says ``"plots": false``. Their CSV and JSON results are written either way,
+    and ``medfl report RUN_DIR`` draws the plots at any time."""
+    if os.environ.get("MEDFL_NO_PLOTS", "").strip().lower() not in ("", "0", "false", "no"):
+        return False
+    return bool((cfg or {}).get("plots", True))
 
 
 def _plt():
@@ -345,7 +357,7 @@ def _epsilon(summary: dict[str, Any]) -> dict[str, Any]:
             "dp_mechanisms": "+".join(privacy.get("mechanisms") or {}) or "none"}
 
 
-def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) -> Path:
+def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]], plots: bool = True) -> Path:
     """Write ``comparison.csv`` (one row per method and split, mean/std/worst of each metric,
     and the method's communication cost: ``mb_to_clients_per_round`` and
     ``mb_from_clients_per_round``, the mean megabytes (1 MB = 1e6 bytes) sent to and
@@ -372,7 +384,7 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) 
     if any(s.get("forgetting") for s in summaries.values()):
         forgetting_table(summaries).to_csv(exp_dir / "comparison_forgetting.csv", index=False)
     (exp_dir / "summaries.json").write_text(json.dumps(summaries, indent=2, default=str))
-    if len(summaries) < 2:
+    if len(summaries) < 2 or not plots:
         return path
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -395,6 +407,35 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]]) 
     fig.savefig(exp_dir / "comparison.png", dpi=100)
     plt.close(fig)
     return path
+
+
+def write_experiment_plots(exp_dir: str | Path) -> list[Path]:
+    """Draw an experiment's own figures again from what it saved, as its end would have with
+    plots on: ``comparison.png`` of every directory under ``exp_dir`` whose ``summaries.json``
+    holds two or more methods, ``cv_<metric>.png`` of a finished cross-validated experiment
+    and ``seeds_metrics.png`` of a finished experiment over seeds (their CSV, JSON and
+    Markdown tables are rewritten from the same saved results). Returns the PNGs written."""
+    from medfl.config import method_label
+
+    exp_dir = Path(exp_dir)
+    written = []
+    for file in sorted(exp_dir.rglob("summaries.json")):
+        summaries = json.loads(file.read_text())
+        if isinstance(summaries, dict) and len(summaries) >= 2:
+            write_comparison(file.parent, summaries)
+            written.append(file.parent / "comparison.png")
+    cfg_file = exp_dir / "config.json"
+    fl = json.loads(cfg_file.read_text()).get("fl", {}) if cfg_file.is_file() else {}
+    if (exp_dir / "cv_summary.json").is_file() and isinstance(fl.get("cv"), dict):
+        metric = str(fl["cv"].get("metric", "auc"))
+        write_cv_report(exp_dir, [method_label(m) for m in fl["methods"]], int(fl["cv"]["folds"]), metric)
+        written.append(exp_dir / f"cv_{metric}.png")
+    if (exp_dir / "seeds_summary.json").is_file() and fl.get("seeds"):
+        summaries = {int(s): json.loads((exp_dir / f"seed_{int(s)}" / "summaries.json").read_text())
+                     for s in fl["seeds"]}
+        write_seeds_report(exp_dir, summaries)
+        written.append(exp_dir / "seeds_metrics.png")
+    return [p for p in written if p.is_file()]
 
 
 #: metrics.csv split -> the heading the FedSKD paper's Tables II/III give it.
@@ -511,11 +552,12 @@ def cv_table(summary: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def write_cv_report(exp_dir: str | Path, labels: list[str], folds: int, metric: str = "auc") -> dict[str, Any]:
+def write_cv_report(exp_dir: str | Path, labels: list[str], folds: int, metric: str = "auc",
+                    plots: bool = True) -> dict[str, Any]:
     """Write a cross-validated experiment's ``cv_results.csv`` (every final per-client metric
     of every fold), ``cv_summary.json`` (:func:`cv_summary`), ``cv_table.csv`` and
-    ``cv_table.md`` (:func:`cv_table`) and ``cv_<metric>.png`` (overall mean ± std per
-    method and split); return the summary."""
+    ``cv_table.md`` (:func:`cv_table`) and, with ``plots``, ``cv_<metric>.png`` (overall
+    mean ± std per method and split); return the summary."""
     exp_dir = Path(exp_dir)
     results = cv_results(exp_dir, labels, folds)
     results.to_csv(exp_dir / "cv_results.csv", index=False)
@@ -528,7 +570,7 @@ def write_cv_report(exp_dir: str | Path, labels: list[str], folds: int, metric: 
     lines += ["| " + " | ".join(str(v) for v in r) + " |" for r in table.itertuples(index=False)]
     (exp_dir / "cv_table.md").write_text("\n".join(lines) + "\n")
     splits = [s for s in CV_SPLITS if any(s in b for b in summary["methods"].values())]
-    if splits and summary["methods"]:
+    if plots and splits and summary["methods"]:
         plt = _plt()
         fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(labels), 3.4))
         width = 0.8 / len(splits)
@@ -589,12 +631,13 @@ def seeds_summary(results: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
-def write_seeds_report(exp_dir: str | Path, summaries: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+def write_seeds_report(exp_dir: str | Path, summaries: dict[int, dict[str, dict[str, Any]]],
+                       plots: bool = True) -> dict[str, Any]:
     """Write an experiment repeated over seeds: ``seeds_results.csv`` (:func:`seeds_results`),
     ``seeds_summary.json`` (:func:`seeds_summary`), ``seeds_table.csv`` and ``seeds_table.md``
     (one row per method; for each split a "mean ± std" column per metric of
-    :data:`SEED_METRICS`) and ``seeds_metrics.png`` (micro-F1 and AUC per method and split,
-    bars of the mean with the std as error bars); return the summary."""
+    :data:`SEED_METRICS`) and, with ``plots``, ``seeds_metrics.png`` (micro-F1 and AUC per
+    method and split, bars of the mean with the std as error bars); return the summary."""
     exp_dir = Path(exp_dir)
     results = seeds_results(summaries)
     results.to_csv(exp_dir / "seeds_results.csv", index=False)
@@ -617,7 +660,7 @@ def write_seeds_report(exp_dir: str | Path, summaries: dict[int, dict[str, dict[
     (exp_dir / "seeds_table.md").write_text("\n".join(lines) + "\n")
     shown = [m for m in ("micro_f1", "auc") if m in results.columns]
     splits = [sp for sp in ("global_test", "local_test") if not results.empty and sp in set(results["split"])]
-    if shown and splits and summary["methods"]:
+    if plots and shown and splits and summary["methods"]:
         plt = _plt()
         labels = list(summary["methods"])
         fig, axes = plt.subplots(1, len(shown), figsize=(1.6 + 1.3 * len(labels) * len(shown), 3.4), squeeze=False)

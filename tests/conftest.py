@@ -12,6 +12,19 @@ import pytest
 
 from medfl.config import resolve_config
 
+# Drawing a run's PNG plots takes seconds (matplotlib), and hundreds of runs here would spend
+# most of the suite's time on them: runs draw none (CSV and JSON results are written all the
+# same) except in tests marked ``plots``, which check the figures. Set here, before any
+# fixture, so module-scoped runs and the processes tests start (bundles, Flower apps) see it.
+os.environ.setdefault("MEDFL_NO_PLOTS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _plots_only_where_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of a test marked ``plots`` draw their figures (``MEDFL_NO_PLOTS`` unset)."""
+    if request.node.get_closest_marker("plots") is not None:
+        monkeypatch.delenv("MEDFL_NO_PLOTS", raising=False)
+
 
 @pytest.fixture
 def tiny_fl(tmp_path: Path) -> dict[str, Any]:

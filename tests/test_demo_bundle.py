@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BUNDLE = Path(__file__).resolve().parents[1] / "bundles" / "demo"
 
 
+@pytest.mark.plots
 def test_demo_bundle_runs_with_monai_bundle_cli(tmp_path, run_bundle):
     proc = run_bundle(BUNDLE / "configs" / "train.json", "--bundle_root", tmp_path, "--fl#rounds", "1",
                       "--fl#dataset#num_samples", "240", "--fl#partition#min_size", "10", "--fl#progress", "False")

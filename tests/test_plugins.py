@@ -112,9 +112,10 @@ def test_cli_run_report_and_errors(tiny_fl, tmp_path, capsys):
     assert main(["run", str(cfg), "--fl#rounds", "1", "fl#methods=[{'name': 'local'}]"]) == 0
     run_dir = Path(tiny_fl["output_dir"]) / "t" / "local"
     assert json.loads((run_dir / "status.json").read_text())["last_round"] == 1
+    assert not (run_dir / "plots").exists()        # MEDFL_NO_PLOTS; `medfl report` draws them all the same
     assert main(["report", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert "local_test" in out and "curves.png" in out
+    assert "local_test" in out and "curves.png" in out and (run_dir / "plots" / "curves.png").is_file()
     assert main(["run", str(cfg), "--fl#methods#0#name", "nope"]) == 2
     assert "valid methods" in capsys.readouterr().err
 

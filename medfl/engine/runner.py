@@ -1059,7 +1059,7 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
     A method whose directory already holds a run is resumed; one that never started runs
     from round 1 on ``data`` (the experiment's split, reloaded from ``partition.csv`` when
     ``None``). Writes ``comparison.csv`` once every method has finished."""
-    from medfl.report import write_comparison
+    from medfl.report import plots_wanted, write_comparison
 
     summaries: dict[str, Any] = {}
     for spec in cfg["methods"]:
@@ -1074,7 +1074,7 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
         run.prepare(resume=False)
         summaries[label] = run.execute(None if resume_runs else cfg.get("stop_after_round"))
     if summaries and all(summaries.values()):
-        write_comparison(exp_dir, summaries)
+        write_comparison(exp_dir, summaries, plots=plots_wanted(cfg))
     return summaries
 
 
@@ -1084,7 +1084,7 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
 
     Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
     (``None`` while a fold is unfinished), "folds"}``."""
-    from medfl.report import write_cv_report
+    from medfl.report import plots_wanted, write_cv_report
 
     folds = int(cfg["cv"]["folds"])
     source = None
@@ -1103,7 +1103,7 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
     labels = [method_label(m) for m in cfg["methods"]]
     cv = None
     if all(s and all(s.values()) for s in out.values()):
-        cv = write_cv_report(exp_dir, labels, folds, str(cfg["cv"].get("metric", "auc")))
+        cv = write_cv_report(exp_dir, labels, folds, str(cfg["cv"].get("metric", "auc")), plots=plots_wanted(cfg))
     return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
 
 
@@ -1115,7 +1115,7 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
 
     Returns ``{"dir", "summaries": {"seed_<s>": {label: summary}}, "seeds": the report
     (``None`` while a seed is unfinished), "seed_list"}``."""
-    from medfl.report import write_seeds_report
+    from medfl.report import plots_wanted, write_seeds_report
 
     seeds = [int(s) for s in cfg["seeds"]]
     source = None
@@ -1133,7 +1133,7 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
         out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
     report = None
     if all(block and all(block.values()) for block in out.values()):
-        report = write_seeds_report(exp_dir, {s: out[f"seed_{s}"] for s in seeds})
+        report = write_seeds_report(exp_dir, {s: out[f"seed_{s}"] for s in seeds}, plots=plots_wanted(cfg))
     return {"dir": str(exp_dir), "summaries": out, "seeds": report, "seed_list": seeds}
 
 

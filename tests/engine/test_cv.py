@@ -193,7 +193,14 @@ def test_cross_validated_experiment_and_resume(cv_fl, resolve) -> None:
     overall = summary["methods"]["local"]["local_test"]["overall"]
     by_fold = results[(results["method"] == "local") & (results["split"] == "local_test")].groupby("fold")["auc"].mean()
     assert overall["mean"] == pytest.approx(by_fold.mean()) and overall["std"] == pytest.approx(by_fold.std(ddof=0))
-    assert (exp / "cv_table.md").read_text().count("±") >= 8 and (exp / "cv_auc.png").is_file()
+    assert (exp / "cv_table.md").read_text().count("±") >= 8 and not (exp / "cv_auc.png").exists()
+    # the run drew no figure (MEDFL_NO_PLOTS); `medfl report` draws them from the saved results
+    from medfl.cli import main as cli
+
+    table_md = (exp / "cv_table.md").read_text()
+    assert cli(["report", str(exp)]) == 0
+    assert (exp / "cv_auc.png").read_bytes()[:4] == b"\x89PNG" and (exp / "cv_table.md").read_text() == table_md
+    assert all((exp / f"fold_{k}" / "comparison.png").is_file() for k in range(3))
 
     # stopped after round 1 in every fold; resume finishes every fold and writes the same report
     part = run_experiment(resolve({**cv_fl, "name": "part", "stop_after_round": 1}))

@@ -18,6 +18,7 @@ from medfl.plugins import get_plugin_manager
 from medfl_plugins.baselines import FedAvg
 
 
+@pytest.mark.plots
 def test_run_outputs_and_determinism(tiny_fl, resolve, tmp_path):
     tiny_fl["methods"] = [{"name": "fedavg"}, {"name": "local"}, {"name": "fedbn"},
                           {"name": "centralized"}, {"name": "fedprox", "mu": 0.1},

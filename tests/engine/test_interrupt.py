@@ -75,6 +75,7 @@ def test_ctrl_c_under_the_bundle_runner_exits_130_without_a_traceback(tiny_fl, m
     assert "interrupted; no round was finished yet" in capsys.readouterr().err
 
 
+@pytest.mark.plots
 def test_a_run_stopped_after_its_summary_draws_its_plots_on_resume(tiny_fl, monkeypatch) -> None:
     """A kill between summary.json and the plots left a run that resume called finished
     without plots; now the run is "finished" only after its end-of-run hooks, and resume
@@ -84,13 +85,12 @@ def test_a_run_stopped_after_its_summary_draws_its_plots_on_resume(tiny_fl, monk
     def boom(run_dir):  # type: ignore[no-untyped-def]
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(reporting, "write_plots", boom)
-    with pytest.raises(KeyboardInterrupt):
+    with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(reporting, "write_plots", boom)
         run_experiment(resolve_config(dict(tiny_fl, name="p")))
     run = Path(tiny_fl["output_dir"]) / "p" / "fedavg"
     assert (run / "summary.json").is_file() and not (run / "plots").exists()
     assert json.loads((run / "status.json").read_text())["status"] == "interrupted"
-    monkeypatch.undo()
     resume(run)
     assert list((run / "plots").glob("*.png"))
     assert json.loads((run / "status.json").read_text())["status"] == "finished"

@@ -36,6 +36,7 @@ def _privacy(run: Path) -> pd.DataFrame:
     return pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
 
 
+@pytest.mark.plots
 def test_dp_gaussian_run_reports_opacus_epsilon_and_reaches_the_target(tiny_fl: dict, resolve: Any) -> None:
     fl = {**tiny_fl, "rounds": 3, "filters": [{"name": "dp_gaussian", "epsilon": 4.0, "delta": 1e-3, "clip": 1.0}]}
     run = _run(resolve, fl)

@@ -4,6 +4,7 @@ resumable like any experiment."""
 from __future__ import annotations
 
 import json
+import os
 
 import pandas as pd
 import pytest
@@ -36,14 +37,20 @@ def test_seeds_repeat_the_experiment_and_report_mean_and_std(tiny_fl, resolve, c
         assert stats["values"] == pytest.approx(finals)
     table = pd.read_csv(f"{exp}/seeds_table.csv")
     assert list(table["method"]) == ["fedavg", "fedavgm"] and "global_test: micro_f1" in table.columns
-    assert open(f"{exp}/seeds_metrics.png", "rb").read(4) == b"\x89PNG"
+    assert not os.path.exists(f"{exp}/seeds_metrics.png")       # MEDFL_NO_PLOTS: no figure
     print_result(result)
     assert "2 seed(s) [3, 5]" in capsys.readouterr().out
     from medfl.cli import main as cli
 
-    assert cli(["report", exp]) == 0  # the table over seeds, then every seed's runs
+    md = open(f"{exp}/seeds_table.md").read()
+    assert cli(["report", exp]) == 0  # the table over seeds, then every seed's runs, and the figures
     out = capsys.readouterr().out
     assert "seeds_table.md" in out and out.count("== ") == 1 + 4
+    assert open(f"{exp}/seeds_metrics.png", "rb").read(4) == b"\x89PNG" and f"wrote {exp}/seeds_metrics.png" in out
+    for s in (3, 5):
+        assert open(f"{exp}/seed_{s}/comparison.png", "rb").read(4) == b"\x89PNG"
+        assert os.path.isfile(f"{exp}/seed_{s}/fedavgm/plots/curves.png")
+    assert open(f"{exp}/seeds_table.md").read() == md                  # drawn from the same results
 
 
 def test_a_stopped_seeds_experiment_resumes_to_the_same_numbers(tiny_fl, resolve, tmp_path) -> None:

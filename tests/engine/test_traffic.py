@@ -95,6 +95,7 @@ def test_an_instruction_sent_to_several_clients_is_packed_once_and_measured_exac
     assert json.loads(other["ins.payload.tree"]["tree"])["d"][0][1]["d"][1][1] == {"s": -0.0}
 
 
+@pytest.mark.plots
 def test_fedavg_and_local_runs_record_their_communication(tiny_fl: dict[str, Any], resolve: Any) -> None:
     tiny_fl.update(model={"name": "small_cnn", "width": 16}, methods=[{"name": "fedavg"}, {"name": "local"}])
     exp = Path(run_experiment(resolve(tiny_fl))["dir"])

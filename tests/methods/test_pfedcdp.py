@@ -196,7 +196,9 @@ def test_only_the_extractor_update_leaves_a_client_noised_and_quantized(tmp_path
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cdp")
-    out = run_experiment(resolve_config(_fl(tmp, capabilities=SCORES_BY_CLIENT, epsilon=None)))
+    with pytest.MonkeyPatch.context() as mp:      # the run draws its plots (groups.png is checked)
+        mp.delenv("MEDFL_NO_PLOTS", raising=False)
+        out = run_experiment(resolve_config(_fl(tmp, capabilities=SCORES_BY_CLIENT, epsilon=None)))
     return Path(out["dir"]) / "pfedcdp", out["summaries"]["pfedcdp"]
 
 

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from medfl.fixtures import generate
 from medfl.prep import cbis_ddsm, mias
@@ -19,6 +20,7 @@ METHODS = ["pfedcdp", "fedavg", "centralized"]
 SPLITS = ("public_test", "local_test", "global_test")
 
 
+@pytest.mark.plots
 def test_cbis_ddsm_pfedcdp_bundle(tmp_path, run_bundle, monkeypatch):
     monkeypatch.setenv("MEDFL_NO_PROGRESS", "1")
     # 40 CBIS-DDSM mammograms: 19 in the training CSVs (split over the clients, at least 4

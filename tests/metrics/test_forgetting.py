@@ -291,6 +291,7 @@ def test_negative_flips_are_counted_at_the_client():
 
 
 # ----------------------------------------------------------------------------- every run
+@pytest.mark.plots
 def test_summary_block_for_fedavg_and_local_and_resume(tiny_fl, resolve):
     tiny_fl.update(fraction=0.67, methods=[{"name": "fedavg"}, {"name": "local"}])
     out = run_experiment(resolve(tiny_fl))

@@ -1,0 +1,69 @@
+"""Runs without PNG plots (``"plots": false`` or ``MEDFL_NO_PLOTS``), and ``medfl report``
+drawing them afterwards from what the run saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from medfl.cli import main
+from medfl.config import ConfigError
+from medfl.engine.runner import run_experiment
+from medfl.report import plots_wanted
+
+__all__: list[str] = []
+
+
+@pytest.mark.parametrize("value, wanted", [(None, True), ("", True), ("0", True), ("false", True), ("No", True),
+                                           ("1", False), ("yes", False), ("true", False), (" 1 ", False)])
+def test_the_environment_variable_turns_plots_off(monkeypatch, value: str | None, wanted: bool) -> None:
+    if value is None:
+        monkeypatch.delenv("MEDFL_NO_PLOTS", raising=False)
+    else:
+        monkeypatch.setenv("MEDFL_NO_PLOTS", value)
+    assert plots_wanted({}) is wanted and plots_wanted(None) is wanted
+    assert plots_wanted({"plots": True}) is wanted          # the variable wins over a config
+    assert plots_wanted({"plots": False}) is False
+
+
+def test_a_plots_value_that_is_not_a_boolean_is_refused(tiny_fl: dict[str, Any], resolve: Any) -> None:
+    with pytest.raises(ConfigError, match=r"fl\.plots: expected true or false, got 'no'"):
+        resolve({**tiny_fl, "plots": "no"})
+    with pytest.raises(ConfigError, match=r"fl\.plots: expected true or false, got 0"):
+        resolve({**tiny_fl, "plots": 0})
+    assert resolve({**tiny_fl, "plots": False})["plots"] is False
+    assert resolve({**tiny_fl, "plots": "False"})["plots"] is False     # MONAI's CLI passes the word
+    assert resolve({**tiny_fl, "plots": "true"})["plots"] is True
+    assert "plots" not in resolve(tiny_fl)           # absent unless set: saved configs stay as they were
+
+
+def test_a_run_without_plots_writes_its_results_and_report_draws_the_figures(
+        tiny_fl: dict[str, Any], resolve: Any, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("MEDFL_NO_PLOTS", raising=False)
+    fl = {**tiny_fl, "rounds": 1, "plots": False, "methods": [{"name": "fedavg"}, {"name": "local"}]}
+    exp = Path(run_experiment(resolve(fl))["dir"])
+    for label in ("fedavg", "local"):
+        run = exp / label
+        assert (run / "metrics.csv").is_file() and (run / "summary.json").is_file()
+        assert '"finished"' in (run / "status.json").read_text()
+        assert not (run / "plots").exists()
+    assert (exp / "comparison.csv").is_file() and not (exp / "comparison.png").exists()
+    before = (exp / "comparison.csv").read_bytes()
+
+    assert main(["report", str(exp)]) == 0
+    out = capsys.readouterr().out
+    for label in ("fedavg", "local"):
+        assert (exp / label / "plots" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"wrote {exp / label / 'plots' / 'curves.png'}" in out
+    assert (exp / "comparison.png").read_bytes()[:4] == b"\x89PNG" and f"wrote {exp / 'comparison.png'}" in out
+    assert (exp / "comparison.csv").read_bytes() == before       # the same results, drawn
+
+
+def test_report_of_an_experiment_with_one_method_draws_no_comparison(tiny_fl: dict[str, Any], resolve: Any,
+                                                                     capsys) -> None:
+    exp = Path(run_experiment(resolve({**tiny_fl, "rounds": 1}))["dir"])
+    assert main(["report", str(exp)]) == 0
+    assert (exp / "fedavg" / "plots" / "curves.png").is_file() and not (exp / "comparison.png").exists()
+    assert "comparison.png" not in capsys.readouterr().out
