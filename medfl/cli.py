@@ -104,7 +104,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from medfl.report import format_table, summary_table, write_experiment_plots, write_plots
 
     path = Path(args.run_dir)
-    run_dirs = [path] if (path / "metrics.csv").is_file() else sorted(
+    is_run = (path / "metrics.csv").is_file()
+    run_dirs = [path] if is_run else sorted(
         p.parent for p in path.rglob("metrics.csv"))  # experiments, and their seed_<s>/ or fold_<k>/
     if not run_dirs:
         print(f"medfl: {path}: no metrics.csv here or in its subdirectories", file=sys.stderr)
@@ -118,7 +119,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(format_table(summary_table(run_dir)))
         for p in write_plots(run_dir):
             print(f"wrote {p}")
-    if not (path / "metrics.csv").is_file():
+    if not is_run:
         for p in write_experiment_plots(path):
             print(f"wrote {p}")
     return 0
