@@ -110,11 +110,12 @@ def fisher_masks(fisher: State, *, keep: float | None = None, threshold: float |
 def mix_extractor(own: State, global_: State, personal: State) -> State:
     """Eq. 6: ``M_personal * W_own + M_global * W_global`` with ``M_global = 1 - M_personal``,
     per entry of the extractor's state. Entries without a mask (buffers: BatchNorm running
-    statistics) take the global value."""
+    statistics) take the global value. The result lies where the global state does (the
+    masks come from the client's device, the states from the wire and the state store)."""
     out = {}
     for k, g in global_.items():
         if k in personal and k in own:
-            out[k] = torch.where(personal[k], own[k], g)
+            out[k] = torch.where(personal[k].to(g.device), own[k].to(g.device), g)
         else:
             out[k] = g.clone()
     return out

@@ -63,12 +63,13 @@ JOBS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def run_job(method: str, work: Path) -> dict[str, str]:
-    """Run ``method``'s job in ``work``; return its metrics files as CSV text."""
+def run_job(method: str, work: Path, overrides: dict[str, Any] | None = None) -> dict[str, str]:
+    """Run ``method``'s job in ``work`` (with top-level ``overrides`` of its config, e.g.
+    ``{"device": "cuda"}`` or other ``methods``); return its metrics files as CSV text."""
     spec, job = JOBS[method]
-    fl = json.loads(json.dumps({**_DATA, **job}))
+    fl = json.loads(json.dumps({**_DATA, **job, "methods": [spec], **(overrides or {})}))
     fl["train"] = {**_DATA["train"], **job.get("train", {})}
-    fl.update(name=method, output_dir=str(work / "runs"), methods=[spec])
+    fl.update(name=method, output_dir=str(work / "runs"))
     fl["dataset"]["root"] = str(work / "data")
     if "public_dataset" in fl:
         fl["public_dataset"]["root"] = str(work / "public")
