@@ -81,6 +81,34 @@ def set_workload(name: str) -> dict[str, Any]:
     return w
 
 
+#: ``--device``, ``--amp``, ``--channels-last``: where and how every way computes (medfl's
+#: ``fl.device``, ``train.amp`` and ``train.channels_last``; the plain loop does the same by hand)
+DEVICE = "cpu"
+AMP: str | None = None
+CHANNELS_LAST = False
+
+
+def set_compute(device: str, amp: str | None, channels_last: bool) -> None:
+    """Make ``device``, ``amp`` and ``channels_last`` the compute settings of this process."""
+    global DEVICE, AMP, CHANNELS_LAST
+    DEVICE, AMP, CHANNELS_LAST = device, amp, bool(channels_last)
+
+
+def describe_compute() -> str:
+    """The compute settings, for the report."""
+    extra = [f"{AMP} autocast"] if AMP else []
+    extra += ["channels-last"] if CHANNELS_LAST else []
+    return DEVICE + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _sync() -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts that work."""
+    if DEVICE.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def describe_model() -> str:
     """The model and input of the current workload, for the report."""
     extra = ", ".join(f"{k} {v}" for k, v in MODEL.items() if k != "name")
@@ -108,9 +136,10 @@ def fl_config(clients: int, rounds: int, samples: int, batch_size: int, seed: in
         "partition": {"name": "natural", "column": "block"},
         "client_split": dict(CLIENT_SPLIT),
         "model": dict(MODEL),
+        "device": DEVICE,
         "train": {"epochs": 1, "batch_size": batch_size, "eval_batch_size": EVAL_BATCH_SIZE,
                   "lr": LR, "optimizer": "sgd", "momentum": MOMENTUM, "weight_decay": 0.0,
-                  "num_workers": 0},
+                  "num_workers": 0, "amp": AMP, "channels_last": CHANNELS_LAST},
         "methods": [{"name": "fedavg"}],
         "eval_splits": ["test"],
         "eval_every": 0,
@@ -210,8 +239,30 @@ def initial_state(seed: int) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=1)
 def _model():  # noqa: ANN202
-    """The plain loop's one model object: every client loads the global weights into it."""
-    return build_model()
+    """The plain loop's one model object, on the device: every client loads the global weights
+    into it."""
+    return build_model().to(DEVICE)
+
+
+def _on_device(x: Any, y: Any) -> tuple[Any, Any]:
+    """A batch on the device, channels-last where asked (as medfl's ``train_epochs`` does)."""
+    import torch
+
+    x, y = x.to(DEVICE, non_blocking=True), y.to(DEVICE, non_blocking=True)
+    if CHANNELS_LAST and x.dim() in (4, 5):
+        x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    return x, y
+
+
+def _autocast() -> Any:
+    import contextlib
+
+    import torch
+
+    if AMP is None:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if AMP == "bf16" else torch.float16
+    return torch.autocast(device_type=torch.device(DEVICE).type, dtype=dtype)
 
 
 def local_train(source: Any, rows: Any, state: dict[str, Any], seed: int, rnd: int, cid: str,
@@ -230,20 +281,37 @@ def local_train(source: Any, rows: Any, state: dict[str, Any], seed: int, rnd: i
     cseed = derive_seed(seed, rnd, cid)
     torch.manual_seed(cseed)
     gen = torch.Generator().manual_seed(derive_seed(cseed, "loader", "train"))
-    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, generator=gen)
+    pin = torch.device(DEVICE).type == "cuda"   # medfl's default pin_memory on CUDA
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, generator=gen, pin_memory=pin)
     model = _model()
     model.load_state_dict(state)
     model.train()
+    if CHANNELS_LAST:
+        model.to(memory_format=torch.channels_last if SPATIAL_DIMS == 2 else torch.channels_last_3d)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    scaler = torch.amp.GradScaler(torch.device(DEVICE).type) if AMP == "fp16" else None
     total, count = 0.0, 0
     for x, y in loader:
+        if x.shape[0] < 2:
+            continue   # BatchNorm cannot train on one sample (medfl skips such a batch too)
+        x, y = _on_device(x, y)
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        total += float(loss.detach()) * x.shape[0]
+        with _autocast():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        value = float(loss.detach())
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        total += value * x.shape[0]
         count += x.shape[0]
-    new = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if CHANNELS_LAST:
+        model.to(memory_format=torch.contiguous_format)
+    # the weights leave the device, as a client's reply does (medfl aggregates on the CPU)
+    new = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return new, len(ds), total / max(count, 1)
 
 
@@ -259,7 +327,9 @@ def local_eval(source: Any, rows: Any, state: dict[str, Any]) -> tuple[int, int]
     correct = 0
     with torch.no_grad():
         for x, y in DataLoader(ds, batch_size=EVAL_BATCH_SIZE, shuffle=False):
-            correct += int((model(x).argmax(1) == y).sum())
+            x, y = _on_device(x, y)
+            with _autocast():
+                correct += int((model(x).argmax(1) == y).sum())
     return correct, len(ds)
 
 
@@ -333,6 +403,7 @@ def child_plain(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             weights.append(float(n))
         state = weighted_average(states, weights)
         del states
+        _sync()
         ends.append(time.perf_counter())
     t_train = time.perf_counter() - t0
     accs = []
@@ -454,7 +525,9 @@ def child_flower(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         found["errors"] = [str(m.error) for m in replies if m.has_error()]
         found["state"] = final.to_torch_state_dict()
 
-    backend = {"client_resources": {"num_cpus": a.flower_client_cpus, "num_gpus": 0.0},
+    # on a GPU each client holds the whole GPU: one at a time, as plain and medfl train
+    gpus = 1.0 if DEVICE.startswith("cuda") else 0.0
+    backend = {"client_resources": {"num_cpus": a.flower_client_cpus, "num_gpus": gpus},
                "init_args": {"num_cpus": a.cpus}}
     rss0 = current_rss_mb()
     t0 = time.perf_counter()
@@ -475,6 +548,9 @@ def run_child(a: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(a.cpus)
+    if a.deterministic:   # exact float32 kernels: the ways can then be compared on a GPU too
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     # torch imports torch._dynamo (about 2 s) when the first optimizer is built; every way
     # pays that once per process, so pay it here, before the clock starts.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
@@ -498,7 +574,13 @@ def spawn(a: argparse.Namespace, mode: str, clients: int, rounds: int, work: Pat
            "--clients", str(clients), "--rounds", str(rounds),
            "--samples-per-client", str(a.samples_per_client), "--batch-size", str(a.batch_size),
            "--seed", str(a.seed), "--cpus", str(a.cpus), "--workload", a.workload,
-           "--flower-client-cpus", str(a.flower_client_cpus)]
+           "--flower-client-cpus", str(a.flower_client_cpus), "--device", a.device]
+    if a.amp:
+        cmd += ["--amp", a.amp]
+    if a.channels_last:
+        cmd.append("--channels-last")
+    if a.deterministic:
+        cmd.append("--deterministic")
     if a.flower_logs:
         cmd.append("--flower-logs")
     if getattr(a, "profile", None):
@@ -527,7 +609,8 @@ def _med(xs: list[float]) -> float:
 def compare_states(p1: str, p2: str) -> float:
     import torch
 
-    a, b = torch.load(p1, weights_only=True), torch.load(p2, weights_only=True)
+    a = torch.load(p1, weights_only=True, map_location="cpu")
+    b = torch.load(p2, weights_only=True, map_location="cpu")
     a = a.get("method", {}).get("global", a) if "method" in a else a
     b = b.get("method", {}).get("global", b) if "method" in b else b
     if set(a) != set(b):
@@ -592,6 +675,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flower-client-cpus", type=int, default=None,
                    help="num_cpus of each Flower client (default: --cpus, i.e. one client at a time "
                         "with all cores, as plain and medfl run)")
+    p.add_argument("--device", default="cpu",
+                   help="where every way trains and evaluates: cpu (the default), cuda, cuda:N (medfl's fl.device)")
+    p.add_argument("--amp", choices=["bf16", "fp16"], default=None,
+                   help="mixed precision of every way (medfl's train.amp; fp16 with a gradient scaler); "
+                        "default: full precision")
+    p.add_argument("--channels-last", action="store_true",
+                   help="channels-last model and batches in every way (medfl's train.channels_last)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="on a GPU: cuDNN's deterministic kernels and no TF32 (PyTorch's default lets cuDNN "
+                        "convolve in TF32), so that plain and medfl train to the same model; slower")
     p.add_argument("--flower-logs", action="store_true", help="keep Flower's INFO logs (in the child log)")
     p.add_argument("--json", metavar="OUT", help="also write every figure to this JSON file")
     p.add_argument("--profile", metavar="OUT",
@@ -605,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     w = set_workload(a.workload)
+    set_compute(a.device, a.amp, a.channels_last)
     for opt, key in (("clients", "clients"), ("rounds", "rounds"), ("samples_per_client", "samples"),
                      ("batch_size", "batch_size")):
         if getattr(a, opt) is None:
@@ -625,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
                      "model": dict(MODEL), "input": [1, *[IMAGE_SIZE] * SPATIAL_DIMS], "classes": NUM_CLASSES,
                      "optimizer":
                      f"sgd lr {LR} momentum {MOMENTUM}", "local_epochs": 1, "seed": a.seed,
-                     "cpus": a.cpus, "flower_client_cpus": a.flower_client_cpus,
+                     "cpus": a.cpus, "flower_client_cpus": a.flower_client_cpus, "device": a.device,
+                     "amp": a.amp, "channels_last": a.channels_last, "deterministic": a.deterministic,
                      "repeats": a.repeats, "python": sys.version.split()[0]},
     }
     try:
@@ -634,6 +729,10 @@ def main(argv: list[str] | None = None) -> int:
         import medfl
 
         report["settings"].update(torch=torch.__version__, medfl=medfl.__version__)
+        if a.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise SystemExit(f"--device {a.device}: torch sees no CUDA device on this machine")
+            report["settings"]["gpu"] = torch.cuda.get_device_name(torch.device(a.device))
         try:
             import flwr
 
@@ -645,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FedAvg, {a.clients} clients x {a.rounds} rounds, {describe_model()} "
               f"({NUM_CLASSES} classes), {a.samples_per_client} samples per client "
               f"(80% train / 20% test), batch {a.batch_size}, SGD lr {LR} momentum {MOMENTUM}, "
-              f"1 local epoch, {a.cpus} CPU thread(s); every run in a fresh process.")
+              f"1 local epoch, {a.cpus} CPU thread(s), on {describe_compute()}; every run in a fresh process.")
         if not a.memory_only:
             ways = ["plain", "medfl"] + ([] if a.skip_flower else ["flower"])
             fr = a.flower_repeats

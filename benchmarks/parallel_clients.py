@@ -110,6 +110,8 @@ def child(a: argparse.Namespace) -> None:
     if a.child != "inprocess":
         client_cpus = a.cpus if a.child == "ray-serial" else a.client_cpus
         fl["backend"] = {"name": "ray", "client_cpus": client_cpus, "num_cpus": a.cpus}
+        if a.device.startswith("cuda"):   # a share of the GPU each: 1 / client_gpus clients on it at once
+            fl["backend"]["client_gpus"] = 1.0 if a.child == "ray-serial" else a.client_gpus
     cfg = resolve_config(fl)
     sampler = PeakSampler()
     sampler.start()
@@ -134,7 +136,10 @@ def spawn(a: argparse.Namespace, way: str, clients: int, rounds: int, work: Path
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", way, "--child-dir", str(d),
            "--workload", a.workload, "--clients", str(clients), "--rounds", str(rounds),
            "--samples-per-client", str(a.samples_per_client), "--batch-size", str(a.batch_size),
-           "--seed", str(a.seed), "--cpus", str(a.cpus), "--client-cpus", str(a.client_cpus)]
+           "--seed", str(a.seed), "--cpus", str(a.cpus), "--client-cpus", str(a.client_cpus),
+           "--device", a.device, "--client-gpus", str(a.client_gpus)]
+    if a.amp:
+        cmd += ["--amp", a.amp]
     print(f"  {label:<30s} ...", end="", flush=True)
     with open(d / "log.txt", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(HERE.parent), timeout=a.timeout)
@@ -200,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads in process; cores Ray may use (default: all)")
     p.add_argument("--client-cpus", type=int, default=1, help="cores (torch threads) of each simulated client "
                                                               "(default 1: --cpus clients at once)")
+    p.add_argument("--device", default="cpu", help="where clients train: cpu (the default), cuda, cuda:N")
+    p.add_argument("--client-gpus", type=float, default=0.25,
+                   help="with --device cuda: the share of a GPU each simulated client holds (default 0.25: four "
+                        "clients per GPU at once); the in-process engine trains one client at a time on the GPU")
+    p.add_argument("--amp", choices=["bf16", "fp16"], default=None, help="mixed precision (train.amp) in every way")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timed runs of each way (default 3)")
     p.add_argument("--serial", action="store_true", help="also run the simulation runtime one client at a time")
     p.add_argument("--skip-timing", action="store_true", help="only the memory measurement")
@@ -213,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     w = eo.set_workload(a.workload)
+    eo.set_compute(a.device, a.amp, False)
     for opt, key in (("clients", "clients"), ("rounds", "rounds"), ("samples_per_client", "samples"),
                      ("batch_size", "batch_size")):
         if getattr(a, opt) is None:
@@ -225,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     if ray_missing():
         print(ray_missing(), file=sys.stderr)
         return 2
+    gpu = f" and {a.client_gpus:g} GPU" if a.device.startswith("cuda") else ""
     print(f"FedAvg, {a.clients} clients x {a.rounds} rounds, {eo.describe_model()}, {a.samples_per_client} samples "
-          f"per client, batch {a.batch_size}; {a.cpus} core(s); simulated clients hold {a.client_cpus} core(s) each.")
+          f"per client, batch {a.batch_size}; on {eo.describe_compute()}; {a.cpus} core(s); simulated clients hold "
+          f"{a.client_cpus} core(s){gpu} each.")
     work = Path(tempfile.mkdtemp(prefix="medfl-parallel-"))
     figures: dict[str, Any] = {"settings": {k: v for k, v in vars(a).items() if not k.startswith("child")}}
     try:
