@@ -195,51 +195,124 @@ def _gram_keys(grams: np.ndarray) -> np.ndarray:
     return key
 
 
-def _sample_probes(x: np.ndarray, rng: np.random.Generator, exact_grams: bool
-                   ) -> tuple[np.ndarray, dict[str, list[tuple[int, np.ndarray]]]]:
-    """Value probes (float32 values) and gram probes (per precision, ``(axis, codes)`` with
-    ``codes`` of shape ``(k, GRAM)``, one row per position, read forward along ``axis``) of
-    one sample ``x`` (float32, any shape)."""
-    flat = x.reshape(-1)
-    picks = flat[rng.integers(0, flat.size, size=min(flat.size, 512))] if flat.size else flat
-    cand = np.unique(picks)
-    cand = cand[~_round_mask(cand)]
-    if cand.size < 2 * VALUE_PROBES:
-        cand = np.unique(flat)
-        cand = cand[~_round_mask(cand)]
-    if cand.size >= MIN_VALUE_PROBES:
-        mag = np.abs(cand)
-        bright = cand[mag >= np.median(mag)]
-        if bright.size >= MIN_VALUE_PROBES:
-            cand = bright
-        values = rng.choice(cand, size=min(VALUE_PROBES, cand.size), replace=False).astype(np.float32)
-    else:
-        values = np.zeros(0, dtype=np.float32)
-    variants = ["f16", "bf16"] + (["exact"] if values.size < MIN_VALUE_PROBES or exact_grams else [])
-    grams: dict[str, list[tuple[int, np.ndarray]]] = {v: [] for v in _VARIANTS}
-    for variant in variants:
-        codes = _codes(np.ascontiguousarray(x, dtype=np.float32), variant)
-        zeros = _zero_code(variant)
-        for axis in range(codes.ndim):
-            size = codes.shape[axis]
-            if size < GRAM:
+def _values_of(cand: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Up to :data:`VALUE_PROBES` probe values drawn from ``cand`` (a sample's distinct
+    non-round values): from its brighter half where that half holds enough of them; none
+    when ``cand`` has fewer than :data:`MIN_VALUE_PROBES`."""
+    if cand.size < MIN_VALUE_PROBES:
+        return np.zeros(0, dtype=np.float32)
+    mag = np.abs(cand)
+    bright = cand[mag >= np.median(mag)]
+    if bright.size >= MIN_VALUE_PROBES:
+        cand = bright
+    return rng.choice(cand, size=min(VALUE_PROBES, cand.size), replace=False).astype(np.float32)
+
+
+def _value_probes(x: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    """The value probes of each sample of ``x`` (``(m, ...)`` float32, samples of one shape):
+    distinct non-round values among 512 random picks of the sample (all its distinct values
+    when the picks hold fewer than ``2 * VALUE_PROBES``), then :func:`_values_of`'s draw,
+    done for all samples at once."""
+    m = x.shape[0]
+    flat = x.reshape(m, -1)
+    size = flat.shape[1]
+    if size == 0:
+        return [np.zeros(0, dtype=np.float32)] * m
+    picks = np.sort(np.take_along_axis(flat, rng.integers(0, size, size=(m, min(size, 512))), axis=1), axis=1)
+    valid = np.ones(picks.shape, dtype=bool)
+    valid[:, 1:] = picks[:, 1:] != picks[:, :-1]            # distinct (sorted: repeats are neighbours)
+    valid &= ~_round_mask(picks)
+    count = valid.sum(axis=1)
+    enough = count >= 2 * VALUE_PROBES                        # the others look at all their values below
+    mag = np.abs(picks)
+    median = np.zeros(m, dtype=mag.dtype)
+    if enough.any():
+        median[enough] = np.nanmedian(np.where(valid[enough], mag[enough], np.nan), axis=1)
+    bright = valid & (mag >= median[:, None])
+    use = np.where((bright.sum(axis=1) >= MIN_VALUE_PROBES)[:, None], bright, valid)
+    draw = np.where(use, rng.random(picks.shape), 2.0)        # a random order of the usable values
+    order = np.argsort(draw, axis=1, kind="stable")[:, :VALUE_PROBES]
+    drawn = np.take_along_axis(picks, order, axis=1)
+    keep = np.minimum(use.sum(axis=1), VALUE_PROBES)
+    out = []
+    for j in range(m):
+        if enough[j]:
+            out.append(drawn[j, :keep[j]].astype(np.float32))
+        else:   # few distinct values among the picks: look at all of the sample's values
+            cand = np.unique(flat[j])
+            out.append(_values_of(cand[~_round_mask(cand)], rng))
+    return out
+
+
+def _gram_probes(flat: np.ndarray, shape: tuple[int, ...], variant: str, rng: np.random.Generator
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gram probes of one precision of each sample of ``flat`` (``(m, prod(shape))`` float32,
+    samples of ``shape`` flattened): along each axis of at least :data:`GRAM` values,
+    ``8 * GRAM_POSITIONS`` random runs, of which the first :data:`GRAM_POSITIONS` distinct
+    ones with at least 3 distinct values and at most half zeros are kept. Only the runs
+    drawn are read and rounded, so the cost does not grow with the image. Returns
+    ``(sample, axis, runs)``: the sample (row of ``flat``) and axis of each kept run and the
+    runs' codes (``(k, GRAM)``), sample by sample."""
+    m = flat.shape[0]
+    tries = 8 * GRAM_POSITIONS
+    zeros = _zero_code(variant)
+    strides = [int(np.prod(shape[a + 1:], dtype=np.int64)) for a in range(len(shape))]
+    samples, axes, runs = [], [], []
+    for axis, size in enumerate(shape):
+        if size < GRAM:
+            continue
+        # a random line along the axis (the other coordinates) and a start on it
+        base = np.zeros((m, tries), dtype=np.int64)
+        for other, dim in enumerate(shape):
+            if other != axis:
+                base += rng.integers(0, dim, size=(m, tries)) * strides[other]
+        start = rng.integers(0, size - GRAM + 1, size=(m, tries))
+        where = base[:, :, None] + (start[:, :, None] + np.arange(GRAM)) * strides[axis]
+        cand = _codes(np.ascontiguousarray(flat[np.arange(m)[:, None, None], where]), variant)
+        srt = np.sort(cand, axis=2)
+        distinct = 1 + (srt[:, :, 1:] != srt[:, :, :-1]).sum(axis=2)
+        nzero = ((cand == zeros[0]) | (cand == zeros[1])).sum(axis=2)
+        ok = (distinct >= 3) & (nzero <= GRAM // 2)
+        # the first occurrence of each distinct usable run, found through the runs' 64-bit
+        # keys (what the index stores): sort by key, usable ones first, then by try
+        keys = _gram_keys(cand.reshape(-1, GRAM)).reshape(m, tries)
+        order = np.lexsort((np.broadcast_to(np.arange(tries), (m, tries)), ~ok, keys), axis=1)
+        skeys, sok = np.take_along_axis(keys, order, axis=1), np.take_along_axis(ok, order, axis=1)
+        lead = np.ones_like(sok)
+        lead[:, 1:] = skeys[:, 1:] != skeys[:, :-1]
+        first = np.zeros_like(ok)
+        np.put_along_axis(first, order, lead & sok, axis=1)
+        take = first & (np.cumsum(first, axis=1) <= GRAM_POSITIONS)
+        si, ti = np.nonzero(take)                               # sample by sample, in try order
+        samples.append(si)
+        axes.append(np.full(si.size, axis, dtype=np.int8))
+        runs.append(cand[si, ti])
+    if not samples:
+        dtype = np.uint32 if variant == "exact" else np.uint16
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int8), np.zeros((0, GRAM), dtype=dtype)
+    sample = np.concatenate(samples)
+    order = np.argsort(sample, kind="stable")                   # sample by sample, axis by axis
+    return sample[order], np.concatenate(axes)[order], np.concatenate(runs)[order]
+
+
+def _chunk_probes(x: np.ndarray, rng: np.random.Generator, exact_grams: bool
+                  ) -> tuple[list[np.ndarray], dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """Value probes and gram probes (per precision, :func:`_gram_probes`'s triple) of the
+    samples of ``x`` (``(m, ...)`` float32, one shape). Exact (float32) gram probes are
+    taken for the samples with too few value probes, or for all with ``exact_grams``."""
+    values = _value_probes(x, rng)
+    flat, shape = x.reshape(x.shape[0], -1), tuple(x.shape[1:])
+    grams = {}
+    for variant in _VARIANTS:
+        if variant == "exact":
+            rows = np.arange(x.shape[0]) if exact_grams else np.array(
+                [j for j, v in enumerate(values) if v.size < MIN_VALUE_PROBES], dtype=np.int64)
+            if not rows.size:
                 continue
-            rows = np.moveaxis(codes, axis, -1).reshape(-1, size)
-            tries = 8 * GRAM_POSITIONS
-            r = rng.integers(0, rows.shape[0], size=tries)
-            s = rng.integers(0, size - GRAM + 1, size=tries)
-            cand_g = rows[r[:, None], s[:, None] + np.arange(GRAM)]
-            srt = np.sort(cand_g, axis=1)
-            distinct = 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1)
-            nzero = ((cand_g == zeros[0]) | (cand_g == zeros[1])).sum(axis=1)
-            ok = (distinct >= 3) & (nzero <= GRAM // 2)
-            good = cand_g[ok]
-            # the first occurrence of each distinct run, found through the runs' 64-bit keys
-            # (what the index stores; NumPy's row-wise unique costs 4x more per sample)
-            first = np.sort(np.unique(_gram_keys(good), return_index=True)[1]) if len(good) else []
-            chosen = good[first][:GRAM_POSITIONS]                 # distinct runs, in random order
-            if len(chosen):
-                grams[variant].append((axis, chosen))
+            sample, axis, runs = _gram_probes(flat[rows], shape, variant, rng)
+            grams[variant] = (rows[sample], axis, runs)
+        else:
+            grams[variant] = _gram_probes(flat, shape, variant, rng)
     return values, grams
 
 
@@ -286,8 +359,16 @@ def _fingerprint(ds: Dataset) -> str:
     return h.hexdigest()
 
 
+#: Samples whose probes are drawn together (fewer when they would take more than 32 MiB).
+_CHUNK_SAMPLES = 256
+
+
 def build_split_reference(ds: Dataset, exact_grams: bool = False) -> SplitReference:
     """The reference of one dataset (every sample read once).
+
+    Samples of one shape are probed in chunks, all at once (NumPy over the chunk instead of
+    a Python loop per sample: about 20x faster); the probes drawn depend only on the
+    dataset's content and size.
 
     Args:
         ds: a dataset of ``(image, label)`` items (or dicts with ``image``/``label``).
@@ -299,38 +380,49 @@ def build_split_reference(ds: Dataset, exact_grams: bool = False) -> SplitRefere
     collect = labels is None
     ys = np.zeros(n, dtype=np.int64)
     vb, vs, vc = [], [], np.zeros(n, dtype=np.int32)
-    gk: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
-    gp: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
     gs: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
     ga: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
-    next_pos = {v: 0 for v in _VARIANTS}
+    gr: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    chunk: list[np.ndarray] = []
+    start = 0
+
+    def flush() -> None:
+        if not chunk:
+            return
+        rng = np.random.default_rng([start, n, 20251125])
+        values, grams = _chunk_probes(np.stack(chunk), rng, exact_grams)
+        for j, v in enumerate(values):
+            vb.append(v.view(np.uint32))
+            vs.append(np.full(v.size, start + j, dtype=np.int32))
+            vc[start + j] = v.size
+        for variant, (sample, axis, runs) in grams.items():
+            gs[variant].append(sample.astype(np.int32) + start)
+            ga[variant].append(axis)
+            gr[variant].append(runs)
+
     for i in range(n):
         item = ds[i]
         if collect:
             ys[i] = _item_label(item)
         x = torch.as_tensor(_item_image(item)).as_subclass(torch.Tensor).detach().cpu()
-        x = (x.real if x.is_complex() else x).to(torch.float32).numpy()
-        rng = np.random.default_rng([i, n, 20240607])
-        values, grams = _sample_probes(x, rng, exact_grams)
-        vb.append(values.view(np.uint32))
-        vs.append(np.full(values.size, i, dtype=np.int32))
-        vc[i] = values.size
-        for variant, blocks in grams.items():
-            if not blocks:
-                continue
-            fwd = np.concatenate([b for _, b in blocks])
-            k = len(fwd)
-            pos = np.arange(next_pos[variant], next_pos[variant] + k, dtype=np.int32)
-            next_pos[variant] += k
-            gk[variant] += [_gram_keys(fwd), _gram_keys(fwd[:, ::-1])]
-            gp[variant] += [pos, pos]
-            gs[variant].append(np.full(k, i, dtype=np.int32))
-            ga[variant].append(np.concatenate([np.full(len(b), a, dtype=np.int8) for a, b in blocks]))
+        x = np.ascontiguousarray((x.real if x.is_complex() else x).to(torch.float32).numpy())
+        if chunk and (x.shape != chunk[0].shape or len(chunk) >= max(1, min(_CHUNK_SAMPLES, (32 << 20) // max(
+                x.nbytes, 1)))):
+            flush()
+            chunk, start = [], i
+        chunk.append(x)
+    flush()
     cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dtype=dt))
+    grams = {}
+    for v in _VARIANTS:
+        fwd = np.concatenate(gr[v]) if gr[v] else np.zeros((0, GRAM), dtype=np.uint32)
+        pos = np.arange(len(fwd), dtype=np.int32)                # each run, read both ways
+        grams[v] = (np.concatenate([_gram_keys(fwd), _gram_keys(fwd[:, ::-1])]).astype(np.uint64),
+                    np.concatenate([pos, pos]))
     return SplitReference(
         n=n, labels=ys if collect else labels,
         vbits=cat(vb, np.uint32), vsample=cat(vs, np.int32), vcount=vc,
-        grams={v: (cat(gk[v], np.uint64), cat(gp[v], np.int32)) for v in _VARIANTS},
+        grams=grams,
         gsample={v: cat(gs[v], np.int32) for v in _VARIANTS},
         gaxis={v: cat(ga[v], np.int8) for v in _VARIANTS})
 
