@@ -176,6 +176,11 @@ class ClientContext:
         model must outlive this client step, e.g. kept in a module-level cache: a reused
         object will be handed to the next client in this process.
         """
+        if torch.device(str(self.device)).type != "cpu" and any(
+                isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in state.values()):
+            from medfl.engine.training import move_state
+
+            state = move_state(state, self.device)   # one transfer per dtype, not one per tensor
         key = json.dumps([self.model_spec, str(self.device)], sort_keys=True, default=str)
         entry = _SHELLS.get(key) if key not in self._shells_taken and not fresh else None
         self._shells_taken.add(key)

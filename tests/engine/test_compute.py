@@ -150,3 +150,20 @@ def test_a_run_with_amp_channels_last_and_loader_workers(tmp_path: Path) -> None
     assert m["accuracy"].dropna().between(0, 1).all() and len(m["accuracy"].dropna()) == 6
     t = pd.read_csv(Path(mixed["dir"]) / "fedavg" / "train_metrics.csv")
     assert np.isfinite(t["loss"]).all() and (t["steps"] > 0).all()
+
+
+def test_move_state_copies_every_entry_into_its_own_storage() -> None:
+    """:func:`move_state` (weights crossing between the CPU and a GPU in one transfer per
+    dtype) keeps each entry's values, dtype and shape, gives each tensor its own storage
+    (a saved entry does not drag its neighbours along) and keeps non-tensors."""
+    from medfl.engine.training import move_state
+
+    state = {"w": torch.randn(3, 4), "n": torch.arange(5), "d": torch.randn(2).double(), "flag": torch.tensor(True),
+             "empty": torch.zeros(0), "t": torch.randn(4, 3).t(), "note": 1.5}
+    moved = move_state(state, "cpu")
+    assert list(moved) == list(state) and moved["note"] == 1.5
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert moved[k].dtype == v.dtype and moved[k].shape == v.shape and torch.equal(moved[k], v), k
+            assert v.numel() == 0 or moved[k].untyped_storage().data_ptr() != v.untyped_storage().data_ptr(), k
+            assert moved[k].untyped_storage().nbytes() == moved[k].numel() * moved[k].element_size(), k

@@ -20,7 +20,7 @@ import torch
 
 from medfl.config import resolve_config
 from medfl.engine.runner import run_experiment
-from medfl.engine.training import compute_settings, predict_proba, train_epochs
+from medfl.engine.training import compute_settings, get_state, move_state, predict_proba, train_epochs
 
 from test_builtin_numbers import BYTES_ATOL, GOLDEN, JOBS, run_job
 from test_compute import _loader, _manifest, _model
@@ -176,3 +176,15 @@ def test_simulated_clients_share_the_gpu(tmp_path: Path) -> None:
         pd.testing.assert_frame_equal(a, b, check_exact=False, atol=0.06)   # at most one flip in 19
         ta, tb = (pd.read_csv(d / label / "train_metrics.csv") for d in (ref, sim))
         np.testing.assert_allclose(ta["loss"], tb["loss"], rtol=1e-3)
+
+
+def test_weights_cross_between_cpu_and_gpu_in_one_transfer_per_dtype() -> None:
+    """:func:`get_state` of a GPU model and :func:`move_state` to the GPU give exactly the
+    per-tensor copies, each tensor in its own storage."""
+    model = _model(spatial_dims=3).cuda()
+    state = get_state(model)
+    for k, v in model.state_dict().items():
+        assert state[k].device.type == "cpu" and torch.equal(state[k], v.cpu()), k
+        assert state[k].untyped_storage().nbytes() == state[k].numel() * state[k].element_size(), k
+    back = move_state(state, "cuda")
+    assert all(v.is_cuda and torch.equal(v.cpu(), state[k]) for k, v in back.items())
