@@ -350,27 +350,30 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
         if not Path(args.config).is_file():
             raise FileNotFoundError(f"{args.config}: config file not found")
         overrides = _parse_overrides(args.overrides)
-    tmp = Path(tempfile.mkdtemp(prefix="medfl-flower-"))
-    result_file = Path(args.result_file).resolve() if args.result_file else tmp / f"result-{uuid.uuid4().hex}.json"
     site_nodes = None
     if args.site_nodes:
         from medfl.flower.auth import read_site_nodes
 
         with _auth_errors("medfl flower run: --site-nodes"):
             site_nodes = read_site_nodes(args.site_nodes)
-    rc = make_run_config(workdir=Path.cwd(), result_file=result_file, round_timeout=args.round_timeout,
-                         connect_timeout=args.connect_timeout, hello_timeout=args.hello_timeout,
-                         config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds,
-                         progress_interval=args.progress_interval, site_nodes=site_nodes)
-    app_dir = write_app(tmp / "app")
-    code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
-                    root_certificates=None if insecure else args.root_certificates)
-    if result_file.is_file():  # the SuperLink runs on this machine: report the ServerApp's outcome
-        result = json.loads(result_file.read_text())
-        if not result.get("ok"):
-            print(f"medfl flower run: the run failed: {result.get('error')}", file=sys.stderr)
-            return 1
-        print(f"medfl flower run: results in {result['dir']}")
+    # the app, Flower's home and (by default) the result file live here until the run has ended
+    with tempfile.TemporaryDirectory(prefix="medfl-flower-") as tmp_name:
+        tmp = Path(tmp_name)
+        result_file = (Path(args.result_file).resolve() if args.result_file
+                       else tmp / f"result-{uuid.uuid4().hex}.json")
+        rc = make_run_config(workdir=Path.cwd(), result_file=result_file, round_timeout=args.round_timeout,
+                             connect_timeout=args.connect_timeout, hello_timeout=args.hello_timeout,
+                             config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds,
+                             progress_interval=args.progress_interval, site_nodes=site_nodes)
+        app_dir = write_app(tmp / "app")
+        code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
+                        root_certificates=None if insecure else args.root_certificates)
+        if result_file.is_file():  # the SuperLink runs on this machine: report the ServerApp's outcome
+            result = json.loads(result_file.read_text())
+            if not result.get("ok"):
+                print(f"medfl flower run: the run failed: {result.get('error')}", file=sys.stderr)
+                return 1
+            print(f"medfl flower run: results in {result['dir']}")
     return code
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -64,13 +65,17 @@ def test_flower_run_command_sends_the_run_config(tmp_path: Path, monkeypatch: py
 
     sent: list[dict] = []
     monkeypatch.setattr(deploy, "flwr_run", lambda app, superlink, rc, **kw: sent.append(
-        {"app": app, "superlink": superlink, **rc}) or 0)
+        {"app": app, "superlink": superlink, **rc, "app_there": (Path(app) / "medfl_flower_proxy.py").is_file()}) or 0)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)   # TMPDIR is read again
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.json").write_text("{}")
     assert main(["flower", "run", "train.json", "--insecure", "--superlink", "hub:9100", "--round-timeout", "30",
                  "--fl#rounds", "3", "--fl#name", "it's"]) == 0
     rc = sent[-1]
-    assert rc["superlink"] == "hub:9100" and (Path(rc["app"]) / "medfl_flower_proxy.py").is_file()
+    assert rc["superlink"] == "hub:9100" and rc.pop("app_there")
+    assert not list((tmp_path / "tmp").iterdir())   # the app and Flower's home are gone once the run has ended
     assert rc["config"] == str(tmp_path.resolve() / "train.json") and rc["workdir"] == str(tmp_path.resolve())
     assert json.loads(rc["overrides"]) == {"fl#rounds": 3, "fl#name": "it's"}
     assert (rc["round-timeout"], rc["connect-timeout"], rc["hello-timeout"]) == (30.0, 300.0, 60.0)
@@ -80,6 +85,7 @@ def test_flower_run_command_sends_the_run_config(tmp_path: Path, monkeypatch: py
 
     assert main(["flower", "run", "--resume", "runs/demo", "--rounds", "4", "--insecure"]) == 0
     rc = sent[-1]
+    rc.pop("app_there")
     assert rc["resume"] == str(tmp_path.resolve() / "runs" / "demo") and rc["rounds"] == 4
     assert "config" not in rc and "overrides" not in rc
 
