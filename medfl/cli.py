@@ -322,12 +322,18 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     from medfl.flower.worker import run_site, socket_for
 
     sock = socket_for()
-    cmd = site_command(str(args.client_id), args.config, args.state_dir, args.superlink, port=args.port,
-                       host=args.host, insecure=insecure, overrides=overrides, device=args.device,
-                       worker=sock, extra=extra)
-    settings = SiteSettings(client_id=str(args.client_id), config=Path(args.config).resolve(),
-                            state_dir=Path(args.state_dir).resolve(), overrides=overrides or {},
-                            workdir=Path.cwd().resolve(), device=args.device)
+    try:
+        cmd = site_command(str(args.client_id), args.config, args.state_dir, args.superlink, port=args.port,
+                           host=args.host, insecure=insecure, overrides=overrides, device=args.device,
+                           worker=sock, extra=extra)
+        settings = SiteSettings(client_id=str(args.client_id), config=Path(args.config).resolve(),
+                                state_dir=Path(args.state_dir).resolve(), overrides=overrides or {},
+                                workdir=Path.cwd().resolve(), device=args.device)
+    except BaseException:
+        from medfl.flower.worker import shutil_rmtree
+
+        shutil_rmtree(Path(sock).parent)   # run_site removes it from here on
+        raise
     return run_site(settings, cmd, env=flower_env(), restart=not getattr(args, "no_restart", False))
 
 

@@ -137,11 +137,12 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
     worker = SiteWorker(settings, sock_path)
     try:
         worker._site()  # load config and data now: errors show at start, not at the first message
-    except Exception:
+        procs = [subprocess.Popen(supernode_cmd, env=env)]
+    except BaseException:
         worker.stop()
+        shutil_rmtree(Path(sock_path).parent)   # the socket's folder from socket_for
         raise
     stopping = threading.Event()
-    procs = [subprocess.Popen(supernode_cmd, env=env)]
     who = f"medfl site {settings.client_id}"
 
     def _end(signum: int, _frame: Any) -> None:

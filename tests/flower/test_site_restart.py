@@ -86,3 +86,22 @@ def test_a_coordinator_cannot_point_a_site_outside_its_state_dir(tmp_path: Path,
     with pytest.raises(SiteError, match="bad run id"):
         site._root({"run": run})
     assert site._root({"run": "3f2a-run_7"}) == tmp_path / "s" / "3f2a-run_7" / "site_0"
+
+
+@pytest.mark.parametrize("problem", ["bad config", "no SuperNode program"])
+def test_a_site_that_cannot_start_leaves_no_socket_folder(tmp_path: Path, problem: str) -> None:
+    """A site whose config cannot be read, or whose SuperNode cannot be started, raises and
+    removes the temporary folder of its worker's socket."""
+    from medfl.flower.site import SiteSettings
+    from medfl.flower.worker import run_site, socket_for
+
+    sock = socket_for()
+    assert Path(sock).parent.is_dir()
+    if problem == "bad config":
+        config = tmp_path / "missing.json"
+    else:
+        config = write_config(tmp_path / "site.json", fl_config(tmp_path, "nosn", FEDAVG))
+    cmd = [str(tmp_path / "no-such-supernode"), "--node-config", f"worker='{sock}'"]
+    with pytest.raises(Exception, match="missing.json" if problem == "bad config" else "no-such-supernode"):
+        run_site(SiteSettings(client_id="0", config=config, state_dir=tmp_path / "state"), cmd, restart=False)
+    assert not Path(sock).parent.exists()
