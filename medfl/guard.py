@@ -256,6 +256,8 @@ def _gram_probes(flat: np.ndarray, shape: tuple[int, ...], variant: str, rng: np
     m = flat.shape[0]
     tries = 8 * GRAM_POSITIONS
     zeros = _zero_code(variant)
+    if m == 0 or flat.shape[1] == 0:   # no sample, or samples without a value
+        shape = ()
     strides = [int(np.prod(shape[a + 1:], dtype=np.int64)) for a in range(len(shape))]
     samples, axes, runs = [], [], []
     for axis, size in enumerate(shape):
