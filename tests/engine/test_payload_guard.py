@@ -500,3 +500,19 @@ def test_the_non_finite_check_of_a_model_state_names_the_tensor() -> None:
     huge = {**state, "big": torch.full((4,), 3e38), "wide": torch.tensor([1e300], dtype=torch.float64)}
     assert first_non_finite(huge) == ""
     assert first_non_finite({**huge, "half": torch.tensor([float("inf")], dtype=torch.float16)}) == "['half']"
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 9), (), (5,), (2, 3, 16)])
+def test_references_of_odd_sample_shapes(shape: tuple[int, ...]) -> None:
+    """Samples without a value, scalars, short vectors and thin volumes get the probes their
+    axes allow (none where no axis holds a gram), and the reference still covers every sample."""
+    from medfl.guard import GRAM, build_split_reference
+
+    ds = TensorDataset(torch.randn(6, *shape, generator=torch.Generator().manual_seed(0)), torch.arange(6) % 2)
+    ref = build_split_reference(ds)
+    assert ref.n == 6 and ref.vcount.shape == (6,)
+    long_axes = [a for a, n in enumerate(shape) if n >= GRAM]
+    if not long_axes or 0 in shape:
+        assert all(ref.grams[v][0].size == 0 for v in ref.grams)
+    else:
+        assert set(np.unique(ref.gaxis["f16"])) == set(long_axes) and set(ref.gsample["f16"]) == set(range(6))
