@@ -158,6 +158,8 @@ class _DatasetPlugin:
     @hookimpl
     def on_run_start(self, run):  # noqa: ANN001
         self.marks["run_start"] = time.perf_counter()
+        if self.profiler is not None and self.profile_span[0] == 0:
+            self.profiler.enable()
 
     @hookimpl
     def on_client_end(self, run, round, client_id, metrics):  # noqa: ANN001, A002
@@ -173,7 +175,8 @@ class _DatasetPlugin:
             self.profiler.dump_stats(self.profile_span[2])
 
     def profile_rounds(self, after: int, until: int, out: str) -> None:
-        """Profile from the end of round ``after`` to the end of round ``until`` into ``out``."""
+        """Profile from the end of round ``after`` (0: the start of the run) to the end of round
+        ``until`` into ``out``."""
         import cProfile
 
         self.profiler, self.profile_span = cProfile.Profile(), (after, until, out)
@@ -424,7 +427,7 @@ def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     plugin = ensure_plugin()  # plugin discovery happens once per process, before the clock starts
     if getattr(a, "profile", None):
-        plugin.profile_rounds(2, a.rounds - 1, a.profile)
+        plugin.profile_rounds(*((0, 1) if a.profile_first else (2, a.rounds - 1)), a.profile)
     cfg = resolve_config(fl_config(a.clients, a.rounds, a.samples_per_client, a.batch_size,
                                    a.seed, str(work / "runs")))
     rss0 = current_rss_mb()
@@ -584,7 +587,7 @@ def spawn(a: argparse.Namespace, mode: str, clients: int, rounds: int, work: Pat
     if a.flower_logs:
         cmd.append("--flower-logs")
     if getattr(a, "profile", None):
-        cmd += ["--profile", str(Path(a.profile).resolve())]
+        cmd += ["--profile", str(Path(a.profile).resolve())] + (["--profile-first"] if a.profile_first else [])
     print(f"  {label:<28s} ...", end="", flush=True)
     t0 = time.perf_counter()
     with open(d / "log.txt", "w") as log:
@@ -625,14 +628,19 @@ def profile_steady_rounds(a: argparse.Namespace) -> int:
     where the time goes (by own time and by cumulative time)."""
     import pstats
 
-    if a.rounds < 4:
-        raise SystemExit(f"--profile needs --rounds >= 4 (rounds 3..R-1 are profiled), got {a.rounds}")
+    if a.rounds < (2 if a.profile_first else 4):
+        raise SystemExit(f"--profile needs --rounds >= 4 (rounds 3..R-1 are profiled; with --profile-first "
+                         f">= 2), got {a.rounds}")
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="medfl-bench-"))
     try:
         res = spawn(a, "medfl", a.clients, a.rounds, work, "medfl-profiled")
-        steady = res["round_s"][2:a.rounds - 1]
-        print(f"\nrounds 3..{a.rounds - 1} under cProfile: {sum(steady) / len(steady):.3f} s/round "
-              f"(profiling slows Python code; compare shares, not seconds)")
+        if a.profile_first:
+            print(f"\nround 1 under cProfile: {res['round_s'][0]:.3f} s, round 2 (not profiled) "
+                  f"{res['round_s'][1]:.3f} s (profiling slows Python code; compare shares, not seconds)")
+        else:
+            steady = res["round_s"][2:a.rounds - 1]
+            print(f"\nrounds 3..{a.rounds - 1} under cProfile: {sum(steady) / len(steady):.3f} s/round "
+                  f"(profiling slows Python code; compare shares, not seconds)")
         stats = pstats.Stats(a.profile)
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(40)
@@ -691,6 +699,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead of timing: run medfl once under cProfile from the end of round 2 to the end "
                         "of round R-1 (the steady rounds; needs --rounds >= 4), write the stats to OUT (pstats) "
                         "and print the functions that take the most time")
+    p.add_argument("--profile-first", action="store_true",
+                   help="with --profile: profile round 1 instead (from the start of the run: the payload guard's "
+                        "reference of every client, first model builds); needs --rounds >= 2")
     p.add_argument("--workdir", help="where runs are written (default: a temporary directory, removed)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--child-timeout", type=float, default=900, help=argparse.SUPPRESS)
