@@ -319,7 +319,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     _site_approvals(args)
     from medfl.flower.deploy import flower_env
     from medfl.flower.site import SiteSettings
-    from medfl.flower.worker import run_site, socket_for
+    from medfl.flower.worker import run_site, shutil_rmtree, socket_for
 
     sock = socket_for()
     try:
@@ -330,8 +330,6 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
                                 state_dir=Path(args.state_dir).resolve(), overrides=overrides or {},
                                 workdir=Path.cwd().resolve(), device=args.device)
     except BaseException:
-        from medfl.flower.worker import shutil_rmtree
-
         shutil_rmtree(Path(sock).parent)   # run_site removes it from here on
         raise
     return run_site(settings, cmd, env=flower_env(), restart=not getattr(args, "no_restart", False))

@@ -25,9 +25,11 @@ def plots_wanted(cfg: dict[str, Any] | None = None) -> bool:
     or ``no``: for sweeps and CI, and it reaches a bundle's or a Flower app's processes), nor
     when the config says ``"plots": false``. Their CSV and JSON results are written either way,
     and ``medfl report RUN_DIR`` draws the plots at any time."""
+    from medfl.config import FL_OPTIONAL
+
     if os.environ.get("MEDFL_NO_PLOTS", "").strip().lower() not in ("", "0", "false", "no"):
         return False
-    return bool((cfg or {}).get("plots", True))
+    return bool((cfg or {}).get("plots", FL_OPTIONAL["plots"]))
 
 
 def _plt():
