@@ -61,7 +61,8 @@ anything encoded on purpose.
 Cost (``benchmarks/payload_guard.py``, 2-core VM, one thread): building the reference reads
 every sample once per process (about 1 ms per 128x128 image, reading included) and keeps
 about 1.5 KB per sample plus 3 MiB of lookup tables per client; checking a ResNet-18 reply
-(11.2 M values) takes 20-45 ms in float32, 45-100 ms in int8, 0.2-0.25 s in float16/bfloat16.
+(11.2 M values) takes about 20 ms in float32 (large float32 tensors are read in place, in
+cache-sized steps), 65 ms in int8, 0.35 s in float16/bfloat16.
 """
 
 from __future__ import annotations
@@ -484,6 +485,18 @@ class _Index:
     ggroup: dict[str, np.ndarray] = field(default_factory=dict)   # position -> sample * _AXES + axis
     gneed: dict[str, np.ndarray] = field(default_factory=dict)    # hits needed per (sample, axis) group
     gtable: dict[str, np.ndarray] = field(default_factory=dict)
+    _vsorted: np.ndarray | None = field(default=None, repr=False)
+
+    def probe_values(self, bits: np.ndarray) -> np.ndarray:
+        """Which of ``bits`` (float32 bit patterns) are a value probe's, by binary search in
+        the probes' sorted patterns (sorted once; ``np.isin`` would sort them every call)."""
+        if self._vsorted is None:
+            self._vsorted = np.unique(self.vbits)
+        ref = self._vsorted
+        if not ref.size or not bits.size:
+            return np.zeros(bits.shape, dtype=bool)
+        at = np.minimum(np.searchsorted(ref, bits), ref.size - 1)
+        return ref[at] == bits
 
     @property
     def nbytes(self) -> int:
@@ -742,43 +755,132 @@ def _label_candidates(arr: np.ndarray, sizes: set[int], one_d: bool, runs: bool 
     any run to match) leaves out the two run readings."""
     out = [("", arr.reshape(-1), False)] if runs else []
     blocks = [(how, arr.reshape(rc)) for how, rc in _block_shapes(arr.shape, sizes, one_d)]
+    total = float(arr.sum(dtype=np.float64)) if blocks and arr.dtype.kind in "fiub" else math.nan
     for how, m in blocks:
         if runs and not how:   # the value itself is 2-D: read by columns too
             out.append((" (read by columns)", np.ascontiguousarray(m.T).reshape(-1), False))
-        if m.shape[0] in sizes and _class_block(m, 1):
+        if m.shape[0] in sizes and _may_sum_to(total, m.shape[0]) and _class_block(m, 1):
             out.append((f"{how} (argmax of each row)", m.argmax(axis=1), True))
-        if m.shape[1] in sizes and _class_block(m, 0):
+        if m.shape[1] in sizes and _may_sum_to(total, m.shape[1]) and _class_block(m, 0):
             out.append((f"{how} (argmax of each column)", m.argmax(axis=0), True))
     return out
 
 
-def _may_hold_runs(tensors: list[torch.Tensor], lo: int, hi: int, shortest: int
-                   ) -> tuple[list[bool], list[bool]]:
+def _may_sum_to(total: float, groups: int) -> bool:
+    """Whether a block whose values add up to ``total`` can be ``groups`` one-hot rows or
+    probability vectors (each summing to 1 within :func:`_class_block`'s tolerance): a
+    test on one number that spares reading most blocks (a weight tensor sums to anything)."""
+    return abs(total - groups) <= 2 * (1e-3 + 1e-5) * groups + 1e-6 * groups
+
+
+class _Floats:
+    """The values of a message's real floating-point tensors as float32, gathered once per
+    check and read by both scans: :func:`_may_hold_runs` counts label-like values per
+    tensor, and the image check looks up the float32/float64 tensors' values (the first
+    :attr:`full` positions), each in a few NumPy calls over large arrays, where a model's
+    dozens of tensors would otherwise cost dozens of calls each. A large float32 tensor is
+    read where it lies (no copy); the others are copied into shared pieces.
+
+    Positions run over all held tensors in order (tensor ``i`` starts at ``starts[i]``).
+
+    Args:
+        tensors: the tensors to hold (others, e.g. integer tensors, are left out; find
+            each one's place with :meth:`segment`).
+        more: more tensors to hold, after all of ``tensors`` (never in the first
+            :attr:`full` positions): the label scan's stacks of small tensors.
+    """
+
+    HALF = (torch.float16, torch.bfloat16)
+    FULL = (torch.float32, torch.float64)
+    #: a float32 tensor of at least this many values is read in place, not copied
+    VIEW_MIN = 1 << 15
+
+    def __init__(self, tensors: list[torch.Tensor], more: list[torch.Tensor] | tuple[()] = ()) -> None:
+        real = self.FULL + self.HALF
+        full = [t for t in tensors if t.dtype in self.FULL and t.numel()]
+        rest = [t for t in tensors if t.dtype in self.HALF and t.numel()]
+        rest += [t for t in more if t.dtype in real and t.numel()]
+        held = full + rest
+        self._segment = {id(t): i for i, t in enumerate(held)}
+        self._held = held   # keeps the ids valid while this object lives
+        sizes = [t.numel() for t in held]
+        self.starts = np.cumsum([0] + sizes[:-1]).astype(np.int64)
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.full = int(sum(sizes[:len(full)]))
+        #: ``(first position, float32 values)``: consecutive tensors' values, in order
+        self.pieces: list[tuple[int, np.ndarray]] = []
+        small: list[torch.Tensor] = []
+        with torch.no_grad():
+            for group in (full, rest):   # no piece straddles the end of the first ``full`` positions
+                for t in group:
+                    if t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() >= self.VIEW_MIN:
+                        self._flush(small)
+                        self.pieces.append((int(self.starts[self._segment[id(t)]]), t.detach().reshape(-1).numpy()))
+                    else:
+                        small.append(t)
+                self._flush(small)
+
+    def _flush(self, small: list[torch.Tensor]) -> None:
+        if small:
+            at = int(self.starts[self._segment[id(small[0])]])
+            self.pieces.append((at, torch.cat([t.detach().reshape(-1).cpu().to(torch.float32) for t in small]).numpy()))
+            small.clear()
+
+    def segment(self, t: torch.Tensor) -> int | None:
+        """The index of ``t`` among the held tensors, or None when ``t`` is not held."""
+        return self._segment.get(id(t))
+
+    def values(self, k: int) -> np.ndarray:
+        """The float32 values of held tensor ``k`` (a view)."""
+        a = int(self.starts[k])
+        for at, v in reversed(self.pieces):
+            if at <= a:
+                return v[a - at:a - at + int(self.sizes[k])]
+        raise IndexError(k)
+
+    def label_like(self, lo: int, hi: int) -> np.ndarray:
+        """Per held tensor, the number of label-like values (whole numbers in ``[lo, hi]``).
+        Whole numbers are found first (trained weights hold few), then only those are
+        range-checked and counted."""
+        found = []
+        with np.errstate(invalid="ignore"):
+            for at, piece in self.pieces:
+                for a in range(0, piece.size, _SCAN_CHUNK):   # temporaries that stay in cache
+                    v = piece[a:a + _SCAN_CHUNK]
+                    hit = np.flatnonzero(np.floor(v) == v)   # NaN: never; infinities: out of range
+                    w = v[hit]
+                    found.append(hit[(w >= lo) & (w <= hi)] + (at + a))
+        where = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        return np.bincount(np.searchsorted(self.starts, where, side="right") - 1, minlength=self.sizes.size)
+
+    def nonnegative(self, k: int) -> bool:
+        """Whether every value of held tensor ``k`` is ``>= 0`` (NaN is not)."""
+        return bool(np.min(self.values(k)) >= 0)
+
+
+def _may_hold_runs(tensors: list[torch.Tensor], lo: int, hi: int, shortest: int,
+                   floats: _Floats | None = None) -> list[bool]:
     """For each tensor, whether it holds at least ``shortest`` label-like values (whole
     numbers in ``[lo, hi]``, the range of every label vector): one with fewer cannot hold a
-    run that :func:`_search` would match, in any reading; and whether all its values are
-    ``>= 0`` (a one-hot or probability block must be). Real floating-point tensors are
-    counted together in one pass (a model's dozens of tensors cost one concatenation, not
-    dozens of NumPy calls); any other tensor is answered True, True (searched as before).
-    Counting in float32 only adds candidates: a whole number in range stays one, and a value
-    that rounds onto one is searched too."""
-    runs, nonneg = [True] * len(tensors), [True] * len(tensors)
-    idx = [i for i, t in enumerate(tensors)
-           if t.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)]
-    if not idx:
-        return runs, nonneg
-    with torch.no_grad():
-        flat = torch.cat([tensors[i].detach().reshape(-1).cpu().to(torch.float32) for i in idx]).numpy()
-    starts = np.cumsum([0] + [tensors[i].numel() for i in idx[:-1]])
-    with np.errstate(invalid="ignore"):
-        like = (flat >= lo) & (flat <= hi)
-        like &= np.floor(flat) == flat
-        counts = np.add.reduceat(like, starts, dtype=np.int64).tolist()
-        # NaN fails ``>= 0``: a block holding NaN is no class block
-        negatives = [not v >= 0 for v in np.minimum.reduceat(flat, starts).tolist()]
-    for i, c, n in zip(idx, counts, negatives):
-        runs[i], nonneg[i] = c >= shortest, not n
-    return runs, nonneg
+    run that :func:`_search` would match, in any reading. Real floating-point tensors are
+    counted together over ``floats`` (made here when not given); any other tensor is
+    answered True (searched as before). Counting in float32 only adds candidates: a whole
+    number in range stays one, and a value that rounds onto one is searched too."""
+    if floats is None:
+        floats = _Floats(tensors)
+    counts = floats.label_like(lo, hi)
+    out = []
+    for t in tensors:
+        k = floats.segment(t)
+        out.append(True if k is None else bool(counts[k] >= shortest))
+    return out
+
+
+def _nonnegative(t: torch.Tensor, floats: _Floats) -> bool:
+    """Whether every value of ``t`` is ``>= 0`` (a one-hot or probability block must be);
+    True for a tensor ``floats`` does not hold (read as before)."""
+    k = floats.segment(t)
+    return True if k is None else floats.nonnegative(k)
 
 
 def _rolling_keys(codes: np.ndarray) -> np.ndarray:
@@ -794,6 +896,9 @@ def _rolling_keys(codes: np.ndarray) -> np.ndarray:
 
 
 _CHUNK = 1 << 20
+#: values per step of the one-pass scans: their temporaries stay in the CPU's cache (about
+#: twice as fast on a 2-core VM as whole-tensor passes, which stream every temporary through memory)
+_SCAN_CHUNK = 1 << 16
 
 
 # ---------------------------------------------------------------------- the guard
@@ -819,6 +924,7 @@ class ContentGuard:
         self._orders = loader_orders
         self._index: _Index | None = None
         self._labels: list[tuple[str, np.ndarray]] = []
+        self._varied: tuple[list[tuple[str, np.ndarray]], list[tuple[str, np.ndarray]]] | None = None
 
     @classmethod
     def for_client(cls, ctx: Any) -> "ContentGuard":
@@ -916,26 +1022,37 @@ class ContentGuard:
         if not (leaves.tensors or leaves.scalars or leaves.stacks):
             return
         ix = self.index()
-        self._check_labels(ix, leaves, where)
-        self._check_images(ix, leaves, where)
+        floats = _Floats([t for _, t in leaves.tensors], [t for _, t in leaves.stacks])
+        self._check_labels(ix, leaves, where, floats)
+        self._check_images(ix, leaves, where, floats)
 
     def _fail(self, msg: str) -> None:
         from medfl.messages import PayloadError
 
         raise PayloadError(msg)
 
-    def _check_labels(self, ix: _Index, leaves: _Leaves, where: str) -> None:
-        labels = [(d, y) for d, y in self._labels if len(y) > 1 and np.unique(y).size > 1]
+    def _varied_labels(self) -> list[tuple[str, np.ndarray]]:
+        """The label vectors worth looking for: more than one sample, more than one value
+        (a constant vector carries no surprise); worked out once per reference."""
+        if self._varied is None or self._varied[0] is not self._labels:
+            self._varied = (self._labels, [(d, y) for d, y in self._labels if len(y) > 1 and np.unique(y).size > 1])
+        return self._varied[1]
+
+    def _check_labels(self, ix: _Index, leaves: _Leaves, where: str, floats: _Floats | None = None) -> None:
+        labels = self._varied_labels()
         if not labels:
             return
         sizes = {len(y) for _, y in labels}
         shortest = min(sizes)
         tensors = [(path, t) for path, t in leaves.tensors + leaves.stacks if t.numel() >= shortest]
-        runs, nonneg = _may_hold_runs([t for _, t in tensors], min(int(y.min()) for _, y in labels),
-                                      max(int(y.max()) for _, y in labels), shortest)
+        if floats is None:
+            floats = _Floats([t for _, t in tensors])
+        runs = _may_hold_runs([t for _, t in tensors], min(int(y.min()) for _, y in labels),
+                              max(int(y.max()) for _, y in labels), shortest, floats)
         seqs: list[tuple[str, np.ndarray, bool, bool]] = []
-        for (path, t), can_run, blocks in zip(tensors, runs, nonneg):
-            if can_run or (blocks and _block_shapes(tuple(t.shape), sizes, t.dim() == 1)):
+        for (path, t), can_run in zip(tensors, runs):
+            # a tensor without a run is read only as class blocks: shapes that fit, values >= 0
+            if can_run or (_block_shapes(tuple(t.shape), sizes, t.dim() == 1) and _nonnegative(t, floats)):
                 seqs.append((path, _numeric(t), t.dim() == 1, can_run))
         for path, arr in leaves.lists:
             if arr.size >= shortest:
@@ -963,14 +1080,37 @@ class ContentGuard:
                        f"({n} samples, from position {start}; {bits:.0f} bits, a chance match would need "
                        f"{need:.0f}); per-sample labels never leave a client")
 
-    def _check_images(self, ix: _Index, leaves: _Leaves, where: str) -> None:
+    def _check_images(self, ix: _Index, leaves: _Leaves, where: str, floats: _Floats | None = None) -> None:
+        if floats is None:
+            floats = _Floats([t for _, t in leaves.tensors])
         vhits: dict[str, np.ndarray] = {}                       # path -> matched value-probe ids
         ghits: dict[str, dict[str, np.ndarray]] = {}            # variant -> path -> matched positions
-        items: list[tuple[str, Any]] = list(leaves.tensors)
+        held: list[tuple[str, int]] = []                        # float32/float64 tensors: (path, segment)
+        items: list[tuple[str, Any]] = []
+        for path, t in leaves.tensors:
+            k = floats.segment(t)
+            if k is not None and t.dtype in _Floats.FULL:
+                held.append((path, k))
+            else:
+                items.append((path, t))
         items += [(path, arr.astype(np.float32).reshape(-1)) for path, arr in leaves.lists]
         if leaves.scalars:
             items.append((f" (the message's {len(leaves.scalars)} numbers)",
                           np.asarray(leaves.scalars, dtype=np.float32)))
+        if held and ix.vtable is not None:
+            # every float tensor's values in one lookup; the probes hit are then told apart
+            # by tensor (for the error message), which costs a call only per tensor hit
+            at = self._value_positions(ix, [(a, v.view(np.uint32)) for a, v in floats.pieces if a < floats.full])
+            if at.size:
+                seg = np.searchsorted(floats.starts, at, side="right") - 1
+                for path, k in held:
+                    mine = at[seg == k] - floats.starts[k]
+                    if mine.size:
+                        bits = floats.values(k).view(np.uint32)
+                        vhits[path] = np.nonzero(np.isin(ix.vbits, np.unique(bits[mine])))[0]
+        if "exact" in ix.grams:
+            for path, k in held:
+                self._gram_hits(ix, "exact", floats.values(k).view(np.uint32), path, ghits)
         for path, t in items:
             if isinstance(t, torch.Tensor):
                 t = t.detach().cpu()
@@ -1014,23 +1154,41 @@ class ContentGuard:
                                   np.unique(bad // _AXES).size)
 
     @staticmethod
-    def _value_hits(ix: _Index, bits: np.ndarray) -> np.ndarray:
-        """The value probes (ids) whose float32 bit pattern occurs in ``bits``: values outside
-        the probes' magnitude range are dropped by an integer comparison (the bit patterns
-        of non-negative floats are ordered), the rest by the prefilter table, then exactly."""
-        found = []
+    def _value_positions(ix: _Index, bits: np.ndarray | list[tuple[int, np.ndarray]]) -> np.ndarray:
+        """The positions in ``bits`` (float32 bit patterns, or ``(first position, bits)``
+        pieces of one sequence) holding a value probe's pattern: values outside the probes'
+        magnitude range are dropped by an integer comparison (the bit patterns of
+        non-negative floats are ordered), the rest by the prefilter table, then exactly
+        (once for all pieces)."""
+        pieces = [(0, bits)] if isinstance(bits, np.ndarray) else bits
         lo, hi = ix.vrange
-        tbits = ix.vtable.size.bit_length() - 1   # type: ignore[union-attr]
-        for a in range(0, bits.size, _CHUNK):
-            c = bits[a:a + _CHUNK]
-            mag = c & np.uint32(0x7FFFFFFF)
-            c = c[(mag >= lo) & (mag <= hi)]
-            c = c[ix.vtable[_value_slot(c, tbits)]] if c.size else c   # type: ignore[index]
-            if c.size:
-                found.append(c)
-        if not found:
+        if hi < lo:
             return np.zeros(0, dtype=np.int64)
-        return np.nonzero(np.isin(ix.vbits, np.unique(np.concatenate(found))))[0]
+        tbits = ix.vtable.size.bit_length() - 1   # type: ignore[union-attr]
+        where, values = [], []
+        for first, piece in pieces:
+            for a in range(0, piece.size, _SCAN_CHUNK):
+                c = piece[a:a + _SCAN_CHUNK]
+                mag = c & np.uint32(0x7FFFFFFF)
+                np.subtract(mag, lo, out=mag)   # in range iff mag - lo (wrapping) <= hi - lo
+                at = np.flatnonzero(mag <= hi - lo)
+                if at.size:
+                    at = at[ix.vtable[_value_slot(c[at], tbits)]]   # type: ignore[index]
+                if at.size:
+                    where.append(at + (first + a))
+                    values.append(c[at])
+        if not where:
+            return np.zeros(0, dtype=np.int64)
+        where_all = np.concatenate(where)
+        return where_all[ix.probe_values(np.concatenate(values))]
+
+    @classmethod
+    def _value_hits(cls, ix: _Index, bits: np.ndarray) -> np.ndarray:
+        """The value probes (ids) whose float32 bit pattern occurs in ``bits``."""
+        at = cls._value_positions(ix, bits)
+        if not at.size:
+            return np.zeros(0, dtype=np.int64)
+        return np.nonzero(np.isin(ix.vbits, np.unique(bits[at])))[0]
 
     def _gram_hits(self, ix: _Index, variant: str, codes: np.ndarray, path: str,
                    ghits: dict[str, dict[str, np.ndarray]]) -> None:

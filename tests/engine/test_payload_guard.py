@@ -516,3 +516,57 @@ def test_references_of_odd_sample_shapes(shape: tuple[int, ...]) -> None:
         assert all(ref.grams[v][0].size == 0 for v in ref.grams)
     else:
         assert set(np.unique(ref.gaxis["f16"])) == set(long_axes) and set(ref.gsample["f16"]) == set(range(6))
+
+
+@pytest.mark.parametrize("form", ["one image", "split over two tensors", "float64", "flattened"])
+def test_images_hidden_among_a_models_weights_are_refused_naming_the_tensor(ctx_data: tuple[_Data, _Data],
+                                                                             form: str) -> None:
+    """The image scan looks up the values of all of a reply's float tensors in one pass,
+    then tells the tensors apart: an image put among a real model's weights is found and the
+    error names the tensor holding it (the first of two when it is split over two)."""
+    from medfl.models.registry import build_model
+
+    state = {k: v.clone() for k, v in build_model({"name": "resnet10", "width": 16, "spatial_dims": 2,
+                                                   "in_channels": 1, "num_classes": K}).state_dict().items()}
+    img = ctx_data[0].tensors[0][9]
+    keys = list(state)
+    at = keys[len(keys) // 2]   # a tensor in the middle of the state
+    if form == "split over two tensors":
+        flat = img.flatten()
+        half = flat.numel() * 3 // 4
+        leak = {at: flat[:half].clone(), keys[-3]: flat[half:].clone()}
+    else:
+        leak = {at: {"one image": img, "float64": img.double(), "flattened": img.flatten()}[form].clone()}
+    with pytest.raises(PayloadError, match=rf"\[{at!r}\]: holds image 9 of client 3's train split"):
+        ContentGuard("3", {"train": ctx_data[0]}).check({**state, **leak}, "reply")
+
+
+def test_the_one_pass_label_count_equals_a_count_per_tensor() -> None:
+    """``_may_hold_runs`` over the shared float32 view of a message's tensors gives, tensor
+    by tensor, what counting each one alone gives: float32 (large ones read in place),
+    float64/float16/bfloat16 values, whole numbers in and out of the labels' range, NaN,
+    infinities, negative zero, and tensors it does not hold (integers: always searched);
+    ``_nonnegative`` likewise."""
+    from medfl.guard import _Floats, _may_hold_runs, _nonnegative
+
+    g = torch.Generator().manual_seed(3)
+    whole = torch.randint(-3, 12, (40,), generator=g).float()
+    big = torch.randn(_Floats.VIEW_MIN + 8, generator=g)
+    big[::1000] = torch.randint(0, 9, big[::1000].shape, generator=g).float()   # 33 whole numbers in range
+    tensors = [torch.randn(300, generator=g), whole, big, whole.double(), whole.half(), big.abs(), whole.bfloat16(),
+               torch.tensor([float("nan")] * 5 + [float("inf"), -0.0, 2.0, 3.0]), torch.rand(7, 3, generator=g),
+               torch.randint(0, 5, (30,), generator=g), torch.zeros(50), torch.full((20,), 4.5),
+               torch.cat([torch.arange(10.0), torch.tensor([-1e-9])]), big.reshape(-1, 8)[:, 1:]]
+    lo, hi = 0, 9
+    for shortest in (10, 33, 34):
+        for floats in (None, _Floats(tensors[:5], tensors[5:]), _Floats(tensors)):
+            runs = _may_hold_runs(tensors, lo, hi, shortest, floats)
+            for t, r in zip(tensors, runs):
+                if not t.is_floating_point():
+                    assert r is True
+                    continue
+                v = t.double()
+                like = ((v >= lo) & (v <= hi) & (v == v.floor())).sum().item()
+                assert r == (like >= shortest), (t.dtype, t.shape, like, shortest)
+                if floats is not None:
+                    assert _nonnegative(t, floats) == bool((v >= 0).all()), t
