@@ -181,11 +181,11 @@ def first_non_finite(value: Any, path: str = "") -> str:
     floats = [k for k, v in value.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
               ] if isinstance(value, dict) and len(value) > 8 else []
     if len(floats) > 8 and len({value[k].device for k in floats}) == 1:
-        # a model state: one pass over its floating tensors (their sum is finite only if every
+        # a model state: one pass over its floating tensors (a sum is finite only if every
         # value is; a sum that overflows walks them one by one), the per-entry walk only for
-        # the rest or to name the culprit
+        # the rest or to name the culprit. Each tensor is summed where it lies (no copy).
         with torch.no_grad():
-            total = torch.cat([value[k].detach().reshape(-1).float() for k in floats]).sum()
+            total = torch.stack([value[k].detach().sum().double() for k in floats]).sum()
         if bool(torch.isfinite(total)):
             checked = set(floats)
             items = [(k, v) for k, v in value.items() if k not in checked]
