@@ -50,7 +50,8 @@ from flwr.common.serde import recorddict_to_proto
 from medfl.messages import Instruction, PayloadError, validate_payload
 
 __all__ = ["PROTOCOL", "CONTROL", "pack", "unpack", "put", "take", "metrics_record", "read_metrics", "put_json",
-           "take_json", "WireError", "RecordCache", "encoded_size", "instruction_request", "share_instructions",
+           "take_json", "WireError", "RecordCache", "encoded_size", "instruction_request", "instruction_request_size",
+           "share_instructions",
            "score_request", "answer", "train_answer", "train_answer_size", "ArraySizes", "evaluate_answer", "validate_answer", "score_answer"]
 
 #: Version of the medfl-over-Flower protocol; a site refuses messages of another version.
@@ -303,19 +304,20 @@ class RecordCache:
     """
 
     def __init__(self) -> None:
-        self._packed: dict[Any, tuple[list[torch.Tensor], ArrayRecord, ConfigRecord]] = {}
+        self._packed: dict[Any, tuple[list[torch.Tensor], Any, ConfigRecord]] = {}
 
-    def pack(self, value: Any, where: str, *, allow_str: bool = True) -> tuple[ArrayRecord, ConfigRecord]:
-        """:func:`pack` of ``value``, done once per structure."""
+    def pack(self, value: Any, where: str, *, allow_str: bool = True, measure: bool = False
+             ) -> tuple[Any, ConfigRecord]:
+        """:func:`pack` of ``value``, done once per structure (``measure``: as :func:`pack`'s)."""
         tensors: list[torch.Tensor] = []
         try:
-            key = (allow_str, _structure(value, tensors))
+            key = (allow_str, measure, _structure(value, tensors))
             hit = self._packed.get(key)
         except TypeError:   # an unhashable scalar: pack refuses it
-            return pack(value, where, allow_str=allow_str)
+            return pack(value, where, allow_str=allow_str, measure=measure)
         if hit is not None:
             return hit[1], hit[2]
-        arrays, tree = pack(value, where, allow_str=allow_str)
+        arrays, tree = pack(value, where, allow_str=allow_str, measure=measure)
         self._packed[key] = (tensors, arrays, tree)
         return arrays, tree
 
@@ -383,6 +385,28 @@ def instruction_request(control: dict[str, Any], ins: Instruction, cache: Record
     _put_instruction(content, ins, "ins", f"instruction to client {cid}", f"instruction config to client {cid}",
                      cache)
     return content
+
+
+def instruction_request_size(control: dict[str, Any], ins: Instruction, cache: RecordCache | None = None) -> int:
+    """``encoded_size(instruction_request(control, ins, cache))`` without copying the
+    instruction's tensors (the in-process engine measures every message it would send this
+    way; ``cache`` measures a value shared by several messages once).
+
+    Raises:
+        PayloadError: as :func:`instruction_request`.
+    """
+    cid = control.get("client")
+    content = RecordDict()
+    put_json(content, CONTROL, control)
+    size = encoded_size(content)
+    for name, value, where in (("ins.payload", ins.payload, f"instruction to client {cid}"),
+                               ("ins.config", ins.config, f"instruction config to client {cid}")):
+        if cache is None:
+            arrays, tree = pack(value, where, measure=True)
+        else:
+            arrays, tree = cache.pack(value, where, measure=True)
+        size += _share(f"{name}.arrays", arrays) + _share(f"{name}.tree", tree)
+    return size
 
 
 def share_instructions(instructions: dict[str, Instruction]) -> tuple[list[Instruction], dict[str, int]]:

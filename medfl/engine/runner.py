@@ -581,10 +581,11 @@ class Run:
 
     def _request_sizes(self, r: int, instructions: dict[str, Instruction], **extra: Any) -> dict[str, int]:
         """Encoded size of the message each client of ``instructions`` would be sent
-        (:func:`medfl.wire.instruction_request`); the tensors that several clients are sent
-        (the global model) are packed once (:class:`medfl.wire.RecordCache`)."""
+        (:func:`medfl.wire.instruction_request`), measured without copying a tensor
+        (:func:`medfl.wire.instruction_request_size`); a value that several clients are sent
+        (the global model) is measured once (:class:`medfl.wire.RecordCache`)."""
         cache = wire.RecordCache()
-        return {cid: wire.encoded_size(wire.instruction_request(self._control(r, cid, **extra), ins, cache))
+        return {cid: wire.instruction_request_size(self._control(r, cid, **extra), ins, cache)
                 for cid, ins in instructions.items()}
 
     # ------------------------------------------------------------------ the transport seam

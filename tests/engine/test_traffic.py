@@ -89,6 +89,9 @@ def test_an_instruction_sent_to_several_clients_is_packed_once_and_measured_exac
         cached = wire.instruction_request(control, ins, cache)
         assert wire.encoded_size(cached) == recorddict_to_proto(wire.instruction_request(control, ins)).ByteSize()
         contents.append(cached)
+        # what the in-process engine records: measured without copying, the same bytes
+        for shared in (cache, wire.RecordCache(), None):
+            assert wire.instruction_request_size(control, ins, shared) == wire.encoded_size(cached)
     assert contents[0]["ins.payload.arrays"] is contents[2]["ins.payload.arrays"]
     other = wire.instruction_request({"client": "0"}, Instruction(payload={"model": {**model, "n": -0.0}}), cache)
     assert other["ins.payload.arrays"] is not contents[0]["ins.payload.arrays"]

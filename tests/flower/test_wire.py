@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa
 
 from medfl import wire  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
-from medfl.messages import PayloadError  # noqa: E402
+from medfl.messages import Instruction, PayloadError  # noqa: E402
 
 
 def _same(a, b) -> None:  # type: ignore[no-untyped-def]
@@ -109,3 +109,27 @@ def test_reply_size_without_copying_equals_the_encoded_reply() -> None:
             assert wire.train_answer_size("12", payload, metrics, 40 + i) == want
     with pytest.raises(PayloadError, match="strings may not leave a client"):
         wire.train_answer_size("1", {"path": "/x.dcm"}, {}, 1)
+
+
+def test_instruction_size_without_copying_equals_the_encoded_request() -> None:
+    """The in-process engine measures each instruction with :func:`wire.instruction_request_size`
+    (no tensor copied): the byte count of the request Flower would carry, for every kind of
+    payload and config, and the same strings refused."""
+    g = torch.Generator().manual_seed(2)
+    payloads = [
+        {"model": {"w": torch.randn(16, 8, 3, 3, generator=g), "n": torch.tensor(3)}, "tag": "x" * 40},
+        {"half": torch.randn(5, generator=g).to(torch.bfloat16), "flags": torch.tensor([True, False]),
+         "nested": [torch.zeros(0, 4), (torch.arange(3, dtype=torch.int32), 2.5)], "none": None},
+        {"big": torch.randn(300, 700, generator=g, dtype=torch.float64)},
+        {},
+    ]
+    control = {"protocol": wire.PROTOCOL, "client": "4", "round": 2, "method": {"name": "fedavg"}, "fold": None}
+    for payload in payloads:
+        for config in ({}, {"lr": 0.05, "dp_release": True, "splits": ["test"]}):
+            ins = Instruction(payload=payload, config=config)
+            want = wire.encoded_size(wire.instruction_request(control, ins))
+            cache = wire.RecordCache()
+            assert wire.instruction_request_size(control, ins) == want
+            assert [wire.instruction_request_size(control, ins, cache) for _ in range(2)] == [want, want]
+    with pytest.raises(PayloadError, match="only tensors and scalars"):
+        wire.instruction_request_size(control, Instruction(payload={"f": open}))
