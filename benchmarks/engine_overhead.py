@@ -32,6 +32,13 @@ Every measurement runs in a fresh subprocess (this script re-invoking itself wit
 ``--child``); the wall time is taken inside it around the run itself, after imports and
 plugin loading. Peak memory is the child's ``VmHWM`` (peak resident set size).
 
+The plain loop's and medfl's local training loops are clocked too, so each steady round
+splits into training and everything else. Two processes running the very same training
+steps differ by up to several per cent in speed (memory placement, the machine's load), which
+is as large as what medfl adds on the ResNet jobs; the report therefore also gives medfl's own
+work per round (its time besides training minus the plain loop's) and the per-round ratio at
+equal training speed (the plain loop's training time plus each way's other work).
+
 Run ``python benchmarks/engine_overhead.py --help`` for the options.
 """
 
@@ -101,6 +108,13 @@ def describe_compute() -> str:
     return DEVICE + (f" ({', '.join(extra)})" if extra else "")
 
 
+#: seconds spent in local training loops so far in this process (the plain loop's ``for x, y in
+#: loader`` loop; medfl's ``train_epochs``): a round's time minus its training time is what
+#: each way does besides training, which does not depend on how fast this process happens to
+#: train (two processes running the same code can differ by several per cent)
+TRAIN_CLOCK = [0.0]
+
+
 def _sync() -> None:
     """Wait for the GPU's queued work, so that a clock read after it counts that work."""
     if DEVICE.startswith("cuda"):
@@ -168,6 +182,7 @@ class _DatasetPlugin:
     @hookimpl
     def on_round_end(self, run, round, metrics):  # noqa: ANN001, A002
         self.marks[f"round_end_{round}"] = time.perf_counter()
+        self.marks[f"loop_{round}"] = TRAIN_CLOCK[0]
         if self.profiler is not None and round == self.profile_span[0]:
             self.profiler.enable()
         elif self.profiler is not None and round == self.profile_span[1]:
@@ -294,6 +309,7 @@ def local_train(source: Any, rows: Any, state: dict[str, Any], seed: int, rnd: i
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     scaler = torch.amp.GradScaler(torch.device(DEVICE).type) if AMP == "fp16" else None
     total, count = 0.0, 0
+    t_loop = time.perf_counter()
     for x, y in loader:
         if x.shape[0] < 2:
             continue   # BatchNorm cannot train on one sample (medfl skips such a batch too)
@@ -311,6 +327,8 @@ def local_train(source: Any, rows: Any, state: dict[str, Any], seed: int, rnd: i
             scaler.update()
         total += value * x.shape[0]
         count += x.shape[0]
+    _sync()
+    TRAIN_CLOCK[0] += time.perf_counter() - t_loop
     if CHANNELS_LAST:
         model.to(memory_format=torch.contiguous_format)
     # the weights leave the device, as a client's reply does (medfl aggregates on the CPU)
@@ -397,7 +415,9 @@ def child_plain(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     state = initial_state(a.seed)
     rss0 = current_rss_mb()
     t0 = time.perf_counter()
-    ends = []
+    ends: list[float] = []
+    loops: list[float] = []
+    clock0 = TRAIN_CLOCK[0]
     for r in range(1, a.rounds + 1):
         states, weights = [], []
         for cid in rows:  # medfl's client order
@@ -408,6 +428,7 @@ def child_plain(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         del states
         _sync()
         ends.append(time.perf_counter())
+        loops.append(TRAIN_CLOCK[0])
     t_train = time.perf_counter() - t0
     accs = []
     for cid in rows:
@@ -416,9 +437,31 @@ def child_plain(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     torch.save(state, work / "plain_final.pt")
     return {"wall_s": wall, "train_s": t_train, "eval_s": wall - t_train,
-            "round_s": _durations(t0, ends),
+            "round_s": _durations(t0, ends), "loop_s": _durations(clock0, loops),
             "mean_local_test_acc": sum(accs) / len(accs), "rss_before_run_mb": rss0,
             "final_state": str(work / "plain_final.pt")}
+
+
+def _clock_train_epochs() -> None:
+    """Count medfl's ``train_epochs`` (FedAvg's local training loop) in :data:`TRAIN_CLOCK`."""
+    import medfl.engine.hub as hub
+    import medfl.engine.training as training
+
+    inner = training.train_epochs
+    if getattr(inner, "_bench_clock", False):
+        return
+
+    @functools.wraps(inner)
+    def clocked(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _sync()
+            TRAIN_CLOCK[0] += time.perf_counter() - t
+
+    clocked._bench_clock = True  # type: ignore[attr-defined]
+    training.train_epochs = hub.train_epochs = clocked
 
 
 def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -426,11 +469,13 @@ def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from medfl.engine.runner import run_experiment
 
     plugin = ensure_plugin()  # plugin discovery happens once per process, before the clock starts
+    _clock_train_epochs()
     if getattr(a, "profile", None):
         plugin.profile_rounds(*((0, 1) if a.profile_first else (2, a.rounds - 1)), a.profile)
     cfg = resolve_config(fl_config(a.clients, a.rounds, a.samples_per_client, a.batch_size,
                                    a.seed, str(work / "runs")))
     rss0 = current_rss_mb()
+    clock0 = TRAIN_CLOCK[0]
     t0 = time.perf_counter()
     out = run_experiment(cfg)
     wall = time.perf_counter() - t0
@@ -447,6 +492,7 @@ def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "finish_s": t0 + wall - m[f"round_end_{last}"],
         "plots_and_comparison_s": t0 + wall - m["run_end"],
         "round_s": _durations(m["run_start"], [m[f"round_end_{r}"] for r in range(1, last + 1)]),
+        "loop_s": _durations(clock0, [m[f"loop_{r}"] for r in range(1, last + 1)]),
         "mean_local_test_acc": summary["final"]["local_test"]["accuracy"]["mean"],
         "rss_before_run_mb": rss0,
         "final_state": str(sorted((run_dir / "checkpoints").glob("round_*.pt"))[-1]),
@@ -789,6 +835,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _besides_training(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each way's steady rounds split into its training loops and everything else (medians
+    over the repeats of each run's median over rounds 2..R-1), medfl's own work per round
+    (its other work minus the plain loop's) and the per-round ratio the two would have if
+    medfl's loops ran as fast as the plain loop's: ``(plain loops + medfl's other work) /
+    (plain loops + plain's other work)``. Empty when a run did not clock its loops."""
+    if not all(runs.get(w) and all("loop_s" in r for r in runs[w]) for w in ("plain", "medfl")):
+        return {}
+    out: dict[str, Any] = {}
+    for w in ("plain", "medfl"):
+        loops = _med([steady_round_s(r["loop_s"]) for r in runs[w]])
+        besides = _med([steady_round_s([t - c for t, c in zip(r["round_s"], r["loop_s"])]) for r in runs[w]])
+        out[w] = {"loop_s": loops, "besides_s": besides}
+    p, m = out["plain"], out["medfl"]
+    out["loop_ratio"] = m["loop_s"] / p["loop_s"] if p["loop_s"] else float("nan")
+    out["medfl_own_s"] = m["besides_s"] - p["besides_s"]
+    out["per_round_equal_training"] = (p["loop_s"] + m["besides_s"]) / (p["loop_s"] + p["besides_s"])
+    return out
+
+
 def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -841,6 +907,16 @@ def _timing_report(a: argparse.Namespace, runs: dict[str, list[dict[str, Any]]])
         print(f"  {'  of which ServerApp (rounds + final eval)':<44s} {f_server:7.2f}")
         print(f"  {'  of which Ray start-up and shutdown':<44s} {med['flower'] - f_server:7.2f}")
     print("\n  s/round: median time of rounds 2..R-1 (round 1 warms up, round R evaluates).")
+    split = _besides_training(runs)
+    out["besides_training"] = split
+    if split:
+        p_, m_ = split["plain"], split["medfl"]
+        print(f"  Training loops, s/round: plain {p_['loop_s']:.3f}, medfl {m_['loop_s']:.3f} (x{split['loop_ratio']:.3f}:"
+              f" the same steps; how fast each process happened to train)")
+        print(f"  Besides training, s/round: plain {p_['besides_s']:.3f}, medfl {m_['besides_s']:.3f}: medfl's own "
+              f"work {1000 * split['medfl_own_s']:.0f} ms a round ({1000 * split['medfl_own_s'] / a.clients:.1f} ms a client)")
+        print(f"  Per round at equal training speed (plain's loops + each way's other work): "
+              f"{split['per_round_equal_training']:.3f}")
     print(f"  medfl/plain per repeat (ABBA order): {', '.join(f'{x:.3f}' for x in paired)}; "
           f"median {_med(paired):.3f}")
     print(f"  Final model (floating-point entries), plain vs medfl: max |difference| = {diff_pm:.3g} "
@@ -860,10 +936,12 @@ def _timing_report(a: argparse.Namespace, runs: dict[str, list[dict[str, Any]]])
     r_steady = steady["medfl"] / steady["plain"]
     targets: dict[str, Any] = {"medfl_vs_plain": {"ratio": r_plain, "target": TARGET_PLAIN,
                                                   "pass": r_plain <= TARGET_PLAIN},
-                               "medfl_vs_plain_min": r_min, "medfl_vs_plain_per_round": r_steady}
+                               "medfl_vs_plain_min": r_min, "medfl_vs_plain_per_round": r_steady,
+                               "medfl_vs_plain_per_round_equal_training": split.get("per_round_equal_training")}
     print("\nTargets (ratio of median wall times):")
+    eq = f", at equal training speed {split['per_round_equal_training']:.3f}" if split else ""
     print(f"  medfl / plain loop = {r_plain:5.3f}  (target <= {TARGET_PLAIN})  {_verdict(r_plain <= TARGET_PLAIN)}"
-          f"   [min/min {r_min:.3f}, per round {r_steady:.3f}]")
+          f"   [min/min {r_min:.3f}, per round {r_steady:.3f}{eq}]")
     if "flower" in runs:
         r_fl = med["medfl"] / med["flower"]
         r_fl_srv = med["medfl"] / out["flower_serverapp_s"]
