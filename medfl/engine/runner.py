@@ -132,13 +132,49 @@ def _write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
-def _write_csv(path: Path, df: pd.DataFrame) -> None:
-    """Write ``df`` atomically with a checksum sidecar (``<name>.sha256``) that a resume
-    checks (:func:`_read_rounds`)."""
+def _write_csv(path: Path, df: pd.DataFrame, text: str | None = None) -> None:
+    """Write ``df`` (or its CSV ``text``, already formatted) atomically with a checksum
+    sidecar (``<name>.sha256``) that a resume checks (:func:`_read_rounds`)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    df.to_csv(tmp, index=False)
+    if text is None:
+        df.to_csv(tmp, index=False)
+    else:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:   # the text as pandas made it
+            f.write(text)
     write_sum(tmp, path)
     tmp.replace(path)
+
+
+class GrowingCsv:
+    """Writes the CSV files a run rewrites every round (``metrics.csv``, ``train_metrics.csv``,
+    ``communication.csv``...), formatting only the rows added since the file was last written.
+
+    Every write still writes the whole file atomically with its checksum (:func:`_write_csv`),
+    but a frame whose leading rows, columns and dtypes equal what was last written for that
+    file has only its new rows formatted; any other frame (a row changed, a column added, a
+    dtype widened by a NaN) is formatted whole. Formatting costs about 5 us per row, so
+    formatting every row every round made a long run's rounds grow slower and slower (a run
+    of 20 clients spent about 0.1 s a round on it by round 500).
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[Path, tuple[pd.DataFrame, str]] = {}
+
+    def write(self, path: Path, df: pd.DataFrame) -> None:
+        """Write ``df`` to ``path`` as :func:`_write_csv` does."""
+        last = self._last.get(path)
+        text = None
+        if last is not None:
+            old, old_text = last
+            n = len(old)
+            if (len(df) >= n and list(df.columns) == list(old.columns) and list(df.dtypes) == list(old.dtypes)
+                    and df.iloc[:n].reset_index(drop=True).equals(old)):
+                text = old_text + (df.iloc[n:].to_csv(index=False, header=False) if len(df) > n else "")
+        if text is None:
+            text = df.to_csv(index=False)
+        # a copy: a caller changing its frame in place must not change what was written
+        self._last[path] = (df.reset_index(drop=True).copy(), text)
+        _write_csv(path, df, text)
 
 
 def summarize_metrics(metrics: pd.DataFrame) -> dict[str, Any]:
@@ -231,6 +267,7 @@ class Run:
         self._failures: dict[str, int] = {}   # replies of each client that failed the checks
         self._excluded: set[str] = set()      # clients excluded by max_reply_failures
         self.fold = _fold_of(self.run_dir)
+        self._csv = GrowingCsv()   # the CSVs rewritten every round, formatted row by row once
         self.metrics = pd.DataFrame()
         self.train_metrics = pd.DataFrame()
         self.validation = pd.DataFrame()
@@ -446,12 +483,12 @@ class Run:
             del replies
         if train_rows:
             self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
-            _write_csv(self.run_dir / "train_metrics.csv", self.train_metrics)
+            self._csv.write(self.run_dir / "train_metrics.csv", self.train_metrics)
         if self.privacy.private:
             released = self.coordinator.round_releases(r) if self.privacy.method_release is not None else []
             self.ledger.record(r, {cid: addressed[cid] for cid in client_order(addressed)},
                                dp_steps if self.privacy.dp_sgd is not None else None, released)
-            _write_csv(self.run_dir / "privacy.csv", self.ledger.frame())
+            self._csv.write(self.run_dir / "privacy.csv", self.ledger.frame())
         checks = self.coordinator.configure_validate(r)
         if checks:
             self._addressed(checks, self.federation.eval_client_ids, r, "configure_validate")
@@ -462,14 +499,14 @@ class Run:
                 rows_v = [{"round": r, "client_id": cid, **{k: float(v) for k, v in m.items()}}
                           for cid, m in scores.items()]
                 self.validation = pd.concat([self.validation, pd.DataFrame(rows_v)], ignore_index=True)
-                _write_csv(self.run_dir / "validation_metrics.csv", self.validation)
+                self._csv.write(self.run_dir / "validation_metrics.csv", self.validation)
         every = int(self.config.get("eval_every", 1))
         rows = []
         if r == self.federation.rounds or (every > 0 and r % every == 0):
             rows = self.evaluate(r)
             self.metrics = pd.concat([self.metrics, pd.DataFrame(rows)], ignore_index=True)
-            _write_csv(self.run_dir / "metrics.csv", self.metrics)
-        _write_csv(self.run_dir / "communication.csv", self.traffic.frame())
+            self._csv.write(self.run_dir / "metrics.csv", self.metrics)
+        self._csv.write(self.run_dir / "communication.csv", self.traffic.frame())
         self._save_checkpoint(r)
         return rows
 
@@ -746,7 +783,7 @@ class Run:
                              "split": name, "reported_by": reported_by(name), **m})
         if pairs:
             self.cross = pd.concat([self.cross, pd.DataFrame(pairs)], ignore_index=True)
-            _write_csv(self.run_dir / "cross_test.csv", self.cross)
+            self._csv.write(self.run_dir / "cross_test.csv", self.cross)
         return rows
 
     def evaluate_finals(self, r: int) -> dict[str, Any]:
@@ -782,7 +819,7 @@ class Run:
                                  "split": split, "reported_by": reported_by(split), **m})
         self.final_metrics = pd.DataFrame(rows)
         _write_csv(self.run_dir / "final_metrics.csv", self.final_metrics)
-        _write_csv(self.run_dir / "communication.csv", self.traffic.frame())
+        self._csv.write(self.run_dir / "communication.csv", self.traffic.frame())
         return {name: summarize_metrics(df.drop(columns=["model"]))
                 for name, df in self.final_metrics.groupby("model", sort=False)}
 
