@@ -498,6 +498,10 @@ class _Index:
         at = np.minimum(np.searchsorted(ref, bits), ref.size - 1)
         return ref[at] == bits
 
+    def probe_ids(self, bits: np.ndarray) -> np.ndarray:
+        """The value probes (ids) whose float32 bit pattern is among ``bits``."""
+        return np.nonzero(np.isin(self.vbits, np.unique(bits)))[0]
+
     @property
     def nbytes(self) -> int:
         """Memory of the arrays (what the merged-index cache counts)."""
@@ -1038,15 +1042,13 @@ class ContentGuard:
             self._varied = (self._labels, [(d, y) for d, y in self._labels if len(y) > 1 and np.unique(y).size > 1])
         return self._varied[1]
 
-    def _check_labels(self, ix: _Index, leaves: _Leaves, where: str, floats: _Floats | None = None) -> None:
+    def _check_labels(self, ix: _Index, leaves: _Leaves, where: str, floats: _Floats) -> None:
         labels = self._varied_labels()
         if not labels:
             return
         sizes = {len(y) for _, y in labels}
         shortest = min(sizes)
         tensors = [(path, t) for path, t in leaves.tensors + leaves.stacks if t.numel() >= shortest]
-        if floats is None:
-            floats = _Floats([t for _, t in tensors])
         runs = _may_hold_runs([t for _, t in tensors], min(int(y.min()) for _, y in labels),
                               max(int(y.max()) for _, y in labels), shortest, floats)
         seqs: list[tuple[str, np.ndarray, bool, bool]] = []
@@ -1080,9 +1082,7 @@ class ContentGuard:
                        f"({n} samples, from position {start}; {bits:.0f} bits, a chance match would need "
                        f"{need:.0f}); per-sample labels never leave a client")
 
-    def _check_images(self, ix: _Index, leaves: _Leaves, where: str, floats: _Floats | None = None) -> None:
-        if floats is None:
-            floats = _Floats([t for _, t in leaves.tensors])
+    def _check_images(self, ix: _Index, leaves: _Leaves, where: str, floats: _Floats) -> None:
         vhits: dict[str, np.ndarray] = {}                       # path -> matched value-probe ids
         ghits: dict[str, dict[str, np.ndarray]] = {}            # variant -> path -> matched positions
         held: list[tuple[str, int]] = []                        # float32/float64 tensors: (path, segment)
@@ -1107,7 +1107,7 @@ class ContentGuard:
                     mine = at[seg == k] - floats.starts[k]
                     if mine.size:
                         bits = floats.values(k).view(np.uint32)
-                        vhits[path] = np.nonzero(np.isin(ix.vbits, np.unique(bits[mine])))[0]
+                        vhits[path] = ix.probe_ids(bits[mine])
         if "exact" in ix.grams:
             for path, k in held:
                 self._gram_hits(ix, "exact", floats.values(k).view(np.uint32), path, ghits)
@@ -1188,7 +1188,7 @@ class ContentGuard:
         at = cls._value_positions(ix, bits)
         if not at.size:
             return np.zeros(0, dtype=np.int64)
-        return np.nonzero(np.isin(ix.vbits, np.unique(bits[at])))[0]
+        return ix.probe_ids(bits[at])
 
     def _gram_hits(self, ix: _Index, variant: str, codes: np.ndarray, path: str,
                    ghits: dict[str, dict[str, np.ndarray]]) -> None:

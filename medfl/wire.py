@@ -398,15 +398,18 @@ def instruction_request_size(control: dict[str, Any], ins: Instruction, cache: R
     cid = control.get("client")
     content = RecordDict()
     put_json(content, CONTROL, control)
-    size = encoded_size(content)
-    for name, value, where in (("ins.payload", ins.payload, f"instruction to client {cid}"),
-                               ("ins.config", ins.config, f"instruction config to client {cid}")):
-        if cache is None:
-            arrays, tree = pack(value, where, measure=True)
-        else:
-            arrays, tree = cache.pack(value, where, measure=True)
-        size += _share(f"{name}.arrays", arrays) + _share(f"{name}.tree", tree)
-    return size
+    return (encoded_size(content) + _measured("ins.payload", ins.payload, f"instruction to client {cid}", cache=cache)
+            + _measured("ins.config", ins.config, f"instruction config to client {cid}", cache=cache))
+
+
+def _measured(name: str, value: Any, where: str, *, allow_str: bool = True, cache: RecordCache | None = None) -> int:
+    """Bytes that :func:`put` of ``value`` under ``name`` adds to an encoded message, measured
+    without copying a tensor (through ``cache`` when given)."""
+    if cache is None:
+        arrays, tree = pack(value, where, allow_str=allow_str, measure=True)
+    else:
+        arrays, tree = cache.pack(value, where, allow_str=allow_str, measure=True)
+    return _share(f"{name}.arrays", arrays) + _share(f"{name}.tree", tree)
 
 
 def share_instructions(instructions: dict[str, Instruction]) -> tuple[list[Instruction], dict[str, int]]:
@@ -474,11 +477,10 @@ def train_answer_size(client: str, payload: Any, metrics: dict[str, Any], num_ex
         PayloadError: as :func:`train_answer`.
     """
     me = f"site {client}"
-    arrays, tree = pack(payload, f"reply of {me}", allow_str=False, measure=True)
     rest = RecordDict()
     put(rest, "reply.metrics", metrics, f"reply metrics of {me}", allow_str=False)
     answer(client, rest, num_examples=int(num_examples))
-    return _share("reply.payload.arrays", arrays) + _share("reply.payload.tree", tree) + encoded_size(rest)
+    return _measured("reply.payload", payload, f"reply of {me}", allow_str=False) + encoded_size(rest)
 
 
 def evaluate_answer(client: str, results: dict[str, dict[str, float]], state: dict[str, Any] | None = None
