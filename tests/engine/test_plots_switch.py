@@ -67,3 +67,35 @@ def test_report_of_an_experiment_with_one_method_draws_no_comparison(tiny_fl: di
     assert main(["report", str(exp)]) == 0
     assert (exp / "fedavg" / "plots" / "curves.png").is_file() and not (exp / "comparison.png").exists()
     assert "comparison.png" not in capsys.readouterr().out
+
+
+def test_a_laid_out_figure_is_drawn_once_when_saved_to_the_same_pixels(tmp_path: Path, monkeypatch) -> None:
+    """``tight_layout`` leaves a placeholder engine behind, and ``savefig`` then lays the
+    figure out again without rendering; :func:`medfl.report._tight_layout` removes it."""
+    from matplotlib.figure import Figure
+
+    from medfl.report import _tight_layout
+
+    def figure() -> Figure:
+        fig = Figure(figsize=(4, 3))
+        ax = fig.subplots()
+        ax.plot([1, 2, 3], [0.25, 0.5, 0.125], marker="o", label="a curve")
+        ax.set_xlabel("round")
+        ax.set_ylabel("a long y label to lay out")
+        ax.legend()
+        fig.suptitle("title")
+        return fig
+
+    draws = []
+    original = Figure.draw
+    monkeypatch.setattr(Figure, "draw", lambda self, renderer: (draws.append(1), original(self, renderer))[1])
+    plain = figure()
+    plain.tight_layout()
+    plain.savefig(tmp_path / "plain.png", dpi=100)
+    draws.clear()                     # matplotlib 3.11 draws it twice: a layout pass, then the render
+    ours = figure()
+    _tight_layout(ours)
+    assert ours.get_layout_engine() is None
+    ours.savefig(tmp_path / "ours.png", dpi=100)
+    assert len(draws) == 1
+    assert (tmp_path / "ours.png").read_bytes() == (tmp_path / "plain.png").read_bytes()
