@@ -308,7 +308,7 @@ def local_train(source: Any, rows: Any, state: dict[str, Any], seed: int, rnd: i
         model.to(memory_format=torch.channels_last if SPATIAL_DIMS == 2 else torch.channels_last_3d)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     scaler = torch.amp.GradScaler(torch.device(DEVICE).type) if AMP == "fp16" else None
-    total, count = 0.0, 0
+    losses, sizes = [], []
     t_loop = time.perf_counter()
     for x, y in loader:
         if x.shape[0] < 2:
@@ -317,7 +317,8 @@ def local_train(source: Any, rows: Any, state: dict[str, Any], seed: int, rnd: i
         opt.zero_grad(set_to_none=True)
         with _autocast():
             loss = torch.nn.functional.cross_entropy(model(x), y)
-        value = float(loss.detach())
+        losses.append(loss.detach())   # read once at the end: no wait for the GPU every step
+        sizes.append(x.shape[0])
         if scaler is None:
             loss.backward()
             opt.step()
@@ -325,8 +326,8 @@ def local_train(source: Any, rows: Any, state: dict[str, Any], seed: int, rnd: i
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-        total += value * x.shape[0]
-        count += x.shape[0]
+    total = sum(v * n for v, n in zip(torch.stack(losses).cpu().tolist(), sizes)) if losses else 0.0
+    count = sum(sizes)
     _sync()
     TRAIN_CLOCK[0] += time.perf_counter() - t_loop
     if CHANNELS_LAST:

@@ -201,6 +201,10 @@ def train_epochs(
     gradient scaler (a step whose scaled gradients overflowed is skipped, as torch does),
     channels-last batches and model (the model is back in the usual layout on return).
 
+    The step losses stay on the device and are read every :data:`LOSS_READ_EVERY` steps and
+    at the end (one wait for the GPU, not one per step). A NaN or infinite loss raises
+    :class:`NonFiniteError` naming its step at that read, so up to that many steps run past it.
+
     Returns:
         ``{"loss": mean training loss over the samples trained on (0 when none),
         "steps": optimizer steps}``.
@@ -210,7 +214,7 @@ def train_epochs(
     compute = _COMPUTE.get()
     scaler = grad_scaler(device)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    total, count, steps = 0.0, 0, 0
+    losses = _StepLosses()
     fmt: torch.memory_format | None = None
     try:
         for _ in range(epochs):
@@ -226,20 +230,58 @@ def train_epochs(
                 optimizer.zero_grad(set_to_none=True)
                 with autocast():
                     loss = loss_fn(model, x, y)
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise NonFiniteError(f"the training loss became {value} at optimizer step {steps + 1}; lower "
-                                         "train.lr or set train.clip_grad_norm")
+                losses.add(loss, x.shape[0])
                 backward_step(loss, optimizer, scaler, clip_grad_norm, model.parameters())
-                total += value * x.shape[0]
-                count += x.shape[0]
-                steps += 1
-                if max_steps is not None and steps >= max_steps:
-                    return {"loss": total / max(count, 1), "steps": float(steps)}
-        return {"loss": total / max(count, 1), "steps": float(steps)}
+                if max_steps is not None and losses.steps >= max_steps:
+                    return {"loss": losses.mean(), "steps": float(losses.steps)}
+        return {"loss": losses.mean(), "steps": float(losses.steps)}
     finally:
         if fmt is not None:   # states leave in the usual layout
             model.to(memory_format=torch.contiguous_format)
+
+
+#: :func:`train_epochs` reads its step losses from the device every this many steps.
+LOSS_READ_EVERY = 32
+
+
+class _StepLosses:
+    """The losses of :func:`train_epochs`' steps, kept where they were computed and read in
+    blocks of :data:`LOSS_READ_EVERY`: a read waits for the GPU, so one per step would keep
+    it from running ahead of the Python loop. The mean is summed step by step in float64 from
+    the values as computed (dtypes are only widened), as a per-step ``float(loss)`` gives it."""
+
+    def __init__(self) -> None:
+        self.steps, self.count, self.total = 0, 0, 0.0
+        self._pending: list[tuple[torch.Tensor, int]] = []
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        """One optimizer step's loss (a scalar tensor) over ``n`` samples."""
+        self._pending.append((loss.detach().reshape(()), int(n)))
+        self.steps += 1
+        if len(self._pending) >= LOSS_READ_EVERY:
+            self._read()
+
+    def _read(self) -> None:
+        """Bring the pending losses over in one transfer and add them up.
+
+        Raises:
+            NonFiniteError: one of them is NaN or infinite (named by its step)."""
+        if not self._pending:
+            return
+        values = torch.stack([v for v, _ in self._pending]).cpu().tolist()   # stack widens mixed dtypes
+        first = self.steps - len(values) + 1
+        for k, (value, (_, n)) in enumerate(zip(values, self._pending)):
+            if not math.isfinite(value):
+                raise NonFiniteError(f"the training loss became {value} at optimizer step {first + k}; lower "
+                                     "train.lr or set train.clip_grad_norm")
+            self.total += value * n
+            self.count += n
+        self._pending.clear()
+
+    def mean(self) -> float:
+        """The sample-weighted mean loss of every step so far (0 when none)."""
+        self._read()
+        return self.total / max(self.count, 1)
 
 
 class NonFiniteError(ValueError):

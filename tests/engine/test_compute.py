@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from medfl.config import ConfigError, resolve_config
 from medfl.engine.runner import run_experiment
-from medfl.engine.training import Compute, autocast, compute_settings, current_compute, predict_proba, train_epochs
+from medfl.engine.training import (Compute, NonFiniteError, autocast, compute_settings, current_compute, predict_proba,
+                                   train_epochs)
 from medfl.models.registry import build_model
 
 
@@ -177,3 +178,59 @@ def test_move_state_copies_every_entry_into_its_own_storage() -> None:
             assert moved[k].dtype == v.dtype and moved[k].shape == v.shape and torch.equal(moved[k], v), k
             assert v.numel() == 0 or moved[k].untyped_storage().data_ptr() != v.untyped_storage().data_ptr(), k
             assert moved[k].untyped_storage().nbytes() == moved[k].numel() * moved[k].element_size(), k
+
+
+def _counted_loss(nan_at: int | None = None, dtype: torch.dtype = torch.float32):
+    """Cross-entropy that records each step's value (read at once, as the reference) and,
+    at step ``nan_at``, returns NaN."""
+    seen: list[float] = []
+
+    def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(model(x).to(dtype), y)
+        if len(seen) + 1 == nan_at:
+            loss = loss * float("nan")
+        seen.append(float(loss.detach()))
+        return loss
+
+    return loss_fn, seen
+
+
+def _linear_job(batches: int = 70) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(2 * batches + 1, 4, generator=g), torch.randint(0, 3, (2 * batches + 1,), generator=g)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(TensorDataset(x, y), batch_size=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("max_steps", [None, 40])
+def test_losses_read_in_blocks_give_the_per_step_mean(dtype: torch.dtype, max_steps: int | None) -> None:
+    """The step losses are read from the device in blocks (LOSS_READ_EVERY = 32 here: 71
+    batches are two full blocks and a part, the last batch of one sample); the mean is the
+    one a per-step ``float(loss)`` gives, to the bit, float64 losses kept in float64."""
+    from medfl.engine.training import LOSS_READ_EVERY
+
+    assert LOSS_READ_EVERY == 32
+    model, opt, loader = _linear_job()
+    loss_fn, seen = _counted_loss(dtype=dtype)
+    stats = train_epochs(model, loader, opt, 1, loss_fn=loss_fn, max_steps=max_steps)
+    steps = max_steps or 71
+    assert stats["steps"] == steps and len(seen) == steps
+    sizes = [2] * 70 + [1]
+    total = 0.0
+    for v, n in zip(seen, sizes):
+        total += v * n
+    assert stats["loss"] == total / sum(sizes[:steps])
+    if dtype == torch.float64:
+        assert any(v != float(torch.tensor(v, dtype=torch.float32)) for v in seen)   # not rounded to float32
+
+
+@pytest.mark.parametrize("nan_at", [1, 5, 32, 33, 70])
+def test_a_non_finite_loss_is_named_by_its_step_within_a_block(nan_at: int) -> None:
+    model, opt, loader = _linear_job()
+    loss_fn, seen = _counted_loss(nan_at=nan_at)
+    with pytest.raises(NonFiniteError, match=rf"the training loss became nan at optimizer step {nan_at}; lower "):
+        train_epochs(model, loader, opt, 1, loss_fn=loss_fn)
+    block_end = min(-(-nan_at // 32) * 32, 71)
+    assert nan_at <= len(seen) <= block_end      # read at the end of its block at the latest
