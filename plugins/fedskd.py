@@ -26,8 +26,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from medfl import hookimpl
-from medfl.engine.training import autocast, backward_step, get_state, grad_scaler, make_optimizer
-from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss
+from medfl.engine.training import StepMeans, autocast, backward_step, get_state, grad_scaler, make_optimizer
+from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss_terms
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method, MethodConfigError, derive_seed
 
@@ -309,8 +309,8 @@ class FedSKD(Method):
         gamma = self.gamma if cfg.get("skd", True) else 0.0
         masks = _masks(self.atlas, self.atlas_labels) if "region" in self.terms else None
         active = [t for t in self.terms if t != "region" or masks is not None]
-        sums = {"loss": 0.0, "ce_dam": 0.0, "ce_ktm": 0.0, **{f"skd_{t}": 0.0 for t in active}}
-        steps = 0
+        names = ["loss", "ce_dam", "ce_ktm", *(f"skd_{t}" for t in active)]
+        log = StepMeans()   # read every few steps, not every step: no wait for the GPU each step
         scaler = grad_scaler(client.device)   # train.amp fp16 (None otherwise)
         for x, y in _batches(client, self.iterations):
             x, y = x.to(client.device), y.to(client.device)
@@ -321,24 +321,24 @@ class FedSKD(Method):
                     logits_k, feats_k = ktm.forward_features(x)
             ce_d = F.cross_entropy(logits_d.float(), y)
             loss = ce_d
+            logged: dict[str, torch.Tensor] = {}
             if ktm is not None:
                 ce_k = F.cross_entropy(logits_k.float(), y)
                 loss = loss + ce_k
-                sums["ce_ktm"] += float(ce_k.detach())
+                logged["ce_ktm"] = ce_k
                 if gamma > 0:
-                    skd, parts = skd_loss([f.float() for f in self._selected(feats_d)],
-                                          [f.float() for f in self._selected(feats_k)], terms=self.terms, masks=masks)
+                    skd, parts = skd_loss_terms([f.float() for f in self._selected(feats_d)],
+                                                [f.float() for f in self._selected(feats_k)], terms=self.terms,
+                                                masks=masks)
                     loss = loss + gamma * skd
-                    for t, v in parts.items():
-                        sums[f"skd_{t}"] += v
+                    logged.update({f"skd_{t}": v for t, v in parts.items()})
             backward_step(loss, opt, scaler)
-            sums["loss"] += float(loss.detach())
-            sums["ce_dam"] += float(ce_d.detach())
-            steps += 1
+            log.add(loss=loss, ce_dam=ce_d, **logged)
         state = get_state(dam)
         client.state["dam"] = state
-        metrics = {k: v / max(steps, 1) for k, v in sums.items()}
-        metrics.update(steps=float(steps), self_round=float(bool(cfg["self"])), skd_active=float(gamma > 0))
+        means = log.means()
+        metrics = {k: means.get(k, 0.0) for k in names}
+        metrics.update(steps=float(log.steps), self_round=float(bool(cfg["self"])), skd_active=float(gamma > 0))
         return Reply(payload={"dam": state}, metrics=metrics, num_examples=client.num_examples("train"))
 
     def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
@@ -350,7 +350,7 @@ class FedSKD(Method):
 
 def _fine_tune(model: nn.Module, client: "ClientContext", iterations: int | None) -> dict[str, float]:
     opt = make_optimizer(model.parameters(), client.train)
-    total, steps = 0.0, 0
+    log = StepMeans()
     model.train()
     scaler = grad_scaler(client.device)
     for x, y in _batches(client, iterations):
@@ -360,9 +360,8 @@ def _fine_tune(model: nn.Module, client: "ClientContext", iterations: int | None
             logits = model(x)
         loss = F.cross_entropy(logits.float(), y)
         backward_step(loss, opt, scaler)
-        total += float(loss.detach())
-        steps += 1
-    return {"loss": total / max(steps, 1), "steps": float(steps)}
+        log.add(loss=loss)
+    return {"loss": log.means().get("loss", 0.0), "steps": float(log.steps)}
 
 
 class FedCross(Method):

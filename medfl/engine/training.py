@@ -21,6 +21,8 @@ __all__ = [
     "grad_scaler",
     "backward_step",
     "NonFiniteError",
+    "StepMeans",
+    "LOSS_READ_EVERY",
     "coordinate_median",
     "trimmed_mean",
     "make_optimizer",
@@ -202,8 +204,9 @@ def train_epochs(
     channels-last batches and model (the model is back in the usual layout on return).
 
     The step losses stay on the device and are read every :data:`LOSS_READ_EVERY` steps and
-    at the end (one wait for the GPU, not one per step). A NaN or infinite loss raises
-    :class:`NonFiniteError` naming its step at that read, so up to that many steps run past it.
+    at the end (:class:`StepMeans`: one wait for the GPU, not one per step). A NaN or infinite
+    loss raises :class:`NonFiniteError` naming its step at that read, so up to that many steps
+    run past it.
 
     Returns:
         ``{"loss": mean training loss over the samples trained on (0 when none),
@@ -214,7 +217,7 @@ def train_epochs(
     compute = _COMPUTE.get()
     scaler = grad_scaler(device)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    losses = _StepLosses()
+    losses = StepMeans(check=("loss",))
     fmt: torch.memory_format | None = None
     try:
         for _ in range(epochs):
@@ -230,11 +233,13 @@ def train_epochs(
                 optimizer.zero_grad(set_to_none=True)
                 with autocast():
                     loss = loss_fn(model, x, y)
-                losses.add(loss, x.shape[0])
+                losses.add(x.shape[0], loss=loss)
                 backward_step(loss, optimizer, scaler, clip_grad_norm, model.parameters())
                 if max_steps is not None and losses.steps >= max_steps:
-                    return {"loss": losses.mean(), "steps": float(losses.steps)}
-        return {"loss": losses.mean(), "steps": float(losses.steps)}
+                    break
+            if max_steps is not None and losses.steps >= max_steps:
+                break
+        return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
     finally:
         if fmt is not None:   # states leave in the usual layout
             model.to(memory_format=torch.contiguous_format)
@@ -244,44 +249,72 @@ def train_epochs(
 LOSS_READ_EVERY = 32
 
 
-class _StepLosses:
-    """The losses of :func:`train_epochs`' steps, kept where they were computed and read in
-    blocks of :data:`LOSS_READ_EVERY`: a read waits for the GPU, so one per step would keep
-    it from running ahead of the Python loop. The mean is summed step by step in float64 from
-    the values as computed (dtypes are only widened), as a per-step ``float(loss)`` gives it."""
+class StepMeans:
+    """Scalars of training steps (losses and their parts), kept where they were computed and
+    read in blocks of :data:`LOSS_READ_EVERY` steps.
 
-    def __init__(self) -> None:
-        self.steps, self.count, self.total = 0, 0, 0.0
-        self._pending: list[tuple[torch.Tensor, int]] = []
+    What it is for: a training loop's logging. ``float(loss)`` after every step waits for the
+    GPU, so the Python loop cannot queue the next step's work while the GPU runs this one;
+    here a block of steps costs one wait. The means are summed step by step in float64 from
+    the values as computed (dtypes only widened), exactly what a per-step ``float()`` gives.
 
-    def add(self, loss: torch.Tensor, n: int) -> None:
-        """One optimizer step's loss (a scalar tensor) over ``n`` samples."""
-        self._pending.append((loss.detach().reshape(()), int(n)))
+    Args:
+        check: names whose value must be finite: a NaN or infinite one raises
+            :class:`NonFiniteError` naming its step, at the read that sees it (so up to
+            :data:`LOSS_READ_EVERY` steps run past it).
+
+    Example::
+
+        log = StepMeans(check=("loss",))
+        for x, y in loader:
+            ...
+            log.add(x.shape[0], loss=loss, ce=ce)   # tensors or floats, weighted by the batch
+        metrics = log.means()                     # {"loss": ..., "ce": ...}
+    """
+
+    def __init__(self, check: Iterable[str] = ()) -> None:
+        self.steps = 0
+        self._check = frozenset(check)
+        self._sums: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+        self._pending: list[tuple[int, float, dict[str, torch.Tensor | float]]] = []
+
+    def add(self, weight: float = 1, **values: torch.Tensor | float) -> None:
+        """One step's scalars (one-element tensors or numbers), weighted by ``weight`` (the
+        step's number of samples, or 1 for a mean over steps)."""
         self.steps += 1
+        kept = {k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v) for k, v in values.items()}
+        self._pending.append((self.steps, weight, kept))
         if len(self._pending) >= LOSS_READ_EVERY:
             self._read()
 
     def _read(self) -> None:
-        """Bring the pending losses over in one transfer and add them up.
+        """Bring the pending tensors over in one transfer per device and add everything up.
 
         Raises:
-            NonFiniteError: one of them is NaN or infinite (named by its step)."""
+            NonFiniteError: a checked value is NaN or infinite (named by its step)."""
         if not self._pending:
             return
-        values = torch.stack([v for v, _ in self._pending]).cpu().tolist()   # stack widens mixed dtypes
-        first = self.steps - len(values) + 1
-        for k, (value, (_, n)) in enumerate(zip(values, self._pending)):
-            if not math.isfinite(value):
-                raise NonFiniteError(f"the training loss became {value} at optimizer step {first + k}; lower "
-                                     "train.lr or set train.clip_grad_norm")
-            self.total += value * n
-            self.count += n
-        self._pending.clear()
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, vals in self._pending:
+            for v in vals.values():
+                if isinstance(v, torch.Tensor):
+                    by_device.setdefault(v.device, []).append(v)
+        read = {d: iter(torch.stack(ts).cpu().tolist()) for d, ts in by_device.items()}   # stack widens dtypes
+        pending, self._pending = self._pending, []
+        for step, weight, vals in pending:
+            for k, v in vals.items():
+                value = next(read[v.device]) if isinstance(v, torch.Tensor) else v
+                if k in self._check and not math.isfinite(value):
+                    raise NonFiniteError(f"the training {k} became {value} at optimizer step {step}; lower "
+                                         "train.lr or set train.clip_grad_norm")
+                self._sums[k] = self._sums.get(k, 0.0) + value * weight
+                self._weights[k] = self._weights.get(k, 0) + weight
 
-    def mean(self) -> float:
-        """The sample-weighted mean loss of every step so far (0 when none)."""
+    def means(self) -> dict[str, float]:
+        """The weighted mean of each name over the steps that gave it."""
         self._read()
-        return self.total / max(self.count, 1)
+        return {k: total / self._weights[k] if self._weights[k] else 0.0 for k, total in self._sums.items()}
 
 
 class NonFiniteError(ValueError):

@@ -44,6 +44,7 @@ from torch.nn import functional as F
 
 __all__ = [
     "SKD_TERMS",
+    "skd_loss_terms",
     "row_normalize",
     "batch_similarity",
     "spatial_similarity",
@@ -180,7 +181,23 @@ def skd_loss(
     terms: Sequence[str] = SKD_TERMS,
     masks: RegionMasks | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The multi-dimensional SKD loss (eq. 15) between two models' feature maps.
+    """The multi-dimensional SKD loss (eq. 15) between two models' feature maps, its parts
+    as floats (:func:`skd_loss_terms` with the parts read; the arguments, result and errors
+    are those of :func:`skd_loss_terms`)."""
+    total, parts = skd_loss_terms(dam_feats, ktm_feats, terms=terms, masks=masks)
+    return total, {t: float(v.detach()) for t, v in parts.items()}
+
+
+def skd_loss_terms(
+    dam_feats: Sequence[Tensor],
+    ktm_feats: Sequence[Tensor],
+    *,
+    terms: Sequence[str] = SKD_TERMS,
+    masks: RegionMasks | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The multi-dimensional SKD loss (eq. 15) between two models' feature maps, its parts
+    as tensors where they were computed (a training loop logs them without waiting for the
+    GPU each step: :class:`medfl.engine.training.StepMeans`).
 
     Args:
         dam_feats: the DAM's maps of the distilled layers, each ``(b, c, *spatial)``.
@@ -190,7 +207,7 @@ def skd_loss(
 
     Returns:
         ``(loss, parts)``: the sum of the included terms, each the mean over layers of eqs.
-        6, 9 and 14; ``parts`` holds each term's value as a float (for logging).
+        6, 9 and 14; ``parts`` holds each term's value (a scalar tensor, for logging).
 
     Raises:
         ValueError: different numbers of layers or batch sizes, or an unknown term.
@@ -218,4 +235,4 @@ def skd_loss(
     layers = float(len(dam_feats))
     parts = {t: v / layers for t, v in sums.items()}
     total = sum(parts.values(), dam_feats[0].new_zeros(()))
-    return total, {t: float(v.detach()) for t, v in parts.items()}
+    return total, parts

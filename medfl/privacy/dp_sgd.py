@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
+from medfl.engine.training import StepMeans
 from medfl.privacy.accounting import PrivacyConfigError
 from medfl.seeding import derive_seed
 
@@ -382,7 +383,7 @@ def train_epochs_dp(
                         generator=_generator(seed, "dp_sgd.workers", "cpu"))
     wrapped: GradSampleModuleExpandedWeights | None = None
     dp_opt: DPOptimizer | None = None
-    total, count, steps = 0.0, 0, 0
+    losses, steps = StepMeans(), 0   # the losses read every few steps, not every step
     try:
         wrapped = GradSampleModuleExpandedWeights(_LossOf(model, loss_fn), batch_first=True,
                                                   loss_reduction="mean")
@@ -438,8 +439,7 @@ def train_epochs_dp(
                         if getattr(p, "grad_sample", None) is None:  # not used by the loss
                             p.grad_sample = torch.zeros((n, *p.shape), dtype=p.dtype,
                                                         device=p.device)
-                    total += float(loss.detach()) * n
-                    count += n
+                    losses.add(n, loss=loss)
                 dp_opt.step()
                 steps += 1
     finally:
@@ -454,5 +454,5 @@ def train_epochs_dp(
         for m in model.modules():
             for attr in set(vars(m)) - module_attrs.get(id(m), set()):
                 delattr(m, attr)
-    return {"loss": total / max(count, 1), "steps": float(steps), "dp_steps": float(steps),
+    return {"loss": losses.means().get("loss", 0.0), "steps": float(steps), "dp_steps": float(steps),
             "dp_sample_rate": float(sample_rate), "dp_noise_multiplier": float(noise_multiplier)}

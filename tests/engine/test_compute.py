@@ -234,3 +234,42 @@ def test_a_non_finite_loss_is_named_by_its_step_within_a_block(nan_at: int) -> N
         train_epochs(model, loader, opt, 1, loss_fn=loss_fn)
     block_end = min(-(-nan_at // 32) * 32, 71)
     assert nan_at <= len(seen) <= block_end      # read at the end of its block at the latest
+
+
+def test_step_means_equal_a_per_step_read_for_every_name_weight_and_dtype() -> None:
+    """Several names per step, tensors (float32, float64, bfloat16) and numbers, weights,
+    a name some steps lack, over more than two read blocks: each mean is the one summed from
+    per-step ``float()`` reads, to the bit; only checked names refuse a non-finite value."""
+    from medfl.engine.training import StepMeans
+
+    g = torch.Generator().manual_seed(3)
+    log = StepMeans(check=("loss",))
+    ref: dict[str, list[tuple[float, int]]] = {}
+    for step in range(75):
+        n = 1 + step % 4
+        values = {"loss": torch.rand((), generator=g) * 3, "wide": torch.rand((), generator=g).double() / 7,
+                  "half": torch.rand((), generator=g).to(torch.bfloat16), "number": step / 3}
+        if step % 5 == 0:
+            values["sometimes"] = torch.rand(1, generator=g)     # a one-element tensor, not 0-d
+        if step == 40:
+            values["wide"] = values["wide"] * float("nan")      # not checked: kept as NaN
+        log.add(n, **values)
+        for k, v in values.items():
+            ref.setdefault(k, []).append((float(v), n))
+    expected = {}
+    for k, pairs in ref.items():
+        total, weight = 0.0, 0
+        for v, n in pairs:
+            total += v * n
+            weight += n
+        expected[k] = total / weight
+    got = log.means()
+    assert log.steps == 75 and set(got) == set(expected)
+    assert np.isnan(got["wide"]) and np.isnan(expected["wide"])
+    assert all(got[k] == expected[k] for k in expected if k != "wide")
+    assert StepMeans().means() == {}
+    bad = StepMeans(check=("loss",))
+    bad.add(2, loss=torch.tensor(1.0), other=float("inf"))
+    bad.add(2, loss=torch.tensor(float("-inf")))
+    with pytest.raises(NonFiniteError, match=r"the training loss became -inf at optimizer step 2; "):
+        bad.means()
