@@ -281,9 +281,11 @@ class StepMeans:
 
     def add(self, weight: float = 1, **values: torch.Tensor | float) -> None:
         """One step's scalars (one-element tensors or numbers), weighted by ``weight`` (the
-        step's number of samples, or 1 for a mean over steps)."""
+        step's number of samples, or 1 for a mean over steps). A tensor is copied where it
+        lies (no wait), so changing it in place afterwards does not change what was logged."""
         self.steps += 1
-        kept = {k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v) for k, v in values.items()}
+        kept = {k: v.detach().reshape(()).clone() if isinstance(v, torch.Tensor) else float(v)
+                for k, v in values.items()}
         self._pending.append((self.steps, weight, kept))
         if len(self._pending) >= LOSS_READ_EVERY:
             self._read()

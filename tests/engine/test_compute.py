@@ -268,6 +268,12 @@ def test_step_means_equal_a_per_step_read_for_every_name_weight_and_dtype() -> N
     assert np.isnan(got["wide"]) and np.isnan(expected["wide"])
     assert all(got[k] == expected[k] for k in expected if k != "wide")
     assert StepMeans().means() == {}
+    running, later = torch.zeros(()), StepMeans()
+    for step in range(3):
+        running += 1.0
+        later.add(loss=running)          # 1, 2, 3, then changed in place before the read
+    running.fill_(100.0)
+    assert later.means() == {"loss": 2.0}
     bad = StepMeans(check=("loss",))
     bad.add(2, loss=torch.tensor(1.0), other=float("inf"))
     bad.add(2, loss=torch.tensor(float("-inf")))
