@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from medfl import hookimpl
-from medfl.engine.training import get_state, make_optimizer, train_epochs, weighted_average
+from medfl.engine.training import StepMeans, get_state, make_optimizer, train_epochs, weighted_average
 from medfl.filters import Release
 from medfl.losses.feature_distill import (
     class_prototypes,
@@ -518,17 +518,14 @@ class FedTPF(Method):
         g = torch.Generator().manual_seed(derive_seed(client.seed, "distill"))
         perturb = self._perturb(g)
         weights = self.weights()
-        sums: dict[str, float] = {}
-        count = 0
+        log = StepMeans()   # the terms read every few steps, not every step
         for _ in range(self.distill_epochs):
             for x, y in client.loader("train"):
                 x, y = x.to(client.device), torch.as_tensor(y).to(client.device)
                 out = distill_step(vae, critic, cls, x, y, protos, present, weights, opt_model,
-                                   opt_critic if weights.wgan > 0 else None, g, perturb=perturb)
-                for key, v in out.items():
-                    sums[key] = sums.get(key, 0.0) + v * len(y)
-                count += len(y)
-        dstats = {f"distill_{key}": v / max(count, 1) for key, v in sums.items()}
+                                   opt_critic if weights.wgan > 0 else None, g, perturb=perturb, read=False)
+                log.add(len(y), **out)
+        dstats = {f"distill_{key}": v for key, v in log.means().items()}
         dstats["frozen"] = 0.0
         state = {**{f"vae.{k}": v for k, v in get_state(vae).items()},
                  **{f"critic.{k}": v for k, v in get_state(critic).items()},

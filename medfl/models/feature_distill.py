@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,8 @@ def distill_step(vae: DistillVAE, critic: Critic, classifier: nn.Module, x: torc
                  prototypes: torch.Tensor | None, present: torch.Tensor | None, weights: DistillWeights,
                  opt_model: torch.optim.Optimizer, opt_critic: torch.optim.Optimizer | None,
                  generator: torch.Generator | None = None,
-                 perturb: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+                 perturb: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
+                 read: bool = True) -> dict[str, Any]:
     """One local-distillation step on a batch (LocalDisTraining of Algorithm 1).
 
     First the critic (when ``weights.wgan > 0``): WGAN-GP loss on ``x`` against the detached
@@ -119,7 +121,9 @@ def distill_step(vae: DistillVAE, critic: Critic, classifier: nn.Module, x: torc
     l3 * L_po + l4 * CE(f(x - x_hat), y)``; ``opt_model`` holds the VAE's and the classifier's
     parameters. ``perturb`` maps ``x_s`` to what the classifier sees (the paper's ``x_p = x_s +
     n``: :func:`medfl.privacy.feature_release.perturb_features`); default ``x_s`` as it is.
-    Returns the terms (floats) and the batch's residual accuracy.
+    Returns the terms and the batch's residual accuracy: floats, or with ``read=False`` 0-d
+    tensors where they were computed, for a loop that logs them without waiting for the GPU
+    each step (:class:`medfl.engine.training.StepMeans`; same values).
     """
     if weights.wgan > 0 and opt_critic is not None:
         with torch.no_grad():
@@ -143,11 +147,11 @@ def distill_step(vae: DistillVAE, critic: Critic, classifier: nn.Module, x: torc
     total.backward()
     opt_model.step()
     total, v, adv, c_loss, po, ce = (t.detach() for t in (total, v, adv, c_loss, po, ce))
-    return {"loss": float(total), "vae": float(v), "wgan_generator": float(adv), "critic": float(c_loss),
-            "prototype": float(po), "ce": float(ce),
-            "residual_accuracy": float((logits.argmax(1) == y).float().mean()),
-            "residual_norm_ratio": float(x_s.detach().flatten(1).norm(dim=1).mean() / x.flatten(1).norm(dim=1).mean()
-                                         .clamp_min(1e-12))}
+    terms = {"loss": total, "vae": v, "wgan_generator": adv, "critic": c_loss, "prototype": po, "ce": ce,
+             "residual_accuracy": (logits.detach().argmax(1) == y).float().mean(),
+             "residual_norm_ratio": x_s.detach().flatten(1).norm(dim=1).mean() / x.flatten(1).norm(dim=1).mean()
+             .clamp_min(1e-12)}
+    return terms if not read else {k: float(t) for k, t in terms.items()}
 
 
 def parameters_of(*modules: nn.Module) -> Iterable[nn.Parameter]:

@@ -73,3 +73,20 @@ def test_ablation_switches_change_exactly_their_term() -> None:
     assert runs["no_critic"][0]["critic"] == 0.0 and runs["no_critic"][0]["wgan_generator"] == 0.0
     assert runs["no_proto"][0]["prototype"] == 0.0 and runs["full"][0]["prototype"] > 0
     assert runs["no_proto"][0]["vae"] == pytest.approx(runs["full"][0]["vae"])  # same nets, same noise
+
+
+def test_unread_terms_are_the_read_floats() -> None:
+    """``read=False`` (what FedTPF logs through ``StepMeans``) gives 0-d tensors holding the
+    floats a read step gives, for the same nets, batch and noise."""
+    x, y = _task(16)
+    protos, present = class_prototypes(torch.randn(16, 4, generator=torch.Generator().manual_seed(4)), y, 2)
+    outs = []
+    for read in (True, False):
+        vae, critic, clf = _nets()
+        opt = torch.optim.SGD(list(parameters_of(vae, clf)), lr=0.01)
+        opt_c = torch.optim.SGD(critic.parameters(), lr=0.01)
+        outs.append(distill_step(vae, critic, clf, x, y, protos, present, DistillWeights(), opt, opt_c,
+                                 torch.Generator().manual_seed(0), read=read))
+    floats, tensors = outs
+    assert list(floats) == list(tensors)
+    assert all(isinstance(t, torch.Tensor) and t.dim() == 0 and float(t) == floats[k] for k, t in tensors.items())
