@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from medfl import hookimpl
 from medfl.engine.training import StepMeans, autocast, backward_step, get_state, grad_scaler, make_optimizer
-from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss_terms
+from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method, MethodConfigError, derive_seed
 
@@ -327,9 +327,9 @@ class FedSKD(Method):
                 loss = loss + ce_k
                 logged["ce_ktm"] = ce_k
                 if gamma > 0:
-                    skd, parts = skd_loss_terms([f.float() for f in self._selected(feats_d)],
-                                                [f.float() for f in self._selected(feats_k)], terms=self.terms,
-                                                masks=masks)
+                    skd, parts = skd_loss([f.float() for f in self._selected(feats_d)],
+                                          [f.float() for f in self._selected(feats_k)], terms=self.terms, masks=masks,
+                                          read=False)
                     loss = loss + gamma * skd
                     logged.update({f"skd_{t}": v for t, v in parts.items()})
             backward_step(loss, opt, scaler)

@@ -236,16 +236,15 @@ def train_epochs(
                 losses.add(x.shape[0], loss=loss)
                 backward_step(loss, optimizer, scaler, clip_grad_norm, model.parameters())
                 if max_steps is not None and losses.steps >= max_steps:
-                    break
-            if max_steps is not None and losses.steps >= max_steps:
-                break
+                    return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
         return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
     finally:
         if fmt is not None:   # states leave in the usual layout
             model.to(memory_format=torch.contiguous_format)
 
 
-#: :func:`train_epochs` reads its step losses from the device every this many steps.
+#: :class:`StepMeans` (so :func:`train_epochs`) reads its step scalars from the device every
+#: this many steps.
 LOSS_READ_EVERY = 32
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,6 @@ from torch.nn import functional as F
 
 __all__ = [
     "SKD_TERMS",
-    "skd_loss_terms",
     "row_normalize",
     "batch_similarity",
     "spatial_similarity",
@@ -180,34 +180,22 @@ def skd_loss(
     *,
     terms: Sequence[str] = SKD_TERMS,
     masks: RegionMasks | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """The multi-dimensional SKD loss (eq. 15) between two models' feature maps, its parts
-    as floats (:func:`skd_loss_terms` with the parts read; the arguments, result and errors
-    are those of :func:`skd_loss_terms`)."""
-    total, parts = skd_loss_terms(dam_feats, ktm_feats, terms=terms, masks=masks)
-    return total, {t: float(v.detach()) for t, v in parts.items()}
-
-
-def skd_loss_terms(
-    dam_feats: Sequence[Tensor],
-    ktm_feats: Sequence[Tensor],
-    *,
-    terms: Sequence[str] = SKD_TERMS,
-    masks: RegionMasks | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The multi-dimensional SKD loss (eq. 15) between two models' feature maps, its parts
-    as tensors where they were computed (a training loop logs them without waiting for the
-    GPU each step: :class:`medfl.engine.training.StepMeans`).
+    read: bool = True,
+) -> tuple[Tensor, dict[str, Any]]:
+    """The multi-dimensional SKD loss (eq. 15) between two models' feature maps.
 
     Args:
         dam_feats: the DAM's maps of the distilled layers, each ``(b, c, *spatial)``.
         ktm_feats: the KTM's maps of the same layers (channels and spatial size may differ).
         terms: which of ``batch``, ``pixel``, ``region`` to include (the paper's ablations).
         masks: region masks; the region term is skipped when ``None`` (no atlas).
+        read: give the parts as floats; ``False`` leaves them 0-d tensors where they were
+            computed, for a loop that logs them without waiting for the GPU each step
+            (:class:`medfl.engine.training.StepMeans`; same values).
 
     Returns:
         ``(loss, parts)``: the sum of the included terms, each the mean over layers of eqs.
-        6, 9 and 14; ``parts`` holds each term's value (a scalar tensor, for logging).
+        6, 9 and 14; ``parts`` holds each term's value (for logging).
 
     Raises:
         ValueError: different numbers of layers or batch sizes, or an unknown term.
@@ -235,4 +223,4 @@ def skd_loss_terms(
     layers = float(len(dam_feats))
     parts = {t: v / layers for t, v in sums.items()}
     total = sum(parts.values(), dam_feats[0].new_zeros(()))
-    return total, parts
+    return total, ({t: float(v.detach()) for t, v in parts.items()} if read else parts)

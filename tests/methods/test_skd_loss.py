@@ -189,16 +189,14 @@ def test_region_masks_2d_and_soft_region_mean() -> None:
 
 
 def test_terms_as_tensors_are_the_logged_floats_and_the_same_loss() -> None:
-    """``skd_loss_terms`` (what FedSKD logs through ``StepMeans``) gives the parts as 0-d
-    tensors whose values are ``skd_loss``'s floats, and the same total, to the bit."""
-    from medfl.losses.skd import skd_loss_terms
-
+    """``skd_loss(read=False)`` (what FedSKD logs through ``StepMeans``) gives the parts as
+    0-d tensors whose values are the read floats, and the same total, to the bit."""
     g = torch.Generator().manual_seed(5)
     d = [torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 5, 3, 3, generator=g)]
     k = [torch.randn(4, 2, 6, 6, generator=g), torch.randn(4, 5, 3, 3, generator=g)]
     masks = region_masks(np.arange(36).reshape(6, 6) % 4 + 1)
     loss, floats = skd_loss(d, k, masks=masks)
-    total, tensors = skd_loss_terms(d, k, masks=masks)
+    total, tensors = skd_loss(d, k, masks=masks, read=False)
     assert list(tensors) == list(floats) == ["batch", "pixel", "region"]
     assert all(t.dim() == 0 and float(t) == floats[name] for name, t in tensors.items())
     assert torch.equal(total, loss)
