@@ -23,7 +23,6 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 import torch
-from monai.transforms import Transform
 from torch.utils.data import Dataset
 
 from medfl.data.source import DataError, FederatedSource, read_manifest
@@ -69,14 +68,6 @@ def load_sample(path: str | Path) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
-class _Load(Transform):
-    """MONAI dict transform: ``{"image": path}`` -> ``{"image": float32 tensor}``. A MONAI
-    ``Transform`` (deterministic), so ``PersistentDataset`` caches its output."""
-
-    def __call__(self, d: dict[str, Any]) -> dict[str, Any]:
-        return {**d, "image": torch.from_numpy(load_sample(d["image"]))}
-
-
 def build_transforms(spatial_dims: int, normalize: str = "none",
                      spatial_size: Sequence[int] | None = None,
                      augment: dict[str, Any] | None = None) -> tuple[Any, Any]:
@@ -85,14 +76,16 @@ def build_transforms(spatial_dims: int, normalize: str = "none",
     Raises:
         DataError: an unknown normalisation, augmentation key or a wrong spatial size.
     """
-    from monai.transforms import (
+    from monai.transforms import (  # here, not at the top: importing MONAI takes seconds
         Compose, EnsureTyped, NormalizeIntensityd, RandFlipd, RandGaussianNoised, RandRotated,
         RandScaleIntensityd, Resized, ScaleIntensityd,
     )
 
+    from medfl.data._load import LoadImageArray
+
     if normalize not in NORMALIZE:
         raise DataError(f"dataset.normalize: unknown {normalize!r}; valid: {', '.join(NORMALIZE)}")
-    det: list[Any] = [_Load(), EnsureTyped(keys="image", dtype=torch.float32, track_meta=False)]
+    det: list[Any] = [LoadImageArray(), EnsureTyped(keys="image", dtype=torch.float32, track_meta=False)]
     if normalize == "zscore":
         det.append(NormalizeIntensityd(keys="image", channel_wise=True))
     elif normalize == "minmax":

@@ -32,11 +32,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from monai.networks.layers.factories import Conv, Pool
 from torch import Tensor, nn
 
 from medfl.models.registry import build_model
-from medfl.models.resnet import _SPATIAL_DIMS, _check_choice, _check_int, _init_weights, _KeysMixin
+from medfl.models.resnet import (
+    _ADAPTIVE_AVG_POOL, _CONV, _MAX_POOL, _SPATIAL_DIMS, _check_choice, _check_int, _init_weights, _KeysMixin,
+)
 
 __all__ = [
     "PFEDCDP_B_DROPOUT",
@@ -144,9 +145,9 @@ class TwoBlockCNN(_KeysMixin, nn.Module):
         self.dropout = p
         self.pool = pool
 
-        conv_type = Conv[Conv.CONV, spatial_dims]
-        pool_type = Pool[Pool.MAX, spatial_dims]
-        avgp_type = Pool[Pool.ADAPTIVEAVG, spatial_dims]
+        conv_type = _CONV[spatial_dims]
+        pool_type = _MAX_POOL[spatial_dims]
+        avgp_type = _ADAPTIVE_AVG_POOL[spatial_dims]
 
         def block(cin: int, cout: int) -> nn.Sequential:
             return nn.Sequential(

@@ -1,4 +1,5 @@
-"""Feature-exposing ResNets (built from MONAI's blocks) and a small CNN.
+"""Feature-exposing ResNets (built from MONAI's blocks, imported when one is built) and a
+small CNN (plain torch layers: building one does not import MONAI).
 
 Every model here follows the :class:`FeatureModel` protocol used by medfl's methods:
 
@@ -28,10 +29,12 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from monai.networks.layers.factories import Conv, Pool
-from monai.networks.layers.utils import get_act_layer, get_norm_layer
-from monai.networks.nets.resnet import ResNet, ResNetBlock, ResNetBottleneck
 from torch import Tensor, nn
+
+# MONAI is imported where a ResNet is built, not here: ``import monai`` loads every MONAI
+# subpackage (with SciPy, scikit-image and matplotlib: 3 s on a slow CPU), and loading medfl's
+# plugins, the ``medfl`` command and every Flower process would pay it for jobs that build
+# no ResNet.
 
 __all__ = [
     "FeatureModel",
@@ -46,16 +49,29 @@ __all__ = [
     "split_state_dict",
 ]
 
-#: Supported ResNet depths -> (block type, blocks per stage).
-RESNET_DEPTHS: dict[int, tuple[type[ResNetBlock] | type[ResNetBottleneck], list[int]]] = {
-    10: (ResNetBlock, [1, 1, 1, 1]),
-    18: (ResNetBlock, [2, 2, 2, 2]),
-    34: (ResNetBlock, [3, 4, 6, 3]),
-    50: (ResNetBottleneck, [3, 4, 6, 3]),
+#: Supported ResNet depths -> (MONAI block name, blocks per stage): ``"basic"`` is MONAI's
+#: ``ResNetBlock``, ``"bottleneck"`` its ``ResNetBottleneck`` (expansion 4).
+RESNET_DEPTHS: dict[int, tuple[str, list[int]]] = {
+    10: ("basic", [1, 1, 1, 1]),
+    18: ("basic", [2, 2, 2, 2]),
+    34: ("basic", [3, 4, 6, 3]),
+    50: ("bottleneck", [3, 4, 6, 3]),
 }
 
 _NORMS = ("batch", "instance")
 _SPATIAL_DIMS = (2, 3)
+
+# The torch layers MONAI's factories give for these names and dimensions (``Conv[Conv.CONV,
+# d]``, ``Pool[Pool.MAX, d]``, ``Pool[Pool.ADAPTIVEAVG, d]``, ``get_norm_layer(name=norm,
+# spatial_dims=d, channels=c)`` -> ``BatchNormNd(c)`` / ``InstanceNormNd(c)``), for the small
+# CNNs, which are built without importing MONAI.
+_CONV: dict[int, type[nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
+_MAX_POOL: dict[int, type[nn.Module]] = {2: nn.MaxPool2d, 3: nn.MaxPool3d}
+_ADAPTIVE_AVG_POOL: dict[int, type[nn.Module]] = {2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}
+_NORM: dict[str, dict[int, type[nn.Module]]] = {
+    "batch": {2: nn.BatchNorm2d, 3: nn.BatchNorm3d},
+    "instance": {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d},
+}
 
 
 @runtime_checkable
@@ -214,7 +230,11 @@ class FeatureResNet(_KeysMixin, nn.Module):
         _check_bool("no_max_pool", no_max_pool)
         _check_choice("norm", norm, _NORMS)
 
-        block, layers = RESNET_DEPTHS[depth]
+        from monai.networks.layers.utils import get_norm_layer
+        from monai.networks.nets.resnet import ResNet, ResNetBlock, ResNetBottleneck
+
+        block_name, layers = RESNET_DEPTHS[depth]
+        block = ResNetBottleneck if block_name == "bottleneck" else ResNetBlock
         inplanes = [width, 2 * width, 4 * width, 8 * width]
         net = ResNet(
             block=block,
@@ -266,14 +286,17 @@ class FeatureResNet(_KeysMixin, nn.Module):
 
     @staticmethod
     def _build_stages(
-        block: type[ResNetBlock] | type[ResNetBottleneck],
+        block: type[nn.Module],
         layers: list[int],
         inplanes: list[int],
         spatial_dims: int,
         norm: str,
     ) -> list[nn.Sequential]:
-        """The four stages with ``norm`` everywhere; module layout as MONAI's ``_make_layer``."""
-        conv_type = Conv[Conv.CONV, spatial_dims]
+        """The four stages of MONAI's ``block`` with ``norm`` everywhere; module layout as
+        MONAI's ``_make_layer``."""
+        from monai.networks.layers.utils import get_norm_layer
+
+        conv_type = _CONV[spatial_dims]
         stages: list[nn.Sequential] = []
         in_planes = inplanes[0]
         for i, (planes, n_blocks) in enumerate(zip(inplanes, layers)):
@@ -394,15 +417,16 @@ class SmallCNN(_KeysMixin, nn.Module):
         self.width = width
         self.norm = norm
 
-        conv_type = Conv[Conv.CONV, spatial_dims]
-        pool_type = Pool[Pool.MAX, spatial_dims]
-        avgp_type = Pool[Pool.ADAPTIVEAVG, spatial_dims]
+        conv_type = _CONV[spatial_dims]
+        pool_type = _MAX_POOL[spatial_dims]
+        avgp_type = _ADAPTIVE_AVG_POOL[spatial_dims]
+        norm_type = _NORM[norm][spatial_dims]
 
         def block(cin: int, cout: int) -> nn.Sequential:
             return nn.Sequential(
                 conv_type(cin, cout, kernel_size=3, padding=1, bias=False),
-                get_norm_layer(name=norm, spatial_dims=spatial_dims, channels=cout),
-                get_act_layer(name=("relu", {"inplace": True})),
+                norm_type(cout),
+                nn.ReLU(inplace=True),
                 pool_type(kernel_size=2, stride=2),
             )
 

@@ -255,3 +255,59 @@ def test_small_cnn_instance_norm() -> None:
     assert not any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in m.modules())
     with torch.no_grad():
         assert m(torch.randn(2, 1, 8, 8, 8)).shape == (2, 2)
+
+
+@pytest.mark.parametrize("spatial_dims", [2, 3])
+@pytest.mark.parametrize("norm", ["batch", "instance"])
+def test_small_cnn_layers_are_those_monai_factories_give(spatial_dims: int, norm: str) -> None:
+    """SmallCNN is built from plain torch layers (no MONAI import); they are the layers, with
+    the same arguments and the same seeded weights, that MONAI's factories built before."""
+    from monai.networks.layers.factories import Conv, Pool
+    from monai.networks.layers.utils import get_act_layer, get_norm_layer
+
+    torch.manual_seed(3)
+    ours = SmallCNN(spatial_dims=spatial_dims, in_channels=2, num_classes=3, width=4, norm=norm)
+
+    class Reference(SmallCNN):
+        def __init__(self) -> None:
+            super().__init__(spatial_dims, 2, 3, 4, norm)
+            conv, pool = Conv[Conv.CONV, spatial_dims], Pool[Pool.MAX, spatial_dims]
+
+            def block(cin: int, cout: int) -> nn.Sequential:
+                return nn.Sequential(conv(cin, cout, kernel_size=3, padding=1, bias=False),
+                                     get_norm_layer(name=norm, spatial_dims=spatial_dims, channels=cout),
+                                     get_act_layer(name=("relu", {"inplace": True})),
+                                     pool(kernel_size=2, stride=2))
+
+            torch.manual_seed(3)
+            self.layer1, self.layer2 = block(2, 4), block(4, 8)
+            self.avgpool = Pool[Pool.ADAPTIVEAVG, spatial_dims](1)
+            self.head = nn.Linear(8, 3)
+            from medfl.models.resnet import _init_weights
+
+            _init_weights(self)
+
+    ref = Reference()
+    assert repr(ours) == repr(ref).replace("Reference(", "SmallCNN(", 1)
+    assert [type(m) for m in list(ours.modules())[1:]] == [type(m) for m in list(ref.modules())[1:]]
+    a, b = ours.state_dict(), ref.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loading_plugins_and_building_small_models_does_not_import_monai() -> None:
+    """``import monai`` loads every MONAI subpackage (seconds); the ``medfl`` command, every
+    Flower process and every job without a ResNet or a manifest dataset skip it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from medfl.plugins import get_plugin_manager\n"
+            "get_plugin_manager()\n"
+            "from medfl.models.registry import build_model\n"
+            "for name in ('small_cnn', 'pfedcdp_a', 'pfedcdp_student'):\n"
+            "    build_model({'name': name, 'spatial_dims': 2})\n"
+            "assert 'monai' not in sys.modules, sorted(m for m in sys.modules if m.startswith('monai'))[:5]\n"
+            "build_model({'name': 'resnet10', 'spatial_dims': 2, 'width': 4})\n"
+            "assert 'monai' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
