@@ -15,6 +15,7 @@ exception that MONAI would re-wrap in "Failed to evaluate ConfigExpression" (see
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import sys
 from contextlib import contextmanager, nullcontext
@@ -233,11 +234,14 @@ def load_bundle_config(config_file: str | Path, overrides: dict[str, Any] | None
         FileNotFoundError: the config file does not exist.
         KeyError: the config has no ``fl`` section.
     """
-    from monai.bundle import ConfigParser
-
     path = Path(config_file)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: config file not found")
+    plain = _plain_json_fl(path, overrides or {})
+    if plain is not None:
+        return plain
+    from monai.bundle import ConfigParser
+
     parser = ConfigParser()
     parser.read_config(str(path))
     for key, value in (overrides or {}).items():
@@ -245,3 +249,60 @@ def load_bundle_config(config_file: str | Path, overrides: dict[str, Any] | None
     if "fl" not in parser.get():
         raise KeyError(f"{path}: no 'fl' section; a medfl bundle config keeps the experiment under 'fl'")
     return parser.get_parsed_content("fl")
+
+
+class _NotPlain(Exception):
+    """The config needs MONAI's parser (see :func:`_plain_json_fl`)."""
+
+
+def _plain_json_fl(path: Path, overrides: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``fl`` section of a JSON config that MONAI's ``ConfigParser`` would return as it
+    is, read without importing MONAI (``import monai`` loads all of MONAI, seconds on a slow
+    CPU, and every ``medfl run``, site and Flower run reads a config); ``None`` where MONAI's
+    parser must read it: not a ``.json`` file, a duplicate key, an override whose path is not
+    there, or anything MONAI's syntax could act on anywhere in the file or the overrides (a
+    string holding ``@``, ``%`` or ``#`` or starting with ``$``: references, macros, ids
+    (MONAI writes a ``#`` in any string as ``::``), expressions; a
+    key of the ``_target_`` form or holding ``#``, ``::``, ``@``, ``$`` or ``%``). Overrides are
+    set as MONAI's ``parser[id] = value`` sets them (``#`` or ``::`` between levels, digits
+    index lists, the parent must exist)."""
+    if path.suffix.lower() != ".json":
+        return None
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(items)
+        if len(out) != len(items):
+            raise _NotPlain
+        return out
+
+    def check(obj: Any) -> None:
+        if isinstance(obj, str):
+            if "@" in obj or "%" in obj or "#" in obj or obj.startswith("$"):
+                raise _NotPlain
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if not isinstance(k, str) or any(c in k for c in ("#", "::", "@", "$", "%")) or (
+                        len(k) > 1 and k.startswith("_") and k.endswith("_")):
+                    raise _NotPlain
+                check(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                check(v)
+
+    try:
+        with open(path) as f:      # as MONAI opens it
+            config = json.load(f, object_pairs_hook=pairs)
+        for key, value in overrides.items():
+            *parents, last = str(key).replace("#", "::").split("::")
+            if not str(key) or not isinstance(config, dict):
+                raise _NotPlain
+            node: Any = config
+            for k in parents:
+                node = node[k] if isinstance(node, dict) else node[int(k)]
+            node[last if isinstance(node, dict) else int(last)] = copy.deepcopy(value)
+        check(config)
+    except (_NotPlain, ValueError, KeyError, IndexError, TypeError):
+        return None       # MONAI's parser decides, and words any error as it always has
+    if not isinstance(config, dict) or "fl" not in config:
+        return None
+    return config["fl"]
