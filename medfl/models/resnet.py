@@ -63,8 +63,8 @@ _SPATIAL_DIMS = (2, 3)
 
 # The torch layers MONAI's factories give for these names and dimensions (``Conv[Conv.CONV,
 # d]``, ``Pool[Pool.MAX, d]``, ``Pool[Pool.ADAPTIVEAVG, d]``, ``get_norm_layer(name=norm,
-# spatial_dims=d, channels=c)`` -> ``BatchNormNd(c)`` / ``InstanceNormNd(c)``), for the small
-# CNNs, which are built without importing MONAI.
+# spatial_dims=d, channels=c)`` -> ``BatchNormNd(c)`` / ``InstanceNormNd(c)``): the small CNNs
+# are built from them without importing MONAI, and the ResNets' own norm layers come from them.
 _CONV: dict[int, type[nn.Module]] = {2: nn.Conv2d, 3: nn.Conv3d}
 _MAX_POOL: dict[int, type[nn.Module]] = {2: nn.MaxPool2d, 3: nn.MaxPool3d}
 _ADAPTIVE_AVG_POOL: dict[int, type[nn.Module]] = {2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}
@@ -230,7 +230,6 @@ class FeatureResNet(_KeysMixin, nn.Module):
         _check_bool("no_max_pool", no_max_pool)
         _check_choice("norm", norm, _NORMS)
 
-        from monai.networks.layers.utils import get_norm_layer
         from monai.networks.nets.resnet import ResNet, ResNetBlock, ResNetBottleneck
 
         block_name, layers = RESNET_DEPTHS[depth]
@@ -263,7 +262,7 @@ class FeatureResNet(_KeysMixin, nn.Module):
         self.bn1 = (
             net.bn1
             if norm == "batch"
-            else get_norm_layer(name=norm, spatial_dims=spatial_dims, channels=width)
+            else _NORM[norm][spatial_dims](width)
         )
         self.act = net.act
         self.maxpool = net.maxpool
@@ -294,8 +293,6 @@ class FeatureResNet(_KeysMixin, nn.Module):
     ) -> list[nn.Sequential]:
         """The four stages of MONAI's ``block`` with ``norm`` everywhere; module layout as
         MONAI's ``_make_layer``."""
-        from monai.networks.layers.utils import get_norm_layer
-
         conv_type = _CONV[spatial_dims]
         stages: list[nn.Sequential] = []
         in_planes = inplanes[0]
@@ -306,7 +303,7 @@ class FeatureResNet(_KeysMixin, nn.Module):
             if stride != 1 or in_planes != out_planes:
                 downsample = nn.Sequential(
                     conv_type(in_planes, out_planes, kernel_size=1, stride=stride, bias=True),
-                    get_norm_layer(name=norm, spatial_dims=spatial_dims, channels=out_planes),
+                    _NORM[norm][spatial_dims](out_planes),
                 )
             blocks: list[nn.Module] = [
                 block(
