@@ -470,6 +470,7 @@ def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from medfl.engine.runner import run_experiment
 
     plugin = ensure_plugin()  # plugin discovery happens once per process, before the clock starts
+    build_model()   # imports what building the model imports (MONAI for a ResNet), as the plain loop does before its clock
     _clock_train_epochs()
     if getattr(a, "profile", None):
         plugin.profile_rounds(*((0, 1) if a.profile_first else (2, a.rounds - 1)), a.profile)
