@@ -13,13 +13,13 @@ import torch
 
 from medfl.config import ConfigError
 from medfl.engine.runner import resume, run_experiment
-from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
+from medfl.messages import PayloadError, SampleGuard, validate_payload
 from medfl.plugins import get_plugin_manager
 from medfl_plugins.baselines import FedAvg
 
 
 @pytest.mark.plots
-def test_run_outputs_and_determinism(tiny_fl, resolve, tmp_path):
+def test_run_outputs_and_determinism(tiny_fl, resolve, tmp_path, monkeypatch):
     tiny_fl["methods"] = [{"name": "fedavg"}, {"name": "local"}, {"name": "fedbn"},
                           {"name": "centralized"}, {"name": "fedprox", "mu": 0.1},
                           {"name": "fedavgm"}, {"name": "fedadam"}]
@@ -34,7 +34,9 @@ def test_run_outputs_and_determinism(tiny_fl, resolve, tmp_path):
         assert sorted(m["round"].unique()) == [1, 2]
         assert len(m) == 2 * 3 * 2  # rounds x clients x splits
     assert (exp / "comparison.csv").is_file()
-    # a second identical run lands in a new directory and gives identical metrics
+    # a second identical run lands in a new directory and gives identical metrics (its
+    # figures are not looked at: drawing them would double the test's time)
+    monkeypatch.setenv("MEDFL_NO_PLOTS", "1")
     out2 = run_experiment(resolve(tiny_fl))
     assert out2["dir"] != out["dir"]
     a = pd.read_csv(exp / "fedavg" / "metrics.csv")
