@@ -4,6 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
+# test workers (pytest-xdist); each worker's torch gets its share of the cores (tests/conftest.py)
+TEST_WORKERS ?= 2
+
 .PHONY: setup demo test bench clean
 
 $(BIN)/medfl: pyproject.toml
@@ -18,8 +21,15 @@ setup: $(BIN)/medfl
 demo: setup
 	cd bundles/demo && ../../$(BIN)/python -m monai.bundle run --config_file configs/train.json
 
+# Whole test modules go to a worker at a time (module fixtures start their federation or data
+# once), slowest first (tests/conftest.py's SLOW_MODULES, kept in order by
+# --no-loadscope-reorder); TEST_WORKERS=1 runs them one after another in one process.
 test: setup
+ifeq ($(TEST_WORKERS),1)
 	$(BIN)/python -m pytest -q
+else
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+endif
 
 bench: setup
 	$(BIN)/pip install -q -e ".[bench]"

@@ -19,6 +19,61 @@ from medfl.config import resolve_config
 os.environ.setdefault("MEDFL_NO_PLOTS", "1")
 
 
+#: The test modules that take longest (seconds, serial, on a 2 vCPU VM), slowest first: they
+#: run first, so that parallel workers (``make test`` runs ``pytest -n 2 --dist loadfile
+#: --no-loadscope-reorder``, see the Makefile) start on them and the short modules fill in
+#: around them instead of one worker finishing a long Flower test alone at the end. A module
+#: missing from the list only runs later; the order changes no result.
+SLOW_MODULES = (
+    "flower/test_flower.py",            # 240: three runs over a real deployment
+    "flower/test_deploy_auth.py",       # 145: TLS, keys, a SuperLink restart and a resume
+    "flower/test_simulation.py",        # 95: Ray
+    "methods/test_fedtpf_bundles.py",   # 85
+    "methods/test_ham10000_bundles.py",  # 75
+    "methods/test_fedskd_bundles.py",   # 65
+    "engine/test_engine.py",            # 47
+    "methods/test_pfedcdp_bundle.py",   # 22 (more with plots under load)
+    "prep/test_prep_abide.py",          # 37
+    "flower/test_coordinator.py",       # 35
+    "engine/test_cv.py",                # 31
+    "flower/test_startup_failures.py",  # 30
+    "engine/test_privacy_run.py",       # 28
+    "methods/test_fedkper_bundle.py",   # 27
+    "engine/test_checkpoint_integrity.py",  # 27
+    "prep/test_prep_cbis_ddsm.py",      # 26
+    "test_demo_bundle.py",              # 26
+    "prep/test_prep_derm7pt.py",        # 24
+    "test_bundle_errors.py",            # 22
+    "engine/test_payload_guard.py",     # 22
+    "prep/test_prep_mias.py",           # 20
+    "test_example_plugin.py",           # 18
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the modules of :data:`SLOW_MODULES` first, in that order (a stable sort: the tests
+    of a module keep their order, and so do the modules not listed)."""
+    here = Path(__file__).parent
+    rank = {str(here / name): k for k, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(str(item.path), len(rank)))
+
+
+def _threads_per_worker() -> None:
+    """Under pytest-xdist, give each worker's torch (and the processes it starts: bundles,
+    Flower sites) its share of the cores instead of all of them: two workers with two
+    OpenMP threads each on two cores slow each other down more than they gain."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+_threads_per_worker()
+
+
 @pytest.fixture(autouse=True)
 def _plots_only_where_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs of a test marked ``plots`` draw their figures (``MEDFL_NO_PLOTS`` unset)."""
