@@ -228,7 +228,9 @@ def parse_override_value(text: str) -> Any:
 
 def load_bundle_config(config_file: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Read a bundle config with MONAI's ConfigParser, apply ``#``-path overrides, and return
-    the parsed ``fl`` section (references such as ``@bundle_root`` resolved).
+    the parsed ``fl`` section (references such as ``@bundle_root`` resolved). A plain JSON
+    config, with nothing MONAI's syntax would act on, is read with ``json`` instead, to the
+    same content and without importing MONAI (:func:`_plain_json_fl`).
 
     Raises:
         FileNotFoundError: the config file does not exist.

@@ -50,7 +50,7 @@ SLOW_MODULES = (
 )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the modules of :data:`SLOW_MODULES` first, in that order (a stable sort: the tests
     of a module keep their order, and so do the modules not listed)."""
     here = Path(__file__).parent
