@@ -56,9 +56,9 @@ from tqdm.auto import tqdm
 
 from medfl import wire
 from medfl.config import build_method, check_device, method_label, method_train
-from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
-                                 evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
-                                 run_client_update, run_client_validate, write_sum)
+from medfl.engine.client import (ClientContext, ClientStore, ContentSnapshot, build_eval_model, build_final_model,
+                                 check_sum, evaluate_final_models, evaluate_model, first_non_finite,
+                                 run_client_profile, run_client_update, run_client_validate, write_sum)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
@@ -266,6 +266,10 @@ class Run:
         self._lock: Any = None     # the run directory's lock while this process writes it
         self._failures: dict[str, int] = {}   # replies of each client that failed the checks
         self._excluded: set[str] = set()      # clients excluded by max_reply_failures
+        # the payloads the in-process clients checked for NaN/inf on their way out (no filter
+        # after the check): the coordinator's walk of the very same tensors, unmodified since,
+        # would find the same
+        self._checked_finite: dict[str, ContentSnapshot] = {}
         self.fold = _fold_of(self.run_dir)
         self._csv = GrowingCsv()   # the CSVs rewritten every round, formatted row by row once
         self.metrics = pd.DataFrame()
@@ -575,13 +579,17 @@ class Run:
         ``num_examples`` outside 0..the training size the client declared, NaN or infinite
         values anywhere in the payload, a model state (the method's ``reply_state``) whose keys,
         shapes or dtypes differ from the state the client was sent, or the method's own
-        :meth:`~medfl.method.Method.check_reply`."""
+        :meth:`~medfl.method.Method.check_reply`. In process, a payload that the client step
+        checked for NaN on its way out and that nothing replaced or changed since
+        (:class:`~medfl.engine.client.ContentSnapshot`) is not walked a second time."""
         n, declared = reply.num_examples, int(self.federation.num_examples.get(cid, 0))
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= declared:
             return f"num_examples {n!r} outside 0..{declared} (the client's training-set size)"
-        bad = first_non_finite(reply.payload)
-        if bad:
-            return f"payload{bad} holds NaN or infinite values"
+        checked = self._checked_finite.pop(cid, None)
+        if checked is None or not checked.unchanged(reply.payload):
+            bad = first_non_finite(reply.payload)
+            if bad:
+                return f"payload{bad} holds NaN or infinite values"
         for key, ref_key in type(self.coordinator).reply_state.items():
             ref = instruction.payload.get(ref_key) if ref_key else None
             if isinstance(ref, dict) and key in reply.payload:
@@ -641,9 +649,12 @@ class Run:
         order = client_order(instructions)
         sent = self._request_sizes(r, {cid: instructions[cid] for cid in order})
         replies: dict[str, Reply] = {}
+        self._checked_finite.clear()
         for cid in order:
             reply = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
                                       store=self.store, filters=self.privacy.chain, step=self._step)
+            if not self.privacy.chain:   # the payload as run_client_update checked it
+                self._checked_finite[cid] = ContentSnapshot(reply.payload)
             back = wire.train_answer_size(cid, reply.payload, reply.metrics, reply.num_examples)
             self.traffic.add(r, cid, "train", sent[cid], back)
             replies[cid] = reply

@@ -59,7 +59,9 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
 
 def build_seeded(spec: dict[str, Any], seed: int, device: str = "cpu") -> nn.Module:
     """:func:`build_model` initialised from ``seed`` (the same weights on any machine), on
-    ``device``, leaving the caller's torch random state untouched."""
+    ``device``, leaving the caller's torch random state untouched: the model is initialised on
+    the CPU from the CPU generator alone (:func:`torch.manual_seed` would also reseed every
+    GPU's generator, which ``fork_rng`` does not restore)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
+        torch.random.default_generator.manual_seed(int(seed))
         return build_model(dict(spec)).to(device)

@@ -71,3 +71,59 @@ def test_a_client_that_keeps_failing_is_excluded_and_stays_excluded_on_resume(ti
     assert set(metrics.loc[metrics["round"] >= 3, "client_id"]) == {"0", "2"}    # no instructions, no scores
     train = pd.read_csv(run / "train_metrics.csv", dtype={"client_id": str})
     assert "1" not in set(train.loc[train["round"] >= 3, "client_id"])
+
+
+# ------------------------------------------- the in-process shortcut of the coordinator's NaN check
+def test_content_snapshot_sees_every_replacement_and_in_place_change() -> None:
+    from medfl.engine.client import ContentSnapshot
+
+    def payload() -> dict[str, Any]:
+        return {"model": {"w": torch.ones(3), "n": torch.tensor(2)}, "extra": [1.5, (2, torch.zeros(2))]}
+
+    p = payload()
+    snap = ContentSnapshot(p)
+    assert snap.unchanged(p)
+    assert not snap.unchanged(payload())                 # equal values, other tensors
+    p["model"]["w"].mul_(math.nan)                        # in place: the version counter moves
+    assert not snap.unchanged(p)
+    p = payload()
+    snap = ContentSnapshot(p)
+    p["model"]["w"] = p["model"]["w"] * math.nan          # replaced
+    assert not snap.unchanged(p)
+    p = payload()
+    snap = ContentSnapshot(p)
+    p["extra"][0] = math.inf                              # a scalar replaced
+    assert not snap.unchanged(p)
+    p = payload()
+    snap = ContentSnapshot(p)
+    p["model"]["x"] = torch.zeros(1)                      # a key added
+    assert not snap.unchanged(p)
+    p = payload()
+    p["extra"][0] = math.nan
+    assert not ContentSnapshot(p).unchanged(p)            # a NaN scalar is never "unchanged"
+
+
+def _count_coordinator_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import medfl.engine.runner as runner
+
+    calls = [0]
+    inner = runner.first_non_finite
+
+    def counted(value: Any, path: str = "") -> str:
+        calls[0] += 1
+        return inner(value, path)
+
+    monkeypatch.setattr(runner, "first_non_finite", counted)
+    return calls
+
+
+def test_the_coordinator_does_not_walk_again_a_reply_the_client_checked(tiny_fl, monkeypatch) -> None:
+    calls = _count_coordinator_checks(monkeypatch)
+    run_experiment(resolve_config(dict(tiny_fl, rounds=2)))
+    assert calls[0] == 0      # 3 clients x 2 rounds, each payload checked at the client, untouched since
+
+
+def test_the_coordinator_checks_a_reply_that_went_through_filters(tiny_fl, monkeypatch) -> None:
+    calls = _count_coordinator_checks(monkeypatch)
+    run_experiment(resolve_config(dict(tiny_fl, rounds=2, filters=[{"name": "quantize", "bits": 8}])))
+    assert calls[0] == 6      # what the coordinator takes is what the filters made of the reply
