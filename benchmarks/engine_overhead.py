@@ -168,6 +168,8 @@ class _DatasetPlugin:
         self.marks: dict[str, float] = {}
         self.profiler: Any = None
         self.profile_span: tuple[int, int, str] = (0, 0, "")
+        self.counting = False          # ``--steps``: the step clocks count (rounds in count_span)
+        self.count_span = (0, 0)
 
     @hookimpl
     def on_run_start(self, run):  # noqa: ANN001
@@ -183,11 +185,19 @@ class _DatasetPlugin:
     def on_round_end(self, run, round, metrics):  # noqa: ANN001, A002
         self.marks[f"round_end_{round}"] = time.perf_counter()
         self.marks[f"loop_{round}"] = TRAIN_CLOCK[0]
+        if round == self.count_span[0]:
+            self.counting = True
+        elif round == self.count_span[1]:
+            self.counting = False
         if self.profiler is not None and round == self.profile_span[0]:
             self.profiler.enable()
         elif self.profiler is not None and round == self.profile_span[1]:
             self.profiler.disable()
             self.profiler.dump_stats(self.profile_span[2])
+
+    def count_rounds(self, after: int, until: int) -> None:
+        """Let the step clocks count from the end of round ``after`` to the end of round ``until``."""
+        self.count_span = (after, until)
 
     def profile_rounds(self, after: int, until: int, out: str) -> None:
         """Profile from the end of round ``after`` (0: the start of the run) to the end of round
@@ -465,6 +475,67 @@ def _clock_train_epochs() -> None:
     training.train_epochs = hub.train_epochs = clocked
 
 
+#: ``--steps``: medfl's own steps around a client update, each timed where the engine calls it
+#: (module, attribute, label); a class attribute is given as "Class.method".
+STEPS: list[tuple[str, str, str]] = [
+    ("medfl.engine.client", "_check_instruction", "instruction type walk (client)"),
+    ("medfl.engine.client", "_seed_all", "seeding (client)"),
+    ("medfl.engine.hub", "HubAndSpoke.client_model", "global weights into the model (client)"),
+    ("medfl.engine.hub", "make_optimizer", "optimizer (client)"),
+    ("medfl.context", "ClientContext.loader", "dataset and DataLoader (client)"),
+    ("medfl.engine.hub", "train_epochs", "training loop (client)"),
+    ("medfl.engine.hub", "get_state", "weights off the model (client)"),
+    ("medfl.engine.client", "first_non_finite", "NaN check of the reply (client)"),
+    ("medfl.engine.client", "validate_payload", "type walks + payload guard (client)"),
+    ("medfl.engine.client", "_keep_state", "client state store (client)"),
+    ("medfl.engine.runner", "Run._request_sizes", "request wire sizes (coordinator)"),
+    ("medfl.wire", "train_answer_size", "reply wire size (coordinator)"),
+    ("medfl.engine.runner", "first_non_finite", "NaN check of the reply (coordinator)"),
+    ("medfl.engine.runner", "Run.reply_problem", "reply screening (coordinator)"),
+    ("medfl.engine.runner", "Run.run_round", "whole round (coordinator)"),
+]
+
+
+def _clock_steps(plugin: "_DatasetPlugin") -> dict[str, list[float]]:
+    """Wrap each of :data:`STEPS` with a clock that counts while ``plugin.counting`` is set
+    (rounds 2..R-1); a call inside another call of the same step (recursion) is not counted
+    again, under whichever name it was called (the engine's modules import some functions
+    under their own names). Returns label -> [seconds, calls], filled as the run goes."""
+    import importlib
+
+    totals: dict[str, list[float]] = {}
+    depths: dict[int, list[int]] = {}
+    for module, attr, label in STEPS:
+        owner: Any = importlib.import_module(module)
+        name = attr
+        if "." in attr:
+            cls, name = attr.split(".")
+            owner = getattr(owner, cls)
+        inner = getattr(owner, name)
+        inner = getattr(inner, "_bench_inner", inner)
+        totals[label] = [0.0, 0]
+        depth = depths.setdefault(id(inner), [0])
+
+        def clocked(*args: Any, _inner: Any = inner, _label: str = label, _depth: list[int] = depth,
+                    **kwargs: Any) -> Any:
+            if not plugin.counting or _depth[0]:
+                return _inner(*args, **kwargs)
+            _depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                _sync()
+                totals[_label][0] += time.perf_counter() - t
+                totals[_label][1] += 1
+                _depth[0] -= 1
+
+        functools.update_wrapper(clocked, inner)
+        clocked._bench_inner = inner  # type: ignore[attr-defined]
+        setattr(owner, name, clocked)
+    return totals
+
+
 def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from medfl.config import resolve_config
     from medfl.engine.runner import run_experiment
@@ -472,6 +543,9 @@ def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     plugin = ensure_plugin()  # plugin discovery happens once per process, before the clock starts
     build_model()   # imports what building the model imports (MONAI for a ResNet), as the plain loop does before its clock
     _clock_train_epochs()
+    steps = _clock_steps(plugin) if getattr(a, "steps", False) else None
+    if steps is not None:
+        plugin.count_rounds(2, a.rounds - 1)   # the end of round 2 to the end of round R-1
     if getattr(a, "profile", None):
         plugin.profile_rounds(*((0, 1) if a.profile_first else (2, a.rounds - 1)), a.profile)
     cfg = resolve_config(fl_config(a.clients, a.rounds, a.samples_per_client, a.batch_size,
@@ -500,6 +574,9 @@ def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "final_state": str(sorted((run_dir / "checkpoints").glob("round_*.pt"))[-1]),
         "run_dir": str(run_dir),
     }
+    if steps is not None:
+        res["steps"] = steps
+        res["steps_client_updates"] = a.clients * max(a.rounds - 3, 0)   # rounds 3..R-1
     return res
 
 
@@ -636,6 +713,8 @@ def spawn(a: argparse.Namespace, mode: str, clients: int, rounds: int, work: Pat
         cmd.append("--flower-logs")
     if getattr(a, "profile", None):
         cmd += ["--profile", str(Path(a.profile).resolve())] + (["--profile-first"] if a.profile_first else [])
+    if getattr(a, "steps", False):
+        cmd.append("--steps")
     print(f"  {label:<28s} ...", end="", flush=True)
     t0 = time.perf_counter()
     with open(d / "log.txt", "w") as log:
@@ -699,6 +778,37 @@ def profile_steady_rounds(a: argparse.Namespace) -> int:
     return 0
 
 
+def time_steps(a: argparse.Namespace) -> int:
+    """``--steps``: one medfl run in a fresh process with each of medfl's own steps of a round
+    clocked (rounds 3..R-1); print milliseconds per client update (the plain loop does some of
+    these too: a model load, a DataLoader, weights off the model)."""
+    if a.rounds < 4:
+        raise SystemExit(f"--steps needs --rounds >= 4 (rounds 3..R-1 are timed), got {a.rounds}")
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="medfl-bench-"))
+    try:
+        res = spawn(a, "medfl", a.clients, a.rounds, work, "medfl-steps")
+    finally:
+        if not a.keep and not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    n = max(int(res["steps_client_updates"]), 1)
+    rounds = max(a.rounds - 3, 1)
+    print(f"\n{describe_model()}, {a.clients} clients, {describe_compute()}: medfl's steps in rounds 3..{a.rounds - 1} "
+          f"({n} client updates), ms per client update (a step nested in another is in both):")
+    for label, (secs, calls) in res["steps"].items():
+        if label.startswith("whole round"):
+            continue
+        print(f"  {label:<46s} {1000 * secs / n:8.2f} ms   ({calls} calls)")
+    whole = res["steps"].get("whole round (coordinator)", [0.0, 0])[0]
+    print(f"  {'a whole round, per client':<46s} {1000 * whole / n:8.2f} ms   ({whole / rounds:.3f} s a round)")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"steps_ms_per_client_update": {
+            k: 1000 * v[0] / n for k, v in res["steps"].items()}, "client_updates": n,
+            "settings": {"workload": a.workload, "clients": a.clients, "rounds": a.rounds, "device": a.device}},
+            indent=2) + "\n")
+        print(f"Figures written to {a.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description="Wall time and memory of the same FedAvg job run as a plain PyTorch loop, with "
@@ -750,6 +860,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-first", action="store_true",
                    help="with --profile: profile round 1 instead (from the start of the run: the payload guard's "
                         "reference of every client, first model builds); needs --rounds >= 2")
+    p.add_argument("--steps", action="store_true",
+                   help="instead of timing the ways: run medfl once with each of its own steps around a client "
+                        "update clocked (seeding, model load, checks, payload guard, wire sizes...) over rounds "
+                        "3..R-1 (needs --rounds >= 4) and print milliseconds per client update")
     p.add_argument("--workdir", help="where runs are written (default: a temporary directory, removed)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--child-timeout", type=float, default=900, help=argparse.SUPPRESS)
@@ -769,6 +883,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.profile:
         return profile_steady_rounds(a)
+    if a.steps:
+        return time_steps(a)
 
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="medfl-bench-"))
     work.mkdir(parents=True, exist_ok=True)

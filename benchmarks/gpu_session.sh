@@ -6,11 +6,13 @@
 #   bash benchmarks/gpu_session.sh wheels            # here, with PyPI: fill .whl/ (about 27 MB)
 #   bash benchmarks/gpu_session.sh run WHAT [OUT]    # there: install .whl/, then run WHAT, logs in OUT
 #
-# WHAT: "tests" (tests/engine/test_cuda.py and the compute tests) or "bench" (engine_overhead.py
-# on resnet2d and resnet3d, fp32, on $GPU_DEVICE, default cuda, interleaved repeats): one call
-# each, as a lent machine runs one command for at most 10 minutes. OUT defaults to $OUT (what
-# a lent machine sends back) or ./gpu_logs. Every step has its own time limit, so one that
-# hangs does not take the others' time; the exit status is the first failing step's.
+# WHAT: "tests" (tests/engine/test_cuda.py and the compute tests), "bench" (engine_overhead.py
+# on resnet2d and resnet3d, fp32, on $GPU_DEVICE, default cuda, interleaved repeats, figures
+# also in JSON) or "profile" (medfl's steady rounds of resnet2d under cProfile), or several
+# joined by commas ("bench,profile,tests": about 5 minutes on an H100, inside the 10 minutes a
+# lent machine runs one command). OUT defaults to $OUT (what a lent machine sends back) or
+# ./gpu_logs. Every step has its own time limit, so one that hangs does not take the others'
+# time; the exit status is the first failing step's.
 #
 # "wheels" downloads, for CPython 3.12 on x86-64 Linux and without their dependencies, the
 # distributions medfl needs that the image lacked when it was last listed (2026-11-17), at
@@ -53,7 +55,13 @@ step() {   # step NAME SECONDS COMMAND...: run COMMAND with a time limit, its ou
 
 run() {
     local what=${1:-} py=${PYTHON:-python3} site=/tmp/medfl-site dev=${GPU_DEVICE:-cuda}
-    case "$what" in tests|bench) ;; *) echo "gpu_session.sh run: WHAT is tests or bench, not '$what'" >&2; exit 2 ;; esac
+    local part
+    for part in ${what//,/ }; do
+        case "$part" in tests|bench|profile) ;;
+            *) echo "gpu_session.sh run: WHAT is tests, bench or profile (or several, comma-separated), not '$what'" >&2; exit 2 ;;
+        esac
+    done
+    [ -n "$what" ] || { echo "gpu_session.sh run: say WHAT: tests, bench or profile" >&2; exit 2; }
     OUT_DIR=${2:-${OUT:-gpu_logs}}
     FAILED=0
     mkdir -p "$OUT_DIR"
@@ -72,15 +80,20 @@ for i in range(torch.cuda.device_count()):
 import medfl, monai, flwr, opacus
 print(f"medfl {medfl.__file__}, monai {monai.__version__}, flwr {flwr.__version__}, opacus {opacus.__version__}")
 EOF
-    if [ "$what" = tests ]; then
-        step cuda_tests 480 "$py" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_compute.py
-    fi
-    if [ "$what" = bench ]; then
-        step bench_resnet2d 300 "$py" benchmarks/engine_overhead.py --workload resnet2d --device "$dev" --rounds 5 \
-            --repeats 2 --skip-flower --skip-memory
-        step bench_resnet3d 200 "$py" benchmarks/engine_overhead.py --workload resnet3d --device "$dev" --rounds 5 \
-            --repeats 3 --skip-flower --skip-memory
-    fi
+    for part in ${what//,/ }; do
+        case "$part" in
+        tests)
+            step cuda_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_compute.py ;;
+        bench)
+            step bench_resnet2d 240 "$py" benchmarks/engine_overhead.py --workload resnet2d --device "$dev" --rounds 5 \
+                --repeats 3 --skip-flower --skip-memory --json "$OUT_DIR/bench_resnet2d.json"
+            step bench_resnet3d 150 "$py" benchmarks/engine_overhead.py --workload resnet3d --device "$dev" --rounds 5 \
+                --repeats 3 --skip-flower --skip-memory --json "$OUT_DIR/bench_resnet3d.json" ;;
+        profile)
+            step profile_resnet2d 120 "$py" benchmarks/engine_overhead.py --workload resnet2d --device "$dev" --rounds 5 \
+                --profile "$OUT_DIR/profile_resnet2d.pstats" ;;
+        esac
+    done
     return "$FAILED"
 }
 
