@@ -51,14 +51,43 @@ def _pristine(model: nn.Module, sig: tuple[Any, ...]) -> bool:
     """Whether ``model`` is still as built: same :func:`_signature`, no hooks on any module,
     no attributes added to a parameter (Opacus's ``grad_sample``...). One walk of the
     modules (a ResNet's state dict built and compared cost several times more)."""
-    seen = []
+    return _pristine_tensors(model, sig) is not None
+
+
+def _pristine_tensors(model: nn.Module, sig: tuple[Any, ...]) -> list[tuple[str, torch.Tensor]] | None:
+    """:func:`_pristine`, and if so the model's state-dict entries as the walk found them
+    (key and the parameter or buffer itself, in state-dict order); ``None`` when the model
+    is not as built."""
+    seen, tensors = [], []
     for name, m in model.named_modules():
         if any(getattr(m, d, None) for d in _HOOK_DICTS):
-            return False
+            return None
         if any(vars(p) for p in m._parameters.values() if p is not None):
-            return False
+            return None
         seen.append((name, type(m), _tensors_of(m)))
-    return tuple(seen) == sig
+        pre = f"{name}." if name else ""
+        skip = getattr(m, "_non_persistent_buffers_set", ())
+        tensors += [(pre + k, p) for k, p in m._parameters.items() if p is not None]
+        tensors += [(pre + k, b) for k, b in m._buffers.items() if b is not None and k not in skip]
+    return tensors if tuple(seen) == sig else None
+
+
+def _load_into(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], keys: list[str],
+               state: dict[str, Any]) -> None:
+    """``model.load_state_dict({k: state[k] for k in keys})`` for a model as built (no hooks:
+    :func:`_pristine_tensors` gave ``tensors``), in one fused copy: torch's ``load_state_dict``
+    spends about 3 ms of Python on a ResNet's 77 entries, this about 0.6 ms. Anything unusual
+    (other keys, a shape that differs, a value that is not a tensor or lies on another
+    device) goes through
+    ``load_state_dict``, which raises its usual errors."""
+    src = [state[k] for k in keys]
+    if [k for k, _ in tensors] != keys or any(
+            not isinstance(v, torch.Tensor) or v.shape != t.shape or v.device != t.device
+            for v, (_, t) in zip(src, tensors)):
+        model.load_state_dict({k: state[k] for k in keys})
+        return
+    with torch.no_grad():
+        torch._foreach_copy_([t for _, t in tensors], src)
 
 
 @dataclass
@@ -195,10 +224,11 @@ class ClientContext:
         entry = _SHELLS.get(key) if key not in self._shells_taken and not fresh else None
         self._shells_taken.add(key)
         keys = entry[2] if entry is not None else []
-        if entry is not None and set(keys) <= set(state) and _pristine(entry[0], entry[1]):
+        tensors = _pristine_tensors(entry[0], entry[1]) if entry is not None and set(keys) <= set(state) else None
+        if entry is not None and tensors is not None:
             model = entry[0]
             _SHELLS.move_to_end(key)
-            model.load_state_dict({k: state[k] for k in keys})
+            _load_into(model, tensors, keys, state)
             for p in model.parameters():
                 p.grad = None
                 p.requires_grad_(True)

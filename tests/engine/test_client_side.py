@@ -74,3 +74,33 @@ def test_load_model_reuses_objects_across_contexts_only():
     # another spec never gets this spec's object
     other = {**spec, "num_classes": 2}
     assert _ctx("3", 1, other).load_model({}) is not m3
+
+
+def test_a_reused_model_takes_the_state_as_load_state_dict_does():
+    """The reused object is filled by one fused copy; what it then holds, and what a bad state
+    raises, are load_state_dict's."""
+    import pytest
+
+    registry()
+    spec = {"name": "small_cnn", "width": 4, "in_channels": 1, "num_classes": 3}
+    ref = _ctx("0", 1, spec).build_model()
+    full = {k: torch.randn(v.shape, dtype=torch.float64) if v.is_floating_point() else v + 5
+            for k, v in ref.state_dict().items()}           # float64 values: cast as load_state_dict casts
+    first = _ctx("0", 7, spec).load_model(full)              # built, then kept for reuse
+    reused = _ctx("1", 7, spec).load_model(full)
+    assert reused is first
+    expect = _ctx("2", 7, spec).build_model()
+    expect.load_state_dict(full)
+    for (k, v), (k2, w) in zip(reused.state_dict().items(), expect.state_dict().items()):
+        assert k == k2 and v.dtype == w.dtype and torch.equal(v, w), k
+    # state values are copied in, never shared: changing them later leaves the model alone
+    before = {k: v.clone() for k, v in reused.state_dict().items()}
+    for v in full.values():
+        v.add_(1)
+    assert all(torch.equal(v, before[k]) for k, v in reused.state_dict().items())
+    # a state whose shapes differ gets load_state_dict's own error, naming the entry
+    bad = dict(full)
+    name = next(k for k, v in bad.items() if v.dim() == 4)
+    bad[name] = torch.zeros(1, 1, 1, 1)
+    with pytest.raises(RuntimeError, match=f"size mismatch for {name}"):
+        _ctx("3", 7, spec).load_model(bad)
