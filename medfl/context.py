@@ -78,8 +78,8 @@ def _load_into(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], keys: 
     :func:`_pristine_tensors` gave ``tensors``), in one fused copy: torch's ``load_state_dict``
     spends about 3 ms of Python on a ResNet's 77 entries, this about 0.6 ms. Anything unusual
     (other keys, a shape that differs, a value that is not a tensor or lies on another
-    device) goes through
-    ``load_state_dict``, which raises its usual errors."""
+    device) goes through ``load_state_dict``, which raises its usual errors; values of
+    another dtype are cast, as ``load_state_dict`` casts them."""
     src = [state[k] for k in keys]
     if [k for k, _ in tensors] != keys or any(
             not isinstance(v, torch.Tensor) or v.shape != t.shape or v.device != t.device
