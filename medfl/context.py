@@ -86,8 +86,13 @@ def _load_into(model: nn.Module, tensors: list[tuple[str, torch.Tensor]], keys: 
             for v, (_, t) in zip(src, tensors)):
         model.load_state_dict({k: state[k] for k in keys})
         return
+    fused = getattr(torch, "_foreach_copy_", None)   # torch >= 2.1; a plain loop otherwise
     with torch.no_grad():
-        torch._foreach_copy_([t for _, t in tensors], src)
+        if fused is not None:
+            fused([t for _, t in tensors], src)
+        else:
+            for (_, t), v in zip(tensors, src):
+                t.copy_(v)
 
 
 @dataclass

@@ -104,3 +104,16 @@ def test_a_reused_model_takes_the_state_as_load_state_dict_does():
     bad[name] = torch.zeros(1, 1, 1, 1)
     with pytest.raises(RuntimeError, match=f"size mismatch for {name}"):
         _ctx("3", 7, spec).load_model(bad)
+
+
+def test_the_model_load_works_without_torchs_fused_copy(monkeypatch):
+    """``torch._foreach_copy_`` is private: without it the same values arrive by a loop."""
+    registry()
+    spec = {"name": "small_cnn", "width": 4, "in_channels": 1, "num_classes": 3}
+    full = {k: torch.randn(v.shape) if v.is_floating_point() else v + 2
+            for k, v in _ctx("0", 1, spec).build_model().state_dict().items()}
+    first = _ctx("0", 9, spec).load_model(full)
+    monkeypatch.delattr(torch, "_foreach_copy_")
+    reused = _ctx("1", 9, spec).load_model(full)
+    assert reused is first
+    assert all(torch.equal(v, full[k]) for k, v in reused.state_dict().items())
