@@ -50,7 +50,7 @@ from flwr.common.serde import recorddict_to_proto
 from medfl.messages import Instruction, PayloadError, validate_payload
 
 __all__ = ["PROTOCOL", "CONTROL", "pack", "unpack", "put", "take", "metrics_record", "read_metrics", "put_json",
-           "take_json", "WireError", "RecordCache", "encoded_size", "instruction_request", "instruction_request_size",
+           "take_json", "WireError", "RecordCache", "ContentSnapshot", "encoded_size", "instruction_request", "instruction_request_size",
            "share_instructions",
            "score_request", "answer", "train_answer", "train_answer_size", "ArraySizes", "evaluate_answer", "validate_answer", "score_answer"]
 
@@ -400,6 +400,43 @@ def instruction_request_size(control: dict[str, Any], ins: Instruction, cache: R
     put_json(content, CONTROL, control)
     return (encoded_size(content) + _measured("ins.payload", ins.payload, f"instruction to client {cid}", cache=cache)
             + _measured("ins.config", ins.config, f"instruction config to client {cid}", cache=cache))
+
+
+class ContentSnapshot:
+    """A value's content (nested dicts, lists, tuples) as it is now, to tell later whether
+    anything in it was replaced or changed in place: its :func:`_structure` (tree, scalars,
+    each tensor's identity) and each tensor's in-place version counter (it grows with every
+    in-place operation). It holds the tensors (so none can be freed and another take its
+    identity) and reads none of their values.
+
+    What it is for: the in-process engine skips the coordinator's NaN check of a reply
+    payload that the client step checked on its way out and that nothing touched since."""
+
+    def __init__(self, value: Any) -> None:
+        self._tensors: list[torch.Tensor] = []
+        self._key = _structure(value, self._tensors)
+        self._versions = [t._version for t in self._tensors]
+        self._nan = _holds_nan(self._key)
+
+    def unchanged(self, value: Any) -> bool:
+        """Whether ``value`` holds exactly what the snapshot saw: the same tensor objects at
+        the same versions, the same tree and scalars (a NaN scalar never counts as unchanged)."""
+        if self._nan:
+            return False
+        tensors: list[torch.Tensor] = []
+        return _structure(value, tensors) == self._key and all(
+            t._version == v for t, v in zip(tensors, self._versions))
+
+
+def _holds_nan(key: Any) -> bool:
+    """Whether a :func:`_structure` image holds a NaN scalar."""
+    if key[0] == "s":   # a float's image holds its repr (NumPy's floats are floats too)
+        return issubclass(key[1], float) and "nan" in key[2]
+    if key[0] == "d":
+        return any(_holds_nan(v) for _, v in key[1])
+    if key[0] in ("l", "u"):
+        return any(_holds_nan(v) for v in key[1])
+    return False
 
 
 def _measured(name: str, value: Any, where: str, *, allow_str: bool = True, cache: RecordCache | None = None) -> int:

@@ -27,7 +27,7 @@ from medfl.messages import RELEASE_FLAG, Instruction, Reply, validate_payload
 from medfl.method import Method
 from medfl.seeding import derive_seed, seed_torch
 
-__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "ContentSnapshot", "run_client_update", "run_client_validate", "run_client_profile",
+__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
@@ -194,57 +194,6 @@ def first_non_finite(value: Any, path: str = "") -> str:
         if found:
             return found
     return ""
-
-
-class ContentSnapshot:
-    """A value's content (nested dicts, lists, tuples) as it is now, to tell later whether
-    anything in it was replaced or changed in place: its structure, every tensor by identity
-    and in-place version counter (it grows with every in-place operation), every other leaf
-    by value. It holds the tensors (so none can be freed and another take its place) and
-    reads none of their values: a walk of the structure.
-
-    What it is for: the in-process engine skips the coordinator's NaN check of a reply
-    payload that the client step checked on its way out and that nothing touched since."""
-
-    def __init__(self, value: Any) -> None:
-        self._items = self._flatten(value)
-
-    @staticmethod
-    def _flatten(value: Any) -> list[Any]:
-        out: list[Any] = []
-
-        def walk(v: Any) -> None:
-            if isinstance(v, torch.Tensor):
-                out.extend((v, v._version))
-            elif isinstance(v, dict):
-                out.append(("dict", len(v)))
-                for k, x in v.items():
-                    out.append(k)
-                    walk(x)
-            elif isinstance(v, (list, tuple)):
-                out.append((type(v).__name__, len(v)))
-                for x in v:
-                    walk(x)
-            else:
-                out.append(v)
-
-        walk(value)
-        return out
-
-    def unchanged(self, value: Any) -> bool:
-        """Whether ``value`` holds exactly what the snapshot saw: the same tensor objects at
-        the same versions, equal keys and other leaves (a NaN leaf never counts as equal)."""
-        now = self._flatten(value)
-        if len(now) != len(self._items):
-            return False
-        for x, y in zip(self._items, now):
-            if x is y:
-                if isinstance(x, float) and x != x:
-                    return False
-                continue
-            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or type(x) is not type(y) or x != y:
-                return False
-        return True
 
 
 def release_exemptions(method: Method, instruction: Instruction) -> frozenset[str]:

@@ -56,9 +56,9 @@ from tqdm.auto import tqdm
 
 from medfl import wire
 from medfl.config import build_method, check_device, method_label, method_train
-from medfl.engine.client import (ClientContext, ClientStore, ContentSnapshot, build_eval_model, build_final_model,
-                                 check_sum, evaluate_final_models, evaluate_model, first_non_finite,
-                                 run_client_profile, run_client_update, run_client_validate, write_sum)
+from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
+                                 evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
+                                 run_client_update, run_client_validate, write_sum)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
@@ -269,7 +269,7 @@ class Run:
         # the payloads the in-process clients checked for NaN/inf on their way out (no filter
         # after the check): the coordinator's walk of the very same tensors, unmodified since,
         # would find the same
-        self._checked_finite: dict[str, ContentSnapshot] = {}
+        self._checked_finite: dict[str, wire.ContentSnapshot] = {}
         self.fold = _fold_of(self.run_dir)
         self._csv = GrowingCsv()   # the CSVs rewritten every round, formatted row by row once
         self.metrics = pd.DataFrame()
@@ -581,7 +581,7 @@ class Run:
         shapes or dtypes differ from the state the client was sent, or the method's own
         :meth:`~medfl.method.Method.check_reply`. In process, a payload that the client step
         checked for NaN on its way out and that nothing replaced or changed since
-        (:class:`~medfl.engine.client.ContentSnapshot`) is not walked a second time."""
+        (:class:`medfl.wire.ContentSnapshot`) is not walked a second time."""
         n, declared = reply.num_examples, int(self.federation.num_examples.get(cid, 0))
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= declared:
             return f"num_examples {n!r} outside 0..{declared} (the client's training-set size)"
@@ -654,7 +654,7 @@ class Run:
             reply = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
                                       store=self.store, filters=self.privacy.chain, step=self._step)
             if not self.privacy.chain:   # the payload as run_client_update checked it
-                self._checked_finite[cid] = ContentSnapshot(reply.payload)
+                self._checked_finite[cid] = wire.ContentSnapshot(reply.payload)
             back = wire.train_answer_size(cid, reply.payload, reply.metrics, reply.num_examples)
             self.traffic.add(r, cid, "train", sent[cid], back)
             replies[cid] = reply

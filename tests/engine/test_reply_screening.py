@@ -75,7 +75,7 @@ def test_a_client_that_keeps_failing_is_excluded_and_stays_excluded_on_resume(ti
 
 # ------------------------------------------- the in-process shortcut of the coordinator's NaN check
 def test_content_snapshot_sees_every_replacement_and_in_place_change() -> None:
-    from medfl.engine.client import ContentSnapshot
+    from medfl.wire import ContentSnapshot
 
     def payload() -> dict[str, Any]:
         return {"model": {"w": torch.ones(3), "n": torch.tensor(2)}, "extra": [1.5, (2, torch.zeros(2))]}
