@@ -9,7 +9,7 @@
 # WHAT: "tests" (tests/engine/test_cuda.py and the compute tests), "bench" (engine_overhead.py
 # on resnet2d and resnet3d, fp32, on $GPU_DEVICE, default cuda, interleaved repeats, figures
 # also in JSON) or "profile" (medfl's steady rounds of resnet2d under cProfile), or several
-# joined by commas ("bench,profile,tests": about 5 minutes on an H100, inside the 10 minutes a
+# joined by commas ("bench,profile,tests": about 5 minutes on an H200, inside the 10 minutes a
 # lent machine runs one command). OUT defaults to $OUT (what a lent machine sends back) or
 # ./gpu_logs. Every step has its own time limit, so one that hangs does not take the others'
 # time; the exit status is the first failing step's.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 
 from medfl.data.synthetic import synthetic2d
@@ -79,8 +80,6 @@ def test_load_model_reuses_objects_across_contexts_only():
 def test_a_reused_model_takes_the_state_as_load_state_dict_does():
     """The reused object is filled by one fused copy; what it then holds, and what a bad state
     raises, are load_state_dict's."""
-    import pytest
-
     registry()
     spec = {"name": "small_cnn", "width": 4, "in_channels": 1, "num_classes": 3}
     ref = _ctx("0", 1, spec).build_model()
