@@ -75,6 +75,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for name, reg in sorted(table.items()):
             doc = getattr(reg.obj, "description", "") or (getattr(reg.obj, "__doc__", "") or "").strip().split("\n")[0]
             print(f"  {name:<16} {reg.distribution} ({reg.plugin})  {doc}")
+            for pname, preset in sorted((getattr(reg.obj, "presets", None) or {}).items()):
+                print(f"  {'':<16}   preset {pname!r}: {preset.description or preset.source}")
     return 0
 
 

@@ -15,7 +15,8 @@ from typing import Any
 from medfl.plugins import PluginError, lookup, registry
 
 __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_KEYS", "PUBLIC_TEST_FRACTION",
-           "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_train", "check_dp_sgd",
+           "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_params", "method_preset",
+           "preset_record", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
            "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL"]
 
@@ -123,8 +124,9 @@ def _named(value: Any, where: str) -> dict[str, Any]:
 
 
 #: Keys of a method entry that are not the method's parameters: its run-directory name, its
-#: own filter chain (replaces ``fl.filters``) and overrides of ``fl.train`` for this method.
-ENTRY_KEYS = ("name", "label", "filters", "train")
+#: own filter chain (replaces ``fl.filters``), overrides of ``fl.train`` for this method and
+#: the name of one of the method's presets (:attr:`medfl.method.Method.presets`).
+ENTRY_KEYS = ("name", "label", "filters", "train", "preset")
 
 #: Keys of ``train.dp`` (DP-SGD) and their defaults; ``epsilon`` or ``noise_multiplier``.
 DP_SGD_DEFAULTS: dict[str, Any] = {"epsilon": None, "noise_multiplier": None, "max_grad_norm": 1.0,
@@ -190,27 +192,85 @@ def method_label(spec: dict[str, Any]) -> str:
     return str(spec.get("label") or spec["name"])
 
 
+def method_preset(spec: dict[str, Any]) -> Any:
+    """The :class:`~medfl.method.Preset` a method entry names with ``preset`` (``None``: none).
+
+    Raises:
+        PluginError: no method of the entry's name is registered.
+        MethodConfigError: the method has no preset of that name (the message lists its presets).
+    """
+    from medfl.method import MethodConfigError
+
+    name = spec.get("preset")
+    if name is None:
+        return None
+    cls = lookup("method", spec["name"])
+    presets = getattr(cls, "presets", {}) or {}
+    if not isinstance(name, str) or name not in presets:
+        raise MethodConfigError(f"method {cls.name!r} has no preset {name!r}; its presets: "
+                                f"{', '.join(sorted(presets)) or '(none)'}")
+    return presets[name]
+
+
+def method_params(spec: dict[str, Any]) -> dict[str, Any]:
+    """The method parameters of an entry: its preset's values (``preset``) under the entry's
+    own keys (``ENTRY_KEYS`` aside)."""
+    preset = method_preset(spec)
+    own = {k: copy.deepcopy(v) for k, v in spec.items() if k not in ENTRY_KEYS}
+    return {**copy.deepcopy(preset.values), **own} if preset is not None else own
+
+
 def build_method(spec: dict[str, Any]) -> Any:
     """A new :class:`~medfl.method.Method` of a method entry: the registered class of its
-    ``name`` built from its other keys (``label`` aside).
+    ``name`` built from its other keys (``label`` aside) over its preset's values.
 
     Raises:
         PluginError: no method of that name is registered.
-        ValueError: the class takes no parameter of some key.
+        ValueError: the class takes no parameter of some key, or has no such preset.
     """
     cls = lookup("method", spec["name"])
-    return cls.from_config({k: v for k, v in spec.items() if k not in ENTRY_KEYS})
+    return cls.from_config(method_params(spec))
+
+
+def preset_record(spec: dict[str, Any], method: Any) -> dict[str, Any] | None:
+    """What ``config.json`` records of an entry's preset: its name and source, and for every
+    hyperparameter and ``train`` setting the preset or the entry touches, the value the run
+    uses and where it came from (``"paper"``: the preset's source states it; ``"open: ..."``:
+    the source leaves it open and this is medfl's choice; ``"config"``: the entry overrides
+    the preset), plus the source's experiment settings (not applied). ``None`` without a
+    preset."""
+    preset = method_preset(spec)
+    if preset is None:
+        return None
+    hp = method.hparams()
+    own = {k for k in spec if k not in ENTRY_KEYS}
+    own_train = set(spec.get("train") or {})
+    values: dict[str, Any] = {}
+    for key in sorted(set(preset.values) | own):
+        origin = ("config" if key in own else f"open: {preset.open[key]}" if key in preset.open else "paper")
+        values[key] = {"value": hp.get(key, spec.get(key)), "from": origin}
+    train: dict[str, Any] = {}
+    for key in sorted(set(preset.train) | own_train):
+        label = f"train.{key}"
+        origin = ("config" if key in own_train else f"open: {preset.open[label]}" if label in preset.open
+                  else "paper")
+        train[key] = {"value": (spec.get("train") or {}).get(key, preset.train.get(key)), "from": origin}
+    defaults = sorted(k for k in hp if k not in values)
+    return {"name": spec["preset"], "source": preset.source, "description": preset.description,
+            "values": values, "train": train, "medfl_defaults": {k: hp[k] for k in defaults},
+            "experiment": copy.deepcopy(preset.experiment)}
 
 
 def method_train(cfg: dict[str, Any], spec: dict[str, Any], method: Any = None) -> dict[str, Any]:
-    """The local-training settings of one method entry: ``fl.train`` with the entry's own
-    ``train`` overrides.
+    """The local-training settings of one method entry: ``fl.train`` with the entry's
+    preset's ``train`` settings and the entry's own ``train`` overrides, in that order.
 
     With ``method`` (its class or an instance), ``fl.train.dp`` is dropped for a method that
     cannot train with DP-SGD and sends no model state (``local``: nothing it trains leaves
     the client, so there is nothing to protect); the run says so. DP-SGD named in the
     entry's own ``train`` always stays (and is refused for such a method)."""
-    train = {**cfg["train"], **(spec.get("train") or {})}
+    preset = method_preset(spec)
+    train = {**cfg["train"], **(preset.train if preset is not None else {}), **(spec.get("train") or {})}
     cls = method if isinstance(method, type) or method is None else type(method)
     if (cls is not None and train.get("dp") is not None and "dp" not in (spec.get("train") or {})
             and not cls.supports_dp_sgd and not cls.reply_state):
@@ -372,7 +432,10 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
             m["train"]["dp"] = check_dp_sgd(m["train"]["dp"], f"{where}.train.dp")
     method = build_method(m)
     cls = type(method)
-    if "train" in m:
+    preset = method_preset(m)
+    if preset is not None and preset.train:
+        _check_keys(preset.train, {**DEFAULTS["train"], **TRAIN_OPTIONAL}, f"{where}: preset {m['preset']!r}'s train")
+    if "train" in m or (preset is not None and preset.train):
         check_train(method_train(cfg, m, cls), f"{where}.train")
     if method_train(cfg, m, cls)["dp"] is not None and not cls.supports_dp_sgd:
         raise ConfigError(f"{where}: method {cls.name!r} does not support DP-SGD (train.dp): its local training "

@@ -26,6 +26,7 @@ Lifecycle of a run (rounds are numbered from 1)::
             evals = coordinator.configure_evaluate(round)          # {client_id: Instruction}
             model = client.client_eval_model(ctx[cid], evals[cid])  # evaluated at the client
             coordinator.server_evaluate(round, results)            # the scalars of every split
+        coordinator.mechanisms(round), coordinator.mechanism_warnings(round)   # mechanisms.csv, warnings
         checkpoint(coordinator.state_dict())
     coordinator.finalize()
     for name, (spec, state) in coordinator.final_models().items():   # {} (the default): none
@@ -52,7 +53,8 @@ from medfl.context import ClientContext
 from medfl.messages import Instruction, Reply
 from medfl.seeding import derive_seed, round_half_up
 
-__all__ = ["Configurable", "Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "derive_seed"]
+__all__ = ["Configurable", "Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "Preset",
+           "derive_seed"]
 
 #: What the clients reported from one evaluation: ``{client_id: {split: {metric: value}}}``
 #: (splits named as in ``metrics.csv``'s rows before the ``local_`` prefix: ``test``, ``val``,
@@ -62,6 +64,35 @@ EvalResults = dict[str, dict[str, dict[str, float]]]
 
 class MethodConfigError(ValueError):
     """A method was given parameters it does not accept."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named set of a method's settings, chosen with ``{"name": ..., "preset": NAME}``.
+
+    A method entry's own keys win over the preset's; what each hyperparameter's value is and
+    where it came from is written to the run's ``config.json`` (``preset``: the paper, a value
+    the paper leaves open and medfl chose, medfl's default, or the config).
+
+    Attributes:
+        source: where the values come from (``"paper 003, Sec. V-A, Table VIII"``).
+        values: hyperparameters (keyword arguments of the method's ``__init__``).
+        train: the entry's ``fl.train`` overrides (optimizer, lr, batch_size, epochs...).
+        open: names of ``values``/``train`` entries (``train.`` prefixed for the latter) the
+            source leaves open, each with what medfl chose and why.
+        experiment: the source's experiment settings outside a method entry (``rounds``,
+            ``partition``, ``fraction``, ``num_clients``...): recorded in ``config.json`` and
+            said on stderr where the run differs, never applied (every method of an experiment
+            shares one split and one number of rounds).
+        description: one line for ``medfl plugins``.
+    """
+
+    source: str
+    values: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    open: dict[str, str] = field(default_factory=dict)
+    experiment: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
 
 
 @dataclass
@@ -196,6 +227,9 @@ class Method(Configurable):
         supports_dp_sgd: the method's local training honours ``train.dp`` (DP-SGD with
             Opacus, :mod:`medfl.privacy.dp_sgd`); a run asking for ``train.dp`` with another
             method is refused before training.
+        presets: named settings (:class:`Preset`) an entry selects with ``"preset"``, e.g.
+            ``"paper"`` (every value the paper states) and ``"authors"`` (the authors'
+            published code where it differs from the paper).
     """
 
     name: ClassVar[str] = ""
@@ -204,6 +238,7 @@ class Method(Configurable):
     payload_exemptions: ClassVar[frozenset[str]] = frozenset()
     reply_state: ClassVar[dict[str, str | None]] = {}
     supports_dp_sgd: ClassVar[bool] = False
+    presets: ClassVar[dict[str, Preset]] = {}
     _kind: ClassVar[str] = "method"
 
     federation: Federation
@@ -279,6 +314,28 @@ class Method(Configurable):
         clusters, teacher weights and Shapley values), written to ``summary.json`` under
         ``method_report`` at the end of the run. Default: nothing."""
         return {}
+
+    def mechanisms(self, round: int) -> list[dict[str, Any]]:
+        """What the method's own mechanisms did in ``round``, for a person to check that they
+        act (FedTPF's stop condition and decay weights, PFedCDP's noise-to-update ratio,
+        FedSDC's per-head accuracy and vote ties): rows of ``mechanisms.csv``.
+
+        Each row is a flat dict: ``mechanism`` (what acted: ``"stop_condition"``), ``scope``
+        (``"client"``, ``"cluster"``, ``"head"``, ``"run"``...) and ``id`` (which one), then
+        named numbers or short strings (``{"alpha": 0.93, "stop_round": "cap"}``); the engine
+        writes one line per value (``round, mechanism, scope, id, name, value``). Asked after
+        every round (evaluated or not), before its checkpoint, so it must follow from the
+        coordinator state (what the replies, validation and evaluation scalars brought).
+        Default: none."""
+        return []
+
+    def mechanism_warnings(self, round: int) -> list[str]:
+        """Why one of the method's mechanisms cannot act, as found in ``round`` (``"the
+        release's noise is 31x the clipped signal: the shared features carry no label
+        information"``): each is printed on stderr once, with the method's label and the
+        round, and kept in ``summary.json``'s ``warnings``. Asked after :meth:`mechanisms`;
+        return a warning in the round its evidence appears, not again. Default: none."""
+        return []
 
     def client_groups(self) -> dict[str, str]:
         """A group name per client (PFedCDP's capability clusters), for per-group curves and

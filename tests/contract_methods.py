@@ -15,11 +15,12 @@ from medfl.context import ClientContext
 from medfl.engine.hub import HubAndSpoke
 from medfl.engine.training import make_optimizer, predict_proba, train_epochs
 from medfl.messages import Instruction, Reply
-from medfl.method import Method
+from medfl.method import Method, Preset
 from medfl.models import ProbabilityModel
 from medfl.plugins import get_plugin_manager
 
-__all__ = ["StepCounter", "ValidatingAvg", "MeanOfTwo", "EnsembleLocal", "Stray", "methods_registered", "registered"]
+__all__ = ["StepCounter", "ValidatingAvg", "MeanOfTwo", "EnsembleLocal", "Stray", "Observed", "methods_registered",
+           "registered"]
 
 
 class StepCounter(Method):
@@ -108,6 +109,46 @@ class Stray(ValidatingAvg):
         return {"nobody": Instruction()}
 
 
+class Observed(HubAndSpoke):
+    """FedAvg with presets, that logs what it saw as mechanism rows and warns once (round 2)."""
+
+    name = "test_observed"
+    presets = {
+        "paper": Preset(source="a test paper, Table 1", values={"scale": 2.0, "tag": "p"},
+                        train={"lr": 0.02}, open={"tag": "the paper gives none; ours"},
+                        experiment={"rounds": 50, "num_clients": 3}, description="the test paper's settings"),
+        "bare": Preset(source="nothing at all"),
+    }
+
+    def __init__(self, scale: float = 1.0, tag: str = "default", unused: int = 0) -> None:
+        self.scale, self.tag, self.unused = float(scale), str(tag), int(unused)
+
+    def setup(self, federation: Any) -> None:
+        super().setup(federation)
+        self.seen: dict[str, float] = {}
+
+    def server_update(self, round: int, replies: dict[str, Reply]) -> None:
+        super().server_update(round, replies)
+        self.seen = {cid: float(r.num_examples) * self.scale for cid, r in replies.items()}
+
+    def mechanisms(self, round: int) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = [{"mechanism": "count", "scope": "client", "id": cid, "scaled": v}
+                                      for cid, v in sorted(self.seen.items())]
+        rows.append({"mechanism": "count", "scope": "run", "total": sum(self.seen.values()),
+                     "state": "even" if round % 2 == 0 else "odd", "missing": None})
+        return rows
+
+    def mechanism_warnings(self, round: int) -> list[str]:
+        return ["the count cannot act in round 2"] if round == 2 else []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "seen": dict(self.seen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.seen = dict(state["seen"])
+
+
 @contextmanager
 def methods_registered(*classes: type[Method], name: str = "test-methods") -> Iterator[None]:
     """Register method ``classes`` as one plugin named ``name`` while the block runs."""
@@ -128,5 +169,5 @@ def methods_registered(*classes: type[Method], name: str = "test-methods") -> It
 
 def registered() -> Iterator[None]:
     """Register these methods for the duration of a test (use as a fixture body)."""
-    with methods_registered(StepCounter, ValidatingAvg, EnsembleLocal, Stray, name="method-hooks-test"):
+    with methods_registered(StepCounter, ValidatingAvg, EnsembleLocal, Stray, Observed, name="method-hooks-test"):
         yield

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "medfl-plugin-example"
@@ -77,7 +78,7 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     cfg = tmp_path / "train.json"
     tiny_fl.update(rounds=3, eval_splits=["test", "cross_test"],
                    methods=[{"name": "median", "filters": [{"name": "half"}]},
-                            {"name": "median_snapshots", "keep": 2, "top": 1},
+                            {"name": "median_snapshots", "preset": "wide", "keep": 2, "top": 1},
                             {"name": "dp_shared_images", "epsilon": 4.0}])
     cfg.write_text(json.dumps({"fl": tiny_fl}))
     proc = subprocess.run([sys.executable, "-m", "medfl.cli", "run", str(cfg)], env=env,
@@ -94,6 +95,17 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     assert (snap / "groups.csv").read_text().splitlines()[0] == "client_id,client_name,group"
     s_snap = json.loads((snap / "summary.json").read_text())
     assert s_snap["method_report"]["kept_snapshots"] == 2 and len(s_snap["method_report"]["validation_sizes"]) == 3
+    # the preset's values under the entry's own keys, and where each came from
+    preset = json.loads((snap / "config.json").read_text())["preset"]
+    assert preset["values"] == {"keep": {"value": 2, "from": "config"}, "top": {"value": 1, "from": "config"}}
+    # what the ranking did: round 1 has one snapshot (nothing ranked), rounds 2 and 3 two
+    mech = pd.read_csv(snap / "mechanisms.csv", dtype={"id": str})
+    assert mech.groupby("round").size().tolist() == [2, 4, 4]
+    chosen = mech[(mech["name"] == "chosen") & (mech["value"] == 1.0)]
+    assert chosen["round"].tolist() == [1, 2, 3]
+    ranked = mech[(mech["name"] == "val_accuracy") & (mech["round"] == 3)]["value"].tolist()
+    best = max(range(len(ranked)), key=lambda i: (ranked[i], i))   # ties: the newer snapshot
+    assert len(ranked) == 2 and chosen[chosen["round"] == 3]["id"].item() == str(best)
     # eval_splits test and cross_test: the final model is scored on each client's own test split
     assert set(s_snap["final_models"]["best_snapshot"]) == {"round", "local_test"}
     final = (snap / "final_metrics.csv").read_text().splitlines()

@@ -14,7 +14,10 @@ asked to validate), a validation exchange (``configure_validate`` / ``client_val
 ``server_validate``: only scalars leave the clients), an evaluation model that returns
 probabilities (``ProbabilityModel``), which the Global Test (``cross_test``) scores over
 Flower too, client groups (``client_groups``), a report in ``summary.json`` (``report``) and
-a final model the run scores at every client (``final_models``: the best snapshot).
+a final model the run scores at every client (``final_models``: the best snapshot), what its
+ranking did each round (``mechanisms``: ``mechanisms.csv``) with a warning when it cannot act
+(``mechanism_warnings``), and a named preset (``presets``: ``{"name": "median_snapshots",
+"preset": "wide"}``).
 
 ``dp_shared_images``: FedAvg on each client's data plus a shared set of every client's
 training images, each released once under per-sample differential privacy (clipped and
@@ -42,7 +45,7 @@ import torch
 from torch import nn
 
 from medfl import Instruction, hookimpl
-from medfl.method import derive_seed
+from medfl.method import Preset, derive_seed
 from medfl.engine.hub import HubAndSpoke
 from medfl.engine.training import predict_proba
 from medfl.engine.training import get_state, make_optimizer, train_epochs
@@ -102,6 +105,9 @@ class MedianSnapshots(FedMedian):
 
     name = "median_snapshots"
     description = "Median aggregation; ensemble of the best recent global models by validation accuracy"
+    presets = {"wide": Preset(source="this example's docstring", values={"keep": 5, "top": 3},
+                              open={"top": "no source states it: three of the five"},
+                              description="the best 3 of the last 5 global models")}
 
     def __init__(self, keep: int = 3, top: int = 2) -> None:
         if int(keep) < 1 or not 1 <= int(top) <= int(keep):
@@ -114,6 +120,7 @@ class MedianSnapshots(FedMedian):
         super().setup(federation)
         self.snapshots: list[dict[str, torch.Tensor]] = []
         self.chosen: list[int] = []
+        self.val_means: list[float] = []
         self.val_sizes: dict[str, int] = {}
 
     def configure_profile(self) -> dict[str, Instruction]:
@@ -133,6 +140,7 @@ class MedianSnapshots(FedMedian):
         super().server_update(round, replies)
         self.snapshots = (self.snapshots + [dict(self.global_state)])[-self.keep:]
         self.chosen = list(range(len(self.snapshots)))[-self.top:]
+        self.val_means = []
 
     def configure_validate(self, round: int) -> dict[str, Instruction]:
         """Every client scores every snapshot (nothing to rank with a single one)."""
@@ -165,6 +173,19 @@ class MedianSnapshots(FedMedian):
         best = self.snapshots[(self.chosen or [len(self.snapshots) - 1])[-1]]
         return {"best_snapshot": (self.federation.model_spec(), best)}
 
+    def mechanisms(self, round: int) -> list[dict[str, Any]]:
+        """The ranking of this round (``mechanisms.csv``): each snapshot's mean validation
+        accuracy (empty when nothing was ranked) and whether the ensemble keeps it."""
+        return [{"mechanism": "snapshot_ranking", "scope": "snapshot", "id": str(i),
+                 "val_accuracy": self.val_means[i] if i < len(self.val_means) else None,
+                 "chosen": float(i in self.chosen)} for i in range(len(self.snapshots))]
+
+    def mechanism_warnings(self, round: int) -> list[str]:
+        """Say once (the first round with two snapshots) when no client can rank them."""
+        if len(self.snapshots) == 2 and self.val_sizes and not any(self.val_sizes.values()):
+            return ["no client has a validation split: the snapshots cannot be ranked, the newest are kept"]
+        return []
+
     def report(self) -> dict[str, Any]:
         """Which snapshots form the ensemble, and the clients' validation sizes."""
         return {"kept_snapshots": len(self.snapshots), "chosen": list(self.chosen),
@@ -173,13 +194,14 @@ class MedianSnapshots(FedMedian):
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint: the global model, the snapshots, which are chosen, validation sizes."""
         return {"global": self.global_state, "snapshots": self.snapshots, "chosen": list(self.chosen),
-                "val_sizes": {k: torch.tensor(v) for k, v in self.val_sizes.items()}}
+                "val_means": list(self.val_means), "val_sizes": {k: torch.tensor(v) for k, v in self.val_sizes.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` wrote."""
         self.global_state = state["global"]
         self.snapshots = list(state["snapshots"])
         self.chosen = [int(i) for i in state["chosen"]]
+        self.val_means = [float(v) for v in state.get("val_means", [])]
         self.val_sizes = {k: int(v) for k, v in state.get("val_sizes", {}).items()}
 
     # ---------------------------------------------------------------- client

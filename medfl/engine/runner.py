@@ -13,6 +13,9 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
                        ``bytes_to_client``/``bytes_from_client``: that training step's
                        instruction and reply as Flower sends them (one row per step for a
                        method with several steps a round)
+    mechanisms.csv     what the method's own mechanisms did each round (``Method.mechanisms``:
+                       stop rounds, decay weights, noise-to-signal ratios...), one line per
+                       value: round, mechanism, scope, id, name, value (a number) or text
     validation_metrics.csv  one row per (round, client) of a method's validation exchange
                        (``Method.configure_validate``), when it has one
     profile.csv        one row per client of a method's profile exchange before round 1
@@ -55,7 +58,7 @@ import torch
 from tqdm.auto import tqdm
 
 from medfl import wire
-from medfl.config import build_method, check_device, method_label, method_train
+from medfl.config import build_method, check_device, method_label, method_preset, method_train, preset_record
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
                                  evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
                                  run_client_update, run_client_validate, write_sum)
@@ -277,6 +280,9 @@ class Run:
         self.validation = pd.DataFrame()
         self.cross = pd.DataFrame()
         self.final_metrics = pd.DataFrame()
+        self.mechanism_log = pd.DataFrame()
+        #: what the method said its mechanisms could not do (``Method.mechanism_warnings``)
+        self.warnings: list[dict[str, Any]] = []
         self._names = data.client_names()
 
     # ------------------------------------------------------------------ files
@@ -299,11 +305,33 @@ class Run:
             privacy["filters_not_applied"] = self.filters_skipped
         static = {"fl": self.config, "method": self.method_spec, "method_hparams": self.coordinator.hparams(),
                   "privacy": privacy}
+        preset = preset_record(self.method_spec, self.coordinator)
+        if preset is not None:
+            static["preset"] = preset
         if self.public is not None:
             static["public_dataset"] = self.public.describe()
         _write_json(self.run_dir / "config.json", static)
         if not (self.run_dir / "partition.csv").exists():
             self.data.save(self.run_dir / "partition.csv")
+
+    def _log_preset(self) -> None:
+        """Say on stderr which preset the method runs with, and where the run's own settings
+        differ from the experiment the preset's source describes (``config.json``'s ``preset``
+        has every value and where it came from)."""
+        preset = method_preset(self.method_spec)
+        if preset is None:
+            return
+        record = preset_record(self.method_spec, self.coordinator) or {}
+        entries = [*record.get("values", {}).values(), *record.get("train", {}).values()]
+        opened = sum(1 for e in entries if str(e["from"]).startswith("open"))
+        own = sum(1 for e in entries if e["from"] == "config")
+        line = (f"preset {self.method_spec['preset']!r} ({preset.source}): {len(entries) - opened - own} value(s) "
+                f"from the source, {opened} it leaves open (medfl's choice), {own} from this config")
+        differ = [f"{k} {v!r} (this run: {self.config[k]!r})" for k, v in preset.experiment.items()
+                  if k in self.config and self.config[k] != v]
+        if differ:
+            line += "; the source's experiment differs from this run's: " + ", ".join(differ)
+        print(f"medfl [{self.label}] {line}; config.json has every value", file=sys.stderr, flush=True)
 
     def _log_privacy(self) -> None:
         """Say on stderr what the run's differential privacy is (and what Opacus's validator
@@ -341,7 +369,8 @@ class Run:
         tmp = path.with_suffix(".tmp")
         torch.save({"round": r, "method": self.coordinator.state_dict(),
                     "client_states": self.store.index(r), "eval_states": self.eval_store.index(r),
-                    "engine": {"failures": dict(self._failures), "excluded": sorted(self._excluded)}}, tmp)
+                    "engine": {"failures": dict(self._failures), "excluded": sorted(self._excluded),
+                               "warnings": list(self.warnings)}}, tmp)
         write_sum(tmp, path)
         tmp.replace(path)
         self._ckpt = r
@@ -422,6 +451,7 @@ class Run:
             if self._lock is None:
                 self._lock = _lock(self.run_dir)
             self._write_static()
+            self._log_preset()
             self._log_privacy()
         self.coordinator.setup(self.federation)
         if not (resume or read_only):
@@ -434,6 +464,7 @@ class Run:
         engine = ckpt.get("engine", {})
         self._failures = {str(c): int(n) for c, n in engine.get("failures", {}).items()}
         self._excluded = {str(c) for c in engine.get("excluded", [])}
+        self.warnings = [dict(w) for w in engine.get("warnings", [])]
         if not read_only:
             self.store.rollback(k)
             self.eval_store.rollback(k)
@@ -441,7 +472,7 @@ class Run:
         self.resume_round = self._ckpt = k
         self._prune_to = min(self._kept_checkpoints(), default=k)
         files = {"metrics": "metrics", "train_metrics": "train_metrics", "cross": "cross_test",
-                 "validation": "validation_metrics"}
+                 "validation": "validation_metrics", "mechanism_log": "mechanisms"}
         for name, stem in files.items():
             df = _read_rounds(self.run_dir / f"{stem}.csv", k)
             if df is not None:
@@ -511,8 +542,34 @@ class Run:
             self.metrics = pd.concat([self.metrics, pd.DataFrame(rows)], ignore_index=True)
             self._csv.write(self.run_dir / "metrics.csv", self.metrics)
         self._csv.write(self.run_dir / "communication.csv", self.traffic.frame())
+        self.record_mechanisms(r)
         self._save_checkpoint(r)
         return rows
+
+    def record_mechanisms(self, r: int) -> None:
+        """What the method's mechanisms did in round ``r`` (:meth:`Method.mechanisms`) to
+        ``mechanisms.csv``, one line per value; what they could not do
+        (:meth:`Method.mechanism_warnings`) on stderr and into the summary's ``warnings``."""
+        lines = []
+        for i, row in enumerate(self.coordinator.mechanisms(r)):
+            row = dict(row)
+            head = {"round": r, "mechanism": str(row.pop("mechanism", "")), "scope": str(row.pop("scope", "run")),
+                    "id": str(row.pop("id", ""))}
+            for name, value in row.items():
+                if isinstance(value, str):
+                    lines.append({**head, "name": str(name), "value": float("nan"), "text": value})
+                elif value is None or isinstance(value, (int, float)):
+                    lines.append({**head, "name": str(name), "value": float("nan" if value is None else value),
+                                  "text": ""})
+                else:
+                    raise RunError(f"method {self.label!r}: mechanisms({r})[{i}][{name!r}] must be a number or a "
+                                   f"short string, got {type(value).__name__}")
+        if lines:
+            self.mechanism_log = pd.concat([self.mechanism_log, pd.DataFrame(lines)], ignore_index=True)
+            self._csv.write(self.run_dir / "mechanisms.csv", self.mechanism_log)
+        for text in self.coordinator.mechanism_warnings(r):
+            self.warnings.append({"round": r, "warning": str(text)})
+            print(f"medfl [{self.label}] round {r}: {text}", file=sys.stderr, flush=True)
 
     def profile(self) -> None:
         """The method's profile exchange, once before round 1 (:meth:`Method.configure_profile`):
@@ -943,6 +1000,8 @@ class Run:
         report = self.coordinator.report()
         if report:
             summary["method_report"] = report
+        if self.warnings:
+            summary["warnings"] = list(self.warnings)
         _write_csv(self.run_dir / "forgetting.csv", per_round)
         _write_json(self.run_dir / "summary.json", summary)
         pm.hook.on_run_end(run=self, summary=summary)     # plots and reports; then the run is finished
@@ -991,7 +1050,7 @@ def _read_rounds(path: Path, upto: int) -> pd.DataFrame | None:
     if problem:
         raise RunError(f"{path}: {problem}; a resume would continue from rows that are not the ones the run "
                        "wrote (rows lost or changed). Restore the file, or start a new run")
-    df = pd.read_csv(path, dtype={"client_id": str, "client_name": str, "data_client_id": str},
+    df = pd.read_csv(path, dtype={"client_id": str, "client_name": str, "data_client_id": str, "id": str, "text": str},
                      keep_default_na=False, na_values=["", "nan", "NaN"])
     return df[df["round"] <= upto].reset_index(drop=True)
 

@@ -63,3 +63,17 @@ def test_global_test_of_a_probability_ensemble_over_flower(tmp_path: Path) -> No
     assert [k for _, k, _ in grid.sent].count(P.SCORE) == 6
     m = pd.read_csv(flower / "metrics.csv")
     assert (m["split"] == "cross_test").sum() == 6 and m["accuracy"].notna().all()
+
+
+def test_presets_and_the_mechanism_log_over_flower(tmp_path: Path) -> None:
+    """A preset resolves the same at the sites (the entry travels with its preset's name), and
+    mechanisms.csv and the warnings equal the in-process run's."""
+    job = {**BASE, "methods": [{"name": "test_observed", "preset": "paper"}]}
+    flower, local, _ = _run_both(tmp_path, "observed", job)
+    _same(flower, local, ("train_metrics.csv", "metrics.csv"))
+    assert (flower / "mechanisms.csv").read_bytes() == (local / "mechanisms.csv").read_bytes()
+    for key in ("preset", "method_hparams"):
+        assert (json.loads((flower / "config.json").read_text())[key]
+                == json.loads((local / "config.json").read_text())[key])
+    assert (json.loads((flower / "summary.json").read_text())["warnings"]
+            == [{"round": 2, "warning": "the count cannot act in round 2"}])
