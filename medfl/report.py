@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["plots_wanted", "write_plots", "write_experiment_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_group_plot",
-           "write_comparison",
+           "write_mechanism_plot", "write_comparison",
            "forgetting_table",
            "summary_table", "format_table", "load_metrics", "CV_SPLITS", "cv_results", "cv_summary",
            "cv_table", "write_cv_report", "SEED_METRICS", "seeds_results", "seeds_summary", "write_seeds_report"]
@@ -244,13 +244,71 @@ def write_group_plot(run_dir: str | Path) -> Path | None:
     return _save_plot(fig, run_dir, "groups.png")
 
 
+#: At most this many panels in ``plots/mechanisms.png`` and lines in one panel (the rest are
+#: summarised: a panel's mean and range over its ids).
+MECHANISM_PANELS, MECHANISM_LINES = 16, 10
+
+
+def write_mechanism_plot(run_dir: str | Path) -> Path | None:
+    """Write ``plots/mechanisms.png``: every numeric value of the run's ``mechanisms.csv``
+    (:meth:`medfl.method.Method.mechanisms`: stop rounds, decay weights, noise-to-signal
+    ratios...) over the rounds, one panel per (mechanism, value), one line per id (their
+    mean and range when there are more than ``MECHANISM_LINES``), the rounds of the
+    summary's ``warnings`` marked. Returns the path, or None for a run without such values."""
+    run_dir = Path(run_dir)
+    path = run_dir / "mechanisms.csv"
+    if not path.is_file():
+        return None
+    df = pd.read_csv(path, dtype={"id": str, "scope": str, "text": str}, keep_default_na=False,
+                     na_values=["", "nan", "NaN"])
+    df = df[pd.to_numeric(df["value"], errors="coerce").notna()].astype({"value": float})
+    if df.empty:
+        return None
+    warned: list[int] = []
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        warned = sorted({int(w["round"]) for w in json.loads(summary.read_text()).get("warnings", [])})
+    panels = list(dict.fromkeys(zip(df["mechanism"], df["name"])))[:MECHANISM_PANELS]
+    plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.9 * rows), squeeze=False)
+    for ax, (mech, name) in zip(axes.flat, panels):
+        part = df[(df["mechanism"] == mech) & (df["name"] == name)]
+        ids = list(dict.fromkeys(part["id"].fillna("")))
+        if len(ids) <= MECHANISM_LINES:
+            for i in ids:
+                line = part[part["id"].fillna("") == i]
+                scope = str(line["scope"].iloc[0])
+                ax.plot(line["round"], line["value"], marker="o", ms=3, label=f"{scope} {i}".strip())
+        else:
+            g = part.groupby("round")["value"]
+            ax.plot(g.mean().index, g.mean().values, marker="o", ms=3, label=f"mean of {len(ids)}")
+            ax.fill_between(g.mean().index, g.min().values, g.max().values, alpha=0.2)
+        for r in warned:
+            ax.axvline(r, ls=":", color="red", lw=0.8)
+        ax.set_title(f"{mech}: {name}", fontsize=9)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"{run_dir.name}: what the method's mechanisms did" + (" (red: a warning)" if warned else ""))
+    _tight_layout(fig)
+    return _save_plot(fig, run_dir, "mechanisms.png")
+
+
 def write_plots(run_dir: str | Path) -> list[Path]:
     """Write ``plots/curves.png`` (metric per round, mean and client range per split),
     ``plots/clients_<split>.png`` (final metrics per client as a heatmap),
     ``plots/forgetting.png`` (:func:`write_forgetting_plot`) and, when the run has a
     ``communication.csv``, ``plots/communication.png`` (:func:`write_communication_plot`),
-    a ``privacy.csv``, ``plots/privacy.png`` (:func:`write_privacy_plot`), and a ``groups.csv``,
-    ``plots/groups.png`` (:func:`write_group_plot`). Returns the paths."""
+    a ``privacy.csv``, ``plots/privacy.png`` (:func:`write_privacy_plot`), a ``groups.csv``,
+    ``plots/groups.png`` (:func:`write_group_plot`), and a ``mechanisms.csv``,
+    ``plots/mechanisms.png`` (:func:`write_mechanism_plot`). Returns the paths."""
     plt = _plt()
     run_dir = Path(run_dir)
     df = load_metrics(run_dir)
@@ -297,7 +355,8 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    for extra in (write_forgetting_plot, write_communication_plot, write_privacy_plot, write_group_plot):
+    for extra in (write_forgetting_plot, write_communication_plot, write_privacy_plot, write_group_plot,
+                  write_mechanism_plot):
         path = extra(run_dir)
         if path is not None:
             written.append(path)

@@ -134,3 +134,15 @@ def test_a_mechanism_value_must_be_a_number_or_text(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(Observed, "mechanisms", lambda self, r: [{"mechanism": "m", "bad": [1, 2]}])
     with pytest.raises(RunError, match=r"mechanisms\(1\)\[0\]\['bad'\] must be a number or a short string, got list"):
         _run(tmp_path, {"name": "test_observed"}, rounds=1)
+
+
+@pytest.mark.plots
+def test_mechanism_plot(tmp_path: Path) -> None:
+    from medfl.report import write_mechanism_plot
+
+    run = _run(tmp_path, {"name": "test_observed"})
+    path = run / "plots" / "mechanisms.png"
+    assert path.is_file() and path.stat().st_size > 0     # drawn at the end of the run
+    path.unlink()
+    assert write_mechanism_plot(run) == path and path.is_file()   # and again by medfl report
+    assert write_mechanism_plot(_run(tmp_path / "b", {"name": "fedavg"}, rounds=1)) is None
