@@ -16,6 +16,15 @@ row goes to exactly one client (disjoint and complete); the exceptions are
 owns, and :func:`class_sample`, whose leftover rows become the global test set
 (:attr:`Partition.rest`). Bad input raises :class:`PartitionError` naming the parameter and what was expected.
 
+Every built-in partitioner also takes ``group_column`` (default ``"subject_id"``, the
+engine passes ``fl.group_column``): rows sharing its value (one patient's or lesion's
+images) go to one client, so no subject trains at two sites and ``cross_test`` never scores
+a model on its own subject's images. A group counts for its most frequent label (ties: the
+largest); sizes and ``min_size`` count rows; a blank cell (NaN) makes its row a group of its
+own; a table without the default column, or ``group_column=None``, is dealt row by row, and
+so is one with one row per group (the draw is then exactly the row-level one). Each
+partitioner's docstring says how grouping bends its statistics.
+
 The built-in partitioners are listed in :data:`PARTITIONERS`. :func:`partition_table` turns a
 partition into a table that can be saved (and :func:`partition_from_table` reads it back),
 :func:`class_counts` tabulates labels per client, :func:`stratified_split` splits one
@@ -34,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = [
+    "DEFAULT_GROUP_COLUMN",
     "grouped_stratified_split",
     "PARTITIONERS",
     "Partition",
@@ -308,7 +318,7 @@ class _Groups:
         self.count = len(first)
         self.grouped = self.count < len(table)
         self.unit = f"{group_column} groups" if self.grouped else "rows"
-        self.dealt = f", dealing whole {self.unit} (group_column null: rows)" if self.grouped else ""
+        self.dealt = f", dealing whole {self.unit}; group_column null deals rows" if self.grouped else ""
 
     def labels(self, labels: np.ndarray) -> np.ndarray:
         """Each group's label (:func:`_group_labels`); the row labels when ungrouped."""
@@ -936,7 +946,8 @@ def class_sample(
         classes: ``[lo, hi]`` classes per client (or one number), ``1 <= lo <= hi <= K``.
         per_class: ``[lo, hi]`` rows per class and client (or one number), ``lo >= 1``.
         group_column: rows sharing this column's value move together (``None``: every row
-            on its own; the default ``subject_id`` may be absent).
+            on its own; the default ``subject_id`` may be absent; with one row per value the
+            draw is the one of ``None``; a blank cell is a group of its own).
         rest: ``"global_test"`` (default) or ``None`` (drop the rows no client takes).
         max_retries: maximum number of whole draws (>= 1).
 
@@ -960,6 +971,8 @@ def class_sample(
     if rest not in REST_ROLES:
         raise _fail(func, f"rest must be 'global_test' or null (drop the rows no client takes), got {rest!r}")
     groups = _groups_of(func, table, group_column)
+    if len(groups) and int(groups.max()) + 1 == n:   # one row per group: draw over rows, as with None
+        groups = np.arange(n)
     glabel = _group_labels(labels, groups)
     gsize = np.bincount(groups, minlength=len(glabel))
     rng = _rng(func, seed)
