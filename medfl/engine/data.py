@@ -283,6 +283,11 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     gcol = cfg.get("group_column", DEFAULT_GROUP_COLUMN)
     if gcol and gcol not in table.columns and gcol != DEFAULT_GROUP_COLUMN:
         raise DataError(f"group_column {gcol!r} is not a column of the dataset; columns: {', '.join(table.columns)}")
+    if saved is not None and Path(saved).is_file():
+        assignments = read_partition(saved)
+        if assignments["row"].max() >= len(table):
+            raise DataError(f"{saved}: saved partition refers to rows beyond the dataset ({len(table)} rows)")
+        return FederatedData(source, assignments, _saved_report(Path(saved)))
     spec = dict(cfg["partition"])
     pname = spec.pop("name")
     partitioner = lookup("partitioner", pname)
@@ -290,11 +295,6 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
         spec["group_column"] = gcol or None
     dealt = spec.get("group_column") if _takes_group_column(partitioner) else None
     dealt = dealt if isinstance(dealt, str) and dealt in table.columns else None
-    if saved is not None and Path(saved).is_file():
-        assignments = read_partition(saved)
-        if assignments["row"].max() >= len(table):
-            raise DataError(f"{saved}: saved partition refers to rows beyond the dataset ({len(table)} rows)")
-        return FederatedData(source, assignments, partition_report(table, assignments, pname, dealt, gcol))
     seed = int(cfg["seed"])
     labels = table["label"].to_numpy()
     groups = group_keys(table, gcol)
@@ -357,6 +357,17 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     if "sample_id" in table.columns:
         a["sample_id"] = table["sample_id"].to_numpy()[a["row"].to_numpy()]
     return FederatedData(source, a, partition_report(table, a, pname, dealt, gcol))
+
+
+def _saved_report(saved: Path) -> dict[str, Any] | None:
+    """The partition report written with a saved partition (:data:`REPORT_NAME` beside it),
+    so a resumed run's copy says what the draw did; ``None`` for a partition saved before
+    reports existed, or an unreadable report (the partition itself is what a resume needs)."""
+    try:
+        report = json.loads(saved.with_name(REPORT_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def _takes_group_column(partitioner: Callable[..., Any]) -> bool:

@@ -312,6 +312,13 @@ def test_a_run_keeps_every_lesion_on_one_side(ham: Path, tmp_path: Path, capsys:
         assert report["straddling"] == {"clients": 0, "client_and_global_test": 0, "client_splits": 0}
         assert report["groups"] == manifest["subject_id"].nunique()
         assert sum(c["rows"] for c in report["clients"].values()) + report["global_test"]["rows"] == len(manifest)
+    # a resume reads the report written with the partition; one saved before reports has none
+    from medfl.engine.runner import build_source
+
+    source = build_source(cfg["dataset"])
+    assert split_data(source, cfg, saved=out / "partition.csv").report == json.loads((out / REPORT_NAME).read_text())
+    (out / REPORT_NAME).unlink()
+    assert split_data(source, cfg, saved=out / "partition.csv").report is None
     # the old dealing (rows one by one) splits lesions across clients on this very data
     old = split_data(_source(manifest), {**cfg, "group_column": None})
     assert old.report is not None and old.report["straddling"]["clients"] > 0
