@@ -265,7 +265,11 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     sharing a ``group_column`` value (default ``subject_id``: one patient's images) stay in
     one part of the global hold-out and of each client's local split. The rest
     is partitioned across ``num_clients`` clients by the configured partitioner, and each
-    client's share is split into local ``client_split`` parts, stratified by label.
+    client's share is split into local ``client_split`` parts, stratified by label. A
+    partitioner with a ``group_column`` parameter (every built-in one) gets ``group_column``
+    too, unless the partition spec sets its own, and keeps a subject at one client; the
+    result's :attr:`FederatedData.report` (:func:`partition_report`) counts the subjects
+    that straddle anyway (with ``group_column`` null, by ``subject_id``).
 
     With ``fold`` (cross-validation, ``cfg["cv"]["folds"]`` folds) the global hold-out and
     the partition are those of every other fold; each client's rows are cut into folds
@@ -280,14 +284,14 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     # rows of one subject (a patient's several images) stay together in the held-out global
     # test, at one client and in each client's train/val/test split; rows without a subject
     # are their own group
-    gcol = cfg.get("group_column", DEFAULT_GROUP_COLUMN)
-    if gcol and gcol not in table.columns and gcol != DEFAULT_GROUP_COLUMN:
-        raise DataError(f"group_column {gcol!r} is not a column of the dataset; columns: {', '.join(table.columns)}")
     if saved is not None and Path(saved).is_file():
         assignments = read_partition(saved)
         if assignments["row"].max() >= len(table):
             raise DataError(f"{saved}: saved partition refers to rows beyond the dataset ({len(table)} rows)")
         return FederatedData(source, assignments, _saved_report(Path(saved)))
+    gcol = cfg.get("group_column", DEFAULT_GROUP_COLUMN)
+    if gcol and gcol not in table.columns and gcol != DEFAULT_GROUP_COLUMN:
+        raise DataError(f"group_column {gcol!r} is not a column of the dataset; columns: {', '.join(table.columns)}")
     spec = dict(cfg["partition"])
     pname = spec.pop("name")
     partitioner = lookup("partitioner", pname)
