@@ -252,6 +252,16 @@ def test_split_data_keeps_a_subject_on_one_side_everywhere(partition: dict[str, 
     assert "rows dealt one by one (group_column null)" in opted.report["summary"]
 
 
+@pytest.mark.parametrize("extra", [{"global_test_per_class": 5}, {"cv": {"folds": 3}}], ids=["per_class", "cv"])
+def test_held_out_per_class_and_cv_folds_keep_subjects_whole(extra: dict[str, Any]) -> None:
+    cfg = resolve_config({"num_clients": 3, "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10}, **extra})
+    for fold in ([None] if "cv" not in extra else [0, 1, 2]):
+        data = split_data(_source(TABLE), cfg, fold=fold)
+        a = _where(TABLE, data.assignments)
+        assert (a.groupby("subject")["side"].nunique() == 1).all() and (a.groupby("subject")["role"].nunique() == 1).all()
+        assert data.report is not None and not any(data.report["straddling"].values())
+
+
 def test_the_opted_out_run_is_warned(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = resolve_config({"num_clients": 3, "partition": {"name": "iid"}, "group_column": None})
     warn_straddling(split_data(_source(TABLE), cfg).report)
