@@ -40,7 +40,10 @@ DEFAULTS: dict[str, Any] = {
     "global_test_fraction": 0.2,    # held-out global test when the data has no `split` column
     "global_test_per_class": None,  # or k: hold out k rows of every class instead (FedSDC's NIID-1: 30)
     "use_official_split": True,     # False: ignore the dataset's `split` column (its test rows join the pool)
-    "group_column": "subject_id",   # rows sharing it (one patient) never straddle train/val/test splits
+    # rows sharing it (one patient's images) go to one client (every built-in partitioner deals
+    # whole groups) and never straddle the global test or a client's train/val/test splits;
+    # null: rows one by one (partition_report.json counts the subjects that then straddle)
+    "group_column": "subject_id",
     # a dataset only the coordinator reads (never a client), e.g. MIAS as the public/proxy set
     # that knowledge-distillation methods distil into: null, or {"name": <dataset plugin>,
     # **its parameters} plus the reserved keys "test_fraction" (0.15: the test share drawn by

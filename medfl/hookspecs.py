@@ -50,7 +50,9 @@ def register_partitioners(register: Register) -> None:
 
     Call ``register(func, name="dirichlet")``. ``func(table, num_clients, seed, **params)``
     receives the manifest table (a :class:`pandas.DataFrame` with at least a ``label``
-    column) and returns ``{client_id: numpy array of row positions}``.
+    column) and returns ``{client_id: numpy array of row positions}``. A partitioner with a
+    ``group_column`` parameter gets the run's ``fl.group_column`` (unless the partition spec
+    sets one; ``None``: no grouping) and should keep rows sharing that column at one client.
     """
 
 

@@ -1,4 +1,5 @@
-"""Built-in partitioners: dirichlet, label_skew (#C=k), quantity_skew, iid, natural."""
+"""Built-in partitioners: dirichlet, label_skew (#C=k), quantity_skew, iid, natural, subset,
+class_sample; each deals whole ``group_column`` groups (one subject's rows) to one client."""
 
 from __future__ import annotations
 

@@ -16,6 +16,15 @@ row goes to exactly one client (disjoint and complete); the exceptions are
 owns, and :func:`class_sample`, whose leftover rows become the global test set
 (:attr:`Partition.rest`). Bad input raises :class:`PartitionError` naming the parameter and what was expected.
 
+Every built-in partitioner also takes ``group_column`` (default ``"subject_id"``, the
+engine passes ``fl.group_column``): rows sharing its value (one patient's or lesion's
+images) go to one client, so no subject trains at two sites and ``cross_test`` never scores
+a model on its own subject's images. A group counts for its most frequent label (ties: the
+largest); sizes and ``min_size`` count rows; a blank cell (NaN) makes its row a group of its
+own; a table without the default column, or ``group_column=None``, is dealt row by row, and
+so is one with one row per group (the draw is then exactly the row-level one). Each
+partitioner's docstring says how grouping bends its statistics.
+
 The built-in partitioners are listed in :data:`PARTITIONERS`. :func:`partition_table` turns a
 partition into a table that can be saved (and :func:`partition_from_table` reads it back),
 :func:`class_counts` tabulates labels per client, :func:`stratified_split` splits one
@@ -34,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = [
+    "DEFAULT_GROUP_COLUMN",
     "grouped_stratified_split",
     "PARTITIONERS",
     "Partition",
@@ -231,6 +241,146 @@ def check_partition(parts: Mapping[str, Any], num_rows: int | pd.DataFrame, *,
     return Partition(data, names=names, rest=getattr(parts, "rest", None))
 
 
+# --------------------------------------------------------------------------- groups
+
+#: The group column a partitioner uses unless told otherwise (``fl.group_column``'s default).
+DEFAULT_GROUP_COLUMN = "subject_id"
+
+
+def _groups_of(func: str, table: pd.DataFrame, group_column: str | None) -> np.ndarray:
+    """Group index per row: rows sharing ``group_column`` (one patient or lesion) share one;
+    a blank cell (NaN or ``""``), a missing default column or ``None`` makes each row its own
+    group. Indices follow the sorted keys (:func:`class_sample` depends on that order)."""
+    n = len(table)
+    if group_column is not None and not isinstance(group_column, str):
+        raise _fail(func, f"group_column must be a column name (str) or null (every row its own group), "
+                    f"got {group_column!r}")
+    if group_column is None or (group_column == DEFAULT_GROUP_COLUMN and group_column not in table.columns):
+        return np.arange(n)
+    if group_column not in table.columns:
+        raise _fail(func, f"group_column {group_column!r} is not a column of the table; it has "
+                    f"{list(map(str, table.columns))} (use null: every row its own group)")
+    keys = table[group_column].astype(str).to_numpy()
+    blank = pd.isna(table[group_column]).to_numpy() | (keys == "")
+    keys = np.where(blank, np.char.add("\0row:", np.arange(n).astype(str)), keys)
+    return np.unique(keys, return_inverse=True)[1].astype(np.int64)
+
+
+def _group_labels(labels: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Each group's label: its most frequent one (ties: the largest, e.g. malignant over
+    benign), for group indices ``0 .. groups.max()``."""
+    labels = np.asarray(labels)
+    size = int(groups.max()) + 1 if len(groups) else 0
+    values, codes = np.unique(labels, return_inverse=True)
+    counts = np.zeros((size, len(values)), dtype=np.int64)
+    np.add.at(counts, (groups, codes.ravel()), 1)
+    # the last of the maxima in label order is the largest most frequent label
+    pick = len(values) - 1 - np.argmax(counts[:, ::-1], axis=1) if len(values) else np.zeros(0, np.int64)
+    return values[pick].astype(labels.dtype, copy=False)
+
+
+def _even_cuts(n: int, pieces: int) -> np.ndarray:
+    """Where :func:`numpy.array_split` cuts ``n`` items into ``pieces`` (the first ``n %
+    pieces`` pieces one longer)."""
+    sizes = np.full(pieces, n // pieces, dtype=np.int64)
+    sizes[: n % pieces] += 1
+    return np.cumsum(sizes)[:-1]
+
+
+class _Groups:
+    """The units a partitioner deals: whole groups of rows (one subject's images).
+
+    Groups are numbered in order of first appearance, so that when every row is its own
+    group (no group column, ``group_column=None``, or one row per subject) ``ids`` is
+    ``arange(n)`` and a partitioner written over groups draws exactly what it drew over rows.
+
+    Args:
+        func: the partitioner's name, for error messages.
+        table: the manifest.
+        group_column: the grouping column, or ``None`` (see :func:`_groups_of`).
+
+    Attributes:
+        ids: ``int64`` group index of each row.
+        size: ``int64`` rows of each group.
+        count: number of groups.
+        grouped: whether some group has more than one row.
+        unit: ``"rows"``, or e.g. ``"subject_id groups"`` when ``grouped``, for messages.
+        dealt: ``""``, or a clause saying that whole groups were dealt, for messages.
+    """
+
+    def __init__(self, func: str, table: pd.DataFrame, group_column: str | None) -> None:
+        raw = _groups_of(func, table, group_column)
+        _, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+        self.ids = rank[inverse.ravel()]
+        self.size = np.bincount(self.ids, minlength=len(first)).astype(np.int64)
+        self.count = len(first)
+        self.grouped = self.count < len(table)
+        self.unit = f"{group_column} groups" if self.grouped else "rows"
+        self.dealt = f", dealing whole {self.unit}; group_column null deals rows" if self.grouped else ""
+
+    def labels(self, labels: np.ndarray) -> np.ndarray:
+        """Each group's label (:func:`_group_labels`); the row labels when ungrouped."""
+        return _group_labels(labels, self.ids) if self.grouped else labels
+
+    def check_clients(self, func: str, num_clients: Any) -> int:
+        """``num_clients`` as an integer in ``[1, count]``: each client needs one group."""
+        if not self.grouped:
+            return _check_clients(func, num_clients, self.count)
+        num_clients = _check_int(func, "num_clients", num_clients, 1)
+        if num_clients > self.count:
+            raise _fail(func, f"num_clients={num_clients} is more than the number of {self.unit} "
+                        f"({self.count}, in {len(self.ids)} rows); expected num_clients <= {self.count}, "
+                        "or group_column null to deal rows one by one")
+        return num_clients
+
+    def cut(self, gids: np.ndarray, row_cuts: np.ndarray | list[int],
+            nonempty: bool = False) -> list[np.ndarray]:
+        """Split a sequence of groups where a sequence of rows would be split.
+
+        Each cut (a count of rows from the start, non-decreasing) moves to the nearest group
+        boundary (a tie: after the group that crosses it), so a piece's size is off by at
+        most half a group per cut; with one row per group the cuts are exact.
+
+        Args:
+            gids: group indices in dealing order.
+            row_cuts: cut positions in rows, as for :func:`numpy.split` of the rows.
+            nonempty: give every piece at least one group when there are enough groups
+                (a no-op on cuts that leave no piece empty, e.g. an ``array_split``'s).
+
+        Returns:
+            ``len(row_cuts) + 1`` arrays of group indices.
+        """
+        gids = np.asarray(gids, dtype=np.int64)
+        bounds = np.concatenate([[0], np.cumsum(self.size[gids])])
+        cuts = np.asarray(row_cuts, dtype=np.int64)
+        at = np.clip(np.searchsorted(bounds, cuts, side="left"), 0, len(gids))
+        below = np.maximum(at - 1, 0)
+        at = np.where((at > 0) & (cuts - bounds[below] < bounds[at] - cuts), below, at)
+        pieces = len(at) + 1
+        if nonempty and len(at) and len(gids) >= pieces:
+            for i in range(len(at)):   # at least one group before each cut...
+                at[i] = max(at[i], i + 1, at[i - 1] + 1 if i else 0)
+            for i in reversed(range(len(at))):   # ...and after it
+                at[i] = min(at[i], len(gids) - (pieces - 1 - i), at[i + 1] - 1 if i + 1 < len(at) else len(gids))
+        return np.split(gids, at)
+
+    def rows(self, gids: np.ndarray) -> int:
+        """Number of rows of the groups ``gids``."""
+        return int(self.size[np.asarray(gids, dtype=np.int64)].sum())
+
+    def finish(self, buckets: list[list[np.ndarray]] | list[np.ndarray],
+               names: list[str] | None = None) -> Partition:
+        """The :class:`Partition` giving client ``i`` every row of its groups ``buckets[i]``."""
+        owner = np.full(self.count, -1, dtype=np.int64)
+        for i, bucket in enumerate(buckets):
+            for piece in bucket if isinstance(bucket, list) else [bucket]:
+                owner[np.asarray(piece, dtype=np.int64)] = i
+        row_owner = owner[self.ids]
+        return _finish([np.flatnonzero(row_owner == i) for i in range(len(buckets))], names=names)
+
+
 # --------------------------------------------------------------------------- partitioners
 
 
@@ -252,6 +402,7 @@ def dirichlet(
     min_size: int = 10,
     max_retries: int = 100,
     balance: bool = True,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
 ) -> Partition:
     """Label-distribution skew: per-class client proportions drawn from a Dirichlet.
 
@@ -262,6 +413,13 @@ def dirichlet(
     proportion zero for the classes still to come, which keeps client sizes from running
     away. The whole draw is repeated until every client has at least ``min_size`` rows.
 
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: the
+    class's *groups* are shuffled, each counted for its most frequent label (ties: the
+    largest), and cut at the group boundary nearest to each cumulative proportion of the
+    class's rows. A client's share of a class is then off by at most half a group per cut,
+    and a group of mixed labels brings its minority rows along; sizes, the ``balance`` cap
+    and ``min_size`` count rows. With one row per group the draw is the row-level one.
+
     Args:
         table: manifest with an integer ``label`` column.
         num_clients: number of clients (``1 <= num_clients <= len(table)``).
@@ -271,33 +429,38 @@ def dirichlet(
         max_retries: maximum number of whole draws (>= 1). Default: ``100``.
         balance: zero the proportion of clients already holding ``>= N / num_clients`` rows.
             Default: ``True``.
+        group_column: rows sharing its value are dealt together; ``None`` deals rows one
+            by one; the default ``"subject_id"`` may be absent (then rows). A blank cell
+            (NaN) makes its row a group of its own. Default: ``"subject_id"``.
 
     Returns:
         The :class:`Partition`, clients named ``"client_<i>"``.
 
     Raises:
-        PartitionError: on bad parameters, when ``min_size * num_clients > len(table)``, or
-            when no draw within ``max_retries`` gives every client ``min_size`` rows.
+        PartitionError: on bad parameters, when ``min_size * num_clients > len(table)``,
+            when there are fewer groups than clients, or when no draw within
+            ``max_retries`` gives every client ``min_size`` rows.
     """
     func = "dirichlet"
     _check_table(func, table)
     n = len(table)
-    num_clients = _check_clients(func, num_clients, n)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
     alpha = _check_positive(func, "alpha", alpha)
     min_size = _check_int(func, "min_size", min_size, 0)
     max_retries = _check_int(func, "max_retries", max_retries, 1)
     _check_min_size_possible(func, min_size, num_clients, n)
-    labels = _labels(func, table)
+    glabels = groups.labels(_labels(func, table))
     rng = _rng(func, seed)
-    class_rows = [np.flatnonzero(labels == c) for c in np.unique(labels)]
+    class_groups = [np.flatnonzero(glabels == c) for c in np.unique(glabels)]
     cap = n / num_clients
     conc = np.full(num_clients, alpha)
     best = -1
     for _ in range(max_retries):
         buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         sizes = np.zeros(num_clients, dtype=np.int64)
-        for rows in class_rows:
-            rows = rng.permutation(rows)
+        for gids in class_groups:
+            gids = rng.permutation(gids)
             p = rng.dirichlet(conc)
             if balance:
                 p = p * (sizes < cap)
@@ -308,18 +471,18 @@ def dirichlet(
                 p = (sizes < cap).astype(float) if balance else np.ones(num_clients)
                 total = p.sum()
             p = p / total
-            cuts = (np.cumsum(p) * len(rows)).astype(np.int64)[:-1]
-            for i, piece in enumerate(np.split(rows, cuts)):
+            cuts = (np.cumsum(p) * groups.rows(gids)).astype(np.int64)[:-1]
+            for i, piece in enumerate(groups.cut(gids, cuts)):
                 buckets[i].append(piece)
-                sizes[i] += len(piece)
+                sizes[i] += groups.rows(piece)
         smallest = int(sizes.min())
         if smallest >= min_size:
-            return _finish(buckets)
+            return groups.finish(buckets)
         best = max(best, smallest)
     raise _fail(
         func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
         f"with alpha={alpha} in max_retries={max_retries} draws (smallest client size "
-        f"reached: {best}); use a larger alpha or a smaller min_size",
+        f"reached: {best}{groups.dealt}); use a larger alpha or a smaller min_size",
     )
 
 
@@ -329,6 +492,7 @@ def label_skew(
     seed: int,
     k: int = 2,
     allow_unassigned: bool = False,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
 ) -> Partition:
     """Quantity-based label skew ``#C=k`` (Li et al. 2022, "Federated Learning on Non-IID
     Data Silos"): every client owns ``k`` distinct labels.
@@ -340,6 +504,13 @@ def label_skew(
     shuffled and split as evenly as possible among its owners; a client therefore holds
     exactly ``k`` labels when every label has at least as many rows as owners.
 
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: a
+    group counts for its most frequent label (ties: the largest), the labels are those of
+    the groups, and a label's shuffled groups are cut at the group boundaries nearest to an
+    even split of its rows. A group of mixed labels brings its minority rows along, so a
+    client may hold a few rows of labels it does not own. With one row per group this is
+    the row-level split.
+
     Args:
         table: manifest with an integer ``label`` column.
         num_clients: number of clients (``1 <= num_clients <= len(table)``).
@@ -348,6 +519,8 @@ def label_skew(
         allow_unassigned: when some label is owned by no client (only possible if
             ``num_clients * k < K``), drop its rows instead of raising. This is the only
             partitioner option that leaves rows unassigned. Default: ``False``.
+        group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
+            Default: ``"subject_id"`` (rows one by one when the table has no such column).
 
     Returns:
         The :class:`Partition`, clients named ``"client_<i>"``.
@@ -355,13 +528,13 @@ def label_skew(
     Raises:
         PartitionError: on bad parameters, when labels are left without owner and
             ``allow_unassigned`` is false, or when a client ends up with no rows (its
-            labels have fewer rows than owners).
+            labels have fewer rows, or groups, than owners).
     """
     func = "label_skew"
     _check_table(func, table)
-    n = len(table)
-    num_clients = _check_clients(func, num_clients, n)
-    labels = _labels(func, table)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
+    labels = groups.labels(_labels(func, table))
     classes = np.unique(labels)
     num_classes = len(classes)
     k = _check_int(func, "k", k, 1, num_classes,
@@ -395,16 +568,16 @@ def label_skew(
     for c, cls in enumerate(classes):
         if not owners[c]:
             continue
-        rows = rng.permutation(np.flatnonzero(labels == cls))
+        gids = rng.permutation(np.flatnonzero(labels == cls))
         # Shuffle the owners too, so the larger pieces do not always go to low client ids.
         mine = rng.permutation(owners[c])
-        for i, piece in zip(mine, np.array_split(rows, len(mine))):
+        for i, piece in zip(mine, groups.cut(gids, _even_cuts(groups.rows(gids), len(mine)))):
             buckets[i].append(piece)
-    parts = _finish(buckets)
+    parts = groups.finish(buckets)
     empty = [cid for cid, pos in parts.items() if len(pos) == 0]
     if empty:
         raise _fail(
-            func, f"clients {empty} got no rows: their labels have fewer rows than owners; "
+            func, f"clients {empty} got no rows: their labels have fewer {groups.unit} than owners; "
             "use fewer clients or a larger k",
         )
     return parts
@@ -417,12 +590,18 @@ def quantity_skew(
     beta: float = 0.5,
     min_size: int = 1,
     max_retries: int = 100,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
 ) -> Partition:
     """Quantity skew: client sizes from ``Dir(beta)`` proportions, labels iid.
 
     The rows are shuffled once; client sizes are then drawn as ``Dir(beta * 1)``
     proportions of ``len(table)`` (cut at the cumulative proportions), redrawing until every
     client has at least ``min_size`` rows.
+
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: the
+    groups are shuffled and cut at the group boundary nearest to each cumulative proportion
+    of the rows, so a client's size is off by at most half a group per cut; ``min_size``
+    counts rows. With one row per group this is the row-level split.
 
     Args:
         table: manifest (a ``label`` column is required for consistency but not used).
@@ -432,24 +611,28 @@ def quantity_skew(
             Default: ``0.5``.
         min_size: minimum rows per client (>= 0). Default: ``1``.
         max_retries: maximum number of size draws (>= 1). Default: ``100``.
+        group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
+            Default: ``"subject_id"`` (rows one by one when the table has no such column).
 
     Returns:
         The :class:`Partition`, clients named ``"client_<i>"``.
 
     Raises:
-        PartitionError: on bad parameters, when ``min_size * num_clients > len(table)``, or
-            when no draw within ``max_retries`` satisfies ``min_size``.
+        PartitionError: on bad parameters, when ``min_size * num_clients > len(table)``,
+            when there are fewer groups than clients, or when no draw within
+            ``max_retries`` satisfies ``min_size``.
     """
     func = "quantity_skew"
     _check_table(func, table)
     n = len(table)
-    num_clients = _check_clients(func, num_clients, n)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
     beta = _check_positive(func, "beta", beta)
     min_size = _check_int(func, "min_size", min_size, 0)
     max_retries = _check_int(func, "max_retries", max_retries, 1)
     _check_min_size_possible(func, min_size, num_clients, n)
     rng = _rng(func, seed)
-    perm = rng.permutation(n)
+    perm = rng.permutation(groups.count)
     conc = np.full(num_clients, beta)
     best = -1
     for _ in range(max_retries):
@@ -459,38 +642,48 @@ def quantity_skew(
             continue
         cuts = (np.cumsum(p / total) * n).astype(np.int64)[:-1]
         cuts = np.clip(cuts, 0, n)
-        sizes = np.diff(np.concatenate([[0], cuts, [n]]))
-        smallest = int(sizes.min())
+        pieces = groups.cut(perm, cuts)
+        smallest = min(groups.rows(piece) for piece in pieces)
         if smallest >= min_size:
-            return _finish(list(np.split(perm, cuts)))
+            return groups.finish(pieces)
         best = max(best, smallest)
     raise _fail(
         func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
         f"with beta={beta} in max_retries={max_retries} draws (smallest client size "
-        f"reached: {best}); use a larger beta or a smaller min_size",
+        f"reached: {best}{groups.dealt}); use a larger beta or a smaller min_size",
     )
 
 
-def iid(table: pd.DataFrame, num_clients: int, seed: int) -> Partition:
+def iid(table: pd.DataFrame, num_clients: int, seed: int,
+        group_column: str | None = DEFAULT_GROUP_COLUMN) -> Partition:
     """Uniform random split into clients of equal size (sizes differ by at most one).
+
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: the
+    groups are shuffled and cut at the group boundaries nearest to an even split of the
+    rows (every client getting at least one group), so sizes differ by up to about one
+    group instead of one row. With one row per group this is the row-level split.
 
     Args:
         table: manifest (a ``label`` column is required for consistency but not used).
-        num_clients: number of clients (``1 <= num_clients <= len(table)``).
+        num_clients: number of clients (``1 <= num_clients <= len(table)``, or the number
+            of groups when grouped).
         seed: seed for :func:`numpy.random.default_rng`.
+        group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
+            Default: ``"subject_id"`` (rows one by one when the table has no such column).
 
     Returns:
         The :class:`Partition`, clients named ``"client_<i>"``.
 
     Raises:
-        PartitionError: on bad parameters.
+        PartitionError: on bad parameters, or fewer groups than clients.
     """
     func = "iid"
     _check_table(func, table)
-    n = len(table)
-    num_clients = _check_clients(func, num_clients, n)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
     rng = _rng(func, seed)
-    return _finish(list(np.array_split(rng.permutation(n), num_clients)))
+    return groups.finish(groups.cut(rng.permutation(groups.count), _even_cuts(len(table), num_clients),
+                                    nonempty=True))
 
 
 def natural(
@@ -499,12 +692,18 @@ def natural(
     seed: int | None = 0,
     column: str = "site",
     mapping: Mapping[Any, str] | None = None,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
 ) -> Partition:
     """Natural split: one client per distinct value of ``column`` (e.g. hospital site).
 
     Values are first mapped through ``mapping`` when given (e.g. site -> region, so that
     several sites form one client). Clients are ordered by sorted group name; their ids
     are ``"0"``, ``"1"``, ... and the group names are in :attr:`Partition.names`.
+
+    ``column`` keeps a subject's rows together whenever a subject is seen at one site only.
+    A ``group_column`` group whose rows carry several (mapped) values goes whole to the
+    client of its most frequent value (ties: the first in sorted order); the clients stay
+    those of the values, and one that loses every row this way is an error.
 
     Args:
         table: manifest with the ``column`` column (and ``label``).
@@ -516,13 +715,16 @@ def natural(
         mapping: value -> group name; every value present in ``column`` must be a key
             (looked up as is, then as ``str(value)``). Default: ``None`` (groups are the
             values themselves, as strings).
+        group_column: rows sharing its value go to one client (``None``: ``column``
+            alone decides; the default ``"subject_id"`` may be absent).
 
     Returns:
         The :class:`Partition`, clients named after their groups.
 
     Raises:
         PartitionError: when the column is missing or has missing values, values are absent
-            from ``mapping``, or ``num_clients`` differs from the number of groups.
+            from ``mapping``, ``num_clients`` differs from the number of groups, or a client
+            loses all its rows to the clients of its subjects' other rows.
     """
     func = "natural"
     if not isinstance(column, str):
@@ -564,8 +766,26 @@ def natural(
             func, f"num_clients={num_clients} but column {column!r} has {len(names)} groups "
             f"{names}; use num_clients={len(names)} or 0",
         )
+    subjects = _Groups(func, table, group_column)
+    if subjects.grouped:
+        group_arr = _majority_value(group_arr, subjects.ids)
     buckets = [np.flatnonzero(group_arr == name) for name in names]
+    lost = [name for name, rows in zip(names, buckets) if not len(rows)]
+    if lost:
+        raise _fail(func, f"clients {lost} of column {column!r} lose every row to other clients: each of their "
+                    f"{subjects.unit} has most of its rows elsewhere; use group_column null or another mapping")
     return _finish(buckets, names=names)
+
+
+def _majority_value(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``values`` with every group's rows given the group's most frequent value (ties: the
+    first in sorted order), for :func:`natural`."""
+    frame = pd.DataFrame({"g": ids, "v": values})
+    counts = frame.groupby(["g", "v"], sort=True).size().reset_index(name="n")
+    # stable sort by count, descending: the first row of each group is its most frequent value
+    best = counts.sort_values(["g", "n"], ascending=[True, False], kind="stable").drop_duplicates("g")
+    chosen = pd.Series(best["v"].to_numpy(), index=best["g"].to_numpy())
+    return chosen.reindex(ids).to_numpy(dtype=object)
 
 
 def subset(
@@ -574,6 +794,7 @@ def subset(
     seed: int,
     share: float = 0.9,
     minor_fraction: float | None = None,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
 ) -> Partition:
     """Extreme quantity skew, "Subset" (FedTPF, after FedFed): one class makes up at least
     ``share`` of each client's data.
@@ -587,6 +808,16 @@ def subset(
     most room left, a client's room being ``floor(dominant rows * (1 - share) / share)`` so its
     dominant class keeps at least ``share`` of its rows. Every row is assigned.
 
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: a
+    group counts for its most frequent label (ties: the largest), shares and room count the
+    rows of the groups of each label, the pool takes the groups up to the boundary nearest
+    ``minor_fraction`` of a class's rows, and a pooled group goes whole to the client with
+    the most room, which must fit all of it; a pooled group that fits nowhere (the room
+    left is cut into pieces smaller than it) goes back to a client its label dominates. A
+    group of mixed labels brings its minority rows along, so ``share`` then holds for the
+    groups' labels rather than every row's.
+    With one row per group this is the row-level split.
+
     Args:
         table: manifest with an integer ``label`` column.
         num_clients: number of clients.
@@ -594,6 +825,8 @@ def subset(
         share: the dominant class's least share of each client, in (0, 1) (paper: "over 90%").
         minor_fraction: share of each dominated class given to other clients, in [0, 1 - share];
             default ``0.9 * (1 - share)``.
+        group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
+            Default: ``"subject_id"`` (rows one by one when the table has no such column).
 
     Returns:
         The :class:`Partition`, clients named ``"client_<i>"``.
@@ -605,8 +838,8 @@ def subset(
     """
     func = "subset"
     _check_table(func, table)
-    n = len(table)
-    num_clients = _check_clients(func, num_clients, n)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
     if not isinstance(share, Real) or isinstance(share, bool) or not 0 < share < 1:
         raise _fail(func, f"share must be a number in (0, 1), got {share!r}")
     share = float(share)
@@ -615,7 +848,7 @@ def subset(
     if (not isinstance(minor_fraction, Real) or isinstance(minor_fraction, bool)
             or not 0 <= minor_fraction <= 1 - share):
         raise _fail(func, f"minor_fraction must be in [0, 1 - share = {1 - share:g}], got {minor_fraction!r}")
-    labels = _labels(func, table)
+    labels = groups.labels(_labels(func, table))
     classes = np.unique(labels)
     rng = _rng(func, seed)
     order = classes[rng.permutation(len(classes))]
@@ -623,40 +856,50 @@ def subset(
     buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     pool: list[np.ndarray] = []
     for c in classes:
-        rows = rng.permutation(np.flatnonzero(labels == c))
+        gids = rng.permutation(np.flatnonzero(labels == c))
         owners = [i for i in range(num_clients) if dominant[i] == c]
         if not owners:
-            pool.append(rows)
+            pool.append(gids)
             continue
-        k = int(math.floor(minor_fraction * len(rows)))
-        pool.append(rows[:k])
-        for i, piece in zip(owners, np.array_split(rows[k:], len(owners))):
+        minor, mine = groups.cut(gids, [int(math.floor(minor_fraction * groups.rows(gids)))])
+        pool.append(minor)
+        for i, piece in zip(owners, groups.cut(mine, _even_cuts(groups.rows(mine), len(owners)), nonempty=True)):
             buckets[i].append(piece)
-    dom_rows = np.array([sum(len(p) for p in b) for b in buckets])
+    dom_rows = np.array([sum(groups.rows(p) for p in b) for b in buckets])
     empty = [str(i) for i in range(num_clients) if dom_rows[i] == 0]
     if empty:
         raise _fail(func, f"clients {empty} get no rows of their dominant class (it has fewer rows than the "
                     "clients it dominates); use fewer clients")
     room = np.floor(dom_rows * (1 - share) / share).astype(np.int64)
     total_room = int(room.sum())
-    left = [rows for rows in pool if len(rows)]
+    left = [gids for gids in pool if len(gids)]
     pooled = np.concatenate(left) if left else np.zeros(0, np.int64)
     pooled = pooled[rng.permutation(len(pooled))]
     extra: list[list[int]] = [[] for _ in range(num_clients)]
     dom_arr = np.asarray(dominant)
-    for r in pooled:
-        free = np.where(dom_arr != labels[r], room, -1)
+    for g in pooled:
+        size = int(groups.size[g])
+        free = np.where(dom_arr != labels[g], room, -1)
         i = int(np.argmax(free))
-        if free[i] <= 0:
-            raise _fail(func, f"the {len(pooled)} rows for the minor classes do not fit: each client may hold "
-                        f"{(1 - share) / share:.3f} x its dominant rows of other classes (room {total_room} in "
-                        f"all); use more clients (every class then dominates one), a smaller share or a smaller "
-                        "minor_fraction")
-        extra[i].append(int(r))
-        room[i] -= 1
+        home = np.flatnonzero(dom_arr == labels[g])
+        if free[i] >= size:
+            room[i] -= size
+        elif groups.grouped and len(home):
+            # a whole group that fits nowhere else (the room left is cut into pieces smaller
+            # than a group) goes back to a client its label dominates: its share only grows
+            i = int(home[np.argmax(room[home])])
+            room[i] += (int(math.floor((dom_rows[i] + size) * (1 - share) / share))
+                        - int(math.floor(dom_rows[i] * (1 - share) / share)))
+            dom_rows[i] += size
+        else:
+            raise _fail(func, f"the {groups.rows(pooled)} rows for the minor classes do not fit: each client may "
+                        f"hold {(1 - share) / share:.3f} x its dominant rows of other classes (room {total_room} "
+                        f"in all{groups.dealt}); use more clients (every class then dominates one), a smaller "
+                        "share or a smaller minor_fraction")
+        extra[i].append(int(g))
     for i in range(num_clients):
         buckets[i].append(np.asarray(extra[i], dtype=np.int64))
-    return _finish(buckets)
+    return groups.finish(buckets)
 
 
 def _pair(func: str, name: str, value: Any, low: int, high: int | None = None) -> tuple[int, int]:
@@ -669,31 +912,6 @@ def _pair(func: str, name: str, value: Any, low: int, high: int | None = None) -
         raise _fail(func, f"{name} must be [lo, hi] integers with {low} <= lo <= hi{top} (or one integer), "
                     f"got {value!r}")
     return int(pair[0]), int(pair[1])
-
-
-def _groups_of(func: str, table: pd.DataFrame, group_column: str | None) -> np.ndarray:
-    """Group index per row: rows sharing ``group_column`` (one patient or lesion) share one;
-    a blank cell, a missing default column or ``None`` makes each row its own group."""
-    n = len(table)
-    if group_column is None or (group_column == "subject_id" and group_column not in table.columns):
-        return np.arange(n)
-    if group_column not in table.columns:
-        raise _fail(func, f"group_column {group_column!r} is not a column of the table; it has "
-                    f"{list(map(str, table.columns))} (use null: every row its own group)")
-    keys = table[group_column].astype(str).to_numpy()
-    blank = pd.isna(table[group_column]).to_numpy() | (keys == "")
-    keys = np.where(blank, np.char.add("\0row:", np.arange(n).astype(str)), keys)
-    return np.unique(keys, return_inverse=True)[1].astype(np.int64)
-
-
-def _group_labels(labels: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """Each group's label: its most frequent one (ties: the largest, as
-    :func:`grouped_stratified_split`)."""
-    out = np.empty(int(groups.max()) + 1 if len(groups) else 0, dtype=labels.dtype)
-    for g in range(len(out)):
-        vals, counts = np.unique(labels[groups == g], return_counts=True)
-        out[g] = vals[counts == counts.max()].max()
-    return out
 
 
 def class_sample(
@@ -728,7 +946,8 @@ def class_sample(
         classes: ``[lo, hi]`` classes per client (or one number), ``1 <= lo <= hi <= K``.
         per_class: ``[lo, hi]`` rows per class and client (or one number), ``lo >= 1``.
         group_column: rows sharing this column's value move together (``None``: every row
-            on its own; the default ``subject_id`` may be absent).
+            on its own; the default ``subject_id`` may be absent; with one row per value the
+            draw is the one of ``None``; a blank cell is a group of its own).
         rest: ``"global_test"`` (default) or ``None`` (drop the rows no client takes).
         max_retries: maximum number of whole draws (>= 1).
 
@@ -752,6 +971,8 @@ def class_sample(
     if rest not in REST_ROLES:
         raise _fail(func, f"rest must be 'global_test' or null (drop the rows no client takes), got {rest!r}")
     groups = _groups_of(func, table, group_column)
+    if len(groups) and int(groups.max()) + 1 == n:   # one row per group: draw over rows, as with None
+        groups = np.arange(n)
     glabel = _group_labels(labels, groups)
     gsize = np.bincount(groups, minlength=len(glabel))
     rng = _rng(func, seed)
@@ -1057,13 +1278,11 @@ def grouped_stratified_split(labels: np.ndarray, groups: np.ndarray, fractions: 
     keys, inverse = np.unique(groups.astype(str), return_inverse=True)
     if len(keys) == len(labels):
         return stratified_split(labels, fractions, seed)
+    inverse = inverse.ravel()
     first = np.full(len(keys), len(labels), dtype=np.int64)
     np.minimum.at(first, inverse, np.arange(len(labels)))
     order = np.argsort(first, kind="stable")  # groups in order of first appearance
-    glabels = np.empty(len(keys), dtype=labels.dtype)
-    for g in range(len(keys)):
-        vals, counts = np.unique(labels[inverse == g], return_counts=True)
-        glabels[g] = vals[counts == counts.max()].max()
+    glabels = _group_labels(labels, inverse)
     parts = stratified_split(glabels[order], fractions, seed)
     out = {}
     for name, gpos in parts.items():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import json
+import sys
 import uuid
 
 from dataclasses import dataclass
@@ -12,13 +15,13 @@ import numpy as np
 import pandas as pd
 from torch.utils.data import Dataset
 
-from medfl.data.partition import PartitionError, grouped_stratified_split, per_class_holdout
+from medfl.data.partition import DEFAULT_GROUP_COLUMN, PartitionError, grouped_stratified_split, per_class_holdout
 from medfl.data.source import DataError, FederatedSource
 from medfl.method import derive_seed
 from medfl.plugins import lookup
 
 __all__ = ["FederatedData", "split_data", "read_partition", "PARTITION_COLUMNS", "sha256_file", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
-           "POOLED"]
+           "POOLED", "REPORT_NAME", "group_keys", "partition_report", "report_line", "warn_straddling"]
 
 #: The client id of the pooled (centralized) client.
 POOLED = "pooled"
@@ -39,10 +42,13 @@ class FederatedData:
         assignments: one row per used sample: ``row`` (position in ``source.table``),
             ``client_id`` (``""`` for the global test), ``client_name``, ``role``
             (``train``/``val``/``test``/``global_test``), ``label``, ``sample_id``.
+        report: what the partition did with subjects (:func:`partition_report`), written
+            beside the assignment table by :meth:`save`; ``None``: nothing is written.
     """
 
     source: FederatedSource
     assignments: pd.DataFrame
+    report: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._positions: dict[tuple[str, str], np.ndarray] | None = None
@@ -125,8 +131,14 @@ class FederatedData:
         """Write the assignment table as CSV, atomically (a temporary file renamed into place),
         with a sidecar ``<name>.sha256`` holding the file's SHA-256 and row count, which
         :func:`read_partition` checks: a kill mid-write never leaves a short partition that a
-        resume would take for the whole one."""
+        resume would take for the whole one. The :attr:`report` goes first to
+        :data:`REPORT_NAME` in the same folder (the table, written last, marks a whole split)."""
         path = Path(path)
+        if self.report is not None:
+            out = path.with_name(REPORT_NAME)
+            out_tmp = out.with_name(out.name + ".tmp")
+            out_tmp.write_text(json.dumps(self.report, indent=2) + "\n")
+            out_tmp.replace(out)
         tmp = path.with_name(path.name + ".tmp")
         self.assignments.to_csv(tmp, index=False)
         digest = sha256_file(tmp)
@@ -138,6 +150,9 @@ class FederatedData:
 
 
 PARTITION_COLUMNS = ("row", "client_id", "role")
+
+#: The partition report's file name, beside ``partition.csv`` (:func:`partition_report`).
+REPORT_NAME = "partition_report.json"
 
 
 def sha256_file(path: str | Path) -> str:
@@ -250,7 +265,11 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     sharing a ``group_column`` value (default ``subject_id``: one patient's images) stay in
     one part of the global hold-out and of each client's local split. The rest
     is partitioned across ``num_clients`` clients by the configured partitioner, and each
-    client's share is split into local ``client_split`` parts, stratified by label.
+    client's share is split into local ``client_split`` parts, stratified by label. A
+    partitioner with a ``group_column`` parameter (every built-in one) gets ``group_column``
+    too, unless the partition spec sets its own, and keeps a subject at one client; the
+    result's :attr:`FederatedData.report` (:func:`partition_report`) counts the subjects
+    that straddle anyway (with ``group_column`` null, by ``subject_id``).
 
     With ``fold`` (cross-validation, ``cfg["cv"]["folds"]`` folds) the global hold-out and
     the partition are those of every other fold; each client's rows are cut into folds
@@ -262,24 +281,27 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
             empty training set, or ``fold`` is out of range.
     """
     table = source.table
+    # rows of one subject (a patient's several images) stay together in the held-out global
+    # test, at one client and in each client's train/val/test split; rows without a subject
+    # are their own group
     if saved is not None and Path(saved).is_file():
         assignments = read_partition(saved)
         if assignments["row"].max() >= len(table):
             raise DataError(f"{saved}: saved partition refers to rows beyond the dataset ({len(table)} rows)")
-        return FederatedData(source, assignments)
+        return FederatedData(source, assignments, _saved_report(Path(saved)))
+    gcol = cfg.get("group_column", DEFAULT_GROUP_COLUMN)
+    if gcol and gcol not in table.columns and gcol != DEFAULT_GROUP_COLUMN:
+        raise DataError(f"group_column {gcol!r} is not a column of the dataset; columns: {', '.join(table.columns)}")
+    spec = dict(cfg["partition"])
+    pname = spec.pop("name")
+    partitioner = lookup("partitioner", pname)
+    if "group_column" not in spec and _takes_group_column(partitioner):
+        spec["group_column"] = gcol or None
+    dealt = spec.get("group_column") if _takes_group_column(partitioner) else None
+    dealt = dealt if isinstance(dealt, str) and dealt in table.columns else None
     seed = int(cfg["seed"])
     labels = table["label"].to_numpy()
-    # rows of one subject (a patient's several images) stay together in the held-out global
-    # test and in each client's train/val/test split; rows without a subject are their own group
-    gcol = cfg.get("group_column", "subject_id")
-    if gcol and gcol in table.columns:
-        keys = table[gcol].astype(str).to_numpy()
-        blank = pd.isna(table[gcol]).to_numpy() | (keys == "")
-        groups = np.where(blank, np.char.add("row:", np.arange(len(table)).astype(str)), keys)
-    elif gcol and gcol not in ("subject_id",):
-        raise DataError(f"group_column {gcol!r} is not a column of the dataset; columns: {', '.join(table.columns)}")
-    else:
-        groups = np.arange(len(table)).astype(str)
+    groups = group_keys(table, gcol)
     per_class = cfg.get("global_test_per_class")
     official = cfg.get("use_official_split", True) and "split" in table.columns and (table["split"] == "test").any()
     if official and per_class:
@@ -304,8 +326,6 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
         else:
             pool_pos, test_pos = np.arange(len(table)), np.zeros(0, dtype=np.int64)
     pool = table.iloc[pool_pos].reset_index(drop=True)
-    spec = dict(cfg["partition"])
-    partitioner = lookup("partitioner", spec.pop("name"))
     parts = partitioner(pool, int(cfg["num_clients"]), derive_seed(seed, "partition"), **spec)
     names = getattr(parts, "names", {})
     if getattr(parts, "rest", None) == "global_test":  # e.g. class_sample: the rows no client took
@@ -340,7 +360,139 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     a["label"] = labels[a["row"].to_numpy()]
     if "sample_id" in table.columns:
         a["sample_id"] = table["sample_id"].to_numpy()[a["row"].to_numpy()]
-    return FederatedData(source, a)
+    return FederatedData(source, a, partition_report(table, a, pname, dealt, gcol))
+
+
+def _saved_report(saved: Path) -> dict[str, Any] | None:
+    """The partition report written with a saved partition (:data:`REPORT_NAME` beside it),
+    so a resumed run's copy says what the draw did; ``None`` for a partition saved before
+    reports existed, or an unreadable report (the partition itself is what a resume needs)."""
+    try:
+        report = json.loads(saved.with_name(REPORT_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _takes_group_column(partitioner: Callable[..., Any]) -> bool:
+    """Whether a partitioner has a ``group_column`` parameter (every built-in one does; the
+    engine then passes ``fl.group_column`` unless the partition spec sets its own)."""
+    try:
+        return "group_column" in inspect.signature(partitioner).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def group_keys(table: pd.DataFrame, column: str | None) -> np.ndarray:
+    """One string key per row of ``table``: rows with the same key form one group.
+
+    Args:
+        table: the manifest.
+        column: the group column (e.g. ``subject_id``), or ``None``.
+
+    Returns:
+        The ``column`` value of each row as a string; a blank cell (NaN or ``""``) gives
+        its row a key of its own (``"row:<position>"``), and without ``column`` (``None``
+        or not in ``table``) every row is its own group (keys ``"0"``, ``"1"``, ...).
+    """
+    if not column or column not in table.columns:
+        return np.arange(len(table)).astype(str)
+    keys = table[column].astype(str).to_numpy()
+    blank = pd.isna(table[column]).to_numpy() | (keys == "")
+    return np.where(blank, np.char.add("row:", np.arange(len(table)).astype(str)), keys)
+
+
+def partition_report(table: pd.DataFrame, assignments: pd.DataFrame, partitioner: str,
+                     grouped_by: str | None, group_column: str | None) -> dict[str, Any]:
+    """What a split did with subjects: groups per client, and every group that straddles.
+
+    The report is saved as :data:`REPORT_NAME` beside ``partition.csv`` and its ``summary``
+    printed by a run (:func:`warn_straddling`). Groups are counted by the ``checked_column``:
+    ``group_column`` when the table has it, else ``grouped_by``, else the table's
+    ``subject_id``, so a run that opted out of grouping learns how many subjects it split.
+
+    Args:
+        table: the dataset's manifest.
+        assignments: the split (:attr:`FederatedData.assignments`).
+        partitioner: the partitioner's name.
+        grouped_by: the column whose groups the partitioner dealt whole, ``None``: rows
+            one by one (``group_column`` null, no such column, or a partitioner without a
+            ``group_column`` parameter).
+        group_column: the run's ``fl.group_column`` (the global test and each client's
+            splits are grouped by it), ``None`` when opted out.
+
+    Returns:
+        ``{"partitioner", "grouped", "grouped_by", "group_column", "checked_column", "groups", "clients":
+        {client id: {"name", "rows", "groups"}}, "global_test": {"rows", "groups"},
+        "straddling": {"clients", "client_and_global_test", "client_splits"}, "summary"}``,
+        ``straddling`` counting the groups with rows at two or more clients, at a client
+        and in the global test set, and in two or more of one client's splits.
+    """
+    column = next((c for c in (group_column, grouped_by, DEFAULT_GROUP_COLUMN) if c and c in table.columns), None)
+    keys = group_keys(table, column)[assignments["row"].to_numpy(dtype=np.int64)]
+    frame = pd.DataFrame({"key": keys, "client": assignments["client_id"].astype(str).to_numpy(),
+                          "role": assignments["role"].astype(str).to_numpy(),
+                          "name": assignments["client_name"].astype(str).to_numpy()})
+    held = frame["role"].to_numpy() == "global_test"
+    at, test = frame[~held], frame[held]
+    per_client = at.groupby("client").agg(rows=("key", "size"), groups=("key", "nunique"), name=("name", "first"))
+    clients = {cid: {"name": str(per_client.at[cid, "name"]), "rows": int(per_client.at[cid, "rows"]),
+                     "groups": int(per_client.at[cid, "groups"])} for cid in client_order(per_client.index)}
+    roles = at.groupby(["client", "key"])["role"].nunique()
+    report: dict[str, Any] = {
+        "partitioner": partitioner,
+        "grouped": grouped_by is not None,
+        "grouped_by": grouped_by,
+        "group_column": group_column or None,
+        "checked_column": column,
+        "groups": int(frame["key"].nunique()),
+        "clients": clients,
+        "global_test": {"rows": int(len(test)), "groups": int(test["key"].nunique())},
+        "straddling": {
+            "clients": int((at.groupby("key")["client"].nunique() > 1).sum()),
+            "client_and_global_test": int(len(set(test["key"]) & set(at["key"]))),
+            "client_splits": int(roles[roles > 1].index.get_level_values("key").nunique()),
+        },
+    }
+    report["summary"] = report_line(report)
+    return report
+
+
+def report_line(report: dict[str, Any]) -> str:
+    """One line saying how a split was grouped and whether any group straddles, e.g.
+    ``dirichlet: grouped by subject_id: 96 groups (21, 30, 25 per client; 20 in the global
+    test); no subject_id group straddles two clients, a client and the global test, or two
+    of a client's splits``."""
+    col, s = report["checked_column"], report["straddling"]
+    per = ", ".join(str(c["groups"]) for c in report["clients"].values())
+    why = "group_column null" if not report["group_column"] else "the partitioner has no group_column parameter"
+    how = f"grouped by {report['grouped_by']}" if report["grouped"] else f"rows dealt one by one ({why})"
+    if col is None:
+        return f"{report['partitioner']}: rows dealt one by one (no group column: every row its own group)"
+    counts = (f"{report['groups']} {col} groups ({per} per client; "
+              f"{report['global_test']['groups']} in the global test)")
+    if not any(s.values()):
+        return (f"{report['partitioner']}: {how}: {counts}; no {col} group straddles two clients, a client "
+                "and the global test, or two of a client's splits")
+    return (f"{report['partitioner']}: {how}: {counts}; {s['clients']} {col} group(s) straddle two or more "
+            f"clients, {s['client_and_global_test']} a client and the global test, {s['client_splits']} two "
+            "of a client's splits")
+
+
+def warn_straddling(report: dict[str, Any] | None, where: str = "") -> None:
+    """Print a split's :func:`report_line` on stderr, as a warning when some group straddles
+    (a model may then be scored, in ``cross_test`` or the global test, on images of a subject
+    it trained on)."""
+    if report is None:
+        return
+    prefix = f"medfl{f' [{where}]' if where else ''} partition: "
+    if not any(report["straddling"].values()):
+        print(prefix + report["summary"], file=sys.stderr, flush=True)
+        return
+    fix = (f"fl.group_column {report['checked_column']!r} keeps a subject's rows together" if not report["grouped"]
+           else "the dataset's own split or fold column (use_official_split, cv.column) divides them")
+    print(f"{prefix}warning: {report['summary']}; a model may be scored on images of subjects it trained on "
+          f"({fix})", file=sys.stderr, flush=True)
 
 
 def _fold_split(labels: np.ndarray, groups: np.ndarray, cfg: dict[str, Any], fold: int, seed: int,

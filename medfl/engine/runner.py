@@ -6,6 +6,9 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
 
     config.json        resolved config (and the method entry) - enough to resume
     partition.csv      which sample went to which client and role
+    partition_report.json  whether the partition dealt whole subjects (``group_column``), groups
+                       per client, and how many groups straddle clients, the global test or a
+                       client's splits (:func:`medfl.engine.data.partition_report`)
     metrics.csv        one row per (round, client, split) with every metric; ``reported_by``
                        says whose word it is across sites (:data:`METRICS_PROVENANCE`)
     train_metrics.csv  one row per (round, client) with what the client reported; its
@@ -62,7 +65,7 @@ from medfl.config import build_method, check_device, method_label, method_preset
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
                                  evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
                                  run_client_update, run_client_validate, write_sum)
-from medfl.engine.data import POOLED, FederatedData, client_order, split_data
+from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
 from medfl.filters import configured_filters
@@ -1207,6 +1210,7 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
             fold_dir.mkdir(parents=True, exist_ok=True)
             _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
             data.save(fold_dir / "partition.csv")
+            warn_straddling(data.report, f"fold_{k}")
         out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds, run_factory)
     labels = [method_label(m) for m in cfg["methods"]]
     cv = None
@@ -1238,6 +1242,7 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
             seed_dir.mkdir(parents=True, exist_ok=True)
             _write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
             data.save(seed_dir / "partition.csv")
+            warn_straddling(data.report, f"seed_{s}")
         out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
     report = None
     if all(block and all(block.values()) for block in out.values()):
@@ -1289,6 +1294,7 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
         return _seeds_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
     assert data is not None
     data.save(exp_dir / "partition.csv")
+    warn_straddling(data.report)
     return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False,
                                                            run_factory=run_factory)}
 
