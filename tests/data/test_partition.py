@@ -434,10 +434,12 @@ def test_split_data_keeps_a_subject_in_one_local_split(tiny_fl, resolve, tmp_pat
     cfg = resolve({**tiny_fl, "partition": {"name": "iid"}, "num_clients": 2})
     a = split_data(src, cfg).assignments
     a["subject"] = table["subject_id"].to_numpy()[a["row"].to_numpy()]
-    # each client's local split keeps a subject's rows in one role; the cross-client
-    # partitioner (iid here) works on rows, so that is checked per client
+    # each client's local split keeps a subject's rows in one role, and the cross-client
+    # partitioner (iid here) deals whole subjects, so a subject is at one client in one role
     for (cid, subject), g in a.groupby(["client_id", "subject"]):
         assert g["role"].nunique() == 1, (cid, subject)
+    clients = a[a["role"] != "global_test"].groupby("subject")["client_id"].nunique()
+    assert (clients == 1).all()
     # the global hold-out takes whole subjects
     held = set(a.loc[a["role"] == "global_test", "subject"])
     assert held and not held & set(a.loc[a["role"] != "global_test", "subject"])
