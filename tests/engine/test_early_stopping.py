@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +24,7 @@ from medfl.config import ConfigError
 from medfl.engine.early_stopping import EarlyStopping
 from medfl.engine.runner import evaluate_metrics, predict, resume, run_experiment
 from medfl.plugins import get_plugin_manager
-from medfl.report import summary_table
+from medfl.report import cv_results, summary_table
 from medfl_plugins.baselines import FedBN
 
 from contract_methods import methods_registered
@@ -192,6 +193,11 @@ def test_run_stops_where_patience_says_with_the_best_rounds_models(tiny_fl, reso
                 assert (got["std"], got["best"]) == (col.std(ddof=0), col.max() if m != "neg_flip_rate" else col.min())
     table = summary_table(run_dir).set_index(["split", "metric"])["mean"]   # `medfl report` agrees
     assert table[("local_test", "accuracy")] == s["final"]["local_test"]["accuracy"]["mean"]
+    fold = run_dir.parent / "cv" / "fold_0" / METHOD   # and so do cross-validation's tables
+    fold.mkdir(parents=True)
+    for f in ("metrics.csv", "summary.json"):
+        shutil.copy(run_dir / f, fold / f)
+    assert set(cv_results(fold.parent.parent, [METHOD], 1)["round"]) == {best}
     # finalize and the method's report saw the best round's coordinator state
     ckpt = torch.load(run_dir / es["best_checkpoint"], weights_only=True)
     assert BestRoundProbe.seen["trained"] == best and s["method_report"] == {"trained": best}
