@@ -30,14 +30,28 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
     summary.json       final metrics: mean, std, worst and best client per split, their
                        ``reported_by`` provenance, the
                        ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
-                       and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`)
+                       and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`);
+                       with early stopping, ``final`` is the best round's, ``last_round`` the
+                       last round's and ``early_stopping`` says what was decided (below)
     forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
                        negative-flip rates, sampled clients
-    checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept)
+    checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept, and with
+                       early stopping the best round's: the checkpoints kept record it)
     clients/           each client's persistent state, versioned by round
     eval_state/        each client's evaluation memory (last per-sample correctness, for
                        the negative-flip counts; client-side, never sent), versioned by round
     plots/             PNG curves and per-client heatmaps (the reporting plugin)
+
+Early stopping (``fl.early_stopping``, :mod:`medfl.engine.early_stopping`): after each
+evaluated round (``eval_every``: patience counts evaluated rounds) the run reads the mean over
+clients of its metric, keeps the best round, and stops once ``patience`` evaluated rounds did
+not improve on it; the decision and the state are in that round's checkpoint (``engine``
+block), so a resumed run decides the same, and a run resumed after the decision only
+finishes. At the end the coordinator state is restored from the best round's checkpoint
+before ``finalize`` and ``final_models``, the summary's ``final`` block (and ``fairness``,
+``groups``) come from the best round's rows of ``metrics.csv`` (its models' evaluation), and
+:func:`predict` uses that round's checkpoint and client states. A run that early stopping
+ended is finished: :func:`resume` does not extend it with more ``rounds``.
 """
 
 from __future__ import annotations
