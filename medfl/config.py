@@ -597,4 +597,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     if folds and cv["metric"] not in metrics:
         raise ConfigError(f"fl.cv.metric: unknown metric {cv['metric']!r}; valid: {', '.join(sorted(metrics))}")
     cfg["early_stopping"] = check_early_stopping(cfg["early_stopping"], list(cfg["eval_splits"]))
+    if cfg["early_stopping"] is not None and cfg["eval_every"] == 0:
+        raise ConfigError("fl.early_stopping: decides on rounds evaluated along the way, but fl.eval_every is 0 "
+                          "(only the last round is evaluated); set fl.eval_every (e.g. 1) or fl.early_stopping null")
     return cfg

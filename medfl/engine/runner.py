@@ -1385,16 +1385,20 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
         return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds,
                                                             run_factory=run_factory)}
     cfg = saved["fl"]
+    ignored = None   # --rounds of a run that early stopping ended
     if rounds is not None and int(rounds) != int(cfg["rounds"]) and _stopped_early(path, saved, run_factory):
-        print(f"medfl [{method_label(saved['method'])}]: {path} was finished by early stopping "
-              f"(fl.early_stopping {cfg['early_stopping']['metric']}); --rounds {int(rounds)} does not extend it "
-              "(start a new run, e.g. with a larger patience, to train longer)", file=sys.stderr, flush=True)
-        rounds = None
+        ignored, rounds = int(rounds), None
     if rounds is not None:
         cfg["rounds"] = int(rounds)
     run = _reopen(path, saved, cfg, run_factory)
     run.prepare(resume=True)
     label = run.label
+    if run.stopped_early and run.early is not None:
+        print(f"medfl [{label}]: early stopping ended this run after round {run.early.stopped_at} (best round "
+              f"{run.early.best_round}): nothing left to train"
+              + ("" if ignored is None else f"; --rounds {ignored} does not extend it (start a new run, e.g. with "
+                                            "a larger fl.early_stopping.patience, to train longer)"),
+              file=sys.stderr, flush=True)
     finished = run.start_round > run.federation.rounds or run.stopped_early
     if finished and (path / "summary.json").is_file():
         summary = json.loads((path / "summary.json").read_text())

@@ -130,6 +130,9 @@ def test_settings_are_filled_in_and_off_by_default(tiny_fl, resolve):
     low = resolve({**tiny_fl, "early_stopping": {"metric": "test/neg_flip_rate"}})["early_stopping"]
     assert low["mode"] == "min"
     assert resolve(cfg)["early_stopping"] == cfg["early_stopping"]   # resolving again changes nothing
+    with pytest.raises(ConfigError, match="fl.early_stopping: decides on rounds evaluated along the way, but "
+                                          "fl.eval_every is 0"):
+        resolve({**tiny_fl, "eval_every": 0, "early_stopping": {"metric": "test/auc"}})
 
 
 def _rows(value: float | None, n: int = 2) -> list[dict[str, Any]]:
@@ -273,7 +276,8 @@ def test_stopped_interrupted_and_finished_runs_resume_to_the_uninterrupted_resul
     capsys.readouterr()
     again = resume(full.parent, rounds=20)["summaries"][METHOD]
     assert again == json.loads((full / "summary.json").read_text())
-    assert "was finished by early stopping" in capsys.readouterr().err
+    assert (f"early stopping ended this run after round {stop} (best round {best}): nothing left to train; "
+            "--rounds 20 does not extend it") in capsys.readouterr().err
     assert json.loads((full / "config.json").read_text())["fl"]["rounds"] == 10
     assert int(pd.read_csv(full / "metrics.csv")["round"].max()) == stop
 
