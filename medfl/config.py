@@ -125,6 +125,21 @@ def _check_keys(section: dict[str, Any], valid: dict[str, Any], where: str) -> N
         )
 
 
+def _optional_section(value: Any, defaults: dict[str, Any], where: str, example: str) -> dict[str, Any] | None:
+    """A section that is off when ``None`` (or false), else a dict of ``defaults``' keys:
+    ``None``, or a new dict of ``value`` over ``defaults``.
+
+    Raises:
+        ConfigError: not a dict (the message shows ``example``), or an unknown key.
+    """
+    if value is None or value is False:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected null (off) or a dict like {example}, got {value!r}")
+    _check_keys(value, defaults, where)
+    return {**defaults, **value}
+
+
 def _named(value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, str):
         return {"name": value}
@@ -242,13 +257,9 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
     """
     from medfl.privacy.accounting import PrivacyConfigError, check_accountant, check_delta, check_positive
 
-    if dp is None or dp is False:
+    out = _optional_section(dp, DP_SGD_DEFAULTS, where, '{"epsilon": 3, "max_grad_norm": 1.0}')
+    if out is None:
         return None
-    if not isinstance(dp, dict):
-        raise ConfigError(f"{where}: expected null or a dict like {{\"epsilon\": 3, \"max_grad_norm\": 1.0}}, "
-                          f"got {dp!r}")
-    _check_keys(dp, DP_SGD_DEFAULTS, where)
-    out = {**DP_SGD_DEFAULTS, **dp}
     try:
         if (out["epsilon"] is None) == (out["noise_multiplier"] is None):
             raise ConfigError(f"{where}: give exactly one of epsilon (a target, the noise is derived) and "
@@ -388,13 +399,9 @@ def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.ea
     """
     from medfl.metrics.forgetting import LOWER_IS_BETTER
 
-    if value is None or value is False:
+    out = _optional_section(value, EARLY_STOPPING_DEFAULTS, where, '{"metric": "val/micro_f1", "patience": 5}')
+    if out is None:
         return None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected null (off) or a dict like {{\"metric\": \"val/micro_f1\", "
-                          f"\"patience\": 5}}, got {value!r}")
-    _check_keys(value, EARLY_STOPPING_DEFAULTS, where)
-    out = {**EARLY_STOPPING_DEFAULTS, **value}
     metric = out["metric"]
     split, _, name = metric.partition("/") if isinstance(metric, str) else ("", "", "")
     if not split or not name:
