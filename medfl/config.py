@@ -135,7 +135,7 @@ def _optional_section(value: Any, defaults: dict[str, Any], where: str, example:
     if value is None or value is False:
         return None
     if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected null (off) or a dict like {example}, got {value!r}")
+        raise ConfigError(f"{where}: expected null or a dict like {example}, got {value!r}")
     _check_keys(value, defaults, where)
     return {**defaults, **value}
 

@@ -111,7 +111,7 @@ BAD = [
     ({"metric": "test/auc", "min_delta": "0"}, r"fl.early_stopping.min_delta: expected a finite number >= 0"),
     ({"metric": "test/auc", "mode": "up"}, r"fl.early_stopping.mode: expected \"max\".*\"min\" or null"),
     ({"metric": "test/auc", "min_rounds": -1}, r"fl.early_stopping.min_rounds: expected an integer >= 0"),
-    (5, r"fl.early_stopping: expected null \(off\) or a dict"),
+    (5, r"fl.early_stopping: expected null or a dict like \{\"metric\": \"val/micro_f1\""),
 ]
 
 
