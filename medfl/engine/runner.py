@@ -1026,8 +1026,8 @@ class Run:
         else the last round's)."""
         pm = get_plugin_manager()
         best = self._restore_best()
-        if self.stopped_early:
-            print(self.early.stop_message(self.label), file=sys.stderr, flush=True)   # type: ignore[union-attr]
+        if self.early is not None and self.early.stopped_at is not None:
+            print(self.early.stop_message(self.label), file=sys.stderr, flush=True)
         self.coordinator.finalize()
         finals = self.evaluate_finals(rounds)
         summary = {"method": self.method_spec["name"], "label": self.label,
