@@ -18,7 +18,8 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_params", "method_preset",
            "preset_record", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
-           "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL"]
+           "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL", "EARLY_STOPPING_DEFAULTS",
+           "TEST_SPLITS", "check_early_stopping"]
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,16 @@ DEFAULTS: dict[str, Any] = {
     "methods": [{"name": "fedavg"}],
     "eval_splits": ["test", "global_test"],  # + "cross_test": each model on every client's test split
     "eval_every": 1,                # evaluate every k rounds (the last round always; 0: last only)
+    # early stopping and best-round selection for every method: null (off: every round runs
+    # and the last round's models are final), or {"metric": "val/micro_f1", "patience": 5,
+    # "min_delta": 0.0, "mode": null, "min_rounds": 0} (EARLY_STOPPING_DEFAULTS): after each
+    # evaluated round the mean over clients of <split>/<metric> (a split of eval_splits, a
+    # column of metrics.csv); a round that beats the best by more than min_delta becomes the
+    # best round, and the run stops once `patience` evaluated rounds (eval_every) in a row did
+    # not (and at least min_rounds ran); the best round's models are final (summary.json,
+    # final_models, predict). mode null: "min" for a lower-is-better metric, else "max".
+    # Selecting on a test split is allowed but is test-set leakage (warned, recorded)
+    "early_stopping": None,
     "keep_checkpoints": 2,
     "max_reply_failures": 3,        # a client whose replies fail the coordinator's checks this often is excluded (0: never)
     "progress": True,
@@ -116,6 +127,21 @@ def _check_keys(section: dict[str, Any], valid: dict[str, Any], where: str) -> N
             f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
             f"{', '.join(sorted(valid))}"
         )
+
+
+def _optional_section(value: Any, defaults: dict[str, Any], where: str, example: str) -> dict[str, Any] | None:
+    """A section that is off when ``None`` (or false), else a dict of ``defaults``' keys:
+    ``None``, or a new dict of ``value`` over ``defaults``.
+
+    Raises:
+        ConfigError: not a dict (the message shows ``example``), or an unknown key.
+    """
+    if value is None or value is False:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected null or a dict like {example}, got {value!r}")
+    _check_keys(value, defaults, where)
+    return {**defaults, **value}
 
 
 def _named(value: Any, where: str) -> dict[str, Any]:
@@ -294,13 +320,9 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
     """
     from medfl.privacy.accounting import PrivacyConfigError, check_accountant, check_delta, check_positive
 
-    if dp is None or dp is False:
+    out = _optional_section(dp, DP_SGD_DEFAULTS, where, '{"epsilon": 3, "max_grad_norm": 1.0}')
+    if out is None:
         return None
-    if not isinstance(dp, dict):
-        raise ConfigError(f"{where}: expected null or a dict like {{\"epsilon\": 3, \"max_grad_norm\": 1.0}}, "
-                          f"got {dp!r}")
-    _check_keys(dp, DP_SGD_DEFAULTS, where)
-    out = {**DP_SGD_DEFAULTS, **dp}
     try:
         if (out["epsilon"] is None) == (out["noise_multiplier"] is None):
             raise ConfigError(f"{where}: give exactly one of epsilon (a target, the noise is derived) and "
@@ -395,6 +417,79 @@ def check_backend(value: Any, where: str = "fl.backend") -> dict[str, Any]:
     if out["client_cpus"] < 1 or out["client_cpus"] != int(out["client_cpus"]):
         raise ConfigError(f"{where}.client_cpus: expected a whole number of cores >= 1, got {out['client_cpus']!r}")
     out["client_cpus"] = int(out["client_cpus"])
+    return out
+
+
+#: The keys of ``fl.early_stopping`` and their defaults (:func:`check_early_stopping`).
+EARLY_STOPPING_DEFAULTS: dict[str, Any] = {
+    "metric": "val/micro_f1",   # <split>/<metric>: a split of eval_splits, a column of metrics.csv
+    "patience": 5,              # evaluated rounds without improvement before the run stops
+    "min_delta": 0.0,           # an improvement is more than this
+    "mode": None,               # "max", "min"; null: "min" for a lower-is-better metric, else "max"
+    "min_rounds": 0,            # never stop before this round
+}
+
+#: Splits of ``fl.eval_splits`` that are test data: selecting the best round on one of them
+#: is test-set leakage (allowed, warned and recorded).
+TEST_SPLITS = ("test", "global_test", "cross_test")
+
+#: Columns of ``metrics.csv`` besides the registered metrics that a run can stop on: the
+#: evaluation memory's negative flips (lower is better).
+_MEMORY_METRICS = ("neg_flips", "neg_flip_rate")
+
+
+def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.early_stopping"
+                         ) -> dict[str, Any] | None:
+    """Check an ``early_stopping`` section on its own and fill its defaults.
+
+    Args:
+        value: ``None`` (no early stopping) or a dict with keys of
+            :data:`EARLY_STOPPING_DEFAULTS`: ``metric`` (``"<split>/<metric>"``: a split of
+            ``eval_splits`` as it is named there, ``val``, ``test``, ``global_test``...,
+            and a registered metric or ``neg_flips``/``neg_flip_rate``), ``patience`` (an
+            integer >= 1: evaluated rounds), ``min_delta`` (a finite number >= 0), ``mode``
+            (``"max"``, ``"min"`` or ``None``) and ``min_rounds`` (an integer >= 0).
+        eval_splits: the run's ``fl.eval_splits``.
+        where: the key named in error messages.
+
+    Returns:
+        ``None`` when early stopping is off, else a new dict with every key, ``mode``
+        resolved (``None``: ``"min"`` for a lower-is-better metric, else ``"max"``).
+
+    Raises:
+        ConfigError: an unknown key or a bad value; the message names ``<where>.<key>`` and
+            what was expected.
+    """
+    from medfl.metrics.forgetting import LOWER_IS_BETTER
+
+    out = _optional_section(value, EARLY_STOPPING_DEFAULTS, where, '{"metric": "val/micro_f1", "patience": 5}')
+    if out is None:
+        return None
+    metric = out["metric"]
+    split, _, name = metric.partition("/") if isinstance(metric, str) else ("", "", "")
+    if not split or not name:
+        raise ConfigError(f"{where}.metric: expected \"<split>/<metric>\" like \"val/micro_f1\", got {metric!r}")
+    if split not in eval_splits:
+        raise ConfigError(f"{where}.metric: {metric!r} selects on split {split!r}, which the run does not evaluate; "
+                          f"add {split!r} to fl.eval_splits (now {list(eval_splits)}) or pick one of them "
+                          "(splits as eval_splits names them: val, test, global_test, cross_test...)")
+    names = sorted(registry()["metric"]) + list(_MEMORY_METRICS)
+    if name not in names:
+        raise ConfigError(f"{where}.metric: unknown metric {name!r} in {metric!r}; valid: {', '.join(names)}")
+    for key, low in (("patience", 1), ("min_rounds", 0)):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"{where}.{key}: expected an integer >= {low}, got {v!r}")
+    d = out["min_delta"]
+    if isinstance(d, bool) or not isinstance(d, Real) or not math.isfinite(d) or d < 0:
+        raise ConfigError(f"{where}.min_delta: expected a finite number >= 0 (how much better than the best a "
+                          f"round must be to count as an improvement), got {d!r}")
+    out["min_delta"] = float(d)
+    if out["mode"] not in (None, "max", "min"):
+        raise ConfigError(f"{where}.mode: expected \"max\" (higher is better), \"min\" or null (from the metric), "
+                          f"got {out['mode']!r}")
+    if out["mode"] is None:
+        out["mode"] = "min" if name in LOWER_IS_BETTER else "max"
     return out
 
 
@@ -574,4 +669,8 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     metrics = registry()["metric"]  # also makes sure every plugin loaded cleanly
     if folds and cv["metric"] not in metrics:
         raise ConfigError(f"fl.cv.metric: unknown metric {cv['metric']!r}; valid: {', '.join(sorted(metrics))}")
+    cfg["early_stopping"] = check_early_stopping(cfg["early_stopping"], list(cfg["eval_splits"]))
+    if cfg["early_stopping"] is not None and cfg["eval_every"] == 0:
+        raise ConfigError("fl.early_stopping: decides on rounds evaluated along the way, but fl.eval_every is 0 "
+                          "(only the last round is evaluated); set fl.eval_every (e.g. 1) or fl.early_stopping null")
     return cfg

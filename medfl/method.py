@@ -28,6 +28,8 @@ Lifecycle of a run (rounds are numbered from 1)::
             coordinator.server_evaluate(round, results)            # the scalars of every split
         coordinator.mechanisms(round), coordinator.mechanism_warnings(round)   # mechanisms.csv, warnings
         checkpoint(coordinator.state_dict())
+        if early stopping (fl.early_stopping) decides to stop: leave the loop
+    if early stopping: coordinator.load_state_dict(the best round's checkpoint)
     coordinator.finalize()
     for name, (spec, state) in coordinator.final_models().items():   # {} (the default): none
         scores of the model on the public test split (at the coordinator) and on every

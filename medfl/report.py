@@ -13,7 +13,7 @@ import pandas as pd
 __all__ = ["plots_wanted", "write_plots", "write_experiment_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_group_plot",
            "write_mechanism_plot", "write_comparison",
            "forgetting_table",
-           "summary_table", "format_table", "load_metrics", "CV_SPLITS", "cv_results", "cv_summary",
+           "summary_table", "format_table", "load_metrics", "final_round", "CV_SPLITS", "cv_results", "cv_summary",
            "cv_table", "write_cv_report", "SEED_METRICS", "seeds_results", "seeds_summary", "write_seeds_report"]
 
 PLOT_METRICS = ("accuracy", "auc", "f1")
@@ -60,6 +60,18 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
         raise FileNotFoundError(f"{path}: no metrics; is {run_dir} a medfl run directory with a finished round?")
     return pd.read_csv(path, dtype={"client_id": str, "client_name": str}, keep_default_na=False,
                        na_values=["", "nan", "NaN"])
+
+
+def final_round(run_dir: str | Path, metrics: pd.DataFrame) -> int:
+    """The round of ``metrics`` (the run's ``metrics.csv``) whose rows are the run's final
+    metrics: the round of ``summary.json``'s ``final`` block (under early stopping, the best
+    round, ``fl.early_stopping``) when the run has a summary, else the last round."""
+    last = int(metrics["round"].max())
+    try:
+        chosen = json.loads((Path(run_dir) / "summary.json").read_text()).get("final", {}).get("round")
+    except (OSError, ValueError, AttributeError):
+        return last
+    return int(chosen) if isinstance(chosen, int) and chosen in set(metrics["round"].astype(int)) else last
 
 
 def write_forgetting_plot(run_dir: str | Path) -> Path | None:
@@ -317,6 +329,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     written = []
     metrics = [m for m in PLOT_METRICS if m in df.columns]
     splits = list(dict.fromkeys(df["split"]))
+    chosen = final_round(run_dir, df)
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.6), squeeze=False)
     for ax, m in zip(axes[0], metrics):
         for split in splits:
@@ -324,6 +337,8 @@ def write_plots(run_dir: str | Path) -> list[Path]:
             mean, lo, hi = g.mean(), g.min(), g.max()
             ax.plot(mean.index, mean.values, marker="o", label=f"{split} (mean)")
             ax.fill_between(mean.index, lo.values, hi.values, alpha=0.2)
+        if chosen != int(df["round"].max()):   # early stopping's best round
+            ax.axvline(chosen, ls=":", color="k", lw=1, label=f"best round {chosen}")
         ax.set_xlabel("round")
         ax.set_ylabel(m)
         ax.set_title(f"{m}: mean and client range")
@@ -335,7 +350,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     written.append(path)
-    last = df[df["round"] == df["round"].max()]
+    last = df[df["round"] == chosen]
     cols = [c for c in ("accuracy", "precision", "recall", "specificity", "f1", "micro_f1", "auc") if c in df.columns]
     for split in splits:
         t = last[last["split"] == split].set_index("client_id")[cols].astype(float)
@@ -364,9 +379,10 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
 
 def summary_table(run_dir: str | Path) -> pd.DataFrame:
-    """Per split, mean / std / worst client of each metric in the last round."""
+    """Per split, mean / std / worst client of each metric in the run's final round (the
+    last, or early stopping's best round: :func:`final_round`)."""
     df = load_metrics(run_dir)
-    last = df[df["round"] == df["round"].max()]
+    last = df[df["round"] == final_round(run_dir, df)]
     cols = [c for c in ("accuracy", "precision", "recall", "specificity", "f1", "micro_f1", "auc") if c in df.columns]
     rows = []
     for split, g in last.groupby("split", sort=False):
@@ -538,8 +554,8 @@ def _pm(stats: dict[str, Any], digits: int = 3) -> str:
 
 def cv_results(exp_dir: str | Path, labels: list[str], folds: int) -> pd.DataFrame:
     """Final-round metrics of every (fold, method, client, split) of a cross-validated
-    experiment directory (``fold_<k>/<label>/metrics.csv``), with a ``fold`` and ``method``
-    column."""
+    experiment directory (``fold_<k>/<label>/metrics.csv``; under early stopping the best
+    round's, :func:`final_round`), with a ``fold`` and ``method`` column."""
     frames = []
     for k in range(folds):
         for label in labels:
@@ -549,7 +565,7 @@ def cv_results(exp_dir: str | Path, labels: list[str], folds: int) -> pd.DataFra
             df = pd.read_csv(path, dtype={"client_id": str, "client_name": str})
             if df.empty:
                 continue
-            df = df[df["round"] == df["round"].max()]
+            df = df[df["round"] == final_round(path.parent, df)]
             frames.append(df.assign(fold=k, method=label))
     if not frames:
         return pd.DataFrame()

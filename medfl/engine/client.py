@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -110,14 +110,21 @@ class ClientStore:
                 problems.append(f"client {cid}'s state of round {int(r)} changed since the checkpoint ({path})")
         return problems
 
-    def prune(self, upto_round: int) -> None:
+    def prune(self, upto_round: int, pinned: Iterable[int] = ()) -> None:
         """Drop versions no longer needed once the checkpoint of ``upto_round`` exists (the
-        run passes its *oldest* kept checkpoint, so each kept checkpoint keeps its states)."""
+        run passes its *oldest* kept checkpoint, so each kept checkpoint keeps its states).
+
+        Args:
+            upto_round: the oldest kept checkpoint's round.
+            pinned: rounds of older checkpoints the run keeps as well (early stopping's best
+                round): each keeps the version it records, the newest one up to that round.
+        """
         if not self.root.is_dir():
             return
+        rounds = sorted({int(upto_round), *(int(p) for p in pinned)})
         for d in self.root.iterdir():
             files = self._files(d.name)
-            keep = [p for r, p in files if r <= upto_round][-1:]
+            keep = {q for k in rounds for q in [p for r, p in files if r <= k][-1:]}
             for r, p in files:
                 if r <= upto_round and p not in keep:
                     _unlink_with_sum(p)

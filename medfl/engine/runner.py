@@ -36,14 +36,28 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
     summary.json       final metrics: mean, std, worst and best client per split, their
                        ``reported_by`` provenance, the
                        ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
-                       and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`)
+                       and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`);
+                       with early stopping, ``final`` is the best round's, ``last_round`` the
+                       last round's and ``early_stopping`` says what was decided (below)
     forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
                        negative-flip rates, sampled clients
-    checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept)
+    checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept, and with
+                       early stopping the best round's: the checkpoints kept record it)
     clients/           each client's persistent state, versioned by round
     eval_state/        each client's evaluation memory (last per-sample correctness, for
                        the negative-flip counts; client-side, never sent), versioned by round
     plots/             PNG curves and per-client heatmaps (the reporting plugin)
+
+Early stopping (``fl.early_stopping``, :mod:`medfl.engine.early_stopping`): after each
+evaluated round (``eval_every``: patience counts evaluated rounds) the run reads the mean over
+clients of its metric, keeps the best round, and stops once ``patience`` evaluated rounds did
+not improve on it; the decision and the state are in that round's checkpoint (``engine``
+block), so a resumed run decides the same, and a run resumed after the decision only
+finishes. At the end the coordinator state is restored from the best round's checkpoint
+before ``finalize`` and ``final_models``, the summary's ``final`` block (and ``fairness``,
+``groups``) come from the best round's rows of ``metrics.csv`` (its models' evaluation), and
+:func:`predict` uses that round's checkpoint and client states. A run that early stopping
+ended is finished: :func:`resume` does not extend it with more ``rounds``.
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -66,6 +80,7 @@ from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, b
                                  evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
                                  run_client_update, run_client_validate, write_sum)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
+from medfl.engine.early_stopping import EarlyStopping, metrics_split
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
 from medfl.filters import configured_filters
@@ -183,11 +198,12 @@ class GrowingCsv:
         _write_csv(path, df, text)
 
 
-def summarize_metrics(metrics: pd.DataFrame) -> dict[str, Any]:
-    """Per split, the last round's mean, std (ddof=0), worst and best client of each metric."""
+def summarize_metrics(metrics: pd.DataFrame, round: int | None = None) -> dict[str, Any]:
+    """Per split, the mean, std (ddof=0), worst and best client of each metric in ``round``
+    (default: the last round of ``metrics``)."""
     if metrics.empty:
         return {}
-    last = int(metrics["round"].max())
+    last = int(metrics["round"].max()) if round is None else int(round)
     final = metrics[metrics["round"] == last]
     names = [c for c in final.columns
              if c not in ("round", "client_id", "client_name", "split", "reported_by", "n") and not c.startswith("n_")]
@@ -269,6 +285,9 @@ class Run:
         self.resume_round = 0      # the round this session started from
         self._ckpt = 0             # the last checkpointed round
         self._prune_to = 0         # the oldest kept checkpoint: client states before it may go
+        #: early stopping and best-round selection (``fl.early_stopping``; ``None``: off)
+        self.early = EarlyStopping.from_config(cfg)
+        self._pinned: list[int] = []   # older checkpoints kept for early stopping (best rounds)
         self._lock: Any = None     # the run directory's lock while this process writes it
         self._failures: dict[str, int] = {}   # replies of each client that failed the checks
         self._excluded: set[str] = set()      # clients excluded by max_reply_failures
@@ -370,24 +389,76 @@ class Run:
         can fall back to it)."""
         path = self._checkpoint_path(r)
         tmp = path.with_suffix(".tmp")
+        engine: dict[str, Any] = {"failures": dict(self._failures), "excluded": sorted(self._excluded),
+                                  "warnings": list(self.warnings)}
+        if self.early is not None:
+            engine["early_stopping"] = self.early.state_dict()
         torch.save({"round": r, "method": self.coordinator.state_dict(),
                     "client_states": self.store.index(r), "eval_states": self.eval_store.index(r),
-                    "engine": {"failures": dict(self._failures), "excluded": sorted(self._excluded),
-                               "warnings": list(self.warnings)}}, tmp)
+                    "engine": engine}, tmp)
         write_sum(tmp, path)
         tmp.replace(path)
         self._ckpt = r
-        keep = max(1, int(self.config["keep_checkpoints"]))
-        for old in sorted(path.parent.glob("round_*.pt"))[:-keep]:
-            old.unlink()
-            old.with_name(old.name + ".sha256").unlink(missing_ok=True)
-        self._prune_to = min(self._kept_checkpoints(), default=r)
-        self.store.prune(self._prune_to)
-        self.eval_store.prune(self._prune_to)
+        kept = self._kept_checkpoints()
+        recent = kept[-max(1, int(self.config["keep_checkpoints"])):]
+        self._pinned = self._pins(recent)
+        for old in kept:
+            if old not in recent and old not in self._pinned:
+                old_path = self._checkpoint_path(old)
+                old_path.unlink()
+                old_path.with_name(old_path.name + ".sha256").unlink(missing_ok=True)
+        self._prune_to = min(recent, default=r)
+        self.store.prune(self._prune_to, self._pinned)
+        self.eval_store.prune(self._prune_to, self._pinned)
+
+    def _pins(self, recent: list[int]) -> list[int]:
+        """The older checkpoints kept beside the ``recent`` ones (``keep_checkpoints``): with
+        early stopping, the best round each of them records, so a resume from any kept
+        checkpoint still finds its best round's coordinator state and client states."""
+        if self.early is None:
+            return []
+        return sorted({b for k in recent for b in [self.early.best_at(k)] if b is not None and b < min(recent)})
 
     def _kept_checkpoints(self) -> list[int]:
         d = self.run_dir / "checkpoints"
         return sorted(int(p.stem.split("_")[1]) for p in d.glob("round_*.pt")) if d.is_dir() else []
+
+    def _read_checkpoint(self, k: int) -> tuple[str, dict[str, Any] | None]:
+        """Round ``k``'s checkpoint and what is wrong with it (``""``: nothing): its checksum,
+        whether it is a readable medfl checkpoint, the client states it records present and
+        unchanged."""
+        path = self._checkpoint_path(k)
+        if not path.is_file():
+            return f"{path} is missing", None
+        problem = check_sum(path)
+        ckpt = None
+        if not problem:
+            try:
+                ckpt = torch.load(path, map_location="cpu", weights_only=True)
+                if not isinstance(ckpt, dict) or "method" not in ckpt:
+                    problem = "not a medfl checkpoint"
+            except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+                problem = f"unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+        if not problem and ckpt is not None:
+            lost = (self.store.verify(ckpt.get("client_states", {}))
+                    + self.eval_store.verify(ckpt.get("eval_states", {})))
+            problem = "; ".join(lost[:3]) + (f" (and {len(lost) - 3} more)" if len(lost) > 3 else "")
+        return problem, ckpt
+
+    def _best_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint of early stopping's best round (``None``: early stopping is off or
+        no round reported its metric yet).
+
+        Raises:
+            RunError: that checkpoint is missing or damaged.
+        """
+        if self.early is None or self.early.best_round is None:
+            return None
+        problem, ckpt = self._read_checkpoint(self.early.best_round)
+        if problem:
+            raise RunError(f"{self.run_dir}: the checkpoint of early stopping's best round {self.early.best_round} "
+                           f"cannot be used: {problem}; the best round's models are lost (start a new run)")
+        return ckpt
 
     def _intact_checkpoint(self, read_only: bool) -> tuple[int, dict[str, Any] | None]:
         """The newest checkpoint that is whole (its checksum, readable, the client states it
@@ -400,19 +471,7 @@ class Run:
         problems = []
         for k in reversed(self._kept_checkpoints()):
             path = self._checkpoint_path(k)
-            problem = check_sum(path)
-            ckpt = None
-            if not problem:
-                try:
-                    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-                    if not isinstance(ckpt, dict) or "method" not in ckpt:
-                        problem = "not a medfl checkpoint"
-                except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-                    problem = f"unreadable ({type(exc).__name__}: {str(exc)[:120]})"
-            if not problem:
-                lost = (self.store.verify(ckpt.get("client_states", {}))
-                        + self.eval_store.verify(ckpt.get("eval_states", {})))
-                problem = "; ".join(lost[:3]) + (f" (and {len(lost) - 3} more)" if len(lost) > 3 else "")
+            problem, ckpt = self._read_checkpoint(k)
             if not problem:
                 if problems and not read_only:
                     for bad, why in problems:
@@ -456,6 +515,8 @@ class Run:
             self._write_static()
             self._log_preset()
             self._log_privacy()
+            if self.early is not None and self.early.on_test_split:
+                print(self.early.leakage_warning(self.label), file=sys.stderr, flush=True)
         self.coordinator.setup(self.federation)
         if not (resume or read_only):
             self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
@@ -468,12 +529,18 @@ class Run:
         self._failures = {str(c): int(n) for c, n in engine.get("failures", {}).items()}
         self._excluded = {str(c) for c in engine.get("excluded", [])}
         self.warnings = [dict(w) for w in engine.get("warnings", [])]
+        if self.early is not None:
+            self.early.load_state_dict(engine.get("early_stopping", {}))
         if not read_only:
             self.store.rollback(k)
             self.eval_store.rollback(k)
         self.start_round = k + 1
         self.resume_round = self._ckpt = k
-        self._prune_to = min(self._kept_checkpoints(), default=k)
+        recent = [c for c in self._kept_checkpoints() if c <= k][-max(1, int(self.config["keep_checkpoints"])):]
+        self._prune_to = min(recent, default=k)
+        self._pinned = self._pins(recent) if recent else []
+        if not read_only:
+            self._best_checkpoint()   # early stopping's best round is still there (else stop now, saying so)
         files = {"metrics": "metrics", "train_metrics": "train_metrics", "cross": "cross_test",
                  "validation": "validation_metrics", "mechanism_log": "mechanisms"}
         for name, stem in files.items():
@@ -544,6 +611,8 @@ class Run:
             rows = self.evaluate(r)
             self.metrics = pd.concat([self.metrics, pd.DataFrame(rows)], ignore_index=True)
             self._csv.write(self.run_dir / "metrics.csv", self.metrics)
+            if self.early is not None:   # decided before the checkpoint, which records it
+                self.early.observe(r, rows, self.federation.rounds)
         self._csv.write(self.run_dir / "communication.csv", self.traffic.frame())
         self.record_mechanisms(r)
         self._save_checkpoint(r)
@@ -677,12 +746,14 @@ class Run:
         """The control fields of a message to client ``cid`` in round ``r`` (the ``medfl``
         record of :mod:`medfl.wire`), plus ``extra``. Over Flower they travel with every
         message; in process they are built only to measure the messages a deployment would
-        send, with :data:`PLACEHOLDER_ID` for the run and session ids."""
+        send, with :data:`PLACEHOLDER_ID` for the run and session ids. With early stopping,
+        ``pinned`` lists the older checkpoints the run keeps (best rounds, :meth:`_pins`),
+        whose client states a site keeps beside those of ``ckpt`` and later."""
         return {"protocol": wire.PROTOCOL, "run": self.run_id, "session": self.session, "resume": self.resume_round,
                 "ckpt": self._prune_to, "round": r, "seed": self.federation.seed, "client": cid, "fold": self.fold,
                 "method": self.method_spec, "model": self.federation.model_spec(cid),
                 "train": self.privacy.client_train(cid), "filters": self.privacy.chain.specs(), "step": self._step,
-                **extra}
+                **({"pinned": list(self._pinned)} if self.early is not None else {}), **extra}
 
     def _request_sizes(self, r: int, instructions: dict[str, Instruction], **extra: Any) -> dict[str, int]:
         """Encoded size of the message each client of ``instructions`` would be sent
@@ -849,7 +920,7 @@ class Run:
                     pairs.append({"round": r, "client_id": cid, "data_client_id": data,
                                   "reported_by": "self" if data == cid else "peer", **m})
                     continue
-                name = "local_" + split if split not in ("global_test", "cross_test") else split
+                name = metrics_split(split)
                 rows.append({"round": r, "client_id": cid, "client_name": self._names.get(cid, cid),
                              "split": name, "reported_by": reported_by(name), **m})
         if pairs:
@@ -894,9 +965,10 @@ class Run:
         return {name: summarize_metrics(df.drop(columns=["model"]))
                 for name, df in self.final_metrics.groupby("model", sort=False)}
 
-    def write_groups(self, groups: dict[str, str]) -> dict[str, Any]:
+    def write_groups(self, groups: dict[str, str], round: int | None = None) -> dict[str, Any]:
         """Write ``groups.csv`` (client, group) and return the summary's ``groups`` block:
-        each group's clients and the last round's mean of every metric per split over them."""
+        each group's clients and the mean of every metric per split over them in ``round``
+        (default: the last round; early stopping's best round at the end of such a run)."""
         frame = pd.DataFrame([{"client_id": cid, "client_name": self._names.get(cid, cid), "group": g}
                               for cid, g in groups.items()])
         _write_csv(self.run_dir / "groups.csv", frame)
@@ -904,7 +976,7 @@ class Run:
         for g, part in frame.groupby("group", sort=False):
             ids = set(part["client_id"])
             sub = self.metrics[self.metrics["client_id"].astype(str).isin(ids)] if len(self.metrics) else self.metrics
-            final = summarize_metrics(sub) if len(sub) else {}
+            final = summarize_metrics(sub, round) if len(sub) else {}
             out[str(g)] = {"clients": client_order(list(ids)),
                            "final": {split: {m: v["mean"] for m, v in block.items()}
                                      for split, block in final.items() if isinstance(block, dict)}}
@@ -919,22 +991,34 @@ class Run:
             _unlock(self._lock)
             self._lock = None
 
+    @property
+    def stopped_early(self) -> bool:
+        """Whether early stopping ended the run before its planned last round."""
+        return self.early is not None and self.early.stopped_at is not None
+
+    @property
+    def rounds_run(self) -> int:
+        """The run's last round: where early stopping stopped it, else the planned last one."""
+        return self.early.stopped_at if self.early is not None and self.early.stopped_at is not None \
+            else self.federation.rounds
+
     def _execute(self, stop_after_round: int | None) -> dict[str, Any]:
         pm = get_plugin_manager()
         pm.hook.on_run_start(run=self)
         rounds = self.federation.rounds
-        last = min(rounds, stop_after_round) if stop_after_round else rounds
+        # a run resumed after early stopping decided to stop has no round left to train
+        last = min(self.rounds_run, stop_after_round) if stop_after_round else self.rounds_run
         t0 = time.perf_counter()
-        bar = tqdm(range(self.start_round, last + 1), desc=f"{self.label}", unit="round",
+        bar = tqdm(self._round_numbers(self.start_round, last), desc=f"{self.label}", unit="round",
                    disable=not self.config.get("progress", True), leave=True,
                    initial=self.start_round - 1, total=rounds)
         try:
             self._rounds(bar, last, pm)
             bar.close()
-            if last < rounds:
+            if not self.stopped_early and last < rounds:
                 self._status("stopped", last)
                 return {}
-            return self._finish(rounds, t0)
+            return self._finish(self.rounds_run, t0)
         except Exception:
             bar.close()
             self._status("failed", self._ckpt)   # never left "running"; resume restarts after _ckpt
@@ -958,6 +1042,14 @@ class Run:
         """The command that continues this run's experiment ``top`` (told on an interruption)."""
         return f"medfl resume {top}"
 
+    def _round_numbers(self, first: int, last: int) -> Iterator[int]:
+        """Rounds ``first`` to ``last``, ending after the round where early stopping decided
+        to stop (the progress bar then counts that round and closes cleanly)."""
+        for r in range(first, last + 1):
+            if self.stopped_early:
+                return
+            yield r
+
     def _rounds(self, bar: Any, last: int, pm: Any) -> None:
         """The round loop of :meth:`execute` (the profile exchange first on a fresh run)."""
         if self.start_round == 1 and last >= 1:
@@ -976,28 +1068,53 @@ class Run:
             self._status("running", r)
             pm.hook.on_round_end(run=self, round=r, metrics=rows)
 
+    def _restore_best(self) -> int | None:
+        """With early stopping, put the coordinator back in the state of the best round's
+        checkpoint (before ``finalize``: its post-hoc stages and final models start from
+        the best round's models); return the best round (``None``: early stopping is off,
+        or no evaluated round reported its metric and the last round's state stays)."""
+        ckpt = self._best_checkpoint()
+        if ckpt is None:
+            return None
+        self.coordinator.load_state_dict(ckpt["method"])
+        return int(ckpt["round"])
+
     def _finish(self, rounds: int, t0: float) -> dict[str, Any]:
-        """After the last round: finalize, score the final models, write the summary."""
+        """After the last round (``rounds``: the last round run): with early stopping,
+        restore the best round's coordinator state; finalize, score the final models, write
+        the summary (its ``final`` block: the best round's metrics under early stopping,
+        else the last round's)."""
         pm = get_plugin_manager()
+        best = self._restore_best()
+        if self.early is not None and self.early.stopped_at is not None:
+            print(self.early.stop_message(self.label), file=sys.stderr, flush=True)
         self.coordinator.finalize()
         finals = self.evaluate_finals(rounds)
         summary = {"method": self.method_spec["name"], "label": self.label,
                    "rounds": rounds, "num_clients": len(self.federation.eval_client_ids),
                    "seed": self.federation.seed, "wall_time_s_last_session": time.perf_counter() - t0,
-                   "final": summarize_metrics(self.metrics),
-                   "reported_by": metrics_provenance(self.metrics, self.train_metrics)}
+                   "final": summarize_metrics(self.metrics, best)}
+        selected = self.metrics
+        if self.early is not None:
+            summary["last_round"] = summarize_metrics(self.metrics)
+            summary["early_stopping"] = self.early.summary(
+                self.federation.rounds, rounds,
+                None if best is None else str(self._checkpoint_path(best).relative_to(self.run_dir)))
+            if best is not None:
+                selected = self.metrics[self.metrics["round"] == best]
+        summary["reported_by"] = metrics_provenance(self.metrics, self.train_metrics)
         forgetting, per_round = forgetting_report(self.metrics, self.train_metrics)
         summary["forgetting"] = forgetting
         summary["privacy"] = self.ledger.summary()
         summary["communication"] = self.traffic.summary(rounds)
-        fairness = fairness_report(self.metrics, "local_test")
+        fairness = fairness_report(selected, "local_test")
         if fairness:
             summary["fairness"] = fairness
         if finals:
             summary["final_models"] = finals
         groups = self.coordinator.client_groups()
         if groups:
-            summary["groups"] = self.write_groups(groups)
+            summary["groups"] = self.write_groups(groups, best)
         if self.public is not None:
             summary["public_dataset"] = self.public.describe()
         report = self.coordinator.report()
@@ -1307,7 +1424,10 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
         path: a run directory (has ``config.json`` with a ``method``), an experiment
             directory, or a cross-validated experiment (its folds too: a fold that never
             started runs from the beginning, and the CV report is rewritten at the end).
-        rounds: a new total number of rounds (default: the configured one).
+        rounds: a new total number of rounds (default: the configured one). A run that
+            early stopping ended (``fl.early_stopping``) is finished whatever ``rounds``
+            says: it is not extended (early stopping decided it; the run says so on stderr),
+            so an experiment resumed with more rounds extends its other methods' runs.
         run_factory: builds each run (default :class:`Run`; see :func:`run_experiment`).
 
     Raises:
@@ -1330,12 +1450,22 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
         return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds,
                                                             run_factory=run_factory)}
     cfg = saved["fl"]
+    ignored = None   # --rounds of a run that early stopping ended
+    if rounds is not None and int(rounds) != int(cfg["rounds"]) and _stopped_early(path, saved, run_factory):
+        ignored, rounds = int(rounds), None
     if rounds is not None:
         cfg["rounds"] = int(rounds)
     run = _reopen(path, saved, cfg, run_factory)
     run.prepare(resume=True)
     label = run.label
-    if run.start_round > run.federation.rounds and (path / "summary.json").is_file():
+    if run.stopped_early and run.early is not None:
+        print(f"medfl [{label}]: early stopping ended this run after round {run.early.stopped_at} (best round "
+              f"{run.early.best_round}): nothing left to train"
+              + ("" if ignored is None else f"; --rounds {ignored} does not extend it (start a new run, e.g. with "
+                                            "a larger fl.early_stopping.patience, to train longer)"),
+              file=sys.stderr, flush=True)
+    finished = run.start_round > run.federation.rounds or run.stopped_early
+    if finished and (path / "summary.json").is_file():
         summary = json.loads((path / "summary.json").read_text())
         try:
             status = json.loads((path / "status.json").read_text()).get("status")
@@ -1343,11 +1473,21 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
             status = None
         if status != "finished":   # stopped after the summary, before the plots and reports
             get_plugin_manager().hook.on_run_end(run=run, summary=summary)
-            run._status("finished", run.federation.rounds)
+            run._status("finished", run.rounds_run)
         _unlock(run._lock)
         run._lock = None
         return {"dir": str(path), "summaries": {label: summary}}
     return {"dir": str(path), "summaries": {label: run.execute(None)}}
+
+
+def _stopped_early(path: Path, saved: dict[str, Any], run_factory: RunFactory = Run) -> bool:
+    """Whether the run in ``path`` (its ``config.json`` ``saved``) was stopped by early
+    stopping: its newest intact checkpoint says so (read without changing anything)."""
+    if not saved["fl"].get("early_stopping"):
+        return False
+    run = _reopen(path, saved, json.loads(json.dumps(saved["fl"])), run_factory)
+    run.prepare(read_only=True)
+    return run.stopped_early
 
 
 def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,
@@ -1356,7 +1496,9 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
 
     Each requested client builds its evaluation model exactly as in the run's last
     evaluation (the method's ``client_eval_model``: the global model, plus the client's
-    local layers or state where the method keeps them) and predicts on ``dataset``.
+    local layers or state where the method keeps them) and predicts on ``dataset``; with
+    early stopping (``fl.early_stopping``), as in the evaluation of the best round, from that
+    round's checkpoint and client states (the models the run's final metrics are about).
 
     Args:
         run_dir: a method run directory (``config.json`` with a ``method``, a checkpoint).
@@ -1388,6 +1530,9 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     last = run.start_round - 1
     if last < 1:
         raise RunError(f"{run_dir}: no checkpoint yet; nothing to predict with")
+    best = run._restore_best()   # early stopping: the best round's models
+    if best is not None:
+        last = best
     target = run.data.source if dataset is None else build_source(dataset)
     if split in (None, "", "all"):
         rows = target.table

@@ -199,8 +199,9 @@ class Site:
         """The run's client-state and evaluation-memory stores, brought in line with the
         coordinator: the first message of a new coordinator session rolls back versions
         written after the round the session resumed from (as ``Run.prepare(resume=True)``
-        does in process), and every message prunes versions the coordinator's last
-        checkpoint no longer needs (as ``Run._save_checkpoint``)."""
+        does in process), and every message prunes versions the coordinator's kept
+        checkpoints no longer need (as ``Run._save_checkpoint``: those of ``ckpt`` and later,
+        and with early stopping those of the best rounds the control record's ``pinned`` lists)."""
         root = self._root(ctl)
         store, eval_store = ClientStore(root / "clients"), ClientStore(root / "eval_state")
         marker = root / "session.json"
@@ -216,8 +217,9 @@ class Site:
             tmp.replace(marker)
         ckpt = int(ctl.get("ckpt", 0))
         if ckpt > 0:
-            store.prune(ckpt)
-            eval_store.prune(ckpt)
+            pinned = [int(k) for k in ctl.get("pinned") or []]   # early stopping's best rounds
+            store.prune(ckpt, pinned)
+            eval_store.prune(ckpt, pinned)
         return store, eval_store
 
     def method(self, ctl: dict[str, Any]) -> Method:

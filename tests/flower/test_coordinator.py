@@ -269,6 +269,39 @@ def test_stopped_flower_run_resumes_to_the_uninterrupted_result(tmp_path: Path) 
     assert [s["resumed_from"] for s in sessions] == [0, 1]
 
 
+def test_early_stopping_over_the_grid_equals_in_process_after_a_resume(tmp_path: Path) -> None:
+    """The same best round, stop round and final metrics over Flower as in process, for a run
+    stopped before its stop round and resumed with restarted sites; each site keeps the client
+    states the in-process run keeps (the best round's among them)."""
+    early = {**FEDBN, "rounds": 6, "eval_every": 1, "eval_splits": ["val", "test", "global_test"],
+             "early_stopping": {"metric": "val/micro_f1", "patience": 3}}
+    fl = fl_config(tmp_path, "early", {**early, "stop_after_round": 2})
+    grid = LoopGrid(_sites(tmp_path, fl))
+    out = run_flower_experiment(resolve_config(fl), grid, FAST)
+    grid = LoopGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
+    resume_flower(out["dir"], grid, FAST)
+    ref = Path(run_experiment(resolve_config({**fl, "name": "early_ref", "stop_after_round": None}))["dir"]) / "fedbn"
+    run_dir = Path(out["dir"]) / "fedbn"
+    flower, local = (json.loads((d / "summary.json").read_text()) for d in (run_dir, ref))
+    es = flower["early_stopping"]
+    # stopped early, and the site pruned past the best round's state while it ran on
+    assert es["stopped_at_round"] < 6 and es["best_round"] < es["stopped_at_round"] - 2
+    for block in ("early_stopping", "final", "last_round", "rounds"):
+        assert json.dumps(flower[block], sort_keys=True) == json.dumps(local[block], sort_keys=True), block
+    for f in ("metrics.csv", "train_metrics.csv"):
+        numeric_equal(pd.read_csv(ref / f), pd.read_csv(run_dir / f), f, atol=0.0)
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("round_*.pt")) == \
+        sorted(p.name for p in (ref / "checkpoints").glob("round_*.pt"))
+    _no_state_at_coordinator(run_dir)
+    run_id = json.loads((run_dir / "flower.json").read_text())["run_id"]
+    for i in range(3):
+        site = tmp_path / "state" / f"site{i}" / run_id / f"site_{i}" / "clients" / str(i)
+        kept = sorted(p.name for p in site.glob("state_r*.pt"))
+        assert f"state_r{es['best_round']:04d}.pt" in kept
+        # a site prunes on the coordinator's next message, so it may hold one more version
+        assert set(kept) >= {p.name for p in (ref / "clients" / str(i)).glob("state_r*.pt")}, i
+
+
 def _add_to_payload(extra: Callable[[], Any]) -> Tamper:
     def tamper(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
         if node == 102 and kind == P.TRAIN:

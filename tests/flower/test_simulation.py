@@ -19,7 +19,7 @@ from medfl.config import ConfigError, resolve_config
 from medfl.engine.runner import RunError, resume, run_experiment
 from medfl.flower import simulation
 
-from flower_cases import fl_config, numeric_equal, write_config
+from flower_cases import FEDBN, fl_config, numeric_equal, write_config
 
 ray = pytest.importorskip("ray", reason="the simulation runtime needs Ray: pip install -e '.[test]' installs it")
 
@@ -76,6 +76,20 @@ def test_simulation_runtime_matches_in_process_and_resumes(tmp_path: Path, one_t
     resumed = resume(stopped["dir"])
     for label in ("fedavg", "fedbn"):
         _compare(Path(resumed["dir"]), ref_dir, label)
+
+
+def test_early_stopping_on_the_simulation_runtime_matches_in_process(tmp_path: Path, one_thread: None) -> None:
+    """Early stopping decides in the coordinator (``Run``), whatever delivers the messages:
+    the same best round, stop round and final metrics on Ray as in process."""
+    job = {**FEDBN, "rounds": 6, "eval_every": 1, "eval_splits": ["val", "test", "global_test"],
+           "early_stopping": {"metric": "val/micro_f1", "patience": 3}}
+    ref = Path(run_experiment(resolve_config(fl_config(tmp_path, "ref", job)))["dir"])
+    sim = Path(run_experiment(resolve_config({**fl_config(tmp_path, "sim", job), "backend": RAY}))["dir"])
+    a, b = (json.loads((d / "fedbn" / "summary.json").read_text()) for d in (ref, sim))
+    assert a["early_stopping"]["stopped_at_round"] is not None
+    for block in ("early_stopping", "final", "last_round", "rounds"):
+        assert json.dumps(a[block], sort_keys=True) == json.dumps(b[block], sort_keys=True), block
+    _compare(sim, ref, "fedbn")
 
 
 def test_cli_backend_option_runs_on_the_simulation_runtime_and_ctrl_c_stops_it(tmp_path: Path) -> None:
