@@ -950,9 +950,11 @@ class PFedCDP(Method):
                     f"{self.clip:g}, {int(dp['coordinates'])} coordinates, {int(dp['clients'])} client(s)): the "
                     f"cluster model is mostly noise, and eq. 6 copies it into the unkept share of every member's own "
                     f"extractor. A ratio of 1 needs sigma <= {need:.3g}: a larger epsilon, fewer rounds, more clients "
-                    f"per cluster or a smaller extractor (the authors' code's sigma 0.969 a round, preset 'authors', "
-                    f"epsilon 31.4 over 20 rounds, would still be {AUTHORS_NOISE_MULTIPLIER / need:.3g}x); "
-                    "mechanisms.csv has the ratio per round")
+                    f"per cluster or a smaller extractor"
+                    + (f" (the authors' code's sigma 0.969 a round, preset 'authors', epsilon 31.4 over 20 rounds, "
+                       f"would still give {AUTHORS_NOISE_MULTIPLIER / need:.3g}x)"
+                       if abs(self.sigma - AUTHORS_NOISE_MULTIPLIER) > 1e-9 else "")
+                    + "; mechanisms.csv has the ratio per round")
             q = obs.get("quantization")
             if (q and q["target"] == "weights" and q["error_to_update"] > 1.0
                     and f"quantization:{c}" not in self.warned):
@@ -965,19 +967,18 @@ class PFedCDP(Method):
         new = [cid for cid, _ in blown if f"blowup:{cid}" not in self.warned]
         if new:
             self.warned.extend(f"blowup:{cid}" for cid in new)
-            parts = []
-            for cid, o in blown:
-                if cid in new:
-                    first = min(self.history.get("above_one", {}).get(cid, {}).items(), key=lambda kv: int(kv[0]),
-                                default=("", float("nan")))[1]
-                    moved = (f", its personal weights moved {o['personal_drift']:.3g}x their norm"
-                             if o.get("personal_drift", 0.0) > DRIFT_WARN else "")
-                    parts.append(f"client {cid}: {100 * o.get('above_one', 0.0):.0f} % of its own extractor's weights "
-                                 f"above 1 in magnitude (its first round: {100 * first:.0f} %){moved}")
-            out.append(f"the personal models blew up ({'; '.join(parts)}). Eq. 6 takes the unkept share of each "
-                       "client's extractor from its cluster model, which the DP noise dominates (see dp_noise in "
-                       "mechanisms.csv): a larger epsilon or fewer rounds, more clients per cluster, or no DP "
-                       "(epsilon null) to see the mechanism without it")
+            now = [100 * o.get("above_one", 0.0) for cid, o in blown if cid in new]
+            first = [100 * min(self.history.get("above_one", {}).get(cid, {}).items(), key=lambda kv: int(kv[0]),
+                               default=("", float("nan")))[1] for cid in new]
+            drifted = [cid for cid, o in blown if cid in new and o.get("personal_drift", 0.0) > DRIFT_WARN]
+            out.append(f"the personal models blew up: client(s) {', '.join(new)} have {min(now):.0f}-{max(now):.0f} % "
+                       f"of their own extractor's weights above 1 in magnitude ({min(first):.0f}-{max(first):.0f} % "
+                       "in their first round)"
+                       + (f"; the Fisher-kept weights of client(s) {', '.join(drifted)} moved more than their own "
+                          "norm" if drifted else "")
+                       + ". Eq. 6 takes the unkept share of each client's extractor from its cluster model, which the "
+                       "DP noise dominates (dp_noise in mechanisms.csv): a larger epsilon or fewer rounds, more "
+                       "clients per cluster, or no DP (epsilon null) to see the mechanism without it")
         return out
 
     def _calibrate(self, c: str) -> None:
