@@ -422,9 +422,10 @@ class PFedCDP(Method):
        quantizer also without DP (with DP it always does); ``"weights"`` quantizes the
        extractor's weights themselves (medfl's behaviour before, kept for comparison: a step
        of the weights' range rather than the update's, an error of the order of a round's
-       update, 27 times the update's on the test fixture's model A; only without DP). The classifier, the Fisher information and the masks never leave the client;
-       they stay in its state with its own extractor (before the noise: the client's own
-       model is not a release). BatchNorm statistics of a cluster model with BatchNorm
+       update, 27 times the update's on the test fixture's model A; only without DP).
+       The classifier, the Fisher information and the masks never leave the client; they
+       stay in its state with its own extractor (before the noise: the client's own model is
+       not a release). BatchNorm statistics of a cluster model with BatchNorm
        (``resnet*``) are statistics of the data that the noise does not cover: they never
        leave the client, which keeps its own (as FedBN does); the coordinator re-estimates
        its cluster model's statistics on the public set (:func:`recalibrate_norms`) for the
@@ -470,8 +471,9 @@ class PFedCDP(Method):
     ``student_metrics.csv`` (:meth:`final_tables`) has the student after every epoch (0:
     before training) on the public test split (accuracy, macro and micro F1, AUC...) and the
     epoch's training loss terms on the public training split, the paper's Fig. 3;
-    ``plots/student_metrics.png`` draws it (the reporting plugin, ``medfl report``). Eq. 16-19's feature Shapley values (``feature_shap="printed"``):
-    psi^(k) per teacher from the ``shap`` package (GradientExplainer, |SHAP| averaged over
+    ``plots/student_metrics.png`` draws it (the reporting plugin, ``medfl report``).
+
+    Eqs. 16-19's feature Shapley values (``feature_shap="printed"``): psi^(k) per teacher from the ``shap`` package (GradientExplainer, |SHAP| averaged over
     ``shap_samples`` public samples and the classes), psi their mean, and eq. 19 as printed:
     ``(1/|F|) sum_i psi_i L = mean(psi) L``, a constant factor on the loss (with Adam it
     changes nothing but epsilon's relative size); it is computed, reported and applied, and
@@ -959,9 +961,9 @@ class PFedCDP(Method):
             if (q and q["target"] == "weights" and q["error_to_update"] > 1.0
                     and f"quantization:{c}" not in self.warned):
                 self.warned.append(f"quantization:{c}")
-                out.append(f"cluster {c}: {int(q['bits'])}-bit quantization of the weights errs {q['error_to_update']:.3g}x "
-                           f"the update itself (error norm {q['error_norm']:.3g}); quantize 'update' (eq. 14) "
-                           "quantizes the update instead")
+                out.append(f"cluster {c}: {int(q['bits'])}-bit quantization of the weights errs "
+                           f"{q['error_to_update']:.3g}x the update itself (error norm {q['error_norm']:.3g}); "
+                           "quantize 'update' (eq. 14) quantizes the update instead")
         blown = [(cid, o) for cid, o in self.observed["clients"].items()
                  if o.get("above_one", 0.0) > ABOVE_ONE_WARN or o.get("personal_drift", 0.0) > DRIFT_WARN]
         new = [cid for cid, _ in blown if f"blowup:{cid}" not in self.warned]

@@ -182,7 +182,8 @@ def test_sup_mtkd_loss_sum_parts_and_the_alpha_relation() -> None:
     s, z = torch.randn(7, 3, generator=gen, dtype=torch.float64), torch.randn(7, 3, generator=gen, dtype=torch.float64)
     emb, y = torch.randn(7, 4, generator=gen, dtype=torch.float64), torch.tensor(SUPCON_LABELS) % 3
     loss, scl, kd = sup_mtkd_loss(s, emb, z, y, alpha=0.3, temperature=3.0, tau=0.1, reduction="sum", parts=True)
-    assert torch.allclose(scl, supcon_loss(emb, y, 0.1, reduction="sum")) and torch.allclose(kd, kl_to_teacher(s, z, 3.0))
+    assert torch.allclose(scl, supcon_loss(emb, y, 0.1, reduction="sum"))
+    assert torch.allclose(kd, kl_to_teacher(s, z, 3.0))
     assert torch.allclose(loss, 0.7 * scl + 0.3 * kd)
     # alpha' of the mean form is alpha = A alpha' / (1 - alpha' + A alpha') of the sum form (A anchors):
     # the two losses are then proportional, whatever the batch (here A = 6: label 2 has no positive)

@@ -183,7 +183,8 @@ def test_mechanisms_equal_a_recomputation_from_the_run(authors_run: tuple[Path, 
                 for name in ("personal_norm", "personal_norm_prev", "personal_drift"):
                     assert value(r, "personalization", cid, name) == pytest.approx(row[name], rel=1e-12)
     # the symptom the issue measured: none of a client's weights above 1 after round 1, most after round 2
-    assert (train[train["round"] == 1]["above_one"] == 0).all() and (train[train["round"] == 2]["above_one"] > 0.3).all()
+    assert (train[train["round"] == 1]["above_one"] == 0).all()
+    assert (train[train["round"] == 2]["above_one"] > 0.3).all()
     report = summary["method_report"]["mechanisms"]
     assert report["dp"]["sigma_per_round"] == AUTHORS_NOISE_MULTIPLIER and report["dp"]["epsilon_target"] is None
     assert report["noise_drowns_update_from_round"] == {"high": 1, "medium": 1, "low": 1}
