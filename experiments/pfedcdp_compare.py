@@ -10,7 +10,8 @@ the capability clusters, shared by every arm), with the method entries (labels):
     C2 = 2.5), 8-bit quantization, ``extractor_epochs`` 1, the server classifier fitted on
     the public set, Shapley teacher weights;
 ``pfedcdp_nodp``
-    the same without DP (``epsilon`` null; still 8 bits);
+    the same without DP (``epsilon`` null; still 8 bits, on the update as eq. 14 says:
+    ``quantize`` "update", the default);
 ``pfedcdp_literal``
     ``extractor_epochs`` 0 (Algorithm 1 as printed: the extractor never trains at a client),
     no DP;

@@ -19,8 +19,8 @@ update and after the payload check, and the coordinator undoes them in reverse o
 in the reply); the Flower wire format carries any such tree.
 
 A filter that works on the *update* (``uses_update``: the returned state minus the state the
-client started from, e.g. ``dp_gaussian``) makes the whole chain work on updates: the chain
-subtracts the reference (the instruction entry named in ``reply_state``) before the first
+client started from, e.g. ``dp_gaussian``, or ``quantize`` with ``update: true``) makes the
+whole chain work on updates: the chain subtracts the reference (the instruction entry named in ``reply_state``) before the first
 filter and adds it back after the last undo, so the method always receives full states.
 A filter whose output is no longer a state dict (``encodes``: ``quantize``) must come last.
 
@@ -175,11 +175,12 @@ class Filter(Configurable):
     Class attributes:
         uses_update: the filter works on the update (returned state minus the state the
             client started from); the method must name that reference in ``reply_state``.
+            A filter may set it per instance from a parameter (``quantize``'s ``update``).
         encodes: the filter's output is no longer a state dict (it must be the last filter).
     """
 
     description: ClassVar[str] = ""
-    uses_update: ClassVar[bool] = False
+    uses_update: bool = False
     encodes: ClassVar[bool] = False
     _kind: ClassVar[str] = "filter"
 

@@ -31,6 +31,8 @@ Lifecycle of a run (rounds are numbered from 1)::
         if early stopping (fl.early_stopping) decides to stop: leave the loop
     if early stopping: coordinator.load_state_dict(the best round's checkpoint)
     coordinator.finalize()
+    for name, rows in coordinator.final_tables().items():           # {} (the default): none
+        <name>.csv in the run directory
     for name, (spec, state) in coordinator.final_models().items():   # {} (the default): none
         scores of the model on the public test split (at the coordinator) and on every
         client's own splits (at the client), in final_metrics.csv
@@ -309,6 +311,16 @@ class Method(Configurable):
         every evaluated client, which scores it on its own splits (``eval_splits`` but
         ``cross_test``) and returns only metrics: ``final_metrics.csv`` and the summary's
         ``final_models`` block. Default: none."""
+        return {}
+
+    def final_tables(self) -> dict[str, list[dict[str, Any]]]:
+        """Tables the coordinator built in :meth:`finalize` for a person to read (PFedCDP's
+        student after every refinement epoch, the paper's Fig. 3): ``{name: rows}``, each row a
+        flat dict of numbers (or ``None``) and short strings; rows may have different keys (a
+        missing value is empty in the file). The engine writes each table as ``<name>.csv`` in
+        the run directory right after :meth:`finalize`; a name is lowercase letters, digits and
+        underscores and not one of the engine's own files (``metrics``, ``final_metrics``,
+        ``mechanisms``...: :data:`medfl.engine.runner.ENGINE_TABLES`). Default: none."""
         return {}
 
     def report(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["plots_wanted", "write_plots", "write_experiment_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_group_plot",
-           "write_mechanism_plot", "write_comparison",
+           "write_mechanism_plot", "write_student_plot", "STUDENT_METRICS",
+           "write_comparison",
            "forgetting_table",
            "summary_table", "format_table", "load_metrics", "final_round", "CV_SPLITS", "cv_results", "cv_summary",
            "cv_table", "write_cv_report", "SEED_METRICS", "seeds_results", "seeds_summary", "write_seeds_report"]
@@ -313,14 +314,59 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
     return _save_plot(fig, run_dir, "mechanisms.png")
 
 
+#: ``student_metrics.csv``'s metrics drawn per epoch (:func:`write_student_plot`).
+STUDENT_METRICS = ("accuracy", "f1", "micro_f1", "auc")
+
+
+def write_student_plot(run_dir: str | Path) -> Path | None:
+    """Write ``plots/student_metrics.png``: a post-hoc student's metrics after every epoch of
+    its training (PFedCDP's ``student_metrics.csv``, the paper's Fig. 3): accuracy, macro and
+    micro F1 and AUC on each evaluated split (epoch 0: before training) and the training loss
+    terms per epoch. Returns the path, or None for a run without that file."""
+    run_dir = Path(run_dir)
+    df = _run_csv(run_dir, "student_metrics.csv")
+    if df is None or "epoch" not in df.columns or "split" not in df.columns:
+        return None
+    plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
+    metrics = [m for m in STUDENT_METRICS if m in df.columns and df[m].notna().any()]
+    losses = [c for c in ("loss", "supcon", "kd") if c in df.columns and df[c].notna().any()]
+    panels = metrics + (["losses"] if losses else [])
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "losses":
+            part = df[df[losses].notna().any(axis=1)].sort_values("epoch")
+            for c in losses:
+                ax.plot(part["epoch"], part[c], marker="o", label=f"{c} ({', '.join(part['split'].unique())})")
+            ax.set_title("training loss terms per epoch")
+            ax.set_ylabel("loss")
+        else:
+            for split, part in df[df[panel].notna()].groupby("split", sort=False):
+                part = part.sort_values("epoch")
+                ax.plot(part["epoch"], part[panel], marker="o", label=str(split))
+            ax.set_title(f"student {panel}")
+            ax.set_ylabel(panel)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{run_dir.name}: the post-hoc student per epoch (student_metrics.csv)")
+    _tight_layout(fig)
+    return _save_plot(fig, run_dir, "student_metrics.png")
+
+
 def write_plots(run_dir: str | Path) -> list[Path]:
     """Write ``plots/curves.png`` (metric per round, mean and client range per split),
     ``plots/clients_<split>.png`` (final metrics per client as a heatmap),
     ``plots/forgetting.png`` (:func:`write_forgetting_plot`) and, when the run has a
     ``communication.csv``, ``plots/communication.png`` (:func:`write_communication_plot`),
     a ``privacy.csv``, ``plots/privacy.png`` (:func:`write_privacy_plot`), a ``groups.csv``,
-    ``plots/groups.png`` (:func:`write_group_plot`), and a ``mechanisms.csv``,
-    ``plots/mechanisms.png`` (:func:`write_mechanism_plot`). Returns the paths."""
+    ``plots/groups.png`` (:func:`write_group_plot`), a ``mechanisms.csv``,
+    ``plots/mechanisms.png`` (:func:`write_mechanism_plot`), and a ``student_metrics.csv``,
+    ``plots/student_metrics.png`` (:func:`write_student_plot`). Returns the paths."""
     plt = _plt()
     run_dir = Path(run_dir)
     df = load_metrics(run_dir)
@@ -371,7 +417,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     for extra in (write_forgetting_plot, write_communication_plot, write_privacy_plot, write_group_plot,
-                  write_mechanism_plot):
+                  write_mechanism_plot, write_student_plot):
         path = extra(run_dir)
         if path is not None:
             written.append(path)

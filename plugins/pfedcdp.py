@@ -20,22 +20,27 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from medfl import hookimpl
 from medfl.capability import CLUSTERS, SCORES, assign_cluster, draw_capabilities, measure_capabilities, overall_score
-from medfl.engine.training import get_state, make_optimizer, train_epochs, weighted_average
-from medfl.losses.distill import ensemble_logits, kd_loss, sup_mtkd_loss
+from medfl.engine.training import (StepMeans, get_state, make_optimizer, predict_proba, train_epochs,
+                                   weighted_average)
+from medfl.losses.distill import SUPCON_REDUCTIONS, ensemble_logits, kd_loss, sup_mtkd_loss, two_views
 from medfl.messages import Instruction, Reply
-from medfl.method import Federation, Method, MethodConfigError, derive_seed
+from medfl.method import Federation, Method, MethodConfigError, Preset, derive_seed
+from medfl.metrics import classification_metrics
 from medfl.models.registry import build_seeded
+from medfl.plugins import lookup
 from medfl.shapley import (balanced_subset, ensemble_game, feature_importance, importance_weights, mean_importance,
                            shapley_values, teacher_weights)
 
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
 
-__all__ = ["PFedCDP", "AUTHORS_TEACHER_WEIGHTS", "DEFAULT_CLUSTER_MODELS", "fisher_information", "fisher_masks",
-           "mix_extractor", "recalibrate_norms", "register_methods"]
+__all__ = ["PFedCDP", "AUTHORS_NOISE_MULTIPLIER", "AUTHORS_TEACHER_WEIGHTS", "DEFAULT_CLUSTER_MODELS",
+           "PRESETS", "fisher_information", "fisher_masks", "mix_extractor", "personal_observables",
+           "quantization_error", "recalibrate_norms", "register_methods"]
 
 State = dict[str, torch.Tensor]
 
@@ -44,11 +49,25 @@ DEFAULT_CLUSTER_MODELS: dict[str, dict[str, Any]] = {"high": {"name": "pfedcdp_a
                                                      "low": {"name": "pfedcdp_c"}}
 #: The fixed teacher weights of the authors' code (high, medium, low), kept for comparison only.
 AUTHORS_TEACHER_WEIGHTS = (0.4, 0.35, 0.25)
+#: The authors' code's noise multiplier at the paper's epsilon 5: ``sqrt(2 ln(1.25 / delta)) /
+#: epsilon`` with delta 1e-5 (the classical one-release Gaussian mechanism), drawn afresh every
+#: round and never composed (``differential_privacy.py``). Composed over 20 rounds by Opacus's
+#: RDP accountant it spends epsilon 31.4 at delta 1e-5.
+AUTHORS_NOISE_MULTIPLIER = math.sqrt(2.0 * math.log(1.25 / 1e-5)) / 5.0
 CAPABILITY_MODES = ("auto", "draw", "measure")
 SERVER_CLASSIFIER = ("public", "init")
 TEACHER_WEIGHTS = ("shapley", "uniform", "fixed")
 FEATURE_SHAP = ("off", "printed", "input")
 SHAPLEY_SCORES = ("accuracy", "balanced_accuracy", "auc")
+QUANTIZE = ("update", "weights")
+CLUSTER_AVERAGE = ("weighted", "uniform")
+SUPCON_VIEWS = (1, 2)
+#: A cluster's noise-to-update ratio from which the run warns that the noise drowns the update.
+NOISE_WARN_RATIO = 10.0
+#: A client's share of own-extractor weights above 1 in magnitude from which the run warns.
+ABOVE_ONE_WARN = 0.05
+#: A client's relative change of its personal (Fisher-kept) weights in one round from which the run warns.
+DRIFT_WARN = 1.0
 
 
 # --------------------------------------------------------------------------- pieces
@@ -121,6 +140,56 @@ def mix_extractor(own: State, global_: State, personal: State) -> State:
     return out
 
 
+def _norm(tensors: Any) -> float:
+    """The L2 norm of a collection of tensors taken together, in float64."""
+    return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors))
+
+
+def personal_observables(new: State, prev: State | None, masks: State | None) -> dict[str, float]:
+    """What a client reports of its own extractor after a round (scalars of its reply), so a
+    person can see eq. 6 and the local training act on it.
+
+    Args:
+        new: the client's own extractor after this round (its personal model's weights).
+        prev: its own extractor of the previous round (``None`` in its first round).
+        masks: this round's personal masks (eq. 4; ``None`` in its first round).
+
+    Returns:
+        ``own_norm`` (L2 norm of ``new``) and ``above_one`` (the share of ``new``'s entries
+        above 1 in magnitude: none in a trained CNN of this size without noise, most of them
+        when eq. 6 copied a noise-drowned cluster model in); with ``prev`` and ``masks`` also
+        ``personal_norm`` and ``personal_norm_prev`` (the norm of the personal entries, Fisher
+        mask 1, now and in the previous round) and ``personal_drift``
+        ``||M (new - prev)|| / ||M prev||`` (how far the kept entries moved this round).
+    """
+    total = sum(v.numel() for v in new.values())
+    above = sum(int((v.abs() > 1.0).sum()) for v in new.values())
+    out = {"own_norm": _norm(new.values()), "above_one": above / max(total, 1)}
+    if prev is not None and masks is not None:
+        keys = [k for k in masks if k in new and k in prev]
+        m = {k: masks[k].to("cpu") for k in keys}
+        out["personal_norm"] = _norm(new[k].cpu()[m[k]] for k in keys)
+        out["personal_norm_prev"] = prev_norm = _norm(prev[k].cpu()[m[k]] for k in keys)
+        moved = _norm((new[k].cpu() - prev[k].cpu())[m[k]] for k in keys)
+        out["personal_drift"] = moved / prev_norm if prev_norm > 0 else 0.0
+    return out
+
+
+def quantization_error(state: State, bits: int) -> float:
+    """The expected L2 norm of ``bits``-bit min-max quantization's error on ``state`` (eqs.
+    14-15, per tensor): each tensor's step ``(max - min) / (2^b - 1)``, a rounding error
+    uniform over one step (variance ``step^2 / 12``) on each of its entries, so
+    ``sqrt(sum_t n_t step_t^2 / 12)``. What it is for: the coordinator's estimate of what
+    quantization costs a reply, from the dequantized values alone (their minimum and maximum
+    are decoded exactly)."""
+    total = 0.0
+    for v in state.values():
+        if v.is_floating_point() and v.numel():
+            step = (float(v.max()) - float(v.min())) / (2 ** bits - 1)
+            total += v.numel() * step * step / 12.0
+    return math.sqrt(total)
+
+
 def _split_keys(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
     """The extractor's parameters, its buffers (BatchNorm statistics) and the classifier's keys."""
     if not hasattr(model, "head_keys") or not hasattr(model, "body_keys") or not hasattr(model, "embed"):
@@ -187,6 +256,114 @@ def _check_pos(value: Any, name: str) -> float:
     return float(value)
 
 
+class _TwoViews(Dataset):
+    """Two draws of the random transforms of each public sample (eq. 17's ``2N`` views),
+    stacked along the channel axis, ``(2C, H, W[, D])``, so a batch keeps the image's number
+    of dimensions; the loss splits them again."""
+
+    def __init__(self, first: Dataset, second: Dataset) -> None:
+        self.first, self.second = first, second
+
+    def __len__(self) -> int:
+        return len(self.first)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
+        xa, y = self.first[i]
+        xb, _ = self.second[i]
+        return torch.cat([torch.as_tensor(xa), torch.as_tensor(xb)]), y
+
+
+# --------------------------------------------------------------------------- presets
+
+_PAPER = "paper 000 (Shadin et al.), Sec. III and IV.A"
+_PAPER_VALUES: dict[str, Any] = {
+    "cluster_models": {c: dict(v) for c, v in DEFAULT_CLUSTER_MODELS.items()},   # IV.A.2: models A / B / C
+    "student_model": {"name": "pfedcdp_student"},          # IV.A.2: 16-32 filters, dense 64, dropout 0.5
+    "capability_weights": [0.25, 0.25, 0.25, 0.25], "t_high": 0.6, "t_medium": 0.4, "max_latency_ms": 200.0,
+    "fisher_keep": 0.2, "fisher_threshold": None, "extractor_epochs": 1,
+    "kd_lambda": 0.3, "kd_temperature": 3.0, "server_classifier": "public", "server_epochs": 1,
+    "epsilon": 5.0, "noise_multiplier": None, "clip": 2.5, "delta": 1e-5, "accountant": "rdp",   # IV.A.2
+    "bits": 8, "quantize": "update",                       # IV.A.2, eq. 14 and Algorithm 1 line 21
+    "cluster_average": "weighted",                         # III.C.4.ii and Algorithm 2 line 10: FedAvg
+    "refine": True, "refine_epochs": 5, "refine_lr": 1e-3, "alpha": 0.5, "refine_temperature": 2.0,
+    "tau": 0.07, "supcon_reduction": "sum", "supcon_views": 2,   # eq. 17: summed over the batch, 2N views
+    "teacher_weights": "uniform", "feature_shap": "printed", "shap_samples": 16, "grad_clip": 5.0,
+}
+_PAPER_OPEN: dict[str, str] = {
+    "capability_weights": "eq. 1 gives 1/4 each 'if all resources matter the same' (and 0.3/0.3/0.1/0.3 as an "
+                          "example); medfl 1/4",
+    "t_high": "eq. 2 names T_H without a value; medfl 0.6",
+    "t_medium": "eq. 2 names T_M without a value; medfl 0.4",
+    "max_latency_ms": "C_Net's maximum acceptable latency has no value; medfl 200 ms",
+    "fisher_keep": "eqs. 4-5's T_Fisher has no value; medfl keeps the top 20 % of the extractor's entries (a raw "
+                   "threshold does not transfer between models; the authors' code uses a raw 0.01)",
+    "fisher_threshold": "given as the quantile fisher_keep instead",
+    "extractor_epochs": "Algorithm 1 freezes the extractor and trains only the classifier (0: that literal "
+                        "reading, under which no feature learning happens anywhere); medfl 1 epoch of CE first",
+    "kd_lambda": "eq. 11's lambda has no value; the authors' code's 0.3",
+    "kd_temperature": "T_KD has no value; the authors' code's 3.0",
+    "server_classifier": "nothing says how W_C,server is trained; medfl fits it on the public set every round",
+    "server_epochs": "see server_classifier; 1 epoch a round",
+    "delta": "not stated; the authors' code's 1e-5",
+    "accountant": "'the privacy accountant' (III.C.3.i) is not named; Opacus's RDP accountant",
+    "refine_epochs": "Algorithm 2's E has no value; 5",
+    "refine_lr": "not stated; Adam at 1e-3",
+    "alpha": "eq. 18's alpha has no value; 0.5 (with eq. 17 summed over the batch, KD then weighs about 1/A of "
+             "SupCon for A anchors: see PFedCDP's docstring)",
+    "refine_temperature": "eq. 18's T has no value; 2",
+    "tau": "eq. 17's tau has no value; Khosla et al.'s reference code's 0.07",
+    "supcon_views": "eq. 17 counts 2N views and 2N_y - 1 positives (Khosla et al.'s two augmented views), "
+                    "Algorithm 2 feeds the batch as it is and names no augmentation; medfl 2 views drawn from the "
+                    "public set's own random transforms (public_dataset.augment)",
+    "teacher_weights": "III.A says Shapley values weight each model, III.D's equations average the teachers' "
+                       "logits uniformly (z_T = 1/K sum_k z_T^k) and put the Shapley values on input features "
+                       "(eqs. 16, 19); medfl follows the equations: uniform, with feature_shap 'printed' "
+                       "('shapley' is medfl's per-teacher reading of III.A)",
+    "feature_shap": "eqs. 16 and 19 as printed: (1/|F|) sum_i psi_i L = mean(psi) L; the explainer is not named "
+                    "(medfl: shap's GradientExplainer)",
+    "shap_samples": "'a representative subset of class-balanced test samples' has no size; 16",
+    "grad_clip": "the paper clips no gradient; without a clip the paper's DP noise makes the local losses "
+                 "overflow; medfl 5",
+    "train.batch_size": "not stated; the authors' code's 64",
+    "train.optimizer": "not stated; the authors' code's Adam",
+    "train.lr": "not stated; Adam's 1e-3, as the authors' code (Keras's default)",
+}
+_PAPER_EXPERIMENT: dict[str, Any] = {
+    "rounds": 20, "num_clients": 10, "fraction": 1.0, "partition": {"name": "dirichlet", "alpha": 0.5},
+    "client_counts_fig2": [10, 50, 100], "private_data": "CBIS-DDSM, 2,326 train / 772 test images",
+    "public_data": "MIAS benign / malignant, 280 train / 50 test",
+}
+
+#: ``{"name": "pfedcdp", "preset": "paper"}``: every value paper 000 states (``open``: what it
+#: leaves open and medfl's choice); ``"authors"``: the authors' published code where it differs.
+PRESETS: dict[str, Preset] = {
+    "paper": Preset(
+        source=_PAPER + " (eqs. 1-19, Algorithms 1-2, IV.A.2)",
+        values=_PAPER_VALUES,
+        train={"epochs": 20, "batch_size": 64, "optimizer": "adam", "lr": 1e-3},   # IV.A.2: 20 local epochs
+        open=_PAPER_OPEN, experiment=_PAPER_EXPERIMENT,
+        description="the paper's settings: epsilon 5 over the run, C2 2.5, 8 bits on the update, models A/B/C, "
+                    "20 local epochs, eq. 17 summed over 2N views"),
+    "authors": Preset(
+        source="the authors' code (github.com/shadhin39/PFedCDP: differential_privacy.py, v1.7 clients and "
+               "server) where it differs from the paper; " + _PAPER + " elsewhere",
+        values={**_PAPER_VALUES, "epsilon": None, "noise_multiplier": AUTHORS_NOISE_MULTIPLIER,
+                "teacher_weights": "fixed"},
+        train={"epochs": 5, "batch_size": 64, "optimizer": "adam", "lr": 1e-3},
+        open={**{k: v for k, v in _PAPER_OPEN.items() if not k.startswith(("kd_", "train.", "teacher_weights"))},
+              "clip": "the authors' code clips each weight tensor of the weights (not the update) to 2.5; medfl "
+                      "clips the whole update's norm to C2 = 2.5 (eq. 12)",
+              "bits": "the authors' clients quantize the weights, at 8 or (v1.7's client B) 12 bits; medfl the "
+                      "paper's 8 bits on the update",
+              "fisher_keep": "the authors' code thresholds raw Fisher values at 0.01 and then never applies the "
+                             "masks; medfl applies eq. 6 to the top 20 %",
+              "train.lr": "the authors' code's Keras Adam default, 1e-3"},
+        experiment={**_PAPER_EXPERIMENT, "authors_code_rounds": 10},
+        description="the authors' code: sigma 0.969 each round without composition (Opacus: epsilon 31.4 over 20 "
+                    "rounds), fixed teacher weights 0.4/0.35/0.25, 5 local epochs, Adam, batch 64"),
+}
+
+
 # --------------------------------------------------------------------------- the method
 
 class PFedCDP(Method):
@@ -232,20 +409,33 @@ class PFedCDP(Method):
        (evaluation mode), the teacher being the cluster's global extractor with the server's
        classifier (evaluation mode, no gradient).
     6. The reply is the extractor alone (``reply_state``); its update
-       ``W_L(t) - W_L,global(t-1)`` is clipped to ``clip`` (C2), noised for a target
-       ``epsilon`` (``dp_gaussian``, sigma from the accountant over the run's rounds) and
-       quantized to ``bits`` bits (``quantize``, eqs. 14-15 per tensor): the method's
-       :meth:`default_filters`, planned, applied, undone and accounted by the engine like any
-       filter. The classifier, the Fisher information and the masks never leave the client;
-       they stay in its state with its own extractor (before the noise: the client's own
-       model is not a release). BatchNorm statistics of a cluster model with BatchNorm
+       ``W_L(t) - W_L,global(t-1)`` (Algorithm 1 line 18) is clipped to ``clip`` (C2, eq.
+       12), noised (eq. 13, ``dp_gaussian``) and quantized to ``bits`` bits (``quantize``,
+       eqs. 14-15 per tensor): the method's :meth:`default_filters`, planned, applied, undone
+       and accounted by the engine like any filter. The noise is given by exactly one of
+       ``epsilon`` (a target over the run: sigma from the accountant for every round the
+       client takes part in, as III.C.3.i says) or ``noise_multiplier`` (sigma itself, each
+       round; the accountant then records the epsilon it spends, however large: the authors'
+       code adds sigma 0.969 every round, epsilon 31.4 over 20 rounds); neither sends the
+       update without noise (not private; the run says so). Eq. 14 quantizes the update:
+       ``quantize="update"`` (default) makes the chain subtract ``W_L,global(t-1)`` before the
+       quantizer also without DP (with DP it always does); ``"weights"`` quantizes the
+       extractor's weights themselves (medfl's behaviour before, kept for comparison: a step
+       of the weights' range rather than the update's, an error of the order of a round's
+       update, 27 times the update's on the test fixture's model A; only without DP).
+       The classifier, the Fisher information and the masks never leave the client; they
+       stay in its state with its own extractor (before the noise: the client's own model is
+       not a release). BatchNorm statistics of a cluster model with BatchNorm
        (``resnet*``) are statistics of the data that the noise does not cover: they never
        leave the client, which keeps its own (as FedBN does); the coordinator re-estimates
        its cluster model's statistics on the public set (:func:`recalibrate_norms`) for the
        teacher and the server classifier. The paper's models have no BatchNorm.
 
     **Coordinator** (Algorithm 2). Dequantize (the filters' undo), FedAvg within each
-    cluster (weights: training-set sizes) to the cluster's new global extractor. How the
+    cluster to the cluster's new global extractor: weighted by training-set sizes
+    (``cluster_average="weighted"``, default: III.C.4.ii and Algorithm 2 line 10 name FedAvg)
+    or ``"uniform"`` (Algorithm 2's ``Avg`` read literally; it also gives the least noise in
+    the average, ``sigma C2 / sqrt(n)`` per coordinate, against ``sigma C2 sqrt(sum w_k^2)``). How the
     server's classifier ``W_C,server`` is trained is never said; with
     ``server_classifier="public"`` (default) the coordinator fits it each round on its
     public set (``fl.public_dataset``) on top of the cluster's frozen new extractor
@@ -259,13 +449,31 @@ class PFedCDP(Method):
     the game v(S) = ``shapley_score`` of the mean-logit ensemble of S on a class-balanced
     subset of the public *training* split (``shapley_samples`` per class; the test split
     is kept for the final scores), negative values clipped to 0 and normalised
-    (:func:`medfl.shapley.teacher_weights`); ``"uniform"``; ``"fixed"`` the authors' code's
-    [0.4, 0.35, 0.25] (High, Medium, Low), for comparison; or a list. A new student
-    (``student_model``, default the paper's 16-32 filter CNN with dense 64 and dropout 0.5)
-    trains ``refine_epochs`` epochs (Adam, ``refine_lr``) on the public training split with
-    eq. 18: ``(1 - alpha) SupCon(student embeddings; tau) + alpha T^2 KL(weighted teacher
-    ensemble || student)``. Eq. 16-19's feature Shapley values (``feature_shap="printed"``):
-    psi^(k) per teacher from the ``shap`` package (GradientExplainer, |SHAP| averaged over
+    (:func:`medfl.shapley.teacher_weights`); ``"uniform"`` (III.D's ``z_T = 1/K sum_k
+    z_T^k``); ``"fixed"`` the authors' code's [0.4, 0.35, 0.25] (High, Medium, Low); or a
+    list. A new student (``student_model``, default the paper's 16-32 filter CNN with dense
+    64 and dropout 0.5) trains ``refine_epochs`` epochs (Adam, ``refine_lr``) on the public
+    training split with eq. 18: ``(1 - alpha) SupCon(student embeddings; tau) + alpha T^2
+    KL(weighted teacher ensemble || student)``. SupCon (eq. 17) is summed over the batch's
+    anchors, as the paper's text says (``supcon_reduction="sum"``, default), or averaged
+    (``"mean"``, Khosla et al.'s reference code and medfl's behaviour before). The two differ
+    by the number A of anchors (samples with a positive: at batch 16 of two classes, 16), so
+    alpha's balance moves: alpha with "sum" weighs KD against SupCon as alpha' with "mean"
+    where ``alpha' / (1 - alpha') = alpha / ((1 - alpha) A)``: "mean" with alpha' 0.5 is
+    "sum" with alpha 16/17 = 0.94 at A = 16, and "sum" with alpha 0.5 is "mean" with alpha'
+    1/17 (SupCon shapes the embedding almost alone; the classifier, which SupCon does not
+    reach, learns from KD at whatever scale, Adam being scale-free per parameter).
+    ``supcon_views=2`` draws two views of each public sample from the public set's random
+    transforms (``public_dataset.augment``) as eq. 17's ``2N`` and ``2 N_y - 1`` count
+    (Khosla et al.): SupCon runs on the 2N embeddings, KD on both views' logits; without
+    random transforms the two views are the same image (the run warns). Default 1 view:
+    Algorithm 2 feeds the batch as it is and the paper names no augmentation.
+    ``student_metrics.csv`` (:meth:`final_tables`) has the student after every epoch (0:
+    before training) on the public test split (accuracy, macro and micro F1, AUC...) and the
+    epoch's training loss terms on the public training split, the paper's Fig. 3;
+    ``plots/student_metrics.png`` draws it (the reporting plugin, ``medfl report``).
+
+    Eqs. 16-19's feature Shapley values (``feature_shap="printed"``): psi^(k) per teacher from the ``shap`` package (GradientExplainer, |SHAP| averaged over
     ``shap_samples`` public samples and the classes), psi their mean, and eq. 19 as printed:
     ``(1/|F|) sum_i psi_i L = mean(psi) L``, a constant factor on the loss (with Adam it
     changes nothing but epsilon's relative size); it is computed, reported and applied, and
@@ -275,6 +483,49 @@ class PFedCDP(Method):
     (the ``input_weighted`` model, so the weights travel with it and apply at evaluation
     too); the teachers see ``x``: the student is pushed to match them from the features they
     rely on.
+
+    **What the mechanisms do, every run** (:meth:`mechanisms`, ``mechanisms.csv``; a summary
+    in :meth:`report`'s ``mechanisms``; :meth:`mechanism_warnings` on stderr):
+
+    * ``dp_noise`` per cluster and round: sigma, C2, the number ``d`` of noised coordinates
+      (the extractor's parameters), ``sum w_k^2`` of the round's aggregation weights, the
+      noise's norm in the cluster's averaged update ``sigma C2 sqrt(d sum w_k^2)`` (its
+      expectation to within 1/sqrt(d)), and ``noise_to_update_min`` = that norm over C2: the
+      averaged clipped update has norm at most C2, so the noise is at least that many times
+      the signal. Everything here is the noise plan's and the coordinator's own (sigma as the
+      engine derives it, the weights it applies): no client reports its update's norm,
+      which no noise would cover. ``received_update_norm`` is the norm of the averaged
+      update as received (noise included).
+    * ``quantization`` per cluster: what was quantized (``update`` or ``weights``), the
+      expected error norm of the replies' quantization (:func:`quantization_error`, from the
+      dequantized values) and its ratio to the received updates' norm (both means over the
+      cluster's replies).
+    * ``cluster_model`` per cluster: the new global extractor's norm and share of entries
+      above 1 in magnitude.
+    * ``personalization`` per client, from the scalars its reply carries
+      (:func:`personal_observables`): the personal share (eq. 4), its own extractor's norm
+      and share above 1 in magnitude after the round, and the personal entries' norm now and
+      last round and relative change. These are statistics of the client's own model, which
+      the epsilon does not cover, like its training loss (``privacy.not_covered``: the
+      training metrics of a reply); they are a few numbers about ~10^5 weights.
+
+    The run warns once when the noise is at least ``NOISE_WARN_RATIO`` (10) times any
+    clipped update in a cluster (naming the sigma under which it would not be, and what to
+    change), when a client's own extractor has more than ``ABOVE_ONE_WARN`` (5 %) of its
+    weights above 1 in magnitude or its personal weights moved by more than their own norm
+    in a round (``DRIFT_WARN``), and when quantizing the weights errs more than the update
+    itself.
+
+    **Presets** (``{"name": "pfedcdp", "preset": ...}``, :data:`PRESETS`; ``config.json``'s
+    ``preset`` block says where each value came from): ``"paper"``, every value paper 000
+    states (epsilon 5 over the run, C2 2.5, 8 bits on the update, models A / B / C and the
+    student, FedAvg, eq. 17 summed, 20 local epochs) and medfl's choice for each value it
+    leaves open; ``"authors"``, the authors' published code where it differs: sigma 0.969
+    (``AUTHORS_NOISE_MULTIPLIER``: the one-release Gaussian calibration at epsilon 5, delta
+    1e-5) every round without composition, which the ledger records as the epsilon it is
+    (31.4 over 20 rounds), fixed teacher weights [0.4, 0.35, 0.25], 5 local epochs, Adam, batch
+    64. Neither copies the authors' code's bugs: it computes the Fisher masks and never
+    applies them, and clips each weight tensor of the weights (not the update) to 2.5.
 
     The run scores the refined student, each teacher and the weighted teacher ensemble
     (:meth:`final_models`) on the public test split and on every client's splits
@@ -299,12 +550,20 @@ class PFedCDP(Method):
         server_classifier: ``"public"`` or ``"init"`` (see above).
         server_epochs: epochs of the server classifier's fit on the public set per round.
         epsilon, clip, delta, accountant: the update's DP (paper: epsilon 5, C2 2.5);
-            ``epsilon=None`` sends it without noise (not private; the run says so).
+            ``epsilon=None`` (and no ``noise_multiplier``) sends it without noise (not
+            private; the run says so).
+        noise_multiplier: sigma of every round instead of a target ``epsilon`` (give one of
+            the two, the other null); the accountant records the epsilon spent.
         bits: quantization bits (paper: 8); ``None`` sends floats.
+        quantize: ``"update"`` (eq. 14, default) or ``"weights"`` (only without DP).
+        cluster_average: ``"weighted"`` (FedAvg by training-set size, default) or
+            ``"uniform"``.
         refine: run the post-hoc refinement.
         student_model: the student's spec.
         refine_epochs, refine_lr: the student's training.
         alpha, refine_temperature, tau: eq. 18's alpha, T and SupCon's temperature.
+        supcon_reduction: ``"sum"`` (eq. 17's text, default) or ``"mean"`` over the anchors.
+        supcon_views: 1 (default) or 2 augmented views of each public sample (eq. 17's 2N).
         teacher_weights: ``"shapley"``, ``"uniform"``, ``"fixed"`` or a list of weights.
         shapley_score: v(S)'s score: ``accuracy``, ``balanced_accuracy`` or ``auc``.
         shapley_samples: public samples per class in the Shapley game (``None``: as many as
@@ -327,6 +586,7 @@ class PFedCDP(Method):
                    "extractor updates, Shapley-weighted MTKD + SupCon on a public set")
     reply_state = {"extractor": "extractor"}
     supports_dp_sgd = False
+    presets = PRESETS
 
     def __init__(self, capabilities: Any = "auto", capability_weights: list[float] | tuple[float, ...] = (0.25,) * 4,
                  t_high: float = 0.6, t_medium: float = 0.4, max_latency_ms: float = 200.0,
@@ -341,7 +601,8 @@ class PFedCDP(Method):
                  refine_temperature: float = 2.0, tau: float = 0.07, teacher_weights: Any = "shapley",
                  shapley_score: str = "accuracy", shapley_samples: int | None = None,
                  feature_shap: str = "off", shap_samples: int = 16, shap_nsamples: int = 200,
-                 grad_clip: float | None = 5.0) -> None:
+                 grad_clip: float | None = 5.0, noise_multiplier: float | None = None, quantize: str = "update",
+                 cluster_average: str = "weighted", supcon_reduction: str = "sum", supcon_views: int = 1) -> None:
         if isinstance(capabilities, str):
             if capabilities not in CAPABILITY_MODES:
                 raise MethodConfigError(f"pfedcdp: capabilities must be one of {', '.join(CAPABILITY_MODES)}, a list "
@@ -386,6 +647,23 @@ class PFedCDP(Method):
         self.server_classifier = _check_choice(server_classifier, "server_classifier", SERVER_CLASSIFIER)
         self.server_epochs = _check_pos_int(server_epochs, "server_epochs")
         self.epsilon = None if epsilon is None else _check_pos(epsilon, "epsilon")
+        self.noise_multiplier = None if noise_multiplier is None else _check_pos(noise_multiplier, "noise_multiplier")
+        if self.epsilon is not None and self.noise_multiplier is not None:
+            raise MethodConfigError(f"pfedcdp: give exactly one of epsilon (a target over the run; sigma is derived) "
+                                    f"or noise_multiplier (sigma of every round; the run records the epsilon it "
+                                    f"spends), and set the other to null; got epsilon {epsilon!r} and "
+                                    f"noise_multiplier {noise_multiplier!r}")
+        self.quantize = _check_choice(quantize, "quantize", QUANTIZE)
+        if self.quantize == "weights" and self.dp:
+            raise MethodConfigError("pfedcdp: quantize 'weights' needs the update without DP (dp_gaussian makes the "
+                                    "chain send the noised update, which is what is quantized); set epsilon and "
+                                    "noise_multiplier to null, or quantize 'update'")
+        self.cluster_average = _check_choice(cluster_average, "cluster_average", CLUSTER_AVERAGE)
+        self.supcon_reduction = _check_choice(supcon_reduction, "supcon_reduction", SUPCON_REDUCTIONS)
+        if supcon_views not in SUPCON_VIEWS or isinstance(supcon_views, bool):
+            raise MethodConfigError(f"pfedcdp: supcon_views must be 1 or 2 (two augmented views of each public "
+                                    f"sample, eq. 17's 2N), got {supcon_views!r}")
+        self.supcon_views = int(supcon_views)
         self.clip = _check_pos(clip, "clip")
         self.delta = float(delta)
         self.accountant = str(accountant)
@@ -416,6 +694,11 @@ class PFedCDP(Method):
         self.shap_nsamples = _check_pos_int(shap_nsamples, "shap_nsamples")
         self.grad_clip = None if grad_clip is None else _check_pos(grad_clip, "grad_clip")
 
+    @property
+    def dp(self) -> bool:
+        """Whether the extractor's update is noised (``epsilon`` or ``noise_multiplier`` given)."""
+        return self.epsilon is not None or self.noise_multiplier is not None
+
     def hparams(self) -> dict[str, Any]:
         """The resolved hyperparameters (cluster_models and student_model filled in)."""
         out = super().hparams()
@@ -428,16 +711,22 @@ class PFedCDP(Method):
         return {"spatial_dims": fed.spatial_dims, "in_channels": fed.in_channels, "num_classes": fed.num_classes,
                 **self.cluster_models[c]}
 
+    def _dp_entry(self) -> dict[str, Any]:
+        """The ``dp_gaussian`` entry of :meth:`default_filters` (a target epsilon or sigma)."""
+        noise = {"epsilon": self.epsilon} if self.epsilon is not None else {"noise_multiplier": self.noise_multiplier}
+        return {"name": "dp_gaussian", **noise, "clip": self.clip, "delta": self.delta, "accountant": self.accountant,
+                "keys": "all"}
+
     def default_filters(self) -> list[dict[str, Any]]:
-        """``dp_gaussian`` on the extractor's update (clip C2, target epsilon; ``keys: all``:
-        the reply holds the extractor's parameters only, and the cluster models differ from
-        the run's ``fl.model``) and ``quantize`` (bits)."""
+        """``dp_gaussian`` on the extractor's update (clip C2, a target epsilon or a noise
+        multiplier; ``keys: all``: the reply holds the extractor's parameters only, and the
+        cluster models differ from the run's ``fl.model``) and ``quantize`` (bits; on the
+        update unless ``quantize="weights"``)."""
         out: list[dict[str, Any]] = []
-        if self.epsilon is not None:
-            out.append({"name": "dp_gaussian", "epsilon": self.epsilon, "clip": self.clip, "delta": self.delta,
-                        "accountant": self.accountant, "keys": "all"})
+        if self.dp:
+            out.append(self._dp_entry())
         if self.bits is not None:
-            out.append({"name": "quantize", "bits": self.bits})
+            out.append({"name": "quantize", "bits": self.bits, "update": self.quantize == "update"})
         return out
 
     # ------------------------------------------------------------------ coordinator: setup, profile
@@ -474,6 +763,23 @@ class PFedCDP(Method):
         self.trained: set[str] = set()
         self.report_: dict[str, Any] = {}
         self.student: State | None = None
+        self._student_rows: list[dict[str, Any]] = []
+        self.sigma = self._planned_sigma(federation)
+        self.observed: dict[str, Any] = {}     # this round's mechanism observables (server_update)
+        self.history: dict[str, dict[str, dict[str, float]]] = {}   # {observable: {id: {round: value}}}
+        self.warned: list[str] = []            # what mechanism_warnings has said (once each)
+
+    def _planned_sigma(self, federation: Federation) -> float:
+        """The noise multiplier of the run's extractor updates, planned as the engine plans the
+        ``dp_gaussian`` of :meth:`default_filters` (the same filter, the same federation): the
+        given ``noise_multiplier``, or the accountant's for ``epsilon`` over the planned
+        rounds; 0 without DP."""
+        if not self.dp:
+            return 0.0
+        entry = self._dp_entry()
+        dp = lookup("filter", entry.pop("name")).from_config(entry)
+        dp.plan(federation, "pfedcdp: the noise plan of its mechanisms")
+        return float(dp.noise_multiplier)
 
     def configure_profile(self) -> dict[str, Instruction]:
         """Every client reports its four capability scores."""
@@ -550,21 +856,132 @@ class PFedCDP(Method):
         return model
 
     def server_update(self, round: int, replies: dict[str, Reply]) -> None:
-        """FedAvg of the (dequantized, noised) extractors within each cluster; the server
-        classifiers refitted on the public set."""
+        """FedAvg (or the uniform mean) of the (dequantized, noised) extractors within each
+        cluster; the server classifiers refitted on the public set; the round's observables."""
+        self.observed = {"round": round, "clusters": {}, "clients": {}}
         for c in CLUSTERS:
             members = [cid for cid in replies if self._cluster(cid) == c]
             if not members:
                 continue
             states = [replies[cid].payload["extractor"] for cid in members]
             weights = [float(max(replies[cid].num_examples, 0)) for cid in members]
-            if sum(weights) <= 0:
+            if self.cluster_average == "uniform" or sum(weights) <= 0:
                 weights = [1.0] * len(members)
+            old = self.extractors[c]
             self.extractors[c] = weighted_average(states, weights)
+            self._observe_cluster(c, old, states, weights)
+            for cid in members:
+                self._observe_client(cid, c, replies[cid].metrics)
             self.trained.update(members)
             self._calibrate(c)
             if self.server_classifier == "public":
                 self._fit_head(c, round)
+
+    # ------------------------------------------------------------------ coordinator: what the mechanisms did
+    def _observe_cluster(self, c: str, old: State, states: list[State], weights: list[float]) -> None:
+        """Cluster ``c``'s observables of this round (see the class docstring): the noise the
+        plan puts in its averaged update against the largest clipped update, quantization's
+        error against the received updates, the new cluster model's magnitudes."""
+        total = sum(weights)
+        w2 = sum((w / total) ** 2 for w in weights)
+        d = sum(v.numel() for v in old.values() if v.is_floating_point())
+        new = self.extractors[c]
+        received = [{k: s[k].double() - old[k].double() for k in old if old[k].is_floating_point()} for s in states]
+        noise = self.sigma * self.clip * math.sqrt(d * w2)
+        obs: dict[str, Any] = {
+            "dp_noise": {"clients": float(len(states)), "coordinates": float(d), "sigma": self.sigma,
+                         "clip": self.clip, "weights_sq_sum": w2, "noise_norm": noise,
+                         "noise_per_coordinate": self.sigma * self.clip * math.sqrt(w2),
+                         "noise_to_update_min": noise / self.clip,
+                         "received_update_norm": _norm(new[k].double() - old[k].double() for k in received[0])},
+            "cluster_model": {"norm": _norm(new.values()),
+                              "above_one": sum(int((v.abs() > 1.0).sum()) for v in new.values()) / max(d, 1)}}
+        if self.bits is not None:
+            target = "update" if self.dp or self.quantize == "update" else "weights"
+            errors = [quantization_error(u if target == "update" else s, self.bits) for u, s in zip(received, states)]
+            norms = [_norm(u.values()) for u in received]
+            err, upd = sum(errors) / len(errors), sum(norms) / len(norms)
+            obs["quantization"] = {"bits": float(self.bits), "target": target, "error_norm": err,
+                                   "update_norm": upd, "error_to_update": err / upd if upd > 0 else float("nan")}
+        self.observed["clusters"][c] = obs
+        self._remember("noise_to_update_min", c, obs["dp_noise"]["noise_to_update_min"])
+        if "quantization" in obs:
+            self._remember("quantization_error_to_update", c, obs["quantization"]["error_to_update"])
+
+    def _observe_client(self, cid: str, c: str, metrics: dict[str, float]) -> None:
+        """Client ``cid``'s observables of this round: the scalars its reply reported
+        (:func:`personal_observables`) and its personal share (eq. 4)."""
+        names = ("personal_fraction", "own_norm", "above_one", "personal_norm", "personal_norm_prev",
+                 "personal_drift")
+        obs = {k: float(metrics[k]) for k in names if isinstance(metrics.get(k), (int, float))}
+        self.observed["clients"][cid] = {"cluster": c, **obs}
+        for k in ("above_one", "personal_drift"):
+            if k in obs:
+                self._remember(k, cid, obs[k])
+
+    def _remember(self, what: str, who: str, value: float) -> None:
+        self.history.setdefault(what, {}).setdefault(who, {})[str(self.observed["round"])] = float(value)
+
+    def mechanisms(self, round: int) -> list[dict[str, Any]]:
+        """The observables of ``round`` (``mechanisms.csv``): per cluster ``dp_noise``,
+        ``quantization`` and ``cluster_model``, per client ``personalization`` (the class
+        docstring says what each value is)."""
+        if self.observed.get("round") != round:
+            return []
+        rows: list[dict[str, Any]] = []
+        for c, obs in self.observed["clusters"].items():
+            rows += [{"mechanism": name, "scope": "cluster", "id": c, **vals} for name, vals in obs.items()]
+        for cid, obs in self.observed["clients"].items():
+            rows.append({"mechanism": "personalization", "scope": "client", "id": cid, **obs})
+        return rows
+
+    def mechanism_warnings(self, round: int) -> list[str]:
+        """Once each: the noise drowns a cluster's update; a client's own weights blew up;
+        quantizing the weights errs more than the update."""
+        if self.observed.get("round") != round:
+            return []
+        out = []
+        for c, obs in self.observed["clusters"].items():
+            dp = obs["dp_noise"]
+            if dp["noise_to_update_min"] >= NOISE_WARN_RATIO and f"noise:{c}" not in self.warned:
+                self.warned.append(f"noise:{c}")
+                need = 1.0 / math.sqrt(dp["coordinates"] * dp["weights_sq_sum"])
+                out.append(
+                    f"cluster {c}: the DP noise in the averaged extractor update has norm {dp['noise_norm']:.4g}, at "
+                    f"least {dp['noise_to_update_min']:.3g}x any clipped update (sigma {self.sigma:.3g}, C2 "
+                    f"{self.clip:g}, {int(dp['coordinates'])} coordinates, {int(dp['clients'])} client(s)): the "
+                    f"cluster model is mostly noise, and eq. 6 copies it into the unkept share of every member's own "
+                    f"extractor. A ratio of 1 needs sigma <= {need:.3g}: a larger epsilon, fewer rounds, more clients "
+                    f"per cluster or a smaller extractor"
+                    + (f" (the authors' code's sigma 0.969 a round, preset 'authors', epsilon 31.4 over 20 rounds, "
+                       f"would still give {AUTHORS_NOISE_MULTIPLIER / need:.3g}x)"
+                       if abs(self.sigma - AUTHORS_NOISE_MULTIPLIER) > 1e-9 else "")
+                    + "; mechanisms.csv has the ratio per round")
+            q = obs.get("quantization")
+            if (q and q["target"] == "weights" and q["error_to_update"] > 1.0
+                    and f"quantization:{c}" not in self.warned):
+                self.warned.append(f"quantization:{c}")
+                out.append(f"cluster {c}: {int(q['bits'])}-bit quantization of the weights errs "
+                           f"{q['error_to_update']:.3g}x the update itself (error norm {q['error_norm']:.3g}); "
+                           "quantize 'update' (eq. 14) quantizes the update instead")
+        blown = [(cid, o) for cid, o in self.observed["clients"].items()
+                 if o.get("above_one", 0.0) > ABOVE_ONE_WARN or o.get("personal_drift", 0.0) > DRIFT_WARN]
+        new = [cid for cid, _ in blown if f"blowup:{cid}" not in self.warned]
+        if new:
+            self.warned.extend(f"blowup:{cid}" for cid in new)
+            now = [100 * o.get("above_one", 0.0) for cid, o in blown if cid in new]
+            first = [100 * min(self.history.get("above_one", {}).get(cid, {}).items(), key=lambda kv: int(kv[0]),
+                               default=("", float("nan")))[1] for cid in new]
+            drifted = [cid for cid, o in blown if cid in new and o.get("personal_drift", 0.0) > DRIFT_WARN]
+            out.append(f"the personal models blew up: client(s) {', '.join(new)} have {min(now):.0f}-{max(now):.0f} % "
+                       f"of their own extractor's weights above 1 in magnitude ({min(first):.0f}-{max(first):.0f} % "
+                       "in their first round)"
+                       + (f"; the Fisher-kept weights of client(s) {', '.join(drifted)} moved more than their own "
+                          "norm" if drifted else "")
+                       + ". Eq. 6 takes the unkept share of each client's extractor from its cluster model, which the "
+                       "DP noise dominates (dp_noise in mechanisms.csv): a larger epsilon or fewer rounds, more "
+                       "clients per cluster, or no DP (epsilon null) to see the mechanism without it")
+        return out
 
     def _calibrate(self, c: str) -> None:
         """Re-estimate cluster ``c``'s BatchNorm statistics on the public training split
@@ -646,6 +1063,7 @@ class PFedCDP(Method):
         if own_ext is not None and set(own_ext) != set(g_ext):   # the cluster's model changed: start over
             own_ext, own_head, own_buf = None, None, g_buf
         metrics: dict[str, float] = {}
+        masks: State | None = None
         # 1-3. Fisher information of the own model, masks, eq. 6
         if own_ext is not None:
             model.load_state_dict({**own_ext, **own_buf, **(own_head or s_head)})
@@ -692,6 +1110,7 @@ class PFedCDP(Method):
         metrics.update(loss=stats["loss"], steps=stats["steps"])
         state = get_state(model)
         ext = {k: state[k] for k in body}
+        metrics.update(personal_observables(ext, own_ext, masks))
         client.state["extractor"] = ext
         client.state["buffers"] = {k: state[k] for k in buffer_keys}
         client.state["head"] = {k: state[k] for k in head_keys}
@@ -801,21 +1220,49 @@ class PFedCDP(Method):
             student.feature_weights.copy_(torch.as_tensor(weights_map, dtype=torch.float32))
         _split_keys(student)   # the student needs embed() for SupCon
         opt = torch.optim.Adam(student.parameters(), lr=self.refine_lr)
-        loader = fed.public.loader("train", batch_size=int(fed.train.get("batch_size", 16)),
-                                   seed=derive_seed(fed.seed, "refine"))
-        alpha, temp, tau = self.alpha, self.refine_temperature, self.tau
+        loader = self._refine_loader()
+        alpha, temp, tau, reduction, channels = self.alpha, self.refine_temperature, self.tau, self.supcon_reduction, \
+            int(fed.in_channels)
+        logs = {"epoch": StepMeans(check=("loss",)), "all": StepMeans()}
+        same_views: list[bool] = []
 
         def loss(m: nn.Module, x: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            n = x.shape[0]
+            if self.supcon_views == 2:             # (B, 2C, ...): the two views stacked along the channels
+                first, second = x[:, :channels], x[:, channels:]
+                if not same_views:
+                    same_views.append(bool(torch.equal(first, second)))
+                x, yb = two_views(first, second, yb)
             with torch.no_grad():
                 zt = ensemble_logits([t(x) for t in teachers], weights)
             emb = m.embed(x)
-            return scale * sup_mtkd_loss(m.head(emb), emb, zt, yb, alpha=alpha, temperature=temp, tau=tau)
+            total, scl, kd = sup_mtkd_loss(m.head(emb), emb, zt, yb, alpha=alpha, temperature=temp, tau=tau,
+                                           reduction=reduction, parts=True)
+            for log in logs.values():
+                log.add(n, loss=scale * total, supcon=scl, kd=kd)
+            return scale * total
 
+        test = fed.public.loader("test", batch_size=bs, shuffle=False, augment=False)
+        rows = [self._student_scores(student, 0, test)]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(fed.seed, "refine", "init"))
-            stats = train_epochs(student, loader, opt, self.refine_epochs, device=fed.device, loss_fn=loss)
-        report["refine"] = {"epochs": self.refine_epochs, "loss": stats["loss"], "steps": stats["steps"],
-                            "public_train": int(fed.public.size("train"))}
+            for epoch in range(1, self.refine_epochs + 1):
+                logs["epoch"] = StepMeans(check=("loss",))
+                train_epochs(student, loader, opt, 1, device=fed.device, loss_fn=loss)
+                parts = logs["epoch"].means()
+                rows.append({"epoch": epoch, "split": "public_train", "steps": float(logs["epoch"].steps),
+                             **{k: parts.get(k, float("nan")) for k in ("loss", "supcon", "kd")}})
+                rows.append(self._student_scores(student, epoch, test))
+        self._student_rows = rows
+        report["refine"] = {"epochs": self.refine_epochs, "loss": logs["all"].means().get("loss", 0.0),
+                            "steps": float(logs["all"].steps), "public_train": int(fed.public.size("train")),
+                            "supcon_reduction": self.supcon_reduction, "supcon_views": self.supcon_views,
+                            "student_metrics": "student_metrics.csv"}
+        if same_views and same_views[0]:
+            note = ("the public training split has no random transforms (public_dataset.augment), so the two views "
+                    "of each sample are the same image: each anchor's extra positive is itself")
+            report["refine"]["views_identical"] = note
+            print(f"medfl pfedcdp: supcon_views 2: {note}", file=sys.stderr, flush=True)
         self.student = get_state(student)
         self._student_spec = {k: v for k, v in student_spec.items()
                               if k not in ("spatial_dims", "in_channels", "num_classes")}
@@ -823,6 +1270,28 @@ class PFedCDP(Method):
         self._teacher_weights = dict(zip(clusters, weights))
         print(f"medfl pfedcdp: refined the student on {fed.public.size('train')} public samples; teacher weights "
               + ", ".join(f"{c} {w:.3f}" for c, w in zip(clusters, weights)), file=sys.stderr, flush=True)
+
+    def _refine_loader(self) -> DataLoader:
+        """The public training split as the student trains on it: one view of each sample,
+        or (``supcon_views=2``) two draws of its random transforms stacked along the channels
+        (two datasets whose transforms are seeded from a numpy draw of the run seed)."""
+        fed = self.federation
+        bs, seed = int(fed.train.get("batch_size", 16)), derive_seed(fed.seed, "refine")
+        if self.supcon_views == 1:
+            return fed.public.loader("train", batch_size=bs, seed=seed)
+        saved = np.random.get_state()
+        np.random.seed(derive_seed(fed.seed, "refine", "views"))
+        try:
+            views = _TwoViews(fed.public.dataset("train", augment=True), fed.public.dataset("train", augment=True))
+        finally:
+            np.random.set_state(saved)
+        gen = torch.Generator().manual_seed(derive_seed(seed, "public_loader", "train"))
+        return DataLoader(views, batch_size=bs, shuffle=True, generator=gen)
+
+    def _student_scores(self, student: nn.Module, epoch: int, loader: DataLoader) -> dict[str, Any]:
+        """One ``student_metrics`` row: the student's metrics on the public test split."""
+        y, p = predict_proba(student, loader, self.federation.device)
+        return {"epoch": epoch, "split": "public_test", **classification_metrics(y, p, self.federation.num_classes)}
 
     def final_models(self) -> dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
         """The refined student, each cluster's teacher and their weighted ensemble."""
@@ -841,18 +1310,47 @@ class PFedCDP(Method):
             out["student"] = (dict(getattr(self, "_student_spec", self.student_model)), self.student)
         return out
 
+    def final_tables(self) -> dict[str, list[dict[str, Any]]]:
+        """``student_metrics``: the student after every refinement epoch (the paper's Fig. 3;
+        see :meth:`finalize`)."""
+        return {"student_metrics": list(self._student_rows)} if self._student_rows else {}
+
+    def _mechanism_report(self) -> dict[str, Any]:
+        """The readable summary of what the mechanisms did (:meth:`report`'s ``mechanisms``)."""
+        noise = self.history.get("noise_to_update_min", {})
+        return {
+            "dp": {"private": self.dp, "sigma_per_round": self.sigma, "clip": self.clip,
+                   "epsilon_target": self.epsilon, "noise_multiplier_given": self.noise_multiplier,
+                   "spent": "privacy.csv and summary.json's privacy block (the accountant's epsilon)"},
+            "noise_to_update_min_by_round": noise,
+            "noise_drowns_update_from_round": {c: min((int(r) for r, v in by.items() if v >= NOISE_WARN_RATIO),
+                                                      default=None) for c, by in noise.items()},
+            "quantization": {"target": "update" if self.dp or self.quantize == "update" else "weights",
+                             "bits": self.bits,
+                             "error_to_update_by_round": self.history.get("quantization_error_to_update", {})},
+            "own_weights_above_one_by_round": self.history.get("above_one", {}),
+            "personal_drift_by_round": self.history.get("personal_drift", {}),
+            "cluster_average": self.cluster_average,
+            "warnings": len(self.warned),
+        }
+
     def report(self) -> dict[str, Any]:
-        """Clusters, capability scores, teacher weights and Shapley values (summary.json)."""
+        """Clusters, capability scores, teacher weights and Shapley values, and what the
+        mechanisms did (``mechanisms``) (summary.json)."""
         counts = {c: sum(1 for v in self.assign.values() if v == c) for c in CLUSTERS}
         return {"clusters": dict(self.assign), "cluster_sizes": counts, "capability_scores": self.scores,
-                "thresholds": {"t_high": self.t_high, "t_medium": self.t_medium}, **self.report_}
+                "thresholds": {"t_high": self.t_high, "t_medium": self.t_medium}, **self.report_,
+                "mechanisms": self._mechanism_report()}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Cluster extractors and server classifiers, the assignment, who trained."""
+        """Cluster extractors and server classifiers, the assignment, who trained, the
+        mechanisms' history and what was warned."""
         return {"extractors": self.extractors, "buffers": self.buffers, "heads": self.heads,
                 "assign": json.dumps(self.assign),
-                "scores": json.dumps(self.scores), "trained": json.dumps(sorted(self.trained))}
+                "scores": json.dumps(self.scores), "trained": json.dumps(sorted(self.trained)),
+                "mechanisms": json.dumps({"observed": self.observed, "history": self.history,
+                                          "warned": self.warned})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -863,6 +1361,10 @@ class PFedCDP(Method):
         self.assign = dict(json.loads(state["assign"]))
         self.scores = dict(json.loads(state["scores"]))
         self.trained = set(json.loads(state["trained"]))
+        mech = json.loads(state.get("mechanisms", "{}"))
+        self.observed = dict(mech.get("observed", {}))
+        self.history = dict(mech.get("history", {}))
+        self.warned = list(mech.get("warned", []))
 
 
 @hookimpl

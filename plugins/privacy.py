@@ -155,27 +155,40 @@ class Quantize(Filter):
     Each tensor becomes its codes ``round((x - min) / (max - min) * (2^b - 1))`` packed densely
     (``b`` bits each: 8 bits cost a byte per value, 4 bits half a byte) plus its minimum and
     maximum; the coordinator computes ``min + code / (2^b - 1) * (max - min)``, within half a
-    step of the value sent. Integer tensors (batch counts) pass as they are. After
-    ``dp_gaussian`` it quantizes the noised update (as PFedCDP does), otherwise the state.
+    step of the value sent. Integer tensors (batch counts) pass as they are.
+
+    What it encodes: after ``dp_gaussian`` (which makes the whole chain work on the update)
+    the noised update, as PFedCDP's eq. 14 says. Without it, the state itself, unless
+    ``update`` is true: then the chain subtracts the state the client started from first (the
+    method must name it in ``reply_state``, as for ``dp_gaussian``) and adds it back after the
+    dequantization, so the step is that of the update's range rather than the weights'. An
+    update spans a far smaller range than the weights, and its error is smaller by as much.
 
     Args:
         bits: 1 to 16.
         stochastic: unbiased stochastic rounding (``floor(v + u)``, ``u ~ U[0, 1)``, seeded)
             instead of rounding to nearest: the dequantized value is right on average, within
             one step.
+        update: quantize the update (returned minus received state) rather than the state
+            (default ``False``: the state, unless ``dp_gaussian`` precedes it).
     """
 
     name = "quantize"
     description = "Min-max quantization of each tensor to 1-16 bits (PFedCDP eqs. 14-15), bit-packed"
     encodes = True
 
-    def __init__(self, bits: int = 8, stochastic: bool = False) -> None:
+    def __init__(self, bits: int = 8, stochastic: bool = False, update: bool = False) -> None:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
             raise FilterConfigError(f"quantize: bits must be an integer from 1 to 16, got {bits!r}")
         if not isinstance(stochastic, bool):
             raise FilterConfigError(f"quantize: stochastic must be true or false, got {stochastic!r}")
+        if not isinstance(update, bool):
+            raise FilterConfigError(f"quantize: update must be true (quantize the update) or false (the state), "
+                                    f"got {update!r}")
         self.bits = bits
         self.stochastic = stochastic
+        self.update = update
+        self.uses_update = update
 
     def apply(self, state: State, ctx: FilterContext) -> dict[str, Any]:
         """Each floating-point tensor as its packed codes and range."""

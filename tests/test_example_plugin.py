@@ -106,6 +106,10 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     ranked = mech[(mech["name"] == "val_accuracy") & (mech["round"] == 3)]["value"].tolist()
     best = max(range(len(ranked)), key=lambda i: (ranked[i], i))   # ties: the newer snapshot
     assert len(ranked) == 2 and chosen[chosen["round"] == 3]["id"].item() == str(best)
+    # the table the method wrote after the run (final_tables): the last round's ranking again
+    table = pd.read_csv(snap / "snapshots.csv")
+    assert table["snapshot"].tolist() == [0, 1] and table["val_accuracy"].tolist() == ranked
+    assert table["chosen"].tolist() == [int(i == best) for i in range(2)]
     # eval_splits test and cross_test: the final model is scored on each client's own test split
     assert set(s_snap["final_models"]["best_snapshot"]) == {"round", "local_test"}
     final = (snap / "final_metrics.csv").read_text().splitlines()

@@ -14,10 +14,11 @@ asked to validate), a validation exchange (``configure_validate`` / ``client_val
 ``server_validate``: only scalars leave the clients), an evaluation model that returns
 probabilities (``ProbabilityModel``), which the Global Test (``cross_test``) scores over
 Flower too, client groups (``client_groups``), a report in ``summary.json`` (``report``) and
-a final model the run scores at every client (``final_models``: the best snapshot), what its
-ranking did each round (``mechanisms``: ``mechanisms.csv``) with a warning when it cannot act
-(``mechanism_warnings``), and a named preset (``presets``: ``{"name": "median_snapshots",
-"preset": "wide"}``).
+a final model the run scores at every client (``final_models``: the best snapshot), a table
+written after the run (``final_tables``: ``snapshots.csv``, each kept snapshot's last mean
+validation accuracy), what its ranking did each round (``mechanisms``: ``mechanisms.csv``)
+with a warning when it cannot act (``mechanism_warnings``), and a named preset (``presets``:
+``{"name": "median_snapshots", "preset": "wide"}``).
 
 ``dp_shared_images``: FedAvg on each client's data plus a shared set of every client's
 training images, each released once under per-sample differential privacy (clipped and
@@ -172,6 +173,12 @@ class MedianSnapshots(FedMedian):
             return {}
         best = self.snapshots[(self.chosen or [len(self.snapshots) - 1])[-1]]
         return {"best_snapshot": (self.federation.model_spec(), best)}
+
+    def final_tables(self) -> dict[str, list[dict[str, Any]]]:
+        """``snapshots.csv``: each kept snapshot (0 the oldest), its last mean validation
+        accuracy (empty when it was never ranked) and whether the ensemble keeps it."""
+        return {"snapshots": [{"snapshot": i, "val_accuracy": self.val_means[i] if i < len(self.val_means) else None,
+                               "chosen": int(i in self.chosen)} for i in range(len(self.snapshots))]}
 
     def mechanisms(self, round: int) -> list[dict[str, Any]]:
         """The ranking of this round (``mechanisms.csv``): each snapshot's mean validation

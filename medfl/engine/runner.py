@@ -25,6 +25,8 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
                        (``Method.configure_profile``: PFedCDP's capability scores), when it has one
     final_metrics.csv  the coordinator's final models (``Method.final_models``: PFedCDP's
                        refined student) on the public test split and every client's splits
+    <name>.csv         the method's own tables after its post-hoc stage (``Method.final_tables``:
+                       PFedCDP's ``student_metrics.csv``, the student after every epoch)
     groups.csv         the method's client groups (``Method.client_groups``), when it has any
     privacy.csv        per round and client of a differentially private run: mechanism,
                        noise, clip, steps, sampling rate, epsilon spent so far, delta
@@ -64,6 +66,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -92,7 +95,7 @@ from medfl.plugins import get_plugin_manager, lookup, registry
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
 
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "run_experiment", "resume", "predict",
-           "summarize_metrics", "evaluate_metrics", "reported_by", "METRICS_PROVENANCE"]
+           "summarize_metrics", "evaluate_metrics", "reported_by", "METRICS_PROVENANCE", "ENGINE_TABLES"]
 
 ROLES = ["train", "val", "test", "global_test"]
 
@@ -137,6 +140,15 @@ def metrics_provenance(metrics: pd.DataFrame, train_metrics: pd.DataFrame) -> di
             "meaning": {"self": "a site about its own model on its own data: unverifiable across sites",
                         "peers": "every site scored the model on its own test split (its own site included)",
                         "coordinator": "computed at the coordinator"}}
+
+
+#: The run directory's files (stems of ``<stem>.csv``) the engine writes itself: a method's
+#: ``final_tables`` may not take these names.
+ENGINE_TABLES = frozenset({"metrics", "train_metrics", "mechanisms", "validation_metrics", "profile",
+                           "final_metrics", "groups", "privacy", "communication", "forgetting", "cross_test",
+                           "partition", "reply_events", "comparison", "comparison_forgetting", "predictions",
+                           "flower_events", "summary", "config", "status"})
+_TABLE_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def evaluate_metrics(y, probs) -> dict[str, float]:
@@ -965,6 +977,24 @@ class Run:
         return {name: summarize_metrics(df.drop(columns=["model"]))
                 for name, df in self.final_metrics.groupby("model", sort=False)}
 
+    def write_final_tables(self) -> None:
+        """Write the method's own tables (:meth:`Method.final_tables`) as ``<name>.csv``.
+
+        Raises:
+            RunError: a bad table name (or one of the engine's own files), or a value that is
+                not a number or a string."""
+        for name, rows in self.coordinator.final_tables().items():
+            if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name) or name in ENGINE_TABLES:
+                raise RunError(f"method {self.label!r}: final_tables() names a table {name!r}; use lowercase "
+                               f"letters, digits and underscores, not one of the engine's own files "
+                               f"({', '.join(sorted(ENGINE_TABLES))})")
+            for i, row in enumerate(rows):
+                bad = [k for k, v in dict(row).items() if not (v is None or isinstance(v, (int, float, str)))]
+                if bad:
+                    raise RunError(f"method {self.label!r}: final_tables()[{name!r}][{i}]: {bad} must be numbers "
+                                   "or short strings")
+            _write_csv(self.run_dir / f"{name}.csv", pd.DataFrame([dict(r) for r in rows]))
+
     def write_groups(self, groups: dict[str, str], round: int | None = None) -> dict[str, Any]:
         """Write ``groups.csv`` (client, group) and return the summary's ``groups`` block:
         each group's clients and the mean of every metric per split over them in ``round``
@@ -1089,6 +1119,7 @@ class Run:
         if self.early is not None and self.early.stopped_at is not None:
             print(self.early.stop_message(self.label), file=sys.stderr, flush=True)
         self.coordinator.finalize()
+        self.write_final_tables()
         finals = self.evaluate_finals(rounds)
         summary = {"method": self.method_spec["name"], "label": self.label,
                    "rounds": rounds, "num_clients": len(self.federation.eval_client_ids),

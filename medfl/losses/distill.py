@@ -17,13 +17,21 @@ Choices where the paper is loose, stated once here:
 * ``KL`` is averaged over the batch (``reduction="batchmean"``), the teacher distribution
   first (as in Hinton et al.), and the teacher logits are detached: no gradient reaches a
   teacher through these losses.
-* eq. 17 is written for ``2N`` augmented views. :func:`supcon_loss` takes one view per sample,
-  so the normaliser ``2 N_y - 1`` becomes ``|P(i)| = N_y - 1``, the number of other samples
-  of the anchor's class.
-* The paper sums ``L_i^SCL`` over the batch; :func:`supcon_loss` takes the mean over the
-  anchors that have at least one positive (as Khosla et al.'s reference code does), so the
-  loss scale does not depend on the batch size. Anchors with no positive are left out; the
-  reference code's extra ``tau / base_tau`` factor is not applied.
+* eq. 17 is written for ``2N`` augmented views (two of each sample, Khosla et al.): pass the
+  embeddings of both views stacked, ``(2N, D)``, with the labels repeated (:func:`two_views`
+  does that), and the normaliser ``|P(i)|`` is eq. 17's ``2 N_y - 1``. With one view per
+  sample it becomes ``N_y - 1``, the number of other samples of the anchor's class.
+* The paper sums ``L_i^SCL`` over the batch ("summed over all samples in the batch"):
+  ``reduction="sum"``. ``reduction="mean"`` (the default of :func:`supcon_loss`, as Khosla
+  et al.'s reference code does) takes the mean over the anchors instead, so the loss scale
+  does not depend on the batch size. The two differ by the number ``A`` of anchors (the
+  samples with at least one positive; every sample of a batch of two classes but the lone
+  member of a class): ``sum = A x mean``. In eq. 18 that moves the balance: alpha with
+  ``sum`` weighs KD against SupCon as ``alpha'`` with ``mean`` where
+  ``alpha' / (1 - alpha') = alpha / ((1 - alpha) A)``, i.e. a given ``alpha'`` of the mean
+  form is ``alpha = A alpha' / (1 - alpha' + A alpha')`` in the sum form (``alpha' = 0.5`` at
+  ``A = 16``: ``alpha = 16/17 = 0.94``). Anchors with no positive are left out either way;
+  the reference code's extra ``tau / base_tau`` factor is not applied.
 """
 
 from __future__ import annotations
@@ -40,8 +48,14 @@ __all__ = [
     "kl_to_teacher",
     "supcon_loss",
     "sup_mtkd_loss",
+    "two_views",
+    "SUPCON_REDUCTIONS",
     "ensemble_logits",
 ]
+
+
+#: How :func:`supcon_loss` reduces the per-anchor losses: eq. 17's sum, or their mean.
+SUPCON_REDUCTIONS = ("sum", "mean")
 
 
 def _check_unit(name: str, value: float) -> float:
@@ -111,23 +125,26 @@ def kd_loss(student_logits: Tensor, teacher_logits: Tensor, y: Tensor, *, lam: f
     return (1.0 - lam) * ce + lam * kl_to_teacher(student_logits, teacher_logits, t)
 
 
-def supcon_loss(embeddings: Tensor, labels: Tensor, temperature: float = 0.07) -> Tensor:
-    """Supervised contrastive loss (Khosla et al. 2020, ``L_out``; PFedCDP eq. 17), one view.
+def supcon_loss(embeddings: Tensor, labels: Tensor, temperature: float = 0.07, reduction: str = "mean") -> Tensor:
+    """Supervised contrastive loss (Khosla et al. 2020, ``L_out``; PFedCDP eq. 17).
 
     The embeddings are L2-normalised here. For an anchor ``i`` with positives ``P(i)`` (the
     other samples with the same label)::
 
         L_i = -1/|P(i)| sum_{p in P(i)} log( exp(z_i.z_p / tau) / sum_{a != i} exp(z_i.z_a / tau) )
 
-    eq. 17 is written for ``2N`` augmented views, with normaliser ``2 N_y - 1``; with one view
-    per sample that normaliser becomes ``|P(i)| = N_y - 1``. Anchors without any positive are
-    left out, and the loss is the mean of ``L_i`` over the anchors that have positives. The
-    denominator is computed with ``logsumexp`` (numerically stable).
+    eq. 17 is written for ``2N`` augmented views, with normaliser ``2 N_y - 1``: give the two
+    views' embeddings stacked and the labels repeated (:func:`two_views`); with one view per
+    sample the normaliser is ``|P(i)| = N_y - 1``. Anchors without any positive are left out.
+    The denominator is computed with ``logsumexp`` (numerically stable).
 
     Args:
         embeddings: ``(B, D)`` (or ``(B, ...)``, flattened per sample) representations.
         labels: ``(B,)`` class labels.
         temperature: ``tau > 0`` (default 0.07).
+        reduction: ``"mean"`` (default): the mean of ``L_i`` over the anchors that have
+            positives; ``"sum"``: their sum, as eq. 17's text says ("summed over all samples
+            in the batch"); the module docstring relates eq. 18's alpha between the two.
 
     Returns:
         A scalar. When no anchor has a positive (all labels distinct, or ``B < 2``) it is a
@@ -135,9 +152,12 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, temperature: float = 0.07) -
         gradients).
 
     Raises:
-        ValueError: ``temperature <= 0`` or the batch sizes of embeddings and labels differ.
+        ValueError: ``temperature <= 0``, an unknown ``reduction``, or the batch sizes of
+            embeddings and labels differ.
     """
     tau = _check_positive("temperature", temperature)
+    if reduction not in SUPCON_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(SUPCON_REDUCTIONS)}, got {reduction!r}")
     labels = labels.reshape(-1)
     if embeddings.shape[0] != labels.shape[0]:
         raise ValueError(f"{embeddings.shape[0]} embeddings but {labels.shape[0]} labels")
@@ -155,11 +175,35 @@ def supcon_loss(embeddings: Tensor, labels: Tensor, temperature: float = 0.07) -
     log_prob = sim - log_denominator
     pos_log_prob = torch.where(positives, log_prob, torch.zeros_like(log_prob)).sum(dim=1)
     per_anchor = -pos_log_prob[anchors] / n_pos[anchors].to(sim.dtype)
-    return per_anchor.mean()
+    return per_anchor.sum() if reduction == "sum" else per_anchor.mean()
+
+
+def two_views(first: Tensor, second: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """The ``2N`` views of eq. 17 as :func:`supcon_loss` takes them.
+
+    Args:
+        first: the first view's embeddings (or images) ``(N, ...)``.
+        second: the second view's, of the same samples in the same order ``(N, ...)``.
+        labels: the samples' labels ``(N,)``.
+
+    Returns:
+        ``(cat([first, second]), cat([labels, labels]))``: sample ``i``'s two views sit at
+        rows ``i`` and ``N + i``, each the other's positive.
+
+    Raises:
+        ValueError: the views' shapes differ, or their batch size is not the labels'.
+    """
+    if first.shape != second.shape:
+        raise ValueError(f"the two views differ in shape: {tuple(first.shape)} and {tuple(second.shape)}")
+    labels = labels.reshape(-1)
+    if first.shape[0] != labels.shape[0]:
+        raise ValueError(f"{first.shape[0]} samples per view but {labels.shape[0]} labels")
+    return torch.cat([first, second]), torch.cat([labels, labels])
 
 
 def sup_mtkd_loss(student_logits: Tensor, student_embeddings: Tensor, teacher_logits: Tensor,
-                  y: Tensor, *, alpha: float, temperature: float, tau: float) -> Tensor:
+                  y: Tensor, *, alpha: float, temperature: float, tau: float, reduction: str = "mean",
+                  parts: bool = False) -> Tensor | tuple[Tensor, Tensor, Tensor]:
     """PFedCDP's server-side refinement loss (eq. 18).
 
     ``(1 - alpha) L_SCL(e_s, y) + alpha T^2 KL(softmax(z_t / T) || softmax(z_s / T))``, with
@@ -174,17 +218,22 @@ def sup_mtkd_loss(student_logits: Tensor, student_embeddings: Tensor, teacher_lo
         alpha: weight of the distillation term, in ``[0, 1]``.
         temperature: distillation temperature ``T > 0``.
         tau: contrastive temperature ``tau > 0``.
+        reduction: SupCon's reduction over the anchors, ``"mean"`` (default) or ``"sum"``
+            (eq. 17's text; see :func:`supcon_loss`).
+        parts: also return the two terms (unweighted), for logging.
 
     Returns:
-        The scalar loss.
+        The scalar loss; with ``parts``, ``(loss, L_SCL, T^2 KL)``.
 
     Raises:
-        ValueError: a weight or temperature out of range.
+        ValueError: a weight, temperature or reduction out of range.
     """
     alpha = _check_unit("alpha", alpha)
     t = _check_positive("temperature", temperature)
-    scl = supcon_loss(student_embeddings, y, tau)
-    return (1.0 - alpha) * scl + alpha * kl_to_teacher(student_logits, teacher_logits, t)
+    scl = supcon_loss(student_embeddings, y, tau, reduction)
+    kd = kl_to_teacher(student_logits, teacher_logits, t)
+    loss = (1.0 - alpha) * scl + alpha * kd
+    return (loss, scl, kd) if parts else loss
 
 
 def ensemble_logits(logits: Sequence[Tensor], weights: Sequence[float] | None = None) -> Tensor:

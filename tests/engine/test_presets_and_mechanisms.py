@@ -1,6 +1,8 @@
-"""Method presets (``{"name": ..., "preset": "paper"}``) and the mechanism log
+"""Method presets (``{"name": ..., "preset": "paper"}``), the mechanism log
 (``Method.mechanisms`` -> ``mechanisms.csv``, ``Method.mechanism_warnings`` -> stderr and
-``summary.json``'s ``warnings``), in process and across a resume."""
+``summary.json``'s ``warnings``), in process and across a resume, and a method's own tables
+after its post-hoc stage (``Method.final_tables`` -> ``<name>.csv``, drawn by the reporting
+plugin where it knows them)."""
 
 from __future__ import annotations
 
@@ -146,3 +148,33 @@ def test_mechanism_plot(tmp_path: Path) -> None:
     path.unlink()
     assert write_mechanism_plot(run) == path and path.is_file()   # and again by medfl report
     assert write_mechanism_plot(_run(tmp_path / "b", {"name": "fedavg"}, rounds=1)) is None
+
+
+# ------------------------------------------------------------------ final tables
+def test_final_tables_are_written_after_finalize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [{"epoch": 0, "split": "public_test", "accuracy": 0.5},
+            {"epoch": 1, "split": "public_train", "loss": 0.75, "note": "x"},
+            {"epoch": 1, "split": "public_test", "accuracy": 0.625, "auc": None}]
+    monkeypatch.setattr(Observed, "final_tables", lambda self: {"student_metrics": rows}, raising=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MEDFL_NO_PLOTS", raising=False)
+        run = _run(tmp_path, {"name": "test_observed"}, rounds=1)
+    table = pd.read_csv(run / "student_metrics.csv", keep_default_na=False, na_values=[""])
+    assert list(table.columns) == ["epoch", "split", "accuracy", "loss", "note", "auc"]
+    assert table["accuracy"].tolist()[::2] == [0.5, 0.625] and table["loss"].tolist()[1] == 0.75
+    assert table["auc"].isna().all() and table["note"].fillna("").tolist() == ["", "x", ""]
+    assert (run / "plots" / "student_metrics.png").is_file()       # the reporting plugin draws it
+
+
+@pytest.mark.parametrize("tables, match", [
+    ({"metrics": []}, "not one of the engine's own files"),
+    ({"Student metrics": []}, "lowercase letters"),
+    ({"ok": [{"epoch": [1, 2]}]}, r"\['epoch'\] must be numbers"),
+])
+def test_a_bad_final_table_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tables: dict[str, Any],
+                                         match: str) -> None:
+    from medfl.engine.runner import RunError
+
+    monkeypatch.setattr(Observed, "final_tables", lambda self: tables, raising=False)
+    with pytest.raises(RunError, match=match):
+        _run(tmp_path, {"name": "test_observed"}, rounds=1)

@@ -229,6 +229,24 @@ def test_a_run_scores_the_student_on_public_and_client_test_splits(finished):
     assert cfg["public_dataset"]["sizes"]["test"] > 0
 
 
+def test_without_dp_the_mechanisms_show_no_noise_and_no_blow_up(finished):
+    """The no-DP run of the fixture: zero noise in every cluster's average, the update
+    quantized (eq. 14) at a small fraction of its norm, no own weight above 1, no warning."""
+    run_dir, summary = finished
+    mech = pd.read_csv(run_dir / "mechanisms.csv", dtype={"id": str, "text": str}, keep_default_na=False,
+                       na_values=[""])
+    noise = mech[(mech["mechanism"] == "dp_noise") & (mech["name"] == "noise_to_update_min")]
+    assert len(noise) == 2 * 3 and (noise["value"] == 0).all()
+    quant = mech[mech["mechanism"] == "quantization"]
+    assert set(quant[quant["name"] == "target"]["text"]) == {"update"}
+    assert (quant[quant["name"] == "error_to_update"]["value"] < 0.05).all()
+    above = mech[(mech["mechanism"] == "personalization") & (mech["name"] == "above_one")]
+    assert len(above) == 2 * 4 and (above["value"] == 0).all()
+    assert "warnings" not in summary
+    assert summary["method_report"]["mechanisms"]["dp"]["private"] is False
+    assert (run_dir / "student_metrics.csv").is_file() and (run_dir / "plots" / "student_metrics.png").is_file()
+
+
 def test_teacher_weight_modes(tmp_path):
     fixed = _run(tmp_path / "f", capabilities=SCORES_BY_CLIENT, epsilon=None, teacher_weights="fixed").coordinator
     fixed.trained = {"0", "1", "3"}

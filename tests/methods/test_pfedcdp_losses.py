@@ -17,6 +17,7 @@ from medfl.losses.distill import (
     kl_to_teacher,
     sup_mtkd_loss,
     supcon_loss,
+    two_views,
 )
 from medfl.shapley import (
     balanced_subset,
@@ -139,6 +140,63 @@ def test_sup_mtkd_loss_combines_eq_18() -> None:
     assert torch.allclose(got, want)
     with pytest.raises(ValueError, match="alpha"):
         sup_mtkd_loss(s, emb, z, y, alpha=2.0, temperature=3.0, tau=0.1)
+
+
+def test_supcon_sum_and_mean_by_hand() -> None:
+    """z0 = (1, 0), z1 = (0, 1) of class 0, z2 = (1, 1)/sqrt(2) alone in class 1, tau 1: anchors
+    0 and 1 are each other's only positive, at similarity 0 against 1/sqrt(2) to z2, so each
+    costs log(1 + e^(1/sqrt 2)); z2 has no positive and is left out. Eq. 17 sums them."""
+    emb = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    y = torch.tensor([0, 0, 1])
+    one = math.log(1.0 + math.exp(1.0 / math.sqrt(2.0)))
+    assert float(supcon_loss(emb, y, 1.0, reduction="sum")) == pytest.approx(2 * one, rel=1e-12)
+    assert float(supcon_loss(emb, y, 1.0, reduction="mean")) == pytest.approx(one, rel=1e-12)
+    assert float(supcon_loss(emb, y, 1.0)) == pytest.approx(one, rel=1e-12)        # the function's default
+    with pytest.raises(ValueError, match="reduction"):
+        supcon_loss(emb, y, 1.0, reduction="max")
+
+
+def test_two_view_supcon_by_hand() -> None:
+    """Two samples of different classes, two (here equal) views each: every anchor's only
+    positive is its own other view (eq. 17's 2 N_y - 1 = 1), at similarity 1, against the two
+    views of the other sample at 0: each anchor costs log(1 + 2/e)."""
+    first = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    emb, y = two_views(first, first.clone(), torch.tensor([0, 1]))
+    assert y.tolist() == [0, 1, 0, 1] and torch.equal(emb[2:], first)
+    one = math.log(1.0 + 2.0 / math.e)
+    assert float(supcon_loss(emb, y, 1.0, reduction="sum")) == pytest.approx(4 * one, rel=1e-12)
+    assert float(supcon_loss(emb, y, 1.0, reduction="mean")) == pytest.approx(one, rel=1e-12)
+    # random views against the loop reference (it counts 2 N_y - 1 positives by itself)
+    gen = torch.Generator().manual_seed(6)
+    a, b = torch.randn(7, 5, generator=gen, dtype=torch.float64), torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    emb, y = two_views(a, b, torch.tensor(SUPCON_LABELS))
+    want = _supcon_loops(emb.numpy(), y.tolist(), 0.5)
+    assert float(supcon_loss(emb, y, 0.5)) == pytest.approx(want, rel=1e-10)
+    assert float(supcon_loss(emb, y, 0.5, reduction="sum")) == pytest.approx(14 * want, rel=1e-10)  # all 14 anchors
+    with pytest.raises(ValueError, match="differ in shape"):
+        two_views(a, b[:3], torch.tensor(SUPCON_LABELS))
+
+
+def test_sup_mtkd_loss_sum_parts_and_the_alpha_relation() -> None:
+    gen = torch.Generator().manual_seed(7)
+    s, z = torch.randn(7, 3, generator=gen, dtype=torch.float64), torch.randn(7, 3, generator=gen, dtype=torch.float64)
+    emb, y = torch.randn(7, 4, generator=gen, dtype=torch.float64), torch.tensor(SUPCON_LABELS) % 3
+    loss, scl, kd = sup_mtkd_loss(s, emb, z, y, alpha=0.3, temperature=3.0, tau=0.1, reduction="sum", parts=True)
+    assert torch.allclose(scl, supcon_loss(emb, y, 0.1, reduction="sum"))
+    assert torch.allclose(kd, kl_to_teacher(s, z, 3.0))
+    assert torch.allclose(loss, 0.7 * scl + 0.3 * kd)
+    # alpha' of the mean form is alpha = A alpha' / (1 - alpha' + A alpha') of the sum form (A anchors):
+    # the two losses are then proportional, whatever the batch (here A = 6: label 2 has no positive)
+    anchors, a_mean = 6, 0.5
+    a_sum = anchors * a_mean / (1 - a_mean + anchors * a_mean)
+    ratios = []
+    for seed in (8, 9):
+        g = torch.Generator().manual_seed(seed)
+        s, z, emb = (torch.randn(7, k, generator=g, dtype=torch.float64) for k in (3, 3, 4))
+        total_sum = sup_mtkd_loss(s, emb, z, y, alpha=a_sum, temperature=3.0, tau=0.1, reduction="sum")
+        total_mean = sup_mtkd_loss(s, emb, z, y, alpha=a_mean, temperature=3.0, tau=0.1, reduction="mean")
+        ratios.append(float(total_sum / total_mean))
+    assert ratios[0] == pytest.approx(ratios[1], rel=1e-10)
 
 
 def test_ensemble_logits_normalises_weights() -> None:

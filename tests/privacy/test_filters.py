@@ -77,6 +77,37 @@ def test_quantize_after_dp_quantizes_the_noised_update() -> None:
         assert torch.allclose(back[k].double(), v.double(), atol=1e-4), k
 
 
+def test_quantize_update_quantizes_returned_minus_received() -> None:
+    """``update: true``: the chain subtracts the reference, the codes span the update's range,
+    and the coordinator adds the reference back; the error is half a step of the update's
+    range, not of the weights'. ``update: false`` (the default) encodes the weights."""
+    ref, new = _states(scale=0.01)
+    key = "layer1.0.weight"
+    upd = new[key].double() - ref[key].double()
+    sent, back = _round_trip([{"name": "quantize", "bits": 8, "update": True}], ref, new)
+    enc = sent["model"][key]
+    assert enc["lo"] == pytest.approx(float(upd.min()), abs=1e-6) and enc["hi"] == pytest.approx(float(upd.max()),
+                                                                                                abs=1e-6)
+    step = (float(upd.max()) - float(upd.min())) / 255
+    assert float((back[key].double() - new[key].double()).abs().max()) <= step / 2 + 1e-6
+    sent_w, back_w = _round_trip([{"name": "quantize", "bits": 8}], ref, new)
+    assert sent_w["model"][key]["lo"] == pytest.approx(float(new[key].min()))   # the weights' range
+    step_w = (float(new[key].max()) - float(new[key].min())) / 255
+    err_w = float((back_w[key].double() - new[key].double()).abs().max())
+    assert step_w > 10 * step and err_w > 2 * float((back[key].double() - new[key].double()).abs().max())
+    assert FilterChain.from_specs([{"name": "quantize", "update": True}]).uses_update
+    assert not FilterChain.from_specs([{"name": "quantize"}]).uses_update
+
+
+def test_quantize_update_needs_a_reference() -> None:
+    from medfl.filters import FilterMismatchError
+    from medfl_plugins.fedskd import FedSKD
+
+    with pytest.raises(FilterMismatchError, match="quantize"):
+        FilterChain.from_specs([{"name": "quantize", "update": True}]).check(FedSKD, "filters")
+    FilterChain.from_specs([{"name": "quantize"}]).check(FedSKD, "filters")   # the state itself: fine
+
+
 def test_dp_gaussian_clips_the_update_and_adds_the_stated_noise() -> None:
     ref, new = _states(scale=1.0)
     clip, sigma = 0.5, 2.0
@@ -185,6 +216,7 @@ BAD_FILTERS = [
     ([{"name": "quantize", "bits": 17}], "bits"),
     ([{"name": "quantize", "bits": True}], "bits"),
     ([{"name": "quantize", "bits": 8, "levels": 3}], "levels"),
+    ([{"name": "quantize", "bits": 8, "update": "yes"}], "update must be true"),
     ([{"name": "quantize"}, {"name": "dp_gaussian", "epsilon": 3}], "last"),
     ([{"name": "dp_gaussian", "epsilon": 3}, {"name": "dp_gaussian", "epsilon": 3}], "one mechanism"),
     ([{"name": "zip"}], "unknown filter 'zip'"),
