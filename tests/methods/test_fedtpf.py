@@ -40,7 +40,7 @@ def _replies(m: FedTPF, shift: dict[str, float]) -> dict[str, Reply]:
 
 
 def test_decay_weights_follow_eqs_8_and_9_over_a_scripted_accuracy_sequence() -> None:
-    m = FedTPF(distill_rounds=4, decay_lambda=2.0, **SMALL)
+    m = FedTPF(distill_rounds=4, decay_lambda=2.0, stop_on="x_s", **SMALL)
     m.setup(_fed())
     key = "vae.mu.bias"
     # round 1: everybody distils; accuracies p(1); client 0 meets the stop condition
@@ -77,11 +77,16 @@ def test_decay_weights_follow_eqs_8_and_9_over_a_scripted_accuracy_sequence() ->
 
 
 def test_hostile_validation_scalars_are_ignored() -> None:
-    m = FedTPF(distill_rounds=4, **SMALL)
+    m = FedTPF(distill_rounds=4, stop_on="x_s", **SMALL)
     m.setup(_fed())
     m.server_validate(1, {"0": {"residual_accuracy": 7.0}, "1": {"residual_accuracy": math.nan},
                           "2": {"residual_accuracy": 0.5}})
     assert m.p_prev == {"2": 0.5}
+    # by default p_k is the accuracy on x_p (stop_on="x_p")
+    d = FedTPF(distill_rounds=4, **SMALL)
+    d.setup(_fed())
+    d.server_validate(1, {"0": {"residual_accuracy": 0.9, "residual_accuracy_p": 0.4}, "1": {"residual_accuracy": 0.5}})
+    assert d.p_prev == {"0": 0.4}
 
 
 def _release_replies(m: FedTPF, n: dict[str, int], shape=(1, 12, 12)) -> dict[str, Reply]:
