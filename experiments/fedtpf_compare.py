@@ -95,28 +95,26 @@ def _clip(text: str) -> float | str:
     return text if text == "public_quantile" else float(text)
 
 
-def prepare_public(a: argparse.Namespace) -> Path:
-    """A public set for ``clip public_quantile``: ``--public`` fixture tiles of another seed."""
-    out = a.out / "data" / f"public_{a.public}"
+def _fixture(a: argparse.Namespace, name: str, cases: int, seed: int) -> Path:
+    """Generate and prepare ``cases`` PathMNIST fixture tiles of ``seed`` once, as ``name``."""
+    out = a.out / "data" / f"{name}_{cases}"
     if not (out / "manifest.csv").is_file():
         from medfl.prep.medmnist import main as prep
 
-        generate("medmnist", a.out / "data" / "public_raw", cases=a.public, seed=7, flag="pathmnist")
-        assert prep(["--raw", str(a.out / "data" / "public_raw"), "--out", str(out), "--flag", "pathmnist",
-                     "--overwrite"]) == 0
+        raw = a.out / "data" / f"{name}_raw"
+        generate("medmnist", raw, cases=cases, seed=seed, flag="pathmnist")
+        assert prep(["--raw", str(raw), "--out", str(out), "--flag", "pathmnist", "--overwrite"]) == 0
     return out
+
+
+def prepare_public(a: argparse.Namespace) -> Path:
+    """A public set for ``clip public_quantile``: ``--public`` fixture tiles of another seed."""
+    return _fixture(a, "public", a.public, 7)
 
 
 def prepare(a: argparse.Namespace) -> Path:
     """Generate and prepare the PathMNIST fixture once."""
-    out = a.out / "data" / f"pathmnist_{a.cases}"
-    if not (out / "manifest.csv").is_file():
-        from medfl.prep.medmnist import main as prep
-
-        generate("medmnist", a.out / "data" / "raw", cases=a.cases, seed=0, flag="pathmnist")
-        assert prep(["--raw", str(a.out / "data" / "raw"), "--out", str(out), "--flag", "pathmnist",
-                     "--overwrite"]) == 0
-    return out
+    return _fixture(a, "pathmnist", a.cases, 0)
 
 
 def noise_needed(run: Path, data: Path, epsilon: float) -> dict[str, float]:

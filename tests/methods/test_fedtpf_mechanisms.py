@@ -24,18 +24,9 @@ from medfl.method import Federation, MethodConfigError
 from medfl.models.feature_distill import DistillVAE
 from medfl_plugins.fedtpf import PAPER_PRESET, FedFed, FedTPF, MixedBatches, SharedSet
 
+from test_fedtpf import _job
+
 SMALL = {"vae_width": 4, "critic_width": 4}
-
-
-def _job(tmp: Path, entry: dict[str, Any], rounds: int, **extra: Any) -> dict[str, Any]:
-    return {"name": "t", "output_dir": str(tmp / "runs"), "seed": 0, "rounds": rounds, "num_clients": 3,
-            "progress": False,
-            "dataset": {"name": "synthetic2d", "root": str(tmp / "data"), "num_samples": 96, "num_classes": 2,
-                        "image_size": 12, "noise": 0.5},
-            "client_split": {"train": 0.6, "val": 0.2, "test": 0.2},
-            "partition": {"name": "dirichlet", "alpha": 1.0, "min_size": 8},
-            "model": {"name": "small_cnn", "width": 4}, "train": {"batch_size": 8, "lr": 0.05},
-            "methods": [entry], **extra}
 
 
 def _run(tmp: Path, entry: dict[str, Any], rounds: int, **extra: Any) -> Path:
