@@ -344,7 +344,10 @@ class FedTPF(Method):
     the PathMNIST fixture at the paper's variance: one epoch of 4-5 steps leaves it at chance
     on ``x_p``, 60 steps reach 0.6 on average, 150 let the VAE shrink ``x_s`` under the fixed
     noise and the accuracy falls again); the stage-2 batch composition (``mix``) is not in the
-    paper: the default, ``None``, shuffles the union as Algorithm 1's ``D^k union D^s`` reads.
+    paper: the default, ``None``, shuffles the union as Algorithm 1's ``D^k union D^s`` reads
+    (PathMNIST fixture, 5 clients, 8 rounds, one seed: global-test accuracy 0.82 with ``None``
+    against 0.74 with ``mix=0.5`` at the paper's noise, 0.48 against 0.21 at epsilon 8;
+    FedAvg 0.60).
 
     Ablations: ``lambda_proto=0`` (no prototypes), ``decay=False`` (plain FedAvg of the
     distillation models), ``lambda_wgan=0`` (no critic), ``epsilon=None`` (noise off,
