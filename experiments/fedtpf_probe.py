@@ -42,9 +42,10 @@ def describe(run: Path) -> list[str]:
                      f"{rep.get('transition', {}).get('after_round')} ({rep.get('transition', {}).get('reason')})")
         lines.append(f"   decay {decay.get('reading')}: min alpha {decay.get('min_alpha')}; Delta_perf used "
                      f"{ {int(k): round(v, 3) for k, v in (decay.get('delta_perf') or {}).items()} }")
-        lines.append("   release: " + ", ".join(f"{k} {round(v, 4) if isinstance(v, float) else v}" for k, v in rel.items()
-                                                if k in ("noise", "clip", "clip_source", "noise_per_coordinate",
-                                                         "x_s_norm_mean", "clipped_fraction", "noise_to_signal")))
+        shown = ("noise", "clip", "clip_source", "noise_per_coordinate", "x_s_norm_mean", "clipped_fraction",
+                 "noise_to_signal")
+        lines.append("   release: " + ", ".join(f"{k} {round(v, 4) if isinstance(v, float) else v}"
+                                                for k, v in rel.items() if k in shown))
     if (run / "mechanisms.csv").is_file():
         log = pd.read_csv(run / "mechanisms.csv", dtype={"id": str, "text": str}, keep_default_na=False)
         acc = log[(log["mechanism"] == "stop_condition") & (log["scope"] == "client") & (log["value"] != "")

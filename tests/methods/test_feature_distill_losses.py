@@ -100,7 +100,8 @@ def test_decay_weights_as_the_prose_reads_accumulate_from_the_stop_round() -> No
     assert decay_weights(stopped, 2, history[2], lam)["a"] == pytest.approx(math.exp(-2.0 * 0.08))
     assert decay_weights(stopped, 3, history[3], lam)["a"] == 1.0
     # a round missing from the history adds nothing
-    assert decay_weights({"a": 1}, 3, 0.0, 1.0, reading="prose", history={3: 0.5}) == {"a": pytest.approx(math.exp(-0.5))}
+    got = decay_weights({"a": 1}, 3, 0.0, 1.0, reading="prose", history={3: 0.5})
+    assert got == {"a": pytest.approx(math.exp(-0.5))}
     with pytest.raises(ValueError, match="reading must be one of printed, prose, got 'both'"):
         decay_weights(stopped, 2, 0.1, 1.0, reading="both")
 

@@ -226,7 +226,8 @@ def _fed(batch_size: int = 8) -> Federation:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"noise": {"variance": 0.15}}, r"noise=\{'variance': 0.15\} adds noise of a fixed variance .* set epsilon to null"),
+    ({"noise": {"variance": 0.15}},
+     r"noise=\{'variance': 0.15\} adds noise of a fixed variance .* set epsilon to null"),
     ({"noise": {"std": 0.1}, "epsilon": None}, r"noise must be null .* or \{'variance': v\}"),
     ({"noise": {"variance": -1}, "epsilon": None}, "noise.variance must be a number > 0"),
     ({"clip": "median"}, "clip must be a number > 0 or 'public_quantile', got 'median'"),

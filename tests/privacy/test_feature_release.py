@@ -92,14 +92,16 @@ def test_the_papers_variance_noise_is_added_to_unclipped_features_and_has_no_eps
     x_s[:, 0, 0] = 30.0                                                  # norm 30: no clip touches it
     x_p, rec = release_with_variance(x_s, variance=0.15, generator=torch.Generator().manual_seed(0))
     noise = (x_p - x_s).flatten(1)
-    assert float(noise.var()) == pytest.approx(0.15, rel=0.03) and float(x_p[:, 0, 0].mean()) == pytest.approx(30, abs=0.02)
+    assert float(noise.var()) == pytest.approx(0.15, rel=0.03)
+    assert float(x_p[:, 0, 0].mean()) == pytest.approx(30, abs=0.02)
     assert math.isinf(rec.epsilon) and math.isinf(rec.clip) and rec.noise_multiplier == 0.0
     assert rec.clipped_fraction == 0.0 and rec.noise_std == pytest.approx(math.sqrt(0.15))
     # the record's norms are those of the released tensors, measured independently here
     assert rec.signal_norm == pytest.approx(30.0)
     assert rec.noise_norm == pytest.approx(float(noise.norm(dim=1).mean()), rel=1e-6)
     assert rec.noise_to_signal == pytest.approx(rec.noise_norm / 30.0)
-    lap, lrec = release_with_variance(x_s, variance=0.5, mechanism="laplace", generator=torch.Generator().manual_seed(1))
+    lap, lrec = release_with_variance(x_s, variance=0.5, mechanism="laplace",
+                                      generator=torch.Generator().manual_seed(1))
     assert float((lap - x_s).var()) == pytest.approx(0.5, rel=0.05) and lrec.mechanism == "laplace"
     assert variance_scale(0.5, "laplace") == pytest.approx(0.5) and variance_scale(0.16) == pytest.approx(0.4)
     with pytest.raises(PrivacyConfigError, match="variance must be a finite number > 0"):
