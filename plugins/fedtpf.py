@@ -48,7 +48,8 @@ from medfl.privacy.feature_release import (
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
 
-__all__ = ["FedTPF", "FedFed", "SharedSet", "MixedBatches", "PAPER_PRESET", "CHANCE_MARGIN", "register_methods"]
+__all__ = ["FedTPF", "FedFed", "SharedSet", "MixedBatches", "PAPER_PRESET", "CHANCE_MARGIN", "CHANCE_ROUNDS",
+           "register_methods"]
 
 State = dict[str, torch.Tensor]
 #: the stages an instruction's ``config["stage"]`` names
@@ -61,6 +62,9 @@ DISTILL_OPTIMIZERS = ("adam", "sgd")
 #: how far above chance an accuracy may sit and still count as "at chance" in the warnings
 #: (a client's chance is the larger of 1/K and its validation split's most common class)
 CHANCE_MARGIN = 0.05
+#: how many validations in a row (at least; ``window`` if larger) an accuracy must stay at chance
+#: before the warnings say so
+CHANCE_ROUNDS = 3
 #: what the per-sample epsilon leaves out: the distillation model the released values depend on
 DISTILL_MODEL_NOT_COVERED = (
     "the distillation model: the per-sample epsilon of the shared features treats it as public, but it is trained "
@@ -810,8 +814,9 @@ class FedTPF(Method):
         return max(1.0 / self.federation.num_classes, share if math.isfinite(share) else 0.0)
 
     def _at_chance(self, cid: str, key: str) -> bool:
-        last = self.history.get(cid, [])[-self.window:]
-        if len(last) < max(self.window, 2):
+        need = max(self.window, CHANCE_ROUNDS)
+        last = self.history.get(cid, [])[-need:]
+        if len(last) < need:
             return False
         return all(math.isfinite(r[key]) and r[key] <= self._chance(r) + CHANCE_MARGIN for r in last)
 
@@ -836,11 +841,11 @@ class FedTPF(Method):
         if self.stage == "distill" or self.transition.get("after_round") == round:
             stuck = [c for c in ids if self._at_chance(c, self._stop_key())]
             if stuck and self.stop_condition:
-                say("chance_stop", f"the residual classifier is at chance on {self.stop_on} (accuracy <= chance + "
-                                   f"{CHANCE_MARGIN:g} over {self.window} validations) on client(s) "
-                                   f"{_fmt_ids(stuck)}: the stop condition (accuracy >= {target:g}) cannot fire and "
-                                   f"stage 1 runs to the cap ({cap}); give the classifier more steps (distill_steps, "
-                                   f"distill_epochs, distill_lr) or {fix_noise}")
+                say("chance_stop", f"the residual classifier has stayed at chance on {self.stop_on} (accuracy <= "
+                                   f"chance + {CHANCE_MARGIN:g} over {max(self.window, CHANCE_ROUNDS)} validations) "
+                                   f"on client(s) {_fmt_ids(stuck)}: while it does, the stop condition (accuracy >= "
+                                   f"{target:g}) cannot fire and stage 1 runs to the cap ({cap}); give the classifier "
+                                   f"more steps (distill_steps, distill_epochs, distill_lr) or {fix_noise}")
             drowned = [c for c in ids if self._at_chance(c, "residual_accuracy_p")
                        and (self.stop_on == "x_s" or c not in stuck)]
             if drowned:
