@@ -23,8 +23,14 @@ on ``dirichlet_0.1`` as the paper's Fig. 4 does. Data: the PathMNIST fixture
 (``medfl.fixtures``, the official npz layout; ``--cases`` tiles over train/val/test)
 prepared by ``data_prep/medmnist.py``; the official test split is the global test set.
 Model: ``small_cnn`` (``--width``) at 28 x 28, SGD ``--lr`` batch 32, ``--rounds`` rounds of
-one epoch, stage 1 capped at ``--distill-rounds``; 9 clients (every class dominates one in
-``subset``).
+one epoch, stage 1 capped at ``--distill-rounds``, at least ``--distill-steps`` distillation
+steps per client and round; 9 clients (every class dominates one in ``subset``). The release:
+the DP one at ``--epsilon`` and ``--clip`` (a number, or ``public_quantile`` with ``--public N``
+fixture tiles of another seed as ``fl.public_dataset``), or the paper's ``--noise-variance``
+(not private); ``--mix`` fixes stage 2's share of shared samples per batch; ``--paper`` adds
+FedTPF's ``"paper"`` preset as an arm. The table has what each run's mechanisms did: clients
+that met the stop condition and that reached the cap, the smallest eq. 8 weight, the
+residual classifier's last accuracy on ``x_s`` and ``x_p``, the release's noise-to-signal.
 
 The privacy-utility claim (section III-E): after each FedTPF run, the final global
 distillation model (from the last checkpoint) is applied to all training tiles, and
@@ -67,27 +73,48 @@ SPLITS: dict[str, dict[str, Any]] = {
 
 def arms(a: argparse.Namespace, ablations: bool) -> list[dict[str, Any]]:
     """The method entries of one setting."""
-    common = {"distill_rounds": a.distill_rounds, "epsilon": a.epsilon, "clip": a.clip, "distill_epochs": 1}
+    common: dict[str, Any] = {"distill_rounds": a.distill_rounds, "epsilon": a.epsilon, "clip": a.clip,
+                              "distill_epochs": 1, "distill_steps": a.distill_steps, "mix": a.mix}
+    if a.noise_variance is not None:
+        common.update(noise={"variance": a.noise_variance}, epsilon=None)
     out = [{"name": "fedtpf", **common}, {"name": "fedfed", **common}, {"name": "fedavg"}]
+    if a.paper:
+        out.insert(1, {"name": "fedtpf", "label": "fedtpf_paper", "preset": "paper",
+                       "distill_rounds": a.distill_rounds})
     if ablations:
         out += [{"name": "fedtpf", "label": "fedtpf_noproto", **common, "lambda_proto": 0.0},
                 {"name": "fedtpf", "label": "fedtpf_nodecay", **common, "decay": False},
                 {"name": "fedtpf", "label": "fedtpf_nocritic", **common, "lambda_wgan": 0.0},
                 {"name": "fedtpf", "label": "fedtpf_nonoise", **common, "epsilon": None},
-                {"name": "fedtpf", "label": "fedtpf_labelsonly", **{**common, "clip": 1e-6}}]
+                {"name": "fedtpf", "label": "fedtpf_labelsonly", **{**common, "clip": 1e-6, "noise": None,
+                                                                       "epsilon": a.epsilon}}]
     return out
+
+
+def _clip(text: str) -> float | str:
+    return text if text == "public_quantile" else float(text)
+
+
+def _fixture(a: argparse.Namespace, name: str, cases: int, seed: int) -> Path:
+    """Generate and prepare ``cases`` PathMNIST fixture tiles of ``seed`` once, as ``name``."""
+    out = a.out / "data" / f"{name}_{cases}"
+    if not (out / "manifest.csv").is_file():
+        from medfl.prep.medmnist import main as prep
+
+        raw = a.out / "data" / f"{name}_raw"
+        generate("medmnist", raw, cases=cases, seed=seed, flag="pathmnist")
+        assert prep(["--raw", str(raw), "--out", str(out), "--flag", "pathmnist", "--overwrite"]) == 0
+    return out
+
+
+def prepare_public(a: argparse.Namespace) -> Path:
+    """A public set for ``clip public_quantile``: ``--public`` fixture tiles of another seed."""
+    return _fixture(a, "public", a.public, 7)
 
 
 def prepare(a: argparse.Namespace) -> Path:
     """Generate and prepare the PathMNIST fixture once."""
-    out = a.out / "data" / f"pathmnist_{a.cases}"
-    if not (out / "manifest.csv").is_file():
-        from medfl.prep.medmnist import main as prep
-
-        generate("medmnist", a.out / "data" / "raw", cases=a.cases, seed=0, flag="pathmnist")
-        assert prep(["--raw", str(a.out / "data" / "raw"), "--out", str(out), "--flag", "pathmnist",
-                     "--overwrite"]) == 0
-    return out
+    return _fixture(a, "pathmnist", a.cases, 0)
 
 
 def noise_needed(run: Path, data: Path, epsilon: float) -> dict[str, float]:
@@ -130,7 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--distill-rounds", type=int, default=5)
     p.add_argument("--epsilon", type=float, default=8.0)
-    p.add_argument("--clip", type=float, default=5.0)
+    p.add_argument("--clip", type=_clip, default=5.0, help="a number, or public_quantile (needs --public)")
+    p.add_argument("--noise-variance", type=float, default=None,
+                   help="the paper's noise on unclipped x_s instead of the DP release (0.15, 0.2, 0.25)")
+    p.add_argument("--distill-steps", type=int, default=60, help="at least this many distillation steps a round")
+    p.add_argument("--mix", type=float, default=None, help="share of shared samples in each stage-2 batch")
+    p.add_argument("--paper", action="store_true", help="also run FedTPF's 'paper' preset")
+    p.add_argument("--public", type=int, default=0, metavar="N",
+                   help="a public set of N more fixture tiles (another seed) for clip public_quantile")
     p.add_argument("--cases", type=int, default=1800, help="fixture tiles over train/val/test (default 1800)")
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.05)
@@ -153,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
               "eval_splits": ["val", "global_test"], "model": {"name": "small_cnn", "width": a.width},
               "train": {"epochs": 1, "batch_size": 32, "eval_batch_size": 256, "lr": a.lr},
               "methods": arms(a, ablate)}
+        if a.public:
+            fl["public_dataset"] = {"name": "manifest", "path": str(prepare_public(a) / "manifest.csv"),
+                                    "column": "path", "num_classes": 9, "cache": "memory"}
         t0 = time.time()
         result = run_experiment(resolve_config(fl))
         print(f"{name}: {time.time() - t0:.0f} s", flush=True)
@@ -164,14 +201,22 @@ def main(argv: list[str] | None = None) -> int:
             priv = summary["privacy"]
             rep = summary.get("method_report", {})
             release = rep.get("release", {})
+            stops = rep.get("stop_rounds", {})
+            stop = rep.get("stop_condition", {})
             row = {"split": split, "participation": c, "method": label, "global_test_accuracy": round(acc, 4),
                    "epsilon": (None if not priv.get("mechanisms") else priv.get("epsilon")),
                    "private": priv.get("private"),
                    "stage1_rounds": rep.get("transition", {}).get("after_round"),
-                   "stage1_end": rep.get("transition", {}).get("reason"),
-                   "x_s_to_x_norm": release.get("x_s_to_x_norm"), "clipped_fraction": release.get("clipped_fraction")}
+                   "stopped": sum(1 for v in stops.values() if isinstance(v, int)),
+                   "capped": sum(1 for v in stops.values() if v == "cap"),
+                   "min_alpha": rep.get("decay", {}).get("min_alpha"),
+                   "acc_x_s": stop.get("residual_accuracy_x_s_last_mean"),
+                   "acc_x_p": stop.get("residual_accuracy_x_p_last_mean"),
+                   "noise_to_signal": release.get("noise_to_signal"), "clip": release.get("clip"),
+                   "x_s_to_x_norm": release.get("x_s_to_x_norm"), "clipped_fraction": release.get("clipped_fraction"),
+                   "warnings": len(summary.get("warnings", []))}
             rows.append(row)
-            if arm["name"] == "fedtpf" and arm.get("epsilon") is not None:
+            if arm["name"] == "fedtpf" and arm.get("epsilon") is not None and arm.get("noise") is None:
                 n = noise_needed(run, data, float(a.epsilon))
                 noise_rows.append({"split": split, "participation": c, "method": label, **n,
                                    "noise_ratio_x_s_over_x": n["x_s_noise_std"] / n["x_noise_std"]})

@@ -74,6 +74,9 @@ class Release:
         delta: the delta the epsilon is reported at.
         accountant: Opacus accountant (``rdp``, ``prv``, ``gdp``).
         unit: what one record protects (``"client"``: a client's whole dataset).
+        not_covered: what this release's epsilon does not cover beyond what the run lists
+            itself (e.g. a model the released values depend on, sent without noise): added
+            to ``summary.json``'s ``privacy.not_covered``.
     """
 
     mechanism: str
@@ -83,6 +86,7 @@ class Release:
     delta: float
     accountant: str
     unit: str = "client"
+    not_covered: tuple[str, ...] = ()
 
 
 _MODEL_KEYS: dict[str, tuple[list[str], list[str]]] = {}

@@ -7,9 +7,10 @@ residual ``x_s = x - x_hat``, and the class prototypes that anchor the VAE's lat
 * eq. 7's VAE term: :func:`vae_loss` (reconstruction + KL to N(0, I));
 * eq. 7's WGAN-GP term: :func:`critic_loss` (with :func:`gradient_penalty`) and
   :func:`generator_adversarial_loss`;
-* eqs. 8-9: :func:`performance_change` and :func:`decay_weights`, the adaptive decay of the
-  aggregation weight of clients that stopped distilling;
-* section III-D's stop condition: :func:`residual_cosine` and :func:`distillation_converged`.
+* eqs. 8-9: :func:`performance_change` and :func:`decay_weights` (eq. 8 as printed, or as its
+  prose reads), the adaptive decay of the aggregation weight of clients that stopped distilling;
+* section III-D's stop condition: :func:`residual_cosine`, :func:`stop_condition_check` and
+  :func:`distillation_converged`.
 
 Every function works on tensors of any spatial rank (2D images, 3D volumes): per-sample sums
 run over all non-batch dimensions.
@@ -23,8 +24,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 __all__ = ["class_prototypes", "prototype_loss", "vae_loss", "gradient_penalty", "critic_loss",
-           "generator_adversarial_loss", "performance_change", "decay_weights", "residual_cosine",
-           "distillation_converged"]
+           "generator_adversarial_loss", "performance_change", "DECAY_READINGS", "decay_weights", "residual_cosine",
+           "STOP_CRITERIA", "stop_condition_check", "distillation_converged"]
 
 
 def class_prototypes(embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int
@@ -116,19 +117,54 @@ def performance_change(now: Mapping[str, float], before: Mapping[str, float],
     return sum(deltas) / len(deltas) if deltas else 0.0
 
 
-def decay_weights(stopped_at: Mapping[str, int | None], round: int, delta_perf: float, lam: float
-                  ) -> dict[str, float]:
-    """Eq. 8: each client's decay coefficient ``alpha_k(t)``: 1 before it stops distilling
-    (``stopped_at[k]`` is ``None`` or later than ``round``), ``exp(-lam * max(0,
-    delta_perf))`` from its stop round on.
+#: The readings of eq. 8 :func:`decay_weights` knows: the equation as printed, or its prose.
+DECAY_READINGS = ("printed", "prose")
 
-    As printed, the equation is not cumulative (``alpha_k(t)`` depends on this round's
-    ``Delta_perf`` only) and a larger accuracy change gives a *smaller* weight, while the
-    paper's prose says a large change should slow the decay. We implement the equation; a
-    method that wants the prose can pass ``-delta_perf`` or multiply the factors over rounds.
+
+def decay_weights(stopped_at: Mapping[str, int | None], round: int, delta_perf: float, lam: float,
+                  reading: str = "printed", history: Mapping[int, float] | None = None) -> dict[str, float]:
+    """Eq. 8: each client's decay coefficient ``alpha_k(t)``, 1 before it stops distilling
+    (``stopped_at[k]`` is ``None`` or later than ``round``); from its stop round ``t_s(k)`` on:
+
+    * ``reading="printed"``: ``exp(-lam * max(0, delta_perf))``, the equation as printed. It
+      is not cumulative (``alpha_k(t)`` depends on this round's ``Delta_perf`` only), and a
+      larger accuracy change gives a *smaller* weight.
+    * ``reading="prose"``: section III-D's prose, which says the opposite of the printed
+      equation: "the influence of this client ... gradually decays. The rate of decay depends
+      on the accuracy difference ...: if the accuracy difference is large, the aggregation
+      weight ... will increase, slowing down the decay; if the global model's accuracy
+      stabilizes and continues to improve, the decay will accelerate". Our reading: a decay
+      that accumulates over the rounds since the stop, at a rate that falls as the accuracy
+      change grows, ``alpha_k(t) = exp(-lam * sum over tau = t_s(k) .. t of
+      (1 - min(1, |Delta_perf(tau)|)))``; ``history`` maps each round tau to the
+      ``Delta_perf`` used in it (a round missing from it adds nothing).
+
+    Args:
+        stopped_at: each client's stop round (the first round its weight decays) or ``None``.
+        round: t.
+        delta_perf: the ``Delta_perf`` used in round t (eq. 9; the printed reading).
+        lam: the decay intensity lambda (>= 0).
+        reading: ``"printed"`` or ``"prose"``.
+        history: ``{tau: Delta_perf used in round tau}`` (the prose reading).
+
+    Raises:
+        ValueError: an unknown ``reading``.
     """
-    factor = math.exp(-float(lam) * max(0.0, float(delta_perf)))
-    return {k: (1.0 if t is None or round < int(t) else factor) for k, t in stopped_at.items()}
+    if reading not in DECAY_READINGS:
+        raise ValueError(f"decay_weights: reading must be one of {', '.join(DECAY_READINGS)}, got {reading!r}")
+    lam = float(lam)
+    if reading == "printed":
+        factor = math.exp(-lam * max(0.0, float(delta_perf)))
+        return {k: (1.0 if t is None or round < int(t) else factor) for k, t in stopped_at.items()}
+    past = {int(tau): float(d) for tau, d in (history or {}).items()}
+    out = {}
+    for k, t in stopped_at.items():
+        if t is None or round < int(t):
+            out[k] = 1.0
+            continue
+        rate = sum(1.0 - min(1.0, abs(d)) for tau, d in past.items() if int(t) <= tau <= round)
+        out[k] = math.exp(-lam * rate)
+    return out
 
 
 def residual_cosine(x_r: torch.Tensor, x_s: torch.Tensor) -> float:
@@ -139,9 +175,14 @@ def residual_cosine(x_r: torch.Tensor, x_s: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=1, eps=1e-12).mean())
 
 
-def distillation_converged(accuracy: list[float], cosine: list[float], *, target: float = 0.9, tol: float = 0.02,
-                           max_cosine: float = 0.15, window: int = 3, max_change: float = 0.05
-                           ) -> tuple[bool, str]:
+#: What :func:`stop_condition_check` reports, by code: 0 met, then the first criterion not met.
+STOP_CRITERIA = ("met", "too few evaluations", "residual accuracy below target - tolerance",
+                 "cosine(x_r, x_s) not below max_cosine", "residual accuracy moved more than max_change",
+                 "cosine moved more than max_change")
+
+
+def stop_condition_check(accuracy: list[float], cosine: list[float], *, target: float = 0.9, tol: float = 0.02,
+                         max_cosine: float = 0.15, window: int = 3, max_change: float = 0.05) -> tuple[int, str]:
     """Section III-D's stop condition for one client's distillation model, made precise.
 
     The paper: the residual classifier reaches "90 % +- 2 %" accuracy on ``x_s``, the cosine
@@ -153,17 +194,28 @@ def distillation_converged(accuracy: list[float], cosine: list[float], *, target
     confidence interval" is not specified further and is not used.
 
     Returns:
-        ``(converged, reason)``: the reason names the first criterion not met (or "met").
+        ``(code, reason)``: ``code`` 0 when the condition is met, else the index in
+        :data:`STOP_CRITERIA` of the first criterion not met; ``reason`` says it in numbers.
     """
     if len(accuracy) < window or len(cosine) < window:
-        return False, f"fewer than {window} evaluations"
+        return 1, f"fewer than {window} evaluations"
     acc, cos = [float(a) for a in accuracy[-window:]], [float(c) for c in cosine[-window:]]
     if min(acc) < target - tol:
-        return False, f"residual accuracy {min(acc):.3f} < {target - tol:.3f}"
+        return 2, f"residual accuracy {min(acc):.3f} < {target - tol:.3f}"
     if max(cos) >= max_cosine:
-        return False, f"cosine(x_r, x_s) {max(cos):.3f} >= {max_cosine}"
+        return 3, f"cosine(x_r, x_s) {max(cos):.3f} >= {max_cosine}"
     if max(acc) - min(acc) > max_change:
-        return False, f"accuracy moved {max(acc) - min(acc):.3f} > {max_change} over {window} evaluations"
+        return 4, f"accuracy moved {max(acc) - min(acc):.3f} > {max_change} over {window} evaluations"
     if max(cos) - min(cos) > max_change:
-        return False, f"cosine moved {max(cos) - min(cos):.3f} > {max_change} over {window} evaluations"
-    return True, "met"
+        return 5, f"cosine moved {max(cos) - min(cos):.3f} > {max_change} over {window} evaluations"
+    return 0, "met"
+
+
+def distillation_converged(accuracy: list[float], cosine: list[float], *, target: float = 0.9, tol: float = 0.02,
+                           max_cosine: float = 0.15, window: int = 3, max_change: float = 0.05
+                           ) -> tuple[bool, str]:
+    """Whether :func:`stop_condition_check` finds the stop condition met: ``(converged,
+    reason)``, the reason naming the first criterion not met (or "met")."""
+    code, reason = stop_condition_check(accuracy, cosine, target=target, tol=tol, max_cosine=max_cosine,
+                                        window=window, max_change=max_change)
+    return code == 0, reason

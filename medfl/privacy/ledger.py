@@ -27,7 +27,11 @@ a method's own release (``Method.release_plan``; unit: one training sample of on
     Gaussian mechanism at sample rate 1 accounted by Opacus's accountant (``feature_gaussian``)
     or the Laplace mechanism with its pure epsilon, composed by summation
     (``feature_laplace``, accountant ``laplace``). A release with noise multiplier 0 (a
-    measurement with the noise off) records an infinite epsilon.
+    measurement with the noise off, or noise of a fixed variance on unclipped features,
+    which no sensitivity bounds) records an infinite epsilon. The method's release is asked
+    again when it is recorded, so a clip the method chose during the run (from public data,
+    no privacy cost) is the one ``privacy.csv`` shows; a release may name what its epsilon
+    does not cover (``Release.not_covered``: the summary lists it).
 ``dp_sgd`` (unit: one training sample of one client)
     Opacus's DP-SGD with Poisson sampling at rate ``1 / ceil(N_k / batch_size)`` for
     ``epochs * ceil(N_k / batch_size)`` steps per local update, composed over the client's
@@ -123,6 +127,9 @@ class PrivacyPlan:
             self.uncovered += [f"labels and everything else in the release replies beside the features "
                                f"({sorted(type(method).payload_exemptions)}: labels travel in the clear)",
                                "every other reply entry (model states are sent without DP)"]
+        for rel in [*chain.releases(), *([self.method_release] if self.method_release is not None else [])]:
+            self.uncovered += [u for u in rel.not_covered if u not in self.uncovered]
+        self._method = method
 
     def note_reply(self, payload: dict[str, Any]) -> None:
         """Note reply entries a DP filter chain did not cover (entries outside the method's
@@ -185,7 +192,7 @@ class PrivacyPlan:
                                   "planned_releases": planned_releases(self.federation)}
         rel = self.method_release
         if rel is not None:
-            out[rel.mechanism] = {"unit": rel.unit, "noise_multiplier": rel.noise_multiplier, "clip": rel.clip,
+            out[rel.mechanism] = {"unit": rel.unit, "noise_multiplier": rel.noise_multiplier, "clip": _finite(rel.clip),
                                   "sample_rate": rel.sample_rate, "delta": rel.delta, "accountant": rel.accountant,
                                   "target_epsilon": self.method_target,
                                   "private": rel.noise_multiplier > 0,
@@ -198,6 +205,26 @@ class PrivacyPlan:
         if self.uncovered:
             out["not_covered"] = self.uncovered
         return out
+
+    def release_as_made(self) -> Any:
+        """The method's own release as the method states it now (``Method.release_plan``
+        asked again): a clip the method chose during the run at no privacy cost (from public
+        data) is recorded as it was used. The mechanism and noise multiplier must be the
+        planned ones.
+
+        Raises:
+            PrivacyConfigError: the method changed its release's mechanism or noise since the
+                plan (its epsilon would not be the planned one).
+        """
+        planned = self.method_release
+        now = self._method.release_plan() if planned is not None else None
+        if planned is None or now is None:
+            return planned
+        if now.mechanism != planned.mechanism or now.noise_multiplier != planned.noise_multiplier:
+            raise PrivacyConfigError(
+                f"method {self._method.name!r}: its release is now {now.mechanism} at noise multiplier "
+                f"{now.noise_multiplier:.6g}, planned as {planned.mechanism} at {planned.noise_multiplier:.6g}")
+        return now
 
 
 class PrivacyLedger:
@@ -271,7 +298,7 @@ class PrivacyLedger:
                         "local steps cannot use train.dp)")
                 new.append(self._add(round, cid, "dp_sgd", "sample", p.noise[cid], float(p.settings["max_grad_norm"]),
                                      p.sample_rate[cid], planned, float(p.settings["delta"]), p.settings["accountant"]))
-        rel = self.plan.method_release
+        rel = self.plan.release_as_made() if released else None
         if rel is not None:
             for cid in released or []:
                 new.append(self._add(round, str(cid), rel.mechanism, rel.unit, rel.noise_multiplier, rel.clip,
@@ -313,7 +340,7 @@ class PrivacyLedger:
                      "accountant": str(worst["accountant"]),
                      "per_client": {str(c): float(e) for c, e in zip(last["client_id"], last["epsilon"])},
                      "noise_multiplier": {str(c): float(s) for c, s in zip(last["client_id"], last["noise_multiplier"])},
-                     "clip": float(worst["clip"])}
+                     "clip": _finite(float(worst["clip"]))}
             target = _target(plan, str(mech))
             if target is not None:
                 block["target_epsilon"] = target
@@ -331,6 +358,12 @@ class PrivacyLedger:
                 block["per_client"] = {c: (e if math.isfinite(e) else None) for c, e in block["per_client"].items()}
         out["not_covered"] = list(plan.uncovered)
         return out
+
+
+def _finite(value: float) -> float | None:
+    """``value``, or ``None`` where it is not finite (an unclipped release's clip): JSON has
+    no infinity."""
+    return float(value) if math.isfinite(float(value)) else None
 
 
 def _epsilon(hist: list[tuple[float, float, int]], delta: float, accountant: str) -> float:

@@ -28,7 +28,7 @@ task_identity = test_coordinator.task_identity
 JOB: dict[str, Any] = {"rounds": 4, "model": {"name": "small_cnn", "width": 4}, "train": {"batch_size": 8, "lr": 0.05},
                        "client_split": {"train": 0.6, "val": 0.2, "test": 0.2},
                        "methods": [{"name": "fedtpf", "distill_rounds": 2, "epsilon": 4.0, "vae_width": 4,
-                                    "critic_width": 4}]}
+                                    "critic_width": 4, "distill_steps": 4}]}
 
 
 def test_fedtpf_over_flower_gives_the_in_process_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

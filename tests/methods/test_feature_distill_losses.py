@@ -1,6 +1,7 @@
 """FedTPF's distillation-model terms by hand on small tensors: prototypes (eq. 5), the
-prototype pull (eq. 6), the VAE loss, WGAN-GP's penalty and losses, and the decay weights of
-eqs. 8-9 over a scripted accuracy sequence."""
+prototype pull (eq. 6), the VAE loss, WGAN-GP's penalty and losses, the decay weights of
+eqs. 8-9 over a scripted accuracy sequence (eq. 8 as printed and as its prose reads), and the
+stop condition's criteria by code."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from medfl.losses.feature_distill import (
-    class_prototypes, critic_loss, decay_weights, distillation_converged, generator_adversarial_loss, gradient_penalty,
-    performance_change, prototype_loss, residual_cosine, vae_loss,
+    STOP_CRITERIA, class_prototypes, critic_loss, decay_weights, distillation_converged, generator_adversarial_loss,
+    gradient_penalty, performance_change, prototype_loss, residual_cosine, stop_condition_check, vae_loss,
 )
 
 __all__: list[str] = []
@@ -78,6 +79,33 @@ def test_decay_weights_over_a_scripted_accuracy_sequence() -> None:
     assert performance_change({"a": float("nan")}, {"a": 0.1}, ["a"]) == 0.0
 
 
+def test_decay_weights_as_the_prose_reads_accumulate_from_the_stop_round() -> None:
+    """Prose: alpha_k(t) = exp(-lam * sum_{tau = t_s..t} (1 - min(1, |Delta(tau)|))): a large
+    change slows the decay, a stable accuracy speeds it up, and it accumulates."""
+    stopped = {"a": 2, "b": 4, "c": None}
+    history = {1: 0.3, 2: 0.08, 3: -0.5, 4: 0.0, 5: 1.7}
+    lam = 2.0
+    by_hand = {
+        1: {"a": 1.0, "b": 1.0, "c": 1.0},
+        2: {"a": math.exp(-2.0 * 0.92), "b": 1.0, "c": 1.0},                       # 1 - 0.08
+        3: {"a": math.exp(-2.0 * (0.92 + 0.5)), "b": 1.0, "c": 1.0},               # |-0.5| counts as a change
+        4: {"a": math.exp(-2.0 * (0.92 + 0.5 + 1.0)), "b": math.exp(-2.0 * 1.0), "c": 1.0},   # no change: full rate
+        5: {"a": math.exp(-2.0 * 2.42), "b": math.exp(-2.0 * 1.0), "c": 1.0},      # |1.7| >= 1: no decay that round
+    }
+    for t, want in by_hand.items():
+        got = decay_weights(stopped, t, history.get(t, 0.0), lam, reading="prose", history=history)
+        assert got == pytest.approx(want), t
+    # the printed form at the same rounds: exp(-lam * max(0, Delta(t))), not cumulative
+    assert decay_weights(stopped, 4, history[4], lam) == {"a": 1.0, "b": 1.0, "c": 1.0}
+    assert decay_weights(stopped, 2, history[2], lam)["a"] == pytest.approx(math.exp(-2.0 * 0.08))
+    assert decay_weights(stopped, 3, history[3], lam)["a"] == 1.0
+    # a round missing from the history adds nothing
+    got = decay_weights({"a": 1}, 3, 0.0, 1.0, reading="prose", history={3: 0.5})
+    assert got == {"a": pytest.approx(math.exp(-0.5))}
+    with pytest.raises(ValueError, match="reading must be one of printed, prose, got 'both'"):
+        decay_weights(stopped, 2, 0.1, 1.0, reading="both")
+
+
 def test_residual_cosine_by_hand() -> None:
     x_r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     x_s = torch.tensor([[0.0, 2.0], [2.0, 2.0]])
@@ -95,3 +123,14 @@ def test_residual_cosine_by_hand() -> None:
 def test_stop_condition_names_the_criterion_not_met(accuracy, cosine, expected) -> None:
     assert distillation_converged(accuracy, cosine) == expected
     assert distillation_converged([0.7] * 3, [0.1] * 3, target=0.7)[0]  # configurable
+
+
+@pytest.mark.parametrize("accuracy, cosine, code", [
+    ([0.91, 0.90, 0.92], [0.10, 0.12, 0.11], 0), ([0.91, 0.92], [0.1, 0.1], 1),
+    ([0.5, 0.91, 0.87, 0.90], [0.1] * 4, 2), ([0.90, 0.91, 0.92], [0.10, 0.15, 0.10], 3),
+    ([0.88, 0.99, 0.95], [0.1] * 3, 4), ([0.9, 0.9, 0.9], [0.01, 0.14, 0.05], 5),
+])
+def test_stop_condition_check_codes_the_first_criterion_not_met(accuracy, cosine, code) -> None:
+    got, reason = stop_condition_check(accuracy, cosine)
+    assert got == code and (reason == "met") == (code == 0)
+    assert STOP_CRITERIA[0] == "met" and len(STOP_CRITERIA) == 6

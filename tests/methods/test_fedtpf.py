@@ -22,7 +22,7 @@ from medfl.method import Federation, MethodConfigError
 from medfl.privacy.accounting import epsilon_spent, noise_for_epsilon
 from medfl_plugins.fedtpf import FedFed, FedTPF
 
-SMALL = {"vae_width": 4, "critic_width": 4}
+SMALL = {"vae_width": 4, "critic_width": 4, "distill_steps": 4}
 
 
 def _fed(rounds: int = 6, fraction: float = 1.0) -> Federation:
@@ -40,7 +40,7 @@ def _replies(m: FedTPF, shift: dict[str, float]) -> dict[str, Reply]:
 
 
 def test_decay_weights_follow_eqs_8_and_9_over_a_scripted_accuracy_sequence() -> None:
-    m = FedTPF(distill_rounds=4, decay_lambda=2.0, **SMALL)
+    m = FedTPF(distill_rounds=4, decay_lambda=2.0, stop_on="x_s", **SMALL)
     m.setup(_fed())
     key = "vae.mu.bias"
     # round 1: everybody distils; accuracies p(1); client 0 meets the stop condition
@@ -77,11 +77,16 @@ def test_decay_weights_follow_eqs_8_and_9_over_a_scripted_accuracy_sequence() ->
 
 
 def test_hostile_validation_scalars_are_ignored() -> None:
-    m = FedTPF(distill_rounds=4, **SMALL)
+    m = FedTPF(distill_rounds=4, stop_on="x_s", **SMALL)
     m.setup(_fed())
     m.server_validate(1, {"0": {"residual_accuracy": 7.0}, "1": {"residual_accuracy": math.nan},
                           "2": {"residual_accuracy": 0.5}})
     assert m.p_prev == {"2": 0.5}
+    # by default p_k is the accuracy on x_p (stop_on="x_p")
+    d = FedTPF(distill_rounds=4, **SMALL)
+    d.setup(_fed())
+    d.server_validate(1, {"0": {"residual_accuracy": 0.9, "residual_accuracy_p": 0.4}, "1": {"residual_accuracy": 0.5}})
+    assert d.p_prev == {"0": 0.4}
 
 
 def _release_replies(m: FedTPF, n: dict[str, int], shape=(1, 12, 12)) -> dict[str, Reply]:
@@ -262,13 +267,19 @@ def test_a_run_releases_once_per_sample_with_the_accountants_epsilon(tmp_path: P
     train = pd.read_csv(run / "train_metrics.csv", dtype={"client_id": str})
     assert (train.loc[train["round"] == 4, "shared_samples"] == sum(stage.values())).all()
     assert (run / "validation_metrics.csv").is_file()
+    # at epsilon 3 a 144-value feature gets noise of norm about z * clip * 12: the run says so
+    released = train[train["noise_norm"].notna()]
+    assert (released["noise_norm"] / released["signal_norm"] > 1).all()
+    assert any("mostly noise" in w["warning"] or "more noise than signal" in w["warning"]
+               for w in summary["warnings"])
+    assert any("the distillation model: the per-sample epsilon" in u for u in summary["privacy"]["not_covered"])
 
 
 @pytest.mark.parametrize("entry, mech, eps", [({"epsilon": 2.0, "mechanism": "laplace"}, "feature_laplace", 2.0),
                                               ({"epsilon": None}, "feature_gaussian", None)])
 def test_laplace_and_noise_off_are_recorded_as_such(tmp_path: Path, entry: dict, mech: str, eps: Any) -> None:
     out = run_experiment(resolve_config(_job(tmp_path, {"name": "fedfed", "distill_rounds": 1, "vae_width": 4,
-                                                        **entry}, rounds=2)))
+                                                        "distill_steps": 4, **entry}, rounds=2)))
     run = Path(out["dir"]) / "fedfed"
     privacy = pd.read_csv(run / "privacy.csv")
     assert set(privacy["mechanism"]) == {mech}

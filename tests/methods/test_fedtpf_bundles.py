@@ -17,7 +17,8 @@ from medfl.prep.medmnist import main as prep_medmnist
 BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 TINY = ("--fl#rounds", "3", "--distill_rounds", "2", "--fl#progress", "False",
         "--fl#model", "{'name': 'small_cnn', 'width': 4}", "--fl#train#batch_size", "16",
-        "--fl#methods#0#vae_width", "4", "--fl#methods#0#critic_width", "4", "--fl#methods#1#vae_width", "4")
+        "--fl#methods#0#vae_width", "4", "--fl#methods#0#critic_width", "4", "--fl#methods#1#vae_width", "4",
+        "--fl#methods#0#distill_steps", "4", "--fl#methods#1#distill_steps", "4")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from medfl.privacy.accounting import PrivacyConfigError, epsilon_spent, noise_for_epsilon
-from medfl.privacy.feature_release import noise_comparison, perturb_features, release_features, release_noise
+from medfl.privacy.feature_release import (
+    noise_comparison, norm_quantile, perturb_features, release_features, release_noise, release_with_variance,
+    variance_scale,
+)
 
 __all__: list[str] = []
 
@@ -82,3 +85,49 @@ def test_training_perturbation_matches_the_release_and_passes_gradients() -> Non
     assert float(noisy.std()) == pytest.approx(0.5, rel=0.05)
     lap = perturb_features(big, clip=1.0, noise=0.5, mechanism="laplace", generator=g)
     assert float(lap.abs().mean()) == pytest.approx(0.5, rel=0.08)                  # E|Laplace(b)| = b
+
+
+def test_the_papers_variance_noise_is_added_to_unclipped_features_and_has_no_epsilon() -> None:
+    x_s = torch.zeros(5000, 2, 2)
+    x_s[:, 0, 0] = 30.0                                                  # norm 30: no clip touches it
+    x_p, rec = release_with_variance(x_s, variance=0.15, generator=torch.Generator().manual_seed(0))
+    noise = (x_p - x_s).flatten(1)
+    assert float(noise.var()) == pytest.approx(0.15, rel=0.03)
+    assert float(x_p[:, 0, 0].mean()) == pytest.approx(30, abs=0.02)
+    assert math.isinf(rec.epsilon) and math.isinf(rec.clip) and rec.noise_multiplier == 0.0
+    assert rec.clipped_fraction == 0.0 and rec.noise_std == pytest.approx(math.sqrt(0.15))
+    # the record's norms are those of the released tensors, measured independently here
+    assert rec.signal_norm == pytest.approx(30.0)
+    assert rec.noise_norm == pytest.approx(float(noise.norm(dim=1).mean()), rel=1e-6)
+    assert rec.noise_to_signal == pytest.approx(rec.noise_norm / 30.0)
+    lap, lrec = release_with_variance(x_s, variance=0.5, mechanism="laplace",
+                                      generator=torch.Generator().manual_seed(1))
+    assert float((lap - x_s).var()) == pytest.approx(0.5, rel=0.05) and lrec.mechanism == "laplace"
+    assert variance_scale(0.5, "laplace") == pytest.approx(0.5) and variance_scale(0.16) == pytest.approx(0.4)
+    with pytest.raises(PrivacyConfigError, match="variance must be a finite number > 0"):
+        release_with_variance(x_s, variance=0.0)
+    # the training perturbation without a clip: the same unclipped signal, noise of that variance
+    again = perturb_features(x_s, clip=None, noise=math.sqrt(0.15), generator=torch.Generator().manual_seed(0))
+    assert float(again[:, 0, 0].mean()) == pytest.approx(30, abs=0.02)
+    assert float((again - x_s).var()) == pytest.approx(0.15, rel=0.03)
+
+
+def test_a_dp_release_records_the_norms_of_its_clipped_signal_and_noise() -> None:
+    x_s = torch.tensor([[3.0, 4.0], [0.3, 0.4]])                        # norms 5 and 0.5; clip 1 -> 1 and 0.5
+    x_p, rec = release_features(x_s, epsilon=2.0, clip=1.0, generator=torch.Generator().manual_seed(3))
+    clipped = torch.tensor([[0.6, 0.8], [0.3, 0.4]])
+    assert rec.signal_norm == pytest.approx(0.75)
+    assert rec.noise_norm == pytest.approx(float((x_p - clipped).norm(dim=1).mean()), rel=1e-5)
+    assert rec.clipped_fraction == 0.5
+
+
+def test_norm_quantile_is_a_clip_that_fits_the_features() -> None:
+    norms = torch.tensor([1.0, 2.0, 3.0, 10.0])
+    assert norm_quantile(norms, 0.5) == pytest.approx(2.5)               # between the 2nd and 3rd
+    assert norm_quantile(norms, 1.0) == 10.0 and norm_quantile(norms, 0.25) == pytest.approx(1.75)
+    with pytest.raises(PrivacyConfigError, match="quantile must be in"):
+        norm_quantile(norms, 0.0)
+    with pytest.raises(PrivacyConfigError, match="not a usable clip"):
+        norm_quantile(torch.zeros(3), 0.5)
+    with pytest.raises(PrivacyConfigError, match="no sample"):
+        norm_quantile(torch.zeros(0), 0.5)

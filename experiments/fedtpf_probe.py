@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Quick probes of FedTPF's mechanisms on the PathMNIST fixture: run any method entries on one
+split and print, per arm, what its mechanisms did (stop rounds or ``cap``, the smallest eq. 8
+weight, Delta_perf, the residual classifier's accuracy on ``x_s`` and ``x_p`` round by round,
+the release's clip and noise-to-signal), its warnings and its final global-test accuracy.
+
+Tiny by design (a few rounds, a few clients, one seed): for seeing a mechanism act, not for
+comparing methods (``fedtpf_compare.py`` runs the comparison). The data are
+``fedtpf_compare.py``'s fixture (``--cases`` tiles; ``--public N`` more tiles of another seed
+as ``fl.public_dataset`` for ``clip: "public_quantile"``).
+
+    python experiments/fedtpf_probe.py --rounds 7 --entries '[{"name": "fedtpf", "distill_rounds": 5},
+        {"name": "fedtpf", "label": "paper_noise", "distill_rounds": 5, "noise": {"variance": 0.15}, "epsilon": null}]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from fedtpf_compare import ROOT, SPLITS, prepare, prepare_public
+from medfl.config import resolve_config
+from medfl.engine.runner import run_experiment
+
+
+def describe(run: Path) -> list[str]:
+    """What one run's mechanisms did, as lines."""
+    s = json.loads((run / "summary.json").read_text())
+    rep: dict[str, Any] = s.get("method_report", {})
+    lines = [f"== {run.name}: global_test accuracy {s['final']['global_test']['accuracy']['mean']:.4f}; "
+             f"epsilon {s['privacy'].get('epsilon')}, private {s['privacy'].get('private')}"]
+    if rep:
+        rel, decay = rep.get("release", {}), rep.get("decay", {})
+        lines.append(f"   stop rounds {rep.get('stop_rounds')}; stage 1 ended after round "
+                     f"{rep.get('transition', {}).get('after_round')} ({rep.get('transition', {}).get('reason')})")
+        lines.append(f"   decay {decay.get('reading')}: min alpha {decay.get('min_alpha')}; Delta_perf used "
+                     f"{ {int(k): round(v, 3) for k, v in (decay.get('delta_perf') or {}).items()} }")
+        shown = ("noise", "clip", "clip_source", "noise_per_coordinate", "x_s_norm_mean", "clipped_fraction",
+                 "noise_to_signal")
+        lines.append("   release: " + ", ".join(f"{k} {round(v, 4) if isinstance(v, float) else v}"
+                                                for k, v in rel.items() if k in shown))
+    if (run / "mechanisms.csv").is_file():
+        log = pd.read_csv(run / "mechanisms.csv", dtype={"id": str, "text": str}, keep_default_na=False)
+        acc = log[(log["mechanism"] == "stop_condition") & (log["scope"] == "client") & (log["value"] != "")
+                  & log["name"].isin(["residual_accuracy_x_s", "residual_accuracy_x_p"])]
+        if len(acc):
+            table = acc.assign(value=acc["value"].astype(float)).groupby(["round", "name"])["value"].agg(
+                ["mean", "max"]).unstack()
+            lines += ["   residual accuracy (mean and max over clients):",
+                      *("   " + line for line in table.round(3).to_string().splitlines())]
+    lines += [f"   warning (round {w['round']}): {w['warning']}" for w in s.get("warnings", [])]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the entries and print what their mechanisms did."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--entries", required=True, help="a JSON list of method entries")
+    p.add_argument("--split", choices=list(SPLITS), default="dirichlet_1.0")
+    p.add_argument("--clients", type=int, default=5)
+    p.add_argument("--fraction", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cases", type=int, default=900, help="fixture tiles over train/val/test")
+    p.add_argument("--public", type=int, default=0, metavar="N", help="N public tiles (clip public_quantile)")
+    p.add_argument("--name", default="probe")
+    p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fedtpf_probe")
+    a = p.parse_args(argv)
+    os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
+    torch.set_num_threads(1)
+    a.out.mkdir(parents=True, exist_ok=True)
+    entries = json.loads(a.entries)
+    fl: dict[str, Any] = {
+        "name": a.name, "output_dir": str(a.out / "runs"), "seed": a.seed, "rounds": a.rounds,
+        "num_clients": a.clients, "fraction": a.fraction, "progress": False, "overwrite": True, "eval_every": 0,
+        "dataset": {"name": "manifest", "path": str(prepare(a) / "manifest.csv"), "column": "path",
+                    "num_classes": 9, "cache": "memory"},
+        "partition": SPLITS[a.split], "client_split": {"train": 0.85, "val": 0.15},
+        "eval_splits": ["val", "global_test"], "model": {"name": "small_cnn", "width": 8},
+        "train": {"epochs": 1, "batch_size": 32, "eval_batch_size": 256, "lr": 0.05}, "methods": entries}
+    if a.public:
+        fl["public_dataset"] = {"name": "manifest", "path": str(prepare_public(a) / "manifest.csv"),
+                                "column": "path", "num_classes": 9, "cache": "memory"}
+    started = time.time()
+    out = run_experiment(resolve_config(fl))
+    print(f"# {a.name}: {a.split}, {a.clients} clients, {a.rounds} rounds, seed {a.seed}, "
+          f"{time.time() - started:.0f} s")
+    for entry in entries:
+        print("\n".join(describe(Path(out["dir"]) / str(entry.get("label", entry["name"])))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
