@@ -16,6 +16,15 @@ initialisation):
 ``fedavgm`` (beta 0.5, the body's momentum), ``fedadam``, ``fedyogi``, ``fedadagrad``,
 ``fedprox`` (mu 0.01) and ``feddisco``.
 
+Named with ``--arms`` only (``OPTION_ARMS``): issue 37's readings against medfl's defaults:
+``sdc_lowest_nofloor`` (FedSDC as before issue 37: ties to the lowest class, heads
+``rho x embed_dim`` wide), ``sdc_meanprob_nofloor``, ``sdc_lowest_floor64``, ``sdc_floor32``,
+``sdc_floor128``, ``sdc_linear``, ``sdc_nodropout``, the FedSDC+ counterparts
+``plus_lowest_nofloor``, ``plus_lowest``, ``plus_floor_keep_round``, ``plus_linear``, and the
+presets ``sdc_preset_paper`` / ``sdc_preset_authors`` (with this script's lr and batch).
+Every FedSDC run writes ``mechanisms.csv`` (per-head validation accuracy, the vote's tie and
+disagreement rates).
+
 Settings (``--settings``):
 
 ``ham10000_niid1``  ``global_test_per_class`` k per class held out (paper: 30; here
@@ -52,6 +61,9 @@ Writes to ``--out`` (default ``experiments/results/fedsdc/``): ``table.md`` (pri
 ``runs/<setting>/`` (``seeds_table.md``, ``seeds_metrics.png``, ``seed_<s>/<arm>/``).
 
     python experiments/fedsdc_compare.py [--seeds 0 1 2] [--rounds 20] [--settings ham10000_niid1 ...]
+    # issue 37's quick check (per seed, ~5 min an arm on 2 busy cores):
+    python experiments/fedsdc_compare.py --settings ham10000_niid1 --seeds 0 --rounds 15 --eval-every 15 \
+        --timing-repeats 0 --arms sdc_lowest_nofloor fedsdc sdc_linear fedavgm plus_lowest fedsdc_plus
 """
 
 from __future__ import annotations
@@ -86,6 +98,32 @@ ARMS: list[dict[str, Any]] = [
     {"name": "fedadagrad"},
     {"name": "fedprox", "mu": 0.01},
     {"name": "feddisco"},
+]
+#: Arms run only when named in ``--arms``: the readings of issue 37 (tie rule, head width and
+#: kind, FedSDC+'s rounding) against medfl's defaults, and the method's presets.
+OPTION_ARMS: list[dict[str, Any]] = [
+    {"name": "fedsdc", "label": "sdc_lowest_nofloor", "tie_break": "lowest", "min_hidden": None},
+    {"name": "fedsdc", "label": "sdc_meanprob_nofloor", "tie_break": "mean_probability", "min_hidden": None},
+    {"name": "fedsdc", "label": "sdc_lowest_floor64", "tie_break": "lowest", "min_hidden": 64},
+    {"name": "fedsdc", "label": "sdc_floor32", "min_hidden": 32},
+    {"name": "fedsdc", "label": "sdc_floor128", "min_hidden": 128},
+    {"name": "fedsdc", "label": "sdc_floor256", "min_hidden": 256},
+    {"name": "fedsdc", "label": "sdc_floor512", "min_hidden": 512},
+    {"name": "fedsdc", "label": "sdc_floor2048", "min_hidden": 2048},
+    {"name": "fedsdc", "label": "sdc_linear", "head": "linear"},
+    {"name": "fedsdc", "label": "sdc_nodropout", "dropout": 0.0},
+    {"name": "fedsdc", "label": "plus_lowest_nofloor", "gamma": 0.3, "tie_break": "lowest", "min_hidden": None},
+    {"name": "fedsdc", "label": "plus_lowest", "gamma": 0.3, "tie_break": "lowest"},
+    {"name": "fedsdc", "label": "plus_floor128", "gamma": 0.3, "min_hidden": 128},
+    {"name": "fedsdc", "label": "plus_lowest_floor128", "gamma": 0.3, "min_hidden": 128, "tie_break": "lowest"},
+    {"name": "fedsdc", "label": "sdc_lowest_floor2048", "min_hidden": 2048, "tie_break": "lowest"},
+    {"name": "fedsdc", "label": "plus_floor2048", "gamma": 0.3, "min_hidden": 2048},
+    {"name": "fedsdc", "label": "plus_lowest_floor2048", "gamma": 0.3, "min_hidden": 2048, "tie_break": "lowest"},
+    {"name": "fedsdc", "label": "plus_floor_keep_round", "gamma": 0.3, "keep_rounding": "round"},
+    {"name": "fedsdc", "label": "plus_linear", "gamma": 0.3, "head": "linear"},
+    {"name": "fedsdc", "label": "sdc_preset_paper", "preset": "paper", "train": {"lr": 0.05, "batch_size": 16}},
+    {"name": "fedsdc", "label": "sdc_preset_authors", "preset": "authors",
+     "train": {"lr": 0.05, "batch_size": 16, "epochs": 1}},
 ]
 SETTINGS = ("ham10000_niid1", "ham10000_niid2", "derm7pt_niid1", "derm7pt_niid2")
 #: The paper's Table 1 (NIID-1 column) and Table 2, micro-F1 %, for the printed comparison.
@@ -138,7 +176,7 @@ def setting_config(setting: str, data: Path, a: argparse.Namespace, arms: list[d
         "client_split": {"train": 0.85, "val": 0.15}, "eval_splits": ["global_test"],
         "model": {"name": a.model, "width": a.width},
         "train": {"epochs": 1, "batch_size": a.batch_size, "eval_batch_size": 128, "lr": a.lr,
-                  "optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0},
+                  "optimizer": "sgd", "momentum": a.momentum, "weight_decay": 0.0},
         "methods": arms,
     }
     if split == "niid1":
@@ -209,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (default 0: the paper's SGD)")
     p.add_argument("--ham-cases", type=int, default=1400, help="HAM10000 fixture images (default 1400)")
     p.add_argument("--derm-cases", type=int, default=800, help="Derm7pt fixture cases (default 800)")
     p.add_argument("--ham-k", type=int, default=30, help="NIID-1 test images per class on HAM10000 (paper 30)")
@@ -216,13 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-class", type=int, nargs=2, default=[10, 30],
                    help="NIID-2 images per class and client, lo hi (paper 20 60; default 10 30 for the fixtures)")
     p.add_argument("--arms", nargs="+", default=None, metavar="LABEL",
-                   help=f"run only these arms (default all: {', '.join(label(x) for x in ARMS)})")
-    p.add_argument("--timing-repeats", type=int, default=5)
+                   help=f"run only these arms (default: {', '.join(label(x) for x in ARMS)}; also "
+                        f"{', '.join(label(x) for x in OPTION_ARMS)})")
+    p.add_argument("--timing-repeats", type=int, default=5, help="0: skip the ensemble-cost timing")
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fedsdc")
     a = p.parse_args(argv)
-    arms = [x for x in ARMS if a.arms is None or label(x) in a.arms]
+    arms = [x for x in ARMS + OPTION_ARMS if (a.arms is None and x in ARMS) or label(x) in (a.arms or ())]
     if not arms or (a.arms and len(arms) != len(a.arms)):
-        p.error(f"--arms: expected labels among {', '.join(label(x) for x in ARMS)}")
+        p.error(f"--arms: expected labels among {', '.join(label(x) for x in ARMS + OPTION_ARMS)}")
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -247,16 +287,19 @@ def main(argv: list[str] | None = None) -> int:
     wide = table.pivot(index="method", columns="setting", values="micro_f1").reindex([label(x) for x in arms])
     wide["paper NIID-1 (HAM10000)"] = [PAPER_NIID1.get(m, "") for m in wide.index]
     wide["paper NIID-2 (blood cells)"] = [PAPER_NIID2.get(m, "") for m in wide.index]
-    cost = ensemble_cost("ResNet-50 at 224 (paper)", {"name": "resnet50", "width": 64, "in_channels": 3,
-                                                       "num_classes": 7, "spatial_dims": 2},
-                         224, 5, 0.3, 0, 8, a.timing_repeats)
-    cost += ensemble_cost(f"{a.model} width {a.width} at {a.image_size} (here)",
-                          {"name": a.model, "width": a.width, "in_channels": 3, "num_classes": 7, "spatial_dims": 2},
-                          a.image_size, 5, 0.3, 0, 256, a.timing_repeats)
+    cost: list[dict[str, Any]] = []
+    if a.timing_repeats > 0:
+        cost += ensemble_cost("ResNet-50 at 224 (paper)", {"name": "resnet50", "width": 64, "in_channels": 3,
+                                                           "num_classes": 7, "spatial_dims": 2},
+                              224, 5, 0.3, 0, 8, a.timing_repeats)
+        cost += ensemble_cost(f"{a.model} width {a.width} at {a.image_size} (here)",
+                              {"name": a.model, "width": a.width, "in_channels": 3, "num_classes": 7,
+                               "spatial_dims": 2}, a.image_size, 5, 0.3, 0, 256, a.timing_repeats)
     cost_df = pd.DataFrame(cost)
     cost_df.to_csv(a.out / "ensemble_cost.csv", index=False)
     settings_line = (f"seeds {a.seeds}, {a.rounds} rounds of 1 epoch, 5 clients, {a.model} width {a.width} at "
-                     f"{a.image_size}x{a.image_size}, SGD lr {a.lr} batch {a.batch_size} (paper: ResNet-50, lr 1e-3, "
+                     f"{a.image_size}x{a.image_size}, SGD lr {a.lr} momentum {a.momentum:g} batch {a.batch_size} "
+                     f"(paper: ResNet-50, lr 1e-3, "
                      f"batch 64, up to 1500 rounds); fixtures: HAM10000 {a.ham_cases} images, Derm7pt {a.derm_cases} "
                      f"cases; NIID-1 k = {a.ham_k} (HAM10000) / {a.derm_k} (Derm7pt); NIID-2 per class "
                      f"{a.per_class[0]}-{a.per_class[1]}; total {time.time() - started:.0f} s on "

@@ -273,3 +273,34 @@ def test_two_round_run_samples_like_fedavg(tiny_fl, resolve):
           for m in ("fedavg", "fedkper")}
     assert set(ck["fedavg"]) == set(ck["fedkper"])
     assert any(not torch.allclose(ck["fedavg"][k].float(), ck["fedkper"][k].float()) for k in ck["fedavg"])
+
+
+#: FedKPer's presets as docs/plugins.md documents them: (values, open values, train, open train)
+_KPER = {"distill": True, "aggregation": "fedkper", "lambda_cap": 10.0, "clip": 5.0, "eps": 1e-12}
+_KPER_TRAIN = {"optimizer": "sgd", "lr": 0.01, "epochs": 5}
+_KPER_OPEN_TRAIN = {"momentum": 0.9, "weight_decay": 1e-5, "batch_size": 50}
+KPER_PRESETS = {
+    "paper": (_KPER, {"temperature": 1.0}, _KPER_TRAIN, _KPER_OPEN_TRAIN, 100),
+    "authors": ({**_KPER, "clip": None, "temperature": 1.0}, {"eps": 1e-12}, {**_KPER_TRAIN, **_KPER_OPEN_TRAIN}, {},
+                200),
+}
+
+
+def test_presets_resolve_to_their_documented_values(tiny_fl, resolve):
+    tiny_fl["rounds"] = 1
+    tiny_fl["methods"] = [{"name": "fedkper", "preset": name, "label": name} for name in KPER_PRESETS]
+    out = run_experiment(resolve(tiny_fl))
+    for name, (stated, opened, train, train_open, rounds) in KPER_PRESETS.items():
+        saved = json.loads((Path(out["dir"]) / name / "config.json").read_text())
+        block = saved["preset"]
+        values = {k: v["value"] for k, v in block["values"].items()}
+        assert values == {**{k: v for k, v in stated.items() if k not in opened}, **opened}
+        assert {k for k, v in block["values"].items() if v["from"].startswith("open: ")} == set(opened)
+        assert {k: v["value"] for k, v in block["train"].items()} == {**train, **train_open}
+        assert {k for k, v in block["train"].items() if v["from"].startswith("open: ")} == set(train_open)
+        assert block["experiment"]["rounds"] == rounds and block["experiment"]["fraction"] == 0.1
+        assert block["experiment"]["partition"] == {"name": "dirichlet", "alpha": 0.1}
+        assert saved["method_hparams"]["clip"] == (None if name == "authors" else 5.0)
+        steps = pd.read_csv(Path(out["dir"]) / name / "train_metrics.csv")["steps"]
+        sizes = pd.read_csv(Path(out["dir"]) / name / "train_metrics.csv")["num_examples"]
+        assert (steps == 5 * np.ceil(sizes / 50)).all()          # 5 epochs of batches of 50

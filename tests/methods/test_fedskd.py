@@ -228,3 +228,34 @@ def test_fedcross_het_models_change_hands_with_their_architecture(tiny_fl, resol
         holder = new
     assert sorted(holder.values()) == sorted(widths.values())   # the same models, moved around
     assert (run.run_dir / "cross_test.csv").is_file()
+
+
+#: FedSKD's presets as docs/plugins.md documents them: (gamma, terms, iterations, rounds, clients)
+SKD_PRESETS = {"paper_asd": (1.0, ["batch", "pixel", "region"], 20, 40, 4),
+               "paper_skin": (100.0, ["batch", "pixel"], 15, 45, 3)}
+
+
+def test_presets_resolve_to_their_documented_values(tiny_fl, resolve) -> None:
+    """config.json's preset block of a run (one round, ``iterations`` overridden to stay quick:
+    recorded as the config's), and every preset's documented values through the function that
+    writes that block."""
+    from medfl.config import build_method, preset_record
+
+    fl = _het(tiny_fl)
+    fl["rounds"] = 1
+    fl["methods"] = [{"name": "fedskd", "preset": "paper_skin", "iterations": 1}]
+    out = run_experiment(resolve(fl))
+    saved = json.loads((Path(out["dir"]) / "fedskd" / "config.json").read_text())["preset"]
+    assert saved["name"] == "paper_skin" and saved["values"]["iterations"] == {"value": 1, "from": "config"}
+    assert saved["values"]["gamma"] == {"value": 100.0, "from": "paper"}
+    for name, (gamma, terms, iterations, rounds, clients) in SKD_PRESETS.items():
+        spec = {"name": "fedskd", "preset": name}
+        block = preset_record(spec, build_method(spec))
+        values = {k: v["value"] for k, v in block["values"].items()}
+        assert values == {"gamma": gamma, "terms": terms, "stages": [1, 2, 3, 4], "skd_start": 0.0,
+                          "iterations": iterations, "freeze_ktm_head": True}
+        assert {k for k, v in block["values"].items() if v["from"] != "paper"} == {"terms"}   # open: the atlas
+        assert {k: v["value"] for k, v in block["train"].items()} == {"optimizer": "adam", "lr": 1e-4, "batch_size": 8,
+                                                                     "weight_decay": 0.0}
+        assert block["train"]["weight_decay"]["from"].startswith("open: ")
+        assert block["experiment"]["rounds"] == rounds and block["experiment"]["num_clients"] == clients

@@ -81,10 +81,14 @@ def test_derm7pt_fedskd_bundle(tmp_path: Path, run_bundle) -> None:
 @pytest.mark.parametrize("bundle", ["abide_fedskd", "derm7pt_fedskd"])
 def test_bundles_hold_the_paper_settings(bundle: str) -> None:
     from medfl.bundle import load_bundle_config
+    from medfl.config import method_params
 
     fl = load_bundle_config(BUNDLES / bundle / "configs" / "train.json", {"dataset_dir": "/nonexistent"})
-    skd = fl["methods"][0]
-    assert skd["name"] == "fedskd" and [m["name"] for m in fl["methods"]] == METHODS
+    entry = fl["methods"][0]
+    assert entry["preset"] == {"abide_fedskd": "paper_asd", "derm7pt_fedskd": "paper_skin"}[bundle]
+    skd = method_params(entry)   # the preset's values under the entry's own (atlas, iterations)
+    assert entry["name"] == "fedskd" and [m["name"] for m in fl["methods"]] == METHODS
+    assert skd["iterations"] == fl["methods"][1]["iterations"]   # FedCross-dagger steps as often
     assert fl["train"]["optimizer"] == "adam" and fl["train"]["lr"] == 1e-4 and fl["train"]["batch_size"] == 8
     assert fl["model"] == {"name": "resnet10", "width": 64} and fl["cv"]["folds"] == 5
     assert "cross_test" in fl["eval_splits"]
@@ -92,7 +96,8 @@ def test_bundles_hold_the_paper_settings(bundle: str) -> None:
     assert skd["iterations"] == 5 * n
     assert [w["width"] for w in fl["client_models"]] == [64, 62, 60, 58][:n]
     if bundle == "abide_fedskd":
-        assert skd["gamma"] == 1.0 and skd["atlas"].endswith("manifest.csv") and fl["dataset"]["spatial_size"] == [48] * 3
+        assert skd["gamma"] == 1.0 and skd["terms"] == ["batch", "pixel", "region"]
+        assert skd["atlas"].endswith("manifest.csv") and fl["dataset"]["spatial_size"] == [48] * 3
     else:
         assert skd["gamma"] == 100.0 and skd["terms"] == ["batch", "pixel"] and fl["partition"]["alpha"] == 1.0
         assert fl["dataset"]["spatial_size"] == [224, 224]
