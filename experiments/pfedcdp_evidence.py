@@ -304,9 +304,28 @@ def report_study(a: argparse.Namespace, study: str, runs: dict[str, list[Path]],
     for lab, dirs in runs.items():
         for x, d in zip(late[lab], dirs):
             x["epsilon"] = epsilon_at(d, x["round"])
-    (out / "from_round.md").write_text(late_md(late, a.first_noisy_round, title))
+    majority = [majority_rate(d) for d in next(iter(runs.values()))]
+    note = (f"\nA constant predictor of each client's training majority class scores {_ms(majority)} on "
+            "local_test (mean over clients, over seeds).\n")
+    (out / "from_round.md").write_text(late_md(late, a.first_noisy_round, title) + note)
+    with open(out / "arms_table.md", "a") as fh:
+        fh.write(note)
     return {"table": table, "last": last, "mech": mrows, "per_run": per_run, "best": best, "scores": scores,
             "late": late, "late_scores": {lab: [x["local_test/accuracy"] for x in v] for lab, v in late.items()}}
+
+
+def majority_rate(run: Path) -> float:
+    """The mean over clients of a constant predictor's local_test accuracy: each client
+    predicts the majority class of its own training split (partition.csv)."""
+    import pandas as pd
+
+    p = pd.read_csv(run / "partition.csv", dtype={"client_id": str})
+    rates = []
+    for _, g in p.groupby("client_id"):
+        train, test = g[g["role"] == "train"]["label"], g[g["role"] == "test"]["label"]
+        if len(train) and len(test):
+            rates.append(float((test == train.value_counts().idxmax()).mean()))
+    return sum(rates) / len(rates) if rates else float("nan")
 
 
 def best_from(run: Path, first: int) -> dict[str, float]:
@@ -414,8 +433,8 @@ def plot_mechanisms(runs: dict[str, list[Path]], path: Path, title: str) -> None
             mean, std = frame.mean(axis=1), frame.std(axis=1, ddof=0)
             line = ax.plot(mean.index, mean.values, label=label, lw=1.2)[0]
             ax.fill_between(mean.index, mean - std, mean + std, alpha=0.15, color=line.get_color())
-    axes[0].set_ylabel("own extractor: share of |w| > 1 (mean over clients)")
-    axes[1].set_ylabel("noise norm in averaged update / C2 (mean over clusters)")
+    axes[0].set_title("own extractor's share of |w| > 1 (mean over clients)", fontsize=8)
+    axes[1].set_title("noise norm in the averaged update / C2 (mean over clusters)", fontsize=8)
     axes[1].set_yscale("symlog", linthresh=1.0)
     for ax in axes:
         ax.set_xlabel("round")
