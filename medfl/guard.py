@@ -21,9 +21,10 @@ Labels
     block (or a 1-D vector of ``n * K`` values) holding one-hot rows or class
     probabilities is also read through its argmax along either axis. A match counts only
     if it is improbable by chance. Its *surprise* is ``-sum_i log2 q(y_i) - log2(places it
-    could start)``, with ``q`` the frequency of each label value in the scanned sequence
-    itself (the probability of the match if that sequence were random with its own value
-    frequencies); it must reach :data:`LABEL_MIN_BITS` plus ``log2`` of the number of
+    could start)``, with ``q`` the frequency of each label value among the scanned sequence's
+    label-like values (integers in the labels' range, where alone a run can match; the whole
+    sequence for an argmax reading): the probability of the match if those values were random
+    with their own frequencies; it must reach :data:`LABEL_MIN_BITS` plus ``log2`` of the number of
     (sequence, label vector) tests in the message that could have matched. So a chance
     match has probability below ``2 ** -16`` per message even in tensors made of 0/1
     values (1-bit quantised weights); a constant label vector (surprise 0) never counts.
@@ -667,12 +668,19 @@ def _runs(mask: np.ndarray, min_len: int) -> list[tuple[int, int]]:
     return list(zip(starts[keep].tolist(), ends[keep].tolist()))
 
 
-def _surprise(seq: np.ndarray, y: np.ndarray) -> float:
-    """``-sum_i log2 q(y_i) - log2(len(seq) - n + 1)``, ``q`` the frequency of each value in ``seq``."""
+def _surprise(seq: np.ndarray, y: np.ndarray, pool: np.ndarray | None = None) -> float:
+    """``-sum_i log2 q(y_i) - log2(len(seq) - n + 1)``, ``q`` the frequency of each value in
+    ``pool`` (default ``seq``): for a run search, the label-like values of ``seq``, where
+    alone a match can lie. Frequencies over the whole sequence would count the values that
+    cannot be labels (most codes of a quantized update) as evidence: a run of 0/1 codes in
+    such a tensor (an update's entries saturated at its minimum) matched a 39-sample split of
+    38 zeros and a one at "25.5 bits" when its 0s and 1s were rare in the tensor but dense
+    where the match was."""
+    pool = seq if pool is None else pool
     vals, counts = np.unique(y, return_counts=True)
     bits = 0.0
     for v, c in zip(vals.tolist(), counts.tolist()):
-        q = max(int(np.count_nonzero(seq == v)), 1) / len(seq)
+        q = max(int(np.count_nonzero(pool == v)), 1) / max(len(pool), 1)
         bits -= c * math.log2(q)
     return bits - math.log2(len(seq) - len(y) + 1)
 
@@ -703,6 +711,7 @@ def _search(seq: np.ndarray, labels: list[tuple[str, np.ndarray]], whole: bool
     longest = max(b - a for a, b in runs)
     tests = sum(1 for _, y in usable if len(y) <= longest)
     found: dict[str, tuple[str, int, int, float]] = {}
+    pool = seq[mask]
     patterns = [(d, y, np.ascontiguousarray(y, dtype=np.int64).tobytes()) for d, y in usable]
     for a, b in runs:
         seg = np.ascontiguousarray(seq[a:b]).astype(np.int64).tobytes()
@@ -713,7 +722,7 @@ def _search(seq: np.ndarray, labels: list[tuple[str, np.ndarray]], whole: bool
             while at != -1 and at % 8:
                 at = seg.find(pat, at + 1)
             if at != -1:
-                found[desc] = (desc, a + at // 8, len(y), _surprise(seq, y))
+                found[desc] = (desc, a + at // 8, len(y), _surprise(seq, y, pool))
     return list(found.values()), tests
 
 

@@ -49,10 +49,15 @@ DEFAULT_CLUSTER_MODELS: dict[str, dict[str, Any]] = {"high": {"name": "pfedcdp_a
                                                      "low": {"name": "pfedcdp_c"}}
 #: The fixed teacher weights of the authors' code (high, medium, low), kept for comparison only.
 AUTHORS_TEACHER_WEIGHTS = (0.4, 0.35, 0.25)
-#: The authors' code's noise multiplier at the paper's epsilon 5: ``sqrt(2 ln(1.25 / delta)) /
+#: The authors' code's calibration at the paper's epsilon 5: ``sqrt(2 ln(1.25 / delta)) /
 #: epsilon`` with delta 1e-5 (the classical one-release Gaussian mechanism), drawn afresh every
 #: round and never composed (``differential_privacy.py``). Composed over 20 rounds by Opacus's
-#: RDP accountant it spends epsilon 31.4 at delta 1e-5.
+#: RDP accountant it spends epsilon 31.4 at delta 1e-5. The code itself runs at another
+#: epsilon: ``DifferentialPrivacy`` defaults to epsilon 8 (sigma 0.606), and of the v1.7
+#: clients only model B's applies it (``DifferentialPrivacy(epsilon=8.0)``, on its weights,
+#: each tensor clipped to 2.5, noise 2.5 sigma per coordinate as here); models A and C send
+#: their extractors without noise (repository snapshot d7364e07). Per coordinate, this sigma
+#: is at least the code's: ``experiments/pfedcdp_evidence.py`` measures both.
 AUTHORS_NOISE_MULTIPLIER = math.sqrt(2.0 * math.log(1.25 / 1e-5)) / 5.0
 CAPABILITY_MODES = ("auto", "draw", "measure")
 SERVER_CLASSIFIER = ("public", "init")
@@ -357,6 +362,10 @@ PRESETS: dict[str, Preset] = {
                       "paper's 8 bits on the update",
               "fisher_keep": "the authors' code thresholds raw Fisher values at 0.01 and then never applies the "
                              "masks; medfl applies eq. 6 to the top 20 %",
+              "noise_multiplier": "the authors' differential_privacy.py calibrates sigma = sqrt(2 ln(1.25 / delta)) / "
+                                  "epsilon for one release and adds it every round; it defaults to epsilon 8 (sigma "
+                                  "0.606), which v1.7's model B client uses, and models A and C send without noise; "
+                                  "medfl takes the paper's epsilon 5 in that formula (sigma 0.969) for every cluster",
               "train.lr": "the authors' code's Keras Adam default, 1e-3"},
         experiment={**_PAPER_EXPERIMENT, "authors_code_rounds": 10},
         description="the authors' code: sigma 0.969 each round without composition (Opacus: epsilon 31.4 over 20 "
@@ -416,7 +425,8 @@ class PFedCDP(Method):
        ``epsilon`` (a target over the run: sigma from the accountant for every round the
        client takes part in, as III.C.3.i says) or ``noise_multiplier`` (sigma itself, each
        round; the accountant then records the epsilon it spends, however large: the authors'
-       code adds sigma 0.969 every round, epsilon 31.4 over 20 rounds); neither sends the
+       formula at the paper's epsilon 5 adds sigma 0.969 every round, epsilon 31.4 over 20
+       rounds); neither sends the
        update without noise (not private; the run says so). Eq. 14 quantizes the update:
        ``quantize="update"`` (default) makes the chain subtract ``W_L,global(t-1)`` before the
        quantizer also without DP (with DP it always does); ``"weights"`` quantizes the
@@ -521,8 +531,9 @@ class PFedCDP(Method):
     states (epsilon 5 over the run, C2 2.5, 8 bits on the update, models A / B / C and the
     student, FedAvg, eq. 17 summed, 20 local epochs) and medfl's choice for each value it
     leaves open; ``"authors"``, the authors' published code where it differs: sigma 0.969
-    (``AUTHORS_NOISE_MULTIPLIER``: the one-release Gaussian calibration at epsilon 5, delta
-    1e-5) every round without composition, which the ledger records as the epsilon it is
+    (``AUTHORS_NOISE_MULTIPLIER``: the code's one-release Gaussian calibration at the paper's
+    epsilon 5, delta 1e-5; the code itself uses epsilon 8, sigma 0.606, and only in model B's
+    client) every round without composition, which the ledger records as the epsilon it is
     (31.4 over 20 rounds), fixed teacher weights [0.4, 0.35, 0.25], 5 local epochs, Adam, batch
     64. Neither copies the authors' code's bugs: it computes the Fisher masks and never
     applies them, and clips each weight tensor of the weights (not the update) to 2.5.

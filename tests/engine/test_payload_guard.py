@@ -268,6 +268,35 @@ def test_a_quantised_batchnorm_vector_as_long_as_a_split_passes() -> None:
     SampleGuard((1, 8, 8)).check(state, "reply")      # the coordinator's check too
 
 
+def _saturated_codes(seed: int) -> np.ndarray:
+    """8-bit codes of an update like PFedCDP's no-DP extractor update in round 1 (the reported
+    false positive): 14,418 codes spread over 2..255 and a block of 18,350 codes at the
+    tensor's minimum (entries that Adam moved by its full step the same way), 0 with a 1 here
+    and there (7 %), so 0s and 1s are rare in the tensor but dense in the block."""
+    rng = np.random.default_rng(seed)
+    spread = np.clip(rng.normal(128, 40, 14418), 2, 255).astype(np.uint8)
+    block = (rng.random(18350) < 0.071).astype(np.uint8)
+    return np.concatenate([spread[:7000], block, spread[7000:]])
+
+
+def test_sparse_labels_in_a_block_of_saturated_codes_are_chance() -> None:
+    """A split of 38 zeros and a one (Dirichlet partitions make such clients) lies by chance
+    in a block of saturated 0/1 codes: the surprise counts the label values' frequency among
+    the label-like codes (93 % zeros), not over the whole tensor (52 %), so it passes; the
+    client's balanced split written into the same tensor is still refused."""
+    codes = _saturated_codes(0)
+    y = np.zeros(39, dtype=np.int64)
+    y[23] = 1
+    codes[7000 + 5000: 7000 + 5039] = y                           # the pattern is there, by chance
+    sparse = _Data(torch.zeros(39, 1, 4, 4), torch.as_tensor(y))
+    ContentGuard("3", {"train": sparse}).check({"extractor": {"w": {"codes": torch.as_tensor(codes)}}}, "reply")
+    balanced = _data(64, (1, 4, 4), seed=7, classes=2)
+    leak = codes.copy()
+    leak[100:164] = balanced.labels
+    with pytest.raises(PayloadError, match="holds the labels of client 3's train split"):
+        ContentGuard("3", {"train": balanced}).check({"w": torch.as_tensor(leak)}, "reply")
+
+
 def test_the_coordinator_still_refuses_image_shaped_batches() -> None:
     guard = SampleGuard((1, 8, 8))
     validate_payload({"sd": torch.nn.Conv2d(1, 4, 3).state_dict(), "y": torch.arange(10)}, guard=guard)

@@ -126,7 +126,10 @@ def test_the_authors_preset_is_recorded_and_spends_its_true_epsilon(authors_run:
     run, summary, _ = authors_run
     preset = json.loads((run / "config.json").read_text())["preset"]
     assert preset["name"] == "authors" and "shadhin39/PFedCDP" in preset["source"]
-    assert preset["values"]["noise_multiplier"] == {"value": AUTHORS_NOISE_MULTIPLIER, "from": "paper"}
+    # the code's formula at the paper's epsilon, recorded as such: the code itself runs at epsilon 8
+    assert preset["values"]["noise_multiplier"]["value"] == AUTHORS_NOISE_MULTIPLIER
+    assert preset["values"]["noise_multiplier"]["from"].startswith("open: the authors' differential_privacy.py")
+    assert "epsilon 8 (sigma 0.606)" in preset["values"]["noise_multiplier"]["from"]
     assert preset["values"]["feature_shap"] == {"value": "off", "from": "config"}
     assert preset["values"]["clip"]["from"].startswith("open: the authors' code clips each weight tensor")
     assert preset["train"]["epochs"] == {"value": 1, "from": "config"}
