@@ -48,7 +48,10 @@ there) and the rest trains; the global test set scores every arm (``eval_splits`
 for this many runs); SGD with the paper's NIID-1 settings (lr 1e-3 is too small to move a
 randomly initialised small CNN in ``--rounds`` rounds of one epoch, so the default is
 ``--lr`` 0.05, batch 16: a deviation, stated in the table). ``--rounds`` 20 (paper: up to
-1500 with early stopping, which medfl does not do).
+1500 with early stopping; ``experiments/fedsdc_evidence.py`` runs FedSDC, FedSDC+ and FedAvgM
+with ``fl.early_stopping`` and reports them at their best validation rounds). This script
+reports the last round of every run (``seeds_results.csv``): a snapshot of how fast the arms
+learn, not where they converge.
 
 Ensemble cost: for the paper's body (ResNet-50 at 224 x 224, 2048-d embedding, five heads of
 widths from the seeded rho) and for this experiment's body, the parameters and the measured
