@@ -33,7 +33,8 @@ each arm at its best validation round, ``local_val`` accuracy, mean +- populatio
 seeds, the per-round curves beside it), ``last_mean/arms_table.md`` (the mean of the last
 ``--last`` rounds); and over all settings: ``paired.md/.csv`` (per-seed differences of
 global-test accuracy at each arm's best validation round: FedTPF/FedFed - FedAvg, FedTPF -
-FedFed, and the largest per-round difference of FedTPF's and FedFed's curves),
+FedFed, FedTPF/FedFed - ``fedtpf_dp`` (whose shared features are mostly noise: what the features
+add beyond the shared labels), and the largest per-round difference of the two curves),
 ``mechanisms.md/.csv`` (what each mechanism did, from every run's ``mechanisms.csv`` and
 ``summary.json``, mean +- std over seeds; ``mechanisms_runs.csv`` per run),
 ``mechanisms_curves.csv`` and ``mechanisms.png`` (per stage-1 round: the residual classifier's
@@ -74,7 +75,14 @@ ARMS = ("fedavg", "fedfed", "fedtpf_paper", "fedtpf_fixture", "fedtpf_dp")
 VAE_ARMS = ("fedfed", "fedtpf_paper", "fedtpf_fixture", "fedtpf_dp")
 #: the comparisons of paired.md: (arm, reference)
 PAIRS = (("fedfed", "fedavg"), ("fedtpf_paper", "fedavg"), ("fedtpf_fixture", "fedavg"), ("fedtpf_dp", "fedavg"),
-         ("fedtpf_paper", "fedfed"), ("fedtpf_fixture", "fedfed"), ("fedtpf_fixture", "fedtpf_paper"))
+         ("fedtpf_paper", "fedfed"), ("fedtpf_fixture", "fedfed"), ("fedtpf_fixture", "fedtpf_paper"),
+         ("fedtpf_paper", "fedtpf_dp"), ("fedfed", "fedtpf_dp"))
+#: short names of medfl.losses.feature_distill.STOP_CRITERIA in mechanisms.md
+UNMET = {"too few evaluations": "too few", "residual accuracy below target - tolerance": "acc<target",
+         "cosine(x_r, x_s) not below max_cosine": "cos>=max",
+         "residual accuracy moved more than max_change": "acc moved", "cosine moved more than max_change": "cos moved"}
+#: the arms whose final distillation model ceiling.md measures (the first also fits x and x + n)
+CEILING_ARMS = ("fedtpf_paper", "fedfed")
 #: the stop criterion of ``fedtpf_fixture`` unless ``--criterion`` says otherwise
 FIXTURE_CRITERION = {"target_accuracy": 0.5, "tolerance": 0.0, "window": 2, "max_change": 0.2, "max_cosine": 0.5}
 
@@ -184,6 +192,9 @@ def mechanism_run(run: Path) -> tuple[dict[str, Any], pd.DataFrame]:
     means = (val.groupby("round")[["residual_accuracy_x_p", "residual_accuracy_x_s", "cosine"]].mean()
              if len(val) else pd.DataFrame({"residual_accuracy_x_p": nan, "residual_accuracy_x_s": nan, "cosine": nan}))
     alpha = decay["alpha"] if "alpha" in decay else nan
+    # each client's own classifier on its training batches while it distils (before averaging)
+    local = (decay.dropna(subset=["train_accuracy_x_p"]).groupby("round")["train_accuracy_x_p"].mean()
+             if "train_accuracy_x_p" in decay else nan)
     frozen = decay[decay["frozen"] == 1] if "frozen" in decay else decay.iloc[0:0]
     last = rep.get("stop_condition", {}).get("last", {})
     unmet_last = Counter(r.get("unmet") for cid, r in last.items() if not isinstance(stops.get(cid), int))
@@ -203,6 +214,7 @@ def mechanism_run(run: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "alpha_mean_frozen": float(frozen["alpha"].mean()) if len(frozen) and "alpha" in frozen else math.nan,
         "acc_x_p_best_mean": _last_or_nan(means["residual_accuracy_x_p"].sort_values()),
         "acc_x_p_max": float(val["residual_accuracy_x_p"].max()) if len(val) else math.nan,
+        "local_acc_x_p_last": _last_or_nan(local),
         "acc_x_p_last": _last_or_nan(means["residual_accuracy_x_p"]),
         "acc_x_s_last": _last_or_nan(means["residual_accuracy_x_s"]),
         "cosine_last": _last_or_nan(means["cosine"]),
@@ -210,7 +222,7 @@ def mechanism_run(run: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         "val_reaching_target": float((val["residual_accuracy_x_p"] >= target).mean()) if len(val) else math.nan,
         "val_below_max_cosine": (float((val["cosine"] < cfg.get("max_cosine", math.nan)).mean()) if len(val)
                                  else math.nan),
-        "unmet_last": "; ".join(f"{k} x{n}" for k, n in unmet_last.most_common()) if unmet_last else "-",
+        "unmet_last": "; ".join(f"{UNMET.get(k, k)} x{n}" for k, n in unmet_last.most_common()) if unmet_last else "-",
         "release_noise_to_signal": release.get("noise_to_signal"),
         "x_s_to_x_norm": release.get("x_s_to_x_norm"),
         "shared_fraction": float(mix["shared_fraction"].mean()) if "shared_fraction" in mix else math.nan,
@@ -231,6 +243,7 @@ def mechanism_run(run: Path) -> tuple[dict[str, Any], pd.DataFrame]:
         traj.append({"round": r,
                      "acc_x_p_mean": float(v["residual_accuracy_x_p"].mean()) if len(v) else math.nan,
                      "acc_x_p_max": float(v["residual_accuracy_x_p"].max()) if len(v) else math.nan,
+                     "local_acc_x_p_mean": float(local.get(r, math.nan)),
                      "acc_x_s_mean": float(v["residual_accuracy_x_s"].mean()) if len(v) else math.nan,
                      "cosine_mean": float(v["cosine"].mean()) if len(v) else math.nan,
                      "stopped": float(c.iloc[0]) if len(c) else math.nan,
@@ -241,16 +254,16 @@ def mechanism_run(run: Path) -> tuple[dict[str, Any], pd.DataFrame]:
 
 
 NUMERIC = ("stopped", "capped", "stop_round_mean", "stage1_rounds", "min_alpha", "alpha_below_1",
-           "alpha_mean_frozen", "acc_x_p_best_mean", "acc_x_p_max", "acc_x_p_last", "acc_x_s_last", "cosine_last",
-           "cosine_min", "val_reaching_target", "val_below_max_cosine", "release_noise_to_signal", "x_s_to_x_norm",
-           "shared_fraction")
+           "alpha_mean_frozen", "local_acc_x_p_last", "acc_x_p_best_mean", "acc_x_p_max", "acc_x_p_last",
+           "acc_x_s_last", "cosine_last", "cosine_min", "val_reaching_target", "val_below_max_cosine",
+           "release_noise_to_signal", "x_s_to_x_norm", "shared_fraction")
 TEXT = ("stop_rounds", "unmet_last", "warnings")
 #: mechanisms.md's three tables per setting
 GROUPS = (("Stop condition and eq. 8's decay", ("stopped", "capped", "stop_rounds", "stop_round_mean", "stage1_rounds",
                                                  "min_alpha", "alpha_below_1", "alpha_mean_frozen", "unmet_last")),
           ("The residual classifier on the clients' validation splits",
-           ("acc_x_p_best_mean", "acc_x_p_max", "acc_x_p_last", "acc_x_s_last", "cosine_last", "cosine_min",
-            "val_reaching_target", "val_below_max_cosine")),
+           ("local_acc_x_p_last", "acc_x_p_best_mean", "acc_x_p_max", "acc_x_p_last", "acc_x_s_last",
+            "cosine_last", "cosine_min", "val_reaching_target", "val_below_max_cosine")),
           ("The release and stage 2", ("release_noise_to_signal", "x_s_to_x_norm", "shared_fraction", "warnings")))
 
 
@@ -286,26 +299,30 @@ def mechanisms_report(a: argparse.Namespace) -> None:
             out[k] = _pm(vals, 2 if k in ("stopped", "capped", "stop_round_mean", "stage1_rounds", "alpha_below_1")
                          else 3)
         for k in TEXT:
-            out[k] = " | ".join(str(x) for x in g[k])
+            out[k] = " / ".join(str(x) for x in g[k])
         agg.append(out)
     table = pd.DataFrame(agg)
     table.to_csv(a.out / "mechanisms.csv", index=False)
     crit = ", ".join(f"{k} {v}" for k, v in a.criterion.items())
     legend = [
         f"# What FedTPF's and FedFed's mechanisms did ({len(a.seeds)} seeds: mean ± population std; "
-        "text columns: one entry per seed, ` | ` between seeds)", "",
+        "text columns: one entry per seed, ` / ` between seeds)", "",
         f"fedtpf_fixture's stop criterion (NOT the paper's): {crit}. fedtpf_paper: target 0.9 - 0.02, cosine < 0.15, "
         f"window 3, change <= 0.05. Stage 1 capped at {a.distill_rounds} rounds; {a.clients} clients, all sampled.",
         "",
         "stopped/capped: clients that met the stop condition before the cap / that reached it; stop_rounds: each "
         "client's stop round (the validation after that round met it) or 'cap'; stage1_rounds: the round stage 1 "
         "ended; min_alpha: eq. 8's smallest weight; alpha_below_1: client-rounds aggregated with a weight < 1; "
-        "alpha_mean_frozen: the mean weight of stopped clients' models; acc_x_p_*: the global residual classifier's "
+        "alpha_mean_frozen: the mean weight of stopped clients' models; local_acc_x_p_last: each distilling client's "
+        "own residual classifier on its training batches during its last stage-1 round (mean over clients), before "
+        "averaging; acc_x_p_*: the global residual classifier's "
         "accuracy on x_p on the clients' val splits (best and last round of the mean over clients, max over clients "
         "and rounds); val_reaching_target / val_below_max_cosine: share of (client, validation) pairs meeting the "
         "accuracy / cosine criterion; unmet_last: first unmet criterion at the last validation of the clients that "
-        "never stopped; release_noise_to_signal: noise norm / signal norm of the released x_p; x_s_to_x_norm: "
-        "|x_s| / |x|; shared_fraction: shared samples' share of a stage-2 epoch; warnings: kinds said.", ""]
+        "never stopped (acc<target: accuracy below target - tolerance; cos>=max: cosine not below max_cosine; "
+        "acc/cos moved: more than max_change over the window); release_noise_to_signal: noise norm / signal norm of "
+        "the released x_p; x_s_to_x_norm: |x_s| / |x|; shared_fraction: shared samples' share of a stage-2 epoch; "
+        "warnings: kinds said.", ""]
     parts = []
     for setting, g in table.groupby("setting", sort=False):
         parts += [f"## {setting}", ""]
@@ -319,7 +336,7 @@ def mechanisms_report(a: argparse.Namespace) -> None:
 
 def _per_round(curves: pd.DataFrame) -> pd.DataFrame:
     """Per arm with a stop condition and stage-1 round: mean ± std over seeds of the trajectory."""
-    cols = ("acc_x_p_mean", "cosine_mean", "stopped", "frozen", "alpha_min", "delta_perf_used")
+    cols = ("local_acc_x_p_mean", "acc_x_p_mean", "cosine_mean", "stopped", "frozen", "alpha_min", "delta_perf_used")
     rows = []
     for (arm, r), g in curves[curves["arm"] != "fedfed"].groupby(["arm", "round"], sort=False):
         rows.append({"arm": arm, "round": int(r), **{c: _pm(g[c].tolist(), 2 if c in ("stopped", "frozen") else 3)
@@ -425,7 +442,9 @@ def paired_report(a: argparse.Namespace) -> None:
     text = ["# Paired differences of global-test accuracy (arm - reference, per seed; mean ± population std)", "",
             "best_val_diff: each arm read at its own best validation round (local_val accuracy); wins: seeds where "
             f"the arm is higher; last{a.last}_diff: the means of the last {a.last} rounds; max_round_gap: the largest "
-            "per-round difference of the two global-test curves (0: identical runs).", "", _md(table)]
+            "per-round difference of the two global-test curves (0: identical runs). fedtpf_dp's shared features are "
+            "mostly noise (noise-to-signal about 30 at epsilon 8), so its shared set carries little more than its "
+            "labels: arm - fedtpf_dp is what the features add beyond them.", "", _md(table)]
     (a.out / "paired.md").write_text("\n".join(text) + "\n")
 
 
@@ -467,11 +486,12 @@ def _accuracy(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((pred == y).float().mean())
 
 
-def ceiling_run(run: Path, data: Path, variance: float, steps: int, seed: int) -> dict[str, float]:
-    """What accuracy is reachable on ``x``, ``x + n``, ``x_s`` and ``x_s + n`` (``x_s`` from the
-    run's final global distillation model) by a classifier trained centrally on every client's
-    training tiles and tested on the global test set; and the run's own federated residual
-    classifier on the global test's ``x_s + n``."""
+def ceiling_run(run: Path, data: Path, variance: float, steps: int, seed: int, clean: bool = True
+                ) -> dict[str, float]:
+    """What accuracy is reachable on ``x_s`` and ``x_s + n`` (``x_s`` from the run's final global
+    distillation model), and with ``clean`` on ``x`` and ``x + n``, by a classifier trained
+    centrally on every client's training tiles and tested on the global test set; and the run's
+    own federated residual classifier on the global test's ``x_s + n``."""
     from medfl.models.feature_distill import DistillVAE
     from medfl.models.registry import build_model
 
@@ -496,7 +516,8 @@ def ceiling_run(run: Path, data: Path, variance: float, steps: int, seed: int) -
     def noisy(t: torch.Tensor) -> torch.Tensor:
         return t + std * torch.randn(t.shape, generator=g)
 
-    out = {"x": _fit(x, y, xt, yt, steps, seed), "x+n": _fit(noisy(x), y, noisy(xt), yt, steps, seed),
+    out = {"x": _fit(x, y, xt, yt, steps, seed) if clean else math.nan,
+           "x+n": _fit(noisy(x), y, noisy(xt), yt, steps, seed) if clean else math.nan,
            "x_s": _fit(s, y, st, yt, steps, seed), "x_s+n": _fit(noisy(s), y, noisy(st), yt, steps, seed),
            "federated w on x_s+n": _accuracy(cls, noisy(st), yt),
            "|x_s|/|x|": float((s.flatten(1).norm(dim=1) / x.flatten(1).norm(dim=1)).mean()),
@@ -511,13 +532,14 @@ def ceiling_report(a: argparse.Namespace, data: Path) -> None:
     have = {(r["setting"], r["arm"], int(r["seed"])) for r in rows}
     for setting in a.settings:
         for seed in a.seeds:
-            for arm in ("fedfed", "fedtpf_paper", "fedtpf_fixture"):
+            for arm in CEILING_ARMS:   # x and x + n do not depend on the arm: fitted with the first
                 run = run_dir(a, setting, seed) / arm
                 if arm not in a.arms or (setting, arm, seed) in have or not finished(run):
                     continue
                 t0 = time.time()
                 rows.append({"setting": setting, "arm": arm, "seed": seed,
-                             **ceiling_run(run, data, a.noise_variance, a.ceiling_steps, seed)})
+                             **ceiling_run(run, data, a.noise_variance, a.ceiling_steps, seed,
+                                           clean=arm == CEILING_ARMS[0])})
                 print(f"ceiling {setting} {arm} seed {seed}: {time.time() - t0:.0f} s", flush=True)
     if not rows:
         return
@@ -529,7 +551,8 @@ def ceiling_report(a: argparse.Namespace, data: Path) -> None:
     text = [f"# How far can a classifier get on x_p? ({len(a.seeds)} seeds, mean ± population std)", "",
             f"A fresh small_cnn (width 8, Adam 1e-3, batch 32, {a.ceiling_steps} steps) trained centrally on every "
             f"client's training tiles, tested on the global test set: on the clean tiles x, on x + n (n: the paper's "
-            f"noise, variance {a.noise_variance:g} per coordinate), on x_s = x - x_hat from the run's final global "
+            f"noise, variance {a.noise_variance:g} per coordinate; both on the first arm's rows only: they do not "
+            "depend on the arm), on x_s = x - x_hat from the run's final global "
             "distillation model, and on x_s + n (the released x_p). 'federated w on x_s+n': the run's own aggregated "
             "residual classifier (what the stop condition reads) on the global test's x_s + n. The paper's stop "
             "target is 0.88.", "", _md(pd.DataFrame(agg))]
