@@ -81,6 +81,8 @@ PAIRS = (("fedfed", "fedavg"), ("fedtpf_paper", "fedavg"), ("fedtpf_fixture", "f
 UNMET = {"too few evaluations": "too few", "residual accuracy below target - tolerance": "acc<target",
          "cosine(x_r, x_s) not below max_cosine": "cos>=max",
          "residual accuracy moved more than max_change": "acc moved", "cosine moved more than max_change": "cos moved"}
+#: the steps after which ceiling.md also reads the x_s + n classifier (a federated client makes 60 a round)
+CEILING_AT = (60, 180)
 #: the arms whose final distillation model ceiling.md measures (the first also fits x and x + n)
 CEILING_ARMS = ("fedtpf_paper", "fedfed")
 #: the stop criterion of ``fedtpf_fixture`` unless ``--criterion`` says otherwise
@@ -456,9 +458,11 @@ def _tiles(data: Path, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.as_tensor(part["label"].to_numpy().copy(), dtype=torch.long)
 
 
-def _fit(x: torch.Tensor, y: torch.Tensor, xt: torch.Tensor, yt: torch.Tensor, steps: int, seed: int) -> float:
+def _fit(x: torch.Tensor, y: torch.Tensor, xt: torch.Tensor, yt: torch.Tensor, steps: int, seed: int,
+         at: tuple[int, ...] = ()) -> float | list[float]:
     """A fresh small_cnn (width 8) trained with Adam 1e-3, batch 32, for ``steps`` steps on
-    ``(x, y)``: its accuracy on ``(xt, yt)``."""
+    ``(x, y)``: its accuracy on ``(xt, yt)`` (with ``at``, a list: after each of those steps too,
+    then after ``steps``)."""
     from medfl.models.registry import build_model
 
     torch.manual_seed(seed)
@@ -466,7 +470,7 @@ def _fit(x: torch.Tensor, y: torch.Tensor, xt: torch.Tensor, yt: torch.Tensor, s
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(seed)
     net.train()
-    done = 0
+    done, seen = 0, []
     while done < steps:
         for idx in torch.randperm(len(y), generator=g).split(32):
             loss = torch.nn.functional.cross_entropy(net(x[idx]), y[idx])
@@ -474,9 +478,12 @@ def _fit(x: torch.Tensor, y: torch.Tensor, xt: torch.Tensor, yt: torch.Tensor, s
             loss.backward()
             opt.step()
             done += 1
+            if done in at:
+                seen.append(_accuracy(net, xt, yt))
+                net.train()
             if done >= steps:
                 break
-    return _accuracy(net, xt, yt)
+    return [*seen, _accuracy(net, xt, yt)] if at else _accuracy(net, xt, yt)
 
 
 def _accuracy(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -518,10 +525,13 @@ def ceiling_run(run: Path, data: Path, variance: float, steps: int, seed: int, c
 
     out = {"x": _fit(x, y, xt, yt, steps, seed) if clean else math.nan,
            "x+n": _fit(noisy(x), y, noisy(xt), yt, steps, seed) if clean else math.nan,
-           "x_s": _fit(s, y, st, yt, steps, seed), "x_s+n": _fit(noisy(s), y, noisy(st), yt, steps, seed),
-           "federated w on x_s+n": _accuracy(cls, noisy(st), yt),
-           "|x_s|/|x|": float((s.flatten(1).norm(dim=1) / x.flatten(1).norm(dim=1)).mean()),
-           "|n|/|x_s|": float(std * math.sqrt(s[0].numel()) / s.flatten(1).norm(dim=1).mean())}
+           "x_s": _fit(s, y, st, yt, steps, seed)}
+    short = tuple(k for k in CEILING_AT if k < steps)
+    curve = _fit(noisy(s), y, noisy(st), yt, steps, seed, at=short)
+    out.update({f"x_s+n@{k}": v for k, v in zip(short, curve)})
+    out.update({"x_s+n": curve[-1], "federated w on x_s+n": _accuracy(cls, noisy(st), yt),
+                "|x_s|/|x|": float((s.flatten(1).norm(dim=1) / x.flatten(1).norm(dim=1)).mean()),
+                "|n|/|x_s|": float(std * math.sqrt(s[0].numel()) / s.flatten(1).norm(dim=1).mean())})
     return out
 
 
@@ -545,17 +555,18 @@ def ceiling_report(a: argparse.Namespace, data: Path) -> None:
         return
     runs = pd.DataFrame(rows)
     runs.to_csv(path, index=False)
-    cols = ["x", "x+n", "x_s", "x_s+n", "federated w on x_s+n", "|x_s|/|x|", "|n|/|x_s|"]
+    cols = ["x", "x+n", "x_s", *(f"x_s+n@{k}" for k in CEILING_AT if k < a.ceiling_steps), "x_s+n",
+            "federated w on x_s+n", "|x_s|/|x|", "|n|/|x_s|"]
     agg = [{"setting": s, "arm": arm, "seeds": len(g), **{c: _pm(g[c].tolist()) for c in cols}}
            for (s, arm), g in runs.groupby(["setting", "arm"], sort=False)]
     text = [f"# How far can a classifier get on x_p? ({len(a.seeds)} seeds, mean ± population std)", "",
             f"A fresh small_cnn (width 8, Adam 1e-3, batch 32, {a.ceiling_steps} steps) trained centrally on every "
             f"client's training tiles, tested on the global test set: on the clean tiles x, on x + n (n: the paper's "
             f"noise, variance {a.noise_variance:g} per coordinate; both on the first arm's rows only: they do not "
-            "depend on the arm), on x_s = x - x_hat from the run's final global "
-            "distillation model, and on x_s + n (the released x_p). 'federated w on x_s+n': the run's own aggregated "
-            "residual classifier (what the stop condition reads) on the global test's x_s + n. The paper's stop "
-            "target is 0.88.", "", _md(pd.DataFrame(agg))]
+            "depend on the arm), on x_s = x - x_hat from the run's final global distillation model, and on "
+            "x_s + n (the released x_p: one noise draw per tile; x_s+n@k: the same classifier after k steps). "
+            "'federated w on x_s+n': the run's own aggregated residual classifier (what the stop condition reads) "
+            "on the global test's x_s + n. The paper's stop target is 0.88.", "", _md(pd.DataFrame(agg))]
     (a.out / "ceiling.md").write_text("\n".join(text) + "\n")
 
 
