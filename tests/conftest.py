@@ -25,9 +25,9 @@ os.environ.setdefault("MEDFL_NO_PLOTS", "1")
 #: around them instead of one worker finishing a long Flower test alone at the end. A module
 #: missing from the list only runs later; the order changes no result.
 SLOW_MODULES = (
+    "flower/test_simulation.py",        # 650 beside an experiment (Ray; early stopping too)
     "flower/test_flower.py",            # 240: three runs over a real deployment
     "flower/test_deploy_auth.py",       # 145: TLS, keys, a SuperLink restart and a resume
-    "flower/test_simulation.py",        # 95: Ray
     "methods/test_fedtpf_bundles.py",   # 85
     "methods/test_ham10000_bundles.py",  # 75
     "methods/test_fedskd_bundles.py",   # 65
