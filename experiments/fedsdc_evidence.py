@@ -48,9 +48,9 @@ The figures in experiments/README.md came from (about 20 min on 2 shared cores, 
 6 and 10 min for the ablations and the stronger skew):
 
     python experiments/fedsdc_evidence.py --seeds 0 1 2 3 4 --momenta 0 0.9 --max-rounds 120 --patience 10
-    python experiments/fedsdc_evidence.py --seeds 0 1 2 3 4 --momenta 0 --max-rounds 120 --patience 10 \
+    python experiments/fedsdc_evidence.py --seeds 0 1 2 3 4 --momenta 0 --max-rounds 120 --patience 10 \\
         --arms fedavgm fedsdc fedsdc_plus sdc_noshuffle sdc_nodiversity
-    python experiments/fedsdc_evidence.py --seeds 0 1 2 3 4 --momenta 0 --max-rounds 120 --patience 10 --alpha 0.3 \
+    python experiments/fedsdc_evidence.py --seeds 0 1 2 3 4 --momenta 0 --max-rounds 120 --patience 10 --alpha 0.3 \\
         --out experiments/results/fedsdc/evidence_alpha0.3
 """
 

@@ -45,9 +45,17 @@ on the global test set, on ``x``, ``x + n``, the final distillation model's ``x_
 ``x_s + n``, beside the federated residual classifier itself on ``x_s + n``). ``--report-only``
 rewrites the tables from the runs already there. Runs already finished are not run again.
 
-The figures of the report were made with (about 50 minutes on 2 shared CPU cores)::
+The figures in experiments/README.md were made with (on 2 shared CPU cores: about 50 minutes;
+the stage-1 cap of 20 rounds about 35 and 10 minutes; the ceiling probe about 10)::
 
-    python experiments/fedtpf_evidence.py --ceiling
+    python experiments/fedtpf_evidence.py
+    python experiments/fedtpf_evidence.py --settings dirichlet_1.0 --arms fedavg fedtpf_paper fedfed \\
+        --distill-rounds 20 --rounds 26 --out experiments/results/fedtpf_evidence_long
+    python experiments/fedtpf_evidence.py --settings dirichlet_1.0 --arms fedtpf_fixture \\
+        --distill-rounds 20 --rounds 26 --out experiments/results/fedtpf_evidence_long_fixture
+    python experiments/fedtpf_evidence.py --seeds 100 --rounds 7 --arms fedtpf_paper fedtpf_fixture \\
+        --criterion '{"target_accuracy": 0.5, "tolerance": 0.0, "window": 2, "max_change": 0.2, "max_cosine": 0.6}' \\
+        --ceiling --out experiments/results/fedtpf_calib
 """
 
 from __future__ import annotations

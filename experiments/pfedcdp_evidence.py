@@ -53,7 +53,7 @@ tables, the settings, the command). The fixtures are in
 reused; ``--rerun`` redoes it; ``--report-only`` only rereads them).
 
 The figures of the report were produced by (the defaults: 20 rounds, seeds 0 1 2, 1,200 cases,
-10 clients, client counts 10 30 50, sigmas 0.03 0.1 0.3 0.606; about N minutes on 2 shared CPU
+10 clients, client counts 10 30 50, sigmas 0.03 0.1 0.3 0.606; about 45 minutes on 2 shared CPU
 cores, one torch thread):
 
     python experiments/pfedcdp_evidence.py
