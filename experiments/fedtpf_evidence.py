@@ -48,7 +48,9 @@ rewrites the tables from the runs already there. Runs already finished are not r
 The figures in experiments/README.md were made with (on 2 shared CPU cores: about 50 minutes;
 the stage-1 cap of 20 rounds about 35 and 10 minutes; the ceiling probe about 10)::
 
-    python experiments/fedtpf_evidence.py
+    python experiments/fedtpf_evidence.py --settings label_skew_2
+    python experiments/fedtpf_evidence.py --settings dirichlet_0.3 --arms fedavg fedfed fedtpf_paper fedtpf_fixture
+    python experiments/fedtpf_evidence.py --report-only
     python experiments/fedtpf_evidence.py --settings dirichlet_1.0 --arms fedavg fedtpf_paper fedfed \\
         --distill-rounds 20 --rounds 26 --out experiments/results/fedtpf_evidence_long
     python experiments/fedtpf_evidence.py --settings dirichlet_1.0 --arms fedtpf_fixture \\
