@@ -95,14 +95,19 @@ def _clip(text: str) -> float | str:
     return text if text == "public_quantile" else float(text)
 
 
-def _fixture(a: argparse.Namespace, name: str, cases: int, seed: int) -> Path:
-    """Generate and prepare ``cases`` PathMNIST fixture tiles of ``seed`` once, as ``name``."""
+def _fixture(a: argparse.Namespace, name: str, cases: int, seed: int, texture: float = 0.0,
+             texture_period: float = 3.0) -> Path:
+    """Generate and prepare ``cases`` PathMNIST fixture tiles of ``seed`` once, as ``name``;
+    ``texture`` > 0 adds the fixture's class-oriented grating (:func:`medfl.fixtures.medmnist.generate`)."""
+    if texture:
+        name = f"{name}_texture{texture:g}p{texture_period:g}"
     out = a.out / "data" / f"{name}_{cases}"
     if not (out / "manifest.csv").is_file():
         from medfl.prep.medmnist import main as prep
 
         raw = a.out / "data" / f"{name}_raw"
-        generate("medmnist", raw, cases=cases, seed=seed, flag="pathmnist")
+        generate("medmnist", raw, cases=cases, seed=seed, flag="pathmnist", texture=texture,
+                 texture_period=texture_period)
         assert prep(["--raw", str(raw), "--out", str(out), "--flag", "pathmnist", "--overwrite"]) == 0
     return out
 

@@ -115,6 +115,13 @@ def arms(a: argparse.Namespace) -> list[dict[str, Any]]:
     return [entries[k] for k in ARMS if k in a.arms]
 
 
+def fixture_words(a: argparse.Namespace) -> str:
+    """The fixture in words, for the tables' titles."""
+    grating = (f" with a class-oriented grating of {a.texture:g} grey levels, period {a.texture_period:g} px"
+               if a.texture else "")
+    return f"PathMNIST fixture of {a.cases} tiles{grating}"
+
+
 def run_dir(a: argparse.Namespace, setting: str, seed: int) -> Path:
     return a.out / "runs" / f"{setting}_s{seed}"
 
@@ -320,7 +327,8 @@ def mechanisms_report(a: argparse.Namespace) -> None:
         f"# What FedTPF's and FedFed's mechanisms did ({len(a.seeds)} seeds: mean ± population std; "
         "text columns: one entry per seed, ` / ` between seeds)", "",
         f"fedtpf_fixture's stop criterion (NOT the paper's): {crit}. fedtpf_paper: target 0.9 - 0.02, cosine < 0.15, "
-        f"window 3, change <= 0.05. Stage 1 capped at {a.distill_rounds} rounds; {a.clients} clients, all sampled.",
+        f"window 3, change <= 0.05. Stage 1 capped at {a.distill_rounds} rounds; {a.clients} clients, all sampled. "
+        f"Data: {fixture_words(a)}.",
         "",
         "stopped/capped: clients that met the stop condition before the cap / that reached it; stop_rounds: each "
         "client's stop round (the validation after that round met it) or 'cap'; stage1_rounds: the round stage 1 "
@@ -417,9 +425,10 @@ def arm_reports(a: argparse.Namespace) -> None:
             continue
         kw = {"metric": "accuracy", "splits": ("global_test",), "metrics": ("accuracy", "f1", "auc"),
               "plots": not a.no_plots}
-        write_arm_report(a.out / setting, runs, select="best_val", title=f"{setting}, {a.clients} clients", **kw)
+        write_arm_report(a.out / setting, runs, select="best_val",
+                         title=f"{setting}, {a.clients} clients, {fixture_words(a)}", **kw)
         write_arm_report(a.out / setting / "last_mean", runs, select="last_mean", last=a.last,
-                         title=f"{setting}, {a.clients} clients", **kw)
+                         title=f"{setting}, {a.clients} clients, {fixture_words(a)}", **kw)
 
 
 def paired_report(a: argparse.Namespace) -> None:
@@ -600,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=5, help="clients (default 5)")
     p.add_argument("--fraction", type=float, default=1.0, help="clients sampled per round (default all)")
     p.add_argument("--cases", type=int, default=3000, help="fixture tiles over train/val/test (default 3000)")
+    p.add_argument("--texture", type=float, default=0.0, metavar="GREY",
+                   help="add the fixture's class-oriented grating of this amplitude (grey levels; default 0: "
+                        "none): class evidence in fine texture, which the distillation model leaves in x_s")
+    p.add_argument("--texture-period", type=float, default=3.0, help="the grating's period in pixels (default 3)")
     p.add_argument("--val", type=float, default=0.3, help="each client's validation share (default 0.3)")
     p.add_argument("--rounds", type=int, default=12, help="rounds, stage 1 included (default 12)")
     p.add_argument("--distill-rounds", type=int, default=6, help="stage 1's cap T_d (default 6)")
@@ -619,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
     torch.set_num_threads(1)
     a.out.mkdir(parents=True, exist_ok=True)
-    data = _fixture(a, "pathmnist", a.cases, 0)
+    data = _fixture(a, "pathmnist", a.cases, 0, a.texture, a.texture_period)
     started = time.time()
     if not a.report_only:
         run_all(a, data)

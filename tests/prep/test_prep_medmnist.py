@@ -144,3 +144,49 @@ def test_overwrite_resize_and_the_script(tmp_path: Path) -> None:
     text = build_parser().format_help()
     for opt in ("--raw", "--out", "--flag", "--size", "--resize", "--chest-label", "--overwrite", "--limit"):
         assert opt in text
+
+
+def _power_spectra(images: np.ndarray) -> np.ndarray:
+    """Each image's 2D power spectrum after removing its 3 x 3 local mean: fine texture only,
+    blind to position (so the class's blob) and to brightness."""
+    grey = images.astype(np.float64).mean(axis=-1) if images.ndim == 4 else images.astype(np.float64)
+    padded = np.pad(grey, ((0, 0), (1, 1), (1, 1)), mode="edge")
+    local = sum(padded[:, i:i + grey.shape[1], j:j + grey.shape[2]] for i in range(3) for j in range(3)) / 9
+    return np.abs(np.fft.fft2(grey - local)) ** 2
+
+
+def _nearest_centroid_accuracy(train_x, train_y, test_x, test_y) -> float:
+    feats = lambda x: np.log1p(x.reshape(len(x), -1))  # noqa: E731
+    centroids = np.stack([feats(train_x[train_y == c]).mean(axis=0) for c in np.unique(train_y)])
+    d = ((feats(test_x)[:, None, :] - centroids[None]) ** 2).sum(axis=-1)
+    return float((np.unique(train_y)[d.argmin(axis=1)] == test_y).mean())
+
+
+def test_texture_puts_a_class_signal_in_fine_texture_only(tmp_path: Path) -> None:
+    """``texture`` adds a class-oriented grating and nothing else: the same labels, the plain
+    images plus the grating; a nearest-centroid reading of the images' fine-texture spectra
+    tells the classes apart with it and is near chance (1/9) without it."""
+    plain = dict(np.load(generate("medmnist", tmp_path / "plain", cases=270, seed=3, flag="pathmnist")["path"]))
+    tex = dict(np.load(generate("medmnist", tmp_path / "tex", cases=270, seed=3, flag="pathmnist",
+                                texture=50, texture_period=3)["path"]))
+    for split in ("train", "val", "test"):
+        assert np.array_equal(plain[f"{split}_labels"], tex[f"{split}_labels"])
+        diff = tex[f"{split}_images"].astype(float) - plain[f"{split}_images"].astype(float)
+        assert np.abs(diff).max() <= 51 and np.abs(diff).mean() > 20
+    accuracy = {}
+    for name, arrays in (("plain", plain), ("texture", tex)):
+        accuracy[name] = _nearest_centroid_accuracy(
+            _power_spectra(arrays["train_images"]), arrays["train_labels"][:, 0],
+            _power_spectra(arrays["test_images"]), arrays["test_labels"][:, 0])
+    assert accuracy["texture"] >= 0.9, accuracy
+    assert accuracy["plain"] <= 0.35, accuracy
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"texture": -1}, "texture=-1"),
+    ({"texture": 10, "texture_period": 1.5}, "period of at least 2"),
+    ({"texture": 10, "flag": "organmnist3d"}, "texture is for 2D images"),
+])
+def test_bad_texture_options_are_refused(tmp_path: Path, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate("medmnist", tmp_path / "raw", cases=60, seed=0, **{"flag": "pathmnist", **options})
