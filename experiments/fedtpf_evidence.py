@@ -58,6 +58,10 @@ the stage-1 cap of 20 rounds about 35 and 10 minutes; the ceiling probe about 10
     python experiments/fedtpf_evidence.py --seeds 100 --rounds 7 --arms fedtpf_paper fedtpf_fixture \\
         --criterion '{"target_accuracy": 0.5, "tolerance": 0.0, "window": 2, "max_change": 0.2, "max_cosine": 0.6}' \\
         --ceiling --out experiments/results/fedtpf_calib
+    python experiments/fedtpf_evidence.py --texture 50 --settings dirichlet_1.0 \\
+        --arms fedavg fedfed fedtpf_paper --distill-rounds 14 --rounds 20 \\
+        --out experiments/results/fedtpf_texture_dirichlet_1.0
+    (and the same with dirichlet_0.3 and label_skew_2, each with its own --out)
 """
 
 from __future__ import annotations
