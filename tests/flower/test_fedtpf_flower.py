@@ -52,6 +52,37 @@ def test_fedtpf_over_flower_gives_the_in_process_numbers(tmp_path: Path, monkeyp
     _no_state_at_coordinator(flower)
 
 
+@pytest.mark.parametrize("mode", [
+    {"noise": {"variance": 0.15}, "epsilon": None},      # the paper's noise on unclipped x_s, not private
+    {"clip": "public_quantile", "clip_quantile": 0.5},   # the clip measured on fl.public_dataset
+])
+def test_the_release_modes_over_flower_give_the_in_process_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   mode: dict[str, Any]) -> None:
+    """The paper's fixed-variance noise and the public-quantile clip: the sites release what
+    the in-process clients release (the clip the coordinator measured travels in the release
+    instruction), with the same privacy record and mechanism rows."""
+    monkeypatch.setenv(REPRODUCIBLE_NOISE_ENV, "1")
+    job = json.loads(json.dumps(JOB))
+    job["methods"][0].update(mode)
+    if mode.get("clip") == "public_quantile":
+        job["public_dataset"] = {"name": "synthetic2d", "root": str(tmp_path / "public"), "num_samples": 40,
+                                 "num_classes": 2, "image_size": 16, "noise": 0.5, "seed": 1}
+    flower, local, _ = _run_both(tmp_path, "tpf_mode", job)
+    for f in ("metrics.csv", "privacy.csv", "mechanisms.csv"):
+        numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f"fedtpf {mode}: {f}", atol=0.0)
+    reports = [json.loads((d / "summary.json").read_text()) for d in (flower, local)]
+    assert reports[0]["method_report"] == reports[1]["method_report"]
+    assert reports[0]["privacy"] == reports[1]["privacy"]
+    if "noise" in mode:
+        assert reports[0]["privacy"]["private"] is False
+    else:
+        release = pd.read_csv(flower / "mechanisms.csv", dtype={"id": str, "text": str}, keep_default_na=False)
+        clip = release[(release["mechanism"] == "noise") & (release["name"] == "clip")]
+        assert len(clip) and (pd.to_numeric(clip["value"]) > 0).all()
+        measured = reports[0]["privacy"]["mechanisms"]["feature_gaussian"]["clip"]
+        assert measured > 0 and measured != 5.0   # measured on the public set, not the constant default
+
+
 def test_a_site_releasing_features_of_another_size_is_left_out_of_the_shared_set(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(REPRODUCIBLE_NOISE_ENV, "1")
