@@ -330,18 +330,45 @@ class FilterChain:
             out.append(FilterContext(key=key, reference=ref, **{**ctx, "where": f"{ctx['where']}[{key!r}]"}))
         return out
 
+    def check_covered(self, method: type[Method], payload: dict[str, Any], where: str,
+                      exempt: frozenset[str] | set[str] = frozenset()) -> None:
+        """Refuse a reply that the chain would pass through unfiltered: one that carries
+        tensors under keys outside the method's ``reply_state`` (and outside ``exempt``, the
+        keys of a declared release) while it lacks a ``reply_state`` key. The filters act
+        on ``reply_state`` entries only, so such a reply would leave with nothing clipped,
+        noised or quantized while the run records the chain's privacy. A reply with no
+        tensors besides exempt ones (a release, a step that sends no state) passes.
+
+        Raises:
+            PayloadError: naming the method, the missing keys and the keys sent instead.
+        """
+        if not self.filters:
+            return
+        missing = [k for k in method.reply_state if k not in payload]
+        others = sorted(k for k in payload if k not in method.reply_state and k not in exempt
+                        and _holds_tensor(payload[k]))
+        if missing and others:
+            names = ", ".join(f.name for f in self.filters)
+            raise PayloadError(
+                f"{where}: method {method.name!r} names {missing} in reply_state but its reply carries {others} "
+                f"instead; the filter(s) {names} act only on reply_state keys, so this reply would leave "
+                "unfiltered while the run records their privacy. Reply the model state under "
+                f"{missing}, or declare the keys the method sends in its reply_state")
+
     def apply(self, method: type[Method], payload: dict[str, Any], ins_payload: dict[str, Any], *,
               client_id: str, round: int, step: int, seed: int, model_spec: dict[str, Any],
-              where: str, noise_key: str = "") -> dict[str, Any]:
+              where: str, noise_key: str = "", exempt: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
         """At the client: the reply payload with each ``reply_state`` entry filtered
-        (``noise_key``: the site's secret, mixed into the filters' random draws).
+        (``noise_key``: the site's secret, mixed into the filters' random draws; ``exempt``:
+        the keys of a declared release, see :meth:`check_covered`).
 
         Raises:
             PayloadError: an entry is not a state dict, or its reference is missing or
-                does not match it.
+                does not match it, or the reply would leave unfiltered (:meth:`check_covered`).
         """
         if not self.filters:
             return payload
+        self.check_covered(method, payload, where, exempt)
         out = dict(payload)
         for ctx in self._entries(method, payload, ins_payload, client_id=client_id, round=round, step=step,
                                  seed=derive_seed(seed, "filters", step), model_spec=model_spec, where=where):
@@ -381,6 +408,17 @@ class FilterChain:
                 _like(value, ctx.reference, ctx.where)
             out[ctx.key] = value
         return out
+
+
+def _holds_tensor(value: Any) -> bool:
+    """Whether ``value`` (a payload entry) holds a tensor or array anywhere inside."""
+    if isinstance(value, torch.Tensor) or hasattr(value, "__array_interface__"):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
 
 
 def _difference(state: State, reference: State | None, where: str) -> State:

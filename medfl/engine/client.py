@@ -260,7 +260,7 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     if filters:
         reply.payload = filters.apply(type(method), reply.payload, instruction.payload, client_id=ctx.client_id,
                                       round=ctx.round, step=step, seed=ctx.seed, model_spec=ctx.model_spec,
-                                      where=where, noise_key=ctx.noise_key)
+                                      where=where, noise_key=ctx.noise_key, exempt=exempt)
         validate_payload(reply.payload, where + " (after filters)", allow_str=False, guard=ctx.guard,
                          exempt=exempt)
     _keep_state(ctx, store)

@@ -81,13 +81,13 @@ from medfl import wire
 from medfl.config import build_method, check_device, method_label, method_preset, method_train, preset_record
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
                                  evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
-                                 run_client_update, run_client_validate, write_sum)
+                                 release_exemptions, run_client_update, run_client_validate, write_sum)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
 from medfl.engine.early_stopping import EarlyStopping, metrics_split
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
 from medfl.filters import configured_filters
-from medfl.messages import Instruction, Reply, state_mismatch
+from medfl.messages import Instruction, PayloadError, Reply, state_mismatch
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
@@ -671,15 +671,25 @@ class Run:
     def unfilter(self, r: int, instructions: dict[str, Instruction], replies: dict[str, Reply]
                  ) -> dict[str, Reply]:
         """Undo the run's reply filters on each reply (dequantize, add back the state the
-        client was sent...) so the method receives full states, whatever the transport.
+        client was sent...) so the method receives full states, whatever the transport. A
+        reply the chain cannot have filtered (tensors outside the method's ``reply_state``
+        while a ``reply_state`` key is missing: :meth:`FilterChain.check_covered`) is dropped
+        with the client named, as a reply that fails :meth:`screen`.
 
         Raises:
             PayloadError: a reply is not what the filters produce (naming the client).
         """
         chain = self.privacy.chain
-        for cid, reply in replies.items():
+        for cid, reply in list(replies.items()):
             self.privacy.note_reply(reply.payload)
             if chain:
+                try:
+                    chain.check_covered(type(self.coordinator), reply.payload, f"reply of client {cid} in round {r}",
+                                        release_exemptions(self.coordinator, instructions[cid]))
+                except PayloadError as exc:
+                    self.refuse(r, cid, str(exc))
+                    del replies[cid]
+                    continue
                 reply.payload = chain.undo(type(self.coordinator), reply.payload, instructions[cid].payload,
                                            client_id=cid, round=r, step=self._step,
                                            seed=derive_seed(self.federation.seed, r, cid),

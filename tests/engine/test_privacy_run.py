@@ -152,3 +152,69 @@ def test_resuming_with_more_rounds_says_the_noise_changed_and_reports_the_true_e
     assert s2 > s1      # four planned rounds need more noise than two for the same target
     last = df[df["round"] == 4].iloc[0]
     assert last["epsilon"] == pytest.approx(_opacus_epsilon([(s1, 1.0, 1), (s2, 1.0, 3)], 1e-3), rel=1e-9)
+
+
+def _delta_avg_method() -> type:
+    """An outside SCAFFOLD-like plugin: a ``HubAndSpoke`` subclass that replies its update
+    under ``delta_y`` while its inherited ``reply_state`` still names ``model``."""
+    from medfl.engine.hub import HubAndSpoke
+    from medfl.messages import Reply
+
+    class DeltaAvg(HubAndSpoke):
+        name = "test_delta_avg"
+
+        def client_update(self, client, instruction):  # type: ignore[no-untyped-def]
+            reply = super().client_update(client, instruction)
+            old, new = instruction.payload["model"], reply.payload["model"]
+            delta = {k: new[k] - old[k] if new[k].is_floating_point() else new[k] for k in new}
+            return Reply(payload={"delta_y": delta}, metrics=reply.metrics, num_examples=reply.num_examples)
+
+        def server_update(self, round, replies):  # type: ignore[no-untyped-def]
+            n = len(replies)
+            for k, v in self.global_state.items():
+                if v.is_floating_point():
+                    self.global_state[k] = v + sum(r.payload["delta_y"][k] for r in replies.values()) / n
+
+    return DeltaAvg
+
+
+def test_a_filter_chain_that_would_filter_nothing_stops_the_run(tiny_fl: dict, resolve: Any) -> None:
+    """Issue 38: a method whose reply carries tensors outside its ``reply_state`` while it
+    lacks a ``reply_state`` key passes the filters untouched; with ``dp_gaussian`` the run
+    would record epsilon 3 for updates sent in the clear. It stops naming the method and the
+    keys; without filters the same method runs."""
+    from contract_methods import methods_registered
+
+    from medfl.messages import PayloadError
+
+    with methods_registered(_delta_avg_method(), name="delta-avg-test"):
+        plain = _run(resolve, {**tiny_fl, "methods": [{"name": "test_delta_avg"}]})
+        assert (plain / "summary.json").is_file() and not (plain / "privacy.csv").is_file()
+        fl = {**tiny_fl, "name": "dp", "methods": [{"name": "test_delta_avg"}],
+              "filters": [{"name": "dp_gaussian", "epsilon": 3.0, "delta": 1e-3, "clip": 1.0}]}
+        with pytest.raises(PayloadError, match=r"names \['model'\] in reply_state but its reply carries \['delta_y'\]"):
+            _run(resolve, fl)
+    runs = Path(tiny_fl["output_dir"]) / "dp" / "test_delta_avg"
+    assert not (runs / "summary.json").is_file()
+    privacy = runs / "privacy.csv"
+    assert not privacy.is_file() or pd.read_csv(privacy).empty
+
+
+def test_the_coordinator_drops_a_reply_that_the_filters_cannot_have_covered() -> None:
+    """The coordinator's own check (a modified site may skip the client's): ``check_covered``
+    refuses tensors outside ``reply_state`` while a ``reply_state`` key is missing, and
+    passes a declared release's keys and a reply without tensors."""
+    import torch
+
+    from medfl.filters import FilterChain
+    from medfl.messages import PayloadError
+
+    chain = FilterChain.from_specs([{"name": "quantize", "bits": 8}])
+    method = _delta_avg_method()
+    state = {"w": torch.zeros(3)}
+    with pytest.raises(PayloadError, match=r"carries \['delta_y'\] instead"):
+        chain.check_covered(method, {"delta_y": state}, "reply of client 0")
+    chain.check_covered(method, {"model": state, "delta_y": state}, "reply of client 0")   # model present
+    chain.check_covered(method, {"shared_x": torch.zeros(2, 3)}, "reply", exempt={"shared_x"})
+    chain.check_covered(method, {"count": 3.0}, "reply")
+    FilterChain([]).check_covered(method, {"delta_y": state}, "reply")   # no filters: nothing to check
