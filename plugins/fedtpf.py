@@ -84,6 +84,21 @@ class SharedSet(Dataset):
         return self.x[i], int(self.y[i])
 
 
+class IntLabels(Dataset):
+    """A client dataset whose items' labels are plain ints, like :class:`SharedSet`'s, so the
+    two can share a batch (``random_blocks`` gives 0-d tensor labels, the file datasets ints)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = self.dataset[i][:2]
+        return x, int(y)
+
+
 class MixedBatches:
     """Stage-2 batches of a fixed composition (``mix``): each batch of the client's local
     loader gets ``shared_per_batch`` samples of the shared set appended, drawn without
@@ -1023,7 +1038,7 @@ class FedTPF(Method):
         g = torch.Generator().manual_seed(derive_seed(client.seed, "union"))
         clip_grad = client.train.get("clip_grad_norm")
         if self.mix is None:
-            union = ConcatDataset([client.dataset("train"), shared])
+            union = ConcatDataset([IntLabels(client.dataset("train")), shared])
             loader = DataLoader(union, batch_size=bs, shuffle=True, generator=g,
                                 num_workers=int(client.train.get("num_workers", 0)))
             stats = train_epochs(phi, loader, opt, epochs, device=client.device, clip_grad_norm=clip_grad)

@@ -271,3 +271,17 @@ def test_the_release_plan_names_the_mode() -> None:
     assert quantile.mechanism == "feature_gaussian" and math.isnan(quantile.clip) and quantile.noise_multiplier > 0
     assert FedTPF().noise_scale(5.0) == pytest.approx(FedTPF().noise_multiplier * 5.0)
     assert FedTPF(noise={"variance": 0.25}, epsilon=None).noise_scale(None) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------------------- datasets with tensor labels
+def test_stage_two_mixes_a_dataset_with_tensor_labels_and_the_shared_set(tmp_path: Path) -> None:
+    """Issue 38, item 10: ``random_blocks`` items carry 0-d tensor labels while the shared
+    set's are ints; stage 2's union of the two crashed in the collate. Both kinds of label
+    now share a batch, and the run trains stage 2."""
+    fl = {"name": "rb", "output_dir": str(tmp_path / "runs"), "seed": 0, "rounds": 3, "num_clients": 3,
+          "progress": False, "dataset": {"name": "random_blocks"}, "model": {"name": "small_cnn", "width": 4},
+          "train": {"batch_size": 8, "lr": 0.05},
+          "methods": [{"name": "fedtpf", "distill_rounds": 1, "distill_steps": 2, "vae_width": 4, "critic_width": 4}]}
+    run = Path(run_experiment(resolve_config(fl))["dir"]) / "fedtpf"
+    train = pd.read_csv(run / "train_metrics.csv")
+    assert train["round"].max() == 3 and (run / "summary.json").is_file()
