@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import math
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -179,14 +180,21 @@ def _final_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _epsilon_text(epsilon: Any) -> str:
+    """An epsilon for the run's last line: none or infinite is no privacy, said in words."""
+    if epsilon is None or (isinstance(epsilon, float) and math.isinf(epsilon)):
+        return "none (not private: no noise bounds a sample's or client's contribution)"
+    return f"{float(epsilon):.3g}"
+
+
 def _privacy_line(summary: dict[str, Any]) -> str:
     """One line on what the run released: its epsilon (per DP mechanism, the worst client)
     and its bytes per round."""
     privacy = summary.get("privacy") or {}
     mechs = privacy.get("mechanisms") or {}
     if mechs:
-        eps = "; ".join(f"{name} epsilon {b['epsilon']:.3g} (worst client {b['worst_client']}, {b['unit']}-level, "
-                        f"delta {b['delta']:g}, {b['accountant']})" for name, b in mechs.items())
+        eps = "; ".join(f"{name} epsilon {_epsilon_text(b.get('epsilon'))} (worst client {b['worst_client']}, "
+                        f"{b['unit']}-level, delta {b['delta']:g}, {b['accountant']})" for name, b in mechs.items())
     else:
         eps = "no differential privacy"
     per_round = (summary.get("communication") or {}).get("per_round") or {}

@@ -105,3 +105,18 @@ def test_reading_a_plain_config_does_not_import_monai(tmp_path: Path) -> None:
             "assert fl['rounds'] == 9 and 'monai' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_last_line_says_a_release_without_noise_is_not_private() -> None:
+    """Issue 38, item 10: a FedTPF run with ``epsilon: null`` (its release noise off) has a
+    mechanism whose epsilon is None; the bundle's last line formatted it with ``:.3g`` and
+    failed with ``NoneType.__format__`` after the run had written all its files."""
+    from medfl.bundle import _privacy_line
+
+    block = {"worst_client": "0", "unit": "sample", "delta": 1e-5, "accountant": "rdp"}
+    line = _privacy_line({"privacy": {"mechanisms": {"feature_gaussian": {**block, "epsilon": None}}}})
+    assert "feature_gaussian epsilon none (not private" in line
+    line = _privacy_line({"privacy": {"mechanisms": {"feature_gaussian": {**block, "epsilon": float("inf")}}}})
+    assert "epsilon none (not private" in line
+    assert "dp_gaussian epsilon 3.99 (worst client 0" in _privacy_line(
+        {"privacy": {"mechanisms": {"dp_gaussian": {**block, "epsilon": 3.9917}}}})
