@@ -674,10 +674,9 @@ class Run:
         client was sent...) so the method receives full states, whatever the transport. A
         reply the chain cannot have filtered (tensors outside the method's ``reply_state``
         while a ``reply_state`` key is missing: :meth:`FilterChain.check_covered`) is dropped
-        with the client named, as a reply that fails :meth:`screen`.
-
-        Raises:
-            PayloadError: a reply is not what the filters produce (naming the client).
+        with the client named, as a reply that fails :meth:`screen`; so is a reply the chain
+        cannot undo (codes of another width, a NaN where a range was expected: what a
+        changed site may send), instead of stopping the run.
         """
         chain = self.privacy.chain
         for cid, reply in list(replies.items()):
@@ -690,11 +689,15 @@ class Run:
                     self.refuse(r, cid, str(exc))
                     del replies[cid]
                     continue
-                reply.payload = chain.undo(type(self.coordinator), reply.payload, instructions[cid].payload,
-                                           client_id=cid, round=r, step=self._step,
-                                           seed=derive_seed(self.federation.seed, r, cid),
-                                           model_spec=self.federation.model_spec(cid),
-                                           where=f"reply of client {cid} in round {r}")
+                try:
+                    reply.payload = chain.undo(type(self.coordinator), reply.payload, instructions[cid].payload,
+                                               client_id=cid, round=r, step=self._step,
+                                               seed=derive_seed(self.federation.seed, r, cid),
+                                               model_spec=self.federation.model_spec(cid),
+                                               where=f"reply of client {cid} in round {r}")
+                except PayloadError as exc:   # not what the chain produces: a site's garbage
+                    self.refuse(r, cid, str(exc))
+                    del replies[cid]
         return replies
 
     # ------------------------------------------------------------------ untrusted replies

@@ -585,3 +585,34 @@ def test_an_experiment_over_seeds_runs_across_sites(tmp_path: Path) -> None:
         numeric_equal(a, b, f"seed {seed}")
     split0, split3 = (pd.read_csv(Path(out["dir"]) / f"seed_{s}" / "partition.csv") for s in (0, 3))
     assert not split0.equals(split3)   # the seeds really drew different splits
+
+
+def test_a_reply_the_filters_cannot_undo_is_dropped_with_the_site_named(tmp_path: Path) -> None:
+    """Issue 38, item 9: under ``quantize``, a site whose reply holds something else than the
+    chain's codes (here float weights where 8-bit codes were planned) made ``Run.unfilter``
+    raise and stop the whole run. The reply is now dropped with the site named in
+    reply_events.csv, and the run goes on with the others."""
+    def garble(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        if node == 102 and kind == P.TRAIN and ctl.get("round") == 1:
+            payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
+            payload["model"] = _wrong_codes(payload["model"])
+            out["reply.payload.arrays"], out["reply.payload.tree"] = _pack_raw(payload)
+        return out
+
+    job = {**FEDAVG, "rounds": 2, "filters": [{"name": "quantize", "bits": 8}]}
+    run_dir, events = _tampered_run(tmp_path, "undo", job, garble)
+    assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"]]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+    trained = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
+    assert {"0", "2"} <= set(trained.loc[trained["round"] == 1, "client_id"])
+
+
+def _wrong_codes(value: Any) -> Any:
+    """Every tensor of ``value`` (a filtered state) as float32 noise of its shape."""
+    if isinstance(value, torch.Tensor):
+        return torch.randn(value.shape)
+    if isinstance(value, dict):
+        return {k: _wrong_codes(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_wrong_codes(v) for v in value)
+    return value
