@@ -384,16 +384,19 @@ class FilterChain:
 
     def undo(self, method: type[Method], payload: dict[str, Any], ins_payload: dict[str, Any], *,
              client_id: str, round: int, step: int, seed: int, model_spec: dict[str, Any],
-             where: str) -> dict[str, Any]:
+             where: str, exempt: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
         """At the coordinator: the reply payload with every filter undone, in reverse order,
-        and the reference added back to updates; the method gets full states.
+        and the reference added back to updates; the method gets full states (``exempt``:
+        as for :meth:`apply`).
 
         Raises:
             PayloadError: what arrived is not what the chain produces (naming the client,
-                the key and the filter).
+                the key and the filter), or a reply the chain cannot have filtered
+                (:meth:`check_covered`).
         """
         if not self.filters:
             return payload
+        self.check_covered(method, payload, where, exempt)
         out = dict(payload)
         for ctx in self._entries(method, payload, ins_payload, client_id=client_id, round=round, step=step,
                                  seed=derive_seed(seed, "filters", step), model_spec=model_spec, where=where):

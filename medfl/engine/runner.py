@@ -681,23 +681,18 @@ class Run:
         chain = self.privacy.chain
         for cid, reply in list(replies.items()):
             self.privacy.note_reply(reply.payload)
-            if chain:
-                try:
-                    chain.check_covered(type(self.coordinator), reply.payload, f"reply of client {cid} in round {r}",
-                                        release_exemptions(self.coordinator, instructions[cid]))
-                except PayloadError as exc:
-                    self.refuse(r, cid, str(exc))
-                    del replies[cid]
-                    continue
-                try:
-                    reply.payload = chain.undo(type(self.coordinator), reply.payload, instructions[cid].payload,
-                                               client_id=cid, round=r, step=self._step,
-                                               seed=derive_seed(self.federation.seed, r, cid),
-                                               model_spec=self.federation.model_spec(cid),
-                                               where=f"reply of client {cid} in round {r}")
-                except PayloadError as exc:   # not what the chain produces: a site's garbage
-                    self.refuse(r, cid, str(exc))
-                    del replies[cid]
+            if not chain:
+                continue
+            try:
+                reply.payload = chain.undo(type(self.coordinator), reply.payload, instructions[cid].payload,
+                                           client_id=cid, round=r, step=self._step,
+                                           seed=derive_seed(self.federation.seed, r, cid),
+                                           model_spec=self.federation.model_spec(cid),
+                                           where=f"reply of client {cid} in round {r}",
+                                           exempt=release_exemptions(self.coordinator, instructions[cid]))
+            except PayloadError as exc:   # not what the chain produces: a site's garbage
+                self.refuse(r, cid, str(exc))
+                del replies[cid]
         return replies
 
     # ------------------------------------------------------------------ untrusted replies
