@@ -370,7 +370,8 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
         rc = make_run_config(workdir=Path.cwd(), result_file=result_file, round_timeout=args.round_timeout,
                              connect_timeout=args.connect_timeout, hello_timeout=args.hello_timeout,
                              config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds,
-                             progress_interval=args.progress_interval, site_nodes=site_nodes)
+                             progress_interval=args.progress_interval, site_nodes=site_nodes,
+                             max_reply_mb=args.max_reply_mb)
         app_dir = write_app(tmp / "app")
         code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
                         root_certificates=None if insecure else args.root_certificates)
@@ -473,6 +474,9 @@ def _flower_run_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--progress-interval", type=float, default=15.0,
                     help="while waiting for the sites at the start, say every so many seconds which clients "
                          "have no site yet (default 15)")
+    sp.add_argument("--max-reply-mb", type=float, default=None,
+                    help="the largest answer (MiB) taken from a site; a larger one is refused like a bad reply "
+                         "(default: four times what the method sends, plus 64 MiB)")
     sp.add_argument("--result-file", default=None, help="where the ServerApp writes its result (JSON)")
     sp.add_argument("--site-nodes", default=None,
                     help="sites.json from `medfl flower register-site --client-id`: each client is served only "

@@ -181,19 +181,22 @@ def write_connection(flwr_home: str | Path, superlink: str, name: str = "medfl",
 def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeout: float, connect_timeout: float,
                     hello_timeout: float, config: str | Path | None = None, overrides: dict[str, Any] | None = None,
                     resume: str | Path | None = None, rounds: int | None = None,
-                    progress_interval: float | None = None, site_nodes: dict[str, int] | None = None
-                    ) -> dict[str, Any]:
+                    progress_interval: float | None = None, site_nodes: dict[str, int] | None = None,
+                    max_reply_mb: float | None = None) -> dict[str, Any]:
     """The run config (keys of :data:`~medfl.flower.server.RUN_CONFIG`) of one ``flwr run``
     of medfl's app: a bundle ``config`` with its ``#``-path ``overrides``, or a stopped run
     directory to ``resume`` (optionally to a new total of ``rounds``); paths made absolute.
     ``progress_interval``: seconds between the coordinator's "waiting for sites" lines
     (``None``: the app's default); ``site_nodes``: ``{client id: node id}``, the only node
-    that may serve each client (:func:`medfl.flower.auth.pin_site`)."""
+    that may serve each client (:func:`medfl.flower.auth.pin_site`); ``max_reply_mb``: the
+    largest answer taken from a site (``None``: bounded by what the method sends)."""
     rc: dict[str, Any] = {"workdir": str(Path(workdir).resolve()), "result-file": str(result_file),
                           "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
                           "hello-timeout": float(hello_timeout)}
     if progress_interval is not None:
         rc["progress-interval"] = float(progress_interval)
+    if max_reply_mb is not None:
+        rc["max-reply-mb"] = float(max_reply_mb)
     if site_nodes:
         rc["site-nodes"] = json.dumps({str(k): int(v) for k, v in site_nodes.items()})
     if resume:

@@ -32,6 +32,7 @@ own ``state-dir`` (:mod:`medfl.flower.site`).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import re
 import threading
@@ -122,6 +123,7 @@ class FlowerSettings:
     poll_interval: float = 0.2
     progress_interval: float = 15.0
     site_nodes: str = ""
+    max_reply_mb: float = 0.0
     #: set by the process that runs the coordinator in a thread (the simulation runtime) to
     #: stop it: the next wait raises ``KeyboardInterrupt`` there (not a run-config key)
     stop: threading.Event | None = field(default=None, repr=False, compare=False)
@@ -129,7 +131,7 @@ class FlowerSettings:
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> "FlowerSettings":
         """Read ``round-timeout``, ``connect-timeout``, ``hello-timeout``, ``poll-interval``,
-        ``progress-interval`` and ``site-nodes`` from a Flower run config (absent keys keep
+        ``progress-interval``, ``site-nodes`` and ``max-reply-mb`` from a Flower run config (absent keys keep
         their defaults)."""
         kw: dict[str, Any] = {}
         for f in fields(cls):
@@ -348,6 +350,7 @@ class FlowerRun(Run):
                     for cid in self.federation.eval_client_ids}
         self.sites = SiteDirectory(grid, expected, self.fold, self.settings, self._log, self.federation.seed)
         self._guard = SampleGuard(tuple(data.source.sample_shape))   # the same for every site
+        self._model_bytes: dict[str, int] = {}   # model spec (JSON) -> bytes of its state (reply_limit)
 
     # ------------------------------------------------------------------ bookkeeping
     def _log(self, event: dict[str, Any]) -> None:
@@ -435,8 +438,8 @@ class FlowerRun(Run):
         return wire.instruction_request(self._control(r, cid, **extra), ins)
 
     # ------------------------------------------------------------------ one exchange
-    def exchange(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict]
-                 ) -> dict[str, Message]:
+    def exchange(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict],
+                 releases: frozenset[str] | set[str] = frozenset()) -> dict[str, Message]:
         """Send each client's content to its node and collect the answers.
 
         Returns the replies of the clients that answered in time, in the engine's client
@@ -447,6 +450,8 @@ class FlowerRun(Run):
         size of its content and of the answer's (:func:`medfl.wire.encoded_size`; a client
         that did not answer counts its request only; one without a node was sent nothing).
 
+        An answer larger than :meth:`reply_limit` (``releases``: the clients asked for a
+        per-sample release in this exchange) is refused like a bad reply, with its size.
         A site that answers with an error (its ClientApp raised: its plugin failed, it
         refused an unapproved method) is dropped like a bad reply (:meth:`Run.refuse`: an
         event, exclusion after ``max_reply_failures``), so one site cannot stop the run.
@@ -505,8 +510,15 @@ class FlowerRun(Run):
                                "status": "refused", "seconds": secs})
                     self.refuse(r, cid, f"{phase}: {exc}")
                     continue
-                replies[cid] = reply
                 size_from[cid] = wire.encoded_size(reply.content)
+                limit = self.reply_limit(cid, size_to[cid], cid in releases)
+                if size_from[cid] > limit:
+                    self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
+                               "status": "refused (size)", "seconds": secs})
+                    self.refuse(r, cid, f"{phase}: the answer of site {cid} is {size_from[cid] / 2**20:.1f} MiB, "
+                                        f"more than the {limit / 2**20:.1f} MiB it can need (max-reply-mb)")
+                    continue
+                replies[cid] = reply
                 self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node, "status": "ok",
                            "seconds": secs})
             if by_msg:
@@ -531,6 +543,26 @@ class FlowerRun(Run):
             self.traffic.add(r, cid, phase, size_to[cid], size_from.get(cid, 0))
         return {cid: replies[cid] for cid in client_order(replies)}
 
+    def reply_limit(self, cid: str, sent: int, release: bool = False) -> int:
+        """The largest answer (encoded bytes) the coordinator takes from ``cid`` after sending
+        it ``sent`` bytes: ``max-reply-mb`` when set; else four times the larger of what was
+        sent and the client's model state, plus 64 MiB for metrics and predictions, plus, in
+        an exchange that asks for a per-sample release (``release``), twice the client's
+        training set as float32 samples. Anything more is not something the method sends: a
+        site that appends a 512 MiB tensor is refused, not decoded into the round."""
+        if self.settings.max_reply_mb > 0:
+            return int(self.settings.max_reply_mb * 2**20)
+        spec = self.federation.model_spec(cid)
+        key = json.dumps(spec, sort_keys=True, default=str)
+        if key not in self._model_bytes:
+            model = self.federation.build_model(cid)
+            self._model_bytes[key] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        limit = 4 * max(sent, self._model_bytes[key]) + 64 * 2**20
+        if release:
+            samples = int(self.federation.num_examples.get(cid, 0))
+            limit += 2 * samples * 4 * math.prod(self.data.source.sample_shape)
+        return limit
+
     # ------------------------------------------------------------------ the transport seam
     def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
         """Send every addressed client its instruction as a ``train`` message; return the
@@ -539,7 +571,8 @@ class FlowerRun(Run):
         site's images (:func:`~medfl.messages.validate_payload`; the site compared the reply
         with its own labels and images before sending it, :mod:`medfl.guard`)."""
         outgoing = {cid: self._instruction_content(r, cid, ins) for cid, ins in instructions.items()}
-        answers = self.exchange(r, "train", P.TRAIN, outgoing)
+        releases = {cid for cid, ins in instructions.items() if release_exemptions(self.coordinator, ins)}
+        answers = self.exchange(r, "train", P.TRAIN, outgoing, releases)
 
         def decode(cid: str, msg: Message) -> Reply:
             where = f"reply of site {cid} in round {r}"
@@ -728,6 +761,7 @@ RUN_CONFIG: dict[str, Any] = {
     "poll-interval": 0.2,
     "progress-interval": 15.0,   # seconds between "waiting for sites" lines at the start
     "site-nodes": "",        # JSON {client id: node id}: only that node may serve the client
+    "max-reply-mb": 0.0,     # the largest answer taken from a site (0: bounded by what the method sends)
 }
 
 

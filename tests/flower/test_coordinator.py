@@ -607,6 +607,33 @@ def test_a_reply_the_filters_cannot_undo_is_dropped_with_the_site_named(tmp_path
     assert {"0", "2"} <= set(trained.loc[trained["round"] == 1, "client_id"])
 
 
+def test_an_oversized_reply_is_refused_with_its_size(tmp_path: Path) -> None:
+    """Issue 38, item 9: a site that appended a 512 MiB tensor to its reply was taken over
+    Flower with no event. An answer larger than what the method can send (four times the
+    larger of the instruction and the model state, plus 64 MiB: a few MB for this model) is
+    refused with its size in reply_events.csv; the run goes on with the other sites."""
+    def pad(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        if node == 102 and kind == P.TRAIN and ctl.get("round") == 1:
+            payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
+            payload["blob"] = torch.zeros(72 * 2**20 // 4)   # 72 MiB of float32
+            out["reply.payload.arrays"], out["reply.payload.tree"] = _pack_raw(payload)
+        return out
+
+    run_dir, events = _tampered_run(tmp_path, "big", {**FEDAVG, "rounds": 2}, pad)
+    assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"]]
+    assert "MiB" in events["reason"].iloc[0] and "max-reply-mb" in events["reason"].iloc[0]
+    flow = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str})
+    assert flow.loc[(flow["round"] == 1) & (flow["client_id"] == "1") & (flow["phase"] == "train"),
+                    "status"].tolist() == ["refused (size)"]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+    # `medfl flower run --max-reply-mb 2` sets the bound instead
+    from medfl.flower.deploy import make_run_config
+
+    rc = make_run_config(workdir=tmp_path, result_file=tmp_path / "r.json", round_timeout=9, connect_timeout=9,
+                         hello_timeout=9, config="train.json", max_reply_mb=2)
+    assert FlowerSettings.from_run_config(rc).max_reply_mb == 2.0
+
+
 def _wrong_codes(value: Any) -> Any:
     """Every tensor of ``value`` (a filtered state) as float32 noise of its shape."""
     if isinstance(value, torch.Tensor):
