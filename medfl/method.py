@@ -58,7 +58,7 @@ from medfl.messages import Instruction, Reply
 from medfl.seeding import derive_seed, round_half_up
 
 __all__ = ["Configurable", "Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "Preset",
-           "derive_seed"]
+           "OwnDp", "derive_seed"]
 
 #: What the clients reported from one evaluation: ``{client_id: {split: {metric: value}}}``
 #: (splits named as in ``metrics.csv``'s rows before the ``local_`` prefix: ``test``, ``val``,
@@ -97,6 +97,59 @@ class Preset:
     open: dict[str, str] = field(default_factory=dict)
     experiment: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+
+
+@dataclass(frozen=True)
+class OwnDp:
+    """Differential privacy a method applies in its own client step (Opacus's DP-SGD inside
+    an outside DP-FedAvg plugin's local training, say), declared with
+    :meth:`Method.own_dp` so that the run accounts it with Opacus's accountant like medfl's own
+    mechanisms (``privacy.csv``, ``summary.json``) instead of reporting no privacy.
+
+    medfl does not apply this noise and cannot see it: the guarantee rests on the method's
+    code, which each site approves (``medfl approve``), and on the step counts each client
+    reports (``steps_metric``), which the coordinator checks against the declaration every
+    round (a mismatch stops the run, as for ``train.dp``). The summary says the mechanism is
+    the method's own (``"performed_by": "method"``).
+
+    Attributes:
+        mechanism: its name in ``privacy.csv`` (not one of medfl's: ``dp_gaussian``,
+            ``dp_sgd``...).
+        unit: what one record protects: ``"sample"`` (one training sample of one client) or
+            ``"client"`` (a client's whole dataset).
+        noise_multiplier: sigma per noise application, one for every client or
+            ``{client id: sigma}``.
+        sample_rate: the Poisson sampling rate of each application (1.0 without sampling),
+            one for every client or per client.
+        steps: noise applications in one local update (DP-SGD: optimizer steps), one for
+            every client or per client.
+        clip: the sensitivity (the per-sample or per-client clipping norm).
+        delta: the delta the epsilon is reported at.
+        accountant: Opacus accountant (``rdp``, ``prv``, ``gdp``).
+        steps_metric: the training metric in which a client reports the applications it
+            made in one local update (checked against ``steps``).
+        statement: one sentence on how the method applies the noise (for ``config.json``).
+    """
+
+    mechanism: str
+    unit: str
+    noise_multiplier: float | dict[str, float]
+    sample_rate: float | dict[str, float]
+    steps: int | dict[str, int]
+    clip: float
+    delta: float
+    accountant: str = "rdp"
+    steps_metric: str = "dp_steps"
+    statement: str = ""
+
+    def per_client(self, field_name: str, client_id: str) -> Any:
+        """``noise_multiplier``, ``sample_rate`` or ``steps`` for one client.
+
+        Raises:
+            KeyError: a per-client mapping lacks the client.
+        """
+        value = getattr(self, field_name)
+        return value[client_id] if isinstance(value, dict) else value
 
 
 @dataclass
@@ -373,6 +426,16 @@ class Method(Configurable):
         hyperparameters alone: the run asks for it before :meth:`setup`, to plan and record
         the privacy of the run. A release with ``noise_multiplier`` 0 is a non-private
         measurement: its epsilon is recorded as infinite."""
+        return None
+
+    def own_dp(self, federation: Federation) -> OwnDp | None:
+        """The differential privacy this method applies in its own client step, as an
+        :class:`OwnDp` (accounted by the run, ``performed_by: method`` in the summary), or
+        ``None`` (the default: the method adds no noise itself). Asked once at the coordinator
+        before training, with the run's federation (each client's ``num_examples``, the
+        ``train`` settings), so per-client steps and sampling rates can be computed from it.
+        Each client must report the noise applications of every local update in the
+        training metric ``steps_metric``."""
         return None
 
     def round_releases(self, round: int) -> list[str]:

@@ -74,7 +74,8 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     info = {p["name"]: p for p in json.loads(listed.stdout)}
     plugin = info["medfl-plugin-example:median"]
     assert plugin["distribution"] == "medfl-plugin-example" and plugin["version"] == "0.1.0"
-    assert plugin["registered"] == {"method": ["dp_shared_images", "median", "median_snapshots"], "filter": ["half"]}
+    assert plugin["registered"] == {"method": ["dp_fedavg_opacus", "dp_shared_images", "median", "median_snapshots"],
+                                    "filter": ["half"]}
     cfg = tmp_path / "train.json"
     tiny_fl.update(rounds=3, eval_splits=["test", "cross_test"],
                    methods=[{"name": "median", "filters": [{"name": "half"}]},

@@ -1,4 +1,4 @@
-"""A third-party medfl plugin: two methods and a reply filter written from docs/plugins.md alone.
+"""A third-party medfl plugin: four methods and a reply filter written from docs/plugins.md alone.
 
 ``median``: FedAvg with coordinate-wise median aggregation (Yin et al., "Byzantine-Robust
 Distributed Learning: Towards Optimal Statistical Rates", ICML 2018): the global model is
@@ -31,6 +31,15 @@ checked in ``check_reply`` (a bad one is dropped from the round). Labels travel 
 It is the "share DP raw data" baseline FedTPF argues against: the same epsilon drowns whole
 images in noise.
 
+``dp_fedavg_opacus``: DP-FedAvg with the privacy in the method's own client step: each
+local epoch is Opacus's DP-SGD (``PrivacyEngine.make_private``: Poisson batches, per-sample
+gradients clipped to ``max_grad_norm``, Gaussian noise ``noise_multiplier``), its noise drawn
+from a generator seeded with the site's ``client.noise_key``. The method declares it with
+``own_dp`` (a :class:`medfl.OwnDp`: per client the sampling rate and steps of one local
+update), so the run accounts it with Opacus's accountant (``privacy.csv``, ``summary.json``:
+``"performed_by": "method"``) and checks the steps each client reports in ``dp_steps``.
+The model must have no BatchNorm (``"model": {"name": "two_block_cnn"}``).
+
 ``half``: a reply filter (``"filters": [{"name": "half"}]``) that sends every
 floating-point tensor of a reply's model state in float16 (half the bytes of float32) and
 turns it back into the dtype the coordinator sent. It shows the filter contract: ``apply`` at
@@ -45,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from medfl import Instruction, hookimpl
+from medfl import Instruction, OwnDp, hookimpl
 from medfl.method import Preset, derive_seed
 from medfl.engine.hub import HubAndSpoke
 from medfl.engine.training import predict_proba
@@ -56,8 +65,8 @@ from medfl.privacy.accounting import noise_for_epsilon
 from medfl.privacy.feature_release import release_features
 from medfl.models import ProbabilityModel
 
-__all__ = ["FedMedian", "MedianSnapshots", "MeanProbability", "DpSharedImages", "Half", "register_methods",
-           "register_filters"]
+__all__ = ["FedMedian", "MedianSnapshots", "MeanProbability", "DpSharedImages", "DpFedAvgOpacus", "Half",
+           "register_methods", "register_filters"]
 
 
 class FedMedian(HubAndSpoke):
@@ -321,6 +330,59 @@ class DpSharedImages(HubAndSpoke):
         return Reply(payload={"model": get_state(model)}, metrics=stats, num_examples=client.num_examples())
 
 
+class DpFedAvgOpacus(HubAndSpoke):
+    """DP-FedAvg whose local epochs are Opacus's DP-SGD, run by the method itself and
+    declared with :meth:`own_dp` so that the run accounts it.
+
+    Args:
+        noise_multiplier: sigma of Opacus's noise, over ``max_grad_norm``.
+        max_grad_norm: the per-sample gradient clipping norm.
+        delta: the delta the run reports the epsilon at.
+    """
+
+    name = "dp_fedavg_opacus"
+
+    def __init__(self, noise_multiplier: float = 1.0, max_grad_norm: float = 1.0, delta: float = 1e-5) -> None:
+        super().__init__()
+        self.noise_multiplier, self.max_grad_norm, self.delta = float(noise_multiplier), float(max_grad_norm), float(delta)
+
+    def own_dp(self, federation) -> OwnDp:
+        """Per client: Poisson sampling at ``1 / batches`` for ``epochs * batches`` steps in
+        one local update, ``batches = ceil(N_k / batch_size)`` (what Opacus's
+        ``make_private`` does with the loader below)."""
+        bs, epochs = int(federation.train.get("batch_size", 16)), int(federation.train.get("epochs", 1))
+        batches = {cid: max(1, math.ceil(int(n) / bs)) for cid, n in federation.num_examples.items()}
+        return OwnDp(mechanism="dp_fedavg_opacus_sgd", unit="sample", noise_multiplier=self.noise_multiplier,
+                     sample_rate={cid: 1.0 / b for cid, b in batches.items()},
+                     steps={cid: epochs * b for cid, b in batches.items()}, clip=self.max_grad_norm,
+                     delta=self.delta, statement="Opacus's DP-SGD (PrivacyEngine.make_private) in each local epoch")
+
+    def client_update(self, client, instruction: Instruction) -> Reply:
+        """Train the received model with Opacus's DP-SGD; report the steps taken (``dp_steps``)."""
+        from opacus import PrivacyEngine
+
+        model = self.client_model(client, instruction).to(client.device)
+        opt = make_optimizer(model.parameters(), client.train)
+        loader = torch.utils.data.DataLoader(client.dataset("train"), batch_size=int(client.train.get("batch_size", 16)))
+        noise = torch.Generator().manual_seed(derive_seed(client.seed, "dp_fedavg_opacus", client.noise_key))
+        private, opt, loader = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.max_grad_norm, poisson_sampling=True, noise_generator=noise)
+        steps, losses = 0, []
+        for _ in range(int(client.train.get("epochs", 1))):
+            for x, y in loader:
+                opt.zero_grad()
+                if len(y):   # an empty Poisson batch is still a noise-only step
+                    loss = nn.functional.cross_entropy(private(x.to(client.device)), y.long().to(client.device))
+                    loss.backward()
+                    losses.append(float(loss))
+                opt.step()
+                steps += 1
+        metrics = {"loss": sum(losses) / len(losses) if losses else 0.0, "dp_steps": float(steps)}
+        return Reply(payload={"model": get_state(private._module)}, metrics=metrics,
+                     num_examples=client.num_examples("train"))
+
+
 class _Labelled(torch.utils.data.Dataset):
     """``(image, int label)`` items, like a client dataset's, from a TensorDataset."""
 
@@ -337,10 +399,11 @@ class _Labelled(torch.utils.data.Dataset):
 
 @hookimpl
 def register_methods(register):
-    """Register ``median``, ``median_snapshots`` and ``dp_shared_images``."""
+    """Register ``median``, ``median_snapshots``, ``dp_shared_images`` and ``dp_fedavg_opacus``."""
     register(FedMedian)
     register(MedianSnapshots)
     register(DpSharedImages)
+    register(DpFedAvgOpacus)
 
 
 class Half(Filter):

@@ -577,6 +577,7 @@ class Run:
         train_rows = []
         addressed: dict[str, int] = {}
         dp_steps: dict[str, float] = {}
+        own, own_steps = self.privacy.own, {}   # the method's own DP (Method.own_dp) and its reported steps
         for step in range(max(1, int(self.coordinator.round_steps(r)))):
             self._step = step
             instructions = self.coordinator.configure_round(r)
@@ -590,6 +591,8 @@ class Run:
             for cid, reply in replies.items():
                 if "dp_steps" in reply.metrics:
                     dp_steps[cid] = dp_steps.get(cid, 0.0) + float(reply.metrics["dp_steps"])
+                if own is not None and own.steps_metric in reply.metrics:
+                    own_steps[cid] = own_steps.get(cid, 0.0) + float(reply.metrics[own.steps_metric])
                 to_client, from_client = sent.get(cid, (0, 0))
                 train_rows.append({"round": r, "client_id": cid, "num_examples": reply.num_examples,
                                    "bytes_to_client": to_client, "bytes_from_client": from_client,
@@ -604,7 +607,8 @@ class Run:
         if self.privacy.private:
             released = self.coordinator.round_releases(r) if self.privacy.method_release is not None else []
             self.ledger.record(r, {cid: addressed[cid] for cid in client_order(addressed)},
-                               dp_steps if self.privacy.dp_sgd is not None else None, released)
+                               dp_steps if self.privacy.dp_sgd is not None else None, released,
+                               own_steps if own is not None else None)
             self._csv.write(self.run_dir / "privacy.csv", self.ledger.frame())
         checks = self.coordinator.configure_validate(r)
         if checks:

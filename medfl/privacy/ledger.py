@@ -51,7 +51,7 @@ from typing import Any
 import pandas as pd
 
 from medfl.filters import FilterChain
-from medfl.method import Federation, Method
+from medfl.method import Federation, Method, OwnDp
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, epsilon_spent, noise_for_epsilon
 from medfl.seeding import round_half_up
 
@@ -130,6 +130,53 @@ class PrivacyPlan:
         for rel in [*chain.releases(), *([self.method_release] if self.method_release is not None else [])]:
             self.uncovered += [u for u in rel.not_covered if u not in self.uncovered]
         self._method = method
+        #: the DP the method applies in its own client step (``Method.own_dp``), or None
+        self.own: OwnDp | None = self._check_own(method.own_dp(federation), method, federation, where)
+        if self.own is not None:
+            if not self.uncovered:
+                self.uncovered = ["training metrics in replies (mean loss, step counts)", "num_examples",
+                                  "evaluation and validation scalars"]
+            self.uncovered.append(f"{self.own.mechanism} is applied by method {method.name!r}'s own code (approved at "
+                                  "each site), not by medfl: medfl accounts it from the method's declaration and "
+                                  "checks the steps each client reports")
+
+    def _check_own(self, own: Any, method: Method, federation: Federation, where: str) -> OwnDp | None:
+        """``Method.own_dp``'s declaration, checked: a known accountant, a unit, a name that is
+        not one of medfl's mechanisms, and for every training client a noise multiplier >= 0,
+        a sampling rate in (0, 1], a whole number of steps, a positive clip and delta < 1.
+
+        Raises:
+            PrivacyConfigError: naming the method and the field.
+        """
+        if own is None:
+            return None
+        at = f"{where}: method {method.name!r}'s own_dp()"
+        if not isinstance(own, OwnDp):
+            raise PrivacyConfigError(f"{at} returned {type(own).__name__}, expected medfl.OwnDp or None")
+        taken = {"dp_sgd", *(r.mechanism for r in self.chain.releases())}
+        if self.method_release is not None:
+            taken.add(self.method_release.mechanism)
+        if not own.mechanism or own.mechanism in taken or own.mechanism in ("dp_gaussian", "quantize"):
+            raise PrivacyConfigError(f"{at}: mechanism {own.mechanism!r} is empty or one of medfl's own "
+                                     f"({sorted(taken | {'dp_gaussian'})}); give it a name of its own")
+        if own.unit not in ("sample", "client"):
+            raise PrivacyConfigError(f"{at}: unit {own.unit!r}, expected 'sample' or 'client'")
+        if own.accountant not in ("rdp", "prv", "gdp"):
+            raise PrivacyConfigError(f"{at}: accountant {own.accountant!r}, expected rdp, prv or gdp")
+        if not (own.clip > 0 and math.isfinite(own.clip)) or not 0 < own.delta < 1:
+            raise PrivacyConfigError(f"{at}: clip {own.clip!r} must be > 0 and delta {own.delta!r} in (0, 1)")
+        for cid in federation.client_ids:
+            try:
+                sigma, q, steps = (own.per_client(f, cid) for f in ("noise_multiplier", "sample_rate", "steps"))
+            except KeyError:
+                raise PrivacyConfigError(f"{at}: no noise_multiplier, sample_rate or steps for client {cid}") from None
+            if not (isinstance(sigma, (int, float)) and sigma >= 0 and math.isfinite(sigma)):
+                raise PrivacyConfigError(f"{at}: noise_multiplier {sigma!r} of client {cid} must be a number >= 0")
+            if not (isinstance(q, (int, float)) and 0 < q <= 1):
+                raise PrivacyConfigError(f"{at}: sample_rate {q!r} of client {cid} must be in (0, 1]")
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                raise PrivacyConfigError(f"{at}: steps {steps!r} of client {cid} must be a whole number >= 0")
+        return own
 
     def note_reply(self, payload: dict[str, Any]) -> None:
         """Note reply entries a DP filter chain did not cover (entries outside the method's
@@ -145,7 +192,8 @@ class PrivacyPlan:
     @property
     def private(self) -> bool:
         """Whether the run makes any DP release."""
-        return bool(self.chain.releases()) or self.dp_sgd is not None or self.method_release is not None
+        return (bool(self.chain.releases()) or self.dp_sgd is not None or self.method_release is not None
+                or getattr(self, "own", None) is not None)
 
     # ------------------------------------------------------------------ DP-SGD
     @staticmethod
@@ -202,6 +250,15 @@ class PrivacyPlan:
             out["dp_sgd"] = {"unit": "sample", **p.settings, "noise_multiplier": p.noise, "sample_rate": p.sample_rate,
                              "steps_per_update": p.steps, "planned_updates": planned_releases(self.federation),
                              "model_fix": p.model_fix}
+        own = self.own
+        if own is not None:
+            ids = self.federation.client_ids
+            out[own.mechanism] = {"unit": own.unit, "performed_by": "method", "statement": own.statement,
+                                  "noise_multiplier": {c: float(own.per_client("noise_multiplier", c)) for c in ids},
+                                  "sample_rate": {c: float(own.per_client("sample_rate", c)) for c in ids},
+                                  "steps_per_update": {c: int(own.per_client("steps", c)) for c in ids},
+                                  "clip": own.clip, "delta": own.delta, "accountant": own.accountant,
+                                  "planned_updates": planned_releases(self.federation)}
         if self.uncovered:
             out["not_covered"] = self.uncovered
         return out
@@ -263,6 +320,9 @@ class PrivacyLedger:
         if self.plan.method_release is not None:
             for cid in self.plan.federation.client_ids:
                 planned[(cid, self.plan.method_release.mechanism)] = self.plan.method_release.noise_multiplier
+        if self.plan.own is not None:
+            for cid in self.plan.federation.client_ids:
+                planned[(cid, self.plan.own.mechanism)] = float(self.plan.own.per_client("noise_multiplier", cid))
         out = []
         for (cid, mech), hist in sorted(self.history.items()):
             now = planned.get((cid, mech))
@@ -271,15 +331,18 @@ class PrivacyLedger:
         return out
 
     def record(self, round: int, addressed: dict[str, int], reported_steps: dict[str, float] | None = None,
-               released: list[str] | None = None) -> list[dict[str, Any]]:
+               released: list[str] | None = None, own_steps: dict[str, float] | None = None
+               ) -> list[dict[str, Any]]:
         """Record round ``round``: ``addressed`` maps each client sent a training instruction
         to how many times (train steps), in the order its rows are written. ``reported_steps`` (DP-SGD clients' ``dp_steps``)
         is checked against the plan. ``released``: the clients asked for the method's own
         per-sample release this round (``Method.round_releases``), one release each.
+        ``own_steps``: what each client reported in the method's own DP's ``steps_metric``
+        (:class:`~medfl.method.OwnDp`), checked against its declaration.
 
         Raises:
-            PrivacyConfigError: a client reports other DP-SGD steps than planned (the
-                accounting would be wrong).
+            PrivacyConfigError: a client reports other DP-SGD steps (or other steps of the
+                method's own DP) than planned (the accounting would be wrong).
         """
         new = []
         for rel in self.plan.chain.releases():
@@ -298,6 +361,18 @@ class PrivacyLedger:
                         "local steps cannot use train.dp)")
                 new.append(self._add(round, cid, "dp_sgd", "sample", p.noise[cid], float(p.settings["max_grad_norm"]),
                                      p.sample_rate[cid], planned, float(p.settings["delta"]), p.settings["accountant"]))
+        own = self.plan.own
+        if own is not None:
+            for cid in addressed:
+                planned = int(own.per_client("steps", cid)) * addressed[cid]
+                got = (own_steps or {}).get(cid)
+                if got is not None and round_half_up(got) != planned:
+                    raise PrivacyConfigError(
+                        f"round {round}: client {cid} reports {got:g} steps of {own.mechanism} "
+                        f"({own.steps_metric!r}), the method's own_dp() declares {planned}; its epsilon would be wrong")
+                new.append(self._add(round, cid, own.mechanism, own.unit, float(own.per_client("noise_multiplier", cid)),
+                                     float(own.clip), float(own.per_client("sample_rate", cid)), planned,
+                                     float(own.delta), own.accountant))
         rel = self.plan.release_as_made() if released else None
         if rel is not None:
             for cid in released or []:
@@ -344,6 +419,8 @@ class PrivacyLedger:
             target = _target(plan, str(mech))
             if target is not None:
                 block["target_epsilon"] = target
+            if self.plan.own is not None and mech == self.plan.own.mechanism:
+                block["performed_by"] = "method"
             out["mechanisms"][str(mech)] = block
         eps = [b["epsilon"] for b in out["mechanisms"].values()]
         out["epsilon"] = max(eps) if eps else 0.0

@@ -1,0 +1,112 @@
+"""A method that applies differential privacy in its own client step declares it
+(``Method.own_dp`` -> :class:`medfl.OwnDp`), and the run accounts it like medfl's own
+mechanisms instead of saying "no differential privacy" (issue 38, "Done when").
+
+The plugin is the example plugin's ``dp_fedavg_opacus``, written the way an outside
+DP-FedAvg author writes it from docs/plugins.md: Opacus's ``PrivacyEngine`` inside
+``client_update``, nothing of medfl's DP code. The run's epsilon must then be exactly Opacus's for the declared noise, sampling rate
+and steps, and a client that reports other steps than declared must stop the run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from opacus.accountants import create_accountant
+
+from medfl.bundle import _privacy_line
+from medfl.engine.runner import run_experiment
+from medfl.privacy.accounting import PrivacyConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "medfl-plugin-example"
+
+
+def _dp_fedavg(misreport: int = 0, declare: dict[str, Any] | None = None) -> type:
+    """The example plugin's ``dp_fedavg_opacus`` (FedAvg whose local epochs are Opacus's
+    DP-SGD, declared with ``own_dp``), as ``test_dp_fedavg``: ``misreport`` adds to the
+    steps it reports; ``declare`` overrides fields of its declaration."""
+    import dataclasses
+
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        from medfl_median import DpFedAvgOpacus
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+    class DpFedAvg(DpFedAvgOpacus):
+        name = "test_dp_fedavg"
+
+        def __init__(self, noise_multiplier: float = 1.2, max_grad_norm: float = 1.0, delta: float = 1e-3) -> None:
+            super().__init__(noise_multiplier, max_grad_norm, delta)
+
+        def own_dp(self, federation):  # type: ignore[no-untyped-def]
+            return dataclasses.replace(super().own_dp(federation), **(declare or {}))
+
+        def client_update(self, client, instruction):  # type: ignore[no-untyped-def]
+            reply = super().client_update(client, instruction)
+            reply.metrics["dp_steps"] += misreport
+            return reply
+
+    return DpFedAvg
+
+
+def _fl(tiny_fl: dict[str, Any]) -> dict[str, Any]:
+    return {**tiny_fl, "model": {"name": "two_block_cnn"}, "methods": [{"name": "test_dp_fedavg"}]}
+
+
+def test_a_method_that_does_its_own_dp_declares_it_and_the_run_accounts_it(tiny_fl: dict, resolve: Any) -> None:
+    from contract_methods import methods_registered
+
+    with methods_registered(_dp_fedavg(), name="dp-fedavg-test"):
+        out = run_experiment(resolve(_fl(tiny_fl)))
+    run = Path(out["dir"]) / "test_dp_fedavg"
+    df = pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
+    assert set(df["mechanism"]) == {"dp_fedavg_opacus_sgd"} and set(df["unit"]) == {"sample"} and len(df) == 2 * 3
+    cfg = json.loads((run / "config.json").read_text())["privacy"]["dp_fedavg_opacus_sgd"]
+    for _, row in df.iterrows():   # Opacus's epsilon for the declared history, round by round
+        cid = row["client_id"]
+        q, steps = cfg["sample_rate"][cid], cfg["steps_per_update"][cid]
+        acc = create_accountant(mechanism="rdp")
+        acc.history = [(1.2, q, steps * int(row["round"]))]
+        assert row["epsilon"] == pytest.approx(float(acc.get_epsilon(1e-3)), rel=1e-9)
+        assert row["total_steps"] == steps * int(row["round"])
+    summary = json.loads((run / "summary.json").read_text())
+    block = summary["privacy"]["mechanisms"]["dp_fedavg_opacus_sgd"]
+    assert summary["privacy"]["private"] is True and block["performed_by"] == "method"
+    assert summary["privacy"]["epsilon"] == pytest.approx(df.groupby("client_id")["epsilon"].last().max())
+    assert any("applied by method 'test_dp_fedavg'" in u for u in summary["privacy"]["not_covered"])
+    assert cfg["performed_by"] == "method" and cfg["statement"].startswith("Opacus's DP-SGD")
+    line = _privacy_line(summary)
+    assert "no differential privacy" not in line and "dp_fedavg_opacus_sgd epsilon" in line
+
+
+def test_a_client_reporting_other_steps_than_declared_stops_the_run(tiny_fl: dict, resolve: Any) -> None:
+    from contract_methods import methods_registered
+
+    with methods_registered(_dp_fedavg(misreport=1), name="dp-fedavg-test"):
+        with pytest.raises(PrivacyConfigError, match=r"reports \d+ steps of dp_fedavg_opacus_sgd \('dp_steps'\), the "
+                                                     r"method's own_dp\(\) declares \d+"):
+            run_experiment(resolve(_fl(tiny_fl)))
+
+
+@pytest.mark.parametrize("declare, match", [
+    ({"mechanism": "dp_sgd"}, "one of medfl's own"),
+    ({"unit": "patient"}, "unit 'patient'"),
+    ({"sample_rate": 0.0}, "sample_rate 0.0 of client 0"),
+    ({"steps": {"0": 3}}, "for client 1"),
+    ({"delta": 1.0}, r"delta 1.0 in \(0, 1\)"),
+    ({"accountant": "moments"}, "accountant 'moments'"),
+])
+def test_a_bad_declaration_is_refused_before_training(tiny_fl: dict, resolve: Any, declare: dict, match: str
+                                                      ) -> None:
+    from contract_methods import methods_registered
+
+    with methods_registered(_dp_fedavg(declare=declare), name="dp-fedavg-test"):
+        with pytest.raises(PrivacyConfigError, match=r"method 'test_dp_fedavg''s own_dp\(\).*" + match):
+            run_experiment(resolve(_fl(tiny_fl)))
+    assert not list(Path(tiny_fl["output_dir"]).rglob("privacy.csv"))
