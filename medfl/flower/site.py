@@ -275,6 +275,19 @@ class Site:
             raise SiteError(f"medfl site {self.client_id}: refused by its privacy policy ({approvals.path}): "
                             f"{exc}") from None
 
+    def check_models(self, specs: dict[str, dict[str, Any]]) -> None:
+        """Refuse model specs (a method's final models, named inside an instruction rather
+        than in the control record) whose model plugin this site's operator did not approve
+        (:func:`medfl.approval.check_control`); before any of them is built."""
+        from medfl.approval import ApprovalError, check_control
+
+        if self.settings.simulated:
+            return
+        try:
+            check_control({"specs": specs}, f"medfl site {self.client_id}", kinds=("model",))
+        except ApprovalError as exc:
+            raise SiteError(f"medfl site {self.client_id}: {exc}") from None
+
     # ------------------------------------------------------------------ the steps
     def hello(self, ctl: dict[str, Any]) -> dict[str, Any]:
         """Who this site is and what its partition looks like (no data, no state)."""
@@ -309,6 +322,7 @@ class Site:
             # the coordinator's final models (Method.final_models): rebuilt from registered
             # specs, scored on this client's splits; no evaluation memory is touched
             finals = final_models_of(ins, f"final models sent to site {self.client_id}")
+            self.check_models({name: spec for name, (spec, _) in finals.items()})
             per = evaluate_final_models(ctx, finals, [str(s) for s in ctl["splits"]], evaluate_metrics)
             return {f"{name}/{split}": m for name, d in per.items() for split, m in d.items()}, None
         memory = eval_store.load(self.client_id, r)

@@ -435,3 +435,19 @@ def test_approve_all_and_update(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["approve", "--update", "--file", str(approvals)]) == 0
     check_control({"method": {"name": "fedavg"}}, "site", path=approvals)
     assert json.loads(approvals.read_text())["medfl_approvals"] == 2
+
+
+def test_final_models_are_checked_like_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method's final models (PFedCDP's student) are named inside the ``final``
+    instruction, not in the control record: the site checks their model plugins before
+    building them."""
+    fl = fl_config(tmp_path, "finals", FEDAVG)
+    site: Site = _sites(tmp_path, fl)[101]
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, "fedavg")
+    assert main(["approve", "pfedcdp_student", "--kind", "model", "--revoke", "--file", str(approvals)]) == 0
+    monkeypatch.setenv(APPROVALS_ENV, str(approvals))
+    site.check_models({"student": {"name": "small_cnn", "width": 4}})
+    with pytest.raises(SiteError, match=r"medfl site 0: refused model 'pfedcdp_student' .*: it is not in the "
+                                        r"approvals file .*`medfl approve pfedcdp_student --kind model"):
+        site.check_models({"student": {"name": "pfedcdp_student"}})
