@@ -379,8 +379,10 @@ def private_bytecode(directory: str | Path) -> Path:
 
 class Approvals:
     """A site's approvals file: ``{"medfl_approvals": 2, "approved": [entry, ...],
-    "policy": {...}}``, each entry a :class:`CodeIdentity` plus when it was approved; the
-    optional ``policy`` is the least privacy the site accepts (:mod:`medfl.policy`).
+    "code": {sha256: {file: sha256}}, "policy": {...}}``, each entry a :class:`CodeIdentity`
+    plus when it was approved, its files' hashes kept once per digest in ``code`` (the
+    plugins of one install share them); the optional ``policy`` is the least privacy the
+    site accepts (:mod:`medfl.policy`).
 
     Args:
         path: the file (it need not exist yet when approving).
@@ -419,10 +421,15 @@ class Approvals:
                 data.get("approved"), list):
             raise ApprovalError(f"approvals file {path} is not a medfl approvals file "
                                 f"(expected {{\"medfl_approvals\": {_FORMAT}, \"approved\": [...]}})")
+        code = data.get("code", {})
+        if not isinstance(code, dict) or not all(isinstance(v, dict) for v in code.values()):
+            raise ApprovalError(f"approvals file {path}: 'code' must map each approved sha256 to its files' hashes")
         entries: dict[tuple[str, str], dict[str, Any]] = {}
         for i, e in enumerate(data["approved"]):
             if not isinstance(e, dict) or not all(isinstance(e.get(k), str) for k in ("kind", "name", "sha256")):
                 raise ApprovalError(f"approvals file {path}: entry {i} lacks kind, name or sha256")
+            if "files" not in e and e["sha256"] in code:
+                e = {**e, "files": code[e["sha256"]]}
             entries[(e["kind"], e["name"])] = e
         policy = data.get("policy")
         if policy is not None:
@@ -432,8 +439,13 @@ class Approvals:
     def save(self) -> None:
         """Write the file (atomically)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data: dict[str, Any] = {"medfl_approvals": _FORMAT,
-                                "approved": [self.entries[k] for k in sorted(self.entries)]}
+        approved, code = [], {}
+        for k in sorted(self.entries):
+            e = dict(self.entries[k])
+            if isinstance(e.get("files"), dict):   # each listing once: plugins of one install share it
+                code[e["sha256"]] = e.pop("files")
+            approved.append(e)
+        data: dict[str, Any] = {"medfl_approvals": _FORMAT, "approved": approved, "code": code}
         if self.policy is not None:
             data["policy"] = self.policy
         tmp = self.path.with_name(f".{self.path.name}.tmp")

@@ -86,9 +86,12 @@ def test_an_approved_method_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(APPROVALS_ENV, str(approvals))
     out = _run(tmp_path, "fedavg", "ok")
     assert out["summaries"]["fedavg"]["rounds"] == 1
-    entry = next(e for e in json.loads(approvals.read_text())["approved"] if e["kind"] == "method")
+    data = json.loads(approvals.read_text())
+    entry = next(e for e in data["approved"] if e["kind"] == "method")
     assert (entry["kind"], entry["name"], entry["distribution"]) == ("method", "fedavg", "medfl")
-    assert len(entry["sha256"]) == 64 and {"plugins/baselines.py", "medfl/engine/hub.py"} <= set(entry["files"])
+    assert len(entry["sha256"]) == 64
+    assert {"plugins/baselines.py", "medfl/engine/hub.py"} <= set(data["code"][entry["sha256"]])
+    assert len(data["code"]) == 1   # the built-ins share one listing of medfl's files
 
 
 def test_an_unapproved_method_is_refused_and_the_coordinator_names_the_site(
@@ -274,8 +277,8 @@ def test_an_edited_helper_module_of_a_plugin_is_refused_naming_the_file(
     name, helper = helped
     approvals = tmp_path / "approvals.json"
     _approve(approvals, name)
-    entry = next(e for e in json.loads(approvals.read_text())["approved"] if e["name"] == name)
-    assert helper.name in entry["files"] and "medfl/engine/hub.py" in entry["files"]
+    files = Approvals.load(approvals).entries[("method", name)]["files"]
+    assert helper.name in files and "medfl/engine/hub.py" in files
     monkeypatch.setenv(APPROVALS_ENV, str(approvals))
     helper.write_text("def scale():\n    return 1.0   # and now also copies the labels elsewhere\n")
     with pytest.raises(SiteFailure, match=rf"site 0 .*refused method '{name}' .*its code changed since it was "
@@ -426,8 +429,9 @@ def test_approve_all_and_update(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert kinds == {"method", "filter", "model", "metric", "dataset", "partitioner"}
     data = json.loads(approvals.read_text())
     data["medfl_approvals"] = 1
-    for e in data["approved"]:
-        e["files"], e["sha256"] = sorted(e["files"]), "0" * 64
+    for e in data["approved"]:   # format 1: the plugin's own package's files, listed
+        e["files"], e["sha256"] = ["plugins/baselines.py"], "0" * 64
+    del data["code"]
     approvals.write_text(json.dumps(data))
     with pytest.raises(ApprovalError, match=r"approved by an older medfl, which pinned only the plugin's own "
                                             r"package .*`medfl approve --update --file "):
