@@ -331,6 +331,13 @@ def code_identity(kind: str, name: str, cache: dict[frozenset[str], Any] | None 
                             "only plugins installed from source files can be approved")
     by_top, dist_tops, _ = _environment()
     top = module.__name__.split(".")[0]
+    spec = getattr(sys.modules.get(top), "__spec__", None)
+    src = os.path.realpath(source)
+    if top == "__main__" or spec is None or not (
+            any(src.startswith(os.path.realpath(r) + os.sep) for r in spec.submodule_search_locations or [])
+            or (spec.origin and os.path.realpath(spec.origin) == src)):
+        raise ApprovalError(f"{kind} {name!r} is defined in {source}, which is not a module importable by its name "
+                            f"({module.__name__}): it cannot be pinned; install it as a module or package")
     key = frozenset(t for name in (top, "medfl") for t in
                     [name, *(t for d in by_top.get(name, []) for t in dist_tops.get(_norm(d), []))])
     if cache is None or key not in cache:

@@ -455,3 +455,17 @@ def test_final_models_are_checked_like_the_others(tmp_path: Path, monkeypatch: p
     with pytest.raises(SiteError, match=r"medfl site 0: refused model 'pfedcdp_student' .*: it is not in the "
                                         r"approvals file .*`medfl approve pfedcdp_student --kind model"):
         site.check_models({"student": {"name": "pfedcdp_student"}})
+
+
+def test_a_plugin_outside_an_importable_module_cannot_be_approved() -> None:
+    """A plugin defined in ``__main__`` (a script) has no module a site can pin by name."""
+    from medfl_plugins.baselines import FedAvg
+
+    class Script(FedAvg):
+        name = "script_method"
+
+    Script.__module__ = "__main__"
+    with methods_registered(Script, name="script-method-test"):
+        with pytest.raises(ApprovalError, match=r"method 'script_method' is defined in .*, which is not a module "
+                                                r"importable by its name \(__main__\): it cannot be pinned"):
+            code_identity("method", "script_method")
