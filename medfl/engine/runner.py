@@ -300,6 +300,7 @@ class Run:
         #: early stopping and best-round selection (``fl.early_stopping``; ``None``: off)
         self.early = EarlyStopping.from_config(cfg)
         self._pinned: list[int] = []   # older checkpoints kept for early stopping (best rounds)
+        self._planned: tuple[int, dict[str, int]] | None = None   # (rounds, planned releases per client)
         self._lock: Any = None     # the run directory's lock while this process writes it
         self._failures: dict[str, int] = {}   # replies of each client that failed the checks
         self._excluded: set[str] = set()      # clients excluded by max_reply_failures
@@ -781,7 +782,7 @@ class Run:
         sent with every message of a private run: what a site's policy counts its epsilon over
         (:mod:`medfl.policy`)."""
         key = int(self.federation.rounds)
-        if getattr(self, "_planned", (None, None))[0] != key:
+        if self._planned is None or self._planned[0] != key:
             self._planned = (key, planned_releases(self.federation))
         return self._planned[1]
 
