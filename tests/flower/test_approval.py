@@ -182,6 +182,10 @@ def test_site_command_checks_its_approvals_file(tmp_path: Path, monkeypatch: pyt
     _approve(approvals, "fedavg")
     _site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
     assert os.environ[APPROVALS_ENV] == str(approvals.resolve())
+    assert main(["policy", "--max-epsilon", "3", "--file", str(approvals)]) == 0
+    capsys.readouterr()
+    _site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
+    assert "medfl site 2: privacy policy: max_epsilon: largest epsilon over a run 3" in capsys.readouterr().out
 
 
 def test_code_identity_of_a_runtime_plugin(plugin: tuple[str, Path]) -> None:
@@ -469,3 +473,20 @@ def test_a_plugin_outside_an_importable_module_cannot_be_approved() -> None:
         with pytest.raises(ApprovalError, match=r"method 'script_method' is defined in .*, which is not a module "
                                                 r"importable by its name \(__main__\): it cannot be pinned"):
             code_identity("method", "script_method")
+
+
+def test_hello_checks_the_sites_own_dataset_and_partitioner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The site's own config runs plugin code too (its dataset, its partitioner): a hello,
+    which names no method, is refused when they are not approved."""
+    from medfl.flower import protocol as P
+
+    fl = fl_config(tmp_path, "hello", FEDAVG)
+    site: Site = _sites(tmp_path, fl)[101]
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, "fedavg")
+    monkeypatch.setenv(APPROVALS_ENV, str(approvals))
+    site.check({"protocol": P.PROTOCOL, "client": "0"})
+    assert main(["approve", "dirichlet", "--kind", "partitioner", "--revoke", "--file", str(approvals)]) == 0
+    with pytest.raises(SiteError, match=r"medfl site 0: refused partitioner 'dirichlet' .*: it is not in the "
+                                        r"approvals file"):
+        site.check({"protocol": P.PROTOCOL, "client": "0"})
