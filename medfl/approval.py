@@ -7,44 +7,66 @@ code is have the data holder approve the code beforehand: Fed-BioMed's nodes, fo
 only train with training plans whose hash their operator approved. medfl does the same
 for plugins. Unlike Fed-BioMed, the coordinator never ships code: it names a method, and
 the site runs the plugin of that name *installed at the site*. An approval pins that
-installed code:
+installed code, and everything that runs with it:
 
 ``kind``, ``name``
-    what the coordinator asks for (``method``; ``filter`` and any later plugin kind whose
-    code runs on the site's data: :data:`APPROVED_KINDS`);
+    what the site runs: every kind :mod:`medfl.plugins` registers (:data:`APPROVED_KINDS`):
+    the coordinator's ``method``, ``filter`` (the run's chain) and ``model`` (each client's,
+    and each model sent for scoring); every registered ``metric`` (an evaluation computes
+    them all); the site's own ``dataset`` and ``partitioner``;
 ``distribution``, ``version``
     the installed distribution that registered it (``medfl`` for the built-ins);
-``sha256``
-    a hash of the plugin's source files: every ``.py`` file of the top-level package of
-    the module that defines it (``medfl_plugins`` for the built-ins: ``plugins/*.py``), or
-    the module file alone when it is not in a package.
+``files``, ``sha256``
+    the SHA-256 of every source file that runs with it, and a hash of that listing:
+    every ``.py`` file of the distribution that defines it (all its top-level packages;
+    the module's own top-level package or file when it has no distribution), of medfl
+    itself (the engine where FedAvg's client step lives), and of every module these import
+    (found in their source, followed transitively) that is neither in the standard library
+    nor a distribution medfl requires (torch, MONAI, Flower...: the site's environment,
+    installed by its operator). A refusal names the file that changed.
+
+Bytecode: Python runs a ``__pycache__/*.pyc`` whose header matches its source's mtime and
+size without reading the source. :func:`code_identity` therefore refuses a pinned file
+whose bytecode (the ``.pyc`` Python would read, or the one a loaded module came from) does
+not hold the code the source compiles to, and a deployed site (``medfl flower site``) reads
+and writes bytecode only in its own folder (:func:`private_bytecode`,
+``<state-dir>/pycache``), so that a planted ``.pyc`` is never read. A module imported from
+bytecode without source, or from a compiled extension, cannot be pinned and is refused.
 
 ``medfl approve NAME --file approvals.json`` records the identity of an installed plugin
-(after the operator has reviewed it); ``medfl flower site ... --approvals approvals.json``
+(after the operator has reviewed it), ``medfl approve --all`` every installed one and
+``medfl approve --update`` everything the file lists, as installed now (after an upgrade);
+``medfl flower site ... --approvals approvals.json``
 (or ``MEDFL_APPROVALS=approvals.json`` in the environment of a plain ``flower-supernode``)
-makes the site refuse, on every message and before any plugin code runs, a method that is
+makes the site refuse, on every message and before any plugin code runs, a plugin that is
 not in the file or whose version or code differs. The file is read again for every
-message, so approving or revoking takes effect without restarting the site.
+message, so approving or revoking takes effect without restarting the site. The same file
+holds the site's privacy policy (:mod:`medfl.policy`).
 
-Without an approvals file a site runs any method installed in its environment (it says so
-when it starts and once for each method it runs). That is the default because a site can
+Without an approvals file a site runs any plugin installed in its environment (it says so
+when it starts and once for each plugin it runs). That is the default because a site can
 only ever run plugins its operator installed (nothing is downloaded from the coordinator;
 ``MEDFL_LOAD_PLUGINS`` restricts which installed third-party plugins load), and because
 one-machine trials and tests need no file; real deployments should pass ``--approvals``.
 
 Not covered: code that runs when plugins are imported (every installed entry point is
-imported when medfl loads its plugins; restrict them with ``MEDFL_LOAD_PLUGINS``), model
-plugins (models are built from registered model factories but are not approved here), and
-medfl itself (the framework, pinned by the ``version`` of the built-ins' approvals).
+imported when medfl loads its plugins; restrict them with ``MEDFL_LOAD_PLUGINS``), modules
+imported under a name computed at run time (not found in the source), and the libraries of
+the site's environment (pinned by its operator's install, not by an approval).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import importlib.metadata as md
+import importlib.util
 import inspect
 import json
+import marshal
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -52,14 +74,18 @@ from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = ["APPROVALS_ENV", "APPROVED_KINDS", "ApprovalError", "CodeIdentity", "Approvals", "code_identity",
-           "required", "check_control", "approvals_path"]
+           "required", "check_control", "approvals_path", "private_bytecode"]
 
 #: Environment variable naming a site's approvals file (``medfl flower site --approvals`` sets it).
 APPROVALS_ENV = "MEDFL_APPROVALS"
-#: Plugin kinds whose code a site runs on its data and whose output leaves the site.
-APPROVED_KINDS: tuple[str, ...] = ("method", "filter")
-_FORMAT = 1
+#: Plugin kinds whose code a site runs on its data and whose output leaves the site: every
+#: kind :data:`medfl.plugins.KINDS` registers.
+APPROVED_KINDS: tuple[str, ...] = ("method", "filter", "model", "metric", "dataset", "partitioner")
+_FORMAT = 2
 _HASHES: dict[tuple[str, int, int], str] = {}   # (file, mtime_ns, size) -> sha256 of its bytes
+_IMPORTS: dict[tuple[str, int, int], tuple[str, ...]] = {}   # (file, mtime_ns, size) -> what it imports
+_BYTECODE: dict[tuple[Any, ...], str] = {}   # (pyc, mtime_ns, size, source mtime_ns, size) -> why it is refused
+_STDLIB = frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names)
 _WARNED: set[tuple[str, str, str]] = set()
 
 
@@ -76,8 +102,11 @@ class CodeIdentity:
         name: the registered name.
         distribution: the installed distribution that provides it.
         version: that distribution's version.
-        sha256: hash of its source files (see the module docstring).
-        files: those files, relative to the directory holding the package.
+        sha256: hash of the listing of its source files and their hashes (see the module
+            docstring).
+        files: the SHA-256 of each of those files, by its name relative to the directory
+            holding its top-level module (``medfl/engine/hub.py``), so that a refusal names
+            the file that changed.
     """
 
     kind: str
@@ -85,31 +114,169 @@ class CodeIdentity:
     distribution: str
     version: str
     sha256: str
-    files: tuple[str, ...]
+    files: dict[str, str]
 
     def describe(self) -> str:
         """``method 'fedavg' (medfl 0.1.0, sha256 1a2b3c4d5e6f...)``."""
         return f"{self.kind} {self.name!r} ({self.distribution} {self.version}, sha256 {self.sha256[:12]}...)"
 
 
-def _source_files(obj: Any, kind: str, name: str) -> tuple[Path, list[Path]]:
-    """The directory that relative names start from, and the source files of ``obj``'s code."""
-    module = inspect.getmodule(obj)
-    path = None
+def _norm(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> tuple[dict[str, list[str]], dict[str, list[str]], frozenset[str]]:
+    """``(top-level name -> distributions, distribution -> its top-level names, the
+    distributions medfl requires, transitively)``: the last are the site's environment
+    (torch, MONAI, Flower...), pinned by the operator's install, not by an approval."""
+    by_top = md.packages_distributions()
+    tops: dict[str, list[str]] = {}
+    for top, dists in by_top.items():
+        for d in dists:
+            tops.setdefault(_norm(d), []).append(top)
+    base: set[str] = set()
+    todo = ["medfl"]
+    while todo:
+        try:
+            reqs = md.requires(todo.pop()) or []
+        except md.PackageNotFoundError:
+            continue
+        for req in reqs:
+            if "extra ==" in req:
+                continue
+            name = _norm(re.split(r"[ ;<>=!~\[(]", req.strip(), maxsplit=1)[0])
+            if name and name not in base and name != "medfl":
+                base.add(name)
+                todo.append(name)
+    return by_top, tops, frozenset(base)
+
+
+def _stat_key(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return str(path), st.st_mtime_ns, st.st_size
+
+
+def _imports(path: Path) -> tuple[str, ...]:
+    """The top-level module names ``path`` imports: ``import x.y``, ``from x import y`` and
+    ``importlib.import_module("x")`` / ``__import__("x")`` with a literal name (relative
+    imports stay in the file's own package)."""
+    key = _stat_key(path)
+    names = _IMPORTS.get(key)
+    if names is None:
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str) and (
+                    getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) in (
+                        "__import__", "import_module")):
+                found.add(node.args[0].value.split(".")[0])
+        names = _IMPORTS[key] = tuple(sorted(n for n in found if n))
+    return names
+
+
+def _top_files(top: str) -> tuple[Path, list[Path]] | None:
+    """The directory holding top-level module ``top`` and its source files (every ``.py``
+    file of a package); ``None`` when it is not installed here.
+
+    Raises:
+        ApprovalError: ``top`` is loaded from something other than Python source (bytecode
+            without source, a compiled extension), which cannot be reviewed or pinned.
+    """
+    loaded = sys.modules.get(top)
     try:
-        path = inspect.getsourcefile(obj)
-    except TypeError:
-        pass
-    if module is None or path is None:
-        raise ApprovalError(f"{kind} {name!r} has no source file (defined interactively or in compiled code); "
-                            "only plugins installed from source files can be approved")
-    top = sys.modules.get(module.__name__.split(".")[0])
-    roots = [Path(p) for p in getattr(top, "__path__", [])] if top is not None else []
-    if not roots:
-        file = Path(path).resolve()
-        return file.parent, [file]
-    files = sorted({f.resolve() for r in roots for f in Path(r).rglob("*.py") if "__pycache__" not in f.parts})
-    return Path(roots[0]).resolve().parent, files
+        spec = loaded.__spec__ if loaded is not None and loaded.__spec__ is not None else importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    if locations:
+        files: set[Path] = set()
+        for loc in locations:
+            for folder, dirs, names in os.walk(os.path.realpath(loc)):
+                dirs[:] = [d for d in dirs if d != "__pycache__"]
+                files |= {Path(folder, n) for n in names if n.endswith(".py")}
+        return Path(os.path.realpath(locations[0])).parent, sorted(files)
+    origin = spec.origin or ""
+    if not origin.endswith(".py"):
+        raise ApprovalError(f"module {top!r} is loaded from {origin or 'no file'}, not from Python source: its code "
+                            "cannot be reviewed or pinned")
+    file = Path(origin).resolve()
+    return file.parent, [file]
+
+
+def _pinned_files(tops: Iterable[str]) -> tuple[dict[str, Path], set[str]]:
+    """Every source file that runs with the top-level modules ``tops``, by its name relative
+    to the directory holding its top-level module: all the files of their distributions
+    (every top-level package of each), and of every module they import that is neither in
+    the standard library nor in the environment medfl requires (:func:`_environment`),
+    followed transitively. Also returns the top-level names they are under."""
+    by_top, dist_tops, base = _environment()
+    out: dict[str, Path] = {}
+    seen: set[str] = set()
+    todo = list(tops)
+    while todo:
+        top = todo.pop()
+        if top in seen or top in _STDLIB or top == "__future__":
+            continue
+        dists = [_norm(d) for d in by_top.get(top, [])]
+        if dists and all(d in base for d in dists):
+            continue
+        group = {top, *(t for d in dists for t in dist_tops.get(d, []))}
+        seen |= group
+        for name in sorted(group):
+            found = _top_files(name)
+            if found is None:
+                continue
+            root, files = found
+            for f in files:
+                out.setdefault(f.relative_to(root).as_posix(), f)
+                todo.extend(_imports(f))
+    return out, seen
+
+
+def _stale_bytecode(rel: str, source: Path, loaded: dict[Path, list[Any]]) -> str | None:
+    """Why the bytecode Python would run for ``source`` (or ran, for a module already
+    loaded from it) is not the source's own code, or ``None``. A ``.pyc`` that Python would
+    not use (another magic number; a timestamp or checked hash that does not match) is no
+    threat and is ignored; one it would use must hold exactly the code the source compiles to."""
+    caches = {Path(importlib.util.cache_from_source(str(source)))}
+    caches |= {Path(m.__cached__) for m in loaded.get(source, []) if getattr(m, "__cached__", None)}
+    for pyc in sorted(caches):
+        if not pyc.is_file():
+            continue
+        key = (*_stat_key(pyc), *_stat_key(source)[1:])
+        verdict = _BYTECODE.get(key)
+        if verdict is None:
+            verdict = _BYTECODE[key] = _check_pyc(pyc, source)
+        if verdict:
+            return f"{rel}: {verdict}"
+    return None
+
+
+def _check_pyc(pyc: Path, source: Path) -> str:
+    data = pyc.read_bytes()
+    if len(data) < 16 or data[:4] != importlib.util.MAGIC_NUMBER:
+        return ""
+    src = source.read_bytes()
+    flags = int.from_bytes(data[4:8], "little")
+    if flags == 0:   # timestamp-based: used when the source's mtime and size match
+        st = source.stat()
+        if int.from_bytes(data[8:12], "little") != int(st.st_mtime) & 0xFFFFFFFF or \
+                int.from_bytes(data[12:16], "little") != st.st_size & 0xFFFFFFFF:
+            return ""
+    elif flags & 0b10 and data[8:16] != importlib.util.source_hash(src):   # checked hash: must match
+        return ""
+    try:
+        same = marshal.loads(data[16:]) == compile(src, str(source), "exec", dont_inherit=True)
+    except (ValueError, EOFError, TypeError, SyntaxError):
+        same = False
+    return "" if same else f"its bytecode {pyc} is not compiled from its source (stale or planted bytecode)"
 
 
 def _file_hash(path: Path) -> str:
@@ -134,11 +301,17 @@ def _distribution(obj: Any, registered_dist: str, registered_version: str) -> tu
     return "(none: registered at runtime)", ""
 
 
-def code_identity(kind: str, name: str) -> CodeIdentity:
-    """The identity of the installed plugin registered as ``name`` of ``kind``.
+def code_identity(kind: str, name: str, cache: dict[frozenset[str], Any] | None = None) -> CodeIdentity:
+    """The identity of the installed plugin registered as ``name`` of ``kind``: its
+    distribution and version, and the hash of every source file that runs with it
+    (:func:`_pinned_files`: its own distribution, the helpers it imports, medfl itself).
+    ``cache`` (a dict, empty at first) shares the files' hashes between the plugins one
+    check looks at.
 
     Raises:
-        ApprovalError: no such plugin is installed here, or it has no source file.
+        ApprovalError: no such plugin is installed here, it has no source file, it imports
+            a module that is not Python source, or the bytecode of one of its files is not
+            compiled from that file (stale or planted ``.pyc``).
     """
     from medfl.plugins import registry
 
@@ -148,38 +321,100 @@ def code_identity(kind: str, name: str) -> CodeIdentity:
     if name not in table:
         raise ApprovalError(f"no {kind} {name!r} is installed here (installed: {', '.join(sorted(table)) or 'none'})")
     reg = table[name]
-    base, files = _source_files(reg.obj, kind, name)
-    h = hashlib.sha256()
-    rel = []
-    for f in files:
-        r = f.relative_to(base).as_posix() if f.is_relative_to(base) else f.name
-        rel.append(r)
-        h.update(r.encode() + b"\0" + _file_hash(f).encode() + b"\n")
+    module = inspect.getmodule(reg.obj)
+    try:
+        source = inspect.getsourcefile(reg.obj)
+    except TypeError:
+        source = None
+    if module is None or source is None:
+        raise ApprovalError(f"{kind} {name!r} has no source file (defined interactively or in compiled code); "
+                            "only plugins installed from source files can be approved")
+    by_top, dist_tops, _ = _environment()
+    top = module.__name__.split(".")[0]
+    spec = getattr(sys.modules.get(top), "__spec__", None)
+    src = os.path.realpath(source)
+    if top == "__main__" or spec is None or not (
+            any(src.startswith(os.path.realpath(r) + os.sep) for r in spec.submodule_search_locations or [])
+            or (spec.origin and os.path.realpath(spec.origin) == src)):
+        raise ApprovalError(f"{kind} {name!r} is defined in {source}, which is not a module importable by its name "
+                            f"({module.__name__}): it cannot be pinned; install it as a module or package")
+    key = frozenset(t for name in (top, "medfl") for t in
+                    [name, *(t for d in by_top.get(name, []) for t in dist_tops.get(_norm(d), []))])
+    if cache is None or key not in cache:
+        digest = _code_digest(key, f"{kind} {name!r}")
+        if cache is None:
+            cache = {}
+        cache[key] = digest
+    hashes, sha = cache[key]
     dist, version = _distribution(reg.obj, reg.distribution, reg.version)
-    return CodeIdentity(kind=kind, name=name, distribution=dist, version=version, sha256=h.hexdigest(),
-                        files=tuple(rel))
+    return CodeIdentity(kind=kind, name=name, distribution=dist, version=version, sha256=sha, files=dict(hashes))
+
+
+def _code_digest(tops: Iterable[str], who: str) -> tuple[dict[str, str], str]:
+    """``({file: sha256}, digest of that listing)`` of :func:`_pinned_files` of ``tops``,
+    after checking each file's bytecode (:func:`_stale_bytecode`)."""
+    files, under = _pinned_files(sorted(tops))
+    paths = {str(f): f for f in files.values()}
+    loaded: dict[Path, list[Any]] = {}
+    for modname, mod in list(sys.modules.items()):
+        if modname.split(".")[0] not in under:
+            continue
+        f = getattr(mod, "__file__", None)
+        if isinstance(f, str) and f in paths:
+            loaded.setdefault(paths[f], []).append(mod)
+    for rel in sorted(files):
+        stale = _stale_bytecode(rel, files[rel], loaded)
+        if stale:
+            raise ApprovalError(f"{who}: {stale}; delete it (Python recompiles from the source)")
+    hashes = {rel: _file_hash(files[rel]) for rel in sorted(files)}
+    h = hashlib.sha256()
+    for rel, digest in hashes.items():
+        h.update(rel.encode() + b"\0" + digest.encode() + b"\n")
+    return hashes, h.hexdigest()
+
+
+def private_bytecode(directory: str | Path) -> Path:
+    """Make this process read and write bytecode only under ``directory`` (the site's own,
+    ``<state-dir>/pycache``): :data:`sys.pycache_prefix`, so a ``__pycache__/*.pyc``
+    planted beside a plugin's source is never read by a later import. Modules imported
+    before are checked against their source by :func:`code_identity`. Returns the directory."""
+    path = Path(directory).resolve()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    sys.pycache_prefix = str(path)
+    return path
 
 
 class Approvals:
-    """A site's approvals file: ``{"medfl_approvals": 1, "approved": [entry, ...]}``, each
-    entry a :class:`CodeIdentity` plus when it was approved.
+    """A site's approvals file: ``{"medfl_approvals": 2, "approved": [entry, ...],
+    "code": {sha256: {file: sha256}}, "policy": {...}}``, each entry a :class:`CodeIdentity`
+    plus when it was approved, its files' hashes kept once per digest in ``code`` (the
+    plugins of one install share them); the optional ``policy`` is the least privacy the
+    site accepts (:mod:`medfl.policy`).
 
     Args:
         path: the file (it need not exist yet when approving).
         entries: its entries by ``(kind, name)``.
+        policy: the ``policy`` section as written in the file (``None``: none).
     """
 
-    def __init__(self, path: str | Path, entries: dict[tuple[str, str], dict[str, Any]] | None = None) -> None:
+    def __init__(self, path: str | Path, entries: dict[tuple[str, str], dict[str, Any]] | None = None,
+                 policy: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.entries = dict(entries or {})
+        self.policy = policy
 
     @classmethod
     def load(cls, path: str | Path, missing_ok: bool = False) -> "Approvals":
-        """Read an approvals file.
+        """Read an approvals file (and check its policy, :func:`medfl.policy.SitePolicy.from_dict`).
+        Files of format 1 (which pinned only each plugin's own package) are read; their
+        entries are refused until approved again (``medfl approve --update``).
 
         Raises:
-            ApprovalError: the file is missing (unless ``missing_ok``) or malformed.
+            ApprovalError: the file is missing (unless ``missing_ok``) or malformed, or its
+                policy is (:class:`medfl.policy.PolicyError`).
         """
+        from medfl.policy import SitePolicy
+
         path = Path(path)
         if not path.is_file():
             if missing_ok:
@@ -189,22 +424,37 @@ class Approvals:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ApprovalError(f"approvals file {path} is not readable JSON: {exc}") from None
-        if not isinstance(data, dict) or data.get("medfl_approvals") != _FORMAT or not isinstance(
+        if not isinstance(data, dict) or data.get("medfl_approvals") not in (1, _FORMAT) or not isinstance(
                 data.get("approved"), list):
             raise ApprovalError(f"approvals file {path} is not a medfl approvals file "
                                 f"(expected {{\"medfl_approvals\": {_FORMAT}, \"approved\": [...]}})")
+        code = data.get("code", {})
+        if not isinstance(code, dict) or not all(isinstance(v, dict) for v in code.values()):
+            raise ApprovalError(f"approvals file {path}: 'code' must map each approved sha256 to its files' hashes")
         entries: dict[tuple[str, str], dict[str, Any]] = {}
         for i, e in enumerate(data["approved"]):
             if not isinstance(e, dict) or not all(isinstance(e.get(k), str) for k in ("kind", "name", "sha256")):
                 raise ApprovalError(f"approvals file {path}: entry {i} lacks kind, name or sha256")
+            if "files" not in e and e["sha256"] in code:
+                e = {**e, "files": code[e["sha256"]]}
             entries[(e["kind"], e["name"])] = e
-        return cls(path, entries)
+        policy = data.get("policy")
+        if policy is not None:
+            SitePolicy.from_dict(policy, f"approvals file {path}: policy")
+        return cls(path, entries, policy)
 
     def save(self) -> None:
         """Write the file (atomically)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"medfl_approvals": _FORMAT,
-                "approved": [self.entries[k] for k in sorted(self.entries)]}
+        approved, code = [], {}
+        for k in sorted(self.entries):
+            e = dict(self.entries[k])
+            if isinstance(e.get("files"), dict):   # each listing once: plugins of one install share it
+                code[e["sha256"]] = e.pop("files")
+            approved.append(e)
+        data: dict[str, Any] = {"medfl_approvals": _FORMAT, "approved": approved, "code": code}
+        if self.policy is not None:
+            data["policy"] = self.policy
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.path)
@@ -212,7 +462,7 @@ class Approvals:
     def approve(self, identity: CodeIdentity) -> None:
         """Record (or replace) the approval of ``identity``."""
         entry = asdict(identity)
-        entry["files"] = list(identity.files)
+        entry["files"] = dict(identity.files)
         entry["approved_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self.entries[(identity.kind, identity.name)] = entry
 
@@ -221,7 +471,7 @@ class Approvals:
         return self.entries.pop((kind, name), None) is not None
 
     def refusal(self, identity: CodeIdentity) -> str | None:
-        """Why ``identity`` may not run (``None``: it is approved)."""
+        """Why ``identity`` may not run (``None``: it is approved); a changed file is named."""
         e = self.entries.get((identity.kind, identity.name))
         if e is None:
             return f"it is not in the approvals file {self.path}"
@@ -229,13 +479,17 @@ class Approvals:
             return (f"the approved one is {e.get('distribution')} {e.get('version')}, the installed one "
                     f"{identity.distribution} {identity.version}")
         if e["sha256"] != identity.sha256:
-            approved = set(e.get("files", []))
-            added = sorted(set(identity.files) - approved)
-            gone = sorted(approved - set(identity.files))
-            what = "its source files changed since it was approved"
-            if added or gone:
-                what += f" (files added: {added or 'none'}; removed: {gone or 'none'})"
-            return f"{what}: sha256 {identity.sha256[:12]}..., approved {e['sha256'][:12]}..."
+            approved = e.get("files")
+            if not isinstance(approved, dict):
+                return ("it was approved by an older medfl, which pinned only the plugin's own package (not the "
+                        "modules it imports, nor medfl itself)")
+            now = identity.files
+            parts = [f"{what}: {', '.join(names[:5])}{f' and {len(names) - 5} more' if len(names) > 5 else ''}"
+                     for what, names in (("changed", sorted(f for f in now if f in approved and now[f] != approved[f])),
+                                         ("added", sorted(set(now) - set(approved))),
+                                         ("removed", sorted(set(approved) - set(now)))) if names]
+            return (f"its code changed since it was approved ({'; '.join(parts) or 'same files'}): "
+                    f"sha256 {identity.sha256[:12]}..., approved {e['sha256'][:12]}...")
         return None
 
 
@@ -245,48 +499,67 @@ def approvals_path() -> Path | None:
     return Path(value) if value else None
 
 
-def required(control: dict[str, Any]) -> list[tuple[str, str]]:
-    """The ``(kind, name)`` of every plugin a site message asks the site to run: its
-    ``method`` and any ``filters`` (entries with a ``name``), in that order."""
+def required(control: dict[str, Any], site: Iterable[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    """The ``(kind, name)`` of every plugin a site message makes the site run: its
+    ``method``, its ``filters`` (entries with a ``name``), the model of the message
+    (``model``) and of every model it sends for scoring (``specs``), with a method every
+    registered metric (an evaluation computes them all, :func:`medfl.engine.runner.evaluate_metrics`),
+    and ``site``: what the site's own config runs (its dataset and partitioner)."""
     out: list[tuple[str, str]] = []
+
+    def add(kind: str, entry: Any) -> None:
+        if isinstance(entry, dict) and "name" in entry and (kind, str(entry["name"])) not in out:
+            out.append((kind, str(entry["name"])))
+
     method = control.get("method")
-    if isinstance(method, dict) and "name" in method:
-        out.append(("method", str(method["name"])))
+    add("method", method)
     for f in control.get("filters") or []:
-        if isinstance(f, dict) and "name" in f:
-            out.append(("filter", str(f["name"])))
+        add("filter", f)
+    add("model", control.get("model"))
+    for spec in dict(control.get("specs") or {}).values():
+        add("model", spec)
+    if isinstance(method, dict) and "name" in method:
+        from medfl.plugins import registry
+
+        for name in sorted(registry().get("metric", {})):
+            add("metric", {"name": name})
+    for kind, name in site:
+        add(kind, {"name": name})
     return out
 
 
 def check_control(control: dict[str, Any], who: str, path: Path | None = None,
-                  kinds: Iterable[str] = APPROVED_KINDS) -> None:
+                  kinds: Iterable[str] = APPROVED_KINDS, site: Iterable[tuple[str, str]] = ()) -> Approvals | None:
     """Refuse a message whose plugins are not approved (the site's check, before any plugin
-    code runs). ``path`` defaults to :func:`approvals_path`; without one, each plugin is
-    allowed and announced once on stderr.
+    code runs): every plugin of :func:`required` (``site``: the site's own ones). ``path``
+    defaults to :func:`approvals_path`; without one, each plugin is allowed and announced
+    once on stderr. Returns the approvals file read (its ``policy`` is checked by the
+    caller, :meth:`medfl.flower.site.Site.check`), or ``None`` without one.
 
     Raises:
-        ApprovalError: naming the plugin, why it is refused and how to approve it.
+        ApprovalError: naming the plugin, why it is refused (the file that changed) and how
+            to approve it.
     """
     path = approvals_path() if path is None else path
-    wanted = [(k, n) for k, n in required(control) if k in set(kinds)]
-    if not wanted:
-        return
+    wanted = [(k, n) for k, n in required(control, site) if k in set(kinds)]
     if path is None:
         for kind, name in wanted:
             if (who, kind, name) not in _WARNED:
                 _WARNED.add((who, kind, name))
                 print(f"{who}: running {kind} {name!r} without approval (no approvals file: this site runs any "
                       f"installed {kind} the coordinator names; see `medfl approve`)", file=sys.stderr, flush=True)
-        return
+        return None
     approvals = Approvals.load(path)
+    cache: dict[frozenset[str], Any] = {}
     for kind, name in wanted:
         try:
-            identity = code_identity(kind, name)
+            identity = code_identity(kind, name, cache)
         except ApprovalError as exc:
             raise ApprovalError(f"refused {kind} {name!r}: {exc}") from None
         reason = approvals.refusal(identity)
         if reason is not None:
             raise ApprovalError(
-                f"refused {identity.describe()}: {reason}. The site operator can review its code "
-                f"({', '.join(identity.files[:4])}{', ...' if len(identity.files) > 4 else ''}) and approve it "
-                f"with `medfl approve {name} --kind {kind} --file {path}`")
+                f"refused {identity.describe()}: {reason}. The site operator can review its code and approve it "
+                f"with `medfl approve {name} --kind {kind} --file {path}` (or approve again everything the file "
+                f"lists, as installed now: `medfl approve --update --file {path}`)")
+    return approvals

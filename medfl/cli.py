@@ -1,4 +1,4 @@
-"""The ``medfl`` command line: plugins, run, resume, report, approve, flower."""
+"""The ``medfl`` command line: plugins, run, resume, report, approve, policy, flower."""
 
 from __future__ import annotations
 
@@ -127,35 +127,54 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _code_summary(files: dict[str, str]) -> str:
+    """``93 files (medfl/: 80, plugins/: 13)``: what an approval pins, in one line."""
+    tops: dict[str, int] = {}
+    for f in files:
+        top = f.split("/")[0] + ("/" if "/" in f else "")
+        tops[top] = tops.get(top, 0) + 1
+    return f"{len(files)} files ({', '.join(f'{t}: {n}' for t, n in sorted(tops.items()))})"
+
+
 def cmd_approve(args: argparse.Namespace) -> int:
     """Record, revoke or list the plugins a site's operator approves (:mod:`medfl.approval`)."""
-    from medfl.approval import ApprovalError, Approvals, approvals_path, code_identity
+    from medfl.approval import APPROVED_KINDS, ApprovalError, Approvals, approvals_path, code_identity
+    from medfl.plugins import registry
 
     path = Path(args.file) if args.file else (approvals_path() or Path("approvals.json"))
+    cache: dict[Any, Any] = {}
     try:
         if args.list:
             approvals = Approvals.load(path)
             print(f"{path}:")
             for (kind, name), entry in sorted(approvals.entries.items()):
                 try:
-                    status = approvals.refusal(code_identity(kind, name)) or "ok: the installed code is the approved code"
+                    status = (approvals.refusal(code_identity(kind, name, cache))
+                              or "ok: the installed code is the approved code")
                 except ApprovalError as exc:
                     status = str(exc)
                 print(f"  {kind} {name!r} ({entry.get('distribution')} {entry.get('version')}, "
                       f"sha256 {entry['sha256'][:12]}..., approved {entry.get('approved_at', '?')}): {status}")
             return 0
-        if not args.names:
-            raise SystemExit("medfl approve: name the plugin(s) to approve (or --list)")
         approvals = Approvals.load(path, missing_ok=True)
-        for name in args.names:
+        if args.update:
+            wanted = sorted(approvals.entries)
+        elif args.all:
+            kinds = [args.kind] if args.kind else list(APPROVED_KINDS)
+            wanted = [(k, n) for k in kinds for n in sorted(registry().get(k, {}))]
+        elif args.names:
+            wanted = [(args.kind or "method", n) for n in args.names]
+        else:
+            raise SystemExit("medfl approve: name the plugin(s) to approve (or --all, --update, --list)")
+        for kind, name in wanted:
             if args.revoke:
-                if not approvals.revoke(args.kind, name):
-                    raise ApprovalError(f"{args.kind} {name!r} is not in {path}")
-                print(f"revoked {args.kind} {name!r} in {path}")
+                if not approvals.revoke(kind, name):
+                    raise ApprovalError(f"{kind} {name!r} is not in {path}")
+                print(f"revoked {kind} {name!r} in {path}")
                 continue
-            identity = code_identity(args.kind, name)
+            identity = code_identity(kind, name, cache)
             approvals.approve(identity)
-            print(f"approved {identity.describe()} in {path}; its code: {', '.join(identity.files)}")
+            print(f"approved {identity.describe()} in {path}; its code: {_code_summary(identity.files)}")
         approvals.save()
     except ApprovalError as exc:
         print(f"medfl: error: {exc}", file=sys.stderr)
@@ -164,17 +183,107 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 
 def _add_approve(sub: Any) -> None:
-    sp = sub.add_parser("approve", help="approve plugins (methods) to run at this site: name, version, code hash",
+    sp = sub.add_parser("approve", help="approve plugins to run at this site: name, version, hash of every file "
+                                        "that runs with them",
                         description="Record in an approvals file the identity of installed plugins (distribution, "
-                                    "version, sha256 of their source files) after reviewing their code; a site "
-                                    "started with --approvals FILE runs nothing else (see docs/flower.md).")
+                                    "version, SHA-256 of every source file that runs with them: their "
+                                    "distribution, the modules they import, medfl itself) after reviewing their "
+                                    "code; a site started with --approvals FILE runs nothing else (see "
+                                    "docs/flower.md). `medfl approve --all` approves the whole install; "
+                                    "`medfl approve --update` approves again, as installed now, everything the "
+                                    "file lists (after an upgrade). The file's privacy policy: `medfl policy`.")
     sp.add_argument("names", nargs="*", help="registered names, e.g. fedavg fedskd")
-    sp.add_argument("--kind", default="method", help="plugin kind (default: method)")
+    sp.add_argument("--kind", default=None,
+                    help="plugin kind: method (default), filter, model, metric, dataset, partitioner")
     sp.add_argument("--file", default=None,
                     help="approvals file (default: $MEDFL_APPROVALS, else approvals.json here)")
+    sp.add_argument("--all", action="store_true",
+                    help="every installed plugin (of --kind, or of every kind a site runs)")
+    sp.add_argument("--update", action="store_true",
+                    help="approve again, as installed now, every plugin the file lists")
     sp.add_argument("--revoke", action="store_true", help="remove the approvals of the names instead")
     sp.add_argument("--list", action="store_true", help="list the approvals and whether the installed code matches")
     sp.set_defaults(func=cmd_approve)
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    """Write or show the privacy policy of a site's approvals file (:mod:`medfl.policy`)."""
+    from medfl.approval import ApprovalError, Approvals, approvals_path
+    from medfl.policy import SitePolicy
+
+    path = Path(args.file) if args.file else (approvals_path() or Path("approvals.json"))
+    try:
+        approvals = Approvals.load(path, missing_ok=True)
+        rules: dict[str, Any] = {} if args.clear else dict(approvals.policy or {})
+        if args.mechanisms is not None:
+            rules["mechanisms"] = [m.strip() for m in args.mechanisms.split(",") if m.strip()]
+        for key in ("max_epsilon", "max_epsilon_per_release", "min_noise_multiplier"):
+            if getattr(args, key) is not None:
+                rules[key] = getattr(args, key)
+        for text in args.require_filter or []:
+            rules.setdefault("required_filters", []).append(_required_filter(text))
+        if args.cross_test is not None:
+            rules["cross_test"] = args.cross_test == "yes"
+        changed = args.clear or rules != (approvals.policy or {})
+        policy = SitePolicy.from_dict(rules, f"policy of {path}")
+        if changed:
+            approvals.policy = policy.to_dict() or None
+            approvals.save()
+            print(f"wrote the privacy policy of {path}:")
+        else:
+            print(f"privacy policy of {path}:")
+        for line in policy.describe():
+            print(f"  {line}")
+    except ApprovalError as exc:
+        print(f"medfl: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _required_filter(text: str) -> dict[str, Any]:
+    """``quantize:bits<=8,bits>=2`` -> ``{"name": "quantize", "max": {"bits": 8}, "min": {"bits": 2}}``."""
+    from medfl.policy import PolicyError
+
+    name, _, bounds = text.partition(":")
+    out: dict[str, Any] = {"name": name.strip(), "max": {}, "min": {}}
+    for part in filter(None, (b.strip() for b in bounds.split(","))):
+        for op, key in (("<=", "max"), (">=", "min")):
+            if op in part:
+                param, _, value = part.partition(op)
+                try:
+                    out[key][param.strip()] = float(value)
+                except ValueError:
+                    raise PolicyError(f"--require-filter {text!r}: {value.strip()!r} is not a number") from None
+                break
+        else:
+            raise PolicyError(f"--require-filter {text!r}: expected FILTER[:PARAM<=NUMBER,PARAM>=NUMBER...], "
+                              f"e.g. quantize:bits<=8")
+    return out
+
+
+def _add_policy(sub: Any) -> None:
+    sp = sub.add_parser("policy", help="write or show the least privacy this site accepts (in its approvals file)",
+                        description="A site's privacy policy, kept in its approvals file: every message asking "
+                                    "for less is refused at the site, naming the rule, before the method's code "
+                                    "runs (see docs/privacy.md). Without options: show it. Options add to the "
+                                    "policy in the file (--clear starts from none).")
+    sp.add_argument("--file", default=None,
+                    help="approvals file (default: $MEDFL_APPROVALS, else approvals.json here)")
+    sp.add_argument("--mechanisms", default=None,
+                    help="comma-separated DP mechanisms accepted, e.g. dp_gaussian,dp_sgd")
+    sp.add_argument("--max-epsilon", dest="max_epsilon", type=float, default=None,
+                    help="largest epsilon of a run at this site (computed by the site from the noise it applies)")
+    sp.add_argument("--max-epsilon-per-release", dest="max_epsilon_per_release", type=float, default=None,
+                    help="largest epsilon of one release (one noised reply, one DP-SGD update)")
+    sp.add_argument("--min-noise-multiplier", dest="min_noise_multiplier", type=float, default=None,
+                    help="smallest noise multiplier of any Gaussian release")
+    sp.add_argument("--require-filter", dest="require_filter", action="append", default=None, metavar="SPEC",
+                    help="a reply filter every run must apply, with bounds on its parameters: quantize:bits<=8 "
+                         "(repeatable)")
+    sp.add_argument("--cross-test", dest="cross_test", choices=["yes", "no"], default=None,
+                    help="whether this site may send its evaluation model for cross_test (default yes)")
+    sp.add_argument("--clear", action="store_true", help="start from an empty policy")
+    sp.set_defaults(func=cmd_policy)
 
 
 def _site_approvals(args: argparse.Namespace) -> None:
@@ -198,6 +307,11 @@ def _site_approvals(args: argparse.Namespace) -> None:
     os.environ[APPROVALS_ENV] = str(path)
     names = ", ".join(f"{k} {n!r}" for k, n in sorted(approvals.entries)) or "nothing"
     print(f"{who}: runs only what {path} approves: {names}", flush=True)
+    if approvals.policy is not None:
+        from medfl.policy import SitePolicy
+
+        rules = "; ".join(SitePolicy.from_dict(approvals.policy, f"approvals file {path}: policy").describe())
+        print(f"{who}: privacy policy: {rules}", flush=True)
 
 
 def _tls_args(args: argparse.Namespace, server: bool) -> tuple[bool, list[str]]:
@@ -514,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "figures are drawn too)")
     sp.set_defaults(func=cmd_report)
     _add_approve(sub)
+    _add_policy(sub)
     _add_flower(sub)
     return p
 

@@ -92,7 +92,7 @@ from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
-from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
+from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan, planned_releases
 
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "run_experiment", "resume", "predict",
            "summarize_metrics", "evaluate_metrics", "reported_by", "METRICS_PROVENANCE", "ENGINE_TABLES"]
@@ -300,6 +300,7 @@ class Run:
         #: early stopping and best-round selection (``fl.early_stopping``; ``None``: off)
         self.early = EarlyStopping.from_config(cfg)
         self._pinned: list[int] = []   # older checkpoints kept for early stopping (best rounds)
+        self._planned: tuple[int, dict[str, int]] | None = None   # (rounds, planned releases per client)
         self._lock: Any = None     # the run directory's lock while this process writes it
         self._failures: dict[str, int] = {}   # replies of each client that failed the checks
         self._excluded: set[str] = set()      # clients excluded by max_reply_failures
@@ -777,7 +778,17 @@ class Run:
                 "ckpt": self._prune_to, "round": r, "seed": self.federation.seed, "client": cid, "fold": self.fold,
                 "method": self.method_spec, "model": self.federation.model_spec(cid),
                 "train": self.privacy.client_train(cid), "filters": self.privacy.chain.specs(), "step": self._step,
-                **({"pinned": list(self._pinned)} if self.early is not None else {}), **extra}
+                **({"pinned": list(self._pinned)} if self.early is not None else {}),
+                **({"releases": self._planned_releases().get(cid, 0)} if self.privacy.private else {}), **extra}
+
+    def _planned_releases(self) -> dict[str, int]:
+        """How many releases the run plans for each client (:func:`medfl.privacy.ledger.planned_releases`),
+        sent with every message of a private run: what a site's policy counts its epsilon over
+        (:mod:`medfl.policy`)."""
+        key = int(self.federation.rounds)
+        if self._planned is None or self._planned[0] != key:
+            self._planned = (key, planned_releases(self.federation))
+        return self._planned[1]
 
     def _request_sizes(self, r: int, instructions: dict[str, Instruction], **extra: Any) -> dict[str, int]:
         """Encoded size of the message each client of ``instructions`` would be sent

@@ -43,8 +43,10 @@ also compared with this site's own labels and images (:mod:`medfl.guard`).
 Which plugins run here is the site operator's decision (:mod:`medfl.approval`): with an
 approvals file (``medfl flower site --approvals FILE``, or ``MEDFL_APPROVALS=FILE`` in the
 environment of a plain ``flower-supernode``), :meth:`Site.check` refuses every message
-naming a method (or filter) that is not approved there with the same distribution version
-and code hash, before any plugin code runs; the coordinator's run then fails with a
+naming a plugin (method, filter, model, metric, or its own dataset and partitioner) that is
+not approved there with the same distribution version and code, and every message that asks
+for less privacy than the file's ``policy`` accepts (:mod:`medfl.policy`), before the
+method's code runs; the coordinator's run then fails with a
 :class:`~medfl.flower.server.SiteFailure` naming the site and the reason. Without one, the
 site runs any method installed in its environment and says so.
 """
@@ -239,12 +241,16 @@ class Site:
                               deployed=not self.settings.simulated, coordinator=self.settings.superlink)
 
     def check(self, ctl: dict[str, Any]) -> None:
-        """Refuse a message of another protocol, addressed to another client, or asking
-        for a plugin (method, filter) this site's operator did not approve: with an
-        approvals file (:data:`medfl.approval.APPROVALS_ENV`, set by ``medfl flower site
-        --approvals``), every plugin the message names must be in it with the same version
-        and code hash (:mod:`medfl.approval`). Runs before any plugin code."""
+        """Refuse a message of another protocol, addressed to another client, asking for a
+        plugin this site's operator did not approve, or for less privacy than the site's
+        policy accepts. With an approvals file (:data:`medfl.approval.APPROVALS_ENV`, set by
+        ``medfl flower site --approvals``), every plugin the message makes the site run (its
+        method, filters, models and metrics, and the site's own dataset and partitioner) must
+        be in it with the same version and code (:mod:`medfl.approval`), and the message's
+        filter chain, ``train.dp``, method release and ``cross_test`` request must meet the
+        file's ``policy`` (:mod:`medfl.policy`). Runs before the method's code."""
         from medfl.approval import ApprovalError, check_control
+        from medfl.policy import SitePolicy
 
         if int(ctl.get("protocol", -1)) != P.PROTOCOL:
             raise SiteError(f"medfl site {self.client_id}: message of protocol {ctl.get('protocol')}, "
@@ -253,8 +259,32 @@ class Site:
             raise SiteError(f"medfl site {self.client_id}: message addressed to client {ctl['client']!r}")
         if self.settings.simulated:   # the user's own simulated sites: nothing to approve
             return
+        own = [(kind, str(entry["name"] if isinstance(entry, dict) else entry))
+               for kind, entry in (("dataset", self.cfg.get("dataset")), ("partitioner", self.cfg.get("partition")))
+               if isinstance(entry, (dict, str)) and (not isinstance(entry, dict) or "name" in entry)]
         try:
-            check_control(ctl, f"medfl site {self.client_id}")
+            approvals = check_control(ctl, f"medfl site {self.client_id}", site=own)
+        except ApprovalError as exc:
+            raise SiteError(f"medfl site {self.client_id}: {exc}") from None
+        if approvals is None or approvals.policy is None:
+            return
+        try:
+            SitePolicy.from_dict(approvals.policy, f"approvals file {approvals.path}: policy").check(
+                ctl, lambda: self.data(ctl.get("fold"), ctl.get("seed")).num_examples()[self.client_id])
+        except ApprovalError as exc:
+            raise SiteError(f"medfl site {self.client_id}: refused by its privacy policy ({approvals.path}): "
+                            f"{exc}") from None
+
+    def check_models(self, specs: dict[str, dict[str, Any]]) -> None:
+        """Refuse model specs (a method's final models, named inside an instruction rather
+        than in the control record) whose model plugin this site's operator did not approve
+        (:func:`medfl.approval.check_control`); before any of them is built."""
+        from medfl.approval import ApprovalError, check_control
+
+        if self.settings.simulated:
+            return
+        try:
+            check_control({"specs": specs}, f"medfl site {self.client_id}", kinds=("model",))
         except ApprovalError as exc:
             raise SiteError(f"medfl site {self.client_id}: {exc}") from None
 
@@ -292,6 +322,7 @@ class Site:
             # the coordinator's final models (Method.final_models): rebuilt from registered
             # specs, scored on this client's splits; no evaluation memory is touched
             finals = final_models_of(ins, f"final models sent to site {self.client_id}")
+            self.check_models({name: spec for name, (spec, _) in finals.items()})
             per = evaluate_final_models(ctx, finals, [str(s) for s in ctl["splits"]], evaluate_metrics)
             return {f"{name}/{split}": m for name, d in per.items() for split, m in d.items()}, None
         memory = eval_store.load(self.client_id, r)

@@ -133,6 +133,11 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
         backoff: the first wait before a restart, in seconds.
         max_backoff: the longest wait between restarts.
     """
+    from medfl.approval import private_bytecode
+
+    # bytecode of the code imported from now on is read and written only in the site's own
+    # folder: a __pycache__/*.pyc planted beside a plugin's source is never run
+    private_bytecode(settings.state_dir / "pycache")
     sock_path = _socket_from_command(supernode_cmd)
     worker = SiteWorker(settings, sock_path)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -66,7 +67,12 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
 
 
 def _approve(path: Path, *names: str) -> None:
-    assert main(["approve", *names, "--file", str(path)]) == 0
+    """Approve the methods ``names`` and what every site runs besides a method (models,
+    metrics, its dataset and partitioner), as a site's operator would."""
+    for kind in ("model", "metric", "dataset", "partitioner"):
+        assert main(["approve", "--all", "--kind", kind, "--file", str(path)]) == 0
+    if names:
+        assert main(["approve", *names, "--file", str(path)]) == 0
 
 
 def _run(tmp_path: Path, method: str, name: str) -> dict[str, Any]:
@@ -80,9 +86,12 @@ def test_an_approved_method_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(APPROVALS_ENV, str(approvals))
     out = _run(tmp_path, "fedavg", "ok")
     assert out["summaries"]["fedavg"]["rounds"] == 1
-    entry = json.loads(approvals.read_text())["approved"][0]
+    data = json.loads(approvals.read_text())
+    entry = next(e for e in data["approved"] if e["kind"] == "method")
     assert (entry["kind"], entry["name"], entry["distribution"]) == ("method", "fedavg", "medfl")
-    assert len(entry["sha256"]) == 64 and any(f.endswith("baselines.py") for f in entry["files"])
+    assert len(entry["sha256"]) == 64
+    assert {"plugins/baselines.py", "medfl/engine/hub.py"} <= set(data["code"][entry["sha256"]])
+    assert len(data["code"]) == 1   # the built-ins share one listing of medfl's files
 
 
 def test_an_unapproved_method_is_refused_and_the_coordinator_names_the_site(
@@ -104,8 +113,8 @@ def test_a_plugin_whose_code_changed_after_approval_is_refused(
     monkeypatch.setenv(APPROVALS_ENV, str(approvals))
     assert _run(tmp_path, name, "before")["summaries"][name]["rounds"] == 1
     source.write_text(source.read_text() + "\n# one more line, e.g. code that copies the data elsewhere\n")
-    with pytest.raises(SiteFailure, match=rf"site 0 .*refused method '{name}' .*its source files changed since it "
-                                          r"was approved: sha256 \w+\.\.\., approved \w+\.\.\."):
+    with pytest.raises(SiteFailure, match=rf"site 0 .*refused method '{name}' .*its code changed since it was "
+                                          rf"approved \(changed: {source.name}\): sha256 \w+\.\.\., approved \w+\.\.\."):
         _run(tmp_path, name, "after")
 
 
@@ -113,7 +122,8 @@ def test_another_version_than_the_approved_one_is_refused(tmp_path: Path) -> Non
     approvals = tmp_path / "approvals.json"
     _approve(approvals, "fedavg")
     data = json.loads(approvals.read_text())
-    data["approved"][0]["version"] = "0.0.1"
+    for entry in data["approved"]:
+        entry["version"] = "0.0.1"
     approvals.write_text(json.dumps(data))
     with pytest.raises(ApprovalError, match=r"approved one is medfl 0\.0\.1, the installed one medfl "):
         check_control({"method": {"name": "fedavg"}}, "site", path=approvals)
@@ -147,7 +157,7 @@ def test_approve_list_and_revoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     listed = capsys.readouterr().out
     assert "method 'fedavg' (medfl" in listed and "ok: the installed code is the approved code" in listed
     assert main(["approve", "fedprox", "--revoke", "--file", str(approvals)]) == 0
-    assert set(Approvals.load(approvals).entries) == {("method", "fedavg")}
+    assert {e for e in Approvals.load(approvals).entries if e[0] == "method"} == {("method", "fedavg")}
     assert main(["approve", "no_such_method", "--file", str(approvals)]) == 2
     assert "no method 'no_such_method' is installed here" in capsys.readouterr().err
     with pytest.raises(ApprovalError, match="not found"):
@@ -172,12 +182,17 @@ def test_site_command_checks_its_approvals_file(tmp_path: Path, monkeypatch: pyt
     _approve(approvals, "fedavg")
     _site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
     assert os.environ[APPROVALS_ENV] == str(approvals.resolve())
+    assert main(["policy", "--max-epsilon", "3", "--file", str(approvals)]) == 0
+    capsys.readouterr()
+    _site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
+    assert "medfl site 2: privacy policy: max_epsilon: largest epsilon over a run 3" in capsys.readouterr().out
 
 
 def test_code_identity_of_a_runtime_plugin(plugin: tuple[str, Path]) -> None:
     name, source = plugin
     ident = code_identity("method", name)
-    assert ident.files == (source.name,) and ident.distribution.startswith("(none")
+    assert source.name in ident.files and "medfl/engine/hub.py" in ident.files
+    assert ident.distribution.startswith("(none")
     with pytest.raises(ApprovalError, match="unknown plugin kind 'gadget'"):
         code_identity("gadget", name)
 
@@ -218,3 +233,260 @@ def test_site_check_refuses_before_building_the_method(tmp_path: Path, monkeypat
     with pytest.raises(SiteError, match="medfl site 0: refused method 'fedavg'"):
         site.check({"protocol": P.PROTOCOL, "client": "0", "method": {"name": "fedavg"}})
     assert built == []
+
+
+# ---------------------------------------------------------------------- what an approval pins (issue 38, item 5)
+HELPED = '''
+"""A method plugin whose client step lives in a helper module it imports."""
+from medfl import hookimpl
+from medfl_plugins.baselines import FedAvg
+from {helper} import scale
+
+
+class Helped(FedAvg):
+    name = "{name}"
+    factor = scale()
+
+
+@hookimpl
+def register_methods(register):
+    register(Helped)
+'''
+
+
+@pytest.fixture
+def helped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path]]:
+    """A method plugin (a module under ``tmp_path``) that imports a helper module beside it;
+    yields its name and the helper's file."""
+    import importlib
+
+    tag = tmp_path.name[-6:].replace("-", "_")
+    name, mod, helper = f"helped_{tag}", f"medfl_test_helped_{tag}", f"medfl_test_helper_{tag}"
+    folder = tmp_path / "site_packages"
+    folder.mkdir()
+    (folder / f"{helper}.py").write_text("def scale():\n    return 1.0\n")
+    (folder / f"{mod}.py").write_text(HELPED.format(helper=helper, name=name))
+    monkeypatch.syspath_prepend(str(folder))
+    module = importlib.import_module(mod)
+    pm = get_plugin_manager()
+    pm.register(module, name=mod)
+    try:
+        yield name, folder / f"{helper}.py"
+    finally:
+        pm.unregister(name=mod)
+
+
+def test_an_edited_helper_module_of_a_plugin_is_refused_naming_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helped: tuple[str, Path]) -> None:
+    name, helper = helped
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, name)
+    files = Approvals.load(approvals).entries[("method", name)]["files"]
+    assert helper.name in files and "medfl/engine/hub.py" in files
+    monkeypatch.setenv(APPROVALS_ENV, str(approvals))
+    helper.write_text("def scale():\n    return 1.0   # and now also copies the labels elsewhere\n")
+    with pytest.raises(SiteFailure, match=rf"site 0 .*refused method '{name}' .*its code changed since it was "
+                                          rf"approved \(changed: {helper.name}\).*`medfl approve {name} --kind method"):
+        _run(tmp_path, name, "helper")
+
+
+def _plant_pyc(source: Path, planted_source: str) -> Path:
+    """Write, where Python looks for ``source``'s bytecode, the bytecode of
+    ``planted_source`` with ``source``'s mtime and size in its header (so that Python's
+    timestamp check takes it for ``source``'s)."""
+    import importlib.util
+    import marshal
+
+    st = source.stat()
+    pyc = Path(importlib.util.cache_from_source(str(source)))
+    pyc.parent.mkdir(parents=True, exist_ok=True)
+    code = compile(planted_source, str(source), "exec", dont_inherit=True)
+    pyc.write_bytes(importlib.util.MAGIC_NUMBER + (0).to_bytes(4, "little") + int(st.st_mtime).to_bytes(4, "little")
+                    + st.st_size.to_bytes(4, "little") + marshal.dumps(code))
+    return pyc
+
+
+def test_planted_bytecode_is_refused(tmp_path: Path, helped: tuple[str, Path]) -> None:
+    """A ``__pycache__/*.pyc`` beside an approved plugin's helper, with the source's mtime
+    and size, is what Python would run: the site refuses it, naming the file."""
+    name, helper = helped
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, name)
+    check_control({"method": {"name": name}}, "site", path=approvals)
+    pyc = _plant_pyc(helper, "def scale():\n    return 2.0\n")
+    with pytest.raises(ApprovalError, match=rf"refused method '{name}': .*{helper.name}: its bytecode .*"
+                                            rf"{pyc.name} is not compiled from its source"):
+        check_control({"method": {"name": name}}, "site", path=approvals)
+    # bytecode Python compiled from the source itself is not refused
+    import py_compile
+
+    py_compile.compile(str(helper), cfile=str(pyc), doraise=True)
+    check_control({"method": {"name": name}}, "site", path=approvals)
+
+
+def test_a_site_process_never_reads_planted_bytecode(tmp_path: Path) -> None:
+    """A site process (:func:`medfl.flower.worker.run_site`) reads bytecode only from its own
+    folder (:func:`medfl.approval.private_bytecode`): the planted ``.pyc`` is not run."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    helper = folder / "medfl_test_planted_helper.py"
+    helper.write_text("VALUE = 'source'\n")
+    _plant_pyc(helper, "VALUE = 'planted'\n")
+    script = ("import sys; sys.path.insert(0, {folder!r}); {setup}"
+              "import medfl_test_planted_helper as h; print(h.VALUE)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+
+    def value(setup: str) -> str:
+        out = subprocess.run([sys.executable, "-c", script.format(folder=str(folder), setup=setup)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert value("") == "planted"   # the hole: plain Python runs the planted bytecode
+    assert value(f"from medfl.approval import private_bytecode; private_bytecode({str(tmp_path / 'pyc')!r}); ") \
+        == "source"
+
+
+def test_an_edited_medfl_engine_file_refuses_fedavg(tmp_path: Path) -> None:
+    """FedAvg's client step lives in medfl's engine (``medfl/engine/hub.py``): an approval of
+    ``fedavg`` pins medfl's own files. Run on a copy of medfl (first on ``sys.path``)."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__import__("medfl").__file__).parent
+    copy = tmp_path / "install"
+    shutil.copytree(root, copy / "medfl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(Path(__import__("medfl_plugins").__file__).parent, copy / "medfl_plugins",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    approvals = tmp_path / "approvals.json"
+    script = f"""
+import medfl
+assert medfl.__file__.startswith({str(copy)!r}), medfl.__file__
+from pathlib import Path
+from medfl.approval import ApprovalError, check_control
+from medfl.cli import main
+assert main(["approve", "fedavg", "--file", {str(approvals)!r}]) == 0
+check_control({{"method": {{"name": "fedavg"}}}}, "site", path=Path({str(approvals)!r}), kinds=["method"])
+hub = Path({str(copy / "medfl" / "engine" / "hub.py")!r})
+hub.write_text(hub.read_text().replace("def ", "def  ", 1))
+try:
+    check_control({{"method": {{"name": "fedavg"}}}}, "site", path=Path({str(approvals)!r}), kinds=["method"])
+except ApprovalError as exc:
+    print("REFUSED", exc)
+"""
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"REFUSED refused method 'fedavg' \(medfl .*\): its code changed since it was approved "
+                     r"\(changed: medfl/engine/hub\.py\)", out.stdout), out.stdout
+
+
+METRIC = '''
+"""A metric plugin, as a site would have it installed."""
+from medfl import hookimpl
+
+
+def {name}(y, probs):
+    return float(len(y))
+
+
+@hookimpl
+def register_metrics(register):
+    register({name}, name="{name}")
+'''
+
+
+def test_an_unapproved_metric_plugin_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every metric runs on the site's data when it evaluates: a metric plugin installed
+    after the operator's approvals is refused like a method."""
+    import importlib
+
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, "fedavg")
+    name = f"metric_{tmp_path.name[-6:].replace('-', '_')}"
+    mod = f"medfl_test_metric_{name}"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / f"{mod}.py").write_text(METRIC.format(name=name))
+    monkeypatch.syspath_prepend(str(tmp_path / "m"))
+    pm = get_plugin_manager()
+    pm.register(importlib.import_module(mod), name=mod)
+    monkeypatch.setenv(APPROVALS_ENV, str(approvals))
+    try:
+        with pytest.raises(SiteFailure, match=rf"site 0 .*refused metric '{name}' .*: it is not in the approvals "
+                                              rf"file .*`medfl approve {name} --kind metric"):
+            _run(tmp_path, "fedavg", "metric")
+    finally:
+        pm.unregister(name=mod)
+
+
+def test_approve_all_and_update(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One command approves the install; ``--update`` approves again what the file lists;
+    an entry of the older format (files as a list) is refused until then."""
+    approvals = tmp_path / "a.json"
+    assert main(["approve", "--all", "--file", str(approvals)]) == 0
+    kinds = {k for k, _ in Approvals.load(approvals).entries}
+    assert kinds == {"method", "filter", "model", "metric", "dataset", "partitioner"}
+    data = json.loads(approvals.read_text())
+    data["medfl_approvals"] = 1
+    for e in data["approved"]:   # format 1: the plugin's own package's files, listed
+        e["files"], e["sha256"] = ["plugins/baselines.py"], "0" * 64
+    del data["code"]
+    approvals.write_text(json.dumps(data))
+    with pytest.raises(ApprovalError, match=r"approved by an older medfl, which pinned only the plugin's own "
+                                            r"package .*`medfl approve --update --file "):
+        check_control({"method": {"name": "fedavg"}}, "site", path=approvals)
+    assert main(["approve", "--update", "--file", str(approvals)]) == 0
+    check_control({"method": {"name": "fedavg"}}, "site", path=approvals)
+    assert json.loads(approvals.read_text())["medfl_approvals"] == 2
+
+
+def test_final_models_are_checked_like_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method's final models (PFedCDP's student) are named inside the ``final``
+    instruction, not in the control record: the site checks their model plugins before
+    building them."""
+    fl = fl_config(tmp_path, "finals", FEDAVG)
+    site: Site = _sites(tmp_path, fl)[101]
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, "fedavg")
+    assert main(["approve", "pfedcdp_student", "--kind", "model", "--revoke", "--file", str(approvals)]) == 0
+    monkeypatch.setenv(APPROVALS_ENV, str(approvals))
+    site.check_models({"student": {"name": "small_cnn", "width": 4}})
+    with pytest.raises(SiteError, match=r"medfl site 0: refused model 'pfedcdp_student' .*: it is not in the "
+                                        r"approvals file .*`medfl approve pfedcdp_student --kind model"):
+        site.check_models({"student": {"name": "pfedcdp_student"}})
+
+
+def test_a_plugin_outside_an_importable_module_cannot_be_approved() -> None:
+    """A plugin defined in ``__main__`` (a script) has no module a site can pin by name."""
+    from medfl_plugins.baselines import FedAvg
+
+    class Script(FedAvg):
+        name = "script_method"
+
+    Script.__module__ = "__main__"
+    with methods_registered(Script, name="script-method-test"):
+        with pytest.raises(ApprovalError, match=r"method 'script_method' is defined in .*, which is not a module "
+                                                r"importable by its name \(__main__\): it cannot be pinned"):
+            code_identity("method", "script_method")
+
+
+def test_hello_checks_the_sites_own_dataset_and_partitioner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The site's own config runs plugin code too (its dataset, its partitioner): a hello,
+    which names no method, is refused when they are not approved."""
+    from medfl.flower import protocol as P
+
+    fl = fl_config(tmp_path, "hello", FEDAVG)
+    site: Site = _sites(tmp_path, fl)[101]
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, "fedavg")
+    monkeypatch.setenv(APPROVALS_ENV, str(approvals))
+    site.check({"protocol": P.PROTOCOL, "client": "0"})
+    assert main(["approve", "dirichlet", "--kind", "partitioner", "--revoke", "--file", str(approvals)]) == 0
+    with pytest.raises(SiteError, match=r"medfl site 0: refused partitioner 'dirichlet' .*: it is not in the "
+                                        r"approvals file"):
+        site.check({"protocol": P.PROTOCOL, "client": "0"})

@@ -89,9 +89,10 @@ def test_a_site_refuses_a_filter_its_operator_did_not_approve(tmp_path: Path, mo
                                                                ) -> None:
     from medfl.approval import APPROVALS_ENV
     from medfl.cli import main
+    from test_approval import _approve
 
     approvals = tmp_path / "approvals.json"
-    assert main(["approve", "fedavg", "--file", str(approvals)]) == 0
+    _approve(approvals, "fedavg")   # and what every site runs besides its method
     monkeypatch.setenv(APPROVALS_ENV, str(approvals))
     job = {**BASE, "rounds": 1, "eval_every": 0, "filters": [{"name": "quantize", "bits": 8}],
            "methods": [{"name": "fedavg"}]}
