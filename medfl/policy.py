@@ -18,12 +18,13 @@ before the method's code runs, refusing with the rule that is broken::
 
 ``mechanisms``
     the DP mechanisms the site accepts (``dp_gaussian``, ``dp_sgd``, a method's own release
-    such as FedTPF's ``feature_gaussian``); a run using another one is refused.
+    such as FedTPF's ``feature_gaussian``, a method's own DP declared by ``own_dp``); a run
+    using another one is refused.
 ``max_epsilon``
     the largest epsilon this site's data may spend over the run. The site computes it
     itself, with Opacus's accountant, from what it will apply: the noise multiplier, clip
     rate and delta of each release (the resolved filter entries, ``train.dp``, the
-    method's ``release_plan``), its own training-set size (DP-SGD's steps and sample rate)
+    method's ``release_plan`` and ``own_dp``), its own training-set size (DP-SGD's steps and sample rate)
     and the number of releases the run plans for this client (``releases`` of the control
     record); mechanisms compose by adding their epsilons. A run without any DP release
     has an infinite epsilon and is refused.
@@ -279,8 +280,39 @@ def _releases(control: dict[str, Any], num_examples: Callable[[], int]
                                     int(train.get("epochs", 1)))
         out.append(("dp_sgd", float(dp.get("noise_multiplier") or 0.0), rate, float(dp.get("delta", 1e-5)),
                     str(dp.get("accountant", "rdp")), (steps, True)))
-    rel = build_method(dict(control["method"])).release_plan()
+    method = build_method(dict(control["method"]))
+    rel = method.release_plan()
     if rel is not None:
         out.append((rel.mechanism, float(rel.noise_multiplier), float(rel.sample_rate), float(rel.delta),
                     rel.accountant, (1, False)))
+    own = _own_dp(method, control, num_examples)
+    if own is not None:
+        cid = str(control.get("client"))
+        out.append((own.mechanism, float(own.per_client("noise_multiplier", cid)),
+                    float(own.per_client("sample_rate", cid)), float(own.delta), own.accountant,
+                    (int(own.per_client("steps", cid)), True)))
     return out
+
+
+def _own_dp(method: Any, control: dict[str, Any], num_examples: Callable[[], int]) -> Any:
+    """The method's own DP (``Method.own_dp``) as it applies at this site: asked with a
+    federation of this site alone (its own training-set size, the message's ``train``
+    settings and model), as the approved method code computes it.
+
+    Raises:
+        PolicyRefusal: the method's declaration cannot be computed for this site.
+    """
+    from medfl.method import Federation, Method
+
+    if type(method).own_dp is Method.own_dp:
+        return None
+    cid = str(control.get("client"))
+    fed = Federation(client_ids=[cid], eval_client_ids=[cid], num_examples={cid: max(int(num_examples()), 1)},
+                     num_classes=int(dict(control.get("model") or {}).get("num_classes", 2)),
+                     rounds=int(control.get("releases") or 1), seed=int(control.get("seed") or 0),
+                     model=dict(control.get("model") or {}), train=dict(control.get("train") or {}))
+    try:
+        return method.own_dp(fed)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PolicyRefusal(f"rule mechanisms: the method's own differential privacy (own_dp) cannot be computed "
+                            f"for this site: {exc}") from None

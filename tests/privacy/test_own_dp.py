@@ -110,3 +110,25 @@ def test_a_bad_declaration_is_refused_before_training(tiny_fl: dict, resolve: An
         with pytest.raises(PrivacyConfigError, match=r"method 'test_dp_fedavg''s own_dp\(\).*" + match):
             run_experiment(resolve(_fl(tiny_fl)))
     assert not list(Path(tiny_fl["output_dir"]).rglob("privacy.csv"))
+
+
+def test_a_sites_privacy_policy_counts_the_methods_own_dp() -> None:
+    """A site's policy (medfl.policy) computes the epsilon of a method's own DP itself, from
+    the approved method's declaration and the site's own training-set size."""
+    from contract_methods import methods_registered
+
+    from medfl.policy import PolicyRefusal, SitePolicy
+    from medfl.privacy.accounting import epsilon_spent
+
+    ctl = {"method": {"name": "test_dp_fedavg"}, "filters": [], "client": "0", "seed": 0, "releases": 3,
+           "train": {"batch_size": 8, "epochs": 1}, "model": {"name": "two_block_cnn", "num_classes": 2}}
+    # 40 examples in batches of 8: 5 steps per update at sample rate 1/5, 3 updates, sigma 1.2
+    eps = epsilon_spent([(1.2, 0.2, 15)], 1e-3)
+    with methods_registered(_dp_fedavg(), name="dp-fedavg-test"):
+        SitePolicy(max_epsilon=eps + 1e-6).check(ctl, lambda: 40)
+        with pytest.raises(PolicyRefusal, match=rf"rule max_epsilon: the run spends epsilon {eps:.4g} "
+                                                r".*dp_fedavg_opacus_sgd over 3"):
+            SitePolicy(max_epsilon=eps - 0.01).check(ctl, lambda: 40)
+        with pytest.raises(PolicyRefusal, match=r"rule min_noise_multiplier: dp_fedavg_opacus_sgd adds noise "
+                                                r"multiplier 1.2"):
+            SitePolicy(min_noise_multiplier=2.0).check(ctl, lambda: 40)
