@@ -415,8 +415,9 @@ def describe(settings: dict[str, Any]) -> dict[str, Any]:
         "protocol": "SecAgg+ (Bell et al., CCS 2020): Flower's secaggplus_mod at each site, medfl's coordinator",
         "protects": "each client's model update in its training replies: the coordinator receives masked vectors "
                     "and unmasks only the num_examples-weighted mean of the updates of the sites that delivered one",
-        "against": "an honest-but-curious coordinator (it follows the protocol), alone or with fewer than "
-                   "reconstruction_threshold - 1 colluding sites among a site's neighbours",
+        "against": "an honest-but-curious coordinator (it follows the protocol), alone or colluding with fewer "
+                   "than reconstruction_threshold sites, as long as two or more sites of the sum stay outside the "
+                   "coalition (the sum minus the coalition's own updates is theirs)",
         "not": ["differential privacy: the mean (and the global model) is exact up to quantization; with 2 sites "
                 "in a round each one can subtract its own update from it",
                 "a coordinator that lies about who dropped out, or tells sites different stories (no consistency "

@@ -4,6 +4,8 @@ The loop-back grid of test_coordinator.py, with every message handed to medfl's 
 ``ClientApp`` (:data:`medfl.flower.site.app`: Flower's ``secaggplus_mod`` in front of the
 site's ``train`` handler) with a Flower ``Context`` per node that lives as long as the run, as
 a SuperNode keeps it: the coordinator's and the sites' real code, Flower's real client mod.
+Then on Flower's simulation runtime (Ray), and over a real deployment on loopback (a
+SuperLink and three ``medfl flower site`` processes, test_flower.py's federation).
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower import secagg  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.site import app as site_app  # noqa: E402
+from medfl.flower.site import SiteError, app as site_app  # noqa: E402
 from medfl import wire  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
 import test_coordinator  # noqa: E402
+import test_flower  # noqa: E402
 from test_coordinator import FAST, LoopGrid, _sites  # noqa: E402
+from test_flower import federation  # noqa: E402,F401  (the real deployment, started once for this module)
 
 #: Flower stamps messages with the running task's identity (test_coordinator's autouse fixture)
 task_identity = test_coordinator.task_identity
@@ -225,3 +229,37 @@ def test_secure_aggregation_on_flowers_simulation_runtime(tmp_path: Path) -> Non
     events = pd.read_csv(sim_dir / "flower_events.csv", dtype={"client_id": str})
     assert events.loc[events["phase"] == "secagg", "status"].tolist() == ["aggregated 3: 0 1 2"] * 2
     assert set(events.loc[events["phase"].str.startswith("secagg."), "status"]) == {"ok", "3/3"}
+
+
+def test_a_site_never_sends_its_update_outside_secaggs_collect_stage(tmp_path: Path) -> None:
+    """A coordinator that asks for a secure-aggregation training step without SecAgg+'s record
+    (so no mod would mask the answer) is refused before the site trains."""
+    fl = fl_config(tmp_path, "unmasked", _secure_job())
+    site = _sites(tmp_path, fl)[101]
+    content = RecordDict()
+    wire.put_json(content, wire.CONTROL, {"protocol": wire.PROTOCOL, "client": "0", "secure_aggregation":
+                                          "collect_masked_vectors"})
+    wire.put(content, "ins.payload", {}, "test")
+    wire.put(content, "ins.config", {}, "test")
+    with pytest.raises(SiteError, match="refusing to send the update unmasked"):
+        test_coordinator.handle(site, P.TRAIN, content)
+
+
+def test_secure_aggregation_over_a_real_deployment(federation: Any) -> None:
+    """A SuperLink and three ``medfl flower site`` processes (test_flower.py's federation):
+    Flower starts a ClientApp process per message (the proxy, with the mod) and the SuperNode
+    keeps each node's ``Context`` between SecAgg+'s stages; the site worker trains. The
+    in-process plain run's metrics, within the quantization error."""
+    fed, work, _ = federation
+    name = "secagg_deployed"
+    fl = fl_config(work, name, _secure_job(rounds=1))
+    res = fed.run(write_config(work / f"{name}.json", fl), {"fl#name": name}, round_timeout=test_flower.ROUND_TIMEOUT,
+                  timeout=test_flower.RUN_TIMEOUT, name=name)
+    assert res["ok"], f"{res.get('error')}\n{res.get('traceback')}"
+    plain = {k: v for k, v in fl.items() if k != "secure_aggregation"}
+    ref = run_experiment(resolve_config({**plain, "name": name + "_ref"}))
+    flower_dir, ref_dir = Path(res["dir"]) / "fedavg", Path(ref["dir"]) / "fedavg"
+    numeric_equal(pd.read_csv(ref_dir / "metrics.csv"), pd.read_csv(flower_dir / "metrics.csv"), "metrics.csv",
+                  atol=1e-3)
+    events = pd.read_csv(flower_dir / "flower_events.csv", dtype={"client_id": str})
+    assert events.loc[events["phase"] == "secagg", "status"].tolist() == ["aggregated 3: 0 1 2"]
