@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import bytes_to_ndarray, ndarrays_to_parameters
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
