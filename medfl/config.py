@@ -19,7 +19,7 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "preset_record", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
            "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL", "EARLY_STOPPING_DEFAULTS",
-           "TEST_SPLITS", "check_early_stopping"]
+           "TEST_SPLITS", "check_early_stopping", "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation"]
 
 
 class ConfigError(ValueError):
@@ -114,7 +114,26 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: end of runs and experiments, the CSV/JSON results are written all the same and ``medfl
 #: report RUN_DIR`` draws the plots later; the environment variable ``MEDFL_NO_PLOTS=1`` does
 #: the same for every run of a process and its children, :func:`medfl.report.plots_wanted`).
-FL_OPTIONAL: dict[str, Any] = {"plots": True}
+#: ``secure_aggregation`` (Flower's SecAgg+ for the replies of the FedAvg family, over Flower
+#: only: ``true`` or a dict of :data:`SECURE_AGGREGATION_DEFAULTS` keys; :func:`check_secure_aggregation`).
+FL_OPTIONAL: dict[str, Any] = {"plots": True, "secure_aggregation": None}
+
+#: The keys of ``fl.secure_aggregation`` and their defaults (:mod:`medfl.flower.secagg`).
+SECURE_AGGREGATION_DEFAULTS: dict[str, Any] = {
+    # how many clients hold a share of each client's secrets, counting itself: an integer >= 3,
+    # or a fraction of the round's clients (1.0: every client, SecAgg; less: SecAgg+'s sparse graph)
+    "num_shares": 1.0,
+    # how many of those shares rebuild a secret: an integer >= 2 or a fraction of num_shares;
+    # fewer than this many colluding parties (the coordinator counts as one) learn nothing of
+    # a client's update, and a round needs this many online neighbours of every client
+    "reconstruction_threshold": 0.67,
+    # each coordinate of a client's weighted update is clipped to [-clipping_range, clipping_range] ...
+    "clipping_range": 8.0,
+    # ... and stochastically rounded to one of quantization_range integer levels
+    "quantization_range": 2 ** 22,
+}
+#: the modulus of SecAgg+'s masks (Flower's default; the sum of the quantized updates must stay below it)
+SECURE_AGGREGATION_MODULUS = 2 ** 32
 AMP_DTYPES = ("bf16", "fp16")
 
 _NAMED = ("dataset", "partition", "model")
@@ -420,6 +439,51 @@ def check_backend(value: Any, where: str = "fl.backend") -> dict[str, Any]:
     return out
 
 
+def check_secure_aggregation(value: Any, num_clients: int, where: str = "fl.secure_aggregation"
+                             ) -> dict[str, Any] | None:
+    """Check ``fl.secure_aggregation`` (``false``/``null``: off, ``true``: the defaults, or a dict
+    of :data:`SECURE_AGGREGATION_DEFAULTS` keys) and return it with every key filled in
+    (``None`` when off).
+
+    Raises:
+        ConfigError: an unknown key or a value out of range, naming it and what is expected.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected true, false or a dict like {{\"num_shares\": 1.0, "
+                          f"\"reconstruction_threshold\": 0.67}}, got {value!r}")
+    _check_keys(value, SECURE_AGGREGATION_DEFAULTS, where)
+    out = {**SECURE_AGGREGATION_DEFAULTS, **value}
+
+    def count_or_fraction(key: str, least: int) -> None:
+        v = out[key]
+        ok = not isinstance(v, bool) and ((isinstance(v, int) and v >= least)
+                                          or (isinstance(v, float) and 0 < v <= 1))
+        if not ok:
+            raise ConfigError(f"{where}.{key}: expected an integer >= {least} or a fraction in (0, 1], got {v!r}")
+
+    count_or_fraction("num_shares", 3)
+    count_or_fraction("reconstruction_threshold", 2)
+    if (isinstance(out["num_shares"], int) and isinstance(out["reconstruction_threshold"], int)
+            and out["reconstruction_threshold"] > out["num_shares"]):
+        raise ConfigError(f"{where}: reconstruction_threshold {out['reconstruction_threshold']} is more than "
+                          f"num_shares {out['num_shares']} (a secret is split into num_shares shares)")
+    clip = out["clipping_range"]
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < float("inf"):
+        raise ConfigError(f"{where}.clipping_range: expected a positive number, got {clip!r}")
+    out["clipping_range"] = float(clip)
+    q = out["quantization_range"]
+    if isinstance(q, bool) or not isinstance(q, int) or q < 2:
+        raise ConfigError(f"{where}.quantization_range: expected an integer >= 2, got {q!r}")
+    if (q + 1) * max(int(num_clients), 1) > SECURE_AGGREGATION_MODULUS:
+        raise ConfigError(f"{where}.quantization_range: {q} levels summed over {num_clients} clients overflow "
+                          f"SecAgg+'s modulus 2**32; expected at most {SECURE_AGGREGATION_MODULUS // num_clients - 1}")
+    return out
+
+
 #: The keys of ``fl.early_stopping`` and their defaults (:func:`check_early_stopping`).
 EARLY_STOPPING_DEFAULTS: dict[str, Any] = {
     "metric": "val/micro_f1",   # <split>/<metric>: a split of eval_splits, a column of metrics.csv
@@ -543,9 +607,21 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: train.amp with DP-SGD (train.dp): Opacus clips per-sample gradients in full "
                           "precision and medfl does not mix the two; drop one of them")
     try:
-        configured_filters(cfg, m, method)
+        chain, _ = configured_filters(cfg, m, method)
     except (FilterConfigError, PrivacyConfigError) as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.get("secure_aggregation"):
+        if not method.secure_aggregation:
+            raise ConfigError(f"{where}: method {cls.name!r} cannot take fl.secure_aggregation: its coordinator "
+                              "needs each client's own reply (it weighs, selects, scores or relays individual "
+                              "replies), and secure aggregation shows it only the weighted mean; only methods "
+                              "that declare secure_aggregation = True (fedavg with aggregation 'mean', fedprox, "
+                              "fedavgm, fedadam, fedyogi, fedadagrad, fedbn) can, docs/plugins.md")
+        if chain:
+            raise ConfigError(f"{where}: fl.secure_aggregation with reply filters ({', '.join(f.name for f in chain.filters)}) is "
+                              "not supported: SecAgg+ quantizes the update itself and sums it masked, which a "
+                              "filter's encoding or its per-reply undo at the coordinator cannot pass through; "
+                              "drop the filters (or set the entry's \"filters\": [])")
 
 
 def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
@@ -655,6 +731,8 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(cfg["filters"], list):
         raise ConfigError(f"fl.filters: expected a list of filters like [{{\"name\": \"quantize\", \"bits\": 8}}], "
                           f"got {cfg['filters']!r}")
+    if "secure_aggregation" in cfg:
+        cfg["secure_aggregation"] = check_secure_aggregation(cfg["secure_aggregation"], cfg["num_clients"])
     for i, m in enumerate(cfg["methods"]):
         _check_entry(cfg, m, f"fl.methods[{i}] ({method_label(m)})")
     cm = cfg["client_models"]

@@ -34,13 +34,17 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["RELEASE_FLAG", "state_mismatch", "PayloadError", "Instruction", "Reply", "Guard", "SampleGuard", "validate_payload"]
+__all__ = ["RELEASE_FLAG", "SECURE_AGGREGATE", "state_mismatch", "PayloadError", "Instruction", "Reply", "Guard", "SampleGuard", "validate_payload"]
 
 Scalar = int | float | bool | str | None
 
 #: The instruction-config key that asks a client for its method's declared DP release: only
 #: a reply to such an instruction may carry the method's ``payload_exemptions`` keys unchecked.
 RELEASE_FLAG = "dp_release"
+
+#: The client id of the one reply a method with ``Method.secure_aggregation`` receives under
+#: ``fl.secure_aggregation``: the clients' weighted mean, never a client's own reply.
+SECURE_AGGREGATE = "secure-aggregate"
 
 
 class PayloadError(TypeError):

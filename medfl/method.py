@@ -284,6 +284,17 @@ class Method(Configurable):
         supports_dp_sgd: the method's local training honours ``train.dp`` (DP-SGD with
             Opacus, :mod:`medfl.privacy.dp_sgd`); a run asking for ``train.dp`` with another
             method is refused before training.
+        secure_aggregation: the coordinator needs the clients' replies only through their
+            mean weighted by ``num_examples``, so ``fl.secure_aggregation`` (Flower's SecAgg+,
+            :mod:`medfl.flower.secagg`) may hide every individual reply from it. A method that
+            sets it promises: every reply carries only its ``reply_state`` entries, each with a
+            reference in the instruction, and :meth:`server_update` does the same when handed,
+            instead of the clients' replies, one reply (client id
+            :data:`medfl.messages.SECURE_AGGREGATE`) whose entries are that weighted mean and
+            whose ``num_examples`` is the clients' total. Default ``False``: a method that
+            weighs, selects or scores individual replies (robust aggregation, FedKPer's scores,
+            clustering, peer-to-peer) is refused with it. An instance attribute may refine it
+            (FedAvg with a robust ``aggregation`` sets it ``False``).
         presets: named settings (:class:`Preset`) an entry selects with ``"preset"``, e.g.
             ``"paper"`` (every value the paper states) and ``"authors"`` (the authors'
             published code where it differs from the paper).
@@ -295,6 +306,7 @@ class Method(Configurable):
     payload_exemptions: ClassVar[frozenset[str]] = frozenset()
     reply_state: ClassVar[dict[str, str | None]] = {}
     supports_dp_sgd: ClassVar[bool] = False
+    secure_aggregation: bool = False
     presets: ClassVar[dict[str, Preset]] = {}
     _kind: ClassVar[str] = "method"
 

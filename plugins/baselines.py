@@ -119,6 +119,9 @@ class FedAvg(HubAndSpoke):
             al., ICML 2018): ``"median"`` (coordinate-wise median) or ``"trimmed_mean"``
             (coordinate-wise mean without the ``trim`` fraction of largest and smallest values).
         trim: the fraction trimmed at each end by ``"trimmed_mean"`` (0.1), in [0, 0.5).
+
+    With ``"mean"`` it takes ``fl.secure_aggregation`` (the coordinator sees only the weighted
+    mean); the robust rules need every client's model and refuse it.
     """
 
     name = "fedavg"
@@ -130,6 +133,7 @@ class FedAvg(HubAndSpoke):
         if isinstance(trim, bool) or not isinstance(trim, (int, float)) or not 0 <= trim < 0.5:
             raise ValueError(f"fedavg: trim must be a number in [0, 0.5), got {trim!r}")
         self.aggregation, self.trim = aggregation, float(trim)
+        self.secure_aggregation = aggregation == "mean"
 
     def aggregate(self, states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
         """The weighted mean, or the robust rule ``aggregation`` names (weights unused)."""
@@ -159,6 +163,7 @@ class FedProx(HubAndSpoke):
 
     name = "fedprox"
     description = "FedAvg with a proximal term mu/2 ||w - w_global||^2"
+    secure_aggregation = True
 
     def __init__(self, mu: float = 0.01) -> None:
         if mu < 0:
@@ -198,6 +203,7 @@ class FedAvgM(HubAndSpoke):
 
     name = "fedavgm"
     description = "FedAvg with server momentum (beta)"
+    secure_aggregation = True
 
     def __init__(self, beta: float = 0.9, server_lr: float = 1.0) -> None:
         if not 0 <= beta < 1:
@@ -246,6 +252,7 @@ class FedAdam(HubAndSpoke):
 
     name = "fedadam"
     description = "FedAvg with an Adam server optimizer"
+    secure_aggregation = True
 
     def second_moment(self, v: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Adam's ``v <- b2 v + (1 - b2) delta^2``."""
@@ -388,6 +395,7 @@ class FedBN(HubAndSpoke):
 
     name = "fedbn"
     description = "FedAvg with client-local BatchNorm layers"
+    secure_aggregation = True
 
     def local_keys(self, model: nn.Module) -> set[str]:
         """Keys of normalisation layers stay local."""

@@ -70,10 +70,15 @@ __all__ = ["FedMedian", "MedianSnapshots", "MeanProbability", "DpSharedImages", 
 
 
 class FedMedian(HubAndSpoke):
-    """Coordinate-wise median of the client models (unweighted)."""
+    """Coordinate-wise median of the client models (unweighted).
+
+    The median needs every client's own model, so it leaves ``secure_aggregation`` off
+    (``fl.secure_aggregation`` is refused for it, naming the reason); a ``HubAndSpoke``
+    subclass that keeps the default weighted mean could set it ``True``."""
 
     name = "median"
     description = "Coordinate-wise median aggregation (Yin et al., 2018)"
+    secure_aggregation = False   # the coordinator needs each client's model, not only their mean
 
     def aggregate(self, states, weights):
         """Median of each coordinate over clients; ``weights`` are ignored."""

@@ -251,8 +251,19 @@ class Run:
     noise_source = ("the run seed: a reproducible simulation (whoever knows the seed could regenerate the noise; "
                     "over Flower each site mixes in its own secret)")
 
+    #: Whether this transport can hide each client's reply from the coordinator
+    #: (``fl.secure_aggregation``): not in one process, where the coordinator and the clients
+    #: are one program that holds every update anyway; over Flower it can
+    #: (:class:`medfl.flower.server.FlowerRun`).
+    hides_replies = False
+
     def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
                  data: FederatedData) -> None:
+        if cfg.get("secure_aggregation") and not self.hides_replies:
+            raise RunError("fl.secure_aggregation runs over Flower only (medfl flower run, or fl.backend \"ray\"): "
+                           "in one process the coordinator and every client are the same program, which holds each "
+                           "client's update whatever it is sent, so there is no one to hide an update from and "
+                           "nothing to protect; run without it in process")
         self.config = cfg
         self.method_spec = dict(method_spec)
         self.run_dir = Path(run_dir)
@@ -338,6 +349,9 @@ class Run:
             privacy["noise_seeds"] = self.noise_source
         if self.filters_skipped:
             privacy["filters_not_applied"] = self.filters_skipped
+        secure = self.secure_aggregation()
+        if secure is not None:
+            privacy["secure_aggregation"] = secure
         static = {"fl": self.config, "method": self.method_spec, "method_hparams": self.coordinator.hparams(),
                   "privacy": privacy}
         preset = preset_record(self.method_spec, self.coordinator)
@@ -600,7 +614,7 @@ class Run:
                                    **{k: float(v) for k, v in reply.metrics.items()}})
                 pm.hook.on_client_end(run=self, round=r, client_id=cid, metrics=dict(reply.metrics))
             with compute_settings(self.federation.train, self.federation.device):
-                self.coordinator.server_update(r, replies)
+                self.coordinator.server_update(r, self.aggregated(r, replies))
             del replies
         if train_rows:
             self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
@@ -672,6 +686,16 @@ class Run:
         self.coordinator.server_profile(results)
         rows = [{"client_id": cid, **{k: float(v) for k, v in m.items()}} for cid, m in results.items()]
         _write_csv(self.run_dir / "profile.csv", pd.DataFrame(rows))
+
+    def aggregated(self, r: int, replies: dict[str, Reply]) -> dict[str, Reply]:
+        """What the method's ``server_update`` receives for the replies of one training step:
+        the replies themselves here; under secure aggregation over Flower only their weighted
+        mean (:meth:`medfl.flower.server.FlowerRun.aggregated`)."""
+        return replies
+
+    def secure_aggregation(self) -> dict[str, Any] | None:
+        """The ``secure_aggregation`` entry of the run's privacy blocks (``None``: not used)."""
+        return None
 
     def unfilter(self, r: int, instructions: dict[str, Instruction], replies: dict[str, Reply]
                  ) -> dict[str, Reply]:
@@ -1160,6 +1184,9 @@ class Run:
         forgetting, per_round = forgetting_report(self.metrics, self.train_metrics)
         summary["forgetting"] = forgetting
         summary["privacy"] = self.ledger.summary()
+        secure = self.secure_aggregation()
+        if secure is not None:
+            summary["privacy"]["secure_aggregation"] = secure
         summary["communication"] = self.traffic.summary(rounds)
         fairness = fairness_report(selected, "local_test")
         if fairness:

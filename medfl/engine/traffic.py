@@ -16,6 +16,10 @@ in process the engine builds the same contents and measures them
 ``train``
     every training step's instruction and reply (a method with several steps per round,
     :meth:`medfl.method.Method.round_steps`, adds them up);
+``secagg``
+    SecAgg+'s key exchange and unmasking under ``fl.secure_aggregation`` (its setup,
+    share-keys and unmask stages; the stage that carries the training instruction and the
+    masked update is ``train``);
 ``validate``
     the method's validation exchange (:meth:`medfl.method.Method.configure_validate`);
 ``evaluate``
@@ -42,7 +46,7 @@ import pandas as pd
 __all__ = ["Traffic", "PHASES", "COLUMNS"]
 
 #: The exchanges of a round, in the order a round runs them.
-PHASES = ("profile", "train", "validate", "evaluate", "score", "final")
+PHASES = ("profile", "train", "secagg", "validate", "evaluate", "score", "final")
 
 #: The columns of ``communication.csv``.
 COLUMNS = ["round", "client_id", "phase", "bytes_to_client", "bytes_from_client", "messages"]

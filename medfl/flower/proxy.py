@@ -28,7 +28,8 @@ from typing import Any
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-__all__ = ["app", "forward", "send_frame", "recv_frame", "encode_records", "decode_records", "WorkerError"]
+__all__ = ["app", "forward", "send_frame", "recv_frame", "encode_records", "decode_records", "WorkerError",
+           "secure_aggregation_mod"]
 
 _LEN = struct.Struct(">Q")
 
@@ -96,6 +97,21 @@ def forward(socket_path: str, message_type: str, content: RecordDict, timeout: f
         return decode_records(recv_frame(sock))
 
 
+def secure_aggregation_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """Flower's ``secaggplus_mod`` for the ``train`` messages of a secure-aggregation round
+    (``fl.secure_aggregation``: those carrying SecAgg+'s configs record); every other message
+    goes straight to the handler. The mod keeps its keys and shares in ``context.state``
+    (which Flower keeps per run on the SuperNode), answers the key-exchange stages itself, and
+    in its collect stage masks the update the handler put in the answer
+    (:func:`medfl.flower.secagg.secure_train_answer`)."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    if msg.metadata.message_type == "train" and RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
 def _dispatch(msg: Message, context: Context) -> Message:
     node_config = dict(context.node_config)
     worker = str(node_config.get("worker", "") or "")
@@ -118,9 +134,9 @@ def hello(msg: Message, context: Context) -> Message:
     return _dispatch(msg, context)
 
 
-@app.train()
+@app.train(mods=[secure_aggregation_mod])
 def train(msg: Message, context: Context) -> Message:
-    """``train``: forwarded to the site."""
+    """``train``: forwarded to the site (through SecAgg+ in a secure-aggregation round)."""
     return _dispatch(msg, context)
 
 

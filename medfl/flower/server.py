@@ -45,6 +45,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 from flwr.app import Context, Message, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import Stage
 from flwr.serverapp import Grid, ServerApp
 
 from medfl import wire
@@ -52,6 +53,7 @@ from medfl.engine.client import cross_test_mean, release_exemptions
 from medfl.engine.data import FederatedData, client_order
 from medfl.engine.runner import Run, RunError, resume, run_experiment
 from medfl.flower import protocol as P
+from medfl.flower.secagg import SecureAggregation, SecureRound, describe
 from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
 from medfl.wire import WireError
 
@@ -323,6 +325,7 @@ class FlowerRun(Run):
             run across sites.
     """
 
+    hides_replies = True
     noise_source = ("each site's own secret (<state-dir>/noise.key) mixed with the run seed, unless a site "
                     "sets MEDFL_REPRODUCIBLE_NOISE=1")
     connect_hint = "start a site per client with `medfl flower site --client-id ID ...`"
@@ -351,6 +354,10 @@ class FlowerRun(Run):
         self.sites = SiteDirectory(grid, expected, self.fold, self.settings, self._log, self.federation.seed)
         self._guard = SampleGuard(tuple(data.source.sample_shape))   # the same for every site
         self._model_bytes: dict[str, int] = {}   # model spec (JSON) -> bytes of its state (reply_limit)
+        #: SecAgg+ for the training replies (``fl.secure_aggregation``; ``None``: off)
+        self.secure = (SecureAggregation(cfg["secure_aggregation"], self.federation.seed)
+                       if cfg.get("secure_aggregation") else None)
+        self._secure_round: SecureRound | None = None
 
     # ------------------------------------------------------------------ bookkeeping
     def _log(self, event: dict[str, Any]) -> None:
@@ -439,7 +446,8 @@ class FlowerRun(Run):
 
     # ------------------------------------------------------------------ one exchange
     def exchange(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict],
-                 releases: frozenset[str] | set[str] = frozenset()) -> dict[str, Message]:
+                 releases: frozenset[str] | set[str] = frozenset(), counted_as: str | None = None,
+                 controlled: bool = True) -> dict[str, Message]:
         """Send each client's content to its node and collect the answers.
 
         Returns the replies of the clients that answered in time, in the engine's client
@@ -455,6 +463,11 @@ class FlowerRun(Run):
         A site that answers with an error (its ClientApp raised: its plugin failed, it
         refused an unapproved method) is dropped like a bad reply (:meth:`Run.refuse`: an
         event, exclusion after ``max_reply_failures``), so one site cannot stop the run.
+
+        ``counted_as``: the traffic phase when it is not ``phase`` (SecAgg+'s key-exchange
+        stages count as ``secagg``); ``controlled``: the answers carry medfl's control record
+        naming the client (SecAgg+'s key-exchange answers are Flower's ``secaggplus_mod``'s own
+        and carry only its record).
 
         Raises:
             SiteFailure: every site asked answered with an error (each one's reason quoted).
@@ -501,7 +514,8 @@ class FlowerRun(Run):
                     failed[cid] = f"site {cid} failed in {phase} of round {r} (Flower error {code}): {reason}"
                     continue
                 try:
-                    ctl = wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}")
+                    ctl = (wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}") if controlled
+                           else {"client": cid})
                     if str(ctl.get("client")) != cid:
                         raise WireError(f"{phase} reply of node {node}: answered as client {ctl.get('client')!r}, "
                                         f"but serves client {cid!r} for this run")
@@ -540,7 +554,7 @@ class FlowerRun(Run):
             # purpose) cannot stop the run: dropped like any bad reply, excluded by policy
             self.refuse(r, cid, failed[cid])
         for cid in order:
-            self.traffic.add(r, cid, phase, size_to[cid], size_from.get(cid, 0))
+            self.traffic.add(r, cid, counted_as or phase, size_to[cid], size_from.get(cid, 0))
         return {cid: replies[cid] for cid in client_order(replies)}
 
     def reply_limit(self, cid: str, sent: int, release: bool = False) -> int:
@@ -570,25 +584,86 @@ class FlowerRun(Run):
         checked on arrival: tensors and numbers only, nothing shaped like a batch of the
         site's images (:func:`~medfl.messages.validate_payload`; the site compared the reply
         with its own labels and images before sending it, :mod:`medfl.guard`)."""
+        if self.secure is not None:
+            return self._secure_update(r, instructions)
         outgoing = {cid: self._instruction_content(r, cid, ins) for cid, ins in instructions.items()}
         releases = {cid for cid, ins in instructions.items() if release_exemptions(self.coordinator, ins)}
         answers = self.exchange(r, "train", P.TRAIN, outgoing, releases)
+        return self._decode(r, "train", answers, lambda cid, msg: self._train_reply(r, cid, msg, instructions[cid]))
 
-        def decode(cid: str, msg: Message) -> Reply:
-            where = f"reply of site {cid} in round {r}"
-            payload = wire.take(msg.content, "reply.payload", where, allow_str=False)
-            metrics = wire.take(msg.content, "reply.metrics", where + " (metrics)", allow_str=False)
-            validate_payload(payload, where, allow_str=False, guard=self._guard,
-                             exempt=release_exemptions(self.coordinator, instructions[cid]))
-            if not isinstance(payload, dict) or not isinstance(metrics, dict):
-                raise PayloadError(f"{where}: payload and metrics must be dicts")
-            ctl = wire.take_json(msg.content, P.CONTROL, where)
-            n = ctl.get("num_examples", 0)
-            if isinstance(n, bool) or not isinstance(n, int):
-                raise PayloadError(f"{where}: num_examples {n!r} is not an integer")
-            return Reply(payload=payload, metrics=metrics, num_examples=n)
+    def _train_reply(self, r: int, cid: str, msg: Message, instruction: Instruction) -> Reply:
+        """A site's answer to ``train`` as a :class:`Reply`, checked (tensors and numbers only,
+        nothing shaped like the site's images, an integer ``num_examples``).
 
-        return self._decode(r, "train", answers, decode)
+        Raises:
+            PayloadError: the answer is not what a site sends.
+        """
+        where = f"reply of site {cid} in round {r}"
+        payload = wire.take(msg.content, "reply.payload", where, allow_str=False)
+        metrics = wire.take(msg.content, "reply.metrics", where + " (metrics)", allow_str=False)
+        validate_payload(payload, where, allow_str=False, guard=self._guard,
+                         exempt=release_exemptions(self.coordinator, instruction))
+        if not isinstance(payload, dict) or not isinstance(metrics, dict):
+            raise PayloadError(f"{where}: payload and metrics must be dicts")
+        ctl = wire.take_json(msg.content, P.CONTROL, where)
+        n = ctl.get("num_examples", 0)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise PayloadError(f"{where}: num_examples {n!r} is not an integer")
+        return Reply(payload=payload, metrics=metrics, num_examples=n)
+
+    def _secure_update(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
+        """One training step under SecAgg+ (:class:`~medfl.flower.secagg.SecureAggregation`):
+        the replies (metrics and ``num_examples`` only) of the sites whose masked update is in
+        the round's sum; the sum itself waits for :meth:`aggregated`."""
+        assert self.secure is not None
+        self.sites.refresh()
+        nodes = {cid: self.sites.nodes[cid] for cid in instructions if cid in self.sites.nodes}
+        max_weight = max([int(self.federation.num_examples.get(cid, 0)) for cid in instructions] + [1])
+
+        def control(cid: str, stage: str) -> dict[str, Any]:
+            return {"protocol": wire.PROTOCOL, "run": self.run_id, "session": self.session, "round": r,
+                    "client": cid, "step": self._step, "secure_aggregation": stage}
+
+        def exchange(stage: str, outgoing: dict[str, RecordDict], counted_as: str, controlled: bool
+                     ) -> dict[str, Message]:
+            phase = "train" if counted_as == "train" else f"secagg.{stage}"
+            return self.exchange(r, phase, P.TRAIN, outgoing, counted_as=counted_as, controlled=controlled)
+
+        done = self.secure.run(
+            r, self._step, type(self.coordinator), instructions, nodes, float(max_weight),
+            request=lambda cid, ins: self._instruction_content(r, cid, ins,
+                                                                secure_aggregation=Stage.COLLECT_MASKED_VECTORS),
+            control=control, exchange=exchange,
+            decode=lambda cid, msg: self._train_reply(r, cid, msg, instructions[cid]),
+            refuse=lambda cid, why: self.refuse(r, cid, why))
+        self._secure_round = done
+        self._log({"round": r, "phase": "secagg", "status": done.halted or
+                   f"aggregated {len(done.included)}: {' '.join(done.included)}"})
+        if done.halted:
+            print(f"medfl [{self.label}] round {r}: {done.halted}", file=sys.stderr, flush=True)
+        return done.replies
+
+    def aggregated(self, r: int, replies: dict[str, Reply]) -> dict[str, Reply]:
+        """Under secure aggregation, the round's weighted mean as the one reply the method
+        receives (:meth:`SecureRound.as_replies`: none when the round could not be unmasked,
+        or when a site whose update is in the sum had its reply refused by the checks);
+        otherwise the replies themselves."""
+        if self.secure is None:
+            return replies
+        done, self._secure_round = self._secure_round, None
+        if done is None:
+            return {}
+        out = done.as_replies(replies)
+        if done.aggregate is not None and not out:
+            refused = sorted(set(done.included) - set(replies))
+            print(f"medfl [{self.label}] round {r}: the secure sum includes the update of site(s) {refused}, whose "
+                  "reply was refused; it cannot be taken out of the sum: no update this round", file=sys.stderr,
+                  flush=True)
+        return out
+
+    def secure_aggregation(self) -> dict[str, Any] | None:
+        """What ``fl.secure_aggregation`` protects (:func:`medfl.flower.secagg.describe`), or ``None``."""
+        return None if self.secure is None else describe(self.secure.settings)
 
     def _decode(self, r: int, phase: str, answers: dict[str, Message], decode: Any) -> dict[str, Any]:
         """``decode(cid, message)`` for every answer; one that cannot be decoded (a missing or

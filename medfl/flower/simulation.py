@@ -44,6 +44,7 @@ from medfl.engine.data import FederatedData, client_order, split_data
 from medfl.engine.runner import Run, RunError, build_source, resume, run_experiment
 from medfl.flower.server import FlowerRun, FlowerSettings
 from medfl.flower.site import Site, SiteSettings, handle
+from medfl.flower.proxy import secure_aggregation_mod
 
 __all__ = ["SimulationRun", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing",
            "STATE_FOLDER"]
@@ -140,7 +141,8 @@ class SimulatedSites:
 
 def _client_app(handler: SimulatedSites) -> ClientApp:
     app = ClientApp()
-    for register in (app.query("hello"), app.train(), app.evaluate(), app.evaluate("validate"),
+    for register in (app.query("hello"), app.train(mods=[secure_aggregation_mod]), app.evaluate(),
+                     app.evaluate("validate"),
                      app.evaluate("score")):
         register(handler)
     return app

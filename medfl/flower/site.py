@@ -70,6 +70,7 @@ from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, b
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl import wire
 from medfl.flower import protocol as P
+from medfl.flower.proxy import secure_aggregation_mod
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
 
@@ -309,6 +310,26 @@ class Site:
                                   step=int(ctl.get("step", 0)))
         return reply.payload, int(reply.num_examples), dict(reply.metrics)
 
+    def secure_train(self, ctl: dict[str, Any], ins: Instruction, content: RecordDict) -> RecordDict:
+        """:meth:`train` in a secure-aggregation round (``fl.secure_aggregation``): the answer
+        carries the update (the reply's model state minus the state sent) for SecAgg+ to mask
+        (:func:`medfl.flower.secagg.secure_train_answer`), and no model payload.
+
+        Raises:
+            SiteError: the message did not come through SecAgg+'s collect stage (the update
+                would leave unmasked).
+            PayloadError: the reply carries more than the method's ``reply_state``.
+        """
+        from medfl.flower.secagg import RECORD_KEY_CONFIGS, secure_train_answer, secure_update
+
+        if RECORD_KEY_CONFIGS not in content.config_records:
+            raise SiteError(f"medfl site {self.client_id}: a secure-aggregation training message without SecAgg+'s "
+                            f"{RECORD_KEY_CONFIGS!r} record: refusing to send the update unmasked")
+        payload, n, metrics = self.train(ctl, ins)
+        method = type(self.method(ctl))
+        update = secure_update(method, payload, ins.payload, f"reply of site {self.client_id}")
+        return secure_train_answer(self.client_id, update, metrics, n)
+
     def evaluate(self, ctl: dict[str, Any], ins: Instruction) -> tuple[dict[str, dict[str, float]],
                                                                           dict[str, torch.Tensor] | None]:
         """Score the client's evaluation model of the round on its own splits (and return
@@ -442,7 +463,10 @@ def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
         info = site.hello(ctl)
         return wire.answer(site.client_id, sizes=info["sizes"], digest=info["digest"])
     if message_type == P.TRAIN:
-        payload, n, metrics = site.train(ctl, _instruction(content, f"instruction to {me}"))
+        ins = _instruction(content, f"instruction to {me}")
+        if ctl.get("secure_aggregation"):
+            return site.secure_train(ctl, ins, content)
+        payload, n, metrics = site.train(ctl, ins)
         return wire.train_answer(site.client_id, payload, metrics, n)
     if message_type == P.EVALUATE:
         results, state = site.evaluate(ctl, _instruction(content, f"evaluation instruction to {me}"))
@@ -475,7 +499,7 @@ def _local(msg: Message, context: Context) -> Message:
 #: ``medfl flower`` uses the lighter :mod:`medfl.flower.proxy` instead.
 app = ClientApp()
 app.query("hello")(_local)
-app.train()(_local)
+app.train(mods=[secure_aggregation_mod])(_local)
 app.evaluate()(_local)
 app.evaluate("validate")(_local)
 app.evaluate("score")(_local)
