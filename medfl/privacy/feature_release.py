@@ -1,7 +1,11 @@
 """A declared differential-privacy release of per-sample features: FedTPF's (and FedFed's)
 shared set ``x_p = clip(x_s) + n`` (paper 003, section III-E).
 
-Per-sample, image-shaped data may leave a client only this way. Each sample is released once:
+Per-sample, image-shaped data may leave a client only this way, and only medfl releases it:
+a method declares the release (:class:`SampleRelease`, ``Method.release_plan``) and returns
+the features unnoised; the engine performs it at the client after the method's code returned
+(:func:`perform_release`) and the content guard checks what leaves (issue 38). Each sample is
+released once:
 
 * ``gaussian`` (default): each ``x_s`` is clipped to L2 norm ``clip`` and Gaussian noise of
   std ``sigma = z * clip`` is added, ``z`` the noise multiplier Opacus's accountant gives for
@@ -125,6 +129,8 @@ class SampleRelease(LedgerRelease):
 
     def __post_init__(self) -> None:
         where = f"release {self.mechanism!r}"
+        if isinstance(self.keys, list):
+            object.__setattr__(self, "keys", tuple(self.keys))
         if not self.keys or not all(isinstance(k, str) and k for k in self.keys) or isinstance(self.keys, str):
             raise PrivacyConfigError(f"{where}: keys must name the reply keys of the features medfl releases, "
                                      f"got {self.keys!r}")
