@@ -75,6 +75,8 @@ class RawRelease(HubAndSpoke):
         if instruction.config.get("dp_release") is True:
             if self.features == "projection":   # 8 numbers per image, not the image
                 x = x.flatten(1) @ torch.randn(x[0].numel(), 8, generator=g)
+            elif self.features == "other labels":   # something else under the labels key
+                y = 1 - y
             sent = x + self.own_noise * torch.randn(x.shape, generator=g) if self.own_noise else x
             type(self).raw[client.client_id] = x.clone()
             type(self).sent[client.client_id] = sent.clone()

@@ -119,3 +119,11 @@ def test_a_method_may_not_write_medfls_record_of_the_release(probes: Any, tiny_f
     monkeypatch.setattr(RawRelease, "client_update", claims)
     with pytest.raises(PayloadError, match=r"\['noise_std'\] are medfl's record of release 'raw_images'"):
         _run(tiny_fl, resolve)
+
+
+def test_only_the_training_labels_may_travel_under_the_labels_key(probes: Any, tiny_fl: dict[str, Any],
+                                                                  resolve: Any) -> None:
+    with pytest.raises(PayloadError, match=r"\['shared_y'\]: release 'raw_images' sends the labels of the "
+                                           r"client's \d+ training samples in the clear"):
+        _run(tiny_fl, resolve, features="other labels")
+    assert not RawRelease.received
