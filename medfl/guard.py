@@ -1003,6 +1003,13 @@ class ContentGuard:
             self._labels, self._index = labels, merged
         return self._index
 
+    def split_labels(self, split: str) -> np.ndarray | None:
+        """The label vector of ``split`` in the dataset's order, as the guard reads it (the
+        labels a declared per-sample release may send in the clear), or ``None`` for a split
+        the client does not have."""
+        self.index()
+        return next((y for name, y in self._labels if name == f"{split} split"), None)
+
     def stats(self) -> dict[str, Any]:
         """Samples covered, probes and memory of the reference (reports, benchmarks)."""
         ix = self.index()
@@ -1025,7 +1032,8 @@ class ContentGuard:
         Args:
             value: an outgoing message part (a reply's payload or metrics, a model state).
             where: its readable location, e.g. ``"reply of method 'x' from client 3"``.
-            exempt: top-level keys not checked (``Method.payload_exemptions``).
+            exempt: top-level keys not checked (a declared per-sample release's keys, whose
+                noise medfl adds before they leave: ``SampleRelease``).
 
         Raises:
             PayloadError: naming the key path, the client, the split and what was found.

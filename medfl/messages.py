@@ -18,13 +18,14 @@ tensor shaped like a batch of the client's images (its trailing dimensions equal
 shape and its leading dimension counts samples). It has no rule on the length of integer
 vectors: that rule refused legitimate quantised weights whose length equalled a split size.
 
-A method that must share per-sample values by design (FedTPF's DP-noised distilled
-features) lists those reply keys in ``Method.payload_exemptions`` and documents it: an
-exempted top-level key skips both the content check and the coordinator's shape check
-(never the type check), only in a reply to an instruction whose config carries
-``RELEASE_FLAG`` (``"dp_release": True``), and must be released through a declared
-differential-privacy mechanism (``Method.release_plan``). Every other reply of the method,
-and every reply of every other method, is checked in full.
+A method that must share per-sample values by design (FedTPF's distilled features) declares
+the release (``Method.release_plan``: a :class:`~medfl.privacy.feature_release.SampleRelease`
+naming the reply keys) and returns the features *unnoised* in its reply to an instruction
+whose config carries ``RELEASE_FLAG`` (``"dp_release": True``). medfl clips and noises them
+at the client after the method's code returned, and the content guard checks the reply as it
+leaves, released features included; the release's keys skip only the coordinator's shape
+check (the noised features are shaped like images). The flag excuses nothing else: a release
+key in a reply to any other instruction is refused, and every other key is checked in full.
 """
 
 from __future__ import annotations
@@ -34,13 +35,18 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["RELEASE_FLAG", "SECURE_AGGREGATE", "state_mismatch", "PayloadError", "Instruction", "Reply", "Guard", "SampleGuard", "validate_payload"]
+__all__ = ["RELEASE_FLAG", "RELEASE_CLIP", "SECURE_AGGREGATE", "state_mismatch", "PayloadError", "Instruction", "Reply",
+           "Guard", "SampleGuard", "validate_payload"]
 
 Scalar = int | float | bool | str | None
 
-#: The instruction-config key that asks a client for its method's declared DP release: only
-#: a reply to such an instruction may carry the method's ``payload_exemptions`` keys unchecked.
+#: The instruction-config key that asks a client for its method's declared per-sample release:
+#: medfl performs the release (``SampleRelease``) on the reply to such an instruction; a reply
+#: to any other instruction may not carry the release's keys.
 RELEASE_FLAG = "dp_release"
+#: The instruction-config key carrying the clip of a release whose clip the coordinator sets
+#: during the run (``SampleRelease.clip`` NaN in the plan, e.g. measured on public data).
+RELEASE_CLIP = "release_clip"
 
 #: The client id of the one reply a method with ``Method.secure_aggregation`` receives under
 #: ``fl.secure_aggregation``: the clients' weighted mean, never a client's own reply.

@@ -269,11 +269,6 @@ class Method(Configurable):
         description: one line for ``medfl plugins``.
         pools_data: the engine pools every client's training data into one ``"pooled"``
             client (the Centralized reference); not available in a federated deployment.
-        payload_exemptions: reply keys excused from the per-sample check (see
-            :mod:`medfl.messages`), only in replies to an instruction whose config carries
-            ``RELEASE_FLAG: True`` (``"dp_release"``); each must be a declared DP release
-            (:meth:`Method.release_plan`, :meth:`Method.round_releases`) and justified in the
-            method's docstring.
         reply_state: the reply-payload keys that carry model state (a flat dict of tensors,
             e.g. a state dict), each mapped to the instruction-payload key holding the state
             the client started from (``None``: no such reference). Reply filters
@@ -303,7 +298,6 @@ class Method(Configurable):
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     pools_data: ClassVar[bool] = False
-    payload_exemptions: ClassVar[frozenset[str]] = frozenset()
     reply_state: ClassVar[dict[str, str | None]] = {}
     supports_dp_sgd: ClassVar[bool] = False
     secure_aggregation: bool = False
@@ -431,13 +425,18 @@ class Method(Configurable):
         return []
 
     def release_plan(self) -> Any:
-        """The per-sample differential-privacy release this method makes itself (FedTPF's
-        shared features), as a :class:`medfl.filters.Release` (``unit="sample"``,
-        ``sample_rate`` 1.0: each sample released once per request), or ``None`` (the
-        default: the method releases nothing per sample). Computed from the method's
-        hyperparameters alone: the run asks for it before :meth:`setup`, to plan and record
-        the privacy of the run. A release with ``noise_multiplier`` 0 is a non-private
-        measurement: its epsilon is recorded as infinite."""
+        """The per-sample release of this method (FedTPF's shared features), which medfl
+        performs: a :class:`medfl.privacy.feature_release.SampleRelease` naming the reply keys
+        of the features (and of their labels), the clip and the noise, or ``None`` (the
+        default: the method releases nothing per sample). The method's client step returns
+        the features *unnoised* under those keys in its reply to an instruction whose config
+        carries ``"dp_release": True``; medfl clips and noises them at the client after the
+        method's code returned, the content guard checks what leaves, and the ledger records
+        this plan. A release key in any other reply is refused. Computed from the method's
+        hyperparameters alone: the run asks for it before :meth:`setup`, and each client asks
+        its own instance again when it performs the release. A release with
+        ``noise_multiplier`` 0 is a non-private measurement: its epsilon is recorded as
+        infinite."""
         return None
 
     def own_dp(self, federation: Federation) -> OwnDp | None:

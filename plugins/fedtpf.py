@@ -22,7 +22,6 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from medfl import hookimpl
 from medfl.engine.training import StepMeans, get_state, make_optimizer, train_epochs, weighted_average
-from medfl.filters import Release
 from medfl.losses.feature_distill import (
     DECAY_READINGS,
     STOP_CRITERIA,
@@ -32,16 +31,15 @@ from medfl.losses.feature_distill import (
     residual_cosine,
     stop_condition_check,
 )
-from medfl.messages import RELEASE_FLAG, Instruction, Reply, state_mismatch
+from medfl.messages import RELEASE_CLIP, RELEASE_FLAG, Instruction, Reply, state_mismatch
 from medfl.method import Federation, Method, MethodConfigError, Preset, derive_seed
 from medfl.models.feature_distill import Critic, DistillVAE, DistillWeights, distill_step, parameters_of
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, noise_for_epsilon
 from medfl.privacy.feature_release import (
     MECHANISMS,
+    SampleRelease,
     norm_quantile,
     perturb_features,
-    release_features,
-    release_with_variance,
     variance_scale,
 )
 
@@ -334,18 +332,21 @@ class FedTPF(Method):
     ``x_p`` at chance), each saying what to change.
 
     **Privacy.** ``x_p`` and its labels are per-sample data leaving the client by design, so
-    ``shared_x`` and ``shared_y`` are ``payload_exemptions``, excused from the per-sample
-    check only in replies to the release instruction (``config["dp_release"]``); every other
-    reply is checked in full. Each sample is released once: the run's ledger records one
+    the release is declared (:meth:`release_plan`: a
+    :class:`~medfl.privacy.feature_release.SampleRelease` of ``shared_x`` with the labels
+    ``shared_y``) and **performed by medfl**: the client step returns ``x_s`` unnoised in its
+    reply to the release instruction (``config["dp_release"]``), and medfl clips and noises it
+    at the client after this code returned; the content guard checks the released features as
+    they leave, and every other reply in full. Each sample is released once: the run's ledger records one
     release (sample rate 1) per client, unit one sample, zero-out neighbours, its epsilon
     from the accountant (``privacy.csv``, the summary's ``privacy`` block). Labels are not
     protected. The per-sample epsilon treats the distillation model as public, while it is
     trained on the clients' data and sent without noise (the summary's ``not_covered`` says
     so). Prototypes never leave a client; the phi and distillation models, the training
     metrics and the validation scalars are not covered by the epsilon (as in the paper).
-    The client releases with its own settings (epsilon, noise, mechanism); only the clip
-    of ``"public_quantile"`` comes from the coordinator, and any clip gives the same
-    epsilon (the noise scales with it). The noise seed mixes the site's secret
+    The client releases with its own settings (epsilon, noise, mechanism: its own
+    :meth:`release_plan`); only the clip of ``"public_quantile"`` comes from the coordinator
+    (``config["release_clip"]``), and any clip gives the same epsilon (the noise scales with it). The noise seed mixes the site's secret
     (``noise_key``), so over Flower the coordinator cannot remove it; a release repeated
     after a crash draws the same noise (no extra cost).
 
@@ -375,7 +376,6 @@ class FedTPF(Method):
 
     name = "fedtpf"
     description = "FedTPF: prototype-regularised VAE-WGAN-GP feature distillation, adaptive decay, DP shared set"
-    payload_exemptions = frozenset({"shared_x", "shared_y"})
     presets = {"paper": PAPER_PRESET}
 
     def __init__(self, distill_rounds: int = 10, distill_epochs: int = 1, distill_steps: int = 60,
@@ -479,25 +479,27 @@ class FedTPF(Method):
             return 0.0
         return clip / self.epsilon if self.mechanism == "laplace" else self.noise_multiplier * clip
 
-    def release_plan(self) -> Release:
-        """One per-sample release of the shared features (sample rate 1, once per sample).
+    def release_plan(self) -> SampleRelease:
+        """One per-sample release of the shared features ``shared_x`` with their labels
+        ``shared_y`` (sample rate 1, once per sample), which medfl performs at the client.
         The clip of ``"public_quantile"`` is set at the coordinator during the run (NaN
-        before); the paper's fixed-variance noise has no sensitivity bound (clip infinite,
-        noise multiplier 0: not private)."""
+        before; it travels in the release instruction); the paper's fixed-variance noise has
+        no sensitivity bound (clip infinite, noise multiplier 0: not private)."""
         notes: tuple[str, ...] = (DISTILL_MODEL_NOT_COVERED,)
+        keys = {"keys": ("shared_x",), "labels": "shared_y", "noise": self.mechanism, "not_covered": notes}
         if self.noise is not None:
-            notes += (f"the shared features: noise of variance {self.noise['variance']:g} is added to unclipped "
-                      "x_s (paper 003's setting), which bounds no sample's contribution: no epsilon",)
-            return Release(f"feature_{self.mechanism}_unclipped", 0.0, math.inf, 1.0,
-                           0.0 if self.mechanism == "laplace" else self.delta,
-                           "laplace" if self.mechanism == "laplace" else self.accountant, unit="sample",
-                           not_covered=notes)
+            keys["not_covered"] = notes + (
+                f"the shared features: noise of variance {self.noise['variance']:g} is added to unclipped x_s "
+                "(paper 003's setting), which bounds no sample's contribution: no epsilon",)
+            return SampleRelease(f"feature_{self.mechanism}_unclipped", 0.0, math.inf, 1.0,
+                                 0.0 if self.mechanism == "laplace" else self.delta,
+                                 "laplace" if self.mechanism == "laplace" else self.accountant,
+                                 variance=self.noise["variance"], **keys)
         if self.mechanism == "laplace":
             sigma = 0.0 if self.epsilon is None else 1.0 / self.epsilon
-            return Release("feature_laplace", sigma, self.clip_now, 1.0, 0.0, "laplace", unit="sample",
-                           not_covered=notes)
-        return Release("feature_gaussian", self.noise_multiplier, self.clip_now, 1.0, self.delta, self.accountant,
-                       unit="sample", not_covered=notes)
+            return SampleRelease("feature_laplace", sigma, self.clip_now, 1.0, 0.0, "laplace", **keys)
+        return SampleRelease("feature_gaussian", self.noise_multiplier, self.clip_now, 1.0, self.delta,
+                             self.accountant, **keys)
 
     def round_releases(self, round: int) -> list[str]:
         """The clients asked for the release in ``round`` (the transition round's first step)."""
@@ -607,7 +609,8 @@ class FedTPF(Method):
         if self.pending_release:
             self.release_round, self.released = round, list(self.federation.client_ids)
             ins = Instruction(payload={"distill": self.distill_state},
-                              config={"stage": "release", RELEASE_FLAG: True, **self._clip_config()})
+                              config={"stage": "release", RELEASE_FLAG: True, **self._clip_config(),
+                                      **({RELEASE_CLIP: self.clip_now} if self.clip == "public_quantile" else {})})
             return {cid: ins for cid in self.released}
         sampled = self.federation.sample(round)
         if self.stage == "distill":
@@ -1161,38 +1164,19 @@ class FedTPF(Method):
                 "majority_share": float(torch.bincount(y).max()) / len(y)}
 
     def _release(self, client: ClientContext, instruction: Instruction) -> Reply:
-        """``x_p`` for every training sample, once, with the labels: the DP release
-        (``clip(x_s) + n`` at this client's epsilon), the paper's fixed-variance noise on
-        unclipped ``x_s``, or (noise off) the clipped ``x_s``."""
-        clip = self._client_clip(instruction)
+        """``x_s`` for every training sample, once, with the labels, **unnoised**: medfl
+        performs the release declared by :meth:`release_plan` on this reply after it is
+        returned (``clip(x_s) + n`` at this client's epsilon, the paper's fixed-variance noise
+        on unclipped ``x_s``, or, noise off, the clipped ``x_s``) and adds its record of it
+        (noise and signal norms, clipped fraction, epsilon) to the metrics."""
         vae, _, _ = self._client_nets(client, instruction.payload["distill"])
         x, x_hat, y = self._residuals(client, vae, "train")
         x_s = x - x_hat
-        g = torch.Generator().manual_seed(derive_seed(client.seed, "release", client.noise_key))
         x_norm = x.flatten(1).norm(dim=1)
         s_norm = x_s.flatten(1).norm(dim=1)
-        if self.noise is not None:
-            x_p, rec = release_with_variance(x_s, variance=self.noise["variance"], mechanism=self.mechanism,
-                                             generator=g)
-            extra = {"noise_std": rec.noise_std, "clipped_fraction": 0.0}
-        elif self.epsilon is not None:
-            assert clip is not None
-            x_p, rec = release_features(x_s, epsilon=self.epsilon, clip=clip, delta=self.delta,
-                                        mechanism=self.mechanism, accountant=self.accountant, generator=g)
-            extra = {"epsilon": rec.epsilon, "noise_std": rec.noise_std, "clipped_fraction": rec.clipped_fraction}
-        else:  # noise off: a measurement, flagged non-private by the ledger
-            assert clip is not None
-            x_p = perturb_features(x_s, clip=clip, noise=0.0, mechanism=self.mechanism)
-            order = 2 if self.mechanism == "gaussian" else 1
-            extra = {"noise_std": 0.0,
-                     "clipped_fraction": float((x_s.flatten(1).norm(p=order, dim=1) > clip).float().mean())}
-            rec = None
-        signal = _mean_norm(x_p) if rec is None else rec.signal_norm
-        noise = 0.0 if rec is None else rec.noise_norm
-        metrics = {"released": float(len(y)), "x_norm": float(x_norm.mean()), "x_s_norm": float(s_norm.mean()),
-                   "x_s_norm_ratio": float((s_norm / x_norm.clamp_min(1e-12)).mean()), **extra,
-                   "signal_norm": signal, "noise_norm": noise, "noise_to_signal": _ratio(noise, signal)}
-        return Reply(payload={"shared_x": x_p.float().contiguous(), "shared_y": y}, metrics=metrics,
+        metrics = {"x_norm": float(x_norm.mean()), "x_s_norm": float(s_norm.mean()),
+                   "x_s_norm_ratio": float((s_norm / x_norm.clamp_min(1e-12)).mean())}
+        return Reply(payload={"shared_x": x_s.float().contiguous(), "shared_y": y}, metrics=metrics,
                      num_examples=len(y))
 
     def client_eval_model(self, client: ClientContext, instruction: Instruction) -> nn.Module:

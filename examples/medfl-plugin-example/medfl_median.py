@@ -21,13 +21,14 @@ with a warning when it cannot act (``mechanism_warnings``), and a named preset (
 ``{"name": "median_snapshots", "preset": "wide"}``).
 
 ``dp_shared_images``: FedAvg on each client's data plus a shared set of every client's
-training images, each released once under per-sample differential privacy (clipped and
-noised with :func:`medfl.privacy.feature_release.release_features`) in round 1. It shows how
-a method sends per-sample data at all: the reply keys in ``payload_exemptions``, excused from
-the engine's per-sample check only in replies to an instruction whose config carries
-``"dp_release": True``, the release declared by ``release_plan`` (the run's ``privacy.csv``
-records each client's epsilon) and ``round_releases`` (who was asked when), each release
-checked in ``check_reply`` (a bad one is dropped from the round). Labels travel in the clear.
+training images, each released once under per-sample differential privacy in round 1. It
+shows how a method sends per-sample data at all: it declares the release in ``release_plan``
+(a ``SampleRelease``: the reply keys, the clip, the noise; the run's ``privacy.csv`` records
+each client's epsilon) and ``round_releases`` (who was asked when), asks for it with
+``"dp_release": True`` in the instruction's config, and returns the images *unnoised*:
+medfl clips and noises them at the client after ``client_update`` returned, and the content
+guard checks what leaves. Each release is checked in ``check_reply`` (a bad one is dropped
+from the round). Labels travel in the clear.
 It is the "share DP raw data" baseline FedTPF argues against: the same epsilon drowns whole
 images in noise.
 
@@ -59,10 +60,10 @@ from medfl.method import Preset, derive_seed
 from medfl.engine.hub import HubAndSpoke
 from medfl.engine.training import predict_proba
 from medfl.engine.training import get_state, make_optimizer, train_epochs
-from medfl.filters import Filter, FilterContext, Release
+from medfl.filters import Filter, FilterContext
 from medfl.messages import PayloadError, Reply
 from medfl.privacy.accounting import noise_for_epsilon
-from medfl.privacy.feature_release import release_features
+from medfl.privacy.feature_release import SampleRelease
 from medfl.models import ProbabilityModel
 
 __all__ = ["FedMedian", "MedianSnapshots", "MeanProbability", "DpSharedImages", "DpFedAvgOpacus", "Half",
@@ -254,17 +255,18 @@ class DpSharedImages(HubAndSpoke):
 
     name = "dp_shared_images"
     description = "FedAvg plus a shared set of DP-noised images (one per-sample release)"
-    payload_exemptions = frozenset({"shared_x", "shared_y"})
 
     def __init__(self, epsilon: float = 8.0, clip: float = 5.0, delta: float = 1e-5) -> None:
         if not (epsilon > 0 and clip > 0 and 0 < delta < 1):
             raise ValueError("dp_shared_images: epsilon and clip must be > 0, delta in (0, 1)")
         self.epsilon, self.clip, self.delta = float(epsilon), float(clip), float(delta)
 
-    def release_plan(self) -> Release:
-        """One Gaussian release per image (sample rate 1), asked once."""
+    def release_plan(self) -> SampleRelease:
+        """One Gaussian release per image (sample rate 1), asked once; medfl performs it on
+        the reply's ``shared_x`` and sends ``shared_y`` (the labels) in the clear."""
         z = noise_for_epsilon(self.epsilon, self.delta, 1.0, 1, "rdp")
-        return Release("shared_images", z, self.clip, 1.0, self.delta, "rdp", unit="sample")
+        return SampleRelease("shared_images", z, self.clip, 1.0, self.delta, "rdp", keys=("shared_x",),
+                             labels="shared_y")
 
     def setup(self, federation) -> None:
         super().setup(federation)
@@ -280,8 +282,7 @@ class DpSharedImages(HubAndSpoke):
     def configure_round(self, round: int) -> dict[str, Instruction]:
         if not self.shared:   # the release step: every client, flagged as the declared DP release
             self.asked = round
-            ins = Instruction(config={"dp_release": True, "epsilon": self.epsilon, "clip": self.clip,
-                                      "delta": self.delta})
+            ins = Instruction(config={"dp_release": True})
             return {cid: ins for cid in self.federation.client_ids}
         return {cid: Instruction(payload={"model": self.global_state, **self.shared})
                 for cid in self.federation.sample(round)}
@@ -316,15 +317,11 @@ class DpSharedImages(HubAndSpoke):
 
     def client_update(self, client, instruction: Instruction) -> Reply:
         if instruction.config.get("dp_release") is True:
-            cfg = instruction.config
+            # the images as they are: medfl clips and noises them (release_plan) before they leave
             data = client.dataset("train", augment=False)
             x = torch.stack([data[i][0] for i in range(len(data))])
             y = torch.tensor([int(data[i][1]) for i in range(len(data))])
-            g = torch.Generator().manual_seed(derive_seed(client.seed, "release", client.noise_key))
-            x_p, rec = release_features(x, epsilon=float(cfg["epsilon"]), clip=float(cfg["clip"]),
-                                        delta=float(cfg["delta"]), generator=g)
-            return Reply(payload={"shared_x": x_p, "shared_y": y}, metrics={"clipped_fraction": rec.clipped_fraction},
-                         num_examples=len(y))
+            return Reply(payload={"shared_x": x, "shared_y": y}, num_examples=len(y))
         model = self.client_model(client, instruction)
         shared = torch.utils.data.TensorDataset(instruction.payload["shared_x"], instruction.payload["shared_y"])
         both = torch.utils.data.ConcatDataset([client.dataset("train"), _Labelled(shared)])

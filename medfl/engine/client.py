@@ -23,8 +23,11 @@ from medfl.context import ClientContext
 from medfl.engine.data import client_order, sha256_file
 from medfl.engine.training import NonFiniteError, compute_settings
 from medfl.filters import FilterChain
-from medfl.messages import RELEASE_FLAG, Instruction, Reply, validate_payload
+from medfl.guard import ContentGuard
+from medfl.messages import RELEASE_CLIP, RELEASE_FLAG, Instruction, PayloadError, Reply, validate_payload
 from medfl.method import Method
+from medfl.privacy.accounting import PrivacyConfigError
+from medfl.privacy.feature_release import RELEASE_METRICS, method_release, perform_release
 from medfl.seeding import derive_seed, seed_torch
 
 __all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile",
@@ -204,13 +207,68 @@ def first_non_finite(value: Any, path: str = "") -> str:
 
 
 def release_exemptions(method: Method, instruction: Instruction) -> frozenset[str]:
-    """The reply keys excused from the per-sample checks for a reply to ``instruction``: the
-    method's ``payload_exemptions``, but only when the instruction asks for its declared DP
-    release (``config["dp_release"]`` true); every other reply of the method is checked in
-    full, so a per-sample value under an exempted key outside the release is refused."""
-    if method.payload_exemptions and instruction.config.get(RELEASE_FLAG) is True:
-        return frozenset(method.payload_exemptions)
-    return frozenset()
+    """The reply keys of the method's declared per-sample release (:class:`SampleRelease`'s
+    feature and label keys) in a reply to ``instruction`` when it asks for the release
+    (``config["dp_release"]`` true), else none. They skip the coordinator's shape check
+    (the released features are shaped like images) and the filters' coverage check; at the
+    client, medfl performs the release on them and the content guard checks what leaves
+    (:func:`run_client_update`)."""
+    plan = method_release(method)
+    if plan is None or instruction.config.get(RELEASE_FLAG) is not True:
+        return frozenset()
+    return frozenset(plan.keys) | frozenset([plan.labels] if plan.labels else [])
+
+
+def _perform_release(method: Method, ctx: ClientContext, instruction: Instruction, reply: Reply,
+                     where: str) -> frozenset[str]:
+    """Medfl's side of a method's per-sample release, on ``reply`` at the client: refuse the
+    release's keys in a reply that is no release; in a release, check the reply as the
+    method returned it (every key but the labels and, when noise will be added, the
+    features), perform the release (:func:`perform_release`: the clip, the noise the plan
+    states, drawn with the site's secret) and add medfl's record to the metrics. Returns the
+    keys the filters' coverage check leaves to the release (none outside a release).
+
+    Raises:
+        PayloadError: a release key outside a release, metrics named like medfl's record,
+            client data outside the features, a malformed release.
+        PrivacyConfigError: an old-contract method, or a release whose clip the instruction
+            should carry and does not.
+    """
+    plan = method_release(method)
+    asked = plan is not None and instruction.config.get(RELEASE_FLAG) is True
+    if plan is None or not asked:
+        stray = sorted(k for k in (plan.keys if plan is not None else ()) if k in reply.payload)
+        if stray:
+            raise PayloadError(f"{where}: {stray} carries release {plan.mechanism!r} (a SampleRelease key), which "
+                               f"medfl performs only in a reply to an instruction that asks for it (config "
+                               f"{RELEASE_FLAG!r}); this reply may not carry it")
+        validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard)
+        return frozenset()
+    taken = sorted(k for k in RELEASE_METRICS if k in reply.metrics)
+    if taken:
+        raise PayloadError(f"{where} (metrics): {taken} are medfl's record of release {plan.mechanism!r}; the "
+                           "method's metrics may not carry these names")
+    labels = frozenset([plan.labels] if plan.labels else [])
+    # features that will be noised are judged as they leave; unnoised ones as returned too
+    validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard,
+                     exempt=labels | frozenset(plan.keys) if plan.noised else labels)
+    clip = plan.clip
+    if math.isnan(clip):
+        clip = instruction.config.get(RELEASE_CLIP)
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (math.isfinite(clip) and clip > 0):
+            raise PrivacyConfigError(f"{where}: release {plan.mechanism!r} takes its clip from the instruction's "
+                                     f"config[{RELEASE_CLIP!r}] (set by the coordinator), a finite number > 0; "
+                                     f"got {clip!r}")
+    train_labels = ctx.guard.split_labels("train") if isinstance(ctx.guard, ContentGuard) else None
+    if train_labels is None:
+        raise PayloadError(f"{where}: release {plan.mechanism!r} releases the client's training samples, and "
+                           f"client {ctx.client_id} has no train split")
+    g = torch.Generator().manual_seed(derive_seed(ctx.seed, "release", ctx.noise_key))
+    reply.payload, record = perform_release(reply.payload, plan, clip=float(clip), train_labels=train_labels,
+                                            generator=g, where=where)
+    reply.metrics = {**reply.metrics, **record}
+    validate_payload(reply.payload, where + " (as released)", allow_str=False, guard=ctx.guard, exempt=labels)
+    return labels | frozenset(plan.keys)
 
 
 def _keep_state(ctx: ClientContext, store: ClientStore | None) -> None:
@@ -224,11 +282,14 @@ def _keep_state(ctx: ClientContext, store: ClientStore | None) -> None:
 def run_client_update(method: Method, ctx: ClientContext, instruction: Instruction,
                       store: ClientStore | None = None, filters: FilterChain | None = None,
                       step: int = 0) -> Reply:
-    """Check the instruction, run ``method.client_update`` seeded, check the reply, then
-    apply the run's reply ``filters`` (:mod:`medfl.filters`) and check what they produced.
+    """Check the instruction, run ``method.client_update`` seeded, check the reply, perform
+    the method's declared per-sample release when the instruction asks for it
+    (:func:`_perform_release`), then apply the run's reply ``filters`` (:mod:`medfl.filters`)
+    and check what they produced.
 
     The content guard (the client's own labels and images, :mod:`medfl.guard`) sees the
-    reply both as the method returned it and as it leaves after the filters.
+    reply as the method returned it (a noised release's features excepted), as released,
+    and as it leaves after the filters.
 
     With ``store``, the client's persistent state (``ctx.state`` after the update) is saved
     there for this round; a stateless method (empty state, nothing stored before) writes nothing.
@@ -254,9 +315,8 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     if bad:
         raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: the reply's {bad} holds NaN or infinite "
                              "values (training diverged); lower train.lr or set train.clip_grad_norm")
-    exempt = release_exemptions(method, instruction)
-    validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard, exempt=exempt)
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
+    exempt = _perform_release(method, ctx, instruction, reply, where)
     if filters:
         reply.payload = filters.apply(type(method), reply.payload, instruction.payload, client_id=ctx.client_id,
                                       round=ctx.round, step=step, seed=ctx.seed, model_spec=ctx.model_spec,

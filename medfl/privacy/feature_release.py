@@ -1,7 +1,11 @@
 """A declared differential-privacy release of per-sample features: FedTPF's (and FedFed's)
 shared set ``x_p = clip(x_s) + n`` (paper 003, section III-E).
 
-Per-sample, image-shaped data may leave a client only this way. Each sample is released once:
+Per-sample, image-shaped data may leave a client only this way, and only medfl releases it:
+a method declares the release (:class:`SampleRelease`, ``Method.release_plan``) and returns
+the features unnoised; the engine performs it at the client after the method's code returned
+(:func:`perform_release`) and the content guard checks what leaves (issue 38). Each sample is
+released once:
 
 * ``gaussian`` (default): each ``x_s`` is clipped to L2 norm ``clip`` and Gaussian noise of
   std ``sigma = z * clip`` is added, ``z`` the noise multiplier Opacus's accountant gives for
@@ -34,14 +38,22 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from medfl.filters import Release as LedgerRelease
 from medfl.privacy.accounting import PrivacyConfigError, check_delta, check_positive, epsilon_spent, noise_for_epsilon
 
-__all__ = ["MECHANISMS", "Release", "release_features", "release_with_variance", "release_noise", "variance_scale",
-           "perturb_features", "noise_comparison", "norm_quantile"]
+__all__ = ["MECHANISMS", "RELEASE_METRICS", "Release", "SampleRelease", "method_release", "release_features", "release_at",
+           "release_with_variance", "perform_release", "release_noise", "variance_scale", "perturb_features",
+           "noise_comparison", "norm_quantile"]
 
 MECHANISMS = ("gaussian", "laplace")
+
+#: The reply metrics of a release reply that medfl writes from its own record of the release
+#: (:func:`perform_release`); a method's own metrics may not use these names there.
+RELEASE_METRICS = ("released", "noise_std", "epsilon", "clipped_fraction", "signal_norm", "noise_norm",
+                   "noise_to_signal")
 
 
 @dataclass
@@ -77,6 +89,108 @@ class Release:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class SampleRelease(LedgerRelease):
+    """A method's per-sample release (``Method.release_plan``), which **medfl** performs at
+    the client: the method's client step returns the features unnoised under :attr:`keys`
+    (and the samples' labels under :attr:`labels`) in its reply to an instruction that asks
+    for the release (``RELEASE_FLAG``); after the method's code returned, medfl clips each
+    sample's features (all keys together, one vector per sample) and adds the noise this
+    record states (:func:`perform_release`), then the content guard checks what leaves. The
+    ledger records exactly this release (``privacy.csv``), so what is counted is what was done.
+
+    Attributes (beyond :class:`medfl.filters.Release`'s, whose ``mechanism`` is the name in
+    ``privacy.csv``, ``noise_multiplier`` the noise over the clip and ``clip`` the sensitivity):
+        keys: the reply keys holding per-sample features ``(N, ...)``, ``N`` the client's
+            training samples in the train split's order.
+        labels: the reply key holding those samples' labels (sent in the clear, as they
+            are: it must equal the train split's labels, in order), or ``None``.
+        noise: ``"gaussian"`` (L2 clip, Gaussian noise of std ``noise_multiplier * clip``)
+            or ``"laplace"`` (L1 clip, Laplace noise of scale ``noise_multiplier * clip``).
+        variance: a fixed noise variance on *unclipped* features (paper 003's reading; no
+            differential privacy: ``noise_multiplier`` 0 and ``clip`` infinite), or ``None``.
+
+    ``noise_multiplier`` 0 without ``variance``: the features are clipped and sent without
+    noise (a measurement, not private); the content guard then also checks them as the method
+    returned them. A ``clip`` of NaN is set during the run by the coordinator (from public
+    data, at no privacy cost) and travels in the release instruction (``RELEASE_CLIP``).
+
+    Raises:
+        PrivacyConfigError: no key, a label key among the feature keys, an unknown noise, a
+            sample rate other than 1, a negative or non-finite noise multiplier, a clip that
+            is not > 0 (or NaN), a variance with a finite clip or a noise multiplier.
+    """
+
+    unit: str = "sample"
+    keys: tuple[str, ...] = ()
+    labels: str | None = None
+    noise: str = "gaussian"
+    variance: float | None = None
+
+    def __post_init__(self) -> None:
+        where = f"release {self.mechanism!r}"
+        if isinstance(self.keys, list):
+            object.__setattr__(self, "keys", tuple(self.keys))
+        if not self.keys or not all(isinstance(k, str) and k for k in self.keys) or isinstance(self.keys, str):
+            raise PrivacyConfigError(f"{where}: keys must name the reply keys of the features medfl releases, "
+                                     f"got {self.keys!r}")
+        if self.labels is not None and (not isinstance(self.labels, str) or self.labels in self.keys):
+            raise PrivacyConfigError(f"{where}: labels must be a reply key other than the feature keys, "
+                                     f"got {self.labels!r}")
+        if self.noise not in MECHANISMS:
+            raise PrivacyConfigError(f"{where}: noise must be one of {', '.join(MECHANISMS)}, got {self.noise!r}")
+        if self.sample_rate != 1.0 or self.unit != "sample":
+            raise PrivacyConfigError(f"{where}: each sample is released once per request: unit 'sample' and "
+                                     f"sample_rate 1, got {self.unit!r} and {self.sample_rate!r}")
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise PrivacyConfigError(f"{where}: noise_multiplier must be a finite number >= 0, "
+                                     f"got {self.noise_multiplier!r}")
+        if self.variance is not None:
+            if not (math.isfinite(self.variance) and self.variance > 0) or self.noise_multiplier != 0 \
+                    or self.clip != math.inf:
+                raise PrivacyConfigError(f"{where}: a fixed variance (> 0) goes on unclipped features: noise "
+                                         f"multiplier 0 and clip infinite, got variance {self.variance!r}, "
+                                         f"noise multiplier {self.noise_multiplier!r}, clip {self.clip!r}")
+        elif not (math.isnan(self.clip) or (math.isfinite(self.clip) and self.clip > 0)):
+            raise PrivacyConfigError(f"{where}: clip must be a finite number > 0 (or NaN: set during the run), "
+                                     f"got {self.clip!r}")
+
+    @property
+    def private(self) -> bool:
+        """Whether the release is differentially private (clipped, with noise)."""
+        return self.variance is None and self.noise_multiplier > 0
+
+    @property
+    def noised(self) -> bool:
+        """Whether medfl adds noise (a DP release, or the fixed variance)."""
+        return self.variance is not None or self.noise_multiplier > 0
+
+
+def method_release(method: Any) -> SampleRelease | None:
+    """A method's per-sample release (``Method.release_plan``) as medfl performs it, or
+    ``None`` when it makes none.
+
+    Raises:
+        PrivacyConfigError: the method still uses the old contract (``payload_exemptions``,
+            which excuses nothing any more), or its plan is not a :class:`SampleRelease`
+            naming the keys medfl releases.
+    """
+    name = getattr(method, "name", type(method).__name__)
+    if getattr(type(method), "payload_exemptions", None):
+        raise PrivacyConfigError(
+            f"method {name!r} sets payload_exemptions {sorted(type(method).payload_exemptions)}: a method no longer "
+            "excuses reply keys from the content guard. Declare the per-sample release in release_plan() as a "
+            "medfl.privacy.feature_release.SampleRelease naming its keys and return the features unnoised: medfl "
+            "adds the noise at the client (docs/plugins.md, 'Per-sample releases')")
+    plan = method.release_plan()
+    if plan is not None and not isinstance(plan, SampleRelease):
+        raise PrivacyConfigError(
+            f"method {name!r}: release_plan() must return a medfl.privacy.feature_release.SampleRelease (the reply "
+            f"keys medfl clips and noises at the client, with the noise the ledger records), got "
+            f"{type(plan).__name__}: a method cannot make a release itself (docs/plugins.md, 'Per-sample releases')")
+    return plan
+
+
 def release_features(x_s: torch.Tensor, *, epsilon: float, clip: float, delta: float = 1e-5,
                      mechanism: str = "gaussian", accountant: str = "rdp",
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, Release]:
@@ -95,28 +209,54 @@ def release_features(x_s: torch.Tensor, *, epsilon: float, clip: float, delta: f
         raise PrivacyConfigError(f"{where}: mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
     epsilon = check_positive(epsilon, "epsilon", where)
     clip = check_positive(clip, "clip", where)
+    if mechanism == "gaussian":
+        z = noise_for_epsilon(epsilon, check_delta(delta, where), 1.0, 1, accountant)
+        return release_at(x_s, noise_multiplier=z, clip=clip, delta=delta, accountant=accountant, generator=generator,
+                          where=where)
+    b = clip / epsilon
+    record = Release("laplace", epsilon, 0.0, clip, b * math.sqrt(2), 1.0 / epsilon, len(x_s), 0.0, accountant=None)
+    return _release(x_s, clip, b, mechanism, generator, record, where)
+
+
+def release_at(x_s: torch.Tensor, *, noise_multiplier: float, clip: float, mechanism: str = "gaussian",
+               delta: float = 1e-5, accountant: str = "rdp", generator: torch.Generator | None = None,
+               where: str = "release_at") -> tuple[torch.Tensor, Release]:
+    """:func:`release_features` with the noise given as a multiplier of the clip (what a
+    :class:`SampleRelease` records): Gaussian noise of std ``noise_multiplier * clip`` after
+    an L2 clip, its epsilon from the accountant at ``delta``; or Laplace noise of scale
+    ``noise_multiplier * clip`` after an L1 clip (epsilon ``1 / noise_multiplier``).
+
+    Raises:
+        PrivacyConfigError: as :func:`release_features` (the multiplier must be > 0), naming
+            ``where``.
+    """
+    if mechanism not in MECHANISMS:
+        raise PrivacyConfigError(f"{where}: mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
+    z = check_positive(noise_multiplier, "noise_multiplier", where)
+    clip = check_positive(clip, "clip", where)
+    if mechanism == "gaussian":
+        delta = check_delta(delta, where)
+        spent = epsilon_spent([(z, 1.0, 1)], delta, accountant)
+        record = Release("gaussian", spent, delta, clip, z * clip, z, len(x_s), 0.0, accountant=accountant)
+        return _release(x_s, clip, z * clip, mechanism, generator, record, where)
+    b = z * clip
+    record = Release("laplace", 1.0 / z, 0.0, clip, b * math.sqrt(2), z, len(x_s), 0.0, accountant=None)
+    return _release(x_s, clip, b, mechanism, generator, record, where)
+
+
+def _release(x_s: torch.Tensor, clip: float, scale: float, mechanism: str, generator: torch.Generator | None,
+             record: Release, where: str) -> tuple[torch.Tensor, Release]:
+    """Clip each sample of ``x_s`` to ``clip`` and add noise of per-coordinate ``scale``; fill
+    in ``record``'s clipped fraction and mean norms. The step both releases share."""
     if not torch.isfinite(x_s).all():
         raise PrivacyConfigError(f"{where}: x_s holds NaN or infinite values; nothing is released")
     flat = x_s.detach().flatten(1).double()
     clipped, norms = _clip(flat, clip, mechanism)
-    if mechanism == "gaussian":
-        delta = check_delta(delta, where)
-        z = noise_for_epsilon(epsilon, delta, 1.0, 1, accountant)
-        spent = epsilon_spent([(z, 1.0, 1)], delta, accountant)
-        std = z * clip
-        noise = _draw(clipped.shape, std, mechanism, generator, torch.float64)
-        record = Release("gaussian", spent, delta, clip, std, z, len(flat), float((norms > clip).double().mean()),
-                         accountant=accountant)
-    else:
-        b = clip / epsilon
-        noise = _draw(clipped.shape, b, mechanism, generator, torch.float64)
-        record = Release("laplace", epsilon, 0.0, clip, b * math.sqrt(2), 1.0 / epsilon, len(flat),
-                         float((norms > clip).double().mean()), accountant=None)
     # the noise is drawn on the generator's device (the CPU: seeded the same on any machine)
-    noise = noise.to(clipped.device)
+    noise = _draw(clipped.shape, scale, mechanism, generator, torch.float64).to(clipped.device)
+    record.clipped_fraction = float((norms > clip).double().mean())
     record.signal_norm, record.noise_norm = _mean_norm(clipped), _mean_norm(noise)
-    x_p = (clipped + noise).to(x_s.dtype).view_as(x_s)
-    return x_p, record
+    return (clipped + noise).to(x_s.dtype).view_as(x_s), record
 
 
 def release_with_variance(x_s: torch.Tensor, *, variance: float, mechanism: str = "gaussian",
@@ -145,6 +285,75 @@ def release_with_variance(x_s: torch.Tensor, *, variance: float, mechanism: str 
     record = Release(mechanism, math.inf, 0.0, math.inf, math.sqrt(variance), 0.0, len(flat), 0.0,
                      accountant=None, signal_norm=_mean_norm(flat), noise_norm=_mean_norm(noise))
     return (flat + noise).to(x_s.dtype).view_as(x_s), record
+
+
+def perform_release(payload: dict[str, Any], plan: SampleRelease, *, clip: float, train_labels: np.ndarray,
+                    generator: torch.Generator, where: str) -> tuple[dict[str, Any], dict[str, float]]:
+    """The release ``plan`` describes, done by medfl on a reply ``payload`` at the client,
+    after the method's client step returned it: each sample's features under ``plan.keys``
+    (one vector per sample across the keys) clipped to ``clip`` and noised with
+    :func:`release_at`, or noised with ``plan.variance`` unclipped
+    (:func:`release_with_variance`), or only clipped (noise multiplier 0: not private).
+
+    Args:
+        clip: the clip to use (``plan.clip``, or the coordinator's when that is NaN).
+        train_labels: the client's training labels in the train split's order: the features
+            hold one row per training sample, and ``plan.labels`` must be exactly these.
+        generator: the noise's generator, seeded with the site's secret at a site.
+        where: the reply's readable location, for errors.
+
+    Returns:
+        ``(payload, metrics)``: a new payload with the released features (each key in its
+        dtype and shape, on the CPU), and medfl's record of the release as reply metrics
+        (:data:`RELEASE_METRICS`: ``epsilon`` only for a private release).
+
+    Raises:
+        PayloadError: a feature key missing or not a floating-point tensor with one row per
+            training sample, non-finite features, or labels other than the train split's.
+    """
+    from medfl.messages import PayloadError
+
+    n = len(train_labels)
+    feats = []
+    for key in plan.keys:
+        x = payload.get(key)
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2 and x.shape[0] == n):
+            got = (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else
+                   "nothing" if x is None else type(x).__name__)
+            raise PayloadError(f"{where}[{key!r}]: release {plan.mechanism!r} expects floating-point features "
+                               f"(N, ...) with one row per training sample (N = {n}), got {got}")
+        if not bool(torch.isfinite(x).all()):
+            raise PayloadError(f"{where}[{key!r}]: the features hold NaN or infinite values; nothing is released")
+        feats.append(x.detach().cpu())
+    if plan.labels is not None:
+        y = payload.get(plan.labels)
+        if not (isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() == 1
+                and np.array_equal(y.cpu().numpy().astype(np.int64), np.asarray(train_labels, dtype=np.int64))):
+            raise PayloadError(f"{where}[{plan.labels!r}]: release {plan.mechanism!r} sends the labels of the "
+                               f"client's {n} training samples in the clear, as an integer vector in the train "
+                               "split's order, and nothing else under that key")
+    flat = torch.cat([x.flatten(1).double() for x in feats], dim=1)
+    if plan.variance is not None:
+        x_p, rec = release_with_variance(flat, variance=plan.variance, mechanism=plan.noise, generator=generator)
+    elif plan.noise_multiplier > 0:
+        x_p, rec = release_at(flat, noise_multiplier=plan.noise_multiplier, clip=clip, mechanism=plan.noise,
+                              delta=plan.delta, accountant=plan.accountant, generator=generator, where=where)
+    else:   # noise off: clipped only, a measurement the ledger records as not private
+        x_p, norms = _clip(flat, check_positive(clip, "clip", where), plan.noise)
+        rec = Release(plan.noise, math.inf, plan.delta, clip, 0.0, 0.0, n, float((norms > clip).double().mean()),
+                      accountant=None, signal_norm=_mean_norm(x_p), noise_norm=0.0)
+    out = dict(payload)
+    start = 0
+    for key, x in zip(plan.keys, feats):
+        width = x[0].numel() if n else int(np.prod(x.shape[1:]))
+        out[key] = x_p[:, start:start + width].to(x.dtype).reshape(x.shape).contiguous()
+        start += width
+    metrics = {"released": float(n), "noise_std": rec.noise_std, "clipped_fraction": rec.clipped_fraction,
+               "signal_norm": rec.signal_norm, "noise_norm": rec.noise_norm,
+               "noise_to_signal": rec.noise_norm / rec.signal_norm if rec.signal_norm > 0 else math.nan}
+    if plan.private:
+        metrics["epsilon"] = rec.epsilon
+    return out, metrics
 
 
 def variance_scale(variance: float, mechanism: str = "gaussian") -> float:

@@ -23,7 +23,8 @@ Whose guarantee, against whom:
     The coordinator picks who takes part, so there is no amplification by sampling: the
     sample rate is 1 and a client's epsilon composes over the rounds it took part in.
 a method's own release (``Method.release_plan``; unit: one training sample of one client)
-    FedTPF's shared features: each sample's features are clipped and noised once, the
+    FedTPF's shared features: each sample's features are clipped and noised once, by medfl at
+    the client after the method's client step (``SampleRelease``), the
     Gaussian mechanism at sample rate 1 accounted by Opacus's accountant (``feature_gaussian``)
     or the Laplace mechanism with its pure epsilon, composed by summation
     (``feature_laplace``, accountant ``laplace``). A release with noise multiplier 0 (a
@@ -53,9 +54,19 @@ import pandas as pd
 from medfl.filters import FilterChain
 from medfl.method import Federation, Method, OwnDp
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, epsilon_spent, noise_for_epsilon
+from medfl.privacy.feature_release import method_release
 from medfl.seeding import round_half_up
 
-__all__ = ["PrivacyPlan", "PrivacyLedger", "DpSgdPlan", "PRIVACY_COLUMNS", "planned_releases"]
+__all__ = ["PrivacyPlan", "PrivacyLedger", "DpSgdPlan", "PRIVACY_COLUMNS", "planned_releases",
+           "RELEASE_GUARD_NOTE", "UNNOISED_RELEASE_NOTE"]
+
+#: What the content guard does with a method's noised per-sample release (``config.json``).
+RELEASE_GUARD_NOTE = ("the content guard checks the released features as they leave, after medfl's noise; "
+                      "every other reply key as the method returned it")
+#: What happens to a release without noise (``epsilon: null``): ``config.json`` and ``summary.json``.
+UNNOISED_RELEASE_NOTE = ("not private: the features are sent clipped, without noise; the content guard checks them "
+                         "as the method returned them and as they leave, and stops the run if they repeat the "
+                         "client's images")
 
 #: Columns of ``privacy.csv``.
 PRIVACY_COLUMNS = ["round", "client_id", "mechanism", "unit", "noise_multiplier", "clip", "steps", "total_steps",
@@ -111,7 +122,7 @@ class PrivacyPlan:
         self.federation = federation
         self.chain_keys = list(type(method).reply_state)
         #: the method's own per-sample release (``Method.release_plan``), or None
-        self.method_release = method.release_plan()
+        self.method_release = method_release(method)
         self.method_target = getattr(method, "epsilon", None) if self.method_release is not None else None
         chain.plan(federation, f"{where}, filters")
         self.dp_sgd: DpSgdPlan | None = None
@@ -123,9 +134,11 @@ class PrivacyPlan:
             self.uncovered = ["training metrics in replies (mean loss, step counts)", "num_examples",
                               "evaluation and validation scalars"]
         self._extra: set[str] = set()
-        if self.method_release is not None:
+        rel = self.method_release
+        if rel is not None:
             self.uncovered += [f"labels and everything else in the release replies beside the features "
-                               f"({sorted(type(method).payload_exemptions)}: labels travel in the clear)",
+                               f"({sorted(rel.keys)}: labels travel in the clear"
+                               f"{f' under {rel.labels!r}' if rel.labels else ''})",
                                "every other reply entry (model states are sent without DP)"]
         for rel in [*chain.releases(), *([self.method_release] if self.method_release is not None else [])]:
             self.uncovered += [u for u in rel.not_covered if u not in self.uncovered]
@@ -244,7 +257,11 @@ class PrivacyPlan:
                                   "sample_rate": rel.sample_rate, "delta": rel.delta, "accountant": rel.accountant,
                                   "target_epsilon": self.method_target,
                                   "private": rel.noise_multiplier > 0,
-                                  "releases": "each training sample once, when the method asks for it"}
+                                  "releases": "each training sample once, when the method asks for it",
+                                  "keys": list(rel.keys), "labels": rel.labels,
+                                  "performed_by": "medfl at the client, after the method's client step returned the "
+                                                  "features unnoised",
+                                  "content_guard": RELEASE_GUARD_NOTE if rel.noised else UNNOISED_RELEASE_NOTE}
         if self.dp_sgd is not None:
             p = self.dp_sgd
             out["dp_sgd"] = {"unit": "sample", **p.settings, "noise_multiplier": p.noise, "sample_rate": p.sample_rate,
@@ -429,6 +446,9 @@ class PrivacyLedger:
             # a release with the noise off (a measurement): no guarantee; JSON has no infinity
             out["private"], out["epsilon"] = False, None
             out["non_private_releases"] = open_
+            rel = plan.method_release
+            if rel is not None and rel.mechanism in open_ and not rel.noised:
+                out["unnoised_release"] = UNNOISED_RELEASE_NOTE
             for m in open_:
                 block = out["mechanisms"][m]
                 block["epsilon"] = None

@@ -20,6 +20,7 @@ from medfl.engine.client import ClientContext, run_client_update
 from medfl.guard import ContentGuard, clear_reference_cache
 from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
 from medfl.method import Method
+from medfl.privacy.feature_release import SampleRelease
 
 from contract_methods import methods_registered
 
@@ -151,25 +152,31 @@ def test_scalars_and_histograms_pass(ctx_data: tuple[_Data, _Data]) -> None:
     assert "leak" in reply.payload
 
 
-def test_exempt_keys_skip_the_content_check_but_not_the_type_check(ctx_data: tuple[_Data, _Data]) -> None:
-    class _Exempt(_Leak):
-        payload_exemptions = frozenset({"leak"})
+class _Released(_Leak):
+    """Declares ``leak`` as a per-sample release (noise multiplier 1, clip 100), which medfl performs."""
 
+    def release_plan(self) -> SampleRelease:
+        return SampleRelease("leak_release", 1.0, 100.0, 1.0, 1e-5, "rdp", keys=("leak",))
+
+
+def test_a_release_key_is_noised_by_medfl_then_checked_never_excused_from_the_type_check(
+        ctx_data: tuple[_Data, _Data]) -> None:
+    """Issue 38, item 1: a key no longer skips the content check because the method says
+    so; medfl noises the release's images before they leave and the guard checks the result."""
     release = Instruction(config={"dp_release": True})
-    run_client_update(_Exempt(_x), _ctx(*ctx_data), release)
+    reply = run_client_update(_Released(_x), _ctx(*ctx_data), release)
+    sent = reply.payload["leak"] - _x(_ctx(*ctx_data))
+    assert float(sent.std()) == pytest.approx(100.0, rel=0.05) and reply.metrics["noise_std"] == 100.0
     with pytest.raises(PayloadError, match="only tensors and scalars"):
-        run_client_update(_Exempt(lambda c: object()), _ctx(*ctx_data), release)
+        run_client_update(_Released(lambda c: object()), _ctx(*ctx_data), release)
 
 
-def test_exempt_keys_are_checked_outside_the_declared_release(ctx_data: tuple[_Data, _Data]) -> None:
-    """An exempted key holding the client's images is refused in a reply to any instruction
-    that does not ask for the release (``dp_release`` missing, false, or a string)."""
-    class _Exempt(_Leak):
-        payload_exemptions = frozenset({"leak"})
-
+def test_a_release_key_is_refused_outside_the_declared_release(ctx_data: tuple[_Data, _Data]) -> None:
+    """A release key in a reply to any instruction that does not ask for the release
+    (``dp_release`` missing, false, or a string) is refused, whatever it holds."""
     for config in ({}, {"dp_release": False}, {"dp_release": "yes"}):
-        with pytest.raises(PayloadError, match=r"\['leak'\]: holds image 0 of client 3's train split"):
-            run_client_update(_Exempt(_x), _ctx(*ctx_data), Instruction(config=config))
+        with pytest.raises(PayloadError, match=r"\['leak'\] carries release 'leak_release'"):
+            run_client_update(_Released(lambda c: torch.randn(N, 4)), _ctx(*ctx_data), Instruction(config=config))
 
 
 def test_few_labels_are_not_distinguishable_from_chance() -> None:
