@@ -62,18 +62,21 @@ Images, transformed (issue 38: the plain mistakes of a careless plugin)
     are read from each plane, and a plane whose Pearson correlation with a sample's
     signature reaches :data:`PLANE_MIN_CORR` is that sample: correlation does not change
     under scaling and offset, and hardly under uint8 quantisation (per-image min-max) or
-    small noise. Signatures whose values are not varied enough (a quarter of the positions
-    at least distinct, no value on more than three quarters: backgrounds, masks) are not
-    kept; a random tensor correlates above 0.95 with a signature of 64 or more varied
-    positions with odds below ``1e-13`` per plane and signature.
+    small noise. Signatures whose values are not varied and spread enough (a quarter of
+    the positions at least distinct, no value on more than three quarters: backgrounds,
+    masks; 8 pixels carrying more than 90 % of the variance) are not kept
+    (:func:`_standardised`); a plane of independent random values correlates above 0.95
+    with a kept signature of 64 (128) pixels with odds of about ``1e-32`` (``1e-64``), the
+    fraction of the sphere within that angle.
 
     *crop probes*: 64-bit keys of runs of :data:`CROP` exact float32 pixels along the last
     axis (first channel), starting at every pixel of every line whose other coordinates
     are multiples of :data:`CROP`, so every crop of at least ``CROP`` pixels a side holds
     one; runs of values float16/bfloat16 represent exactly are left out (they occur in
-    weights), and :data:`CROP_KEYS` are kept per sample (every position of an image up to
-    about 45 x 45; a larger image's crop is caught with the odds that one of its positions
-    was kept, so a batch of crops almost surely). One key found in the message's
+    weights), and :data:`CROP_KEYS` are kept per sample: every start in an image up to
+    about 45 x 45; in a larger one every ``step``-th start of each line from a random
+    offset, so every crop ``step + 3`` pixels wide is caught (11 x 11 in 128 x 128), a 4 x 4
+    crop with odds ``1 / step`` per sample of a batch of crops. One key found in the message's
     float32/float64 tensors or lists recognises the sample (a chance match of 4 exact
     non-round values has odds of about ``2 ** -64``). A message is prefiltered on each
     run's largest pixel (one bit a slot, up to 2 MiB).
@@ -419,23 +422,28 @@ def plane_positions(shape: tuple[int, ...]) -> np.ndarray:
     return pos
 
 
-def _standardised(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` (``(r, M)``) centred and scaled to norm 1 (float64), and which rows are varied
-    enough to be compared: at least ``max(4, M // 4)`` distinct values, none on more than
-    three quarters of the positions (a background or a mask says nothing about a sample)."""
+def _standardised(rows: np.ndarray, signatures: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` (``(r, M)``) centred and scaled to norm 1 (float64), and which rows can be
+    compared (finite, not constant). A signature must also be varied and spread: at least
+    ``M // 4`` distinct values, none on more than three quarters of the positions (a
+    background or a mask says nothing about a sample), and its 8 largest pixels carrying at
+    most 90 % of its variance (so no row with 8 or fewer outstanding values, say a weight
+    vector with one large entry, reaches a correlation of 0.95 with it)."""
     rows = np.asarray(rows, dtype=np.float64)
     m = rows.shape[1]
-    srt = np.sort(rows, axis=1)
-    distinct = 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1)
-    top = (3 * m) // 4
-    varied = (distinct >= max(4, m // 4)) & np.isfinite(srt).all(axis=1)
-    if 0 < top < m:
-        varied &= (srt[:, top:] != srt[:, :-top]).all(axis=1)
     centred = rows - rows.mean(axis=1, keepdims=True)
     norm = np.sqrt((centred * centred).sum(axis=1))
-    varied &= norm > 0
+    usable = (norm > 0) & np.isfinite(norm)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(varied[:, None], centred / np.where(norm > 0, norm, 1)[:, None], 0.0), varied
+        unit = np.where(usable[:, None], centred / np.where(usable, norm, 1)[:, None], 0.0)
+    if signatures:
+        srt = np.sort(rows, axis=1)
+        usable &= 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1) >= m // 4
+        top = (3 * m) // 4
+        if 0 < top < m:
+            usable &= (srt[:, top:] != srt[:, :-top]).all(axis=1)
+        usable &= -np.sort(-unit * unit, axis=1)[:, :8].sum(axis=1) <= 0.9
+    return unit, usable
 
 
 def _plane_probes(x: np.ndarray) -> dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]:
@@ -448,7 +456,7 @@ def _plane_probes(x: np.ndarray) -> dict[tuple[str, tuple[int, ...]], tuple[np.n
     planes = x.reshape(x.shape[0] * channels, *spatial)
     out = {}
     for key, view in _views(planes):
-        rows, varied = _standardised(view.reshape(view.shape[0], -1)[:, plane_positions(key[1])])
+        rows, varied = _standardised(view.reshape(view.shape[0], -1)[:, plane_positions(key[1])], True)
         keep = np.nonzero(varied)[0]
         out[key] = (rows[keep].astype(np.float32), (keep // channels).astype(np.int32))
     return out
@@ -460,7 +468,9 @@ def _crop_probes(x: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, n
     pixel of the lines whose other coordinates are multiples of :data:`CROP`, so that every
     crop of at least ``CROP`` pixels a side holds one. Only runs of values that float16 and
     bfloat16 cannot represent, with at least 3 distinct values, are kept (a run of round
-    numbers also occurs in weights), up to :data:`CROP_KEYS` per sample drawn at random.
+    numbers also occurs in weights), up to :data:`CROP_KEYS` per sample: where a sample has
+    more starts, every ``step``-th of each line from a random offset (every crop of
+    ``step + CROP - 1`` pixels a side or more still holds one).
     Returns ``(keys, bits of each run's largest pixel in magnitude, sample)``: a message is
     prefiltered on those (most weights are smaller than an image's bright pixels)."""
     layout = _spatial(tuple(x.shape[1:]))
@@ -474,6 +484,13 @@ def _crop_probes(x: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, n
     round_ = np.lib.stride_tricks.sliding_window_view(_round_mask(lines), CROP, axis=2).any(axis=3)
     srt = np.sort(runs, axis=3)
     ok = ~round_ & (1 + (srt[..., 1:] != srt[..., :-1]).sum(axis=3) >= 3)
+    # a large image keeps every step-th start of each line, from a random offset per line:
+    # every crop at least step + CROP - 1 pixels wide holds a kept run, a narrower one with
+    # odds 1 / step (independently for each sample of a batch of crops)
+    step = -(-ok.shape[1] * ok.shape[2] // CROP_KEYS)
+    if step > 1:
+        offset = rng.integers(0, step, size=ok.shape[:2])
+        ok &= (np.arange(ok.shape[2]) - offset[..., None]) % step == 0
     ok = ok.reshape(m, -1)
     draw = np.where(ok, rng.random(ok.shape), 2.0)
     order = np.argsort(draw, axis=1, kind="stable")[:, :CROP_KEYS]
@@ -664,7 +681,7 @@ class _Index:
     gtable: dict[str, np.ndarray] = field(default_factory=dict)
     planes: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     ckeys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))     # sorted
-    csample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))    # of each sorted key
+    csample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))    # of each sorted key
     ctable: _Bitset | None = None                  # prefilter on a run's largest pixel
     crange: tuple[np.uint32, np.uint32] = (np.uint32(1), np.uint32(0))
     _vsorted: np.ndarray | None = field(default=None, repr=False)
@@ -791,7 +808,7 @@ def _merge(refs: list[tuple[str, SplitReference]]) -> _Index:
     ckeys = cat([ref.ckeys for _, ref in refs], np.uint64)
     if ckeys.size:
         order = np.argsort(ckeys, kind="stable")
-        csample = cat([ref.csample.astype(np.int64) + off for (_, ref), off in zip(refs, offsets)], np.int64)
+        csample = cat([ref.csample.astype(np.int64) + off for (_, ref), off in zip(refs, offsets)], np.int32)
         first = cat([ref.cfirst for _, ref in refs], np.uint32)
         # 64 slots a probe, up to 2**24 (2 MiB of bits): few weights reach the exact check
         tbits = min(24, max(_TABLE_MIN_BITS, (first.size * 64 - 1).bit_length()))
@@ -1490,7 +1507,7 @@ class ContentGuard:
             pos = torch.from_numpy(plane_positions(key[1]))
             for path, t in values:
                 for how, rows in _plane_readings(t, key[1]):
-                    std, varied = _standardised(rows[:, pos].to(torch.float64).numpy())
+                    std, varied = _standardised(rows[:, pos].to(torch.float64).numpy(), False)
                     std = std[varied]
                     step = max(1, (1 << 22) // max(sig.shape[0], 1))
                     for a in range(0, std.shape[0], step):
