@@ -91,11 +91,14 @@ anything encoded on purpose (labels XOR a constant, low mantissa bits, values hi
 small weight deltas): no check of content reaches those, and approval of the code and
 differential privacy are the protection.
 
-Cost (``benchmarks/payload_guard.py``, 2-core VM, one thread): building the reference reads
-every sample once per process (about 1 ms per 128x128 image, reading included) and keeps
-about 1.5 KB per sample plus 3 MiB of lookup tables per client; checking a ResNet-18 reply
-(11.2 M values) takes about 20 ms in float32 (large float32 tensors are read in place, in
-cache-sized steps), 65 ms in int8, 0.35 s in float16/bfloat16.
+Cost (``benchmarks/payload_guard.py``, 2-core VM, one thread; ``benchmarks/README.md`` has
+the figures before and after the plane signatures and crop probes): building the reference
+reads every sample once per process (about 1-3 ms per 128x128 image, reading included) and
+keeps about 9 KB per sample (1.5 KB of value and gram probes, the rest plane signatures and
+crop probes) plus up to 3 MiB of lookup tables per client; checking a ResNet-18 reply
+(11.2 M values) takes about 20 ms in float32 on an idle machine before the crop probes and
+about 20 ms more with them (large float32 tensors are read in place, in cache-sized steps),
+65 ms in int8, 0.35 s in float16/bfloat16.
 """
 
 from __future__ import annotations

@@ -104,6 +104,22 @@ def test_a_mistake_inside_a_list_or_channel_last_is_refused(images: tuple[_Data,
             run_client_update(_Leak(make), _ctx(*images), Instruction())
 
 
+def test_every_crop_wide_enough_is_refused_in_an_image_with_more_starts_than_kept() -> None:
+    """A 64 x 64 image has 16 lines of 61 crop starts, more than CROP_KEYS (512): every
+    second start of each line is kept, so any crop of 5 x 5 pixels is refused on its own,
+    wherever it lies (each image's crop alone in a message)."""
+    from medfl.guard import CROP, CROP_KEYS
+
+    data = _data(16, (1, 64, 64), seed=31)
+    assert 16 * (64 - CROP + 1) > CROP_KEYS
+    guard = ContentGuard("3", {"train": data})
+    g = torch.Generator().manual_seed(32)
+    for i, img in enumerate(data.tensors[0]):
+        y, x = (int(v) for v in torch.randint(0, 64 - 4, (2,), generator=g))
+        with pytest.raises(PayloadError, match=rf"\['crop'\]: holds image {i} of client 3's train split.*crop probes"):
+            guard.check({"crop": img[:, y:y + 5, x:x + 5].clone()}, "reply")
+
+
 def test_weights_shaped_like_the_images_pass(images: tuple[_Data, _Data]) -> None:
     """Tensors of the images' and the halved images' shapes that are not the client's
     images (random weights, prototypes, a constant map, another client's images) pass."""
