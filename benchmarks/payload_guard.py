@@ -8,13 +8,24 @@ replies with a ResNet-18 (2D, 11.2 M parameters). The script prints:
   reading them from disk) and its memory (probes, label vectors, prefilter tables);
 - the time of one check of the ResNet-18 reply in float32, float16, bfloat16 and int8
   (per-tensor quantised), of a metrics dict, and of an image leak (to show it is caught);
-- the peak of NumPy memory allocated during a check (``tracemalloc``).
+- the peak of NumPy memory allocated during a check (``tracemalloc``);
+- whether the plain mistakes of issue 38 (item 4) with 8 training images are caught, and
+  the time of that check: scaled by 0.5, uint8 with a per-image min-max, halved (2 x 2
+  means), 4 x 4 crops, plus 1e-6 noise.
+
+``--fixture pathmnist|mias|abide`` takes the client's images from a fixture in its real
+layout (``medfl.fixtures``, prepared as the tests do: PathMNIST 3 x 28 x 28, MIAS 1 x 128 x
+128 with its black background, ABIDE 4 x 32^3) instead of the synthetic images, and the
+ResNet-18 of the matching dimensions. The script uses only the guard's public API, so the
+same command on an older checkout (``PYTHONPATH=<old checkout> python ...``) gives the
+figures before a change.
 
 Usage::
 
     python benchmarks/payload_guard.py                 # about a minute on 2 cores
     python benchmarks/payload_guard.py --zscore        # images of mean 0, std 1
     python benchmarks/payload_guard.py --images 200 --size 64 --repeats 3
+    python benchmarks/payload_guard.py --fixture pathmnist --repeats 3
 """
 
 from __future__ import annotations
@@ -62,6 +73,57 @@ def _quantise_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _fixture(name: str, root: Path, cases: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write fixture ``name`` (``cases`` cases), prepare it, and return its splits as a
+    client's datasets (train / val / test of one client, no augmentation) and the ResNet-18
+    spec that fits its images."""
+    from medfl.config import resolve_config
+    from medfl.engine.data import split_data
+    from medfl.engine.runner import build_source
+    from medfl.fixtures import generate
+
+    raw, out = root / "raw", root / "data"
+    dataset: dict[str, Any] = {"name": "manifest", "path": str(out / "manifest.csv"), "normalize": "minmax"}
+    if name == "pathmnist":
+        from medfl.prep.medmnist import main as prep
+
+        generate("medmnist", raw, cases=cases, seed=0, flag="pathmnist")
+        assert prep(["--raw", str(raw), "--out", str(out), "--flag", "pathmnist"]) == 0
+        dataset["num_classes"] = 9
+    elif name == "mias":
+        from medfl.prep.mias import main as prep
+
+        generate("mias", raw, cases=cases, seed=0, reference=False)
+        assert prep(["--raw", str(raw), "--out", str(out), "--size", "128"]) == 0
+        dataset["num_classes"] = 3
+    else:
+        from medfl.prep.abide import main as prep
+
+        info = generate("abide", raw, cases=cases, seed=0, reference=False)
+        assert prep(["--raw", str(raw), "--out", str(out), "--size", "32", "--test-fold", "none",
+                     "--atlas", "file", "--atlas-file", str(info["signal_atlas"])]) == 0
+        dataset.update(num_classes=2, normalize="zscore", spatial_size=[32, 32, 32])
+    cfg = resolve_config({"name": name, "output_dir": str(root / "runs"), "seed": 0, "num_clients": 1,
+                          "progress": False, "dataset": dataset, "partition": {"name": "iid"},
+                          "global_test_fraction": 0.0, "methods": [{"name": "fedavg"}]})
+    data = split_data(build_source(cfg["dataset"]), cfg)
+    datasets = {s: f() for s, f in data.dataset_factories("0", ["train", "val", "test"]).items()}
+    first = datasets["train"][0][0]
+    return datasets, {"name": "resnet18", "spatial_dims": first.dim() - 1, "in_channels": first.shape[0],
+                      "num_classes": dataset["num_classes"]}
+
+
+def _mistakes(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Issue 38's plain mistakes with the images ``x`` (``(n, C, *spatial)``)."""
+    flat = x.reshape(x.shape[0], -1)
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    lo, hi = flat.min(1).values.reshape(shape), flat.max(1).values.reshape(shape)
+    crop = x[(slice(None), slice(None), *(slice(3, 7) for _ in x.shape[2:]))]
+    return {"x 0.5": x * 0.5, "uint8 per-image min-max": ((x - lo) / (hi - lo) * 255).round().to(torch.uint8),
+            "halved (2x2 means)": torch.nn.functional.interpolate(x, scale_factor=0.5, mode="area"),
+            "4x4 crops": crop.contiguous(), "+ 1e-6 noise": x + 1e-6 * torch.randn(x.shape)}
+
+
 def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
     times = []
     for _ in range(repeats):
@@ -78,6 +140,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=128, help="image side (default 128)")
     ap.add_argument("--repeats", type=int, default=5, help="checks timed per reply (default 5)")
     ap.add_argument("--zscore", action="store_true", help="z-scored images (default: min-max to [0, 1])")
+    ap.add_argument("--fixture", choices=("pathmnist", "mias", "abide"), default=None,
+                    help="a fixture's images instead of the synthetic ones (--images cases)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -85,12 +149,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="medfl-guard-bench-") as tmp:
         root = Path(tmp)
-        names = _write_images(root, args.images, args.size, args.zscore)
-        labels = np.random.default_rng(1).integers(0, 2, args.images)
-        n_train, n_val = int(0.7 * args.images), int(0.1 * args.images)
-        cuts = {"train": slice(0, n_train), "val": slice(n_train, n_train + n_val),
-                "test": slice(n_train + n_val, args.images)}
-        datasets = {s: ArrayDataset(names[c], labels[c], root=root) for s, c in cuts.items()}
+        spec = {"name": "resnet18", "spatial_dims": 2, "in_channels": 1, "num_classes": 2}
+        if args.fixture:
+            datasets, spec = _fixture(args.fixture, root, args.images)
+            shape = "x".join(map(str, datasets["train"][0][0].shape))
+            what = f"fixture {args.fixture} ({shape}, as the engine builds them)"
+        else:
+            names = _write_images(root, args.images, args.size, args.zscore)
+            labels = np.random.default_rng(1).integers(0, 2, args.images)
+            n_train, n_val = int(0.7 * args.images), int(0.1 * args.images)
+            cuts = {"train": slice(0, n_train), "val": slice(n_train, n_train + n_val),
+                    "test": slice(n_train + n_val, args.images)}
+            datasets = {s: ArrayDataset(names[c], labels[c], root=root) for s, c in cuts.items()}
+            what = (f"1x{args.size}x{args.size} (.npy, {'z-scored' if args.zscore else 'min-max to [0, 1]'})")
 
         clear_reference_cache()
         guard = ContentGuard("0", datasets)
@@ -102,7 +173,7 @@ def main() -> None:
         ContentGuard("0", datasets).index()          # the next round's guard: cached reference
         cached = time.perf_counter() - t0
 
-        model = build_model({"name": "resnet18", "spatial_dims": 2, "in_channels": 1, "num_classes": 2})
+        model = build_model(spec)
         sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
         params = sum(v.numel() for v in sd.values())
         replies = {
@@ -112,14 +183,16 @@ def main() -> None:
             "ResNet-18 int8 (per-tensor)": _quantise_int8(sd),
             "metrics (5 scalars)": {"loss": 0.41, "accuracy": 0.83, "auc": 0.9, "n": 350, "lr": 1e-3},
         }
-        print(f"client: {args.images} images 1x{args.size}x{args.size} (.npy, "
-              f"{'z-scored' if args.zscore else 'min-max to [0, 1]'}), splits "
-              f"{ {s: c.stop - c.start for s, c in cuts.items()} }")
+        print(f"client: {sum(len(d) for d in datasets.values())} images {what}, splits "
+              f"{ {s: len(d) for s, d in datasets.items()} }")
         print(f"reference: built in {build:.2f} s ({1000 * build / args.images:.2f} ms per image, reading "
               f"included); next round's guard {1000 * cached:.1f} ms (cached)")
         print(f"  {stats['samples']} samples, {stats['unprotected_samples']} unprotected, "
               f"{stats['value_probes']} value probes, gram probes {stats['gram_probes']}, "
               f"{stats['label_vectors']} label vectors")
+        if "crop_probes" in stats:
+            print(f"  plane signatures {stats['plane_signatures']} ({stats['samples_without_plane_signature']} "
+                  f"samples without), {stats['crop_probes']} crop probes")
         print(f"  memory: reference {stats['reference_bytes'] / 2**20:.2f} MiB "
               f"({stats['reference_bytes'] / stats['samples']:.0f} bytes per sample) + prefilter tables "
               f"{stats['table_bytes'] / 2**20:.0f} MiB")
@@ -131,14 +204,15 @@ def main() -> None:
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
             print(f"  {what:<30} {1000 * med:8.1f} ms (min {1000 * best:.1f})   NumPy peak {peak / 2**20:6.1f} MiB")
-        leak = {**sd, "x": torch.stack([datasets["train"][i][0] for i in range(8)])}
-        t0 = time.perf_counter()
-        try:
-            guard.check(leak, "reply")
-            print("  ResNet-18 + 8 training images: NOT caught")
-        except PayloadError as exc:
-            print(f"  ResNet-18 + 8 training images: caught in {1000 * (time.perf_counter() - t0):.0f} ms: "
-                  f"{str(exc)[:110]}...")
+        x = torch.stack([torch.as_tensor(datasets["train"][i][0]) for i in range(8)])
+        for form, leaked in {"8 training images": x, **_mistakes(x)}.items():
+            t0 = time.perf_counter()
+            try:
+                guard.check({**sd, "x": leaked}, "reply")
+                print(f"  ResNet-18 + {form}: NOT caught ({1000 * (time.perf_counter() - t0):.0f} ms)")
+            except PayloadError as exc:
+                print(f"  ResNet-18 + {form}: caught in {1000 * (time.perf_counter() - t0):.0f} ms: "
+                      f"{str(exc)[:110]}...")
 
 
 if __name__ == "__main__":

@@ -51,19 +51,54 @@ Images
     images) get exact (float32) gram probes instead. Runs with fewer than 3 distinct values
     or more than half zeros are not used as probes (backgrounds, constant regions). A
     sample is recognised when half of its gram positions along one axis (at least 3) occur.
+Images, transformed (issue 38: the plain mistakes of a careless plugin)
+    *plane signatures*: for each channel of each sample (a 2D image or a 3D volume) and
+    for three views of it (the plane itself; halved along every axis by ``2 x 2`` means,
+    which average pooling, area and bilinear resizing by 1/2 compute; and every second
+    pixel, which nearest resizing by 1/2 keeps), the values at :data:`PLANE_PIXELS` fixed
+    positions of the view, centred and scaled to norm 1. A tensor of the message is read
+    as planes of a view's shape where its shape allows (last dimensions, flattened planes,
+    a vector of several planes, channel-last; dimensions of 1 dropped), the same positions
+    are read from each plane, and a plane whose Pearson correlation with a sample's
+    signature reaches :data:`PLANE_MIN_CORR` is that sample: correlation does not change
+    under scaling and offset, and hardly under uint8 quantisation (per-image min-max) or
+    small noise. Signatures whose values are not varied and spread enough (a quarter of
+    the positions at least distinct, no value on more than three quarters: backgrounds,
+    masks; 8 pixels carrying more than 90 % of the variance) are not kept
+    (:func:`_standardised`); a plane of independent random values correlates above 0.95
+    with a kept signature of 64 (128) pixels with odds of about ``1e-32`` (``1e-64``), the
+    fraction of the sphere within that angle.
+
+    *crop probes*: 64-bit keys of runs of :data:`CROP` exact float32 pixels along the last
+    axis (first channel), starting at every pixel of every line whose other coordinates
+    are multiples of :data:`CROP`, so every crop of at least ``CROP`` pixels a side holds
+    one; runs of values float16/bfloat16 represent exactly are left out (they occur in
+    weights), and :data:`CROP_KEYS` are kept per sample: every start in an image up to
+    about 45 x 45; in a larger one every ``step``-th start of each line from a random
+    offset, so every crop ``step + 3`` pixels wide is caught (11 x 11 in 128 x 128), a 4 x 4
+    crop with odds ``1 / step`` per sample of a batch of crops. One key found in the message's
+    float32/float64 tensors or lists recognises the sample (a chance match of 4 exact
+    non-round values has odds of about ``2 ** -64``). A message is prefiltered on each
+    run's largest pixel (one bit a slot, up to 2 MiB).
 
 What it does not recognise is listed in ``docs/flower.md`` ("What the payload guard and
-approvals protect"): images transformed in value (intensity augmentation, noise,
-resampling, normalisation done by the plugin, quantisation), crops and small patches,
-images whose pixels take very few distinct values (binary masks), labels re-encoded
-(offset, permuted, hashed) or in an order other than the dataset's and the loader's, and
-anything encoded on purpose.
+approvals protect"): images transformed otherwise than above (intensity augmentation,
+other resampling filters and factors, rotations, crops of transformed images), images
+placed in a tensor off a plane's boundary, images whose pixels take very few distinct
+values (binary masks), labels re-encoded (offset, permuted, hashed) or in an order other
+than the dataset's and the loader's, per-sample features computed from the images, and
+anything encoded on purpose (labels XOR a constant, low mantissa bits, values hidden as
+small weight deltas): no check of content reaches those, and approval of the code and
+differential privacy are the protection.
 
-Cost (``benchmarks/payload_guard.py``, 2-core VM, one thread): building the reference reads
-every sample once per process (about 1 ms per 128x128 image, reading included) and keeps
-about 1.5 KB per sample plus 3 MiB of lookup tables per client; checking a ResNet-18 reply
-(11.2 M values) takes about 20 ms in float32 (large float32 tensors are read in place, in
-cache-sized steps), 65 ms in int8, 0.35 s in float16/bfloat16.
+Cost (``benchmarks/payload_guard.py``, 2-core VM, one thread; ``benchmarks/README.md`` has
+the figures before and after the plane signatures and crop probes): building the reference
+reads every sample once per process (about 1-3 ms per 128x128 image, reading included) and
+keeps about 9 KB per sample (1.5 KB of value and gram probes, the rest plane signatures and
+crop probes) plus up to 3 MiB of lookup tables per client; checking a ResNet-18 reply
+(11.2 M values) takes about 20 ms in float32 on an idle machine before the crop probes and
+about 20 ms more with them (large float32 tensors are read in place, in cache-sized steps),
+65 ms in int8, 0.35 s in float16/bfloat16.
 """
 
 from __future__ import annotations
@@ -81,7 +116,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 __all__ = ["ContentGuard", "SplitReference", "LABEL_MIN_BITS", "VALUE_PROBES", "GRAM", "GRAM_POSITIONS",
-           "IMAGE_FRACTION", "build_split_reference", "clear_reference_cache", "loader_orders"]
+           "IMAGE_FRACTION", "PLANE_PIXELS", "PLANE_MIN_CORR", "PLANE_MIN_SIDE", "CROP", "CROP_KEYS",
+           "build_split_reference", "clear_reference_cache", "loader_orders"]
 
 #: A label vector found in a message counts when a chance match anywhere in the message
 #: would have probability below ``2 ** -LABEL_MIN_BITS`` (see the module docstring).
@@ -98,6 +134,16 @@ GRAM_POSITIONS = 8
 IMAGE_FRACTION = 0.5
 #: Training-loader epochs whose sample order is also a reference label order.
 LOADER_EPOCHS = 3
+#: Pixels of a plane signature (fixed positions per view shape, fewer in views this small).
+PLANE_PIXELS = 128
+#: Correlation (over a signature's pixels) from which a plane of a message is a sample's view.
+PLANE_MIN_CORR = 0.95
+#: Smallest side of a view that gets plane signatures.
+PLANE_MIN_SIDE = 8
+#: Side of the smallest crop recognised by crop probes (runs of this many pixels).
+CROP = 4
+#: Crop probes kept per sample (every crop position of images up to about 45 x 45).
+CROP_KEYS = 512
 
 _VARIANTS = ("f16", "bf16", "exact")
 _AXES = 8                          # gram groups: sample * _AXES + axis
@@ -131,6 +177,13 @@ class SplitReference:
             direction, and its id indexes ``gsample``.
         gsample: per precision, the sample of each gram position.
         gaxis: per precision, the axis each gram position runs along.
+        planes: per view (``(name, shape)``: ``full``, ``mean2``, ``step2``, see
+            :func:`_views`), ``(signatures, sample)``: each signature is a plane's values at
+            the view's :func:`plane_positions`, centred and scaled to norm 1 (float32, one
+            row per channel of a sample whose values there are varied enough).
+        ckeys: crop probes: 64-bit keys of runs of :data:`CROP` exact float32 pixels (see
+            :func:`_crop_probes`); ``cfirst`` the float32 bits of each run's largest pixel
+            in magnitude, ``csample`` its sample.
     """
 
     n: int
@@ -141,6 +194,10 @@ class SplitReference:
     grams: dict[str, tuple[np.ndarray, np.ndarray]]
     gsample: dict[str, np.ndarray]
     gaxis: dict[str, np.ndarray]
+    planes: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    ckeys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    cfirst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
+    csample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     def gcount(self, variant: str) -> np.ndarray:
         """Number of gram positions of each sample at a precision."""
@@ -152,6 +209,8 @@ class SplitReference:
         total = self.labels.nbytes + self.vbits.nbytes + self.vsample.nbytes + self.vcount.nbytes
         for keys, pos in self.grams.values():
             total += keys.nbytes + pos.nbytes
+        total += sum(sig.nbytes + who.nbytes for sig, who in self.planes.values())
+        total += self.ckeys.nbytes + self.cfirst.nbytes + self.csample.nbytes
         return total + sum(c.nbytes for c in self.gsample.values()) + sum(c.nbytes for c in self.gaxis.values())
 
     @property
@@ -186,7 +245,7 @@ def _zero_code(variant: str) -> tuple[int, int]:
 
 
 def _gram_keys(grams: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of each row of ``grams`` (``GRAM`` codes)."""
+    """A 64-bit hash of each row of ``grams`` (up to 8 codes: ``GRAM``, or ``CROP``)."""
     g = grams.astype(np.uint64)
     key = np.zeros(len(g), dtype=np.uint64)
     for k in range(g.shape[1]):
@@ -320,6 +379,132 @@ def _chunk_probes(x: np.ndarray, rng: np.random.Generator, exact_grams: bool
     return values, grams
 
 
+# ------------------------------------------------- probes that survive plain transformations
+def _spatial(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+    """``(channels, spatial shape)`` of a sample of ``shape``: ``(H, W)`` is one plane,
+    ``(C, H, W)`` and ``(C, D, H, W)`` are ``C`` planes; other shapes have none."""
+    if len(shape) == 2:
+        return 1, tuple(shape)
+    if len(shape) in (3, 4):
+        return shape[0], tuple(shape[1:])
+    return None
+
+
+def _views(planes: np.ndarray) -> list[tuple[tuple[str, tuple[int, ...]], np.ndarray]]:
+    """The views of ``planes`` (``(m, *spatial)``) that get signatures: the planes themselves
+    (``full``) and, halved along every axis, their ``2 x 2`` (``2 x 2 x 2``) means
+    (``mean2``: average pooling, area and bilinear resizing by 1/2) and every second pixel
+    from the first (``step2``: nearest resizing by 1/2, ``x[::2, ::2]``); a view whose
+    smallest side is below :data:`PLANE_MIN_SIDE` is left out."""
+    spatial = planes.shape[1:]
+    out: list[tuple[tuple[str, tuple[int, ...]], np.ndarray]] = []
+    if min(spatial) >= PLANE_MIN_SIDE:
+        out.append((("full", spatial), planes))
+    half = tuple(d // 2 for d in spatial)
+    if min(half) >= PLANE_MIN_SIDE:
+        even = planes[(slice(None), *(slice(0, 2 * h) for h in half))]
+        pairs = even.reshape(planes.shape[0], *(x for h in half for x in (h, 2)))
+        out.append((("mean2", half), pairs.mean(axis=tuple(range(2, 2 + 2 * len(half), 2)), dtype=np.float64)))
+        out.append((("step2", half), even[(slice(None), *(slice(None, None, 2),) * len(half))]))
+    return out
+
+
+_POSITIONS: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def plane_positions(shape: tuple[int, ...]) -> np.ndarray:
+    """The flat positions of a view of ``shape`` at which plane signatures are taken: the
+    same :data:`PLANE_PIXELS` random pixels (all, in a smaller view) for every sample, so
+    that a message's plane is read there once for all samples."""
+    pos = _POSITIONS.get(shape)
+    if pos is None:
+        size = math.prod(shape)
+        rng = np.random.default_rng([*shape, 20261126])
+        pos = np.sort(rng.choice(size, size=min(PLANE_PIXELS, size), replace=False)).astype(np.intp)
+        _POSITIONS[shape] = pos
+    return pos
+
+
+def _standardised(rows: np.ndarray, signatures: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` (``(r, M)``) centred and scaled to norm 1 (float64), and which rows can be
+    compared (finite, not constant). A signature must also be varied and spread: at least
+    ``M // 4`` distinct values, none on more than three quarters of the positions (a
+    background or a mask says nothing about a sample), and its 8 largest pixels carrying at
+    most 90 % of its variance (so no row with 8 or fewer outstanding values, say a weight
+    vector with one large entry, reaches a correlation of 0.95 with it)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    m = rows.shape[1]
+    centred = rows - rows.mean(axis=1, keepdims=True)
+    norm = np.sqrt((centred * centred).sum(axis=1))
+    usable = (norm > 0) & np.isfinite(norm)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        unit = np.where(usable[:, None], centred / np.where(usable, norm, 1)[:, None], 0.0)
+    if signatures:
+        srt = np.sort(rows, axis=1)
+        usable &= 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1) >= m // 4
+        top = (3 * m) // 4
+        if 0 < top < m:
+            usable &= (srt[:, top:] != srt[:, :-top]).all(axis=1)
+        usable &= -np.sort(-unit * unit, axis=1)[:, :8].sum(axis=1) <= 0.9
+    return unit, usable
+
+
+def _plane_probes(x: np.ndarray) -> dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]:
+    """Plane signatures of the samples of ``x`` (``(m, ...)`` float32, one shape), per view:
+    ``(signatures, sample)`` with ``sample`` the row of ``x`` of each signature."""
+    layout = _spatial(tuple(x.shape[1:]))
+    if layout is None or x.shape[0] == 0:
+        return {}
+    channels, spatial = layout
+    planes = x.reshape(x.shape[0] * channels, *spatial)
+    out = {}
+    for key, view in _views(planes):
+        rows, varied = _standardised(view.reshape(view.shape[0], -1)[:, plane_positions(key[1])], True)
+        keep = np.nonzero(varied)[0]
+        out[key] = (rows[keep].astype(np.float32), (keep // channels).astype(np.int32))
+    return out
+
+
+def _crop_probes(x: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Crop probes of the samples of ``x`` (``(m, ...)`` float32, one shape): keys of the runs
+    of :data:`CROP` exact pixels of the first channel along the last axis, starting at every
+    pixel of the lines whose other coordinates are multiples of :data:`CROP`, so that every
+    crop of at least ``CROP`` pixels a side holds one. Only runs of values that float16 and
+    bfloat16 cannot represent, with at least 3 distinct values, are kept (a run of round
+    numbers also occurs in weights), up to :data:`CROP_KEYS` per sample: where a sample has
+    more starts, every ``step``-th of each line from a random offset (every crop of
+    ``step + CROP - 1`` pixels a side or more still holds one).
+    Returns ``(keys, bits of each run's largest pixel in magnitude, sample)``: a message is
+    prefiltered on those (most weights are smaller than an image's bright pixels)."""
+    layout = _spatial(tuple(x.shape[1:]))
+    none = (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.int32))
+    if layout is None or x.shape[0] == 0 or min(layout[1]) < CROP:
+        return none
+    m, spatial = x.shape[0], layout[1]
+    plane = x.reshape(m, layout[0], *spatial)[:, 0]
+    lines = plane[(slice(None), *(slice(None, None, CROP),) * (len(spatial) - 1))].reshape(m, -1, spatial[-1])
+    runs = np.lib.stride_tricks.sliding_window_view(lines, CROP, axis=2)        # (m, lines, starts, CROP)
+    round_ = np.lib.stride_tricks.sliding_window_view(_round_mask(lines), CROP, axis=2).any(axis=3)
+    srt = np.sort(runs, axis=3)
+    ok = ~round_ & (1 + (srt[..., 1:] != srt[..., :-1]).sum(axis=3) >= 3)
+    # a large image keeps every step-th start of each line, from a random offset per line:
+    # every crop at least step + CROP - 1 pixels wide holds a kept run, a narrower one with
+    # odds 1 / step (independently for each sample of a batch of crops)
+    step = -(-ok.shape[1] * ok.shape[2] // CROP_KEYS)
+    if step > 1:
+        offset = rng.integers(0, step, size=ok.shape[:2])
+        ok &= (np.arange(ok.shape[2]) - offset[..., None]) % step == 0
+    ok = ok.reshape(m, -1)
+    draw = np.where(ok, rng.random(ok.shape), 2.0)
+    order = np.argsort(draw, axis=1, kind="stable")[:, :CROP_KEYS]
+    take = np.take_along_axis(ok, order, axis=1)
+    si, k = np.nonzero(take)
+    picked = order[si, k]
+    values = np.ascontiguousarray(runs.reshape(m, -1, CROP)[si, picked])
+    peak = np.take_along_axis(values, np.abs(values).argmax(axis=1)[:, None], axis=1)[:, 0]
+    return _gram_keys(values.view(np.uint32)), peak.view(np.uint32), si.astype(np.int32)
+
+
 def _item_image(item: Any) -> Any:
     if isinstance(item, dict):
         return item.get("image", next(iter(item.values())))
@@ -349,7 +534,7 @@ def _fingerprint(ds: Dataset) -> str:
     two more of its samples)."""
     h = hashlib.sha1()
     n = len(ds)  # type: ignore[arg-type]
-    h.update(f"{type(ds).__module__}.{type(ds).__qualname__}:{n}:{VALUE_PROBES}:{GRAM}".encode())
+    h.update(f"{type(ds).__module__}.{type(ds).__qualname__}:{n}:{VALUE_PROBES}:{GRAM}:{PLANE_PIXELS}:{CROP}".encode())
     labels = _labels_of(ds)
     if labels is not None:
         h.update(labels.tobytes())
@@ -387,6 +572,8 @@ def build_split_reference(ds: Dataset, exact_grams: bool = False) -> SplitRefere
     gs: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
     ga: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
     gr: dict[str, list[np.ndarray]] = {v: [] for v in _VARIANTS}
+    planes: dict[tuple[str, tuple[int, ...]], list[tuple[np.ndarray, np.ndarray]]] = {}
+    crops: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     chunk: list[np.ndarray] = []
     start = 0
 
@@ -394,7 +581,12 @@ def build_split_reference(ds: Dataset, exact_grams: bool = False) -> SplitRefere
         if not chunk:
             return
         rng = np.random.default_rng([start, n, 20251125])
-        values, grams = _chunk_probes(np.stack(chunk), rng, exact_grams)
+        x = np.stack(chunk)
+        values, grams = _chunk_probes(x, rng, exact_grams)
+        for key, (sig, who) in _plane_probes(x).items():
+            planes.setdefault(key, []).append((sig, who + start))
+        keys, first, who = _crop_probes(x, np.random.default_rng([start, n, 20261126]))
+        crops.append((keys, first, who + start))
         for j, v in enumerate(values):
             vb.append(v.view(np.uint32))
             vs.append(np.full(v.size, start + j, dtype=np.int32))
@@ -428,7 +620,11 @@ def build_split_reference(ds: Dataset, exact_grams: bool = False) -> SplitRefere
         vbits=cat(vb, np.uint32), vsample=cat(vs, np.int32), vcount=vc,
         grams=grams,
         gsample={v: cat(gs[v], np.int32) for v in _VARIANTS},
-        gaxis={v: cat(ga[v], np.int8) for v in _VARIANTS})
+        gaxis={v: cat(ga[v], np.int8) for v in _VARIANTS},
+        planes={key: (np.concatenate([sig for sig, _ in parts]), cat([who for _, who in parts], np.int32))
+                for key, parts in planes.items()},
+        ckeys=cat([c[0] for c in crops], np.uint64), cfirst=cat([c[1] for c in crops], np.uint32),
+        csample=cat([c[2] for c in crops], np.int32))
 
 
 def _lru_get(cache: "OrderedDict[Any, Any]", key: Any) -> Any:
@@ -486,6 +682,11 @@ class _Index:
     ggroup: dict[str, np.ndarray] = field(default_factory=dict)   # position -> sample * _AXES + axis
     gneed: dict[str, np.ndarray] = field(default_factory=dict)    # hits needed per (sample, axis) group
     gtable: dict[str, np.ndarray] = field(default_factory=dict)
+    planes: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    ckeys: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))     # sorted
+    csample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))    # of each sorted key
+    ctable: _Bitset | None = None                  # prefilter on a run's largest pixel
+    crange: tuple[np.uint32, np.uint32] = (np.uint32(1), np.uint32(0))
     _vsorted: np.ndarray | None = field(default=None, repr=False)
 
     def probe_values(self, bits: np.ndarray) -> np.ndarray:
@@ -507,9 +708,9 @@ class _Index:
     def nbytes(self) -> int:
         """Memory of the arrays (what the merged-index cache counts)."""
         arrays = [self.vbits, self.vsample, self.vneed, *self.ggroup.values(), *self.gneed.values(),
-                  *self.gtable.values(), *(a for pair in self.grams.values() for a in pair)]
-        if self.vtable is not None:
-            arrays.append(self.vtable)
+                  *self.gtable.values(), *(a for pair in self.grams.values() for a in pair),
+                  *(a for pair in self.planes.values() for a in pair), self.ckeys, self.csample]
+        arrays += [t for t in (self.vtable, self.ctable) if t is not None]   # type: ignore[misc]
         return int(sum(a.nbytes for a in arrays))
 
 
@@ -531,6 +732,24 @@ def _table(slots: np.ndarray, tbits: int) -> np.ndarray:
     table = np.zeros(1 << tbits, dtype=bool)
     table[slots] = True
     return table
+
+
+class _Bitset:
+    """A prefilter table of ``2 ** tbits`` slots stored one bit a slot (a ``bool`` table
+    of the same selectivity would take 8 times the memory): indexed like one."""
+
+    def __init__(self, slots: np.ndarray, tbits: int) -> None:
+        self.size = 1 << tbits
+        self.bits = np.zeros(self.size >> 3, dtype=np.uint8)
+        np.bitwise_or.at(self.bits, slots >> 3, (1 << (slots & 7)).astype(np.uint8))
+
+    def __getitem__(self, slots: np.ndarray) -> np.ndarray:
+        return ((self.bits[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1).astype(bool)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the table."""
+        return self.bits.nbytes
 
 
 def _value_slot(bits: np.ndarray, tbits: int) -> np.ndarray:
@@ -583,6 +802,21 @@ def _merge(refs: list[tuple[str, SplitReference]]) -> _Index:
             index.gneed[v] = _need(np.bincount(group, minlength=offset * _AXES), 3, 3)
             tbits = _table_bits(keys.size)
             index.gtable[v] = _table(_key_slot(keys, tbits), tbits)
+    offsets = np.cumsum([0] + [ref.n for _, ref in refs])
+    views = {key for _, ref in refs for key in ref.planes}
+    for key in sorted(views):
+        parts = [(ref.planes[key][0], ref.planes[key][1].astype(np.int64) + off)
+                 for (_, ref), off in zip(refs, offsets) if key in ref.planes]
+        index.planes[key] = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    ckeys = cat([ref.ckeys for _, ref in refs], np.uint64)
+    if ckeys.size:
+        order = np.argsort(ckeys, kind="stable")
+        csample = cat([ref.csample.astype(np.int64) + off for (_, ref), off in zip(refs, offsets)], np.int32)
+        first = cat([ref.cfirst for _, ref in refs], np.uint32)
+        # 64 slots a probe, up to 2**24 (2 MiB of bits): few weights reach the exact check
+        tbits = min(24, max(_TABLE_MIN_BITS, (first.size * 64 - 1).bit_length()))
+        index.ckeys, index.csample = ckeys[order], csample[order]
+        index.ctable, index.crange = _Bitset(_value_slot(first, tbits), tbits), _magnitude_range(first)
     return index
 
 
@@ -896,6 +1130,57 @@ def _nonnegative(t: torch.Tensor, floats: _Floats) -> bool:
     return True if k is None else floats.nonnegative(k)
 
 
+def _plane_readings(t: torch.Tensor, shape: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
+    """The ways a tensor is read as planes of a view's ``shape`` (``(rows, prod(shape))``,
+    views where they can be, float64 once gathered), dimensions of 1 dropped: its last dimensions are ``shape``; its
+    last dimension is the plane's size (flattened planes) or, for a vector, a multiple of it;
+    its last dimensions are ``shape`` and up to 4 channels (channel-last)."""
+    if t.is_complex():
+        t = t.real
+    size, k = math.prod(shape), len(shape)
+    t = t.detach().cpu()
+    if 1 in t.shape and t.numel() > 1:   # a channel or batch of one, anywhere
+        t = t.squeeze()
+    out = []
+    if t.dim() >= k and tuple(t.shape[-k:]) == shape:
+        out.append(("", t.reshape(-1, size)))
+    elif t.dim() >= 1 and t.shape[-1] == size:
+        out.append((" (as flattened planes)", t.reshape(-1, size)))
+    elif t.dim() == 1 and t.numel() % size == 0 and t.numel() > size:
+        out.append((f" (as {t.numel() // size} planes)", t.reshape(-1, size)))
+    if t.dim() > k and tuple(t.shape[-k - 1:-1]) == shape and 2 <= t.shape[-1] <= 4:
+        out.append((" (channel-last)", t.movedim(-1, -k - 1).reshape(-1, size)))
+    return out
+
+
+def _prefiltered(pieces: list[tuple[int, np.ndarray]], table: "np.ndarray | _Bitset",
+                 vrange: tuple[np.uint32, np.uint32]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (and bit patterns) in ``pieces`` (``(first position, float32 bits)``)
+    that may hold a probe's pattern: values outside the probes' magnitude range ``vrange``
+    are dropped by an integer comparison (the bit patterns of non-negative floats are
+    ordered), the rest by the prefilter ``table`` (:func:`_value_slot`)."""
+    lo, hi = vrange
+    if hi < lo:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint32)
+    tbits = table.size.bit_length() - 1
+    where, values = [], []
+    for first, piece in pieces:
+        for a in range(0, piece.size, _SCAN_CHUNK):
+            c = piece[a:a + _SCAN_CHUNK]
+            mag = c & np.uint32(0x7FFFFFFF)
+            np.subtract(mag, lo, out=mag)   # in range iff mag - lo (wrapping) <= hi - lo
+            at = np.flatnonzero(mag <= hi - lo)
+            if at.size:
+                at = at[table[_value_slot(c[at], tbits)]]
+            if at.size:
+                where.append(at + (first + a))
+                values.append(c[at])
+    if not where:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint32)
+    return np.concatenate(where), np.concatenate(values)
+
+
 def _rolling_keys(codes: np.ndarray) -> np.ndarray:
     """:func:`_gram_keys` of every run of ``GRAM`` consecutive codes (``len - GRAM + 1`` keys)."""
     m = codes.size - GRAM + 1
@@ -1019,10 +1304,17 @@ class ContentGuard:
         ref_bytes = ix.vbits.nbytes + ix.vsample.nbytes + sum(y.nbytes for _, y in self._labels)
         ref_bytes += sum(k.nbytes + p.nbytes for k, p in ix.grams.values())
         ref_bytes += sum(g.nbytes for g in ix.ggroup.values())
-        tables = (ix.vtable.nbytes if ix.vtable is not None else 0) + sum(t.nbytes for t in ix.gtable.values())
+        ref_bytes += sum(sig.nbytes + who.nbytes for sig, who in ix.planes.values()) + ix.ckeys.nbytes + ix.csample.nbytes
+        tables = sum(t.nbytes for t in (ix.vtable, ix.ctable, *ix.gtable.values()) if t is not None)
+        signed = np.zeros(len(ix.names), dtype=bool)
+        for _, who in ix.planes.values():
+            signed[who] = True
         return {"samples": len(ix.names), "unprotected_samples": int((~protected).sum()),
                 "value_probes": int(ix.vbits.size),
                 "gram_probes": {v: int(g[0].size) for v, g in ix.grams.items()},
+                "plane_signatures": {f"{view} {'x'.join(map(str, shape))}": int(sig.shape[0])
+                                     for (view, shape), (sig, _) in ix.planes.items()},
+                "samples_without_plane_signature": int((~signed).sum()), "crop_probes": int(ix.ckeys.size),
                 "label_vectors": len(self._labels), "reference_bytes": int(ref_bytes), "table_bytes": int(tables)}
 
     # -------------------------------------------------------------- the check
@@ -1046,6 +1338,8 @@ class ContentGuard:
         floats = _Floats([t for _, t in leaves.tensors], [t for _, t in leaves.stacks])
         self._check_labels(ix, leaves, where, floats)
         self._check_images(ix, leaves, where, floats)
+        self._check_crops(ix, leaves, where, floats)
+        self._check_planes(ix, leaves, where)
 
     def _fail(self, msg: str) -> None:
         from medfl.messages import PayloadError
@@ -1170,34 +1464,88 @@ class ContentGuard:
                                   f"runs of {GRAM} pixels along axis {g % _AXES} (as {name})",
                                   np.unique(bad // _AXES).size)
 
+    def _check_crops(self, ix: _Index, leaves: _Leaves, where: str, floats: _Floats) -> None:
+        """Refuse a message in which a crop probe's run of exact pixels occurs (a crop of
+        at least :data:`CROP` pixels a side of an image, in float32 or float64, or a list)."""
+        if ix.ctable is None:
+            return
+        paths = {floats.segment(t): path for path, t in leaves.tensors if t.dtype in _Floats.FULL}
+        pieces = [(path, [(a, v.view(np.uint32)) for a, v in floats.pieces if a < floats.full])
+                  for path in [None] if paths]
+        pieces += [(path, [(0, arr.astype(np.float32).reshape(-1).view(np.uint32))]) for path, arr in leaves.lists]
+        hits: dict[str, np.ndarray] = {}                        # path -> samples hit
+        for path, parts in pieces:
+            for first, bits in parts:
+                peaks, _ = _prefiltered([(0, bits)], ix.ctable, ix.crange)
+                at = np.unique((peaks[:, None] - np.arange(CROP)).reshape(-1))   # the runs holding a peak
+                at = at[(at >= 0) & (at <= bits.size - CROP)]
+                if not at.size:
+                    continue
+                keys = _gram_keys(bits[at[:, None] + np.arange(CROP)])
+                k = np.minimum(np.searchsorted(ix.ckeys, keys), ix.ckeys.size - 1)
+                hit = ix.ckeys[k] == keys
+                if not hit.any():
+                    continue
+                if path is None:   # the held tensors: tell them apart by position
+                    seg = np.searchsorted(floats.starts, at[hit] + first, side="right") - 1
+                    for s in np.unique(seg).tolist():
+                        named = paths.get(s, " (a stack of small tensors)")
+                        hits[named] = np.concatenate([hits.get(named, np.zeros(0, np.int64)),
+                                                      ix.csample[k[hit][seg == s]]])
+                else:
+                    hits[path] = np.concatenate([hits.get(path, np.zeros(0, np.int64)), ix.csample[k[hit]]])
+        if hits:
+            per_sample = np.bincount(np.concatenate(list(hits.values())), minlength=len(ix.names))
+            s = int(np.argmax(per_sample))
+            path = max(hits, key=lambda p: int((hits[p] == s).sum()))
+            self._image_error(ix, where, path, s, int(per_sample[s]), int((ix.csample == s).sum()),
+                              f"runs of {CROP} pixels (crop probes: a crop of {CROP} x {CROP} pixels or more)",
+                              int((per_sample > 0).sum()))
+
+    def _check_planes(self, ix: _Index, leaves: _Leaves, where: str) -> None:
+        """Refuse a message holding a plane that correlates with a sample's plane signature
+        (:data:`PLANE_MIN_CORR`): an image, or an image halved in size, scaled, shifted,
+        quantised (per-image min-max to uint8) or with a little noise. A tensor is read as
+        planes of a view's shape when its last dimensions are that shape, its last dimension
+        (or a vector's whole length) is a multiple of the plane's size, or it holds planes
+        channel-last (:func:`_plane_readings`)."""
+        if not ix.planes:
+            return
+        found: list[tuple[float, int, str, tuple[str, tuple[int, ...]]]] = []
+        values = [(path, t) for path, t in leaves.tensors + leaves.stacks if t.dtype != torch.bool]
+        values += [(path, torch.from_numpy(arr)) for path, arr in leaves.lists]
+        for key, (sig, who) in ix.planes.items():
+            pos = torch.from_numpy(plane_positions(key[1]))
+            for path, t in values:
+                for how, rows in _plane_readings(t, key[1]):
+                    std, varied = _standardised(rows[:, pos].to(torch.float64).numpy(), False)
+                    std = std[varied]
+                    step = max(1, (1 << 22) // max(sig.shape[0], 1))
+                    for a in range(0, std.shape[0], step):
+                        corr = std[a:a + step] @ sig.T.astype(np.float64)
+                        r, c = np.nonzero(corr >= PLANE_MIN_CORR)
+                        found += [(float(corr[i, j]), int(who[j]), path + how, key) for i, j in zip(r, c)]
+        if not found:
+            return
+        corr, sample, path, (view, shape) = max(found)
+        split, i = ix.names[sample]
+        others = len({f[1] for f in found}) - 1
+        more = f" (and {others} more of its samples)" if others else ""
+        what = {"full": "its pixels", "mean2": "its 2 x 2 means (the image halved in size)",
+                "step2": "every second pixel of it (the image halved in size)"}[view]
+        self._fail(f"{where}{path}: holds image {i} of client {self.client_id}'s {split} split{more}, transformed: "
+                   f"a plane of {'x'.join(map(str, shape))} values correlates with {what} at "
+                   f"{plane_positions(shape).size} pixels ({corr:.4f}; a scaled, shifted, quantised, resampled or "
+                   f"noisy copy); images never leave a client")
+
     @staticmethod
     def _value_positions(ix: _Index, bits: np.ndarray | list[tuple[int, np.ndarray]]) -> np.ndarray:
         """The positions in ``bits`` (float32 bit patterns, or ``(first position, bits)``
-        pieces of one sequence) holding a value probe's pattern: values outside the probes'
-        magnitude range are dropped by an integer comparison (the bit patterns of
-        non-negative floats are ordered), the rest by the prefilter table, then exactly
-        (once for all pieces)."""
+        pieces of one sequence) holding a value probe's pattern: :func:`_prefiltered`, then
+        exactly (once for all pieces)."""
         pieces = [(0, bits)] if isinstance(bits, np.ndarray) else bits
-        lo, hi = ix.vrange
-        if hi < lo:
-            return np.zeros(0, dtype=np.int64)
-        tbits = ix.vtable.size.bit_length() - 1   # type: ignore[union-attr]
-        where, values = [], []
-        for first, piece in pieces:
-            for a in range(0, piece.size, _SCAN_CHUNK):
-                c = piece[a:a + _SCAN_CHUNK]
-                mag = c & np.uint32(0x7FFFFFFF)
-                np.subtract(mag, lo, out=mag)   # in range iff mag - lo (wrapping) <= hi - lo
-                at = np.flatnonzero(mag <= hi - lo)
-                if at.size:
-                    at = at[ix.vtable[_value_slot(c[at], tbits)]]   # type: ignore[index]
-                if at.size:
-                    where.append(at + (first + a))
-                    values.append(c[at])
-        if not where:
-            return np.zeros(0, dtype=np.int64)
-        where_all = np.concatenate(where)
-        return where_all[ix.probe_values(np.concatenate(values))]
+        where, values = _prefiltered(pieces, ix.vtable, ix.vrange)   # type: ignore[arg-type]
+        return where[ix.probe_values(values)]
 
     @classmethod
     def _value_hits(cls, ix: _Index, bits: np.ndarray) -> np.ndarray:
