@@ -78,7 +78,8 @@ import torch
 from tqdm.auto import tqdm
 
 from medfl import wire
-from medfl.config import build_method, check_device, method_label, method_preset, method_train, preset_record
+from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, check_device, cross_test_in_clear, method_label, method_preset,
+                          method_train, preset_record)
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
                                  evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
                                  release_exemptions, run_client_update, run_client_validate, write_sum)
@@ -286,6 +287,8 @@ class Run:
         chain, self.filters_skipped = configured_filters(cfg, method_spec, self.coordinator)
         #: the run's differential privacy and filters, resolved (noise derived) before training
         self.privacy = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
+        if cross_test_in_clear(cfg, self.privacy.private, where):
+            self.privacy.send_in_clear(CROSS_TEST_IN_CLEAR)
         self.ledger = PrivacyLedger(self.privacy)
         self._step = 0
         #: bytes sent to and received from each client (``communication.csv``)

@@ -616,3 +616,24 @@ def _wrong_codes(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_wrong_codes(v) for v in value)
     return value
+
+
+def test_cross_test_under_dp_over_the_grid_is_refused_or_recorded_as_not_private(tmp_path: Path) -> None:
+    """Issue 38, item 2, over Flower: under ``dp_gaussian`` every site sent its evaluation
+    model in the clear for ``cross_test`` and the summary said ``private: true``. Without the
+    opt-in the coordinator refuses the config before any message; with it the models travel
+    (``evaluate.score`` messages) and the summary says the run is not private and why."""
+    from medfl.config import CROSS_TEST_IN_CLEAR, ConfigError
+
+    job = {**FEDAVG, "rounds": 1, "eval_splits": ["test", "cross_test"],
+           "filters": [{"name": "dp_gaussian", "epsilon": 3.0, "delta": 1e-3, "clip": 1.0}]}
+    with pytest.raises(ConfigError, match=r"fl\.cross_test \{\"under_dp\": \"send_models\"\}"):
+        resolve_config(fl_config(tmp_path, "refused", job))
+    fl = fl_config(tmp_path, "opted_in", {**job, "cross_test": {"under_dp": "send_models"}})
+    grid = LoopGrid(_sites(tmp_path, fl))
+    out = run_flower_experiment(resolve_config(fl), grid, FAST)
+    run_dir = Path(out["dir"]) / "fedavg"
+    assert [k for _, k, _ in grid.sent].count(P.SCORE) == 3 and (run_dir / "cross_test.csv").is_file()
+    privacy = json.loads((run_dir / "summary.json").read_text())["privacy"]
+    assert privacy["private"] is False and privacy["epsilon"] is None
+    assert privacy["sent_in_clear"] == [CROSS_TEST_IN_CLEAR] and CROSS_TEST_IN_CLEAR in privacy["not_covered"]
