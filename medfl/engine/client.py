@@ -23,11 +23,11 @@ from medfl.context import ClientContext
 from medfl.engine.data import client_order, sha256_file
 from medfl.engine.training import NonFiniteError, compute_settings
 from medfl.filters import FilterChain
-from medfl.messages import RELEASE_FLAG, Instruction, Reply, validate_payload
+from medfl.messages import RELEASE_FLAG, Instruction, PayloadError, Reply, validate_payload
 from medfl.method import Method
 from medfl.seeding import derive_seed, seed_torch
 
-__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile",
+__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile", "reported_problem",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
@@ -213,6 +213,30 @@ def release_exemptions(method: Method, instruction: Instruction) -> frozenset[st
     return frozenset()
 
 
+def reported_problem(method: Method, exchange: str, instruction: Instruction, values: dict[str, Any],
+                     num_examples: Any = None, train_size: int = 0) -> str:
+    """Why an answer in ``exchange`` (``"train"``, ``"validate"``, ``"profile"``) to
+    ``instruction`` is not what ``method`` declared before round 1 ("" when it is): a name
+    in ``values`` outside :meth:`Method.reported_names`, or (with ``num_examples``) a
+    ``num_examples`` other than :meth:`Method.expected_num_examples` for a training split of
+    ``train_size``. Names and counts are free channels out of a site (a label per metric
+    name, labels encoded in a count); the client checks before its answer leaves, the
+    coordinator when it arrives."""
+    declared = frozenset(method.reported_names(exchange, instruction))
+    extra = sorted(str(k) for k in values if k not in declared)
+    if extra:
+        shown = ", ".join(repr(k[:40]) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        return (f"{exchange} value name(s) {shown} that method {method.name!r} does not declare (declared: "
+                f"{', '.join(sorted(declared)) or 'none'}); a method declares every name it reports before round 1 "
+                f"(Method.{exchange}_metrics or Method.reported_names)")
+    if num_examples is not None:
+        want = int(method.expected_num_examples(instruction, int(train_size)))
+        if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples != want:
+            return (f"num_examples {num_examples!r:.40} is not the {want} that method {method.name!r} declares for a "
+                    f"training split of {int(train_size)} (Method.expected_num_examples)")
+    return ""
+
+
 def _keep_state(ctx: ClientContext, store: ClientStore | None) -> None:
     """Check the client's persistent state after a step and save it for the round in
     ``store``; a stateless method (empty state, nothing stored before) writes nothing."""
@@ -257,6 +281,10 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     exempt = release_exemptions(method, instruction)
     validate_payload(reply.payload, where, allow_str=False, guard=ctx.guard, exempt=exempt)
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
+    problem = reported_problem(method, "train", instruction, reply.metrics, reply.num_examples,
+                               ctx.num_examples("train"))
+    if problem:
+        raise PayloadError(f"{where}: {problem}")
     if filters:
         reply.payload = filters.apply(type(method), reply.payload, instruction.payload, client_id=ctx.client_id,
                                       round=ctx.round, step=step, seed=ctx.seed, model_spec=ctx.model_spec,
@@ -301,6 +329,9 @@ def _scalar_exchange(method: Method, ctx: ClientContext, instruction: Instructio
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in scores.items()):
         raise TypeError(f"{where}: client_{kind} must return a flat dict of numbers, got {scores!r:.200}")
     validate_payload(scores, where, allow_str=False, guard=ctx.guard)
+    problem = reported_problem(method, kind, instruction, scores)
+    if problem:
+        raise PayloadError(f"{where}: {problem}")
     _keep_state(ctx, store)
     return {k: float(v) for k, v in scores.items()}
 
