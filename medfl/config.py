@@ -460,21 +460,23 @@ def check_cross_test(value: Any, where: str = "fl.cross_test") -> dict[str, Any]
     return out
 
 
-def cross_test_in_clear(cfg: dict[str, Any], private: bool, where: str) -> bool:
+def cross_test_in_clear(cfg: dict[str, Any], private: bool, where: str, refuse: bool = True) -> bool:
     """Whether a run of ``cfg`` sends its clients' evaluation models in the clear for
     ``cross_test`` while its privacy plan is ``private`` (a DP filter, DP-SGD or a method's
     own release): only with the opt-in ``fl.cross_test: {"under_dp": "send_models"}``.
 
     ``cross_test`` scores each client's evaluation model (its personalised model, private
     keys included) on every other client's test split, so every model leaves its site
-    unfiltered; no epsilon covers it.
+    unfiltered; no epsilon covers it. ``refuse=False`` (a run reopened from its saved
+    config: a resume, ``medfl predict``) says whether the models are sent, opt-in or not (a
+    run from before the refusal sent them too).
 
     Raises:
         ConfigError: a private run with ``cross_test`` and no opt-in, naming ``where`` and the option.
     """
     if not private or "cross_test" not in cfg["eval_splits"]:
         return False
-    if (cfg.get("cross_test") or {}).get("under_dp") == "send_models":
+    if not refuse or (cfg.get("cross_test") or {}).get("under_dp") == "send_models":
         return True
     raise ConfigError(
         f"{where}: fl.eval_splits has cross_test, which sends every client's evaluation model (its personalised "

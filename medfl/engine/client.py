@@ -252,7 +252,8 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     apply the run's reply ``filters`` (:mod:`medfl.filters`) and check what they produced.
 
     The content guard (the client's own labels and images, :mod:`medfl.guard`) sees the
-    reply both as the method returned it and as it leaves after the filters.
+    reply both as the method returned it and as it leaves after the filters; its metric
+    names and ``num_examples`` must be what the method declares (:func:`reported_problem`).
 
     With ``store``, the client's persistent state (``ctx.state`` after the update) is saved
     there for this round; a stateless method (empty state, nothing stored before) writes nothing.
@@ -262,7 +263,8 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
             filters' randomness.
 
     Raises:
-        PayloadError: the instruction or reply carries something that may not travel.
+        PayloadError: the instruction or reply carries something that may not travel, or
+            a metric name or ``num_examples`` the method did not declare.
     """
     _check_instruction(instruction, "instruction", ctx.client_id)
     _seed_all(ctx.seed)
@@ -300,7 +302,8 @@ def run_client_validate(method: Method, ctx: ClientContext, instruction: Instruc
     """Check the instruction, run ``method.client_validate`` seeded, check its scalars.
 
     The validation exchange (:meth:`medfl.method.Method.configure_validate`): what comes
-    back is a flat dict of numbers, checked like a reply's metrics. With ``store``, the
+    back is a flat dict of numbers under the names the method declares
+    (:func:`reported_problem`), checked like a reply's metrics. With ``store``, the
     client's state is saved again for this round when the method has any.
 
     Raises:

@@ -288,7 +288,8 @@ class Run:
         chain, self.filters_skipped = configured_filters(cfg, method_spec, self.coordinator)
         #: the run's differential privacy and filters, resolved (noise derived) before training
         self.privacy = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
-        if cross_test_in_clear(cfg, self.privacy.private, where):
+        # resolve_config refused it without the opt-in; a reopened older run sent them as well
+        if cross_test_in_clear(cfg, self.privacy.private, where, refuse=False):
             self.privacy.send_in_clear(CROSS_TEST_IN_CLEAR)
         self.ledger = PrivacyLedger(self.privacy)
         self._step = 0

@@ -237,6 +237,10 @@ def test_cross_test_under_dp_is_refused_without_the_opt_in(tiny_fl: dict, resolv
     with pytest.raises(ConfigError, match=r"fl\.cross_test\.under_dp: expected one of 'refuse', 'send_models'"):
         resolve({**fl, "cross_test": {"under_dp": "yes"}})
     resolve({**tiny_fl, "eval_splits": ["test", "cross_test"]})   # no DP: nothing to refuse
+    # a run reopened from a config saved before the refusal (resume, predict) is recorded as sending them
+    from medfl.config import cross_test_in_clear
+    assert cross_test_in_clear(fl, True, "a reopened run", refuse=False)
+    assert not cross_test_in_clear({**fl, "eval_splits": ["test"]}, True, "a reopened run", refuse=False)
 
 
 def test_cross_test_under_dp_with_the_opt_in_says_the_run_is_not_private(tiny_fl: dict, resolve: Any) -> None:
