@@ -197,6 +197,8 @@ def _privacy_line(summary: dict[str, Any]) -> str:
                         f"{b['unit']}-level, delta {b['delta']:g}, {b['accountant']})" for name, b in mechs.items())
     else:
         eps = "no differential privacy"
+    if privacy.get("sent_in_clear"):
+        eps += "; NOT private: " + "; ".join(map(str, privacy["sent_in_clear"]))
     per_round = (summary.get("communication") or {}).get("per_round") or {}
     mb = ""
     if per_round:

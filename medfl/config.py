@@ -19,7 +19,8 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "preset_record", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
            "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL", "EARLY_STOPPING_DEFAULTS",
-           "TEST_SPLITS", "check_early_stopping", "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation"]
+           "TEST_SPLITS", "check_early_stopping", "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation",
+           "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP", "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR"]
 
 
 class ConfigError(ValueError):
@@ -116,7 +117,10 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: the same for every run of a process and its children, :func:`medfl.report.plots_wanted`).
 #: ``secure_aggregation`` (Flower's SecAgg+ for the replies of the FedAvg family, over Flower
 #: only: ``true`` or a dict of :data:`SECURE_AGGREGATION_DEFAULTS` keys; :func:`check_secure_aggregation`).
-FL_OPTIONAL: dict[str, Any] = {"plots": True, "secure_aggregation": None}
+#: ``cross_test`` (:data:`CROSS_TEST_DEFAULTS`, :func:`check_cross_test`): what the Global Test may
+#: do in a run with differential privacy, which it leaves by sending every client's evaluation
+#: model in the clear; absent, a private run with ``cross_test`` in ``eval_splits`` is refused.
+FL_OPTIONAL: dict[str, Any] = {"plots": True, "secure_aggregation": None, "cross_test": None}
 
 #: The keys of ``fl.secure_aggregation`` and their defaults (:mod:`medfl.flower.secagg`).
 SECURE_AGGREGATION_DEFAULTS: dict[str, Any] = {
@@ -493,6 +497,58 @@ EARLY_STOPPING_DEFAULTS: dict[str, Any] = {
     "min_rounds": 0,            # never stop before this round
 }
 
+#: The keys of ``fl.cross_test`` and their defaults (:func:`check_cross_test`).
+CROSS_TEST_DEFAULTS: dict[str, Any] = {"under_dp": "refuse"}
+
+#: The values of ``fl.cross_test.under_dp``: ``"refuse"`` (the default: a run with differential
+#: privacy and ``cross_test`` is refused before round 1) or ``"send_models"`` (every client's
+#: evaluation model is sent in the clear for cross-site scoring, and the run's privacy record
+#: says it is not private).
+CROSS_TEST_UNDER_DP = ("refuse", "send_models")
+
+#: What a private run with the opt-in sends in the clear (``sent_in_clear`` and ``not_covered``
+#: in ``config.json``'s and ``summary.json``'s privacy blocks).
+CROSS_TEST_IN_CLEAR = "cross_test: every site's personalised model, sent in the clear"
+
+
+def check_cross_test(value: Any, where: str = "fl.cross_test") -> dict[str, Any] | None:
+    """Check a ``cross_test`` section: ``None``, or a dict of :data:`CROSS_TEST_DEFAULTS`' keys.
+
+    Raises:
+        ConfigError: not a dict, an unknown key, or ``under_dp`` not one of :data:`CROSS_TEST_UNDER_DP`.
+    """
+    out = _optional_section(value, CROSS_TEST_DEFAULTS, where, '{"under_dp": "send_models"}')
+    if out is not None and out["under_dp"] not in CROSS_TEST_UNDER_DP:
+        raise ConfigError(f"{where}.under_dp: expected one of {', '.join(map(repr, CROSS_TEST_UNDER_DP))}, "
+                          f"got {out['under_dp']!r}")
+    return out
+
+
+def cross_test_in_clear(cfg: dict[str, Any], private: bool, where: str, refuse: bool = True) -> bool:
+    """Whether a run of ``cfg`` sends its clients' evaluation models in the clear for
+    ``cross_test`` while its privacy plan is ``private`` (a DP filter, DP-SGD or a method's
+    own release): only with the opt-in ``fl.cross_test: {"under_dp": "send_models"}``.
+
+    ``cross_test`` scores each client's evaluation model (its personalised model, private
+    keys included) on every other client's test split, so every model leaves its site
+    unfiltered; no epsilon covers it. ``refuse=False`` (a run reopened from its saved
+    config: a resume, ``medfl predict``) says whether the models are sent, opt-in or not (a
+    run from before the refusal sent them too).
+
+    Raises:
+        ConfigError: a private run with ``cross_test`` and no opt-in, naming ``where`` and the option.
+    """
+    if not private or "cross_test" not in cfg["eval_splits"]:
+        return False
+    if not refuse or (cfg.get("cross_test") or {}).get("under_dp") == "send_models":
+        return True
+    raise ConfigError(
+        f"{where}: fl.eval_splits has cross_test, which sends every client's evaluation model (its personalised "
+        "model, private keys included) to the coordinator and the other sites in the clear, outside this run's "
+        "differential privacy; drop cross_test from fl.eval_splits, or opt in with "
+        "fl.cross_test {\"under_dp\": \"send_models\"} (the run's privacy record then says it is not private)")
+
+
 #: Splits of ``fl.eval_splits`` that are test data: selecting the best round on one of them
 #: is test-set leakage (allowed, warned and recorded).
 TEST_SPLITS = ("test", "global_test", "cross_test")
@@ -622,6 +678,11 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
                               "not supported: SecAgg+ quantizes the update itself and sums it masked, which a "
                               "filter's encoding or its per-reply undo at the coordinator cannot pass through; "
                               "drop the filters (or set the entry's \"filters\": [])")
+    from medfl.method import Method
+
+    private = (bool(chain.releases()) or method_train(cfg, m, cls)["dp"] is not None
+               or method.release_plan() is not None or cls.own_dp is not Method.own_dp)
+    cross_test_in_clear(cfg, private, where)
 
 
 def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
@@ -733,6 +794,8 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
                           f"got {cfg['filters']!r}")
     if "secure_aggregation" in cfg:
         cfg["secure_aggregation"] = check_secure_aggregation(cfg["secure_aggregation"], cfg["num_clients"])
+    if "cross_test" in cfg:
+        cfg["cross_test"] = check_cross_test(cfg["cross_test"])
     for i, m in enumerate(cfg["methods"]):
         _check_entry(cfg, m, f"fl.methods[{i}] ({method_label(m)})")
     cm = cfg["client_models"]

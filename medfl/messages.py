@@ -76,8 +76,11 @@ class Reply:
 
     Attributes:
         payload: tensors and numeric scalars (no strings: they could carry paths).
-        metrics: numeric training metrics (loss, accuracy, ...) for logging.
-        num_examples: number of local training examples used (FedAvg weight).
+        metrics: numeric training metrics (loss, accuracy, ...) for logging, under names the
+            method declares (``Method.train_metrics``, ``Method.reported_names``).
+        num_examples: number of local training examples used (FedAvg weight): the size of
+            the client's training split unless the method declares otherwise
+            (``Method.expected_num_examples``).
     """
 
     payload: dict[str, Any] = field(default_factory=dict)

@@ -58,12 +58,23 @@ from medfl.messages import Instruction, Reply
 from medfl.seeding import derive_seed, round_half_up
 
 __all__ = ["Configurable", "Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "Preset",
-           "OwnDp", "derive_seed"]
+           "OwnDp", "derive_seed", "ENGINE_TRAIN_METRICS", "REPORTED_EXCHANGES"]
 
 #: What the clients reported from one evaluation: ``{client_id: {split: {metric: value}}}``
 #: (splits named as in ``metrics.csv``'s rows before the ``local_`` prefix: ``test``, ``val``,
 #: ``global_test``, ``cross_test``; ``cross_test@<peer>`` holds one peer's scores).
 EvalResults = dict[str, dict[str, dict[str, float]]]
+
+
+#: The training metrics the engine's local training reports (``train_epochs``: ``loss``,
+#: ``steps``; ``train_epochs_dp`` adds the ``dp_*`` values): :attr:`Method.train_metrics`'s default.
+ENGINE_TRAIN_METRICS: frozenset[str] = frozenset({"loss", "steps", "dp_steps", "dp_sample_rate",
+                                                  "dp_noise_multiplier"})
+
+#: The exchanges whose value names a method declares (:meth:`Method.reported_names`): a
+#: reply's ``metrics`` (``train``), :meth:`Method.client_validate`'s and
+#: :meth:`Method.client_profile`'s scalars.
+REPORTED_EXCHANGES = ("train", "validate", "profile")
 
 
 class MethodConfigError(ValueError):
@@ -293,6 +304,17 @@ class Method(Configurable):
         presets: named settings (:class:`Preset`) an entry selects with ``"preset"``, e.g.
             ``"paper"`` (every value the paper states) and ``"authors"`` (the authors'
             published code where it differs from the paper).
+        train_metrics: every name a reply's ``metrics`` may carry (default
+            :data:`ENGINE_TRAIN_METRICS`, what the engine's local training reports). A name is
+            a free string leaving the site, so it is declared with the method's code, before
+            round 1: a reply with any other name is refused at the client (the run stops
+            naming the method and the name) and dropped at the coordinator
+            (``reply_events.csv``). A method that reports more extends the default
+            (``train_metrics = ENGINE_TRAIN_METRICS | {"ce_dam"}``).
+        validate_metrics: every name :meth:`client_validate` may return (default none),
+            checked the same way.
+        profile_metrics: every name :meth:`client_profile` may return (default none),
+            checked the same way.
     """
 
     name: ClassVar[str] = ""
@@ -302,6 +324,9 @@ class Method(Configurable):
     supports_dp_sgd: ClassVar[bool] = False
     secure_aggregation: bool = False
     presets: ClassVar[dict[str, Preset]] = {}
+    train_metrics: ClassVar[frozenset[str]] = ENGINE_TRAIN_METRICS
+    validate_metrics: ClassVar[frozenset[str]] = frozenset()
+    profile_metrics: ClassVar[frozenset[str]] = frozenset()
     _kind: ClassVar[str] = "method"
 
     federation: Federation
@@ -459,11 +484,33 @@ class Method(Configurable):
 
     def check_reply(self, client_id: str, instruction: Instruction, reply: Reply) -> str:
         """Why the coordinator cannot take ``reply`` (a short reason), or ``""``. Called for
-        every reply before :meth:`server_update`, after the engine's own checks (num_examples
-        within the client's training size, finite values, model states shaped like the state
-        sent); a reply with a reason is dropped from the round and the client's failures
+        every reply before :meth:`server_update`, after the engine's own checks (declared
+        metric names, the declared num_examples, finite values, model states shaped like the
+        state sent); a reply with a reason is dropped from the round and the client's failures
         counted (``max_reply_failures``). Default: ``""``."""
         return ""
+
+    def reported_names(self, exchange: str, instruction: Instruction) -> frozenset[str]:
+        """The value names a client's answer to ``instruction`` may carry in ``exchange``
+        (``"train"``: the reply's ``metrics``; ``"validate"``, ``"profile"``: the scalars of
+        :meth:`client_validate`, :meth:`client_profile`). Both ends ask it: the client
+        before its answer leaves (another name stops the run, naming the method and the
+        name), the coordinator when it arrives (the answer is dropped, the site named in
+        ``reply_events.csv``). Computed from the method's class, hyperparameters and the
+        instruction alone, never from the client's data. Default: the class attribute
+        ``<exchange>_metrics``. Override it for names numbered after something the
+        instruction carries (FedSDC's ``micro_f1_<i>`` for each head it sends)."""
+        return frozenset(getattr(type(self), f"{exchange}_metrics"))
+
+    def expected_num_examples(self, instruction: Instruction, train_size: int) -> int:
+        """The ``num_examples`` a client's reply to ``instruction`` must carry, given the
+        size of its training split (``train_size``: what the partition gives the client;
+        the coordinator knows it from the partition). Both ends check it, as
+        :meth:`reported_names`: a number that could be anything up to the split size could
+        encode the client's labels. Default: ``train_size``. A method that trains on a
+        subsample declares its count here, from the instruction and the size alone
+        (e.g. ``min(train_size, int(instruction.config["subsample"]))``)."""
+        return int(train_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Coordinator state to checkpoint (tensors and scalars). Default: empty."""

@@ -398,6 +398,7 @@ class FedSDC(Method):
     description = "FedSDC: shared body with FedAvgM, shuffled heads of diverse width, ensemble vote (+ top-gamma heads)"
     reply_state = {"body": "body", "head": "head"}
     presets = _presets()
+    validate_metrics = frozenset({"n_val", "vote_ties", "vote_disagreements", "vote_correct"})
 
     def __init__(self, beta: float = 0.5, server_lr: float = 1.0, rho_min: float = 0.4, rho_max: float = 1.0,
                  dropout: float = 0.5, diversity: bool = True, shuffle: bool = True, vote: str = "majority",
@@ -519,6 +520,15 @@ class FedSDC(Method):
         ins = Instruction(payload={"body": self.body, "heads": self.heads},
                           config={"widths": json.dumps(self.widths), "ensemble": json.dumps(self.chosen)})
         return {cid: ins for cid in self.federation.eval_client_ids}
+
+    def reported_names(self, exchange: str, instruction: Instruction) -> frozenset[str]:
+        """The validation scalars also hold ``micro_f1_<i>`` and ``accuracy_<i>`` for each
+        head ``i`` the instruction sends."""
+        names = super().reported_names(exchange, instruction)
+        if exchange != "validate":
+            return names
+        heads = range(len(instruction.payload.get("heads") or []))
+        return names | {f"{m}_{i}" for i in heads for m in ("micro_f1", "accuracy")}
 
     def _pooled(self, results: dict[str, dict[str, float]]) -> dict[str, Any]:
         """The clients' validation scalars pooled by val size (a client whose numbers are not

@@ -29,7 +29,7 @@ from medfl import hookimpl
 from medfl.engine.training import StepMeans, autocast, backward_step, get_state, grad_scaler, make_optimizer
 from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss
 from medfl.messages import Instruction, Reply
-from medfl.method import Federation, Method, MethodConfigError, Preset, derive_seed
+from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
 
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
@@ -245,6 +245,8 @@ class FedSKD(Method):
     """
 
     name = "fedskd"
+    train_metrics = ENGINE_TRAIN_METRICS | {"ce_dam", "ce_ktm", "self_round", "skd_active",
+                                            *(f"skd_{t}" for t in SKD_TERMS)}
     description = "FedSKD: P2P mutual learning with batch/pixel/region similarity distillation (paper 004)"
     presets = PRESETS
     # the DAM it sends was never sent to it: quantization applies, update filters (DP) do not

@@ -32,7 +32,7 @@ from medfl.losses.feature_distill import (
     stop_condition_check,
 )
 from medfl.messages import RELEASE_CLIP, RELEASE_FLAG, Instruction, Reply, state_mismatch
-from medfl.method import Federation, Method, MethodConfigError, Preset, derive_seed
+from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
 from medfl.models.feature_distill import Critic, DistillVAE, DistillWeights, distill_step, parameters_of
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, noise_for_epsilon
 from medfl.privacy.feature_release import (
@@ -377,6 +377,16 @@ class FedTPF(Method):
     name = "fedtpf"
     description = "FedTPF: prototype-regularised VAE-WGAN-GP feature distillation, adaptive decay, DP shared set"
     presets = {"paper": PAPER_PRESET}
+    # stage 1: phi's training, the distillation terms (distill_step's, prefixed) or "frozen";
+    # stage 2: the shared set's share; the release: its norms, noise and clipping
+    train_metrics = ENGINE_TRAIN_METRICS | {
+        *(f"distill_{t}" for t in ("loss", "vae", "wgan_generator", "critic", "prototype", "ce",
+                                   "residual_accuracy", "residual_norm_ratio", "steps")),
+        "frozen", "shared_samples", "shared_fraction",
+        "released", "x_norm", "x_s_norm", "x_s_norm_ratio", "epsilon", "noise_std", "clipped_fraction",
+        "signal_norm", "noise_norm", "noise_to_signal"}
+    validate_metrics = frozenset({"residual_accuracy", "cosine", "converged", "residual_accuracy_p", "unmet",
+                                  "noise_to_signal", "clipped_fraction", "majority_share"})
 
     def __init__(self, distill_rounds: int = 10, distill_epochs: int = 1, distill_steps: int = 60,
                  distill_lr: float = 1e-3, distill_optimizer: str = "adam",

@@ -28,7 +28,7 @@ from medfl.engine.training import (StepMeans, get_state, make_optimizer, predict
                                    weighted_average)
 from medfl.losses.distill import SUPCON_REDUCTIONS, ensemble_logits, kd_loss, sup_mtkd_loss, two_views
 from medfl.messages import Instruction, Reply
-from medfl.method import Federation, Method, MethodConfigError, Preset, derive_seed
+from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
 from medfl.metrics import classification_metrics
 from medfl.models.registry import build_seeded
 from medfl.plugins import lookup
@@ -598,6 +598,11 @@ class PFedCDP(Method):
     reply_state = {"extractor": "extractor"}
     supports_dp_sgd = False
     presets = PRESETS
+    # the Fisher masks' share, the extractor's own epochs, personal_observables' norms
+    train_metrics = ENGINE_TRAIN_METRICS | {"fisher_batches", "personal_fraction", "loss_extractor",
+                                            "steps_extractor", "own_norm", "above_one", "personal_norm",
+                                            "personal_norm_prev", "personal_drift"}
+    profile_metrics = frozenset(SCORES)
 
     def __init__(self, capabilities: Any = "auto", capability_weights: list[float] | tuple[float, ...] = (0.25,) * 4,
                  t_high: float = 0.6, t_medium: float = 0.4, max_latency_ms: float = 200.0,

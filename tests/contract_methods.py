@@ -27,6 +27,7 @@ class StepCounter(Method):
     """Two training steps a round; each client counts its updates in its persistent state."""
 
     name = "test_step_counter"
+    train_metrics = frozenset({"count"})    # declared before round 1, as every reported name
     seen: list[tuple[int, str, int]] = []   # (round, client, counter before the update)
 
     def round_steps(self, round: int) -> int:
@@ -46,6 +47,7 @@ class ValidatingAvg(HubAndSpoke):
     and keeps what every evaluation reported."""
 
     name = "test_validating_avg"
+    validate_metrics = frozenset({"val_accuracy", "val_n"})
     received: dict[str, Any] = {}
 
     def configure_validate(self, round: int) -> dict[str, Instruction]:

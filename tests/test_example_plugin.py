@@ -77,7 +77,9 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     assert plugin["registered"] == {"method": ["dp_fedavg_opacus", "dp_shared_images", "median", "median_snapshots"],
                                     "filter": ["half"]}
     cfg = tmp_path / "train.json"
-    tiny_fl.update(rounds=3, eval_splits=["test", "cross_test"],
+    # dp_shared_images makes a DP release: cross_test (which sends every client's model in the
+    # clear) runs beside it only with the opt-in, and its privacy record then says so
+    tiny_fl.update(rounds=3, eval_splits=["test", "cross_test"], cross_test={"under_dp": "send_models"},
                    methods=[{"name": "median", "filters": [{"name": "half"}]},
                             {"name": "median_snapshots", "preset": "wide", "keep": 2, "top": 1},
                             {"name": "dp_shared_images", "epsilon": 4.0}])
@@ -120,7 +122,10 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     privacy = (shared / "privacy.csv").read_text().splitlines()
     assert len(privacy) == 1 + 3 and all(row.startswith("1,") and ",shared_images,sample," in row
                                          for row in privacy[1:])
-    assert 0 < json.loads((shared / "summary.json").read_text())["privacy"]["epsilon"] <= 4.0
+    record = json.loads((shared / "summary.json").read_text())["privacy"]
+    assert 0 < record["mechanisms"]["shared_images"]["epsilon"] <= 4.0
+    assert record["private"] is False and record["sent_in_clear"] == [
+        "cross_test: every site's personalised model, sent in the clear"]
     # MEDFL_LOAD_PLUGINS restricts third-party plugins
     env["MEDFL_LOAD_PLUGINS"] = ""
     listed = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "--json"], env=env,

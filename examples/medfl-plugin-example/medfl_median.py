@@ -11,7 +11,8 @@ models. It shows the rest of the contract: coordinator state that is checkpointe
 exchange before round 1 (``configure_profile`` / ``client_profile`` / ``server_profile``:
 each client says how many validation samples it has, so only clients that have some are
 asked to validate), a validation exchange (``configure_validate`` / ``client_validate`` /
-``server_validate``: only scalars leave the clients), an evaluation model that returns
+``server_validate``: only scalars leave the clients, under the names the method declares:
+``profile_metrics`` and ``reported_names``), an evaluation model that returns
 probabilities (``ProbabilityModel``), which the Global Test (``cross_test``) scores over
 Flower too, client groups (``client_groups``), a report in ``summary.json`` (``report``) and
 a final model the run scores at every client (``final_models``: the best snapshot), a table
@@ -124,6 +125,9 @@ class MedianSnapshots(FedMedian):
     presets = {"wide": Preset(source="this example's docstring", values={"keep": 5, "top": 3},
                               open={"top": "no source states it: three of the five"},
                               description="the best 3 of the last 5 global models")}
+    # every name a client reports, declared before round 1 (a name is a string leaving the
+    # site): the profile's count here, the validation's acc_<i> per snapshot in reported_names
+    profile_metrics = frozenset({"val_samples"})
 
     def __init__(self, keep: int = 3, top: int = 2) -> None:
         if int(keep) < 1 or not 1 <= int(top) <= int(keep):
@@ -225,6 +229,14 @@ class MedianSnapshots(FedMedian):
         self.chosen = [int(i) for i in state["chosen"]]
         self.val_means = [float(v) for v in state.get("val_means", [])]
         self.val_sizes = {k: int(v) for k, v in state.get("val_sizes", {}).items()}
+
+    def reported_names(self, exchange: str, instruction: Instruction) -> frozenset[str]:
+        """``acc_<i>`` for each snapshot the validation instruction sends (numbered after the
+        instruction, never after the client's data)."""
+        names = super().reported_names(exchange, instruction)
+        if exchange == "validate":
+            names |= {f"acc_{i}" for i in range(len(instruction.payload.get("snapshots") or []))}
+        return names
 
     # ---------------------------------------------------------------- client
     def client_profile(self, client, instruction: Instruction) -> dict[str, float]:

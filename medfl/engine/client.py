@@ -30,7 +30,7 @@ from medfl.privacy.accounting import PrivacyConfigError
 from medfl.privacy.feature_release import RELEASE_METRICS, method_release, perform_release
 from medfl.seeding import derive_seed, seed_torch
 
-__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile",
+__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile", "reported_problem",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
@@ -271,6 +271,32 @@ def _perform_release(method: Method, ctx: ClientContext, instruction: Instructio
     return labels | frozenset(plan.keys)
 
 
+def reported_problem(method: Method, exchange: str, instruction: Instruction, values: dict[str, Any],
+                     num_examples: Any = None, train_size: int = 0) -> str:
+    """Why an answer in ``exchange`` (``"train"``, ``"validate"``, ``"profile"``) to
+    ``instruction`` is not what ``method`` declared before round 1 ("" when it is): a name
+    in ``values`` outside :meth:`Method.reported_names`, or (with ``num_examples``) a
+    ``num_examples`` other than :meth:`Method.expected_num_examples` for a training split of
+    ``train_size``. Names and counts are free channels out of a site (a label per metric
+    name, labels encoded in a count); the client checks before its answer leaves, the
+    coordinator when it arrives."""
+    declared = frozenset(method.reported_names(exchange, instruction))
+    if exchange == "train" and instruction.config.get(RELEASE_FLAG) is True and method_release(method) is not None:
+        declared |= frozenset(RELEASE_METRICS)   # medfl's own record of the release it performed
+    extra = sorted(str(k) for k in values if k not in declared)
+    if extra:
+        shown = ", ".join(repr(k[:40]) for k in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        return (f"{exchange} value name(s) {shown} that method {method.name!r} does not declare (declared: "
+                f"{', '.join(sorted(declared)) or 'none'}); a method declares every name it reports before round 1 "
+                f"(Method.{exchange}_metrics or Method.reported_names)")
+    if num_examples is not None:
+        want = int(method.expected_num_examples(instruction, int(train_size)))
+        if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples != want:
+            return (f"num_examples {num_examples!r:.40} is not the {want} that method {method.name!r} declares for a "
+                    f"training split of {int(train_size)} (Method.expected_num_examples)")
+    return ""
+
+
 def _keep_state(ctx: ClientContext, store: ClientStore | None) -> None:
     """Check the client's persistent state after a step and save it for the round in
     ``store``; a stateless method (empty state, nothing stored before) writes nothing."""
@@ -289,7 +315,8 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
 
     The content guard (the client's own labels and images, :mod:`medfl.guard`) sees the
     reply as the method returned it (a noised release's features excepted), as released,
-    and as it leaves after the filters.
+    and as it leaves after the filters; its metric names and ``num_examples`` must be what
+    the method declares (:func:`reported_problem`; medfl's record of a release is added after).
 
     With ``store``, the client's persistent state (``ctx.state`` after the update) is saved
     there for this round; a stateless method (empty state, nothing stored before) writes nothing.
@@ -299,7 +326,8 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
             filters' randomness.
 
     Raises:
-        PayloadError: the instruction or reply carries something that may not travel.
+        PayloadError: the instruction or reply carries something that may not travel, or
+            a metric name or ``num_examples`` the method did not declare.
     """
     _check_instruction(instruction, "instruction", ctx.client_id)
     _seed_all(ctx.seed)
@@ -316,6 +344,10 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
         raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: the reply's {bad} holds NaN or infinite "
                              "values (training diverged); lower train.lr or set train.clip_grad_norm")
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
+    problem = reported_problem(method, "train", instruction, reply.metrics, reply.num_examples,
+                               ctx.num_examples("train"))
+    if problem:
+        raise PayloadError(f"{where}: {problem}")
     exempt = _perform_release(method, ctx, instruction, reply, where)
     if filters:
         reply.payload = filters.apply(type(method), reply.payload, instruction.payload, client_id=ctx.client_id,
@@ -332,7 +364,8 @@ def run_client_validate(method: Method, ctx: ClientContext, instruction: Instruc
     """Check the instruction, run ``method.client_validate`` seeded, check its scalars.
 
     The validation exchange (:meth:`medfl.method.Method.configure_validate`): what comes
-    back is a flat dict of numbers, checked like a reply's metrics. With ``store``, the
+    back is a flat dict of numbers under the names the method declares
+    (:func:`reported_problem`), checked like a reply's metrics. With ``store``, the
     client's state is saved again for this round when the method has any.
 
     Raises:
@@ -361,6 +394,9 @@ def _scalar_exchange(method: Method, ctx: ClientContext, instruction: Instructio
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in scores.items()):
         raise TypeError(f"{where}: client_{kind} must return a flat dict of numbers, got {scores!r:.200}")
     validate_payload(scores, where, allow_str=False, guard=ctx.guard)
+    problem = reported_problem(method, kind, instruction, scores)
+    if problem:
+        raise PayloadError(f"{where}: {problem}")
     _keep_state(ctx, store)
     return {k: float(v) for k, v in scores.items()}
 

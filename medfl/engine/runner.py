@@ -78,10 +78,12 @@ import torch
 from tqdm.auto import tqdm
 
 from medfl import wire
-from medfl.config import build_method, check_device, method_label, method_preset, method_train, preset_record
+from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, check_device, cross_test_in_clear, method_label,
+                          method_preset, method_train, preset_record)
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
-                                 evaluate_final_models, evaluate_model, first_non_finite, run_client_profile,
-                                 release_exemptions, run_client_update, run_client_validate, write_sum)
+                                 evaluate_final_models, evaluate_model, first_non_finite, release_exemptions,
+                                 reported_problem, run_client_profile, run_client_update, run_client_validate,
+                                 write_sum)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
 from medfl.engine.early_stopping import EarlyStopping, metrics_split
 from medfl.engine.traffic import Traffic
@@ -297,6 +299,9 @@ class Run:
         chain, self.filters_skipped = configured_filters(cfg, method_spec, self.coordinator)
         #: the run's differential privacy and filters, resolved (noise derived) before training
         self.privacy = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
+        # resolve_config refused it without the opt-in; a reopened older run sent them as well
+        if cross_test_in_clear(cfg, self.privacy.private, where, refuse=False):
+            self.privacy.send_in_clear(CROSS_TEST_IN_CLEAR)
         self.ledger = PrivacyLedger(self.privacy)
         self._step = 0
         #: bytes sent to and received from each client (``communication.csv``)
@@ -629,7 +634,7 @@ class Run:
         if checks:
             self._addressed(checks, self.federation.eval_client_ids, r, "configure_validate")
             checks = self._without_excluded(checks)
-            scores = self.validate_clients(r, checks)
+            scores = self.screen_scores(r, "validate", checks, self.validate_clients(r, checks))
             self.coordinator.server_validate(r, scores)
             if scores:
                 rows_v = [{"round": r, "client_id": cid, **{k: float(v) for k, v in m.items()}}
@@ -682,7 +687,7 @@ class Run:
             return
         self._addressed(instructions, self.federation.eval_client_ids, 1, "configure_profile")
         self._step = 0
-        results = self.profile_clients(1, instructions)
+        results = self.screen_scores(1, "profile", instructions, self.profile_clients(1, instructions))
         self.coordinator.server_profile(results)
         rows = [{"client_id": cid, **{k: float(v) for k, v in m.items()}} for cid, m in results.items()]
         _write_csv(self.run_dir / "profile.csv", pd.DataFrame(rows))
@@ -739,6 +744,21 @@ class Run:
             self.refuse(r, cid, reason)
         return kept
 
+    def screen_scores(self, r: int, exchange: str, instructions: dict[str, Instruction],
+                      scores: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        """The scalars of a validation or profile exchange (``exchange``) whose names the
+        method declared (:func:`~medfl.engine.client.reported_problem`); a client's answer
+        with another name is dropped as a reply that fails :meth:`screen` (whatever the
+        transport: a site may send anything)."""
+        kept: dict[str, dict[str, float]] = {}
+        for cid, values in scores.items():
+            reason = reported_problem(self.coordinator, exchange, instructions[cid], values)
+            if reason:
+                self.refuse(r, cid, f"{exchange}: {reason}")
+            else:
+                kept[cid] = values
+        return kept
+
     def refuse(self, r: int, cid: str, reason: str) -> None:
         """Drop a reply of ``cid`` from round ``r`` (a row in ``reply_events.csv``) and exclude
         the client from later rounds once ``max_reply_failures`` of its replies were refused:
@@ -753,16 +773,18 @@ class Run:
                                                   f"(max_reply_failures {limit}); no further instructions")
 
     def reply_problem(self, cid: str, instruction: Instruction, reply: Reply) -> str:
-        """Why the coordinator cannot take ``reply`` from ``cid`` ("" when it can): a
-        ``num_examples`` outside 0..the training size the client declared, NaN or infinite
+        """Why the coordinator cannot take ``reply`` from ``cid`` ("" when it can): metric
+        names the method did not declare or a ``num_examples`` other than the one it declares
+        for the client's training split (:func:`~medfl.engine.client.reported_problem`), NaN or infinite
         values anywhere in the payload, a model state (the method's ``reply_state``) whose keys,
         shapes or dtypes differ from the state the client was sent, or the method's own
         :meth:`~medfl.method.Method.check_reply`. In process, a payload that the client step
         checked for NaN on its way out and that nothing replaced or changed since
         (:class:`medfl.wire.ContentSnapshot`) is not walked a second time."""
-        n, declared = reply.num_examples, int(self.federation.num_examples.get(cid, 0))
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= declared:
-            return f"num_examples {n!r} outside 0..{declared} (the client's training-set size)"
+        problem = reported_problem(self.coordinator, "train", instruction, reply.metrics, reply.num_examples,
+                                   int(self.federation.num_examples.get(cid, 0)))
+        if problem:
+            return problem
         checked = self._checked_finite.pop(cid, None)
         if checked is None or not checked.unchanged(reply.payload):
             bad = first_non_finite(reply.payload)

@@ -40,7 +40,11 @@ a method's own release (``Method.release_plan``; unit: one training sample of on
 
 What the epsilon does not cover: the training metrics a reply carries (mean loss, step
 counts), ``num_examples``, evaluation and validation scalars, and reply entries other than
-the filtered model state (``PrivacyPlan.uncovered``); the summary lists them.
+the filtered model state (``PrivacyPlan.uncovered``); the summary lists them. What the run
+sends in the clear beside its releases (``cross_test``'s evaluation models, with the opt-in
+``fl.cross_test: {"under_dp": "send_models"}``: :meth:`PrivacyPlan.send_in_clear`) voids
+the guarantee: ``config.json`` and the summary then say ``"private": false`` and name it
+under ``sent_in_clear``.
 """
 
 from __future__ import annotations
@@ -134,6 +138,8 @@ class PrivacyPlan:
             self.uncovered = ["training metrics in replies (mean loss, step counts)", "num_examples",
                               "evaluation and validation scalars"]
         self._extra: set[str] = set()
+        #: what the run sends in the clear beside its DP releases (:meth:`send_in_clear`)
+        self.in_clear: list[str] = []
         rel = self.method_release
         if rel is not None:
             self.uncovered += [f"labels and everything else in the release replies beside the features "
@@ -202,9 +208,20 @@ class PrivacyPlan:
             self.uncovered = [u for u in self.uncovered if not u.startswith("reply entries")]
             self.uncovered.append(f"reply entries outside the filtered model state: {sorted(self._extra)}")
 
+    def send_in_clear(self, what: str) -> None:
+        """Record that the run sends ``what`` (client data or models no release covers, e.g.
+        ``cross_test``'s evaluation models) in the clear: ``config.json`` and the summary then
+        say the run is not private (``"private": false``, the summary's ``epsilon`` null) and
+        list ``what`` under ``sent_in_clear`` and ``not_covered``; ``privacy.csv`` still
+        records what the releases spent."""
+        if what not in self.in_clear:
+            self.in_clear.append(what)
+            self.uncovered.append(what)
+
     @property
     def private(self) -> bool:
-        """Whether the run makes any DP release."""
+        """Whether the run makes any DP release (the ledger records them; whether the run as
+        a whole is private also needs :attr:`in_clear` empty)."""
         return (bool(self.chain.releases()) or self.dp_sgd is not None or self.method_release is not None
                 or getattr(self, "own", None) is not None)
 
@@ -246,7 +263,9 @@ class PrivacyPlan:
 
     def describe(self) -> dict[str, Any]:
         """The plan as JSON for ``config.json`` (what is noised, with what, and what is not covered)."""
-        out: dict[str, Any] = {"private": self.private, "filters": self.chain.specs()}
+        out: dict[str, Any] = {"private": self.private and not self.in_clear, "filters": self.chain.specs()}
+        if self.in_clear:
+            out["sent_in_clear"] = list(self.in_clear)
         for rel in self.chain.releases():
             out[rel.mechanism] = {"unit": rel.unit, "noise_multiplier": rel.noise_multiplier, "clip": rel.clip,
                                   "sample_rate": rel.sample_rate, "delta": rel.delta, "accountant": rel.accountant,
@@ -453,6 +472,10 @@ class PrivacyLedger:
                 block = out["mechanisms"][m]
                 block["epsilon"] = None
                 block["per_client"] = {c: (e if math.isfinite(e) else None) for c, e in block["per_client"].items()}
+        if plan.in_clear:
+            # models (or data) left the clients outside every release: no guarantee for the run
+            out["private"], out["epsilon"] = False, None
+            out["sent_in_clear"] = list(plan.in_clear)
         out["not_covered"] = list(plan.uncovered)
         return out
 

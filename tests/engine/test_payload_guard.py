@@ -64,8 +64,8 @@ class _Leak(Method):
         weights = {"w": torch.randn(32, 16), "b": torch.zeros(32)}
         if self.into == "metrics":
             metrics = value if isinstance(value, dict) else {self.key: value}
-            return Reply(payload=weights, metrics={"loss": 0.3, **metrics})
-        return Reply(payload={**weights, self.key: value}, metrics={"loss": 0.3})
+            return Reply(payload=weights, metrics={"loss": 0.3, **metrics}, num_examples=client.num_examples("train"))
+        return Reply(payload={**weights, self.key: value}, metrics={"loss": 0.3}, num_examples=client.num_examples("train"))
 
 
 def _x(c: ClientContext) -> torch.Tensor:
@@ -394,7 +394,7 @@ class _QuantizedLeak(_Leak):
         if self.into == "model":   # the leak hidden inside the filtered model state
             model[self.key] = self.make(client)
             rest.pop(self.key, None)
-        return Reply(payload={"model": model, **rest}, metrics=reply.metrics)
+        return Reply(payload={"model": model, **rest}, metrics=reply.metrics, num_examples=reply.num_examples)
 
 
 @pytest.mark.parametrize("into", ["payload", "model"])

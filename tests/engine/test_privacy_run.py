@@ -218,3 +218,48 @@ def test_the_coordinator_drops_a_reply_that_the_filters_cannot_have_covered() ->
     chain.check_covered(method, {"shared_x": torch.zeros(2, 3)}, "reply", exempt={"shared_x"})
     chain.check_covered(method, {"count": 3.0}, "reply")
     FilterChain([]).check_covered(method, {"delta_y": state}, "reply")   # no filters: nothing to check
+
+
+@pytest.mark.parametrize("extra", [
+    {"filters": [{"name": "dp_gaussian", "epsilon": 3.0, "delta": 1e-3, "clip": 1.0}]},
+    {"train": {"batch_size": 8, "lr": 0.05, "dp": {"epsilon": 3.0, "delta": 1e-3}}},
+    {"methods": [{"name": "pfedcdp"}]},     # its default filters: dp_gaussian epsilon 5, quantize
+], ids=["dp_gaussian", "dp_sgd", "pfedcdp"])
+def test_cross_test_under_dp_is_refused_without_the_opt_in(tiny_fl: dict, resolve: Any, extra: dict) -> None:
+    """Issue 38, item 2: ``cross_test`` sends every client's personalised model in the clear;
+    under any DP plan it ran and the summary still said ``private: true``. It is refused
+    before round 1, naming the option; without DP it still runs."""
+    from medfl.config import ConfigError
+
+    fl = {**tiny_fl, "eval_splits": ["test", "cross_test"], **extra}
+    with pytest.raises(ConfigError, match=r"cross_test.*in the clear.*fl\.cross_test \{\"under_dp\": \"send_models\"\}"):
+        resolve(fl)
+    with pytest.raises(ConfigError, match=r"fl\.cross_test\.under_dp: expected one of 'refuse', 'send_models'"):
+        resolve({**fl, "cross_test": {"under_dp": "yes"}})
+    resolve({**tiny_fl, "eval_splits": ["test", "cross_test"]})   # no DP: nothing to refuse
+    # a run reopened from a config saved before the refusal (resume, predict) is recorded as sending them
+    from medfl.config import cross_test_in_clear
+    assert cross_test_in_clear(fl, True, "a reopened run", refuse=False)
+    assert not cross_test_in_clear({**fl, "eval_splits": ["test"]}, True, "a reopened run", refuse=False)
+
+
+def test_cross_test_under_dp_with_the_opt_in_says_the_run_is_not_private(tiny_fl: dict, resolve: Any) -> None:
+    """With ``fl.cross_test: {"under_dp": "send_models"}`` the models are sent (cross_test.csv)
+    and the run's privacy record says what left in the clear: ``private: false``, no epsilon
+    claimed, ``sent_in_clear`` and ``not_covered`` naming the models; privacy.csv still
+    records what the releases spent."""
+    from medfl.config import CROSS_TEST_IN_CLEAR
+
+    fl = {**tiny_fl, "eval_splits": ["test", "cross_test"], "cross_test": {"under_dp": "send_models"},
+          "filters": [{"name": "dp_gaussian", "epsilon": 3.0, "delta": 1e-3, "clip": 1.0}]}
+    run = _run(resolve, fl)
+    assert CROSS_TEST_IN_CLEAR == "cross_test: every site's personalised model, sent in the clear"
+    summary = json.loads((run / "summary.json").read_text())["privacy"]
+    assert summary["private"] is False and summary["epsilon"] is None
+    assert summary["sent_in_clear"] == [CROSS_TEST_IN_CLEAR] and CROSS_TEST_IN_CLEAR in summary["not_covered"]
+    assert summary["mechanisms"]["dp_gaussian"]["epsilon"] <= 3.0    # what the releases alone spent
+    plan = json.loads((run / "config.json").read_text())["privacy"]
+    assert plan["private"] is False and plan["sent_in_clear"] == [CROSS_TEST_IN_CLEAR]
+    assert len(_privacy(run)) == 2 * 3 and (run / "cross_test.csv").is_file()
+    cmp = pd.read_csv(run.parent / "comparison.csv")
+    assert np.isinf(cmp["epsilon"]).all()

@@ -40,7 +40,11 @@ CASES: dict[str, tuple[Callable[[Reply], Any], str]] = {
     "broadcast_shape": (lambda r: _state(r).__setitem__(next(iter(_state(r))), torch.zeros(1, 1, 1, 1)),
                         "expected ("),
     "extra_tensor": (lambda r: _state(r).__setitem__("extra", torch.zeros(10)), "extra ['extra']"),
-    "huge_weight": (lambda r: setattr(r, "num_examples", 10**12), "num_examples 1000000000000 outside 0.."),
+    "huge_weight": (lambda r: setattr(r, "num_examples", 10**12), "num_examples 1000000000000 is not the"),
+    # issue 38, item 3: side channels within the old range checks (names, a count below the split)
+    "undeclared_metric": (lambda r: r.metrics.update({"label_of_sample_0_is_1": 1.0}),
+                          "train value name(s) 'label_of_sample_0_is_1' that method 'fedavg' does not declare"),
+    "count_below_split": (lambda r: setattr(r, "num_examples", r.num_examples - 1), "that method 'fedavg' declares"),
 }
 
 

@@ -643,3 +643,61 @@ def _wrong_codes(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_wrong_codes(v) for v in value)
     return value
+
+
+def test_cross_test_under_dp_over_the_grid_is_refused_or_recorded_as_not_private(tmp_path: Path) -> None:
+    """Issue 38, item 2, over Flower: under ``dp_gaussian`` every site sent its evaluation
+    model in the clear for ``cross_test`` and the summary said ``private: true``. Without the
+    opt-in the coordinator refuses the config before any message; with it the models travel
+    (``evaluate.score`` messages) and the summary says the run is not private and why."""
+    from medfl.config import CROSS_TEST_IN_CLEAR, ConfigError
+
+    job = {**FEDAVG, "rounds": 1, "eval_splits": ["test", "cross_test"],
+           "filters": [{"name": "dp_gaussian", "epsilon": 3.0, "delta": 1e-3, "clip": 1.0}]}
+    with pytest.raises(ConfigError, match=r"fl\.cross_test \{\"under_dp\": \"send_models\"\}"):
+        resolve_config(fl_config(tmp_path, "refused", job))
+    fl = fl_config(tmp_path, "opted_in", {**job, "cross_test": {"under_dp": "send_models"}})
+    grid = LoopGrid(_sites(tmp_path, fl))
+    out = run_flower_experiment(resolve_config(fl), grid, FAST)
+    run_dir = Path(out["dir"]) / "fedavg"
+    assert [k for _, k, _ in grid.sent].count(P.SCORE) == 3 and (run_dir / "cross_test.csv").is_file()
+    privacy = json.loads((run_dir / "summary.json").read_text())["privacy"]
+    assert privacy["private"] is False and privacy["epsilon"] is None
+    assert privacy["sent_in_clear"] == [CROSS_TEST_IN_CLEAR] and CROSS_TEST_IN_CLEAR in privacy["not_covered"]
+
+
+def test_undeclared_names_and_counts_from_a_site_are_dropped_with_the_site_named(tmp_path: Path) -> None:
+    """Issue 38, item 3, at the coordinator: a modified site (its own checks skipped) sends
+    a label as a training metric's name (site 1, round 1), a ``num_examples`` below its
+    training split (site 2, round 2) and a validation scalar under an undeclared name (site
+    0, round 1). On main all three reached train_metrics.csv / validation_metrics.csv; each
+    is now dropped with the site named in reply_events.csv, and the run goes on."""
+    from contract_methods import ValidatingAvg, methods_registered
+
+    def garble(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        r = ctl.get("round")
+        if kind == P.TRAIN and (node, r) in ((102, 1), (103, 2)):
+            payload = wire.take(out, "reply.payload", "tamper", allow_str=False)
+            metrics = wire.take(out, "reply.metrics", "tamper", allow_str=False)
+            n = int(wire.take_json(out, P.CONTROL, "tamper")["num_examples"])
+            if node == 102:
+                return wire.train_answer("1", payload, {**metrics, "label_of_sample_0_is_1": 1.0}, n)
+            return wire.train_answer("2", payload, metrics, n - 1)
+        if kind == P.VALIDATE and (node, r) == (101, 1):
+            scores = wire.read_metrics(out["validate"], "tamper")
+            return wire.validate_answer("0", {**scores, "first_label_1": 1.0})
+        return out
+
+    job = {**FEDAVG, "methods": [{"name": "test_validating_avg"}]}
+    with methods_registered(ValidatingAvg, name="side-channels-grid"):
+        run_dir, events = _tampered_run(tmp_path, "names", job, garble, method="test_validating_avg")
+    assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"], [1, "0", "dropped"],
+                                                                      [2, "2", "dropped"]]
+    reasons = events["reason"].tolist()
+    assert "train value name(s) 'label_of_sample_0_is_1' that method 'test_validating_avg' does not declare" in reasons[0]
+    assert reasons[1].startswith("validate: validate value name(s) 'first_label_1'")
+    assert "num_examples" in reasons[2] and "that method 'test_validating_avg' declares" in reasons[2]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+    for name in ("train_metrics.csv", "validation_metrics.csv"):
+        columns = pd.read_csv(run_dir / name).columns
+        assert not any("label" in c for c in columns), (name, list(columns))
