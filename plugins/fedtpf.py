@@ -346,8 +346,10 @@ class FedTPF(Method):
     The client releases with its own settings (epsilon, noise, mechanism); only the clip
     of ``"public_quantile"`` comes from the coordinator, and any clip gives the same
     epsilon (the noise scales with it). The noise seed mixes the site's secret
-    (``noise_key``), so over Flower the coordinator cannot remove it; a release repeated
-    after a crash draws the same noise (no extra cost).
+    (``noise_key``), the step and the release's parameters (``ClientContext.noise_seed``),
+    so over Flower the coordinator cannot remove it; a release asked again after a crash is
+    the same bytes (replayed by the site's release ledger) or refused, never the same draw
+    at another scale.
 
     **Deviations and choices**: eq. 8 as printed by default (``decay_reading="printed"``: a
     larger accuracy change gives a smaller weight), or as the prose reads
@@ -1168,7 +1170,8 @@ class FedTPF(Method):
         vae, _, _ = self._client_nets(client, instruction.payload["distill"])
         x, x_hat, y = self._residuals(client, vae, "train")
         x_s = x - x_hat
-        g = torch.Generator().manual_seed(derive_seed(client.seed, "release", client.noise_key))
+        g = torch.Generator().manual_seed(client.noise_seed(f"feature_{self.mechanism}", epsilon=self.epsilon, clip=clip,
+                                                            delta=self.delta, noise=self.noise))
         x_norm = x.flatten(1).norm(dim=1)
         s_norm = x_s.flatten(1).norm(dim=1)
         if self.noise is not None:

@@ -306,7 +306,8 @@ class DpSharedImages(HubAndSpoke):
             data = client.dataset("train", augment=False)
             x = torch.stack([data[i][0] for i in range(len(data))])
             y = torch.tensor([int(data[i][1]) for i in range(len(data))])
-            g = torch.Generator().manual_seed(derive_seed(client.seed, "release", client.noise_key))
+            g = torch.Generator().manual_seed(client.noise_seed("release", epsilon=float(cfg["epsilon"]),
+                                                                clip=float(cfg["clip"]), delta=float(cfg["delta"])))
             x_p, rec = release_features(x, epsilon=float(cfg["epsilon"]), clip=float(cfg["clip"]),
                                         delta=float(cfg["delta"]), generator=g)
             return Reply(payload={"shared_x": x_p, "shared_y": y}, metrics={"clipped_fraction": rec.clipped_fraction},

@@ -235,13 +235,14 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
 
     Args:
         step: the training step within the round (``Method.round_steps``), which seeds the
-            filters' randomness.
+            filters' randomness and every DP draw (``ctx.step``, :meth:`ClientContext.noise_seed`).
 
     Raises:
         PayloadError: the instruction or reply carries something that may not travel.
     """
     _check_instruction(instruction, "instruction", ctx.client_id)
     _seed_all(ctx.seed)
+    ctx.step = int(step)
     try:
         with compute_settings(ctx.train, ctx.device):
             reply = method.client_update(ctx, instruction)
