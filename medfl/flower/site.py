@@ -324,6 +324,7 @@ class Site:
             return sent_before
         if ledger is not None:
             ledger.record(*release, asked, digest, reply.payload, int(reply.num_examples), dict(reply.metrics))
+            ledger.prune(int(ctl.get("ckpt", 0)))   # replies no resume can ask for again
         return reply.payload, int(reply.num_examples), dict(reply.metrics)
 
     def evaluate(self, ctl: dict[str, Any], ins: Instruction) -> tuple[dict[str, dict[str, float]],

@@ -182,6 +182,18 @@ class SiteReleaseLedger:
         return rec
 
 
+    def prune(self, upto: int) -> None:
+        """Delete the kept replies of rounds up to ``upto`` (the coordinator's oldest kept
+        checkpoint: a resume never asks for them again); their ledger records stay, so a
+        request for one of them is refused, never answered with a new draw."""
+        folder = self.root / "releases"
+        if upto <= 0 or not folder.is_dir():
+            return
+        for path in folder.glob("round_*_step_*.pt"):
+            if int(path.name.split("_")[1]) <= upto:
+                path.unlink(missing_ok=True)
+
+
 def _describe(mechanisms: list[dict[str, Any]]) -> str:
     return ", ".join(f"{m['mechanism']} at noise multiplier {m['noise_multiplier']:.6g}, clip {m['clip']:.6g}"
                      for m in mechanisms) or "no mechanism"
