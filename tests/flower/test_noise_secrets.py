@@ -211,3 +211,16 @@ def test_a_coordinator_resumed_after_a_release_gets_the_same_bytes_from_every_si
         # the replies are kept only while a resume may ask for them (after the oldest kept checkpoint)
         kept = sorted(p.name for p in (root / f"site_{site.client_id}" / "releases").iterdir())
         assert kept == ["round_0003_step_0.pt", "round_0004_step_0.pt"]
+
+
+def test_a_site_with_reproducible_noise_says_its_noise_is_not_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capfd: pytest.CaptureFixture) -> None:
+    """MEDFL_REPRODUCIBLE_NOISE=1 (for tests comparing a deployment with the simulation):
+    no secret, not even a per-run one, and the site says so on stderr."""
+    monkeypatch.setenv(REPRODUCIBLE_NOISE_ENV, "1")
+    sites = _sites(tmp_path, fl_config(tmp_path, "repro", {"rounds": 1, "methods": [{"name": "fedavg"}]}))
+    err = capfd.readouterr().err
+    assert err.count("MEDFL_REPRODUCIBLE_NOISE=1: privacy noise is drawn from the run seed alone") == 3
+    assert "no DP guarantee against whoever knows the seed" in err
+    assert all(site.run_noise_key({"run": "r1"}) == "" for site in sites.values())
+    assert not list((tmp_path / "state").rglob("noise*.key"))
