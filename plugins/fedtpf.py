@@ -1170,8 +1170,8 @@ class FedTPF(Method):
         vae, _, _ = self._client_nets(client, instruction.payload["distill"])
         x, x_hat, y = self._residuals(client, vae, "train")
         x_s = x - x_hat
-        g = torch.Generator().manual_seed(client.noise_seed(f"feature_{self.mechanism}", epsilon=self.epsilon, clip=clip,
-                                                            delta=self.delta, noise=self.noise))
+        g = torch.Generator().manual_seed(client.noise_seed(f"feature_{self.mechanism}", epsilon=self.epsilon,
+                                                            clip=clip, delta=self.delta, noise=self.noise))
         x_norm = x.flatten(1).norm(dim=1)
         s_norm = x_s.flatten(1).norm(dim=1)
         if self.noise is not None:

@@ -147,7 +147,8 @@ class HubAndSpoke(Method):
         """Load the global model (plus local keys), train ``epochs``, send the shared part.
 
         With ``client.train["dp"]`` (a dict), the epochs are DP-SGD
-        (:func:`medfl.privacy.dp_sgd.train_epochs_dp`, seeded by the client's :meth:`~medfl.context.ClientContext.noise_seed`) and the
+        (:func:`medfl.privacy.dp_sgd.train_epochs_dp`, seeded by the client's
+        :meth:`~medfl.context.ClientContext.noise_seed`) and the
         metrics add ``dp_steps``, ``dp_sample_rate`` and ``dp_noise_multiplier``."""
         model = self.client_model(client, instruction)
         train = client.train

@@ -583,8 +583,9 @@ class Run:
             sigma += [float(x["dp"]["noise_multiplier"]) for x in records[:1] if isinstance(x.get("dp"), dict)]
             print(f"medfl [{self.label}] privacy: round {r} was released to the coordinator before the run stopped "
                   f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
-                  f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was released under; "
-                  "a release that comes back different is counted in privacy.csv", file=sys.stderr, flush=True)
+                  f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
+                  "released under; a release that comes back different is counted in privacy.csv",
+                  file=sys.stderr, flush=True)
         traffic = _read_rounds(self.run_dir / "communication.csv", k)
         if traffic is not None:
             self.traffic.load(traffic)

@@ -293,7 +293,8 @@ class Site:
         before it leaves. A request for a release this site already made in the run (same
         round and step) gets the reply it sent then, byte for byte, when its instruction is
         the same (the update runs again, to restore the client's state, but its reply stays
-        here); under any other instruction it is refused before any plugin code runs.
+        here); under any other instruction it is refused before the client step runs
+        (nothing is trained or drawn).
 
         Raises:
             SiteError: the release was made before under another instruction (naming the rule).
@@ -308,9 +309,9 @@ class Site:
         asked = asked_releases(method, filters, dict(ctl["train"]), ins)
         ledger = SiteReleaseLedger(self._root(ctl), f"medfl site {self.client_id}") if asked else None
         release = (str(ctl["run"]), int(ctl["round"]), self.client_id, int(ctl.get("step", 0)))
-        digest = payload_digest({k: ctl.get(k) for k in _INSTRUCTION_FIELDS}, ins.payload, ins.config)
-        sent_before = None
+        digest, sent_before = "", None
         if ledger is not None:
+            digest = payload_digest({k: ctl.get(k) for k in _INSTRUCTION_FIELDS}, ins.payload, ins.config)
             try:
                 sent_before = ledger.replay(*release, asked, digest)
             except ReleaseRefused as exc:

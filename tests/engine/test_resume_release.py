@@ -28,7 +28,8 @@ def _watch_round(monkeypatch: pytest.MonkeyPatch, round: int, seen: list[dict[st
 
     def watched(self, r, instructions, replies):  # type: ignore[no-untyped-def]
         if r == round:
-            seen.append({cid: {k: v.clone() for k, v in rep.payload["model"].items()} for cid, rep in replies.items()})
+            seen.append({cid: {k: v.clone() for k, v in rep.payload["model"].items()}
+                         for cid, rep in replies.items()})
         return unfilter(self, r, instructions, replies)
 
     def crashing(self, r, instructions, replies):  # type: ignore[no-untyped-def]

@@ -206,7 +206,8 @@ def test_a_coordinator_resumed_after_a_release_gets_the_same_bytes_from_every_si
     assert (df[df["round"] == 2]["steps"] == 1).all()
     for site in again.sites.values():
         root = site.settings.state_dir / json.loads((run_dir / "flower.json").read_text())["run_id"]
-        records = [json.loads(x) for x in (root / f"site_{site.client_id}" / "releases.jsonl").read_text().splitlines()]
+        ledger = root / f"site_{site.client_id}" / "releases.jsonl"
+        records = [json.loads(x) for x in ledger.read_text().splitlines()]
         assert [r["round"] for r in records] == [1, 2, 3, 4]
         # the replies are kept only while a resume may ask for them (after the oldest kept checkpoint)
         kept = sorted(p.name for p in (root / f"site_{site.client_id}" / "releases").iterdir())

@@ -18,7 +18,8 @@ GAUSS = [{"mechanism": "dp_gaussian", "noise_multiplier": 1.0, "clip": 0.5}]
 
 def test_the_digest_sees_values_dtypes_shapes_and_keys_but_not_key_order() -> None:
     a = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(())}, "n": 3}
-    assert payload_digest(a) == payload_digest({"n": 3, "model": {"b": torch.zeros(()), "w": torch.arange(6.0).reshape(2, 3)}})
+    reordered = {"n": 3, "model": {"b": torch.zeros(()), "w": torch.arange(6.0).reshape(2, 3)}}
+    assert payload_digest(a) == payload_digest(reordered)
     for other in ({**a, "n": 4}, {**a, "model": {**a["model"], "w": torch.arange(6.0).reshape(3, 2)}},
                   {**a, "model": {**a["model"], "w": torch.arange(6.0, dtype=torch.float64).reshape(2, 3)}},
                   {**a, "model": {**a["model"], "b": torch.full((), 1e-30)}}):
