@@ -578,6 +578,15 @@ class Run:
                       f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; privacy.csv reports the "
                       "epsilon actually spent, which may end above the target", file=sys.stderr, flush=True)
         self._released = self.journal.after(k) if not read_only else {}
+        beyond = [r for r in self._released if r > self.federation.rounds]
+        if beyond:
+            if self._lock is not None:   # nothing was changed: the run can be resumed again at once
+                _unlock(self._lock)
+                self._lock = None
+            raise RunError(f"{self.run_dir}: round {max(beyond)} was released to the coordinator before the run "
+                           f"stopped (releases.jsonl), but the resumed run has only {self.federation.rounds} "
+                           f"rounds, so that release would never be accounted in privacy.csv; resume with "
+                           f"--rounds {max(beyond)} or more")
         for r, records in sorted(self._released.items()):
             sigma = [rel.noise_multiplier for rel in FilterChain.from_specs(records[0]["filters"]).releases()]
             sigma += [float(x["dp"]["noise_multiplier"]) for x in records[:1] if isinstance(x.get("dp"), dict)]

@@ -109,3 +109,18 @@ def test_a_release_the_coordinator_saw_that_comes_back_different_is_counted(
     r3 = df[df["round"] == 3].set_index("client_id")
     assert r3.loc["0", "steps"] == 2 and r3.loc["1", "steps"] == 1 and r3.loc["2", "steps"] == 1
     assert df.groupby("client_id")["total_steps"].last().to_dict() == {"0": 4, "1": 3, "2": 3}
+
+
+def test_a_resume_with_fewer_rounds_than_were_released_is_refused(
+        tiny_fl: dict, resolve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 3 reached the coordinator: a run resumed with 2 rounds would never account it."""
+    from medfl.engine.runner import RunError
+
+    run, _ = _stopped_after_release(tiny_fl, resolve, monkeypatch)
+    with pytest.raises(RunError, match=r"round 3 was released to the coordinator before the run stopped "
+                                       r"\(releases.jsonl\), but the resumed run has only 2 rounds.*"
+                                       r"resume with --rounds 3 or more"):
+        resume(run, rounds=2)
+    resume(run, rounds=4)      # the refusal changed nothing: the run resumes with enough rounds
+    df = pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
+    assert sorted(set(df["round"])) == [1, 2, 3, 4]
