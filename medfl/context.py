@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from medfl.messages import Guard
-from medfl.seeding import derive_seed
+from medfl.seeding import derive_noise_seed, derive_seed
 
 __all__ = ["ClientContext"]
 
@@ -113,10 +113,14 @@ class ClientContext:
             whatever the method leaves here after ``client_update`` is saved for the next round.
         sample_shape: shape of one input sample.
         noise_key: a secret of the site mixed into the seeds of privacy noise (DP-SGD's
-            sampling and noise, ``dp_gaussian``'s noise). Empty in process: the noise is then
-            reproducible from the run seed, a simulation (whoever knows the seed could
-            subtract it). A Flower site sets its own secret (:mod:`medfl.flower.site`), so the
-            coordinator, which knows the run seed, cannot.
+            sampling and noise, ``dp_gaussian``'s noise, a method's own release): draw them
+            from :meth:`noise_seed`. Empty in process: the noise is then reproducible from
+            the run seed, a simulation (whoever knows the seed could subtract it). A Flower
+            site sets a secret of its own for every run (:meth:`medfl.flower.site.Site.run_noise_key`:
+            fresh random bytes the first time it sees the run), so the coordinator, which
+            knows the run seed, cannot.
+        step: the training step within the round (``Method.round_steps``; 0 for one step),
+            set by the engine before ``client_update``; part of :meth:`noise_seed`.
         deployed: the client runs on its own machine (a Flower site): what it measures of
             the machine (:meth:`medfl.method.Method.client_profile`) is real. False in
             process (a simulation: every client shares this machine).
@@ -135,10 +139,21 @@ class ClientContext:
     sample_shape: tuple[int, ...] = ()
     split_sizes: dict[str, int] = field(default_factory=dict)
     noise_key: str = field(default="", repr=False)
+    step: int = 0
     deployed: bool = False
     coordinator: str = ""
     _shells_taken: set[str] = field(default_factory=set, repr=False)
     _built: dict[tuple[str, bool], Dataset] = field(default_factory=dict, repr=False)
+
+    def noise_seed(self, mechanism: str, **parameters: Any) -> int:
+        """The seed of one differential-privacy draw at this client: a 63-bit seed of (this
+        context's seed, :attr:`step`, ``mechanism``, the release's ``parameters`` such as its
+        noise multiplier and clip, :attr:`noise_key`). Seed every DP draw from it, naming
+        every parameter that scales the noise: a release asked again with another noise
+        multiplier then draws other noise, never the same draw at another scale (from which
+        the coordinator could solve the clipped value)."""
+        return derive_noise_seed(self.seed, "noise", self.step, mechanism,
+                                 json.dumps(parameters, sort_keys=True, default=str), self.noise_key)
 
     def dataset(self, split: str = "train", *, augment: bool | None = None) -> Dataset:
         """The client's dataset of ``split``.

@@ -42,7 +42,7 @@ import torch
 
 from medfl.messages import PayloadError
 from medfl.method import Configurable, Federation, Method, MethodConfigError
-from medfl.seeding import derive_seed
+from medfl.seeding import derive_noise_seed, derive_seed
 
 __all__ = ["Filter", "FilterChain", "FilterContext", "FilterConfigError", "FilterMismatchError", "Release",
            "parameter_keys", "float_buffer_keys", "configured_filters"]
@@ -144,6 +144,9 @@ class FilterContext:
         noise_key: the site's secret mixed into :meth:`generator` (see
             :attr:`medfl.context.ClientContext.noise_key`); empty at the coordinator and in
             process.
+        spec: the running filter's resolved entry (name and parameters, as JSON; set by the
+            chain), mixed into :meth:`generator`: a filter asked again with another noise
+            multiplier or clip draws other noise, never the same draw at another scale.
     """
 
     client_id: str
@@ -156,13 +159,16 @@ class FilterContext:
     where: str
     index: int = 0
     noise_key: str = field(default="", repr=False)
+    spec: str = ""
 
     def generator(self, tag: str = "") -> torch.Generator:
-        """A CPU generator seeded by (seed, filter position, reply key, ``tag``, the site's
-        noise key): draw every random number of a filter from it."""
+        """A CPU generator seeded by a 63-bit seed of (seed, filter position, the filter's
+        resolved entry, reply key, ``tag``, the site's noise key): draw every random number
+        of a filter from it."""
         from medfl.privacy.gaussian import noise_generator
 
-        return noise_generator(derive_seed(self.seed, "filter", self.index, self.key, tag, self.noise_key))
+        return noise_generator(derive_noise_seed(self.seed, "filter", self.index, self.spec, self.key, tag,
+                                                 self.noise_key))
 
     def parameter_keys(self) -> list[str]:
         """The parameter names of the client's model (:func:`parameter_keys`)."""
@@ -377,7 +383,7 @@ class FilterChain:
             if self.uses_update:
                 value = _difference(value, ctx.reference, ctx.where)
             for i, f in enumerate(self.filters):
-                ctx.index = i
+                ctx.index, ctx.spec = i, _entry_key(f)
                 value = f.apply(value, ctx)
             out[ctx.key] = value
         return out
@@ -402,7 +408,7 @@ class FilterChain:
                                  seed=derive_seed(seed, "filters", step), model_spec=model_spec, where=where):
             value = payload[ctx.key]
             for i in reversed(range(len(self.filters))):
-                ctx.index = i
+                ctx.index, ctx.spec = i, _entry_key(self.filters[i])
                 value = self.filters[i].undo(value, ctx)
             value = _state(value, ctx.where)
             if self.uses_update:
@@ -411,6 +417,11 @@ class FilterChain:
                 _like(value, ctx.reference, ctx.where)
             out[ctx.key] = value
         return out
+
+
+def _entry_key(f: Filter) -> str:
+    """A filter's resolved entry (name and parameters) as canonical JSON, for its seeds."""
+    return json.dumps({"name": f.name, **f.hparams()}, sort_keys=True, default=str)
 
 
 def _holds_tensor(value: Any) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["derive_seed", "round_half_up", "seed_torch"]
+__all__ = ["derive_seed", "derive_noise_seed", "round_half_up", "seed_torch"]
 
 
 def derive_seed(*parts: Any) -> int:
@@ -18,6 +18,19 @@ def derive_seed(*parts: Any) -> int:
     """
     digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).hexdigest()
     return int(digest[:8], 16) & 0x7FFFFFFF
+
+
+def derive_noise_seed(*parts: Any) -> int:
+    """Derive a 63-bit seed for privacy noise from any parts, stably (as :func:`derive_seed`).
+
+    What it is for: the seed of every differential-privacy draw. A 31-bit seed could be found
+    by trying every value against a released vector (2^31 draws of a few coordinates); 63 bits
+    cannot. The parts must name the release's own parameters (mechanism, noise multiplier,
+    clip) and the step, so that one seed never gives "the same draw at another scale", and
+    the site's secret where there is one (:attr:`medfl.context.ClientContext.noise_key`).
+    """
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).hexdigest()
+    return int(digest[:16], 16) & 0x7FFFFFFFFFFFFFFF
 
 
 def seed_torch(seed: int) -> None:

@@ -346,9 +346,12 @@ class FedTPF(Method):
     metrics and the validation scalars are not covered by the epsilon (as in the paper).
     The client releases with its own settings (epsilon, noise, mechanism: its own
     :meth:`release_plan`); only the clip of ``"public_quantile"`` comes from the coordinator
-    (``config["release_clip"]``), and any clip gives the same epsilon (the noise scales with it). The noise seed mixes the site's secret
-    (``noise_key``), so over Flower the coordinator cannot remove it; a release repeated
-    after a crash draws the same noise (no extra cost).
+    (``config["release_clip"]``), and any clip gives the same epsilon (the noise scales with
+    it). medfl performs the release and seeds its noise with the site's secret
+    (``noise_key``), the step and the release's parameters (``ClientContext.noise_seed``),
+    so over Flower the coordinator cannot remove it; a release asked again after a crash is
+    the same bytes (replayed by the site's release ledger) or refused, never the same draw
+    at another scale.
 
     **Deviations and choices**: eq. 8 as printed by default (``decay_reading="printed"``: a
     larger accuracy change gives a smaller weight), or as the prose reads

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from medfl import Instruction, OwnDp, hookimpl
-from medfl.method import Preset, derive_seed
+from medfl.method import Preset
 from medfl.engine.hub import HubAndSpoke
 from medfl.engine.training import predict_proba
 from medfl.engine.training import get_state, make_optimizer, train_epochs
@@ -378,7 +378,8 @@ class DpFedAvgOpacus(HubAndSpoke):
         model = self.client_model(client, instruction).to(client.device)
         opt = make_optimizer(model.parameters(), client.train)
         loader = torch.utils.data.DataLoader(client.dataset("train"), batch_size=int(client.train.get("batch_size", 16)))
-        noise = torch.Generator().manual_seed(derive_seed(client.seed, "dp_fedavg_opacus", client.noise_key))
+        noise = torch.Generator().manual_seed(client.noise_seed("dp_fedavg_opacus_sgd", noise_multiplier=self.noise_multiplier,
+                                                                max_grad_norm=self.max_grad_norm))
         private, opt, loader = PrivacyEngine(accountant="rdp").make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.max_grad_norm, poisson_sampling=True, noise_generator=noise)

@@ -263,7 +263,11 @@ def _perform_release(method: Method, ctx: ClientContext, instruction: Instructio
     if train_labels is None:
         raise PayloadError(f"{where}: release {plan.mechanism!r} releases the client's training samples, and "
                            f"client {ctx.client_id} has no train split")
-    g = torch.Generator().manual_seed(derive_seed(ctx.seed, "release", ctx.noise_key))
+    # the seed names the release (mechanism and every parameter that scales its noise): asked
+    # again under other parameters it draws other noise, never the same draw at another scale
+    g = torch.Generator().manual_seed(ctx.noise_seed(plan.mechanism, noise_multiplier=plan.noise_multiplier,
+                                                     clip=float(clip), delta=plan.delta, noise=plan.noise,
+                                                     variance=plan.variance))
     reply.payload, record = perform_release(reply.payload, plan, clip=float(clip), train_labels=train_labels,
                                             generator=g, where=where)
     reply.metrics = {**reply.metrics, **record}
@@ -323,7 +327,7 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
 
     Args:
         step: the training step within the round (``Method.round_steps``), which seeds the
-            filters' randomness.
+            filters' randomness and every DP draw (``ctx.step``, :meth:`ClientContext.noise_seed`).
 
     Raises:
         PayloadError: the instruction or reply carries something that may not travel, or
@@ -331,6 +335,7 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     """
     _check_instruction(instruction, "instruction", ctx.client_id)
     _seed_all(ctx.seed)
+    ctx.step = int(step)
     try:
         with compute_settings(ctx.train, ctx.device):
             reply = method.client_update(ctx, instruction)

@@ -27,7 +27,6 @@ from medfl.engine.training import (
 )
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method
-from medfl.seeding import derive_seed
 
 
 __all__ = ["HubAndSpoke", "norm_keys"]
@@ -148,7 +147,8 @@ class HubAndSpoke(Method):
         """Load the global model (plus local keys), train ``epochs``, send the shared part.
 
         With ``client.train["dp"]`` (a dict), the epochs are DP-SGD
-        (:func:`medfl.privacy.dp_sgd.train_epochs_dp`, seeded by the client's seed) and the
+        (:func:`medfl.privacy.dp_sgd.train_epochs_dp`, seeded by the client's
+        :meth:`~medfl.context.ClientContext.noise_seed`) and the
         metrics add ``dp_steps``, ``dp_sample_rate`` and ``dp_noise_multiplier``."""
         model = self.client_model(client, instruction)
         train = client.train
@@ -162,7 +162,8 @@ class HubAndSpoke(Method):
                 batch_size=int(train.get("batch_size", 16)),
                 noise_multiplier=float(dp["noise_multiplier"]),
                 max_grad_norm=float(dp["max_grad_norm"]),
-                seed=derive_seed(client.seed, "dp_sgd", client.noise_key), device=client.device,
+                seed=client.noise_seed("dp_sgd", noise_multiplier=float(dp["noise_multiplier"]),
+                                       max_grad_norm=float(dp["max_grad_norm"])), device=client.device,
                 loss_fn=self.local_loss(client, model, instruction),
                 num_workers=int(train.get("num_workers", 0)),
                 regularizer=self.local_regularizer(client, model, instruction))

@@ -31,6 +31,10 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
     privacy.csv        per round and client of a differentially private run: mechanism,
                        noise, clip, steps, sampling rate, epsilon spent so far, delta
                        (:mod:`medfl.privacy.ledger`)
+    releases.jsonl     every DP reply the coordinator received (round, step, client, the
+                       parameters it was released under, a digest), written before the
+                       round's checkpoint: a resume re-runs a released round under them
+                       (:mod:`medfl.privacy.releases`)
     communication.csv  one row per (round, client, phase: train, validate, evaluate, score)
                        with ``bytes_to_client``, ``bytes_from_client`` and ``messages``: the
                        encoded size of the messages as Flower sends them, measured in process
@@ -88,13 +92,14 @@ from medfl.engine.data import POOLED, FederatedData, client_order, split_data, w
 from medfl.engine.early_stopping import EarlyStopping, metrics_split
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
-from medfl.filters import configured_filters
+from medfl.filters import FilterChain, configured_filters
 from medfl.messages import Instruction, PayloadError, Reply, state_mismatch
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan, planned_releases
+from medfl.privacy.releases import ReleaseJournal, asked_releases
 
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "run_experiment", "resume", "predict",
            "summarize_metrics", "evaluate_metrics", "reported_by", "METRICS_PROVENANCE", "ENGINE_TABLES"]
@@ -303,6 +308,10 @@ class Run:
         if cross_test_in_clear(cfg, self.privacy.private, where, refuse=False):
             self.privacy.send_in_clear(CROSS_TEST_IN_CLEAR)
         self.ledger = PrivacyLedger(self.privacy)
+        #: every DP reply received, before the checkpoint (``releases.jsonl``)
+        self.journal = ReleaseJournal(self.run_dir)
+        #: rounds released before a crash, with their journal records (set by a resume)
+        self._released: dict[int, list[dict[str, Any]]] = {}
         self._step = 0
         #: bytes sent to and received from each client (``communication.csv``)
         self.traffic = Traffic()
@@ -588,6 +597,24 @@ class Run:
                       f"(another number of rounds re-derives it for the target epsilon): {changed[0]}"
                       f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; privacy.csv reports the "
                       "epsilon actually spent, which may end above the target", file=sys.stderr, flush=True)
+        self._released = self.journal.after(k) if not read_only else {}
+        beyond = [r for r in self._released if r > self.federation.rounds]
+        if beyond:
+            if self._lock is not None:   # nothing was changed: the run can be resumed again at once
+                _unlock(self._lock)
+                self._lock = None
+            raise RunError(f"{self.run_dir}: round {max(beyond)} was released to the coordinator before the run "
+                           f"stopped (releases.jsonl), but the resumed run has only {self.federation.rounds} "
+                           f"rounds, so that release would never be accounted in privacy.csv; resume with "
+                           f"--rounds {max(beyond)} or more")
+        for r, records in sorted(self._released.items()):
+            sigma = [rel.noise_multiplier for rel in FilterChain.from_specs(records[0]["filters"]).releases()]
+            sigma += [float(x["dp"]["noise_multiplier"]) for x in records[:1] if isinstance(x.get("dp"), dict)]
+            print(f"medfl [{self.label}] privacy: round {r} was released to the coordinator before the run stopped "
+                  f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
+                  f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
+                  "released under; a release that comes back different is counted in privacy.csv",
+                  file=sys.stderr, flush=True)
         traffic = _read_rounds(self.run_dir / "communication.csv", k)
         if traffic is not None:
             self.traffic.load(traffic)
@@ -598,6 +625,8 @@ class Run:
         addressed: dict[str, int] = {}
         dp_steps: dict[str, float] = {}
         own, own_steps = self.privacy.own, {}   # the method's own DP (Method.own_dp) and its reported steps
+        # a round released before a crash runs under the parameters it was released under
+        restore = self.privacy.released_under(self._released.get(r))
         for step in range(max(1, int(self.coordinator.round_steps(r)))):
             self._step = step
             instructions = self.coordinator.configure_round(r)
@@ -628,8 +657,9 @@ class Run:
             released = self.coordinator.round_releases(r) if self.privacy.method_release is not None else []
             self.ledger.record(r, {cid: addressed[cid] for cid in client_order(addressed)},
                                dp_steps if self.privacy.dp_sgd is not None else None, released,
-                               own_steps if own is not None else None)
+                               own_steps if own is not None else None, extra=self.journal.extra(r, addressed))
             self._csv.write(self.run_dir / "privacy.csv", self.ledger.frame())
+        restore()
         checks = self.coordinator.configure_validate(r)
         if checks:
             self._addressed(checks, self.federation.eval_client_ids, r, "configure_validate")
@@ -715,6 +745,9 @@ class Run:
         chain = self.privacy.chain
         for cid, reply in list(replies.items()):
             self.privacy.note_reply(reply.payload)
+            train = self.privacy.client_train(cid)
+            if asked_releases(self.coordinator, chain, train, instructions[cid]):   # a DP release: journaled
+                self.journal.note(r, self._step, cid, chain.specs(), train.get("dp"), reply.payload)
             if not chain:
                 continue
             try:

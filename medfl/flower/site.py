@@ -21,8 +21,11 @@ it)::
     where this site keeps each run's persistent client state
     (``<state-dir>/<run id>/site_<client id>/clients/``, a
     :class:`~medfl.engine.client.ClientStore` versioned by round as in process), its
-    evaluation memory (``.../eval_state/``) and its secret for privacy noise
-    (``<state-dir>/noise.key``, :func:`site_noise_key`). Nothing of it is sent to the coordinator.
+    evaluation memory (``.../eval_state/``), its secrets for privacy noise
+    (``<state-dir>/noise.key``, :func:`site_noise_key`, and one more per run,
+    ``.../noise_run.key``, :meth:`Site.run_noise_key`) and its ledger of the DP releases it
+    made (``.../releases.jsonl`` and ``.../releases/``, :mod:`medfl.privacy.releases`).
+    Nothing of it is sent to the coordinator.
 ``overrides`` (optional)
     JSON of ``#``-path overrides of the config (``{"fl#dataset#root": "/data"}``).
 ``workdir`` (optional)
@@ -53,6 +56,7 @@ site runs any method installed in its environment and says so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import os
@@ -198,6 +202,21 @@ class Site:
             raise SiteError(f"medfl site: bad run id {run!r}; expected letters, digits, '_' or '-'")
         return self.settings.state_dir / run / f"site_{self.client_id}"
 
+    def run_noise_key(self, ctl: dict[str, Any]) -> str:
+        """This site's secret for the privacy noise of the message's run
+        (:attr:`medfl.context.ClientContext.noise_key`): a hash of the site's persistent
+        secret (:func:`site_noise_key`) and 32 bytes from ``os.urandom`` drawn the first time
+        the site sees the run, kept in ``<state-dir>/<run id>/site_<client>/noise_run.key`` (so a
+        SuperNode restarted within the run continues with the same noise). Nothing the
+        coordinator sends goes into it but the run id that names the file: two runs draw
+        independent noise whatever their seeds and configs, and knowing ``noise.key`` is not
+        enough to regenerate it. Empty where :attr:`noise_key` is (a simulated site, or
+        :data:`REPRODUCIBLE_NOISE_ENV`): noise from the run seed alone."""
+        if not self.noise_key:
+            return ""
+        run_secret = _secret_file(self._root(ctl) / "noise_run.key", self.client_id)
+        return hashlib.sha256(f"{self.noise_key}:{run_secret}".encode()).hexdigest()
+
     def stores(self, ctl: dict[str, Any]) -> tuple[ClientStore, ClientStore]:
         """The run's client-state and evaluation-memory stores, brought in line with the
         coordinator: the first message of a new coordinator session rolls back versions
@@ -238,7 +257,8 @@ class Site:
 
         return client_context(self.data(ctl.get("fold"), ctl.get("seed")), self.client_id, int(ctl["round"]),
                               run_seed=int(ctl["seed"]), model_spec=dict(ctl["model"]), train=dict(ctl["train"]),
-                              device=self.device, store=store, state_before=state_before, noise_key=self.noise_key,
+                              device=self.device, store=store, state_before=state_before,
+                              noise_key=self.run_noise_key(ctl),
                               deployed=not self.settings.simulated, coordinator=self.settings.superlink)
 
     def check(self, ctl: dict[str, Any]) -> None:
@@ -297,17 +317,46 @@ class Site:
                 "digest": P.partition_digest(data, self.client_id)}
 
     def train(self, ctl: dict[str, Any], ins: Instruction) -> tuple[Any, int, dict[str, Any]]:
-        """Run the method's ``client_update``; save the client's state at the site."""
-        from medfl.filters import FilterChain
+        """Run the method's ``client_update``; save the client's state at the site.
 
-        store, _ = self.stores(ctl)
+        A reply that carries a DP release (a DP filter, DP-SGD, the method's own release) is
+        recorded in the site's release ledger (:class:`medfl.privacy.releases.SiteReleaseLedger`)
+        before it leaves. A request for a release this site already made in the run (same
+        round and step) gets the reply it sent then, byte for byte, when its instruction is
+        the same (the update runs again, to restore the client's state, but its reply stays
+        here); under any other instruction it is refused before the client step runs
+        (nothing is trained or drawn).
+
+        Raises:
+            SiteError: the release was made before under another instruction (naming the rule).
+        """
+        from medfl.filters import FilterChain
+        from medfl.privacy.releases import ReleaseRefused, SiteReleaseLedger, asked_releases, payload_digest
+
         # the coordinator's resolved filter entries (approved by Site.check): applied to the
         # reply here, undone at the coordinator
         filters = FilterChain.from_specs(ctl.get("filters") or [], f"filters sent to site {self.client_id}")
+        method = self.method(ctl)
+        asked = asked_releases(method, filters, dict(ctl["train"]), ins)
+        ledger = SiteReleaseLedger(self._root(ctl), f"medfl site {self.client_id}") if asked else None
+        release = (str(ctl["run"]), int(ctl["round"]), self.client_id, int(ctl.get("step", 0)))
+        digest, sent_before = "", None
+        if ledger is not None:
+            digest = payload_digest({k: ctl.get(k) for k in _INSTRUCTION_FIELDS}, ins.payload, ins.config)
+            try:
+                sent_before = ledger.replay(*release, asked, digest)
+            except ReleaseRefused as exc:
+                raise SiteError(str(exc)) from None
+        store, _ = self.stores(ctl)
         # checks the reply (tensors and numbers, none of this site's labels or images) before
         # and after the filters, before the wire side packs it, which checks its types again
-        reply = run_client_update(self.method(ctl), self.context(ctl, store), ins, store=store, filters=filters,
-                                  step=int(ctl.get("step", 0)))
+        reply = run_client_update(method, self.context(ctl, store), ins, store=store, filters=filters,
+                                  step=release[3])
+        if sent_before is not None:
+            return sent_before
+        if ledger is not None:
+            ledger.record(*release, asked, digest, reply.payload, int(reply.num_examples), dict(reply.metrics))
+            ledger.prune(int(ctl.get("ckpt", 0)))   # replies no resume can ask for again
         return reply.payload, int(reply.num_examples), dict(reply.metrics)
 
     def secure_train(self, ctl: dict[str, Any], ins: Instruction, content: RecordDict) -> RecordDict:
@@ -405,7 +454,6 @@ def site_noise_key(state_dir: Path, client_id: str) -> str:
     The run seed is known to the coordinator; without a secret it could regenerate the noise
     and subtract it. Empty (noise from the run seed alone) when :data:`REPRODUCIBLE_NOISE_ENV`
     is ``1``, which the site says on stderr."""
-    import secrets
     import sys
 
     if os.environ.get(REPRODUCIBLE_NOISE_ENV, "") == "1":
@@ -413,19 +461,31 @@ def site_noise_key(state_dir: Path, client_id: str) -> str:
               "(reproducible, as in process): no DP guarantee against whoever knows the seed", file=sys.stderr,
               flush=True)
         return ""
-    path = Path(state_dir) / "noise.key"
+    return _secret_file(Path(state_dir) / "noise.key", client_id)
+
+
+def _secret_file(path: Path, client_id: str) -> str:
+    """The secret kept in ``path``: 32 bytes from ``os.urandom`` (hex), created on first use
+    (readable by its owner only, written atomically)."""
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
+            f.write(os.urandom(32).hex())
+            f.flush()
+            os.fsync(f.fileno())
         tmp.replace(path)
     key = path.read_text().strip()
     if len(key) < 32:
         raise SiteError(f"medfl site {client_id}: {path} holds no usable secret (expected 64 hex characters); "
                         "delete it to make a new one")
     return key
+
+
+#: The control fields that make up a training instruction, besides its payload and config
+#: (the session fields, which change with every coordinator session, are not part of it).
+_INSTRUCTION_FIELDS = ("run", "round", "step", "client", "seed", "fold", "method", "model", "train", "filters")
 
 
 # ---------------------------------------------------------------------- message handling

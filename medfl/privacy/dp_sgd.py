@@ -39,7 +39,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from medfl.engine.training import StepMeans
 from medfl.privacy.accounting import PrivacyConfigError
-from medfl.seeding import derive_seed
+from medfl.seeding import derive_noise_seed
 
 try:
     from opacus.grad_sample import GradSampleModuleExpandedWeights
@@ -280,7 +280,7 @@ def _generator(seed: int | None, tag: str, device: str | torch.device) -> torch.
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(derive_seed(seed, tag))
+        gen.manual_seed(derive_noise_seed(seed, tag))
     return gen
 
 

@@ -50,8 +50,8 @@ under ``sent_in_clear``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -299,6 +299,26 @@ class PrivacyPlan:
             out["not_covered"] = self.uncovered
         return out
 
+    def released_under(self, records: list[dict[str, Any]] | None) -> Callable[[], None]:
+        """Until the returned function is called, the plan's filter chain and DP-SGD noise
+        are those a round was released under before a crash (``records``: that round's
+        :class:`medfl.privacy.releases.ReleaseJournal` records, which hold the resolved filter
+        entries and each client's DP-SGD settings), so the round re-runs as it was released
+        (the same bytes come back) and is accounted at the noise it was released with; a
+        noise re-derived for a new number of rounds applies from the next round. Nothing
+        changes for ``None`` or no records."""
+        saved = (self.chain, self.dp_sgd)
+        if records:
+            self.chain = FilterChain.from_specs(records[0]["filters"], "filters of a round released before a crash")
+            if self.dp_sgd is not None:
+                noise = {**self.dp_sgd.noise, **{str(r["client"]): float(r["dp"]["noise_multiplier"])
+                                                 for r in records if isinstance(r.get("dp"), dict)}}
+                self.dp_sgd = replace(self.dp_sgd, noise=noise)
+
+        def restore() -> None:
+            self.chain, self.dp_sgd = saved
+        return restore
+
     def release_as_made(self) -> Any:
         """The method's own release as the method states it now (``Method.release_plan``
         asked again): a clip the method chose during the run at no privacy cost (from public
@@ -367,28 +387,33 @@ class PrivacyLedger:
         return out
 
     def record(self, round: int, addressed: dict[str, int], reported_steps: dict[str, float] | None = None,
-               released: list[str] | None = None, own_steps: dict[str, float] | None = None
-               ) -> list[dict[str, Any]]:
+               released: list[str] | None = None, own_steps: dict[str, float] | None = None,
+               extra: dict[str, int] | None = None) -> list[dict[str, Any]]:
         """Record round ``round``: ``addressed`` maps each client sent a training instruction
         to how many times (train steps), in the order its rows are written. ``reported_steps`` (DP-SGD clients' ``dp_steps``)
         is checked against the plan. ``released``: the clients asked for the method's own
         per-sample release this round (``Method.round_releases``), one release each.
         ``own_steps``: what each client reported in the method's own DP's ``steps_metric``
         (:class:`~medfl.method.OwnDp`), checked against its declaration.
+        ``extra``: releases of the round's filter chain and DP-SGD the coordinator received
+        beyond ``addressed`` (a round re-run after a crash whose first replies differ from
+        the second: :meth:`medfl.privacy.releases.ReleaseJournal.extra`), counted too.
 
         Raises:
             PrivacyConfigError: a client reports other DP-SGD steps (or other steps of the
                 method's own DP) than planned (the accounting would be wrong).
         """
         new = []
+        extra = extra or {}
+        seen = {cid: addressed.get(cid, 0) + extra.get(cid, 0) for cid in [*addressed, *extra]}
         for rel in self.plan.chain.releases():
-            for cid in addressed:
+            for cid in seen:
                 new.append(self._add(round, cid, rel.mechanism, rel.unit, rel.noise_multiplier, rel.clip,
-                                     rel.sample_rate, addressed[cid], rel.delta, rel.accountant))
+                                     rel.sample_rate, seen[cid], rel.delta, rel.accountant))
         p = self.plan.dp_sgd
         if p is not None:
-            for cid in addressed:
-                planned = p.steps[cid] * addressed[cid]
+            for cid in seen:
+                planned = p.steps[cid] * addressed.get(cid, 0)
                 got = (reported_steps or {}).get(cid)
                 if got is not None and round_half_up(got) != planned:
                     raise PrivacyConfigError(
@@ -396,7 +421,8 @@ class PrivacyLedger:
                         f"{planned}; its epsilon would be wrong (a method or dataset that changes the number of "
                         "local steps cannot use train.dp)")
                 new.append(self._add(round, cid, "dp_sgd", "sample", p.noise[cid], float(p.settings["max_grad_norm"]),
-                                     p.sample_rate[cid], planned, float(p.settings["delta"]), p.settings["accountant"]))
+                                     p.sample_rate[cid], p.steps[cid] * seen[cid], float(p.settings["delta"]),
+                                     p.settings["accountant"]))
         own = self.plan.own
         if own is not None:
             for cid in addressed:
