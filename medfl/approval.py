@@ -324,8 +324,12 @@ def code_identity(kind: str, name: str, cache: dict[frozenset[str], Any] | None 
     module = inspect.getmodule(reg.obj)
     try:
         source = inspect.getsourcefile(reg.obj)
-    except TypeError:
+    except (TypeError, OSError):   # OSError: __main__ without a file (an interpreter, a test worker)
         source = None
+    if module is not None and module.__name__.split(".")[0] == "__main__":
+        raise ApprovalError(f"{kind} {name!r} is defined in {source or 'a script without a file'}, which is not a "
+                            f"module importable by its name ({module.__name__}): it cannot be pinned; install it as "
+                            "a module or package")
     if module is None or source is None:
         raise ApprovalError(f"{kind} {name!r} has no source file (defined interactively or in compiled code); "
                             "only plugins installed from source files can be approved")
