@@ -306,6 +306,32 @@ def test_noise_off_is_recorded_as_such_and_a_release_that_copies_the_images_is_r
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
 
 
+def test_noise_off_on_features_that_are_not_the_images_is_recorded_as_such(tmp_path: Path) -> None:
+    """On the PathMNIST fixture (28 x 28 RGB tiles), after 2 rounds of 5 distillation steps,
+    the unnoised x_s is not a copy of the images (it correlates at most 0.82 with a client's
+    image; after 1 round, 0.976, and the guard refuses it), so it may leave, and the run
+    records the release as not private: ``privacy.csv`` with an infinite epsilon,
+    ``summary.json`` with ``private: false`` and the mechanism under ``non_private_releases``."""
+    from medfl.fixtures import generate
+    from medfl.prep.medmnist import main as prep_medmnist
+
+    generate("medmnist", tmp_path / "raw", cases=300, seed=0, flag="pathmnist")
+    assert prep_medmnist(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "data"), "--flag", "pathmnist"]) == 0
+    data = {"name": "manifest", "path": str(tmp_path / "data" / "manifest.csv"), "column": "path", "num_classes": 9,
+            "cache": "memory"}
+    job = _job(tmp_path, {"name": "fedfed", "distill_rounds": 2, "distill_steps": 5, "epsilon": None},
+               rounds=3, train={"batch_size": 32, "lr": 0.05}, dataset=data)
+    run = Path(run_experiment(resolve_config(job))["dir"]) / "fedfed"
+    privacy = pd.read_csv(run / "privacy.csv")
+    assert set(privacy["mechanism"]) == {"feature_gaussian"} and len(privacy) == 3
+    assert privacy["epsilon"].map(math.isinf).all()
+    block = json.loads((run / "summary.json").read_text())["privacy"]
+    assert block["private"] is False and block["epsilon"] is None
+    assert block["non_private_releases"] == ["feature_gaussian"] and "unnoised_release" in block
+    train = pd.read_csv(run / "train_metrics.csv")
+    assert (train["noise_norm"].dropna() == 0.0).all() and train["noise_norm"].notna().sum() == 3
+
+
 def test_without_a_val_split_the_stop_condition_reads_the_test_split(tmp_path: Path) -> None:
     out = run_experiment(resolve_config(_job(tmp_path, {"name": "fedtpf", "distill_rounds": 2, **SMALL}, rounds=3,
                                              client_split={"train": 0.8, "test": 0.2})))
