@@ -17,9 +17,10 @@ import torch
 
 from medfl.config import resolve_config
 from medfl.engine.runner import resume, run_experiment
-from medfl.messages import Reply
+from medfl.messages import PayloadError, Reply
 from medfl.method import Federation, MethodConfigError
 from medfl.privacy.accounting import epsilon_spent, noise_for_epsilon
+from medfl.privacy.ledger import UNNOISED_RELEASE_NOTE
 from medfl_plugins.fedtpf import FedFed, FedTPF
 
 SMALL = {"vae_width": 4, "critic_width": 4, "distill_steps": 4}
@@ -275,20 +276,60 @@ def test_a_run_releases_once_per_sample_with_the_accountants_epsilon(tmp_path: P
     assert any("the distillation model: the per-sample epsilon" in u for u in summary["privacy"]["not_covered"])
 
 
-@pytest.mark.parametrize("entry, mech, eps", [({"epsilon": 2.0, "mechanism": "laplace"}, "feature_laplace", 2.0),
-                                              ({"epsilon": None}, "feature_gaussian", None)])
-def test_laplace_and_noise_off_are_recorded_as_such(tmp_path: Path, entry: dict, mech: str, eps: Any) -> None:
+def test_laplace_is_recorded_as_such(tmp_path: Path) -> None:
     out = run_experiment(resolve_config(_job(tmp_path, {"name": "fedfed", "distill_rounds": 1, "vae_width": 4,
-                                                        "distill_steps": 4, **entry}, rounds=2)))
+                                                        "distill_steps": 4, "epsilon": 2.0, "mechanism": "laplace"},
+                                             rounds=2)))
     run = Path(out["dir"]) / "fedfed"
     privacy = pd.read_csv(run / "privacy.csv")
-    assert set(privacy["mechanism"]) == {mech}
+    assert set(privacy["mechanism"]) == {"feature_laplace"}
     block = json.loads((run / "summary.json").read_text())["privacy"]
-    if eps is None:
-        assert block["private"] is False and block["epsilon"] is None and block["non_private_releases"] == [mech]
-        assert privacy["epsilon"].map(math.isinf).all()
-    else:
-        assert block["epsilon"] == pytest.approx(eps) and privacy["epsilon"].tolist() == pytest.approx([eps] * 3)
+    assert block["epsilon"] == pytest.approx(2.0) and privacy["epsilon"].tolist() == pytest.approx([2.0] * 3)
+
+
+def test_noise_off_is_recorded_as_such_and_a_release_that_copies_the_images_is_refused(tmp_path: Path) -> None:
+    """``epsilon: null`` turns the noise off: the run's plan records the release as not private
+    and unnoised. On this fixture (pixel noise of std 0.5, which no reconstruction removes)
+    ``x_s = x - x_hat`` after 4 distillation steps correlates 0.9998 with the images: an
+    offset copy of them, which the content guard stops at the client, naming the method, the
+    key and the sample (issue 38, items 1 and 4); no release is counted."""
+    with pytest.raises(PayloadError, match=r"reply of method 'fedfed' from client \d+\['shared_x'\]: holds image \d+ "
+                                           r"of client \d+'s train split .*transformed: a plane of 12x12 values "
+                                           r"correlates with its pixels at \d+ pixels \(0\.99"):
+        run_experiment(resolve_config(_job(tmp_path, {"name": "fedfed", "distill_rounds": 1, "vae_width": 4,
+                                                      "distill_steps": 4, "epsilon": None}, rounds=2)))
+    run = next(tmp_path.glob("runs/*/fedfed"))
+    plan = json.loads((run / "config.json").read_text())["privacy"]["feature_gaussian"]
+    assert plan["private"] is False and plan["noise_multiplier"] == 0.0 and plan["target_epsilon"] is None
+    assert plan["content_guard"] == UNNOISED_RELEASE_NOTE
+    assert pd.read_csv(run / "privacy.csv").empty
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"
+
+
+def test_noise_off_on_features_that_are_not_the_images_is_recorded_as_such(tmp_path: Path) -> None:
+    """On the PathMNIST fixture (28 x 28 RGB tiles), after 2 rounds of 5 distillation steps,
+    the unnoised x_s is not a copy of the images (it correlates at most 0.82 with a client's
+    image; after 1 round, 0.976, and the guard refuses it), so it may leave, and the run
+    records the release as not private: ``privacy.csv`` with an infinite epsilon,
+    ``summary.json`` with ``private: false`` and the mechanism under ``non_private_releases``."""
+    from medfl.fixtures import generate
+    from medfl.prep.medmnist import main as prep_medmnist
+
+    generate("medmnist", tmp_path / "raw", cases=300, seed=0, flag="pathmnist")
+    assert prep_medmnist(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "data"), "--flag", "pathmnist"]) == 0
+    data = {"name": "manifest", "path": str(tmp_path / "data" / "manifest.csv"), "column": "path", "num_classes": 9,
+            "cache": "memory"}
+    job = _job(tmp_path, {"name": "fedfed", "distill_rounds": 2, "distill_steps": 5, "epsilon": None},
+               rounds=3, train={"batch_size": 32, "lr": 0.05}, dataset=data)
+    run = Path(run_experiment(resolve_config(job))["dir"]) / "fedfed"
+    privacy = pd.read_csv(run / "privacy.csv")
+    assert set(privacy["mechanism"]) == {"feature_gaussian"} and len(privacy) == 3
+    assert privacy["epsilon"].map(math.isinf).all()
+    block = json.loads((run / "summary.json").read_text())["privacy"]
+    assert block["private"] is False and block["epsilon"] is None
+    assert block["non_private_releases"] == ["feature_gaussian"] and "unnoised_release" in block
+    train = pd.read_csv(run / "train_metrics.csv")
+    assert (train["noise_norm"].dropna() == 0.0).all() and train["noise_norm"].notna().sum() == 3
 
 
 def test_without_a_val_split_the_stop_condition_reads_the_test_split(tmp_path: Path) -> None:

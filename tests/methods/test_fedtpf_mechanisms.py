@@ -20,6 +20,7 @@ import torch
 from medfl.config import resolve_config
 from medfl.engine.runner import run_experiment
 from medfl.losses.feature_distill import STOP_CRITERIA
+from medfl.messages import PayloadError
 from medfl.method import Federation, MethodConfigError
 from medfl.models.feature_distill import DistillVAE
 from medfl_plugins.fedtpf import PAPER_PRESET, FedFed, FedTPF, MixedBatches, SharedSet
@@ -46,7 +47,11 @@ def _values(log: pd.DataFrame, mechanism: str, name: str, scope: str = "client")
 
 
 # ---------------------------------------------------------------------------- a run whose mechanisms act
-ACTING = {"name": "fedtpf", "distill_rounds": 2, "noise": {"variance": 0.02}, "epsilon": None, "distill_steps": 8,
+#: The release's noise variance: enough that the released x_s (after 8 distillation steps, nearly
+#: the images less their mean) no longer correlates >= 0.95 with a client's image, so the content
+#: guard lets it leave (issue 38, items 1 and 4); at 0.02 it is refused (the test below).
+VARIANCE = 0.5
+ACTING = {"name": "fedtpf", "distill_rounds": 2, "noise": {"variance": VARIANCE}, "epsilon": None, "distill_steps": 8,
           "target_accuracy": 0.6, "tolerance": 0.0, "window": 1, "max_cosine": 1.0, "max_change": 1.0,
           "decay_reading": "prose", "decay_lambda": 2.0, "mix": 0.5, **SMALL}
 
@@ -122,9 +127,9 @@ def test_the_release_and_stage_2_rows_are_what_the_clients_measured(acting: Path
     for _, r in rel.iterrows():
         assert ratio[(int(r["round"]), r["client_id"])] == pytest.approx(r["noise_norm"] / r["signal_norm"])
         assert r["clipped_fraction"] == 0.0                                 # the paper's noise: nothing clipped
-    # the noise's norm: sqrt(0.02 * 144) per sample, for 12 x 12 one-channel features
-    assert rel["noise_norm"].mean() == pytest.approx(math.sqrt(0.02 * 144), rel=0.1)
-    assert _values(log, "release", "noise", scope="run") == {(after + 1, ""): "variance 0.02 (not private)"}
+    # the noise's norm: sqrt(VARIANCE * 144) per sample, for 12 x 12 one-channel features
+    assert rel["noise_norm"].mean() == pytest.approx(math.sqrt(VARIANCE * 144), rel=0.1)
+    assert _values(log, "release", "noise", scope="run") == {(after + 1, ""): f"variance {VARIANCE:g} (not private)"}
     mix = _values(log, "mix", "shared_fraction")
     stage2 = train[train["shared_fraction"].notna()]
     assert mix == pytest.approx({(int(r), c): f for r, c, f in
@@ -134,7 +139,26 @@ def test_the_release_and_stage_2_rows_are_what_the_clients_measured(acting: Path
     assert summary["privacy"]["private"] is False and summary["privacy"]["epsilon"] is None
     assert summary["privacy"]["non_private_releases"] == ["feature_gaussian_unclipped"]
     assert any("the distillation model: the per-sample epsilon" in u for u in summary["privacy"]["not_covered"])
-    assert any("noise of variance 0.02 is added to unclipped x_s" in u for u in summary["privacy"]["not_covered"])
+    assert any(f"noise of variance {VARIANCE:g} is added to unclipped x_s" in u
+               for u in summary["privacy"]["not_covered"])
+
+
+@pytest.mark.parametrize("method", ["fedtpf", "fedfed"])
+def test_a_barely_noised_release_of_near_copies_of_the_images_is_refused(tmp_path: Path, method: str) -> None:
+    """Issue 38, items 1 and 4: after 8 distillation steps x_s is nearly the images less their
+    mean; noise of variance 0.02 leaves it correlating 0.98 with them, a noisy copy of
+    the images that the content guard stops at the client, naming the method, the key and the
+    sample, before anything reaches the coordinator."""
+    entry = {k: v for k, v in ACTING.items() if method == "fedtpf" or k in FedFed.parameters()}
+    entry |= {"name": method, "noise": {"variance": 0.02}}
+    refused = (rf"reply of method '{method}' from client \d+ \(as released\)\['shared_x'\]: holds image \d+ of "
+               r"client \d+'s train split .*transformed: a plane of 12x12 values correlates with its pixels at \d+ "
+               r"pixels \(0\.9[5-9]")
+    with pytest.raises(PayloadError, match=refused):
+        _run(tmp_path, entry, rounds=3)
+    run = next(tmp_path.glob(f"runs/*/{method}"))
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"
+    assert pd.read_csv(run / "privacy.csv").empty                          # nothing was counted as released
 
 
 def test_fedfed_with_the_same_noise_gives_other_numbers(acting: Path, tmp_path: Path) -> None:
