@@ -263,7 +263,10 @@ class PrivacyPlan:
 
     def describe(self) -> dict[str, Any]:
         """The plan as JSON for ``config.json`` (what is noised, with what, and what is not covered)."""
-        out: dict[str, Any] = {"private": self.private and not self.in_clear, "filters": self.chain.specs()}
+        # a release without noise (FedTPF's epsilon null, a fixed variance) makes the plan not private
+        unnoised = self.method_release is not None and not self.method_release.noise_multiplier > 0
+        out: dict[str, Any] = {"private": self.private and not self.in_clear and not unnoised,
+                               "filters": self.chain.specs()}
         if self.in_clear:
             out["sent_in_clear"] = list(self.in_clear)
         for rel in self.chain.releases():

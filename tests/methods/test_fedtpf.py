@@ -299,9 +299,11 @@ def test_noise_off_is_recorded_as_such_and_a_release_that_copies_the_images_is_r
         run_experiment(resolve_config(_job(tmp_path, {"name": "fedfed", "distill_rounds": 1, "vae_width": 4,
                                                       "distill_steps": 4, "epsilon": None}, rounds=2)))
     run = next(tmp_path.glob("runs/*/fedfed"))
-    plan = json.loads((run / "config.json").read_text())["privacy"]["feature_gaussian"]
+    privacy = json.loads((run / "config.json").read_text())["privacy"]
+    plan = privacy["feature_gaussian"]
     assert plan["private"] is False and plan["noise_multiplier"] == 0.0 and plan["target_epsilon"] is None
     assert plan["content_guard"] == UNNOISED_RELEASE_NOTE
+    assert privacy["private"] is False   # the plan as a whole: its one release adds no noise
     assert pd.read_csv(run / "privacy.csv").empty
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
 
