@@ -509,7 +509,7 @@ def test_labels_hidden_among_a_models_weights_are_refused(ctx_data: tuple[_Data,
 
     class _InState(_Leak):
         def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
-            return Reply(payload=make(client), metrics={"loss": 0.3})
+            return Reply(payload=make(client), metrics={"loss": 0.3}, num_examples=client.num_examples("train"))
 
     if form == "float64 among NaN":   # NaN is refused as non-finite before the guard runs: check directly
         with pytest.raises(PayloadError, match=r"\['zz.leak'\].*labels of client 3's train split"):

@@ -23,9 +23,11 @@ from flower_cases import FEDBN, fl_config, numeric_equal, write_config
 
 ray = pytest.importorskip("ray", reason="the simulation runtime needs Ray: pip install -e '.[test]' installs it")
 
-# a stateless method with a DP filter (noise drawn at the sites) and a stateful one
+# a stateless method with a DP filter (noise drawn at the sites) and a stateful one; cross_test
+# under DP sends the models in the clear, so the job opts in (its runs say they are not private)
 JOB: dict[str, Any] = {"rounds": 3, "model": {"name": "small_cnn", "width": 4},
                        "train": {"batch_size": 8, "lr": 0.05}, "eval_splits": ["test", "global_test", "cross_test"],
+                       "cross_test": {"under_dp": "send_models"},
                        "methods": [{"name": "fedavg", "filters": [{"name": "dp_gaussian", "epsilon": 50.0,
                                                                     "clip": 5.0}]},
                                    {"name": "fedbn"}]}
