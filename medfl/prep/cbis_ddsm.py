@@ -285,9 +285,11 @@ def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
     head = path.read_bytes()[:132] if path.is_file() else b""
     if path.is_file() and not head:
         raise PrepError(f"{path}: an empty file (0 bytes); expected a DICOM image", path)
+    # a DICOM file's 128-byte preamble is free: a legal dual-personality file holds a TIFF
+    # header there, so another format is sniffed only where "DICM" is not at offset 128
     for magic, kind in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"II*\x00", "a TIFF image"),
                         (b"MM\x00*", "a TIFF image")):
-        if head.startswith(magic):
+        if head.startswith(magic) and head[128:132] != b"DICM":
             raise PrepError(f"{path}: {kind} named .dcm, not a DICOM file; expected the DICOM from the download",
                             path)
     try:

@@ -367,6 +367,24 @@ def test_not_a_dicom_says_what_it_is(tmp_path):
     assert "force" not in str(e.value)
 
 
+@pytest.mark.parametrize("preamble", [b"II*\x00", b"MM\x00*"])
+def test_a_dicom_whose_preamble_holds_a_tiff_header_is_read(tmp_path, preamble):
+    """Issue 39, item 10: a DICOM's 128-byte preamble may hold a TIFF header (a legal
+    dual-personality file, as 13 of pydicom's test files); it was refused as "a TIFF image
+    named .dcm". With "DICM" at offset 128 it is a DICOM file, read as any other."""
+    path = _mg(tmp_path, "dual.dcm")
+    plain, _ = read_dicom(path)
+    ds = pydicom.dcmread(path)
+    ds.preamble = preamble + b"\x08\x00\x00\x00" + b"\x00" * 120
+    ds.save_as(path, enforce_file_format=True)
+    assert path.read_bytes()[:4] == preamble and path.read_bytes()[128:132] == b"DICM"
+    x, _ = read_dicom(path)
+    assert np.array_equal(x, plain)
+    (tmp_path / "tiff.dcm").write_bytes(preamble + b"\x00" * 300)   # a TIFF without DICM: still refused
+    with pytest.raises(PrepError, match="a TIFF image named .dcm"):
+        read_dicom(tmp_path / "tiff.dcm")
+
+
 def test_repeated_csv_rows_are_counted_once_and_conflicting_ones_stop(raws, tmp_path):
     """Issue 19: duplicated CBIS CSV rows doubled the abnormality count silently."""
     raw = _copy(raws["classic"], tmp_path / "raw")
