@@ -108,8 +108,9 @@ DEFAULTS: dict[str, Any] = {
 #: not what it learns, so configs without them send the same messages as before):
 #: ``amp`` mixed precision ("bf16" or "fp16", with a gradient scaler; :mod:`medfl.engine.training`),
 #: ``channels_last`` (channels-last memory format for 2D/3D convolutions), ``pin_memory``
-#: (page-locked batches; null: on for CUDA devices).
-TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memory": None}
+#: (page-locked batches; null: on for CUDA devices), ``clip_grad_norm`` (the global gradient
+#: norm each step is clipped to, :func:`check_train`; null: no clipping).
+TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memory": None, "clip_grad_norm": None}
 
 #: Top-level keys that are valid but absent unless set: ``plots`` (``false``: no PNG plots at the
 #: end of runs and experiments, the CSV/JSON results are written all the same and ``medfl

@@ -52,3 +52,19 @@ def test_a_diverging_run_stops_naming_client_and_round(tiny_fl) -> None:
         run_experiment(resolve_config(fl))
     status = json.loads((Path(tiny_fl["output_dir"]) / "t" / "fedavg" / "status.json").read_text())
     assert status["status"] == "failed"
+
+
+def test_the_advice_of_a_diverging_run_can_be_followed(tiny_fl, tmp_path, capsys) -> None:
+    """Issue 39, item 7: at lr 1e8 the error advises "set train.clip_grad_norm", but
+    ``fl#train#clip_grad_norm=1.0`` was refused as an unknown key. It is taken from the config
+    and from the command line, checked, and reaches the clients' training."""
+    fl = dict(tiny_fl, rounds=1)
+    cfg = resolve_config({**fl, "train": {**fl["train"], "clip_grad_norm": 1.0}})
+    assert cfg["train"]["clip_grad_norm"] == 1.0
+    with pytest.raises(ConfigError, match=r"fl.train.clip_grad_norm: expected null or a positive number, got 0"):
+        resolve_config({**fl, "train": {**fl["train"], "clip_grad_norm": 0}})
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"fl": fl}))
+    assert main(["run", str(path), "--fl#train#clip_grad_norm", "1.0"]) == 0, capsys.readouterr().err
+    saved = json.loads((Path(tiny_fl["output_dir"]) / "t" / "config.json").read_text())
+    assert saved["fl"]["train"]["clip_grad_norm"] == 1.0
