@@ -23,6 +23,9 @@ What this module does, and why:
   them in one split. All images of one lesion must have one ``dx``.
 * ``dataset`` (the source collection: vidir_modern, vidir_molemax, rosendahl, vienna_dias) is
   the manifest's ``site``, so the ``natural`` partitioner gives one client per collection.
+  The Kaggle mirror's metadata lacks that column (7 columns): ``site`` is then empty, the
+  report says so, and only the ``natural`` partitioner is refused (by the run, naming the
+  empty column).
 * HAM10000 has no official train/test split in this file, so the manifest's ``split`` column
   is empty: the run draws its global test set (``global_test_per_class`` or
   ``global_test_fraction``).
@@ -94,9 +97,11 @@ def find_metadata(raw: Path, given: Path | None = None) -> Path:
 
 def read_metadata(path: Path) -> pd.DataFrame:
     """Read the metadata table (comma- or tab-separated) as strings; empty cells stay ``""``.
+    The Kaggle mirror's metadata has no ``dataset`` column (7 columns): it reads as empty.
 
     Raises:
-        PrepError: unreadable or empty, a column of :data:`COLUMNS` missing, an ``image_id``
+        PrepError: unreadable or empty, a column of :data:`COLUMNS` other than ``dataset``
+            missing, an ``image_id``
             that is not ``ISIC_<digits>`` or appears twice, an empty ``lesion_id``.
     """
     try:
@@ -115,7 +120,9 @@ def read_metadata(path: Path) -> pd.DataFrame:
     except (pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise PrepError(f"{path}: not a readable table ({exc}); expected HAM10000's metadata", path) from exc
     table.columns = [str(c).strip().strip('"') for c in table.columns]
-    require_columns(table, list(COLUMNS), path)
+    require_columns(table, [c for c in COLUMNS if c != "dataset"], path)
+    if "dataset" not in table.columns:   # the Kaggle mirror's 7 columns: no source collection
+        table["dataset"] = ""
     if table.empty:
         raise PrepError(f"{path}: no rows; expected one row per image", path)
     table = table.apply(lambda col: col.str.strip().str.strip('"'))
@@ -322,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     report.note("HAM10000 has no official train/test split in its metadata: the manifest's split column is empty "
                 "(a run draws its global test set: global_test_per_class or global_test_fraction)")
+    if not any(row["site"] for row in rows):
+        report.note(f"{meta_rel} has no 'dataset' column (the Kaggle mirror's 7 columns) or no value in it: the "
+                    "manifest's site is empty, so the natural partitioner (one client per source collection) "
+                    "cannot split it; use dirichlet, iid or another partitioner, or the Dataverse metadata")
     table = write_manifest(out, rows, extra_order=["lesion_id", "image_id", "dx", "dx_type", "age", "localization",
                                                    "dataset", "meta_row"], classes=CLASS_NAMES, report=report)
     if args.overwrite:

@@ -121,6 +121,37 @@ def test_every_download_layout_gives_the_same_manifest(layout: str, extra: tuple
     assert np.array_equal(np.load(tmp_path / "out" / first), np.load(prepared["out"] / first))
 
 
+def test_the_kaggle_mirrors_metadata_without_a_dataset_column_is_prepared(raw: Path, prepared: dict, tmp_path: Path):
+    """Issue 39, item 11: the Kaggle mirror's metadata has 7 columns, no ``dataset``; it was
+    refused. It is prepared with an empty site (the report says why), the rest identical; a
+    run with the natural partitioner is refused naming the empty column, any other runs."""
+    import json
+
+    from medfl.config import ConfigError, resolve_config
+    from medfl.data.partition import PartitionError
+    from medfl.engine.runner import run_experiment
+
+    kaggle = tmp_path / "raw"
+    shutil.copytree(raw, kaggle)
+    meta_of(raw).drop(columns="dataset").to_csv(kaggle / "HAM10000_metadata.csv", index=False)
+    out = tmp_path / "data"
+    assert prep(kaggle, out) == 0
+    manifest = pd.read_csv(out / "manifest.csv", keep_default_na=False)
+    assert (manifest["site"] == "").all()
+    want = prepared["manifest"].drop(columns=["site", "dataset"])
+    pd.testing.assert_frame_equal(manifest.drop(columns=["site", "dataset"]), want)
+    report = json.loads((out / "report.json").read_text())
+    assert any("no 'dataset' column" in n for n in report["notes"])
+    fl = {"name": "k", "output_dir": str(tmp_path / "runs"), "seed": 0, "rounds": 1, "num_clients": 2,
+          "progress": False, "dataset": {"name": "manifest", "path": str(out / "manifest.csv")},
+          "partition": {"name": "natural"}, "model": {"name": "small_cnn", "width": 4},
+          "train": {"batch_size": 8}, "methods": [{"name": "fedavg"}]}
+    with pytest.raises((ConfigError, PartitionError), match=r"'site'.*(empty|missing)"):
+        run_experiment(resolve_config(fl))
+    done = run_experiment(resolve_config({**fl, "name": "k2", "partition": {"name": "dirichlet", "alpha": 1.0}}))
+    assert (Path(done["dir"]) / "fedavg" / "summary.json").is_file()
+
+
 def test_overwrite_is_refused_then_removes_stale_arrays(raw: Path, tmp_path: Path):
     out = tmp_path / "o"
     assert prep(raw, out, "--limit", "10") == 0
