@@ -8,8 +8,10 @@ Unknown keys and unknown plugin names fail with an error listing the valid ones.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from numbers import Real
+from pathlib import Path
 from typing import Any
 
 from medfl.plugins import PluginError, lookup, registry
@@ -686,6 +688,27 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
     cross_test_in_clear(cfg, private, where)
 
 
+def _check_parameters(kind: str, spec: dict[str, Any], where: str, skip: tuple[str, ...] = ()) -> None:
+    """Refuse a plugin spec (``{"name": ..., **parameters}``) whose parameters its plugin does
+    not take, before anything is written, as method parameters are checked.
+
+    Raises:
+        PluginError: no plugin of that name.
+        ConfigError: naming the unknown parameters and the valid ones.
+    """
+    obj = lookup(kind, spec["name"])
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):   # a callable without a readable signature: its own checks
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(k for k in spec if k != "name" and k not in skip and k not in params)
+    if unknown:
+        raise ConfigError(f"{where}: {kind} {spec['name']!r} takes no parameter(s) {', '.join(map(repr, unknown))}; "
+                          f"valid: {', '.join(p for p in params if p not in ('self',))}")
+
+
 def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     """Merge ``fl`` over :data:`DEFAULTS`, check every key and every plugin name.
 
@@ -735,6 +758,12 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"fl.{key}: expected a non-negative integer, got {cfg[key]!r}")
     if cfg["rounds"] < 1:
         raise ConfigError(f"fl.rounds: expected at least 1, got {cfg['rounds']}")
+    if cfg["keep_checkpoints"] < 1:
+        raise ConfigError(f"fl.keep_checkpoints: expected at least 1 (a run keeps its latest checkpoint to resume "
+                          f"from), got {cfg['keep_checkpoints']}")
+    out_dir = Path(str(cfg["output_dir"])).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"fl.output_dir: {str(out_dir)!r} is a file; expected a directory (or a path to create)")
     if cfg["num_clients"] < 1:
         raise ConfigError(f"fl.num_clients: expected at least 1, got {cfg['num_clients']}")
     check_train(cfg["train"], "fl.train")
@@ -783,7 +812,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
                           "client_split has no 'test'")
     try:
         for kind, key in (("dataset", "dataset"), ("partitioner", "partition"), ("model", "model")):
-            lookup(kind, cfg[key]["name"])
+            _check_parameters(kind, cfg[key], f"fl.{key}", skip=("dp_compatible",) if kind == "model" else ())
         for m in cfg["methods"]:
             build_method(m)  # checks parameter names now, before any work
     except (PluginError, ValueError) as exc:

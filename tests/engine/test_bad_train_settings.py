@@ -25,6 +25,13 @@ from medfl.engine.training import NonFiniteError
     ({"num_clients": 0}, r"fl.num_clients: expected at least 1, got 0"),
     ({"device": "gpu7"}, r"fl.device: 'gpu7' is not a device"),
     ({"methods": [{"name": "fedavg", "train": {"lr": 0}}]}, r"fl.methods\[0\] \(fedavg\).train.lr: expected a positive"),
+    # issue 39, item 9: these were a TypeError traceback from the plugin, or accepted silently
+    ({"dataset": {"name": "synthetic2d", "bogus": 1}}, r"fl.dataset: dataset 'synthetic2d' takes no parameter\(s\) "
+                                                        r"'bogus'; valid: root, num_samples"),
+    ({"partition": {"name": "dirichlet", "alpha": 1.0, "bogus": 1}},
+     r"fl.partition: partitioner 'dirichlet' takes no parameter\(s\) 'bogus'; valid: .*alpha"),
+    ({"model": {"name": "small_cnn", "bogus": 1}}, r"fl.model: model 'small_cnn' takes no parameter\(s\) 'bogus'"),
+    ({"keep_checkpoints": 0}, r"fl.keep_checkpoints: expected at least 1 .*got 0"),
 ])
 def test_bad_settings_are_refused_by_name(tiny_fl, change, message) -> None:
     fl = dict(tiny_fl)
@@ -32,6 +39,14 @@ def test_bad_settings_are_refused_by_name(tiny_fl, change, message) -> None:
         fl[k] = {**fl.get(k, {}), **v} if k == "train" else v
     with pytest.raises(ConfigError, match=message):
         resolve_config(fl)
+
+
+def test_an_output_dir_that_is_a_file_is_refused_by_name(tiny_fl, tmp_path) -> None:
+    """Issue 39, item 9: an ``output_dir`` that is a file gave FileExistsError."""
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ConfigError, match=r"fl.output_dir: '.*afile' is a file; expected a directory"):
+        resolve_config({**tiny_fl, "output_dir": str(tmp_path / "afile")})
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def test_nothing_is_written_for_a_device_or_partition_that_cannot_work(tiny_fl, tmp_path, capsys) -> None:
