@@ -1306,8 +1306,11 @@ def _read_rounds(path: Path, upto: int) -> pd.DataFrame | None:
     if problem:
         raise RunError(f"{path}: {problem}; a resume would continue from rows that are not the ones the run "
                        "wrote (rows lost or changed). Restore the file, or start a new run")
-    df = pd.read_csv(path, dtype={"client_id": str, "client_name": str, "data_client_id": str, "id": str, "text": str},
-                     keep_default_na=False, na_values=["", "nan", "NaN"])
+    try:
+        df = pd.read_csv(path, dtype={"client_id": str, "client_name": str, "data_client_id": str, "id": str,
+                                      "text": str}, keep_default_na=False, na_values=["", "nan", "NaN"])
+    except pd.errors.EmptyDataError:   # written with no row yet (a round no site answered): nothing to keep
+        return None
     return df[df["round"] <= upto].reset_index(drop=True)
 
 

@@ -91,3 +91,18 @@ def test_metrics_rows_lost_or_changed_stop_the_resume(job) -> None:
     metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:-3]))
     with pytest.raises(RunError, match=r"metrics.csv: its SHA-256 differs.*rows lost or changed"):
         resume(part, rounds=5)
+
+
+def test_a_per_round_file_written_with_no_row_resumes(tmp_path: Path) -> None:
+    """Issue 39, item 2: a Flower run whose first evaluation round had no site wrote
+    metrics.csv as a one-byte file with a valid checksum; every resume then died in
+    ``_read_rounds`` with pandas' EmptyDataError. Such a file holds no round: it reads as
+    none, and the run continues from its checkpoint."""
+    from medfl.engine.client import write_sum
+    from medfl.engine.runner import _read_rounds
+
+    path = tmp_path / "metrics.csv"
+    pd.DataFrame().to_csv(path, index=False)
+    write_sum(path, path)
+    assert path.stat().st_size <= 1
+    assert _read_rounds(path, 3) is None
