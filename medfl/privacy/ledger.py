@@ -133,6 +133,8 @@ class PrivacyPlan:
         dp = federation.train.get("dp")
         if dp:
             self.dp_sgd = self._plan_dp_sgd(dict(dp), federation, type(method), f"{where}, train.dp")
+        #: the DP the method applies in its own client step (``Method.own_dp``), or None
+        self.own: OwnDp | None = self._check_own(method.own_dp(federation), method, federation, where)
         self.uncovered: list[str] = []
         if self.private:
             self.uncovered = ["training metrics in replies (mean loss, step counts)", "num_examples",
@@ -149,12 +151,7 @@ class PrivacyPlan:
         for rel in [*chain.releases(), *([self.method_release] if self.method_release is not None else [])]:
             self.uncovered += [u for u in rel.not_covered if u not in self.uncovered]
         self._method = method
-        #: the DP the method applies in its own client step (``Method.own_dp``), or None
-        self.own: OwnDp | None = self._check_own(method.own_dp(federation), method, federation, where)
         if self.own is not None:
-            if not self.uncovered:
-                self.uncovered = ["training metrics in replies (mean loss, step counts)", "num_examples",
-                                  "evaluation and validation scalars"]
             self.uncovered.append(f"{self.own.mechanism} is applied by method {method.name!r}'s own code (approved at "
                                   "each site), not by medfl: medfl accounts it from the method's declaration and "
                                   "checks the steps each client reports")
@@ -223,7 +220,7 @@ class PrivacyPlan:
         """Whether the run makes any DP release (the ledger records them; whether the run as
         a whole is private also needs :attr:`in_clear` empty)."""
         return (bool(self.chain.releases()) or self.dp_sgd is not None or self.method_release is not None
-                or getattr(self, "own", None) is not None)
+                or self.own is not None)
 
     # ------------------------------------------------------------------ DP-SGD
     @staticmethod
