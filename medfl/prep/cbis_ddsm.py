@@ -35,8 +35,8 @@ import numpy as np
 import pandas as pd
 
 from medfl.prep.common import (
-    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, resize_image, save_array,
-    write_manifest, staged_main, NotDownloaded, keep_present,
+    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, check_file_size, check_pixel_count,
+    progress, resize_image, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
 )
 
 __all__ = ["main", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
@@ -264,43 +264,36 @@ def _decoder_available(ts: str) -> bool:
 MAMMO_PHOTOMETRIC = ("MONOCHROME1", "MONOCHROME2")
 
 
-def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
-    """Pixel data of an MG DICOM as float32 in [0, 1] (MONOCHROME1 inverted, signed pixel
-    data shifted to start at 0) and header facts.
-
-    What a mammogram must be is checked before any pixel is cached: modality MG (when the
-    header names one), one grayscale frame (MONOCHROME1/2: palette or RGB images are not
-    intensities), 8 or 16 bits allocated (a 1-bit segmentation or a 32-bit dose map is not a
-    mammogram).
-
-    Raises:
-        PrepError: not a DICOM file (a zero-byte file or another format named .dcm), no
-            pixel data, a header that says it is not a mammogram, a compressed transfer syntax
-            without an installed decoder (naming what to install), pixel data shorter than the
-            header promises (truncated), or another decoding failure (its message).
-    """
+def _dcmread(path: Path, stop_before_pixels: bool = False) -> tuple[Any, int]:
+    """``pydicom.dcmread`` of ``path``, its failures as :class:`PrepError`; returns the
+    dataset and where the file was left (with ``stop_before_pixels``: where the pixel data
+    element starts, the header's length)."""
     import pydicom
     from pydicom.errors import InvalidDicomError
 
-    head = path.read_bytes()[:132] if path.is_file() else b""
-    if path.is_file() and not head:
-        raise PrepError(f"{path}: an empty file (0 bytes); expected a DICOM image", path)
-    # a DICOM file's 128-byte preamble is free: a legal dual-personality file holds a TIFF
-    # header there, so another format is sniffed only where "DICM" is not at offset 128
-    for magic, kind in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"II*\x00", "a TIFF image"),
-                        (b"MM\x00*", "a TIFF image")):
-        if head.startswith(magic) and head[128:132] != b"DICM":
-            raise PrepError(f"{path}: {kind} named .dcm, not a DICOM file; expected the DICOM from the download",
-                            path)
     try:
-        ds = pydicom.dcmread(path)
+        with open(path, "rb") as f:
+            # the header read leaves any large value (over 1 MiB) unread: only small fields are judged
+            ds = pydicom.dcmread(f, stop_before_pixels=stop_before_pixels,
+                                 defer_size="1 MB" if stop_before_pixels else None)
+            return ds, f.tell()
     except InvalidDicomError as exc:
         why = re.sub(r"\s*(Use|or set) .?force.*$", "", str(exc))   # no option of ours forces a read
         raise PrepError(f"{path}: not a DICOM file ({why})", path) from exc
     except (OSError, EOFError, ValueError, KeyError) as exc:
         raise PrepError(f"{path}: not a readable DICOM file ({type(exc).__name__}: {exc})", path) from exc
-    if "PixelData" not in ds:
-        raise PrepError(f"{path}: DICOM without pixel data; expected an MG image", path)
+
+
+def _check_header(ds: Any, path: Path, size: int, header: int) -> None:
+    """Judge a DICOM header read without its pixel data: what a mammogram must be, and the
+    size it announces: Rows x Columns (x frames) within
+    :data:`~medfl.prep.common.MAX_IMAGE_PIXELS`, and a ``size``-byte file not far larger
+    than a ``header``-byte header and that many BitsAllocated pixels
+    (:func:`~medfl.prep.common.check_file_size`), so that a huge file is refused unread.
+
+    Raises:
+        PrepError: naming the file and the field.
+    """
     modality = str(getattr(ds, "Modality", "") or "")
     if modality and modality.upper() != "MG":
         raise PrepError(f"{path}: modality {modality}; expected MG (a mammogram)", path)
@@ -314,6 +307,51 @@ def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
     if allocated not in (8, 16):
         what = "a 1-bit image (a segmentation?)" if allocated == 1 else f"{allocated}-bit pixels (a dose or float map?)"
         raise PrepError(f"{path}: {what}; expected 8- or 16-bit mammogram pixels", path)
+    rows, cols = int(getattr(ds, "Rows", 0) or 0), int(getattr(ds, "Columns", 0) or 0)
+    frames = int(getattr(ds, "NumberOfFrames", 1) or 1)
+    check_pixel_count(path, (rows, cols) if frames == 1 else (frames, rows, cols))
+    check_file_size(path, size, header, rows * cols * frames * allocated // 8,
+                    f"{rows} x {cols}" + (f" x {frames} frames" if frames > 1 else "") + f", {allocated}-bit")
+
+
+def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
+    """Pixel data of an MG DICOM as float32 in [0, 1] (MONOCHROME1 inverted, signed pixel
+    data shifted to start at 0) and header facts.
+
+    What a mammogram must be is checked before any pixel is read: modality MG (when the
+    header names one), one grayscale frame (MONOCHROME1/2: palette or RGB images are not
+    intensities), 8 or 16 bits allocated (a 1-bit segmentation or a 32-bit dose map is not a
+    mammogram), and the size the header announces: at most
+    :data:`~medfl.prep.common.MAX_IMAGE_PIXELS` pixels, in a file not far larger than they
+    need (a 2 GiB sparse file named ``.dcm`` is refused having read its first bytes only).
+
+    Raises:
+        PrepError: not a DICOM file (a zero-byte file or another format named .dcm), no
+            pixel data, a header that says it is not a mammogram or announces too many
+            pixels, a file far larger than its pixels need, a compressed transfer syntax
+            without an installed decoder (naming what to install), pixel data shorter than the
+            header promises (truncated), or another decoding failure (its message).
+    """
+    head, size = b"", 0
+    if path.is_file():
+        with open(path, "rb") as f:     # the first bytes only: the file may be huge (a sparse file)
+            head, size = f.read(132), os.fstat(f.fileno()).st_size
+    if path.is_file() and not head:
+        raise PrepError(f"{path}: an empty file (0 bytes); expected a DICOM image", path)
+    # a DICOM file's 128-byte preamble is free: a legal dual-personality file holds a TIFF
+    # header there, so another format is sniffed only where "DICM" is not at offset 128
+    for magic, kind in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"II*\x00", "a TIFF image"),
+                        (b"MM\x00*", "a TIFF image")):
+        if head.startswith(magic) and head[128:132] != b"DICM":
+            raise PrepError(f"{path}: {kind} named .dcm, not a DICOM file; expected the DICOM from the download",
+                            path)
+    header, header_bytes = _dcmread(path, stop_before_pixels=True)
+    _check_header(header, path, size, header_bytes)
+    ds, _ = _dcmread(path)
+    if "PixelData" not in ds:
+        raise PrepError(f"{path}: DICOM without pixel data; expected an MG image", path)
+    photometric = str(getattr(ds, "PhotometricInterpretation", "MONOCHROME2") or "MONOCHROME2").upper()
+    allocated = int(ds.BitsAllocated)
     ts_elem = getattr(ds.file_meta, "TransferSyntaxUID", None)
     ts = str(ts_elem or "1.2.840.10008.1.2")
     try:

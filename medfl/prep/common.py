@@ -40,6 +40,7 @@ __all__ = [
     "PrepError", "PrepReport", "MANIFEST_COLUMNS", "base_parser", "check_dirs", "save_array",
     "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
     "progress", "size_pair", "remove_stale_arrays", "staged_main", "NotDownloaded", "keep_present",
+    "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size",
 ]
 
 #: Columns every manifest starts with (empty where unknown).
@@ -47,6 +48,15 @@ MANIFEST_COLUMNS = ["sample_id", "path", "image_path", "label", "class_name", "s
                     "site", "sex", "split"]
 #: How :func:`resize_image` handles an aspect ratio different from the target's.
 ASPECT_MODES = ("pad", "crop", "stretch")
+#: The most pixels (rows x columns x frames) an image file may announce: 8192 x 8192, above
+#: the largest image of every supported dataset (a CBIS-DDSM mammogram is about 3000 x 5000).
+#: A header announcing more is a bad file, refused before anything is decoded (a
+#: decompression bomb, or a damaged header): decoding it would take gigabytes.
+MAX_IMAGE_PIXELS = 8192 * 8192
+#: What a DICOM or PGM file may hold beyond its header and twice the pixel data its header
+#: announces (trailing elements, padding, compressed data that did not shrink) before it is
+#: refused, unread, as not the image it is named as.
+FILE_SLACK_BYTES = 1 << 20
 
 
 class PrepError(DataError):
@@ -70,6 +80,50 @@ NOT_DOWNLOADED = "not downloaded"
 #: the hint a stop on an absent file ends with
 PRESENT_ONLY_HINT = ("; if the download is partial, pass --present-only to prepare the samples "
                      "that are present (the others are listed in skipped.csv)")
+
+
+def check_pixel_count(path: str | Path, shape: Sequence[int], limit: int = MAX_IMAGE_PIXELS) -> None:
+    """Refuse an image whose header announces more than ``limit`` pixels, before it is
+    decoded.
+
+    Args:
+        path: the file, for the message.
+        shape: the sizes its header gives (e.g. ``(rows, columns)``, with frames, or only
+            the pixel count).
+
+    Raises:
+        PrepError: ``prod(shape) > limit``, naming the file, its size and the limit.
+    """
+    pixels = 1
+    for n in shape:
+        pixels *= int(n)
+    if pixels > limit:
+        size = " x ".join(str(int(n)) for n in shape) + " = " if len(shape) > 1 else ""
+        raise PrepError(f"{path}: its header announces {size}{pixels} pixels, above the limit of {limit} "
+                        "(medfl.prep.common.MAX_IMAGE_PIXELS); expected an image of at most that many pixels "
+                        "(a larger header is a damaged file or a decompression bomb, refused before decoding)",
+                        path)
+
+
+def check_file_size(path: str | Path, size: int, header: int, need: int, what: str) -> None:
+    """Refuse a file far larger than its header says its image needs, before it is read.
+
+    Args:
+        path: the file, for the message.
+        size: its size in bytes (``stat``, nothing read).
+        header: bytes before the pixel data.
+        need: bytes of pixel data the header announces.
+        what: the header's description of the image (e.g. ``"128 x 128, 8-bit"``).
+
+    Raises:
+        PrepError: ``size > header + 2 * need + FILE_SLACK_BYTES``.
+    """
+    most = header + 2 * need + FILE_SLACK_BYTES
+    if size > most:
+        raise PrepError(f"{path}: {size} bytes, far more than its header's image ({what}) needs: {need} bytes "
+                        f"of pixel data after a {header}-byte header; expected at most {most} bytes "
+                        "(medfl.prep.common.FILE_SLACK_BYTES), so it is not the image it is named as "
+                        "(a sparse or padded file?); it was not read", path)
 
 
 def require_columns(table: pd.DataFrame, columns: Sequence[str], where: str | Path) -> None:

@@ -40,8 +40,8 @@ import numpy as np
 import pandas as pd
 
 from medfl.prep.common import (
-    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, require_columns,
-    remove_stale_arrays, resize_image, save_array, size_pair, write_manifest, staged_main,
+    ASPECT_MODES, MAX_IMAGE_PIXELS, PrepError, PrepReport, base_parser, check_dirs, check_pixel_count, progress,
+    require_columns, remove_stale_arrays, resize_image, save_array, size_pair, write_manifest, staged_main,
     NotDownloaded, keep_present,
 )
 
@@ -271,15 +271,26 @@ def load_rgb(path: Path) -> tuple[np.ndarray, str]:
     from 0..65535 to 0..255 (PIL's own conversion clips them: a 16-bit PNG became a constant
     white image); floating-point images are refused.
 
+    The size the header announces is checked before anything is decoded: more than
+    :data:`~medfl.prep.common.MAX_IMAGE_PIXELS` pixels is a bad file (a decompression bomb,
+    e.g. a PNG header announcing 20000 x 20000 named ``.jpg``), as PIL's own far larger limit
+    would otherwise stop the script with ``DecompressionBombError`` even under ``--skip-bad``.
+
     Raises:
-        PrepError: the file is not a readable image, is truncated, holds negative or
-            floating-point pixel values.
+        PrepError: the file is not a readable image, is truncated, announces more than
+            ``MAX_IMAGE_PIXELS`` pixels, holds negative or floating-point pixel values.
     """
+    import warnings
+
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
-        with Image.open(path) as im:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)   # refused below by our limit
+            im_open = Image.open(path)
+        with im_open as im:
             fmt = str(im.format)
+            check_pixel_count(path, (im.height, im.width))
             im.load()  # decodes everything: a truncated JPEG fails here
             im = ImageOps.exif_transpose(im)
             if im.mode == "F":
@@ -295,8 +306,17 @@ def load_rgb(path: Path) -> tuple[np.ndarray, str]:
                 rgb = np.repeat(grey[..., None], 3, axis=2)
             else:
                 rgb = np.asarray(im.convert("RGB"))
+    except PrepError:      # our own check, said as it is (a PrepError is a ValueError)
+        raise
     except FileNotFoundError as exc:
         raise PrepError(f"{path}: image not found", path) from exc
+    except Image.DecompressionBombError as exc:   # above PIL's own limit: raised by open, before decoding
+        announced = re.search(r"\((\d+) pixels\)", str(exc))
+        if announced is None:
+            raise PrepError(f"{path}: too many pixels to decode ({exc}); expected at most {MAX_IMAGE_PIXELS} "
+                            "(medfl.prep.common.MAX_IMAGE_PIXELS)", path) from exc
+        check_pixel_count(path, (int(announced.group(1)),))   # PIL's limit is above ours: this raises
+        raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise PrepError(f"{path}: corrupt or truncated image ({exc}); expected a readable JPEG",
                         path) from exc

@@ -34,7 +34,9 @@ What this module does, and why:
   ``skipped.csv`` with the reason.
 * PGMs are read here, not through PIL, so that the header is checked: magic ``P5``, width,
   height and maxval as decimal numbers (``#`` comments allowed), and the raster length;
-  a truncated file is an error naming the file and the byte count expected.
+  a truncated file is an error naming the file and the byte count expected. The header is
+  judged before the raster is read: more than ``MAX_IMAGE_PIXELS`` pixels, or a file far
+  larger than its raster (a sparse file), is refused without reading it.
 * MIAS has no patient id and no official split. Consecutive images are the left and right
   breasts of one woman (mdb001/002, 003/004, ...), so ``subject_id`` is the woman,
   ``(n + 1) // 2`` for ``mdbNNN`` (``mias_w001`` ...), and the ``--test-fraction`` split is
@@ -48,6 +50,7 @@ What this module does, and why:
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -57,13 +60,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from medfl.prep.common import (
-    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, resize_image,
-    remove_stale_arrays, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
+    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, check_file_size, check_pixel_count, progress,
+    resize_image, remove_stale_arrays, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
 )
 
 __all__ = [
     "INFO_COLUMNS", "BACKGROUND", "ABNORMALITY", "SEVERITY", "CLASS_SETS", "COORD_FRAME",
-    "InfoRow", "PgmImage", "read_info_lines", "parse_info_line", "check_image_rows", "parse_info",
+    "InfoRow", "PgmImage", "PGM_HEADER_BYTES", "read_info_lines", "parse_info_line", "check_image_rows", "parse_info",
     "image_label",
     "subject_of", "info_to_pixel", "find_info", "index_images", "read_pgm", "crop_square",
     "breast_centre", "subject_split", "build_parser", "main",
@@ -378,6 +381,10 @@ def _header_field(data: bytes, pos: int, name: str, path: Path) -> tuple[int, in
     return int(data[start:pos]), pos, comments
 
 
+#: How much of a PGM is read to find its header (the real ones have 15 bytes of header).
+PGM_HEADER_BYTES = 1 << 16
+
+
 def read_pgm(path: Path) -> PgmImage:
     """Read a binary (P5) PGM, checking the header and the raster length.
 
@@ -386,17 +393,57 @@ def read_pgm(path: Path) -> PgmImage:
     ``width * height`` bytes (maxval < 256) or big-endian 16-bit words (maxval >= 256).
     Bytes after the raster are ignored and counted.
 
+    Only the header is read before the file is judged: its first
+    :data:`PGM_HEADER_BYTES`, the size the header announces against
+    :data:`~medfl.prep.common.MAX_IMAGE_PIXELS` and against the file's size (``stat``), and
+    only then the raster itself, so a huge or sparse file named ``.pgm`` is refused without
+    being read.
+
     Raises:
         PrepError: missing or empty file, another magic number (an ASCII ``P2`` PGM, a PNG
-            renamed ``.pgm``...), a malformed header, a maxval outside 1..65535, pixels above
+            renamed ``.pgm``...), a malformed header or one longer than ``PGM_HEADER_BYTES``,
+            a maxval outside 1..65535, more pixels than ``MAX_IMAGE_PIXELS``, a file far
+            larger than its raster (:func:`~medfl.prep.common.check_file_size`), pixels above
             maxval, or a truncated raster (the message gives the byte count expected).
     """
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(PGM_HEADER_BYTES)
+            width, height, maxval, pos, comments = _pgm_header(data, size, path)
+            depth = 1 if maxval < 256 else 2
+            expected = width * height * depth
+            check_pixel_count(path, (height, width))
+            check_file_size(path, size, pos, expected, f"{width} x {height}, maxval {maxval}")
+            if size - pos < expected:
+                raise PrepError(f"{path}: truncated P5 PGM: expected {expected} bytes of pixel data "
+                                f"({width} x {height}, maxval {maxval}, {depth} byte(s) per pixel) after "
+                                f"the {pos}-byte header, found {max(size - pos, 0)}", path)
+            f.seek(pos)
+            raster = f.read(expected)
     except FileNotFoundError as exc:
         raise PrepError(f"{path}: image missing", path) from exc
     except OSError as exc:
         raise PrepError(f"{path}: cannot read ({exc})", path) from exc
+    if len(raster) < expected:       # shrank while read
+        raise PrepError(f"{path}: truncated P5 PGM: expected {expected} bytes of pixel data after the "
+                        f"{pos}-byte header, found {len(raster)}", path)
+    dtype = np.uint8 if depth == 1 else np.dtype(">u2")
+    pixels = np.frombuffer(raster, dtype=dtype).reshape(height, width)
+    if maxval not in (255, 65535) and int(pixels.max()) > maxval:
+        raise PrepError(f"{path}: pixel value {int(pixels.max())} above the header's maxval "
+                        f"{maxval}; expected 0..{maxval}", path)
+    return PgmImage(pixels.astype(np.uint16) if depth == 2 else pixels.copy(), maxval,
+                    size - pos - expected, comments)
+
+
+def _pgm_header(data: bytes, size: int, path: Path) -> tuple[int, int, int, int, int]:
+    """Parse a P5 header from ``data``, the first bytes of a ``size``-byte file: returns
+    ``(width, height, maxval, raster offset, comments)``.
+
+    Raises:
+        PrepError: as :func:`read_pgm` says of the header.
+    """
     if not data:
         raise PrepError(f"{path}: empty file; expected a binary P5 PGM", path)
     if data[:2] != b"P5" or (len(data) > 2 and not data[2:3].isspace()):
@@ -405,9 +452,19 @@ def read_pgm(path: Path) -> PgmImage:
         raise PrepError(f"{path}: not a binary PGM: starts with {data[:8]!r}"
                         + (f" ({what})" if what else "") + "; expected the magic number 'P5'",
                         path)
-    width, pos, c1 = _header_field(data, 2, "width", path)
-    height, pos, c2 = _header_field(data, pos, "height", path)
-    maxval, pos, c3 = _header_field(data, pos, "maxval", path)
+    cut = len(data) < size        # only the start of the file is in data
+    try:
+        width, pos, c1 = _header_field(data, 2, "width", path)
+        height, pos, c2 = _header_field(data, pos, "height", path)
+        maxval, pos, c3 = _header_field(data, pos, "maxval", path)
+    except PrepError as exc:
+        if cut and str(exc).endswith("(file ends there)"):
+            raise PrepError(f"{path}: bad P5 PGM header: it does not end in the first {len(data)} bytes; "
+                            "expected a header of a few bytes (P5, width, height, maxval)", path) from None
+        raise
+    if cut and pos >= len(data):
+        raise PrepError(f"{path}: bad P5 PGM header: it does not end in the first {len(data)} bytes; "
+                        "expected a header of a few bytes (P5, width, height, maxval)", path)
     if width < 1 or height < 1:
         raise PrepError(f"{path}: bad P5 PGM header: size {width} x {height}; expected a positive "
                         "width and height", path)
@@ -418,21 +475,7 @@ def read_pgm(path: Path) -> PgmImage:
             raise PrepError(f"{path}: bad P5 PGM header: expected one whitespace byte after "
                             f"maxval at byte {pos}, found {data[pos:pos + 1]!r}", path)
         pos = len(data) - 1  # header ends at EOF: an empty raster, reported as truncated
-    pos += 1
-    depth = 1 if maxval < 256 else 2
-    expected = width * height * depth
-    raster = data[pos:]
-    if len(raster) < expected:
-        raise PrepError(f"{path}: truncated P5 PGM: expected {expected} bytes of pixel data "
-                        f"({width} x {height}, maxval {maxval}, {depth} byte(s) per pixel) after "
-                        f"the {pos}-byte header, found {len(raster)}", path)
-    dtype = np.uint8 if depth == 1 else np.dtype(">u2")
-    pixels = np.frombuffer(raster[:expected], dtype=dtype).reshape(height, width)
-    if maxval not in (255, 65535) and int(pixels.max()) > maxval:
-        raise PrepError(f"{path}: pixel value {int(pixels.max())} above the header's maxval "
-                        f"{maxval}; expected 0..{maxval}", path)
-    return PgmImage(pixels.astype(np.uint16) if depth == 2 else pixels.copy(), maxval,
-                    len(raster) - expected, c1 + c2 + c3)
+    return width, height, maxval, pos + 1, c1 + c2 + c3
 
 
 # --------------------------------------------------------------------------- image handling

@@ -16,7 +16,7 @@ import pytest
 
 from medfl.fixtures.cbis_ddsm import generate, write_mg_dicom
 from medfl.prep.cbis_ddsm import main, read_case_csvs, read_dicom
-from medfl.prep.common import PrepError
+from medfl.prep.common import MAX_IMAGE_PIXELS, PrepError
 
 BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "cbis_ddsm"
 SIZE = ["48", "32"]
@@ -403,3 +403,53 @@ def test_repeated_csv_rows_are_counted_once_and_conflicting_ones_stop(raws, tmp_
     csv_path.write_text("".join(lines + [",".join(fields)]))
     with pytest.raises(PrepError, match="appears twice with different pathology"):
         read_case_csvs(raw)
+
+
+def _sparse(path: Path, head: bytes, size: int) -> Path:
+    """``head`` then zeros up to ``size`` bytes, as a sparse file (no disk space, no memory)."""
+    path.write_bytes(head)
+    os.truncate(path, size)
+    return path
+
+
+def _peak_bytes(fn, *args) -> tuple[int, BaseException | None]:
+    """Peak Python memory (tracemalloc: numpy and bytes objects included) that ``fn(*args)``
+    allocated, and what it raised."""
+    import tracemalloc
+
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    try:
+        fn(*args)
+        raised = None
+    except BaseException as exc:  # noqa: BLE001 - returned to the test
+        raised = exc
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    return peak, raised
+
+
+def test_a_huge_sparse_file_named_dcm_is_refused_unread(tmp_path):
+    """Issue 39, item 17: a 2 GiB sparse file named .dcm was read whole (2.2 GB peak) before it
+    was refused. Now the first bytes and the header are judged first: a file of zeros is not
+    a DICOM file, a real header followed by gigabytes is far larger than its pixels need, a
+    header announcing 10000 x 10000 pixels is above the limit; none costs memory."""
+    read_dicom(_mg(tmp_path, "warm.dcm"))                        # imports done before measuring
+    zeros = _sparse(tmp_path / "zeros.dcm", b"", 2 << 30)
+    header = _mg(tmp_path, "padded.dcm")
+    padded = _sparse(header, header.read_bytes(), 2 << 30)
+    huge = _mg(tmp_path, "huge.dcm", Rows=10000, Columns=10000)
+    cases = [(zeros, r"zeros.dcm: not a DICOM file"),
+             (padded, r"padded.dcm: 2147483648 bytes, far more than its header's image \(2 x 2, 16-bit\) needs: "
+                      r"8 bytes of pixel data after a \d+-byte header; expected at most \d+ bytes"),
+             (huge, rf"huge.dcm: its header announces 10000 x 10000 = 100000000 pixels, above the limit of "
+                    rf"{MAX_IMAGE_PIXELS}")]
+    for path, message in cases:
+        peak, raised = _peak_bytes(read_dicom, path)
+        assert isinstance(raised, PrepError) and re.search(message, str(raised)), raised
+        assert peak < 4 << 20, f"{path.name}: {peak} bytes allocated to refuse it"
+    x, facts = read_dicom(_sparse(tmp_path / "slack.dcm", (tmp_path / "warm.dcm").read_bytes(),
+                                  (tmp_path / "warm.dcm").stat().st_size + 1000))   # trailing padding: read
+    assert x.shape == (2, 2) and facts["rows"] == 2
+

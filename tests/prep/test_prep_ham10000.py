@@ -7,8 +7,10 @@ import hashlib
 import json
 import re
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -17,7 +19,7 @@ import pandas as pd
 import pytest
 
 from medfl.fixtures import generate
-from medfl.prep.common import PRESENT_ONLY_HINT, PrepError
+from medfl.prep.common import MAX_IMAGE_PIXELS, PRESENT_ONLY_HINT, PrepError
 from medfl.prep.ham10000 import CLASS_NAMES, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -255,6 +257,25 @@ def no_image_folders(raw: Path) -> str:
     return r"none of HAM10000_images_part_1, HAM10000_images_part_2 exists"
 
 
+def png_header(width: int, height: int) -> bytes:
+    """The start of a PNG announcing ``width`` x ``height`` 8-bit grey pixels (signature,
+    IHDR, IEND; no pixel data): what a decompression bomb shows before it is decoded."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IEND", b""))
+
+
+def decompression_bomb(raw: Path) -> str:
+    """Issue 39, item 12: a PNG header announcing 20000 x 20000 pixels named .jpg stopped the
+    script with PIL's DecompressionBombError, even with --skip-bad."""
+    path = _image_of(raw, 13)
+    path.write_bytes(png_header(20000, 20000))
+    return (rf"{path.name}: its header announces 400000000 pixels, above the limit of {MAX_IMAGE_PIXELS} "
+            r"\(medfl.prep.common.MAX_IMAGE_PIXELS\)")
+
+
 def empty_metadata(raw: Path) -> str:
     (raw / "HAM10000_metadata.csv").write_text("")
     return r"HAM10000_metadata.csv: empty file; expected a header lesion_id,image_id,dx"
@@ -262,7 +283,7 @@ def empty_metadata(raw: Path) -> str:
 
 BAD_INPUTS: list[tuple[Callable[[Path], str], bool]] = [
     (unknown_dx, True), (unknown_dx_type, True), (bad_age, True), (bad_sex, True), (missing_image, True),
-    (truncated_jpeg, True), (differing_copies, True), (duplicate_image_id, False), (lesion_with_two_dx, False),
+    (truncated_jpeg, True), (decompression_bomb, True), (differing_copies, True), (duplicate_image_id, False), (lesion_with_two_dx, False),
     (bad_image_id, False), (missing_column, False), (missing_metadata, False), (no_image_folders, False),
     (empty_metadata, False),
 ]
@@ -381,3 +402,21 @@ def test_overwrite_keeps_the_earlier_dataset_until_the_new_one_is_whole(raw: Pat
     assert json.loads((out / "report.json").read_text())["out"] == str(out.resolve())
     assert not (tmp_path / "data.failed").exists()             # the earlier failure's report is gone
     _no_partials(tmp_path)
+
+
+def test_an_image_announcing_more_pixels_than_the_limit_is_refused_before_decoding(tmp_path: Path):
+    """Issue 39, item 12: the size a header announces is judged before decoding, below PIL's
+    own limit too (9000 x 9000 is under PIL's 89 Mpx warning: it was decoded, or failed as
+    "truncated" here); one at the limit is read as any other image."""
+    from PIL import Image
+
+    from medfl.prep.derm7pt import load_rgb
+
+    big = tmp_path / "big.jpg"
+    big.write_bytes(png_header(9000, 9000))
+    with pytest.raises(PrepError, match=rf"big.jpg: its header announces 9000 x 9000 = 81000000 pixels, above "
+                                        rf"the limit of {MAX_IMAGE_PIXELS}"):
+        load_rgb(big)
+    Image.new("L", (8192, 1), 7).save(tmp_path / "wide.png")      # 8192 pixels: far inside the limit
+    rgb, fmt = load_rgb(tmp_path / "wide.png")
+    assert rgb.shape == (1, 8192, 3) and fmt == "PNG" and int(rgb.max()) == 7

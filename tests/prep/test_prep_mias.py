@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -544,3 +545,49 @@ def test_info_txt_with_a_utf8_bom_is_read(raw_syn: Path, raw_copy: Path, tmp_pat
     info = raw_copy / "Info.txt"
     info.write_bytes(b"\xef\xbb\xbf" + info.read_bytes())
     assert prep(raw_copy, tmp_path / "bom").drop(columns=["image_path"]).equals(plain.drop(columns=["image_path"]))
+
+
+# ----------------------------------------------------------------------- issue 39, item 17
+
+def test_a_huge_sparse_file_named_pgm_is_refused_unread(raw_copy: Path, tmp_path: Path):
+    """Issue 39, item 17: a 2 GiB sparse file named .pgm was read whole (2.2 GB peak) before it
+    was refused. Now only the header is read first: zeros are not a P5 PGM, a real header
+    followed by gigabytes is far larger than its raster needs, a header announcing 10000 x
+    10000 pixels is above the limit; none costs memory, and the script skips such a file
+    with --skip-bad."""
+    import tracemalloc
+
+    from medfl.prep.common import MAX_IMAGE_PIXELS
+
+    pgm = raw_copy / "all-mias" / "mdb004.pgm"
+    mias.read_pgm(pgm)                                      # imports done before measuring
+    cases = [(b"", r"not a binary PGM: starts with b'\\x00"),
+             (b"P5\n128 128\n255\n", r"2147483648 bytes, far more than its header's image \(128 x 128, maxval 255\) "
+                                     r"needs: 16384 bytes of pixel data after a 15-byte header"),
+             (b"P5\n10000 10000\n255\n", rf"its header announces 10000 x 10000 = 100000000 pixels, above the "
+                                         rf"limit of {MAX_IMAGE_PIXELS}")]
+    for head, message in cases:
+        pgm.write_bytes(head)
+        os.truncate(pgm, 2 << 30)
+        tracemalloc.start()
+        try:
+            with pytest.raises(PrepError, match=r"mdb004.pgm: " + message):
+                mias.read_pgm(pgm)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, f"{head!r}: {peak} bytes allocated to refuse it"
+    got = prep(raw_copy, tmp_path / "skip", "--skip-bad")
+    assert "mdb004" not in set(got["refnum"]) and len(got) == 19
+    skipped = pd.read_csv(tmp_path / "skip" / "skipped.csv")
+    assert list(skipped["item"]) == [str(pgm.resolve())] and "above the limit" in skipped["reason"].iloc[0]
+
+
+def test_a_pgm_header_that_does_not_end_in_its_first_bytes_is_refused(tmp_path: Path):
+    """Only the first PGM_HEADER_BYTES are read for the header: one longer (a comment of
+    megabytes) is refused by name, not misread as a truncated file."""
+    p = tmp_path / "x.pgm"
+    p.write_bytes(b"P5\n#" + b"c" * mias.PGM_HEADER_BYTES + b"\n1 1\n255\n\x07")
+    with pytest.raises(PrepError, match=rf"x.pgm: bad P5 PGM header: it does not end in the first "
+                                        rf"{mias.PGM_HEADER_BYTES} bytes"):
+        mias.read_pgm(p)
