@@ -40,7 +40,7 @@ __all__ = [
     "PrepError", "PrepReport", "MANIFEST_COLUMNS", "base_parser", "check_dirs", "save_array",
     "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
     "progress", "size_pair", "remove_stale_arrays", "staged_main", "NotDownloaded", "keep_present",
-    "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size",
+    "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size", "printable",
 ]
 
 #: Columns every manifest starts with (empty where unknown).
@@ -126,6 +126,16 @@ def check_file_size(path: str | Path, size: int, header: int, need: int, what: s
                         "(a sparse or padded file?); it was not read", path)
 
 
+def printable(text: str) -> str:
+    """``text`` as valid UTF-8 text: the bytes of a file name that is not UTF-8 (which
+    Python holds as surrogate escapes, ``b'\\xff'`` as ``'\\udcff'``) become ``\\xNN``
+    escapes, so that a manifest, ``skipped.csv``, a report or a message can hold it."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:       # a lone surrogate that is not an escaped byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def require_columns(table: pd.DataFrame, columns: Sequence[str], where: str | Path) -> None:
     """Raise :class:`PrepError` naming ``where`` and the missing columns, if any."""
     missing = [c for c in columns if c not in table.columns]
@@ -202,13 +212,16 @@ class PrepReport:
 
     def write(self, out: Path) -> None:
         """Write ``report.json`` and ``skipped.csv`` into ``out``."""
-        doc = {"dataset": self.dataset, "raw": self.raw, "out": self.out, "skip_bad": self.skip_bad,
-               "present_only": self.present_only, "options": self.options, "counts": self.counts,
-               "notes": self.notes, "num_skipped": len(self.skipped),
+        # a file name that is not UTF-8 is written with \xNN escapes (printable): a UTF-8 CSV
+        # cannot hold its bytes, and failing here would discard the finished dataset
+        skipped = [{k: printable(v) for k, v in s.items()} for s in self.skipped]
+        doc = {"dataset": self.dataset, "raw": printable(self.raw), "out": printable(self.out),
+               "skip_bad": self.skip_bad, "present_only": self.present_only, "options": self.options,
+               "counts": self.counts, "notes": [printable(n) for n in self.notes], "num_skipped": len(self.skipped),
                "num_not_downloaded": self.not_downloaded, "seconds": round(time.time() - self.started, 2),
-               "skipped": self.skipped}
-        (out / "report.json").write_text(json.dumps(doc, indent=2, default=str))
-        pd.DataFrame(self.skipped, columns=["item", "stage", "reason"]).to_csv(out / "skipped.csv", index=False)
+               "skipped": skipped}
+        (out / "report.json").write_text(json.dumps(doc, indent=2, default=lambda v: printable(str(v))))
+        pd.DataFrame(skipped, columns=["item", "stage", "reason"]).to_csv(out / "skipped.csv", index=False)
 
     def summary(self) -> str:
         """A few lines for the terminal."""
@@ -223,7 +236,7 @@ class PrepReport:
             if len(self.skipped) > 5:
                 lines.append(f"  ... and {len(self.skipped) - 5} more")
         lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
+        return printable("\n".join(lines))
 
 
 def base_parser(name: str, description: str, partial: bool = True) -> argparse.ArgumentParser:
@@ -342,8 +355,9 @@ def _finish_stage(work: Path, out: Path, ok: bool) -> None:
     failure, keep only the report (``report.json``, ``skipped.csv``) in ``<out>.failed/`` and
     remove the rest."""
     report = work / "report.json"
-    if report.is_file():       # the report names the folder the dataset ends up in
-        report.write_text(report.read_text().replace(str(work), str(out)))
+    if report.is_file():       # the report names the folder the dataset ends up in (as JSON text)
+        report.write_text(report.read_text().replace(json.dumps(printable(str(work)))[1:-1],
+                                                     json.dumps(printable(str(out)))[1:-1]))
     if ok:
         if not out.exists():
             work.rename(out)
@@ -436,6 +450,7 @@ def write_manifest(out: Path, rows: list[dict[str, Any]], extra_order: Sequence[
     if df["sample_id"].duplicated().any():
         dup = df.loc[df["sample_id"].duplicated(), "sample_id"].iloc[0]
         raise PrepError(f"{out}: sample_id {dup!r} appears twice; expected one row per sample", out)
+    _escape_names(df, report)
     df.to_csv(out / "manifest.csv", index=False)
     if classes is not None:
         present = set(df["label"].astype(int))
@@ -453,6 +468,31 @@ def write_manifest(out: Path, rows: list[dict[str, Any]], extra_order: Sequence[
             if report is not None:
                 report.note(text)
     return df
+
+
+def _escape_names(df: pd.DataFrame, report: "PrepReport | None") -> None:
+    """Rewrite, in place, text cells holding a file name that is not UTF-8 (bytes such as
+    ``b'\\xff'`` from the download's folder or file names) with ``\\xNN`` escapes
+    (:func:`printable`), and say so on stderr and in ``report``: the manifest stays a valid
+    UTF-8 CSV that medfl reads, and the prepared samples are kept; only the escaped raw
+    path no longer opens its file."""
+    escaped: list[str] = []
+    for c in df.columns:
+        if pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c]):
+            continue
+        new = df[c].map(lambda v: printable(v) if isinstance(v, str) else v)
+        changed = new.ne(df[c]) & df[c].map(lambda v: isinstance(v, str))
+        if changed.any():
+            escaped += [f"{c}={v}" for v in new[changed]]
+            df[c] = new
+    if escaped:
+        text = (f"{len(escaped)} manifest value(s) name a file whose name is not valid UTF-8 (e.g. "
+                f"{escaped[0]}); they are written with \\xNN escapes, since a UTF-8 CSV cannot hold those "
+                "bytes: the samples are prepared, but such a path does not open its file (rename the file "
+                "and prepare again to load from that column)")
+        print(f"warning: {text}", file=sys.stderr, flush=True)
+        if report is not None:
+            report.note(text)
 
 
 def resize_image(img: np.ndarray, size: Sequence[int], aspect: str = "pad") -> np.ndarray:
@@ -505,7 +545,7 @@ def run_script(main: Callable[[list[str] | None], int], argv: list[str] | None =
     try:
         code = main(argv)
     except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code or 0)
 

@@ -453,3 +453,28 @@ def test_a_huge_sparse_file_named_dcm_is_refused_unread(tmp_path):
                                   (tmp_path / "warm.dcm").stat().st_size + 1000))   # trailing padding: read
     assert x.shape == (2, 2) and facts["rows"] == 2
 
+
+def test_file_names_that_are_not_utf8_are_escaped_and_the_dataset_kept(raws, tmp_path):
+    """Issue 39, item 15: a DICOM named with a byte that is not UTF-8 (b'\\xff') stopped the
+    script with UnicodeEncodeError when the manifest was written, after every image was
+    read, and the finished dataset was discarded. The manifest (a UTF-8 CSV) now holds the
+    name with a \\xNN escape, the report and stderr say so, and the samples are kept; a bad
+    file of such a name is listed in skipped.csv the same way."""
+    raw = _copy(raws["uid5"], tmp_path / "raw")
+    ref = prep(raws["uid5"], tmp_path / "ref")
+    first = raw / ref["image_path"].iloc[0]
+    os.rename(bytes(first), bytes(first.parent) + b"/1-1\xff.dcm")
+    got = prep(raw, tmp_path / "out")
+    escaped = ref["image_path"].iloc[0].replace("1-1.dcm", "1-1\\xff.dcm")
+    assert got["image_path"].iloc[0] == escaped and list(got["image_path"].iloc[1:]) == list(ref["image_path"].iloc[1:])
+    assert np.array_equal(np.load(tmp_path / "out" / got["path"].iloc[0]), np.load(tmp_path / "ref" / ref["path"].iloc[0]))
+    notes = json.loads((tmp_path / "out" / "report.json").read_text())["notes"]
+    assert any("not valid UTF-8" in n and f"image_path={escaped}" in n for n in notes), notes
+    second = raw / ref["image_path"].iloc[1]
+    bad = bytes(second.parent) + b"/1-1\xfe.dcm"
+    os.rename(bytes(second), bad)
+    Path(os.fsdecode(bad)).write_bytes(b"not a dicom at all" * 10)
+    got = prep(raw, tmp_path / "skip", "--skip-bad")
+    assert len(got) == len(ref) - 1
+    skipped = pd.read_csv(tmp_path / "skip" / "skipped.csv")
+    assert skipped["item"].iloc[0].endswith("1-1\\xfe.dcm") and "1-1\\xfe.dcm: not a DICOM file" in skipped["reason"].iloc[0]

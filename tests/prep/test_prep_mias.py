@@ -547,7 +547,33 @@ def test_info_txt_with_a_utf8_bom_is_read(raw_syn: Path, raw_copy: Path, tmp_pat
     assert prep(raw_copy, tmp_path / "bom").drop(columns=["image_path"]).equals(plain.drop(columns=["image_path"]))
 
 
-# ----------------------------------------------------------------------- issue 39, item 17
+# ------------------------------------------------------------------- issue 39, items 15, 17
+
+def test_a_folder_name_that_is_not_utf8_keeps_the_dataset(raw_syn: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]):
+    """Issue 39, item 15: an image folder named with a byte that is not UTF-8 (b'\\xff') stopped
+    the script with UnicodeEncodeError when the manifest was written, after every image was
+    read, and the finished dataset was discarded. The manifest (a UTF-8 CSV) now holds the
+    name with a \\xNN escape and the report says so; the arrays are those of the plain folder;
+    a bad file in it is listed in skipped.csv, escaped too."""
+    ref = prep(raw_syn, tmp_path / "ref")
+    raw = Path(shutil.copytree(raw_syn, tmp_path / "raw"))
+    os.rename(bytes(raw / fx.IMAGE_DIR), bytes(raw) + b"/all-mias\xff")
+    got = prep(raw, tmp_path / "out")
+    assert list(got["image_path"]) == [p.replace("all-mias/", "all-mias\\xff/") for p in ref["image_path"]]
+    for a, b in zip(got["path"], ref["path"]):
+        assert np.array_equal(np.load(tmp_path / "out" / a), np.load(tmp_path / "ref" / b))
+    notes = json.loads((tmp_path / "out" / "report.json").read_text())["notes"]
+    assert any("not valid UTF-8" in n and "image_path=all-mias\\xff/mdb" in n for n in notes), notes
+    assert "warning: 20 manifest value(s) name a file whose name is not valid UTF-8" in capsys.readouterr().err
+    victim = Path(os.fsdecode(bytes(raw) + b"/all-mias\xff/mdb004.pgm"))
+    victim.write_bytes(victim.read_bytes()[:3000])
+    got = prep(raw, tmp_path / "skip", "--skip-bad")
+    assert len(got) == len(ref) - 1
+    skipped = pd.read_csv(tmp_path / "skip" / "skipped.csv")
+    assert skipped["item"].iloc[0].endswith("all-mias\\xff/mdb004.pgm")
+    assert "all-mias\\xff/mdb004.pgm: truncated P5 PGM" in skipped["reason"].iloc[0]
+
 
 def test_a_huge_sparse_file_named_pgm_is_refused_unread(raw_copy: Path, tmp_path: Path):
     """Issue 39, item 17: a 2 GiB sparse file named .pgm was read whole (2.2 GB peak) before it
