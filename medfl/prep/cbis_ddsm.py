@@ -36,7 +36,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, check_file_size, check_pixel_count,
-    progress, resize_image, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
+    limit_per_split, progress, resize_image, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
 )
 
 __all__ = ["main", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
@@ -464,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="patients in both the train and the test CSVs (31 in the real ones): move their "
                         "train images to test (default), drop them, or stop")
     a = p.parse_args(argv)
+    if a.limit is not None and a.limit < 1:
+        p.error(f"--limit: expected a positive number, got {a.limit}")
     raw, out = check_dirs(a.raw, a.out, a.overwrite)
     report = PrepReport("cbis_ddsm", str(raw), str(out), a.skip_bad, options={
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("raw", "out")},
@@ -481,8 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     present = keep_present(range(len(images)), lambda i: resolver.series_dir(images.iloc[i, 0]), report,
                            name=lambda i: images.iloc[i, 0])
     images = images.iloc[present]
-    if a.limit:
-        images = images.iloc[: a.limit]
+    if a.limit and a.limit < len(images):
+        # the first images of each split, in proportion, at least one each: a plain cut of the
+        # table (sorted by path: Calc-Test first) left the train split empty
+        images = images.iloc[limit_per_split(list(images["split"]), a.limit)]
+        report.note(f"--limit {a.limit}: kept the first " + ", ".join(
+            f"{int((images['split'] == s).sum())} {s}" for s in dict.fromkeys(images["split"]))
+                    + " image(s), in proportion to the splits and at least one of each")
     if a.overwrite and (out / "manifest.csv").exists():
         (out / "manifest.csv").unlink()
     rows: list[dict[str, Any]] = []

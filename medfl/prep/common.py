@@ -41,6 +41,7 @@ __all__ = [
     "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
     "progress", "size_pair", "remove_stale_arrays", "staged_main", "NotDownloaded", "keep_present",
     "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size", "printable",
+    "limit_per_split",
 ]
 
 #: Columns every manifest starts with (empty where unknown).
@@ -134,6 +135,35 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:       # a lone surrogate that is not an escaped byte
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def limit_per_split(splits: Sequence[str], limit: int) -> list[int]:
+    """The positions ``--limit`` keeps of items in splits ``splits`` (one split name per
+    item, in order), so that every split keeps at least one item: one each, the rest shared
+    in proportion to the splits' sizes (the first items of each split, in order).
+
+    Raises:
+        PrepError: ``limit`` is smaller than the number of splits (some split would be empty).
+    """
+    order = list(dict.fromkeys(splits))
+    if limit >= len(splits):
+        return list(range(len(splits)))
+    sizes = {s: sum(1 for x in splits if x == s) for s in order}
+    if limit < len(order):
+        raise PrepError(f"--limit {limit}: the listed samples fall in {len(order)} splits ("
+                        + ", ".join(f"{s} {sizes[s]}" for s in order) + f"); expected --limit {len(order)} or "
+                        "more, so that every split keeps a sample", "--limit")
+    take = {s: 1 for s in order}
+    for _ in range(limit - len(order)):
+        s = max((s for s in order if take[s] < sizes[s]), key=lambda s: limit * sizes[s] / len(splits) - take[s])
+        take[s] += 1
+    kept: list[int] = []
+    seen = {s: 0 for s in order}
+    for i, s in enumerate(splits):
+        if seen[s] < take[s]:
+            kept.append(i)
+            seen[s] += 1
+    return kept
 
 
 def require_columns(table: pd.DataFrame, columns: Sequence[str], where: str | Path) -> None:

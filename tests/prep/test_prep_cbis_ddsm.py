@@ -405,6 +405,26 @@ def test_repeated_csv_rows_are_counted_once_and_conflicting_ones_stop(raws, tmp_
         read_case_csvs(raw)
 
 
+def test_limit_keeps_every_split(raws, tmp_path):
+    """Issue 39, item 16: --limit cut the image table, sorted by path (Calc-Test first), so
+    --limit 4 left the train split empty with no warning. The limit now keeps the first
+    images of each split in proportion, at least one each, and says so; a limit below the
+    number of splits is refused by name."""
+    m = prep(raws["classic"], tmp_path / "four", "--limit", "4")
+    assert len(m) == 4 and set(m["split"]) == {"train", "test"}
+    full = prep(raws["classic"], tmp_path / "all")
+    for split, rows in m.groupby("split"):          # the first images of each split, in order
+        assert list(rows["sample_id"]) == list(full.loc[full["split"] == split, "sample_id"].iloc[:len(rows)])
+    notes = json.loads((tmp_path / "four" / "report.json").read_text())["notes"]
+    assert any(re.fullmatch(r"--limit 4: kept the first \d test, \d train image\(s\), in proportion to the "
+                            r"splits and at least one of each", n) for n in notes), notes
+    with pytest.raises(PrepError, match=r"--limit 1: the listed samples fall in 2 splits \(test \d+, train \d+\); "
+                                        r"expected --limit 2 or more"):
+        prep(raws["classic"], tmp_path / "one", "--limit", "1")
+    assert not (tmp_path / "one").exists()
+    assert len(prep(raws["classic"], tmp_path / "many", "--limit", "999")) == len(full)
+
+
 def _sparse(path: Path, head: bytes, size: int) -> Path:
     """``head`` then zeros up to ``size`` bytes, as a sparse file (no disk space, no memory)."""
     path.write_bytes(head)
