@@ -563,8 +563,38 @@ class Run:
             self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
             return
         k, ckpt = self._intact_checkpoint(read_only)
-        if k == 0 or ckpt is None:
-            return
+        if ckpt is None:
+            k = 0
+        else:
+            self._load_checkpoint(k, ckpt, read_only)
+        self._released = self.journal.after(k) if not read_only else {}
+        beyond = [r for r in self._released if r > self.federation.rounds]
+        if beyond:
+            if self._lock is not None:   # nothing was changed: the run can be resumed again at once
+                _unlock(self._lock)
+                self._lock = None
+            raise RunError(f"{self.run_dir}: round {max(beyond)} was released to the coordinator before the run "
+                           f"stopped (releases.jsonl), but the resumed run has only {self.federation.rounds} "
+                           f"rounds, so that release would never be accounted in privacy.csv; resume with "
+                           f"--rounds {max(beyond)} or more")
+        if not read_only:
+            # what the stopped attempt wrote after round k (all of it when it stopped in round 1,
+            # before any checkpoint: FedBN's local layers, a local model, the evaluation memory)
+            # is redone, never continued from
+            self.store.rollback(k)
+            self.eval_store.rollback(k)
+        for r, records in sorted(self._released.items()):
+            sigma = [rel.noise_multiplier for rel in FilterChain.from_specs(records[0]["filters"]).releases()]
+            sigma += [float(x["dp"]["noise_multiplier"]) for x in records[:1] if isinstance(x.get("dp"), dict)]
+            print(f"medfl [{self.label}] privacy: round {r} was released to the coordinator before the run stopped "
+                  f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
+                  f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
+                  "released under; a release that comes back different is counted in privacy.csv",
+                  file=sys.stderr, flush=True)
+
+    def _load_checkpoint(self, k: int, ckpt: dict[str, Any], read_only: bool) -> None:
+        """Put the coordinator, the engine's bookkeeping and the per-round tables back as
+        round ``k``'s checkpoint ``ckpt`` (:meth:`prepare`)."""
         self.coordinator.load_state_dict(ckpt["method"])
         engine = ckpt.get("engine", {})
         self._failures = {str(c): int(n) for c, n in engine.get("failures", {}).items()}
@@ -572,9 +602,6 @@ class Run:
         self.warnings = [dict(w) for w in engine.get("warnings", [])]
         if self.early is not None:
             self.early.load_state_dict(engine.get("early_stopping", {}))
-        if not read_only:
-            self.store.rollback(k)
-            self.eval_store.rollback(k)
         self.start_round = k + 1
         self.resume_round = self._ckpt = k
         recent = [c for c in self._kept_checkpoints() if c <= k][-max(1, int(self.config["keep_checkpoints"])):]
@@ -597,24 +624,6 @@ class Run:
                       f"(another number of rounds re-derives it for the target epsilon): {changed[0]}"
                       f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; privacy.csv reports the "
                       "epsilon actually spent, which may end above the target", file=sys.stderr, flush=True)
-        self._released = self.journal.after(k) if not read_only else {}
-        beyond = [r for r in self._released if r > self.federation.rounds]
-        if beyond:
-            if self._lock is not None:   # nothing was changed: the run can be resumed again at once
-                _unlock(self._lock)
-                self._lock = None
-            raise RunError(f"{self.run_dir}: round {max(beyond)} was released to the coordinator before the run "
-                           f"stopped (releases.jsonl), but the resumed run has only {self.federation.rounds} "
-                           f"rounds, so that release would never be accounted in privacy.csv; resume with "
-                           f"--rounds {max(beyond)} or more")
-        for r, records in sorted(self._released.items()):
-            sigma = [rel.noise_multiplier for rel in FilterChain.from_specs(records[0]["filters"]).releases()]
-            sigma += [float(x["dp"]["noise_multiplier"]) for x in records[:1] if isinstance(x.get("dp"), dict)]
-            print(f"medfl [{self.label}] privacy: round {r} was released to the coordinator before the run stopped "
-                  f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
-                  f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
-                  "released under; a release that comes back different is counted in privacy.csv",
-                  file=sys.stderr, flush=True)
         traffic = _read_rounds(self.run_dir / "communication.csv", k)
         if traffic is not None:
             self.traffic.load(traffic)
