@@ -26,7 +26,7 @@ from typing import Any, Iterator
 from medfl.config import ConfigError, resolve_config
 
 __all__ = ["run", "choose", "print_result", "infer", "load_bundle_config", "parse_override_value", "user_errors",
-           "exit_on_user_error", "USER_ERROR_EXIT", "INTERRUPTED_EXIT"]
+           "exit_on_user_error", "user_error_message", "USER_ERROR_EXIT", "INTERRUPTED_EXIT"]
 
 #: Exit code of a run stopped by a mistake in its input (that of ``medfl run``; argparse's too).
 USER_ERROR_EXIT = 2
@@ -44,12 +44,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
     (:class:`~medfl.privacy.accounting.PrivacyConfigError`: delta >= 1/N, a budget too low,
     a model Opacus cannot train; filter errors are :class:`~medfl.method.MethodConfigError`),
     a training run that diverged (:class:`~medfl.engine.training.NonFiniteError`, naming the
-    client and round) and a missing file.
+    client and round), a missing file, and a full disk (:class:`~medfl.engine.files.DiskFullError`,
+    naming the file; an ``OSError`` of a full disk raised elsewhere is reported the same way by
+    :func:`exit_on_user_error` and ``medfl``: :func:`user_error_message`).
 
     Anything else (``KeyError``, ``TypeError``, a plain ``ValueError``...) is taken for a
     bug and keeps its traceback."""
     from medfl.data.partition import PartitionError
     from medfl.data.source import DataError
+    from medfl.engine.files import DiskFullError
     from medfl.engine.runner import RunError
     from medfl.engine.training import NonFiniteError
     from medfl.messages import PayloadError
@@ -59,7 +62,18 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from medfl.privacy.accounting import PrivacyConfigError
 
     return (ConfigError, PluginError, RunError, DataError, PartitionError, MethodConfigError, ModelConfigError,
-            PayloadError, PrivacyConfigError, NonFiniteError, FileNotFoundError)
+            PayloadError, PrivacyConfigError, NonFiniteError, FileNotFoundError, DiskFullError)
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """The ``medfl: error:`` message of ``exc`` when it is a mistake in the input or a full
+    disk (:func:`user_errors`, or any ``OSError`` of a full disk: the file and "no space left
+    on device"); ``None`` for anything else, which keeps its traceback."""
+    from medfl.engine.files import full_disk_message
+
+    if isinstance(exc, user_errors()):
+        return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return full_disk_message(exc, "a file of the run") if isinstance(exc, OSError) else None
 
 
 @contextmanager
@@ -75,9 +89,12 @@ def exit_on_user_error() -> Iterator[None]:
     """
     try:
         yield
-    except user_errors() as exc:
+    except (*user_errors(), OSError) as exc:
+        message = user_error_message(exc)
+        if message is None:
+            raise
         sys.stdout.flush()
-        print(f"medfl: error: {exc}", file=sys.stderr, flush=True)
+        print(f"medfl: error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from exc
     except KeyboardInterrupt:   # the run printed what was saved and how to resume: no traceback
         raise SystemExit(INTERRUPTED_EXIT) from None

@@ -635,14 +635,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``medfl`` command. Exit codes: 0, 2 for a mistake in the input
-    (one ``medfl: error:`` line), 130 for Ctrl-C (after the run's line saying how to resume)."""
-    from medfl.bundle import INTERRUPTED_EXIT, user_errors
+    (one ``medfl: error:`` line; a full disk too), 130 for Ctrl-C (after the run's line saying how to resume)."""
+    from medfl.bundle import INTERRUPTED_EXIT, user_error_message, user_errors
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (*user_errors(), KeyError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+    except (*user_errors(), KeyError, OSError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else user_error_message(exc)
+        if msg is None:   # not a mistake in the input nor a full disk: a bug, with its traceback
+            raise
         print(f"medfl: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:   # the run said what was saved and how to resume

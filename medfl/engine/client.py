@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from medfl.context import ClientContext
 from medfl.engine.data import client_order, sha256_file
+from medfl.engine.files import check_sum, sum_path, write_sum, writing
 from medfl.engine.training import NonFiniteError, compute_settings
 from medfl.filters import FilterChain
 from medfl.guard import ContentGuard
@@ -82,8 +83,9 @@ class ClientStore:
         d = self.root / client_id
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".state_r{round:04d}.pt.tmp"
-        torch.save(state, tmp)
         path = d / f"state_r{round:04d}.pt"
+        with writing(path, tmp), open(tmp, "wb") as f:   # a file object: a full disk's OSError stays visible
+            torch.save(state, f)
         write_sum(tmp, path)
         tmp.replace(path)
 
@@ -98,7 +100,7 @@ class ClientStore:
             files = [(r, p) for r, p in self._files(d.name) if r <= upto_round]
             if files:
                 r, p = files[-1]
-                side = _sum_path(p)
+                side = sum_path(p)
                 out[d.name] = [r, side.read_text().split()[0] if side.is_file() else sha256_file(p)]
         return out
 
@@ -142,31 +144,9 @@ class ClientStore:
                     _unlink_with_sum(p)
 
 
-def _sum_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def write_sum(written: Path, final: Path) -> None:
-    """Write ``final``'s checksum sidecar from the file ``written`` (about to be renamed to
-    ``final``), atomically, before the rename: a file never exists without its sum."""
-    side = _sum_path(final)
-    tmp = side.with_name("." + side.name + ".tmp")
-    tmp.write_text(sha256_file(written) + "\n")
-    tmp.replace(side)
-
-
-def check_sum(path: Path, sum_of: Path | None = None) -> str:
-    """Why ``path`` does not match the sidecar checksum of ``sum_of`` (default ``path``):
-    "" when it does, or when there is no sidecar (files written before checksums)."""
-    side = _sum_path(sum_of or path)
-    if side.is_file() and sha256_file(path) != side.read_text().split()[0]:
-        return "its SHA-256 differs from the one written with it (the file was changed or damaged)"
-    return ""
-
-
 def _unlink_with_sum(path: Path) -> None:
     path.unlink(missing_ok=True)
-    _sum_path(path).unlink(missing_ok=True)
+    sum_path(path).unlink(missing_ok=True)
 
 
 def _seed_all(seed: int) -> None:

@@ -133,18 +133,23 @@ class FederatedData:
         :func:`read_partition` checks: a kill mid-write never leaves a short partition that a
         resume would take for the whole one. The :attr:`report` goes first to
         :data:`REPORT_NAME` in the same folder (the table, written last, marks a whole split)."""
+        from medfl.engine.files import writing   # here: that module reads files with this one's helpers
+
         path = Path(path)
         if self.report is not None:
             out = path.with_name(REPORT_NAME)
             out_tmp = out.with_name(out.name + ".tmp")
-            out_tmp.write_text(json.dumps(self.report, indent=2) + "\n")
+            with writing(out, out_tmp):
+                out_tmp.write_text(json.dumps(self.report, indent=2) + "\n")
             out_tmp.replace(out)
         tmp = path.with_name(path.name + ".tmp")
-        self.assignments.to_csv(tmp, index=False)
+        with writing(path, tmp):
+            self.assignments.to_csv(tmp, index=False)
         digest = sha256_file(tmp)
         side = path.with_name(path.name + ".sha256")
         side_tmp = side.with_name(side.name + ".tmp")
-        side_tmp.write_text(f"{digest} {len(self.assignments)}\n")
+        with writing(side, side_tmp):
+            side_tmp.write_text(f"{digest} {len(self.assignments)}\n")
         side_tmp.replace(side)
         tmp.replace(path)
 

@@ -48,7 +48,10 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
     forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
                        negative-flip rates, sampled clients
     checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept, and with
-                       early stopping the best round's: the checkpoints kept record it)
+                       early stopping the best round's: the checkpoints kept record it), the
+                       client states it goes with, and a manifest of the run's own files
+                       (size and SHA-256 at checkpoint time) that a resume checks first
+                       (:mod:`medfl.engine.files`)
     clients/           each client's persistent state, versioned by round
     eval_state/        each client's evaluation memory (last per-sample correctness, for
                        the negative-flip counts; client-side, never sent), versioned by round
@@ -74,7 +77,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import numpy as np
 import pandas as pd
@@ -84,12 +87,13 @@ from tqdm.auto import tqdm
 from medfl import wire
 from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, check_device, cross_test_in_clear, method_label,
                           method_preset, method_train, preset_record)
-from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model, check_sum,
+from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model,
                                  evaluate_final_models, evaluate_model, first_non_finite, release_exemptions,
-                                 reported_problem, run_client_profile, run_client_update, run_client_validate,
-                                 write_sum)
+                                 reported_problem, run_client_profile, run_client_update, run_client_validate)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
 from medfl.engine.early_stopping import EarlyStopping, metrics_split
+from medfl.engine.files import (append_text, check_sum, file_manifest, full_disk_message, interrupted_write,
+                               manifest_problems, write_sum, writing)
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
 from medfl.filters import FilterChain, configured_filters
@@ -167,8 +171,11 @@ def evaluate_metrics(y, probs) -> dict[str, float]:
 
 
 def _write_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` as JSON, atomically (a full disk leaves the file before whole:
+    :func:`medfl.engine.files.writing`)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
+    with writing(path, tmp):
+        tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(path)
 
 
@@ -176,11 +183,12 @@ def _write_csv(path: Path, df: pd.DataFrame, text: str | None = None) -> None:
     """Write ``df`` (or its CSV ``text``, already formatted) atomically with a checksum
     sidecar (``<name>.sha256``) that a resume checks (:func:`_read_rounds`)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    if text is None:
-        df.to_csv(tmp, index=False)
-    else:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:   # the text as pandas made it
-            f.write(text)
+    with writing(path, tmp):
+        if text is None:
+            df.to_csv(tmp, index=False)
+        else:
+            with open(tmp, "w", encoding="utf-8", newline="") as f:   # the text as pandas made it
+                f.write(text)
     write_sum(tmp, path)
     tmp.replace(path)
 
@@ -212,9 +220,9 @@ class GrowingCsv:
                 text = old_text + (df.iloc[n:].to_csv(index=False, header=False) if len(df) > n else "")
         if text is None:
             text = df.to_csv(index=False)
+        _write_csv(path, df, text)
         # a copy: a caller changing its frame in place must not change what was written
         self._last[path] = (df.reset_index(drop=True).copy(), text)
-        _write_csv(path, df, text)
 
 
 def summarize_metrics(metrics: pd.DataFrame, round: int | None = None) -> dict[str, Any]:
@@ -434,9 +442,10 @@ class Run:
                                   "warnings": list(self.warnings)}
         if self.early is not None:
             engine["early_stopping"] = self.early.state_dict()
-        torch.save({"round": r, "method": self.coordinator.state_dict(),
-                    "client_states": self.store.index(r), "eval_states": self.eval_store.index(r),
-                    "engine": engine}, tmp)
+        ckpt = {"round": r, "method": self.coordinator.state_dict(), "client_states": self.store.index(r),
+                "eval_states": self.eval_store.index(r), "engine": engine, "files": file_manifest(self.run_dir)}
+        with writing(path, tmp), open(tmp, "wb") as f:   # a file object: a full disk's OSError stays visible
+            torch.save(ckpt, f)
         write_sum(tmp, path)
         tmp.replace(path)
         self._ckpt = r
@@ -563,8 +572,53 @@ class Run:
             self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
             return
         k, ckpt = self._intact_checkpoint(read_only)
-        if k == 0 or ckpt is None:
-            return
+        if ckpt is None:
+            k = 0
+        else:
+            lost = [] if read_only else manifest_problems(self.run_dir, ckpt.get("files") or {}, k)
+            if lost:
+                more = f" (and {len(lost) - 1} more file(s))" if len(lost) > 1 else ""
+                self._refuse_resume(f"{lost[0]}{more}; a resume would continue from files that are not the ones "
+                                    "the run wrote (rows lost or changed). Restore the file (nothing was changed), "
+                                    "or start a new run")
+            self._load_checkpoint(k, ckpt, read_only)
+        self._released = self.journal.after(k) if not read_only else {}
+        beyond = [r for r in self._released if r > self.federation.rounds]
+        if beyond:
+            self._refuse_resume(f"{self.run_dir}: round {max(beyond)} was released to the coordinator before the run "
+                                f"stopped (releases.jsonl), but the resumed run has only {self.federation.rounds} "
+                                f"rounds, so that release would never be accounted in privacy.csv; resume with "
+                                f"--rounds {max(beyond)} or more")
+        if not read_only:
+            # what the stopped attempt wrote after round k (all of it when it stopped in round 1,
+            # before any checkpoint: FedBN's local layers, a local model, the evaluation memory)
+            # is redone, never continued from
+            self.store.rollback(k)
+            self.eval_store.rollback(k)
+        for r, records in sorted(self._released.items()):
+            sigma = [rel.noise_multiplier for rel in FilterChain.from_specs(records[0]["filters"]).releases()]
+            sigma += [float(x["dp"]["noise_multiplier"]) for x in records[:1] if isinstance(x.get("dp"), dict)]
+            print(f"medfl [{self.label}] privacy: round {r} was released to the coordinator before the run stopped "
+                  f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
+                  f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
+                  "released under; a release that comes back different is counted in privacy.csv",
+                  file=sys.stderr, flush=True)
+
+    def _refuse_resume(self, message: str) -> NoReturn:
+        """Stop a resume that has changed nothing yet, releasing the run directory's lock so it
+        can be resumed again at once.
+
+        Raises:
+            RunError: always, with ``message``.
+        """
+        if self._lock is not None:
+            _unlock(self._lock)
+            self._lock = None
+        raise RunError(message)
+
+    def _load_checkpoint(self, k: int, ckpt: dict[str, Any], read_only: bool) -> None:
+        """Put the coordinator, the engine's bookkeeping and the per-round tables back as
+        round ``k``'s checkpoint ``ckpt`` (:meth:`prepare`)."""
         self.coordinator.load_state_dict(ckpt["method"])
         engine = ckpt.get("engine", {})
         self._failures = {str(c): int(n) for c, n in engine.get("failures", {}).items()}
@@ -572,9 +626,6 @@ class Run:
         self.warnings = [dict(w) for w in engine.get("warnings", [])]
         if self.early is not None:
             self.early.load_state_dict(engine.get("early_stopping", {}))
-        if not read_only:
-            self.store.rollback(k)
-            self.eval_store.rollback(k)
         self.start_round = k + 1
         self.resume_round = self._ckpt = k
         recent = [c for c in self._kept_checkpoints() if c <= k][-max(1, int(self.config["keep_checkpoints"])):]
@@ -597,24 +648,6 @@ class Run:
                       f"(another number of rounds re-derives it for the target epsilon): {changed[0]}"
                       f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; privacy.csv reports the "
                       "epsilon actually spent, which may end above the target", file=sys.stderr, flush=True)
-        self._released = self.journal.after(k) if not read_only else {}
-        beyond = [r for r in self._released if r > self.federation.rounds]
-        if beyond:
-            if self._lock is not None:   # nothing was changed: the run can be resumed again at once
-                _unlock(self._lock)
-                self._lock = None
-            raise RunError(f"{self.run_dir}: round {max(beyond)} was released to the coordinator before the run "
-                           f"stopped (releases.jsonl), but the resumed run has only {self.federation.rounds} "
-                           f"rounds, so that release would never be accounted in privacy.csv; resume with "
-                           f"--rounds {max(beyond)} or more")
-        for r, records in sorted(self._released.items()):
-            sigma = [rel.noise_multiplier for rel in FilterChain.from_specs(records[0]["filters"]).releases()]
-            sigma += [float(x["dp"]["noise_multiplier"]) for x in records[:1] if isinstance(x.get("dp"), dict)]
-            print(f"medfl [{self.label}] privacy: round {r} was released to the coordinator before the run stopped "
-                  f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
-                  f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
-                  "released under; a release that comes back different is counted in privacy.csv",
-                  file=sys.stderr, flush=True)
         traffic = _read_rounds(self.run_dir / "communication.csv", k)
         if traffic is not None:
             self.traffic.load(traffic)
@@ -835,7 +868,7 @@ class Run:
         print(f"medfl [{self.label}] round {r}: reply of client {cid} {status}: {reason}", file=sys.stderr, flush=True)
         path = self.run_dir / "reply_events.csv"
         row = pd.DataFrame([{"round": r, "step": self._step, "client_id": cid, "status": status, "reason": reason}])
-        row.to_csv(path, mode="a", header=not path.is_file(), index=False)
+        append_text(path, row.to_csv(header=not path.is_file(), index=False))
 
     def _without_excluded(self, instructions: dict[str, Instruction]) -> dict[str, Instruction]:
         return {cid: ins for cid, ins in instructions.items() if cid not in self._excluded}
@@ -1151,24 +1184,39 @@ class Run:
                 self._status("stopped", last)
                 return {}
             return self._finish(self.rounds_run, t0)
-        except Exception:
+        except Exception as exc:
             bar.close()
-            self._status("failed", self._ckpt)   # never left "running"; resume restarts after _ckpt
+            try:
+                self._status("failed", self._ckpt)   # never left "running"; resume restarts after _ckpt
+            except OSError:   # no room for it either: the status.json before stays, whole
+                pass
+            full = full_disk_message(exc, self.run_dir)
+            if full is not None:   # one line, not the tracebacks of every write that failed after it
+                raise RunError(f"{full}; the run stopped: {self._saved()}, with its checkpoint, CSVs and client "
+                               "states as they were then; free space on that device, then continue with: "
+                               f"{self.resume_command(self._top())}") from exc
             raise
         except (KeyboardInterrupt, SystemExit):
             # Ctrl-C, or a SIGTERM turned into SystemExit (Flower's ServerApp when its
             # SuperLink is stopped or restarted): the saved rounds stay, resumable
             bar.close()
             self._status("interrupted", self._ckpt)
-            top = self.run_dir.parent
-            while (top.parent / "config.json").is_file():
-                top = top.parent
-            saved = (f"round 1 is saved in {self.run_dir}" if self._ckpt == 1 else
-                     f"rounds 1-{self._ckpt} are saved in {self.run_dir}" if self._ckpt else
-                     f"no round was finished yet in {self.run_dir} (a resume starts at round 1)")
-            print(f"\nmedfl [{self.label}]: interrupted; {saved} (status.json says \"interrupted\"); "
-                  f"continue with: {self.resume_command(top)}", file=sys.stderr, flush=True)
+            print(f"\nmedfl [{self.label}]: interrupted; {self._saved()} (status.json says \"interrupted\"); "
+                  f"continue with: {self.resume_command(self._top())}", file=sys.stderr, flush=True)
             raise
+
+    def _top(self) -> Path:
+        """The experiment directory this run belongs to (what ``medfl resume`` is given)."""
+        top = self.run_dir.parent
+        while (top.parent / "config.json").is_file():
+            top = top.parent
+        return top
+
+    def _saved(self) -> str:
+        """Which rounds a stopped run has saved, in words (a resume continues after them)."""
+        return (f"round 1 is saved in {self.run_dir}" if self._ckpt == 1 else
+                f"rounds 1-{self._ckpt} are saved in {self.run_dir}" if self._ckpt else
+                f"no round was finished yet in {self.run_dir} (a resume starts at round 1)")
 
     def resume_command(self, top: Path) -> str:
         """The command that continues this run's experiment ``top`` (told on an interruption)."""
@@ -1298,11 +1346,10 @@ def _read_rounds(path: Path, upto: int) -> pd.DataFrame | None:
     """The rows of a per-round CSV of a run up to round ``upto`` (``None``: no such file)."""
     if not path.is_file():
         return None
-    problem = check_sum(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    if problem and tmp.is_file() and not check_sum(tmp, sum_of=path):
+    tmp = interrupted_write(path)
+    if tmp is not None:
         tmp.replace(path)        # killed between the checksum and the rename: finish the write
-        problem = ""
+    problem = check_sum(path)
     if problem:
         raise RunError(f"{path}: {problem}; a resume would continue from rows that are not the ones the run "
                        "wrote (rows lost or changed). Restore the file, or start a new run")

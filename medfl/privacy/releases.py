@@ -77,11 +77,10 @@ def payload_digest(*values: Any) -> str:
 def append_record(path: Path, record: dict[str, Any]) -> None:
     """Append ``record`` as one JSON line to ``path`` and flush it to disk (``fsync``) before
     returning: a record written before a release leaves survives a crash right after."""
+    from medfl.engine.files import append_text   # here: medfl.engine imports this module
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_text(path, json.dumps(record, sort_keys=True) + "\n", sync=True)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -106,3 +106,61 @@ def test_a_per_round_file_written_with_no_row_resumes(tmp_path: Path) -> None:
     write_sum(path, path)
     assert path.stat().st_size <= 1
     assert _read_rounds(path, 3) is None
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    """Every file of a run directory but its lock, by relative path."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+            and p.name != ".lock"}
+
+
+def _refused(part: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """Resume ``part`` with the command line: exit code 2 and one ``medfl: error:`` line,
+    nothing changed in the run directory; return that line."""
+    from medfl.cli import main
+
+    before = _snapshot(part)
+    capsys.readouterr()
+    assert main(["resume", str(part)]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("medfl: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert _snapshot(part) == before, "the refused resume changed the run directory"
+    return lines[0]
+
+
+def test_a_deleted_per_round_file_stops_the_resume(job, capsys) -> None:
+    """Issue 39, 6b: a deleted metrics.csv, train_metrics.csv or communication.csv resumed
+    with rc 0, the file written again with the later rounds only. Round 3's checkpoint now
+    holds a manifest of the run's files; each missing one stops the resume naming it, and
+    the run, its file restored, resumes to the uninterrupted numbers."""
+    full, part = _runs(job)
+    for name in ("metrics.csv", "train_metrics.csv", "communication.csv"):
+        kept = (part / name).read_bytes()
+        (part / name).unlink()
+        line = _refused(part, capsys)
+        assert f"{part / name}: missing; round 3's checkpoint lists it (" in line, line
+        (part / name).write_bytes(kept)
+    resume(part)
+    _same(full, part)
+    assert (part / "communication.csv").read_bytes() == (full / "communication.csv").read_bytes()
+
+
+def test_a_file_changed_with_its_checksum_deleted_stops_the_resume(job, capsys) -> None:
+    """Issue 39, 6b: a per-round file changed together with its deleted ``.sha256`` resumed
+    with rc 0 and the changed rows. The checkpoint's manifest has the file's digest: the
+    resume stops with a digest mismatch naming the file; restored, the run resumes exactly."""
+    full, part = _runs(job)
+    for name in ("metrics.csv", "train_metrics.csv", "communication.csv"):
+        path, side = part / name, part / f"{name}.sha256"
+        kept, kept_side = path.read_bytes(), side.read_bytes()
+        df = pd.read_csv(path)
+        df.loc[1, df.columns[-1]] = 12345                    # one number of round 1 changed
+        df.to_csv(path, index=False)
+        side.unlink()
+        line = _refused(part, capsys)
+        assert f"{path}: digest mismatch: its first bytes are not those round 3's checkpoint recorded" in line, line
+        path.write_bytes(kept)
+        side.write_bytes(kept_side)
+    resume(part)
+    _same(full, part)

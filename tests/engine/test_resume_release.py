@@ -41,14 +41,14 @@ def _watch_round(monkeypatch: pytest.MonkeyPatch, round: int, seen: list[dict[st
     monkeypatch.setattr(Run, "screen", crashing)
 
 
-def _stopped_after_release(tiny_fl: dict[str, Any], resolve: Any, monkeypatch: pytest.MonkeyPatch
+def _stopped_after_release(tiny_fl: dict[str, Any], resolve: Any, monkeypatch: pytest.MonkeyPatch, round: int = 3
                            ) -> tuple[Path, list[dict[str, Any]]]:
-    """A dp_gaussian run (target epsilon over 3 rounds) killed after round 3's replies arrived."""
+    """A dp_gaussian run (target epsilon over 3 rounds) killed after round ``round``'s replies arrived."""
     fl = {**tiny_fl, "rounds": 3, "eval_every": 0,
           "filters": [{"name": "dp_gaussian", "epsilon": 2.0, "delta": 1e-3, "clip": CLIP}]}
     seen: list[dict[str, Any]] = []
     with monkeypatch.context() as m:
-        _watch_round(m, 3, seen, crash=True)
+        _watch_round(m, round, seen, crash=True)
         with pytest.raises(KeyboardInterrupt):
             run_experiment(resolve(fl))
     return Path(fl["output_dir"]) / "t" / "fedavg", seen
@@ -124,3 +124,23 @@ def test_a_resume_with_fewer_rounds_than_were_released_is_refused(
     resume(run, rounds=4)      # the refusal changed nothing: the run resumes with enough rounds
     df = pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
     assert sorted(set(df["round"])) == [1, 2, 3, 4]
+
+
+def test_round_one_released_before_the_first_checkpoint_is_released_again_as_the_same_bytes(
+        tiny_fl: dict, resolve: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
+    """Issue 39, item 3: a run killed in round 1 after its DP replies arrived, before any
+    checkpoint, resumed without reading releases.jsonl (the resume returned early), so with
+    ``--rounds 6`` round 1 was released again at the re-derived noise: one draw at two scales.
+    Now round 1 runs again under the parameters it was released under: the same bytes."""
+    run, first = _stopped_after_release(tiny_fl, resolve, monkeypatch, round=1)
+    assert not list((run / "checkpoints").glob("round_*.pt"))
+    capfd.readouterr()
+    again: list[dict[str, Any]] = []
+    with monkeypatch.context() as m:
+        _watch_round(m, 1, again, crash=False)
+        resume(run, rounds=6)
+    assert "round 1 was released to the coordinator before the run stopped" in capfd.readouterr().err
+    (r1,), (r2,) = first, again
+    assert sorted(r1) == sorted(r2) and r1
+    for cid in r1:
+        assert torch.equal(_flat(r1[cid]), _flat(r2[cid])), f"client {cid}: round 1 was released again as other bytes"
