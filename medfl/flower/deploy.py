@@ -35,8 +35,8 @@ from typing import Any, Callable
 
 from medfl.flower.server import RUN_CONFIG
 
-__all__ = ["FlowerDeployError", "flower_env", "free_port", "superlink_command", "site_command", "node_config",
-           "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
+__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command", "site_command",
+           "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
            "read_result", "started_run_id", "LocalFederation", "MARKER_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
@@ -81,12 +81,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def flower_command(name: str) -> list[str]:
+    """How medfl starts Flower's ``flower-superlink`` or ``flower-supernode``: through
+    :mod:`medfl.flower.flwr_launcher` (run by path, with this Python), which gives a new
+    ServerApp or ClientApp process :func:`~medfl.flower.flwr_launcher.task_window` seconds
+    to report instead of Flower's 30 s, so that a loaded machine does not make every task
+    token expire (``401 Runtime task-token authentication failed``).
+
+    Raises:
+        FlowerDeployError: Flower is not installed, or ``MEDFL_FLOWER_TASK_WINDOW`` is not a
+            number of seconds of at least 30.
+    """
+    from medfl.flower import flwr_launcher
+
+    if name not in flwr_launcher.COMMANDS:
+        raise FlowerDeployError(f"{name!r}: medfl starts only {', '.join(flwr_launcher.COMMANDS)}")
+    _bin(name)   # Flower is installed (a clear error otherwise)
+    try:
+        flwr_launcher.task_window()
+    except ValueError as exc:
+        raise FlowerDeployError(str(exc)) from None
+    return [sys.executable, str(Path(flwr_launcher.__file__).resolve()), name]
+
+
 def superlink_command(host: str = "127.0.0.1", port: int = 9092, insecure: bool = True,
                       database: str | None = None, extra: list[str] | None = None) -> list[str]:
-    """The ``flower-superlink`` command of a medfl federation: Fleet, Control and Runtime
-    APIs on ``host:port``, and no runtime installation of app dependencies (medfl is
-    installed on every machine; Flower would otherwise try ``uv sync`` for each run)."""
-    cmd = [_bin("flower-superlink"), "--host", host, "--port", str(port),
+    """The ``flower-superlink`` command of a medfl federation (:func:`flower_command`):
+    Fleet, Control and Runtime APIs on ``host:port``, and no runtime installation of app
+    dependencies (medfl is installed on every machine; Flower would otherwise try ``uv
+    sync`` for each run)."""
+    cmd = [*flower_command("flower-superlink"), "--host", host, "--port", str(port),
            "--disable-runtime-dependency-installation"]
     if insecure:
         cmd.append("--insecure")
@@ -124,9 +148,9 @@ def site_command(client_id: str, config: str | Path, state_dir: str | Path, supe
                  port: int = 9094, host: str = "127.0.0.1", insecure: bool = True,
                  overrides: dict[str, Any] | None = None, workdir: str | Path | None = None,
                  device: str | None = None, worker: str | None = None, extra: list[str] | None = None) -> list[str]:
-    """The ``flower-supernode`` command of one medfl site (its ClientApp runtime API on
-    ``host:port``: give every site on one machine its own port)."""
-    cmd = [_bin("flower-supernode"), "--superlink", superlink, "--host", host, "--port", str(port),
+    """The ``flower-supernode`` command of one medfl site (:func:`flower_command`; its
+    ClientApp runtime API on ``host:port``: give every site on one machine its own port)."""
+    cmd = [*flower_command("flower-supernode"), "--superlink", superlink, "--host", host, "--port", str(port),
            "--node-config", node_config(client_id, config, state_dir, overrides=overrides, workdir=workdir,
                                         device=device, worker=worker, superlink=superlink)]
     if insecure:

@@ -43,7 +43,8 @@ def test_flower_app_names_medfls_components_and_run_config(tmp_path: Path) -> No
 
 def test_commands(tmp_path: Path) -> None:
     sl = superlink_command("0.0.0.0", 9100)
-    assert sl[1:] == ["--host", "0.0.0.0", "--port", "9100", "--disable-runtime-dependency-installation",
+    assert sl[1].endswith("flwr_launcher.py") and sl[2] == "flower-superlink"   # the task window widened
+    assert sl[3:] == ["--host", "0.0.0.0", "--port", "9100", "--disable-runtime-dependency-installation",
                       "--insecure"]
     cmd = site_command("2", tmp_path / "train.json", tmp_path / "state", "hub:9100", port=9200,
                        overrides={"fl#dataset#root": "/data"})
