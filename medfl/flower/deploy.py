@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from medfl.flower.server import RUN_CONFIG
 
 __all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command", "site_command",
            "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "read_result", "started_run_id", "LocalFederation", "MARKER_ENV"]
+           "read_json", "read_result", "started_run_id", "LocalFederation", "MARKER_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
@@ -253,13 +254,17 @@ def run_config_toml(run_config: dict[str, Any]) -> str:
 def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *, insecure: bool = True,
              flwr_home: str | Path | None = None, env: dict[str, str] | None = None,
              timeout: float | None = None, stream_to: Any = None, root_certificates: str | None = None,
-             watch: Callable[[], str | None] | None = None, watch_interval: float = 0.5) -> int:
+             watch: Callable[[], str | None] | None = None, watch_interval: float = 0.5,
+             on_output: Callable[[str], None] | None = None) -> int:
     """``flwr run APP_DIR --stream`` against ``superlink`` with ``run_config`` overrides;
     returns the CLI's exit code once the run has ended.
 
     Args:
+        stream_to: a binary file for ``flwr run``'s output (default: this process's stdout).
         watch: called every ``watch_interval`` seconds while the run goes on; a string it
             returns (why the run cannot succeed) ends the ``flwr run`` process and is raised.
+        on_output: called with each line of ``flwr run``'s output as it comes (the output
+            still goes to ``stream_to``), e.g. to learn the run id (:func:`started_run_id`).
 
     Raises:
         FlowerDeployError: the run did not end within ``timeout`` seconds, or ``watch``
@@ -277,7 +282,11 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
         cmd += ["--run-config", str(rc_file)]
     full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(home)}
     deadline = None if timeout is None else time.monotonic() + timeout
-    proc = subprocess.Popen(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None)
+    if on_output is None:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None)
+    else:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        threading.Thread(target=_pump, args=(proc.stdout, stream_to, on_output), daemon=True).start()
     try:
         while True:
             wait = watch_interval if watch else None
@@ -303,6 +312,30 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
                 proc.wait()
 
 
+def _pump(pipe: Any, sink: Any, on_output: Callable[[str], None]) -> None:
+    """Copy ``flwr run``'s output from ``pipe`` to ``sink`` (default: stdout) line by line,
+    handing each line to ``on_output``."""
+    out = sink if sink is not None else sys.stdout.buffer
+    for raw in iter(pipe.readline, b""):
+        try:
+            out.write(raw)
+            out.flush()
+        except (OSError, ValueError):   # stdout closed: keep reading, so flwr run is never blocked
+            pass
+        on_output(raw.decode(errors="replace"))
+    pipe.close()
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or ``None`` while it is absent or not complete yet (a
+    ServerApp may be writing it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_result(result_file: Path, log: Path, code: int | None, wait: float = 30.0) -> dict[str, Any]:
     """The JSON a ServerApp wrote to ``result_file`` once ``flwr run`` returned (waiting up to
     ``wait`` seconds: the SuperLink may still be writing it).
@@ -311,12 +344,14 @@ def read_result(result_file: Path, log: Path, code: int | None, wait: float = 30
         FlowerDeployError: no result came: quotes ``flwr run``'s exit ``code`` and the end of ``log``.
     """
     deadline = time.monotonic() + wait
-    while not result_file.is_file() and time.monotonic() < deadline:
+    result = read_json(result_file)
+    while result is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    if not result_file.is_file():
+        result = read_json(result_file)
+    if result is None:
         raise FlowerDeployError(f"flwr run exited with {code} and the ServerApp wrote no result:\n"
                                 f"{log.read_text(errors='replace')[-4000:]}")
-    return json.loads(result_file.read_text())
+    return result
 
 
 def started_run_id(output: str) -> int | None:
