@@ -452,11 +452,19 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
 
 
 def cmd_flower_run(args: argparse.Namespace) -> int:
-    """Launch a run on a SuperLink with ``flwr run`` and stream its log (step 3)."""
+    """Launch a run on a SuperLink with ``flwr run`` and stream its log (step 3).
+
+    It ends with the ServerApp's outcome (1 and one ``medfl flower run: the run failed:``
+    line when it failed) and leaves nothing running: once the ServerApp wrote its result,
+    a run that has not ended at the SuperLink within ``--exit-grace`` seconds is stopped
+    (``flwr stop``), and so is the run on Ctrl-C or SIGTERM (exit code 130; the coordinator
+    saves its finished rounds: continue with ``--resume``)."""
     import tempfile
+    import time
     import uuid
 
-    from medfl.flower.deploy import flwr_run, make_run_config, write_app
+    from medfl.flower.deploy import (FlowerDeployError, flwr_run, flwr_stop, make_run_config, read_json,
+                                     started_run_id, write_app)
 
     options = argparse.ArgumentParser(prog="medfl flower run", add_help=False)
     _flower_run_options(options)
@@ -487,15 +495,70 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
                              progress_interval=args.progress_interval, site_nodes=site_nodes,
                              max_reply_mb=args.max_reply_mb)
         app_dir = write_app(tmp / "app")
-        code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
-                        root_certificates=None if insecure else args.root_certificates)
-        if result_file.is_file():  # the SuperLink runs on this machine: report the ServerApp's outcome
-            result = json.loads(result_file.read_text())
+        seen: dict[str, float] = {}
+
+        def note(line: str) -> None:
+            run_id = started_run_id(line)
+            if run_id is not None:
+                seen["run"] = run_id
+
+        def ended() -> str | None:
+            # the SuperLink runs on this machine and the ServerApp wrote its result: the run is over
+            if read_json(result_file) is None:
+                return None
+            since = seen.setdefault("result", time.monotonic())
+            if time.monotonic() - since < args.exit_grace:
+                return None
+            return (f"the ServerApp wrote its result {args.exit_grace:g} s ago but the run has not ended at the "
+                    "SuperLink")
+
+        try:
+            with _sigterm_as_interrupt():
+                code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
+                                root_certificates=None if insecure else args.root_certificates,
+                                watch=ended, watch_interval=1.0, on_output=note)
+        except (FlowerDeployError, KeyboardInterrupt) as exc:
+            run_id = seen.get("run")
+            stopped = run_id is not None and flwr_stop(int(run_id), tmp / "flwr_home")
+            if isinstance(exc, KeyboardInterrupt):
+                how = ("stopped at the SuperLink (its coordinator saves the finished rounds; continue with "
+                       "--resume)" if stopped else "not stopped at the SuperLink (see `flwr ls`)")
+                print(f"medfl flower run: interrupted; run {int(run_id) if run_id else '(not started)'} {how}",
+                      file=sys.stderr)
+                raise
+            code = 1
+            if read_json(result_file) is None:
+                print(f"medfl flower run: {exc}" + ("; the run was stopped" if stopped else ""), file=sys.stderr)
+                return 1
+        result = read_json(result_file)
+        if result is not None:  # the SuperLink runs on this machine: report the ServerApp's outcome
             if not result.get("ok"):
                 print(f"medfl flower run: the run failed: {result.get('error')}", file=sys.stderr)
                 return 1
             print(f"medfl flower run: results in {result['dir']}")
-    return code
+            return 0
+    return int(code or 0)
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``KeyboardInterrupt`` as Ctrl-C does (in the main
+    thread only), so that whoever ends ``medfl flower run`` also stops its run."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _add_flower(sub: Any) -> None:
@@ -592,6 +655,9 @@ def _flower_run_options(sp: argparse.ArgumentParser) -> None:
                     help="the largest answer (MiB) taken from a site; a larger one is refused like a bad reply "
                          "(default: four times what the method sends, plus 64 MiB)")
     sp.add_argument("--result-file", default=None, help="where the ServerApp writes its result (JSON)")
+    sp.add_argument("--exit-grace", type=float, default=120.0,
+                    help="once the ServerApp wrote its result (SuperLink on this machine), seconds to wait for the "
+                         "run to end at the SuperLink before it is stopped there (default 120)")
     sp.add_argument("--site-nodes", default=None,
                     help="sites.json from `medfl flower register-site --client-id`: each client is served only "
                          "by the node registered for it (with SuperNode authentication, by the site's key)")

@@ -416,6 +416,7 @@ BACKEND_DEFAULTS: dict[str, Any] = {
     "client_gpus": 0.0,       # GPUs (or a share, 0.25: four clients per GPU) each client holds
     "num_cpus": None,         # cores Ray may use in all (null: every core of the machine)
     "num_gpus": None,         # GPUs Ray may use in all (null: every GPU)
+    "connect_timeout": 600.0,  # seconds every simulated node has to answer its hello (its actor starting)
 }
 BACKENDS = ("inprocess", "ray")
 
@@ -425,8 +426,9 @@ def check_backend(value: Any, where: str = "fl.backend") -> dict[str, Any]:
     and return it with every key filled in.
 
     Raises:
-        ConfigError: unknown backend or key, or a resource count that is not a
-            non-negative number (``client_cpus`` at least 1).
+        ConfigError: unknown backend or key, a resource count that is not a
+            non-negative number (``client_cpus`` at least 1), or a ``connect_timeout``
+            that is not a positive number of seconds.
     """
     entry = {"name": value} if isinstance(value, str) else value
     if not isinstance(entry, dict) or entry.get("name") not in BACKENDS:
@@ -443,6 +445,11 @@ def check_backend(value: Any, where: str = "fl.backend") -> dict[str, Any]:
     if out["client_cpus"] < 1 or out["client_cpus"] != int(out["client_cpus"]):
         raise ConfigError(f"{where}.client_cpus: expected a whole number of cores >= 1, got {out['client_cpus']!r}")
     out["client_cpus"] = int(out["client_cpus"])
+    wait = out["connect_timeout"]
+    if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 < wait < float("inf"):
+        raise ConfigError(f"{where}.connect_timeout: expected the seconds every simulated node has to answer its "
+                          f"hello, a positive number, got {wait!r}")
+    out["connect_timeout"] = float(wait)
     return out
 
 

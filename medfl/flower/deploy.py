@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,9 +36,9 @@ from typing import Any, Callable
 
 from medfl.flower.server import RUN_CONFIG
 
-__all__ = ["FlowerDeployError", "flower_env", "free_port", "superlink_command", "site_command", "node_config",
-           "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "read_result", "started_run_id", "LocalFederation", "MARKER_ENV"]
+__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command", "site_command",
+           "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
+           "read_json", "read_result", "started_run_id", "LocalFederation", "MARKER_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
@@ -81,12 +82,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def flower_command(name: str) -> list[str]:
+    """How medfl starts Flower's ``flower-superlink`` or ``flower-supernode``: through
+    :mod:`medfl.flower.flwr_launcher` (run by path, with this Python), which gives a new
+    ServerApp or ClientApp process :func:`~medfl.flower.flwr_launcher.task_window` seconds
+    to report instead of Flower's 30 s, so that a loaded machine does not make every task
+    token expire (``401 Runtime task-token authentication failed``).
+
+    Raises:
+        FlowerDeployError: Flower is not installed, or ``MEDFL_FLOWER_TASK_WINDOW`` is not a
+            number of seconds of at least 30.
+    """
+    from medfl.flower import flwr_launcher
+
+    if name not in flwr_launcher.COMMANDS:
+        raise FlowerDeployError(f"{name!r}: medfl starts only {', '.join(flwr_launcher.COMMANDS)}")
+    _bin(name)   # Flower is installed (a clear error otherwise)
+    try:
+        flwr_launcher.task_window()
+    except ValueError as exc:
+        raise FlowerDeployError(str(exc)) from None
+    return [sys.executable, str(Path(flwr_launcher.__file__).resolve()), name]
+
+
 def superlink_command(host: str = "127.0.0.1", port: int = 9092, insecure: bool = True,
                       database: str | None = None, extra: list[str] | None = None) -> list[str]:
-    """The ``flower-superlink`` command of a medfl federation: Fleet, Control and Runtime
-    APIs on ``host:port``, and no runtime installation of app dependencies (medfl is
-    installed on every machine; Flower would otherwise try ``uv sync`` for each run)."""
-    cmd = [_bin("flower-superlink"), "--host", host, "--port", str(port),
+    """The ``flower-superlink`` command of a medfl federation (:func:`flower_command`):
+    Fleet, Control and Runtime APIs on ``host:port``, and no runtime installation of app
+    dependencies (medfl is installed on every machine; Flower would otherwise try ``uv
+    sync`` for each run)."""
+    cmd = [*flower_command("flower-superlink"), "--host", host, "--port", str(port),
            "--disable-runtime-dependency-installation"]
     if insecure:
         cmd.append("--insecure")
@@ -124,9 +149,9 @@ def site_command(client_id: str, config: str | Path, state_dir: str | Path, supe
                  port: int = 9094, host: str = "127.0.0.1", insecure: bool = True,
                  overrides: dict[str, Any] | None = None, workdir: str | Path | None = None,
                  device: str | None = None, worker: str | None = None, extra: list[str] | None = None) -> list[str]:
-    """The ``flower-supernode`` command of one medfl site (its ClientApp runtime API on
-    ``host:port``: give every site on one machine its own port)."""
-    cmd = [_bin("flower-supernode"), "--superlink", superlink, "--host", host, "--port", str(port),
+    """The ``flower-supernode`` command of one medfl site (:func:`flower_command`; its
+    ClientApp runtime API on ``host:port``: give every site on one machine its own port)."""
+    cmd = [*flower_command("flower-supernode"), "--superlink", superlink, "--host", host, "--port", str(port),
            "--node-config", node_config(client_id, config, state_dir, overrides=overrides, workdir=workdir,
                                         device=device, worker=worker, superlink=superlink)]
     if insecure:
@@ -229,13 +254,17 @@ def run_config_toml(run_config: dict[str, Any]) -> str:
 def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *, insecure: bool = True,
              flwr_home: str | Path | None = None, env: dict[str, str] | None = None,
              timeout: float | None = None, stream_to: Any = None, root_certificates: str | None = None,
-             watch: Callable[[], str | None] | None = None, watch_interval: float = 0.5) -> int:
+             watch: Callable[[], str | None] | None = None, watch_interval: float = 0.5,
+             on_output: Callable[[str], None] | None = None) -> int:
     """``flwr run APP_DIR --stream`` against ``superlink`` with ``run_config`` overrides;
     returns the CLI's exit code once the run has ended.
 
     Args:
+        stream_to: a binary file for ``flwr run``'s output (default: this process's stdout).
         watch: called every ``watch_interval`` seconds while the run goes on; a string it
             returns (why the run cannot succeed) ends the ``flwr run`` process and is raised.
+        on_output: called with each line of ``flwr run``'s output as it comes (the output
+            still goes to ``stream_to``), e.g. to learn the run id (:func:`started_run_id`).
 
     Raises:
         FlowerDeployError: the run did not end within ``timeout`` seconds, or ``watch``
@@ -253,7 +282,11 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
         cmd += ["--run-config", str(rc_file)]
     full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(home)}
     deadline = None if timeout is None else time.monotonic() + timeout
-    proc = subprocess.Popen(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None)
+    if on_output is None:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None)
+    else:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        threading.Thread(target=_pump, args=(proc.stdout, stream_to, on_output), daemon=True).start()
     try:
         while True:
             wait = watch_interval if watch else None
@@ -279,6 +312,30 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
                 proc.wait()
 
 
+def _pump(pipe: Any, sink: Any, on_output: Callable[[str], None]) -> None:
+    """Copy ``flwr run``'s output from ``pipe`` to ``sink`` (default: stdout) line by line,
+    handing each line to ``on_output``."""
+    out = sink if sink is not None else sys.stdout.buffer
+    for raw in iter(pipe.readline, b""):
+        try:
+            out.write(raw)
+            out.flush()
+        except (OSError, ValueError):   # stdout closed: keep reading, so flwr run is never blocked
+            pass
+        on_output(raw.decode(errors="replace"))
+    pipe.close()
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or ``None`` while it is absent or not complete yet (a
+    ServerApp may be writing it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_result(result_file: Path, log: Path, code: int | None, wait: float = 30.0) -> dict[str, Any]:
     """The JSON a ServerApp wrote to ``result_file`` once ``flwr run`` returned (waiting up to
     ``wait`` seconds: the SuperLink may still be writing it).
@@ -287,12 +344,14 @@ def read_result(result_file: Path, log: Path, code: int | None, wait: float = 30
         FlowerDeployError: no result came: quotes ``flwr run``'s exit ``code`` and the end of ``log``.
     """
     deadline = time.monotonic() + wait
-    while not result_file.is_file() and time.monotonic() < deadline:
+    result = read_json(result_file)
+    while result is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    if not result_file.is_file():
+        result = read_json(result_file)
+    if result is None:
         raise FlowerDeployError(f"flwr run exited with {code} and the ServerApp wrote no result:\n"
                                 f"{log.read_text(errors='replace')[-4000:]}")
-    return json.loads(result_file.read_text())
+    return result
 
 
 def started_run_id(output: str) -> int | None:

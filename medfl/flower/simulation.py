@@ -46,7 +46,7 @@ from medfl.flower.server import FlowerRun, FlowerSettings
 from medfl.flower.site import Site, SiteSettings, handle
 from medfl.flower.proxy import secure_aggregation_mod
 
-__all__ = ["SimulationRun", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing",
+__all__ = ["SimulationRun", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing", "shutdown_ray",
            "STATE_FOLDER"]
 
 #: Folder of ``output_dir`` holding the simulated sites' persistent state, by run id.
@@ -225,11 +225,21 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         flwr_logger.removeFilter(quiet)
+        shutdown_ray()
     if out.get("interrupted"):
         raise KeyboardInterrupt
     if "result" not in out:
         raise RunError("Flower's simulation runtime ended before the experiment finished (its log is above)")
     return out["result"]
+
+
+def shutdown_ray() -> None:
+    """End Ray in this process (its actors and daemons) if it still runs: Flower's runtime
+    ends it when the simulation ends, but not on every way out (an error before its backend
+    was built, a second Ctrl-C), and an actor left there keeps a core busy after medfl ended."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 class _DropDeprecation(logging.Filter):
@@ -249,14 +259,17 @@ class _DropDeprecation(logging.Filter):
 _STOP_WAIT = 60.0
 
 
-def _settings() -> FlowerSettings:
-    # every simulated node is there from the start; replies arrive through memory
-    return FlowerSettings(poll_interval=0.01, connect_timeout=120.0, hello_timeout=60.0, progress_interval=30.0)
+def _settings(wait: float = 600.0) -> FlowerSettings:
+    """The coordinator's settings on the simulation runtime: every simulated node is there
+    from the start and replies arrive through memory, but each node's actor must first start
+    (torch, the dataset), which a loaded machine slows down: ``wait`` seconds
+    (``fl.backend.connect_timeout``) for every node's hello at the start."""
+    return FlowerSettings(poll_interval=0.01, connect_timeout=float(wait), hello_timeout=60.0, progress_interval=30.0)
 
 
 def _factory(grid: Grid, stop: threading.Event | None = None) -> Any:
     def build(cfg: dict[str, Any], spec: dict[str, Any], run_dir: Path, data: FederatedData) -> SimulationRun:
-        settings = _settings()
+        settings = _settings(cfg["backend"]["connect_timeout"])
         settings.stop = stop
         return SimulationRun(cfg, spec, run_dir, data, grid, settings)
     return build

@@ -93,6 +93,37 @@ class LoopGrid:
         return [self._answer(*self.pending.pop(m)) for m in message_ids if m in self.pending]
 
 
+class VirtualClock:
+    """The coordinator's clock over the loop-back grid (``time`` in :mod:`medfl.flower.server`):
+    it moves only when the coordinator waits (``time.sleep``, one ``poll_interval`` per poll),
+    so a timeout is a number of polls and a test's outcome never depends on how loaded the
+    machine is (a site's answer, computed when it is pulled, never arrives "late")."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, float(seconds))
+
+    def __getattr__(self, name: str) -> Any:
+        import time
+
+        return getattr(time, name)   # time.time() for the events' wall-clock stamps
+
+
+@pytest.fixture(autouse=True)
+def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
+    """Every test here runs the coordinator on a :class:`VirtualClock`."""
+    import medfl.flower.server as server
+
+    clock = VirtualClock()
+    monkeypatch.setattr(server, "time", clock)
+    return clock
+
+
 @pytest.fixture(autouse=True)
 def task_identity() -> Iterator[None]:
     """Flower stamps messages with the running task's identity (set by its ServerApp process)."""

@@ -43,7 +43,8 @@ def test_flower_app_names_medfls_components_and_run_config(tmp_path: Path) -> No
 
 def test_commands(tmp_path: Path) -> None:
     sl = superlink_command("0.0.0.0", 9100)
-    assert sl[1:] == ["--host", "0.0.0.0", "--port", "9100", "--disable-runtime-dependency-installation",
+    assert sl[1].endswith("flwr_launcher.py") and sl[2] == "flower-superlink"   # the task window widened
+    assert sl[3:] == ["--host", "0.0.0.0", "--port", "9100", "--disable-runtime-dependency-installation",
                       "--insecure"]
     cmd = site_command("2", tmp_path / "train.json", tmp_path / "state", "hub:9100", port=9200,
                        overrides={"fl#dataset#root": "/data"})
@@ -133,3 +134,48 @@ def test_site_applies_any_bundle_override(tmp_path: Path) -> None:
     site = Site(SiteSettings(client_id="0", config=cfg, state_dir=tmp_path / "state",
                              overrides={"bundle_root": str(tmp_path), "fl#seed": 3}))
     assert site.cfg["dataset"]["root"] == f"{tmp_path}/data" and site.cfg["seed"] == 3
+
+
+def test_flower_run_command_stops_a_run_that_does_not_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`medfl flower run` leaves no run behind (no process started: flwr_run and flwr_stop are
+    caught): a ServerApp that wrote its (failed) result but whose run does not end at the
+    SuperLink within --exit-grace is stopped there, with one error line; a SIGTERM stops the
+    run too and ends the command as Ctrl-C does (130)."""
+    import os
+    import signal
+
+    import medfl.flower.deploy as deploy
+    from medfl.cli import main
+
+    stopped: list[int] = []
+    monkeypatch.setattr(deploy, "flwr_stop", lambda run_id, home, **kw: stopped.append(run_id) or True)
+
+    def never_ends(app, superlink, rc, *, watch, on_output, **kw):  # type: ignore[no-untyped-def]
+        on_output("Successfully started run 42\n")
+        Path(rc["result-file"]).write_text(json.dumps({"ok": False, "error": "RunError: no site"}))
+        for _ in range(10**6):   # flwr run never returns: only the watch can end it
+            reason = watch()
+            if reason:
+                raise deploy.FlowerDeployError(reason)
+        raise AssertionError("the watch never gave up")
+
+    monkeypatch.setattr(deploy, "flwr_run", never_ends)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.json").write_text("{}")
+    assert main(["flower", "run", "train.json", "--insecure", "--exit-grace", "0"]) == 1
+    err = capsys.readouterr().err
+    assert [ln for ln in err.splitlines() if ln.startswith("medfl flower run:")] == [
+        "medfl flower run: the run failed: RunError: no site"], err
+    assert stopped == [42]
+
+    def terminated(app, superlink, rc, *, on_output, **kw):  # type: ignore[no-untyped-def]
+        on_output("Successfully started run 43\n")
+        os.kill(os.getpid(), signal.SIGTERM)   # whoever ends the command
+        raise AssertionError("SIGTERM did not interrupt the run")
+
+    monkeypatch.setattr(deploy, "flwr_run", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["flower", "run", "train.json", "--insecure"]) == 130
+    assert stopped == [42, 43] and signal.getsignal(signal.SIGTERM) is before
+    assert "medfl flower run: interrupted; run 43 stopped at the SuperLink" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from medfl.flower.deploy import FlowerDeployError, LocalFederation  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
 
-RUN_TIMEOUT = 300.0
+RUN_TIMEOUT = 1200.0
 
 
 def _last_round(run_dir: Path) -> int:
@@ -81,7 +81,7 @@ def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path
         fed.start_site("1", site_cfg, state_dir=tmp_path / "intruder_state", auth_key=intruder_key,
                        restart=False, wait=False, name="intruder")
         intruder = fed.procs["intruder"].popen
-        intruder.wait(timeout=120)
+        intruder.wait(timeout=600)
         assert intruder.returncode == 1, (intruder.returncode, fed.tail("intruder"))     # Flower's error exit
         assert "Failed to activate SuperNode" in fed.tail("intruder", 20000)
 

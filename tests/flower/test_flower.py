@@ -28,7 +28,7 @@ from medfl.flower.deploy import LocalFederation  # noqa: E402
 from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config as _fl, numeric_equal as _numeric_equal  # noqa: E402
 from flower_cases import write_config as _write  # noqa: E402
 
-RUN_TIMEOUT = 300.0      # one flwr run, at most
+RUN_TIMEOUT = 1200.0      # one flwr run, at most
 ROUND_TIMEOUT = 120.0    # a site's answer to one exchange (generous: honest runs never hit it)
 DROP_TIMEOUT = 25.0     # the dropout run: how long the coordinator waits for the killed site
 

@@ -46,12 +46,12 @@ def _start(tmp_path: Path, restart: bool, code: int = 0) -> tuple[subprocess.Pop
 
 def test_the_supernode_is_started_again_until_the_site_is_told_to_stop(tmp_path: Path) -> None:
     proc, starts = _start(tmp_path, restart=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600   # a condition, with a generous limit (loaded machine)
     while time.monotonic() < deadline and (not starts.is_file() or len(starts.read_text()) < 4):
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[0]            # still serving
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=300)
     assert len(starts.read_text()) >= 4
     assert "the SuperNode exited with code 0" in out and "starting it again in 0.2 s" in out
     assert "starting it again in 0.8 s" in out                    # the wait doubles up to max_backoff
@@ -62,18 +62,18 @@ def test_a_supernode_the_superlink_refused_gets_a_hint(tmp_path: Path) -> None:
     SuperLink does not know; the site keeps trying (the key may be registered later) and
     its log says what to check."""
     proc, starts = _start(tmp_path, restart=True, code=1)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600   # a condition, with a generous limit (loaded machine)
     while time.monotonic() < deadline and (not starts.is_file() or len(starts.read_text()) < 2):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=300)
     assert "exited with code 1 (no connection to the SuperLink, or it refused this node" in out
     assert "`medfl flower register-site`" in out and "--auth-key" in out
 
 
 def test_no_restart_ends_the_site_with_the_supernode(tmp_path: Path) -> None:
     proc, starts = _start(tmp_path, restart=False)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0 and len(starts.read_text()) == 1 and "starting it again" not in out
 
 
