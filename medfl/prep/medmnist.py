@@ -57,11 +57,17 @@ class Dataset(NamedTuple):
     classes: tuple[str, ...]
 
 
+# MedMNIST's published class names, by label, as medmnist's INFO table (medmnist/info.py, v3.0.2)
+# spells them: the 2D organ sets share one list; OrganMNIST3D numbers the same organs otherwise
 _ORGANS = ("bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver", "lung-left",
            "lung-right", "pancreas", "spleen")
+_ORGANS_3D = ("liver", "kidney-right", "kidney-left", "femur-right", "femur-left", "bladder", "heart", "lung-right",
+              "lung-left", "spleen", "pancreas")
 _CHEST = ("atelectasis", "cardiomegaly", "effusion", "infiltration", "mass", "nodule", "pneumonia", "pneumothorax",
           "consolidation", "edema", "emphysema", "fibrosis", "pleural", "hernia")
-#: The 18 MedMNIST v2 datasets (MedMNIST's own INFO table, restated).
+#: The 18 MedMNIST v2 datasets: task, channels and dimensionality, and the class names exactly
+#: as MedMNIST's INFO table publishes them (they become ``class_name``, the reports' labels and
+#: the ``prob_<class>`` columns of predictions).
 DATASETS: dict[str, Dataset] = {
     "pathmnist": Dataset("multi-class", 3, 2, (
         "adipose", "background", "debris", "lymphocytes", "mucus", "smooth muscle", "normal colon mucosa",
@@ -76,16 +82,16 @@ DATASETS: dict[str, Dataset] = {
     "retinamnist": Dataset("ordinal-regression", 3, 2, ("0", "1", "2", "3", "4")),
     "breastmnist": Dataset("binary-class", 1, 2, ("malignant", "normal, benign")),
     "bloodmnist": Dataset("multi-class", 3, 2, (
-        "basophil", "eosinophil", "erythroblast", "immature granulocytes", "lymphocyte", "monocyte", "neutrophil",
-        "platelet")),
+        "basophil", "eosinophil", "erythroblast", "immature granulocytes(myelocytes, metamyelocytes and promyelocytes)",
+        "lymphocyte", "monocyte", "neutrophil", "platelet")),
     "tissuemnist": Dataset("multi-class", 1, 2, (
-        "collecting duct, connecting tubule", "distal convoluted tubule", "glomerular endothelial cells",
-        "interstitial endothelial cells", "leukocytes", "podocytes", "proximal tubule segments",
-        "thick ascending limb")),
+        "Collecting Duct, Connecting Tubule", "Distal Convoluted Tubule", "Glomerular endothelial cells",
+        "Interstitial endothelial cells", "Leukocytes", "Podocytes", "Proximal Tubule Segments",
+        "Thick Ascending Limb")),
     "organamnist": Dataset("multi-class", 1, 2, _ORGANS),
     "organcmnist": Dataset("multi-class", 1, 2, _ORGANS),
     "organsmnist": Dataset("multi-class", 1, 2, _ORGANS),
-    "organmnist3d": Dataset("multi-class", 1, 3, _ORGANS),
+    "organmnist3d": Dataset("multi-class", 1, 3, _ORGANS_3D),
     "nodulemnist3d": Dataset("binary-class", 1, 3, ("benign", "malignant")),
     "adrenalmnist3d": Dataset("binary-class", 1, 3, ("normal", "hyperplasia")),
     "fracturemnist3d": Dataset("multi-class", 1, 3, ("buckle rib fracture", "nondisplaced rib fracture",

@@ -50,6 +50,60 @@ def test_round_trip_keeps_the_official_split_and_labels(tmp_path: Path, flag: st
     assert list(again["label"]) == list(m["label"])
 
 
+#: MedMNIST's published INFO table (github.com/MedMNIST/MedMNIST, medmnist/info.py, v3.0.2,
+#: INFO[flag]["label"] in label order and INFO[flag]["n_channels"]), restated as expected data:
+#: medfl's names must be these, spelled as published, for every flag.
+PUBLISHED = {
+    "pathmnist": (3, ("adipose", "background", "debris", "lymphocytes", "mucus", "smooth muscle",
+                      "normal colon mucosa", "cancer-associated stroma", "colorectal adenocarcinoma epithelium")),
+    "chestmnist": (1, ("atelectasis", "cardiomegaly", "effusion", "infiltration", "mass", "nodule", "pneumonia",
+                       "pneumothorax", "consolidation", "edema", "emphysema", "fibrosis", "pleural", "hernia")),
+    "dermamnist": (3, ("actinic keratoses and intraepithelial carcinoma", "basal cell carcinoma",
+                       "benign keratosis-like lesions", "dermatofibroma", "melanoma", "melanocytic nevi",
+                       "vascular lesions")),
+    "octmnist": (1, ("choroidal neovascularization", "diabetic macular edema", "drusen", "normal")),
+    "pneumoniamnist": (1, ("normal", "pneumonia")),
+    "retinamnist": (3, ("0", "1", "2", "3", "4")),
+    "breastmnist": (1, ("malignant", "normal, benign")),
+    "bloodmnist": (3, ("basophil", "eosinophil", "erythroblast",
+                       "immature granulocytes(myelocytes, metamyelocytes and promyelocytes)", "lymphocyte",
+                       "monocyte", "neutrophil", "platelet")),
+    "tissuemnist": (1, ("Collecting Duct, Connecting Tubule", "Distal Convoluted Tubule",
+                        "Glomerular endothelial cells", "Interstitial endothelial cells", "Leukocytes", "Podocytes",
+                        "Proximal Tubule Segments", "Thick Ascending Limb")),
+    "organamnist": (1, ("bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver",
+                        "lung-left", "lung-right", "pancreas", "spleen")),
+    "organcmnist": (1, ("bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver",
+                        "lung-left", "lung-right", "pancreas", "spleen")),
+    "organsmnist": (1, ("bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver",
+                        "lung-left", "lung-right", "pancreas", "spleen")),
+    "organmnist3d": (1, ("liver", "kidney-right", "kidney-left", "femur-right", "femur-left", "bladder", "heart",
+                         "lung-right", "lung-left", "spleen", "pancreas")),
+    "nodulemnist3d": (1, ("benign", "malignant")),
+    "adrenalmnist3d": (1, ("normal", "hyperplasia")),
+    "fracturemnist3d": (1, ("buckle rib fracture", "nondisplaced rib fracture", "displaced rib fracture")),
+    "vesselmnist3d": (1, ("vessel", "aneurysm")),
+    "synapsemnist3d": (1, ("inhibitory synapse", "excitatory synapse")),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(PUBLISHED))
+def test_class_names_are_medmnists_published_ones(flag: str) -> None:
+    assert sorted(DATASETS) == sorted(PUBLISHED)
+    channels, names = PUBLISHED[flag]
+    assert DATASETS[flag].classes == names
+    assert DATASETS[flag].channels == channels
+
+
+def test_organmnist3d_samples_are_named_in_its_own_order(tmp_path: Path) -> None:
+    """OrganMNIST3D numbers its organs otherwise than OrganA/C/SMNIST: label 0 is the liver."""
+    info = generate("medmnist", tmp_path / "raw", cases=33, seed=0, flag="organmnist3d")
+    m = prep(Path(info["path"]), tmp_path / "out")
+    names = dict(zip(m["label"], m["class_name"]))
+    assert names[0] == "liver" and names[5] == "bladder" and names[10] == "pancreas"
+    assert set(m["class_name"]) == set(PUBLISHED["organmnist3d"][1])
+
+
 def test_chestmnist_is_refused_unless_reduced_to_one_label(tmp_path: Path) -> None:
     info = generate("medmnist", tmp_path / "raw", cases=30, seed=1, flag="chestmnist")
     with pytest.raises(PrepError, match="chestmnist is multi-label .* pass --chest-label any"):
