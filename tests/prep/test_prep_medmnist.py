@@ -164,6 +164,64 @@ def test_bad_files_stop_with_one_message(tmp_path: Path, change, message) -> Non
     assert not (tmp_path / "out" / "manifest.csv").exists()
 
 
+def _npy_named_npz(path: Path) -> None:
+    with open(path, "wb") as f:   # np.save on a file object keeps the name: a .npy under .npz
+        np.save(f, np.zeros((4, 28, 28, 3), np.uint8))
+
+
+@pytest.mark.parametrize("flag, size, write, message", [
+    ("pathmnist", 28, _npy_named_npz,
+     r"a single NumPy array \(\.npy format\) named \.npz, not MedMNIST's archive of six arrays; expected "
+     r"MedMNIST's \.npz \(a zip archive"),
+    ("pathmnist", 28, lambda p: p.write_text("<!DOCTYPE html>\n<html><head><title>429 Too Many Requests</title>"
+                                             "</head><body>Rate limited</body></html>\n"),
+     r"an HTML page, probably a failed download .*; expected MedMNIST's \.npz"),
+    ("pathmnist", 28, lambda p: p.write_bytes(b"\n  <html><body>Sign in</body></html>"),
+     r"an HTML page, probably a failed download"),
+    ("pathmnist", 28, lambda p: p.write_bytes(b""), r"an empty file \(0 bytes\), probably an interrupted download"),
+    ("pathmnist", 28, lambda p: p.write_bytes(b"\x80\x04\x95" + bytes(40)), r"a Python pickle, not read"),
+    ("pathmnist", 28, lambda p: p.write_bytes(b"GIF89a" + bytes(40)), r"not a \.npz file \(it starts with b'GIF89a"),
+    # 2D colour images (a 2D MedMNIST file) saved under a 3D dataset's name
+    ("organmnist3d", 28, lambda p: generate("medmnist", p.parent / "2d", cases=40, seed=0, flag="pathmnist")
+     and p.write_bytes((p.parent / "2d" / "pathmnist.npz").read_bytes()),
+     r"key 'train_images': 2D colour images 28 x 28 x 3 \(shape \(\d+, 28, 28, 3\)\); expected volumes of "
+     r"28 x 28 x 28 \(size 28, as the file name organmnist3d\.npz says\): probably a 2D MedMNIST file"),
+    # the 28 x 28 file saved as the 64 one
+    ("pathmnist", 64, lambda p: generate("medmnist", p.parent / "28", cases=40, seed=0, flag="pathmnist")
+     and p.write_bytes((p.parent / "28" / "pathmnist.npz").read_bytes()),
+     r"key 'train_images': images of 28 x 28; expected images of 64 x 64 \(size 64, as the file name "
+     r"pathmnist_64\.npz says\): probably a file of another size"),
+    ("organmnist3d", 64, lambda p: generate("medmnist", p.parent / "28", cases=33, seed=0, flag="organmnist3d")
+     and p.write_bytes((p.parent / "28" / "organmnist3d.npz").read_bytes()),
+     r"volumes of 28 x 28 x 28; expected volumes of 64 x 64 x 64"),
+])
+def test_a_file_that_is_not_what_its_name_says_is_named(tmp_path: Path, flag: str, size: int, write,
+                                                         message: str) -> None:
+    """What a wrong file is (an array, a web page, another dataset or size) is said in one line
+    naming the file, before anything is written."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    path = raw / (f"{flag}.npz" if size == 28 else f"{flag}_{size}.npz")
+    write(path)
+    for argv in (["--raw", str(path)], ["--raw", str(raw), "--flag", flag, "--size", str(size)]):
+        with pytest.raises(PrepError) as err:
+            main([*argv, "--out", str(tmp_path / "out")])
+        assert len(str(err.value).splitlines()) == 1 and str(err.value).startswith(str(path)), str(err.value)
+        assert re.search(message, str(err.value)), str(err.value)
+        assert not (tmp_path / "out").exists()
+
+
+def test_size_of_a_file_not_named_as_medmnist_is_given_by_size(tmp_path: Path) -> None:
+    info = generate("medmnist", tmp_path / "raw", cases=40, seed=0, flag="pathmnist", size=64)
+    odd = tmp_path / "mine" / "mine.npz"
+    odd.parent.mkdir()
+    odd.write_bytes(Path(info["path"]).read_bytes())
+    with pytest.raises(PrepError, match=r"images of 64 x 64; expected images of 28 x 28 \(size 28, --size 28\)"):
+        main(["--raw", str(odd), "--flag", "pathmnist", "--out", str(tmp_path / "a")])
+    m = prep(odd, tmp_path / "b", "--flag", "pathmnist", "--size", "64")
+    assert np.load(tmp_path / "b" / m["path"].iloc[0]).shape == (3, 64, 64)
+
+
 def test_choosing_the_file_is_checked(tmp_path: Path) -> None:
     generate("medmnist", tmp_path / "raw", cases=40, seed=0, flag="pathmnist")
     with pytest.raises(PrepError, match="is a folder: pass --flag"):
