@@ -22,7 +22,8 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "check_public_dataset", "check_train", "check_device",
            "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL", "EARLY_STOPPING_DEFAULTS",
            "TEST_SPLITS", "check_early_stopping", "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation",
-           "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP", "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR"]
+           "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP", "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR",
+           "BOOL_WORDS", "read_bool", "read_plugin_values"]
 
 
 class ConfigError(ValueError):
@@ -155,6 +156,82 @@ def _check_keys(section: dict[str, Any], valid: dict[str, Any], where: str) -> N
         )
 
 
+#: How a boolean may be spelled in a config or on the command line (any case): MONAI's bundle
+#: CLI hands over ``--fl#plots false`` as the word, ``medfl``'s own reads ``yes`` as a word too.
+BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
+
+
+def read_bool(value: Any, where: str, *, nullable: bool = False) -> bool | None:
+    """A boolean setting read one way wherever it comes from (a config file, ``--fl#key value``
+    through medfl's or MONAI's command line, a plugin parameter): ``true``/``false``, the
+    integers 1/0, or a word of :data:`BOOL_WORDS` in any case; ``None`` too where ``nullable``.
+
+    Raises:
+        ConfigError: anything else, naming ``where`` and the value.
+    """
+    if isinstance(value, bool) or (value is None and nullable):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.strip().lower()]
+    raise ConfigError(f"{where}: expected true or false (or yes/no, 1/0){', or null' if nullable else ''}, "
+                      f"got {value!r}")
+
+
+def _annotation(p: inspect.Parameter) -> str:
+    """A parameter's annotation as written (``"bool | None"``), whether a string or a type."""
+    a = p.annotation
+    if a is inspect.Parameter.empty:
+        return ""
+    return (a if isinstance(a, str) else getattr(a, "__name__", str(a))).replace("typing.", "").replace(" ", "")
+
+
+def _size_like(name: str) -> bool:
+    """Whether a plugin parameter is a size or count by its name (``image_size``,
+    ``spatial_size``, ``num_classes``, ``width``; not ``min_size``/``max_size``, whose 0 may mean
+    something)."""
+    if name.startswith(("min_", "max_")):
+        return False
+    return name.endswith("_size") or name.startswith("num_") or name == "width"
+
+
+def read_plugin_values(params: Any, spec: dict[str, Any], where: str, skip: tuple[str, ...] = (),
+                       sizes: bool = True) -> dict[str, Any]:
+    """Read a plugin spec's values against its parameters (``inspect`` parameters by name), in
+    place: a parameter annotated ``bool`` (or with a ``True``/``False`` default) through
+    :func:`read_bool`; with ``sizes`` (dataset, partitioner and model plugins; a method checks
+    its own hyperparameters), a size or count (:func:`_size_like`: ``image_size``,
+    ``spatial_size``, ``num_*``, ``width``) must be a positive integer, or a non-empty list of
+    them where the annotation is a sequence, or ``None`` where the parameter allows it. So
+    ``image_size=0`` is refused here, not by a convolution after the run directory was made.
+
+    Returns:
+        ``spec``.
+
+    Raises:
+        ConfigError: naming ``<where>.<key>``, the value and what was expected.
+    """
+    for key, value in spec.items():
+        p = params.get(key)
+        if key == "name" or key in skip or p is None:
+            continue
+        kind = _annotation(p)
+        nullable = "None" in kind.split("|") or kind.startswith("Optional[") or p.default is None
+        if kind.removeprefix("Optional[").removesuffix("]") in ("bool", "bool|None", "None|bool") or (
+                not kind and isinstance(p.default, bool)):
+            spec[key] = read_bool(value, f"{where}.{key}", nullable=nullable)
+        elif sizes and _size_like(key) and not (value is None and nullable):
+            sequence = kind.startswith(("Sequence[", "list[", "tuple["))
+            items = value if sequence and isinstance(value, (list, tuple)) else [value]
+            if not items or (sequence and not isinstance(value, (list, tuple))) or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in items):
+                what = "a non-empty list of positive integers" if sequence else "a positive integer"
+                raise ConfigError(f"{where}.{key}: expected {what}{' or null' if nullable else ''} (a size or "
+                                  f"count), got {value!r}")
+    return spec
+
+
 def _optional_section(value: Any, defaults: dict[str, Any], where: str, example: str) -> dict[str, Any] | None:
     """A section that is off when ``None`` (or false), else a dict of ``defaults``' keys:
     ``None``, or a new dict of ``value`` over ``defaults``.
@@ -230,10 +307,9 @@ def check_public_dataset(value: Any, run: dict[str, Any] | None = None,
         raise ConfigError(f"{where}.test_fraction: expected a number in (0, 1) (the share of the public "
                           f"dataset held out as its test split), got {f!r}")
     spec["test_fraction"] = float(f)
-    official = spec.get("use_official_split", run.get("use_official_split", DEFAULTS["use_official_split"]))
-    if not isinstance(official, bool):
-        raise ConfigError(f"{where}.use_official_split: expected true or false, got {official!r}")
-    spec["use_official_split"] = official
+    spec["use_official_split"] = read_bool(spec.get("use_official_split", run.get(
+        "use_official_split", DEFAULTS["use_official_split"])), f"{where}.use_official_split")
+    _check_parameters("dataset", spec, where, skip=PUBLIC_KEYS)
     group = spec.get("group_column", run.get("group_column", DEFAULTS["group_column"]))
     if group is not None and (not isinstance(group, str) or not group):
         raise ConfigError(f"{where}.group_column: expected a column name or null (every row its own group), "
@@ -375,7 +451,8 @@ def check_train(train: dict[str, Any], where: str) -> None:
     ``eval_batch_size`` positive integers, ``num_workers`` a non-negative one, ``lr`` a finite
     positive number, ``momentum`` in [0, 1), ``weight_decay`` finite and >= 0, ``optimizer``
     one of :data:`OPTIMIZERS`, ``clip_grad_norm`` null or positive, ``amp`` null, ``bf16`` or
-    ``fp16``, ``channels_last`` and ``pin_memory`` booleans (null: the default).
+    ``fp16``, ``channels_last`` and ``pin_memory`` booleans (null: the default; read in place
+    with :func:`read_bool`, so ``"false"`` from a command line is ``False``).
 
     Raises:
         ConfigError: naming ``where``'s key, the value and what was expected.
@@ -404,9 +481,8 @@ def check_train(train: dict[str, Any], where: str) -> None:
     if train.get("amp") is not None and train["amp"] not in AMP_DTYPES:
         raise ConfigError(f"{where}.amp: expected null (full precision), 'bf16' or 'fp16', got {train['amp']!r}")
     for key in ("channels_last", "pin_memory"):
-        v = train.get(key)
-        if v is not None and not isinstance(v, bool):
-            raise ConfigError(f"{where}.{key}: expected true, false or null, got {v!r}")
+        if key in train:
+            train[key] = read_bool(train[key], f"{where}.{key}", nullable=True)
 
 
 #: The keys of a ``backend`` entry and their defaults.
@@ -462,6 +538,8 @@ def check_secure_aggregation(value: Any, num_clients: int, where: str = "fl.secu
     Raises:
         ConfigError: an unknown key or a value out of range, naming it and what is expected.
     """
+    if isinstance(value, str) and value.strip().lower() in BOOL_WORDS:
+        value = read_bool(value, where)   # "--fl#secure_aggregation true" through MONAI's CLI
     if value is None or value is False:
         return None
     if value is True:
@@ -656,6 +734,7 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
         if not isinstance(m["train"], dict):
             raise ConfigError(f"{where}.train: expected a dict of fl.train overrides, got {m['train']!r}")
         _check_keys(m["train"], {**DEFAULTS["train"], **TRAIN_OPTIONAL}, f"{where}.train")
+        check_train(m["train"], f"{where}.train")
         if "dp" in m["train"]:
             m["train"]["dp"] = check_dp_sgd(m["train"]["dp"], f"{where}.train.dp")
     method = build_method(m)
@@ -695,25 +774,28 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
     cross_test_in_clear(cfg, private, where)
 
 
-def _check_parameters(kind: str, spec: dict[str, Any], where: str, skip: tuple[str, ...] = ()) -> None:
+def _check_parameters(kind: str, spec: dict[str, Any], where: str, skip: tuple[str, ...] = (),
+                      name: str | None = None) -> None:
     """Refuse a plugin spec (``{"name": ..., **parameters}``) whose parameters its plugin does
-    not take, before anything is written, as method parameters are checked.
+    not take, before anything is written, as method parameters are checked, and read its
+    booleans and sizes (:func:`read_plugin_values`, in place). ``name``: the plugin, where the
+    spec does not name it (a ``client_models`` override of the run's model).
 
     Raises:
         PluginError: no plugin of that name.
-        ConfigError: naming the unknown parameters and the valid ones.
+        ConfigError: naming the unknown parameters and the valid ones, or a bad value.
     """
-    obj = lookup(kind, spec["name"])
+    name = name or spec["name"]
+    obj = lookup(kind, name)
     try:
         params = inspect.signature(obj).parameters
     except (TypeError, ValueError):   # a callable without a readable signature: its own checks
         return
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return
     unknown = sorted(k for k in spec if k != "name" and k not in skip and k not in params)
-    if unknown:
-        raise ConfigError(f"{where}: {kind} {spec['name']!r} takes no parameter(s) {', '.join(map(repr, unknown))}; "
+    if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        raise ConfigError(f"{where}: {kind} {name!r} takes no parameter(s) {', '.join(map(repr, unknown))}; "
                           f"valid: {', '.join(p for p in params if p not in ('self',))}")
+    read_plugin_values(params, spec, where, skip)
 
 
 def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
@@ -745,12 +827,9 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
             cfg[key] = _named(value, f"fl.{key}")
         else:
             cfg[key] = copy.deepcopy(value)
-    if "plots" in cfg:
-        # a bundle's command line may hand over the word ("--fl#plots false" through MONAI's CLI)
-        word = {"true": True, "false": False}.get(cfg["plots"].lower()) if isinstance(cfg["plots"], str) else None
-        cfg["plots"] = cfg["plots"] if word is None else word
-        if not isinstance(cfg["plots"], bool):
-            raise ConfigError(f"fl.plots: expected true or false, got {cfg['plots']!r}")
+    for key, default in {**DEFAULTS, **FL_OPTIONAL}.items():
+        if isinstance(default, bool) and key in cfg:   # plots, progress, overwrite, use_official_split
+            cfg[key] = read_bool(cfg[key], f"fl.{key}")
     methods = cfg["methods"]
     if isinstance(methods, (str, dict)):
         methods = [methods]
@@ -820,7 +899,9 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     try:
         for kind, key in (("dataset", "dataset"), ("partitioner", "partition"), ("model", "model")):
             _check_parameters(kind, cfg[key], f"fl.{key}", skip=("dp_compatible",) if kind == "model" else ())
-        for m in cfg["methods"]:
+        for i, m in enumerate(cfg["methods"]):
+            read_plugin_values(inspect.signature(lookup("method", m["name"]).__init__).parameters, m,
+                               f"fl.methods[{i}]", skip=ENTRY_KEYS, sizes=False)
             build_method(m)  # checks parameter names now, before any work
     except (PluginError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
@@ -844,6 +925,15 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(cm, dict) or not all(isinstance(v, dict) for v in cm.values()):
         raise ConfigError("fl.client_models: expected {client_id: {model kwarg: value}} or a list of "
                           "one {model kwarg: value} per client")
+    try:
+        for cid, override in cm.items():
+            _check_parameters("model", override, f"fl.client_models.{cid}", skip=("dp_compatible",),
+                              name=override.get("name", cfg["model"]["name"]))
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from exc
+    for where, spec in (("fl.model", cfg["model"]), *((f"fl.client_models.{c}", o) for c, o in cm.items())):
+        if "dp_compatible" in spec:   # the engine's own key of a model spec (medfl.models.registry)
+            spec["dp_compatible"] = read_bool(spec["dp_compatible"], f"{where}.dp_compatible")
     metrics = registry()["metric"]  # also makes sure every plugin loaded cleanly
     if folds and cv["metric"] not in metrics:
         raise ConfigError(f"fl.cv.metric: unknown metric {cv['metric']!r}; valid: {', '.join(sorted(metrics))}")

@@ -249,11 +249,15 @@ class Configurable:
 
     @classmethod
     def from_config(cls, params: dict[str, Any]) -> Any:
-        """Instantiate from a config dict, refusing unknown parameters.
+        """Instantiate from a config dict, refusing unknown parameters; boolean parameters are
+        read with :func:`medfl.config.read_bool` (``"false"``, ``"no"``, 0: ``False``).
 
         Raises:
-            MethodConfigError: naming the unknown keys and listing the valid ones.
+            MethodConfigError: naming the unknown keys and listing the valid ones, or a value
+                that is not a boolean for a boolean parameter.
         """
+        from medfl.config import ConfigError, read_plugin_values
+
         valid = cls.parameters()
         unknown = sorted(set(params) - set(valid))
         if unknown:
@@ -261,6 +265,11 @@ class Configurable:
                 f"{cls._kind} {cls.name!r} has no parameter(s) {', '.join(map(repr, unknown))}; "
                 f"valid parameters: {', '.join(sorted(valid)) or '(none)'}"
             )
+        try:   # a boolean hyperparameter reads "false", "no", 0 as False, as every config boolean does
+            params = read_plugin_values(inspect.signature(cls.__init__).parameters, dict(params),
+                                        f"{cls._kind} {cls.name!r}", sizes=False)
+        except ConfigError as exc:
+            raise MethodConfigError(str(exc)) from None
         return cls(**params)
 
     def hparams(self) -> dict[str, Any]:

@@ -25,7 +25,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -455,32 +456,29 @@ class SmallCNN(_KeysMixin, nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-def resnet10(
-    *, spatial_dims: int = 2, in_channels: int = 1, num_classes: int = 2, width: int = 64, **kw: Any
-) -> FeatureResNet:
-    """ResNet-10 (basic blocks [1,1,1,1]); ``kw`` goes to :class:`FeatureResNet`."""
-    return FeatureResNet(10, spatial_dims, in_channels, num_classes, width, **kw)
+def _resnet_factory(depth: int, doc: str) -> Callable[..., FeatureResNet]:
+    """The model factory ``resnet<depth>``: :class:`FeatureResNet` of that depth, every other
+    option of its ``__init__`` as a keyword argument. The factory carries that signature
+    (``__signature__``), so a config's model parameters are checked against the options
+    themselves (unknown names refused, ``no_max_pool`` read as a boolean) before a run starts."""
+
+    def factory(**kw: Any) -> FeatureResNet:
+        return FeatureResNet(depth, **kw)
+
+    init = inspect.signature(FeatureResNet.__init__)
+    options = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for n, p in init.parameters.items()
+               if n not in ("self", "depth")]
+    factory.__signature__ = init.replace(parameters=options, return_annotation="FeatureResNet")  # type: ignore[attr-defined]
+    factory.__name__ = factory.__qualname__ = f"resnet{depth}"
+    factory.__doc__ = doc
+    return factory
 
 
-def resnet18(
-    *, spatial_dims: int = 2, in_channels: int = 1, num_classes: int = 2, width: int = 64, **kw: Any
-) -> FeatureResNet:
-    """ResNet-18 (basic blocks [2,2,2,2]); ``kw`` goes to :class:`FeatureResNet`."""
-    return FeatureResNet(18, spatial_dims, in_channels, num_classes, width, **kw)
-
-
-def resnet34(
-    *, spatial_dims: int = 2, in_channels: int = 1, num_classes: int = 2, width: int = 64, **kw: Any
-) -> FeatureResNet:
-    """ResNet-34 (basic blocks [3,4,6,3]); ``kw`` goes to :class:`FeatureResNet`."""
-    return FeatureResNet(34, spatial_dims, in_channels, num_classes, width, **kw)
-
-
-def resnet50(
-    *, spatial_dims: int = 2, in_channels: int = 1, num_classes: int = 2, width: int = 64, **kw: Any
-) -> FeatureResNet:
-    """ResNet-50 (bottleneck blocks [3,4,6,3], stage channels ``4 * [w, 2w, 4w, 8w]``)."""
-    return FeatureResNet(50, spatial_dims, in_channels, num_classes, width, **kw)
+resnet10 = _resnet_factory(10, "ResNet-10 (basic blocks [1,1,1,1]); options as :class:`FeatureResNet`'s.")
+resnet18 = _resnet_factory(18, "ResNet-18 (basic blocks [2,2,2,2]); options as :class:`FeatureResNet`'s.")
+resnet34 = _resnet_factory(34, "ResNet-34 (basic blocks [3,4,6,3]); options as :class:`FeatureResNet`'s.")
+resnet50 = _resnet_factory(50, "ResNet-50 (bottleneck blocks [3,4,6,3], stage channels ``4 * [w, 2w, 4w, 8w]``); "
+                               "options as :class:`FeatureResNet`'s.")
 
 
 def small_cnn(

@@ -10,10 +10,14 @@ six arrays: ``train_images``, ``val_images``, ``test_images`` (uint8; 2D grey ``
 What this module does, and why:
 
 * ``--raw`` is a folder of ``.npz`` files (``--flag`` and ``--size`` pick one) or one file
-  (its name gives flag and size). Every key, dtype and shape is checked against the dataset's
-  known facts (:data:`DATASETS`: task, channels, 2D/3D, class names); each problem stops the
-  script with one message naming the file and key. A bad file stops everything: there is no
-  per-sample ``--skip-bad`` for an array file.
+  (its name gives flag and size; a file of another name takes them from ``--flag`` and
+  ``--size``). The file must be a zip archive: a ``.npy`` array, an HTML page (a failed
+  download) or a pickle saved as ``.npz`` is named as such before NumPy reads it
+  (:func:`check_npz_file`). Every key, dtype and shape is checked against the dataset's known
+  facts (:data:`DATASETS`: task, channels, 2D/3D, class names) and the size: every image
+  (volume) must be size x size (x size), so 2D colour images in a 3D file or a 28 file renamed
+  ``_64`` are refused. Each problem stops the script with one message naming the file and key.
+  A bad file stops everything: there is no per-sample ``--skip-bad`` for an array file.
 * Multi-class and binary tasks: label = the integer. RetinaMNIST's ordinal grades are used as
   five classes (the report says so). ChestMNIST is multi-label and medfl's metrics are
   single-label: it is refused unless ``--chest-label`` reduces it to a binary task (``any``:
@@ -40,8 +44,8 @@ from medfl.prep.common import (
     write_manifest, staged_main,
 )
 
-__all__ = ["Dataset", "DATASETS", "SPLITS", "SIZES", "parse_name", "find_file", "load_split", "chest_binary",
-           "build_parser", "main"]
+__all__ = ["Dataset", "DATASETS", "SPLITS", "SIZES", "parse_name", "find_file", "check_npz_file", "load_split",
+           "chest_binary", "build_parser", "main"]
 
 SPLITS = ("train", "val", "test")
 #: Sizes MedMNIST+ publishes (28 is MedMNIST v2's file without a suffix; 3D: 28 and 64).
@@ -57,11 +61,17 @@ class Dataset(NamedTuple):
     classes: tuple[str, ...]
 
 
+# MedMNIST's published class names, by label, as medmnist's INFO table (medmnist/info.py, v3.0.2)
+# spells them: the 2D organ sets share one list; OrganMNIST3D numbers the same organs otherwise
 _ORGANS = ("bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver", "lung-left",
            "lung-right", "pancreas", "spleen")
+_ORGANS_3D = ("liver", "kidney-right", "kidney-left", "femur-right", "femur-left", "bladder", "heart", "lung-right",
+              "lung-left", "spleen", "pancreas")
 _CHEST = ("atelectasis", "cardiomegaly", "effusion", "infiltration", "mass", "nodule", "pneumonia", "pneumothorax",
           "consolidation", "edema", "emphysema", "fibrosis", "pleural", "hernia")
-#: The 18 MedMNIST v2 datasets (MedMNIST's own INFO table, restated).
+#: The 18 MedMNIST v2 datasets: task, channels and dimensionality, and the class names exactly
+#: as MedMNIST's INFO table publishes them (they become ``class_name``, the reports' labels and
+#: the ``prob_<class>`` columns of predictions).
 DATASETS: dict[str, Dataset] = {
     "pathmnist": Dataset("multi-class", 3, 2, (
         "adipose", "background", "debris", "lymphocytes", "mucus", "smooth muscle", "normal colon mucosa",
@@ -76,16 +86,16 @@ DATASETS: dict[str, Dataset] = {
     "retinamnist": Dataset("ordinal-regression", 3, 2, ("0", "1", "2", "3", "4")),
     "breastmnist": Dataset("binary-class", 1, 2, ("malignant", "normal, benign")),
     "bloodmnist": Dataset("multi-class", 3, 2, (
-        "basophil", "eosinophil", "erythroblast", "immature granulocytes", "lymphocyte", "monocyte", "neutrophil",
-        "platelet")),
+        "basophil", "eosinophil", "erythroblast", "immature granulocytes(myelocytes, metamyelocytes and promyelocytes)",
+        "lymphocyte", "monocyte", "neutrophil", "platelet")),
     "tissuemnist": Dataset("multi-class", 1, 2, (
-        "collecting duct, connecting tubule", "distal convoluted tubule", "glomerular endothelial cells",
-        "interstitial endothelial cells", "leukocytes", "podocytes", "proximal tubule segments",
-        "thick ascending limb")),
+        "Collecting Duct, Connecting Tubule", "Distal Convoluted Tubule", "Glomerular endothelial cells",
+        "Interstitial endothelial cells", "Leukocytes", "Podocytes", "Proximal Tubule Segments",
+        "Thick Ascending Limb")),
     "organamnist": Dataset("multi-class", 1, 2, _ORGANS),
     "organcmnist": Dataset("multi-class", 1, 2, _ORGANS),
     "organsmnist": Dataset("multi-class", 1, 2, _ORGANS),
-    "organmnist3d": Dataset("multi-class", 1, 3, _ORGANS),
+    "organmnist3d": Dataset("multi-class", 1, 3, _ORGANS_3D),
     "nodulemnist3d": Dataset("binary-class", 1, 3, ("benign", "malignant")),
     "adrenalmnist3d": Dataset("binary-class", 1, 3, ("normal", "hyperplasia")),
     "fracturemnist3d": Dataset("multi-class", 1, 3, ("buckle rib fracture", "nondisplaced rib fracture",
@@ -149,12 +159,16 @@ def chest_binary(labels: np.ndarray, choice: str) -> tuple[np.ndarray, tuple[str
     return labels[:, index].astype(np.int64), (f"no {_CHEST[index]}", _CHEST[index])
 
 
-def load_split(npz: Any, path: Path, split: str, info: Dataset) -> tuple[np.ndarray, np.ndarray]:
-    """One split's images and raw labels, checked against ``info``.
+def load_split(npz: Any, path: Path, split: str, info: Dataset, size: int | None = None,
+               size_from: str = "--size") -> tuple[np.ndarray, np.ndarray]:
+    """One split's images and raw labels, checked against ``info`` and, given ``size``, the
+    side every image (volume) must have (``size_from`` says where that size came from, for
+    the message).
 
     Raises:
-        PrepError: a missing key, an image array of the wrong dtype or dimensions, labels of the
-            wrong shape, non-integers or out of range, lengths that differ, an empty split.
+        PrepError: a missing key, an image array of the wrong dtype or dimensions, images of
+            another size than ``size`` (2D colour images in a 3D file among them), labels of
+            the wrong shape, non-integers or out of range, lengths that differ, an empty split.
     """
     names = {f"{split}_images", f"{split}_labels"}
     missing = sorted(names - set(npz.files))
@@ -172,6 +186,17 @@ def load_split(npz: Any, path: Path, split: str, info: Dataset) -> tuple[np.ndar
                         f"uint8 {want} for this dataset", path)
     if len(images) == 0:
         raise PrepError(f"{path}, key '{split}_images': no images; expected the official {split} split", path)
+    sides = images.shape[1:1 + info.dims]
+    if size is not None and any(side != size for side in sides):
+        kind = "volumes" if info.dims == 3 else "images"
+        found = " x ".join(map(str, sides))
+        if info.dims == 3 and images.shape[-1] == 3 and images.shape[1] == images.shape[2]:
+            found, why = (f"2D colour images {images.shape[1]} x {images.shape[2]} x 3 (shape {images.shape})",
+                          "probably a 2D MedMNIST file saved under this 3D dataset's name")
+        else:
+            found, why = f"{kind} of {found}", "probably a file of another size saved under this name"
+        raise PrepError(f"{path}, key '{split}_images': {found}; expected {kind} of "
+                        f"{' x '.join([str(size)] * info.dims)} (size {size}, {size_from}): {why}", path)
     width = len(_CHEST) if info.task == "multi-label" else 1
     if labels.ndim == 1 and width == 1:
         labels = labels.reshape(-1, 1)
@@ -192,6 +217,47 @@ def load_split(npz: Any, path: Path, split: str, info: Dataset) -> tuple[np.ndar
                     else f"values in 0..{top} ({len(info.classes)} classes)")
         raise PrepError(f"{path}, key '{split}_labels', row {i}: {labels[i].tolist()}; expected {expected}", path)
     return images, labels.astype(np.int64)
+
+
+#: the first bytes of a zip archive (a ``.npz``), as :func:`numpy.load` tells one
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def check_npz_file(path: Path) -> None:
+    """Refuse a file that is not a ``.npz`` archive before NumPy reads it, saying what it is.
+
+    :func:`numpy.load` picks the format by the first bytes: a zip archive is a ``.npz``, the
+    ``.npy`` magic a single array (and ``with`` on it fails with a ``TypeError``), anything else
+    a pickle, refused with ``allow_pickle=False`` in words about pickles. An HTML page saved in
+    place of the download (an error or login page) is the usual "anything else".
+
+    Raises:
+        PrepError: the file cannot be read, is empty, or is not a zip archive (a ``.npy``
+            array, an HTML or XML page, a pickle, or other bytes), naming what was found.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1024)
+    except OSError as exc:
+        raise PrepError(f"{path}: cannot read ({exc}); expected MedMNIST's .npz download", path) from exc
+    if head.startswith(_ZIP_MAGIC):
+        return
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if not head:
+        what = "an empty file (0 bytes), probably an interrupted download"
+    elif head.startswith(b"\x93NUMPY"):
+        what = "a single NumPy array (.npy format) named .npz, not MedMNIST's archive of six arrays"
+    elif text.startswith((b"<!doctype html", b"<html", b"<head", b"<body")) or (
+            text.startswith(b"<") and b"<html" in text):
+        what = "an HTML page, probably a failed download (an error or sign-in page saved under this name)"
+    elif text.startswith(b"<?xml") or text.startswith(b"<"):
+        what = "an XML or HTML document, probably a failed download (an error page saved under this name)"
+    elif head[:1] == b"\x80":
+        what = "a Python pickle, not read (loading a pickle can run code)"
+    else:
+        what = f"not a .npz file (it starts with {head[:16]!r})"
+    raise PrepError(f"{path}: {what}; expected MedMNIST's .npz (a zip archive of train/val/test images and "
+                    "labels) as downloaded from https://medmnist.com", path)
 
 
 def _keys() -> set[str]:
@@ -247,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         raise PrepError(f"--raw {raw_given}: not found; expected a folder of MedMNIST .npz files or one .npz file",
                         raw_given)
     path, flag, size = find_file(raw_given.resolve(), args.flag, args.size)
+    size_from = f"as the file name {path.name} says" if parse_name(path) else f"--size {size}"
     info = DATASETS[flag]
     if info.task == "multi-label" and args.chest_label is None:
         raise PrepError(f"{path}: {flag} is multi-label (14 findings per image) and medfl's tasks are single-label; "
@@ -259,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     report = PrepReport("medmnist", str(path), str(out), skip_bad=False,
                         options={"flag": flag, "size": size, "resize": args.resize, "chest_label": args.chest_label,
                                  "limit": args.limit})
+    check_npz_file(path)
     try:
         npz = np.load(path, allow_pickle=False)
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
@@ -266,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     classes = info.classes
     with npz:
-        data = {s: load_split(npz, path, s, info) for s in SPLITS}
+        data = {s: load_split(npz, path, s, info, size, size_from) for s in SPLITS}
     shapes: Counter[str] = Counter()
     for split in SPLITS:
         images, labels = data[split]

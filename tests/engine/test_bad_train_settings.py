@@ -32,6 +32,23 @@ from medfl.engine.training import NonFiniteError
      r"fl.partition: partitioner 'dirichlet' takes no parameter\(s\) 'bogus'; valid: .*alpha"),
     ({"model": {"name": "small_cnn", "bogus": 1}}, r"fl.model: model 'small_cnn' takes no parameter\(s\) 'bogus'"),
     ({"keep_checkpoints": 0}, r"fl.keep_checkpoints: expected at least 1 .*got 0"),
+    # issue 39, item 9: a RuntimeError from a convolution (image_size 0), or a ValueError traceback
+    # from the plugin, after the run directory was made
+    ({"dataset": {"name": "synthetic2d", "image_size": 0}},
+     r"^fl.dataset.image_size: expected a positive integer \(a size or count\), got 0$"),
+    ({"dataset": {"name": "synthetic2d", "image_size": -8}}, r"fl.dataset.image_size: .* got -8"),
+    ({"dataset": {"name": "synthetic2d", "image_size": 12.5}}, r"fl.dataset.image_size: .* got 12.5"),
+    ({"dataset": {"name": "synthetic2d", "image_size": "12"}}, r"fl.dataset.image_size: .* got '12'"),
+    ({"dataset": {"name": "synthetic2d", "num_samples": 0}}, r"fl.dataset.num_samples: expected a positive integer"),
+    ({"dataset": {"name": "random_blocks", "image_size": 0}}, r"fl.dataset.image_size: expected a positive integer"),
+    ({"dataset": {"name": "manifest", "path": "m.csv", "spatial_size": [32, 0]}},
+     r"fl.dataset.spatial_size: expected a non-empty list of positive integers or null \(a size or count\), "
+     r"got \[32, 0\]"),
+    ({"model": {"name": "small_cnn", "width": 0}}, r"fl.model.width: expected a positive integer"),
+    ({"model": {"name": "resnet10", "width": 4, "bogus": 1}},
+     r"fl.model: model 'resnet10' takes no parameter\(s\) 'bogus'; valid: .*no_max_pool"),
+    ({"model": {"name": "resnet10", "width": 4}, "client_models": [{"width": 4}, {"width": 0}, {"width": 2}]},
+     r"fl.client_models.1.width: expected a positive integer"),
 ])
 def test_bad_settings_are_refused_by_name(tiny_fl, change, message) -> None:
     fl = dict(tiny_fl)
@@ -39,6 +56,17 @@ def test_bad_settings_are_refused_by_name(tiny_fl, change, message) -> None:
         fl[k] = {**fl.get(k, {}), **v} if k == "train" else v
     with pytest.raises(ConfigError, match=message):
         resolve_config(fl)
+
+
+def test_a_bad_image_size_stops_before_any_directory(tiny_fl, tmp_path, capsys) -> None:
+    """Issue 39, item 9: ``dataset.image_size=0`` was a RuntimeError from a convolution, with the
+    run directory made; now one ``medfl: error:`` line and nothing written."""
+    cfg = tmp_path / "train.json"
+    cfg.write_text(json.dumps({"fl": {**tiny_fl, "dataset": {**tiny_fl["dataset"], "image_size": 0}}}))
+    assert main(["run", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "medfl: error: fl.dataset.image_size: expected a positive integer" in err and "Traceback" not in err
+    assert not Path(tiny_fl["output_dir"]).exists() and not (tmp_path / "data").exists()
 
 
 def test_an_output_dir_that_is_a_file_is_refused_by_name(tiny_fl, tmp_path) -> None:

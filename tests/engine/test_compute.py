@@ -116,8 +116,8 @@ def test_channels_last_trains_like_contiguous(spatial_dims: int) -> None:
 
 @pytest.mark.parametrize("train, message", [
     ({"amp": "fp32"}, "fl.train.amp: expected null"),
-    ({"channels_last": "yes"}, "fl.train.channels_last: expected true, false or null"),
-    ({"pin_memory": 1}, "fl.train.pin_memory: expected true, false or null"),
+    ({"channels_last": "perhaps"}, "fl.train.channels_last: expected true or false (or yes/no, 1/0), or null"),
+    ({"pin_memory": 2}, "fl.train.pin_memory: expected true or false (or yes/no, 1/0), or null"),
     ({"amp": "bf16", "dp": {"noise_multiplier": 1.0, "max_grad_norm": 1.0}}, "train.amp with DP-SGD"),
 ])
 def test_bad_compute_settings_are_refused(tmp_path: Path, train: dict, message: str) -> None:

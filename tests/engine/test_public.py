@@ -84,7 +84,10 @@ BAD_SPECS = [
     ({"name": "synthetic2d", "test_fraction": 1.0}, "fl.public_dataset.test_fraction"),
     ({"name": "synthetic2d", "test_fraction": "0.2"}, "fl.public_dataset.test_fraction"),
     ({"name": "synthetic2d", "test_fraction": True}, "fl.public_dataset.test_fraction"),
-    ({"name": "synthetic2d", "use_official_split": "yes"}, "fl.public_dataset.use_official_split"),
+    ({"name": "synthetic2d", "use_official_split": "perhaps"}, "fl.public_dataset.use_official_split: expected true "
+                                                               "or false"),
+    ({"name": "synthetic2d", "bogus": 1}, "fl.public_dataset: dataset 'synthetic2d' takes no parameter(s) 'bogus'"),
+    ({"name": "synthetic2d", "image_size": 0}, "fl.public_dataset.image_size: expected a positive integer"),
     ({"name": "synthetic2d", "group_column": 3}, "fl.public_dataset.group_column"),
     ({"root": "data"}, "fl.public_dataset: expected a name or a dict with a 'name' key"),
     (7, "fl.public_dataset: expected a name"),

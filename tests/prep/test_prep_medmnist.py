@@ -50,6 +50,60 @@ def test_round_trip_keeps_the_official_split_and_labels(tmp_path: Path, flag: st
     assert list(again["label"]) == list(m["label"])
 
 
+#: MedMNIST's published INFO table (github.com/MedMNIST/MedMNIST, medmnist/info.py, v3.0.2,
+#: INFO[flag]["label"] in label order and INFO[flag]["n_channels"]), restated as expected data:
+#: medfl's names must be these, spelled as published, for every flag.
+PUBLISHED = {
+    "pathmnist": (3, ("adipose", "background", "debris", "lymphocytes", "mucus", "smooth muscle",
+                      "normal colon mucosa", "cancer-associated stroma", "colorectal adenocarcinoma epithelium")),
+    "chestmnist": (1, ("atelectasis", "cardiomegaly", "effusion", "infiltration", "mass", "nodule", "pneumonia",
+                       "pneumothorax", "consolidation", "edema", "emphysema", "fibrosis", "pleural", "hernia")),
+    "dermamnist": (3, ("actinic keratoses and intraepithelial carcinoma", "basal cell carcinoma",
+                       "benign keratosis-like lesions", "dermatofibroma", "melanoma", "melanocytic nevi",
+                       "vascular lesions")),
+    "octmnist": (1, ("choroidal neovascularization", "diabetic macular edema", "drusen", "normal")),
+    "pneumoniamnist": (1, ("normal", "pneumonia")),
+    "retinamnist": (3, ("0", "1", "2", "3", "4")),
+    "breastmnist": (1, ("malignant", "normal, benign")),
+    "bloodmnist": (3, ("basophil", "eosinophil", "erythroblast",
+                       "immature granulocytes(myelocytes, metamyelocytes and promyelocytes)", "lymphocyte",
+                       "monocyte", "neutrophil", "platelet")),
+    "tissuemnist": (1, ("Collecting Duct, Connecting Tubule", "Distal Convoluted Tubule",
+                        "Glomerular endothelial cells", "Interstitial endothelial cells", "Leukocytes", "Podocytes",
+                        "Proximal Tubule Segments", "Thick Ascending Limb")),
+    "organamnist": (1, ("bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver",
+                        "lung-left", "lung-right", "pancreas", "spleen")),
+    "organcmnist": (1, ("bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver",
+                        "lung-left", "lung-right", "pancreas", "spleen")),
+    "organsmnist": (1, ("bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver",
+                        "lung-left", "lung-right", "pancreas", "spleen")),
+    "organmnist3d": (1, ("liver", "kidney-right", "kidney-left", "femur-right", "femur-left", "bladder", "heart",
+                         "lung-right", "lung-left", "spleen", "pancreas")),
+    "nodulemnist3d": (1, ("benign", "malignant")),
+    "adrenalmnist3d": (1, ("normal", "hyperplasia")),
+    "fracturemnist3d": (1, ("buckle rib fracture", "nondisplaced rib fracture", "displaced rib fracture")),
+    "vesselmnist3d": (1, ("vessel", "aneurysm")),
+    "synapsemnist3d": (1, ("inhibitory synapse", "excitatory synapse")),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(PUBLISHED))
+def test_class_names_are_medmnists_published_ones(flag: str) -> None:
+    assert sorted(DATASETS) == sorted(PUBLISHED)
+    channels, names = PUBLISHED[flag]
+    assert DATASETS[flag].classes == names
+    assert DATASETS[flag].channels == channels
+
+
+def test_organmnist3d_samples_are_named_in_its_own_order(tmp_path: Path) -> None:
+    """OrganMNIST3D numbers its organs otherwise than OrganA/C/SMNIST: label 0 is the liver."""
+    info = generate("medmnist", tmp_path / "raw", cases=33, seed=0, flag="organmnist3d")
+    m = prep(Path(info["path"]), tmp_path / "out")
+    names = dict(zip(m["label"], m["class_name"]))
+    assert names[0] == "liver" and names[5] == "bladder" and names[10] == "pancreas"
+    assert set(m["class_name"]) == set(PUBLISHED["organmnist3d"][1])
+
+
 def test_chestmnist_is_refused_unless_reduced_to_one_label(tmp_path: Path) -> None:
     info = generate("medmnist", tmp_path / "raw", cases=30, seed=1, flag="chestmnist")
     with pytest.raises(PrepError, match="chestmnist is multi-label .* pass --chest-label any"):
@@ -108,6 +162,64 @@ def test_bad_files_stop_with_one_message(tmp_path: Path, change, message) -> Non
     assert len(str(err.value).splitlines()) == 1 and str(path) in str(err.value)
     assert re.search(message, str(err.value)), str(err.value)
     assert not (tmp_path / "out" / "manifest.csv").exists()
+
+
+def _npy_named_npz(path: Path) -> None:
+    with open(path, "wb") as f:   # np.save on a file object keeps the name: a .npy under .npz
+        np.save(f, np.zeros((4, 28, 28, 3), np.uint8))
+
+
+@pytest.mark.parametrize("flag, size, write, message", [
+    ("pathmnist", 28, _npy_named_npz,
+     r"a single NumPy array \(\.npy format\) named \.npz, not MedMNIST's archive of six arrays; expected "
+     r"MedMNIST's \.npz \(a zip archive"),
+    ("pathmnist", 28, lambda p: p.write_text("<!DOCTYPE html>\n<html><head><title>429 Too Many Requests</title>"
+                                             "</head><body>Rate limited</body></html>\n"),
+     r"an HTML page, probably a failed download .*; expected MedMNIST's \.npz"),
+    ("pathmnist", 28, lambda p: p.write_bytes(b"\n  <html><body>Sign in</body></html>"),
+     r"an HTML page, probably a failed download"),
+    ("pathmnist", 28, lambda p: p.write_bytes(b""), r"an empty file \(0 bytes\), probably an interrupted download"),
+    ("pathmnist", 28, lambda p: p.write_bytes(b"\x80\x04\x95" + bytes(40)), r"a Python pickle, not read"),
+    ("pathmnist", 28, lambda p: p.write_bytes(b"GIF89a" + bytes(40)), r"not a \.npz file \(it starts with b'GIF89a"),
+    # 2D colour images (a 2D MedMNIST file) saved under a 3D dataset's name
+    ("organmnist3d", 28, lambda p: generate("medmnist", p.parent / "2d", cases=40, seed=0, flag="pathmnist")
+     and p.write_bytes((p.parent / "2d" / "pathmnist.npz").read_bytes()),
+     r"key 'train_images': 2D colour images 28 x 28 x 3 \(shape \(\d+, 28, 28, 3\)\); expected volumes of "
+     r"28 x 28 x 28 \(size 28, as the file name organmnist3d\.npz says\): probably a 2D MedMNIST file"),
+    # the 28 x 28 file saved as the 64 one
+    ("pathmnist", 64, lambda p: generate("medmnist", p.parent / "28", cases=40, seed=0, flag="pathmnist")
+     and p.write_bytes((p.parent / "28" / "pathmnist.npz").read_bytes()),
+     r"key 'train_images': images of 28 x 28; expected images of 64 x 64 \(size 64, as the file name "
+     r"pathmnist_64\.npz says\): probably a file of another size"),
+    ("organmnist3d", 64, lambda p: generate("medmnist", p.parent / "28", cases=33, seed=0, flag="organmnist3d")
+     and p.write_bytes((p.parent / "28" / "organmnist3d.npz").read_bytes()),
+     r"volumes of 28 x 28 x 28; expected volumes of 64 x 64 x 64"),
+])
+def test_a_file_that_is_not_what_its_name_says_is_named(tmp_path: Path, flag: str, size: int, write,
+                                                         message: str) -> None:
+    """What a wrong file is (an array, a web page, another dataset or size) is said in one line
+    naming the file, before anything is written."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    path = raw / (f"{flag}.npz" if size == 28 else f"{flag}_{size}.npz")
+    write(path)
+    for argv in (["--raw", str(path)], ["--raw", str(raw), "--flag", flag, "--size", str(size)]):
+        with pytest.raises(PrepError) as err:
+            main([*argv, "--out", str(tmp_path / "out")])
+        assert len(str(err.value).splitlines()) == 1 and str(err.value).startswith(str(path)), str(err.value)
+        assert re.search(message, str(err.value)), str(err.value)
+        assert not (tmp_path / "out").exists()
+
+
+def test_size_of_a_file_not_named_as_medmnist_is_given_by_size(tmp_path: Path) -> None:
+    info = generate("medmnist", tmp_path / "raw", cases=40, seed=0, flag="pathmnist", size=64)
+    odd = tmp_path / "mine" / "mine.npz"
+    odd.parent.mkdir()
+    odd.write_bytes(Path(info["path"]).read_bytes())
+    with pytest.raises(PrepError, match=r"images of 64 x 64; expected images of 28 x 28 \(size 28, --size 28\)"):
+        main(["--raw", str(odd), "--flag", "pathmnist", "--out", str(tmp_path / "a")])
+    m = prep(odd, tmp_path / "b", "--flag", "pathmnist", "--size", "64")
+    assert np.load(tmp_path / "b" / m["path"].iloc[0]).shape == (3, 64, 64)
 
 
 def test_choosing_the_file_is_checked(tmp_path: Path) -> None:
