@@ -16,6 +16,7 @@ sites and the SuperLink.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,8 @@ import numpy as np
 import pandas as pd
 
 from medfl.config import ABSENCE_PHASES, resolve_config
-from medfl.engine.data import client_order
-from medfl.engine.runner import RunError, run_experiment
+from medfl.engine.data import client_order, split_data
+from medfl.engine.runner import Run, RunError, build_source
 
 __all__ = ["ABSENT_STATUSES", "RoundAccount", "recorded_absences", "account_rounds", "replay_in_process",
            "table_difference", "max_difference"]
@@ -168,16 +169,35 @@ def account_rounds(run_dir: str | Path) -> RoundAccount:
 
 def replay_in_process(run_dir: str | Path, output_dir: str | Path, name: str = "replay",
                       absences: dict[str, dict[str, list[str]]] | None = None) -> Path:
-    """Run the method of Flower run ``run_dir`` again in process, from its saved config,
-    with the absences it recorded (:func:`recorded_absences`, or ``absences``) as
-    ``fl.absences``, under ``output_dir/name``; return the new run's directory."""
-    saved = json.loads((Path(run_dir) / "config.json").read_text())
+    """Run the method of Flower run ``run_dir`` again in process, from its saved config and
+    partition, with the absences it recorded (:func:`recorded_absences`, or ``absences``) as
+    ``fl.absences``, stopped and resumed after the rounds its coordinator sessions resumed
+    from (``flower.json``: a resumed session's messages say where it resumed from, so even
+    their sizes in ``train_metrics.csv`` match); return the new run's directory,
+    ``output_dir/name/<method>`` (replaced if it exists)."""
+    run_dir = Path(run_dir)
+    saved = json.loads((run_dir / "config.json").read_text())
     fl = dict(saved["fl"])
     schedule = recorded_absences(run_dir) if absences is None else absences
     fl.update(name=name, output_dir=str(output_dir), methods=[saved["method"]], absences=schedule or None,
-              overwrite=True, progress=False, stop_after_round=None, plots=False)
-    out = run_experiment(resolve_config(fl))
-    return Path(out["dir"]) / Path(run_dir).name
+              progress=False, stop_after_round=None, plots=False)
+    cfg = resolve_config(fl)
+    meta = run_dir / "flower.json"
+    sessions = json.loads(meta.read_text()).get("sessions", []) if meta.is_file() else []
+    stops: list[int] = []
+    for s in sessions[1:]:
+        k = int(s.get("resumed_from") or 0)
+        if k > (stops[-1] if stops else 0):
+            stops.append(k)
+    out = Path(output_dir) / name / run_dir.name
+    if out.exists():
+        shutil.rmtree(out)
+    data = split_data(build_source(cfg["dataset"]), cfg, saved=run_dir / "partition.csv")
+    for i, stop in enumerate([*stops, None]):
+        run = Run(cfg, cfg["methods"][0], out, data)
+        run.prepare(resume=i > 0)
+        run.execute(stop)
+    return out
 
 
 def table_difference(x: pd.DataFrame, y: pd.DataFrame, what: str, atol: float | None = None) -> float:
