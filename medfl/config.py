@@ -21,9 +21,9 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "preset_record", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
            "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL", "EARLY_STOPPING_DEFAULTS",
-           "TEST_SPLITS", "check_early_stopping", "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation",
-           "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP", "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR",
-           "BOOL_WORDS", "read_bool", "read_plugin_values"]
+           "TEST_SPLITS", "check_early_stopping", "ABSENCE_PHASES", "check_absences", "SECURE_AGGREGATION_DEFAULTS",
+           "check_secure_aggregation", "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP", "check_cross_test",
+           "cross_test_in_clear", "CROSS_TEST_IN_CLEAR", "BOOL_WORDS", "read_bool", "read_plugin_values"]
 
 
 class ConfigError(ValueError):
@@ -124,7 +124,12 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: ``cross_test`` (:data:`CROSS_TEST_DEFAULTS`, :func:`check_cross_test`): what the Global Test may
 #: do in a run with differential privacy, which it leaves by sending every client's evaluation
 #: model in the clear; absent, a private run with ``cross_test`` in ``eval_splits`` is refused.
-FL_OPTIONAL: dict[str, Any] = {"plots": True, "secure_aggregation": None, "cross_test": None}
+#: ``absences`` (:func:`check_absences`): a scripted schedule of clients left out of given
+#: rounds' exchanges, as if they had dropped out (replaying a deployment's dropouts in process).
+FL_OPTIONAL: dict[str, Any] = {"plots": True, "secure_aggregation": None, "cross_test": None, "absences": None}
+
+#: The exchanges of a round a client can be scheduled absent from (``fl.absences``).
+ABSENCE_PHASES = ("train", "validate", "evaluate")
 
 #: The keys of ``fl.secure_aggregation`` and their defaults (:mod:`medfl.flower.secagg`).
 SECURE_AGGREGATION_DEFAULTS: dict[str, Any] = {
@@ -637,6 +642,54 @@ def cross_test_in_clear(cfg: dict[str, Any], private: bool, where: str, refuse: 
         "fl.cross_test {\"under_dp\": \"send_models\"} (the run's privacy record then says it is not private)")
 
 
+def check_absences(value: Any, rounds: int, where: str = "fl.absences") -> dict[str, dict[str, list[str]]] | None:
+    """Check a scripted absence schedule: ``None`` (no schedule), or ``{round: clients}``
+    where ``round`` is an integer from 1 to ``rounds`` (a JSON key: ``"3"``) and ``clients``
+    is a list of client ids absent from every exchange of that round, or a dict
+    ``{phase: [client ids]}`` naming the exchanges (:data:`ABSENCE_PHASES`) they miss, e.g.
+    ``{"3": ["1"], "7": {"train": ["2"], "evaluate": ["2", "4"]}}``. A client absent from
+    an exchange is not asked in it, exactly as a site that dropped out of it over Flower
+    (:meth:`medfl.engine.runner.Run.asked`); which ids exist is checked by the run against
+    its partition.
+
+    Returns:
+        ``{"<round>": {phase: sorted client ids}}`` with every phase present, or ``None``.
+
+    Raises:
+        ConfigError: naming the round, phase or client that is wrong and what was expected.
+    """
+    if value is None:
+        return None
+    example = '{"3": ["1"], "7": {"train": ["2"], "evaluate": ["2", "4"]}}'
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected null or {{round: [client ids]}} like {example}, got {value!r:.80}")
+    out: dict[str, dict[str, list[str]]] = {}
+    for key, clients in value.items():
+        text = str(key).strip()
+        if isinstance(key, bool) or not text.isdigit() or not 1 <= int(text) <= rounds:
+            raise ConfigError(f"{where}: round {key!r}: expected a round number from 1 to fl.rounds ({rounds})")
+        here = f"{where}[{text}]"
+        if isinstance(clients, list):
+            clients = {phase: clients for phase in ABSENCE_PHASES}
+        if not isinstance(clients, dict):
+            raise ConfigError(f"{here}: expected a list of client ids or {{phase: [client ids]}} with phases "
+                              f"{', '.join(ABSENCE_PHASES)}, got {clients!r:.80}")
+        unknown = sorted(set(clients) - set(ABSENCE_PHASES))
+        if unknown:
+            raise ConfigError(f"{here}: unknown exchange(s) {unknown}; valid: {', '.join(ABSENCE_PHASES)}")
+        phases: dict[str, list[str]] = {}
+        for phase in ABSENCE_PHASES:
+            ids = clients.get(phase, [])
+            if (not isinstance(ids, list) or any(isinstance(c, bool) or not isinstance(c, (str, int)) for c in ids)):
+                raise ConfigError(f"{here}.{phase}: expected a list of client ids like [\"0\", \"2\"], got {ids!r:.80}")
+            names = [str(c) for c in ids]
+            if len(set(names)) != len(names):
+                raise ConfigError(f"{here}.{phase}: a client is listed twice in {names}")
+            phases[phase] = sorted(names)
+        out[str(int(text))] = phases
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
 #: Splits of ``fl.eval_splits`` that are test data: selecting the best round on one of them
 #: is test-set leakage (allowed, warned and recorded).
 TEST_SPLITS = ("test", "global_test", "cross_test")
@@ -914,6 +967,8 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         cfg["secure_aggregation"] = check_secure_aggregation(cfg["secure_aggregation"], cfg["num_clients"])
     if "cross_test" in cfg:
         cfg["cross_test"] = check_cross_test(cfg["cross_test"])
+    if "absences" in cfg:
+        cfg["absences"] = check_absences(cfg["absences"], cfg["rounds"])
     for i, m in enumerate(cfg["methods"]):
         _check_entry(cfg, m, f"fl.methods[{i}] ({method_label(m)})")
     cm = cfg["client_models"]

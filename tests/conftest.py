@@ -27,6 +27,7 @@ os.environ.setdefault("MEDFL_NO_PLOTS", "1")
 SLOW_MODULES = (
     "flower/test_simulation.py",        # 650 beside an experiment (Ray; early stopping too)
     "flower/test_flower.py",            # 240: three runs over a real deployment
+    "flower/test_soak.py",              # 330: a site and the SuperLink killed mid-run, then resumed
     "flower/test_secagg_flower.py",     # 210: SecAgg+ over the loop-back grid, on Ray, over a real deployment
     "flower/test_deploy_auth.py",       # 145: TLS, keys, a SuperLink restart and a resume
     "methods/test_fedtpf_bundles.py",   # 85

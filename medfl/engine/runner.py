@@ -77,7 +77,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 import numpy as np
 import pandas as pd
@@ -337,6 +337,8 @@ class Run:
         self._lock: Any = None     # the run directory's lock while this process writes it
         self._failures: dict[str, int] = {}   # replies of each client that failed the checks
         self._excluded: set[str] = set()      # clients excluded by max_reply_failures
+        #: clients kept out of given rounds' exchanges (``fl.absences``): {"<round>": {phase: ids}}
+        self.absences = _absence_schedule(cfg.get("absences"), real)
         # the payloads the in-process clients checked for NaN/inf on their way out (no filter
         # after the check): the coordinator's walk of the very same tensors, unmodified since,
         # would find the same
@@ -664,7 +666,7 @@ class Run:
             self._step = step
             instructions = self.coordinator.configure_round(r)
             self._addressed(instructions, self.federation.client_ids, r, "configure_round")
-            instructions = self._without_excluded(instructions)
+            instructions = self._without_excluded(instructions, r, "train")
             for cid in instructions:
                 addressed[cid] = addressed.get(cid, 0) + 1
             self.traffic.begin()
@@ -696,7 +698,7 @@ class Run:
         checks = self.coordinator.configure_validate(r)
         if checks:
             self._addressed(checks, self.federation.eval_client_ids, r, "configure_validate")
-            checks = self._without_excluded(checks)
+            checks = self._without_excluded(checks, r, "validate")
             scores = self.screen_scores(r, "validate", checks, self.validate_clients(r, checks))
             self.coordinator.server_validate(r, scores)
             if scores:
@@ -870,8 +872,32 @@ class Run:
         row = pd.DataFrame([{"round": r, "step": self._step, "client_id": cid, "status": status, "reason": reason}])
         append_text(path, row.to_csv(header=not path.is_file(), index=False))
 
-    def _without_excluded(self, instructions: dict[str, Instruction]) -> dict[str, Instruction]:
-        return {cid: ins for cid, ins in instructions.items() if cid not in self._excluded}
+    def asked(self, r: int, phase: str, ids: Iterable[str]) -> list[str]:
+        """The clients of ``ids`` that exchange ``phase`` (``train``, ``validate``,
+        ``evaluate``) of round ``r`` addresses, in the engine's order: not those excluded by
+        ``max_reply_failures``, nor those ``fl.absences`` keeps out of it, each of which is
+        recorded with :meth:`record_absence`. In process and over Flower alike, who is asked is
+        decided here, so a scripted absence is what a site that dropped out of that exchange
+        is: not in the round's replies (``server_update`` sees the others) or evaluation rows."""
+        absent = set(self.absences.get(str(r), {}).get(phase, ()))
+        out = []
+        for cid in client_order(ids):
+            if cid in self._excluded:
+                continue
+            if cid in absent:
+                self.record_absence(r, phase, cid)
+                continue
+            out.append(cid)
+        return out
+
+    def record_absence(self, r: int, phase: str, cid: str) -> None:
+        """Note that ``fl.absences`` kept ``cid`` out of ``phase`` of round ``r``; in process
+        the missing rows of ``train_metrics.csv``/``metrics.csv`` are the record (a Flower run
+        adds an ``absent (scheduled)`` row to ``flower_events.csv``)."""
+
+    def _without_excluded(self, instructions: dict[str, Instruction], r: int, phase: str) -> dict[str, Instruction]:
+        """``instructions`` for the clients :meth:`asked` in ``phase`` of round ``r``."""
+        return {cid: instructions[cid] for cid in self.asked(r, phase, instructions)}
 
     def _addressed(self, instructions: dict[str, Instruction], allowed: list[str], r: int, hook: str) -> None:
         unknown = sorted(set(instructions) - set(allowed))
@@ -1007,7 +1033,7 @@ class Run:
         cache: dict = {}
         own = [s for s in splits if s != "cross_test"]
         cross = "cross_test" in splits
-        ids = [cid for cid in client_order(self.federation.eval_client_ids) if cid not in self._excluded]
+        ids = self.asked(r, "evaluate", self.federation.eval_client_ids)
         peers = None
         if cross:
             peers = {j: self.data.dataset_factories(j, ["test"])["test"] for j in self.federation.eval_client_ids}
@@ -1340,6 +1366,23 @@ def _fold_of(run_dir: Path) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return None if fold is None else int(fold)
+
+
+def _absence_schedule(schedule: dict[str, dict[str, list[str]]] | None, clients: list[str]
+                      ) -> dict[str, dict[str, list[str]]]:
+    """``fl.absences`` as resolved by :func:`medfl.config.check_absences` (``{}`` without
+    one), its client ids checked against the run's partition.
+
+    Raises:
+        RunError: a client id that is not one of the partition's, naming where it is listed.
+    """
+    for r, phases in (schedule or {}).items():
+        for phase, ids in phases.items():
+            unknown = [c for c in ids if c not in clients]
+            if unknown:
+                raise RunError(f"fl.absences[{r}].{phase}: client(s) {unknown} are not in this run's partition "
+                               f"(clients {', '.join(client_order(clients))})")
+    return dict(schedule or {})
 
 
 def _read_rounds(path: Path, upto: int) -> pd.DataFrame | None:

@@ -437,6 +437,11 @@ class FlowerRun(Run):
             print(f"medfl flower: every site connected after {time.monotonic() - t0:.0f} s", file=sys.stderr,
                   flush=True)
 
+    def record_absence(self, r: int, phase: str, cid: str) -> None:
+        """A client ``fl.absences`` keeps out of an exchange is sent nothing: an ``absent
+        (scheduled)`` row in ``flower_events.csv``."""
+        self._log({"round": r, "phase": phase, "client_id": cid, "status": "absent (scheduled)"})
+
     def _save_checkpoint(self, r: int) -> None:
         super()._save_checkpoint(r)
         self._flush_events()
@@ -735,7 +740,7 @@ class FlowerRun(Run):
         that is out counts as neither model nor data for that round)."""
         own = [s for s in splits if s != "cross_test"]
         cross = "cross_test" in splits
-        ids = [cid for cid in self.federation.eval_client_ids if cid not in self._excluded]
+        ids = self.asked(r, "evaluate", self.federation.eval_client_ids)
         outgoing = {cid: self._instruction_content(r, cid, evals.get(cid, Instruction()), splits=own,
                                                    want_model=cross) for cid in ids}
         answers = self.exchange(r, "evaluate", P.EVALUATE, outgoing)

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
+
+from medfl.flower.replay import table_difference
 
 #: What every site and every run share: the data and how it is split (3 clients).
 DATA: dict[str, Any] = {
@@ -46,12 +47,4 @@ def write_config(path: Path, fl: dict[str, Any]) -> Path:
 
 def numeric_equal(a: pd.DataFrame, b: pd.DataFrame, what: str, atol: float = 1e-5) -> None:
     """Assert two metrics tables hold the same rows (sorted by their keys) and values."""
-    assert list(a.columns) == list(b.columns), what
-    assert len(a) == len(b), f"{what}: {len(a)} rows vs {len(b)}"
-    keys = [c for c in ("round", "client_id", "split", "data_client_id") if c in a.columns]
-    a, b = a.sort_values(keys).reset_index(drop=True), b.sort_values(keys).reset_index(drop=True)
-    for c in a.columns:
-        if a[c].dtype.kind in "fiub" and b[c].dtype.kind in "fiub":
-            assert np.allclose(a[c].to_numpy(float), b[c].to_numpy(float), atol=atol, equal_nan=True), (what, c)
-        else:
-            assert a[c].astype(str).tolist() == b[c].astype(str).tolist(), (what, c)
+    table_difference(a, b, what, atol=atol)

@@ -13,7 +13,6 @@ interrupted run resumes with ``--resume`` and ends with the in-process numbers.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import threading
 import time
@@ -29,35 +28,11 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.runner import build_source, run_experiment  # noqa: E402
 from medfl.flower.auth import make_site_key  # noqa: E402
 from medfl.flower.deploy import FlowerDeployError, LocalFederation  # noqa: E402
+from medfl.flower.soak import last_round as _last_round, wait_unlocked as _wait_unlocked  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
 
 RUN_TIMEOUT = 1200.0
-
-
-def _last_round(run_dir: Path) -> int:
-    try:
-        return int(json.loads((run_dir / "status.json").read_text())["last_round"])
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-def _wait_unlocked(run_dir: Path, timeout: float) -> None:
-    """Wait until no process holds ``run_dir/.lock`` (the stopped coordinator has ended)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with open(run_dir / ".lock", "a+") as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(fh, fcntl.LOCK_UN)
-                return
-            except OSError:
-                fh.seek(0)
-                holder = fh.read().strip()
-        if time.monotonic() >= deadline:
-            cmd = Path(f"/proc/{holder}/cmdline").read_bytes().replace(b"\0", b" ") if holder else b"?"
-            raise AssertionError(f"the stopped run's coordinator (pid {holder}: {cmd[:300]!r}) never ended")
-        time.sleep(0.2)
 
 
 def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path: Path) -> None:
