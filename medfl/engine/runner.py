@@ -127,7 +127,7 @@ def update_norm(reply: Reply, instruction: Instruction, reply_state: dict[str, s
     reference in ``instruction``) minus the state the client was sent, over the floating
     tensors both hold with the same shape; ``None`` when no entry has a reference (nothing
     to measure the update against)."""
-    total, seen = 0.0, False
+    squares: list[torch.Tensor] = []   # summed where they lie, read once (one wait for a GPU)
     for key, ref_key in reply_state.items():
         ref = instruction.payload.get(ref_key) if ref_key else None
         new = reply.payload.get(key)
@@ -137,9 +137,11 @@ def update_norm(reply: Reply, instruction: Instruction, reply_state: dict[str, s
             old = ref.get(name)
             if (isinstance(value, torch.Tensor) and value.is_floating_point() and isinstance(old, torch.Tensor)
                     and old.shape == value.shape):
-                total += float((value.detach().double() - old.detach().to(value.device).double()).square().sum())
-                seen = True
-    return math.sqrt(total) if seen else None
+                diff = value.detach().double() - old.detach().to(value.device).double()
+                squares.append(diff.square().sum())
+    if not squares:
+        return None
+    return math.sqrt(float(torch.stack([q.to(squares[0].device) for q in squares]).sum()))
 
 
 def _finite_number(value: Any) -> bool:
