@@ -98,6 +98,10 @@ DEFAULTS: dict[str, Any] = {
     "early_stopping": None,
     "keep_checkpoints": 2,
     "max_reply_failures": 3,        # a client whose replies fail the coordinator's checks this often is excluded (0: never)
+    # a reply whose update (model state minus the state sent) is longer than this many times
+    # the median update norm of its training step is dropped (reply_events.csv, counted toward
+    # max_reply_failures), as robust aggregators bound updates; >= 2, or 0: off
+    "update_norm_factor": 10.0,
     "progress": True,
     # where the clients run: "inprocess" (one after another in this process) or "ray"
     # (Flower's simulation runtime: clients in parallel Ray actors, through the same
@@ -897,6 +901,11 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"fl.{key}: expected a non-negative integer, got {cfg[key]!r}")
     if cfg["rounds"] < 1:
         raise ConfigError(f"fl.rounds: expected at least 1, got {cfg['rounds']}")
+    factor = cfg["update_norm_factor"]
+    if (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor)
+            or not (factor == 0 or factor >= 2)):
+        raise ConfigError(f"fl.update_norm_factor: expected 0 (off) or a number >= 2 (a bound on each update's norm "
+                          f"as a multiple of the step's median update norm), got {factor!r}")
     if cfg["keep_checkpoints"] < 1:
         raise ConfigError(f"fl.keep_checkpoints: expected at least 1 (a run keeps its latest checkpoint to resume "
                           f"from), got {cfg['keep_checkpoints']}")

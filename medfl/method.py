@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from medfl.context import ClientContext
-from medfl.messages import Instruction, Reply
+from medfl.messages import RELEASE_FLAG, Instruction, Reply
 from medfl.seeding import derive_seed, round_half_up
 
 __all__ = ["Configurable", "Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "Preset",
@@ -494,8 +494,10 @@ class Method(Configurable):
     def check_reply(self, client_id: str, instruction: Instruction, reply: Reply) -> str:
         """Why the coordinator cannot take ``reply`` (a short reason), or ``""``. Called for
         every reply before :meth:`server_update`, after the engine's own checks (declared
-        metric names, the declared num_examples, finite values, model states shaped like the
-        state sent); a reply with a reason is dropped from the round and the client's failures
+        metric names, the declared num_examples (an integer >= 1), the declared payload keys
+        (:meth:`reply_keys`), finite values in the payload and the metrics, model states
+        shaped like the state sent, an update norm within ``fl.update_norm_factor`` times the
+        step's median); a reply with a reason is dropped from the round and the client's failures
         counted (``max_reply_failures``). Default: ``""``."""
         return ""
 
@@ -510,6 +512,25 @@ class Method(Configurable):
         ``<exchange>_metrics``. Override it for names numbered after something the
         instruction carries (FedSDC's ``micro_f1_<i>`` for each head it sends)."""
         return frozenset(getattr(type(self), f"{exchange}_metrics"))
+
+    def reply_keys(self, instruction: Instruction) -> frozenset[str]:
+        """The payload keys a client's reply to ``instruction`` carries: every one of them,
+        and no other. Both ends ask it, as :meth:`reported_names`: the client before its reply
+        leaves (a missing or another key stops the run, naming the method and the key), the
+        coordinator when it arrives (the reply is dropped, the site named in
+        ``reply_events.csv``, so a reply without its model never reaches
+        :meth:`server_update` and no extra tensor rides along). Computed from the method's
+        class, hyperparameters and the instruction alone. Default: the :attr:`reply_state`
+        keys, or, in a reply to an instruction that asks for the method's per-sample release
+        (:meth:`release_plan`, config ``"dp_release": True``), the release's feature and
+        label keys. Override it when a reply carries more (FedDisco's ``discrepancy``) or
+        differs by stage (FedTPF's ``distill``)."""
+        from medfl.privacy.feature_release import method_release   # imports medfl.filters, which imports this module
+
+        plan = method_release(self)
+        if plan is not None and instruction.config.get(RELEASE_FLAG) is True:
+            return frozenset(plan.keys) | frozenset([plan.labels] if plan.labels else [])
+        return frozenset(type(self).reply_state)
 
     def expected_num_examples(self, instruction: Instruction, train_size: int) -> int:
         """The ``num_examples`` a client's reply to ``instruction`` must carry, given the

@@ -379,6 +379,10 @@ class FedDisco(HubAndSpoke):
         reply.payload["discrepancy"] = disco_discrepancy(hist, self.metric)
         return reply
 
+    def reply_keys(self, instruction: Instruction) -> frozenset[str]:
+        """FedAvg's ``model`` and the ``discrepancy``."""
+        return super().reply_keys(instruction) | {"discrepancy"}
+
     def client_weights(self, replies: dict[str, Reply]) -> list[float]:
         """Eq. 5's weights from ``num_examples`` and each reply's ``discrepancy``."""
         sizes = [float(r.num_examples) for r in replies.values()]

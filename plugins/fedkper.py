@@ -254,6 +254,10 @@ class FedKPer(HubAndSpoke):
             payload["score"] = aggregation_score(acc, hist, self.eps)
         return Reply(payload=payload, metrics=stats, num_examples=client.num_examples("train"))
 
+    def reply_keys(self, instruction: Instruction) -> frozenset[str]:
+        """The shared ``model``, and with ``aggregation`` ``"fedkper"`` the reliability ``score``."""
+        return super().reply_keys(instruction) | ({"score"} if self.aggregation == "fedkper" else set())
+
     # ------------------------------------------------------------------ coordinator side
     def client_weights(self, replies: dict[str, Reply]) -> list[float]:
         """Eq. 6 scores (normalised by the average); FedAvg weights for ``aggregation="fedavg"``

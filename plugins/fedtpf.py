@@ -1022,6 +1022,16 @@ class FedTPF(Method):
         return lambda x_s: perturb_features(x_s, clip=clip, noise=noise, mechanism=self.mechanism,
                                             generator=generator)
 
+    def reply_keys(self, instruction: Instruction) -> frozenset[str]:
+        """By stage: ``distill`` replies the task model and the distillation state, ``train``
+        the task model, ``release`` the released features and labels (the default's)."""
+        stage = instruction.config.get("stage")
+        if stage == "distill":
+            return frozenset({"model", "distill"})
+        if stage == "train":
+            return frozenset({"model"})
+        return super().reply_keys(instruction)
+
     def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
         """The stage the instruction names: ``distill``, ``release`` or ``train``."""
         stage = instruction.config.get("stage")

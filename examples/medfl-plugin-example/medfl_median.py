@@ -299,6 +299,16 @@ class DpSharedImages(HubAndSpoke):
         return {cid: Instruction(payload={"model": self.global_state, **self.shared})
                 for cid in self.federation.sample(round)}
 
+    def reply_keys(self, instruction: Instruction) -> frozenset[str]:
+        """Every payload key a reply carries, declared from the instruction alone (the engine
+        refuses a reply missing one or carrying another, at both ends): the release step's
+        images and labels, then the trained model. This is also what the default derives
+        from ``reply_state`` and ``release_plan``; a method whose replies carry more (a score,
+        a second state) adds it here."""
+        if instruction.config.get("dp_release") is True:
+            return frozenset({"shared_x", "shared_y"})
+        return frozenset({"model"})
+
     def check_reply(self, client_id: str, instruction: Instruction, reply) -> str:
         """A release must hold finite float images and labels in range, one per training
         sample; a site that sends anything else is dropped from the round (not the run)."""

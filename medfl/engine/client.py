@@ -32,6 +32,7 @@ from medfl.privacy.feature_release import RELEASE_METRICS, method_release, perfo
 from medfl.seeding import derive_seed, seed_torch
 
 __all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile", "reported_problem",
+           "payload_problem",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 
 _STATE_RE = re.compile(r"state_r(\d+)\.pt$")
@@ -274,11 +275,34 @@ def reported_problem(method: Method, exchange: str, instruction: Instruction, va
                 f"{', '.join(sorted(declared)) or 'none'}); a method declares every name it reports before round 1 "
                 f"(Method.{exchange}_metrics or Method.reported_names)")
     if num_examples is not None:
+        if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 1:
+            return (f"num_examples {num_examples!r:.40} is not an integer >= 1 (a reply's num_examples weighs it in "
+                    "the aggregate: 0 would take nothing in, a negative number subtract it)")
         want = int(method.expected_num_examples(instruction, int(train_size)))
         if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples != want:
             return (f"num_examples {num_examples!r:.40} is not the {want} that method {method.name!r} declares for a "
                     f"training split of {int(train_size)} (Method.expected_num_examples)")
     return ""
+
+
+def payload_problem(method: Method, instruction: Instruction, payload: dict[str, Any]) -> str:
+    """Why the payload keys of a reply to ``instruction`` are not the ones ``method``
+    declares (:meth:`Method.reply_keys`; "" when they are): a declared key missing (a reply
+    with no ``model`` would stop the coordinator's ``server_update`` with a ``KeyError``) or
+    another key (an extra tensor, of any size, that nothing expects). The client checks
+    before its reply leaves, the coordinator when it arrives."""
+    declared = frozenset(method.reply_keys(instruction))
+    missing = sorted(str(k) for k in declared if k not in payload)
+    extra = sorted(str(k) for k in payload if k not in declared)
+    if not missing and not extra:
+        return ""
+    what = "; ".join(([f"no {', '.join(repr(k) for k in missing)} entr{'y' if len(missing) == 1 else 'ies'}"]
+                      if missing else []) +
+                     ([f"payload entr{'y' if len(extra) == 1 else 'ies'} "
+                       f"{', '.join(repr(k[:40]) for k in extra[:5])}{' ...' if len(extra) > 5 else ''} "
+                       "that it does not declare"] if extra else []))
+    return (f"{what}: a reply of method {method.name!r} to this instruction carries exactly "
+            f"{', '.join(repr(k) for k in sorted(declared)) or 'no payload'} (Method.reply_keys)")
 
 
 def _keep_state(ctx: ClientContext, store: ClientStore | None) -> None:
@@ -328,12 +352,21 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     if bad:
         raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: the reply's {bad} holds NaN or infinite "
                              "values (training diverged); lower train.lr or set train.clip_grad_norm")
+    # the whole local model, the layers that stay at the client too (FedBN's norm layers: its
+    # reply can be finite while the model it evaluates with is not)
+    bad = first_non_finite(ctx.state)
+    if bad:
+        raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: the client's own state{bad} holds NaN or "
+                             "infinite values (training diverged); lower train.lr or set train.clip_grad_norm")
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
     problem = reported_problem(method, "train", instruction, reply.metrics, reply.num_examples,
                                ctx.num_examples("train"))
     if problem:
         raise PayloadError(f"{where}: {problem}")
-    exempt = _perform_release(method, ctx, instruction, reply, where)
+    exempt = _perform_release(method, ctx, instruction, reply, where)   # the content guard first
+    problem = payload_problem(method, instruction, reply.payload)
+    if problem:
+        raise PayloadError(f"{where}: {problem}")
     if filters:
         reply.payload = filters.apply(type(method), reply.payload, instruction.payload, client_id=ctx.client_id,
                                       round=ctx.round, step=step, seed=ctx.seed, model_spec=ctx.model_spec,

@@ -72,6 +72,7 @@ ended is finished: :func:`resume` does not extend it with more ``rounds``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -88,8 +89,9 @@ from medfl import wire
 from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, check_device, cross_test_in_clear, method_label,
                           method_preset, method_train, preset_record)
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model,
-                                 evaluate_final_models, evaluate_model, first_non_finite, release_exemptions,
-                                 reported_problem, run_client_profile, run_client_update, run_client_validate)
+                                 evaluate_final_models, evaluate_model, first_non_finite, payload_problem,
+                                 release_exemptions, reported_problem, run_client_profile, run_client_update,
+                                 run_client_validate)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
 from medfl.engine.early_stopping import EarlyStopping, metrics_split
 from medfl.engine.files import (append_text, check_sum, file_manifest, full_disk_message, interrupted_write,
@@ -97,22 +99,62 @@ from medfl.engine.files import (append_text, check_sum, file_manifest, full_disk
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
 from medfl.filters import FilterChain, configured_filters
-from medfl.messages import Instruction, PayloadError, Reply, state_mismatch
+from medfl.messages import RELEASE_FLAG, Instruction, PayloadError, Reply, state_mismatch
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import LOWER_IS_BETTER, forgetting_report
 from medfl.method import Federation, Method, derive_seed
 from medfl.plugins import get_plugin_manager, lookup, registry
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan, planned_releases
+from medfl.privacy.feature_release import RELEASE_METRICS
 from medfl.privacy.releases import ReleaseJournal, asked_releases
 
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "run_experiment", "resume", "predict",
-           "summarize_metrics", "evaluate_metrics", "reported_by", "METRICS_PROVENANCE", "ENGINE_TABLES"]
+           "summarize_metrics", "evaluate_metrics", "reported_by", "update_norm", "METRICS_PROVENANCE", "ENGINE_TABLES",
+           "LOSS_DIVERGED"]
 
 ROLES = ["train", "val", "test", "global_test"]
 
 #: The run and session ids of an in-process run's control fields: placeholders as long as
 #: the ``uuid4().hex`` ids a Flower run sends, so the measured messages have Flower's size.
 PLACEHOLDER_ID = "0" * 32
+
+
+#: A round whose mean training ``loss`` over its replies exceeds this many times ``ln K`` (the
+#: cross-entropy of a classifier that says "uniform" over ``K`` classes, where training starts)
+#: or, from the second round on, this many times the first round's mean, is diverging: only
+#: weights that blew up are that far below chance (:meth:`Run.divergence`).
+LOSS_DIVERGED = 100.0
+_DIVERGING = "training is diverging"
+
+
+def update_norm(reply: Reply, instruction: Instruction, reply_state: dict[str, str | None]) -> float | None:
+    """The L2 norm of a reply's update: its model state (each ``reply_state`` entry with a
+    reference in ``instruction``) minus the state the client was sent, over the floating
+    tensors both hold with the same shape; ``None`` when no entry has a reference (nothing
+    to measure the update against)."""
+    squares: list[torch.Tensor] = []   # summed where they lie, read once (one wait for a GPU)
+    for key, ref_key in reply_state.items():
+        ref = instruction.payload.get(ref_key) if ref_key else None
+        new = reply.payload.get(key)
+        if not isinstance(ref, dict) or not isinstance(new, dict):
+            continue
+        for name, value in new.items():
+            old = ref.get(name)
+            if (isinstance(value, torch.Tensor) and value.is_floating_point() and isinstance(old, torch.Tensor)
+                    and old.shape == value.shape):
+                diff = value.detach().double() - old.detach().to(value.device).double()
+                squares.append(diff.square().sum())
+    if not squares:
+        return None
+    return math.sqrt(float(torch.stack([q.to(squares[0].device) for q in squares]).sum()))
+
+
+def _finite_number(value: Any) -> bool:
+    """Whether a reported value is a finite number (a one-element tensor counts as its value)."""
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 class RunError(RuntimeError):
@@ -688,6 +730,10 @@ class Run:
         if train_rows:
             self.train_metrics = pd.concat([self.train_metrics, pd.DataFrame(train_rows)], ignore_index=True)
             self._csv.write(self.run_dir / "train_metrics.csv", self.train_metrics)
+            text = self.divergence(r)
+            if text:
+                self.warnings.append({"round": r, "warning": text})
+                print(f"medfl [{self.label}] round {r}: warning: {text}", file=sys.stderr, flush=True)
         if self.privacy.private:
             released = self.coordinator.round_releases(r) if self.privacy.method_release is not None else []
             self.ledger.record(r, {cid: addressed[cid] for cid in client_order(addressed)},
@@ -718,6 +764,34 @@ class Run:
         self.record_mechanisms(r)
         self._save_checkpoint(r)
         return rows
+
+    def divergence(self, r: int) -> str:
+        """Why round ``r``'s training looks diverged, once per run ("" when it does not, or a
+        warning was given already): the mean training ``loss`` of the round's replies above
+        :data:`LOSS_DIVERGED` times ``ln K`` (a model that far below chance has blown up) or,
+        from the second round on, times the first round's mean when that is larger. A loss
+        that becomes NaN or infinite stops the run instead
+        (:class:`~medfl.engine.training.NonFiniteError`); this catches the run that stays
+        finite and would finish with meaningless numbers. Honest jumps stay far below it
+        (FedSDC's shuffled heads: 14 times the first round's loss on the tiny job)."""
+        tm = self.train_metrics
+        if "loss" not in tm.columns or any(str(w.get("warning", "")).startswith(_DIVERGING) for w in self.warnings):
+            return ""
+        per_round = tm.groupby("round")["loss"].mean()
+        if r not in per_round.index:
+            return ""
+        now, first, first_round = float(per_round[r]), float(per_round.iloc[0]), int(per_round.index[0])
+        chance = math.log(max(2, int(self.federation.num_classes)))
+        if r > first_round and first > chance:
+            ref = f"round {first_round}'s mean {first:.4g}"
+            limit = LOSS_DIVERGED * first
+        else:
+            ref = f"ln({self.federation.num_classes}) = {chance:.3g}, the loss of a model that predicts uniformly"
+            limit = LOSS_DIVERGED * chance
+        if not now > limit:
+            return ""
+        return (f"{_DIVERGING}: the mean training loss of round {r} is {now:.4g}, more than {LOSS_DIVERGED:g} x "
+                f"{ref}; its numbers mean nothing: lower train.lr or set train.clip_grad_norm")
 
     def record_mechanisms(self, r: int) -> None:
         """What the method's mechanisms did in round ``r`` (:meth:`Method.mechanisms`) to
@@ -810,7 +884,36 @@ class Run:
                 kept[cid] = reply
                 continue
             self.refuse(r, cid, reason)
+        for cid, reason in self.norm_outliers(instructions, kept).items():
+            self.refuse(r, cid, reason)
+            del kept[cid]
         return kept
+
+    def norm_outliers(self, instructions: dict[str, Instruction], replies: dict[str, Reply]) -> dict[str, str]:
+        """The replies of one training step whose update (:func:`update_norm`: the model state
+        minus the state sent) is longer than ``fl.update_norm_factor`` times the median
+        update norm of the step's replies, each with a reason that gives its norm and the
+        bound, as robust aggregators bound updates (a site scaling its weights by 1e6 would
+        otherwise drag the mean). The median of one reply is its own norm and a median of
+        two is their mean, which neither exceeds twice: with a factor >= 2 (the least
+        allowed) a step needs three replies before one can be dropped. Nothing is bounded
+        when the factor is 0, when the median is 0 (no update to compare with), or under
+        secure aggregation (the coordinator never sees a single update)."""
+        factor = float(self.config.get("update_norm_factor", 0) or 0)
+        if not factor or self.secure_aggregation() is not None:
+            return {}
+        state = type(self.coordinator).reply_state
+        norms = {cid: n for cid, reply in replies.items()
+                 for n in [update_norm(reply, instructions[cid], state)] if n is not None}
+        if len(norms) < 3:
+            return {}
+        median = float(np.median(list(norms.values())))
+        bound = factor * median
+        if not median > 0:
+            return {}
+        return {cid: (f"update norm {n:.6g} is above the bound {bound:.6g} (fl.update_norm_factor {factor:g} x the "
+                      f"median update norm {median:.6g} of the step's {len(norms)} replies)")
+                for cid, n in norms.items() if n > bound}
 
     def screen_scores(self, r: int, exchange: str, instructions: dict[str, Instruction],
                       scores: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -843,16 +946,25 @@ class Run:
     def reply_problem(self, cid: str, instruction: Instruction, reply: Reply) -> str:
         """Why the coordinator cannot take ``reply`` from ``cid`` ("" when it can): metric
         names the method did not declare or a ``num_examples`` other than the one it declares
-        for the client's training split (:func:`~medfl.engine.client.reported_problem`), NaN or infinite
-        values anywhere in the payload, a model state (the method's ``reply_state``) whose keys,
+        for the client's training split (:func:`~medfl.engine.client.reported_problem`), payload
+        keys other than those it declares (:func:`~medfl.engine.client.payload_problem`: a
+        reply without its model, an extra tensor), NaN or infinite values in the metrics or
+        anywhere in the payload, a model state (the method's ``reply_state``) whose keys,
         shapes or dtypes differ from the state the client was sent, or the method's own
         :meth:`~medfl.method.Method.check_reply`. In process, a payload that the client step
         checked for NaN on its way out and that nothing replaced or changed since
         (:class:`medfl.wire.ContentSnapshot`) is not walked a second time."""
         problem = reported_problem(self.coordinator, "train", instruction, reply.metrics, reply.num_examples,
                                    int(self.federation.num_examples.get(cid, 0)))
+        if not problem and self.secure_aggregation() is None:   # under SecAgg+ the payload travels masked
+            problem = payload_problem(self.coordinator, instruction, reply.payload)
         if problem:
             return problem
+        # medfl's record of a release it performed may say inf (epsilon of a noiseless release)
+        record = frozenset(RELEASE_METRICS) if instruction.config.get(RELEASE_FLAG) is True else frozenset()
+        bad = [k for k, v in reply.metrics.items() if k not in record and not _finite_number(v)]
+        if bad:
+            return f"metrics[{bad[0]!r}] holds NaN or infinite values"
         checked = self._checked_finite.pop(cid, None)
         if checked is None or not checked.unchanged(reply.payload):
             bad = first_non_finite(reply.payload)

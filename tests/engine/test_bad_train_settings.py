@@ -111,3 +111,32 @@ def test_the_advice_of_a_diverging_run_can_be_followed(tiny_fl, tmp_path, capsys
     assert main(["run", str(path), "--fl#train#clip_grad_norm", "1.0"]) == 0, capsys.readouterr().err
     saved = json.loads((Path(tiny_fl["output_dir"]) / "t" / "config.json").read_text())
     assert saved["fl"]["train"]["clip_grad_norm"] == 1.0
+
+
+def test_a_diverging_fedbn_stops_at_the_client_with_the_same_error(tiny_fl) -> None:
+    """Issue 39, item 8: FedBN's reply is finite while its norm layers, kept at the client,
+    are not; the run died in evaluation with ``ValueError: probs must be finite``. The client
+    checks its whole local model (the layers it keeps too) and stops the run as FedAvg's
+    does: naming the client, the round and the tensor, and the advice."""
+    fl = dict(tiny_fl, train={**tiny_fl["train"], "lr": 1e8}, rounds=3, methods=[{"name": "fedbn"}])
+    with pytest.raises(NonFiniteError, match=r"client \d, round 1: the client's own state\['local'\]\[.*\] holds "
+                                             r"NaN or infinite values \(training diverged\); lower train.lr"):
+        run_experiment(resolve_config(fl))
+    status = json.loads((Path(tiny_fl["output_dir"]) / "t" / "fedbn" / "status.json").read_text())
+    assert status["status"] == "failed"
+
+
+def test_a_run_whose_loss_explodes_finishes_with_a_warning(tiny_fl, capsys) -> None:
+    """Issue 39, item 8: at lr 100 FedAvg's training loss is 500 to 3e10 (ln 2 = 0.69 for a
+    model that predicts uniformly), every value finite, and the run finished with no word.
+    It finishes, says on stderr that training diverges, and keeps the warning in
+    summary.json; an honest run of the same job gets none."""
+    fl = dict(tiny_fl, train={**tiny_fl["train"], "lr": 100.0}, rounds=2)
+    out = run_experiment(resolve_config(fl))
+    err = capsys.readouterr().err
+    assert "round 1: warning: training is diverging: the mean training loss of round 1 is" in err
+    warnings = json.loads((Path(out["dir"]) / "fedavg" / "summary.json").read_text())["warnings"]
+    assert [w["round"] for w in warnings] == [1] and "lower train.lr" in warnings[0]["warning"]
+    honest = run_experiment(resolve_config(dict(tiny_fl, name="honest", rounds=2)))
+    assert "warnings" not in json.loads((Path(honest["dir"]) / "fedavg" / "summary.json").read_text())
+    assert "diverging" not in capsys.readouterr().err

@@ -59,6 +59,10 @@ class _Leak(Method):
                  key: str = "leak") -> None:
         self.make, self.into, self.key = make, into, key
 
+    def reply_keys(self, instruction: Instruction) -> frozenset[str]:
+        """Every key the probe's reply carries (``Method.reply_keys``): the guard judges the rest."""
+        return frozenset({"w", "b"} | ({self.key} if self.into == "payload" else set()))
+
     def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
         value = self.make(client)
         weights = {"w": torch.randn(32, 16), "b": torch.zeros(32)}
@@ -386,6 +390,9 @@ class _QuantizedLeak(_Leak):
 
     name = "quantized_leak_probe"
     reply_state = {"model": None}
+
+    def reply_keys(self, instruction: Instruction) -> frozenset[str]:
+        return frozenset({"model"} | ({self.key} if self.into == "payload" else set()))
 
     def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
         reply = super().client_update(client, instruction)

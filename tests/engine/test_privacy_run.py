@@ -163,6 +163,9 @@ def _delta_avg_method() -> type:
     class DeltaAvg(HubAndSpoke):
         name = "test_delta_avg"
 
+        def reply_keys(self, instruction):  # type: ignore[no-untyped-def]
+            return frozenset({"delta_y"})   # declared (Method.reply_keys); only reply_state is stale
+
         def client_update(self, client, instruction):  # type: ignore[no-untyped-def]
             reply = super().client_update(client, instruction)
             old, new = instruction.payload["model"], reply.payload["model"]

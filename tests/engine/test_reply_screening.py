@@ -6,6 +6,7 @@ others, and a client that keeps failing is excluded. Here the transport tampers 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +46,16 @@ CASES: dict[str, tuple[Callable[[Reply], Any], str]] = {
     "undeclared_metric": (lambda r: r.metrics.update({"label_of_sample_0_is_1": 1.0}),
                           "train value name(s) 'label_of_sample_0_is_1' that method 'fedavg' does not declare"),
     "count_below_split": (lambda r: setattr(r, "num_examples", r.num_examples - 1), "that method 'fedavg' declares"),
+    # issue 39, 6b: these passed the checks (no model: then KeyError 'model' stopped the run)
+    "no_model": (lambda r: r.payload.pop("model"), "no 'model' entry: a reply of method 'fedavg'"),
+    "nan_metric": (lambda r: r.metrics.update(loss=math.nan), "metrics['loss'] holds NaN or infinite values"),
+    "inf_metric": (lambda r: r.metrics.update(steps=math.inf), "metrics['steps'] holds NaN or infinite values"),
+    "extra_entry": (lambda r: r.payload.update(blob=torch.zeros(1)), "payload entry 'blob' that it does not declare"),
+    "zero_examples": (lambda r: setattr(r, "num_examples", 0), "num_examples 0 is not an integer >= 1"),
+    "negative_examples": (lambda r: setattr(r, "num_examples", -5), "num_examples -5 is not an integer >= 1"),
+    "fractional_examples": (lambda r: setattr(r, "num_examples", 17.5), "num_examples 17.5 is not an integer >= 1"),
+    "scaled_1e6": (lambda r: _state(r).update({k: v * 1e6 for k, v in _state(r).items() if v.is_floating_point()}),
+                   "is above the bound"),
 }
 
 
@@ -131,3 +142,89 @@ def test_the_coordinator_checks_a_reply_that_went_through_filters(tiny_fl, monke
     calls = _count_coordinator_checks(monkeypatch)
     run_experiment(resolve_config(dict(tiny_fl, rounds=2, filters=[{"name": "quantize", "bits": 8}])))
     assert calls[0] == 6      # what the coordinator takes is what the filters made of the reply
+
+
+# ------------------------------------------------ issue 39, 6b: the update-norm bound, the reply keys
+def test_the_update_norm_bound_records_the_norm_and_the_bound(tiny_fl) -> None:
+    """A reply scaled by 1e6 passed FedAvg's plain mean (issue 39, 6b); now its update is
+    measured against the step's median update norm and the drop gives both numbers."""
+    tamper = CASES["scaled_1e6"][0]
+    got = run_experiment(resolve_config(dict(tiny_fl, rounds=2)), run_factory=_factory(tamper, {1, 2}))
+    events = pd.read_csv(Path(got["dir"]) / "fedavg" / "reply_events.csv", dtype={"client_id": str})
+    assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"], [2, "1", "dropped"]]
+    for reason in events["reason"]:
+        norm, bound, median = (float(x) for x in re.findall(
+            r"update norm (\S+) is above the bound (\S+) \(fl.update_norm_factor 10 x the median update norm (\S+) "
+            r"of the step's 3 replies\)", reason)[0])
+        assert norm > 1e5 * median and bound == pytest.approx(10 * median, rel=1e-5)
+
+
+def test_no_reply_can_be_dropped_by_the_bound_in_a_step_of_one_or_two(tiny_fl) -> None:
+    """The median of one norm is that norm, and the median of two is their mean, which
+    neither exceeds twice: with the least factor allowed (2) nothing is dropped, however far
+    apart the two updates are; a factor below 2, or not a number, is refused by name."""
+    from medfl.config import ConfigError
+    from medfl.messages import Instruction
+
+    run = Run(resolve_config(dict(tiny_fl, update_norm_factor=2)), {"name": "fedavg"}, Path(tiny_fl["output_dir"]),
+              _data(tiny_fl))
+    run.coordinator.setup(run.federation)
+    sent = {k: v.clone() for k, v in run.coordinator.global_state.items()}
+    ins = Instruction(payload={"model": sent})
+
+    def reply(scale: float) -> Reply:
+        return Reply(payload={"model": {k: v + scale if v.is_floating_point() else v for k, v in sent.items()}},
+                     num_examples=1)
+
+    assert run.norm_outliers({"a": ins}, {"a": reply(1e6)}) == {}
+    assert run.norm_outliers({"a": ins, "b": ins}, {"a": reply(1e-3), "b": reply(1e6)}) == {}
+    three = run.norm_outliers({"a": ins, "b": ins, "c": ins}, {"a": reply(1e-3), "b": reply(1e6), "c": reply(2e-3)})
+    assert list(three) == ["b"]
+    for bad in (1.5, -1, "10", True, math.inf):
+        with pytest.raises(ConfigError, match=r"fl.update_norm_factor: expected 0 \(off\) or a number >= 2"):
+            resolve_config(dict(tiny_fl, update_norm_factor=bad))
+    off = Run(resolve_config(dict(tiny_fl, update_norm_factor=0)), {"name": "fedavg"}, Path(tiny_fl["output_dir"]),
+              _data(tiny_fl))
+    assert off.norm_outliers({"a": ins, "b": ins, "c": ins}, {"a": reply(1e-3), "b": reply(1e6), "c": reply(2e-3)}) == {}
+
+
+def _data(fl: dict[str, Any]) -> Any:
+    from medfl.engine.data import split_data
+    from medfl.engine.runner import build_source
+
+    cfg = resolve_config(fl)
+    return split_data(build_source(cfg["dataset"]), cfg)
+
+
+def test_a_method_whose_reply_breaks_its_declared_keys_stops_at_the_client(tiny_fl) -> None:
+    """Both ends ask ``Method.reply_keys``: an honest plugin that sends an undeclared entry
+    stops at the client naming the method, the entry and the hook, instead of having every
+    reply dropped at the coordinator."""
+    from medfl.messages import PayloadError
+    from medfl.plugins import get_plugin_manager
+    from plugins.baselines import FedAvg
+
+    class Chatty(FedAvg):
+        name = "test_chatty"
+
+        def client_update(self, client, instruction):  # type: ignore[no-untyped-def]
+            reply = super().client_update(client, instruction)
+            reply.payload["notes"] = torch.zeros(2)
+            return reply
+
+    from medfl import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def register_methods(self, register):  # type: ignore[no-untyped-def]
+            register(Chatty)
+
+    pm = get_plugin_manager()
+    pm.register(Plugin(), name="test_chatty")
+    try:
+        with pytest.raises(PayloadError, match=r"payload entry 'notes' that it does not declare: a reply of method "
+                                               r"'test_chatty' to this instruction carries exactly 'model' "
+                                               r"\(Method.reply_keys\)"):
+            run_experiment(resolve_config(dict(tiny_fl, rounds=1, methods=[{"name": "test_chatty"}])))
+    finally:
+        pm.unregister(name="test_chatty")

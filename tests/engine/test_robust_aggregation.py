@@ -43,7 +43,8 @@ class _Scaled(Run):
 
 @pytest.mark.parametrize("aggregation", ["median", "trimmed_mean"])
 def test_a_scaled_site_does_not_take_over_a_robust_fedavg(tiny_fl, aggregation) -> None:
-    job = dict(tiny_fl, num_clients=5, rounds=2, partition={"name": "iid"},
+    # the update-norm bound off: the robust rules alone keep the scaled site out
+    job = dict(tiny_fl, num_clients=5, rounds=2, partition={"name": "iid"}, update_norm_factor=0,
                methods=[{"name": "fedavg", "label": "mean"},
                         {"name": "fedavg", "label": "robust", "aggregation": aggregation, "trim": 0.2}])
     out = Path(run_experiment(resolve_config(job), run_factory=_Scaled)["dir"])
@@ -54,3 +55,17 @@ def test_a_scaled_site_does_not_take_over_a_robust_fedavg(tiny_fl, aggregation) 
     assert biggest["mean"] > 1e4 and biggest["robust"] < 100
     acc = pd.read_csv(out / "comparison.csv").set_index("method")
     assert "robust" in acc.index
+
+
+def test_the_update_norm_bound_keeps_a_scaled_site_out_of_the_plain_mean(tiny_fl) -> None:
+    """Issue 39, 6b: weights x1e6 passed FedAvg's mean (abs-max above 1e4 in the global model).
+    With ``fl.update_norm_factor`` (default 10) the scaled reply's update is 1e5 times the
+    median's: it is dropped every round (reply_events.csv), the global model stays in range,
+    and the other sites' numbers are those of a run where site 1 is silent."""
+    job = dict(tiny_fl, num_clients=5, rounds=2, partition={"name": "iid"})
+    out = Path(run_experiment(resolve_config(job), run_factory=_Scaled)["dir"]) / "fedavg"
+    ckpt = torch.load(sorted((out / "checkpoints").glob("*.pt"))[-1], weights_only=True)
+    assert max(float(v.abs().max()) for v in ckpt["method"]["global"].values() if v.is_floating_point()) < 100
+    events = pd.read_csv(out / "reply_events.csv", dtype={"client_id": str})
+    assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"], [2, "1", "dropped"]]
+    assert events["reason"].str.contains("is above the bound").all()

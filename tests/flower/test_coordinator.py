@@ -603,6 +603,63 @@ def test_a_site_sending_nan_weights_is_dropped_from_the_round_and_the_run_goes_o
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
 
 
+def _rewrite_train_reply(change: Callable[[dict[str, Any], dict[str, float], dict[str, Any]], None]) -> Tamper:
+    """Site 1 (node 102) rewrites its round-1 train reply: ``change(payload, metrics, control)``
+    edits them in place, and they are packed again without the site's outgoing checks."""
+    def tamper(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+        if node == 102 and kind == P.TRAIN and int(ctl.get("round", 0)) == 1:
+            payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
+            metrics = wire.take(out, "reply.metrics", "tamper", allow_str=True)
+            control = wire.take_json(out, P.CONTROL, "tamper")
+            change(payload, metrics, control)
+            out["reply.payload.arrays"], out["reply.payload.tree"] = _pack_raw(payload)
+            out["reply.metrics.arrays"], out["reply.metrics.tree"] = _pack_raw(metrics)
+            wire.put_json(out, P.CONTROL, control)
+        return out
+    return tamper
+
+
+def _scale(payload: dict[str, Any]) -> None:
+    payload["model"] = {k: v * 1e6 if v.is_floating_point() else v for k, v in payload["model"].items()}
+
+
+#: issue 39, 6b: replies that passed the coordinator's checks (no model: KeyError 'model' then
+#: stopped the run)
+REPLIES_6B: dict[str, tuple[Callable[[dict[str, Any], dict[str, float], dict[str, Any]], None], str]] = {
+    "no_model": (lambda p, m, c: p.pop("model"), "no 'model' entry: a reply of method 'fedavg'"),
+    "nan_metric": (lambda p, m, c: m.update(loss=float("nan")), "metrics['loss'] holds NaN or infinite values"),
+    "extra_entry": (lambda p, m, c: p.update(blob=torch.zeros(3)), "payload entry 'blob' that it does not declare"),
+    "zero_examples": (lambda p, m, c: c.update(num_examples=0), "num_examples 0 is not an integer >= 1"),
+    "negative_examples": (lambda p, m, c: c.update(num_examples=-4), "num_examples -4 is not an integer >= 1"),
+    "scaled_1e6": (lambda p, m, c: _scale(p), "is above the bound"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPLIES_6B))
+def test_a_reply_the_checks_missed_is_dropped_over_flower_as_in_process(tmp_path: Path, case: str) -> None:
+    """The coordinator's reply checks are one code path (``Run.screen``) whatever the
+    transport: each reply of issue 39, 6b is dropped with its reason in reply_events.csv, and
+    the run goes on with the other sites."""
+    change, reason = REPLIES_6B[case]
+    run_dir, events = _tampered_run(tmp_path, case, FEDAVG, _rewrite_train_reply(change))
+    assert events[["round", "client_id", "status"]].values.tolist() == [[1, "1", "dropped"]]
+    assert reason in events["reason"].iloc[0]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+    trained = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
+    assert sorted(trained.loc[trained["round"] == 1, "client_id"]) == ["0", "2"]
+
+
+def test_a_diverging_run_is_warned_about_over_flower_as_in_process(tmp_path: Path) -> None:
+    """Issue 39, item 8: a finite but exploding training loss (lr 100: hundreds to tens of
+    thousands, ln 2 = 0.69 at the start) finished with no word; the warning comes from the
+    coordinator's round (``Run.divergence``), the same code over Flower as in process."""
+    fl = fl_config(tmp_path, "lr", {**FEDAVG, "rounds": 1, "train": {"batch_size": 8, "lr": 100.0}})
+    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+    warnings = json.loads((Path(out["dir"]) / "fedavg" / "summary.json").read_text())["warnings"]
+    assert [w["round"] for w in warnings] == [1]
+    assert warnings[0]["warning"].startswith("training is diverging: the mean training loss of round 1 is")
+
+
 def test_an_experiment_over_seeds_runs_across_sites(tmp_path: Path) -> None:
     """Each seed of ``seeds`` draws its own split; the sites draw theirs with the seed the
     coordinator sends (before, a site drew the config's seed and every other seed's hello was
