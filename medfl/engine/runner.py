@@ -140,7 +140,8 @@ def sites_needed(addressed: int, cfg: dict[str, Any]) -> int:
     larger of ``fl.min_sites`` (default 1) and ``fl.min_fraction`` of ``addressed`` (rounded
     up; null: unused), never more than ``addressed`` (0 when none is addressed). The one rule
     of the in-process engine (:meth:`Run.check_quorum`) and of Flower's coordinator, which
-    waits for that many sites before it sends (:meth:`medfl.flower.server.FlowerRun.exchange`)."""
+    waits for that many sites before it sends and, when fewer answered, for the missing ones
+    to come back (:meth:`medfl.flower.server.FlowerRun.exchange`)."""
     fraction = cfg.get("min_fraction")
     want = max(int(cfg.get("min_sites", 1)), math.ceil(float(fraction) * addressed - 1e-9) if fraction else 0)
     return min(int(addressed), want)
