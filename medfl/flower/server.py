@@ -690,8 +690,9 @@ class FlowerRun(Run):
     def _await_return(self, r: int, phase: str, short: list[str], more: int, until: float) -> list[str]:
         """After an exchange that fewer sites answered than needed: wait until ``until`` for
         nodes serving at least ``more`` of the clients ``short`` (those that timed out or were
-        unavailable: asked for their hello again); return those that have one, to send the
-        exchange to again (none: too few came back)."""
+        unavailable: asked for their hello again), then up to ``hello_timeout`` more for the
+        rest of them; return those that have one, to send the exchange to again (none: too
+        few came back)."""
         t0 = time.monotonic()
         self._log({"round": r, "phase": phase, "status": f"waiting: {len(short)} site(s) missing ({' '.join(short)}), "
                                                          f"{more} more needed ({quorum_rule(self.config)})"})
@@ -699,7 +700,11 @@ class FlowerRun(Run):
               f"({quorum_rule(self.config)}); waiting up to {max(0.0, until - t0):.0f} s more (fl.site_wait_s) for "
               f"client(s) {', '.join(short)} to come back", file=sys.stderr, flush=True)
         missing = self._await_sites(short, more, until, t0, f"round {r} ({phase}): ")
-        back = [c for c in short if c not in missing]
+        if missing and len(short) - len(missing) >= more:
+            # enough are back: give the others (still busy with the message they missed) up
+            # to hello_timeout to come back too, so that a slow round is not a smaller one
+            self.sites.refresh(need=short, timeout=min(self.settings.hello_timeout, max(0.0, until - time.monotonic())))
+        back = [c for c in short if c in self.sites.nodes]
         self._log({"round": r, "phase": phase, "status": f"waited: {len(back)} back ({' '.join(back)})",
                    "seconds": time.monotonic() - t0})
         if len(back) < more:
