@@ -20,10 +20,11 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_params", "method_preset",
            "preset_record", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
-           "check_backend", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL", "EARLY_STOPPING_DEFAULTS",
-           "TEST_SPLITS", "check_early_stopping", "ABSENCE_PHASES", "check_absences", "SECURE_AGGREGATION_DEFAULTS",
-           "check_secure_aggregation", "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP", "check_cross_test",
-           "cross_test_in_clear", "CROSS_TEST_IN_CLEAR", "BOOL_WORDS", "read_bool", "read_plugin_values"]
+           "check_backend", "check_min_sites", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL",
+           "EARLY_STOPPING_DEFAULTS", "TEST_SPLITS", "check_early_stopping", "ABSENCE_PHASES", "check_absences",
+           "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation", "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP",
+           "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR", "BOOL_WORDS", "read_bool",
+           "read_plugin_values"]
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,14 @@ DEFAULTS: dict[str, Any] = {
     # the median update norm of its training step is dropped (reply_events.csv, counted toward
     # max_reply_failures), as robust aggregators bound updates; >= 2, or 0: off
     "update_norm_factor": 10.0,
+    # the fewest sites whose answers a round's training and evaluation need (as Flower's
+    # min_available_clients): the larger of min_sites and min_fraction (null: unused) of the
+    # sites a round addresses, never more than it addresses. Over Flower a round with fewer
+    # sites available waits up to site_wait_s seconds for them (lost sites are asked for
+    # their hello again); a round with fewer answers fails the run (status "failed", resumable)
+    "min_sites": 1,
+    "min_fraction": None,
+    "site_wait_s": 300.0,
     "progress": True,
     # where the clients run: "inprocess" (one after another in this process) or "ray"
     # (Flower's simulation runtime: clients in parallel Ray actors, through the same
@@ -758,6 +767,28 @@ def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.ea
     return out
 
 
+def check_min_sites(cfg: dict[str, Any]) -> None:
+    """Check ``fl.min_sites`` (an integer from 1 to ``num_clients``), ``fl.min_fraction``
+    (null or a number in (0, 1]) and ``fl.site_wait_s`` (a number of seconds >= 0): the
+    quorum a round needs (:func:`medfl.engine.runner.sites_needed`).
+
+    Raises:
+        ConfigError: one of them is out of range, naming it and what is expected.
+    """
+    n, low = cfg["min_sites"], cfg["num_clients"]
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= low:
+        raise ConfigError(f"fl.min_sites: expected an integer from 1 to fl.num_clients ({low}): the fewest sites "
+                          f"whose answers a round needs, got {n!r}")
+    f = cfg["min_fraction"]
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+        raise ConfigError(f"fl.min_fraction: expected null or a number in (0, 1]: the share of a round's sites "
+                          f"whose answers it needs, got {f!r}")
+    w = cfg["site_wait_s"]
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+        raise ConfigError(f"fl.site_wait_s: expected a number of seconds >= 0: how long a Flower round waits for "
+                          f"enough sites, got {w!r}")
+
+
 def check_device(device: Any, where: str = "fl.device", *, available: bool = False) -> str:
     """Check a torch device name (``cpu``, ``cuda``, ``cuda:N``, ``mps``); with ``available``,
     also that this machine has it (in-process runs check before anything is written).
@@ -919,6 +950,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     cfg["backend"] = check_backend(cfg["backend"])
     if not (0 < float(cfg["fraction"]) <= 1):
         raise ConfigError(f"fl.fraction: expected a number in (0, 1], got {cfg['fraction']!r}")
+    check_min_sites(cfg)
     per_class = cfg["global_test_per_class"]
     if per_class is not None and (not isinstance(per_class, int) or isinstance(per_class, bool) or per_class < 1):
         raise ConfigError(f"fl.global_test_per_class: expected null or a positive integer (rows held out per "

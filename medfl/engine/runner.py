@@ -110,7 +110,7 @@ from medfl.privacy.releases import ReleaseJournal, asked_releases
 
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "run_experiment", "resume", "predict",
            "summarize_metrics", "evaluate_metrics", "reported_by", "update_norm", "METRICS_PROVENANCE", "ENGINE_TABLES",
-           "LOSS_DIVERGED"]
+           "LOSS_DIVERGED", "sites_needed", "TooFewSites"]
 
 ROLES = ["train", "val", "test", "global_test"]
 
@@ -170,6 +170,31 @@ class RunError(RuntimeError):
 #: column says whose word it is when the same run goes across sites.
 METRICS_PROVENANCE = {"local_train": "self", "local_val": "self", "local_test": "self", "global_test": "self",
                       "cross_test": "peers", "public_test": "coordinator"}
+
+
+class TooFewSites(RunError):
+    """A round had fewer sites than ``fl.min_sites`` / ``fl.min_fraction`` ask for (fewer
+    answered its training or evaluation, or, over Flower, fewer were available after
+    ``fl.site_wait_s``): the run fails (status ``failed``, resumable from its last
+    checkpoint) rather than go on, or finish, without its sites."""
+
+
+def sites_needed(addressed: int, cfg: dict[str, Any]) -> int:
+    """The fewest sites whose answers an exchange addressed to ``addressed`` sites needs: the
+    larger of ``fl.min_sites`` (default 1) and ``fl.min_fraction`` of ``addressed`` (rounded
+    up; null: unused), never more than ``addressed`` (0 when none is addressed). The one rule
+    of the in-process engine (:meth:`Run.check_quorum`) and of Flower's coordinator, which
+    waits for that many sites before it sends and, when fewer answered, for the missing ones
+    to come back (:meth:`medfl.flower.server.FlowerRun.exchange`)."""
+    fraction = cfg.get("min_fraction")
+    want = max(int(cfg.get("min_sites", 1)), math.ceil(float(fraction) * addressed - 1e-9) if fraction else 0)
+    return min(int(addressed), want)
+
+
+def quorum_rule(cfg: dict[str, Any]) -> str:
+    """The settings behind :func:`sites_needed`, as an error message names them."""
+    rule = f"fl.min_sites {int(cfg.get('min_sites', 1))}"
+    return rule + (f", fl.min_fraction {cfg['min_fraction']}" if cfg.get("min_fraction") else "")
 
 
 def reported_by(split: str) -> str:
@@ -582,9 +607,37 @@ class Run:
                            f"(or raise fl.keep_checkpoints, default 2, to keep more to fall back to)")
         return 0, None
 
-    def _status(self, status: str, r: int) -> None:
+    def _status(self, status: str, r: int, reason: str = "") -> None:
         _write_json(self.run_dir / "status.json", {"status": status, "last_round": r,
-                                                   "rounds": self.federation.rounds})
+                                                   "rounds": self.federation.rounds, **({"reason": reason} if reason else {})})
+
+    def check_quorum(self, r: int, phase: str, addressed: list[str], answered: list[str]) -> None:
+        """Fail round ``r`` when fewer of the ``addressed`` sites took part in ``phase``
+        (``answered``: those whose answers the method received) than :func:`sites_needed`
+        asks for (``fl.min_sites``, ``fl.min_fraction``): a site excluded after
+        ``max_reply_failures``, refused, timed out or absent does not count.
+
+        Raises:
+            TooFewSites: naming the round, how many sites answered and the minimum; the run
+                is then marked ``failed`` and resumes from its last checkpoint.
+        """
+        need = sites_needed(len(addressed), self.config)
+        if len(answered) >= need:
+            return
+        missing = [cid for cid in client_order(addressed) if cid not in answered]
+        excluded = [cid for cid in missing if cid in self._excluded]
+        raise TooFewSites(
+            f"round {r}: {len(answered)} of {len(addressed)} sites answered {phase} (missing: {', '.join(missing)}"
+            + (f"; excluded after max_reply_failures: {', '.join(excluded)}" if excluded else "")
+            + f"), the round needs at least {need} ({quorum_rule(self.config)}); the run stops here rather than "
+            f"go on without its sites; once they are back, continue with: {self.resume_command(self._top())}")
+
+    def _top(self) -> Path:
+        """The experiment directory this run belongs to (what a resume is given)."""
+        top = self.run_dir.parent
+        while (top.parent / "config.json").is_file():
+            top = top.parent
+        return top
 
     # ------------------------------------------------------------------ clients
     def context(self, client_id: str, round: int, state_before: int | None = None) -> ClientContext:
@@ -708,11 +761,13 @@ class Run:
             self._step = step
             instructions = self.coordinator.configure_round(r)
             self._addressed(instructions, self.federation.client_ids, r, "configure_round")
+            asked = list(instructions)
             instructions = self._without_excluded(instructions, r, "train")
             for cid in instructions:
                 addressed[cid] = addressed.get(cid, 0) + 1
             self.traffic.begin()
             replies = self.screen(r, instructions, self.unfilter(r, instructions, self.update_clients(r, instructions)))
+            self.check_quorum(r, "train", asked, list(replies))
             sent = self.traffic.tally("train")
             for cid, reply in replies.items():
                 if "dp_steps" in reply.metrics:
@@ -1195,6 +1250,7 @@ class Run:
         evals = self.coordinator.configure_evaluate(r)
         self._addressed(evals, self.federation.eval_client_ids, r, "configure_evaluate")
         results = self.evaluate_clients(r, evals, list(self.config["eval_splits"]))
+        self.check_quorum(r, "evaluate", list(self.federation.eval_client_ids), list(results))
         self.coordinator.server_evaluate(r, {cid: {split: dict(m) for split, m in results[cid].items()}
                                              for cid in client_order(results)})
         rows, pairs = [], []
@@ -1325,7 +1381,7 @@ class Run:
         except Exception as exc:
             bar.close()
             try:
-                self._status("failed", self._ckpt)   # never left "running"; resume restarts after _ckpt
+                self._status("failed", self._ckpt, f"{type(exc).__name__}: {exc}")   # never "running"; resume restarts after _ckpt
             except OSError:   # no room for it either: the status.json before stays, whole
                 pass
             full = full_disk_message(exc, self.run_dir)

@@ -562,14 +562,29 @@ class LocalFederation:
     def kill_site(self, client_id: str) -> None:
         """End site ``client_id`` at once (SIGKILL to its process group and to everything
         it started), as a site that crashes or loses its network."""
-        proc = self.procs.pop(f"site{client_id}", None)
-        if proc is None:
+        if f"site{client_id}" not in self.procs:
             return
+        self._signal_site(client_id, signal.SIGKILL)
+        self.procs.pop(f"site{client_id}").popen.wait(timeout=10)
+
+    def pause_site(self, client_id: str) -> None:
+        """Stop site ``client_id`` where it stands (SIGSTOP to its process group and to
+        everything it started), as a site whose machine hangs or is starved of CPU: it
+        neither answers nor exits until :meth:`resume_site`."""
+        self._signal_site(client_id, signal.SIGSTOP)
+
+    def resume_site(self, client_id: str) -> None:
+        """Let a site :meth:`pause_site` stopped go on (SIGCONT)."""
+        self._signal_site(client_id, signal.SIGCONT)
+
+    def _signal_site(self, client_id: str, sig: int) -> None:
+        proc = self.procs.get(f"site{client_id}")
+        if proc is None:
+            raise FlowerDeployError(f"no site {client_id} was started here")
         children = _descendants(proc.popen.pid)
-        _kill_group(proc.popen, signal.SIGKILL)
+        _kill_group(proc.popen, sig)
         for pid in children:
-            _kill_pid(pid, signal.SIGKILL)
-        proc.popen.wait(timeout=10)
+            _kill_pid(pid, sig)
 
     def wait_for_nodes(self, count: int, timeout: float = 180.0) -> None:
         """Wait until ``count`` SuperNodes have registered with the SuperLink (counted in its
@@ -698,8 +713,10 @@ def _kill_pid(pid: int, sig: int) -> None:
 
 
 def _end(popen: subprocess.Popen[bytes], grace: float = 5.0) -> None:
-    """End a process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
+    """End a process group: SIGTERM (and SIGCONT, for a paused one), then SIGKILL after
+    ``grace`` seconds."""
     _kill_group(popen, signal.SIGTERM)
+    _kill_group(popen, signal.SIGCONT)
     try:
         popen.wait(timeout=grace)
     except subprocess.TimeoutExpired:

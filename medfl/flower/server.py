@@ -51,7 +51,7 @@ from flwr.serverapp import Grid, ServerApp
 from medfl import wire
 from medfl.engine.client import cross_test_mean, release_exemptions
 from medfl.engine.data import FederatedData, client_order
-from medfl.engine.runner import Run, RunError, resume, run_experiment
+from medfl.engine.runner import Run, RunError, TooFewSites, quorum_rule, resume, run_experiment, sites_needed
 from medfl.flower import protocol as P
 from medfl.flower.secagg import SecureAggregation, SecureRound, describe
 from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
@@ -68,8 +68,8 @@ def _listed(ctl: dict[str, Any], key: str, where: str) -> list[str]:
         raise PayloadError(f"{where}: {key!r} must be a list of names, got {value!r:.80}")
     return value
 
-__all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "run_flower_experiment",
-           "resume_flower", "app"]
+__all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "SteadyGrid", "SuperLinkError",
+           "transient_error", "run_flower_experiment", "resume_flower", "app"]
 
 # Flower's error codes (flwr.common.constant.ErrorCode): a node gone or a message lost is a
 # dropout; an exception raised by the ClientApp is that site's failure: its reply is dropped
@@ -126,6 +126,12 @@ class FlowerSettings:
     progress_interval: float = 15.0
     site_nodes: str = ""
     max_reply_mb: float = 0.0
+    #: how often one call to the SuperLink that failed with a transient error (HTTP 5xx, as
+    #: SQLite's "database is locked" behind ``--database`` gives; a lost connection) is tried
+    #: again before the run fails (:class:`SteadyGrid`), and the first wait between two
+    #: tries in seconds (doubling, at most 30 s)
+    superlink_retries: float = 8.0
+    superlink_backoff: float = 0.5
     #: set by the process that runs the coordinator in a thread (the simulation runtime) to
     #: stop it: the next wait raises ``KeyboardInterrupt`` there (not a run-config key)
     stop: threading.Event | None = field(default=None, repr=False, compare=False)
@@ -133,8 +139,8 @@ class FlowerSettings:
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> "FlowerSettings":
         """Read ``round-timeout``, ``connect-timeout``, ``hello-timeout``, ``poll-interval``,
-        ``progress-interval``, ``site-nodes`` and ``max-reply-mb`` from a Flower run config (absent keys keep
-        their defaults)."""
+        ``progress-interval``, ``site-nodes``, ``max-reply-mb``, ``superlink-retries`` and
+        ``superlink-backoff`` from a Flower run config (absent keys keep their defaults)."""
         kw: dict[str, Any] = {}
         for f in fields(cls):
             if f.name == "stop":
@@ -154,6 +160,17 @@ class FlowerSettings:
         if self.stop is not None and self.stop.is_set():
             raise KeyboardInterrupt
         time.sleep(self.poll_interval)
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``, unless the run is told to stop meanwhile (:meth:`pause`).
+
+        Raises:
+            KeyboardInterrupt: :attr:`stop` is set.
+        """
+        if self.stop is None:
+            time.sleep(seconds)
+        elif self.stop.wait(seconds):
+            raise KeyboardInterrupt
 
     def pins(self) -> dict[str, int]:
         """``site_nodes`` read: ``{client id: node id}`` (``{}`` when empty).
@@ -175,6 +192,106 @@ def _pins(value: str | dict[str, Any], where: str) -> dict[str, int]:
         raise RunError(str(exc)) from None
 
 
+class SuperLinkError(RunError):
+    """A call to the SuperLink kept failing with a transient error after every retry of
+    :class:`SteadyGrid`: the run fails (status ``failed``, resumable) with this one line."""
+
+
+def transient_error(exc: BaseException) -> str:
+    """What ``exc`` says when it is an error of the SuperLink that a later try may not
+    meet ("": not one): an HTTP 5xx answer (a SuperLink on SQLite answers 500 when the
+    database is locked), a lost or timed-out connection, a gRPC ``UNAVAILABLE``,
+    ``INTERNAL``, ``UNKNOWN``, ``DEADLINE_EXCEEDED`` or ``RESOURCE_EXHAUSTED``, or SQLite's
+    own locked/busy error. Refusals (HTTP 4xx: the run was stopped, a token is wrong) are
+    not transient."""
+    import sqlite3
+
+    import httpx
+
+    if isinstance(exc, httpx.HTTPStatusError):
+        code = exc.response.status_code
+        if code < 500:
+            return ""
+        try:
+            body = " ".join(exc.response.text.split())[:200]
+        except Exception:  # noqa: BLE001 - a streamed body that cannot be read
+            body = ""
+        return f"HTTP {code}" + (f": {body}" if body else "")
+    if isinstance(exc, httpx.TransportError):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc)):
+        return f"SQLite: {exc}"
+    try:
+        import grpc
+    except ImportError:  # pragma: no cover - grpc comes with flwr
+        return ""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            details = exc.details() if hasattr(exc, "details") else ""
+            return f"gRPC {code.name}" + (f": {details}" if details else "")
+    return ""
+
+
+class SteadyGrid:
+    """The ServerApp's grid with bounded retries: a call to the SuperLink
+    (:meth:`get_node_ids`, :meth:`push_messages`, :meth:`pull_messages`) that fails with a
+    :func:`transient_error` is tried again after ``superlink_backoff`` seconds, doubling (at
+    most 30 s), up to ``superlink_retries`` times; each retry is said on stderr and recorded
+    with ``log`` (a ``superlink`` row of ``flower_events.csv``); then the run fails with one
+    :class:`SuperLinkError` line. Any other error is raised as it is.
+
+    Pushing again is safe: Flower's message ids are the messages' content digests and a
+    SuperLink keeps one copy of a message id. A pull that failed after the SuperLink
+    handed over some replies may lose them: those sites then count as timed out.
+
+    Args:
+        grid: the grid Flower gave the ServerApp.
+        settings: the retry settings (and the stop event a wait honours).
+        log: called with one event dict per retry.
+    """
+
+    def __init__(self, grid: Grid, settings: FlowerSettings, log: Any) -> None:
+        self.grid = grid
+        self.settings = settings
+        self.log = log
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        tries = max(0, int(self.settings.superlink_retries))
+        wait = max(0.0, float(self.settings.superlink_backoff))
+        for attempt in range(tries + 1):
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 - sorted by transient_error
+                why = transient_error(exc)
+                if not why:
+                    raise
+                if attempt == tries:
+                    raise SuperLinkError(f"the SuperLink failed {what} {tries + 1} times in a row ({why}); "
+                                         f"giving up (superlink-retries {tries}): check the SuperLink's log and its "
+                                         "--database, then resume the run") from exc
+                self.log({"phase": "superlink", "status": f"retry {attempt + 1}/{tries} of {what}: {why}",
+                          "seconds": wait})
+                print(f"medfl flower: the SuperLink failed {what} ({why}); trying again in {wait:.1f} s "
+                      f"({attempt + 1} of {tries})", file=sys.stderr, flush=True)
+                self.settings.sleep(wait)
+                wait = min(30.0, max(wait * 2, 0.1))
+        raise AssertionError("unreachable")
+
+    def get_node_ids(self) -> list[int]:
+        """The SuperLink's connected nodes (retried)."""
+        return list(self._call("to list its nodes", self.grid.get_node_ids))
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        """Push ``messages``; their ids (retried with the same messages)."""
+        return list(self._call("to take messages", self.grid.push_messages, messages))
+
+    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        """The replies to ``message_ids`` that arrived (retried)."""
+        return list(self._call("to hand over replies", self.grid.pull_messages, message_ids))
+
+
 class SiteDirectory:
     """Which Flower node serves which client id, kept up to date through ``query.hello``.
 
@@ -188,7 +305,7 @@ class SiteDirectory:
             the site's config's).
     """
 
-    def __init__(self, grid: Grid, expected: dict[str, tuple[dict[str, int], int]], fold: int | None,
+    def __init__(self, grid: "Grid | SteadyGrid", expected: dict[str, tuple[dict[str, int], int]], fold: int | None,
                  settings: FlowerSettings, log: Any, seed: int | None = None) -> None:
         self.grid = grid
         self.expected = expected
@@ -274,10 +391,11 @@ class SiteDirectory:
                 continue
             self._accept(node, reply)
 
-    def refresh(self, need: Iterable[str] = (), timeout: float | None = None) -> None:
-        """Ask new nodes who they are; re-ask nodes lost earlier (without waiting for
-        them); wait up to ``timeout`` (default ``hello_timeout``) for the hellos of new
-        nodes, or until every client of ``need`` is served.
+    def refresh(self, need: Iterable[str] = (), timeout: float | None = None, enough: int | None = None) -> None:
+        """Ask new nodes who they are; re-ask nodes lost earlier; wait up to ``timeout``
+        (default ``hello_timeout``) for the hellos of new nodes, and until every client of
+        ``need`` is served (``enough``: until that many of them are; a lost node is waited
+        for only through ``need``).
 
         Raises:
             RunError: a node serves an unknown client or drew another partition.
@@ -291,11 +409,12 @@ class SiteDirectory:
                 self._push_hello(node)
             waiting_for = set(self.pending.values())
             for node in sorted((self.lost & online) - waiting_for - self.retired):
-                self._push_hello(node)   # a node that missed an exchange: ask again, do not wait
+                self._push_hello(node)   # a node that missed an exchange: ask again (waited for through need)
             self._pull_hellos()
             fresh = {n for n in self.pending.values() if n not in self.lost}
-            missing = need - set(self.nodes)
-            if (not fresh and not missing) or time.monotonic() >= deadline:
+            served = len(need & set(self.nodes))
+            short = served < (len(need) if enough is None else min(enough, len(need)))
+            if (not fresh and not short) or time.monotonic() >= deadline:
                 return
             self.settings.pause()
 
@@ -342,8 +461,8 @@ class FlowerRun(Run):
         if self.coordinator.pools_data:
             raise RunError(f"method {self.label!r} pools every client's data in one place; it cannot run "
                            "across sites over Flower (run it in process)")
-        self.grid = grid
         self.settings = settings or FlowerSettings()
+        self.grid = SteadyGrid(grid, self.settings, self._log)
         if fold is not None:   # else Run's: the fold of the config.json beside run_dir
             self.fold = int(fold)
         self.run_id = ""       # set by prepare (flower.json)
@@ -351,7 +470,7 @@ class FlowerRun(Run):
         self._events: list[dict[str, Any]] = []
         expected = {cid: (P.split_sizes(data, cid), P.partition_digest(data, cid))
                     for cid in self.federation.eval_client_ids}
-        self.sites = SiteDirectory(grid, expected, self.fold, self.settings, self._log, self.federation.seed)
+        self.sites = SiteDirectory(self.grid, expected, self.fold, self.settings, self._log, self.federation.seed)
         self._guard = SampleGuard(tuple(data.source.sample_shape))   # the same for every site
         self._model_bytes: dict[str, int] = {}   # model spec (JSON) -> bytes of its state (reply_limit)
         #: SecAgg+ for the training replies (``fl.secure_aggregation``; ``None``: off)
@@ -419,23 +538,73 @@ class FlowerRun(Run):
         """Wait up to ``connect_timeout`` for a node serving each client of ``ids``, saying on
         stderr every ``progress_interval`` seconds which are still missing (sites on other
         machines may never come: the coordinator cannot tell, the user can)."""
-        deadline = t0 + self.settings.connect_timeout
+        self._await_sites(ids, len(ids), t0 + self.settings.connect_timeout, t0)
+
+    def _await_sites(self, ids: list[str], enough: int, deadline: float, t0: float, what: str = "") -> list[str]:
+        """Wait until ``deadline`` (``time.monotonic()``) for nodes serving at least
+        ``enough`` of the clients ``ids`` (new nodes, and nodes lost earlier, are asked for
+        their hello), saying on stderr every ``progress_interval`` seconds which clients have
+        no site yet (``what``: what is waiting, e.g. ``round 3 (train): ``); return the
+        clients still without a node."""
         waited = False
         while True:
             left = max(0.0, deadline - time.monotonic())
-            self.sites.refresh(need=ids, timeout=min(left, max(self.settings.progress_interval, 0.1)))
+            self.sites.refresh(need=ids, enough=enough,
+                               timeout=min(left, max(self.settings.progress_interval, 0.1)))
             missing = [c for c in ids if c not in self.sites.nodes]
-            if not missing or time.monotonic() >= deadline:
+            if len(ids) - len(missing) >= enough or time.monotonic() >= deadline:
                 break
             waited = True
             nodes = len(self.grid.get_node_ids())
-            print(f"medfl flower: waiting for sites ({time.monotonic() - t0:.0f} of "
-                  f"{self.settings.connect_timeout:.0f} s): no site serves client(s) {', '.join(missing)} yet; "
-                  f"connected: {', '.join(sorted(self.sites.nodes)) or 'none'} ({nodes} SuperNode(s) registered)",
-                  file=sys.stderr, flush=True)
-        if waited and not missing:
-            print(f"medfl flower: every site connected after {time.monotonic() - t0:.0f} s", file=sys.stderr,
+            print(f"medfl flower: {what}waiting for sites ({time.monotonic() - t0:.0f} of {deadline - t0:.0f} s): "
+                  f"no site serves client(s) {', '.join(missing)} yet; "
+                  f"connected: {', '.join(c for c in ids if c in self.sites.nodes) or 'none'} "
+                  f"({nodes} SuperNode(s) registered)", file=sys.stderr, flush=True)
+        if waited and len(ids) - len(missing) >= enough:
+            who = "every site" if not missing else f"{len(ids) - len(missing)} of {len(ids)} sites"
+            print(f"medfl flower: {what}{who} connected after {time.monotonic() - t0:.0f} s", file=sys.stderr,
                   flush=True)
+        return missing
+
+    def _await_quorum(self, r: int, phase: str, ids: list[str]) -> None:
+        """Before an exchange with the clients ``ids``: when fewer of them have a node than
+        :func:`~medfl.engine.runner.sites_needed` asks for, ask the lost nodes for their
+        hello again and wait up to ``fl.site_wait_s`` seconds for enough of them (recorded in
+        ``flower_events.csv``: a ``waiting`` row, then ``waited``).
+
+        Raises:
+            TooFewSites: still too few after the wait, naming the round, the sites and the rule.
+        """
+        need = sites_needed(len(ids), self.config)
+        have = [c for c in ids if c in self.sites.nodes]
+        if len(have) >= need:
+            return
+        wait = float(self.config.get("site_wait_s", 300.0))
+        t0 = time.monotonic()
+        self._log({"round": r, "phase": phase, "status": f"waiting: {len(have)} of {len(ids)} sites available, "
+                                                         f"{need} needed ({quorum_rule(self.config)})"})
+        print(f"medfl flower: round {r} ({phase}): {len(have)} of {len(ids)} sites available, {need} needed "
+              f"({quorum_rule(self.config)}); waiting up to {wait:.0f} s (fl.site_wait_s)", file=sys.stderr, flush=True)
+        missing = self._await_sites(ids, need, t0 + wait, t0, f"round {r} ({phase}): ")
+        got = len(ids) - len(missing)
+        self._log({"round": r, "phase": phase, "status": f"waited: {got} of {len(ids)} sites available",
+                   "seconds": time.monotonic() - t0})
+        if got < need:
+            self._flush_events()
+            raise TooFewSites(
+                f"round {r}: {got} of {len(ids)} sites available for {phase} after waiting {wait:.0f} s "
+                f"(fl.site_wait_s; no site serves client(s) {', '.join(missing)}), the round needs at least {need} "
+                f"({quorum_rule(self.config)}); the run stops here rather than go on without its sites; once they "
+                f"are back, continue with: {self.resume_command(self._top())}")
+
+    def check_quorum(self, r: int, phase: str, addressed: list[str], answered: list[str]) -> None:
+        """As :meth:`Run.check_quorum`; the exchange's events are written before the run fails."""
+        try:
+            super().check_quorum(r, phase, addressed, answered)
+        except TooFewSites:
+            self._log({"round": r, "phase": phase, "status": f"too few sites: {len(answered)} of {len(addressed)}"})
+            self._flush_events()
+            raise
 
     def record_absence(self, r: int, phase: str, cid: str) -> None:
         """A client ``fl.absences`` keeps out of an exchange is sent nothing: an ``absent
@@ -459,6 +628,16 @@ class FlowerRun(Run):
         order; a client without a node, one whose node is unavailable and one that has
         not answered within ``round_timeout`` are left out (and logged).
 
+        Enough sites (:func:`~medfl.engine.runner.sites_needed`: ``fl.min_sites``,
+        ``fl.min_fraction``): before sending, fewer sites with a node than needed are waited
+        for (:meth:`_await_quorum`); after it, when fewer answered than needed, the sites
+        that timed out or were unavailable are asked for their hello again and waited for,
+        up to ``fl.site_wait_s`` seconds, and the same content is sent again to those that
+        came back (a site computes the same answer again: its state is versioned by round).
+        SecAgg+'s stages are not sent again (their masks belong to one exchange). Each wait
+        is a ``waiting`` / ``waited`` row of ``flower_events.csv``; what is still missing
+        after it fails the round (:meth:`Run.check_quorum`).
+
         Every message sent is recorded in :attr:`traffic` under ``phase`` with the encoded
         size of its content and of the answer's (:func:`medfl.wire.encoded_size`; a client
         that did not answer counts its request only; one without a node was sent nothing).
@@ -476,8 +655,76 @@ class FlowerRun(Run):
 
         Raises:
             SiteFailure: every site asked answered with an error (each one's reason quoted).
+            TooFewSites: too few sites are available before sending, after ``fl.site_wait_s``.
         """
         self.sites.refresh()
+        ids = client_order(outgoing)
+        self._await_quorum(r, phase, ids)
+        t0 = time.monotonic()
+        need = sites_needed(len(ids), self.config)
+        again = controlled and not (self.secure is not None and message_type == P.TRAIN)
+        replies: dict[str, Message] = {}
+        failed: dict[str, str] = {}     # sites that answered with an error -> what it said
+        settled: set[str] = set()       # sites that answered (accepted, refused or with an error)
+        asked: list[str] = []           # sites sent the content at least once
+        todo, until = ids, None
+        while True:
+            asked += [c for c in self._send(r, phase, message_type, {c: outgoing[c] for c in todo}, releases,
+                                            counted_as, controlled, replies, failed, settled) if c not in asked]
+            short = [c for c in ids if c not in settled]   # timed out, unavailable or without a node
+            if len(replies) >= need or not short or not again:
+                break
+            until = until or time.monotonic() + float(self.config.get("site_wait_s", 300.0))
+            if time.monotonic() >= until:
+                break
+            todo = self._await_return(r, phase, short, need - len(replies), until)
+            if not todo:
+                break
+        self._log({"round": r, "phase": phase + ":all", "status": f"{len(replies)}/{len(outgoing)}",
+                   "seconds": time.monotonic() - t0})
+        if failed and len(failed) == len(asked):
+            # every site asked failed: the method, a filter or an approval is wrong everywhere
+            self._flush_events()
+            raise SiteFailure("; ".join(failed[cid] for cid in client_order(failed)))
+        for cid in client_order(failed):
+            # one site's error (its code failed, it refused the method, or it answers errors on
+            # purpose) cannot stop the run: dropped like any bad reply, excluded by policy
+            self.refuse(r, cid, failed[cid])
+        return {cid: replies[cid] for cid in client_order(replies)}
+
+    def _await_return(self, r: int, phase: str, short: list[str], more: int, until: float) -> list[str]:
+        """After an exchange that fewer sites answered than needed: wait until ``until`` for
+        nodes serving at least ``more`` of the clients ``short`` (those that timed out or were
+        unavailable: asked for their hello again), then up to ``hello_timeout`` more for the
+        rest of them; return those that have one, to send the exchange to again (none: too
+        few came back)."""
+        t0 = time.monotonic()
+        self._log({"round": r, "phase": phase, "status": f"waiting: {len(short)} site(s) missing ({' '.join(short)}), "
+                                                         f"{more} more needed ({quorum_rule(self.config)})"})
+        print(f"medfl flower: round {r} ({phase}): too few sites answered, {more} more needed "
+              f"({quorum_rule(self.config)}); waiting up to {max(0.0, until - t0):.0f} s more (fl.site_wait_s) for "
+              f"client(s) {', '.join(short)} to come back", file=sys.stderr, flush=True)
+        missing = self._await_sites(short, more, until, t0, f"round {r} ({phase}): ")
+        if missing and len(short) - len(missing) >= more:
+            # enough are back: give the others (still busy with the message they missed) up
+            # to hello_timeout to come back too, so that a slow round is not a smaller one
+            self.sites.refresh(need=short, timeout=min(self.settings.hello_timeout, max(0.0, until - time.monotonic())))
+        back = [c for c in short if c in self.sites.nodes]
+        self._log({"round": r, "phase": phase, "status": f"waited: {len(back)} back ({' '.join(back)})",
+                   "seconds": time.monotonic() - t0})
+        if len(back) < more:
+            return []
+        print(f"medfl flower: round {r} ({phase}): sending it again to client(s) {', '.join(back)}", file=sys.stderr,
+              flush=True)
+        return back
+
+    def _send(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict],
+              releases: frozenset[str] | set[str], counted_as: str | None, controlled: bool,
+              replies: dict[str, Message], failed: dict[str, str], settled: set[str]) -> list[str]:
+        """One round trip of :meth:`exchange`: send each client of ``outgoing`` that has a
+        node its content, collect the answers for up to ``round_timeout`` seconds into
+        ``replies`` (accepted), ``failed`` (Flower errors) and ``settled`` (every client that
+        answered, refused ones included), record the traffic; return the clients sent to."""
         t0 = time.monotonic()
         by_msg: dict[str, str] = {}
         sent_at: dict[str, float] = {}
@@ -497,8 +744,6 @@ class FlowerRun(Run):
             by_msg[mid] = cid
             sent_at[cid] = time.monotonic()
         del msgs
-        replies: dict[str, Message] = {}
-        failed: dict[str, str] = {}     # sites that answered with an error -> what it said
         deadline = t0 + self.settings.round_timeout
         while by_msg and time.monotonic() < deadline:
             for reply in self.grid.pull_messages(list(by_msg)):
@@ -517,7 +762,9 @@ class FlowerRun(Run):
                     self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
                                "status": f"failed (error {code})", "seconds": secs})
                     failed[cid] = f"site {cid} failed in {phase} of round {r} (Flower error {code}): {reason}"
+                    settled.add(cid)
                     continue
+                settled.add(cid)
                 try:
                     ctl = (wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}") if controlled
                            else {"client": cid})
@@ -548,19 +795,9 @@ class FlowerRun(Run):
             print(f"medfl flower: round {r}: site {cid} did not answer {phase} within "
                   f"{self.settings.round_timeout:.0f} s; left out", file=sys.stderr, flush=True)
             self.sites.drop(cid)
-        self._log({"round": r, "phase": phase + ":all", "status": f"{len(replies)}/{len(outgoing)}",
-                   "seconds": time.monotonic() - t0})
-        if failed and len(failed) == len(order):
-            # every site asked failed: the method, a filter or an approval is wrong everywhere
-            self._flush_events()
-            raise SiteFailure("; ".join(failed[cid] for cid in client_order(failed)))
-        for cid in client_order(failed):
-            # one site's error (its code failed, it refused the method, or it answers errors on
-            # purpose) cannot stop the run: dropped like any bad reply, excluded by policy
-            self.refuse(r, cid, failed[cid])
         for cid in order:
             self.traffic.add(r, cid, counted_as or phase, size_to[cid], size_from.get(cid, 0))
-        return {cid: replies[cid] for cid in client_order(replies)}
+        return order
 
     def reply_limit(self, cid: str, sent: int, release: bool = False) -> int:
         """The largest answer (encoded bytes) the coordinator takes from ``cid`` after sending
@@ -842,6 +1079,8 @@ RUN_CONFIG: dict[str, Any] = {
     "progress-interval": 15.0,   # seconds between "waiting for sites" lines at the start
     "site-nodes": "",        # JSON {client id: node id}: only that node may serve the client
     "max-reply-mb": 0.0,     # the largest answer taken from a site (0: bounded by what the method sends)
+    "superlink-retries": 8,  # tries again of a SuperLink call failing with HTTP 5xx ("database is locked")...
+    "superlink-backoff": 0.5,  # ... after this many seconds, doubling (at most 30 s)
 }
 
 

@@ -10,6 +10,7 @@ teardown checks that none is left. Each run is bounded (``RUN_TIMEOUT``).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -149,3 +150,52 @@ def test_site_drops_out_and_rejoins_with_its_state(federation) -> None:
     _numeric_equal(pd.read_csv(replica.run_dir / "train_metrics.csv"), pd.read_csv(run_dir / "train_metrics.csv"),
                    "train_metrics")
     _no_state_at_coordinator(run_dir)
+
+
+PAUSED_TIMEOUT = 45.0    # the paused-sites run: how long the coordinator waits for an answer
+
+
+def test_sites_that_stop_answering_fail_the_run_which_resumes_once_they_are_back(federation) -> None:
+    """Issue 39, items 1 and 2: every site stops answering (paused, as on a starved machine)
+    once round 1 has trained, so round 1's evaluation (or, had the pause come later, a later
+    exchange) has no site. The coordinator asks the sites for their hello again and waits
+    ``fl.site_wait_s``; then the run fails naming the round and the minimum, and its status
+    says so; it never says "finished". Before, the run went on with no site (each round in a
+    millisecond) and finished. Once the sites are back, ``--resume`` ends with the numbers of
+    a run that never failed."""
+    fed, work, _ = federation
+    name = "paused"
+    fl = _fl(work, name, {**FEDBN, "rounds": 2, "eval_every": 1, "site_wait_s": 15})
+    cfg_file = _write(work / f"{name}.json", fl)
+    run_dir = work / "runs" / name / "fedbn"
+    result: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: result.update(fed.run(
+        cfg_file, round_timeout=PAUSED_TIMEOUT, timeout=RUN_TIMEOUT, name=name)), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (run_dir / "train_metrics.csv").is_file() and runner.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (run_dir / "train_metrics.csv").is_file(), f"round 1 never trained: {result}"
+    try:
+        for cid in ("0", "1", "2"):
+            fed.pause_site(cid)
+        runner.join(RUN_TIMEOUT)
+    finally:
+        for cid in ("0", "1", "2"):
+            fed.resume_site(cid)
+    assert not runner.is_alive(), "the run did not end"
+    assert result.get("ok") is False, result
+    assert re.search(r"TooFewSites: round \d: 0 of 3 sites answered (train|evaluate) .*the round needs at least 1 "
+                     r"\(fl.min_sites 1\)", result["error"]), result["error"]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["status"] == "failed" and status["reason"].startswith("TooFewSites: round "), status
+    assert not (run_dir / "summary.json").exists()
+    events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str})
+    assert events["status"].str.startswith("waiting: 3 site(s) missing").any()
+
+    res = fed.run(resume=work / "runs" / name, round_timeout=ROUND_TIMEOUT, timeout=RUN_TIMEOUT, name=name + "-resume")
+    assert res["ok"], f"{res.get('error')}\n{res.get('traceback')}"
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    ref = run_experiment(resolve_config({**fl, "name": name + "_ref"}))
+    for f in ("metrics.csv", "train_metrics.csv"):
+        _numeric_equal(pd.read_csv(Path(ref["dir"]) / "fedbn" / f), pd.read_csv(run_dir / f), f)
