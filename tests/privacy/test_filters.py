@@ -216,7 +216,7 @@ BAD_FILTERS = [
     ([{"name": "quantize", "bits": 17}], "bits"),
     ([{"name": "quantize", "bits": True}], "bits"),
     ([{"name": "quantize", "bits": 8, "levels": 3}], "levels"),
-    ([{"name": "quantize", "bits": 8, "update": "yes"}], "update must be true"),
+    ([{"name": "quantize", "bits": 8, "update": "perhaps"}], r"update: expected true or false"),
     ([{"name": "quantize"}, {"name": "dp_gaussian", "epsilon": 3}], "last"),
     ([{"name": "dp_gaussian", "epsilon": 3}, {"name": "dp_gaussian", "epsilon": 3}], "one mechanism"),
     ([{"name": "zip"}], "unknown filter 'zip'"),
