@@ -111,8 +111,16 @@ def _status_round(run_dir: Path) -> int:
 
 
 def test_site_drops_out_and_rejoins_with_its_state(federation) -> None:
+    """A site that crashes right after round 1 (its SuperNode killed) and is started again
+    (a new SuperNode, the same state directory) is waited for and rejoins from its saved
+    state: with ``fl.min_sites`` 3 no round may go on without it, so round 2 is sent again to
+    its new node, and every number equals the in-process run. Nothing here depends on the
+    machine's speed: an exchange any site misses (the killed node, or a site too slow for
+    the round timeout on a loaded machine) is waited for and sent again, up to
+    ``fl.site_wait_s``. (A round that goes on without a killed site, and the same numbers in
+    process with those absences, is tests/flower/test_soak.py's.)"""
     fed, work, site_cfg = federation
-    fl = _fl(work, "drop", FEDBN)
+    fl = _fl(work, "drop", {**FEDBN, "min_sites": 3, "site_wait_s": 900})
     cfg_file = _write(work / "drop.json", fl)
     run_dir = work / "runs" / "drop" / "fedbn"
     result: dict[str, Any] = {}
@@ -131,24 +139,29 @@ def test_site_drops_out_and_rejoins_with_its_state(federation) -> None:
 
     train = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
     trained = {r: set(g["client_id"]) for r, g in train.groupby("round")}
-    assert trained[1] == {"0", "1", "2"}
-    assert "2" not in trained[2] and trained[2] == {"0", "1"}, trained   # the round went on without it
-    assert trained[3] == {"0", "1", "2"}, trained                        # it rejoined
+    assert all(trained[r] == {"0", "1", "2"} for r in trained) and len(trained) == fl["rounds"], trained
     events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
-    lost = events[(events["client_id"] == "2") & (events["round"] == 2) & (events["phase"] == "train")]
-    assert lost["status"].str.startswith(("timeout", "dropped")).all() and len(lost) == 1
     hellos = events[(events["phase"] == "hello") & (events["client_id"] == "2")]
     assert hellos["node_id"].nunique() == 2, hellos   # the restarted site registered as a new node
+    old_node = hellos["node_id"].iloc[0]
+    lost = events[(events["client_id"] == "2") & (events["node_id"] == old_node) & (events["round"] == 2)]
+    assert len(lost) and not lost["status"].eq("ok").any(), lost    # the killed node answered nothing
+    assert events["status"].str.startswith("waiting: ").any()          # round 2 waited for it
     # rejoined from its saved state: the same numbers as in process with the same participation
     cfg = resolve_config({**fl, "name": "drop_ref"})
     data = split_data(build_source(cfg["dataset"]), cfg)
     replica = _Replica(cfg, cfg["methods"][0], work / "runs" / "drop_ref" / "fedbn", data)
-    replica.absent = {(r, c) for r in trained for c in ("0", "1", "2") if c not in trained[r]}
+    replica.absent = set()             # every site trained every round
     replica.prepare()
     replica.execute()
     _numeric_equal(pd.read_csv(replica.run_dir / "metrics.csv"), pd.read_csv(run_dir / "metrics.csv"), "metrics")
-    _numeric_equal(pd.read_csv(replica.run_dir / "train_metrics.csv"), pd.read_csv(run_dir / "train_metrics.csv"),
-                   "train_metrics")
+    ours, theirs = pd.read_csv(replica.run_dir / "train_metrics.csv"), pd.read_csv(run_dir / "train_metrics.csv")
+    # an exchange sent again (to the restarted node, or to a site the round timeout cut off)
+    # is counted as sent each time: Flower's bytes to a client are at least the in-process ones
+    keys = ["round", "client_id"]
+    sent = ours.sort_values(keys)["bytes_to_client"].to_numpy(), theirs.sort_values(keys)["bytes_to_client"].to_numpy()
+    assert (sent[1] >= sent[0]).all() and (sent[1] > sent[0]).any(), sent
+    _numeric_equal(ours.drop(columns="bytes_to_client"), theirs.drop(columns="bytes_to_client"), "train_metrics")
     _no_state_at_coordinator(run_dir)
 
 
