@@ -26,10 +26,11 @@ os.environ.setdefault("MEDFL_NO_PLOTS", "1")
 #: missing from the list only runs later; the order changes no result.
 SLOW_MODULES = (
     "flower/test_simulation.py",        # 650 beside an experiment (Ray; early stopping too)
-    "flower/test_flower.py",            # 240: three runs over a real deployment
+    "flower/test_flower.py",            # 340: four runs over a real deployment (a site killed, all paused)
     "flower/test_soak.py",              # 330: a site and the SuperLink killed mid-run, then resumed
     "flower/test_secagg_flower.py",     # 210: SecAgg+ over the loop-back grid, on Ray, over a real deployment
-    "flower/test_deploy_auth.py",       # 145: TLS, keys, a SuperLink restart and a resume
+    "flower/test_deploy_auth.py",       # 150: TLS, keys, a SuperLink restart and a resume
+    "flower/test_under_load.py",        # 165: Flower processes held 35-40 s at their start
     "methods/test_fedtpf_bundles.py",   # 85
     "methods/test_ham10000_bundles.py",  # 75
     "methods/test_fedskd_bundles.py",   # 65
