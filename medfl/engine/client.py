@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from medfl.context import ClientContext
-from medfl.engine.data import client_order, sha256_file
-from medfl.engine.files import check_sum, sum_path, write_sum, writing
+from medfl.engine.data import client_order
+from medfl.rundir import check_sum, sha256_file, sum_path, write_sum, writing
 from medfl.engine.training import NonFiniteError, compute_settings
 from medfl.filters import FilterChain
 from medfl.guard import ContentGuard

@@ -19,8 +19,9 @@ from medfl.data.partition import DEFAULT_GROUP_COLUMN, PartitionError, grouped_s
 from medfl.data.source import DataError, FederatedSource
 from medfl.method import derive_seed
 from medfl.plugins import lookup
+from medfl.rundir import sha256_file, writing
 
-__all__ = ["FederatedData", "split_data", "read_partition", "PARTITION_COLUMNS", "sha256_file", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
+__all__ = ["FederatedData", "split_data", "read_partition", "PARTITION_COLUMNS", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
            "POOLED", "REPORT_NAME", "group_keys", "partition_report", "report_line", "warn_straddling"]
 
 #: The client id of the pooled (centralized) client.
@@ -133,8 +134,6 @@ class FederatedData:
         :func:`read_partition` checks: a kill mid-write never leaves a short partition that a
         resume would take for the whole one. The :attr:`report` goes first to
         :data:`REPORT_NAME` in the same folder (the table, written last, marks a whole split)."""
-        from medfl.engine.files import writing   # here: that module reads files with this one's helpers
-
         path = Path(path)
         if self.report is not None:
             out = path.with_name(REPORT_NAME)
@@ -158,17 +157,6 @@ PARTITION_COLUMNS = ("row", "client_id", "role")
 
 #: The partition report's file name, beside ``partition.csv`` (:func:`partition_report`).
 REPORT_NAME = "partition_report.json"
-
-
-def sha256_file(path: str | Path) -> str:
-    """The SHA-256 of a file (hex), read in 1 MiB blocks."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_partition(path: str | Path) -> pd.DataFrame:

@@ -51,7 +51,7 @@ the same data and writes a comparison; :class:`Run` runs one method in one direc
                        early stopping the best round's: the checkpoints kept record it), the
                        client states it goes with, and a manifest of the run's own files
                        (size and SHA-256 at checkpoint time) that a resume checks first
-                       (:mod:`medfl.engine.files`)
+                       (:mod:`medfl.rundir`)
     clients/           each client's persistent state, versioned by round
     eval_state/        each client's evaluation memory (last per-sample correctness, for
                        the negative-flip counts; client-side, never sent), versioned by round
@@ -94,7 +94,7 @@ from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, b
                                  run_client_validate)
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
 from medfl.engine.early_stopping import EarlyStopping, metrics_split
-from medfl.engine.files import (append_text, check_sum, file_manifest, full_disk_message, interrupted_write,
+from medfl.rundir import (append_text, check_sum, file_manifest, full_disk_message, interrupted_write,
                                manifest_problems, write_sum, writing)
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
@@ -239,7 +239,7 @@ def evaluate_metrics(y, probs) -> dict[str, float]:
 
 def _write_json(path: Path, data: Any) -> None:
     """Write ``data`` to ``path`` as JSON, atomically (a full disk leaves the file before whole:
-    :func:`medfl.engine.files.writing`)."""
+    :func:`medfl.rundir.writing`)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     with writing(path, tmp):
         tmp.write_text(json.dumps(data, indent=2, default=str))

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from medfl.rundir import append_text
+
 __all__ = ["payload_digest", "append_record", "read_records", "ReleaseRefused", "SiteReleaseLedger",
            "ReleaseJournal", "asked_releases", "LEDGER_FILE", "JOURNAL_FILE"]
 
@@ -77,8 +79,6 @@ def payload_digest(*values: Any) -> str:
 def append_record(path: Path, record: dict[str, Any]) -> None:
     """Append ``record`` as one JSON line to ``path`` and flush it to disk (``fsync``) before
     returning: a record written before a release leaves survives a crash right after."""
-    from medfl.engine.files import append_text   # here: medfl.engine imports this module
-
     path.parent.mkdir(parents=True, exist_ok=True)
     append_text(path, json.dumps(record, sort_keys=True) + "\n", sync=True)
 

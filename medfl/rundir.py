@@ -42,11 +42,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from medfl.engine.data import sha256_file
 
-__all__ = ["RUN_FILES", "file_manifest", "manifest_problems", "interrupted_write", "sum_path", "write_sum",
+__all__ = ["sha256_file", "RUN_FILES", "file_manifest", "manifest_problems", "interrupted_write", "sum_path", "write_sum",
            "check_sum", "DiskFullError", "NO_SPACE", "disk_full", "full_disk_message", "writing",
            "append_text"]
+
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 of a file (hex), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
 
 #: The ``errno`` values of a write that found no room: no space left on the device, a disk
 #: quota exceeded, a file larger than the process may write (``RLIMIT_FSIZE``).
