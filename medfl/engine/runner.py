@@ -632,13 +632,6 @@ class Run:
             + f"), the round needs at least {need} ({quorum_rule(self.config)}); the run stops here rather than "
             f"go on without its sites; once they are back, continue with: {self.resume_command(self._top())}")
 
-    def _top(self) -> Path:
-        """The experiment directory this run belongs to (what a resume is given)."""
-        top = self.run_dir.parent
-        while (top.parent / "config.json").is_file():
-            top = top.parent
-        return top
-
     # ------------------------------------------------------------------ clients
     def context(self, client_id: str, round: int, state_before: int | None = None) -> ClientContext:
         """Build ``client_id``'s context for ``round`` with its persistent state loaded."""
