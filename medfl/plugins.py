@@ -77,7 +77,10 @@ class Registered:
 
 _pm: pluggy.PluginManager | None = None
 _dists: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
-_registry_cache: tuple[tuple[int, ...], dict[str, dict[str, Registered]]] | None = None
+# The cache is keyed by the registered plugin objects themselves, not their ids: holding them
+# keeps a freed plugin's id from being reused by the next one registered (CPython reuses ids,
+# and a stale registry then named a plugin that was gone).
+_registry_cache: tuple[frozenset[int], tuple[Any, ...], dict[str, dict[str, Registered]]] | None = None
 
 
 def _trace(hook_name: str, hook_impls: list, kwargs: dict) -> None:
@@ -188,10 +191,11 @@ def registry() -> dict[str, dict[str, Registered]]:
     """
     global _registry_cache
     pm = get_plugin_manager()
-    key = tuple(id(p) for p in pm.get_plugins())
+    plugins = tuple(pm.get_plugins())
+    key = frozenset(id(p) for p in plugins)
     if _registry_cache is None or _registry_cache[0] != key:
-        _registry_cache = (key, _build())
-    return _registry_cache[1]
+        _registry_cache = (key, plugins, _build())
+    return _registry_cache[2]
 
 
 def lookup(kind: str, name: str) -> Any:

@@ -186,3 +186,30 @@ def test_every_hookspec_has_a_test():
     text += Path(__file__).read_text().split("def test_every_hookspec_has_a_test")[0]
     missing = [s for s in specs if not re.search(rf"\b{s}\b", text)]
     assert specs and not missing, f"hook specs without a test: {missing}"
+
+
+def test_a_plugin_registered_after_another_is_gone_is_the_one_looked_up():
+    """The registry is rebuilt whenever the registered plugins change, even when a new plugin
+    object lands at the address of one just unregistered (CPython reuses a freed object's id
+    for the next of its size): on 7524dea the registry was keyed by ids, and kept answering
+    with the method of a plugin already gone, so a test's outcome depended on which tests its
+    xdist worker had run before it (CI: an own_dp declaration from a parametrized case)."""
+
+    class Plugin:
+        def __init__(self, cls: type) -> None:
+            self.cls = cls
+
+        @hookimpl
+        def register_methods(self, register):
+            register(self.cls)
+
+    pm = get_plugin_manager()
+    for i in range(10):
+        cls = type(f"Reused{i}", (FedAvg,), {"name": "reused_method", "marker": i})
+        pm.register(Plugin(cls), name="reused-plugin")   # the only reference: freed on unregister
+        try:
+            assert lookup("method", "reused_method").marker == i
+        finally:
+            pm.unregister(name="reused-plugin")
+    with pytest.raises(PluginError):
+        lookup("method", "reused_method")
