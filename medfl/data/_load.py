@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from monai.transforms import Transform
 
-from medfl.data.manifest import load_sample
+from medfl.data.images import load_sample
 
 __all__ = ["LoadImageArray"]
 
 
 class LoadImageArray(Transform):
     """MONAI dict transform: ``{"image": path}`` -> ``{"image": float32 tensor}`` through
-    :func:`~medfl.data.manifest.load_sample`. A MONAI ``Transform`` (deterministic), so
+    :func:`~medfl.data.images.load_sample`. A MONAI ``Transform`` (deterministic), so
     ``PersistentDataset`` caches its output."""
 
     def __call__(self, d: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from medfl.data.source import FederatedSource
-from medfl.method import derive_seed
+from medfl.seeding import derive_seed
 
 __all__ = ["BlockDataset", "block_images", "random_blocks"]
 

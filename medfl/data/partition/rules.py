@@ -1,0 +1,347 @@
+"""Partitioners that follow a rule of the data or of a paper: :func:`natural` (one client per
+value of a column such as ``site``), :func:`subset` (FedTPF's "Subset": one dominant class per
+client) and :func:`class_sample` (FedSDC's NIID-2: few classes, few rows each, the rest is
+test). Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.groups`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from numbers import Real
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from medfl.data.partition.base import (
+    REST_ROLES, Partition, _check_clients, _check_int, _check_table, _fail, _finish, _is_int, _labels,
+    _rng,
+)
+from medfl.data.partition.groups import (
+    DEFAULT_GROUP_COLUMN, _even_cuts, _group_labels, _Groups, _groups_of,
+)
+
+__all__ = ["class_sample", "natural", "subset"]
+
+
+def natural(
+    table: pd.DataFrame,
+    num_clients: int | None = 0,
+    seed: int | None = 0,
+    column: str = "site",
+    mapping: Mapping[Any, str] | None = None,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
+) -> Partition:
+    """Natural split: one client per distinct value of ``column`` (e.g. hospital site).
+
+    Values are first mapped through ``mapping`` when given (e.g. site -> region, so that
+    several sites form one client). Clients are ordered by sorted group name; their ids
+    are ``"0"``, ``"1"``, ... and the group names are in :attr:`Partition.names`.
+
+    ``column`` keeps a subject's rows together whenever a subject is seen at one site only.
+    A ``group_column`` group whose rows carry several (mapped) values goes whole to the
+    client of its most frequent value (ties: the first in sorted order); the clients stay
+    those of the values, and one that loses every row this way is an error.
+
+    Args:
+        table: manifest with the ``column`` column (and ``label``).
+        num_clients: must equal the number of groups; ``0`` or ``None`` means "as many as
+            there are groups". Default: ``0``.
+        seed: unused (the split is fixed by the data); accepted for the common signature.
+            Default: ``0``.
+        column: grouping column. Default: ``"site"``.
+        mapping: value -> group name; every value present in ``column`` must be a key
+            (looked up as is, then as ``str(value)``). Default: ``None`` (groups are the
+            values themselves, as strings).
+        group_column: rows sharing its value go to one client (``None``: ``column``
+            alone decides; the default ``"subject_id"`` may be absent).
+
+    Returns:
+        The :class:`Partition`, clients named after their groups.
+
+    Raises:
+        PartitionError: when the column is missing or has missing values, values are absent
+            from ``mapping``, ``num_clients`` differs from the number of groups, or a client
+            loses all its rows to the clients of its subjects' other rows.
+    """
+    func = "natural"
+    if not isinstance(column, str):
+        raise _fail(func, f"column must be a column name (str), got {column!r}")
+    _check_table(func, table, ("label", column))
+    if num_clients is None:
+        num_clients = 0
+    num_clients = _check_int(func, "num_clients", num_clients, 0,
+                             why=" (0 or None: as many clients as groups)")
+    values = table[column]
+    if values.isna().any():
+        raise _fail(func, f"column {column!r} has {int(values.isna().sum())} missing value(s)")
+    if mapping is not None:
+        if not isinstance(mapping, Mapping):
+            raise _fail(func, f"mapping must be a dict of value -> group, got "
+                        f"{type(mapping).__name__}")
+        unknown: list[Any] = []
+        groups = []
+        for value in values.to_numpy():
+            if value in mapping:
+                groups.append(str(mapping[value]))
+            elif str(value) in mapping:
+                groups.append(str(mapping[str(value)]))
+            else:
+                groups.append("")
+                if value not in unknown:
+                    unknown.append(value)
+        if unknown:
+            raise _fail(
+                func, f"values of column {column!r} missing from mapping: "
+                f"{sorted(map(str, unknown))}; mapping has keys {sorted(map(str, mapping))}",
+            )
+        group_arr = np.asarray(groups, dtype=object)
+    else:
+        group_arr = values.astype(str).to_numpy(dtype=object)
+    names = sorted(set(group_arr.tolist()))
+    if num_clients not in (0, len(names)):
+        raise _fail(
+            func, f"num_clients={num_clients} but column {column!r} has {len(names)} groups "
+            f"{names}; use num_clients={len(names)} or 0",
+        )
+    subjects = _Groups(func, table, group_column)
+    if subjects.grouped:
+        group_arr = _majority_value(group_arr, subjects.ids)
+    buckets = [np.flatnonzero(group_arr == name) for name in names]
+    lost = [name for name, rows in zip(names, buckets) if not len(rows)]
+    if lost:
+        raise _fail(func, f"clients {lost} of column {column!r} lose every row to other clients: each of their "
+                    f"{subjects.unit} has most of its rows elsewhere; use group_column null or another mapping")
+    return _finish(buckets, names=names)
+
+
+def _majority_value(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``values`` with every group's rows given the group's most frequent value (ties: the
+    first in sorted order), for :func:`natural`."""
+    frame = pd.DataFrame({"g": ids, "v": values})
+    counts = frame.groupby(["g", "v"], sort=True).size().reset_index(name="n")
+    # stable sort by count, descending: the first row of each group is its most frequent value
+    best = counts.sort_values(["g", "n"], ascending=[True, False], kind="stable").drop_duplicates("g")
+    chosen = pd.Series(best["v"].to_numpy(), index=best["g"].to_numpy())
+    return chosen.reindex(ids).to_numpy(dtype=object)
+
+
+def subset(
+    table: pd.DataFrame,
+    num_clients: int,
+    seed: int,
+    share: float = 0.9,
+    minor_fraction: float | None = None,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
+) -> Partition:
+    """Extreme quantity skew, "Subset" (FedTPF, after FedFed): one class makes up at least
+    ``share`` of each client's data.
+
+    Each client gets a dominant class: the classes in a seeded order, dealt round-robin over
+    the clients (so with ``num_clients >= K`` every class dominates some client). Of each
+    dominated class, ``minor_fraction`` of its rows (default ``0.9 * (1 - share)``) go to a
+    common minor pool and the rest is split evenly among the clients it dominates; a class
+    that dominates no client goes to the pool whole. The pool's rows are then dealt, in a
+    seeded order, to clients of another dominant class, each time to the client with the
+    most room left, a client's room being ``floor(dominant rows * (1 - share) / share)`` so its
+    dominant class keeps at least ``share`` of its rows. Every row is assigned.
+
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: a
+    group counts for its most frequent label (ties: the largest), shares and room count the
+    rows of the groups of each label, the pool takes the groups up to the boundary nearest
+    ``minor_fraction`` of a class's rows, and a pooled group goes whole to the client with
+    the most room, which must fit all of it; a pooled group that fits nowhere (the room
+    left is cut into pieces smaller than it) goes back to a client its label dominates. A
+    group of mixed labels brings its minority rows along, so ``share`` then holds for the
+    groups' labels rather than every row's.
+    With one row per group this is the row-level split.
+
+    Args:
+        table: manifest with an integer ``label`` column.
+        num_clients: number of clients.
+        seed: seed for :func:`numpy.random.default_rng`.
+        share: the dominant class's least share of each client, in (0, 1) (paper: "over 90%").
+        minor_fraction: share of each dominated class given to other clients, in [0, 1 - share];
+            default ``0.9 * (1 - share)``.
+        group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
+            Default: ``"subject_id"`` (rows one by one when the table has no such column).
+
+    Returns:
+        The :class:`Partition`, clients named ``"client_<i>"``.
+
+    Raises:
+        PartitionError: on bad parameters, a client without rows of its dominant class, or a
+            pool that does not fit in the clients' room (e.g. fewer clients than classes and a
+            large undominated class); the message gives the sizes.
+    """
+    func = "subset"
+    _check_table(func, table)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
+    if not isinstance(share, Real) or isinstance(share, bool) or not 0 < share < 1:
+        raise _fail(func, f"share must be a number in (0, 1), got {share!r}")
+    share = float(share)
+    if minor_fraction is None:
+        minor_fraction = 0.9 * (1 - share)
+    if (not isinstance(minor_fraction, Real) or isinstance(minor_fraction, bool)
+            or not 0 <= minor_fraction <= 1 - share):
+        raise _fail(func, f"minor_fraction must be in [0, 1 - share = {1 - share:g}], got {minor_fraction!r}")
+    labels = groups.labels(_labels(func, table))
+    classes = np.unique(labels)
+    rng = _rng(func, seed)
+    order = classes[rng.permutation(len(classes))]
+    dominant = [order[i % len(order)] for i in range(num_clients)]
+    buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    pool: list[np.ndarray] = []
+    for c in classes:
+        gids = rng.permutation(np.flatnonzero(labels == c))
+        owners = [i for i in range(num_clients) if dominant[i] == c]
+        if not owners:
+            pool.append(gids)
+            continue
+        minor, mine = groups.cut(gids, [int(math.floor(minor_fraction * groups.rows(gids)))])
+        pool.append(minor)
+        for i, piece in zip(owners, groups.cut(mine, _even_cuts(groups.rows(mine), len(owners)), nonempty=True)):
+            buckets[i].append(piece)
+    dom_rows = np.array([sum(groups.rows(p) for p in b) for b in buckets])
+    empty = [str(i) for i in range(num_clients) if dom_rows[i] == 0]
+    if empty:
+        raise _fail(func, f"clients {empty} get no rows of their dominant class (it has fewer rows than the "
+                    "clients it dominates); use fewer clients")
+    room = np.floor(dom_rows * (1 - share) / share).astype(np.int64)
+    total_room = int(room.sum())
+    left = [gids for gids in pool if len(gids)]
+    pooled = np.concatenate(left) if left else np.zeros(0, np.int64)
+    pooled = pooled[rng.permutation(len(pooled))]
+    extra: list[list[int]] = [[] for _ in range(num_clients)]
+    dom_arr = np.asarray(dominant)
+    for g in pooled:
+        size = int(groups.size[g])
+        free = np.where(dom_arr != labels[g], room, -1)
+        i = int(np.argmax(free))
+        home = np.flatnonzero(dom_arr == labels[g])
+        if free[i] >= size:
+            room[i] -= size
+        elif groups.grouped and len(home):
+            # a whole group that fits nowhere else (the room left is cut into pieces smaller
+            # than a group) goes back to a client its label dominates: its share only grows
+            i = int(home[np.argmax(room[home])])
+            room[i] += (int(math.floor((dom_rows[i] + size) * (1 - share) / share))
+                        - int(math.floor(dom_rows[i] * (1 - share) / share)))
+            dom_rows[i] += size
+        else:
+            raise _fail(func, f"the {groups.rows(pooled)} rows for the minor classes do not fit: each client may "
+                        f"hold {(1 - share) / share:.3f} x its dominant rows of other classes (room {total_room} "
+                        f"in all{groups.dealt}); use more clients (every class then dominates one), a smaller "
+                        "share or a smaller minor_fraction")
+        extra[i].append(int(g))
+    for i in range(num_clients):
+        buckets[i].append(np.asarray(extra[i], dtype=np.int64))
+    return groups.finish(buckets)
+
+
+def _pair(func: str, name: str, value: Any, low: int, high: int | None = None) -> tuple[int, int]:
+    """``[lo, hi]`` (or one integer for both) as two integers with ``low <= lo <= hi``."""
+    pair = [value, value] if _is_int(value) else value
+    ok = (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_is_int(v) for v in pair)
+          and low <= pair[0] <= pair[1] and (high is None or pair[1] <= high))
+    if not ok:
+        top = "" if high is None else f" and hi <= {high}"
+        raise _fail(func, f"{name} must be [lo, hi] integers with {low} <= lo <= hi{top} (or one integer), "
+                    f"got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def class_sample(
+    table: pd.DataFrame,
+    num_clients: int,
+    seed: int,
+    classes: int | list[int] = (5, 6),
+    per_class: int | list[int] = (20, 60),
+    group_column: str | None = "subject_id",
+    rest: str | None = "global_test",
+    max_retries: int = 100,
+) -> Partition:
+    """Few classes, few samples each; the rest is test: the NIID-2 split of FedSDC (after
+    FedDisco, Ye et al. 2023).
+
+    Each client in turn draws how many classes it holds, uniformly in ``classes`` (FedSDC:
+    5 to 6), picks that many distinct classes at random among those that still have at
+    least ``per_class[0]`` unassigned rows, and for each draws a sample size uniformly in
+    ``per_class`` (FedSDC: 20 to 60) and takes that many of the class's unassigned rows at
+    random (all of them when fewer remain). Rows are taken in whole groups (``group_column``,
+    one lesion's or patient's images), so a size is rounded up to the group that crosses it
+    and no group is split between a client and the test set. Rows no client takes are, with
+    ``rest="global_test"``, the held-out global test set (the engine appends them to it;
+    FedSDC: "the remaining samples are used for testing"), or dropped with ``rest=None``.
+    A whole draw is repeated (up to ``max_retries``) when some client finds too few classes
+    left.
+
+    Args:
+        table: manifest with an integer ``label`` column.
+        num_clients: number of clients.
+        seed: seed for :func:`numpy.random.default_rng`.
+        classes: ``[lo, hi]`` classes per client (or one number), ``1 <= lo <= hi <= K``.
+        per_class: ``[lo, hi]`` rows per class and client (or one number), ``lo >= 1``.
+        group_column: rows sharing this column's value move together (``None``: every row
+            on its own; the default ``subject_id`` may be absent; with one row per value the
+            draw is the one of ``None``; a blank cell is a group of its own).
+        rest: ``"global_test"`` (default) or ``None`` (drop the rows no client takes).
+        max_retries: maximum number of whole draws (>= 1).
+
+    Returns:
+        The :class:`Partition`, clients named ``"client_<i>"``, with :attr:`Partition.rest`.
+
+    Raises:
+        PartitionError: on bad parameters, or when no draw within ``max_retries`` finds every
+            client enough classes with ``per_class[0]`` rows left (the message says how many
+            rows the request needs at least and how many the classes hold).
+    """
+    func = "class_sample"
+    _check_table(func, table)
+    n = len(table)
+    num_clients = _check_clients(func, num_clients, n)
+    labels = _labels(func, table)
+    values = np.unique(labels)
+    c_lo, c_hi = _pair(func, "classes", classes, 1, len(values))
+    s_lo, s_hi = _pair(func, "per_class", per_class, 1)
+    max_retries = _check_int(func, "max_retries", max_retries, 1)
+    if rest not in REST_ROLES:
+        raise _fail(func, f"rest must be 'global_test' or null (drop the rows no client takes), got {rest!r}")
+    groups = _groups_of(func, table, group_column)
+    if len(groups) and int(groups.max()) + 1 == n:   # one row per group: draw over rows, as with None
+        groups = np.arange(n)
+    glabel = _group_labels(labels, groups)
+    gsize = np.bincount(groups, minlength=len(glabel))
+    rng = _rng(func, seed)
+    for _ in range(max_retries):
+        pools = {c: list(rng.permutation(np.flatnonzero(glabel == c))) for c in values}
+        left = {c: int(gsize[pools[c]].sum()) for c in values}
+        taken: list[list[int]] = []
+        for _client in range(num_clients):
+            k = int(rng.integers(c_lo, c_hi + 1))
+            eligible = [c for c in values if left[c] >= s_lo]
+            if len(eligible) < k:
+                break
+            mine: list[int] = []
+            for c in rng.choice(np.asarray(eligible), size=k, replace=False):
+                want, got = int(rng.integers(s_lo, s_hi + 1)), 0
+                while pools[c] and got < want:
+                    g = pools[c].pop()
+                    mine.append(g)
+                    got += int(gsize[g])
+                left[c] -= got
+            taken.append(mine)
+        else:
+            member = np.full(len(glabel), -1)
+            for i, mine in enumerate(taken):
+                member[mine] = i
+            owner = member[groups]
+            return Partition({str(i): np.flatnonzero(owner == i).astype(np.int64) for i in range(num_clients)},
+                             rest=rest)
+    counts = {values[j].item(): int((labels == values[j]).sum()) for j in range(len(values))}
+    raise _fail(func, f"impossible: {num_clients} clients of {c_lo}-{c_hi} classes with at least {s_lo} rows "
+                f"each need at least {num_clients * c_lo * s_lo} rows spread over enough classes; the "
+                f"classes hold {counts} (no draw worked in max_retries={max_retries}); use fewer clients, "
+                "fewer classes per client or a smaller per_class")

@@ -1,0 +1,319 @@
+"""Partitioners that skew labels or sizes by a random draw: :func:`dirichlet` (label
+proportions from a Dirichlet), :func:`label_skew` (``#C=k`` labels per client, the shards
+split), :func:`quantity_skew` (client sizes from a Dirichlet) and :func:`iid` (equal sizes).
+Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.groups`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from medfl.data.partition.base import (
+    Partition, _check_int, _check_positive, _check_table, _fail, _labels, _rng,
+)
+from medfl.data.partition.groups import DEFAULT_GROUP_COLUMN, _even_cuts, _Groups
+
+__all__ = ["dirichlet", "iid", "label_skew", "quantity_skew"]
+
+
+def _check_min_size_possible(func: str, min_size: int, num_clients: int, n: int) -> None:
+    """Fail at once when ``min_size`` rows for each client exceed the table."""
+    if min_size * num_clients > n:
+        raise _fail(
+            func, f"impossible: min_size={min_size} for each of num_clients={num_clients} "
+            f"clients needs {min_size * num_clients} rows but the table has {n}; "
+            "use a smaller min_size or fewer clients",
+        )
+
+
+def dirichlet(
+    table: pd.DataFrame,
+    num_clients: int,
+    seed: int,
+    alpha: float = 0.5,
+    min_size: int = 10,
+    max_retries: int = 100,
+    balance: bool = True,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
+) -> Partition:
+    """Label-distribution skew: per-class client proportions drawn from a Dirichlet.
+
+    The usual split of Hsu et al. (2019) as implemented in NIID-Bench / FedLab: for every
+    class, its rows are shuffled, proportions ``p ~ Dir(alpha * 1)`` over the clients are
+    drawn and the rows are cut at the cumulative proportions. With ``balance`` (the common
+    implementation's trick), clients already holding ``>= len(table) / num_clients`` rows get
+    proportion zero for the classes still to come, which keeps client sizes from running
+    away. The whole draw is repeated until every client has at least ``min_size`` rows.
+
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: the
+    class's *groups* are shuffled, each counted for its most frequent label (ties: the
+    largest), and cut at the group boundary nearest to each cumulative proportion of the
+    class's rows. A client's share of a class is then off by at most half a group per cut,
+    and a group of mixed labels brings its minority rows along; sizes, the ``balance`` cap
+    and ``min_size`` count rows. With one row per group the draw is the row-level one.
+
+    Args:
+        table: manifest with an integer ``label`` column.
+        num_clients: number of clients (``1 <= num_clients <= len(table)``).
+        seed: seed for :func:`numpy.random.default_rng`.
+        alpha: Dirichlet concentration (> 0); small values give more skew. Default: ``0.5``.
+        min_size: minimum rows per client (>= 0). Default: ``10``.
+        max_retries: maximum number of whole draws (>= 1). Default: ``100``.
+        balance: zero the proportion of clients already holding ``>= N / num_clients`` rows.
+            Default: ``True``.
+        group_column: rows sharing its value are dealt together; ``None`` deals rows one
+            by one; the default ``"subject_id"`` may be absent (then rows). A blank cell
+            (NaN) makes its row a group of its own. Default: ``"subject_id"``.
+
+    Returns:
+        The :class:`Partition`, clients named ``"client_<i>"``.
+
+    Raises:
+        PartitionError: on bad parameters, when ``min_size * num_clients > len(table)``,
+            when there are fewer groups than clients, or when no draw within
+            ``max_retries`` gives every client ``min_size`` rows.
+    """
+    func = "dirichlet"
+    _check_table(func, table)
+    n = len(table)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
+    alpha = _check_positive(func, "alpha", alpha)
+    min_size = _check_int(func, "min_size", min_size, 0)
+    max_retries = _check_int(func, "max_retries", max_retries, 1)
+    _check_min_size_possible(func, min_size, num_clients, n)
+    glabels = groups.labels(_labels(func, table))
+    rng = _rng(func, seed)
+    class_groups = [np.flatnonzero(glabels == c) for c in np.unique(glabels)]
+    cap = n / num_clients
+    conc = np.full(num_clients, alpha)
+    best = -1
+    for _ in range(max_retries):
+        buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        sizes = np.zeros(num_clients, dtype=np.int64)
+        for gids in class_groups:
+            gids = rng.permutation(gids)
+            p = rng.dirichlet(conc)
+            if balance:
+                p = p * (sizes < cap)
+            total = p.sum()
+            if not np.isfinite(total) or total <= 0:
+                # Every eligible proportion underflowed to 0 (tiny alpha): fall back to
+                # a uniform split over the eligible clients.
+                p = (sizes < cap).astype(float) if balance else np.ones(num_clients)
+                total = p.sum()
+            p = p / total
+            cuts = (np.cumsum(p) * groups.rows(gids)).astype(np.int64)[:-1]
+            for i, piece in enumerate(groups.cut(gids, cuts)):
+                buckets[i].append(piece)
+                sizes[i] += groups.rows(piece)
+        smallest = int(sizes.min())
+        if smallest >= min_size:
+            return groups.finish(buckets)
+        best = max(best, smallest)
+    raise _fail(
+        func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
+        f"with alpha={alpha} in max_retries={max_retries} draws (smallest client size "
+        f"reached: {best}{groups.dealt}); use a larger alpha or a smaller min_size",
+    )
+
+
+def label_skew(
+    table: pd.DataFrame,
+    num_clients: int,
+    seed: int,
+    k: int = 2,
+    allow_unassigned: bool = False,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
+) -> Partition:
+    """Quantity-based label skew ``#C=k`` (Li et al. 2022, "Federated Learning on Non-IID
+    Data Silos"): every client owns ``k`` distinct labels.
+
+    Client ``i`` first owns label ``i % K`` (labels in sorted order, ``K`` distinct labels).
+    Its other ``k - 1`` labels are drawn at random among its not-yet-owned labels, except
+    that labels nobody owns yet are handed out first (round-robin over the clients), so
+    every label has an owner whenever ``num_clients * k >= K``. Each label's rows are
+    shuffled and split as evenly as possible among its owners; a client therefore holds
+    exactly ``k`` labels when every label has at least as many rows as owners.
+
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: a
+    group counts for its most frequent label (ties: the largest), the labels are those of
+    the groups, and a label's shuffled groups are cut at the group boundaries nearest to an
+    even split of its rows. A group of mixed labels brings its minority rows along, so a
+    client may hold a few rows of labels it does not own. With one row per group this is
+    the row-level split.
+
+    Args:
+        table: manifest with an integer ``label`` column.
+        num_clients: number of clients (``1 <= num_clients <= len(table)``).
+        seed: seed for :func:`numpy.random.default_rng`.
+        k: labels per client, ``1 <= k <= K``. Default: ``2``.
+        allow_unassigned: when some label is owned by no client (only possible if
+            ``num_clients * k < K``), drop its rows instead of raising. This is the only
+            partitioner option that leaves rows unassigned. Default: ``False``.
+        group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
+            Default: ``"subject_id"`` (rows one by one when the table has no such column).
+
+    Returns:
+        The :class:`Partition`, clients named ``"client_<i>"``.
+
+    Raises:
+        PartitionError: on bad parameters, when labels are left without owner and
+            ``allow_unassigned`` is false, or when a client ends up with no rows (its
+            labels have fewer rows, or groups, than owners).
+    """
+    func = "label_skew"
+    _check_table(func, table)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
+    labels = groups.labels(_labels(func, table))
+    classes = np.unique(labels)
+    num_classes = len(classes)
+    k = _check_int(func, "k", k, 1, num_classes,
+                   why=f" (the table has {num_classes} distinct labels)")
+    rng = _rng(func, seed)
+
+    owned: list[list[int]] = [[i % num_classes] for i in range(num_clients)]
+    unowned = [c for c in range(num_classes) if c >= num_clients]
+    unowned = [unowned[j] for j in rng.permutation(len(unowned))]
+    for _slot in range(1, k):
+        for i in range(num_clients):
+            if unowned:
+                owned[i].append(unowned.pop())
+            else:
+                choices = np.setdiff1d(np.arange(num_classes), owned[i])
+                owned[i].append(int(rng.choice(choices)))
+
+    owners: list[list[int]] = [[] for _ in range(num_classes)]
+    for i, mine in enumerate(owned):
+        for c in mine:
+            owners[c].append(i)
+    orphan = [classes[c].item() for c in range(num_classes) if not owners[c]]
+    if orphan and not allow_unassigned:
+        raise _fail(
+            func, f"labels {orphan} are owned by no client (num_clients={num_clients} * "
+            f"k={k} < {num_classes} labels); use more clients, a larger k, or "
+            "allow_unassigned=True to drop their rows",
+        )
+
+    buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c, cls in enumerate(classes):
+        if not owners[c]:
+            continue
+        gids = rng.permutation(np.flatnonzero(labels == cls))
+        # Shuffle the owners too, so the larger pieces do not always go to low client ids.
+        mine = rng.permutation(owners[c])
+        for i, piece in zip(mine, groups.cut(gids, _even_cuts(groups.rows(gids), len(mine)))):
+            buckets[i].append(piece)
+    parts = groups.finish(buckets)
+    empty = [cid for cid, pos in parts.items() if len(pos) == 0]
+    if empty:
+        raise _fail(
+            func, f"clients {empty} got no rows: their labels have fewer {groups.unit} than owners; "
+            "use fewer clients or a larger k",
+        )
+    return parts
+
+
+def quantity_skew(
+    table: pd.DataFrame,
+    num_clients: int,
+    seed: int,
+    beta: float = 0.5,
+    min_size: int = 1,
+    max_retries: int = 100,
+    group_column: str | None = DEFAULT_GROUP_COLUMN,
+) -> Partition:
+    """Quantity skew: client sizes from ``Dir(beta)`` proportions, labels iid.
+
+    The rows are shuffled once; client sizes are then drawn as ``Dir(beta * 1)``
+    proportions of ``len(table)`` (cut at the cumulative proportions), redrawing until every
+    client has at least ``min_size`` rows.
+
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: the
+    groups are shuffled and cut at the group boundary nearest to each cumulative proportion
+    of the rows, so a client's size is off by at most half a group per cut; ``min_size``
+    counts rows. With one row per group this is the row-level split.
+
+    Args:
+        table: manifest (a ``label`` column is required for consistency but not used).
+        num_clients: number of clients (``1 <= num_clients <= len(table)``).
+        seed: seed for :func:`numpy.random.default_rng`.
+        beta: Dirichlet concentration (> 0); small values give more unequal sizes.
+            Default: ``0.5``.
+        min_size: minimum rows per client (>= 0). Default: ``1``.
+        max_retries: maximum number of size draws (>= 1). Default: ``100``.
+        group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
+            Default: ``"subject_id"`` (rows one by one when the table has no such column).
+
+    Returns:
+        The :class:`Partition`, clients named ``"client_<i>"``.
+
+    Raises:
+        PartitionError: on bad parameters, when ``min_size * num_clients > len(table)``,
+            when there are fewer groups than clients, or when no draw within
+            ``max_retries`` satisfies ``min_size``.
+    """
+    func = "quantity_skew"
+    _check_table(func, table)
+    n = len(table)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
+    beta = _check_positive(func, "beta", beta)
+    min_size = _check_int(func, "min_size", min_size, 0)
+    max_retries = _check_int(func, "max_retries", max_retries, 1)
+    _check_min_size_possible(func, min_size, num_clients, n)
+    rng = _rng(func, seed)
+    perm = rng.permutation(groups.count)
+    conc = np.full(num_clients, beta)
+    best = -1
+    for _ in range(max_retries):
+        p = rng.dirichlet(conc)
+        total = p.sum()
+        if not np.isfinite(total) or total <= 0:
+            continue
+        cuts = (np.cumsum(p / total) * n).astype(np.int64)[:-1]
+        cuts = np.clip(cuts, 0, n)
+        pieces = groups.cut(perm, cuts)
+        smallest = min(groups.rows(piece) for piece in pieces)
+        if smallest >= min_size:
+            return groups.finish(pieces)
+        best = max(best, smallest)
+    raise _fail(
+        func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
+        f"with beta={beta} in max_retries={max_retries} draws (smallest client size "
+        f"reached: {best}{groups.dealt}); use a larger beta or a smaller min_size",
+    )
+
+
+def iid(table: pd.DataFrame, num_clients: int, seed: int,
+        group_column: str | None = DEFAULT_GROUP_COLUMN) -> Partition:
+    """Uniform random split into clients of equal size (sizes differ by at most one).
+
+    Rows sharing ``group_column`` (one patient's or lesion's images) go to one client: the
+    groups are shuffled and cut at the group boundaries nearest to an even split of the
+    rows (every client getting at least one group), so sizes differ by up to about one
+    group instead of one row. With one row per group this is the row-level split.
+
+    Args:
+        table: manifest (a ``label`` column is required for consistency but not used).
+        num_clients: number of clients (``1 <= num_clients <= len(table)``, or the number
+            of groups when grouped).
+        seed: seed for :func:`numpy.random.default_rng`.
+        group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
+            Default: ``"subject_id"`` (rows one by one when the table has no such column).
+
+    Returns:
+        The :class:`Partition`, clients named ``"client_<i>"``.
+
+    Raises:
+        PartitionError: on bad parameters, or fewer groups than clients.
+    """
+    func = "iid"
+    _check_table(func, table)
+    groups = _Groups(func, table, group_column)
+    num_clients = groups.check_clients(func, num_clients)
+    rng = _rng(func, seed)
+    return groups.finish(groups.cut(rng.permutation(groups.count), _even_cuts(len(table), num_clients),
+                                    nonempty=True))
