@@ -2,7 +2,8 @@
 
 One module per dataset (``medfl.prep.cbis_ddsm``, ``mias``, ``abide``, ``derm7pt``), each
 with a ``main(argv)`` that ``data_prep/<name>.py`` calls; :mod:`medfl.prep.common` holds
-what they share.
+what they share. ``abide`` and ``mias`` are packages, one module per part of the download
+(``python -m medfl.prep.abide`` / ``mias`` runs their ``main`` too).
 """
 
 from __future__ import annotations
