@@ -65,9 +65,9 @@ Images, transformed (issue 38: the plain mistakes of a careless plugin)
     small noise. Signatures whose values are not varied and spread enough (a quarter of
     the positions at least distinct, no value on more than three quarters: backgrounds,
     masks; 8 pixels carrying more than 90 % of the variance) are not kept
-    (:func:`_standardised`); a plane of independent random values correlates above 0.95
-    with a kept signature of 64 (128) pixels with odds of about ``1e-32`` (``1e-64``), the
-    fraction of the sphere within that angle.
+    (:func:`~medfl.guard.probes._standardised`); a plane of independent random values
+    correlates above 0.95 with a kept signature of 64 (128) pixels with odds of about
+    ``1e-32`` (``1e-64``), the fraction of the sphere within that angle.
 
     *crop probes*: 64-bit keys of runs of :data:`CROP` exact float32 pixels along the last
     axis (first channel), starting at every pixel of every line whose other coordinates

@@ -43,9 +43,10 @@ class SplitReference:
         gsample: per precision, the sample of each gram position.
         gaxis: per precision, the axis each gram position runs along.
         planes: per view (``(name, shape)``: ``full``, ``mean2``, ``step2``, see
-            :func:`_views`), ``(signatures, sample)``: each signature is a plane's values at
-            the view's :func:`plane_positions`, centred and scaled to norm 1 (float32, one
-            row per channel of a sample whose values there are varied enough).
+            :func:`~medfl.guard.probes._views`), ``(signatures, sample)``: each signature is a
+            plane's values at the view's :func:`~medfl.guard.probes.plane_positions`, centred
+            and scaled to norm 1 (float32, one row per channel of a sample whose values there
+            are varied enough).
         ckeys: crop probes: 64-bit keys of runs of :data:`CROP` exact float32 pixels (see
             :func:`_crop_probes`); ``cfirst`` the float32 bits of each run's largest pixel
             in magnitude, ``csample`` its sample.

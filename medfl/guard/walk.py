@@ -105,11 +105,11 @@ def _numeric(t: torch.Tensor) -> np.ndarray:
 
 class _Floats:
     """The values of a message's real floating-point tensors as float32, gathered once per
-    check and read by both scans: :func:`_may_hold_runs` counts label-like values per
-    tensor, and the image check looks up the float32/float64 tensors' values (the first
-    :attr:`full` positions), each in a few NumPy calls over large arrays, where a model's
-    dozens of tensors would otherwise cost dozens of calls each. A large float32 tensor is
-    read where it lies (no copy); the others are copied into shared pieces.
+    check and read by both scans: :func:`~medfl.guard.labels._may_hold_runs` counts
+    label-like values per tensor, and the image check looks up the float32/float64 tensors'
+    values (the first :attr:`full` positions), each in a few NumPy calls over large arrays,
+    where a model's dozens of tensors would otherwise cost dozens of calls each. A large
+    float32 tensor is read where it lies (no copy); the others are copied into shared pieces.
 
     Positions run over all held tensors in order (tensor ``i`` starts at ``starts[i]``).
 
