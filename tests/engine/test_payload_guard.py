@@ -590,7 +590,8 @@ def test_the_one_pass_label_count_equals_a_count_per_tensor() -> None:
     float64/float16/bfloat16 values, whole numbers in and out of the labels' range, NaN,
     infinities, negative zero, and tensors it does not hold (integers: always searched);
     ``_nonnegative`` likewise."""
-    from medfl.guard import _Floats, _may_hold_runs, _nonnegative
+    from medfl.guard.labels import _may_hold_runs, _nonnegative
+    from medfl.guard.walk import _Floats
 
     g = torch.Generator().manual_seed(3)
     whole = torch.randint(-3, 12, (40,), generator=g).float()
