@@ -75,7 +75,7 @@ def test_plugins_cli_json(capsys):
 
 
 def test_event_hooks_fire_in_order(tiny_fl, resolve):
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     calls = []
 
@@ -126,7 +126,7 @@ def test_registration_hooks_take_third_party_things(tiny_fl, resolve):
 
     from medfl.data.partition import iid
     from medfl.data.synthetic import synthetic2d
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
     from medfl.models.resnet import small_cnn
 
     class Extra:
