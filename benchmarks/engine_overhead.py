@@ -10,7 +10,7 @@ images, 10 classes, SGD lr 0.01 momentum 0.9, batch 32, 1 local epoch) runs thre
     load the global weights, train one epoch, keep the weights; then a weighted average.
     After the last round every client evaluates the final model on its test rows (accuracy).
 ``medfl``
-    :func:`medfl.engine.runner.run_experiment` with method ``fedavg``, ``eval_every: 0``
+    :func:`medfl.experiment.run_experiment` with method ``fedavg``, ``eval_every: 0``
     (evaluation at the last round only) and ``progress: False``. medfl still does all its
     usual work: it evaluates once at the end (every registered metric), writes
     partition/metrics/train_metrics CSVs, a checkpoint and status file every round,
@@ -538,7 +538,7 @@ def _clock_steps(plugin: "_DatasetPlugin") -> dict[str, list[float]]:
 
 def child_medfl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     plugin = ensure_plugin()  # plugin discovery happens once per process, before the clock starts
     build_model()   # imports what building the model imports (MONAI for a ResNet), as the plain loop does before its clock

@@ -6,7 +6,7 @@ The same FedAvg job (default: 3 clients, 4 rounds, ``small_cnn`` width 8 on the 
 round) runs twice:
 
 ``in-process``
-    :func:`medfl.engine.runner.run_experiment` in this process (imports and plugin loading
+    :func:`medfl.experiment.run_experiment` in this process (imports and plugin loading
     done before the clock starts).
 ``flower``
     a real deployment on loopback: ``medfl flower superlink``, one ``medfl flower site``
@@ -86,7 +86,7 @@ class _RoundClock:
 def in_process(fl: dict[str, Any]) -> dict[str, Any]:
     """Run the job in process; return timings and the metrics file."""
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
     from medfl.plugins import get_plugin_manager, registry
 
     registry()

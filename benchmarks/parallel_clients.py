@@ -9,7 +9,7 @@ The job is ``engine_overhead.py``'s (``--workload tiny|resnet2d|resnet3d``: FedA
 each run in a fresh process, interleaved over ``--repeats``:
 
 ``inprocess``
-    :func:`medfl.engine.runner.run_experiment`, torch on ``--cpus`` threads.
+    :func:`medfl.experiment.run_experiment`, torch on ``--cpus`` threads.
 ``ray``
     the same config with ``"backend": {"name": "ray", "client_cpus": --client-cpus,
     "num_cpus": --cpus}``: ``--cpus / --client-cpus`` clients train at once.
@@ -100,7 +100,7 @@ def child(a: argparse.Namespace) -> None:
     import torch
 
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     torch.set_num_threads(a.cpus)
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)   # torch's one-off import, off the clock

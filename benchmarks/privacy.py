@@ -6,7 +6,7 @@ Three measurements (docs/privacy.md describes the features):
 
 ``bytes``
     FedAvg on a MONAI ResNet-10 (2D, single-channel 64x64 ``synthetic2d`` images, 4 clients,
-    Dirichlet 1.0, 2 rounds) run by :func:`medfl.engine.runner.run_experiment` once per
+    Dirichlet 1.0, 2 rounds) run by :func:`medfl.experiment.run_experiment` once per
     ``--widths`` entry, with six method entries: no filter, ``quantize`` at 8, 4 and 1 bits,
     ``dp_gaussian`` (epsilon 3, clip 1, delta 1e-3) alone and ``dp_gaussian`` + 8-bit
     ``quantize``. The figures are the run's own ``communication.csv`` (the encoded size of
@@ -143,7 +143,7 @@ def measure_bytes(width: int, work: Path, samples: int, rounds: int, seed: int) 
     import pandas as pd
 
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     t0 = time.perf_counter()
     out = run_experiment(resolve_config(bytes_config(width, work, samples, rounds, seed)))

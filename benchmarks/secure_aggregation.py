@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="medfl_secagg_") as tmp:

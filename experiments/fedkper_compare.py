@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from medfl.bundle import load_bundle_config
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
     from medfl.fixtures import generate
     from medfl.plugins import registry
 

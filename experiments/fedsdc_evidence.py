@@ -76,7 +76,7 @@ from fedsdc_compare import prepare, setting_config  # noqa: E402
 
 from medfl.arm_report import write_arm_report  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
-from medfl.engine.runner import run_experiment  # noqa: E402
+from medfl.experiment import run_experiment  # noqa: E402
 
 #: the arms, by label (each a method entry; ``train`` is filled in per run)
 ARMS: dict[str, dict[str, Any]] = {

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
     from medfl.plugins import registry
 
     registry()

@@ -58,7 +58,7 @@ import pandas as pd
 import torch
 
 from medfl.config import resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.fixtures import generate
 
 ROOT = Path(__file__).resolve().parents[1]

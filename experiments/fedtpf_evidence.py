@@ -82,7 +82,7 @@ import torch
 from fedtpf_compare import ROOT, SPLITS, _fixture
 from medfl.arm_report import arm_scores, write_arm_report
 from medfl.config import resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 
 ARMS = ("fedavg", "fedfed", "fedtpf_paper", "fedtpf_fixture", "fedtpf_dp")
 #: the arms with a distillation model (a mechanisms.csv and a method_report)

@@ -27,7 +27,7 @@ import torch
 
 from fedtpf_compare import ROOT, SPLITS, prepare, prepare_public
 from medfl.config import resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 
 
 def describe(run: Path) -> list[str]:

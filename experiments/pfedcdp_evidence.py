@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(a.threads)
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     t_all = time.perf_counter()
     # the fixtures of each size in their own folder (prepare_data reuses a prepared manifest)

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(a.threads)
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     # the compare script's data and run config (its arms replaced by these)
     c = argparse.Namespace(out=a.out, cbis_dir=None, mias_dir=None, cbis_cases=a.cbis_cases, mias_cases=a.mias_cases,

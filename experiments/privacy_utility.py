@@ -166,7 +166,8 @@ def calibrate_clip(a: argparse.Namespace, seed: int, rounds: int) -> dict[str, A
     from torch.utils.data import DataLoader
 
     from medfl.config import resolve_config
-    from medfl.engine.runner import build_source, run_experiment
+    from medfl.engine.runner import build_source
+    from medfl.experiment import run_experiment
     from medfl.engine.training import make_optimizer, train_epochs
     from medfl.method import Federation
     from medfl.models.registry import build_model
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
 
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
     from medfl.plugins import registry
 
     registry()

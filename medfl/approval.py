@@ -79,7 +79,8 @@ __all__ = ["APPROVALS_ENV", "APPROVED_KINDS", "ApprovalError", "CodeIdentity", "
 #: Environment variable naming a site's approvals file (``medfl flower site --approvals`` sets it).
 APPROVALS_ENV = "MEDFL_APPROVALS"
 #: Plugin kinds whose code a site runs on its data and whose output leaves the site: every
-#: kind :data:`medfl.plugins.KINDS` registers.
+#: kind :data:`medfl.plugins.KINDS` registers but ``backend`` (the coordinator's choice of
+#: where the clients are; a site never runs one).
 APPROVED_KINDS: tuple[str, ...] = ("method", "filter", "model", "metric", "dataset", "partitioner")
 _FORMAT = 2
 _HASHES: dict[tuple[str, int, int], str] = {}   # (file, mtime_ns, size) -> sha256 of its bytes

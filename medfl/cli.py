@@ -95,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Continue a stopped run."""
     from medfl.bundle import print_result
-    from medfl.engine.runner import resume
+    from medfl.experiment import resume
 
     print_result(resume(args.run_dir, rounds=args.rounds))
     return 0
@@ -669,18 +669,18 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``medfl``."""
     p = argparse.ArgumentParser(prog="medfl", description="Federated learning for medical imaging (MONAI + PyTorch).")
     sub = p.add_subparsers(dest="command", required=True)
-    sp = sub.add_parser("plugins", help="list registered methods, models, partitioners, datasets, metrics, filters")
+    sp = sub.add_parser("plugins", help="list registered methods, models, partitioners, datasets, metrics, filters, backends")
     sp.add_argument("--json", action="store_true", help="print every plugin as JSON (name, version, hooks, registered)")
     sp.set_defaults(func=cmd_plugins)
     sp = sub.add_parser("run", help="run a bundle config (e.g. bundles/demo/configs/train.json)",
                         description="Run the experiment in a bundle config's 'fl' section. Overrides use "
                                     "MONAI's '#' paths: --fl#rounds 3  --fl#methods#0#name fedprox  fl#seed=1")
     sp.add_argument("config", help="bundle config file (JSON or YAML)")
-    sp.add_argument("--backend", choices=["inprocess", "ray"], default=None,
-                    help="where the clients run: one after another in this process (inprocess, the default) or in "
+    sp.add_argument("--backend", default=None,
+                    help="where the clients run: one after another in this process (inprocess, the default), in "
                          "parallel on Flower's simulation runtime (ray; the config's fl#backend sets its resources, "
-                         "e.g. {\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0.5}); same as "
-                         "--fl#backend ray")
+                         "e.g. {\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0.5}) or a backend a "
+                         "plugin registered (`medfl plugins` lists them); same as --fl#backend ray")
     sp.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value or key=value overrides")
     sp.set_defaults(func=cmd_run)
     sp = sub.add_parser("resume", help="continue a stopped run or experiment directory")

@@ -512,12 +512,14 @@ BACKEND_DEFAULTS: dict[str, Any] = {
     "num_gpus": None,         # GPUs Ray may use in all (null: every GPU)
     "connect_timeout": 600.0,  # seconds every simulated node has to answer its hello (its actor starting)
 }
-BACKENDS = ("inprocess", "ray")
+#: The built-in backends (:mod:`medfl_plugins.backends`); a plugin may register more (``register_backends``).
+BACKENDS = ("inprocess", "ray", "flower")
 
 
 def check_backend(value: Any, where: str = "fl.backend") -> dict[str, Any]:
     """Check a ``backend`` entry (a name, or ``{"name": ..., **BACKEND_DEFAULTS keys}``)
-    and return it with every key filled in.
+    and return it with every key filled in. The name is one of the registered backends
+    (:func:`medfl.plugins.registry`, kind ``backend``).
 
     Raises:
         ConfigError: unknown backend or key, a resource count that is not a
@@ -525,8 +527,9 @@ def check_backend(value: Any, where: str = "fl.backend") -> dict[str, Any]:
             that is not a positive number of seconds.
     """
     entry = {"name": value} if isinstance(value, str) else value
-    if not isinstance(entry, dict) or entry.get("name") not in BACKENDS:
-        raise ConfigError(f"{where}: expected one of {', '.join(map(repr, BACKENDS))} or "
+    names = list(registry()["backend"])
+    if not isinstance(entry, dict) or entry.get("name") not in names:
+        raise ConfigError(f"{where}: expected one of {', '.join(map(repr, names))} or "
                           f"{{\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0}}, got {value!r}")
     _check_keys(entry, BACKEND_DEFAULTS, where)
     out = {**BACKEND_DEFAULTS, **entry}

@@ -87,6 +87,18 @@ def register_filters(register: Register) -> None:
 
 
 @hookspec
+def register_backends(register: Register) -> None:
+    """Register backends: where an experiment's runs meet their clients.
+
+    Call ``register(BackendClass)`` for each :class:`medfl.backend.Backend` subclass; the
+    name is ``BackendClass.name``, which ``fl.backend`` (or ``medfl run --backend``) chooses.
+    The registry builds it with no arguments; its ``run(cfg, drive)`` and
+    ``resume(path, cfg, rounds, drive)`` call the experiment's ``drive(run_factory, meta)``
+    once, where the runs can reach their clients (see :mod:`medfl.backend` and docs/plugins.md).
+    """
+
+
+@hookspec
 def on_run_start(run: Any) -> None:
     """Called once when a run starts or resumes, before its first round.
 

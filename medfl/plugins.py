@@ -46,6 +46,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "medfl_plugins.metrics",
     "medfl_plugins.reporting",
     "medfl_plugins.privacy",
+    "medfl_plugins.backends",
 )
 
 #: Kinds of registered things and the registration hook that provides each.
@@ -56,6 +57,7 @@ KINDS: dict[str, str] = {
     "dataset": "register_datasets",
     "metric": "register_metrics",
     "filter": "register_filters",
+    "backend": "register_backends",
 }
 
 

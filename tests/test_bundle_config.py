@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from medfl.bundle import _plain_json_fl, load_bundle_config
+from medfl.config_file import _plain_json_fl, load_bundle_config
 
 REPO = Path(__file__).resolve().parents[1]
 

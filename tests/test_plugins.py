@@ -75,7 +75,7 @@ def test_plugins_cli_json(capsys):
 
 
 def test_event_hooks_fire_in_order(tiny_fl, resolve):
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     calls = []
 
@@ -126,7 +126,7 @@ def test_registration_hooks_take_third_party_things(tiny_fl, resolve):
 
     from medfl.data.partition import iid
     from medfl.data.synthetic import synthetic2d
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
     from medfl.models.resnet import small_cnn
 
     class Extra:
@@ -177,6 +177,53 @@ def test_registration_hooks_take_third_party_things(tiny_fl, resolve):
     finally:
         pm.unregister(name="extra")
     assert "tiny_cnn" not in registry()["model"] and "negate" not in registry()["filter"]
+
+
+def test_a_third_party_backend_is_chosen_by_name_and_runs(tiny_fl, resolve):
+    """A plugin's backend (``register_backends``) is chosen by ``fl.backend``: it drives the
+    experiment (here on the in-process runs, saying so in config.json) and resumes it; an
+    unknown name is refused by name, listing the registered ones."""
+    from medfl.backend import Backend
+    from medfl.config import ConfigError
+    from medfl.engine.runner import Run
+    from medfl.experiment import resume, run_experiment
+
+    used: list[str] = []
+
+    class Logged(Backend):
+        name = "logged"
+
+        def run(self, cfg, drive):
+            used.append("run")
+            return drive(Run, {"engine": "logged"})
+
+        def resume(self, path, cfg, rounds, drive):
+            used.append("resume")
+            return drive(Run)
+
+    class Plugin:
+        @hookimpl
+        def register_backends(self, register):
+            register(Logged)
+
+    pm = get_plugin_manager()
+    pm.register(Plugin(), name="backend-plugin")
+    try:
+        assert list(registry()["backend"])[:3] == ["inprocess", "ray", "flower"]
+        out = run_experiment(resolve({**tiny_fl, "rounds": 1, "backend": "logged"}))
+        assert used == ["run"] and out["summaries"]["fedavg"]["rounds"] == 1
+        saved = json.loads((Path(out["dir"]) / "config.json").read_text())
+        assert saved["engine"] == "logged" and saved["fl"]["backend"]["name"] == "logged"
+        again = resume(out["dir"], rounds=2)
+        assert used == ["run", "resume"] and again["summaries"]["fedavg"]["rounds"] == 2
+        with pytest.raises(ConfigError, match=r"fl.backend: expected one of 'inprocess', 'ray', 'flower', "
+                                              r"'logged' or .*got 'nowhere'"):
+            resolve({**tiny_fl, "backend": "nowhere"})
+    finally:
+        pm.unregister(name="backend-plugin")
+    assert "logged" not in registry()["backend"]
+    with pytest.raises(ConfigError, match="got 'logged'"):
+        resolve({**tiny_fl, "backend": "logged"})
 
 
 def test_every_hookspec_has_a_test():

@@ -86,13 +86,13 @@ import torch
 from tqdm.auto import tqdm
 
 from medfl import wire
-from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, check_device, cross_test_in_clear, method_label,
+from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, cross_test_in_clear, method_label,
                           method_preset, method_train, preset_record)
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_final_model,
                                  evaluate_final_models, evaluate_model, first_non_finite, payload_problem,
                                  release_exemptions, reported_problem, run_client_profile, run_client_update,
                                  run_client_validate)
-from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
+from medfl.engine.data import POOLED, FederatedData, client_order
 from medfl.engine.early_stopping import EarlyStopping, metrics_split
 from medfl.rundir import (append_text, check_sum, file_manifest, full_disk_message, interrupted_write,
                                manifest_problems, write_sum, writing)
@@ -108,7 +108,7 @@ from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan, planned_releases
 from medfl.privacy.feature_release import RELEASE_METRICS
 from medfl.privacy.releases import ReleaseJournal, asked_releases
 
-__all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "run_experiment", "resume", "predict",
+__all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "build_source",
            "summarize_metrics", "evaluate_metrics", "reported_by", "update_norm", "METRICS_PROVENANCE", "ENGINE_TABLES",
            "LOSS_DIVERGED", "sites_needed", "TooFewSites"]
 
@@ -1589,24 +1589,6 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
     )
 
 
-def _create_unique_dir(base: Path, overwrite: bool) -> Path:
-    """Create the experiment directory: ``base``, or the first free ``base-2``, ``base-3``...
-    Each name is taken by an atomic ``mkdir``, so runs started at the same moment never share
-    one; ``overwrite`` reuses ``base``."""
-    base.parent.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        base.mkdir(exist_ok=True)
-        return base
-    i = 1
-    while True:
-        cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        try:
-            cand.mkdir()
-            return cand
-        except FileExistsError:
-            i += 1
-
-
 def _lock(run_dir: Path) -> Any:
     """Hold ``run_dir/.lock`` exclusively for this process (``fcntl.flock``: released when the
     process dies, so a crash never leaves a stale lock); the file names the holder's pid.
@@ -1651,317 +1633,19 @@ def build_source(spec: dict[str, Any]) -> Any:
     return lookup("dataset", rest.pop("name"))(**rest)
 
 
-def _saved_config(path: Path) -> dict[str, Any]:
-    """A run or experiment directory's ``config.json``.
-
-    Raises:
-        RunError: there is none.
-    """
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise RunError(f"{path}: no config.json; not a medfl run or experiment directory")
-    return json.loads(cfg_file.read_text())
+#: The experiment level's names that left this module, and their new homes.
+_MOVED = {"run_experiment": "medfl.experiment", "resume": "medfl.experiment", "predict": "medfl.predict"}
 
 
-def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any], run_factory: RunFactory = Run
-            ) -> "Run":
-    """The :class:`Run` of a method run directory, on its saved partition."""
-    data = split_data(build_source(cfg["dataset"]), cfg, saved=path / "partition.csv")
-    return run_factory(cfg, saved["method"], path, data)
+def __getattr__(name: str) -> Any:
+    """``run_experiment``, ``resume`` and ``predict`` at their old path: imported from their new
+    module (:mod:`medfl.experiment`, :mod:`medfl.predict`) on first use, with a
+    ``DeprecationWarning`` (the engine itself never imports the levels above it)."""
+    if name in _MOVED:
+        import importlib
+        import warnings
 
-
-def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, resume_runs: bool,
-                 rounds: int | None = None, run_factory: RunFactory = Run) -> dict[str, Any]:
-    """Run (or, with ``resume_runs``, continue) every method of ``cfg`` in ``exp_dir/<label>``.
-
-    A method whose directory already holds a run is resumed; one that never started runs
-    from round 1 on ``data`` (the experiment's split, reloaded from ``partition.csv`` when
-    ``None``). Writes ``comparison.csv`` once every method has finished."""
-    from medfl.report import plots_wanted, write_comparison
-
-    summaries: dict[str, Any] = {}
-    for spec in cfg["methods"]:
-        label = method_label(spec)
-        if resume_runs and (exp_dir / label / "config.json").is_file():
-            summaries[label] = resume(exp_dir / label, rounds, run_factory)["summaries"][label]
-            continue
-        if data is None:
-            data = split_data(build_source(cfg["dataset"]), cfg, saved=exp_dir / "partition.csv")
-        run_cfg = cfg if rounds is None else {**cfg, "rounds": int(rounds)}
-        run = run_factory(run_cfg, spec, exp_dir / label, data)
-        run.prepare(resume=False)
-        summaries[label] = run.execute(None if resume_runs else cfg.get("stop_after_round"))
-    if summaries and all(summaries.values()):
-        write_comparison(exp_dir, summaries, plots=plots_wanted(cfg))
-    return summaries
-
-
-def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
-                   run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every fold of a cross-validated experiment in ``exp_dir/fold_<k>``, then the CV report.
-
-    Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
-    (``None`` while a fold is unfinished), "folds"}``."""
-    from medfl.report import plots_wanted, write_cv_report
-
-    folds = int(cfg["cv"]["folds"])
-    source = None
-    out: dict[str, Any] = {}
-    for k in range(folds):
-        fold_dir = exp_dir / f"fold_{k}"
-        data = None
-        # config.json first, partition.csv last: the partition marks a complete fold directory
-        if not resume_runs or not (fold_dir / "partition.csv").is_file() or not (fold_dir / "config.json").is_file():
-            source = source or build_source(cfg["dataset"])
-            data = split_data(source, cfg, fold=k)
-            fold_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
-            data.save(fold_dir / "partition.csv")
-            warn_straddling(data.report, f"fold_{k}")
-        out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds, run_factory)
-    labels = [method_label(m) for m in cfg["methods"]]
-    cv = None
-    if all(s and all(s.values()) for s in out.values()):
-        cv = write_cv_report(exp_dir, labels, folds, str(cfg["cv"].get("metric", "auc")), plots=plots_wanted(cfg))
-    return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
-
-
-def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
-                      run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every seed of ``cfg["seeds"]`` as its own experiment in ``exp_dir/seed_<s>`` (the seed
-    draws the split, the models' initialisation and the training order alike), then the
-    report of mean ± std over seeds (:func:`medfl.report.write_seeds_report`).
-
-    Returns ``{"dir", "summaries": {"seed_<s>": {label: summary}}, "seeds": the report
-    (``None`` while a seed is unfinished), "seed_list"}``."""
-    from medfl.report import plots_wanted, write_seeds_report
-
-    seeds = [int(s) for s in cfg["seeds"]]
-    source = None
-    out: dict[str, Any] = {}
-    for s in seeds:
-        seed_dir = exp_dir / f"seed_{s}"
-        seed_cfg = {**cfg, "seed": s, "seeds": None}
-        data = None
-        if not resume_runs or not (seed_dir / "partition.csv").is_file() or not (seed_dir / "config.json").is_file():
-            source = source or build_source(cfg["dataset"])
-            data = split_data(source, seed_cfg)
-            seed_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
-            data.save(seed_dir / "partition.csv")
-            warn_straddling(data.report, f"seed_{s}")
-        out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
-    report = None
-    if all(block and all(block.values()) for block in out.values()):
-        report = write_seeds_report(exp_dir, {s: out[f"seed_{s}"] for s in seeds}, plots=plots_wanted(cfg))
-    return {"dir": str(exp_dir), "summaries": out, "seeds": report, "seed_list": seeds}
-
-
-def run_experiment(cfg: dict[str, Any], run_factory: RunFactory = Run,
-                   meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run every method of a resolved config on one data split; return their summaries.
-
-    The experiment directory is ``output_dir/name`` (``name-2``, ``name-3``... when it
-    exists, unless ``overwrite``); each method runs in a subdirectory named by its label,
-    and ``comparison.csv`` lists their final mean metrics side by side.
-
-    With cross-validation (``cv.folds`` > 1) each fold is such an experiment in
-    ``fold_<k>/`` and the experiment directory gets ``cv_results.csv``, ``cv_table.csv``,
-    ``cv_table.md``, ``cv_summary.json`` and ``cv_<metric>.png``
-    (:func:`medfl.report.write_cv_report`); the result's ``summaries`` are then keyed by
-    fold (``fold_<k>``) and it also holds ``cv`` (the CV summary) and ``folds``.
-
-    With ``seeds`` (a list) the whole experiment runs once per seed in ``seed_<s>/`` and
-    the experiment directory gets ``seeds_results.csv``, ``seeds_summary.json``,
-    ``seeds_table.csv``, ``seeds_table.md`` and ``seeds_metrics.png`` (mean ± std over
-    seeds; :func:`medfl.report.write_seeds_report`); ``summaries`` are keyed by seed
-    (``seed_<s>``) and the result also holds ``seeds`` (that summary) and ``seed_list``.
-
-    Args:
-        cfg: the resolved ``fl`` config.
-        run_factory: builds each method's run (default :class:`Run`, in process); another
-            transport passes its own ``Run`` subclass here (:mod:`medfl.flower`).
-        meta: extra entries of the experiment's and folds' ``config.json``
-            (e.g. ``{"engine": "flower"}``).
-    """
-    if run_factory is Run:   # in process: this machine trains, so it must have the device
-        check_device(cfg["device"], available=True)
-        from medfl.flower.simulation import is_simulated, run_simulated
-
-        if is_simulated(cfg, run_factory):   # fl.backend "ray": Flower's simulation runtime
-            return run_simulated(cfg)
-    plain = not (int((cfg.get("cv") or {}).get("folds") or 0) > 1 or cfg.get("seeds"))
-    # the split first: a dataset or partition that cannot work stops before anything is written
-    data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
-    exp_dir = _create_unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
-    _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
-    if int((cfg.get("cv") or {}).get("folds") or 0) > 1:
-        return _cv_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
-    if cfg.get("seeds"):
-        return _seeds_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
-    assert data is not None
-    data.save(exp_dir / "partition.csv")
-    warn_straddling(data.report)
-    return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False,
-                                                           run_factory=run_factory)}
-
-
-def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory = Run
-           ) -> dict[str, Any]:
-    """Continue a stopped run directory, or every run of an experiment directory.
-
-    Args:
-        path: a run directory (has ``config.json`` with a ``method``), an experiment
-            directory, or a cross-validated experiment (its folds too: a fold that never
-            started runs from the beginning, and the CV report is rewritten at the end).
-        rounds: a new total number of rounds (default: the configured one). A run that
-            early stopping ended (``fl.early_stopping``) is finished whatever ``rounds``
-            says: it is not extended (early stopping decided it; the run says so on stderr),
-            so an experiment resumed with more rounds extends its other methods' runs.
-        run_factory: builds each run (default :class:`Run`; see :func:`run_experiment`).
-
-    Raises:
-        RunError: ``path`` holds no run to resume.
-    """
-    path = Path(path)
-    saved = _saved_config(path)
-    from medfl.flower.simulation import is_simulated, resume_simulated
-
-    if is_simulated(saved["fl"], run_factory):   # a run of the simulation runtime continues there
-        return resume_simulated(path, saved["fl"], rounds)
-    if "method" not in saved:  # experiment (or fold) directory: resume each method
-        cfg = saved["fl"]
-        if "fold" not in saved and int((cfg.get("cv") or {}).get("folds") or 0) > 1:
-            return _cv_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
-                                  meta={k: v for k, v in saved.items() if k != "fl"})
-        if cfg.get("seeds"):
-            return _seeds_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
-                                     meta={k: v for k, v in saved.items() if k != "fl"})
-        return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds,
-                                                            run_factory=run_factory)}
-    cfg = saved["fl"]
-    ignored = None   # --rounds of a run that early stopping ended
-    if rounds is not None and int(rounds) != int(cfg["rounds"]) and _stopped_early(path, saved, run_factory):
-        ignored, rounds = int(rounds), None
-    if rounds is not None:
-        cfg["rounds"] = int(rounds)
-    run = _reopen(path, saved, cfg, run_factory)
-    run.prepare(resume=True)
-    label = run.label
-    if run.stopped_early and run.early is not None:
-        print(f"medfl [{label}]: early stopping ended this run after round {run.early.stopped_at} (best round "
-              f"{run.early.best_round}): nothing left to train"
-              + ("" if ignored is None else f"; --rounds {ignored} does not extend it (start a new run, e.g. with "
-                                            "a larger fl.early_stopping.patience, to train longer)"),
-              file=sys.stderr, flush=True)
-    finished = run.start_round > run.federation.rounds or run.stopped_early
-    if finished and (path / "summary.json").is_file():
-        summary = json.loads((path / "summary.json").read_text())
-        try:
-            status = json.loads((path / "status.json").read_text()).get("status")
-        except (OSError, ValueError):
-            status = None
-        if status != "finished":   # stopped after the summary, before the plots and reports
-            get_plugin_manager().hook.on_run_end(run=run, summary=summary)
-            run._status("finished", run.rounds_run)
-        _unlock(run._lock)
-        run._lock = None
-        return {"dir": str(path), "summaries": {label: summary}}
-    return {"dir": str(path), "summaries": {label: run.execute(None)}}
-
-
-def _stopped_early(path: Path, saved: dict[str, Any], run_factory: RunFactory = Run) -> bool:
-    """Whether the run in ``path`` (its ``config.json`` ``saved``) was stopped by early
-    stopping: its newest intact checkpoint says so (read without changing anything)."""
-    if not saved["fl"].get("early_stopping"):
-        return False
-    run = _reopen(path, saved, json.loads(json.dumps(saved["fl"])), run_factory)
-    run.prepare(read_only=True)
-    return run.stopped_early
-
-
-def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,
-            clients: list[str] | None = None, split: str | None = None) -> Path:
-    """Predict with a finished (or stopped) run's models and write a predictions CSV.
-
-    Each requested client builds its evaluation model exactly as in the run's last
-    evaluation (the method's ``client_eval_model``: the global model, plus the client's
-    local layers or state where the method keeps them) and predicts on ``dataset``; with
-    early stopping (``fl.early_stopping``), as in the evaluation of the best round, from that
-    round's checkpoint and client states (the models the run's final metrics are about).
-
-    Args:
-        run_dir: a method run directory (``config.json`` with a ``method``, a checkpoint).
-        dataset: a dataset spec (``{"name": ..., ...}``); default: the run's own dataset.
-        output: the CSV to write (default ``run_dir/predictions.csv``).
-        clients: client ids whose models predict (default: every client of the run).
-        split: keep only rows whose ``split`` column equals this (e.g. ``test``); ``None``,
-            ``""`` or ``"all"``: every row; ``"global_test"``: the run's held-out global test
-            samples as ``partition.csv`` lists them (by ``sample_id`` in another dataset
-            spec; e.g. HAM10000, which has no official split).
-
-    Returns:
-        The CSV path: one row per (client, sample) with ``sample_id``, ``label``,
-        ``prediction`` and ``prob_<class name>`` columns.
-
-    Raises:
-        RunError: no run or no checkpoint in ``run_dir``, or an unknown client id.
-    """
-    from medfl.engine.training import predict_proba
-
-    run_dir = Path(run_dir)
-    saved = _saved_config(run_dir)
-    if "method" not in saved:
-        raise RunError(f"{run_dir}: an experiment directory; pass one method's run directory "
-                       f"({', '.join(method_label(m) for m in saved['fl']['methods'])})")
-    cfg = saved["fl"]
-    run = _reopen(run_dir, saved, cfg)
-    run.prepare(read_only=True)
-    last = run.start_round - 1
-    if last < 1:
-        raise RunError(f"{run_dir}: no checkpoint yet; nothing to predict with")
-    best = run._restore_best()   # early stopping: the best round's models
-    if best is not None:
-        last = best
-    target = run.data.source if dataset is None else build_source(dataset)
-    if split in (None, "", "all"):
-        rows = target.table
-    elif split == "global_test":
-        a = run.data.assignments
-        held = a[a["role"] == "global_test"]
-        if dataset is None:
-            rows = target.table.iloc[np.sort(held["row"].to_numpy())]
-        elif "sample_id" in target.table.columns and "sample_id" in held.columns:
-            rows = target.table[target.table["sample_id"].astype(str).isin(set(held["sample_id"].astype(str)))]
-        else:
-            raise RunError("split 'global_test' means the run's held-out samples, found by sample_id; this dataset "
-                           "has no sample_id column (use 'all' or a value of its 'split' column)")
-    elif "split" not in target.table.columns:
-        raise RunError(f"split {split!r} asked for, but the dataset has no 'split' column; use 'all'")
-    else:
-        rows = target.table[target.table["split"].astype(str) == split]
-    if rows.empty:
-        raise RunError(f"no samples to predict on{'' if split is None else f' with split == {split!r}'}")
-    ids = clients or run.federation.eval_client_ids
-    unknown = sorted(set(ids) - set(run.federation.eval_client_ids))
-    if unknown:
-        raise RunError(f"unknown client(s) {unknown}; the run has {run.federation.eval_client_ids}")
-    evals = run.coordinator.configure_evaluate(last)
-    frames = []
-    for cid in ids:
-        ctx = run.context(cid, last, state_before=last + 1)
-        model = run.client_method.client_eval_model(ctx, evals.get(cid, Instruction()))
-        loader = torch.utils.data.DataLoader(target.make_dataset(rows, False),
-                                             batch_size=int(cfg["train"].get("eval_batch_size", 64)))
-        y, p = predict_proba(model, loader, ctx.device)
-        df = pd.DataFrame({"client_id": cid,
-                           "sample_id": rows["sample_id"].astype(str).to_numpy() if "sample_id" in rows
-                           else np.arange(len(rows)).astype(str),
-                           "label": y, "prediction": p.argmax(1)})
-        for k, name in enumerate(target.class_names):
-            df[f"prob_{name or k}"] = p[:, k]
-        frames.append(df)
-    out = Path(output) if output else run_dir / "predictions.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pd.concat(frames, ignore_index=True).to_csv(out, index=False)
-    return out
+        warnings.warn(f"medfl.engine.runner.{name} is deprecated: import it from {_MOVED[name]} "
+                      "(the old path goes away in a later release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

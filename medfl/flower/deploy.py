@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from medfl.flower.server import RUN_CONFIG
+from medfl.flower.coordinator import RUN_CONFIG
 
 __all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command", "site_command",
            "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
@@ -208,7 +208,7 @@ def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeo
                     resume: str | Path | None = None, rounds: int | None = None,
                     progress_interval: float | None = None, site_nodes: dict[str, int] | None = None,
                     max_reply_mb: float | None = None) -> dict[str, Any]:
-    """The run config (keys of :data:`~medfl.flower.server.RUN_CONFIG`) of one ``flwr run``
+    """The run config (keys of :data:`~medfl.flower.coordinator.RUN_CONFIG`) of one ``flwr run``
     of medfl's app: a bundle ``config`` with its ``#``-path ``overrides``, or a stopped run
     directory to ``resume`` (optionally to a new total of ``rounds``); paths made absolute.
     ``progress_interval``: seconds between the coordinator's "waiting for sites" lines

@@ -3,7 +3,7 @@
 ``"backend": "ray"`` in the ``fl`` section (or ``{"name": "ray", "client_cpus": 1,
 "client_gpus": 0.25}``; :data:`medfl.config.BACKEND_DEFAULTS`), or ``medfl run CONFIG
 --backend ray``, runs the experiment through :func:`flwr.simulation.run_simulation`: the
-coordinator is :class:`~medfl.flower.server.FlowerRun` (the deployment's ServerApp code,
+coordinator is :class:`~medfl.flower.coordinator.FlowerRun` (the deployment's ServerApp code,
 over Flower's in-memory grid instead of a SuperLink) and every client is a simulated
 SuperNode whose messages are handled by the deployment's own
 :func:`medfl.flower.site.handle` in a Ray actor. Ray runs as many actors as the resources
@@ -40,9 +40,10 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from medfl.backend import Drive
 from medfl.engine.data import FederatedData, client_order, split_data
-from medfl.engine.runner import Run, RunError, build_source, resume, run_experiment
-from medfl.flower.server import FlowerRun, FlowerSettings
+from medfl.engine.runner import RunError, build_source
+from medfl.flower.coordinator import FlowerRun, FlowerSettings
 from medfl.flower.site import Site, SiteSettings, handle
 from medfl.flower.proxy import secure_aggregation_mod
 
@@ -286,26 +287,40 @@ def _client_ids(cfg: dict[str, Any]) -> list[str]:
     return client_order(list(ids))
 
 
-def run_simulated(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run every method of a resolved config on the simulation runtime (the result of
-    :func:`medfl.engine.runner.run_experiment`; ``config.json`` says ``"engine":
+def run_simulated(cfg: dict[str, Any], drive: Drive | None = None) -> dict[str, Any]:
+    """Run every method of a resolved config on the simulation runtime (the ``ray`` backend:
+    the result of :func:`medfl.experiment.run_experiment`; ``config.json`` says ``"engine":
     "simulation"``).
+
+    Args:
+        cfg: the resolved ``fl`` config.
+        drive: the experiment's loop (:data:`medfl.backend.Drive`), called in the ServerApp
+            with the simulation's ``run_factory``; ``None``: :func:`medfl.experiment.run_experiment`
+            (the standalone call; the backend always passes its ``drive``).
 
     Raises:
         RunError: Ray is not installed, or the run fails.
     """
-    return _simulate(cfg, _client_ids(cfg), lambda grid, stop: run_experiment(
-        cfg, run_factory=_factory(grid, stop), meta={"engine": "simulation"}))
+    drive = drive or _experiment_drive(cfg)
+    return _simulate(cfg, _client_ids(cfg), lambda grid, stop: drive(_factory(grid, stop), {"engine": "simulation"}))
 
 
-def resume_simulated(path: str | Path, cfg: dict[str, Any], rounds: int | None = None) -> dict[str, Any]:
-    """Continue a stopped simulated run or experiment (``cfg``: its saved ``fl`` config)."""
-    return _simulate(cfg, _client_ids(cfg), lambda grid, stop: resume(path, rounds,
-                                                                         run_factory=_factory(grid, stop)))
+def resume_simulated(path: str | Path, cfg: dict[str, Any], rounds: int | None = None,
+                     drive: Drive | None = None) -> dict[str, Any]:
+    """Continue a stopped simulated run or experiment (``cfg``: its saved ``fl`` config;
+    ``drive``: the experiment's resume loop, :data:`medfl.backend.Drive`; ``None``:
+    :func:`medfl.experiment.resume` of ``path``)."""
+    if drive is None:
+        from medfl import experiment   # the standalone call only: the backend passes its drive
+
+        def drive(factory: Any, meta: Any = None) -> dict[str, Any]:
+            return experiment.resume(path, rounds, run_factory=factory)
+    return _simulate(cfg, _client_ids(cfg), lambda grid, stop: drive(_factory(grid, stop)))
 
 
-def is_simulated(cfg: dict[str, Any], run_factory: Any) -> bool:
-    """Whether the runner should hand ``cfg`` to this module (backend ``ray``, default runs)."""
-    backend = cfg.get("backend") or "inprocess"
-    name = backend if isinstance(backend, str) else backend.get("name")
-    return run_factory is Run and name == "ray"
+def _experiment_drive(cfg: dict[str, Any]) -> Drive:
+    """:func:`medfl.experiment.run_experiment` of ``cfg`` as a drive, for a standalone
+    :func:`run_simulated` (the ``ray`` backend passes the experiment's own)."""
+    from medfl import experiment
+
+    return lambda factory, meta=None: experiment.run_experiment(cfg, run_factory=factory, meta=meta)

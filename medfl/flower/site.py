@@ -50,7 +50,7 @@ naming a plugin (method, filter, model, metric, or its own dataset and partition
 not approved there with the same distribution version and code, and every message that asks
 for less privacy than the file's ``policy`` accepts (:mod:`medfl.policy`), before the
 method's code runs; the coordinator's run then fails with a
-:class:`~medfl.flower.server.SiteFailure` naming the site and the reason. Without one, the
+:class:`~medfl.flower.coordinator.SiteFailure` naming the site and the reason. Without one, the
 site runs any method installed in its environment and says so.
 """
 
@@ -156,7 +156,7 @@ class Site:
     """
 
     def __init__(self, settings: SiteSettings) -> None:
-        from medfl.bundle import load_bundle_config
+        from medfl.config_file import load_bundle_config
         from medfl.config import resolve_config
 
         self.settings = settings

@@ -298,7 +298,7 @@ def ham(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_run_keeps_every_lesion_on_one_side(ham: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     manifest = pd.read_csv(ham)
     assert (manifest.groupby("subject_id").size() > 1).sum() > 20   # lesions with several images

@@ -11,7 +11,7 @@ import pytest
 
 from medfl.cli import main
 from medfl.config import ConfigError, resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.engine.training import NonFiniteError
 
 

@@ -24,7 +24,7 @@ import pandas as pd
 import pytest
 
 from medfl.config import resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 
 GOLDEN = Path(__file__).with_name("builtin_numbers.json")
 

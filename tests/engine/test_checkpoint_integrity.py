@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from medfl.config import resolve_config
-from medfl.engine.runner import RunError, resume, run_experiment
+from medfl.engine.runner import RunError
+from medfl.experiment import resume, run_experiment
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from medfl.config import ConfigError, resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.engine.training import (Compute, NonFiniteError, autocast, compute_settings, current_compute, predict_proba,
                                    train_epochs)
 from medfl.models.registry import build_model

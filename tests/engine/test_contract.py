@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medfl.engine.client import ClientStore
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.method import Federation, Method, MethodConfigError
 from medfl_plugins.baselines import FedAvg, FedProx
 

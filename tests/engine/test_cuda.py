@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from medfl.config import resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.engine.training import compute_settings, get_state, move_state, predict_proba, train_epochs
 
 from test_builtin_numbers import BYTES_ATOL, GOLDEN, JOBS, run_job

@@ -12,7 +12,8 @@ import pytest
 from medfl.config import ConfigError
 from medfl.data.source import DataError
 from medfl.engine.data import cv_folds, sample_attributes, split_data
-from medfl.engine.runner import build_source, resume, run_experiment
+from medfl.engine.runner import build_source
+from medfl.experiment import resume, run_experiment
 from medfl.metrics.classification import roc_auc
 from medfl.metrics.fairness import fairness_report, subgroup_scores
 from medfl.report import cv_summary, cv_table

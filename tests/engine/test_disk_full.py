@@ -25,7 +25,7 @@ import pytest
 
 from medfl.cli import main
 from medfl.config import resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 
 METHOD = "fedbn"   # FedBN keeps state at each client: client states to lose as well
 

@@ -22,7 +22,9 @@ import torch
 from medfl import hookimpl
 from medfl.config import ConfigError
 from medfl.engine.early_stopping import EarlyStopping
-from medfl.engine.runner import evaluate_metrics, predict, resume, run_experiment
+from medfl.engine.runner import evaluate_metrics
+from medfl.experiment import resume, run_experiment
+from medfl.predict import predict
 from medfl.plugins import get_plugin_manager
 from medfl.report import cv_results, summary_table
 from medfl_plugins.baselines import FedBN

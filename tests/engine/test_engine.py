@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from medfl.config import ConfigError
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 from medfl.messages import PayloadError, SampleGuard, validate_payload
 from medfl.plugins import get_plugin_manager
 from medfl_plugins.baselines import FedAvg

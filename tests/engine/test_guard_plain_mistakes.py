@@ -170,7 +170,7 @@ def fixture_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     """A fixture's config and every message the guard checked while the seven methods ran
     on it for one round."""
     from medfl.config import resolve_config
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     root = tmp_path_factory.mktemp(request.param)
     dataset = _prepare(request.param, root)

@@ -12,7 +12,8 @@ import pytest
 
 from medfl.cli import main
 from medfl.config import resolve_config
-from medfl.engine.runner import Run, resume, run_experiment
+from medfl.engine.runner import Run
+from medfl.experiment import resume, run_experiment
 
 
 def _interrupt_at(monkeypatch: pytest.MonkeyPatch, at: int, signal: BaseException | None = None) -> None:

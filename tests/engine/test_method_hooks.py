@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from medfl.config import resolve_config
 from medfl.context import ClientContext
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.engine.training import make_optimizer, predict_proba, train_epochs
 from medfl.messages import Instruction, Reply
 from medfl.models import ProbabilityModel
@@ -55,7 +55,7 @@ def test_second_step_of_a_round_sees_the_state_the_first_saved(tmp_path: Path) -
 
 
 def test_stopped_and_resumed_steps_keep_counting(tmp_path: Path) -> None:
-    from medfl.engine.runner import resume
+    from medfl.experiment import resume
 
     run = _run(tmp_path, "steps", {"name": "test_step_counter"}, stop_after_round=1, rounds=3)
     resume(run)
@@ -112,7 +112,7 @@ def test_probability_model_is_scored_on_its_own_probabilities(tmp_path: Path) ->
     metrics = pd.read_csv(run / "metrics.csv", dtype={"client_id": str})
     assert metrics["accuracy"].notna().all() and set(metrics["split"]) == {"local_test", "cross_test"}
     # the engine did not softmax the probabilities again: recompute client 1's test AUC by hand
-    from medfl.engine.runner import _reopen, _saved_config
+    from medfl.experiment import _reopen, _saved_config
 
     saved = _saved_config(run)
     r = _reopen(run, saved, saved["fl"])

@@ -15,7 +15,8 @@ import pytest
 
 from medfl.cli import main
 from medfl.config import ConfigError, resolve_config
-from medfl.engine.runner import Run, TooFewSites, resume, run_experiment, sites_needed
+from medfl.engine.runner import Run, TooFewSites, sites_needed
+from medfl.experiment import resume, run_experiment
 from medfl.messages import Reply
 
 

@@ -11,7 +11,7 @@ import pytest
 from medfl.cli import main
 from medfl.config import resolve_config
 from medfl.data.source import DataError
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 
 
 @pytest.fixture

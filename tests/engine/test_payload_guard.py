@@ -353,7 +353,7 @@ class _Probe(Method):
 
 
 def test_a_probe_writing_labels_into_metrics_fails_the_run(tiny_fl: dict[str, Any], resolve: Any) -> None:
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     with methods_registered(_Probe, name="label-probe-test"):
         tiny_fl["dataset"]["num_samples"] = 240

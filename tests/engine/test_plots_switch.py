@@ -10,7 +10,7 @@ import pytest
 
 from medfl.cli import main
 from medfl.config import ConfigError
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.report import plots_wanted
 
 __all__: list[str] = []

@@ -1,4 +1,4 @@
-"""medfl.engine.runner.predict: a finished run's client models predict, read-only."""
+"""medfl.predict.predict: a finished run's client models predict, read-only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pandas as pd
 import pytest
 
 from medfl.bundle import infer
-from medfl.engine.runner import RunError, predict, run_experiment
+from medfl.engine.runner import RunError
+from medfl.experiment import run_experiment
+from medfl.predict import predict
 
 
 def _digest(root: Path) -> dict[str, str]:

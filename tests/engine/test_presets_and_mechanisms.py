@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from medfl.config import ConfigError, build_method, method_train, resolve_config
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 
 from contract_methods import Observed, registered
 

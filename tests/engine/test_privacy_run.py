@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from opacus.accountants import create_accountant
 
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 
 
 def _run(resolve: Any, fl: dict[str, Any]) -> Path:

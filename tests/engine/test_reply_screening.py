@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from medfl.config import resolve_config
-from medfl.engine.runner import Run, resume, run_experiment
+from medfl.engine.runner import Run
+from medfl.experiment import resume, run_experiment
 from medfl.messages import Reply
 
 

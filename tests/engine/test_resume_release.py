@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 import torch
 
-from medfl.engine.runner import Run, resume, run_experiment
+from medfl.engine.runner import Run
+from medfl.experiment import resume, run_experiment
 
 CLIP = 0.5
 

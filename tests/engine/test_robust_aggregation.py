@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from medfl.config import resolve_config
-from medfl.engine.runner import Run, run_experiment
+from medfl.engine.runner import Run
+from medfl.experiment import run_experiment
 from medfl.engine.training import coordinate_median, trimmed_mean
 
 

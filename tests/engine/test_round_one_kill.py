@@ -15,7 +15,8 @@ from typing import Any, Iterator
 import pytest
 
 from medfl.config import resolve_config
-from medfl.engine.runner import Run, resume, run_experiment
+from medfl.engine.runner import Run
+from medfl.experiment import resume, run_experiment
 
 
 class Killed(BaseException):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from medfl.config import resolve_config
-from medfl.engine.runner import Run, RunError, _create_unique_dir, resume, run_experiment
+from medfl.engine.runner import Run, RunError
+from medfl.experiment import _create_unique_dir, resume, run_experiment
 
 
 def test_a_run_in_use_cannot_be_resumed_by_another_process(tiny_fl) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from medfl.bundle import print_result
 from medfl.config import ConfigError
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 
 __all__: list[str] = []
 

@@ -17,7 +17,7 @@ from flwr.app import RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 from medfl import wire
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 from medfl.engine.traffic import COLUMNS, Traffic
 from medfl.messages import Instruction
 

@@ -25,7 +25,8 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.data import split_data  # noqa: E402
-from medfl.engine.runner import Run, RunError, build_source, run_experiment  # noqa: E402
+from medfl.engine.runner import Run, RunError, build_source  # noqa: E402
+from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl import wire  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
@@ -94,7 +95,7 @@ class LoopGrid:
 
 
 class VirtualClock:
-    """The coordinator's clock over the loop-back grid (``time`` in :mod:`medfl.flower.server`):
+    """The coordinator's clock over the loop-back grid (``time`` in :mod:`medfl.flower.coordinator`):
     it moves only when the coordinator waits (``time.sleep``, one ``poll_interval`` per poll),
     so a timeout is a number of polls and a test's outcome never depends on how loaded the
     machine is (a site's answer, computed when it is pulled, never arrives "late")."""
@@ -117,10 +118,10 @@ class VirtualClock:
 @pytest.fixture(autouse=True)
 def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
     """Every test here runs the coordinator on a :class:`VirtualClock`."""
-    import medfl.flower.server as server
+    import medfl.flower.coordinator as coordinator
 
     clock = VirtualClock()
-    monkeypatch.setattr(server, "time", clock)
+    monkeypatch.setattr(coordinator, "time", clock)
     return clock
 
 

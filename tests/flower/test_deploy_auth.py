@@ -25,7 +25,8 @@ import pytest
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
 from medfl.config import resolve_config  # noqa: E402
-from medfl.engine.runner import build_source, run_experiment  # noqa: E402
+from medfl.engine.runner import build_source  # noqa: E402
+from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower.auth import make_site_key  # noqa: E402
 from medfl.flower.deploy import FlowerDeployError, LocalFederation  # noqa: E402
 from medfl.flower.soak import last_round as _last_round, wait_unlocked as _wait_unlocked  # noqa: E402

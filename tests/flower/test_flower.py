@@ -23,7 +23,8 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.data import split_data  # noqa: E402
-from medfl.engine.runner import Run, build_source, run_experiment  # noqa: E402
+from medfl.engine.runner import Run, build_source  # noqa: E402
+from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower.deploy import LocalFederation  # noqa: E402
 
 from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config as _fl, numeric_equal as _numeric_equal  # noqa: E402

@@ -30,7 +30,8 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 from flwr.app import Message  # noqa: E402
 
 from medfl.config import resolve_config  # noqa: E402
-from medfl.engine.runner import TooFewSites, run_experiment  # noqa: E402
+from medfl.engine.runner import TooFewSites  # noqa: E402
+from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower.server import FlowerSettings, SuperLinkError, resume_flower, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site  # noqa: E402

@@ -26,7 +26,8 @@ from flwr.common import bytes_to_ndarray  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key  # noqa: E402
 
 from medfl.config import ConfigError, resolve_config  # noqa: E402
-from medfl.engine.runner import RunError, run_experiment  # noqa: E402
+from medfl.engine.runner import RunError  # noqa: E402
+from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower import secagg  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402

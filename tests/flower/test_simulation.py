@@ -17,7 +17,8 @@ import pandas as pd
 import pytest
 
 from medfl.config import ConfigError, resolve_config
-from medfl.engine.runner import RunError, resume, run_experiment
+from medfl.engine.runner import RunError
+from medfl.experiment import resume, run_experiment
 from medfl.flower import simulation
 
 from flower_cases import FEDBN, fl_config, numeric_equal, write_config

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from medfl.config import resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.messages import Reply
 from medfl_plugins.baselines import FedAdagrad, FedAdam, FedDisco, FedYogi, disco_discrepancy, disco_weights
 

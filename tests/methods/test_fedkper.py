@@ -15,7 +15,8 @@ import torch
 
 from medfl.engine.client import run_client_update
 from medfl.engine.data import split_data
-from medfl.engine.runner import Run, run_experiment
+from medfl.engine.runner import Run
+from medfl.experiment import run_experiment
 from medfl.messages import Reply
 from medfl.method import Federation, MethodConfigError
 from medfl.plugins import lookup, registry

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from medfl.config import resolve_config
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 from medfl.messages import Reply
 from medfl.method import Federation, MethodConfigError, derive_seed
 from medfl_plugins.fedsdc import FedSDC, HeadEnsemble, head_assignment, head_widths
@@ -99,7 +99,7 @@ def test_runs_and_the_evaluated_model_is_the_ensemble(tiny_fl):
     # ... and it is the ensemble's: medfl predict rebuilds body + all three checkpointed heads,
     # and the vote's accuracy (= micro-F1 for one label per image) on the held-out images
     # matches the summary's micro-F1
-    from medfl.engine.runner import predict
+    from medfl.predict import predict
 
     run_dir = Path(out["dir"]) / "fedsdc"
     pred = pd.read_csv(predict(run_dir, split="global_test"), dtype={"client_id": str})
@@ -386,7 +386,7 @@ def test_the_vote_at_the_clients_matches_the_run_predictions(mechanism_runs: dic
     """With the 'lowest' rule the ensemble's probabilities are the vote fractions: the last
     round's tie and disagreement rates and accuracy on the clients' val splits follow from
     `medfl predict`'s rows of those splits."""
-    from medfl.engine.runner import predict
+    from medfl.predict import predict
 
     run = mechanism_runs["lowest"]
     pred = pd.read_csv(predict(run, split="all"), dtype={"client_id": str, "sample_id": str})

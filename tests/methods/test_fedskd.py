@@ -12,7 +12,8 @@ import torch
 
 import medfl_plugins.fedskd as fedskd_mod
 from medfl.engine.data import split_data
-from medfl.engine.runner import Run, build_source, resume, run_experiment
+from medfl.engine.runner import Run, build_source
+from medfl.experiment import resume, run_experiment
 from medfl.method import MethodConfigError
 from medfl_plugins.fedskd import FedSKD, permutation
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from medfl.config import resolve_config
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 from medfl.messages import PayloadError, Reply
 from medfl.method import Federation, MethodConfigError
 from medfl.privacy.accounting import epsilon_spent, noise_for_epsilon

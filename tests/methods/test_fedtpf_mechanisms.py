@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from medfl.config import resolve_config
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.losses.feature_distill import STOP_CRITERIA
 from medfl.messages import PayloadError
 from medfl.method import Federation, MethodConfigError

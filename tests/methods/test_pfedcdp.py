@@ -17,7 +17,8 @@ import torch
 from medfl.capability import SCORES
 from medfl.config import resolve_config
 from medfl.engine.client import run_client_update
-from medfl.engine.runner import Run, resume, run_experiment
+from medfl.engine.runner import Run
+from medfl.experiment import resume, run_experiment
 from medfl.engine.data import split_data
 from medfl.engine.runner import build_source
 from medfl.method import MethodConfigError

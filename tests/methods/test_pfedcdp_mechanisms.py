@@ -17,7 +17,7 @@ import torch
 
 from medfl.config import build_method, method_train, resolve_config
 from medfl.engine.client import run_client_update
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.messages import Reply
 from medfl.method import MethodConfigError
 from medfl.models.registry import build_model

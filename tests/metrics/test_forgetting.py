@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from medfl.engine.client import ClientContext, run_client_evaluate
-from medfl.engine.runner import resume, run_experiment
+from medfl.experiment import resume, run_experiment
 from medfl.messages import Instruction
 from medfl.method import Method
 from medfl.metrics.forgetting import (

@@ -131,7 +131,7 @@ def test_the_kaggle_mirrors_metadata_without_a_dataset_column_is_prepared(raw: P
 
     from medfl.config import ConfigError, resolve_config
     from medfl.data.partition import PartitionError
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     kaggle = tmp_path / "raw"
     shutil.copytree(raw, kaggle)

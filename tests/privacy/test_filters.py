@@ -231,7 +231,7 @@ def test_bad_filter_settings_fail_at_config_time(tiny_fl: dict, resolve: Any, fi
 
 
 def test_delta_must_be_below_one_over_the_number_of_clients(tiny_fl: dict, resolve: Any) -> None:
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
     from medfl.privacy.accounting import PrivacyConfigError
 
     cfg = resolve({**tiny_fl, "filters": [{"name": "dp_gaussian", "epsilon": 3, "delta": 0.4}]})
@@ -259,7 +259,7 @@ def test_fl_filters_skip_a_method_that_cannot_take_them_and_the_run_says_so(
 
     import pandas as pd
 
-    from medfl.engine.runner import run_experiment
+    from medfl.experiment import run_experiment
 
     cfg = resolve({**tiny_fl, "rounds": 1, "methods": ["fedavg", "local"],
                    "filters": [{"name": "dp_gaussian", "noise_multiplier": 1.0, "delta": 1e-3}]})

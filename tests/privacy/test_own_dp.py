@@ -20,7 +20,7 @@ import pytest
 from opacus.accountants import create_accountant
 
 from medfl.bundle import _privacy_line
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.privacy.accounting import PrivacyConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "medfl-plugin-example"

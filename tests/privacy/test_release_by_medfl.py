@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 import torch
 
-from medfl.engine.runner import run_experiment
+from medfl.experiment import run_experiment
 from medfl.messages import Instruction, PayloadError, Reply
 from medfl.privacy.accounting import PrivacyConfigError, noise_for_epsilon
 

@@ -1,0 +1,74 @@
+"""Backends: where an experiment's runs meet their clients.
+
+An experiment (:mod:`medfl.experiment`) plans its methods x folds x seeds and drives each
+method's run; a backend decides where those runs' clients are and how their messages get
+there. ``fl.backend`` names one from the registry (the ``register_backends`` hook of
+:mod:`medfl.hookspecs`; built in: ``inprocess``, ``ray``, ``flower``), and
+:func:`backend_of` builds it.
+
+A backend does not loop over methods, folds or seeds itself: the experiment hands it a
+``drive`` callable, and the backend calls ``drive(run_factory, meta)`` once, from wherever
+its runs can reach their clients (this process; the ServerApp thread of Flower's
+simulation runtime...), and returns what ``drive`` returned. ``run_factory`` builds each
+method's run (``(cfg, method_spec, run_dir, data) -> Run``: :class:`medfl.engine.runner.Run`
+itself, or a subclass such as :class:`medfl.flower.server.FlowerRun` bound to its grid);
+``meta`` is added to the experiment's ``config.json`` files (e.g. ``{"engine": "flower"}``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from medfl.engine.runner import RunError
+from medfl.plugins import lookup
+
+__all__ = ["Backend", "Drive", "backend_name", "backend_of"]
+
+#: The experiment's loop, as a backend calls it: ``drive(run_factory, meta=None) -> result``
+#: (the result of :func:`medfl.experiment.run_experiment` or :func:`medfl.experiment.resume`).
+Drive = Callable[..., dict[str, Any]]
+
+
+class Backend:
+    """What a backend gives the experiment: a way to run it and a way to resume it.
+
+    Subclasses set :attr:`name` (the ``fl.backend`` name they are registered under) and
+    implement :meth:`run` and :meth:`resume`; the registry builds them with no arguments.
+    """
+
+    #: the ``fl.backend`` name
+    name: str = ""
+    #: one line for ``medfl plugins``
+    description: str = ""
+
+    def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
+        """Run a new experiment of the resolved config ``cfg``: call ``drive(run_factory,
+        meta)`` once where the runs can reach their clients, and return its result."""
+        raise NotImplementedError(f"backend {self.name!r} cannot run an experiment")
+
+    def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
+        """Continue the stopped run or experiment in ``path`` (``cfg``: its saved ``fl``
+        config; ``rounds``: a new total or ``None``): call ``drive(run_factory)`` once and
+        return its result."""
+        raise NotImplementedError(f"backend {self.name!r} cannot resume a run")
+
+
+def backend_name(cfg: dict[str, Any]) -> str:
+    """The backend a resolved (or saved) ``fl`` config names: ``fl.backend`` as a name or as
+    ``{"name": ...}``; ``inprocess`` when it names none (a config saved before backends)."""
+    backend = cfg.get("backend") or "inprocess"
+    return str(backend if isinstance(backend, str) else backend.get("name") or "inprocess")
+
+
+def backend_of(cfg: dict[str, Any]) -> Backend:
+    """The registered backend ``cfg`` names (:func:`backend_name`), built.
+
+    Raises:
+        PluginError: no backend of that name is registered (the message lists those that are).
+        RunError: what is registered under the name is not a :class:`Backend`.
+    """
+    backend = lookup("backend", backend_name(cfg))()
+    if not isinstance(backend, Backend):
+        raise RunError(f"backend {backend_name(cfg)!r} is not a medfl.backend.Backend: {backend!r}")
+    return backend

@@ -1,0 +1,285 @@
+"""The experiment level: every method of a config x its folds x its seeds, and their resume.
+
+:func:`run_experiment` runs every method of a resolved ``fl`` config on the same split of
+the same data and writes a comparison (per fold with ``cv``, per seed with ``seeds``);
+:func:`resume` continues a stopped run, experiment, fold or seed directory. Each method's
+run is a :class:`medfl.engine.runner.Run` (or a backend's subclass of it) in its own
+directory; where its clients are is the backend's business (:mod:`medfl.backend`):
+``fl.backend`` names it, and the experiment hands it the loop to drive.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from medfl.backend import Backend, backend_of
+from medfl.config import method_label
+from medfl.engine.data import FederatedData, split_data, warn_straddling
+from medfl.engine.runner import Run, RunError, RunFactory, _unlock, _write_json, build_source
+from medfl.plugins import get_plugin_manager
+
+__all__ = ["run_experiment", "resume"]
+
+
+def _create_unique_dir(base: Path, overwrite: bool) -> Path:
+    """Create the experiment directory: ``base``, or the first free ``base-2``, ``base-3``...
+    Each name is taken by an atomic ``mkdir``, so runs started at the same moment never share
+    one; ``overwrite`` reuses ``base``."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        base.mkdir(exist_ok=True)
+        return base
+    i = 1
+    while True:
+        cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            cand.mkdir()
+            return cand
+        except FileExistsError:
+            i += 1
+
+def _saved_config(path: Path) -> dict[str, Any]:
+    """A run or experiment directory's ``config.json``.
+
+    Raises:
+        RunError: there is none.
+    """
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise RunError(f"{path}: no config.json; not a medfl run or experiment directory")
+    return json.loads(cfg_file.read_text())
+
+
+def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any], run_factory: RunFactory = Run
+            ) -> "Run":
+    """The :class:`Run` of a method run directory, on its saved partition."""
+    data = split_data(build_source(cfg["dataset"]), cfg, saved=path / "partition.csv")
+    return run_factory(cfg, saved["method"], path, data)
+
+
+def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, resume_runs: bool,
+                 rounds: int | None = None, run_factory: RunFactory = Run) -> dict[str, Any]:
+    """Run (or, with ``resume_runs``, continue) every method of ``cfg`` in ``exp_dir/<label>``.
+
+    A method whose directory already holds a run is resumed; one that never started runs
+    from round 1 on ``data`` (the experiment's split, reloaded from ``partition.csv`` when
+    ``None``). Writes ``comparison.csv`` once every method has finished."""
+    from medfl.report import plots_wanted, write_comparison
+
+    summaries: dict[str, Any] = {}
+    for spec in cfg["methods"]:
+        label = method_label(spec)
+        if resume_runs and (exp_dir / label / "config.json").is_file():
+            run_dir = exp_dir / label
+            summaries[label] = _resume(run_dir, _saved_config(run_dir), rounds, run_factory)["summaries"][label]
+            continue
+        if data is None:
+            data = split_data(build_source(cfg["dataset"]), cfg, saved=exp_dir / "partition.csv")
+        run_cfg = cfg if rounds is None else {**cfg, "rounds": int(rounds)}
+        run = run_factory(run_cfg, spec, exp_dir / label, data)
+        run.prepare(resume=False)
+        summaries[label] = run.execute(None if resume_runs else cfg.get("stop_after_round"))
+    if summaries and all(summaries.values()):
+        write_comparison(exp_dir, summaries, plots=plots_wanted(cfg))
+    return summaries
+
+
+def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
+                   run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every fold of a cross-validated experiment in ``exp_dir/fold_<k>``, then the CV report.
+
+    Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
+    (``None`` while a fold is unfinished), "folds"}``."""
+    from medfl.report import plots_wanted, write_cv_report
+
+    folds = int(cfg["cv"]["folds"])
+    source = None
+    out: dict[str, Any] = {}
+    for k in range(folds):
+        fold_dir = exp_dir / f"fold_{k}"
+        data = None
+        # config.json first, partition.csv last: the partition marks a complete fold directory
+        if not resume_runs or not (fold_dir / "partition.csv").is_file() or not (fold_dir / "config.json").is_file():
+            source = source or build_source(cfg["dataset"])
+            data = split_data(source, cfg, fold=k)
+            fold_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
+            data.save(fold_dir / "partition.csv")
+            warn_straddling(data.report, f"fold_{k}")
+        out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds, run_factory)
+    labels = [method_label(m) for m in cfg["methods"]]
+    cv = None
+    if all(s and all(s.values()) for s in out.values()):
+        cv = write_cv_report(exp_dir, labels, folds, str(cfg["cv"].get("metric", "auc")), plots=plots_wanted(cfg))
+    return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
+
+
+def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
+                      run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every seed of ``cfg["seeds"]`` as its own experiment in ``exp_dir/seed_<s>`` (the seed
+    draws the split, the models' initialisation and the training order alike), then the
+    report of mean ± std over seeds (:func:`medfl.report.write_seeds_report`).
+
+    Returns ``{"dir", "summaries": {"seed_<s>": {label: summary}}, "seeds": the report
+    (``None`` while a seed is unfinished), "seed_list"}``."""
+    from medfl.report import plots_wanted, write_seeds_report
+
+    seeds = [int(s) for s in cfg["seeds"]]
+    source = None
+    out: dict[str, Any] = {}
+    for s in seeds:
+        seed_dir = exp_dir / f"seed_{s}"
+        seed_cfg = {**cfg, "seed": s, "seeds": None}
+        data = None
+        if not resume_runs or not (seed_dir / "partition.csv").is_file() or not (seed_dir / "config.json").is_file():
+            source = source or build_source(cfg["dataset"])
+            data = split_data(source, seed_cfg)
+            seed_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
+            data.save(seed_dir / "partition.csv")
+            warn_straddling(data.report, f"seed_{s}")
+        out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
+    report = None
+    if all(block and all(block.values()) for block in out.values()):
+        report = write_seeds_report(exp_dir, {s: out[f"seed_{s}"] for s in seeds}, plots=plots_wanted(cfg))
+    return {"dir": str(exp_dir), "summaries": out, "seeds": report, "seed_list": seeds}
+
+
+def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
+                   meta: dict[str, Any] | None = None, backend: Backend | None = None) -> dict[str, Any]:
+    """Run every method of a resolved config on one data split; return their summaries.
+
+    The experiment directory is ``output_dir/name`` (``name-2``, ``name-3``... when it
+    exists, unless ``overwrite``); each method runs in a subdirectory named by its label,
+    and ``comparison.csv`` lists their final mean metrics side by side.
+
+    With cross-validation (``cv.folds`` > 1) each fold is such an experiment in
+    ``fold_<k>/`` and the experiment directory gets ``cv_results.csv``, ``cv_table.csv``,
+    ``cv_table.md``, ``cv_summary.json`` and ``cv_<metric>.png``
+    (:func:`medfl.report.write_cv_report`); the result's ``summaries`` are then keyed by
+    fold (``fold_<k>``) and it also holds ``cv`` (the CV summary) and ``folds``.
+
+    With ``seeds`` (a list) the whole experiment runs once per seed in ``seed_<s>/`` and
+    the experiment directory gets ``seeds_results.csv``, ``seeds_summary.json``,
+    ``seeds_table.csv``, ``seeds_table.md`` and ``seeds_metrics.png`` (mean ± std over
+    seeds; :func:`medfl.report.write_seeds_report`); ``summaries`` are keyed by seed
+    (``seed_<s>``) and the result also holds ``seeds`` (that summary) and ``seed_list``.
+
+    Args:
+        cfg: the resolved ``fl`` config.
+        run_factory: builds each method's run, used as it is (a backend's own ``Run``
+            subclass); ``None`` (or :class:`Run`): the backend chooses it.
+        meta: extra entries of the experiment's and folds' ``config.json``
+            (e.g. ``{"engine": "flower"}``).
+        backend: the backend to run on (default: the one ``fl.backend`` names,
+            :func:`medfl.backend.backend_of`); it calls this experiment's loop with its
+            ``run_factory`` and ``meta`` (:class:`medfl.backend.Backend`).
+    """
+    if run_factory is None or run_factory is Run:
+        chosen = backend or backend_of(cfg)
+        return chosen.run(cfg, lambda factory, extra=None: _experiment(cfg, factory, meta if extra is None else extra))
+    return _experiment(cfg, run_factory, meta)
+
+
+def _experiment(cfg: dict[str, Any], run_factory: RunFactory, meta: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`run_experiment` on ``run_factory``'s runs: the split, the experiment directory,
+    then every method (per fold, per seed)."""
+    plain = not (int((cfg.get("cv") or {}).get("folds") or 0) > 1 or cfg.get("seeds"))
+    # the split first: a dataset or partition that cannot work stops before anything is written
+    data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
+    exp_dir = _create_unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
+    _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
+    if int((cfg.get("cv") or {}).get("folds") or 0) > 1:
+        return _cv_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
+    if cfg.get("seeds"):
+        return _seeds_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
+    assert data is not None
+    data.save(exp_dir / "partition.csv")
+    warn_straddling(data.report)
+    return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False,
+                                                           run_factory=run_factory)}
+
+
+def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory | None = None,
+           backend: Backend | None = None) -> dict[str, Any]:
+    """Continue a stopped run directory, or every run of an experiment directory.
+
+    Args:
+        path: a run directory (has ``config.json`` with a ``method``), an experiment
+            directory, or a cross-validated experiment (its folds too: a fold that never
+            started runs from the beginning, and the CV report is rewritten at the end).
+        rounds: a new total number of rounds (default: the configured one). A run that
+            early stopping ended (``fl.early_stopping``) is finished whatever ``rounds``
+            says: it is not extended (early stopping decided it; the run says so on stderr),
+            so an experiment resumed with more rounds extends its other methods' runs.
+        run_factory: builds each run, used as it is; ``None`` (or :class:`Run`): the backend
+            that ran it (its saved ``fl.backend``) chooses (see :func:`run_experiment`).
+        backend: the backend to continue on (default: the saved ``fl.backend``'s).
+
+    Raises:
+        RunError: ``path`` holds no run to resume.
+    """
+    path = Path(path)
+    saved = _saved_config(path)
+    if run_factory is None or run_factory is Run:   # a run continues on its backend (ray: the simulation runtime)
+        chosen = backend or backend_of(saved["fl"])
+        return chosen.resume(path, saved["fl"], rounds,
+                             lambda factory, extra=None: _resume(path, _saved_config(path), rounds, factory))
+    return _resume(path, saved, rounds, run_factory)
+
+
+def _resume(path: Path, saved: dict[str, Any], rounds: int | None, run_factory: RunFactory) -> dict[str, Any]:
+    """:func:`resume` on ``run_factory``'s runs (``saved``: ``path``'s ``config.json``)."""
+    if "method" not in saved:  # experiment (or fold) directory: resume each method
+        cfg = saved["fl"]
+        if "fold" not in saved and int((cfg.get("cv") or {}).get("folds") or 0) > 1:
+            return _cv_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
+                                  meta={k: v for k, v in saved.items() if k != "fl"})
+        if cfg.get("seeds"):
+            return _seeds_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
+                                     meta={k: v for k, v in saved.items() if k != "fl"})
+        return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds,
+                                                            run_factory=run_factory)}
+    cfg = saved["fl"]
+    ignored = None   # --rounds of a run that early stopping ended
+    if rounds is not None and int(rounds) != int(cfg["rounds"]) and _stopped_early(path, saved, run_factory):
+        ignored, rounds = int(rounds), None
+    if rounds is not None:
+        cfg["rounds"] = int(rounds)
+    run = _reopen(path, saved, cfg, run_factory)
+    run.prepare(resume=True)
+    label = run.label
+    if run.stopped_early and run.early is not None:
+        print(f"medfl [{label}]: early stopping ended this run after round {run.early.stopped_at} (best round "
+              f"{run.early.best_round}): nothing left to train"
+              + ("" if ignored is None else f"; --rounds {ignored} does not extend it (start a new run, e.g. with "
+                                            "a larger fl.early_stopping.patience, to train longer)"),
+              file=sys.stderr, flush=True)
+    finished = run.start_round > run.federation.rounds or run.stopped_early
+    if finished and (path / "summary.json").is_file():
+        summary = json.loads((path / "summary.json").read_text())
+        try:
+            status = json.loads((path / "status.json").read_text()).get("status")
+        except (OSError, ValueError):
+            status = None
+        if status != "finished":   # stopped after the summary, before the plots and reports
+            get_plugin_manager().hook.on_run_end(run=run, summary=summary)
+            run._status("finished", run.rounds_run)
+        _unlock(run._lock)
+        run._lock = None
+        return {"dir": str(path), "summaries": {label: summary}}
+    return {"dir": str(path), "summaries": {label: run.execute(None)}}
+
+
+def _stopped_early(path: Path, saved: dict[str, Any], run_factory: RunFactory = Run) -> bool:
+    """Whether the run in ``path`` (its ``config.json`` ``saved``) was stopped by early
+    stopping: its newest intact checkpoint says so (read without changing anything)."""
+    if not saved["fl"].get("early_stopping"):
+        return False
+    run = _reopen(path, saved, json.loads(json.dumps(saved["fl"])), run_factory)
+    run.prepare(read_only=True)
+    return run.stopped_early
+

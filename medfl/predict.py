@@ -1,0 +1,110 @@
+"""Predictions of a finished (or stopped) run's client models on a dataset: :func:`predict`.
+
+It reopens the run directory as :func:`medfl.experiment.resume` would, read-only, and has each
+requested client build its evaluation model as in the run's last (or, with early stopping,
+best) evaluation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from medfl.config import method_label
+from medfl.engine.runner import RunError, build_source
+from medfl.experiment import _reopen, _saved_config
+from medfl.messages import Instruction
+
+__all__ = ["predict"]
+
+
+def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,
+            clients: list[str] | None = None, split: str | None = None) -> Path:
+    """Predict with a finished (or stopped) run's models and write a predictions CSV.
+
+    Each requested client builds its evaluation model exactly as in the run's last
+    evaluation (the method's ``client_eval_model``: the global model, plus the client's
+    local layers or state where the method keeps them) and predicts on ``dataset``; with
+    early stopping (``fl.early_stopping``), as in the evaluation of the best round, from that
+    round's checkpoint and client states (the models the run's final metrics are about).
+
+    Args:
+        run_dir: a method run directory (``config.json`` with a ``method``, a checkpoint).
+        dataset: a dataset spec (``{"name": ..., ...}``); default: the run's own dataset.
+        output: the CSV to write (default ``run_dir/predictions.csv``).
+        clients: client ids whose models predict (default: every client of the run).
+        split: keep only rows whose ``split`` column equals this (e.g. ``test``); ``None``,
+            ``""`` or ``"all"``: every row; ``"global_test"``: the run's held-out global test
+            samples as ``partition.csv`` lists them (by ``sample_id`` in another dataset
+            spec; e.g. HAM10000, which has no official split).
+
+    Returns:
+        The CSV path: one row per (client, sample) with ``sample_id``, ``label``,
+        ``prediction`` and ``prob_<class name>`` columns.
+
+    Raises:
+        RunError: no run or no checkpoint in ``run_dir``, or an unknown client id.
+    """
+    from medfl.engine.training import predict_proba
+
+    run_dir = Path(run_dir)
+    saved = _saved_config(run_dir)
+    if "method" not in saved:
+        raise RunError(f"{run_dir}: an experiment directory; pass one method's run directory "
+                       f"({', '.join(method_label(m) for m in saved['fl']['methods'])})")
+    cfg = saved["fl"]
+    run = _reopen(run_dir, saved, cfg)
+    run.prepare(read_only=True)
+    last = run.start_round - 1
+    if last < 1:
+        raise RunError(f"{run_dir}: no checkpoint yet; nothing to predict with")
+    best = run._restore_best()   # early stopping: the best round's models
+    if best is not None:
+        last = best
+    target = run.data.source if dataset is None else build_source(dataset)
+    if split in (None, "", "all"):
+        rows = target.table
+    elif split == "global_test":
+        a = run.data.assignments
+        held = a[a["role"] == "global_test"]
+        if dataset is None:
+            rows = target.table.iloc[np.sort(held["row"].to_numpy())]
+        elif "sample_id" in target.table.columns and "sample_id" in held.columns:
+            rows = target.table[target.table["sample_id"].astype(str).isin(set(held["sample_id"].astype(str)))]
+        else:
+            raise RunError("split 'global_test' means the run's held-out samples, found by sample_id; this dataset "
+                           "has no sample_id column (use 'all' or a value of its 'split' column)")
+    elif "split" not in target.table.columns:
+        raise RunError(f"split {split!r} asked for, but the dataset has no 'split' column; use 'all'")
+    else:
+        rows = target.table[target.table["split"].astype(str) == split]
+    if rows.empty:
+        raise RunError(f"no samples to predict on{'' if split is None else f' with split == {split!r}'}")
+    ids = clients or run.federation.eval_client_ids
+    unknown = sorted(set(ids) - set(run.federation.eval_client_ids))
+    if unknown:
+        raise RunError(f"unknown client(s) {unknown}; the run has {run.federation.eval_client_ids}")
+    evals = run.coordinator.configure_evaluate(last)
+    frames = []
+    for cid in ids:
+        ctx = run.context(cid, last, state_before=last + 1)
+        model = run.client_method.client_eval_model(ctx, evals.get(cid, Instruction()))
+        loader = torch.utils.data.DataLoader(target.make_dataset(rows, False),
+                                             batch_size=int(cfg["train"].get("eval_batch_size", 64)))
+        y, p = predict_proba(model, loader, ctx.device)
+        df = pd.DataFrame({"client_id": cid,
+                           "sample_id": rows["sample_id"].astype(str).to_numpy() if "sample_id" in rows
+                           else np.arange(len(rows)).astype(str),
+                           "label": y, "prediction": p.argmax(1)})
+        for k, name in enumerate(target.class_names):
+            df[f"prob_{name or k}"] = p[:, k]
+        frames.append(df)
+    out = Path(output) if output else run_dir / "predictions.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pd.concat(frames, ignore_index=True).to_csv(out, index=False)
+    return out
+

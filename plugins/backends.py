@@ -1,0 +1,104 @@
+"""Built-in backends: ``inprocess``, ``ray`` and ``flower`` (see :mod:`medfl.backend`).
+
+- ``inprocess`` (the default): every client in this process, one after another
+  (:class:`medfl.engine.runner.Run`).
+- ``ray``: the clients in parallel on Flower's simulation runtime, one Ray actor per
+  simulated SuperNode (:mod:`medfl.flower.simulation`).
+- ``flower``: the clients are SuperNodes at the sites, reached through a SuperLink by
+  medfl's ServerApp (:mod:`medfl.flower.server`, started by ``medfl flower run``), which
+  builds this backend with its grid.
+
+Flower's modules are imported when a backend runs, not when the plugin loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from medfl import hookimpl
+from medfl.backend import Backend, Drive
+from medfl.config import check_device
+from medfl.engine.runner import Run, RunError
+
+__all__ = ["InProcess", "Ray", "Flower", "register_backends"]
+
+
+class InProcess(Backend):
+    """Every client in this process, one after another; state on disk."""
+
+    name = "inprocess"
+    description = "every client in this process, one after another (the default)"
+
+    def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
+        """This machine trains, so it must have the device; then :meth:`start`."""
+        check_device(cfg["device"], available=True)
+        return self.start(cfg, drive)
+
+    def start(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
+        """The experiment's runs are :class:`Run`."""
+        return drive(Run, None)
+
+    def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
+        """Continue with :class:`Run` in this process."""
+        return drive(Run)
+
+
+class Ray(InProcess):
+    """The clients in parallel on Flower's simulation runtime (Ray actors on this machine)."""
+
+    name = "ray"
+    description = "the clients in parallel on Flower's simulation runtime (needs Ray: medfl[simulation])"
+
+    def start(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
+        """:func:`medfl.flower.simulation.run_simulated`."""
+        from medfl.flower.simulation import run_simulated
+
+        return run_simulated(cfg, drive)
+
+    def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
+        """:func:`medfl.flower.simulation.resume_simulated`: a simulated run continues there."""
+        from medfl.flower.simulation import resume_simulated
+
+        return resume_simulated(path, cfg, rounds, drive)
+
+
+class Flower(Backend):
+    """The clients are SuperNodes at the sites, reached over ``grid`` (a SuperLink's).
+
+    Args:
+        grid: the ServerApp's grid; ``None`` (as the registry builds it): there is no
+            SuperLink here, and running says how to start one.
+        settings: the coordinator's :class:`medfl.flower.coordinator.FlowerSettings`.
+    """
+
+    name = "flower"
+    description = "the clients are Flower SuperNodes at the sites (medfl flower run)"
+
+    def __init__(self, grid: Any = None, settings: Any = None) -> None:
+        self.grid = grid
+        self.settings = settings
+
+    def _factory(self) -> Any:
+        if self.grid is None:
+            raise RunError("fl.backend 'flower': the clients are Flower SuperNodes reached through a SuperLink; run "
+                           "the config with `medfl flower run CONFIG` (docs/flower.md), not `medfl run`")
+        from medfl.flower.coordinator import flower_run_factory
+
+        return flower_run_factory(self.grid, self.settings)
+
+    def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
+        """The experiment's runs are :class:`~medfl.flower.coordinator.FlowerRun` on the grid
+        (``config.json`` says ``"engine": "flower"``)."""
+        return drive(self._factory(), {"engine": "flower"})
+
+    def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
+        """Continue with :class:`~medfl.flower.coordinator.FlowerRun` on the grid."""
+        return drive(self._factory())
+
+
+@hookimpl
+def register_backends(register: Any) -> None:
+    """Register the built-in backends."""
+    for backend in (InProcess, Ray, Flower):
+        register(backend)
