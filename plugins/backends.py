@@ -60,7 +60,7 @@ class Ray(InProcess):
         """:func:`medfl.flower.simulation.resume_simulated`: a simulated run continues there."""
         from medfl.flower.simulation import resume_simulated
 
-        return resume_simulated(path, cfg, rounds, drive)
+        return resume_simulated(cfg, drive)
 
 
 class Flower(Backend):

@@ -287,7 +287,7 @@ def _client_ids(cfg: dict[str, Any]) -> list[str]:
     return client_order(list(ids))
 
 
-def run_simulated(cfg: dict[str, Any], drive: Drive | None = None) -> dict[str, Any]:
+def run_simulated(cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
     """Run every method of a resolved config on the simulation runtime (the ``ray`` backend:
     the result of :func:`medfl.experiment.run_experiment`; ``config.json`` says ``"engine":
     "simulation"``).
@@ -295,32 +295,17 @@ def run_simulated(cfg: dict[str, Any], drive: Drive | None = None) -> dict[str, 
     Args:
         cfg: the resolved ``fl`` config.
         drive: the experiment's loop (:data:`medfl.backend.Drive`), called in the ServerApp
-            with the simulation's ``run_factory``; ``None``: :func:`medfl.experiment.run_experiment`
-            (the standalone call; the backend always passes its ``drive``).
+            with the simulation's ``run_factory`` (the ``ray`` backend passes the experiment's:
+            this module is below the experiment and never imports it).
 
     Raises:
         RunError: Ray is not installed, or the run fails.
     """
-    drive = drive or _experiment_drive(cfg)
     return _simulate(cfg, _client_ids(cfg), lambda grid, stop: drive(_factory(grid, stop), {"engine": "simulation"}))
 
 
-def resume_simulated(path: str | Path, cfg: dict[str, Any], rounds: int | None = None,
-                     drive: Drive | None = None) -> dict[str, Any]:
+def resume_simulated(cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
     """Continue a stopped simulated run or experiment (``cfg``: its saved ``fl`` config;
-    ``drive``: the experiment's resume loop, :data:`medfl.backend.Drive`; ``None``:
-    :func:`medfl.experiment.resume` of ``path``)."""
-    if drive is None:
-        from medfl import experiment   # the standalone call only: the backend passes its drive
-
-        def drive(factory: Any, meta: Any = None) -> dict[str, Any]:
-            return experiment.resume(path, rounds, run_factory=factory)
+    ``drive``: the experiment's resume loop of it, :data:`medfl.backend.Drive`)."""
     return _simulate(cfg, _client_ids(cfg), lambda grid, stop: drive(_factory(grid, stop)))
 
-
-def _experiment_drive(cfg: dict[str, Any]) -> Drive:
-    """:func:`medfl.experiment.run_experiment` of ``cfg`` as a drive, for a standalone
-    :func:`run_simulated` (the ``ray`` backend passes the experiment's own)."""
-    from medfl import experiment
-
-    return lambda factory, meta=None: experiment.run_experiment(cfg, run_factory=factory, meta=meta)
