@@ -1,4 +1,10 @@
-"""Local training and evaluation helpers shared by method plugins."""
+"""Local training and evaluation helpers shared by method plugins, the method contract
+(:class:`medfl.context.ClientContext`), privacy (DP-SGD) and the engine.
+
+Below all of them: this module imports nothing from :mod:`medfl.engine`, :mod:`medfl.context`,
+:mod:`medfl.method` or :mod:`medfl.filters`. It was ``medfl.engine.training``, which
+re-exports it with a deprecation warning until the next release.
+"""
 
 from __future__ import annotations
 
@@ -153,7 +159,7 @@ def _ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def with_regularizer(loss_fn: LossFn | None, regularizer: Regularizer | None) -> LossFn | None:
     """The local loss plus a data-independent term, for plain (non-DP) training.
 
-    What it is for: :meth:`medfl.engine.hub.HubAndSpoke.local_regularizer` (FedProx's proximal
+    What it is for: :meth:`medfl.hub.HubAndSpoke.local_regularizer` (FedProx's proximal
     term) in :func:`train_epochs`; DP-SGD instead adds the term's gradient after clipping and
     noise (:func:`medfl.privacy.dp_sgd.train_epochs_dp`).
 

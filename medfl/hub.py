@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from medfl.context import ClientContext
-from medfl.engine.training import (
+from medfl.training import (
     get_state,
     make_optimizer,
     train_epochs,
