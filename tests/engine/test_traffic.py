@@ -18,8 +18,9 @@ from flwr.common.serde import recorddict_to_proto
 
 from medfl import wire
 from medfl.engine.runner import resume, run_experiment
-from medfl.engine.traffic import COLUMNS, Traffic
+from medfl.engine.traffic import Traffic
 from medfl.messages import Instruction
+from medfl.traffic import COLUMNS
 
 
 def _comm(run_dir: Path) -> pd.DataFrame:
