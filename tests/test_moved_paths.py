@@ -60,3 +60,16 @@ def test_the_engines_traffic_recorder_uses_the_phases_beside_the_messages() -> N
 
     assert traffic.PHASES is medfl.traffic.PHASES and traffic.COLUMNS is medfl.traffic.COLUMNS
     assert list(traffic.Traffic().frame().columns) == medfl.traffic.COLUMNS
+
+
+def test_the_moved_modules_and_their_users_below_the_engine_do_not_import_it() -> None:
+    """The helpers, the hub, the public dataset and the traffic phases sit below the engine:
+    importing them, privacy's DP-SGD or the report loads no ``medfl.engine`` (nor Flower)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, medfl.training, medfl.hub, medfl.public, medfl.traffic, medfl.privacy.dp_sgd, "
+            "medfl.report; "
+            "bad = sorted(m for m in sys.modules if m.startswith('medfl.engine') or m.startswith('medfl.flower')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
