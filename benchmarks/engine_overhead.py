@@ -455,8 +455,8 @@ def child_plain(a: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def _clock_train_epochs() -> None:
     """Count medfl's ``train_epochs`` (FedAvg's local training loop) in :data:`TRAIN_CLOCK`."""
-    import medfl.engine.hub as hub
-    import medfl.engine.training as training
+    import medfl.hub as hub
+    import medfl.training as training
 
     inner = training.train_epochs
     if getattr(inner, "_bench_clock", False):
@@ -480,11 +480,11 @@ def _clock_train_epochs() -> None:
 STEPS: list[tuple[str, str, str]] = [
     ("medfl.engine.client", "_check_instruction", "instruction type walk (client)"),
     ("medfl.engine.client", "_seed_all", "seeding (client)"),
-    ("medfl.engine.hub", "HubAndSpoke.client_model", "global weights into the model (client)"),
-    ("medfl.engine.hub", "make_optimizer", "optimizer (client)"),
+    ("medfl.hub", "HubAndSpoke.client_model", "global weights into the model (client)"),
+    ("medfl.hub", "make_optimizer", "optimizer (client)"),
     ("medfl.context", "ClientContext.loader", "dataset and DataLoader (client)"),
-    ("medfl.engine.hub", "train_epochs", "training loop (client)"),
-    ("medfl.engine.hub", "get_state", "weights off the model (client)"),
+    ("medfl.hub", "train_epochs", "training loop (client)"),
+    ("medfl.hub", "get_state", "weights off the model (client)"),
     ("medfl.engine.client", "first_non_finite", "NaN check of the reply (client)"),
     ("medfl.engine.client", "validate_payload", "type walks + payload guard (client)"),
     ("medfl.engine.client", "_keep_state", "client state store (client)"),

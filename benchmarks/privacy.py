@@ -19,7 +19,7 @@ Three measurements (docs/privacy.md describes the features):
 ``dp_sgd``
     One local update (1 epoch) of the same ResNet-10 (``--width``) on ``--samples`` random
     64x64 images, batch 16, SGD (lr 0.01, momentum 0.9, medfl's defaults): plain
-    :func:`medfl.engine.training.train_epochs` on the BatchNorm model; the same on the model
+    :func:`medfl.training.train_epochs` on the BatchNorm model; the same on the model
     Opacus's validator fixed (BatchNorm -> GroupNorm, :func:`medfl.privacy.dp_sgd.make_private_model`),
     which separates the architecture change from the per-sample gradients; and
     :func:`medfl.privacy.dp_sgd.train_epochs_dp` (noise multiplier 1, max_grad_norm 1).
@@ -186,7 +186,7 @@ def measure_dp_sgd(width: int, samples: int, repeats: int, seed: int) -> tuple[d
     """One local epoch three ways; returns (results, objects for the filter timing)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from medfl.engine.training import train_epochs
+    from medfl.training import train_epochs
     from medfl.models.registry import build_model
     from medfl.privacy.dp_sgd import make_private_model, train_epochs_dp
 

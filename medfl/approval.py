@@ -106,7 +106,7 @@ class CodeIdentity:
         sha256: hash of the listing of its source files and their hashes (see the module
             docstring).
         files: the SHA-256 of each of those files, by its name relative to the directory
-            holding its top-level module (``medfl/engine/hub.py``), so that a refusal names
+            holding its top-level module (``medfl/hub.py``), so that a refusal names
             the file that changed.
     """
 

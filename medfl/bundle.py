@@ -43,7 +43,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     contract (:class:`~medfl.messages.PayloadError`), privacy settings no noise can meet
     (:class:`~medfl.privacy.accounting.PrivacyConfigError`: delta >= 1/N, a budget too low,
     a model Opacus cannot train; filter errors are :class:`~medfl.method.MethodConfigError`),
-    a training run that diverged (:class:`~medfl.engine.training.NonFiniteError`, naming the
+    a training run that diverged (:class:`~medfl.training.NonFiniteError`, naming the
     client and round), a missing file, and a full disk (:class:`~medfl.rundir.DiskFullError`,
     naming the file; an ``OSError`` of a full disk raised elsewhere is reported the same way by
     :func:`exit_on_user_error` and ``medfl``: :func:`user_error_message`).
@@ -54,7 +54,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from medfl.data.source import DataError
     from medfl.rundir import DiskFullError
     from medfl.engine.runner import RunError
-    from medfl.engine.training import NonFiniteError
+    from medfl.training import NonFiniteError
     from medfl.messages import PayloadError
     from medfl.method import MethodConfigError
     from medfl.models.registry import ModelConfigError

@@ -54,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
     # that knowledge-distillation methods distil into: null, or {"name": <dataset plugin>,
     # **its parameters} plus the reserved keys "test_fraction" (0.15: the test share drawn by
     # group when there is no official split), "use_official_split" and "group_column" (both
-    # default to the run's); see medfl.engine.public
+    # default to the run's); see medfl.public
     "public_dataset": None,
     "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 10},
     "client_split": {"train": 0.7, "val": 0.15, "test": 0.15},
@@ -122,7 +122,7 @@ DEFAULTS: dict[str, Any] = {
 
 #: Keys of ``train`` that are valid but absent unless set (they change how a client computes,
 #: not what it learns, so configs without them send the same messages as before):
-#: ``amp`` mixed precision ("bf16" or "fp16", with a gradient scaler; :mod:`medfl.engine.training`),
+#: ``amp`` mixed precision ("bf16" or "fp16", with a gradient scaler; :mod:`medfl.training`),
 #: ``channels_last`` (channels-last memory format for 2D/3D convolutions), ``pin_memory``
 #: (page-locked batches; null: on for CUDA devices), ``clip_grad_norm`` (the global gradient
 #: norm each step is clipped to, :func:`check_train`; null: no clipping).
@@ -460,7 +460,7 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
     return out
 
 
-#: local optimizers :func:`medfl.engine.training.make_optimizer` builds
+#: local optimizers :func:`medfl.training.make_optimizer` builds
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
 

@@ -237,7 +237,7 @@ class ClientContext:
         """
         if torch.device(str(self.device)).type != "cpu" and any(
                 isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in state.values()):
-            from medfl.engine.training import move_state
+            from medfl.training import move_state
 
             state = move_state(state, self.device)   # one transfer per dtype, not one per tensor
         key = json.dumps([self.model_spec, str(self.device)], sort_keys=True, default=str)

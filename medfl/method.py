@@ -182,7 +182,7 @@ class Federation:
         train: local-training settings (epochs, batch_size, lr, optimizer, ...).
         device: torch device string.
         public: the coordinator's public dataset (``fl.public_dataset``, a
-            :class:`medfl.engine.public.PublicData`: ``dataset(split)``, ``loader(split)``,
+            :class:`medfl.public.PublicData`: ``dataset(split)``, ``loader(split)``,
             splits ``train`` and ``test``), or ``None``. It exists only at the coordinator:
             clients never see a :class:`Federation`, so no client code can reach it.
     """

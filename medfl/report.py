@@ -156,9 +156,9 @@ def _save_plot(fig: Any, run_dir: Path, name: str) -> Path:
 def write_communication_plot(run_dir: str | Path) -> Path | None:
     """Write ``plots/communication.png``: megabytes (1 MB = 1e6 bytes) sent to and received
     from all clients in each round, stacked by phase (``train``, ``validate``, ``evaluate``,
-    ``score``), from the run's ``communication.csv`` (:mod:`medfl.engine.traffic`). Returns
+    ``score``), from the run's ``communication.csv`` (:mod:`medfl.traffic`). Returns
     the path, or None when the run has no such file (or an empty one)."""
-    from medfl.engine.traffic import PHASES
+    from medfl.traffic import PHASES
 
     run_dir = Path(run_dir)
     df = _run_csv(run_dir, "communication.csv")

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from medfl import hookimpl
-from medfl.engine.hub import HubAndSpoke, norm_keys
-from medfl.engine.training import coordinate_median, get_state, make_optimizer, train_epochs, trimmed_mean
+from medfl.hub import HubAndSpoke, norm_keys
+from medfl.training import coordinate_median, get_state, make_optimizer, train_epochs, trimmed_mean
 from medfl.messages import Instruction, Reply
 from medfl.method import Method
 

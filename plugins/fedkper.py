@@ -14,8 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from medfl import hookimpl
-from medfl.engine.hub import HubAndSpoke
-from medfl.engine.training import get_state, make_optimizer, predict_proba, train_epochs
+from medfl.hub import HubAndSpoke
+from medfl.training import get_state, make_optimizer, predict_proba, train_epochs
 from medfl.messages import Instruction, Reply
 from medfl.method import Preset
 
@@ -119,7 +119,7 @@ def kper_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, y: tor
 class FedKPer(HubAndSpoke):
     """FedKPer (paper 001): adaptive global-teacher distillation, eq. 6 aggregation.
 
-    A hub-and-spoke method (:class:`medfl.engine.hub.HubAndSpoke`). Each sampled client starts
+    A hub-and-spoke method (:class:`medfl.hub.HubAndSpoke`). Each sampled client starts
     from the received global model ``w^{t-1}`` and trains with (eq. 3)::
 
         l = CE(q_k, y) + lambda * KD(q_g, q_k),     lambda = min(1 / CE(q_g, y), lambda_cap)

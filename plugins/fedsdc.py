@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from medfl import hookimpl
-from medfl.engine.training import autocast, get_state, make_optimizer, train_epochs, weighted_average
+from medfl.training import autocast, get_state, make_optimizer, train_epochs, weighted_average
 from medfl.messages import Instruction, Reply
 from medfl.method import Federation, Method, MethodConfigError, Preset, derive_seed
 from medfl.metrics.classification import micro_f1

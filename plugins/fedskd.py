@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from medfl import hookimpl
-from medfl.engine.training import StepMeans, autocast, backward_step, get_state, grad_scaler, make_optimizer
+from medfl.training import StepMeans, autocast, backward_step, get_state, grad_scaler, make_optimizer
 from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss
 from medfl.messages import Instruction, Reply
 from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed

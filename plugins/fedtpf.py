@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from medfl import hookimpl
-from medfl.engine.training import StepMeans, get_state, make_optimizer, train_epochs, weighted_average
+from medfl.training import StepMeans, get_state, make_optimizer, train_epochs, weighted_average
 from medfl.losses.feature_distill import (
     DECAY_READINGS,
     STOP_CRITERIA,

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from medfl import hookimpl
 from medfl.capability import CLUSTERS, SCORES, assign_cluster, draw_capabilities, measure_capabilities, overall_score
-from medfl.engine.training import (StepMeans, get_state, make_optimizer, predict_proba, train_epochs,
+from medfl.training import (StepMeans, get_state, make_optimizer, predict_proba, train_epochs,
                                    weighted_average)
 from medfl.losses.distill import SUPCON_REDUCTIONS, ensemble_logits, kd_loss, sup_mtkd_loss, two_views
 from medfl.messages import Instruction, Reply

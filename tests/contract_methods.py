@@ -12,8 +12,8 @@ from torch import nn
 
 from medfl import hookimpl
 from medfl.context import ClientContext
-from medfl.engine.hub import HubAndSpoke
-from medfl.engine.training import make_optimizer, predict_proba, train_epochs
+from medfl.hub import HubAndSpoke
+from medfl.training import make_optimizer, predict_proba, train_epochs
 from medfl.messages import Instruction, Reply
 from medfl.method import Method, Preset
 from medfl.models import ProbabilityModel

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Iterator
 
 import torch
 
-from medfl.engine.hub import HubAndSpoke
+from medfl.hub import HubAndSpoke
 from medfl.filters import Release
 from medfl.messages import Instruction, Reply
 from medfl.privacy.accounting import noise_for_epsilon

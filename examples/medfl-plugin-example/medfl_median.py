@@ -58,9 +58,9 @@ from torch import nn
 
 from medfl import Instruction, OwnDp, hookimpl
 from medfl.method import Preset
-from medfl.engine.hub import HubAndSpoke
-from medfl.engine.training import predict_proba
-from medfl.engine.training import get_state, make_optimizer, train_epochs
+from medfl.hub import HubAndSpoke
+from medfl.training import predict_proba
+from medfl.training import get_state, make_optimizer, train_epochs
 from medfl.filters import Filter, FilterContext
 from medfl.messages import PayloadError, Reply
 from medfl.privacy.accounting import noise_for_epsilon

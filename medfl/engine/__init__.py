@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from medfl.engine.client import ClientContext, ClientStore, run_client_evaluate, run_client_update
-from medfl.engine.hub import HubAndSpoke, norm_keys
+from medfl.hub import HubAndSpoke, norm_keys
 from medfl.engine.runner import Run, RunError
-from medfl.engine.training import get_state, make_optimizer, predict_proba, train_epochs, weighted_average
+from medfl.training import get_state, make_optimizer, predict_proba, train_epochs, weighted_average
 
 __all__ = [
     "ClientContext", "ClientStore", "run_client_update", "run_client_evaluate",

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from medfl.context import ClientContext
 from medfl.engine.data import client_order
 from medfl.rundir import check_sum, sha256_file, sum_path, write_sum, writing
-from medfl.engine.training import NonFiniteError, compute_settings
+from medfl.training import NonFiniteError, compute_settings
 from medfl.filters import FilterChain
 from medfl.guard import ContentGuard
 from medfl.messages import RELEASE_CLIP, RELEASE_FLAG, Instruction, PayloadError, Reply, validate_payload
@@ -541,7 +541,7 @@ def evaluate_model(
 ) -> dict[str, dict[str, float]]:
     """Score the client's evaluation model (:func:`build_eval_model`) on ``splits``: the
     second step of :func:`run_client_evaluate`, whose docstring says what it returns."""
-    from medfl.engine.training import predict_proba, state_fingerprint
+    from medfl.training import predict_proba, state_fingerprint
     from medfl.metrics.fairness import subgroup_scores
     from medfl.metrics.forgetting import negative_flips
 
@@ -585,7 +585,7 @@ def score_dataset(model: nn.Module, dataset: Dataset, train: dict[str, Any], dev
                   metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]]) -> dict[str, float]:
     """``model``'s metrics on ``dataset`` (a peer's test split, for ``cross_test``), in
     batches of the run's ``eval_batch_size``."""
-    from medfl.engine.training import predict_proba
+    from medfl.training import predict_proba
 
     bs = int(train.get("eval_batch_size", 64))
     with compute_settings(train, device):

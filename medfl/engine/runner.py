@@ -97,7 +97,7 @@ from medfl.engine.early_stopping import EarlyStopping, metrics_split
 from medfl.rundir import (append_text, check_sum, file_manifest, full_disk_message, interrupted_write,
                                manifest_problems, write_sum, writing)
 from medfl.engine.traffic import Traffic
-from medfl.engine.training import compute_settings
+from medfl.training import compute_settings
 from medfl.filters import FilterChain, configured_filters
 from medfl.messages import RELEASE_FLAG, Instruction, PayloadError, Reply, state_mismatch
 from medfl.metrics.fairness import fairness_report
@@ -360,7 +360,7 @@ class Run:
         real = data.client_ids
         train_ids = [POOLED] if cls.pools_data else real
         sizes = {cid: len(data.rows(cid, "train")) for cid in train_ids}
-        from medfl.engine.public import PublicData, check_compatible
+        from medfl.public import PublicData, check_compatible
 
         #: the coordinator's public dataset (``fl.public_dataset``), read here only
         self.public = PublicData.from_config(cfg)
@@ -1270,7 +1270,7 @@ class Run:
         finals = self.coordinator.final_models()
         if not finals:
             return {}
-        from medfl.engine.training import predict_proba
+        from medfl.training import predict_proba
 
         rows: list[dict[str, Any]] = []
         if self.public is not None:

@@ -60,7 +60,7 @@ from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_
 from medfl import wire
 from medfl.config import SECURE_AGGREGATION_MODULUS
 from medfl.engine.data import client_order
-from medfl.engine.training import weighted_average
+from medfl.training import weighted_average
 from medfl.messages import SECURE_AGGREGATE, Instruction, PayloadError, Reply
 from medfl.method import Method
 from medfl.seeding import derive_seed

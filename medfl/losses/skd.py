@@ -191,7 +191,7 @@ def skd_loss(
         masks: region masks; the region term is skipped when ``None`` (no atlas).
         read: give the parts as floats; ``False`` leaves them 0-d tensors where they were
             computed, for a loop that logs them without waiting for the GPU each step
-            (:class:`medfl.engine.training.StepMeans`; same values).
+            (:class:`medfl.training.StepMeans`; same values).
 
     Returns:
         ``(loss, parts)``: the sum of the included terms, each the mean over layers of eqs.

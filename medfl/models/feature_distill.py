@@ -123,7 +123,7 @@ def distill_step(vae: DistillVAE, critic: Critic, classifier: nn.Module, x: torc
     n``: :func:`medfl.privacy.feature_release.perturb_features`); default ``x_s`` as it is.
     Returns the terms and the batch's residual accuracy: floats, or with ``read=False`` 0-d
     tensors where they were computed, for a loop that logs them without waiting for the GPU
-    each step (:class:`medfl.engine.training.StepMeans`; same values).
+    each step (:class:`medfl.training.StepMeans`; same values).
     """
     if weights.wgan > 0 and opt_critic is not None:
         with torch.no_grad():

@@ -1,6 +1,6 @@
 """Sample-level differential privacy in local training: DP-SGD with Opacus.
 
-Three pieces, used by the hub-and-spoke methods (:class:`medfl.engine.hub.HubAndSpoke`) when
+Three pieces, used by the hub-and-spoke methods (:class:`medfl.hub.HubAndSpoke`) when
 the run's local-training settings carry a ``dp`` section:
 
 * :func:`make_private_model`: Opacus's own validator (``ModuleValidator.fix``: BatchNorm ->
@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from medfl.engine.training import StepMeans
+from medfl.training import StepMeans
 from medfl.privacy.accounting import PrivacyConfigError
 from medfl.seeding import derive_noise_seed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from medfl.engine.training import weighted_average
+from medfl.training import weighted_average
 from medfl.messages import Reply
 from medfl_plugins.baselines import FedAdam, FedAvg, FedAvgM
 

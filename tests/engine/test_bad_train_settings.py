@@ -12,7 +12,7 @@ import pytest
 from medfl.cli import main
 from medfl.config import ConfigError, resolve_config
 from medfl.experiment import run_experiment
-from medfl.engine.training import NonFiniteError
+from medfl.training import NonFiniteError
 
 
 @pytest.mark.parametrize("change, message", [

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from medfl.config import ConfigError, resolve_config
 from medfl.experiment import run_experiment
-from medfl.engine.training import (Compute, NonFiniteError, autocast, compute_settings, current_compute, predict_proba,
+from medfl.training import (Compute, NonFiniteError, autocast, compute_settings, current_compute, predict_proba,
                                    train_epochs)
 from medfl.models.registry import build_model
 
@@ -167,7 +167,7 @@ def test_move_state_copies_every_entry_into_its_own_storage() -> None:
     """:func:`move_state` (weights crossing between the CPU and a GPU in one transfer per
     dtype) keeps each entry's values, dtype and shape, gives each tensor its own storage
     (a saved entry does not drag its neighbours along) and keeps non-tensors."""
-    from medfl.engine.training import move_state
+    from medfl.training import move_state
 
     state = {"w": torch.randn(3, 4), "n": torch.arange(5), "d": torch.randn(2).double(), "flag": torch.tensor(True),
              "empty": torch.zeros(0), "t": torch.randn(4, 3).t(), "note": 1.5}
@@ -209,7 +209,7 @@ def test_losses_read_in_blocks_give_the_per_step_mean(dtype: torch.dtype, max_st
     """The step losses are read from the device in blocks (LOSS_READ_EVERY = 32 here: 71
     batches are two full blocks and a part, the last batch of one sample); the mean is the
     one a per-step ``float(loss)`` gives, to the bit, float64 losses kept in float64."""
-    from medfl.engine.training import LOSS_READ_EVERY
+    from medfl.training import LOSS_READ_EVERY
 
     assert LOSS_READ_EVERY == 32
     model, opt, loader = _linear_job()
@@ -240,7 +240,7 @@ def test_step_means_equal_a_per_step_read_for_every_name_weight_and_dtype() -> N
     """Several names per step, tensors (float32, float64, bfloat16) and numbers, weights,
     a name some steps lack, over more than two read blocks: each mean is the one summed from
     per-step ``float()`` reads, to the bit; only checked names refuse a non-finite value."""
-    from medfl.engine.training import StepMeans
+    from medfl.training import StepMeans
 
     g = torch.Generator().manual_seed(3)
     log = StepMeans(check=("loss",))

@@ -20,7 +20,7 @@ import torch
 
 from medfl.config import resolve_config
 from medfl.experiment import run_experiment
-from medfl.engine.training import compute_settings, get_state, move_state, predict_proba, train_epochs
+from medfl.training import compute_settings, get_state, move_state, predict_proba, train_epochs
 
 from test_builtin_numbers import BYTES_ATOL, GOLDEN, JOBS, run_job
 from test_compute import _loader, _manifest, _model

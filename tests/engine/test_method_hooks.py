@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from medfl.config import resolve_config
 from medfl.context import ClientContext
 from medfl.experiment import run_experiment
-from medfl.engine.training import make_optimizer, predict_proba, train_epochs
+from medfl.training import make_optimizer, predict_proba, train_epochs
 from medfl.messages import Instruction, Reply
 from medfl.models import ProbabilityModel
 from medfl.plugins import registry

@@ -157,7 +157,7 @@ def test_resuming_with_more_rounds_says_the_noise_changed_and_reports_the_true_e
 def _delta_avg_method() -> type:
     """An outside SCAFFOLD-like plugin: a ``HubAndSpoke`` subclass that replies its update
     under ``delta_y`` while its inherited ``reply_state`` still names ``model``."""
-    from medfl.engine.hub import HubAndSpoke
+    from medfl.hub import HubAndSpoke
     from medfl.messages import Reply
 
     class DeltaAvg(HubAndSpoke):

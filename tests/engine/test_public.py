@@ -13,7 +13,7 @@ import torch
 
 from medfl.config import ConfigError, resolve_config
 from medfl.data.source import DataError, FederatedSource
-from medfl.engine.public import PUBLIC_KEYS, PublicData, build_public_source, check_compatible
+from medfl.public import PUBLIC_KEYS, PublicData, build_public_source, check_compatible
 
 
 def _synthetic(tmp: Path, **extra: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 from medfl.config import resolve_config
 from medfl.engine.runner import Run
 from medfl.experiment import run_experiment
-from medfl.engine.training import coordinate_median, trimmed_mean
+from medfl.training import coordinate_median, trimmed_mean
 
 
 def test_median_and_trimmed_mean_by_hand() -> None:

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 
 from contract_methods import methods_registered
-from medfl.engine.hub import HubAndSpoke
+from medfl.hub import HubAndSpoke
 from medfl.experiment import run_experiment
 from medfl.messages import Instruction, PayloadError, Reply
 from medfl.method import ENGINE_TRAIN_METRICS

@@ -20,6 +20,7 @@ from medfl import wire
 from medfl.experiment import resume, run_experiment
 from medfl.engine.traffic import COLUMNS, Traffic
 from medfl.messages import Instruction
+from medfl.traffic import COLUMNS
 
 
 def _comm(run_dir: Path) -> pd.DataFrame:

@@ -90,7 +90,7 @@ def test_an_approved_method_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     entry = next(e for e in data["approved"] if e["kind"] == "method")
     assert (entry["kind"], entry["name"], entry["distribution"]) == ("method", "fedavg", "medfl")
     assert len(entry["sha256"]) == 64
-    assert {"plugins/baselines.py", "medfl/engine/hub.py"} <= set(data["code"][entry["sha256"]])
+    assert {"plugins/baselines.py", "medfl/hub.py"} <= set(data["code"][entry["sha256"]])
     assert len(data["code"]) == 1   # the built-ins share one listing of medfl's files
 
 
@@ -191,7 +191,7 @@ def test_site_command_checks_its_approvals_file(tmp_path: Path, monkeypatch: pyt
 def test_code_identity_of_a_runtime_plugin(plugin: tuple[str, Path]) -> None:
     name, source = plugin
     ident = code_identity("method", name)
-    assert source.name in ident.files and "medfl/engine/hub.py" in ident.files
+    assert source.name in ident.files and "medfl/hub.py" in ident.files
     assert ident.distribution.startswith("(none")
     with pytest.raises(ApprovalError, match="unknown plugin kind 'gadget'"):
         code_identity("gadget", name)
@@ -282,7 +282,7 @@ def test_an_edited_helper_module_of_a_plugin_is_refused_naming_the_file(
     approvals = tmp_path / "approvals.json"
     _approve(approvals, name)
     files = Approvals.load(approvals).entries[("method", name)]["files"]
-    assert helper.name in files and "medfl/engine/hub.py" in files
+    assert helper.name in files and "medfl/hub.py" in files
     monkeypatch.setenv(APPROVALS_ENV, str(approvals))
     helper.write_text("def scale():\n    return 1.0   # and now also copies the labels elsewhere\n")
     with pytest.raises(SiteFailure, match=rf"site 0 .*refused method '{name}' .*its code changed since it was "
@@ -351,7 +351,7 @@ def test_a_site_process_never_reads_planted_bytecode(tmp_path: Path) -> None:
 
 
 def test_an_edited_medfl_engine_file_refuses_fedavg(tmp_path: Path) -> None:
-    """FedAvg's client step lives in medfl's engine (``medfl/engine/hub.py``): an approval of
+    """FedAvg's client step lives in medfl (``medfl/hub.py``): an approval of
     ``fedavg`` pins medfl's own files. Run on a copy of medfl (first on ``sys.path``)."""
     import shutil
     import subprocess
@@ -371,7 +371,7 @@ from medfl.approval import ApprovalError, check_control
 from medfl.cli import main
 assert main(["approve", "fedavg", "--file", {str(approvals)!r}]) == 0
 check_control({{"method": {{"name": "fedavg"}}}}, "site", path=Path({str(approvals)!r}), kinds=["method"])
-hub = Path({str(copy / "medfl" / "engine" / "hub.py")!r})
+hub = Path({str(copy / "medfl" / "hub.py")!r})
 hub.write_text(hub.read_text().replace("def ", "def  ", 1))
 try:
     check_control({{"method": {{"name": "fedavg"}}}}, "site", path=Path({str(approvals)!r}), kinds=["method"])
@@ -383,7 +383,7 @@ except ApprovalError as exc:
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert re.search(r"REFUSED refused method 'fedavg' \(medfl .*\): its code changed since it was approved "
-                     r"\(changed: medfl/engine/hub\.py\)", out.stdout), out.stdout
+                     r"\(changed: medfl/hub\.py\)", out.stdout), out.stdout
 
 
 METRIC = '''

@@ -215,7 +215,7 @@ def test_the_public_quantile_clip_is_measured_on_public_data_and_recorded(tmp_pa
              "distill_steps": 7}
     run = _run(tmp_path, entry, rounds=2, public_dataset=public)
     # recompute: x_s of the public train split under the final distillation model, its median norm
-    from medfl.engine.public import PublicData
+    from medfl.public import PublicData
 
     fl = resolve_config(_job(tmp_path, entry, 2, public_dataset=public))
     pub = PublicData.from_config(fl)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from medfl.context import ClientContext, _pristine, _signature
-from medfl.engine.training import train_epochs, with_regularizer
+from medfl.training import train_epochs, with_regularizer
 from medfl.messages import Instruction
 from medfl.models import resnet10, small_cnn
 from medfl.models.registry import ModelConfigError, build_model
@@ -432,7 +432,7 @@ def _client(seed: int = 7, dp: dict | None = _DP, n: int = 10) -> ClientContext:
 
 def test_hub_and_spoke_methods_declare_dp_sgd() -> None:
     registry()
-    from medfl.engine.hub import HubAndSpoke
+    from medfl.hub import HubAndSpoke
     from medfl_plugins.baselines import FedAdam, FedAvg, FedAvgM, FedBN, FedProx
 
     for cls in (HubAndSpoke, FedAvg, FedProx, FedAvgM, FedAdam, FedBN):
