@@ -18,7 +18,7 @@ from flwr.common.serde import recorddict_to_proto
 
 from medfl import wire
 from medfl.experiment import resume, run_experiment
-from medfl.engine.traffic import COLUMNS, Traffic
+from medfl.engine.traffic import Traffic
 from medfl.messages import Instruction
 from medfl.traffic import COLUMNS
 
