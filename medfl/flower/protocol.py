@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 
 from medfl.engine.data import FederatedData
-from medfl.engine.runner import ROLES
+from medfl.engine.exchanges import ROLES
 from medfl.wire import CONTROL, PROTOCOL
 
 __all__ = ["PROTOCOL", "HELLO", "TRAIN", "EVALUATE", "VALIDATE", "SCORE", "CONTROL", "ROLES", "OWN_SPLIT_ROLES",
@@ -48,7 +48,7 @@ VALIDATE = "evaluate.validate"
 SCORE = "evaluate.score"
 
 #: The roles whose sizes a client knows as its own (the reply guard and ``split_sizes``):
-#: those of a client's context (:data:`medfl.engine.runner.ROLES`) but the shared global test.
+#: those of a client's context (:data:`medfl.engine.exchanges.ROLES`) but the shared global test.
 OWN_SPLIT_ROLES = [r for r in ROLES if r != "global_test"]
 
 
