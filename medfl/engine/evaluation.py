@@ -19,8 +19,8 @@ import pandas as pd
 import torch
 
 from medfl import wire
-from medfl.engine.client import (ClientContext, build_eval_model, build_final_model, evaluate_final_models,
-                                 evaluate_model)
+from medfl.context import ClientContext
+from medfl.engine.client_eval import build_eval_model, build_final_model, evaluate_final_models, evaluate_model
 from medfl.engine.data import client_order
 from medfl.engine.early_stopping import metrics_split
 from medfl.messages import Instruction

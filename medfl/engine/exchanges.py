@@ -14,8 +14,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from medfl import wire
-from medfl.engine.client import (ClientContext, ClientStore, run_client_profile, run_client_update,
-                                 run_client_validate)
+from medfl.context import ClientContext
+from medfl.engine.client import run_client_profile, run_client_update, run_client_validate
+from medfl.engine.store import ClientStore
 from medfl.engine.data import POOLED, FederatedData, client_order
 from medfl.messages import Instruction, Reply
 from medfl.method import derive_seed

@@ -35,7 +35,6 @@ from medfl import wire
 from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, check_device, cross_test_in_clear, method_label,
                           method_train)
 from medfl.engine.checkpoints import Checkpoints
-from medfl.engine.client import ClientStore
 from medfl.engine.data import POOLED, FederatedData, client_order, split_data, warn_straddling
 from medfl.engine.early_stopping import EarlyStopping
 from medfl.engine.evaluation import (ENGINE_TABLES, METRICS_PROVENANCE, _TABLE_NAME, Evaluation,  # noqa: F401
@@ -44,6 +43,7 @@ from medfl.engine.evaluation import (ENGINE_TABLES, METRICS_PROVENANCE, _TABLE_N
 from medfl.engine.exchanges import PLACEHOLDER_ID, ROLES, Exchanges, client_context  # noqa: F401
 from medfl.engine.screening import (Screening, TooFewSites, _absence_schedule, quorum_rule, sites_needed,  # noqa: F401
                                     update_norm)
+from medfl.engine.store import ClientStore
 from medfl.engine.traffic import Traffic
 from medfl.engine.training import compute_settings
 from medfl.filters import configured_filters

@@ -15,7 +15,7 @@ Message types (``<category>.<action>``, Flower's convention):
     one ``client_update`` (an :class:`~medfl.messages.Instruction` under ``ins``); the
     reply holds the :class:`~medfl.messages.Reply` (``reply``) and ``num_examples``.
 ``evaluate``
-    one evaluation (:func:`medfl.engine.client.run_client_evaluate`) on the listed own
+    one evaluation (:func:`medfl.engine.client_eval.run_client_evaluate`) on the listed own
     splits; metrics come back as one ``MetricRecord`` per split (``eval.<split>``), and,
     when ``cross_test`` is asked for, the evaluation model's state (``model``).
 ``evaluate.validate``

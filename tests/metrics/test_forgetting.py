@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from medfl.engine.client import ClientContext, run_client_evaluate
+from medfl.engine.client import ClientContext
+from medfl.engine.client_eval import run_client_evaluate
 from medfl.engine.runner import resume, run_experiment
 from medfl.messages import Instruction
 from medfl.method import Method
