@@ -16,8 +16,8 @@ from typing import Any, Callable
 from medfl import wire
 from medfl.context import ClientContext
 from medfl.engine.client import run_client_profile, run_client_update, run_client_validate
-from medfl.engine.store import ClientStore
 from medfl.engine.data import POOLED, FederatedData, client_order
+from medfl.engine.store import ClientStore
 from medfl.messages import Instruction, Reply
 from medfl.method import derive_seed
 from medfl.privacy.ledger import planned_releases
