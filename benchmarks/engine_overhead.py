@@ -488,10 +488,10 @@ STEPS: list[tuple[str, str, str]] = [
     ("medfl.engine.client", "first_non_finite", "NaN check of the reply (client)"),
     ("medfl.engine.client", "validate_payload", "type walks + payload guard (client)"),
     ("medfl.engine.client", "_keep_state", "client state store (client)"),
-    ("medfl.engine.runner", "Run._request_sizes", "request wire sizes (coordinator)"),
+    ("medfl.engine.exchanges", "Exchanges._request_sizes", "request wire sizes (coordinator)"),
     ("medfl.wire", "train_answer_size", "reply wire size (coordinator)"),
-    ("medfl.engine.runner", "first_non_finite", "NaN check of the reply (coordinator)"),
-    ("medfl.engine.runner", "Run.reply_problem", "reply screening (coordinator)"),
+    ("medfl.engine.screening", "first_non_finite", "NaN check of the reply (coordinator)"),
+    ("medfl.engine.screening", "Screening.reply_problem", "reply screening (coordinator)"),
     ("medfl.engine.runner", "Run.run_round", "whole round (coordinator)"),
 ]
 

@@ -508,7 +508,7 @@ def required(control: dict[str, Any], site: Iterable[tuple[str, str]] = ()) -> l
     """The ``(kind, name)`` of every plugin a site message makes the site run: its
     ``method``, its ``filters`` (entries with a ``name``), the model of the message
     (``model``) and of every model it sends for scoring (``specs``), with a method every
-    registered metric (an evaluation computes them all, :func:`medfl.engine.runner.evaluate_metrics`),
+    registered metric (an evaluation computes them all, :func:`medfl.engine.evaluation.evaluate_metrics`),
     and ``site``: what the site's own config runs (its dataset and partitioner)."""
     out: list[tuple[str, str]] = []
 

@@ -665,7 +665,7 @@ def check_absences(value: Any, rounds: int, where: str = "fl.absences") -> dict[
     ``{phase: [client ids]}`` naming the exchanges (:data:`ABSENCE_PHASES`) they miss, e.g.
     ``{"3": ["1"], "7": {"train": ["2"], "evaluate": ["2", "4"]}}``. A client absent from
     an exchange is not asked in it, exactly as a site that dropped out of it over Flower
-    (:meth:`medfl.engine.runner.Run.asked`); which ids exist is checked by the run against
+    (:meth:`medfl.engine.screening.Screening.asked`); which ids exist is checked by the run against
     its partition.
 
     Returns:
@@ -773,7 +773,7 @@ def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.ea
 def check_min_sites(cfg: dict[str, Any]) -> None:
     """Check ``fl.min_sites`` (an integer from 1 to ``num_clients``), ``fl.min_fraction``
     (null or a number in (0, 1]) and ``fl.site_wait_s`` (a number of seconds >= 0): the
-    quorum a round needs (:func:`medfl.engine.runner.sites_needed`).
+    quorum a round needs (:func:`medfl.engine.screening.sites_needed`).
 
     Raises:
         ConfigError: one of them is out of range, naming it and what is expected.

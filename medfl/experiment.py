@@ -18,7 +18,7 @@ from typing import Any
 from medfl.backend import Backend, backend_of
 from medfl.config import method_label
 from medfl.engine.data import FederatedData, split_data, warn_straddling
-from medfl.engine.runner import Run, RunError, RunFactory, _unlock, _write_json, build_source
+from medfl.engine.runner import Run, RunError, RunFactory, _write_json, build_source
 from medfl.plugins import get_plugin_manager
 
 __all__ = ["run_experiment", "resume"]
@@ -268,8 +268,7 @@ def _resume(path: Path, saved: dict[str, Any], rounds: int | None, run_factory: 
         if status != "finished":   # stopped after the summary, before the plots and reports
             get_plugin_manager().hook.on_run_end(run=run, summary=summary)
             run._status("finished", run.rounds_run)
-        _unlock(run._lock)
-        run._lock = None
+        run.files.unlock()
         return {"dir": str(path), "summaries": {label: summary}}
     return {"dir": str(path), "summaries": {label: run.execute(None)}}
 

@@ -413,7 +413,7 @@ class Method(Configurable):
         missing value is empty in the file). The engine writes each table as ``<name>.csv`` in
         the run directory right after :meth:`finalize`; a name is lowercase letters, digits and
         underscores and not one of the engine's own files (``metrics``, ``final_metrics``,
-        ``mechanisms``...: :data:`medfl.engine.runner.ENGINE_TABLES`). Default: none."""
+        ``mechanisms``...: :data:`medfl.engine.evaluation.ENGINE_TABLES`). Default: none."""
         return {}
 
     def report(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     Raises:
         RunError: no run or no checkpoint in ``run_dir``, or an unknown client id.
     """
-    from medfl.engine.training import predict_proba
+    from medfl.training import predict_proba
 
     run_dir = Path(run_dir)
     saved = _saved_config(run_dir)

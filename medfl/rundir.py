@@ -1,5 +1,60 @@
-"""The run directory's own files: checksums, the manifest a checkpoint records of them, and
-writes that say which file a full disk stopped.
+"""The run directory's own files (:class:`RunDir` owns every one of them: atomic writes,
+checksums, checkpoints, the lock, ``status.json``): checksums, the manifest a checkpoint
+records of them, and writes that say which file a full disk stopped. A run directory holds::
+
+    config.json        resolved config (and the method entry) - enough to resume
+    partition.csv      which sample went to which client and role
+    partition_report.json  whether the partition dealt whole subjects (``group_column``), groups
+                       per client, and how many groups straddle clients, the global test or a
+                       client's splits (:func:`medfl.engine.data.partition_report`)
+    metrics.csv        one row per (round, client, split) with every metric; ``reported_by``
+                       says whose word it is across sites (:data:`medfl.engine.evaluation.METRICS_PROVENANCE`)
+    train_metrics.csv  one row per (round, client) with what the client reported; its
+                       (round, client_id) pairs are the record of the sampled clients;
+                       ``bytes_to_client``/``bytes_from_client``: that training step's
+                       instruction and reply as Flower sends them (one row per step for a
+                       method with several steps a round)
+    mechanisms.csv     what the method's own mechanisms did each round (``Method.mechanisms``:
+                       stop rounds, decay weights, noise-to-signal ratios...), one line per
+                       value: round, mechanism, scope, id, name, value (a number) or text
+    validation_metrics.csv  one row per (round, client) of a method's validation exchange
+                       (``Method.configure_validate``), when it has one
+    profile.csv        one row per client of a method's profile exchange before round 1
+                       (``Method.configure_profile``: PFedCDP's capability scores), when it has one
+    final_metrics.csv  the coordinator's final models (``Method.final_models``: PFedCDP's
+                       refined student) on the public test split and every client's splits
+    <name>.csv         the method's own tables after its post-hoc stage (``Method.final_tables``:
+                       PFedCDP's ``student_metrics.csv``, the student after every epoch)
+    groups.csv         the method's client groups (``Method.client_groups``), when it has any
+    privacy.csv        per round and client of a differentially private run: mechanism,
+                       noise, clip, steps, sampling rate, epsilon spent so far, delta
+                       (:mod:`medfl.privacy.ledger`)
+    releases.jsonl     every DP reply the coordinator received (round, step, client, the
+                       parameters it was released under, a digest), written before the
+                       round's checkpoint: a resume re-runs a released round under them
+                       (:mod:`medfl.privacy.releases`)
+    communication.csv  one row per (round, client, phase: train, validate, evaluate, score)
+                       with ``bytes_to_client``, ``bytes_from_client`` and ``messages``: the
+                       encoded size of the messages as Flower sends them, measured in process
+                       too (:mod:`medfl.engine.traffic`)
+    summary.json       final metrics: mean, std, worst and best client per split, their
+                       ``reported_by`` provenance, the
+                       ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
+                       and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`);
+                       with early stopping, ``final`` is the best round's, ``last_round`` the
+                       last round's and ``early_stopping`` says what was decided (below)
+    forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
+                       negative-flip rates, sampled clients
+    checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept, and with
+                       early stopping the best round's: the checkpoints kept record it), the
+                       client states it goes with, and a manifest of the run's own files
+                       (size and SHA-256 at checkpoint time) that a resume checks first
+                       (:mod:`medfl.rundir`)
+    clients/           each client's persistent state, versioned by round
+    eval_state/        each client's evaluation memory (last per-sample correctness, for
+                       the negative-flip counts; client-side, never sent), versioned by round
+    plots/             PNG curves and per-client heatmaps (the reporting plugin)
+
 
 **Checksums.** Each file the engine writes whole (a per-round CSV, a checkpoint, a client
 state) gets a ``<name>.sha256`` sidecar written before the file is renamed into place
@@ -17,7 +72,7 @@ A file passes when its first ``bytes`` bytes still have the recorded SHA-256: th
 adds rows after a checkpoint (the rows of rounds after it, which a resume drops, and the
 lines of the append-only logs), so the file as the checkpoint saw it is a prefix of the file
 now. A CSV the engine wrote whole again after the checkpoint (a column added, a dtype
-widened by a NaN: :class:`medfl.engine.runner.GrowingCsv`) no longer starts with the same
+widened by a NaN: :class:`GrowingCsv`) no longer starts with the same
 bytes; it passes when it matches the ``.sha256`` written with it (the engine's own last
 write), and the resume's reading checks its rows as before. The sidecars stay: they cover
 the time between two checkpoints and tell a kill between a file's checksum and its rename
@@ -37,15 +92,20 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
+
+import pandas as pd
+import torch
 
 
 __all__ = ["sha256_file", "RUN_FILES", "file_manifest", "manifest_problems", "interrupted_write", "sum_path", "write_sum",
            "check_sum", "DiskFullError", "NO_SPACE", "disk_full", "full_disk_message", "writing",
-           "append_text"]
+           "append_text", "RunError", "GrowingCsv", "RunDir"]
 
 def sha256_file(path: str | Path) -> str:
     """The SHA-256 of a file (hex), read in 1 MiB blocks."""
@@ -237,3 +297,283 @@ def manifest_problems(run_dir: Path, manifest: dict[str, list[Any]], round: int)
                         f"{path}: digest mismatch: its first bytes are not those round {round}'s checkpoint recorded "
                         f"({seen}), and it has no .sha256 written with it (the file was changed, its checksum deleted)")
     return problems
+
+
+class RunError(RuntimeError):
+    """A run cannot start or continue (e.g. nothing to resume)."""
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` as JSON, atomically (a full disk leaves the file before whole:
+    :func:`medfl.rundir.writing`)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with writing(path, tmp):
+        tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+
+
+def _write_csv(path: Path, df: pd.DataFrame, text: str | None = None) -> None:
+    """Write ``df`` (or its CSV ``text``, already formatted) atomically with a checksum
+    sidecar (``<name>.sha256``) that a resume checks (:func:`_read_rounds`)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with writing(path, tmp):
+        if text is None:
+            df.to_csv(tmp, index=False)
+        else:
+            with open(tmp, "w", encoding="utf-8", newline="") as f:   # the text as pandas made it
+                f.write(text)
+    write_sum(tmp, path)
+    tmp.replace(path)
+
+
+class GrowingCsv:
+    """Writes the CSV files a run rewrites every round (``metrics.csv``, ``train_metrics.csv``,
+    ``communication.csv``...), formatting only the rows added since the file was last written.
+
+    Every write still writes the whole file atomically with its checksum (:func:`_write_csv`),
+    but a frame whose leading rows, columns and dtypes equal what was last written for that
+    file has only its new rows formatted; any other frame (a row changed, a column added, a
+    dtype widened by a NaN) is formatted whole. Formatting costs about 5 us per row, so
+    formatting every row every round made a long run's rounds grow slower and slower (a run
+    of 20 clients spent about 0.1 s a round on it by round 500).
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[Path, tuple[pd.DataFrame, str]] = {}
+
+    def write(self, path: Path, df: pd.DataFrame) -> None:
+        """Write ``df`` to ``path`` as :func:`_write_csv` does."""
+        last = self._last.get(path)
+        text = None
+        if last is not None:
+            old, old_text = last
+            n = len(old)
+            if (len(df) >= n and list(df.columns) == list(old.columns) and list(df.dtypes) == list(old.dtypes)
+                    and df.iloc[:n].reset_index(drop=True).equals(old)):
+                text = old_text + (df.iloc[n:].to_csv(index=False, header=False) if len(df) > n else "")
+        if text is None:
+            text = df.to_csv(index=False)
+        _write_csv(path, df, text)
+        # a copy: a caller changing its frame in place must not change what was written
+        self._last[path] = (df.reset_index(drop=True).copy(), text)
+
+
+def _read_rounds(path: Path, upto: int) -> pd.DataFrame | None:
+    """The rows of a per-round CSV of a run up to round ``upto`` (``None``: no such file)."""
+    if not path.is_file():
+        return None
+    tmp = interrupted_write(path)
+    if tmp is not None:
+        tmp.replace(path)        # killed between the checksum and the rename: finish the write
+    problem = check_sum(path)
+    if problem:
+        raise RunError(f"{path}: {problem}; a resume would continue from rows that are not the ones the run "
+                       "wrote (rows lost or changed). Restore the file, or start a new run")
+    try:
+        df = pd.read_csv(path, dtype={"client_id": str, "client_name": str, "data_client_id": str, "id": str,
+                                      "text": str}, keep_default_na=False, na_values=["", "nan", "NaN"])
+    except pd.errors.EmptyDataError:   # written with no row yet (a round no site answered): nothing to keep
+        return None
+    return df[df["round"] <= upto].reset_index(drop=True)
+
+
+def _fold_of(run_dir: Path) -> int | None:
+    """The cross-validation fold of a run: the ``fold`` of the ``config.json`` beside
+    ``run_dir``, as :func:`medfl.engine.runner.run_experiment` writes it for each fold (``None``: none)."""
+    cfg = run_dir.parent / "config.json"
+    try:
+        fold = json.loads(cfg.read_text()).get("fold") if cfg.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if fold is None else int(fold)
+
+
+def _lock(run_dir: Path) -> Any:
+    """Hold ``run_dir/.lock`` exclusively for this process (``fcntl.flock``: released when the
+    process dies, so a crash never leaves a stale lock); the file names the holder's pid.
+
+    Raises:
+        RunError: another process holds it (two resumes of one run would corrupt it).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no locking
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunError(f"{run_dir} is in use by another medfl process (pid {holder}); wait for it to finish or "
+                       "stop it, then resume") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def _unlock(handle: Any) -> None:
+    """Release a lock :func:`_lock` took (``None``: none was taken)."""
+    if handle is not None:
+        handle.close()
+
+
+class RunDir:
+    """Every file of one run directory (``path``): the atomic writes of its JSON and CSV
+    files, the per-round tables (:class:`GrowingCsv`), the append-only logs, its checkpoints
+    and their checksums and manifest, its lock and ``status.json``. The engine's
+    :class:`~medfl.engine.runner.Run` holds one (``run.files``) and writes through it;
+    ``label`` names the run in what it says on stderr."""
+
+    def __init__(self, path: str | Path, label: str = "") -> None:
+        self.path = Path(path)
+        self.label = label
+        #: the run directory's lock while this process writes it (:meth:`lock`)
+        self.handle: Any = None
+        self._csv = GrowingCsv()   # the CSVs rewritten every round, formatted row by row once
+
+    # ------------------------------------------------------------------ the lock
+    def lock(self) -> None:
+        """Hold the run directory's lock (:func:`_lock`) unless this process holds it already.
+
+        Raises:
+            RunError: another process holds it.
+        """
+        if self.handle is None:
+            self.handle = _lock(self.path)
+
+    def unlock(self) -> None:
+        """Release the run directory's lock (nothing when it is not held)."""
+        _unlock(self.handle)
+        self.handle = None
+
+    # ------------------------------------------------------------------ files
+    def create(self) -> None:
+        """Create the run directory and its ``checkpoints/``."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "checkpoints").mkdir(exist_ok=True)
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Write ``data`` to the run's file ``name`` as JSON, atomically (:func:`_write_json`)."""
+        _write_json(self.path / name, data)
+
+    def write_csv(self, name: str, df: pd.DataFrame) -> None:
+        """Write the run's CSV ``name`` once, atomically with its checksum (:func:`_write_csv`)."""
+        _write_csv(self.path / name, df)
+
+    def write_rows(self, name: str, df: pd.DataFrame) -> None:
+        """Write the run's per-round CSV ``name`` (rewritten every round: :class:`GrowingCsv`)."""
+        self._csv.write(self.path / name, df)
+
+    def append_rows(self, name: str, df: pd.DataFrame) -> None:
+        """Append ``df``'s rows to the run's CSV log ``name`` (a header when it is new)."""
+        path = self.path / name
+        append_text(path, df.to_csv(header=not path.is_file(), index=False))
+
+    def read_rows(self, name: str, upto: int) -> pd.DataFrame | None:
+        """The rows of the run's per-round CSV ``name`` up to round ``upto`` (:func:`_read_rounds`)."""
+        return _read_rounds(self.path / name, upto)
+
+    def status(self, status: str, r: int, rounds: int, reason: str = "") -> None:
+        """Write ``status.json``: the run's ``status``, its last round ``r`` of ``rounds``, and
+        the ``reason`` of a failure."""
+        _write_json(self.path / "status.json", {"status": status, "last_round": r,
+                                                "rounds": rounds, **({"reason": reason} if reason else {})})
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_path(self, r: int) -> Path:
+        """Round ``r``'s checkpoint file."""
+        return self.path / "checkpoints" / f"round_{r:04d}.pt"
+
+    def last_checkpoint(self) -> int:
+        """The last round with a complete checkpoint (0 if none)."""
+        d = self.path / "checkpoints"
+        rounds = [int(p.stem.split("_")[1]) for p in d.glob("round_*.pt")] if d.is_dir() else []
+        return max(rounds, default=0)
+
+    def kept_checkpoints(self) -> list[int]:
+        """The rounds whose checkpoints are on disk, oldest first."""
+        d = self.path / "checkpoints"
+        return sorted(int(p.stem.split("_")[1]) for p in d.glob("round_*.pt")) if d.is_dir() else []
+
+    def manifest(self) -> dict[str, list[Any]]:
+        """The ``files`` entry of a checkpoint taken now (:func:`file_manifest`)."""
+        return file_manifest(self.path)
+
+    def manifest_problems(self, manifest: dict[str, list[Any]], round: int) -> list[str]:
+        """What is wrong with the files round ``round``'s checkpoint ``manifest`` names
+        (:func:`manifest_problems`)."""
+        return manifest_problems(self.path, manifest, round)
+
+    def save_checkpoint(self, r: int, ckpt: dict[str, Any]) -> None:
+        """Write round ``r``'s checkpoint ``ckpt`` atomically, with a checksum sidecar."""
+        path = self.checkpoint_path(r)
+        tmp = path.with_suffix(".tmp")
+        with writing(path, tmp), open(tmp, "wb") as f:   # a file object: a full disk's OSError stays visible
+            torch.save(ckpt, f)
+        write_sum(tmp, path)
+        tmp.replace(path)
+
+    def drop_checkpoints(self, keep: Iterable[int]) -> None:
+        """Delete every checkpoint (and its sidecar) of a round not in ``keep``."""
+        keep = set(keep)
+        for old in self.kept_checkpoints():
+            if old not in keep:
+                old_path = self.checkpoint_path(old)
+                old_path.unlink()
+                old_path.with_name(old_path.name + ".sha256").unlink(missing_ok=True)
+
+    def read_checkpoint(self, k: int, verify: Callable[[dict[str, Any]], list[str]] | None = None
+                        ) -> tuple[str, dict[str, Any] | None]:
+        """Round ``k``'s checkpoint and what is wrong with it (``""``: nothing): its checksum,
+        whether it is a readable medfl checkpoint, and what ``verify`` finds lost of the client
+        states it records (present and unchanged)."""
+        path = self.checkpoint_path(k)
+        if not path.is_file():
+            return f"{path} is missing", None
+        problem = check_sum(path)
+        ckpt = None
+        if not problem:
+            try:
+                ckpt = torch.load(path, map_location="cpu", weights_only=True)
+                if not isinstance(ckpt, dict) or "method" not in ckpt:
+                    problem = "not a medfl checkpoint"
+            except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+                problem = f"unreadable ({type(exc).__name__}: {str(exc)[:120]})"
+        if not problem and ckpt is not None and verify is not None:
+            lost = verify(ckpt)
+            problem = "; ".join(lost[:3]) + (f" (and {len(lost) - 3} more)" if len(lost) > 3 else "")
+        return problem, ckpt
+
+    def intact_checkpoint(self, read_only: bool, verify: Callable[[dict[str, Any]], list[str]] | None = None
+                          ) -> tuple[int, dict[str, Any] | None]:
+        """The newest checkpoint that is whole (:meth:`read_checkpoint`), newest first; a
+        damaged newer one is renamed ``*.damaged`` (kept, never deleted; not when
+        ``read_only``) and the run says which round it falls back to.
+
+        Raises:
+            RunError: checkpoints exist but none is intact.
+        """
+        problems = []
+        for k in reversed(self.kept_checkpoints()):
+            path = self.checkpoint_path(k)
+            problem, ckpt = self.read_checkpoint(k, verify)
+            if not problem:
+                if problems and not read_only:
+                    for bad, why in problems:
+                        bad.replace(bad.with_name(bad.name + ".damaged"))
+                        print(f"medfl [{self.label}]: {bad.name} is damaged ({why}); kept as {bad.name}.damaged",
+                              file=sys.stderr, flush=True)
+                    print(f"medfl [{self.label}]: resuming from the last intact checkpoint, round {k}",
+                          file=sys.stderr, flush=True)
+                return k, ckpt
+            problems.append((path, problem))
+        if problems:
+            detail = "; ".join(f"{p.name}: {why}" for p, why in problems)
+            raise RunError(f"{self.path}: no intact checkpoint to resume from ({detail}); start a new run "
+                           f"(or raise fl.keep_checkpoints, default 2, to keep more to fall back to)")
+        return 0, None

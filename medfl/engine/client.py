@@ -4,24 +4,23 @@
 the transport-independent client steps: the in-process engine and a Flower site both call
 them on a :class:`~medfl.context.ClientContext` (defined in :mod:`medfl.context`, beside the
 method contract, and re-exported here), so the same checks apply. :class:`ClientStore` keeps
-each client's persistent state, versioned by round.
+each client's persistent state, versioned by round (:mod:`medfl.engine.store`); the
+evaluation steps are in :mod:`medfl.engine.client_eval` (both re-exported here).
 """
 
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
 from medfl.context import ClientContext
-from medfl.engine.data import client_order
-from medfl.rundir import check_sum, sha256_file, sum_path, write_sum, writing
+from medfl.engine.client_eval import (_seed_all, build_eval_model, build_final_model,  # noqa: F401
+                                      build_peer_model, cross_test_mean, evaluate_final_models, evaluate_model,
+                                      run_client_evaluate, score_dataset)
+from medfl.engine.store import ClientStore
+from medfl.rundir import check_sum, write_sum  # noqa: F401
 from medfl.training import NonFiniteError, compute_settings
 from medfl.filters import FilterChain
 from medfl.guard import ContentGuard
@@ -29,130 +28,11 @@ from medfl.messages import RELEASE_CLIP, RELEASE_FLAG, Instruction, PayloadError
 from medfl.method import Method
 from medfl.privacy.accounting import PrivacyConfigError
 from medfl.privacy.feature_release import RELEASE_METRICS, method_release, perform_release
-from medfl.seeding import derive_seed, seed_torch
+from medfl.seeding import derive_seed
 
 __all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile", "reported_problem",
            "payload_problem",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
-
-_STATE_RE = re.compile(r"state_r(\d+)\.pt$")
-
-class ClientStore:
-    """Per-client persistent state as versioned files ``<root>/<client_id>/state_rNNNN.pt``.
-
-    A client's state after round ``r`` is written to ``state_r{r}``; loading for round ``r``
-    takes the newest file from an earlier round. Because old versions are kept until the
-    coordinator's checkpoint has moved past them, a run killed mid-round resumes from a
-    consistent state. Only one client's state is in memory at a time.
-    """
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-
-    def _files(self, client_id: str) -> list[tuple[int, Path]]:
-        d = self.root / client_id
-        if not d.is_dir():
-            return []
-        out = []
-        for p in d.iterdir():
-            m = _STATE_RE.search(p.name)
-            if m:
-                out.append((int(m.group(1)), p))
-        return sorted(out)
-
-    def has(self, client_id: str) -> bool:
-        """Whether any state of ``client_id`` was saved."""
-        return bool(self._files(client_id))
-
-    def load(self, client_id: str, before_round: int) -> dict[str, Any]:
-        """The newest saved state of ``client_id`` from a round earlier than ``before_round``.
-
-        Raises:
-            RuntimeError: the file does not match the checksum written with it (naming it).
-        """
-        files = [p for r, p in self._files(client_id) if r < before_round]
-        if not files:
-            return {}
-        problem = check_sum(files[-1])
-        if problem:
-            raise RuntimeError(f"client {client_id}'s saved state {files[-1]}: {problem}")
-        return torch.load(files[-1], map_location="cpu", weights_only=True)
-
-    def save(self, client_id: str, round: int, state: dict[str, Any]) -> None:
-        """Write ``state`` as the client's state after ``round`` (atomically), with a sidecar
-        ``.sha256`` of the file that :meth:`load` and :meth:`verify` check."""
-        d = self.root / client_id
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".state_r{round:04d}.pt.tmp"
-        path = d / f"state_r{round:04d}.pt"
-        with writing(path, tmp), open(tmp, "wb") as f:   # a file object: a full disk's OSError stays visible
-            torch.save(state, f)
-        write_sum(tmp, path)
-        tmp.replace(path)
-
-    def index(self, upto_round: int) -> dict[str, list[Any]]:
-        """``{client_id: [round, sha256]}`` of each client's newest state from a round up to
-        ``upto_round``: what a checkpoint of that round records, so a resume can check that
-        the states it continues from are the ones the checkpoint was taken with."""
-        out: dict[str, list[Any]] = {}
-        if not self.root.is_dir():
-            return out
-        for d in sorted(self.root.iterdir()):
-            files = [(r, p) for r, p in self._files(d.name) if r <= upto_round]
-            if files:
-                r, p = files[-1]
-                side = sum_path(p)
-                out[d.name] = [r, side.read_text().split()[0] if side.is_file() else sha256_file(p)]
-        return out
-
-    def verify(self, index: dict[str, list[Any]]) -> list[str]:
-        """Problems with the states ``index`` (:meth:`index`) names: missing or changed files."""
-        problems = []
-        for cid, (r, digest) in sorted(index.items()):
-            path = self.root / cid / f"state_r{int(r):04d}.pt"
-            if not path.is_file():
-                problems.append(f"client {cid}'s state of round {int(r)} is missing ({path})")
-            elif sha256_file(path) != digest:
-                problems.append(f"client {cid}'s state of round {int(r)} changed since the checkpoint ({path})")
-        return problems
-
-    def prune(self, upto_round: int, pinned: Iterable[int] = ()) -> None:
-        """Drop versions no longer needed once the checkpoint of ``upto_round`` exists (the
-        run passes its *oldest* kept checkpoint, so each kept checkpoint keeps its states).
-
-        Args:
-            upto_round: the oldest kept checkpoint's round.
-            pinned: rounds of older checkpoints the run keeps as well (early stopping's best
-                round): each keeps the version it records, the newest one up to that round.
-        """
-        if not self.root.is_dir():
-            return
-        rounds = sorted({int(upto_round), *(int(p) for p in pinned)})
-        for d in self.root.iterdir():
-            files = self._files(d.name)
-            keep = {q for k in rounds for q in [p for r, p in files if r <= k][-1:]}
-            for r, p in files:
-                if r <= upto_round and p not in keep:
-                    _unlink_with_sum(p)
-
-    def rollback(self, after_round: int) -> None:
-        """Delete versions written after ``after_round`` (a resumed run redoes them)."""
-        if not self.root.is_dir():
-            return
-        for d in self.root.iterdir():
-            for r, p in self._files(d.name):
-                if r > after_round:
-                    _unlink_with_sum(p)
-
-
-def _unlink_with_sum(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    sum_path(path).unlink(missing_ok=True)
-
-
-def _seed_all(seed: int) -> None:
-    seed_torch(seed)
-    np.random.seed(seed % (2**32))
 
 
 def _check_instruction(instruction: Instruction, what: str, client_id: str) -> None:
@@ -417,187 +297,3 @@ def _scalar_exchange(method: Method, ctx: ClientContext, instruction: Instructio
         raise PayloadError(f"{where}: {problem}")
     _keep_state(ctx, store)
     return {k: float(v) for k, v in scores.items()}
-
-
-def run_client_evaluate(
-    method: Method, ctx: ClientContext, instruction: Instruction, splits: list[str],
-    metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
-    cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
-    memory: dict[str, Any] | None = None,
-    peers: dict[str, Callable[[], Dataset]] | None = None,
-) -> dict[str, dict[str, float]]:
-    """Build the client's evaluation model and compute metrics on each split, at the client.
-
-    Only the metrics (scalars) leave the client. ``cache`` reuses results of a split that
-    every client shares (``global_test``) when two clients hold identical models.
-
-    ``memory`` is the client's own evaluation memory, kept at the client between
-    evaluations (the in-process engine stores it per client beside the client state): for
-    each split it holds the per-sample correctness (a boolean tensor) of the previous
-    evaluation and is updated in place. When given, each split's metrics gain two scalars:
-    ``neg_flips`` (samples correct at the previous evaluation and wrong now) and
-    ``neg_flip_rate`` (that count over the split size), NaN at the first evaluation. The
-    per-sample vector itself never leaves the client.
-
-    When the split's dataset carries subgroup attributes (``sample_attributes``, e.g. each
-    sample's sex from the manifest), its metrics also hold the AUC and size of each subgroup
-    (``auc_M``, ``n_M``, ``auc_F``, ``n_F``: :func:`medfl.metrics.fairness.subgroup_scores`).
-
-    ``peers`` (client id -> its local test dataset) adds the ``cross_test`` split: the same
-    model scored on each peer's test set (``cross_test@<peer>``, one entry per peer) and the
-    unweighted mean of those scores over peers (``cross_test``; ``n`` is the total count),
-    so every client's test set counts equally whatever its size.
-    """
-    return evaluate_model(build_eval_model(method, ctx, instruction), ctx, splits, metric_fn, cache,
-                          memory=memory, peers=peers)
-
-
-def build_eval_model(method: Method, ctx: ClientContext, instruction: Instruction) -> nn.Module:
-    """Check the evaluation instruction and build the client's evaluation model, seeded
-    (the first step of :func:`run_client_evaluate`)."""
-    validate_payload(instruction.payload, f"evaluation instruction to client {ctx.client_id}")
-    _seed_all(derive_seed(ctx.seed, "eval"))
-    with compute_settings(ctx.train, ctx.device):
-        return method.client_eval_model(ctx, instruction)
-
-
-def build_peer_model(method: Method, owner: str, round: int, run_seed: int, model_spec: dict[str, Any],
-                     train: dict[str, Any], device: str, instruction: Instruction,
-                     state: dict[str, torch.Tensor]) -> nn.Module:
-    """Client ``owner``'s evaluation model, rebuilt away from ``owner`` (``cross_test`` at
-    another site): the method's :meth:`~medfl.method.Method.eval_model_skeleton` on a
-    context of ``owner`` with no data and no state, then ``state`` (the evaluated model's
-    state dict, as ``owner`` sent it) loaded strictly.
-
-    Raises:
-        ValueError: the skeleton does not take ``state`` (the evaluation model's structure
-            depends on something other than the model spec and the instruction).
-    """
-    validate_payload(instruction.payload, f"evaluation instruction of client {owner}")
-    ctx = ClientContext(client_id=owner, round=round, seed=derive_seed(run_seed, round, owner), datasets={},
-                        model_spec=dict(model_spec), train=dict(train), device=device)
-    _seed_all(derive_seed(ctx.seed, "eval"))
-    model = method.eval_model_skeleton(ctx, instruction)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"cross_test: method {method.name!r}: the evaluation model of client {owner} does not fit the "
-            f"skeleton built from its spec and evaluation instruction ({str(exc).splitlines()[0]}); "
-            "override Method.eval_model_skeleton when the structure depends on the client's state") from None
-    return model
-
-
-def build_final_model(spec: dict[str, Any], state: dict[str, torch.Tensor], ctx: ClientContext,
-                      where: str) -> nn.Module:
-    """A final model of the coordinator (:meth:`medfl.method.Method.final_models`) rebuilt
-    from its registered spec and loaded strictly with ``state``, in evaluation mode on the
-    client's device. ``spatial_dims``, ``in_channels`` and ``num_classes`` default to the
-    client's model spec (the dataset's).
-
-    Raises:
-        ValueError: the spec cannot be built or the state does not fit it (naming ``where``).
-    """
-    from medfl.models.registry import build_model
-
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise ValueError(f"{where}: a final model's spec must be a dict naming a registered model, got {spec!r:.200}")
-    full = {k: ctx.model_spec[k] for k in ("spatial_dims", "in_channels", "num_classes") if k in ctx.model_spec}
-    full.update(spec)
-    validate_payload(state, where, allow_str=False)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            model = build_model(full)
-        model.load_state_dict(state, strict=True)
-    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"{where}: cannot build {spec.get('name')!r} with the state sent "
-                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-    return model.to(ctx.device).eval()
-
-
-def evaluate_final_models(ctx: ClientContext, finals: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]],
-                          splits: list[str], metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
-                          cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None
-                          ) -> dict[str, dict[str, dict[str, float]]]:
-    """Score each final model on the client's ``splits``, at the client: ``{name: {split:
-    metrics}}``. No evaluation memory is read or written (the per-round negative-flip
-    counts stay about the method's own models). ``cache`` as in :func:`evaluate_model`: the
-    shared ``global_test`` split is scored once per model in a process that holds several
-    clients."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name in finals:
-        spec, state = finals[name]
-        model = build_final_model(spec, state, ctx, f"final model {name!r} sent to client {ctx.client_id}")
-        out[name] = evaluate_model(model, ctx, splits, metric_fn, cache)
-    return out
-
-
-def evaluate_model(
-    model: nn.Module, ctx: ClientContext, splits: list[str],
-    metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
-    cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
-    memory: dict[str, Any] | None = None,
-    peers: dict[str, Callable[[], Dataset]] | None = None,
-) -> dict[str, dict[str, float]]:
-    """Score the client's evaluation model (:func:`build_eval_model`) on ``splits``: the
-    second step of :func:`run_client_evaluate`, whose docstring says what it returns."""
-    from medfl.training import predict_proba, state_fingerprint
-    from medfl.metrics.fairness import subgroup_scores
-    from medfl.metrics.forgetting import negative_flips
-
-    out: dict[str, dict[str, float]] = {}
-    fp = state_fingerprint(model) if cache is not None else ""
-    for split in splits:
-        key = (split, fp)
-        shared = cache is not None and split == "global_test"
-        if shared and key in cache:
-            scores, correct = dict(cache[key][0]), cache[key][1]
-        else:
-            with compute_settings(ctx.train, ctx.device):
-                y, p = predict_proba(model, ctx.loader(split, shuffle=False), ctx.device)
-            scores = metric_fn(y, p)
-            scores.update(subgroup_scores(y, p, getattr(ctx.dataset(split), "sample_attributes", None)))
-            correct = (p.argmax(1) == y) if len(y) else np.zeros(0, dtype=bool)
-            if shared:
-                cache[key] = (dict(scores), correct)
-        if memory is not None:
-            prev = memory.get(split)
-            if prev is not None and len(prev) == len(correct) and len(correct):
-                flips = negative_flips(prev.numpy(), correct)
-                scores.update(neg_flips=float(flips), neg_flip_rate=flips / len(correct))
-            else:
-                scores.update(neg_flips=float("nan"), neg_flip_rate=float("nan"))
-            memory[split] = torch.from_numpy(np.asarray(correct, dtype=bool).copy())
-        out[split] = scores
-    if peers:
-        per_peer = []
-        for pid in client_order(peers):
-            ds = peers[pid]
-            ds = ds() if callable(ds) and not isinstance(ds, Dataset) else ds
-            scores = score_dataset(model, ds, ctx.train, ctx.device, metric_fn)
-            out[f"cross_test@{pid}"] = scores
-            per_peer.append(scores)
-        out["cross_test"] = cross_test_mean(per_peer)
-    return out
-
-
-def score_dataset(model: nn.Module, dataset: Dataset, train: dict[str, Any], device: str,
-                  metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]]) -> dict[str, float]:
-    """``model``'s metrics on ``dataset`` (a peer's test split, for ``cross_test``), in
-    batches of the run's ``eval_batch_size``."""
-    from medfl.training import predict_proba
-
-    bs = int(train.get("eval_batch_size", 64))
-    with compute_settings(train, device):
-        y, p = predict_proba(model, DataLoader(dataset, batch_size=bs, shuffle=False), device)
-    return metric_fn(y, p)
-
-
-def cross_test_mean(per_peer: list[dict[str, float]]) -> dict[str, float]:
-    """The ``cross_test`` entry of one model from its scores on each peer's test split:
-    the unweighted mean over peers of each metric (NaN-aware: a peer whose metric is
-    undefined, e.g. AUC on one class, is skipped) and the total ``n``."""
-    keys = [k for k in per_peer[0] if k != "n"]
-    mean = {k: float(np.nanmean([s[k] for s in per_peer])) if any(np.isfinite(s[k]) for s in per_peer)
-            else float("nan") for k in keys}
-    return {"n": float(sum(s["n"] for s in per_peer)), **mean}

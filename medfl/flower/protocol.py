@@ -15,7 +15,7 @@ Message types (``<category>.<action>``, Flower's convention):
     one ``client_update`` (an :class:`~medfl.messages.Instruction` under ``ins``); the
     reply holds the :class:`~medfl.messages.Reply` (``reply``) and ``num_examples``.
 ``evaluate``
-    one evaluation (:func:`medfl.engine.client.run_client_evaluate`) on the listed own
+    one evaluation (:func:`medfl.engine.client_eval.run_client_evaluate`) on the listed own
     splits; metrics come back as one ``MetricRecord`` per split (``eval.<split>``), and,
     when ``cross_test`` is asked for, the evaluation model's state (``model``).
 ``evaluate.validate``
@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 
 from medfl.engine.data import FederatedData
-from medfl.engine.runner import ROLES
+from medfl.engine.exchanges import ROLES
 from medfl.wire import CONTROL, PROTOCOL
 
 __all__ = ["PROTOCOL", "HELLO", "TRAIN", "EVALUATE", "VALIDATE", "SCORE", "CONTROL", "ROLES", "OWN_SPLIT_ROLES",
@@ -48,7 +48,7 @@ VALIDATE = "evaluate.validate"
 SCORE = "evaluate.score"
 
 #: The roles whose sizes a client knows as its own (the reply guard and ``split_sizes``):
-#: those of a client's context (:data:`medfl.engine.runner.ROLES`) but the shared global test.
+#: those of a client's context (:data:`medfl.engine.exchanges.ROLES`) but the shared global test.
 OWN_SPLIT_ROLES = [r for r in ROLES if r != "global_test"]
 
 

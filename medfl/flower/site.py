@@ -20,7 +20,7 @@ it)::
 ``state-dir``
     where this site keeps each run's persistent client state
     (``<state-dir>/<run id>/site_<client id>/clients/``, a
-    :class:`~medfl.engine.client.ClientStore` versioned by round as in process), its
+    :class:`~medfl.engine.store.ClientStore` versioned by round as in process), its
     evaluation memory (``.../eval_state/``), its secrets for privacy noise
     (``<state-dir>/noise.key``, :func:`site_noise_key`, and one more per run,
     ``.../noise_run.key``, :meth:`Site.run_noise_key`) and its ledger of the DP releases it
@@ -36,9 +36,9 @@ it)::
 Which method runs, the model of each client, the local-training settings and the run seed
 come from the coordinator with every message. Each message is handled by the same
 functions the in-process engine calls (:func:`~medfl.engine.client.run_client_update`, and
-the two steps of :func:`~medfl.engine.client.run_client_evaluate`) on a
+the two steps of :func:`~medfl.engine.client_eval.run_client_evaluate`) on a
 :class:`~medfl.engine.client.ClientContext` built by the engine's own
-:func:`medfl.engine.runner.client_context`, so the same seed gives the same numbers. Every
+:func:`medfl.engine.exchanges.client_context`, so the same seed gives the same numbers. Every
 payload is checked on receipt and before it leaves (:func:`medfl.messages.validate_payload`): tensors and numbers only;
 what leaves (reply payload, reply metrics, the evaluation model sent for ``cross_test``) is
 also compared with this site's own labels and images (:mod:`medfl.guard`).
@@ -252,8 +252,8 @@ class Site:
 
     def context(self, ctl: dict[str, Any], store: ClientStore, state_before: int | None = None) -> ClientContext:
         """This client's context for the message's round, built as in process
-        (:func:`medfl.engine.runner.client_context`)."""
-        from medfl.engine.runner import client_context
+        (:func:`medfl.engine.exchanges.client_context`)."""
+        from medfl.engine.exchanges import client_context
 
         return client_context(self.data(ctl.get("fold"), ctl.get("seed")), self.client_id, int(ctl["round"]),
                               run_seed=int(ctl["seed"]), model_spec=dict(ctl["model"]), train=dict(ctl["train"]),
@@ -383,7 +383,7 @@ class Site:
                                                                           dict[str, torch.Tensor] | None]:
         """Score the client's evaluation model of the round on its own splits (and return
         the model's state when the coordinator asks for it, for ``cross_test``)."""
-        from medfl.engine.runner import evaluate_metrics, final_models_of
+        from medfl.engine.evaluation import evaluate_metrics, final_models_of
 
         store, eval_store = self.stores(ctl)
         r = int(ctl["round"])
@@ -420,9 +420,9 @@ class Site:
 
         Each owner's evaluation model is rebuilt by the method's ``eval_model_skeleton``
         from the owner's model spec and evaluation instruction
-        (:func:`~medfl.engine.client.build_peer_model`), so ensembles and probability models
+        (:func:`~medfl.engine.client_eval.build_peer_model`), so ensembles and probability models
         score here exactly as at their owner."""
-        from medfl.engine.runner import evaluate_metrics
+        from medfl.engine.evaluation import evaluate_metrics
 
         data = self.data(ctl.get("fold"), ctl.get("seed"))
         specs: dict[str, Any] = dict(ctl["specs"])

@@ -55,7 +55,7 @@ test set) is client k's ``local_test`` accuracy.
 
 Negative flips never expose per-sample results to the coordinator: the client keeps its
 last evaluation's correctness vector (one boolean per sample of each split) in a client-side
-evaluation memory (:func:`medfl.engine.client.run_client_evaluate`, ``memory``) and reports
+evaluation memory (:func:`medfl.engine.client_eval.run_client_evaluate`, ``memory``) and reports
 only the count of samples correct last evaluation and wrong now (``neg_flips``) and that
 count over the split size (``neg_flip_rate``), two scalars per split.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from medfl.engine.client import ClientStore
+from medfl.engine.store import ClientStore
 from medfl.experiment import run_experiment
 from medfl.method import Federation, Method, MethodConfigError
 from medfl_plugins.baselines import FedAvg, FedProx

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from medfl.engine.client import check_sum
-from medfl.engine.runner import GrowingCsv
+from medfl.rundir import GrowingCsv
 
 
 def _rows(rng: np.random.Generator, start: int, k: int) -> pd.DataFrame:

@@ -100,7 +100,7 @@ def test_validation_scores_must_be_numbers(tmp_path: Path) -> None:
 
 
 def test_addressing_an_unknown_client_in_validation_is_refused(tmp_path: Path) -> None:
-    from medfl.engine.runner import RunError
+    from medfl.rundir import RunError
 
     with pytest.raises(RunError, match=r"unknown client\(s\) \['nobody'\] in configure_validate"):
         _run(tmp_path, "stray", {"name": "test_stray"})

@@ -131,7 +131,7 @@ def test_a_method_without_mechanisms_writes_no_log(tmp_path: Path) -> None:
 
 
 def test_a_mechanism_value_must_be_a_number_or_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from medfl.engine.runner import RunError
+    from medfl.rundir import RunError
 
     monkeypatch.setattr(Observed, "mechanisms", lambda self, r: [{"mechanism": "m", "bad": [1, 2]}])
     with pytest.raises(RunError, match=r"mechanisms\(1\)\[0\]\['bad'\] must be a number or a short string, got list"):
@@ -173,7 +173,7 @@ def test_final_tables_are_written_after_finalize(tmp_path: Path, monkeypatch: py
 ])
 def test_a_bad_final_table_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tables: dict[str, Any],
                                          match: str) -> None:
-    from medfl.engine.runner import RunError
+    from medfl.rundir import RunError
 
     monkeypatch.setattr(Observed, "final_tables", lambda self: tables, raising=False)
     with pytest.raises(RunError, match=match):

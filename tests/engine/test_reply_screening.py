@@ -120,16 +120,16 @@ def test_content_snapshot_sees_every_replacement_and_in_place_change() -> None:
 
 
 def _count_coordinator_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    import medfl.engine.runner as runner
+    import medfl.engine.screening as screening
 
     calls = [0]
-    inner = runner.first_non_finite
+    inner = screening.first_non_finite
 
     def counted(value: Any, path: str = "") -> str:
         calls[0] += 1
         return inner(value, path)
 
-    monkeypatch.setattr(runner, "first_non_finite", counted)
+    monkeypatch.setattr(screening, "first_non_finite", counted)
     return calls
 
 

@@ -115,7 +115,7 @@ def test_a_release_the_coordinator_saw_that_comes_back_different_is_counted(
 def test_a_resume_with_fewer_rounds_than_were_released_is_refused(
         tiny_fl: dict, resolve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Round 3 reached the coordinator: a run resumed with 2 rounds would never account it."""
-    from medfl.engine.runner import RunError
+    from medfl.rundir import RunError
 
     run, _ = _stopped_after_release(tiny_fl, resolve, monkeypatch)
     with pytest.raises(RunError, match=r"round 3 was released to the coordinator before the run stopped "

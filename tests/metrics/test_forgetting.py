@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from medfl.engine.client import ClientContext, run_client_evaluate
+from medfl.engine.client import ClientContext
+from medfl.engine.client_eval import run_client_evaluate
 from medfl.experiment import resume, run_experiment
 from medfl.messages import Instruction
 from medfl.method import Method
@@ -353,7 +354,7 @@ def test_summary_block_for_fedavg_and_local_and_resume(tiny_fl, resolve):
 def test_summary_worst_of_a_lower_is_better_metric_is_the_highest():
     import pandas as pd
 
-    from medfl.engine.runner import summarize_metrics
+    from medfl.engine.evaluation import summarize_metrics
 
     m = pd.DataFrame({"round": [2, 2, 2], "client_id": ["0", "1", "2"], "client_name": ["a", "b", "c"],
                       "split": ["global_test"] * 3, "accuracy": [0.5, 0.9, 0.7],
