@@ -23,6 +23,9 @@ def test_demo_bundle_runs_with_monai_bundle_cli(tmp_path, run_bundle):
         assert 0 <= summary["final"]["local_test"]["accuracy"]["mean"] <= 1
     assert (exp / "comparison.csv").is_file() and (exp / "comparison.png").is_file()
     assert "local_test" in proc.stdout
+    # configs/logging.conf is there, so MONAI applies it instead of warning on every run
+    assert "Default logging file" not in proc.stdout + proc.stderr
+    assert "Setting logging properties based on config" in proc.stdout + proc.stderr
 
 
 def test_demo_bundle_unknown_key_lists_valid_keys(tmp_path, run_bundle):
