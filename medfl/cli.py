@@ -63,6 +63,30 @@ def _options_after_overrides(args: argparse.Namespace, *names: str) -> list[str]
     return rest
 
 
+#: help of ``--threads`` (``medfl run``, ``resume``, ``flower site``, ``flower run``)
+_THREADS_HELP = ("torch threads of each process that trains: a number, or auto (the default: the cores this "
+                 "process may use divided among the processes training on them; Ray actors, sites medfl started "
+                 "together, pytest-xdist workers); wins over the config's fl#threads")
+
+
+def _add_threads_option(sp: argparse.ArgumentParser) -> None:
+    """Give the command ``sp`` the ``--threads N|auto`` option (see :func:`_apply_threads`)."""
+    sp.add_argument("--threads", default=None, metavar="N|auto", help=_THREADS_HELP)
+
+
+def _apply_threads(args: argparse.Namespace) -> None:
+    """Check ``--threads`` and put it in ``MEDFL_THREADS``, where every process of this command
+    reads it (:func:`medfl.config.threads_setting`: before ``fl.threads``; a site's worker and
+    Ray actors get the number it gives). Absent: nothing changes."""
+    import os
+
+    from medfl.config import THREADS_ENV, check_threads
+
+    value = getattr(args, "threads", None)
+    if value is not None:
+        os.environ[THREADS_ENV] = str(check_threads(value, "--threads"))
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
     """List every plugin and what it registered."""
     from medfl.plugins import plugin_info, registry
@@ -85,6 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from medfl.bundle import load_bundle_config, run
 
     fl = load_bundle_config(args.config, _parse_overrides(_options_after_overrides(args, "run")))
+    _apply_threads(args)
     if getattr(args, "backend", None):   # keeps the config's backend resources
         backend = fl.get("backend")
         fl["backend"] = {**backend, "name": args.backend} if isinstance(backend, dict) else args.backend
@@ -97,6 +122,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from medfl.bundle import print_result
     from medfl.experiment import resume
 
+    _apply_threads(args)
     print_result(resume(args.run_dir, rounds=args.rounds))
     return 0
 
@@ -421,6 +447,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     # the same overrides as `medfl run` and `medfl flower run`: any '#' path of the bundle
     # config (fl#dataset#root=/data, bundle_root=/x); options may also follow them
     overrides = _parse_overrides(_options_after_overrides(args, "flower", "site")) or None
+    _apply_threads(args)   # the worker that trains is this process
     insecure, extra = _tls_args(args, server=False)
     if not Path(args.config).is_file():
         raise FileNotFoundError(f"{args.config}: config file not found")
@@ -478,6 +505,13 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
         if not Path(args.config).is_file():
             raise FileNotFoundError(f"{args.config}: config file not found")
         overrides = _parse_overrides(args.overrides)
+    if getattr(args, "threads", None) is not None:
+        from medfl.config import check_threads
+
+        if args.resume:
+            raise SystemExit("medfl flower run: --threads sets a new run's fl#threads (the coordinator's process); "
+                             "a resumed run keeps its saved one")
+        overrides = {**(overrides or {}), "fl#threads": check_threads(args.threads, "--threads")}
     site_nodes = None
     if args.site_nodes:
         from medfl.flower.auth import read_site_nodes
@@ -629,6 +663,7 @@ def _add_flower(sub: Any) -> None:
     sp.add_argument("overrides", nargs=argparse.REMAINDER,
                     help="config overrides after the options, as for `medfl run`: any '#' path of the bundle "
                          "config (fl#dataset#root=/data bundle_root=/x; key=value first, then also --key value)")
+    _add_threads_option(sp)
     sp.set_defaults(func=cmd_flower_site)
 
     sp = fsub.add_parser("run", help="step 3: run a bundle config's experiment over the federation (flwr run)")
@@ -663,6 +698,7 @@ def _flower_run_options(sp: argparse.ArgumentParser) -> None:
                          "by the node registered for it (with SuperNode authentication, by the site's key)")
     sp.add_argument("--insecure", action="store_true", help="no TLS")
     sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
+    _add_threads_option(sp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -681,11 +717,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "parallel on Flower's simulation runtime (ray; the config's fl#backend sets its resources, "
                          "e.g. {\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0.5}) or a backend a "
                          "plugin registered (`medfl plugins` lists them); same as --fl#backend ray")
+    _add_threads_option(sp)
     sp.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value or key=value overrides")
     sp.set_defaults(func=cmd_run)
     sp = sub.add_parser("resume", help="continue a stopped run or experiment directory")
     sp.add_argument("run_dir")
     sp.add_argument("--rounds", type=int, default=None, help="new total number of rounds (default: as configured)")
+    _add_threads_option(sp)
     sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("report", help="print the summary table of a run (or of every run of an experiment) "
                                        "and draw its plots again (runs with \"plots\": false or "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from medfl.backend import Backend, backend_of
-from medfl.config import method_label
+from medfl.config import method_label, set_threads
 from medfl.engine.data import FederatedData, split_data, warn_straddling
 from medfl.engine.runner import Run, RunError, RunFactory, _write_json, build_source
 from medfl.plugins import get_plugin_manager
@@ -178,6 +178,7 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
             :func:`medfl.backend.backend_of`); it calls this experiment's loop with its
             ``run_factory`` and ``meta`` (:class:`medfl.backend.Backend`).
     """
+    set_threads(cfg.get("threads"))   # this process's torch threads (fl.threads, --threads), before it trains
     if run_factory is None or run_factory is Run:
         chosen = backend or backend_of(cfg)
         return chosen.run(cfg, lambda factory, extra=None: _experiment(cfg, factory, meta if extra is None else extra))
@@ -224,6 +225,7 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     """
     path = Path(path)
     saved = _saved_config(path)
+    set_threads(saved["fl"].get("threads"))   # --threads (MEDFL_THREADS) wins over the saved fl.threads
     if run_factory is None or run_factory is Run:   # a run continues on its backend (ray: the simulation runtime)
         chosen = backend or backend_of(saved["fl"])
         return chosen.resume(path, saved["fl"], rounds,

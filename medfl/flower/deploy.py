@@ -416,10 +416,15 @@ class LocalFederation:
             certificate made for this federation (``certs/``; :mod:`medfl.flower.auth`).
         auth: SuperNode authentication (implies ``tls``): the SuperLink accepts only sites
             registered with :meth:`register_site`.
+        sites: how many sites will run here at once (``MEDFL_LOCAL_SITES`` in every process's
+            environment), so that a site's ``fl.threads`` ``"auto"`` gives it its share of
+            the cores (:func:`medfl.config.local_sites`); ``None``: not set (each site takes
+            every core unless ``fl.threads`` or ``--threads`` says otherwise).
     """
 
     def __init__(self, workdir: str | Path, host: str = "127.0.0.1", env: dict[str, str] | None = None,
-                 task_poll_interval: float = 0.1, tls: bool = False, auth: bool = False) -> None:
+                 task_poll_interval: float = 0.1, tls: bool = False, auth: bool = False,
+                 sites: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host = host
@@ -427,6 +432,10 @@ class LocalFederation:
         self.env = {**flower_env(), **(env or {}), MARKER_ENV: self.marker,
                     TASK_POLL_ENV: str(task_poll_interval), "FLWR_HOME": str(self.workdir / "flwr_home"),
                     "PYTHONUNBUFFERED": "1"}
+        if sites is not None:
+            from medfl.config import LOCAL_SITES_ENV
+
+            self.env[LOCAL_SITES_ENV] = str(int(sites))
         self.superlink: str | None = None
         self.procs: dict[str, _Proc] = {}
         self.app_dir = write_app(self.workdir / "app")

@@ -15,7 +15,9 @@ Compared with the in-process engine, for the same seed the metrics are the same 
 proves it): the sites draw the split themselves from the same config, privacy noise comes
 from the run seed (as in process; a deployed site mixes in its own secret) and
 ``ClientContext.deployed`` is false. What differs: each actor sets its torch threads to
-``client_cpus``; the run directory also has ``flower.json`` and ``flower_events.csv``;
+``fl.threads`` (``"auto"``: the cores divided among the actors that run at once,
+:func:`medfl.config.actor_threads`); the run directory also has ``flower.json`` and
+``flower_events.csv``;
 the sites' persistent state is kept under ``<output_dir>/.simulation/<run id>/`` (the run
 id is in ``flower.json``), which ``medfl resume`` needs to continue the run and which can
 be deleted once a run will not be continued.
@@ -41,6 +43,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from medfl.backend import Drive
+from medfl.config import actor_threads
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl.engine.runner import RunError, build_source
 from medfl.flower.coordinator import FlowerRun, FlowerSettings
@@ -99,7 +102,8 @@ class SimulatedSites:
         client_ids: the clients, in the order of the simulated nodes.
         state_dir: where the sites keep their persistent state.
         workdir: where relative paths of the config are read (the coordinator's folder).
-        threads: torch threads of each actor (its ``client_cpus``).
+        threads: torch threads of each actor (:func:`medfl.config.actor_threads`: ``fl.threads``,
+            or ``"auto"``: the cores shared among the actors that run at once).
     """
 
     def __init__(self, cfg: dict[str, Any], client_ids: list[str], state_dir: Path, workdir: Path,
@@ -173,7 +177,7 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
     from flwr.simulation import run_simulation
 
     state_dir = (Path(cfg["output_dir"]) / STATE_FOLDER).resolve()
-    handler = SimulatedSites(cfg, client_ids, state_dir, Path.cwd(), backend["client_cpus"])
+    handler = SimulatedSites(cfg, client_ids, state_dir, Path.cwd(), actor_threads(cfg, len(client_ids)))
     out: dict[str, Any] = {}
     server = ServerApp()
     stop, done = threading.Event(), threading.Event()

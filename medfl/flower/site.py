@@ -171,6 +171,12 @@ class Site:
                                 f"(paths in the node config are read on the site's machine, from {Path.cwd()})")
             self.cfg = resolve_config(load_bundle_config(settings.config, settings.overrides))
         self.device = settings.device or str(self.cfg["device"])
+        if not settings.simulated:   # a simulated site's actor set its threads (medfl.config.actor_threads)
+            from medfl.config import local_sites, set_threads
+
+            # the site's worker trains in this process: fl.threads or --threads, "auto" shared
+            # with the other sites medfl started on this machine
+            self.threads = set_threads(self.cfg.get("threads"), local_sites())
         self._data: dict[tuple[int | None, int], FederatedData] = {}
         self._source: Any = None
         self.noise_key = "" if settings.simulated else site_noise_key(settings.state_dir, self.client_id)
