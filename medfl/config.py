@@ -1052,7 +1052,7 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- torch threads
 
 __all__ += ["THREADS_AUTO", "THREADS_ENV", "LOCAL_SITES_ENV", "check_threads", "available_cores", "sharing_processes",
-            "auto_threads", "threads_setting", "resolve_threads", "set_threads", "local_sites", "actor_threads"]
+            "auto_threads", "threads_setting", "resolve_threads", "set_threads", "local_sites", "actor_threads", "threads_record"]
 
 #: The ``fl.threads`` value that divides the cores among the processes training on them.
 THREADS_AUTO = "auto"
@@ -1167,3 +1167,13 @@ def set_threads(value: Any = THREADS_AUTO, processes: int = 1) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+def threads_record(value: Any = THREADS_AUTO) -> dict[str, Any]:
+    """The ``threads`` block of a run's ``summary.json``: the setting in force
+    (:func:`threads_setting`: ``--threads``, else ``fl.threads``, else ``"auto"``) and the torch
+    threads of this process, the one that ran the rounds (in process: the one that trained every
+    client; over Ray or Flower the coordinator's, each site set its own from the same setting)."""
+    import torch
+
+    return {"setting": threads_setting(value), "torch_threads": torch.get_num_threads()}

@@ -429,17 +429,6 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
             self._status("running", r)
             pm.hook.on_round_end(run=self, round=r, metrics=rows)
 
-    def threads_record(self) -> dict[str, Any]:
-        """The ``threads`` block of ``summary.json``: the setting (``fl.threads``, or
-        ``--threads`` through ``MEDFL_THREADS``; ``"auto"`` by default) and the torch threads of
-        the process that ran the rounds (in process: the one that trained every client; over
-        Ray or Flower the coordinator's, the sites set their own from the same setting)."""
-        import torch
-
-        from medfl.config import threads_setting
-
-        return {"setting": threads_setting(self.config.get("threads")), "torch_threads": torch.get_num_threads()}
-
     def _finish(self, rounds: int, t0: float) -> dict[str, Any]:
         """After the last round (``rounds``: the last round run): with early stopping,
         restore the best round's coordinator state; finalize, score the final models, write
@@ -472,7 +461,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
         if secure is not None:
             summary["privacy"]["secure_aggregation"] = secure
         summary["communication"] = self.traffic.summary(rounds)
-        summary["threads"] = self.threads_record()
+        from medfl.config import threads_record   # the setting and this process's torch threads
+        summary["threads"] = threads_record(self.config.get("threads"))
         fairness = fairness_report(selected, "local_test")
         if fairness:
             summary["fairness"] = fairness
