@@ -1,4 +1,4 @@
-"""The ``medfl`` command line: plugins, run, resume, report, approve, policy, flower."""
+"""The ``medfl`` command line: plugins, run, resume, report, runs, approve, policy, flower."""
 
 from __future__ import annotations
 
@@ -151,6 +151,53 @@ def cmd_report(args: argparse.Namespace) -> int:
         for p in write_experiment_plots(path):
             print(f"wrote {p}")
     return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """List the runs under a folder as one table (or JSON / CSV), oldest first."""
+    from medfl.runs import format_runs, list_runs, runs_csv, runs_json
+
+    if args.depth < 0:
+        print(f"medfl: error: --depth: expected how many folders deep to look (0: DIR itself), got {args.depth}",
+              file=sys.stderr)
+        return 2
+    try:
+        rows = list_runs(args.dir, depth=args.depth)
+    except NotADirectoryError as exc:
+        print(f"medfl: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(runs_json(rows))
+    elif args.csv:
+        print(runs_csv(rows), end="")
+    elif not rows:
+        print(f"medfl runs: no runs under {args.dir} (looked {args.depth} folder level(s) deep; --depth looks "
+              "deeper)")
+    else:
+        print(format_runs(rows))
+    return 0
+
+
+def _add_runs(sub: Any) -> None:
+    """The ``medfl runs`` command."""
+    from medfl.runs import DEFAULT_DEPTH
+
+    sp = sub.add_parser("runs", help="list the runs under a folder: status, method, rounds, headline metric, "
+                                     "epsilon, last modified",
+                        description="List every run under DIR (searched recursively: experiments, their folds and "
+                                    "seeds, each method's run), oldest first: status (finished, running (locked), "
+                                    "stopped, interrupted, failed, crashed, or corrupt: <why>), method, rounds done/"
+                                    "planned, the headline metric (local_test accuracy where evaluated) of the final "
+                                    "round (early stopping's best round) or, before the end, of the last round, the "
+                                    "epsilon spent by the worst client ('-' without differential privacy) and when "
+                                    "the run last wrote a file.")
+    sp.add_argument("dir", nargs="?", default=".", help="folder to search (default: the current one)")
+    fmt = sp.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    fmt.add_argument("--csv", action="store_true", help="print the rows as CSV")
+    sp.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
+                    help=f"how many folders deep to look for runs (default {DEFAULT_DEPTH})")
+    sp.set_defaults(func=cmd_runs)
 
 
 def _code_summary(files: dict[str, str]) -> str:
@@ -731,6 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir", help="a run directory, or an experiment's (its comparison, seeds and CV "
                                     "figures are drawn too)")
     sp.set_defaults(func=cmd_report)
+    _add_runs(sub)
     _add_approve(sub)
     _add_policy(sub)
     _add_flower(sub)

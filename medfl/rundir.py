@@ -451,6 +451,29 @@ class RunDir:
         _unlock(self.handle)
         self.handle = None
 
+    def locked_elsewhere(self) -> bool:
+        """Whether a process (another one, or this one through another :class:`RunDir`) holds
+        the run directory's lock now, i.e. the run is being written (``medfl runs``). Probed
+        with a shared, non-blocking ``flock`` that is released at once: it never waits and
+        never writes; ``False`` where there is no lock file or no ``fcntl`` (not POSIX)."""
+        if self.handle is not None:
+            return False
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not POSIX: no locking
+            return False
+        try:
+            f = open(self.path / ".lock")
+        except OSError:
+            return False
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
     # ------------------------------------------------------------------ files
     def create(self) -> None:
         """Create the run directory and its ``checkpoints/``."""

@@ -1,0 +1,156 @@
+"""``medfl runs [DIR]``: every run under a folder as one table, from real tiny runs (finished,
+stopped after a round, with DP) and damaged copies of them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from medfl.config import resolve_config
+from medfl.experiment import run_experiment
+from medfl.rundir import RunDir
+from medfl.runs import RUN_FIELDS, find_run_dirs, format_runs, list_runs, run_row
+
+
+def _tiny(out: Path, name: str, **kw: Any) -> dict[str, Any]:
+    fl = {"name": name, "output_dir": str(out), "seed": 0, "rounds": 2, "num_clients": 3, "progress": False,
+          "dataset": {"name": "synthetic2d", "root": str(out.parent / "data"), "num_samples": 96, "num_classes": 2,
+                      "image_size": 12, "noise": 0.5},
+          "partition": {"name": "dirichlet", "alpha": 1.0, "min_size": 8}, "model": {"name": "small_cnn", "width": 4},
+          "train": {"batch_size": 8, "lr": 0.05}, "methods": [{"name": "fedavg"}]}
+    return resolve_config({**fl, **kw})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``runs/``: ``fin`` (fedavg and local, finished), ``dp`` (fedavg with client-level DP,
+    finished), ``stop`` (3 rounds planned, stopped after 1)."""
+    out = tmp_path_factory.mktemp("runs_cmd") / "runs"
+    run_experiment(_tiny(out, "fin", methods=[{"name": "fedavg"}, {"name": "local"}]))
+    run_experiment(_tiny(out, "dp", filters=[{"name": "dp_gaussian", "epsilon": 4.0, "delta": 1e-3, "clip": 1.0}]))
+    run_experiment(_tiny(out, "stop", rounds=3, stop_after_round=1))
+    # a fixed order of modification times: fin, dp, stop (oldest first)
+    for k, exp in enumerate(("fin", "dp", "stop")):
+        for run in (out / exp).iterdir():
+            if run.is_dir():
+                for f in run.iterdir():
+                    os.utime(f, (1_700_000_000 + 1000 * k, 1_700_000_000 + 1000 * k), follow_symlinks=False)
+    return out
+
+
+@pytest.fixture
+def copy(runs: Path, tmp_path: Path):
+    """A copy of one of the runs' experiments, to damage."""
+    def make(exp: str) -> Path:
+        dest = tmp_path / "copy" / exp
+        shutil.copytree(runs / exp, dest)
+        return dest
+    return make
+
+
+def _by_path(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["path"]: r for r in rows}
+
+
+def test_every_run_is_listed_with_its_status_rounds_headline_and_epsilon(runs: Path) -> None:
+    rows = list_runs(runs)
+    assert [r["path"] for r in rows] == ["fin/fedavg", "fin/local", "dp/fedavg", "stop/fedavg"]
+    by = _by_path(rows)
+    fin = json.loads((runs / "fin" / "fedavg" / "summary.json").read_text())
+    assert by["fin/fedavg"] == {**by["fin/fedavg"], "status": "finished", "method": "fedavg", "rounds_done": 2,
+                                "rounds_planned": 2, "headline": "local_test accuracy", "epsilon": None}
+    assert by["fin/fedavg"]["value"] == pytest.approx(fin["final"]["local_test"]["accuracy"]["mean"])
+    dp = json.loads((runs / "dp" / "fedavg" / "summary.json").read_text())
+    assert dp["privacy"]["epsilon"] is not None
+    assert by["dp/fedavg"]["epsilon"] == pytest.approx(dp["privacy"]["epsilon"]) and 0 < by["dp/fedavg"]["epsilon"] <= 4
+    stop = by["stop/fedavg"]
+    assert (stop["status"], stop["rounds_done"], stop["rounds_planned"]) == ("stopped", 1, 3)
+    assert stop["headline"] == "local_test accuracy (round 1)" and 0 <= stop["value"] <= 1
+
+
+def test_table_json_and_csv(runs: Path) -> None:
+    env = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
+    cmd = [sys.executable, "-m", "medfl.cli", "runs"]
+    table = subprocess.run([*cmd, str(runs)], capture_output=True, text=True, timeout=300, env=env)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["path", "status", "method", "rounds", "headline", "value", "epsilon", "modified"]
+    assert lines[1].startswith("fin/fedavg") and " 2/2 " in lines[1] and lines[-1].startswith("stop/fedavg")
+    assert " 1/3 " in lines[-1] and "stopped" in lines[-1]
+    dp_line = next(line for line in lines if line.startswith("dp/fedavg"))
+    assert "-" not in dp_line.split()[6]
+    as_json = json.loads(subprocess.run([*cmd, str(runs), "--json"], capture_output=True, text=True, timeout=300,
+                                        env=env, check=True).stdout)
+    assert [r["path"] for r in as_json] == ["fin/fedavg", "fin/local", "dp/fedavg", "stop/fedavg"]
+    assert as_json[0]["modified"].endswith("Z") and as_json[0]["epsilon"] is None
+    as_csv = list(csv.DictReader(io.StringIO(subprocess.run(
+        [*cmd, str(runs), "--csv"], capture_output=True, text=True, timeout=300, env=env, check=True).stdout)))
+    assert tuple(as_csv[0]) == RUN_FIELDS and as_csv[-1]["rounds_planned"] == "3" and as_csv[0]["epsilon"] == ""
+    # the current directory by default, and the experiment folder alone
+    here = subprocess.run([*cmd, "--csv"], capture_output=True, text=True, timeout=300, env=env, cwd=runs / "dp")
+    assert [r["path"] for r in csv.DictReader(io.StringIO(here.stdout))] == ["fedavg"]
+
+
+def test_a_run_marked_running_is_running_only_while_locked(copy) -> None:
+    run_dir = copy("stop") / "fedavg"
+    RunDir(run_dir).status("running", 1, 3)
+    assert run_row(run_dir)["status"].startswith("crashed (status running")
+    holder = RunDir(run_dir)
+    holder.lock()
+    try:
+        assert run_row(run_dir)["status"] == "running (locked)"
+    finally:
+        holder.unlock()
+    assert run_row(run_dir)["status"].startswith("crashed")
+
+
+@pytest.mark.parametrize(("damage", "expected"), [
+    (lambda d: (d / "summary.json").write_text('{"method": "fedavg", "final": {'), "corrupt: summary.json is not valid JSON"),
+    (lambda d: (d / "summary.json").unlink(), "corrupt: no summary.json"),
+    (lambda d: (d / "status.json").write_text('{"status": "fini'), "corrupt: status.json is not valid JSON"),
+    (lambda d: (d / "status.json").write_text('[1, 2]'), "corrupt: status.json has no status"),
+    (lambda d: (d / "status.json").unlink(), "crashed (no status.json"),
+    (lambda d: (d / "metrics.csv").write_bytes(b"\x00\xff\x00garbage\n\"unclosed"), "finished"),
+])
+def test_a_damaged_run_is_a_row_not_a_traceback(copy, damage, expected: str) -> None:
+    run_dir = copy("fin") / "fedavg"
+    damage(run_dir)
+    row = run_row(run_dir)
+    assert row["status"].startswith(expected), row
+    assert format_runs([row])   # the table prints it
+
+
+def test_a_half_written_stopped_run_with_a_broken_metrics_file(copy) -> None:
+    run_dir = copy("stop") / "fedavg"
+    (run_dir / "metrics.csv").write_bytes(b"round,split\n1,\"local_test\n\x00")
+    row = run_row(run_dir)
+    assert row["status"].startswith("corrupt: ") and row["path"]
+
+
+def test_empty_and_missing_folders(tmp_path: Path) -> None:
+    env = {**os.environ}
+    cmd = [sys.executable, "-m", "medfl.cli", "runs"]
+    (tmp_path / "empty" / "deeper").mkdir(parents=True)
+    empty = subprocess.run([*cmd, str(tmp_path / "empty")], capture_output=True, text=True, timeout=300, env=env)
+    assert empty.returncode == 0 and empty.stdout.startswith(f"medfl runs: no runs under {tmp_path / 'empty'}")
+    assert list_runs(tmp_path / "empty") == []
+    missing = subprocess.run([*cmd, str(tmp_path / "nope")], capture_output=True, text=True, timeout=300, env=env)
+    assert missing.returncode == 2 and missing.stderr.strip() == f"medfl: error: {tmp_path / 'nope'}: no such folder"
+    (tmp_path / "f.txt").write_text("x")
+    a_file = subprocess.run([*cmd, str(tmp_path / "f.txt")], capture_output=True, text=True, timeout=300, env=env)
+    assert a_file.returncode == 2 and "not a folder" in a_file.stderr and "Traceback" not in a_file.stderr
+
+
+def test_depth_limits_the_search(runs: Path) -> None:
+    assert find_run_dirs(runs, depth=1) == []
+    assert len(find_run_dirs(runs, depth=2)) == 4
+    assert find_run_dirs(runs / "fin" / "fedavg", depth=0) == [runs / "fin" / "fedavg"]
