@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
-from medfl.config import ConfigError, resolve_config
+from medfl.config import ConfigError, resolve_config, set_threads
 from medfl.config_file import load_bundle_config
 
 __all__ = ["run", "choose", "print_result", "infer", "load_bundle_config", "parse_override_value", "user_errors",
@@ -115,7 +115,9 @@ def run(fl: dict[str, Any], *, exit_on_error: bool = True) -> dict[str, Any]:
     from medfl.experiment import run_experiment
 
     with exit_on_user_error() if exit_on_error else nullcontext():
-        result = run_experiment(resolve_config(fl))
+        cfg = resolve_config(fl)
+        set_threads(cfg.get("threads"))   # the top of this process: "auto" too (one process trains)
+        result = run_experiment(cfg)
         print_result(result)
     return result
 

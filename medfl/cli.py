@@ -123,6 +123,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from medfl.experiment import resume
 
     _apply_threads(args)
+    from medfl.config import set_threads
+
+    set_threads(None)   # --threads, else "auto"; a number in the saved fl.threads wins over "auto" (resume)
     print_result(resume(args.run_dir, rounds=args.rounds))
     return 0
 
@@ -495,6 +498,9 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     # config (fl#dataset#root=/data, bundle_root=/x); options may also follow them
     overrides = _parse_overrides(_options_after_overrides(args, "flower", "site")) or None
     _apply_threads(args)   # the worker that trains is this process
+    from medfl.config import local_sites, set_threads
+
+    set_threads(None, local_sites())   # "auto" here; a number in the site's fl.threads wins (its Site)
     insecure, extra = _tls_args(args, server=False)
     if not Path(args.config).is_file():
         raise FileNotFoundError(f"{args.config}: config file not found")

@@ -1158,11 +1158,22 @@ def resolve_threads(value: Any = THREADS_AUTO, processes: int = 1) -> int:
     return auto_threads(processes) if setting == THREADS_AUTO else int(setting)
 
 
-def set_threads(value: Any = THREADS_AUTO, processes: int = 1) -> int:
+def set_threads(value: Any = THREADS_AUTO, processes: int = 1, *, apply_auto: bool = True) -> int:
     """Set torch's intra-op threads of this process to :func:`resolve_threads` ``(value,
-    processes)`` (once per process, before it trains) and return the number set."""
+    processes)`` (once per process, before it trains) and return the number in force.
+
+    Args:
+        value: ``fl.threads`` (``None``: ``"auto"``); ``MEDFL_THREADS`` (``--threads``) wins.
+        processes: the processes of the job training on this machine's cores at once.
+        apply_auto: ``False`` leaves torch as it is when the setting is ``"auto"``: what a
+            library call (:func:`medfl.experiment.run_experiment`) does, so that a caller's own
+            ``torch.set_num_threads`` stands; the process's entry point (``medfl run``, a
+            bundle run, a Flower site) applies ``"auto"`` before it.
+    """
     import torch
 
+    if not apply_auto and threads_setting(value) == THREADS_AUTO:
+        return torch.get_num_threads()
     threads = resolve_threads(value, processes)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -178,7 +178,8 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
             :func:`medfl.backend.backend_of`); it calls this experiment's loop with its
             ``run_factory`` and ``meta`` (:class:`medfl.backend.Backend`).
     """
-    set_threads(cfg.get("threads"))   # this process's torch threads (fl.threads, --threads), before it trains
+    # fl.threads or --threads, before it trains; "auto" is the entry point's (medfl run, a bundle run)
+    set_threads(cfg.get("threads"), apply_auto=False)
     if run_factory is None or run_factory is Run:
         chosen = backend or backend_of(cfg)
         return chosen.run(cfg, lambda factory, extra=None: _experiment(cfg, factory, meta if extra is None else extra))
@@ -225,7 +226,8 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     """
     path = Path(path)
     saved = _saved_config(path)
-    set_threads(saved["fl"].get("threads"))   # --threads (MEDFL_THREADS) wins over the saved fl.threads
+    # --threads (MEDFL_THREADS) wins over the saved fl.threads; "auto" is medfl resume's
+    set_threads(saved["fl"].get("threads"), apply_auto=False)
     if run_factory is None or run_factory is Run:   # a run continues on its backend (ray: the simulation runtime)
         chosen = backend or backend_of(saved["fl"])
         return chosen.resume(path, saved["fl"], rounds,

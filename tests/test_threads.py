@@ -127,12 +127,25 @@ def test_flower_site_sets_its_threads(tmp_path: Path, tiny_fl: dict[str, Any], m
     monkeypatch.setenv(THREADS_ENV, "1")
     assert Site(settings).threads == 1 and torch.get_num_threads() == 1
     monkeypatch.delenv(THREADS_ENV)
+    # "auto": `medfl flower site` set it before (set_threads(None, local_sites())); the Site keeps it
     config.write_text(json.dumps({"fl": tiny_fl}))
     monkeypatch.setattr("medfl.config.available_cores", lambda: 4)
     monkeypatch.setenv(LOCAL_SITES_ENV, "4")
-    assert Site(settings).threads == 1
+    assert set_threads(None, local_sites()) == 1
+    assert Site(settings).threads == 1 and torch.get_num_threads() == 1
     monkeypatch.setenv(LOCAL_SITES_ENV, "2")
-    assert Site(settings).threads == 2
+    assert set_threads(None, local_sites()) == 2 and Site(settings).threads == 2
+
+
+def test_auto_leaves_a_library_callers_threads_alone(tiny_fl: dict[str, Any], resolve) -> None:
+    """run_experiment applies a number, not "auto": a caller's torch.set_num_threads stands
+    (the entry points apply "auto": medfl run, a bundle run, medfl resume, medfl flower site)."""
+    from medfl.experiment import run_experiment
+
+    torch.set_num_threads(1)
+    assert set_threads("auto", apply_auto=False) == 1
+    run_experiment(resolve({**tiny_fl, "rounds": 1}))
+    assert torch.get_num_threads() == 1
 
 
 def test_simulated_sites_take_the_actor_threads(tmp_path: Path, tiny_fl: dict[str, Any], resolve) -> None:
@@ -153,7 +166,8 @@ def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None)
 
 def test_cli_threads_reaches_the_process_that_trains(tmp_path: Path, tiny_fl: dict[str, Any]) -> None:
     """``medfl run --threads 1`` trains with one thread (summary.json says so, whatever the
-    config says); ``medfl resume --threads 2`` continues with two; a bad value is one error line."""
+    config says); ``medfl resume --threads 2`` continues with two; without --threads the
+    config's number, else "auto"; a bad value is one error line."""
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"fl": {**tiny_fl, "rounds": 2, "stop_after_round": 1, "threads": 2}}))
     proc = _cli("run", str(config), "--threads", "1")
@@ -164,6 +178,12 @@ def test_cli_threads_reaches_the_process_that_trains(tmp_path: Path, tiny_fl: di
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["threads"] == {"setting": 2, "torch_threads": 2}
+    config.write_text(json.dumps({"fl": {**tiny_fl, "name": "auto", "rounds": 1}}))
+    proc = _cli("run", str(config), env={"PYTEST_XDIST_WORKER_COUNT": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((Path(tiny_fl["output_dir"]) / "auto" / "fedavg" / "summary.json").read_text())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert summary["threads"] == {"setting": "auto", "torch_threads": cores}
     proc = _cli("run", str(config), "--threads", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("medfl: error: --threads: expected a positive number")

@@ -174,9 +174,9 @@ class Site:
         if not settings.simulated:   # a simulated site's actor set its threads (medfl.config.actor_threads)
             from medfl.config import local_sites, set_threads
 
-            # the site's worker trains in this process: fl.threads or --threads, "auto" shared
-            # with the other sites medfl started on this machine
-            self.threads = set_threads(self.cfg.get("threads"), local_sites())
+            # the site's worker trains in this process: fl.threads or --threads ("auto", shared
+            # with the other sites medfl started on this machine, is set by `medfl flower site`)
+            self.threads = set_threads(self.cfg.get("threads"), local_sites(), apply_auto=False)
         self._data: dict[tuple[int | None, int], FederatedData] = {}
         self._source: Any = None
         self.noise_key = "" if settings.simulated else site_noise_key(settings.state_dir, self.client_id)
