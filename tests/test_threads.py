@@ -195,3 +195,29 @@ def test_threads_option_is_on_every_command_that_trains() -> None:
     for names in (("run",), ("resume",), ("flower", "site"), ("flower", "run")):
         options = {o for a in _subparser(*names)._actions for o in a.option_strings}
         assert "--threads" in options, names
+
+
+def test_flower_site_command_sets_threads_before_its_worker_starts(tmp_path: Path, tiny_fl: dict[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``medfl flower site --threads 1``: the process whose worker trains runs torch on one
+    thread, and MEDFL_THREADS reaches what it starts (its SuperNode's environment);
+    ``auto`` there is the cores over MEDFL_LOCAL_SITES."""
+    import medfl.flower.worker as worker
+    from medfl.cli import main
+
+    seen: list[tuple[int, str | None]] = []
+    monkeypatch.setattr(worker, "run_site", lambda settings, cmd, env=None, restart=True:
+                        seen.append((torch.get_num_threads(), (env or {}).get(THREADS_ENV))) or 0)
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"fl": tiny_fl}))
+    base = ["flower", "site", "--client-id", "0", "--config", str(config), "--state-dir", str(tmp_path / "s"),
+            "--insecure"]
+    monkeypatch.setenv(THREADS_ENV, "")   # recorded, so that the value main() sets is undone after the test
+    torch.set_num_threads(2)
+    assert main([*base, "--threads", "1"]) == 0
+    assert seen[-1] == (1, "1")
+    monkeypatch.delenv(THREADS_ENV)
+    monkeypatch.setattr("medfl.config.available_cores", lambda: 4)
+    monkeypatch.setenv(LOCAL_SITES_ENV, "2")
+    assert main(base) == 0
+    assert seen[-1] == (2, None)
