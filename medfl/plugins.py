@@ -55,6 +55,7 @@ __all__ = [
     "pinned_names",
     "plugin_qualifier",
     "plugin_info",
+    "describe",
 ]
 
 #: Built-in plugin modules; used only when medfl runs from a source tree without its
@@ -452,6 +453,78 @@ def plugin_info() -> list[dict[str, Any]]:
              "refused": _api_refusal(pm, plugin)}
         )
     return sorted(rows, key=lambda r: r["name"])
+
+
+def _parameters(kind: str, obj: Any) -> list[dict[str, Any]]:
+    """The parameters a config entry of ``obj`` takes: name, default (``None`` with
+    ``required``), type (the annotation as written), in signature order."""
+    import inspect
+
+    target = obj.__init__ if kind in ("method", "filter", "backend") and inspect.isclass(obj) else obj
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):   # a builtin or C callable: nothing readable
+        return []
+    out = []
+    for p in sig.parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        ann = p.annotation
+        type_name = "" if ann is p.empty else ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+        out.append({"name": p.name, "required": p.default is p.empty,
+                    "default": None if p.default is p.empty else _jsonable(p.default), "type": type_name})
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` when JSON can hold it as is, else its ``repr``."""
+    import json
+
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def describe(name: str) -> list[dict[str, Any]]:
+    """Everything registered as ``name`` (bare or qualified ``dist:name``), of every kind:
+    kind, name, qualified name, plugin, distribution, version, parameters (name, default,
+    type, required), presets (methods), docstring, and the other candidates when the bare
+    name clashes (``clashes_with``). What ``medfl plugins NAME`` prints.
+
+    Raises:
+        PluginError: nothing is registered under ``name``; the message names close matches.
+    """
+    import inspect
+
+    reg = registry()
+    found: list[Registered] = []
+    refused: list[str] = []
+    for kind in KINDS:
+        found += reg.by_name[kind].get(name, [])
+        if name in reg.refused[kind]:
+            refused.append(f"{kind} {name!r}: {reg.refused[kind][name]}")
+    if not found:
+        if refused:
+            raise PluginError("; ".join(refused))
+        pool = sorted({k for kind in KINDS for k in reg.by_name[kind] if (":" in k) == (":" in name)})
+        close = difflib.get_close_matches(name, pool, n=5)
+        raise PluginError(f"nothing is registered as {name!r}"
+                          + (f"; did you mean {' or '.join(map(repr, close))}?" if close else "")
+                          + " (`medfl plugins` lists every name)")
+    out = []
+    for r in found:
+        presets = getattr(r.obj, "presets", None) or {}
+        others = [o.qualified for o in reg.by_name[r.kind].get(r.name, []) if o is not r]
+        out.append({"kind": r.kind, "name": r.name, "qualified": r.qualified, "plugin": r.plugin,
+                    "distribution": r.distribution, "version": r.version,
+                    "description": str(getattr(r.obj, "description", "") or ""),
+                    "parameters": _parameters(r.kind, r.obj),
+                    "presets": {k: {"values": _jsonable(dict(v.values)), "source": v.source,
+                                    "description": v.description} for k, v in sorted(presets.items())},
+                    "doc": inspect.getdoc(r.obj) or "", "clashes_with": others})
+    return out
 
 
 def _reset_for_tests() -> None:
