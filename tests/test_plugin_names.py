@@ -96,12 +96,13 @@ def test_a_clash_breaks_only_the_clashing_bare_name(tiny_fl, resolve, capsys):
 def test_qualified_names_run_and_are_recorded_and_resume_after_a_clash(tiny_fl, resolve):
     with outside_plugin():
         cfg = resolve({**tiny_fl, "rounds": 2, "stop_after_round": 1,
-                       "methods": [{"name": "outside-sdc:fedsdc"}, {"name": "medfl:fedavg", "label": "avg"}]})
+                       "methods": [{"name": "outside-sdc:fedsdc"}, {"name": "fedavg"},
+                                   {"name": "medfl:fedavg", "label": "avg"}]})
         out = run_experiment(cfg)
         run_dir = Path(out["dir"]) / "fedsdc"   # the directory is named after the bare name
         saved = json.loads((run_dir / "config.json").read_text())
         assert saved["fl"]["plugin_names"]["method"]["outside-sdc:fedsdc"] == "outside-sdc:fedsdc"
-        assert set(out["summaries"]) == {"fedsdc", "avg"}
+        assert set(out["summaries"]) == {"fedsdc", "fedavg", "avg"}   # a bare unclashing name runs too
     # a run started with bare names records what they resolved to; installing a clashing
     # plugin afterwards does not change which plugin the resume uses
     first = run_experiment(resolve({**tiny_fl, "name": "bare", "rounds": 2, "stop_after_round": 1,
