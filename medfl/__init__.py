@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from medfl.context import ClientContext
-from medfl.hookspecs import hookimpl
+from medfl.hookspecs import PLUGIN_API_VERSION, hookimpl
 from medfl.messages import Instruction, PayloadError, Reply
 from medfl.method import Federation, Method, OwnDp, Preset
 
 __version__ = "0.1.0"
 
 __all__ = ["hookimpl", "Instruction", "Reply", "PayloadError", "Federation", "Method", "Preset", "OwnDp", "ClientContext",
-           "__version__"]
+           "PLUGIN_API_VERSION", "__version__"]

@@ -314,14 +314,16 @@ def code_identity(kind: str, name: str, cache: dict[frozenset[str], Any] | None 
             a module that is not Python source, or the bytecode of one of its files is not
             compiled from that file (stale or planted ``.pyc``).
     """
-    from medfl.plugins import registry
+    from medfl.plugins import PluginError, registry
 
     table = registry().get(kind)
     if table is None:
         raise ApprovalError(f"unknown plugin kind {kind!r}; kinds: {', '.join(sorted(registry()))}")
-    if name not in table:
-        raise ApprovalError(f"no {kind} {name!r} is installed here (installed: {', '.join(sorted(table)) or 'none'})")
-    reg = table[name]
+    try:
+        reg = registry().resolve(kind, name)   # bare or qualified (dist:name); an ambiguous bare name is refused
+    except PluginError as exc:
+        raise ApprovalError(f"no {kind} {name!r} is installed here ({exc})" if str(exc).startswith("unknown")
+                            else str(exc)) from exc
     module = inspect.getmodule(reg.obj)
     try:
         source = inspect.getsourcefile(reg.obj)

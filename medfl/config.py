@@ -14,7 +14,7 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from medfl.plugins import PluginError, lookup, registry
+from medfl.plugins import KINDS, PluginError, lookup, pinned_names, qualified_name, registry
 
 __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_KEYS", "PUBLIC_TEST_FRACTION",
            "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_params", "method_preset",
@@ -24,7 +24,7 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "EARLY_STOPPING_DEFAULTS", "TEST_SPLITS", "check_early_stopping", "ABSENCE_PHASES", "check_absences",
            "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation", "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP",
            "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR", "BOOL_WORDS", "read_bool",
-           "read_plugin_values"]
+           "read_plugin_values", "check_plugin_names", "plugin_names"]
 
 
 class ConfigError(ValueError):
@@ -143,7 +143,9 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: positive integer or ``"auto"`` (the cores this process may use shared among the processes that
 #: train beside it, :func:`auto_threads`); ``--threads N`` (``MEDFL_THREADS``) overrides it.
 FL_OPTIONAL: dict[str, Any] = {"plots": True, "secure_aggregation": None, "cross_test": None, "absences": None,
-                               "threads": "auto"}
+                               "threads": "auto",
+                               # written by medfl: {kind: {name as written: "dist:name" it resolved to}}
+                               "plugin_names": None}
 
 #: The exchanges of a round a client can be scheduled absent from (``fl.absences``).
 ABSENCE_PHASES = ("train", "validate", "evaluate")
@@ -341,8 +343,9 @@ def check_public_dataset(value: Any, run: dict[str, Any] | None = None,
 
 
 def method_label(spec: dict[str, Any]) -> str:
-    """The run-directory name of a method entry (``label`` if given, else its name)."""
-    return str(spec.get("label") or spec["name"])
+    """The run-directory name of a method entry (``label`` if given, else its name without a
+    ``dist:`` qualifier: ``other:fedsdc`` runs in ``fedsdc/``)."""
+    return str(spec.get("label") or str(spec["name"]).rsplit(":", 1)[-1])
 
 
 def method_preset(spec: dict[str, Any]) -> Any:
@@ -532,9 +535,16 @@ def check_backend(value: Any, where: str = "fl.backend") -> dict[str, Any]:
     """
     entry = {"name": value} if isinstance(value, str) else value
     names = list(registry()["backend"])
-    if not isinstance(entry, dict) or entry.get("name") not in names:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise ConfigError(f"{where}: expected one of {', '.join(map(repr, names))} or "
                           f"{{\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0}}, got {value!r}")
+    try:
+        registry().resolve("backend", entry["name"])   # bare or qualified (dist:name)
+    except PluginError as exc:
+        if not str(exc).startswith("unknown"):   # ambiguous, or its plugin was refused
+            raise ConfigError(f"{where}: {exc}") from exc
+        raise ConfigError(f"{where}: expected one of {', '.join(map(repr, names))} or "
+                          f"{{\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0}}, got {value!r}") from exc
     _check_keys(entry, BACKEND_DEFAULTS, where)
     out = {**BACKEND_DEFAULTS, **entry}
     for key in ("client_cpus", "client_gpus", "num_cpus", "num_gpus"):
@@ -893,8 +903,62 @@ def _check_parameters(kind: str, spec: dict[str, Any], where: str, skip: tuple[s
     read_plugin_values(params, spec, where, skip)
 
 
+def check_plugin_names(value: Any, where: str = "fl.plugin_names") -> dict[str, dict[str, str]]:
+    """Read ``fl.plugin_names`` (what a resolved config records: ``{kind: {name: "dist:name"}}``).
+
+    Raises:
+        ConfigError: not that shape, naming the entry.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected {{kind: {{name: \"dist:name\"}}}} (medfl writes it), got {value!r}")
+    out: dict[str, dict[str, str]] = {}
+    for kind, names in value.items():
+        if kind not in KINDS:
+            raise ConfigError(f"{where}: unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")
+        if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) and ":" in v
+                                                  for k, v in names.items()):
+            raise ConfigError(f"{where}.{kind}: expected {{name: \"dist:name\"}}, got {names!r}")
+        out[kind] = dict(names)
+    return out
+
+
+def _used_names(cfg: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(kind, name)`` of every plugin a resolved config names."""
+    used = [("dataset", cfg["dataset"]["name"]), ("partitioner", cfg["partition"]["name"]),
+            ("model", cfg["model"]["name"]), ("backend", cfg["backend"]["name"])]
+    used += [("model", o["name"]) for o in cfg["client_models"].values() if "name" in o]
+    if cfg.get("public_dataset"):
+        used.append(("dataset", cfg["public_dataset"]["name"]))
+    for chain in [cfg["filters"]] + [m.get("filters") or [] for m in cfg["methods"]]:
+        used += [("filter", f if isinstance(f, str) else f["name"]) for f in chain
+                 if isinstance(f, str) or (isinstance(f, dict) and isinstance(f.get("name"), str))]
+    used += [("method", m["name"]) for m in cfg["methods"]]
+    return used
+
+
+def plugin_names(cfg: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """``{kind: {name: "dist:name"}}``: the qualified name each plugin name of a resolved
+    config resolves to now (what ``config.json`` records as ``fl.plugin_names``, so that a
+    resumed run uses the same plugins whatever is installed since).
+
+    Raises:
+        PluginError: a name is unknown or ambiguous.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for kind, name in _used_names(cfg):
+        out.setdefault(kind, {})[name] = qualified_name(kind, name)
+    return out
+
+
 def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     """Merge ``fl`` over :data:`DEFAULTS`, check every key and every plugin name.
+
+    Plugin names are bare (``fedavg``) or qualified (``medfl:fedavg``); a bare name two
+    plugins register is refused, naming both. The result records in ``plugin_names`` the
+    qualified name each resolved to; a config that already records them (a saved run's)
+    resolves its names to those, whatever has been installed since.
 
     Returns:
         The resolved config (a new dict), with ``methods`` as a list of dicts.
@@ -906,6 +970,18 @@ def resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(fl, dict):
         raise ConfigError(f"fl: expected a dict, got {type(fl).__name__}")
     _check_keys(fl, {**DEFAULTS, **FL_OPTIONAL}, "fl")
+    pins = check_plugin_names(fl.get("plugin_names"))
+    with pinned_names(pins):
+        cfg = _resolve_config(fl)
+        try:
+            cfg["plugin_names"] = plugin_names(cfg)
+        except PluginError as exc:
+            raise ConfigError(str(exc)) from exc
+    return cfg
+
+
+def _resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
+    """:func:`resolve_config`'s checks (``fl``: a dict of known keys)."""
     cfg = copy.deepcopy(DEFAULTS)
     for key, value in fl.items():
         if key == "train":

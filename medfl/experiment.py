@@ -19,7 +19,7 @@ from medfl.backend import Backend, backend_of
 from medfl.config import method_label, set_threads
 from medfl.engine.data import FederatedData, split_data, warn_straddling
 from medfl.engine.runner import Run, RunError, RunFactory, _write_json, build_source
-from medfl.plugins import get_plugin_manager
+from medfl.plugins import get_plugin_manager, pinned_names
 
 __all__ = ["run_experiment", "resume"]
 
@@ -180,10 +180,12 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
     """
     # fl.threads or --threads, before it trains; "auto" is the entry point's (medfl run, a bundle run)
     set_threads(cfg.get("threads"), apply_auto=False)
-    if run_factory is None or run_factory is Run:
-        chosen = backend or backend_of(cfg)
-        return chosen.run(cfg, lambda factory, extra=None: _experiment(cfg, factory, meta if extra is None else extra))
-    return _experiment(cfg, run_factory, meta)
+    with pinned_names(cfg.get("plugin_names")):   # the qualified names resolve_config recorded
+        if run_factory is None or run_factory is Run:
+            chosen = backend or backend_of(cfg)
+            return chosen.run(cfg, lambda factory, extra=None: _experiment(cfg, factory,
+                                                                           meta if extra is None else extra))
+        return _experiment(cfg, run_factory, meta)
 
 
 def _experiment(cfg: dict[str, Any], run_factory: RunFactory, meta: dict[str, Any] | None) -> dict[str, Any]:
@@ -221,6 +223,11 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
             that ran it (its saved ``fl.backend``) chooses (see :func:`run_experiment`).
         backend: the backend to continue on (default: the saved ``fl.backend``'s).
 
+    A run's ``config.json`` records the qualified name (``dist:name``) each plugin name
+    resolved to (``fl.plugin_names``); the resumed run uses those plugins even when another
+    plugin registering the same bare name has been installed since. A run directory written
+    before medfl recorded them resolves its bare names as they resolve now.
+
     Raises:
         RunError: ``path`` holds no run to resume.
     """
@@ -228,11 +235,13 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     saved = _saved_config(path)
     # --threads (MEDFL_THREADS) wins over the saved fl.threads; "auto" is medfl resume's
     set_threads(saved["fl"].get("threads"), apply_auto=False)
-    if run_factory is None or run_factory is Run:   # a run continues on its backend (ray: the simulation runtime)
-        chosen = backend or backend_of(saved["fl"])
-        return chosen.resume(path, saved["fl"], rounds,
-                             lambda factory, extra=None: _resume(path, _saved_config(path), rounds, factory))
-    return _resume(path, saved, rounds, run_factory)
+    # the plugins the run started with (a run written before medfl recorded them: bare names, resolved now)
+    with pinned_names(saved.get("fl", {}).get("plugin_names")):
+        if run_factory is None or run_factory is Run:   # a run continues on its backend (ray: the simulation runtime)
+            chosen = backend or backend_of(saved["fl"])
+            return chosen.resume(path, saved["fl"], rounds,
+                                 lambda factory, extra=None: _resume(path, _saved_config(path), rounds, factory))
+        return _resume(path, saved, rounds, run_factory)
 
 
 def _resume(path: Path, saved: dict[str, Any], rounds: int | None, run_factory: RunFactory) -> dict[str, Any]:

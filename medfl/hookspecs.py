@@ -5,8 +5,10 @@ partitioners, datasets and metrics are plugins answering these hooks, loaded thr
 ``medfl`` entry-point group exactly like third-party packages.
 
 Registration hooks receive a ``register`` callable built by the host; a plugin calls
-``register(obj)`` (or ``register(obj, name="...")``) once per thing it provides. A name
-registered twice is an error naming both plugins. Event hooks are called for every plugin
+``register(obj)`` (or ``register(obj, name="...")``) once per thing it provides. Every name
+is also reachable qualified, ``dist:name``; a bare name two plugins register is refused
+only where it is used, naming both qualified names (docs/plugins.md, "Names, clashes and
+versions"). Event hooks are called for every plugin
 that implements them; their return values are ignored.
 """
 
@@ -16,7 +18,14 @@ from typing import Any, Callable
 
 from pluggy import HookimplMarker, HookspecMarker
 
-__all__ = ["hookspec", "hookimpl"]
+__all__ = ["hookspec", "hookimpl", "PLUGIN_API_VERSION"]
+
+#: The version of this plugin contract, ``"MAJOR.MINOR"``. MINOR grows when the contract
+#: gains something (a hook, a method attribute, a keyword) that existing plugins need not
+#: know; MAJOR grows when something a plugin may rely on is removed or changes meaning
+#: (after a deprecation period: docs/plugins.md). A plugin states what it needs with a
+#: module- or class-level ``requires_medfl_api = ">=1.0,<2"``.
+PLUGIN_API_VERSION = "1.0"
 
 hookspec = HookspecMarker("medfl")
 hookimpl = HookimplMarker("medfl")

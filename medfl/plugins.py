@@ -4,6 +4,14 @@ Plugins are modules (or objects) implementing hooks from :mod:`medfl.hookspecs`.
 found through the ``medfl`` entry-point group, the built-ins included. Loading is lazy (on
 first use) and idempotent.
 
+Names: everything registered is reachable by its qualified name ``dist:name`` (``dist``: the
+plugin's distribution, ``medfl`` for the built-ins; see :func:`plugin_qualifier` for plugins
+registered at runtime) and, when exactly one plugin registers the name, by the bare name. A
+bare name two plugins register is refused where it is used (:func:`lookup`), naming both
+qualified names; nothing else is affected. A plugin whose ``requires_medfl_api`` does not
+admit :data:`PLUGIN_API_VERSION` is skipped with a warning; using what it registers is the
+error.
+
 Environment variables:
     MEDFL_LOAD_PLUGINS: comma-separated entry-point or distribution names; when set, only
         these third-party plugins load (medfl's own built-ins always load). Empty string
@@ -13,27 +21,41 @@ Environment variables:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
 import os
+import re
 import sys
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 import pluggy
 
 from medfl import hookspecs
+from medfl.hookspecs import PLUGIN_API_VERSION
 
 __all__ = [
     "DEFAULT_PLUGINS",
     "KINDS",
+    "PLUGIN_API_VERSION",
     "PluginError",
+    "PluginWarning",
     "Registered",
+    "Registry",
+    "api_compatible",
     "get_plugin_manager",
     "registry",
+    "resolve",
     "lookup",
+    "qualified_name",
+    "pinned_names",
+    "plugin_qualifier",
     "plugin_info",
+    "describe",
 ]
 
 #: Built-in plugin modules; used only when medfl runs from a source tree without its
@@ -62,12 +84,52 @@ KINDS: dict[str, str] = {
 
 
 class PluginError(RuntimeError):
-    """A plugin failed to load, registered something badly, or a name is unknown."""
+    """A plugin failed to load, registered something badly, or a name is unknown or ambiguous."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin was skipped (it requires another plugin API version); the rest loaded."""
+
+
+_CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)(?:\.(\d+))?\s*$")
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor or 0)
+
+
+def api_compatible(requirement: str, provided: str = PLUGIN_API_VERSION) -> bool:
+    """Whether the plugin API ``provided`` (``"MAJOR.MINOR"``) meets ``requirement``.
+
+    ``requirement`` is comma-separated clauses, each an operator (``>=``, ``<=``, ``==``,
+    ``!=``, ``>``, ``<``; none means ``==``) and a version ``MAJOR`` or ``MAJOR.MINOR``
+    (a missing minor is 0), e.g. ``">=1.0,<2"``; every clause must hold. ``"==1"`` holds for
+    1.0 only: write ``">=1,<2"`` for "any 1.x".
+
+    Raises:
+        ValueError: a clause is not of that form.
+    """
+    have = _version_tuple(provided)
+    clauses = [c for c in str(requirement).split(",")]
+    if not any(c.strip() for c in clauses):
+        raise ValueError("an empty requirement; expected e.g. '>=1.0,<2'")
+    for clause in clauses:
+        m = _CLAUSE.match(clause)
+        if m is None:
+            raise ValueError(f"clause {clause.strip()!r} is not an operator and a version such as '>=1.0' "
+                             "(operators: >=, <=, ==, !=, >, <)")
+        op, want = m.group(1) or "==", (int(m.group(2)), int(m.group(3) or 0))
+        ok = {">=": have >= want, "<=": have <= want, "==": have == want, "!=": have != want,
+              ">": have > want, "<": have < want}[op]
+        if not ok:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
 class Registered:
-    """One registered object with where it came from."""
+    """One registered object with where it came from; ``qualified`` is ``dist:name``."""
 
     kind: str
     name: str
@@ -75,6 +137,7 @@ class Registered:
     plugin: str
     distribution: str
     version: str
+    qualified: str = ""
 
 
 _pm: pluggy.PluginManager | None = None
@@ -82,7 +145,9 @@ _dists: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version
 # The cache is keyed by the registered plugin objects themselves, not their ids: holding them
 # keeps a freed plugin's id from being reused by the next one registered (CPython reuses ids,
 # and a stale registry then named a plugin that was gone).
-_registry_cache: tuple[frozenset[int], tuple[Any, ...], dict[str, dict[str, Registered]]] | None = None
+_registry_cache: tuple[frozenset[int], tuple[Any, ...], "Registry"] | None = None
+_pins: dict[str, dict[str, str]] = {}   # kind -> {name: qualified}: see pinned_names
+_warned: set[str] = set()   # plugins already warned about (API version)
 
 
 def _trace(hook_name: str, hook_impls: list, kwargs: dict) -> None:
@@ -156,40 +221,150 @@ def _plugin_origin(pm: pluggy.PluginManager, plugin: Any) -> tuple[str, str, str
     return name, dist, ver
 
 
-def _build() -> dict[str, dict[str, Registered]]:
+def plugin_qualifier(pm: pluggy.PluginManager, plugin: Any) -> str:
+    """The ``dist`` part of the qualified names (``dist:name``) of what ``plugin`` registers.
+
+    An entry-point plugin's distribution name (``medfl`` for the built-ins). A plugin
+    registered at runtime (``get_plugin_manager().register(obj, name=...)``) has no
+    distribution: the name it was registered under, or, when it was given none (pluggy then
+    names it after its ``id``), the name of the module that defines it.
+    """
+    name = pm.get_name(plugin) or ""
+    if name in _dists:
+        return _dists[name][0]
+    if name and name != str(id(plugin)):
+        return name
+    module = plugin if isinstance(plugin, ModuleType) else None
+    return module.__name__ if module is not None else str(getattr(plugin, "__module__", None)
+                                                          or type(plugin).__module__)
+
+
+def _api_refusal(pm: pluggy.PluginManager, plugin: Any) -> str:
+    """Why ``plugin`` cannot load under this medfl's :data:`PLUGIN_API_VERSION` ("" when it can)."""
+    wanted = getattr(plugin, "requires_medfl_api", None)
+    if wanted is None:
+        return ""
+    try:
+        ok = api_compatible(str(wanted))
+    except ValueError as exc:
+        return f"plugin {pm.get_name(plugin)!r} declares requires_medfl_api = {wanted!r}, which medfl cannot read: {exc}"
+    if ok:
+        return ""
+    return (f"plugin {pm.get_name(plugin)!r} (distribution {plugin_qualifier(pm, plugin)!r}) requires medfl plugin "
+            f"API {wanted}; this medfl provides {PLUGIN_API_VERSION}: install a version of the plugin made for it")
+
+
+class Registry(dict):
+    """``{kind: {name: Registered}}``, the names as commands list them, and a resolver.
+
+    Each kind's table holds every registered object once: under its bare name when exactly
+    one plugin registered that name, else under each clashing candidate's qualified name
+    (``dist:name``). :meth:`resolve` takes a bare or a qualified name.
+    """
+
+    def __init__(self) -> None:
+        super().__init__({kind: {} for kind in KINDS})
+        self.by_name: dict[str, dict[str, list[Registered]]] = {kind: {} for kind in KINDS}
+        self.refused: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
+
+    def add(self, reg: Registered) -> None:
+        """Index ``reg`` under its bare and its qualified name."""
+        table = self.by_name[reg.kind]
+        for key in dict.fromkeys((reg.name, reg.qualified)):
+            table.setdefault(key, []).append(reg)
+
+    def finish(self) -> None:
+        """Fill each kind's listing table (bare names where unique, else qualified)."""
+        for kind, table in self.by_name.items():
+            out = self[kind]
+            for key, regs in table.items():
+                if ":" in key:
+                    continue
+                if len(regs) == 1:
+                    out[key] = regs[0]
+                else:
+                    for r in regs:
+                        out[r.qualified] = r
+
+    def clashes(self, kind: str) -> dict[str, list[Registered]]:
+        """The bare names of ``kind`` registered by more than one plugin, with their candidates."""
+        return {k: v for k, v in self.by_name[kind].items() if ":" not in k and len(v) > 1}
+
+    def resolve(self, kind: str, name: str) -> Registered:
+        """The object registered as ``name`` (bare or ``dist:name``) of ``kind``.
+
+        Raises:
+            PluginError: unknown name (with close matches), an ambiguous bare name (naming
+                every candidate's qualified name), or a name only a refused plugin registered.
+        """
+        if kind not in self.by_name:
+            raise PluginError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")
+        pinned = _pins.get(kind, {}).get(name)
+        if pinned is not None and pinned != name:
+            try:
+                return self.resolve(kind, pinned)
+            except PluginError as exc:
+                raise PluginError(f"{kind} {name!r} was resolved to {pinned!r} when this run started "
+                                  f"(its config.json records it), and {pinned!r} cannot be used now: {exc}") from exc
+        regs = self.by_name[kind].get(name, [])
+        if len(regs) == 1:
+            return regs[0]
+        if len(regs) > 1:
+            names = [r.qualified for r in regs]
+            if len(set(names)) < len(names):
+                names = [f"{r.qualified} (plugin {r.plugin!r})" for r in regs]
+            raise PluginError(f"{kind} {name!r} is ambiguous: it is registered by {len(regs)} plugins, as "
+                              f"{' and '.join(names)}; write the qualified name to choose one (e.g. {regs[0].qualified!r})"
+                              + ("" if ":" not in name else " (two plugins share this qualifier: register one "
+                                 "of them under another name)"))
+        if name in self.refused[kind]:
+            raise PluginError(f"{kind} {name!r} cannot be used: {self.refused[kind][name]}")
+        valid = sorted(self[kind])
+        pool = sorted(k for k in self.by_name[kind] if (":" in k) == (":" in name))
+        close = difflib.get_close_matches(name, pool, n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise PluginError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(valid) or '(none)'}{hint}")
+
+
+def _build() -> Registry:
     pm = get_plugin_manager()
-    out: dict[str, dict[str, Registered]] = {kind: {} for kind in KINDS}
+    out = Registry()
     for kind, hook_name in KINDS.items():
         hook = getattr(pm.hook, hook_name)
         for impl in hook.get_hookimpls():
             pname, dist, ver = _plugin_origin(pm, impl.plugin)
+            qual = plugin_qualifier(pm, impl.plugin)
+            refusal = _api_refusal(pm, impl.plugin)
+            if refusal and pname not in _warned:
+                _warned.add(pname)
+                warnings.warn(f"medfl: skipping {refusal}", PluginWarning, stacklevel=2)
 
-            def register(obj: Any, name: str | None = None, *, _kind=kind, _p=(pname, dist, ver)) -> None:
+            def register(obj: Any, name: str | None = None, *, _kind=kind, _p=(pname, dist, ver), _q=qual,
+                         _refusal=refusal) -> None:
                 key = name or getattr(obj, "name", None) or getattr(obj, "__name__", None)
-                if not isinstance(key, str) or not key:
+                if not isinstance(key, str) or not key or ":" in key:
                     raise PluginError(
                         f"plugin {_p[0]!r} from distribution {_p[1]!r} registered a {_kind} "
-                        f"without a name: {obj!r}"
+                        f"without a valid name (a non-empty string without ':'): {key!r} for {obj!r}"
                     )
-                if key in out[_kind]:
-                    first = out[_kind][key]
-                    raise PluginError(
-                        f"{_kind} {key!r} is registered twice: by plugin {first.plugin!r} "
-                        f"(distribution {first.distribution!r}) and by plugin {_p[0]!r} "
-                        f"(distribution {_p[1]!r})"
-                    )
-                out[_kind][key] = Registered(_kind, key, obj, *_p)
+                if _refusal:
+                    out.refused[_kind][key] = out.refused[_kind][f"{_q}:{key}"] = _refusal
+                    return
+                out.add(Registered(_kind, key, obj, *_p, qualified=f"{_q}:{key}"))
 
             if os.environ.get("MEDFL_TRACE_PLUGINS"):  # called per plugin, outside pluggy's monitor
                 _trace(hook_name, [impl], {"register": register})
             impl.function(register=register)
+    out.finish()
     return out
 
 
-def registry() -> dict[str, dict[str, Registered]]:
+def registry() -> Registry:
     """Return ``{kind: {name: Registered}}`` for every registered method, model, etc.
 
-    Rebuilt whenever plugins are registered or unregistered.
+    A name registered by one plugin is listed bare; a name several plugins register is
+    listed once per plugin, qualified (``dist:name``). Rebuilt whenever plugins are
+    registered or unregistered. ``registry().resolve(kind, name)`` looks a name up.
     """
     global _registry_cache
     pm = get_plugin_manager()
@@ -200,21 +375,61 @@ def registry() -> dict[str, dict[str, Registered]]:
     return _registry_cache[2]
 
 
+def resolve(kind: str, name: str) -> Registered:
+    """The :class:`Registered` entry of ``name`` (bare or qualified ``dist:name``) of ``kind``.
+
+    Raises:
+        PluginError: unknown (close matches named), ambiguous (every candidate's qualified
+            name given) or refused (API version) name.
+    """
+    return registry().resolve(kind, name)
+
+
 def lookup(kind: str, name: str) -> Any:
     """Return the object registered as ``name`` of ``kind`` (method, model, ...).
 
+    ``name`` is bare (``fedavg``) or qualified (``medfl:fedavg``); a bare name that several
+    plugins register is refused here, naming each candidate's qualified name.
+
     Raises:
-        PluginError: unknown name; the message lists the valid ones.
+        PluginError: unknown or ambiguous name; the message lists the valid ones.
     """
-    table = registry()[kind]
-    if name not in table:
-        valid = ", ".join(sorted(table)) or "(none)"
-        raise PluginError(f"unknown {kind} {name!r}; valid {kind}s: {valid}")
-    return table[name].obj
+    return resolve(kind, name).obj
+
+
+def qualified_name(kind: str, name: str) -> str:
+    """The qualified name (``dist:name``) that ``name`` of ``kind`` resolves to now.
+
+    Raises:
+        PluginError: as :func:`lookup`.
+    """
+    return resolve(kind, name).qualified
+
+
+@contextmanager
+def pinned_names(pins: dict[str, dict[str, str]] | None) -> Iterator[None]:
+    """Within the block, resolve the names in ``pins`` (``{kind: {name: qualified}}``, what a
+    run's ``config.json`` records as ``plugin_names``) to the qualified names recorded,
+    whatever has been installed since. Nested blocks see the union, inner entries winning."""
+    global _pins
+    before = _pins
+    merged = {k: dict(v) for k, v in before.items()}
+    for kind, names in (pins or {}).items():
+        merged.setdefault(kind, {}).update(names)
+    _pins = merged
+    try:
+        yield
+    finally:
+        _pins = before
 
 
 def plugin_info() -> list[dict[str, Any]]:
-    """Describe every loaded plugin: name, distribution, version, hooks, registrations."""
+    """Describe every loaded plugin: name, distribution, version, hooks, registrations.
+
+    ``registered`` maps each kind to the names the plugin registered (bare); ``qualified``
+    to the same names qualified (``dist:name``); ``clashes`` lists the ``kind:name``s another
+    plugin registers too (usable only qualified); ``refused`` says why the plugin was skipped
+    (its ``requires_medfl_api`` does not admit :data:`PLUGIN_API_VERSION`)."""
     pm = get_plugin_manager()
     reg = registry()
     rows = []
@@ -222,15 +437,94 @@ def plugin_info() -> list[dict[str, Any]]:
         name, dist, ver = _plugin_origin(pm, plugin)
         hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
         registered: dict[str, list[str]] = {}
-        for kind, table in reg.items():
-            names = sorted(n for n, r in table.items() if r.plugin == name)
-            if names:
-                registered[kind] = names
+        qualified: dict[str, list[str]] = {}
+        clashes: list[str] = []
+        for kind in KINDS:
+            mine = sorted((r for regs in reg.by_name[kind].values() for r in regs if r.plugin == name),
+                          key=lambda r: r.name)
+            mine = list({r.qualified: r for r in mine}.values())
+            if mine:
+                registered[kind] = sorted({r.name for r in mine})
+                qualified[kind] = sorted({r.qualified for r in mine})
+                clashes += [f"{kind}:{r.name}" for r in mine if len(reg.by_name[kind].get(r.name, [])) > 1]
         rows.append(
-            {"name": name, "distribution": dist, "version": ver, "hooks": hooks,
-             "registered": registered}
+            {"name": name, "distribution": dist, "version": ver, "qualifier": plugin_qualifier(pm, plugin),
+             "hooks": hooks, "registered": registered, "qualified": qualified, "clashes": sorted(set(clashes)),
+             "refused": _api_refusal(pm, plugin)}
         )
     return sorted(rows, key=lambda r: r["name"])
+
+
+def _parameters(kind: str, obj: Any) -> list[dict[str, Any]]:
+    """The parameters a config entry of ``obj`` takes: name, default (``None`` with
+    ``required``), type (the annotation as written), in signature order."""
+    import inspect
+
+    target = obj.__init__ if kind in ("method", "filter", "backend") and inspect.isclass(obj) else obj
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):   # a builtin or C callable: nothing readable
+        return []
+    out = []
+    for p in sig.parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        ann = p.annotation
+        type_name = "" if ann is p.empty else ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+        out.append({"name": p.name, "required": p.default is p.empty,
+                    "default": None if p.default is p.empty else _jsonable(p.default), "type": type_name})
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` when JSON can hold it as is, else its ``repr``."""
+    import json
+
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def describe(name: str) -> list[dict[str, Any]]:
+    """Everything registered as ``name`` (bare or qualified ``dist:name``), of every kind:
+    kind, name, qualified name, plugin, distribution, version, parameters (name, default,
+    type, required), presets (methods), docstring, and the other candidates when the bare
+    name clashes (``clashes_with``). What ``medfl plugins NAME`` prints.
+
+    Raises:
+        PluginError: nothing is registered under ``name``; the message names close matches.
+    """
+    import inspect
+
+    reg = registry()
+    found: list[Registered] = []
+    refused: list[str] = []
+    for kind in KINDS:
+        found += reg.by_name[kind].get(name, [])
+        if name in reg.refused[kind]:
+            refused.append(f"{kind} {name!r}: {reg.refused[kind][name]}")
+    if not found:
+        if refused:
+            raise PluginError("; ".join(refused))
+        pool = sorted({k for kind in KINDS for k in reg.by_name[kind] if (":" in k) == (":" in name)})
+        close = difflib.get_close_matches(name, pool, n=5)
+        raise PluginError(f"nothing is registered as {name!r}"
+                          + (f"; did you mean {' or '.join(map(repr, close))}?" if close else "")
+                          + " (`medfl plugins` lists every name)")
+    out = []
+    for r in found:
+        presets = getattr(r.obj, "presets", None) or {}
+        others = [o.qualified for o in reg.by_name[r.kind].get(r.name, []) if o is not r]
+        out.append({"kind": r.kind, "name": r.name, "qualified": r.qualified, "plugin": r.plugin,
+                    "distribution": r.distribution, "version": r.version,
+                    "description": str(getattr(r.obj, "description", "") or ""),
+                    "parameters": _parameters(r.kind, r.obj),
+                    "presets": {k: {"values": _jsonable(dict(v.values)), "source": v.source,
+                                    "description": v.description} for k, v in sorted(presets.items())},
+                    "doc": inspect.getdoc(r.obj) or "", "clashes_with": others})
+    return out
 
 
 def _reset_for_tests() -> None:
@@ -239,3 +533,4 @@ def _reset_for_tests() -> None:
     _pm = None
     _registry_cache = None
     _dists.clear()
+    _warned.clear()

@@ -9,8 +9,10 @@ records of them, and writes that say which file a full disk stopped. A run direc
                        client's splits (:func:`medfl.engine.data.partition_report`)
     metrics.csv        one row per (round, client, split) with every metric; ``reported_by``
                        says whose word it is across sites (:data:`medfl.engine.evaluation.METRICS_PROVENANCE`)
-    train_metrics.csv  one row per (round, client) with what the client reported; its
-                       (round, client_id) pairs are the record of the sampled clients;
+    train_metrics.csv  one row per (round, client, step) with what the client reported
+                       (``step``: the index, from 0, of the round's training step; a run
+                       written before the column existed gets it on resume from its row
+                       order); its (round, client_id) pairs are the record of the sampled clients;
                        ``bytes_to_client``/``bytes_from_client``: that training step's
                        instruction and reply as Flower sends them (one row per step for a
                        method with several steps a round)
@@ -103,7 +105,7 @@ import pandas as pd
 import torch
 
 
-__all__ = ["sha256_file", "RUN_FILES", "file_manifest", "manifest_problems", "interrupted_write", "sum_path", "write_sum",
+__all__ = ["sha256_file", "with_step_column", "RUN_FILES", "file_manifest", "manifest_problems", "interrupted_write", "sum_path", "write_sum",
            "check_sum", "DiskFullError", "NO_SPACE", "disk_full", "full_disk_message", "writing",
            "append_text", "RunError", "GrowingCsv", "RunDir"]
 
@@ -119,6 +121,21 @@ def sha256_file(path: str | Path) -> str:
 #: The ``errno`` values of a write that found no room: no space left on the device, a disk
 #: quota exceeded, a file larger than the process may write (``RLIMIT_FSIZE``).
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+
+def with_step_column(train_metrics: pd.DataFrame) -> pd.DataFrame:
+    """``train_metrics.csv``'s rows with a ``step`` column (after ``client_id``): as they are
+    when they have one, else (a run written before medfl recorded it) each row's index among
+    its client's rows of the round, which is the step when every step asked the client, as
+    the rows were written step by step. A resumed run then appends rows of one layout."""
+    if "step" in train_metrics.columns or train_metrics.empty:
+        return train_metrics
+    out = train_metrics.copy()
+    keys = [c for c in ("round", "client_id") if c in out.columns]
+    step = out.groupby(keys, sort=False).cumcount() if keys else pd.Series(0, index=out.index)
+    out.insert(min(len(keys), len(out.columns)), "step", step.astype(int))
+    return out
 
 
 class DiskFullError(OSError):

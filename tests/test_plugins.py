@@ -26,7 +26,7 @@ def test_builtins_come_from_the_entry_point_group():
         assert reg[kind], kind
 
 
-def test_duplicate_name_names_both_plugins():
+def test_a_name_two_plugins_register_is_refused_where_used_naming_both():
     class Dup(FedAvg):
         name = "fedavg"
 
@@ -38,8 +38,11 @@ def test_duplicate_name_names_both_plugins():
     pm = get_plugin_manager()
     pm.register(Plugin(), name="dup-plugin")
     try:
-        with pytest.raises(PluginError, match=r"'fedavg' is registered twice.*baselines.*dup-plugin"):
-            registry()
+        assert lookup("method", "fedprox")   # unrelated names still work
+        with pytest.raises(PluginError, match=r"method 'fedavg' is ambiguous.*medfl:fedavg and dup-plugin:fedavg; "
+                                              r"write the qualified name"):
+            lookup("method", "fedavg")
+        assert lookup("method", "medfl:fedavg") is FedAvg and lookup("method", "dup-plugin:fedavg") is Dup
     finally:
         pm.unregister(name="dup-plugin")
     assert lookup("method", "fedavg") is FedAvg

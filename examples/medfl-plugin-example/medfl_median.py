@@ -68,7 +68,11 @@ from medfl.privacy.feature_release import SampleRelease
 from medfl.models import ProbabilityModel
 
 __all__ = ["FedMedian", "MedianSnapshots", "MeanProbability", "DpSharedImages", "DpFedAvgOpacus", "Half",
-           "register_methods", "register_filters"]
+           "register_methods", "register_filters", "requires_medfl_api"]
+
+#: The medfl plugin API this plugin is written against (``medfl.PLUGIN_API_VERSION``, MAJOR.MINOR):
+#: any 1.x. medfl skips the plugin with a warning, naming both versions, when it does not match.
+requires_medfl_api = ">=1.0,<2"
 
 
 class FedMedian(HubAndSpoke):

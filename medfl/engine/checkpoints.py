@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from medfl.config import method_preset, preset_record
 from medfl.filters import FilterChain
-from medfl.rundir import RunError
+from medfl.rundir import RunError, with_step_column
 
 __all__ = ["Checkpoints"]
 
@@ -110,7 +110,7 @@ class Checkpoints:
         for name, stem in files.items():
             df = self.files.read_rows(f"{stem}.csv", k)
             if df is not None:
-                setattr(self, name, df)
+                setattr(self, name, with_step_column(df) if stem == "train_metrics" else df)
         privacy = self.files.read_rows("privacy.csv", k)
         if privacy is not None:
             self.ledger.load(privacy)

@@ -55,7 +55,7 @@ def metrics_provenance(metrics: pd.DataFrame, train_metrics: pd.DataFrame) -> di
     splits = [str(x) for x in dict.fromkeys(metrics["split"])] if "split" in metrics.columns else []
     train: dict[str, str] = {}
     for col in train_metrics.columns:
-        if col in ("round", "client_id"):
+        if col in ("round", "client_id", "step"):   # the row's key: (round, client, step)
             continue
         train[str(col)] = ("coordinator" if col.startswith("bytes_") else
                            "self (checked against the training size the site declared)" if col == "num_examples"

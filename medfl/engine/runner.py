@@ -208,7 +208,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
                 if own is not None and own.steps_metric in reply.metrics:
                     own_steps[cid] = own_steps.get(cid, 0.0) + float(reply.metrics[own.steps_metric])
                 to_client, from_client = sent.get(cid, (0, 0))
-                train_rows.append({"round": r, "client_id": cid, "num_examples": reply.num_examples,
+                train_rows.append({"round": r, "client_id": cid, "step": step, "num_examples": reply.num_examples,
                                    "bytes_to_client": to_client, "bytes_from_client": from_client,
                                    **{k: float(v) for k, v in reply.metrics.items()}})
                 pm.hook.on_client_end(run=self, round=r, client_id=cid, metrics=dict(reply.metrics))
