@@ -125,15 +125,35 @@ def test_monai_bundle_run_infers_like_medfl_predict(demo_runs, tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-5)
     out = pd.read_csv(bundle / "eval" / "predictions.csv")
     assert (out["prediction"] == got.argmax(1)).all() and list(out.columns[:3]) == ["sample_id", "label", "prediction"]
+    # the exported bundle is a complete MONAI inference workflow, and MONAI's checks pass on it
+    from monai.bundle import ConfigWorkflow
+
+    from medfl.export import Predictor
+
+    wf = ConfigWorkflow(config_file=str(bundle / "configs" / "inference.json"),
+                        meta_file=str(bundle / "configs" / "metadata.json"), workflow_type="infer")
+    wf.initialize()
+    assert wf.check_properties() == [] and isinstance(wf.evaluator, Predictor)
+    proc = subprocess.run([sys.executable, "-m", "monai.bundle", "verify_net_in_out", "network_def", "--config_file",
+                           str(bundle / "configs" / "inference.json"), "--meta_file",
+                           str(bundle / "configs" / "metadata.json")], capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_registered_model_route_for_a_small_cnn(tiny_fl, resolve, tmp_path):
     """small_cnn has no plain MONAI network: the bundle builds the registered model, with the
-    Local method's own model per client."""
-    tiny_fl["methods"] = [{"name": "local"}]
+    Local method's own model per client; a method whose evaluation model is more than the
+    registered model is refused, saying why."""
+    tiny_fl["methods"] = [{"name": "local"}, {"name": "fedsdc"}]
     tiny_fl["rounds"] = 1
     tiny_fl["plots"] = False
-    run_dir = Path(run_experiment(resolve(tiny_fl))["dir"]) / "local"
+    exp = Path(run_experiment(resolve(tiny_fl))["dir"])
+    # FedSDC evaluates each client with a head ensemble, which no registered model spec rebuilds
+    with pytest.raises(ExportError, match="no model of the run can be exported: global: method 'fedsdc' keeps no "
+                                          "global model; client 0: its model is a HeadEnsemble"):
+        export_run(exp / "fedsdc", tmp_path / "sdc")
+    assert not (tmp_path / "sdc").exists()
+    run_dir = exp / "local"
     summary = export_run(run_dir, tmp_path / "out")
     assert {b["folder"] for b in summary["bundles"]} == {"client_0", "client_1", "client_2"}
     assert {b["route"] for b in summary["bundles"]} == {"medfl"}
