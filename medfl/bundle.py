@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from medfl.config import ConfigError, resolve_config, set_threads
 from medfl.config_file import load_bundle_config
 
-__all__ = ["run", "choose", "print_result", "infer", "load_bundle_config", "parse_override_value", "user_errors",
+__all__ = ["run", "choose", "print_result", "infer", "run_evaluator", "load_bundle_config", "parse_override_value", "user_errors",
            "exit_on_user_error", "user_error_message", "USER_ERROR_EXIT", "INTERRUPTED_EXIT"]
 
 #: Exit code of a run stopped by a mistake in its input (that of ``medfl run``; argparse's too).
@@ -236,11 +236,29 @@ def infer(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: st
             :func:`exit_on_user_error`), after printing ``medfl: error: ...`` to stderr.
     """
     from medfl.predict import predict
+
+    return _predict_and_say(lambda: predict(run_dir, dataset, output, clients, split))
+
+
+def run_evaluator(evaluator: Any) -> Path:
+    """A bundle's ``inference.json`` entry point (its ``run``): run the inference workflow's
+    ``evaluator`` (:class:`medfl.export.RunPredictor`: the finished run's client models, as
+    :func:`infer`) and print where the CSV went.
+
+    Raises:
+        SystemExit: as :func:`infer`.
+    """
+    return _predict_and_say(evaluator.run)
+
+
+def _predict_and_say(write: Any) -> Path:
+    """Call ``write()`` (which writes a predictions CSV and returns its path) with the plugins
+    loaded and user errors turned into one ``medfl: error:`` line; print the path."""
     from medfl.plugins import registry
 
     with exit_on_user_error():
         registry()
-        path = predict(run_dir, dataset, output, clients, split)
+        path = write()
         print(f"predictions: {path}")
     return path
 

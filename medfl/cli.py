@@ -791,6 +791,35 @@ def _flower_run_options(sp: argparse.ArgumentParser) -> None:
     _add_threads_option(sp)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a finished run's models as MONAI bundles and print what was written."""
+    from medfl.export import export_run
+    from medfl.plugins import registry
+
+    registry()
+    summary = export_run(args.run_dir, args.out)
+    for b in summary["bundles"]:
+        ts = b["torchscript"] or "no TorchScript (see its metadata.json)"
+        print(f"{Path(args.out) / b['folder']}: {b['model']} ({b['network']}; model.ts: {ts})")
+    for s in summary["not_exported"]:
+        print(f"not exported: {s['model']}: {s['reason']}")
+    return 0
+
+
+def _add_export(sub: Any) -> None:
+    sp = sub.add_parser(
+        "export", help="write a finished run's models as MONAI bundles (model.pt, model.ts, inference.json)",
+        description="Write the final global model of a finished method run, and each client's personalised model "
+                    "where the method has one, as MONAI bundles under OUT: OUT/global, OUT/final_<name>, "
+                    "OUT/client_<id>, each with models/model.pt (a state dict in MONAI's key names), models/model.ts "
+                    "(TorchScript), configs/inference.json and configs/metadata.json; OUT/export.json lists them and "
+                    "every model left out, with the reason. Infer with: python -m monai.bundle run --config_file "
+                    "OUT/global/configs/inference.json --bundle_root OUT/global [--dataset_dir DIR] [--split test]")
+    sp.add_argument("run_dir", help="a finished method run directory (e.g. runs/demo/fedavg)")
+    sp.add_argument("--out", required=True, help="folder to write; must not exist or be empty (nothing is overwritten)")
+    sp.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``medfl``."""
     p = argparse.ArgumentParser(prog="medfl", description="Federated learning for medical imaging (MONAI + PyTorch).")
@@ -834,6 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_approve(sub)
     _add_policy(sub)
     _add_flower(sub)
+    _add_export(sub)
     return p
 
 

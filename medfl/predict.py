@@ -19,7 +19,52 @@ from medfl.engine.runner import RunError, build_source
 from medfl.experiment import _reopen, _saved_config
 from medfl.messages import Instruction
 
-__all__ = ["predict"]
+__all__ = ["open_run", "predict", "split_rows"]
+
+
+def open_run(run_dir: Path, what: str = "predict") -> tuple[Any, int]:
+    """A method run directory's engine :class:`~medfl.engine.runner.Run`, reopened read-only
+    with its last checkpoint loaded (with early stopping, the best round's coordinator
+    state), and that round: what :func:`predict` and :func:`medfl.export.export_run` build
+    the run's models from.
+
+    Args:
+        run_dir: a method run directory.
+        what: the verb for the error messages (``"predict"``, ``"export"``).
+
+    Raises:
+        RunError: no ``config.json`` (not a run), an experiment directory (the message lists
+            its method runs), or no checkpoint yet.
+    """
+    saved = _saved_config(run_dir)
+    if "method" not in saved:
+        raise RunError(f"{run_dir}: an experiment directory; pass one method's run directory "
+                       f"({', '.join(method_label(m) for m in saved['fl']['methods'])})")
+    run = _reopen(run_dir, saved, saved["fl"])
+    run.prepare(read_only=True)
+    last = run.start_round - 1
+    if last < 1:
+        raise RunError(f"{run_dir}: no checkpoint yet; nothing to {what} with")
+    best = run._restore_best()   # early stopping: the best round's models
+    return run, last if best is None else best
+
+
+def split_rows(table: pd.DataFrame, split: str | None) -> pd.DataFrame:
+    """The rows of a dataset's table whose ``split`` column equals ``split`` (``None``, ``""``
+    or ``"all"``: every row).
+
+    Raises:
+        RunError: a split is asked for and the table has no ``split`` column, or no row is left.
+    """
+    if split in (None, "", "all"):
+        rows = table
+    elif "split" not in table.columns:
+        raise RunError(f"split {split!r} asked for, but the dataset has no 'split' column; use 'all'")
+    else:
+        rows = table[table["split"].astype(str) == split]
+    if rows.empty:
+        raise RunError(f"no samples to predict on{'' if split in (None, '', 'all') else f' with split == {split!r}'}")
+    return rows
 
 
 def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,
@@ -52,23 +97,10 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     from medfl.training import predict_proba
 
     run_dir = Path(run_dir)
-    saved = _saved_config(run_dir)
-    if "method" not in saved:
-        raise RunError(f"{run_dir}: an experiment directory; pass one method's run directory "
-                       f"({', '.join(method_label(m) for m in saved['fl']['methods'])})")
-    cfg = saved["fl"]
-    run = _reopen(run_dir, saved, cfg)
-    run.prepare(read_only=True)
-    last = run.start_round - 1
-    if last < 1:
-        raise RunError(f"{run_dir}: no checkpoint yet; nothing to predict with")
-    best = run._restore_best()   # early stopping: the best round's models
-    if best is not None:
-        last = best
+    run, last = open_run(run_dir, "predict")
+    cfg = run.config
     target = run.data.source if dataset is None else build_source(dataset)
-    if split in (None, "", "all"):
-        rows = target.table
-    elif split == "global_test":
+    if split == "global_test":
         a = run.data.assignments
         held = a[a["role"] == "global_test"]
         if dataset is None:
@@ -78,12 +110,10 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
         else:
             raise RunError("split 'global_test' means the run's held-out samples, found by sample_id; this dataset "
                            "has no sample_id column (use 'all' or a value of its 'split' column)")
-    elif "split" not in target.table.columns:
-        raise RunError(f"split {split!r} asked for, but the dataset has no 'split' column; use 'all'")
+        if rows.empty:
+            raise RunError("no samples to predict on with split == 'global_test'")
     else:
-        rows = target.table[target.table["split"].astype(str) == split]
-    if rows.empty:
-        raise RunError(f"no samples to predict on{'' if split is None else f' with split == {split!r}'}")
+        rows = split_rows(target.table, split)
     ids = clients or run.federation.eval_client_ids
     unknown = sorted(set(ids) - set(run.federation.eval_client_ids))
     if unknown:

@@ -31,8 +31,7 @@ def test_bundle_is_well_formed(bundle: Path):
     train = ConfigParser.load_config_file(str(bundle / "configs" / "train.json"))
     assert "fl" in train and "run" in train
     assert (bundle / "docs" / "README.md").is_file()
-    if bundle.name != "demo":
-        ConfigParser.load_config_file(str(bundle / "configs" / "inference.json"))
+    ConfigParser.load_config_file(str(bundle / "configs" / "inference.json"))
 
 
 @pytest.mark.parametrize("bundle", BUNDLES, ids=[b.name for b in BUNDLES])

@@ -1,0 +1,209 @@
+"""``medfl export``: a finished run's models as MONAI bundles that MONAI alone loads, that
+predict what ``medfl predict`` does, and that ``python -m monai.bundle run`` infers with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from medfl.cli import main
+from medfl.experiment import run_experiment
+from medfl.export import ExportError, SourceDataset, export_run
+from medfl.predict import predict
+from medfl.rundir import RunError
+
+DEMO = Path(__file__).resolve().parents[1] / "bundles" / "demo"
+ENV = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
+
+# Loads an exported bundle with MONAI and torch only (medfl is never imported: the check at
+# the end fails otherwise) and writes the probabilities of model.pt and model.ts on images.pt.
+MONAI_ONLY = """
+import json, sys, torch
+from monai.bundle import ConfigParser
+bundle, images, out = sys.argv[1:]
+cfg = json.load(open(bundle + "/configs/inference.json"))
+net = ConfigParser({"net": cfg["network_def"]}).get_parsed_content("net")
+net.load_state_dict(torch.load(bundle + "/models/model.pt", weights_only=True), strict=True)
+ts = torch.jit.load(bundle + "/models/model.ts")
+x = torch.load(images)
+with torch.no_grad():
+    p = torch.softmax(net.eval()(x), 1)
+    q = torch.softmax(ts.eval()(x), 1)
+assert not [m for m in sys.modules if m == "medfl" or m.startswith("medfl.")], "medfl was imported"
+torch.save({"pt": p, "ts": q, "type": type(net).__module__ + "." + type(net).__name__}, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory) -> Path:
+    """The demo bundle at a tiny size through MONAI's bundle CLI, with FedAvg (a global model)
+    and FedBN (a personal model per client, its norm layers)."""
+    root = tmp_path_factory.mktemp("demo")
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(DEMO / "configs" / "train.json"),
+           "--bundle_root", str(root), "--fl#rounds", "1", "--fl#num_clients", "2", "--fl#dataset#num_samples", "96",
+           "--fl#partition#min_size", "10", "--fl#progress", "False", "--fl#plots", "False",
+           "--fl#methods", json.dumps([{"name": "fedavg"}, {"name": "fedbn"}])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "runs" / "demo"
+
+
+def _probs(csv: Path, client: str | None = None) -> tuple[list[str], np.ndarray]:
+    df = pd.read_csv(csv, dtype={"client_id": str, "sample_id": str})
+    if client is not None:
+        df = df[df["client_id"] == client]
+    return df["sample_id"].tolist(), df[[c for c in df.columns if c.startswith("prob_")]].to_numpy()
+
+
+def _monai_only(bundle: Path, images: torch.Tensor, tmp: Path) -> dict:
+    torch.save(images, tmp / "images.pt")
+    proc = subprocess.run([sys.executable, "-c", MONAI_ONLY, str(bundle), str(tmp / "images.pt"), str(tmp / "o.pt")],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp / "o.pt")
+
+
+def _images(run_dir: Path) -> torch.Tensor:
+    spec = json.loads((run_dir / "config.json").read_text())["fl"]["dataset"]
+    ds = SourceDataset(spec)
+    return torch.stack([ds[i]["image"] for i in range(len(ds))])
+
+
+def test_global_model_loads_into_plain_monai_resnet(demo_runs, tmp_path):
+    run_dir = demo_runs / "fedavg"
+    summary = export_run(run_dir, tmp_path / "out")
+    assert [b["folder"] for b in summary["bundles"]] == ["global"]
+    assert summary["bundles"][0]["route"] == "monai" and summary["bundles"][0]["torchscript"] == "torch.jit.script"
+    net = json.loads((tmp_path / "out" / "global" / "configs" / "inference.json").read_text())["network_def"]
+    assert net["_target_"] == "monai.networks.nets.ResNet" and net["conv1_t_stride"] == 2   # medfl's stem, recorded
+    ids, want = _probs(predict(run_dir, output=tmp_path / "p.csv", clients=["0"]))
+    got = _monai_only(tmp_path / "out" / "global", _images(run_dir), tmp_path)
+    assert got["type"] == "monai.networks.nets.resnet.ResNet"
+    np.testing.assert_allclose(got["pt"].numpy(), want, atol=1e-5)
+    np.testing.assert_allclose(got["ts"].numpy(), want, atol=1e-5)
+    meta = json.loads((tmp_path / "out" / "global" / "configs" / "metadata.json").read_text())
+    assert meta["network_data_format"]["inputs"]["image"]["spatial_shape"] == [32, 32]
+    assert meta["medfl_export"]["torchscript"]["method"] == "torch.jit.script"
+
+
+def test_personal_models_are_exported_per_client(demo_runs, tmp_path):
+    run_dir = demo_runs / "fedbn"
+    summary = export_run(run_dir, tmp_path / "out")
+    assert [b["folder"] for b in summary["bundles"]] == ["client_0", "client_1"]
+    assert summary["not_exported"][0]["model"] == "global"   # FedBN's norm layers never leave the clients
+    assert json.loads((tmp_path / "out" / "export.json").read_text()) == json.loads(json.dumps(summary))
+    images = _images(run_dir)
+    csv = predict(run_dir, output=tmp_path / "p.csv")
+    outs = {}
+    for cid in ("0", "1"):
+        _, want = _probs(csv, cid)
+        outs[cid] = _monai_only(tmp_path / "out" / f"client_{cid}", images, tmp_path)
+        np.testing.assert_allclose(outs[cid]["pt"].numpy(), want, atol=1e-5)
+        np.testing.assert_allclose(outs[cid]["ts"].numpy(), want, atol=1e-5)
+    assert not torch.allclose(outs["0"]["pt"], outs["1"]["pt"])   # two different personal models
+
+
+def test_monai_bundle_run_infers_like_medfl_predict(demo_runs, tmp_path):
+    run_dir = demo_runs / "fedavg"
+    export_run(run_dir, tmp_path / "out")
+    bundle = tmp_path / "out" / "global"
+    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(bundle / "configs" / "inference.json"),
+           "--meta_file", str(bundle / "configs" / "metadata.json"), "--bundle_root", str(bundle)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids, got = _probs(bundle / "eval" / "predictions.csv")
+    want_ids, want = _probs(predict(run_dir, output=tmp_path / "p.csv", clients=["1"]))
+    assert ids == want_ids
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    out = pd.read_csv(bundle / "eval" / "predictions.csv")
+    assert (out["prediction"] == got.argmax(1)).all() and list(out.columns[:3]) == ["sample_id", "label", "prediction"]
+    # the exported bundle is a complete MONAI inference workflow, and MONAI's checks pass on it
+    from monai.bundle import ConfigWorkflow
+
+    from medfl.export import Predictor
+
+    wf = ConfigWorkflow(config_file=str(bundle / "configs" / "inference.json"),
+                        meta_file=str(bundle / "configs" / "metadata.json"), workflow_type="infer")
+    wf.initialize()
+    assert wf.check_properties() == [] and isinstance(wf.evaluator, Predictor)
+    proc = subprocess.run([sys.executable, "-m", "monai.bundle", "verify_net_in_out", "network_def", "--config_file",
+                           str(bundle / "configs" / "inference.json"), "--meta_file",
+                           str(bundle / "configs" / "metadata.json")], capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_registered_model_route_for_a_small_cnn(tiny_fl, resolve, tmp_path):
+    """small_cnn has no plain MONAI network: the bundle builds the registered model, with the
+    Local method's own model per client; a method whose evaluation model is more than the
+    registered model is refused, saying why."""
+    tiny_fl["methods"] = [{"name": "local"}, {"name": "fedsdc"}]
+    tiny_fl["rounds"] = 1
+    tiny_fl["plots"] = False
+    exp = Path(run_experiment(resolve(tiny_fl))["dir"])
+    # FedSDC evaluates each client with a head ensemble, which no registered model spec rebuilds
+    with pytest.raises(ExportError, match="no model of the run can be exported: global: method 'fedsdc' keeps no "
+                                          "global model; client 0: its model is a HeadEnsemble"):
+        export_run(exp / "fedsdc", tmp_path / "sdc")
+    assert not (tmp_path / "sdc").exists()
+    run_dir = exp / "local"
+    summary = export_run(run_dir, tmp_path / "out")
+    assert {b["folder"] for b in summary["bundles"]} == {"client_0", "client_1", "client_2"}
+    assert {b["route"] for b in summary["bundles"]} == {"medfl"}
+    from monai.bundle import ConfigParser
+
+    images = _images(run_dir)
+    csv = predict(run_dir, output=tmp_path / "p.csv")
+    for cid in ("0", "2"):
+        bundle = tmp_path / "out" / f"client_{cid}"
+        cfg = json.loads((bundle / "configs" / "inference.json").read_text())
+        assert cfg["network_def"]["_target_"] == "medfl.export.registered_model"
+        net = ConfigParser({"net": cfg["network_def"]}).get_parsed_content("net").eval()
+        net.load_state_dict(torch.load(bundle / "models" / "model.pt", weights_only=True), strict=True)
+        with torch.no_grad():
+            got = torch.softmax(net(images), 1).numpy()
+            ts = torch.softmax(torch.jit.load(str(bundle / "models" / "model.ts"))(images), 1).numpy()
+        np.testing.assert_allclose(got, _probs(csv, cid)[1], atol=1e-5)
+        np.testing.assert_allclose(ts, got, atol=1e-5)
+
+
+def test_export_errors_name_the_problem(demo_runs, tmp_path, capsys):
+    run_dir = demo_runs / "fedavg"
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "mine.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not empty; export writes into a new or empty folder"):
+        export_run(run_dir, busy)
+    assert [p.name for p in busy.iterdir()] == ["mine.txt"] and (busy / "mine.txt").read_text() == "keep me"
+    with pytest.raises(ExportError, match="no config.json; not a medfl run directory"):
+        export_run(tmp_path, tmp_path / "o1")
+    with pytest.raises(RunError, match="an experiment directory; pass one method's run directory"):
+        export_run(demo_runs, tmp_path / "o2")
+    # a run that did not finish: its status says so
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "config.json").write_text((run_dir / "config.json").read_text())
+    (stopped / "status.json").write_text(json.dumps({"status": "stopped", "last_round": 1, "rounds": 3}))
+    with pytest.raises(ExportError, match=r"the run is 'stopped' at round 1 of 3, not finished; resume it first"):
+        export_run(stopped, tmp_path / "o3")
+    assert not any((tmp_path / n).exists() for n in ("o1", "o2", "o3"))
+    # the command: one error line, exit code 2
+    assert main(["export", str(run_dir), "--out", str(busy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("medfl: error: ") and "not empty" in err[0]
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "ok")]) == 0
+    assert "ok/global: global (monai.networks.nets.ResNet; model.ts: torch.jit.script)" in capsys.readouterr().out
+
+
+def test_export_help_says_the_layout(capsys):
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())   # argparse wraps the lines
+    assert "OUT/global" in text and "OUT/client_<id>" in text and "--out" in text and "monai.bundle run" in text
