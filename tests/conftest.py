@@ -32,6 +32,7 @@ SLOW_MODULES = (
     "flower/test_deploy_auth.py",       # 150: TLS, keys, a SuperLink restart and a resume
     "flower/test_under_load.py",        # 165: Flower processes held 35-40 s at their start
     "methods/test_fedtpf_bundles.py",   # 85
+    "tracking/test_tracking.py",        # 75: a real mlflow server, three bundle runs
     "methods/test_ham10000_bundles.py",  # 75
     "methods/test_fedskd_bundles.py",   # 65
     "engine/test_engine.py",            # 47
