@@ -295,6 +295,11 @@ def _final_models(run: Run) -> dict[str, Any]:
 
     from medfl.messages import Instruction
 
+    if type(run).update_clients is not Run.update_clients:
+        # over Flower (and on Ray) the clients' states stay at the sites: a model rebuilt here
+        # would lack their personalised parts, so none is logged rather than a wrong one
+        raise RunError("the clients ran elsewhere (fl.backend "
+                       f"{(run.config.get('backend') or {}).get('name', '?')!r}); their models stay at the sites")
     last = run.rounds_run
     if run.early is not None and run.early.best_round is not None:
         last = int(run.early.best_round)

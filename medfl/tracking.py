@@ -359,6 +359,8 @@ class Tracking:
     def _rounds(self, watch: _RunWatch, r: int) -> None:
         """Hand the trackers the rows of the rounds up to ``r`` that they have not logged."""
         for tname in self.trackers:
+            if tname in self._failed:
+                continue
             logged = self._entry(tname, watch.key)["logged"]
             with self._lock:
                 queued = self._queued.setdefault((tname, watch.key), {k: int(v) for k, v in logged.items()})
