@@ -237,8 +237,11 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     top_cfg = _saved_config(top)["fl"]
     from medfl.config import check_tracking
 
-    specs = check_tracking([*(top_cfg.get("tracking") or []), *(
-        {"name": n} for n in (tracking or []) if not any(e["name"] == n for e in top_cfg.get("tracking") or []))])
+    # the saved trackers as they were (one whose plugin is gone is left out with a warning, the
+    # run still resumes); the ones asked for now are checked
+    saved_specs = [dict(e) for e in top_cfg.get("tracking") or [] if isinstance(e, dict) and "name" in e]
+    specs = saved_specs + check_tracking([n for n in dict.fromkeys(tracking or [])
+                                          if not any(e["name"] == n for e in saved_specs)])
 
     def drive(factory: RunFactory) -> dict[str, Any]:
         return _tracked(top, top_cfg, specs, factory, path == top, lambda f: _resume(path, _saved_config(path), rounds, f))

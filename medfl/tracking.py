@@ -237,7 +237,13 @@ class Tracking:
         self.trackers: dict[str, Tracker] = {}
         for spec in self.specs:
             opts = {k: v for k, v in spec.items() if k != "name"}
-            self.trackers[spec["name"]] = lookup("tracker", spec["name"])(self.root, **opts)
+            try:
+                self.trackers[spec["name"]] = lookup("tracker", spec["name"])(self.root, **opts)
+            except ConfigError:   # a mistake in the entry (a uri MLflow refuses): said before anything runs
+                raise
+            except Exception as exc:  # noqa: BLE001 - a tracker that cannot start must not stop the run
+                warnings.warn(f"medfl: tracker {spec['name']!r} could not start ({type(exc).__name__}: {exc}); the "
+                              "run goes on without it", TrackerWarning, stacklevel=2)
         self.state["trackers"] = self.specs
         self.state.setdefault("runs", {})
         self._failed: set[str] = set()
@@ -248,6 +254,7 @@ class Tracking:
         self._thread = threading.Thread(target=self._work, name="medfl-tracking", daemon=True)
         self._thread.start()
         self._started: set[str] = set()
+        self._ran: set[str] = set()   # the runs that trained a round in this session
 
     # ------------------------------------------------------------------ state
     def _read_state(self) -> dict[str, Any]:
@@ -339,9 +346,11 @@ class Tracking:
             self._start(key, str(run.label), flatten_params({**self.params, "method": run.method_spec,
                                                              "rounds": run.config.get("rounds")}), parent=True)
             self._rounds(watch, r)
+        if status == "running":
+            self._ran.add(key)
         if status == "finished":
-            if all(self._entry(t, key).get("status") == "finished" for t in self.trackers):
-                return   # a finished run that a resume found finished: tracked already
+            if key not in self._ran and all(self._entry(t, key).get("status") == "finished" for t in self.trackers):
+                return   # a finished run that a resume found finished (no round ran): tracked already
             self._finished(watch)
         if status in ("finished", "stopped", "failed", "interrupted"):
             if key not in self._started:   # stopped before its first round: nothing to end

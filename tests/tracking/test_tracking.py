@@ -129,20 +129,25 @@ def test_demo_bundle_against_a_real_mlflow_server(tmp_path, run_bundle, mlflow_s
 
 def test_embedded_store_tensorboard_and_resume(tiny_fl, resolve, tmp_path):
     """(b) MLflow's embedded SQLite store (no server), (c) TensorBoard's event files read
-    back with EventAccumulator, (d) a run stopped after round 1 and resumed: the same MLflow
-    runs, metric histories with steps 1..3 and no duplicate, TensorBoard steps 1..3 once."""
+    back with EventAccumulator, (d) a run stopped after round 1, resumed to round 2 with
+    ``medfl resume --tracking tensorboard`` (which gets round 1 too), then to round 3: the same
+    MLflow runs, metric histories with steps 1..3 and no duplicate, TensorBoard steps 1..3 once."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = {**tiny_fl, "rounds": 3, "tracking": [{"name": "mlflow"}, "tensorboard"], "stop_after_round": 1}
+    from medfl.cli import main
+
+    cfg = {**tiny_fl, "rounds": 3, "tracking": [{"name": "mlflow"}], "stop_after_round": 1}
     exp = Path(run_experiment(resolve(cfg))["dir"])
     first = json.loads((exp / "tracking.json").read_text())
-    assert (exp / "mlflow.db").is_file()
+    assert (exp / "mlflow.db").is_file() and not (exp / "tensorboard").exists()
     client = MlflowClient(tracking_uri=f"sqlite:///{exp / 'mlflow.db'}")
     parent, children = _runs(client, "t")
     assert parent.info.status == "KILLED" and children["fedavg"].info.status == "KILLED"
     assert _steps(client, children["fedavg"].info.run_id, "eval/local_test/accuracy/mean") == [1]
-    resume(exp)
+    assert main(["resume", str(exp), "--rounds", "2", "--tracking", "tensorboard"]) == 0
+    resume(exp, rounds=3)
     again = json.loads((exp / "tracking.json").read_text())
+    assert [t["name"] for t in again["trackers"]] == ["mlflow", "tensorboard"]
     assert again["runs"]["mlflow"]["fedavg"]["run"]["run_id"] == first["runs"]["mlflow"]["fedavg"]["run"]["run_id"]
     parent2, children2 = _runs(client, "t")
     assert parent2.info.run_id == parent.info.run_id and parent2.info.status == "FINISHED"
@@ -153,8 +158,7 @@ def test_embedded_store_tensorboard_and_resume(tiny_fl, resolve, tmp_path):
     assert "summary.json" in _artifacts(client, run_id)
     acc = EventAccumulator(str(exp / "tensorboard" / "fedavg"))
     acc.Reload()
-    steps = [e.step for e in acc.Scalars("eval/local_test/accuracy/mean")]
-    assert steps == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("eval/local_test/accuracy/mean")] == [1, 2, 3]
     assert [e.step for e in acc.Scalars("train/loss/0")] == [1, 2, 3]
     metrics = __import__("pandas").read_csv(exp / "fedavg" / "metrics.csv")
     want = metrics[(metrics["split"] == "local_test") & (metrics["round"] == 3)]["accuracy"].mean()
