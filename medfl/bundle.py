@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from medfl.config import ConfigError, resolve_config, set_threads
 from medfl.config_file import load_bundle_config
 
-__all__ = ["run", "choose", "print_result", "infer", "run_evaluator", "load_bundle_config", "parse_override_value", "user_errors",
+__all__ = ["run", "tracking_from_handlers", "choose", "print_result", "infer", "run_evaluator", "load_bundle_config", "parse_override_value", "user_errors",
            "exit_on_user_error", "user_error_message", "USER_ERROR_EXIT", "INTERRUPTED_EXIT"]
 
 #: Exit code of a run stopped by a mistake in its input (that of ``medfl run``; argparse's too).
@@ -100,13 +100,17 @@ def exit_on_user_error() -> Iterator[None]:
         raise SystemExit(INTERRUPTED_EXIT) from None
 
 
-def run(fl: dict[str, Any], *, exit_on_error: bool = True) -> dict[str, Any]:
+def run(fl: dict[str, Any], *, exit_on_error: bool = True, handlers: list[Any] | None = None) -> dict[str, Any]:
     """Resolve and run the ``fl`` section of a bundle config; print where results went.
 
     Args:
         fl: the ``fl`` section (MONAI has resolved its references).
         exit_on_error: end the process on a mistake in the input (see
             :func:`exit_on_user_error`); ``False`` raises the exception instead.
+        handlers: the bundle's ``train#handlers`` (``"run": "$medfl.bundle.run(@fl,
+            handlers=@train#handlers)"``), where ``python -m monai.bundle run ... --tracking
+            mlflow`` puts its ``MLFlowHandler``: its tracking URI, experiment and run name
+            become an ``mlflow`` entry of ``fl.tracking`` (:func:`tracking_from_handlers`).
 
     Raises:
         SystemExit: with ``exit_on_error``, a mistake in the config or the data, after
@@ -115,11 +119,36 @@ def run(fl: dict[str, Any], *, exit_on_error: bool = True) -> dict[str, Any]:
     from medfl.experiment import run_experiment
 
     with exit_on_user_error() if exit_on_error else nullcontext():
-        cfg = resolve_config(fl)
+        cfg = resolve_config(tracking_from_handlers(fl, handlers))
         set_threads(cfg.get("threads"))   # the top of this process: "auto" too (one process trains)
         result = run_experiment(cfg)
         print_result(result)
     return result
+
+
+def tracking_from_handlers(fl: dict[str, Any], handlers: list[Any] | None) -> dict[str, Any]:
+    """``fl`` with an ``mlflow`` entry in ``fl.tracking`` for each MONAI ``MLFlowHandler`` in
+    ``handlers`` (what MONAI's ``--tracking mlflow`` adds to a bundle's ``train#handlers``):
+    its tracking URI (MONAI's default: ``sqlite:///<output_dir>/mlruns.db``), experiment name
+    and run name. An ``mlflow`` entry the config has already wins. medfl logs through its own
+    tracker (the federated rounds are not an ignite engine the handler could attach to)."""
+    entries = fl.get("tracking") or []
+    entries = [entries] if isinstance(entries, (str, dict)) else list(entries)
+    named = {e if isinstance(e, str) else e.get("name") for e in entries if isinstance(e, (str, dict))}
+    for handler in handlers or []:
+        if type(handler).__name__ != "MLFlowHandler" or "mlflow" in named:
+            continue
+        client = getattr(handler, "client", None)
+        uri = getattr(client, "tracking_uri", None) or getattr(getattr(client, "_tracking_client", None),
+                                                                "tracking_uri", None)
+        entry = {"name": "mlflow", "uri": uri, "experiment": getattr(handler, "experiment_name", None),
+                 "run_name": getattr(handler, "run_name", None)}
+        location = getattr(handler, "artifact_location", None)
+        if location:
+            entry["artifact_location"] = location
+        entries.append({k: v for k, v in entry.items() if v is not None or k == "uri"})
+        named.add("mlflow")
+    return {**fl, "tracking": entries} if entries else fl
 
 
 def choose(options: dict[str, Any], key: Any, what: str) -> Any:

@@ -150,6 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if getattr(args, "backend", None):   # keeps the config's backend resources
         backend = fl.get("backend")
         fl["backend"] = {**backend, "name": args.backend} if isinstance(backend, dict) else args.backend
+    _add_tracking(fl, getattr(args, "tracking", None))
     run(fl, exit_on_error=False)  # main() reports medfl's errors
     return 0
 
@@ -163,8 +164,26 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from medfl.config import set_threads
 
     set_threads(None)   # --threads, else "auto"; a number in the saved fl.threads wins over "auto" (resume)
-    print_result(resume(args.run_dir, rounds=args.rounds))
+    print_result(resume(args.run_dir, rounds=args.rounds, tracking=args.tracking))
     return 0
+
+
+def _add_tracking(fl: dict[str, Any], names: list[str] | None) -> None:
+    """``--tracking NAME``: add each tracker to the config's ``fl.tracking`` (one the config
+    names already keeps its options)."""
+    if not names:
+        return
+    entries = fl.get("tracking") or []
+    entries = [entries] if isinstance(entries, (str, dict)) else list(entries)
+    have = {e if isinstance(e, str) else e.get("name") for e in entries if isinstance(e, (str, dict))}
+    fl["tracking"] = entries + [{"name": n} for n in dict.fromkeys(names) if n not in have]
+
+
+def _tracking_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--tracking", action="append", default=None, metavar="NAME",
+                    help="track the experiment with this tracker too (repeatable): mlflow (an embedded SQLite "
+                         "store in the experiment directory unless fl#tracking gives a uri), tensorboard, or one a "
+                         "plugin registered (`medfl plugins`); needs pip install \"medfl[tracking]\"")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -846,12 +865,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. {\"name\": \"ray\", \"client_cpus\": 1, \"client_gpus\": 0.5}) or a backend a "
                          "plugin registered (`medfl plugins` lists them); same as --fl#backend ray")
     _add_threads_option(sp)
+    _tracking_option(sp)
     sp.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value or key=value overrides")
     sp.set_defaults(func=cmd_run)
     sp = sub.add_parser("resume", help="continue a stopped run or experiment directory")
     sp.add_argument("run_dir")
     sp.add_argument("--rounds", type=int, default=None, help="new total number of rounds (default: as configured)")
     _add_threads_option(sp)
+    _tracking_option(sp)
     sp.set_defaults(func=cmd_resume)
     sp = sub.add_parser("report", help="print the summary table of a run (or of every run of an experiment) "
                                        "and draw its plots again (runs with \"plots\": false or "

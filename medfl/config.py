@@ -8,6 +8,7 @@ Unknown keys and unknown plugin names fail with an error listing the valid ones.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
 import math
 from numbers import Real
@@ -20,7 +21,7 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_params", "method_preset",
            "preset_record", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
-           "check_backend", "check_min_sites", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL",
+           "check_backend", "check_tracking", "check_min_sites", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL",
            "EARLY_STOPPING_DEFAULTS", "TEST_SPLITS", "check_early_stopping", "ABSENCE_PHASES", "check_absences",
            "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation", "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP",
            "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR", "BOOL_WORDS", "read_bool",
@@ -139,11 +140,13 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: model in the clear; absent, a private run with ``cross_test`` in ``eval_splits`` is refused.
 #: ``absences`` (:func:`check_absences`): a scripted schedule of clients left out of given
 #: rounds' exchanges, as if they had dropped out (replaying a deployment's dropouts in process).
+#: ``tracking`` (:func:`check_tracking`): the experiment trackers, e.g. ``[{"name": "mlflow",
+#: "uri": "http://127.0.0.1:5000"}, {"name": "tensorboard"}]`` (:mod:`medfl.tracking`).
 #: ``threads`` (:func:`check_threads`): torch's intra-op threads in each process that trains, a
 #: positive integer or ``"auto"`` (the cores this process may use shared among the processes that
 #: train beside it, :func:`auto_threads`); ``--threads N`` (``MEDFL_THREADS``) overrides it.
 FL_OPTIONAL: dict[str, Any] = {"plots": True, "secure_aggregation": None, "cross_test": None, "absences": None,
-                               "threads": "auto",
+                               "threads": "auto", "tracking": None,
                                # written by medfl: {kind: {name as written: "dist:name" it resolved to}}
                                "plugin_names": None}
 
@@ -784,6 +787,47 @@ def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.ea
     return out
 
 
+def check_tracking(value: Any, where: str = "fl.tracking") -> list[dict[str, Any]]:
+    """Check ``fl.tracking``: a list of tracker names or ``{"name": ..., **options}`` entries.
+
+    Returns:
+        The entries as dicts, each with its name (an empty list for ``None``).
+
+    Raises:
+        ConfigError: not a list, an entry without a registered tracker name (the registered
+            ones are listed), an option the tracker does not have, or a tracker twice.
+    """
+    if value is None:
+        return []
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected a list like [{{\"name\": \"mlflow\", \"uri\": null}}, "
+                          f"{{\"name\": \"tensorboard\"}}], got {value!r}")
+    table = registry()["tracker"]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        entry = {"name": item} if isinstance(item, str) else item
+        here = f"{where}[{i}]"
+        if not isinstance(entry, dict) or entry.get("name") not in table:
+            got = entry.get("name") if isinstance(entry, dict) else item
+            raise ConfigError(f"{here}: unknown tracker {got!r}; registered trackers: "
+                              f"{', '.join(sorted(table)) or '(none)'}")
+        cls = table[entry["name"]].obj
+        unknown = sorted(set(entry) - {"name"} - set(getattr(cls, "options", {})))
+        if unknown:
+            raise ConfigError(f"{here} ({entry['name']}): unknown key(s) {', '.join(map(repr, unknown))}; valid "
+                              f"keys: {', '.join(['name', *sorted(getattr(cls, 'options', {}))])}")
+        missing = [pkg for pkg in getattr(cls, "requires", ()) if importlib.util.find_spec(pkg) is None]
+        if missing:
+            raise ConfigError(f"{here}: the {entry['name']!r} tracker needs {', '.join(map(repr, missing))}, which "
+                              "is not installed; install it with: pip install \"medfl[tracking]\"")
+        if any(e["name"] == entry["name"] for e in out):
+            raise ConfigError(f"{here}: tracker {entry['name']!r} is named twice")
+        out.append(dict(entry))
+    return out
+
+
 def check_min_sites(cfg: dict[str, Any]) -> None:
     """Check ``fl.min_sites`` (an integer from 1 to ``num_clients``), ``fl.min_fraction``
     (null or a number in (0, 1]) and ``fl.site_wait_s`` (a number of seconds >= 0): the
@@ -1095,6 +1139,8 @@ def _resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         cfg["absences"] = check_absences(cfg["absences"], cfg["rounds"])
     if "threads" in cfg:
         cfg["threads"] = check_threads(cfg["threads"])
+    if "tracking" in cfg:
+        cfg["tracking"] = check_tracking(cfg["tracking"])
     for i, m in enumerate(cfg["methods"]):
         _check_entry(cfg, m, f"fl.methods[{i}] ({method_label(m)})")
     cm = cfg["client_models"]

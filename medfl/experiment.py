@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from medfl.backend import Backend, backend_of
 from medfl.config import method_label, set_threads
@@ -190,12 +190,19 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
 
 def _experiment(cfg: dict[str, Any], run_factory: RunFactory, meta: dict[str, Any] | None) -> dict[str, Any]:
     """:func:`run_experiment` on ``run_factory``'s runs: the split, the experiment directory,
-    then every method (per fold, per seed)."""
+    then every method (per fold, per seed), tracked by ``fl.tracking``'s trackers."""
     plain = not (int((cfg.get("cv") or {}).get("folds") or 0) > 1 or cfg.get("seeds"))
     # the split first: a dataset or partition that cannot work stops before anything is written
     data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
     exp_dir = _create_unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
     _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
+    return _tracked(exp_dir, cfg, cfg.get("tracking") or [], run_factory, True,
+                    lambda factory: _methods_of(cfg, exp_dir, data, factory, meta))
+
+
+def _methods_of(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, run_factory: RunFactory,
+                meta: dict[str, Any] | None) -> dict[str, Any]:
+    """The methods of a new experiment in ``exp_dir`` (per fold, per seed)."""
     if int((cfg.get("cv") or {}).get("folds") or 0) > 1:
         return _cv_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
     if cfg.get("seeds"):
@@ -208,7 +215,7 @@ def _experiment(cfg: dict[str, Any], run_factory: RunFactory, meta: dict[str, An
 
 
 def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory | None = None,
-           backend: Backend | None = None) -> dict[str, Any]:
+           backend: Backend | None = None, tracking: list[str] | None = None) -> dict[str, Any]:
     """Continue a stopped run directory, or every run of an experiment directory.
 
     Args:
@@ -222,6 +229,8 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
         run_factory: builds each run, used as it is; ``None`` (or :class:`Run`): the backend
             that ran it (its saved ``fl.backend``) chooses (see :func:`run_experiment`).
         backend: the backend to continue on (default: the saved ``fl.backend``'s).
+        tracking: tracker names to track with besides those the experiment tracked with
+            (its ``fl.tracking`` and ``tracking.json``); the runs they started continue.
 
     A run's ``config.json`` records the qualified name (``dist:name``) each plugin name
     resolved to (``fl.plugin_names``); the resumed run uses those plugins even when another
@@ -233,15 +242,97 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     """
     path = Path(path)
     saved = _saved_config(path)
+    top = _top_of(path)
+    top_cfg = _saved_config(top)["fl"]
+    from medfl.config import check_tracking
+
+    # the saved trackers as they were (one whose plugin is gone is left out with a warning, the
+    # run still resumes); the ones asked for now are checked
+    saved_specs = [dict(e) for e in top_cfg.get("tracking") or [] if isinstance(e, dict) and "name" in e]
+    specs = saved_specs + check_tracking([n for n in dict.fromkeys(tracking or [])
+                                          if not any(e["name"] == n for e in saved_specs)])
+
+    def drive(factory: RunFactory) -> dict[str, Any]:
+        return _tracked(top, top_cfg, specs, factory, path == top, lambda f: _resume(path, _saved_config(path), rounds, f))
+
     # --threads (MEDFL_THREADS) wins over the saved fl.threads; "auto" is medfl resume's
     set_threads(saved["fl"].get("threads"), apply_auto=False)
     # the plugins the run started with (a run written before medfl recorded them: bare names, resolved now)
     with pinned_names(saved.get("fl", {}).get("plugin_names")):
         if run_factory is None or run_factory is Run:   # a run continues on its backend (ray: the simulation runtime)
             chosen = backend or backend_of(saved["fl"])
-            return chosen.resume(path, saved["fl"], rounds,
-                                 lambda factory, extra=None: _resume(path, _saved_config(path), rounds, factory))
-        return _resume(path, saved, rounds, run_factory)
+            return chosen.resume(path, saved["fl"], rounds, lambda factory, extra=None: drive(factory))
+        return drive(run_factory)
+
+
+def _top_of(path: Path) -> Path:
+    """The experiment directory ``path`` (a run, fold, seed or experiment directory) belongs to."""
+    top = path
+    while (top.parent / "config.json").is_file():
+        top = top.parent
+    return top
+
+
+def _complete(summaries: dict[str, Any]) -> bool:
+    """Whether every run of a result's ``summaries`` (by label, or by fold or seed) finished."""
+    return bool(summaries) and all(bool(v) and ("method" in v or _complete(v)) for v in summaries.values())
+
+
+def _tracked(root: Path, cfg: dict[str, Any], specs: list[dict[str, Any]], run_factory: RunFactory, whole: bool,
+             work: Callable[[RunFactory], dict[str, Any]]) -> dict[str, Any]:
+    """``work(run_factory)`` with the experiment ``root`` tracked by ``specs``' trackers
+    (:class:`medfl.tracking.Tracking`; none: ``work`` as it is, and nothing imports a tracker's
+    package): every run ``run_factory`` builds is watched, and the experiment's own run ends
+    "finished" when ``whole`` (the whole experiment was run or resumed) and every run finished,
+    else "stopped"; "failed" or "interrupted" when ``work`` raises."""
+    if not specs:
+        return work(run_factory)
+    from medfl.tracking import Tracking
+
+    tracking = Tracking(root, specs, str(cfg.get("name", root.name)), cfg, final_models=_final_models)
+    tracking.start()
+    try:
+        result = work(lambda c, spec, d, data: tracking.watch(run_factory(c, spec, d, data)))
+    except (KeyboardInterrupt, SystemExit):
+        tracking.finish("interrupted")
+        raise
+    except BaseException:
+        tracking.finish("failed")
+        raise
+    tracking.finish("finished" if whole and _complete(result.get("summaries") or {}) else "stopped")
+    return result
+
+
+def _final_models(run: Run) -> dict[str, Any]:
+    """The models a finished run's clients evaluate with (``Method.client_eval_model``, as
+    :func:`medfl.predict.predict` uses them): ``{"model": module}`` when every client's is the
+    same (a global model), else ``{"model_<client>": module}`` per client (personalised)."""
+    import copy
+
+    import torch
+
+    from medfl.messages import Instruction
+
+    if type(run).update_clients is not Run.update_clients:
+        # over Flower (and on Ray) the clients' states stay at the sites: a model rebuilt here
+        # would lack their personalised parts, so none is logged rather than a wrong one
+        raise RunError("the clients ran elsewhere (fl.backend "
+                       f"{(run.config.get('backend') or {}).get('name', '?')!r}); their models stay at the sites")
+    last = run.rounds_run
+    if run.early is not None and run.early.best_round is not None:
+        last = int(run.early.best_round)
+    evals = run.coordinator.configure_evaluate(last)
+    # each client's model is copied at once: a method may hand back one cached module, loaded
+    # with each client's weights in turn (FedBN), so a later client's load would change it
+    models = {cid: copy.deepcopy(run.client_method.client_eval_model(run.context(cid, last, state_before=last + 1),
+                                                                     evals.get(cid, Instruction())))
+              for cid in run.federation.eval_client_ids}
+    states = [m.state_dict() for m in models.values()]
+    same = all(s.keys() == states[0].keys() and all(torch.equal(s[k], states[0][k]) for k in s) for s in states[1:])
+    example = torch.zeros(1, *map(int, run.data.source.sample_shape))
+    if same and models:
+        return {"model": (next(iter(models.values())), example)}
+    return {f"model_{cid}": (m, example) for cid, m in models.items()}
 
 
 def _resume(path: Path, saved: dict[str, Any], rounds: int | None, run_factory: RunFactory) -> dict[str, Any]:

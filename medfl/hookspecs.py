@@ -108,6 +108,20 @@ def register_backends(register: Register) -> None:
 
 
 @hookspec
+def register_trackers(register: Register) -> None:
+    """Register experiment trackers: where params, per-round scalars, artifacts and final
+    models go (MLflow, TensorBoard...).
+
+    Call ``register(TrackerClass)`` for each :class:`medfl.tracking.Tracker` subclass; the
+    name is ``TrackerClass.name``, which ``fl.tracking`` (or ``medfl run --tracking``)
+    chooses. The experiment builds it with its directory and the options of its
+    ``fl.tracking`` entry (checked against ``TrackerClass.options``) and calls it from one
+    background thread; a tracker that raises is left out with one warning and the run goes
+    on (see :mod:`medfl.tracking` and docs/plugins.md).
+    """
+
+
+@hookspec
 def on_run_start(run: Any) -> None:
     """Called once when a run starts or resumes, before its first round.
 

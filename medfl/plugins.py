@@ -69,6 +69,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "medfl_plugins.reporting",
     "medfl_plugins.privacy",
     "medfl_plugins.backends",
+    "medfl_plugins.trackers",
 )
 
 #: Kinds of registered things and the registration hook that provides each.
@@ -80,6 +81,7 @@ KINDS: dict[str, str] = {
     "metric": "register_metrics",
     "filter": "register_filters",
     "backend": "register_backends",
+    "tracker": "register_trackers",
 }
 
 

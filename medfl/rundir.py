@@ -452,6 +452,10 @@ class RunDir:
         #: the run directory's lock while this process writes it (:meth:`lock`)
         self.handle: Any = None
         self._csv = GrowingCsv()   # the CSVs rewritten every round, formatted row by row once
+        #: who is told of every per-round table written and every status (experiment tracking,
+        #: :class:`medfl.tracking.Tracking`): objects with ``rows(name, df, appended)`` and
+        #: ``status(status, round)``, called after the file is written
+        self.observers: list[Any] = []
 
     # ------------------------------------------------------------------ the lock
     def lock(self) -> None:
@@ -508,11 +512,15 @@ class RunDir:
     def write_rows(self, name: str, df: pd.DataFrame) -> None:
         """Write the run's per-round CSV ``name`` (rewritten every round: :class:`GrowingCsv`)."""
         self._csv.write(self.path / name, df)
+        for observer in self.observers:
+            observer.rows(name, df, False)
 
     def append_rows(self, name: str, df: pd.DataFrame) -> None:
         """Append ``df``'s rows to the run's CSV log ``name`` (a header when it is new)."""
         path = self.path / name
         append_text(path, df.to_csv(header=not path.is_file(), index=False))
+        for observer in self.observers:
+            observer.rows(name, df, True)
 
     def read_rows(self, name: str, upto: int) -> pd.DataFrame | None:
         """The rows of the run's per-round CSV ``name`` up to round ``upto`` (:func:`_read_rounds`)."""
@@ -523,6 +531,8 @@ class RunDir:
         the ``reason`` of a failure."""
         _write_json(self.path / "status.json", {"status": status, "last_round": r,
                                                 "rounds": rounds, **({"reason": reason} if reason else {})})
+        for observer in self.observers:
+            observer.status(status, r)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_path(self, r: int) -> Path:

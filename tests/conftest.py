@@ -34,6 +34,7 @@ SLOW_MODULES = (
     "test_export.py",                   # 170 on 2 loaded cores: the demo trained, exported, run by MONAI's CLI
     "methods/test_fedtpf_bundles.py",   # 85
     "test_bundle_monai_tools.py",       # 65: every bundle through MONAI's workflow, verify_net_in_out, ckpt_export
+    "tracking/test_tracking.py",        # 75: a real mlflow server, three bundle runs
     "methods/test_ham10000_bundles.py",  # 75
     "methods/test_fedskd_bundles.py",   # 65
     "engine/test_engine.py",            # 47

@@ -790,3 +790,31 @@ def test_undeclared_names_and_counts_from_a_site_are_dropped_with_the_site_named
     for name in ("train_metrics.csv", "validation_metrics.csv"):
         columns = pd.read_csv(run_dir / name).columns
         assert not any("label" in c for c in columns), (name, list(columns))
+
+
+def test_only_the_coordinator_tracks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fl.tracking`` over Flower, the coordinator's experiment is the only place a
+    tracker is built (the sites, in this process too, build none): TensorBoard's events land in
+    the coordinator's experiment directory, one step per round; the final models, which stay
+    at the sites, are not logged (said once)."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install \"medfl[tracking]\"")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import medfl.tracking as tracking
+
+    built: list[Path] = []
+    init = tracking.Tracking.__init__
+
+    def counted(self: Any, root: Path, *args: Any, **kwargs: Any) -> None:
+        built.append(Path(root))
+        init(self, root, *args, **kwargs)
+
+    monkeypatch.setattr(tracking.Tracking, "__init__", counted)
+    fl = fl_config(tmp_path, "tracked", {**FEDAVG, "tracking": ["tensorboard"]})
+    with pytest.warns(tracking.TrackerWarning, match="their models stay at the sites"):
+        out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+    assert built == [Path(out["dir"])]
+    acc = EventAccumulator(str(Path(out["dir"]) / "tensorboard" / "fedavg"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/local_test/accuracy/mean")] == [1, 2]
+    assert not list((tmp_path / "state").rglob("tensorboard")) and not list((tmp_path / "state").rglob("tracking.json"))

@@ -1,0 +1,457 @@
+"""Experiment tracking: the :class:`Tracker` base class and :class:`Tracking`, which feeds a
+run directory's per-round tables to every tracker an experiment names.
+
+A tracker (MLflow, TensorBoard, or a plugin's, registered with ``register_trackers``) sees an
+experiment as runs keyed by their path under the experiment directory: ``""`` is the
+experiment itself (the parent of every method run, folds and seeds included), ``"fedavg"`` or
+``"fold_0/fedavg"`` a method run. :class:`Tracking` builds the trackers of ``fl.tracking``,
+watches each method run's :class:`medfl.rundir.RunDir` (every per-round table it writes and
+each ``status.json``), and after each finished round hands the round's rows to the trackers as
+scalars with ``step = round``; at the end of a run its ``summary.json`` and plots go as
+artifacts and its final models as models; at the end of the experiment its own files
+(``comparison.csv``, the CV and seeds reports and their plots).
+
+Nothing here is on a run's critical path: the trackers are called from one background thread
+(the round's rows are turned into scalars in the run's thread, which then goes on), and the
+queue is drained when a run ends. A tracker that raises (a server down mid-run) is reported
+once as a warning and left out for the rest of the session: tracking never stops or loses a run.
+
+``tracking.json`` in the experiment directory (written atomically) records each tracker's
+runs (MLflow's run ids) and the last round each run logged from each table, so that a resumed
+experiment continues the same runs and never logs a round twice.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import re
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterable
+
+import pandas as pd
+
+from medfl.config import ConfigError
+from medfl.plugins import lookup
+from medfl.rundir import RunDir, _write_json
+
+__all__ = ["Tracker", "TrackerWarning", "Tracking", "flatten_params", "round_scalars",
+           "TRACKING_FILE", "missing_package"]
+
+#: The experiment directory's file that records the trackers' runs and what each logged.
+TRACKING_FILE = "tracking.json"
+
+#: Columns of the per-round tables that name a row rather than measure something; their values
+#: become parts of a scalar's name (``client_id`` its last part).
+NAME_COLUMNS = ("split", "phase", "mechanism", "scope", "name", "id")
+#: Columns never logged as scalars (they place a row: round, step, provenance, free text).
+NOT_SCALARS = {"round", "step", "client_id", "client_name", "data_client_id", "reported_by", "text", *NAME_COLUMNS}
+
+
+class TrackerWarning(UserWarning):
+    """A tracker failed; the run goes on without it (said once per tracker and session)."""
+
+
+def missing_package(tracker: str, package: str, exc: ImportError) -> ConfigError:
+    """The one error a built-in tracker gives when its package is not installed."""
+    return ConfigError(f"fl.tracking: the {tracker!r} tracker needs the {package!r} package, which is not "
+                       f"installed ({exc}); install it with: pip install \"medfl[tracking]\"")
+
+
+class Tracker:
+    """Base class of a tracker: where an experiment's params, per-round scalars, artifacts and
+    final models go. Register a subclass with ``register_trackers`` (its ``name`` is what
+    ``fl.tracking`` and ``--tracking`` choose); :class:`Tracking` builds it with the
+    experiment directory and the options of its ``fl.tracking`` entry.
+
+    Every method is called from one background thread, in order: :meth:`start_run` for the
+    experiment (key ``""``) before any method run, then per method run :meth:`start_run`,
+    :meth:`log_metrics` once per round, :meth:`log_artifact` and :meth:`log_model` at its end,
+    :meth:`end_run`; :meth:`close` last. An exception from any of them leaves the tracker out
+    for the rest of the session (one :class:`TrackerWarning`), the run goes on.
+
+    Attributes:
+        name: the registered name.
+        description: one line for ``medfl plugins``.
+        options: the keys an ``fl.tracking`` entry may set, with their defaults (anything
+            else is refused by name).
+        requires: the importable packages it needs: a config naming it is refused before
+            anything runs when one is missing (``pip install "medfl[tracking]"``).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    options: ClassVar[dict[str, Any]] = {}
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, root: Path, **options: Any) -> None:
+        """Args:
+            root: the experiment directory (the tracker's own files may go under it).
+            **options: the ``fl.tracking`` entry's keys (checked against :attr:`options`).
+        """
+        self.root = Path(root)
+        self.settings: dict[str, Any] = {**self.options, **options}
+
+    def start_run(self, key: str, name: str, params: dict[str, Any], parent: dict[str, Any] | None,
+                  saved: dict[str, Any] | None, last_step: int) -> dict[str, Any]:
+        """Start (``saved is None``) or continue (``saved``: what this returned before) the run
+        ``key`` (``""``: the experiment), named ``name``, under ``parent`` (what this returned
+        for the experiment's run; ``None`` for the experiment itself). ``params``: the flattened resolved config (log them on a new run
+        only: a continued run has them). ``last_step``: the last round the run logged (0:
+        none); a continued run must drop anything it holds after it.
+
+        Returns:
+            What :class:`Tracking` stores in ``tracking.json`` to continue this run later
+            (JSON-serialisable, e.g. ``{"run_id": ...}``).
+        """
+        raise NotImplementedError
+
+    def log_metrics(self, key: str, metrics: dict[str, float], step: int) -> None:
+        """Log the scalars of round ``step`` of run ``key``."""
+        raise NotImplementedError
+
+    def log_artifact(self, key: str, path: Path, artifact_path: str | None = None) -> None:
+        """Keep the file ``path`` (a PNG, ``summary.json``, ``comparison.csv``...) with run
+        ``key``, under ``artifact_path`` (``None``: at its top). Default: nothing."""
+
+    def log_model(self, key: str, name: str, model: Any, example: Any = None) -> None:
+        """Keep the final model ``model`` (a :class:`torch.nn.Module`) of run ``key`` as
+        ``name`` (``"model"``, or ``"model_<client>"`` for a personalised one); ``example``:
+        an input batch of one sample (a tensor ``(1, C, H, W[, D])``). Default: nothing."""
+
+    def end_run(self, key: str, status: str) -> None:
+        """End run ``key``: ``status`` is ``"finished"``, ``"stopped"`` (resumable),
+        ``"interrupted"`` or ``"failed"``. Default: nothing."""
+
+    def close(self) -> None:
+        """Release what the tracker holds (files, connections). Default: nothing."""
+
+
+def flatten_params(data: Any, prefix: str = "") -> dict[str, str]:
+    """A nested config as ``{"train.lr": "0.01", "methods.0.name": "fedavg", ...}``: dotted
+    keys, values as text (lists of scalars as JSON-like text)."""
+    out: dict[str, str] = {}
+    if isinstance(data, dict):
+        for k, v in data.items():
+            out.update(flatten_params(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(data, list) and any(isinstance(v, (dict, list)) for v in data):
+        for i, v in enumerate(data):
+            out.update(flatten_params(v, f"{prefix}.{i}" if prefix else str(i)))
+    else:
+        out[prefix or "value"] = "null" if data is None else str(data)
+    return out
+
+
+_BAD = re.compile(r"[^\w\-. /:]")
+
+
+def _part(value: Any) -> str:
+    return _BAD.sub("_", str(value)) or "_"
+
+
+def _numeric(series: pd.Series) -> bool:
+    return pd.api.types.is_numeric_dtype(series) and not pd.api.types.is_bool_dtype(series)
+
+
+def round_scalars(table: str, rows: pd.DataFrame) -> dict[int, dict[str, float]]:
+    """The scalars of a per-round table's ``rows``, per round: ``{round: {name: value}}``.
+
+    A scalar is named ``<table>/<name columns...>/<column>/<client>`` (``table``: the file's
+    stem without ``_metrics``, ``metrics.csv`` being ``eval``), and for every column measured
+    per client also ``.../mean`` over the round's clients. A table with several rows of one
+    client a round (a method with several training steps a round) names the later steps
+    ``<table>/step<k>/...`` (its ``step`` column when it has one, else the rows' order)."""
+    stem = table[:-4] if table.endswith(".csv") else table
+    prefix = "eval" if stem == "metrics" else stem.removesuffix("_metrics")
+    if rows.empty or "round" not in rows:
+        return {}
+    rows = rows.reset_index(drop=True)
+    names = [c for c in NAME_COLUMNS if c in rows]
+    keys = ["round", *names, *(["client_id"] if "client_id" in rows else [])]
+    step = rows["step"].astype(int) if "step" in rows else rows.groupby(keys, sort=False).cumcount()
+    values = [c for c in rows if c not in NOT_SCALARS and _numeric(rows[c])]
+    out: dict[int, dict[str, float]] = {}
+    sums: dict[tuple[int, str], list[float]] = {}
+    for i, rec in enumerate(rows.to_dict("records")):
+        r = int(rec["round"])
+        base = [prefix, *([f"step{int(step.iloc[i])}"] if int(step.iloc[i]) else []),
+                *(_part(rec[c]) for c in names if not pd.isna(rec[c]))]
+        client = _part(rec["client_id"]) if "client_id" in rec and not pd.isna(rec["client_id"]) else None
+        for col in values:
+            v = rec[col]
+            if v is None or pd.isna(v) or not math.isfinite(float(v)):
+                continue
+            stat = "/".join([*base, _part(col)])
+            out.setdefault(r, {})[f"{stat}/{client}" if client else stat] = float(v)
+            if client:
+                sums.setdefault((r, stat), []).append(float(v))
+    for (r, stat), vs in sums.items():
+        out[r][f"{stat}/mean"] = sum(vs) / len(vs)
+    return out
+
+
+class _RunWatch:
+    """Watches one method run's :class:`RunDir`: keeps the newest frame of each per-round
+    table, and on each ``status.json`` hands :class:`Tracking` what is new."""
+
+    def __init__(self, tracking: "Tracking", run: Any, key: str) -> None:
+        self.tracking, self.run, self.key = tracking, run, key
+        self.latest: dict[str, pd.DataFrame] = {}
+
+    def rows(self, name: str, df: pd.DataFrame, appended: bool) -> None:
+        old = self.latest.get(name)
+        self.latest[name] = pd.concat([old, df], ignore_index=True) if appended and old is not None else df
+
+    def status(self, status: str, r: int) -> None:
+        self.tracking._status(self, status, r)
+
+
+class Tracking:
+    """The trackers of one experiment (``fl.tracking``) for this session.
+
+    Args:
+        root: the experiment directory (``tracking.json`` goes there).
+        specs: the checked ``fl.tracking`` entries (:func:`check_tracking`).
+        name: the experiment's name (MLflow's experiment, unless an entry says otherwise).
+        params: the experiment's resolved config (logged flattened, :func:`flatten_params`).
+        final_models: ``run -> {name: (torch.nn.Module, example batch)}``: a finished run's
+            final models (the global model, each client's personalised one), or ``None``:
+            none logged.
+    """
+
+    def __init__(self, root: Path, specs: list[dict[str, Any]], name: str, params: dict[str, Any],
+                 final_models: Callable[[Any], dict[str, Any]] | None = None) -> None:
+        self.root = Path(root)
+        self.name = name
+        self.params = params
+        self.final_models = final_models
+        self.state: dict[str, Any] = self._read_state()
+        known = [dict(s) for s in self.state.get("trackers", [])]
+        for spec in specs:   # the saved trackers go on; a new one joins
+            if not any(k["name"] == spec["name"] for k in known):
+                known.append(dict(spec))
+        self.specs = known
+        self.trackers: dict[str, Tracker] = {}
+        for spec in self.specs:
+            opts = {k: v for k, v in spec.items() if k != "name"}
+            try:
+                self.trackers[spec["name"]] = lookup("tracker", spec["name"])(self.root, **opts)
+            except ConfigError:   # a mistake in the entry (a uri MLflow refuses): said before anything runs
+                raise
+            except Exception as exc:  # noqa: BLE001 - a tracker that cannot start must not stop the run
+                warnings.warn(f"medfl: tracker {spec['name']!r} could not start ({type(exc).__name__}: {exc}); the "
+                              "run goes on without it", TrackerWarning, stacklevel=2)
+        self.state["trackers"] = self.specs
+        self.state.setdefault("runs", {})
+        self._failed: set[str] = set()
+        self._lock = threading.RLock()
+        #: the last round queued for each (tracker, run key, table): what the next round leaves out
+        self._queued: dict[tuple[str, str], dict[str, int]] = {}
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="medfl-tracking", daemon=True)
+        self._thread.start()
+        self._started: set[str] = set()
+        self._ran: set[str] = set()   # the runs that trained a round in this session
+
+    # ------------------------------------------------------------------ state
+    def _read_state(self) -> dict[str, Any]:
+        import json
+
+        path = self.root / TRACKING_FILE
+        if not path.is_file():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except ValueError as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc}); the trackers' run ids are lost: move the file away "
+                              "to start new tracking runs") from exc
+
+    def _save_state(self) -> None:
+        with self._lock:
+            _write_json(self.root / TRACKING_FILE, self.state)
+
+    def _entry(self, tracker: str, key: str) -> dict[str, Any]:
+        with self._lock:
+            return self.state["runs"].setdefault(tracker, {}).setdefault(key, {"run": None, "logged": {}})
+
+    # ------------------------------------------------------------------ the worker
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                job()
+            finally:
+                self._queue.task_done()
+
+    def _call(self, tracker: str, what: str, fn: Callable[[Tracker], None]) -> None:
+        """Queue ``fn(tracker)``; a failure leaves the tracker out (one warning)."""
+        def job() -> None:
+            if tracker in self._failed:
+                return
+            try:
+                fn(self.trackers[tracker])
+            except Exception as exc:  # noqa: BLE001 - a tracker must never stop a run
+                self._failed.add(tracker)
+                warnings.warn(f"medfl: tracker {tracker!r} failed ({what}: {type(exc).__name__}: {exc}); the run "
+                              "goes on without it (its results are in the run directory as always)",
+                              TrackerWarning, stacklevel=1)
+
+        self._queue.put(job)
+
+    def drain(self) -> None:
+        """Wait until every queued call has been made."""
+        self._queue.join()
+
+    @property
+    def failed(self) -> set[str]:
+        """The trackers left out after a failure."""
+        return set(self._failed)
+
+    # ------------------------------------------------------------------ runs
+    def start(self) -> None:
+        """Start (or continue) the experiment's own run, the parent of every method run."""
+        self._start("", self.root.name, flatten_params(self.params), parent=False)
+
+    def _start(self, key: str, name: str, params: dict[str, str], parent: bool) -> None:
+        if key in self._started:
+            return
+        self._started.add(key)
+        for tname in self.trackers:
+            entry = self._entry(tname, key)
+
+            def start(t: Tracker, _e: dict[str, Any] = entry, _n: str = tname) -> None:
+                up = self.state["runs"][_n].get("", {}).get("run") if parent else None
+                last = max([0, *(int(v) for v in _e["logged"].values())])
+                _e["run"] = t.start_run(key, name, params, up, _e["run"], last)
+                self._save_state()
+
+            self._call(tname, f"starting run {key or name!r}", start)
+
+    def watch(self, run: Any) -> Any:
+        """Watch the method run ``run`` (an engine ``Run``): its per-round tables and status
+        reach the trackers. Returns ``run``."""
+        files: RunDir = run.files
+        key = Path(run.run_dir).resolve().relative_to(self.root.resolve()).as_posix()
+        files.observers.append(_RunWatch(self, run, key))
+        return run
+
+    def _status(self, watch: _RunWatch, status: str, r: int) -> None:
+        key, run = watch.key, watch.run
+        if status in ("running", "finished"):
+            self._start(key, str(run.label), flatten_params({**self.params, "method": run.method_spec,
+                                                             "rounds": run.config.get("rounds")}), parent=True)
+            self._rounds(watch, r)
+        if status == "running":
+            self._ran.add(key)
+        if status == "finished":
+            if key not in self._ran and all(self._entry(t, key).get("status") == "finished" for t in self.trackers):
+                return   # a finished run that a resume found finished (no round ran): tracked already
+            self._finished(watch)
+        if status in ("finished", "stopped", "failed", "interrupted"):
+            if key not in self._started:   # stopped before its first round: nothing to end
+                return
+            for tname in self.trackers:
+                self._call(tname, f"ending run {key!r}", lambda t, _s=status, _n=tname: self._end(t, _n, key, _s))
+            self.drain()
+
+    def _end(self, tracker: Tracker, tname: str, key: str, status: str) -> None:
+        tracker.end_run(key, status)
+        with self._lock:
+            self._entry(tname, key)["status"] = status
+        self._save_state()
+
+    def _rounds(self, watch: _RunWatch, r: int) -> None:
+        """Hand the trackers the rows of the rounds up to ``r`` that they have not logged."""
+        for tname in self.trackers:
+            if tname in self._failed:
+                continue
+            logged = self._entry(tname, watch.key)["logged"]
+            with self._lock:
+                queued = self._queued.setdefault((tname, watch.key), {k: int(v) for k, v in logged.items()})
+            per_round: dict[int, dict[str, float]] = {}
+            done: dict[str, int] = {}
+            for table, df in watch.latest.items():
+                if df.empty or "round" not in df:
+                    continue
+                after = int(queued.get(table, 0))
+                new = df[(df["round"] > after) & (df["round"] <= r)]
+                for rr, scalars in round_scalars(table, new).items():
+                    per_round.setdefault(rr, {}).update(scalars)
+                done[table] = max(after, r)
+
+            def log(t: Tracker, _p: dict[int, dict[str, float]] = per_round, _d: dict[str, int] = done,
+                    _l: dict[str, Any] = logged) -> None:
+                for rr in sorted(_p):
+                    t.log_metrics(watch.key, _p[rr], rr)
+                with self._lock:
+                    _l.update(_d)
+                self._save_state()
+
+            queued.update(done)
+            if per_round or done:
+                self._call(tname, f"logging round {r} of {watch.key!r}", log)
+
+    def _finished(self, watch: _RunWatch) -> None:
+        """A finished run's summary, plots and final models."""
+        run_dir = Path(watch.run.run_dir)
+        files = [run_dir / "summary.json", *sorted((run_dir / "plots").glob("*.png"))]
+        models: dict[str, Any] = {}
+        if self.final_models is not None:
+            try:
+                models = self.final_models(watch.run)
+            except Exception as exc:  # noqa: BLE001 - the models are extra; the run is finished
+                warnings.warn(f"medfl: the final models of {watch.key!r} are not tracked ({type(exc).__name__}: "
+                              f"{exc})", TrackerWarning, stacklevel=1)
+        for tname in self.trackers:
+            for path in files:
+                if path.is_file():
+                    where = "plots" if path.parent.name == "plots" else None
+                    self._call(tname, f"logging {path.name}",
+                               lambda t, _p=path, _w=where: t.log_artifact(watch.key, _p, _w))
+            for mname, (model, example) in models.items():
+                self._call(tname, f"logging model {mname!r}",
+                           lambda t, _n=mname, _m=model, _x=example: t.log_model(watch.key, _n, _m, _x))
+
+    def finish(self, status: str, result: dict[str, Any] | None = None) -> None:
+        """End the experiment's run: its own files (comparison, CV and seeds reports) as
+        artifacts when ``status`` is ``"finished"``, then close every tracker."""
+        if "" in self._started:
+            if status == "finished":
+                for path in _experiment_files(self.root):
+                    rel = path.parent.relative_to(self.root).as_posix()
+                    for tname in self.trackers:
+                        self._call(tname, f"logging {path.name}",
+                                   lambda t, _p=path, _r=rel: t.log_artifact("", _p, None if _r == "." else _r))
+            for tname in self.trackers:
+                self._call(tname, "ending the experiment's run", lambda t, _n=tname: self._end(t, _n, "", status))
+        for tname in self.trackers:
+            self._call(tname, "closing", lambda t: t.close())
+        self._queue.put(None)
+        self._thread.join(timeout=None)
+
+
+def _experiment_files(root: Path) -> Iterable[Path]:
+    """The experiment's own result files: at its top and in each fold or seed directory (not
+    the method runs', which their own runs hold)."""
+    skip = {TRACKING_FILE, "partition.csv"}
+    dirs = [root, *sorted(d for d in root.iterdir() if d.is_dir() and (d.name.startswith(("fold_", "seed_"))))]
+    for d in dirs:
+        for path in sorted(d.iterdir()):
+            if path.is_file() and path.suffix in (".csv", ".png", ".json", ".md") and path.name not in skip \
+                    and not path.name.endswith(".sha256"):
+                yield path
+
+
+def run_status(status: str) -> str:
+    """MLflow's word for a medfl run status."""
+    return {"finished": "FINISHED", "failed": "FAILED"}.get(status, "KILLED")
+
+
+def now_ms() -> int:
+    """The time now in milliseconds (MLflow's timestamps)."""
+    return int(time.time() * 1000)

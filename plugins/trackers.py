@@ -1,0 +1,227 @@
+"""Built-in trackers: ``mlflow`` and ``tensorboard`` (see :mod:`medfl.tracking`).
+
+- ``mlflow``: the experiment is one MLflow run and each method run a run nested under it
+  (``mlflow.parentRunId``), through :class:`mlflow.tracking.MlflowClient`: params and each
+  round's scalars in ``log_batch`` calls, artifacts with ``log_artifact``, the final models
+  with :func:`mlflow.pytorch.log_model`. With no ``uri``, an embedded SQLite store
+  ``mlflow.db`` (artifacts in ``mlartifacts/``) in the experiment directory: no server
+  (MLflow 3 refuses the plain file store).
+- ``tensorboard``: :class:`torch.utils.tensorboard.SummaryWriter` event files in
+  ``tensorboard/<run>/`` of the experiment directory (one subdirectory per method run),
+  scalars with ``step = round``.
+
+MLflow and TensorBoard are imported when a run tracks with them, never when the plugin loads;
+without them the tracker names ``pip install "medfl[tracking]"``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from medfl import hookimpl
+from medfl.config import ConfigError
+from medfl.tracking import Tracker, missing_package, now_ms, run_status
+
+__all__ = ["MLflow", "TensorBoard", "register_trackers"]
+
+#: The tag holding the last round a run logged (read on a resume: nothing at or before it is
+#: logged again, even if ``tracking.json`` was not written after it).
+LAST_STEP_TAG = "medfl.last_step"
+
+
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
+
+
+class MLflow(Tracker):
+    """MLflow: one parent run per experiment, a nested run per method run.
+
+    Options: ``uri`` (a tracking URI: ``http://host:5000``, ``sqlite:///path/mlflow.db``;
+    default: ``sqlite:///<experiment dir>/mlflow.db``), ``experiment`` (MLflow's experiment
+    name; default: the config's ``name``), ``run_name`` (the parent run's name; default:
+    the experiment directory's name), ``artifact_location`` (where a new MLflow experiment
+    keeps artifacts; default with the embedded store: ``<experiment dir>/mlartifacts``).
+    """
+
+    name = "mlflow"
+    description = "MLflow runs (nested per method run); embedded SQLite store unless uri names a server"
+    options = {"uri": None, "experiment": None, "run_name": None, "artifact_location": None}
+    requires = ("mlflow",)
+
+    def __init__(self, root: Path, **options: Any) -> None:
+        super().__init__(root, **options)
+        try:
+            import mlflow  # noqa: F401
+            from mlflow.tracking import MlflowClient
+        except ImportError as exc:
+            raise missing_package("mlflow", "mlflow", exc) from exc
+        uri = self.settings["uri"]
+        artifacts = self.settings["artifact_location"]
+        if uri is None:
+            uri = f"sqlite:///{(self.root / 'mlflow.db').resolve()}"
+            artifacts = artifacts or (self.root / "mlartifacts").resolve().as_uri()
+        elif not isinstance(uri, str) or "://" not in uri or uri.startswith("file:"):
+            raise ConfigError(f"fl.tracking (mlflow).uri: expected a tracking URI such as http://127.0.0.1:5000 or "
+                              f"sqlite:///path/mlflow.db, got {uri!r} (MLflow 3 refuses the plain file store; "
+                              "leave uri out for an embedded SQLite store in the experiment directory)")
+        self.uri = uri
+        self.artifact_location = artifacts
+        self.client = MlflowClient(tracking_uri=uri)
+        self.experiment_id: str | None = None
+        #: run key -> (MLflow run id, the last round it logged before this session)
+        self.runs: dict[str, tuple[str, int]] = {}
+
+    def _experiment(self, name: str) -> str:
+        if self.experiment_id is None:
+            found = self.client.get_experiment_by_name(name)
+            self.experiment_id = found.experiment_id if found is not None else \
+                self.client.create_experiment(name, artifact_location=self.artifact_location)
+        return self.experiment_id
+
+    def start_run(self, key: str, name: str, params: dict[str, str], parent: dict[str, Any] | None,
+                  saved: dict[str, Any] | None, last_step: int) -> dict[str, Any]:
+        """Create the run (nested under ``parent``) and log ``params``; or set a saved run
+        running again."""
+        from mlflow.entities import Param, RunTag
+        from mlflow.utils import validation
+
+        if saved:
+            run_id = str(saved["run_id"])
+            run = self.client.get_run(run_id)
+            self.experiment_id = run.info.experiment_id
+            self.client.update_run(run_id, status="RUNNING")
+            self.runs[key] = (run_id, max(last_step, int(run.data.tags.get(LAST_STEP_TAG, 0))))
+            return dict(saved)
+        exp = self._experiment(str(self.settings["experiment"] or params.get("name") or "medfl"))
+        tags = {"medfl.run": key or "(experiment)"}
+        if parent and parent.get("run_id"):
+            tags["mlflow.parentRunId"] = str(parent["run_id"])
+        run_name = name if key else str(self.settings["run_name"] or name)
+        run_id = self.client.create_run(exp, run_name=run_name, tags=tags).info.run_id
+        klen = int(getattr(validation, "MAX_ENTITY_KEY_LENGTH", 250))
+        vlen = int(getattr(validation, "MAX_PARAM_VAL_LENGTH", 500))
+        items = [Param(k[:klen], v if len(v) <= vlen else v[:vlen - 3] + "...") for k, v in sorted(params.items())]
+        for chunk in _chunks(items, int(getattr(validation, "MAX_PARAMS_TAGS_PER_BATCH", 100))):
+            if chunk:
+                self.client.log_batch(run_id, params=chunk)
+        self.client.log_batch(run_id, tags=[RunTag(LAST_STEP_TAG, "0")])
+        self.runs[key] = (run_id, 0)
+        return {"run_id": run_id, "experiment_id": exp}
+
+    def log_metrics(self, key: str, metrics: dict[str, float], step: int) -> None:
+        """One ``log_batch`` per 1000 scalars; the last one also records ``step`` as logged."""
+        from mlflow.entities import Metric, RunTag
+        from mlflow.utils import validation
+
+        run_id, before = self.runs[key]
+        if step <= before:   # logged before an interruption that tracking.json did not record
+            return
+        ts = now_ms()
+        items = [Metric(k, float(v), ts, int(step)) for k, v in sorted(metrics.items())]
+        chunks = _chunks(items, int(getattr(validation, "MAX_METRICS_PER_BATCH", 1000)) - 1)
+        for i, chunk in enumerate(chunks):
+            self.client.log_batch(run_id, metrics=chunk,
+                                  tags=[RunTag(LAST_STEP_TAG, str(int(step)))] if i == len(chunks) - 1 else [])
+
+    def log_artifact(self, key: str, path: Path, artifact_path: str | None = None) -> None:
+        """``MlflowClient.log_artifact``."""
+        self.client.log_artifact(self.runs[key][0], str(path), artifact_path)
+
+    def log_model(self, key: str, name: str, model: Any, example: Any = None) -> None:
+        """:func:`mlflow.pytorch.log_model` into the run (an MLflow logged model whose
+        source run is this run), pickled (``mlflow.pytorch.load_model`` gives the module
+        back; MLflow 3's default ``pt2`` export would need every model to trace), with
+        ``example`` (a batch) as its input example, from which MLflow infers the signature."""
+        import inspect
+
+        import mlflow
+        import mlflow.pytorch
+        import monai
+        import torch
+
+        run_id = self.runs[key][0]
+        extra: dict[str, Any] = {}
+        if "serialization_format" in inspect.signature(mlflow.pytorch.log_model).parameters:
+            extra["serialization_format"] = "pickle"
+        if example is not None:
+            extra["input_example"] = example.detach().cpu().numpy()
+        name_arg = "name" if "name" in inspect.signature(mlflow.pytorch.log_model).parameters else "artifact_path"
+        # the fluent API logs into the process-wide tracking URI (and MLFLOW_TRACKING_URI, which
+        # processes started later inherit): set for this call only, then put back as it was
+        from mlflow.tracking._tracking_service import utils as tracking_utils
+
+        before, before_env = getattr(tracking_utils, "_tracking_uri", None), os.environ.get("MLFLOW_TRACKING_URI")
+        mlflow.set_tracking_uri(self.uri)
+        try:
+            with mlflow.start_run(run_id=run_id):
+                mlflow.pytorch.log_model(model.eval(), **{name_arg: name}, pip_requirements=[
+                    f"torch=={torch.__version__.split('+')[0]}", f"monai=={monai.__version__}"], **extra)
+        finally:
+            mlflow.set_tracking_uri(before)
+            if before_env is not None:
+                os.environ["MLFLOW_TRACKING_URI"] = before_env
+
+    def end_run(self, key: str, status: str) -> None:
+        """``MlflowClient.set_terminated`` with FINISHED, FAILED or KILLED (stopped, resumable)."""
+        if key in self.runs:
+            self.client.set_terminated(self.runs[key][0], status=run_status(status))
+
+
+class TensorBoard(Tracker):
+    """TensorBoard event files, one subdirectory per method run under ``log_dir`` (default:
+    ``<experiment dir>/tensorboard``); the config as text, each round's scalars with
+    ``step = round``. A continued run purges any event after its last logged round
+    (``SummaryWriter(purge_step=...)``), so no step is written twice."""
+
+    name = "tensorboard"
+    description = "TensorBoard event files in the experiment directory (torch.utils.tensorboard)"
+    options = {"log_dir": None}
+    requires = ("tensorboard",)
+
+    def __init__(self, root: Path, **options: Any) -> None:
+        super().__init__(root, **options)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise missing_package("tensorboard", "tensorboard", exc) from exc
+        self._writer_class = SummaryWriter
+        self.base = Path(self.settings["log_dir"] or self.root / "tensorboard")
+        self.writers: dict[str, Any] = {}
+
+    def start_run(self, key: str, name: str, params: dict[str, str], parent: dict[str, Any] | None,
+                  saved: dict[str, Any] | None, last_step: int) -> dict[str, Any]:
+        """A writer in ``log_dir/<key>`` (the experiment itself has none)."""
+        if not key:
+            return {}
+        log_dir = self.base / key
+        self.writers[key] = self._writer_class(str(log_dir), purge_step=last_step + 1 if saved else None)
+        if not saved:
+            self.writers[key].add_text("config", "\n".join(f"    {k} = {v}" for k, v in sorted(params.items())), 0)
+        return {"log_dir": str(log_dir)}
+
+    def log_metrics(self, key: str, metrics: dict[str, float], step: int) -> None:
+        """``add_scalar`` per scalar, then a flush (the round is on disk)."""
+        writer = self.writers[key]
+        for tag, value in sorted(metrics.items()):
+            writer.add_scalar(tag, value, int(step))
+        writer.flush()
+
+    def end_run(self, key: str, status: str) -> None:
+        """Close the run's writer."""
+        writer = self.writers.pop(key, None)
+        if writer is not None:
+            writer.close()
+
+    def close(self) -> None:
+        """Close every writer still open."""
+        for key in list(self.writers):
+            self.end_run(key, "stopped")
+
+
+@hookimpl
+def register_trackers(register: Any) -> None:
+    """The built-in trackers."""
+    register(MLflow)
+    register(TensorBoard)

@@ -1,0 +1,268 @@
+"""Experiment tracking (``fl.tracking``, ``--tracking``): MLflow against a real server and its
+embedded SQLite store, TensorBoard event files, a resume that continues both, MONAI's own
+``--tracking mlflow``, a tracker registered at runtime, a failing tracker, bad entries."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from medfl import hookimpl
+from medfl.config import ConfigError
+from medfl.experiment import resume, run_experiment
+from medfl.plugins import get_plugin_manager
+from medfl.tracking import Tracker, TrackerWarning
+
+mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install \"medfl[tracking]\"")
+pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install \"medfl[tracking]\"")
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "demo" / "configs" / "train.json"
+TINY_BUNDLE = ("--fl#rounds", "2", "--fl#dataset#num_samples", "240", "--fl#partition#min_size", "10",
+               "--fl#progress", "False", "--fl#model#width", "4", "--fl#dataset#image_size", "16")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path):
+    """A real ``mlflow server`` on loopback: SQLite backend and artifacts in ``tmp_path``."""
+    port = _free_port()
+    log = open(tmp_path / "mlflow_server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "server_artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240   # generous: the machine may be loaded
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlflow server did not start: {(tmp_path / 'mlflow_server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=60)
+        log.close()
+
+
+def _runs(client: MlflowClient, experiment: str) -> tuple[Any, dict[str, Any]]:
+    """The parent run and the nested runs by name of the MLflow experiment ``experiment``."""
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no MLflow experiment {experiment!r}"
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1, [r.info.run_name for r in runs]
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    return parents[0], children
+
+
+def _steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
+    return [m.step for m in client.get_metric_history(run_id, key)]
+
+
+def _artifacts(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
+    return {f.path for f in client.list_artifacts(run_id, path)}
+
+
+@pytest.mark.plots
+def test_demo_bundle_against_a_real_mlflow_server(tmp_path, run_bundle, mlflow_server):
+    """(a) The demo bundle (tiny) tracked by a real server: one parent run, a nested run per
+    method, the resolved config as params, per-round metric histories (one step a round),
+    plots, summary.json, comparison.csv and the final model read back through the client."""
+    entry = json.dumps([{"name": "mlflow", "uri": mlflow_server, "experiment": "served"}])
+    run_bundle(BUNDLE, "--bundle_root", tmp_path, *TINY_BUNDLE, "--fl#tracking", entry, timeout=600)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    parent, children = _runs(client, "served")
+    assert set(children) == {"fedavg", "local"} and parent.info.status == "FINISHED"
+    assert parent.data.params["rounds"] == "2" and parent.data.params["methods.0.name"] == "fedavg"
+    assert {"comparison.csv", "comparison.png"} <= _artifacts(client, parent.info.run_id)
+    for label, run in children.items():
+        assert run.info.status == "FINISHED"
+        assert run.data.params["method.name"] == label and run.data.params["train.lr"] == "0.01"
+        for key in ("eval/local_test/accuracy/mean", "eval/local_test/accuracy/0", "train/loss/mean",
+                    "communication/train/bytes_to_client/mean"):
+            assert _steps(client, run.info.run_id, key) == [1, 2], key
+        assert {"summary.json", "plots"} <= _artifacts(client, run.info.run_id)
+        assert any(p.endswith(".png") for p in _artifacts(client, run.info.run_id, "plots"))
+        models = client.search_logged_models([parent.info.experiment_id],
+                                             filter_string=f"source_run_id = '{run.info.run_id}'")
+        assert models, f"no logged model for {label}"
+    # fedavg's clients share the global model (one "model"); local's are personalised
+    names = {m.name for m in client.search_logged_models([parent.info.experiment_id])}
+    assert "model" in names and {"model_0", "model_1", "model_2", "model_3"} <= names
+    fedavg = [m for m in client.search_logged_models([parent.info.experiment_id]) if m.name == "model"][0]
+    import torch
+
+    local = mlflow.artifacts.download_artifacts(artifact_uri=fedavg.artifact_location, tracking_uri=mlflow_server,
+                                                dst_path=str(tmp_path / "downloaded"))
+    loaded = mlflow.pytorch.load_model(local)
+    assert loaded(torch.zeros(1, 1, 16, 16)).shape == (1, 3)
+
+
+def test_embedded_store_tensorboard_and_resume(tiny_fl, resolve, tmp_path):
+    """(b) MLflow's embedded SQLite store (no server), (c) TensorBoard's event files read
+    back with EventAccumulator, (d) a run stopped after round 1, resumed to round 2 with
+    ``medfl resume --tracking tensorboard`` (which gets round 1 too), then to round 3: the same
+    MLflow runs, metric histories with steps 1..3 and no duplicate, TensorBoard steps 1..3 once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from medfl.cli import main
+
+    cfg = {**tiny_fl, "rounds": 3, "tracking": [{"name": "mlflow"}], "stop_after_round": 1}
+    exp = Path(run_experiment(resolve(cfg))["dir"])
+    first = json.loads((exp / "tracking.json").read_text())
+    assert (exp / "mlflow.db").is_file() and not (exp / "tensorboard").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{exp / 'mlflow.db'}")
+    parent, children = _runs(client, "t")
+    assert parent.info.status == "KILLED" and children["fedavg"].info.status == "KILLED"
+    assert _steps(client, children["fedavg"].info.run_id, "eval/local_test/accuracy/mean") == [1]
+    assert main(["resume", str(exp), "--rounds", "2", "--tracking", "tensorboard"]) == 0
+    resume(exp, rounds=3)
+    again = json.loads((exp / "tracking.json").read_text())
+    assert [t["name"] for t in again["trackers"]] == ["mlflow", "tensorboard"]
+    assert again["runs"]["mlflow"]["fedavg"]["run"]["run_id"] == first["runs"]["mlflow"]["fedavg"]["run"]["run_id"]
+    parent2, children2 = _runs(client, "t")
+    assert parent2.info.run_id == parent.info.run_id and parent2.info.status == "FINISHED"
+    run_id = children2["fedavg"].info.run_id
+    assert children2["fedavg"].info.status == "FINISHED"
+    for key in ("eval/local_test/accuracy/mean", "eval/global_test/auc/1", "train/loss/2", "train/num_examples/mean"):
+        assert _steps(client, run_id, key) == [1, 2, 3], key
+    assert "summary.json" in _artifacts(client, run_id)
+    acc = EventAccumulator(str(exp / "tensorboard" / "fedavg"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/local_test/accuracy/mean")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("train/loss/0")] == [1, 2, 3]
+    metrics = __import__("pandas").read_csv(exp / "fedavg" / "metrics.csv")
+    want = metrics[(metrics["split"] == "local_test") & (metrics["round"] == 3)]["accuracy"].mean()
+    assert acc.Scalars("eval/local_test/accuracy/mean")[-1].value == pytest.approx(want, rel=1e-5)
+
+
+def test_monai_bundle_tracking_switch_logs_to_mlflow(tmp_path, run_bundle, monkeypatch):
+    """MONAI's own ``--tracking mlflow`` on the demo bundle: medfl logs to the store MONAI's
+    settings name (``<output_dir>/mlruns.db``, experiment ``monai_experiment``)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)   # it would win over MONAI's settings
+    run_bundle(BUNDLE, "--bundle_root", tmp_path, *TINY_BUNDLE, "--fl#rounds", "1",
+               "--fl#methods", "[{'name': 'fedavg'}]", "--tracking", "mlflow", timeout=600)
+    db = tmp_path / "runs" / "mlruns.db"
+    assert db.is_file()
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    parent, children = _runs(client, "monai_experiment")
+    assert set(children) == {"fedavg"}
+    assert _steps(client, children["fedavg"].info.run_id, "eval/local_test/accuracy/mean") == [1]
+
+
+class Recorder(Tracker):
+    """A minimal tracker (the one docs/plugins.md shows): keeps what it is given."""
+
+    name = "recorder"
+    options = {"label": "x"}
+    calls: list[tuple[Any, ...]] = []
+
+    def start_run(self, key, name, params, parent, saved, last_step):
+        self.calls.append(("start", key, parent, self.settings["label"]))
+        return {"id": key or "experiment"}
+
+    def log_metrics(self, key, metrics, step):
+        self.calls.append(("metrics", key, step, dict(metrics)))
+
+    def end_run(self, key, status):
+        self.calls.append(("end", key, status))
+
+
+class Broken(Tracker):
+    """Fails at its first round, as a tracking server going down mid-run."""
+
+    name = "broken"
+
+    def start_run(self, key, name, params, parent, saved, last_step):
+        return {}
+
+    def log_metrics(self, key, metrics, step):
+        raise ConnectionError("tracking server down")
+
+
+class TrackerPlugin:
+    @hookimpl
+    def register_trackers(self, register):
+        register(Recorder)
+        register(Broken)
+
+
+def test_runtime_tracker_and_a_failing_one_never_stop_the_run(tiny_fl, resolve):
+    """A third-party tracker registered at runtime gets every round; a tracker that fails is
+    reported once (TrackerWarning) and the run finishes."""
+    pm = get_plugin_manager()
+    pm.register(TrackerPlugin(), name="test-trackers")
+    Recorder.calls.clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = run_experiment(resolve({**tiny_fl, "tracking": [{"name": "recorder", "label": "y"}, "broken"]}))
+        assert out["summaries"]["fedavg"]["rounds"] == 2
+        failures = [w for w in caught if issubclass(w.category, TrackerWarning)]
+        assert len(failures) == 1 and "'broken' failed" in str(failures[0].message)
+        assert "tracking server down" in str(failures[0].message)
+        starts = [c for c in Recorder.calls if c[0] == "start"]
+        assert starts[0] == ("start", "", None, "y") and starts[1] == ("start", "fedavg", {"id": "experiment"}, "y")
+        steps = [c[2] for c in Recorder.calls if c[0] == "metrics"]
+        assert steps == [1, 2]
+        assert Recorder.calls[-1] == ("end", "", "finished")
+        assert ("end", "fedavg", "finished") in Recorder.calls
+    finally:
+        pm.unregister(name="test-trackers")
+
+
+@pytest.mark.parametrize("entry, message", [
+    ([{"name": "mlfow"}], "fl.tracking[0]: unknown tracker 'mlfow'; registered trackers: mlflow, tensorboard"),
+    (["tensorboard", {"name": "mlflow", "url": "x"}], "fl.tracking[1] (mlflow): unknown key(s) 'url'; valid keys: "
+                                                      "name, artifact_location, experiment, run_name, uri"),
+    ("tensorboard", None),
+    (3, "fl.tracking: expected a list"),
+    (["mlflow", "mlflow"], "fl.tracking[1]: tracker 'mlflow' is named twice"),
+])
+def test_bad_tracking_entries_are_refused_by_name(tiny_fl, resolve, entry, message):
+    """(f) Unknown trackers and keys are refused by name, with what is valid."""
+    if message is None:
+        assert resolve({**tiny_fl, "tracking": entry})["tracking"] == [{"name": "tensorboard"}]
+        return
+    with pytest.raises(ConfigError) as err:
+        resolve({**tiny_fl, "tracking": entry})
+    assert message in str(err.value)
+
+
+def test_an_untracked_run_imports_no_tracker(tiny_fl, tmp_path):
+    """Without fl.tracking nothing imports mlflow or tensorboard (``make demo`` stays quick)."""
+    code = ("import json, sys; from medfl.config import resolve_config; from medfl.experiment import run_experiment; "
+            f"run_experiment(resolve_config(json.loads({json.dumps(json.dumps({**tiny_fl, 'rounds': 1}))}))); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tensorboard')]; "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
