@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import sys
 from contextlib import contextmanager, nullcontext
@@ -27,6 +28,8 @@ from medfl.config_file import load_bundle_config
 
 __all__ = ["run", "choose", "print_result", "infer", "load_bundle_config", "parse_override_value", "user_errors",
            "exit_on_user_error", "user_error_message", "USER_ERROR_EXIT", "INTERRUPTED_EXIT"]
+
+logger = logging.getLogger(__name__)
 
 #: Exit code of a run stopped by a mistake in its input (that of ``medfl run``; argparse's too).
 USER_ERROR_EXIT = 2
@@ -94,7 +97,7 @@ def exit_on_user_error() -> Iterator[None]:
         if message is None:
             raise
         sys.stdout.flush()
-        print(f"medfl: error: {message}", file=sys.stderr, flush=True)
+        logger.error(f"medfl: error: {message}")
         raise SystemExit(USER_ERROR_EXIT) from exc
     except KeyboardInterrupt:   # the run printed what was saved and how to resume: no traceback
         raise SystemExit(INTERRUPTED_EXIT) from None
@@ -113,7 +116,9 @@ def run(fl: dict[str, Any], *, exit_on_error: bool = True) -> dict[str, Any]:
             printing ``medfl: error: ...`` to stderr.
     """
     from medfl.experiment import run_experiment
+    from medfl.logs import ensure_console
 
+    ensure_console()   # python -m monai.bundle run without a logging.conf: medfl's lines as the CLI shows them
     with exit_on_user_error() if exit_on_error else nullcontext():
         result = run_experiment(resolve_config(fl))
         print_result(result)
@@ -233,9 +238,11 @@ def infer(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: st
         SystemExit: a mistake in the arguments, the run directory or the data (see
             :func:`exit_on_user_error`), after printing ``medfl: error: ...`` to stderr.
     """
+    from medfl.logs import ensure_console
     from medfl.predict import predict
     from medfl.plugins import registry
 
+    ensure_console()
     with exit_on_user_error():
         registry()
         path = predict(run_dir, dataset, output, clients, split)

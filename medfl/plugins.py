@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import logging
 import os
-import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -35,6 +35,8 @@ __all__ = [
     "lookup",
     "plugin_info",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Built-in plugin modules; used only when medfl runs from a source tree without its
 #: entry points installed (normally they load through the ``medfl`` entry-point group).
@@ -87,7 +89,7 @@ _registry_cache: tuple[frozenset[int], tuple[Any, ...], dict[str, dict[str, Regi
 
 def _trace(hook_name: str, hook_impls: list, kwargs: dict) -> None:
     names = ", ".join(impl.plugin_name for impl in hook_impls)
-    print(f"medfl: hook {hook_name}({', '.join(kwargs)}) -> [{names}]", file=sys.stderr)
+    logger.info(f"medfl: hook {hook_name}({', '.join(kwargs)}) -> [{names}]")
 
 
 def _wanted(ep: md.EntryPoint, dist_name: str) -> bool:
