@@ -64,6 +64,7 @@ import importlib.metadata as md
 import importlib.util
 import inspect
 import json
+import logging
 import marshal
 import os
 import re
@@ -75,6 +76,8 @@ from typing import Any, Iterable
 
 __all__ = ["APPROVALS_ENV", "APPROVED_KINDS", "ApprovalError", "CodeIdentity", "Approvals", "code_identity",
            "required", "check_control", "approvals_path", "private_bytecode"]
+
+logger = logging.getLogger(__name__)
 
 #: Environment variable naming a site's approvals file (``medfl flower site --approvals`` sets it).
 APPROVALS_ENV = "MEDFL_APPROVALS"
@@ -553,8 +556,8 @@ def check_control(control: dict[str, Any], who: str, path: Path | None = None,
         for kind, name in wanted:
             if (who, kind, name) not in _WARNED:
                 _WARNED.add((who, kind, name))
-                print(f"{who}: running {kind} {name!r} without approval (no approvals file: this site runs any "
-                      f"installed {kind} the coordinator names; see `medfl approve`)", file=sys.stderr, flush=True)
+                logger.warning(f"{who}: running {kind} {name!r} without approval (no approvals file: this site runs any "
+                               f"installed {kind} the coordinator names; see `medfl approve`)")
         return None
     approvals = Approvals.load(path)
     cache: dict[frozenset[str], Any] = {}

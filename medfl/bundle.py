@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import sys
 from contextlib import contextmanager, nullcontext
@@ -27,6 +28,8 @@ from medfl.config_file import load_bundle_config
 
 __all__ = ["run", "tracking_from_handlers", "choose", "print_result", "infer", "run_evaluator", "load_bundle_config", "parse_override_value", "user_errors",
            "exit_on_user_error", "user_error_message", "USER_ERROR_EXIT", "INTERRUPTED_EXIT"]
+
+logger = logging.getLogger(__name__)
 
 #: Exit code of a run stopped by a mistake in its input (that of ``medfl run``; argparse's too).
 USER_ERROR_EXIT = 2
@@ -94,7 +97,7 @@ def exit_on_user_error() -> Iterator[None]:
         if message is None:
             raise
         sys.stdout.flush()
-        print(f"medfl: error: {message}", file=sys.stderr, flush=True)
+        logger.error(f"medfl: error: {message}")
         raise SystemExit(USER_ERROR_EXIT) from exc
     except KeyboardInterrupt:   # the run printed what was saved and how to resume: no traceback
         raise SystemExit(INTERRUPTED_EXIT) from None
@@ -117,7 +120,9 @@ def run(fl: dict[str, Any], *, exit_on_error: bool = True, handlers: list[Any] |
             printing ``medfl: error: ...`` to stderr.
     """
     from medfl.experiment import run_experiment
+    from medfl.logs import ensure_console
 
+    ensure_console()   # python -m monai.bundle run without a logging.conf: medfl's lines as the CLI shows them
     with exit_on_user_error() if exit_on_error else nullcontext():
         cfg = resolve_config(tracking_from_handlers(fl, handlers))
         set_threads(cfg.get("threads"))   # the top of this process: "auto" too (one process trains)
@@ -283,8 +288,10 @@ def run_evaluator(evaluator: Any) -> Path:
 def _predict_and_say(write: Any) -> Path:
     """Call ``write()`` (which writes a predictions CSV and returns its path) with the plugins
     loaded and user errors turned into one ``medfl: error:`` line; print the path."""
+    from medfl.logs import ensure_console
     from medfl.plugins import registry
 
+    ensure_console()
     with exit_on_user_error():
         registry()
         path = write()

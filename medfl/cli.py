@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 __all__ = ["main", "build_parser"]
+
+logger = logging.getLogger(__name__)
 
 
 def _parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -147,6 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     fl = load_bundle_config(args.config, _parse_overrides(_options_after_overrides(args, "run")))
     _apply_threads(args)
+    _configure_logging(args)   # -v/-q may come after the config (medfl run train.json -q)
     if getattr(args, "backend", None):   # keeps the config's backend resources
         backend = fl.get("backend")
         fl["backend"] = {**backend, "name": args.backend} if isinstance(backend, dict) else args.backend
@@ -195,7 +199,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     run_dirs = [path] if is_run else sorted(
         p.parent for p in path.rglob("metrics.csv"))  # experiments, and their seed_<s>/ or fold_<k>/
     if not run_dirs:
-        print(f"medfl: {path}: no metrics.csv here or in its subdirectories", file=sys.stderr)
+        logger.error(f"medfl: {path}: no metrics.csv here or in its subdirectories")
         return 2
     for table in ("seeds_table.md", "cv_table.md"):
         if (path / table).is_file():
@@ -309,7 +313,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
             print(f"approved {identity.describe()} in {path}; its code: {_code_summary(identity.files)}")
         approvals.save()
     except ApprovalError as exc:
-        print(f"medfl: error: {exc}", file=sys.stderr)
+        logger.error(f"medfl: error: {exc}")
         return 2
     return 0
 
@@ -367,7 +371,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
         for line in policy.describe():
             print(f"  {line}")
     except ApprovalError as exc:
-        print(f"medfl: error: {exc}", file=sys.stderr)
+        logger.error(f"medfl: error: {exc}")
         return 2
     return 0
 
@@ -428,9 +432,9 @@ def _site_approvals(args: argparse.Namespace) -> None:
     path = Path(args.approvals).resolve() if getattr(args, "approvals", None) else approvals_path()
     who = f"medfl site {args.client_id}"
     if path is None:
-        print(f"{who}: WARNING: no --approvals file: this site runs any method installed here that the coordinator "
-              "names; review and approve methods with `medfl approve NAME --file approvals.json` and start the site "
-              "with --approvals approvals.json", file=sys.stderr, flush=True)
+        logger.warning(f"{who}: WARNING: no --approvals file: this site runs any method installed here that the coordinator "
+                       "names; review and approve methods with `medfl approve NAME --file approvals.json` and start the site "
+                       "with --approvals approvals.json")
         return
     try:
         approvals = Approvals.load(path)
@@ -666,17 +670,16 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
             if isinstance(exc, KeyboardInterrupt):
                 how = ("stopped at the SuperLink (its coordinator saves the finished rounds; continue with "
                        "--resume)" if stopped else "not stopped at the SuperLink (see `flwr ls`)")
-                print(f"medfl flower run: interrupted; run {int(run_id) if run_id else '(not started)'} {how}",
-                      file=sys.stderr)
+                logger.warning(f"medfl flower run: interrupted; run {int(run_id) if run_id else '(not started)'} {how}")
                 raise
             code = 1
             if read_json(result_file) is None:
-                print(f"medfl flower run: {exc}" + ("; the run was stopped" if stopped else ""), file=sys.stderr)
+                logger.error(f"medfl flower run: {exc}" + ("; the run was stopped" if stopped else ""))
                 return 1
         result = read_json(result_file)
         if result is not None:  # the SuperLink runs on this machine: report the ServerApp's outcome
             if not result.get("ok"):
-                print(f"medfl flower run: the run failed: {result.get('error')}", file=sys.stderr)
+                logger.error(f"medfl flower run: the run failed: {result.get('error')}")
                 return 1
             print(f"medfl flower run: results in {result['dir']}")
             return 0
@@ -885,7 +888,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy(sub)
     _add_flower(sub)
     _add_export(sub)
+    _add_verbosity(p)
     return p
+
+
+def _add_verbosity(parser: argparse.ArgumentParser, top: bool = True) -> None:
+    """``-v/--verbose`` and ``-q/--quiet`` on ``parser`` and every subcommand under it (so
+    ``medfl -q run ...`` and ``medfl run -q ...`` both work): how much of medfl's log the
+    console shows (:func:`medfl.logs.console_level`)."""
+    default = 0 if top else argparse.SUPPRESS   # a subcommand's flag adds to none given before it
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", action="count", default=default,
+                       help="show details on stderr too (per-epoch progress: DEBUG); the run's log.txt always has them")
+    group.add_argument("-q", "--quiet", action="count", default=default,
+                       help="show only warnings and errors on stderr (-qq: errors only); the run's log.txt keeps "
+                            "everything")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                _add_verbosity(child, top=False)
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """Show medfl's log on stderr at the level ``-v``/``-q`` chose (INFO by default), unless
+    the program that called :func:`main` configured logging itself (:mod:`medfl.logs`)."""
+    from medfl.logs import configure_console, console_level
+
+    configure_console(console_level(int(getattr(args, "verbose", 0) or 0), int(getattr(args, "quiet", 0) or 0)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -894,13 +923,14 @@ def main(argv: list[str] | None = None) -> int:
     from medfl.bundle import INTERRUPTED_EXIT, user_error_message, user_errors
 
     args = build_parser().parse_args(argv)
+    _configure_logging(args)
     try:
         return int(args.func(args) or 0)
     except (*user_errors(), KeyError, OSError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else user_error_message(exc)
         if msg is None:   # not a mistake in the input nor a full disk: a bug, with its traceback
             raise
-        print(f"medfl: error: {msg}", file=sys.stderr)
+        logger.error(f"medfl: error: {msg}")
         return 2
     except KeyboardInterrupt:   # the run said what was saved and how to resume
         return INTERRUPTED_EXIT

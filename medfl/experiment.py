@@ -11,7 +11,8 @@ directory; where its clients are is the backend's business (:mod:`medfl.backend`
 from __future__ import annotations
 
 import json
-import sys
+import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,9 +20,12 @@ from medfl.backend import Backend, backend_of
 from medfl.config import method_label, set_threads
 from medfl.engine.data import FederatedData, split_data, warn_straddling
 from medfl.engine.runner import Run, RunError, RunFactory, _write_json, build_source
+from medfl.logs import file_log
 from medfl.plugins import get_plugin_manager, pinned_names
 
 __all__ = ["run_experiment", "resume"]
+
+logger = logging.getLogger(__name__)
 
 
 def _create_unique_dir(base: Path, overwrite: bool) -> Path:
@@ -195,6 +199,14 @@ def _experiment(cfg: dict[str, Any], run_factory: RunFactory, meta: dict[str, An
     # the split first: a dataset or partition that cannot work stops before anything is written
     data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
     exp_dir = _create_unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
+    with file_log(exp_dir, f"experiment {exp_dir.name}"):
+        return _experiment_in(cfg, exp_dir, data, run_factory, meta)
+
+
+def _experiment_in(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, run_factory: RunFactory,
+                   meta: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`_experiment` once its directory ``exp_dir`` exists (its ``log.txt`` open):
+    ``data`` is the split of a plain experiment (``None`` with folds or seeds)."""
     _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
     return _tracked(exp_dir, cfg, cfg.get("tracking") or [], run_factory, True,
                     lambda factory: _methods_of(cfg, exp_dir, data, factory, meta))
@@ -257,8 +269,10 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
 
     # --threads (MEDFL_THREADS) wins over the saved fl.threads; "auto" is medfl resume's
     set_threads(saved["fl"].get("threads"), apply_auto=False)
-    # the plugins the run started with (a run written before medfl recorded them: bare names, resolved now)
-    with pinned_names(saved.get("fl", {}).get("plugin_names")):
+    # the plugins the run started with (a run written before medfl recorded them: bare names, resolved now);
+    # an experiment's (or fold's) own log; a method run's directory gets its log with its lock
+    with pinned_names(saved.get("fl", {}).get("plugin_names")), \
+            (file_log(path, f"resume of {path.name}") if "method" not in saved else nullcontext()):
         if run_factory is None or run_factory is Run:   # a run continues on its backend (ray: the simulation runtime)
             chosen = backend or backend_of(saved["fl"])
             return chosen.resume(path, saved["fl"], rounds, lambda factory, extra=None: drive(factory))
@@ -357,11 +371,10 @@ def _resume(path: Path, saved: dict[str, Any], rounds: int | None, run_factory: 
     run.prepare(resume=True)
     label = run.label
     if run.stopped_early and run.early is not None:
-        print(f"medfl [{label}]: early stopping ended this run after round {run.early.stopped_at} (best round "
-              f"{run.early.best_round}): nothing left to train"
-              + ("" if ignored is None else f"; --rounds {ignored} does not extend it (start a new run, e.g. with "
-                                            "a larger fl.early_stopping.patience, to train longer)"),
-              file=sys.stderr, flush=True)
+        logger.info(f"medfl [{label}]: early stopping ended this run after round {run.early.stopped_at} (best round "
+                    f"{run.early.best_round}): nothing left to train"
+                    + ("" if ignored is None else f"; --rounds {ignored} does not extend it (start a new run, e.g. with "
+                                                  "a larger fl.early_stopping.patience, to train longer)"))
     finished = run.start_round > run.federation.rounds or run.stopped_early
     if finished and (path / "summary.json").is_file():
         summary = json.loads((path / "summary.json").read_text())

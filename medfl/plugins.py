@@ -24,9 +24,9 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata as md
+import logging
 import os
 import re
-import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,6 +57,8 @@ __all__ = [
     "plugin_info",
     "describe",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Built-in plugin modules; used only when medfl runs from a source tree without its
 #: entry points installed (normally they load through the ``medfl`` entry-point group).
@@ -154,7 +156,7 @@ _warned: set[str] = set()   # plugins already warned about (API version)
 
 def _trace(hook_name: str, hook_impls: list, kwargs: dict) -> None:
     names = ", ".join(impl.plugin_name for impl in hook_impls)
-    print(f"medfl: hook {hook_name}({', '.join(kwargs)}) -> [{names}]", file=sys.stderr)
+    logger.info(f"medfl: hook {hook_name}({', '.join(kwargs)}) -> [{names}]")
 
 
 def _wanted(ep: md.EntryPoint, dist_name: str) -> bool:

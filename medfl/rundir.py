@@ -45,6 +45,8 @@ records of them, and writes that say which file a full disk stopped. A run direc
                        and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`);
                        with early stopping, ``final`` is the best round's, ``last_round`` the
                        last round's and ``early_stopping`` says what was decided (below)
+    log.txt            everything medfl logged while the run held its lock (timestamps, levels;
+                       appended on resume, with a "resumed at round k" line; :mod:`medfl.logs`)
     forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,
                        negative-flip rates, sampled clients
     checkpoints/       coordinator state per round (last ``keep_checkpoints`` kept, and with
@@ -95,6 +97,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -104,10 +107,14 @@ from typing import Any, Callable, Iterable, Iterator
 import pandas as pd
 import torch
 
+from medfl.logs import FileLog
+
 
 __all__ = ["sha256_file", "with_step_column", "RUN_FILES", "file_manifest", "manifest_problems", "interrupted_write", "sum_path", "write_sum",
            "check_sum", "DiskFullError", "NO_SPACE", "disk_full", "full_disk_message", "writing",
            "append_text", "RunError", "GrowingCsv", "RunDir"]
+
+logger = logging.getLogger(__name__)
 
 def sha256_file(path: str | Path) -> str:
     """The SHA-256 of a file (hex), read in 1 MiB blocks."""
@@ -444,13 +451,16 @@ class RunDir:
     files, the per-round tables (:class:`GrowingCsv`), the append-only logs, its checkpoints
     and their checksums and manifest, its lock and ``status.json``. The engine's
     :class:`~medfl.engine.runner.Run` holds one (``run.files``) and writes through it;
-    ``label`` names the run in what it says on stderr."""
+    ``label`` names the run in what it logs; while it holds the lock the run's ``log.txt``
+    is open (:attr:`log`)."""
 
     def __init__(self, path: str | Path, label: str = "") -> None:
         self.path = Path(path)
         self.label = label
         #: the run directory's lock while this process writes it (:meth:`lock`)
         self.handle: Any = None
+        #: the run's ``log.txt`` while this process holds the lock (:mod:`medfl.logs`)
+        self.log = FileLog(self.path)
         self._csv = GrowingCsv()   # the CSVs rewritten every round, formatted row by row once
         #: who is told of every per-round table written and every status (experiment tracking,
         #: :class:`medfl.tracking.Tracking`): objects with ``rows(name, df, appended)`` and
@@ -466,9 +476,12 @@ class RunDir:
         """
         if self.handle is None:
             self.handle = _lock(self.path)
+            self.log.attach(f"run {self.label or self.path.name}")
 
     def unlock(self) -> None:
-        """Release the run directory's lock (nothing when it is not held)."""
+        """Release the run directory's lock (nothing when it is not held) and close the
+        run's ``log.txt``."""
+        self.log.detach()
         _unlock(self.handle)
         self.handle = None
 
@@ -616,10 +629,9 @@ class RunDir:
                 if problems and not read_only:
                     for bad, why in problems:
                         bad.replace(bad.with_name(bad.name + ".damaged"))
-                        print(f"medfl [{self.label}]: {bad.name} is damaged ({why}); kept as {bad.name}.damaged",
-                              file=sys.stderr, flush=True)
-                    print(f"medfl [{self.label}]: resuming from the last intact checkpoint, round {k}",
-                          file=sys.stderr, flush=True)
+                        logger.warning(f"medfl [{self.label}]: {bad.name} is damaged ({why}); kept as "
+                                       f"{bad.name}.damaged")
+                    logger.warning(f"medfl [{self.label}]: resuming from the last intact checkpoint, round {k}")
                 return k, ckpt
             problems.append((path, problem))
         if problems:

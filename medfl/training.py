@@ -8,7 +8,9 @@ re-exports it with a deprecation warning until the next release.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ __all__ = [
     "weighted_average",
     "state_fingerprint",
 ]
+
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Regularizer = Callable[[nn.Module], torch.Tensor]
@@ -214,6 +218,11 @@ def train_epochs(
     loss raises :class:`NonFiniteError` naming its step at that read, so up to that many steps
     run past it.
 
+    When the ``medfl.training`` logger logs DEBUG (a run's ``log.txt`` under the ``medfl``
+    command, ``-v``), each epoch ends with a line ``epoch e/E: loss L (B batches, b batches/s)``:
+    the epoch's mean loss, read then (one more wait for the GPU per epoch; the sums, so the
+    returned mean, are the same).
+
     Returns:
         ``{"loss": mean training loss over the samples trained on (0 when none),
         "steps": optimizer steps}``.
@@ -225,8 +234,11 @@ def train_epochs(
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     losses = StepMeans(check=("loss",))
     fmt: torch.memory_format | None = None
+    debug = logger.isEnabledFor(logging.DEBUG)
     try:
-        for _ in range(epochs):
+        for epoch in range(epochs):
+            if debug:
+                before, steps0, t0 = losses.total("loss"), losses.steps, time.perf_counter()
             for x, y in loader:
                 if x.shape[0] == 0 or (x.shape[0] < 2 and has_bn):
                     continue  # nothing to learn from; BatchNorm cannot train on a batch of one
@@ -243,10 +255,23 @@ def train_epochs(
                 backward_step(loss, optimizer, scaler, clip_grad_norm, model.parameters())
                 if max_steps is not None and losses.steps >= max_steps:
                     return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
+            if debug:
+                _log_epoch(epoch + 1, epochs, before, losses.total("loss"), losses.steps - steps0,
+                           time.perf_counter() - t0)
         return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
     finally:
         if fmt is not None:   # states leave in the usual layout
             model.to(memory_format=torch.contiguous_format)
+
+
+def _log_epoch(epoch: int, epochs: int, before: tuple[float, float], after: tuple[float, float], batches: int,
+               seconds: float) -> None:
+    """The DEBUG line of one epoch of :func:`train_epochs`: its mean loss (from the weighted
+    sums ``before`` and ``after`` it, :meth:`StepMeans.total`), batches and batches per second."""
+    weight = after[1] - before[1]
+    loss = f"{(after[0] - before[0]) / weight:.4g}" if weight else "n/a (no batch trained)"
+    rate = f"{batches / seconds:.3g}" if seconds > 0 else "n/a"
+    logger.debug(f"epoch {epoch}/{epochs}: loss {loss} ({batches} batches, {rate} batches/s)")
 
 
 #: :class:`StepMeans` (so :func:`train_epochs`) reads its step scalars from the device every
@@ -317,6 +342,13 @@ class StepMeans:
                                          "train.lr or set train.clip_grad_norm")
                 self._sums[k] = self._sums.get(k, 0.0) + value * weight
                 self._weights[k] = self._weights.get(k, 0) + weight
+
+    def total(self, name: str) -> tuple[float, float]:
+        """``(weighted sum, total weight)`` of ``name`` over every step so far (read now): the
+        mean over a stretch of steps is the difference of two totals (a training loop's
+        per-epoch loss). Reading early changes no sum: they are added step by step in order."""
+        self._read()
+        return self._sums.get(name, 0.0), float(self._weights.get(name, 0))
 
     def means(self) -> dict[str, float]:
         """The weighted mean of each name over the steps that gave it."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -34,6 +33,7 @@ from medfl.models.registry import build_seeded
 from medfl.plugins import lookup
 from medfl.shapley import (balanced_subset, ensemble_game, feature_importance, importance_weights, mean_importance,
                            shapley_values, teacher_weights)
+from medfl.logs import plugin_logger
 
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["PFedCDP", "AUTHORS_NOISE_MULTIPLIER", "AUTHORS_TEACHER_WEIGHTS", "DEFAULT_CLUSTER_MODELS",
            "PRESETS", "fisher_information", "fisher_masks", "mix_extractor", "personal_observables",
            "quantization_error", "recalibrate_norms", "register_methods"]
+
+logger = plugin_logger(__name__)
 
 State = dict[str, torch.Tensor]
 
@@ -812,8 +814,8 @@ class PFedCDP(Method):
             return {k: float(v) for k, v in dict(mode[int(client.client_id)]).items() if k in SCORES}
         if mode == "measure" or (mode == "auto" and client.deployed):
             scores, notes = measure_capabilities(client.coordinator or None, max_latency_ms=self.max_latency_ms)
-            print(f"medfl pfedcdp: client {client.client_id}: capability scores measured on this machine: "
-                  + "; ".join(f"{k} {scores[k]:.3f} ({notes[k]})" for k in SCORES), file=sys.stderr, flush=True)
+            logger.info(f"medfl pfedcdp: client {client.client_id}: capability scores measured on this machine: "
+                        + "; ".join(f"{k} {scores[k]:.3f} ({notes[k]})" for k in SCORES))
             return {k: float(scores[k]) for k in SCORES}
         return dict(draw_capabilities([client.client_id], client.seed)[client.client_id])
 
@@ -829,8 +831,8 @@ class PFedCDP(Method):
                 self.assign[cid] = assign_cluster(score, self.t_high, self.t_medium)
                 self.scores[cid] = {**scores, "overall": score}
             except (KeyError, TypeError, ValueError) as exc:
-                print(f"medfl pfedcdp: client {cid}: no usable capability scores ({exc}); placed in the low "
-                      "cluster", file=sys.stderr, flush=True)
+                logger.warning(f"medfl pfedcdp: client {cid}: no usable capability scores ({exc}); placed in the low "
+                               "cluster")
                 self.assign[cid] = "low"
                 self.scores[cid] = {"overall": float("nan")}
 
@@ -1184,7 +1186,7 @@ class PFedCDP(Method):
         fed = self.federation
         clusters = self._teacher_clusters()
         if not clusters:
-            print("medfl pfedcdp: no cluster trained; nothing to refine", file=sys.stderr, flush=True)
+            logger.warning("medfl pfedcdp: no cluster trained; nothing to refine")
             return
         teachers = [self._teacher(c) for c in clusters]
         bs = int(fed.train.get("eval_batch_size", 64))
@@ -1278,14 +1280,14 @@ class PFedCDP(Method):
             note = ("the public training split has no random transforms (public_dataset.augment), so the two views "
                     "of each sample are the same image: each anchor's extra positive is itself")
             report["refine"]["views_identical"] = note
-            print(f"medfl pfedcdp: supcon_views 2: {note}", file=sys.stderr, flush=True)
+            logger.warning(f"medfl pfedcdp: supcon_views 2: {note}")
         self.student = get_state(student)
         self._student_spec = {k: v for k, v in student_spec.items()
                               if k not in ("spatial_dims", "in_channels", "num_classes")}
         self.report_ = report
         self._teacher_weights = dict(zip(clusters, weights))
-        print(f"medfl pfedcdp: refined the student on {fed.public.size('train')} public samples; teacher weights "
-              + ", ".join(f"{c} {w:.3f}" for c, w in zip(clusters, weights)), file=sys.stderr, flush=True)
+        logger.info(f"medfl pfedcdp: refined the student on {fed.public.size('train')} public samples; teacher weights "
+                    + ", ".join(f"{c} {w:.3f}" for c, w in zip(clusters, weights)))
 
     def _refine_loader(self) -> DataLoader:
         """The public training split as the student trains on it: one view of each sample,

@@ -8,7 +8,6 @@ chain runs and docs/privacy.md for the guarantees.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 import torch
@@ -21,8 +20,11 @@ from medfl.privacy.accounting import check_accountant, check_budget, check_delta
 from medfl.privacy.gaussian import add_noise, clip_update
 from medfl.privacy.ledger import planned_releases
 from medfl.privacy.quantize import dequantize_tensor, quantize_tensor
+from medfl.logs import plugin_logger
 
 __all__ = ["DpGaussian", "Quantize", "register_filters"]
+
+logger = plugin_logger(__name__)
 
 State = dict[str, torch.Tensor]
 KEY_MODES = ("parameters", "all")
@@ -100,10 +102,10 @@ class DpGaussian(Filter):
         if self.keys == "parameters":
             kept = float_buffer_keys(federation.model_spec())
             if kept:
-                print(f"medfl: {where}: the model's {len(kept)} floating-point buffer(s) (BatchNorm running "
-                      "statistics...) are not covered by the noise, so they are not sent: the global model keeps "
-                      "its initial values for them. Use a model without running statistics "
-                      "(e.g. \"norm\": \"instance\") or keys: \"all\"", file=sys.stderr, flush=True)
+                logger.warning(f"medfl: {where}: the model's {len(kept)} floating-point buffer(s) (BatchNorm running "
+                               "statistics...) are not covered by the noise, so they are not sent: the global model keeps "
+                               "its initial values for them. Use a model without running statistics "
+                               "(e.g. \"norm\": \"instance\") or keys: \"all\"")
 
     def release(self) -> Release:
         """One Gaussian release per client and training step, at sample rate 1."""

@@ -87,6 +87,29 @@ def _plots_only_where_checked(request: pytest.FixtureRequest, monkeypatch: pytes
         monkeypatch.delenv("MEDFL_NO_PLOTS", raising=False)
 
 
+# medfl's messages go through the ``medfl`` logger; the entry points (the ``medfl`` command,
+# ``python -m medfl.prep...``) show them on stderr (:func:`medfl.logs.configure_console`).
+# Tests call the library as those entry points do, so its lines are on the captured stderr
+# (``capsys``, ``capfd``) as the command prints them, module-scoped runs included.
+from medfl.logs import configure_console as _configure_console  # noqa: E402
+
+_configure_console(force=True)
+
+
+@pytest.fixture(autouse=True)
+def _medfl_console() -> Any:
+    """Every test starts with medfl's console at INFO on the current stderr (a test that ran
+    ``medfl -q`` or configured logging itself does not change what the next one sees)."""
+    yield
+    import logging
+
+    from medfl.logs import StderrHandler
+
+    handlers = [h for h in logging.getLogger("medfl").handlers if isinstance(h, StderrHandler)]
+    if len(handlers) != 1 or handlers[0].level != logging.INFO or logging.getLogger("medfl").level != logging.DEBUG:
+        _configure_console(force=True)
+
+
 @pytest.fixture
 def tiny_fl(tmp_path: Path) -> dict[str, Any]:
     """A fast experiment: 3 clients, 48 tiny images, small CNN, 2 rounds, no progress bar."""

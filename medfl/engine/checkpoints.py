@@ -11,7 +11,7 @@ written), ``coordinator``, ``store``, ``eval_store``, ``early`` and tables.
 
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Any, NoReturn
 
 from medfl.config import method_preset, preset_record
@@ -19,6 +19,8 @@ from medfl.filters import FilterChain
 from medfl.rundir import RunError, with_step_column
 
 __all__ = ["Checkpoints"]
+
+logger = logging.getLogger(__name__)
 
 
 class Checkpoints:
@@ -34,13 +36,22 @@ class Checkpoints:
         Raises:
             RunError: another process holds the run directory.
         """
+        try:
+            self._prepare(resume, read_only)
+        except BaseException:   # nothing was run: the lock and the run's log.txt go with the failure
+            if not read_only:
+                self.files.unlock()
+            raise
+
+    def _prepare(self, resume: bool, read_only: bool) -> None:
+        """:meth:`prepare`, holding the lock (and the run's ``log.txt``) once it returns."""
         if not read_only:
             self.files.lock()
             self._write_static()
             self._log_preset()
             self._log_privacy()
             if self.early is not None and self.early.on_test_split:
-                print(self.early.leakage_warning(self.label), file=sys.stderr, flush=True)
+                logger.warning(self.early.leakage_warning(self.label))
         self.coordinator.setup(self.federation)
         if not (resume or read_only):
             self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
@@ -56,6 +67,9 @@ class Checkpoints:
                                     "the run wrote (rows lost or changed). Restore the file (nothing was changed), "
                                     "or start a new run")
             self._load_checkpoint(k, ckpt, read_only)
+        if not read_only:
+            logger.info(f"medfl [{self.label}]: resumed at round {k + 1} (after the checkpoint of round {k})"
+                        if k else f"medfl [{self.label}]: resumed at round 1 (no round was checkpointed)")
         self._released = self.journal.after(k) if not read_only else {}
         beyond = [r for r in self._released if r > self.federation.rounds]
         if beyond:
@@ -72,11 +86,10 @@ class Checkpoints:
         for r, records in sorted(self._released.items()):
             sigma = [rel.noise_multiplier for rel in FilterChain.from_specs(records[0]["filters"]).releases()]
             sigma += [float(x["dp"]["noise_multiplier"]) for x in records[:1] if isinstance(x.get("dp"), dict)]
-            print(f"medfl [{self.label}] privacy: round {r} was released to the coordinator before the run stopped "
-                  f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
-                  f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
-                  "released under; a release that comes back different is counted in privacy.csv",
-                  file=sys.stderr, flush=True)
+            logger.info(f"medfl [{self.label}] privacy: round {r} was released to the coordinator before the run stopped "
+                        f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
+                        f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
+                        "released under; a release that comes back different is counted in privacy.csv")
 
     def _refuse_resume(self, message: str) -> NoReturn:
         """Stop a resume that has changed nothing yet, releasing the run directory's lock so it
@@ -116,10 +129,10 @@ class Checkpoints:
             self.ledger.load(privacy)
             changed = self.ledger.changed_noise()
             if changed and not read_only:
-                print(f"medfl [{self.label}] privacy: the resumed run's noise differs from the noise spent so far "
-                      f"(another number of rounds re-derives it for the target epsilon): {changed[0]}"
-                      f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; privacy.csv reports the "
-                      "epsilon actually spent, which may end above the target", file=sys.stderr, flush=True)
+                logger.warning(f"medfl [{self.label}] privacy: the resumed run's noise differs from the noise spent so far "
+                               f"(another number of rounds re-derives it for the target epsilon): {changed[0]}"
+                               f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}; privacy.csv reports the "
+                               "epsilon actually spent, which may end above the target")
         traffic = self.files.read_rows("communication.csv", k)
         if traffic is not None:
             self.traffic.load(traffic)
@@ -164,17 +177,16 @@ class Checkpoints:
                   if k in self.config and self.config[k] != v]
         if differ:
             line += "; the source's experiment differs from this run's: " + ", ".join(differ)
-        print(f"medfl [{self.label}] {line}; config.json has every value", file=sys.stderr, flush=True)
+        logger.info(f"medfl [{self.label}] {line}; config.json has every value")
 
     def _log_privacy(self) -> None:
         """Say on stderr what the run's differential privacy is (and what Opacus's validator
         changed in the model for DP-SGD); the same is in ``config.json`` under ``privacy``."""
         if self.filters_skipped:
-            print(f"medfl [{self.label}] privacy: runs without fl.filters: {self.filters_skipped}", file=sys.stderr,
-                  flush=True)
+            logger.warning(f"medfl [{self.label}] privacy: runs without fl.filters: {self.filters_skipped}")
         if self.config["train"].get("dp") and not self.federation.train.get("dp"):
-            print(f"medfl [{self.label}] privacy: runs without fl.train.dp: method {self.coordinator.name!r} sends "
-                  "no model state (nothing it trains leaves the client)", file=sys.stderr, flush=True)
+            logger.warning(f"medfl [{self.label}] privacy: runs without fl.train.dp: method {self.coordinator.name!r} sends "
+                           "no model state (nothing it trains leaves the client)")
         if not self.privacy.private:
             return
         plan, lines = self.privacy, []
@@ -191,7 +203,7 @@ class Checkpoints:
                 lines.append(f"dp_sgd: Opacus's ModuleValidator replaced {len(p.model_fix)} layer(s) of the model "
                              f"for per-sample gradients: {p.model_fix[0]}" + (" ..." if len(p.model_fix) > 1 else ""))
         for line in lines:
-            print(f"medfl [{self.label}] privacy: {line}", file=sys.stderr, flush=True)
+            logger.info(f"medfl [{self.label}] privacy: {line}")
 
     def _save_checkpoint(self, r: int) -> None:
         """Write round ``r``'s checkpoint (atomically, with a checksum sidecar) recording the

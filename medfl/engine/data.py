@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import sys
+import logging
 import uuid
 
 from dataclasses import dataclass
@@ -23,6 +23,8 @@ from medfl.rundir import sha256_file, writing
 
 __all__ = ["FederatedData", "split_data", "read_partition", "PARTITION_COLUMNS", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
            "POOLED", "REPORT_NAME", "group_keys", "partition_report", "report_line", "warn_straddling"]
+
+logger = logging.getLogger(__name__)
 
 #: The client id of the pooled (centralized) client.
 POOLED = "pooled"
@@ -480,12 +482,12 @@ def warn_straddling(report: dict[str, Any] | None, where: str = "") -> None:
         return
     prefix = f"medfl{f' [{where}]' if where else ''} partition: "
     if not any(report["straddling"].values()):
-        print(prefix + report["summary"], file=sys.stderr, flush=True)
+        logger.info(prefix + report["summary"])
         return
     fix = (f"fl.group_column {report['checked_column']!r} keeps a subject's rows together" if not report["grouped"]
            else "the dataset's own split or fold column (use_official_split, cv.column) divides them")
-    print(f"{prefix}warning: {report['summary']}; a model may be scored on images of subjects it trained on "
-          f"({fix})", file=sys.stderr, flush=True)
+    logger.warning(f"{prefix}warning: {report['summary']}; a model may be scored on images of subjects it trained on "
+                   f"({fix})")
 
 
 def _fold_split(labels: np.ndarray, groups: np.ndarray, cfg: dict[str, Any], fold: int, seed: int,

@@ -11,18 +11,30 @@ to ``clients/``; each message is measured as Flower would send it (:mod:`medfl.w
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Callable
+
+from tqdm.auto import tqdm
 
 from medfl import wire
 from medfl.context import ClientContext
 from medfl.engine.client import run_client_profile, run_client_update, run_client_validate
 from medfl.engine.data import POOLED, FederatedData, client_order
 from medfl.engine.store import ClientStore
+from medfl.logs import Throttle
 from medfl.messages import Instruction, Reply
 from medfl.method import derive_seed
 from medfl.privacy.ledger import planned_releases
 
-__all__ = ["Exchanges", "client_context", "ROLES", "PLACEHOLDER_ID"]
+__all__ = ["Exchanges", "client_context", "ROLES", "PLACEHOLDER_ID", "RoundProgress", "PROGRESS_EVERY_S"]
+
+logger = logging.getLogger(__name__)
+
+#: The shortest time between two INFO lines of progress inside a round, in seconds; every
+#: other client's line is DEBUG (in ``log.txt`` under the ``medfl`` command, on the console
+#: with ``-v``), so a 100-client round of a CI log says where it is without a line per client.
+PROGRESS_EVERY_S = 30.0
 
 #: The roles of the datasets in a client's context (a pooled client has no global test).
 ROLES = ["train", "val", "test", "global_test"]
@@ -54,6 +66,46 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
         split_sizes=data.sizes(client_id, [r for r in roles if r != "global_test"]),
         noise_key=noise_key, deployed=deployed, coordinator=coordinator,
     )
+
+
+class RoundProgress:
+    """Progress of one round's training exchange, client by client: a tqdm bar under the
+    round's bar where stderr is a terminal (none in a log file or CI: tqdm's ``disable=None``),
+    and a line per client trained (``round r: client c trained (k/n, 12.3 s)``) at DEBUG, or
+    INFO when :data:`PROGRESS_EVERY_S` seconds have passed since the round began or the last
+    INFO line (:class:`medfl.logs.Throttle`).
+
+    Args:
+        label: the run's label.
+        r: the round.
+        n: how many clients train in it.
+        bar: whether a terminal bar may be drawn (the config's ``progress``).
+    """
+
+    def __init__(self, label: str, r: int, n: int, bar: bool = True) -> None:
+        self.label, self.r, self.n, self.k = label, r, n, 0
+        self.throttle = Throttle(PROGRESS_EVERY_S)
+        self.bar = tqdm(total=n, desc=f"{label} round {r}", unit="client", leave=False,
+                        disable=None if bar else True)
+        self.t0 = time.perf_counter()
+
+    def start(self, cid: str) -> None:
+        """Client ``cid`` starts training (DEBUG)."""
+        logger.debug(f"medfl [{self.label}] round {self.r}: client {cid} training ({self.k + 1}/{self.n})")
+        self.t0 = time.perf_counter()
+
+    def done(self, cid: str) -> None:
+        """Client ``cid`` finished: the bar moves, and its line is logged."""
+        self.k += 1
+        seconds = time.perf_counter() - self.t0
+        self.bar.update(1)
+        level = logging.INFO if self.throttle.due() else logging.DEBUG
+        logger.log(level, f"medfl [{self.label}] round {self.r}: client {cid} trained ({self.k}/{self.n} clients, "
+                          f"{seconds:.1f} s)")
+
+    def close(self) -> None:
+        """The round's exchange ended (the bar goes)."""
+        self.bar.close()
 
 
 class Exchanges:
@@ -111,20 +163,27 @@ class Exchanges:
         returned replies; the method's ``server_update`` sees only those that answered).
 
         Each exchange is recorded in :attr:`traffic` (``train``) with the sizes of the
-        instruction and reply as Flower would send them (:mod:`medfl.wire`).
+        instruction and reply as Flower would send them (:mod:`medfl.wire`); the round's
+        progress, client by client, is logged (:class:`RoundProgress`).
         """
         order = client_order(instructions)
         sent = self._request_sizes(r, {cid: instructions[cid] for cid in order})
         replies: dict[str, Reply] = {}
         self._checked_finite.clear()
-        for cid in order:
-            reply = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
-                                      store=self.store, filters=self.privacy.chain, step=self._step)
-            if not self.privacy.chain:   # the payload as run_client_update checked it
-                self._checked_finite[cid] = wire.ContentSnapshot(reply.payload)
-            back = wire.train_answer_size(cid, reply.payload, reply.metrics, reply.num_examples)
-            self.traffic.add(r, cid, "train", sent[cid], back)
-            replies[cid] = reply
+        progress = RoundProgress(self.label, r, len(order), bool(self.config.get("progress", True)))
+        try:
+            for cid in order:
+                progress.start(cid)
+                reply = run_client_update(self.client_method, self.context(cid, r), instructions[cid],
+                                          store=self.store, filters=self.privacy.chain, step=self._step)
+                if not self.privacy.chain:   # the payload as run_client_update checked it
+                    self._checked_finite[cid] = wire.ContentSnapshot(reply.payload)
+                back = wire.train_answer_size(cid, reply.payload, reply.metrics, reply.num_examples)
+                self.traffic.add(r, cid, "train", sent[cid], back)
+                replies[cid] = reply
+                progress.done(cid)
+        finally:
+            progress.close()
         return replies
 
     def validate_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, dict[str, float]]:

@@ -15,8 +15,8 @@ the best round's rows; a run that early stopping ended is finished.
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -53,6 +53,8 @@ from medfl.rundir import (GrowingCsv, RunDir, RunError, _fold_of, _lock, _read_r
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "build_source",
            "summarize_metrics", "evaluate_metrics", "reported_by", "update_norm", "METRICS_PROVENANCE", "ENGINE_TABLES",
            "LOSS_DIVERGED", "sites_needed", "TooFewSites"]
+
+logger = logging.getLogger(__name__)
 
 #: A round whose mean training ``loss`` over its replies exceeds this many times ``ln K`` (the
 #: cross-entropy of a classifier that says "uniform" over ``K`` classes, where training starts)
@@ -221,7 +223,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
             text = self.divergence(r)
             if text:
                 self.warnings.append({"round": r, "warning": text})
-                print(f"medfl [{self.label}] round {r}: warning: {text}", file=sys.stderr, flush=True)
+                logger.warning(f"medfl [{self.label}] round {r}: warning: {text}")
         if self.privacy.private:
             released = self.coordinator.round_releases(r) if self.privacy.method_release is not None else []
             self.ledger.record(r, {cid: addressed[cid] for cid in client_order(addressed)},
@@ -304,7 +306,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
             self.files.write_rows("mechanisms.csv", self.mechanism_log)
         for text in self.coordinator.mechanism_warnings(r):
             self.warnings.append({"round": r, "warning": str(text)})
-            print(f"medfl [{self.label}] round {r}: {text}", file=sys.stderr, flush=True)
+            logger.warning(f"medfl [{self.label}] round {r}: {text}")
 
     def profile(self) -> None:
         """The method's profile exchange, once before round 1 (:meth:`Method.configure_profile`):
@@ -382,8 +384,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
             # SuperLink is stopped or restarted): the saved rounds stay, resumable
             bar.close()
             self._status("interrupted", self._ckpt)
-            print(f"\nmedfl [{self.label}]: interrupted; {self._saved()} (status.json says \"interrupted\"); "
-                  f"continue with: {self.resume_command(self._top())}", file=sys.stderr, flush=True)
+            logger.warning(f"\nmedfl [{self.label}]: interrupted; {self._saved()} (status.json says \"interrupted\"); "
+                           f"continue with: {self.resume_command(self._top())}")
             raise
 
     def _top(self) -> Path:
@@ -437,7 +439,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
         pm = get_plugin_manager()
         best = self._restore_best()
         if self.early is not None and self.early.stopped_at is not None:
-            print(self.early.stop_message(self.label), file=sys.stderr, flush=True)
+            logger.info(self.early.stop_message(self.label))
         self.coordinator.finalize()
         self.write_final_tables()
         finals = self.evaluate_finals(rounds)

@@ -12,8 +12,8 @@ as it overrides the run's.
 
 from __future__ import annotations
 
+import logging
 import math
-import sys
 from typing import Any, Iterable
 
 import numpy as np
@@ -30,6 +30,8 @@ from medfl.privacy.releases import asked_releases
 from medfl.rundir import RunError
 
 __all__ = ["Screening", "update_norm", "TooFewSites", "sites_needed", "quorum_rule"]
+
+logger = logging.getLogger(__name__)
 
 
 def update_norm(reply: Reply, instruction: Instruction, reply_state: dict[str, str | None]) -> float | None:
@@ -270,7 +272,7 @@ class Screening:
     def _reply_event(self, r: int, cid: str, status: str, reason: str) -> None:
         """Say on stderr and in ``reply_events.csv`` that ``cid``'s reply of round ``r`` was
         ``status`` (``dropped``, ``excluded``) and why."""
-        print(f"medfl [{self.label}] round {r}: reply of client {cid} {status}: {reason}", file=sys.stderr, flush=True)
+        logger.warning(f"medfl [{self.label}] round {r}: reply of client {cid} {status}: {reason}")
         self.files.append_rows("reply_events.csv", pd.DataFrame([{"round": r, "step": self._step, "client_id": cid,
                                                                   "status": status, "reason": reason}]))
 

@@ -35,8 +35,8 @@ The ``ServerApp`` that drives experiments of these runs over a SuperLink is
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 import re
 import threading
 import time
@@ -72,6 +72,8 @@ def _listed(ctl: dict[str, Any], key: str, where: str) -> list[str]:
 
 __all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "SteadyGrid", "SuperLinkError",
            "transient_error", "flower_run_factory", "RUN_CONFIG"]
+
+logger = logging.getLogger(__name__)
 
 # Flower's error codes (flwr.common.constant.ErrorCode): a node gone or a message lost is a
 # dropout; an exception raised by the ClientApp is that site's failure: its reply is dropped
@@ -275,8 +277,8 @@ class SteadyGrid:
                                          "--database, then resume the run") from exc
                 self.log({"phase": "superlink", "status": f"retry {attempt + 1}/{tries} of {what}: {why}",
                           "seconds": wait})
-                print(f"medfl flower: the SuperLink failed {what} ({why}); trying again in {wait:.1f} s "
-                      f"({attempt + 1} of {tries})", file=sys.stderr, flush=True)
+                logger.warning(f"medfl flower: the SuperLink failed {what} ({why}); trying again in {wait:.1f} s "
+                               f"({attempt + 1} of {tries})")
                 self.settings.sleep(wait)
                 wait = min(30.0, max(wait * 2, 0.1))
         raise AssertionError("unreachable")
@@ -338,7 +340,7 @@ class SiteDirectory:
         stop it; if a client is then left without a site, the connect error quotes this)."""
         self.refused[node] = reason
         self.log({"phase": "hello", "client_id": cid, "node_id": node, "status": f"refused: {reason}"})
-        print(f"medfl flower: node {node} refused: {reason}", file=sys.stderr, flush=True)
+        logger.warning(f"medfl flower: node {node} refused: {reason}")
 
     def _accept(self, node: int, reply: Message) -> None:
         try:
@@ -518,8 +520,7 @@ class FlowerRun(Run):
             meta["site_nodes"] = self.sites.pins          # a resume keeps them without --site-nodes
         elif resume and isinstance(meta.get("site_nodes"), dict):
             self.sites.pins = _pins(meta["site_nodes"], f"{meta_path} site_nodes")
-            print(f"medfl flower: clients are served only by the nodes registered for them ({meta_path})",
-                  file=sys.stderr, flush=True)
+            logger.info(f"medfl flower: clients are served only by the nodes registered for them ({meta_path})")
         tmp = meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta, indent=2))
         tmp.replace(meta_path)
@@ -558,14 +559,13 @@ class FlowerRun(Run):
                 break
             waited = True
             nodes = len(self.grid.get_node_ids())
-            print(f"medfl flower: {what}waiting for sites ({time.monotonic() - t0:.0f} of {deadline - t0:.0f} s): "
-                  f"no site serves client(s) {', '.join(missing)} yet; "
-                  f"connected: {', '.join(c for c in ids if c in self.sites.nodes) or 'none'} "
-                  f"({nodes} SuperNode(s) registered)", file=sys.stderr, flush=True)
+            logger.info(f"medfl flower: {what}waiting for sites ({time.monotonic() - t0:.0f} of {deadline - t0:.0f} s): "
+                        f"no site serves client(s) {', '.join(missing)} yet; "
+                        f"connected: {', '.join(c for c in ids if c in self.sites.nodes) or 'none'} "
+                        f"({nodes} SuperNode(s) registered)")
         if waited and len(ids) - len(missing) >= enough:
             who = "every site" if not missing else f"{len(ids) - len(missing)} of {len(ids)} sites"
-            print(f"medfl flower: {what}{who} connected after {time.monotonic() - t0:.0f} s", file=sys.stderr,
-                  flush=True)
+            logger.info(f"medfl flower: {what}{who} connected after {time.monotonic() - t0:.0f} s")
         return missing
 
     def _await_quorum(self, r: int, phase: str, ids: list[str]) -> None:
@@ -585,8 +585,8 @@ class FlowerRun(Run):
         t0 = time.monotonic()
         self._log({"round": r, "phase": phase, "status": f"waiting: {len(have)} of {len(ids)} sites available, "
                                                          f"{need} needed ({quorum_rule(self.config)})"})
-        print(f"medfl flower: round {r} ({phase}): {len(have)} of {len(ids)} sites available, {need} needed "
-              f"({quorum_rule(self.config)}); waiting up to {wait:.0f} s (fl.site_wait_s)", file=sys.stderr, flush=True)
+        logger.warning(f"medfl flower: round {r} ({phase}): {len(have)} of {len(ids)} sites available, {need} needed "
+                       f"({quorum_rule(self.config)}); waiting up to {wait:.0f} s (fl.site_wait_s)")
         missing = self._await_sites(ids, need, t0 + wait, t0, f"round {r} ({phase}): ")
         got = len(ids) - len(missing)
         self._log({"round": r, "phase": phase, "status": f"waited: {got} of {len(ids)} sites available",
@@ -703,9 +703,9 @@ class FlowerRun(Run):
         t0 = time.monotonic()
         self._log({"round": r, "phase": phase, "status": f"waiting: {len(short)} site(s) missing ({' '.join(short)}), "
                                                          f"{more} more needed ({quorum_rule(self.config)})"})
-        print(f"medfl flower: round {r} ({phase}): too few sites answered, {more} more needed "
-              f"({quorum_rule(self.config)}); waiting up to {max(0.0, until - t0):.0f} s more (fl.site_wait_s) for "
-              f"client(s) {', '.join(short)} to come back", file=sys.stderr, flush=True)
+        logger.warning(f"medfl flower: round {r} ({phase}): too few sites answered, {more} more needed "
+                       f"({quorum_rule(self.config)}); waiting up to {max(0.0, until - t0):.0f} s more (fl.site_wait_s) for "
+                       f"client(s) {', '.join(short)} to come back")
         missing = self._await_sites(short, more, until, t0, f"round {r} ({phase}): ")
         if missing and len(short) - len(missing) >= more:
             # enough are back: give the others (still busy with the message they missed) up
@@ -716,8 +716,7 @@ class FlowerRun(Run):
                    "seconds": time.monotonic() - t0})
         if len(back) < more:
             return []
-        print(f"medfl flower: round {r} ({phase}): sending it again to client(s) {', '.join(back)}", file=sys.stderr,
-              flush=True)
+        logger.info(f"medfl flower: round {r} ({phase}): sending it again to client(s) {', '.join(back)}")
         return back
 
     def _send(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict],
@@ -794,8 +793,8 @@ class FlowerRun(Run):
         for cid in by_msg.values():
             self._log({"round": r, "phase": phase, "client_id": cid, "node_id": self.sites.nodes.get(cid),
                        "status": "timeout", "seconds": time.monotonic() - sent_at[cid]})
-            print(f"medfl flower: round {r}: site {cid} did not answer {phase} within "
-                  f"{self.settings.round_timeout:.0f} s; left out", file=sys.stderr, flush=True)
+            logger.warning(f"medfl flower: round {r}: site {cid} did not answer {phase} within "
+                           f"{self.settings.round_timeout:.0f} s; left out")
             self.sites.drop(cid)
         for cid in order:
             self.traffic.add(r, cid, counted_as or phase, size_to[cid], size_from.get(cid, 0))
@@ -884,7 +883,7 @@ class FlowerRun(Run):
         self._log({"round": r, "phase": "secagg", "status": done.halted or
                    f"aggregated {len(done.included)}: {' '.join(done.included)}"})
         if done.halted:
-            print(f"medfl [{self.label}] round {r}: {done.halted}", file=sys.stderr, flush=True)
+            logger.warning(f"medfl [{self.label}] round {r}: {done.halted}")
         return done.replies
 
     def aggregated(self, r: int, replies: dict[str, Reply]) -> dict[str, Reply]:
@@ -900,9 +899,8 @@ class FlowerRun(Run):
         out = done.as_replies(replies)
         if done.aggregate is not None and not out:
             refused = sorted(set(done.included) - set(replies))
-            print(f"medfl [{self.label}] round {r}: the secure sum includes the update of site(s) {refused}, whose "
-                  "reply was refused; it cannot be taken out of the sum: no update this round", file=sys.stderr,
-                  flush=True)
+            logger.warning(f"medfl [{self.label}] round {r}: the secure sum includes the update of site(s) {refused}, whose "
+                           "reply was refused; it cannot be taken out of the sum: no update this round")
         return out
 
     def secure_aggregation(self) -> dict[str, Any] | None:

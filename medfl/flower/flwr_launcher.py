@@ -23,12 +23,15 @@ The file is run by path, not as ``python -m medfl...``: it imports Flower only, 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import sys
 from typing import Mapping
 
 __all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "COMMANDS", "task_window", "widen_task_window", "main"]
+
+logger = logging.getLogger(__name__)
 
 #: Environment variable: seconds a new ClientApp/ServerApp process has to report (default below).
 TASK_WINDOW_ENV = "MEDFL_FLOWER_TASK_WINDOW"
@@ -82,13 +85,16 @@ def widen_task_window(seconds: float) -> None:
 def main(argv: list[str]) -> int:
     """``flwr_launcher.py NAME ARGS...``: run Flower's command ``NAME`` (one of
     :data:`COMMANDS`) with ``ARGS`` after widening the task window; its exit code."""
+    from medfl.logs import configure_console
+
+    configure_console()
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: {os.path.basename(__file__)} {{{','.join(COMMANDS)}}} ARGS...", file=sys.stderr)
+        logger.error(f"usage: {os.path.basename(__file__)} {{{','.join(COMMANDS)}}} ARGS...")
         return 2
     try:
         window = task_window()
     except ValueError as exc:
-        print(f"medfl: error: {exc}", file=sys.stderr)
+        logger.error(f"medfl: error: {exc}")
         return 2
     widen_task_window(window)
     module, function = COMMANDS[argv[0]]

@@ -53,6 +53,8 @@ from medfl.flower.proxy import secure_aggregation_mod
 __all__ = ["SimulationRun", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing", "shutdown_ray",
            "STATE_FOLDER"]
 
+logger = logging.getLogger(__name__)
+
 #: Folder of ``output_dir`` holding the simulated sites' persistent state, by run id.
 STATE_FOLDER = ".simulation"
 
@@ -210,9 +212,8 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
             raise KeyboardInterrupt
         stop.set()
         quiet.stopping = True
-        sys.stderr.write("medfl: stopping (the finished rounds are kept; the clients finish the message they "
-                         "are on; Ctrl-C again to stop at once)\n")
-        sys.stderr.flush()
+        logger.warning("medfl: stopping (the finished rounds are kept; the clients finish the message they "
+                       "are on; Ctrl-C again to stop at once)")
 
     previous = None
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) not in (

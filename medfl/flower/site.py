@@ -24,8 +24,9 @@ it)::
     evaluation memory (``.../eval_state/``), its secrets for privacy noise
     (``<state-dir>/noise.key``, :func:`site_noise_key`, and one more per run,
     ``.../noise_run.key``, :meth:`Site.run_noise_key`) and its ledger of the DP releases it
-    made (``.../releases.jsonl`` and ``.../releases/``, :mod:`medfl.privacy.releases`).
-    Nothing of it is sent to the coordinator.
+    made (``.../releases.jsonl`` and ``.../releases/``, :mod:`medfl.privacy.releases`), and
+    its log of the run (``.../log.txt``: what the site logged while handling the run's
+    messages, :mod:`medfl.logs`). Nothing of it is sent to the coordinator.
 ``overrides`` (optional)
     JSON of ``#``-path overrides of the config (``{"fl#dataset#root": "/data"}``).
 ``workdir`` (optional)
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import os
 from dataclasses import dataclass, field
@@ -75,11 +77,14 @@ from medfl.engine.data import FederatedData, client_order, split_data
 from medfl import wire
 from medfl.flower import protocol as P
 from medfl.flower.proxy import secure_aggregation_mod
+from medfl.logs import file_log
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
 
 __all__ = ["SiteSettings", "Site", "SiteError", "handle", "handle_locally", "site_for", "site_noise_key", "app",
            "REPRODUCIBLE_NOISE_ENV"]
+
+logger = logging.getLogger(__name__)
 
 
 class SiteError(RuntimeError):
@@ -463,9 +468,8 @@ def site_noise_key(state_dir: Path, client_id: str) -> str:
     import sys
 
     if os.environ.get(REPRODUCIBLE_NOISE_ENV, "") == "1":
-        print(f"medfl site {client_id}: {REPRODUCIBLE_NOISE_ENV}=1: privacy noise is drawn from the run seed alone "
-              "(reproducible, as in process): no DP guarantee against whoever knows the seed", file=sys.stderr,
-              flush=True)
+        logger.warning(f"medfl site {client_id}: {REPRODUCIBLE_NOISE_ENV}=1: privacy noise is drawn from the run seed alone "
+                       "(reproducible, as in process): no DP guarantee against whoever knows the seed")
         return ""
     return _secret_file(Path(state_dir) / "noise.key", client_id)
 
@@ -524,6 +528,13 @@ def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
     """
     ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
     site.check(ctl)
+    # the site's own log of the run, beside its state (<state-dir>/<run id>/site_<client id>/log.txt)
+    with file_log(site._root(ctl), f"site {site.client_id}: {message_type} message, round {ctl.get('round')}"):
+        return _answer(site, message_type, ctl, content)
+
+
+def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: RecordDict) -> RecordDict:
+    """:func:`handle` once the message's control fields ``ctl`` are read and checked."""
     me = f"site {site.client_id}"
     if message_type == P.HELLO:
         info = site.hello(ctl)

@@ -15,11 +15,11 @@ SIGINT), it ends the SuperNode first.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,6 +31,8 @@ from medfl.flower.proxy import decode_records, encode_records, recv_frame, send_
 from medfl.flower.site import Site, SiteSettings, handle
 
 __all__ = ["SiteWorker", "run_site", "socket_for", "exit_reason"]
+
+logger = logging.getLogger(__name__)
 
 
 def exit_reason(code: int | None) -> str:
@@ -81,8 +83,7 @@ class SiteWorker:
                 answer = encode_records(out)
             except Exception as exc:  # noqa: BLE001 - reported to the ClientApp, which raises it
                 msg = f"{type(exc).__name__}: {exc}"
-                print(f"medfl site {self.settings.client_id}: {msg}\n{traceback.format_exc()}",
-                      file=sys.stderr, flush=True)
+                logger.error(f"medfl site {self.settings.client_id}: {msg}\n{traceback.format_exc()}")
                 send_frame(conn, json.dumps({"ok": False, "error": msg}).encode())
                 return
             send_frame(conn, json.dumps({"ok": True}).encode())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -43,6 +44,8 @@ __all__ = [
     "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size", "printable",
     "limit_per_split",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Columns every manifest starts with (empty where unknown).
 MANIFEST_COLUMNS = ["sample_id", "path", "image_path", "label", "class_name", "subject_id",
@@ -494,7 +497,7 @@ def write_manifest(out: Path, rows: list[dict[str, Any]], extra_order: Sequence[
             text = (f"class(es) {', '.join(empty)} have no sample in the manifest"
                     + (f" ({', '.join(why)})" if why else " (not in the download?)")
                     + ": a run can neither learn nor score them")
-            print(f"warning: {text}", file=sys.stderr, flush=True)
+            logger.warning(f"warning: {text}")
             if report is not None:
                 report.note(text)
     return df
@@ -520,7 +523,7 @@ def _escape_names(df: pd.DataFrame, report: "PrepReport | None") -> None:
                 f"{escaped[0]}); they are written with \\xNN escapes, since a UTF-8 CSV cannot hold those "
                 "bytes: the samples are prepared, but such a path does not open its file (rename the file "
                 "and prepare again to load from that column)")
-        print(f"warning: {text}", file=sys.stderr, flush=True)
+        logger.warning(f"warning: {text}")
         if report is not None:
             report.note(text)
 
@@ -571,11 +574,15 @@ def progress(iterable: Any, desc: str, total: int | None = None) -> Any:
 
 def run_script(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:
     """Run a data_prep ``main`` as a script: a :class:`DataError` becomes ``error: ...`` on
-    stderr and exit status 2, with no traceback."""
+    stderr and exit status 2, with no traceback. Its warnings go to stderr through the
+    ``medfl`` logger (:func:`medfl.logs.configure_console`)."""
+    from medfl.logs import configure_console
+
+    configure_console()
     try:
         code = main(argv)
     except DataError as exc:
-        print(f"error: {printable(str(exc))}", file=sys.stderr)
+        logger.error(f"error: {printable(str(exc))}")
         sys.exit(2)
     sys.exit(code or 0)
 
