@@ -221,13 +221,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
     from medfl.runs import format_runs, list_runs, runs_csv, runs_json
 
     if args.depth < 0:
-        print(f"medfl: error: --depth: expected how many folders deep to look (0: DIR itself), got {args.depth}",
-              file=sys.stderr)
+        logger.error(f"medfl: error: --depth: expected how many folders deep to look (0: DIR itself), got {args.depth}")
         return 2
     try:
         rows = list_runs(args.dir, depth=args.depth)
     except NotADirectoryError as exc:
-        print(f"medfl: error: {exc}", file=sys.stderr)
+        logger.error(f"medfl: error: {exc}")
         return 2
     if args.json:
         print(runs_json(rows))
