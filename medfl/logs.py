@@ -142,15 +142,24 @@ class _RunFileHandler(logging.FileHandler):
     """A run's ``log.txt``: the records of one thread (the one running the run), so runs and
     simulated sites in other threads of the process keep to their own files."""
 
-    def __init__(self, path: Path, thread: int) -> None:
-        super().__init__(path, mode="a", encoding="utf-8")
+    def __init__(self, path: Path, thread: int, header: logging.LogRecord) -> None:
+        super().__init__(path, mode="a", encoding="utf-8", delay=True)
         self.thread = thread
+        self.header: logging.LogRecord | None = header
         self.setLevel(logging.DEBUG)
         self.setFormatter(logging.Formatter(FILE_FORMAT))
 
     def filter(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
         """Only the records logged by the thread that opened the file."""
         return record.thread == self.thread and bool(super().filter(record))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write ``record``, after the file's header line when it is the first: a directory
+        where nothing was logged (a resume refused before it changed anything) is left as it was."""
+        if self.header is not None:
+            header, self.header = self.header, None
+            super().emit(header)
+        super().emit(record)
 
 
 class FileLog:
@@ -178,7 +187,8 @@ class FileLog:
         return self.handler is not None
 
     def attach(self, header: str = "") -> None:
-        """Start writing this directory's log (``header``: a first line, e.g. what starts)."""
+        """Start writing this directory's log (``header``: said in the file's first line, written
+        with the first record; the file is created then, not before)."""
         if self.handler is not None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,15 +200,14 @@ class FileLog:
             self._console.setLevel(logging.WARNING)
             self._console.setFormatter(logging.Formatter("%(message)s"))
             log.addHandler(self._console)
-        self.handler = _RunFileHandler(self.path, threading.get_ident())
+        # the file's own first line, written before its first record (no console shows it)
+        opened = logging.LogRecord(f"{ROOT}.logs", logging.INFO, __file__, 0, "log opened (pid %d)%s",
+                                   (os.getpid(), f": {header}" if header else ""), None)
+        self.handler = _RunFileHandler(self.path, threading.get_ident(), opened)
         log.addHandler(self.handler)
         if log.level == logging.NOTSET:   # nothing configured: the file still gets medfl's INFO lines
             self._level = log.level
             log.setLevel(logging.INFO)
-        # the file's own first line (not a message of the run: no console shows it)
-        opened = logging.LogRecord(f"{ROOT}.logs", logging.INFO, __file__, 0, "log opened (pid %d)%s",
-                                   (os.getpid(), f": {header}" if header else ""), None)
-        self.handler.handle(opened)
 
     def detach(self) -> None:
         """Stop writing this directory's log; close the file."""

@@ -148,7 +148,7 @@ def test_run_log_has_every_round_and_is_appended_on_resume(tiny_fl: dict[str, An
     n = 3
     assert "INFO medfl.engine.exchanges: medfl [fedavg] round 1: client " in first
     assert sum(f"({k}/{n} clients" in first for k in range(1, n + 1)) == n
-    assert "round 2:" not in first and "epoch 1/1: loss " in first
+    assert "round 2:" not in first and "epoch 1/1: loss " in first and "medfl [fedavg]: round 1 of 2 in " in first
     assert "INFO medfl.engine.data: medfl partition: " not in first   # the split is before the run
     experiment_log = (Path(result["dir"]) / LOG_FILE).read_text()
     assert "medfl partition: " in experiment_log and "log opened" in experiment_log
@@ -159,7 +159,7 @@ def test_run_log_has_every_round_and_is_appended_on_resume(tiny_fl: dict[str, An
     assert again.startswith(first)   # appended, not overwritten
     rest = again[len(first):]
     assert "medfl [fedavg]: resumed at round 2 (after the checkpoint of round 1)" in rest
-    assert "round 2: client" in rest and "round 1: client" not in rest
+    assert "round 2: client" in rest and "round 1: client" not in rest and "medfl [fedavg]: round 2 of 2 in " in rest
     assert (Path(result["dir"]) / LOG_FILE).read_text().startswith(experiment_log)
 
 
@@ -332,6 +332,7 @@ def test_bundle_logging_conf_configures_medfl(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if " medfl.engine.data: medfl partition: " in ln]
     assert len(lines) == 1 and " INFO medfl.engine.data: " in lines[0]   # the conf's format, once
-    assert "INFO medfl.logs: log opened (pid " in (tmp_path / "runs" / "demo" / "fedavg" / LOG_FILE).read_text()
+    run_log = (tmp_path / "runs" / "demo" / "fedavg" / LOG_FILE).read_text()
+    assert "INFO medfl.logs: log opened (pid " in run_log and "INFO medfl.engine.runner: medfl [fedavg]: round 1 of 1 in " in run_log
     experiment = (tmp_path / "runs" / "demo" / LOG_FILE).read_text()
     assert " INFO medfl.engine.data: medfl partition: " in experiment   # the conf's INFO, in the file too

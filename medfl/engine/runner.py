@@ -357,6 +357,9 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
         # a run resumed after early stopping decided to stop has no round left to train
         last = min(self.rounds_run, stop_after_round) if stop_after_round else self.rounds_run
         t0 = time.perf_counter()
+        if self.start_round <= last:
+            logger.info(f"medfl [{self.label}]: round{'s' if last > self.start_round else ''} "
+                        f"{self.start_round}{f'-{last}' if last > self.start_round else ''} of {rounds} in {self.run_dir}")
         bar = tqdm(self._round_numbers(self.start_round, last), desc=f"{self.label}", unit="round",
                    disable=not self.config.get("progress", True), leave=True,
                    initial=self.start_round - 1, total=rounds)

@@ -62,6 +62,7 @@ import json
 import logging
 import re
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -529,7 +530,9 @@ def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
     ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
     site.check(ctl)
     # the site's own log of the run, beside its state (<state-dir>/<run id>/site_<client id>/log.txt)
-    with file_log(site._root(ctl), f"site {site.client_id}: {message_type} message, round {ctl.get('round')}"):
+    # (a hello names no run yet: it is answered without one)
+    with file_log(site._root(ctl), f"site {site.client_id}: {message_type} message, round {ctl.get('round')}") \
+            if "run" in ctl else nullcontext():
         return _answer(site, message_type, ctl, content)
 
 
