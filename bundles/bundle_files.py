@@ -41,7 +41,9 @@ LOGGING_CONF = """\
 # Logging for this bundle. MONAI's bundle runner (python -m monai.bundle run ...) applies this
 # file with logging.config.fileConfig(..., disable_existing_loggers=False) before it reads the
 # configs; medfl's own messages come from loggers named after its modules ("medfl.engine...",
-# "medfl_plugins..."), all under the "medfl" logger configured below.
+# "medfl.plugins..."), all under the "medfl" logger configured below. They are printed as they
+# are ("medfl [fedavg]: ...", "medfl: error: ..."), as the medfl command prints them; each run
+# directory's log.txt has them with their times.
 #
 # Make medfl verbose:   in [logger_medfl] set  level=DEBUG
 # Make medfl quiet:     in [logger_medfl] set  level=WARNING  (errors and warnings only)
@@ -60,10 +62,10 @@ LOGGING_CONF = """\
 keys=root,medfl
 
 [handlers]
-keys=console
+keys=console,medfl_console
 
 [formatters]
-keys=readable
+keys=readable,plain
 
 [logger_root]
 level=INFO
@@ -71,7 +73,7 @@ handlers=console
 
 [logger_medfl]
 level=INFO
-handlers=console
+handlers=medfl_console
 qualname=medfl
 # medfl's records are printed by the handler above, not again by the root logger's
 propagate=0
@@ -81,6 +83,15 @@ class=StreamHandler
 level=NOTSET
 formatter=readable
 args=(sys.stderr,)
+
+[handler_medfl_console]
+class=StreamHandler
+level=NOTSET
+formatter=plain
+args=(sys.stderr,)
+
+[formatter_plain]
+format=%(message)s
 
 [formatter_readable]
 format=%(asctime)s %(levelname)s %(name)s: %(message)s

@@ -106,8 +106,8 @@ def test_models_folder_is_tracked_and_not_ignored() -> None:
 @pytest.mark.parametrize("bundle", BUNDLES, ids=lambda p: p.name)
 def test_logging_conf_parses_into_a_fresh_logging_state(bundle: Path) -> None:
     """The file applies with fileConfig as MONAI applies it (after MONAI's own check of its
-    ``class``/``args`` fields), gives the medfl logger INFO on stderr with no duplicate
-    through the root logger, and leaves the logging state as it was afterwards."""
+    ``class``/``args`` fields), gives the medfl logger INFO on stderr, its messages as they
+    are, with no duplicate through the root logger, and leaves the logging state as it was afterwards."""
     from monai.bundle.workflows import _reject_executable_logging_config
 
     path = bundle / "configs" / "logging.conf"
@@ -126,8 +126,8 @@ def test_logging_conf_parses_into_a_fresh_logging_state(bundle: Path) -> None:
         handler.setStream(stream)
         logging.getLogger("medfl.engine.runner").info("round %d done", 3)
         logging.getLogger("medfl.engine.runner").debug("hidden")
-        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d INFO medfl\.engine\.runner: round 3 done\n",
-                            stream.getvalue())
+        # medfl's lines as the medfl command prints them (a user error stays "medfl: error: ...")
+        assert stream.getvalue() == "round 3 done\n"
     finally:
         for logger in (root, medfl):
             for h in list(logger.handlers):

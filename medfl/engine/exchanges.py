@@ -27,7 +27,7 @@ from medfl.messages import Instruction, Reply
 from medfl.method import derive_seed
 from medfl.privacy.ledger import planned_releases
 
-__all__ = ["Exchanges", "client_context", "ROLES", "PLACEHOLDER_ID", "RoundProgress", "PROGRESS_EVERY_S"]
+__all__ = ["Exchanges", "client_context", "ROLES", "PLACEHOLDER_ID", "RoundProgress", "PROGRESS_EVERY_S", "rounds_span"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,11 @@ ROLES = ["train", "val", "test", "global_test"]
 #: The run and session ids of an in-process run's control fields: placeholders as long as
 #: the ``uuid4().hex`` ids a Flower run sends, so the measured messages have Flower's size.
 PLACEHOLDER_ID = "0" * 32
+
+
+def rounds_span(first: int, last: int) -> str:
+    """``"round 3"`` or ``"rounds 3-5"``: the rounds a run trains now, for its progress line."""
+    return f"round {first}" if last == first else f"rounds {first}-{last}"
 
 
 def client_context(data: FederatedData, client_id: str, round: int, *, run_seed: int, model_spec: dict[str, Any],

@@ -33,7 +33,7 @@ from medfl.engine.early_stopping import EarlyStopping
 from medfl.engine.evaluation import (ENGINE_TABLES, METRICS_PROVENANCE, _TABLE_NAME, Evaluation,  # noqa: F401
                                      evaluate_metrics, final_models_of, metrics_provenance, reported_by,
                                      summarize_metrics)
-from medfl.engine.exchanges import PLACEHOLDER_ID, ROLES, Exchanges, client_context  # noqa: F401
+from medfl.engine.exchanges import PLACEHOLDER_ID, ROLES, Exchanges, client_context, rounds_span  # noqa: F401
 from medfl.engine.screening import (Screening, TooFewSites, _absence_schedule, quorum_rule, sites_needed,  # noqa: F401
                                     update_norm)
 from medfl.engine.store import ClientStore
@@ -357,9 +357,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
         # a run resumed after early stopping decided to stop has no round left to train
         last = min(self.rounds_run, stop_after_round) if stop_after_round else self.rounds_run
         t0 = time.perf_counter()
-        if self.start_round <= last:
-            logger.info(f"medfl [{self.label}]: round{'s' if last > self.start_round else ''} "
-                        f"{self.start_round}{f'-{last}' if last > self.start_round else ''} of {rounds} in {self.run_dir}")
+        if self.start_round <= last:   # "round 3 of 5 in DIR", "rounds 3-5 of 5 in DIR"
+            logger.info(f"medfl [{self.label}]: {rounds_span(self.start_round, last)} of {rounds} in {self.run_dir}")
         bar = tqdm(self._round_numbers(self.start_round, last), desc=f"{self.label}", unit="round",
                    disable=not self.config.get("progress", True), leave=True,
                    initial=self.start_round - 1, total=rounds)
