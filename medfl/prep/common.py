@@ -472,18 +472,22 @@ def write_manifest(out: Path, rows: list[dict[str, Any]], extra_order: Sequence[
     if not rows:
         raise PrepError(f"{out}: no samples left to write (every sample was skipped or none "
                         "matched); see skipped.csv", out)
-    df = pd.DataFrame(rows)
+    # every cell a Python object until the names are escaped: pandas 3 with pyarrow installed
+    # (mlflow brings it) stores text as UTF-8 arrow strings, which cannot hold a name that is
+    # not UTF-8 (a surrogate escape), so a typed frame would fail before _escape_names ran
+    df = pd.DataFrame(rows, dtype=object)
     for c in MANIFEST_COLUMNS:
         if c not in df.columns:
             df[c] = ""
     rest = [c for c in extra_order if c in df.columns and c not in MANIFEST_COLUMNS]
     rest += [c for c in df.columns if c not in MANIFEST_COLUMNS and c not in rest]
     df = df[MANIFEST_COLUMNS + rest]
+    _escape_names(df, report)
+    df = df.infer_objects()   # the column types pd.DataFrame(rows) infers, now that text is UTF-8
     df["label"] = df["label"].astype(np.int64)
     if df["sample_id"].duplicated().any():
         dup = df.loc[df["sample_id"].duplicated(), "sample_id"].iloc[0]
         raise PrepError(f"{out}: sample_id {dup!r} appears twice; expected one row per sample", out)
-    _escape_names(df, report)
     df.to_csv(out / "manifest.csv", index=False)
     if classes is not None:
         present = set(df["label"].astype(int))
@@ -513,11 +517,13 @@ def _escape_names(df: pd.DataFrame, report: "PrepReport | None") -> None:
     for c in df.columns:
         if pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c]):
             continue
-        new = df[c].map(lambda v: printable(v) if isinstance(v, str) else v)
-        changed = new.ne(df[c]) & df[c].map(lambda v: isinstance(v, str))
-        if changed.any():
-            escaped += [f"{c}={v}" for v in new[changed]]
-            df[c] = new
+        # in Python, not pandas: a text column pandas types (arrow) cannot hold the raw names
+        values = df[c].tolist()
+        new = [printable(v) if isinstance(v, str) else v for v in values]
+        changed = [n for v, n in zip(values, new) if isinstance(v, str) and n != v]
+        if changed:
+            escaped += [f"{c}={n}" for n in changed]
+            df[c] = pd.Series(new, index=df.index, dtype=object)
     if escaped:
         text = (f"{len(escaped)} manifest value(s) name a file whose name is not valid UTF-8 (e.g. "
                 f"{escaped[0]}); they are written with \\xNN escapes, since a UTF-8 CSV cannot hold those "
