@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import math
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Any, Iterator
 
 from medfl.config import ConfigError, resolve_config, set_threads
 from medfl.config_file import load_bundle_config
+# print_result lives beside the tables it prints (medfl.report); kept importable here
+from medfl.report import print_result
 
 __all__ = ["run", "tracking_from_handlers", "choose", "print_result", "infer", "run_evaluator", "load_bundle_config", "parse_override_value", "user_errors",
            "exit_on_user_error", "user_error_message", "USER_ERROR_EXIT", "INTERRUPTED_EXIT"]
@@ -167,97 +168,6 @@ def choose(options: dict[str, Any], key: Any, what: str) -> Any:
     if not isinstance(key, str) or key not in options:
         raise ConfigError(f"{what}: {key!r} is not one of {', '.join(map(repr, options))}")
     return options[key]
-
-
-def print_result(result: dict[str, Any]) -> None:
-    """Print each method's summary table (or, cross-validated, the CV table) and where the
-    results are; a stopped run gets the command that continues it."""
-    from medfl.report import format_table, summary_table
-
-    base = Path(result["dir"])
-    if "seed_list" in result:  # repeated over seeds: the table of mean ± std over seeds
-        if result.get("seeds"):
-            print(f"\n== {len(result['seed_list'])} seed(s) {result['seed_list']} ({base / 'seeds_table.md'})")
-            print((base / "seeds_table.md").read_text())
-        else:
-            print(f"\n== stopped before every seed finished; continue with `medfl resume {base}`")
-        print(f"\nresults: {base}")
-        return
-    if "folds" in result:  # cross-validation: the table of mean ± std over folds
-        if result.get("cv"):
-            print(f"\n== {result['folds']}-fold cross-validation ({base / 'cv_table.md'})")
-            print((base / "cv_table.md").read_text())
-        else:
-            print(f"\n== cross-validation stopped before every fold finished; continue with "
-                  f"`medfl resume {base}`")
-        print(f"\nresults: {base}")
-        return
-    for label, summary in result["summaries"].items():
-        run_dir = base if (base / "metrics.csv").is_file() else base / label
-        if summary:
-            print(f"\n== {label} ({run_dir})")
-            print(format_table(summary_table(run_dir)))
-            print(_privacy_line(summary))
-            for line in _final_lines(summary):
-                print(line)
-        else:
-            print(f"\n== {label}: stopped early; continue with `medfl resume {run_dir}`")
-    print(f"\nresults: {base}")
-
-
-def _final_lines(summary: dict[str, Any]) -> list[str]:
-    """Lines on a method's final models (``final_metrics.csv``: e.g. PFedCDP's refined
-    student) and client groups (``groups.csv``): mean accuracy and AUC per split."""
-    def scores(block: dict[str, Any]) -> str:
-        parts = []
-        for split, metrics in block.items():
-            if not isinstance(metrics, dict):
-                continue
-            acc = (metrics.get("accuracy") or {}).get("mean") if isinstance(metrics.get("accuracy"), dict) \
-                else metrics.get("accuracy")
-            auc = (metrics.get("auc") or {}).get("mean") if isinstance(metrics.get("auc"), dict) else metrics.get("auc")
-            if acc is not None:
-                parts.append(f"{split} accuracy {float(acc):.3f}" + ("" if auc is None else f" AUC {float(auc):.3f}"))
-        return "; ".join(parts)
-
-    lines = []
-    finals = summary.get("final_models") or {}
-    if finals:
-        lines.append("final models (final_metrics.csv; mean over clients):")
-        lines += [f"  {name}: {scores(block)}" for name, block in finals.items()]
-    groups = summary.get("groups") or {}
-    if groups:
-        lines.append("groups (groups.csv; last round, mean over the group's clients):")
-        lines += [f"  {g} ({len(b.get('clients', []))} clients): {scores(b.get('final', {}))}"
-                  for g, b in groups.items()]
-    return lines
-
-
-def _epsilon_text(epsilon: Any) -> str:
-    """An epsilon for the run's last line: none or infinite is no privacy, said in words."""
-    if epsilon is None or (isinstance(epsilon, float) and math.isinf(epsilon)):
-        return "none (not private: no noise bounds a sample's or client's contribution)"
-    return f"{float(epsilon):.3g}"
-
-
-def _privacy_line(summary: dict[str, Any]) -> str:
-    """One line on what the run released: its epsilon (per DP mechanism, the worst client)
-    and its bytes per round."""
-    privacy = summary.get("privacy") or {}
-    mechs = privacy.get("mechanisms") or {}
-    if mechs:
-        eps = "; ".join(f"{name} epsilon {_epsilon_text(b.get('epsilon'))} (worst client {b['worst_client']}, "
-                        f"{b['unit']}-level, delta {b['delta']:g}, {b['accountant']})" for name, b in mechs.items())
-    else:
-        eps = "no differential privacy"
-    if privacy.get("sent_in_clear"):
-        eps += "; NOT private: " + "; ".join(map(str, privacy["sent_in_clear"]))
-    per_round = (summary.get("communication") or {}).get("per_round") or {}
-    mb = ""
-    if per_round:
-        mb = (f"; {per_round.get('bytes_to_clients', 0) / 1e6:.3g} MB to and "
-              f"{per_round.get('bytes_from_clients', 0) / 1e6:.3g} MB from the clients per round")
-    return f"privacy: {eps}{mb}"
 
 
 def infer(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: str | Path | None = None,

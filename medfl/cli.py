@@ -161,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """Continue a stopped run."""
-    from medfl.bundle import print_result
+    from medfl.report import print_result
     from medfl.experiment import resume
 
     _apply_threads(args)

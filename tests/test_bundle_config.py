@@ -111,7 +111,7 @@ def test_the_last_line_says_a_release_without_noise_is_not_private() -> None:
     """Issue 38, item 10: a FedTPF run with ``epsilon: null`` (its release noise off) has a
     mechanism whose epsilon is None; the bundle's last line formatted it with ``:.3g`` and
     failed with ``NoneType.__format__`` after the run had written all its files."""
-    from medfl.bundle import _privacy_line
+    from medfl.report import _privacy_line
 
     block = {"worst_client": "0", "unit": "sample", "delta": 1e-5, "accountant": "rdp"}
     line = _privacy_line({"privacy": {"mechanisms": {"feature_gaussian": {**block, "epsilon": None}}}})

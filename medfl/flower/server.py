@@ -18,7 +18,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from medfl.bundle import print_result
+from medfl.report import print_result
 from medfl.config import resolve_config
 from medfl.config_file import load_bundle_config
 from medfl.experiment import resume, run_experiment

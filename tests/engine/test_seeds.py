@@ -9,7 +9,7 @@ import os
 import pandas as pd
 import pytest
 
-from medfl.bundle import print_result
+from medfl.report import print_result
 from medfl.config import ConfigError
 from medfl.experiment import resume, run_experiment
 

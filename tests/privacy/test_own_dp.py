@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 from opacus.accountants import create_accountant
 
-from medfl.bundle import _privacy_line
+from medfl.report import _privacy_line
 from medfl.experiment import run_experiment
 from medfl.privacy.accounting import PrivacyConfigError
 
