@@ -325,7 +325,8 @@ def _final_models(run: Run) -> dict[str, Any]:
 
     import torch
 
-    from medfl.messages import Instruction
+    from medfl.export import same_state
+    from medfl.predict import eval_models
 
     if type(run).update_clients is not Run.update_clients:
         # over Flower (and on Ray) the clients' states stay at the sites: a model rebuilt here
@@ -335,14 +336,11 @@ def _final_models(run: Run) -> dict[str, Any]:
     last = run.rounds_run
     if run.early is not None and run.early.best_round is not None:
         last = int(run.early.best_round)
-    evals = run.coordinator.configure_evaluate(last)
     # each client's model is copied at once: a method may hand back one cached module, loaded
     # with each client's weights in turn (FedBN), so a later client's load would change it
-    models = {cid: copy.deepcopy(run.client_method.client_eval_model(run.context(cid, last, state_before=last + 1),
-                                                                     evals.get(cid, Instruction())))
-              for cid in run.federation.eval_client_ids}
+    models = {cid: copy.deepcopy(model) for cid, _, model in eval_models(run, last)}
     states = [m.state_dict() for m in models.values()]
-    same = all(s.keys() == states[0].keys() and all(torch.equal(s[k], states[0][k]) for k in s) for s in states[1:])
+    same = all(same_state(s, states[0]) for s in states[1:])
     example = torch.zeros(1, *map(int, run.data.source.sample_shape))
     if same and models:
         return {"model": (next(iter(models.values())), example)}

@@ -39,6 +39,7 @@ __all__ = [
     "ExportError",
     "Predictor",
     "RunPredictor",
+    "same_state",
     "SourceDataset",
     "complete_spec",
     "export_run",
@@ -350,7 +351,8 @@ class RunPredictor:
 # --------------------------------------------------------------------------------------------
 
 
-def _same(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+def same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    """Whether two state dicts hold the same keys and equal tensors."""
     return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
 
@@ -561,9 +563,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
             the run can be exported.
         RunError: an experiment directory (the message lists its runs), no checkpoint.
     """
-    from medfl.messages import Instruction
     from medfl.models.registry import build_model
-    from medfl.predict import open_run
+    from medfl.predict import eval_models, open_run
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     _check_out(out_dir)
@@ -603,12 +604,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
         model = build_model(spec)
         model.load_state_dict(state, strict=True)
         add(f"final_{name}", f"final model {name!r}", dict(spec), model)
-    evals = coordinator.configure_evaluate(last)
     global_sd = {k: v.clone() for k, v in global_model.state_dict().items()} if global_model is not None else None
-    for cid in run.federation.eval_client_ids:
-        ctx = run.context(cid, last, state_before=last + 1)
-        model = run.client_method.client_eval_model(ctx, evals.get(cid, Instruction()))
-        if global_sd is not None and _same(model.state_dict(), global_sd):
+    for cid, ctx, model in eval_models(run, last):
+        if global_sd is not None and same_state(model.state_dict(), global_sd):
             continue   # the client evaluates the global model itself: nothing personal
         add(f"client_{cid}", f"client {cid}", dict(ctx.model_spec), model)
     written: list[dict[str, Any]] = []

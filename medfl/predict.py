@@ -8,7 +8,7 @@ best) evaluation.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
@@ -19,7 +19,7 @@ from medfl.engine.runner import RunError, build_source
 from medfl.experiment import _reopen, _saved_config
 from medfl.messages import Instruction
 
-__all__ = ["open_run", "predict", "split_rows"]
+__all__ = ["open_run", "predict", "split_rows", "eval_models"]
 
 
 def open_run(run_dir: Path, what: str = "predict") -> tuple[Any, int]:
@@ -47,6 +47,21 @@ def open_run(run_dir: Path, what: str = "predict") -> tuple[Any, int]:
         raise RunError(f"{run_dir}: no checkpoint yet; nothing to {what} with")
     best = run._restore_best()   # early stopping: the best round's models
     return run, last if best is None else best
+
+
+def eval_models(run: Any, last: int, client_ids: list[str] | None = None) -> Iterator[tuple[str, Any, torch.nn.Module]]:
+    """``(client id, its context, its evaluation model)`` at round ``last`` for each of
+    ``client_ids`` (default: the run's evaluation clients), as the engine evaluates them
+    (``Method.client_eval_model``): what :func:`predict`, :func:`medfl.export.export_run`
+    and the trackers' final models are built from.
+
+    A method may hand back one cached module, loaded with each client's weights in turn
+    (FedBN): use or copy each model before taking the next.
+    """
+    evals = run.coordinator.configure_evaluate(last)
+    for cid in client_ids or run.federation.eval_client_ids:
+        ctx = run.context(cid, last, state_before=last + 1)
+        yield cid, ctx, run.client_method.client_eval_model(ctx, evals.get(cid, Instruction()))
 
 
 def split_rows(table: pd.DataFrame, split: str | None) -> pd.DataFrame:
@@ -118,11 +133,8 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     unknown = sorted(set(ids) - set(run.federation.eval_client_ids))
     if unknown:
         raise RunError(f"unknown client(s) {unknown}; the run has {run.federation.eval_client_ids}")
-    evals = run.coordinator.configure_evaluate(last)
     frames = []
-    for cid in ids:
-        ctx = run.context(cid, last, state_before=last + 1)
-        model = run.client_method.client_eval_model(ctx, evals.get(cid, Instruction()))
+    for cid, ctx, model in eval_models(run, last, ids):
         loader = torch.utils.data.DataLoader(target.make_dataset(rows, False),
                                              batch_size=int(cfg["train"].get("eval_batch_size", 64)))
         y, p = predict_proba(model, loader, ctx.device)
