@@ -96,15 +96,42 @@ from medfl.logs import configure_console as _configure_console  # noqa: E402
 _configure_console(force=True)
 
 
+def _own_handlers(logger: Any) -> list[Any]:
+    """The handlers of ``logger`` other than pytest's own captures (which pytest adds and
+    removes around each phase of a test itself)."""
+    return [h for h in logger.handlers if not type(h).__module__.startswith("_pytest")]
+
+
 @pytest.fixture(autouse=True)
 def _medfl_console() -> Any:
-    """Every test starts with medfl's console at INFO on the current stderr (a test that ran
-    ``medfl -q`` or configured logging itself does not change what the next one sees)."""
-    yield
+    """Every test starts with the logging state the suite set up: medfl's console at INFO on
+    the current stderr, and the root and ``medfl`` loggers as they were. A test that ran
+    ``medfl -q``, configured logging itself, or built a MONAI ``ConfigWorkflow`` in this
+    process (which applies the bundle's ``configs/logging.conf`` with ``fileConfig``: root and
+    ``medfl`` handlers, ``medfl`` not propagating) does not change what the next one sees,
+    whichever worker and order the tests run in."""
     import logging
 
     from medfl.logs import StderrHandler
 
+    saved = {name: (logger.level, _own_handlers(logger), logger.propagate, logger.disabled)
+             for name, logger in (("", logging.getLogger()), ("medfl", logging.getLogger("medfl")))}
+    yield
+    for name, (level, handlers, propagate, disabled) in saved.items():
+        logger = logging.getLogger(name)
+        for h in _own_handlers(logger):
+            if h not in handlers:
+                logger.removeHandler(h)
+                if not isinstance(h, StderrHandler):
+                    h.close()
+        for h in handlers:
+            if h not in logger.handlers:
+                logger.addHandler(h)
+        logger.setLevel(level)
+        logger.propagate, logger.disabled = propagate, disabled
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith("medfl.") and isinstance(logger, logging.Logger):
+            logger.disabled = False   # fileConfig's disable_existing_loggers
     handlers = [h for h in logging.getLogger("medfl").handlers if isinstance(h, StderrHandler)]
     if len(handlers) != 1 or handlers[0].level != logging.INFO or logging.getLogger("medfl").level != logging.DEBUG:
         _configure_console(force=True)
