@@ -15,6 +15,9 @@ import torch
 
 BUNDLES = sorted(p for p in (Path(__file__).resolve().parents[1] / "bundles").iterdir()
                  if (p / "configs").is_dir())
+#: every training config of every bundle (train.json, and ham10000's fedtpf.json beside it)
+TRAIN_CONFIGS = sorted(c for b in BUNDLES for c in (b / "configs").glob("*.json")
+                       if c.name not in ("inference.json", "metadata.json"))
 DEMO = Path(__file__).resolve().parents[1] / "bundles" / "demo"
 ENV = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
 
@@ -37,18 +40,19 @@ def test_infer_workflow_has_every_required_property(bundle: Path):
     assert json.loads((configs / "inference.json").read_text())["model"] == train["fl"]["model"]
 
 
-@pytest.mark.parametrize("bundle", BUNDLES, ids=[b.name for b in BUNDLES])
-def test_network_def_is_the_trained_network(bundle: Path):
-    """train.json's network_def takes the state dict of the model medfl builds from the same
-    spec (ResNets: MONAI's own ResNet with ``fc.`` for ``head.``) and gives its outputs."""
+@pytest.mark.parametrize("config", TRAIN_CONFIGS, ids=[f"{c.parent.parent.name}/{c.name}" for c in TRAIN_CONFIGS])
+def test_network_def_is_the_trained_network(config: Path):
+    """Every training config's network_def takes the state dict of the model medfl builds
+    from the same spec (ResNets: MONAI's own ResNet with ``fc.`` for ``head.``) and gives its
+    outputs."""
     from monai.bundle import ConfigParser
 
     from medfl.export import complete_spec, monai_state, network_config
     from medfl.models.registry import build_model
 
-    configs = bundle / "configs"
+    configs = config.parent
     parser = ConfigParser()
-    parser.read_config(str(configs / "train.json"))
+    parser.read_config(str(config))
     parser.read_meta(str(configs / "metadata.json"))
     net = parser.get_parsed_content("network_def").eval()
     spec = complete_spec(parser.get_parsed_content("fl#model"), parser.get("_meta_"))
