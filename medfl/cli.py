@@ -183,6 +183,19 @@ def _add_tracking(fl: dict[str, Any], names: list[str] | None) -> None:
     fl["tracking"] = entries + [{"name": n} for n in dict.fromkeys(names) if n not in have]
 
 
+def _flower_tracking(config: str, overrides: dict[str, Any] | None, names: list[str]) -> list[Any]:
+    """``medfl flower run --tracking NAME``: the config's ``fl.tracking`` with each tracker
+    added (checked here, before anything starts: an unknown name or a tracker whose package
+    is missing is refused now, not in the coordinator), as the override the coordinator gets."""
+    from medfl.bundle import load_bundle_config
+    from medfl.config import check_tracking
+
+    fl = load_bundle_config(config, overrides or {})
+    _add_tracking(fl, names)
+    check_tracking(fl["tracking"])
+    return fl["tracking"]
+
+
 def _tracking_option(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--tracking", action="append", default=None, metavar="NAME",
                     help="track the experiment with this tracker too (repeatable): mlflow (an embedded SQLite "
@@ -624,6 +637,11 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
             raise SystemExit("medfl flower run: --threads sets a new run's fl#threads (the coordinator's process); "
                              "a resumed run keeps its saved one")
         overrides = {**(overrides or {}), "fl#threads": check_threads(args.threads, "--threads")}
+    if getattr(args, "tracking", None):
+        if args.resume:
+            raise SystemExit("medfl flower run: --tracking adds trackers to a new run's fl#tracking; a resumed run "
+                             "continues with the trackers it started with")
+        overrides = {**(overrides or {}), "fl#tracking": _flower_tracking(args.config, overrides, args.tracking)}
     site_nodes = None
     if args.site_nodes:
         from medfl.flower.auth import read_site_nodes
@@ -810,6 +828,7 @@ def _flower_run_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--insecure", action="store_true", help="no TLS")
     sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
     _add_threads_option(sp)
+    _tracking_option(sp)   # only the coordinator tracks (docs/flower.md)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

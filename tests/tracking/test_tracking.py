@@ -258,6 +258,34 @@ def test_bad_tracking_entries_are_refused_by_name(tiny_fl, resolve, entry, messa
     assert message in str(err.value)
 
 
+def test_flower_run_tracking_option_reaches_the_coordinator(tiny_fl, tmp_path, monkeypatch, capsys):
+    """``medfl flower run --tracking NAME`` adds the tracker to the config's own ``fl.tracking``
+    in the overrides the coordinator gets (only it tracks), checked before anything starts."""
+    import medfl.flower.deploy as deploy
+    from medfl.cli import main
+
+    class Launched(Exception):
+        pass
+
+    seen: dict[str, Any] = {}
+
+    def launch(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise Launched
+
+    monkeypatch.setattr(deploy, "make_run_config", launch)
+    cfg = tmp_path / "train.json"
+    cfg.write_text(json.dumps({"fl": {**tiny_fl, "tracking": [{"name": "tensorboard", "log_dir": None}]}}))
+    with pytest.raises(Launched):
+        main(["flower", "run", str(cfg), "--insecure", "--tracking", "mlflow", "--tracking", "tensorboard"])
+    assert seen["overrides"]["fl#tracking"] == [{"name": "tensorboard", "log_dir": None}, {"name": "mlflow"}]
+    seen.clear()
+    assert main(["flower", "run", str(cfg), "--insecure", "--tracking", "mlfow"]) == 2
+    assert "unknown tracker 'mlfow'" in capsys.readouterr().err and seen == {}
+    with pytest.raises(SystemExit, match="a resumed run continues with the trackers it started with"):
+        main(["flower", "run", "--resume", str(tmp_path), "--insecure", "--tracking", "mlflow"])
+
+
 def test_an_untracked_run_imports_no_tracker(tiny_fl, tmp_path):
     """Without fl.tracking nothing imports mlflow or tensorboard (``make demo`` stays quick)."""
     code = ("import json, sys; from medfl.config import resolve_config; from medfl.experiment import run_experiment; "
