@@ -30,6 +30,7 @@ __all__ = [
     "backward_step",
     "NonFiniteError",
     "StepMeans",
+    "log_epoch",
     "LOSS_READ_EVERY",
     "coordinate_median",
     "trimmed_mean",
@@ -256,7 +257,7 @@ def train_epochs(
                 if max_steps is not None and losses.steps >= max_steps:
                     return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
             if debug:
-                _log_epoch(epoch + 1, epochs, before, losses.total("loss"), losses.steps - steps0,
+                log_epoch(epoch + 1, epochs, before, losses.total("loss"), losses.steps - steps0,
                            time.perf_counter() - t0)
         return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
     finally:
@@ -264,9 +265,10 @@ def train_epochs(
             model.to(memory_format=torch.contiguous_format)
 
 
-def _log_epoch(epoch: int, epochs: int, before: tuple[float, float], after: tuple[float, float], batches: int,
+def log_epoch(epoch: int, epochs: int, before: tuple[float, float], after: tuple[float, float], batches: int,
                seconds: float) -> None:
-    """The DEBUG line of one epoch of :func:`train_epochs`: its mean loss (from the weighted
+    """The DEBUG line of one epoch of :func:`train_epochs` (and of DP-SGD's loop,
+    :func:`medfl.privacy.dp_sgd.train_epochs_dp`), on the ``medfl.training`` logger: its mean loss (from the weighted
     sums ``before`` and ``after`` it, :meth:`StepMeans.total`), batches and batches per second."""
     weight = after[1] - before[1]
     loss = f"{(after[0] - before[0]) / weight:.4g}" if weight else "n/a (no batch trained)"

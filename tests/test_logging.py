@@ -294,6 +294,37 @@ def test_per_epoch_lines_change_no_number(caplog: pytest.LogCaptureFixture) -> N
     assert all(torch.equal(state[k], quiet_state[k]) for k in state)
 
 
+def _tiny_dp_training(debug: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    from medfl.models import small_cnn
+    from medfl.privacy.dp_sgd import make_private_model, train_epochs_dp
+
+    torch.manual_seed(0)
+    model = make_private_model(small_cnn(width=4))[0]
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(24, 1, 16, 16, generator=g), torch.randint(0, 2, (24,), generator=g))
+    level = MEDFL.level
+    MEDFL.setLevel(logging.DEBUG if debug else logging.INFO)
+    try:
+        stats = train_epochs_dp(model, data, torch.optim.SGD(model.parameters(), lr=0.1), 3, batch_size=8,
+                                noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    finally:
+        MEDFL.setLevel(level)
+    return stats, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_dp_sgd_epochs_have_their_lines_too(caplog: pytest.LogCaptureFixture) -> None:
+    """DP-SGD's own loop says each epoch as train_epochs does (its Poisson draws are the
+    batches), and saying it changes no number."""
+    with caplog.at_level(logging.DEBUG, logger="medfl.training"):
+        stats, state = _tiny_dp_training(debug=True)
+    epochs = [r.getMessage() for r in caplog.records if r.name == "medfl.training"]
+    assert len(epochs) == 3 and all(m.startswith(f"epoch {e}/3: loss ") for e, m in zip((1, 2, 3), epochs))
+    assert all("(3 batches, " in m for m in epochs)   # ceil(24 / 8) draws per epoch
+    quiet_stats, quiet_state = _tiny_dp_training(debug=False)
+    assert quiet_stats == stats
+    assert all(torch.equal(state[k], quiet_state[k]) for k in state)
+
+
 def test_prep_entry_point_shows_warnings(capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m medfl.prep...`` (run_script) configures the console itself."""
     from medfl.prep.common import DataError, run_script

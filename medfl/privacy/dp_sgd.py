@@ -28,8 +28,10 @@ embedding layers; another layer with parameters fails at the first batch with a
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
+import time
 from typing import Any, Callable
 
 import torch
@@ -37,7 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from medfl.training import StepMeans
+from medfl.training import StepMeans, log_epoch
 from medfl.privacy.accounting import PrivacyConfigError
 from medfl.seeding import derive_noise_seed
 
@@ -408,7 +410,10 @@ def train_epochs_dp(
 
             dp_opt.attach_step_hook(add_regularizer_grad)
 
-        for _ in range(int(epochs)):
+        debug = logging.getLogger("medfl.training").isEnabledFor(logging.DEBUG)
+        for epoch in range(int(epochs)):
+            if debug:
+                before, steps0, t0 = losses.total("loss"), steps, time.perf_counter()
             for batch in loader:
                 dp_opt.zero_grad(set_to_none=True)
                 for p in params:  # also those the optimizer does not hold: ExpandedWeights fills them
@@ -442,6 +447,9 @@ def train_epochs_dp(
                     losses.add(n, loss=loss)
                 dp_opt.step()
                 steps += 1
+            if debug:   # the same per-epoch line as train_epochs (noisy steps included in the batches)
+                log_epoch(epoch + 1, int(epochs), before, losses.total("loss"), steps - steps0,
+                          time.perf_counter() - t0)
     finally:
         if dp_opt is not None:
             dp_opt.zero_grad(set_to_none=True)
