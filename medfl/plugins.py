@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 #: Built-in plugin modules; used only when medfl runs from a source tree without its
 #: entry points installed (normally they load through the ``medfl`` entry-point group).
+#: The same modules, in the same order, as pyproject.toml's ``[project.entry-points.medfl]``
+#: (tests/test_plugins.py checks it).
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "medfl_plugins.baselines",
     "medfl_plugins.models",
@@ -69,8 +71,13 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "medfl_plugins.datasets",
     "medfl_plugins.metrics",
     "medfl_plugins.reporting",
+    "medfl_plugins.fedkper",
+    "medfl_plugins.fedskd",
     "medfl_plugins.privacy",
     "medfl_plugins.backends",
+    "medfl_plugins.pfedcdp",
+    "medfl_plugins.fedsdc",
+    "medfl_plugins.fedtpf",
     "medfl_plugins.trackers",
 )
 

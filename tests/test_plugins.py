@@ -263,3 +263,24 @@ def test_a_plugin_registered_after_another_is_gone_is_the_one_looked_up():
             pm.unregister(name="reused-plugin")
     with pytest.raises(PluginError):
         lookup("method", "reused_method")
+
+
+def test_source_tree_fallback_loads_every_built_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without installed entry points (a source tree on PYTHONPATH) medfl loads
+    DEFAULT_PLUGINS instead: the same modules as pyproject.toml's entry-point group, so every
+    built-in method, model and tracker is there either way."""
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert plugins_mod.DEFAULT_PLUGINS == tuple(pyproject["project"]["entry-points"]["medfl"].values())
+    installed = {kind: set(table) for kind, table in plugins_mod.registry().items()}
+    monkeypatch.setattr(plugins_mod, "_pm", None)
+    monkeypatch.setattr(plugins_mod, "_dists", {})
+    monkeypatch.setattr(plugins_mod, "_registry_cache", None)
+    monkeypatch.setattr(plugins_mod.md, "entry_points", lambda **kw: [])
+    try:
+        fallback = {kind: set(table) for kind, table in plugins_mod.registry().items()}
+        assert set(plugins_mod._dists.values()) == {("medfl", "source")}   # the fallback it was
+    finally:
+        monkeypatch.undo()
+    assert fallback == installed and {"fedkper", "fedskd", "fedsdc", "fedtpf", "pfedcdp"} <= fallback["method"]
