@@ -23,22 +23,26 @@ from medfl.rundir import RunError
 DEMO = Path(__file__).resolve().parents[1] / "bundles" / "demo"
 ENV = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
 
-# Loads an exported bundle with MONAI and torch only (medfl is never imported: the check at
-# the end fails otherwise) and writes the probabilities of model.pt and model.ts on images.pt.
+# Loads exported bundles with MONAI and torch only (medfl is never imported: the check at
+# the end fails otherwise) and writes, per bundle, the probabilities of model.pt and model.ts
+# on images.pt (one process for several bundles: MONAI's import takes seconds).
 MONAI_ONLY = """
 import json, sys, torch
 from monai.bundle import ConfigParser
-bundle, images, out = sys.argv[1:]
-cfg = json.load(open(bundle + "/configs/inference.json"))
-net = ConfigParser({"net": cfg["network_def"]}).get_parsed_content("net")
-net.load_state_dict(torch.load(bundle + "/models/model.pt", weights_only=True), strict=True)
-ts = torch.jit.load(bundle + "/models/model.ts")
+images, out, *bundles = sys.argv[1:]
 x = torch.load(images)
-with torch.no_grad():
-    p = torch.softmax(net.eval()(x), 1)
-    q = torch.softmax(ts.eval()(x), 1)
+result = {}
+for bundle in bundles:
+    cfg = json.load(open(bundle + "/configs/inference.json"))
+    net = ConfigParser({"net": cfg["network_def"]}).get_parsed_content("net")
+    net.load_state_dict(torch.load(bundle + "/models/model.pt", weights_only=True), strict=True)
+    ts = torch.jit.load(bundle + "/models/model.ts")
+    with torch.no_grad():
+        p = torch.softmax(net.eval()(x), 1)
+        q = torch.softmax(ts.eval()(x), 1)
+    result[bundle] = {"pt": p, "ts": q, "type": type(net).__module__ + "." + type(net).__name__}
 assert not [m for m in sys.modules if m == "medfl" or m.startswith("medfl.")], "medfl was imported"
-torch.save({"pt": p, "ts": q, "type": type(net).__module__ + "." + type(net).__name__}, out)
+torch.save(result, out)
 """
 
 
@@ -63,12 +67,14 @@ def _probs(csv: Path, client: str | None = None) -> tuple[list[str], np.ndarray]
     return df["sample_id"].tolist(), df[[c for c in df.columns if c.startswith("prob_")]].to_numpy()
 
 
-def _monai_only(bundle: Path, images: torch.Tensor, tmp: Path) -> dict:
+def _monai_only(bundles: list[Path], images: torch.Tensor, tmp: Path) -> list[dict]:
+    """Each bundle's probabilities from MONAI and torch alone (:data:`MONAI_ONLY`), in order."""
     torch.save(images, tmp / "images.pt")
-    proc = subprocess.run([sys.executable, "-c", MONAI_ONLY, str(bundle), str(tmp / "images.pt"), str(tmp / "o.pt")],
-                          capture_output=True, text=True, timeout=600, env=ENV)
+    proc = subprocess.run([sys.executable, "-c", MONAI_ONLY, str(tmp / "images.pt"), str(tmp / "o.pt"),
+                           *map(str, bundles)], capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(tmp / "o.pt")
+    out = torch.load(tmp / "o.pt")
+    return [out[str(b)] for b in bundles]
 
 
 def _images(run_dir: Path) -> torch.Tensor:
@@ -85,7 +91,7 @@ def test_global_model_loads_into_plain_monai_resnet(demo_runs, tmp_path):
     net = json.loads((tmp_path / "out" / "global" / "configs" / "inference.json").read_text())["network_def"]
     assert net["_target_"] == "monai.networks.nets.ResNet" and net["conv1_t_stride"] == 2   # medfl's stem, recorded
     ids, want = _probs(predict(run_dir, output=tmp_path / "p.csv", clients=["0"]))
-    got = _monai_only(tmp_path / "out" / "global", _images(run_dir), tmp_path)
+    (got,) = _monai_only([tmp_path / "out" / "global"], _images(run_dir), tmp_path)
     assert got["type"] == "monai.networks.nets.resnet.ResNet"
     np.testing.assert_allclose(got["pt"].numpy(), want, atol=1e-5)
     np.testing.assert_allclose(got["ts"].numpy(), want, atol=1e-5)
@@ -102,10 +108,10 @@ def test_personal_models_are_exported_per_client(demo_runs, tmp_path):
     assert json.loads((tmp_path / "out" / "export.json").read_text()) == json.loads(json.dumps(summary))
     images = _images(run_dir)
     csv = predict(run_dir, output=tmp_path / "p.csv")
-    outs = {}
+    outs = dict(zip(("0", "1"), _monai_only([tmp_path / "out" / f"client_{cid}" for cid in ("0", "1")], images,
+                                            tmp_path)))
     for cid in ("0", "1"):
         _, want = _probs(csv, cid)
-        outs[cid] = _monai_only(tmp_path / "out" / f"client_{cid}", images, tmp_path)
         np.testing.assert_allclose(outs[cid]["pt"].numpy(), want, atol=1e-5)
         np.testing.assert_allclose(outs[cid]["ts"].numpy(), want, atol=1e-5)
     assert not torch.allclose(outs["0"]["pt"], outs["1"]["pt"])   # two different personal models

@@ -77,10 +77,13 @@ def test_every_run_is_listed_with_its_status_rounds_headline_and_epsilon(runs: P
     assert stop["headline"] == "local_test accuracy (round 1)" and 0 <= stop["value"] <= 1
 
 
-def test_table_json_and_csv(runs: Path) -> None:
+def test_table_json_and_csv(runs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from medfl.cli import main
+
+    # the command as a user runs it, once; its other forms in this process
     env = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
-    cmd = [sys.executable, "-m", "medfl.cli", "runs"]
-    table = subprocess.run([*cmd, str(runs)], capture_output=True, text=True, timeout=300, env=env)
+    table = subprocess.run([sys.executable, "-m", "medfl.cli", "runs", str(runs)], capture_output=True, text=True,
+                           timeout=300, env=env)
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split() == ["path", "status", "method", "rounds", "headline", "value", "epsilon", "modified"]
@@ -88,16 +91,18 @@ def test_table_json_and_csv(runs: Path) -> None:
     assert " 1/3 " in lines[-1] and "stopped" in lines[-1]
     dp_line = next(line for line in lines if line.startswith("dp/fedavg"))
     assert "-" not in dp_line.split()[6]
-    as_json = json.loads(subprocess.run([*cmd, str(runs), "--json"], capture_output=True, text=True, timeout=300,
-                                        env=env, check=True).stdout)
+    capsys.readouterr()
+    assert main(["runs", str(runs), "--json"]) == 0
+    as_json = json.loads(capsys.readouterr().out)
     assert [r["path"] for r in as_json] == ["fin/fedavg", "fin/local", "dp/fedavg", "stop/fedavg"]
     assert as_json[0]["modified"].endswith("Z") and as_json[0]["epsilon"] is None
-    as_csv = list(csv.DictReader(io.StringIO(subprocess.run(
-        [*cmd, str(runs), "--csv"], capture_output=True, text=True, timeout=300, env=env, check=True).stdout)))
+    assert main(["runs", str(runs), "--csv"]) == 0
+    as_csv = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert tuple(as_csv[0]) == RUN_FIELDS and as_csv[-1]["rounds_planned"] == "3" and as_csv[0]["epsilon"] == ""
     # the current directory by default, and the experiment folder alone
-    here = subprocess.run([*cmd, "--csv"], capture_output=True, text=True, timeout=300, env=env, cwd=runs / "dp")
-    assert [r["path"] for r in csv.DictReader(io.StringIO(here.stdout))] == ["fedavg"]
+    monkeypatch.chdir(runs / "dp")
+    assert main(["runs", "--csv"]) == 0
+    assert [r["path"] for r in csv.DictReader(io.StringIO(capsys.readouterr().out))] == ["fedavg"]
 
 
 def test_a_run_marked_running_is_running_only_while_locked(copy) -> None:
@@ -136,18 +141,19 @@ def test_a_half_written_stopped_run_with_a_broken_metrics_file(copy) -> None:
     assert row["status"].startswith("corrupt: ") and row["path"]
 
 
-def test_empty_and_missing_folders(tmp_path: Path) -> None:
-    env = {**os.environ}
-    cmd = [sys.executable, "-m", "medfl.cli", "runs"]
+def test_empty_and_missing_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from medfl.cli import main
+
     (tmp_path / "empty" / "deeper").mkdir(parents=True)
-    empty = subprocess.run([*cmd, str(tmp_path / "empty")], capture_output=True, text=True, timeout=300, env=env)
-    assert empty.returncode == 0 and empty.stdout.startswith(f"medfl runs: no runs under {tmp_path / 'empty'}")
+    assert main(["runs", str(tmp_path / "empty")]) == 0
+    assert capsys.readouterr().out.startswith(f"medfl runs: no runs under {tmp_path / 'empty'}")
     assert list_runs(tmp_path / "empty") == []
-    missing = subprocess.run([*cmd, str(tmp_path / "nope")], capture_output=True, text=True, timeout=300, env=env)
-    assert missing.returncode == 2 and missing.stderr.strip() == f"medfl: error: {tmp_path / 'nope'}: no such folder"
+    assert main(["runs", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"medfl: error: {tmp_path / 'nope'}: no such folder"
     (tmp_path / "f.txt").write_text("x")
-    a_file = subprocess.run([*cmd, str(tmp_path / "f.txt")], capture_output=True, text=True, timeout=300, env=env)
-    assert a_file.returncode == 2 and "not a folder" in a_file.stderr and "Traceback" not in a_file.stderr
+    assert main(["runs", str(tmp_path / "f.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "not a folder" in err and "Traceback" not in err
 
 
 def test_depth_limits_the_search(runs: Path) -> None:

@@ -164,7 +164,8 @@ def _cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None)
                           env={**os.environ, "MEDFL_NO_PROGRESS": "1", **(env or {})}, cwd=cwd)
 
 
-def test_cli_threads_reaches_the_process_that_trains(tmp_path: Path, tiny_fl: dict[str, Any]) -> None:
+def test_cli_threads_reaches_the_process_that_trains(tmp_path: Path, tiny_fl: dict[str, Any],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """``medfl run --threads 1`` trains with one thread (summary.json says so, whatever the
     config says); ``medfl resume --threads 2`` continues with two; without --threads the
     config's number, else "auto"; a bad value is one error line."""
@@ -184,9 +185,14 @@ def test_cli_threads_reaches_the_process_that_trains(tmp_path: Path, tiny_fl: di
     summary = json.loads((Path(tiny_fl["output_dir"]) / "auto" / "fedavg" / "summary.json").read_text())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert summary["threads"] == {"setting": "auto", "torch_threads": cores}
-    proc = _cli("run", str(config), "--threads", "0")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("medfl: error: --threads: expected a positive number")
+    from medfl.cli import main
+
+    threads = torch.get_num_threads()
+    capsys.readouterr()
+    assert main(["run", str(config), "--threads", "0"]) == 2   # refused before anything is set
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "medfl: error: --threads: expected a positive number")
+    assert torch.get_num_threads() == threads
 
 
 def test_threads_option_is_on_every_command_that_trains() -> None:
