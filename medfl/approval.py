@@ -22,8 +22,8 @@ installed code, and everything that runs with it:
     the module's own top-level package or file when it has no distribution), of medfl
     itself (the engine where FedAvg's client step lives), and of every module these import
     (found in their source, followed transitively) that is neither in the standard library
-    nor a distribution medfl requires (torch, MONAI, Flower...: the site's environment,
-    installed by its operator). A refusal names the file that changed.
+    nor a distribution medfl requires or offers as an extra (torch, MONAI, Flower, MLflow...:
+    the site's environment, installed by its operator). A refusal names the file that changed.
 
 Bytecode: Python runs a ``__pycache__/*.pyc`` whose header matches its source's mtime and
 size without reading the source. :func:`code_identity` therefore refuses a pinned file
@@ -133,26 +133,41 @@ def _norm(dist: str) -> str:
 def _environment() -> tuple[dict[str, list[str]], dict[str, list[str]], frozenset[str]]:
     """``(top-level name -> distributions, distribution -> its top-level names, the
     distributions medfl requires, transitively)``: the last are the site's environment
-    (torch, MONAI, Flower...), pinned by the operator's install, not by an approval."""
+    (torch, MONAI, Flower...), pinned by the operator's install, not by an approval.
+
+    medfl's own extras count (``.[tracking]``: MLflow, TensorBoard; ``.[simulation]``: Ray
+    through Flower's extra), with the extras each of them requests (``flwr[simulation]``):
+    they are environment too, installed by the operator the same way. Otherwise the built-in
+    tracker plugin, which imports MLflow, would pin all of MLflow and what it imports (some
+    3,000 files) into every built-in method's approval, and an MLflow upgrade would refuse
+    FedAvg."""
     by_top = md.packages_distributions()
     tops: dict[str, list[str]] = {}
     for top, dists in by_top.items():
         for d in dists:
             tops.setdefault(_norm(d), []).append(top)
     base: set[str] = set()
-    todo = ["medfl"]
+    done: set[tuple[str, frozenset[str] | None]] = set()
+    todo: list[tuple[str, frozenset[str] | None]] = [("medfl", None)]   # None: every extra
     while todo:
+        dist, extras = todo.pop()
+        if (dist, extras) in done:
+            continue
+        done.add((dist, extras))
         try:
-            reqs = md.requires(todo.pop()) or []
+            reqs = md.requires(dist) or []
         except md.PackageNotFoundError:
             continue
         for req in reqs:
-            if "extra ==" in req:
+            extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", req)
+            if extra is not None and extras is not None and _norm(extra.group(1)) not in extras:
                 continue
             name = _norm(re.split(r"[ ;<>=!~\[(]", req.strip(), maxsplit=1)[0])
-            if name and name not in base and name != "medfl":
+            wanted = re.match(r"\s*[\w.-]+\s*\[([^\]]*)\]", req)
+            asked = frozenset(_norm(e) for e in wanted.group(1).split(",") if e.strip()) if wanted else frozenset()
+            if name and name != "medfl":
                 base.add(name)
-                todo.append(name)
+                todo.append((name, asked))
     return by_top, tops, frozenset(base)
 
 

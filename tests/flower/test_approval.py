@@ -92,6 +92,24 @@ def test_an_approved_method_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert len(entry["sha256"]) == 64
     assert {"plugins/baselines.py", "medfl/hub.py"} <= set(data["code"][entry["sha256"]])
     assert len(data["code"]) == 1   # the built-ins share one listing of medfl's files
+    # medfl's own files only: what its extras bring (MLflow, which the tracker plugin imports;
+    # Ray) is the site's environment, like torch (before, 3,000 files of MLflow and its imports)
+    tops = {f.split("/")[0] for f in data["code"][entry["sha256"]]}
+    assert tops == {"medfl", "plugins"}, sorted(tops)
+
+
+def test_medfl_s_extras_are_environment_not_pinned() -> None:
+    """The distributions of medfl's extras (``.[tracking]``, ``.[simulation]`` through
+    ``flwr[simulation]``) are environment where installed, like its requirements."""
+    import importlib.util
+
+    from medfl.approval import _environment
+
+    base = _environment()[2]
+    assert {"torch", "monai", "flwr"} <= base
+    for dist, module in (("mlflow", "mlflow"), ("tensorboard", "tensorboard"), ("ray", "ray")):
+        if importlib.util.find_spec(module) is not None:
+            assert dist in base, dist
 
 
 def test_an_unapproved_method_is_refused_and_the_coordinator_names_the_site(
