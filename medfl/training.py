@@ -258,7 +258,7 @@ def train_epochs(
                     return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
             if debug:
                 log_epoch(epoch + 1, epochs, before, losses.total("loss"), losses.steps - steps0,
-                           time.perf_counter() - t0)
+                          time.perf_counter() - t0)
         return {"loss": losses.means().get("loss", 0.0), "steps": float(losses.steps)}
     finally:
         if fmt is not None:   # states leave in the usual layout
