@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -201,13 +202,25 @@ def no_ray_left() -> None:
     from medfl.flower.deploy import _descendants
 
     assert not ray.is_initialized(), "Ray still runs after the simulation ended"
-    left = []
-    for pid in _descendants(os.getpid()):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        left.append(f"{pid}: {cmd[:120]}")
+
+    def running() -> list[str]:
+        left = []
+        for pid in _descendants(os.getpid()):
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError):
+                continue
+            if state not in ("Z", "X"):   # a process that has exited, not yet reaped, runs nothing
+                left.append(f"{pid} ({state}): {cmd[:120]}")
+        return left
+
+    # a condition, not a sleep: a Ray process told to stop may take a moment to exit
+    deadline = time.monotonic() + 120
+    left = running()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = running()
     assert not left, f"Ray processes left running: {left}"
 
 
