@@ -59,7 +59,7 @@ def eval_models(run: Any, last: int, client_ids: list[str] | None = None) -> Ite
     (FedBN): use or copy each model before taking the next.
     """
     evals = run.coordinator.configure_evaluate(last)
-    for cid in client_ids or run.federation.eval_client_ids:
+    for cid in run.federation.eval_client_ids if client_ids is None else client_ids:
         ctx = run.context(cid, last, state_before=last + 1)
         yield cid, ctx, run.client_method.client_eval_model(ctx, evals.get(cid, Instruction()))
 

@@ -98,8 +98,10 @@ _configure_console(force=True)
 
 def _own_handlers(logger: Any) -> list[Any]:
     """The handlers of ``logger`` other than pytest's own captures (which pytest adds and
-    removes around each phase of a test itself)."""
-    return [h for h in logger.handlers if not type(h).__module__.startswith("_pytest")]
+    removes around each phase of a test itself; :func:`medfl.logs._is_capture`)."""
+    from medfl.logs import _is_capture
+
+    return [h for h in logger.handlers if not _is_capture(h)]
 
 
 @pytest.fixture(autouse=True)

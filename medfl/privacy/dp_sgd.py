@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from medfl.training import StepMeans, log_epoch
+from medfl.training import logger as training_logger
 from medfl.privacy.accounting import PrivacyConfigError
 from medfl.seeding import derive_noise_seed
 
@@ -410,7 +411,7 @@ def train_epochs_dp(
 
             dp_opt.attach_step_hook(add_regularizer_grad)
 
-        debug = logging.getLogger("medfl.training").isEnabledFor(logging.DEBUG)
+        debug = training_logger.isEnabledFor(logging.DEBUG)   # log_epoch's logger
         for epoch in range(int(epochs)):
             if debug:
                 before, steps0, t0 = losses.total("loss"), steps, time.perf_counter()

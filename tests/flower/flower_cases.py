@@ -4,8 +4,9 @@ loop-back grid and over a real deployment)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -48,3 +49,14 @@ def write_config(path: Path, fl: dict[str, Any]) -> Path:
 def numeric_equal(a: pd.DataFrame, b: pd.DataFrame, what: str, atol: float = 1e-5) -> None:
     """Assert two metrics tables hold the same rows (sorted by their keys) and values."""
     table_difference(a, b, what, atol=atol)
+
+
+def wait_until_empty(probe: Callable[[], list[str]], limit: float) -> list[str]:
+    """Poll ``probe`` (every 0.5 s, up to ``limit`` s: a condition, not a sleep) until it finds
+    nothing (processes that should have ended); what it finds then."""
+    deadline = time.monotonic() + limit
+    left = probe()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = probe()
+    return left

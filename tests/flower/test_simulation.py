@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from medfl.engine.runner import RunError
 from medfl.experiment import resume, run_experiment
 from medfl.flower import simulation
 
-from flower_cases import FEDBN, fl_config, numeric_equal, write_config
+from flower_cases import FEDBN, fl_config, numeric_equal, wait_until_empty, write_config
 
 ray = pytest.importorskip("ray", reason="the simulation runtime needs Ray: pip install -e '.[test]' installs it")
 
@@ -215,12 +214,7 @@ def no_ray_left() -> None:
                 left.append(f"{pid} ({state}): {cmd[:120]}")
         return left
 
-    # a condition, not a sleep: a Ray process told to stop may take a moment to exit
-    deadline = time.monotonic() + 120
-    left = running()
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        left = running()
+    left = wait_until_empty(running, 120.0)   # a Ray process told to stop may take a moment to exit
     assert not left, f"Ray processes left running: {left}"
 
 

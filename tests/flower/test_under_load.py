@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 
 from medfl.flower.deploy import LocalFederation  # noqa: E402
 
-from flower_cases import FEDAVG, fl_config, write_config  # noqa: E402
+from flower_cases import FEDAVG, fl_config, wait_until_empty, write_config  # noqa: E402
 
 #: A ``sitecustomize`` holding a process named ``{name}`` for ``{seconds}`` s at its start
 #: (before it imports Flower), as a machine at load 30-70 does: the first such process only
@@ -95,12 +94,7 @@ def run_processes(fed: LocalFederation) -> list[str]:
 def wait_until_gone(fed: LocalFederation, limit: float = 180.0) -> list[str]:
     """Wait (polling, up to ``limit`` s: a condition, not a sleep) until no process of a run
     is left; what is still there then."""
-    deadline = time.monotonic() + limit
-    left = run_processes(fed)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        left = run_processes(fed)
-    return left
+    return wait_until_empty(lambda: run_processes(fed), limit)
 
 
 def test_flower_run_command_ends_with_one_error_and_leaves_no_process(tmp_path: Path) -> None:
