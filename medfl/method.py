@@ -58,7 +58,7 @@ from medfl.messages import RELEASE_FLAG, Instruction, Reply
 from medfl.seeding import derive_seed, round_half_up
 
 __all__ = ["Configurable", "Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "Preset",
-           "OwnDp", "derive_seed", "ENGINE_TRAIN_METRICS", "REPORTED_EXCHANGES"]
+           "OwnDp", "SOURCE_KINDS", "derive_seed", "ENGINE_TRAIN_METRICS", "REPORTED_EXCHANGES"]
 
 #: What the clients reported from one evaluation: ``{client_id: {split: {metric: value}}}``
 #: (splits named as in ``metrics.csv``'s rows before the ``local_`` prefix: ``test``, ``val``,
@@ -81,6 +81,12 @@ class MethodConfigError(ValueError):
     """A method was given parameters it does not accept."""
 
 
+#: Where a preset value comes from (:attr:`Preset.sources`): the paper (section, equation,
+#: table or page), the authors' code (repository, file and line), a reading of a sentence that
+#: admits another, or medfl's own choice where the source is silent.
+SOURCE_KINDS = ("paper", "authors_code", "reading", "open")
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named set of a method's settings, chosen with ``{"name": ..., "preset": NAME}``.
@@ -100,6 +106,11 @@ class Preset:
             said on stderr where the run differs, never applied (every method of an experiment
             shares one split and one number of rounds).
         description: one line for ``medfl plugins``.
+        sources: where each entry of ``values`` and ``train`` (``train.`` prefixed) comes
+            from, as ``"<kind>: <citation>"`` with a kind of :data:`SOURCE_KINDS`:
+            ``"paper: Sec. III-D, eq. 8"``, ``"authors_code: shadhin39/PFedCDP,
+            differential_privacy.py, line 12"``, ``"reading: <the sentence read>; other
+            reading: <...>"`` or ``"open: <medfl's choice and why>"``.
     """
 
     source: str
@@ -108,6 +119,7 @@ class Preset:
     open: dict[str, str] = field(default_factory=dict)
     experiment: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -435,6 +447,15 @@ class Method(Configurable):
         coordinator state (what the replies, validation and evaluation scalars brought).
         Default: none."""
         return []
+
+    def scored_from(self, round: int) -> int | None:
+        """The first round whose evaluated models the method's own mechanism shaped, as known
+        after ``round`` (asked after every round, from the coordinator state): FedTPF/FedFed
+        the first round trained with the shared set, PFedCDP the first round whose personal
+        models saw a noisy or distilled update. ``None``: no such round yet (still in a first
+        stage). Early stopping and :mod:`medfl.arm_report` choose the best round among the
+        rounds from it on. Default: 1 (every round)."""
+        return 1
 
     def mechanism_warnings(self, round: int) -> list[str]:
         """Why one of the method's mechanisms cannot act, as found in ``round`` (``"the
