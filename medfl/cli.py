@@ -138,10 +138,22 @@ def _describe_plugin(name: str, as_json: bool) -> int:
             default = "required" if p["required"] else f"default {json.dumps(p['default'])}"
             print(f"    {p['name']:<22} {p['type'] or '-':<14} {default}")
         for pname, preset in d["presets"].items():
-            print(f"  preset {pname!r}: {json.dumps(preset['values'])} ({preset['description'] or preset['source']})")
+            _print_preset(pname, preset)
         if d["doc"]:
             print("\n" + "\n".join("  " + line if line else "" for line in d["doc"].splitlines()))
     return 0
+
+
+def _print_preset(name: str, preset: dict[str, Any]) -> None:
+    """One preset of ``medfl plugins NAME``: its description and source, then every value and
+    ``train`` setting with where it comes from (kind and citation)."""
+    print(f"  preset {name!r}: {preset['description'] or preset['source']}")
+    if preset["description"]:
+        print(f"    source: {preset['source']}")
+    settings = {**preset["values"], **{f"train.{k}": v for k, v in preset["train"].items()}}
+    for key, value in settings.items():
+        origin = preset["sources"][key]
+        print(f"    {key:<22} {json.dumps(value):<14} {origin['from']}: {origin.get('source', '')}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from medfl.plugins import KINDS, PluginError, lookup, pinned_names, qualified_na
 
 __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_KEYS", "PUBLIC_TEST_FRACTION",
            "OPTIMIZERS", "resolve_config", "method_label", "build_method", "method_params", "method_preset",
-           "preset_record", "method_train", "check_dp_sgd",
+           "preset_record", "preset_origin", "preset_counts", "method_train", "check_dp_sgd",
            "check_public_dataset", "check_train", "check_device",
            "check_backend", "check_tracking", "check_min_sites", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL",
            "EARLY_STOPPING_DEFAULTS", "TEST_SPLITS", "check_early_stopping", "ABSENCE_PHASES", "check_absences",
@@ -394,9 +394,8 @@ def build_method(spec: dict[str, Any]) -> Any:
 def preset_record(spec: dict[str, Any], method: Any) -> dict[str, Any] | None:
     """What ``config.json`` records of an entry's preset: its name and source, and for every
     hyperparameter and ``train`` setting the preset or the entry touches, the value the run
-    uses and where it came from (``"paper"``: the preset's source states it; ``"open: ..."``:
-    the source leaves it open and this is medfl's choice; ``"config"``: the entry overrides
-    the preset), plus the source's experiment settings (not applied). ``None`` without a
+    uses and where it came from (:func:`preset_origin`), plus medfl's defaults of the other
+    hyperparameters and the source's experiment settings (not applied). ``None`` without a
     preset."""
     preset = method_preset(spec)
     if preset is None:
@@ -406,18 +405,47 @@ def preset_record(spec: dict[str, Any], method: Any) -> dict[str, Any] | None:
     own_train = set(spec.get("train") or {})
     values: dict[str, Any] = {}
     for key in sorted(set(preset.values) | own):
-        origin = ("config" if key in own else f"open: {preset.open[key]}" if key in preset.open else "paper")
-        values[key] = {"value": hp.get(key, spec.get(key)), "from": origin}
+        values[key] = {"value": hp.get(key, spec.get(key)), **preset_origin(preset, key, key in own)}
     train: dict[str, Any] = {}
     for key in sorted(set(preset.train) | own_train):
-        label = f"train.{key}"
-        origin = ("config" if key in own_train else f"open: {preset.open[label]}" if label in preset.open
-                  else "paper")
-        train[key] = {"value": (spec.get("train") or {}).get(key, preset.train.get(key)), "from": origin}
+        train[key] = {"value": (spec.get("train") or {}).get(key, preset.train.get(key)),
+                      **preset_origin(preset, f"train.{key}", key in own_train)}
     defaults = sorted(k for k in hp if k not in values)
     return {"name": spec["preset"], "source": preset.source, "description": preset.description,
             "values": values, "train": train, "medfl_defaults": {k: hp[k] for k in defaults},
             "experiment": copy.deepcopy(preset.experiment)}
+
+
+def preset_origin(preset: Any, key: str, overridden: bool) -> dict[str, str]:
+    """Where one entry of a run's preset record came from: ``{"from": "config"}`` where the
+    method entry sets it itself; else ``{"from": kind, "source": citation}`` of the preset's
+    :meth:`~medfl.method.Preset.source_of` (a kind of :data:`~medfl.method.SOURCE_KINDS`), or
+    ``{"from": "unstated", ...}`` where the preset cites none (or one that is not
+    ``"<kind>: <citation>"``)."""
+    if overridden:
+        return {"from": "config"}
+    try:
+        found = preset.source_of(key)
+    except ValueError as e:
+        return {"from": "unstated", "source": f"the preset's source is malformed: {e}"}
+    if found is None:
+        return {"from": "unstated", "source": f"the preset cites no source for {key}"}
+    return {"from": found[0], "source": found[1]}
+
+
+#: How :func:`preset_counts` names each ``"from"`` of a preset record.
+_ORIGIN_PHRASES = (("paper", "from the paper"), ("authors_code", "from the authors' code"), ("reading", "readings"),
+                   ("open", "medfl's choices"), ("config", "from this config"), ("unstated", "without a source"))
+
+
+def preset_counts(entries: Any) -> str:
+    """One phrase counting a preset record's entries (dicts with ``"from"``) by where they came
+    from: ``"5 from the paper, 0 from the authors' code, 1 readings, 2 medfl's choices, 1 from
+    this config"``, with ``", N without a source"`` only where some entry has none."""
+    origins = [e["from"] for e in entries]
+    parts = [f"{origins.count(kind)} {phrase}" for kind, phrase in _ORIGIN_PHRASES
+             if kind != "unstated" or "unstated" in origins]
+    return ", ".join(parts)
 
 
 def method_train(cfg: dict[str, Any], spec: dict[str, Any], method: Any = None) -> dict[str, Any]:

@@ -501,7 +501,7 @@ def _jsonable(value: Any) -> Any:
 def describe(name: str) -> list[dict[str, Any]]:
     """Everything registered as ``name`` (bare or qualified ``dist:name``), of every kind:
     kind, name, qualified name, plugin, distribution, version, parameters (name, default,
-    type, required), presets (methods), docstring, and the other candidates when the bare
+    type, required), presets (methods: values, train settings and each one's source), docstring, and the other candidates when the bare
     name clashes (``clashes_with``). What ``medfl plugins NAME`` prints.
 
     Raises:
@@ -532,10 +532,21 @@ def describe(name: str) -> list[dict[str, Any]]:
                     "distribution": r.distribution, "version": r.version,
                     "description": str(getattr(r.obj, "description", "") or ""),
                     "parameters": _parameters(r.kind, r.obj),
-                    "presets": {k: {"values": _jsonable(dict(v.values)), "source": v.source,
-                                    "description": v.description} for k, v in sorted(presets.items())},
+                    "presets": {k: _describe_preset(v) for k, v in sorted(presets.items())},
                     "doc": inspect.getdoc(r.obj) or "", "clashes_with": others})
     return out
+
+
+def _describe_preset(preset: Any) -> dict[str, Any]:
+    """What :func:`describe` says of one preset: its source, description, values, ``train``
+    settings and, for each of those (``train.`` prefixed), where it comes from as
+    ``config.json`` records it (``{"from": kind, "source": citation}``, ``"unstated"`` where
+    the preset cites none)."""
+    from medfl.config import preset_origin
+
+    return {"values": _jsonable(dict(preset.values)), "train": _jsonable(dict(preset.train)),
+            "source": preset.source, "description": preset.description,
+            "sources": {key: preset_origin(preset, key, False) for key in preset.keys()}}
 
 
 def _reset_for_tests() -> None:

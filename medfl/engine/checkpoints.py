@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NoReturn
 
-from medfl.config import method_preset, preset_record
+from medfl.config import method_preset, preset_counts, preset_record
 from medfl.filters import FilterChain
 from medfl.rundir import RunError, with_step_column
 
@@ -169,15 +169,17 @@ class Checkpoints:
             return
         record = preset_record(self.method_spec, self.coordinator) or {}
         entries = [*record.get("values", {}).values(), *record.get("train", {}).values()]
-        opened = sum(1 for e in entries if str(e["from"]).startswith("open"))
-        own = sum(1 for e in entries if e["from"] == "config")
-        line = (f"preset {self.method_spec['preset']!r} ({preset.source}): {len(entries) - opened - own} value(s) "
-                f"from the source, {opened} it leaves open (medfl's choice), {own} from this config")
+        line = f"preset {self.method_spec['preset']!r} ({preset.source}): " + preset_counts(entries)
         differ = [f"{k} {v!r} (this run: {self.config[k]!r})" for k, v in preset.experiment.items()
                   if k in self.config and self.config[k] != v]
         if differ:
             line += "; the source's experiment differs from this run's: " + ", ".join(differ)
-        logger.info(f"medfl [{self.label}] {line}; config.json has every value")
+        unstated = sorted(f"train.{k}" if part == "train" else k for part in ("values", "train")
+                          for k, e in record.get(part, {}).items() if e["from"] == "unstated")
+        if unstated:
+            line += f"; no source for {', '.join(unstated)} (the plugin's preset cites none)"
+        (logger.warning if unstated else logger.info)(f"medfl [{self.label}] {line}; config.json has every value "
+                                                      "and its source")
 
     def _log_privacy(self) -> None:
         """Say on stderr what the run's differential privacy is (and what Opacus's validator

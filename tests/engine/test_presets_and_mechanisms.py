@@ -72,14 +72,17 @@ def test_config_json_says_where_every_value_came_from(tmp_path: Path, capsys: py
     saved = json.loads((run / "config.json").read_text())
     preset = saved["preset"]
     assert preset["name"] == "paper" and preset["source"] == "a test paper, Table 1"
+    # the kind and the citation of each value; "open" entries of the deprecated Preset.open as "open"
     assert preset["values"] == {"scale": {"value": 3.0, "from": "config"},
-                                "tag": {"value": "p", "from": "open: the paper gives none; ours"}}
-    assert preset["train"] == {"lr": {"value": 0.02, "from": "paper"}}
+                                "tag": {"value": "p", "from": "open", "source": "the paper gives none; ours"}}
+    assert preset["train"] == {"lr": {"value": 0.02, "from": "reading",
+                                      "source": "'a small step'; other reading: 0.01"}}
     assert preset["medfl_defaults"] == {"unused": 0}
     assert preset["experiment"] == {"rounds": 50, "num_clients": 3}
     assert saved["method_hparams"]["scale"] == 3.0
     err = capsys.readouterr().err
-    assert "preset 'paper' (a test paper, Table 1): 1 value(s) from the source, 1 it leaves open" in err
+    assert ("preset 'paper' (a test paper, Table 1): 0 from the paper, 0 from the authors' code, 1 readings, "
+            "1 medfl's choices, 1 from this config; the source's") in err
     assert "rounds 50 (this run: 2)" in err and "num_clients" not in err.split("differs")[-1]
 
 
