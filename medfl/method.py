@@ -125,7 +125,7 @@ class Preset:
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
 
-    def keys(self) -> list[str]:
+    def entries(self) -> list[str]:
         """Every entry a source is due for: the keys of ``values``, then ``train.<key>`` for
         each key of ``train``."""
         return [*self.values, *(f"train.{k}" for k in self.train)]
@@ -152,17 +152,19 @@ class Preset:
         of ``sources``/``open`` that names no entry. Empty when every entry cites its source
         (medfl's tests require that of every built-in preset)."""
         problems = []
-        for key in self.keys():
+        for key in self.entries():
             try:
-                if self.source_of(key) is None:
-                    problems.append(f"{key}: no source (sources[{key!r}] = \"<kind>: <citation>\", kind one of "
-                                    f"{', '.join(SOURCE_KINDS)})")
-                elif self.source_of(key)[0] == "reading" and "other reading" not in self.source_of(key)[1]:
-                    problems.append(f"{key}: a reading names the sentence read and the other reading "
-                                    f"('reading: <sentence>; other reading: <...>')")
+                found = self.source_of(key)
             except ValueError as e:
                 problems.append(f"{key}: {e}")
-        known = set(self.keys())
+                continue
+            if found is None:
+                problems.append(f"{key}: no source (sources[{key!r}] = \"<kind>: <citation>\", kind one of "
+                                f"{', '.join(SOURCE_KINDS)})")
+            elif found[0] == "reading" and "other reading" not in found[1]:
+                problems.append(f"{key}: a reading names the sentence read and the other reading "
+                                "('reading: <sentence>; other reading: <...>')")
+        known = set(self.entries())
         for where, table in (("sources", self.sources), ("open", self.open)):
             problems += [f"{where}[{k!r}] names no entry of values or train (train entries are 'train.<key>')"
                          for k in table if k not in known]

@@ -546,7 +546,7 @@ def _describe_preset(preset: Any) -> dict[str, Any]:
 
     return {"values": _jsonable(dict(preset.values)), "train": _jsonable(dict(preset.train)),
             "source": preset.source, "description": preset.description,
-            "sources": {key: preset_origin(preset, key, False) for key in preset.keys()}}
+            "sources": {key: preset_origin(preset, key, False) for key in preset.entries()}}
 
 
 def _reset_for_tests() -> None:

@@ -30,7 +30,46 @@ _PAPER_VALUES: dict[str, Any] = {"distill": True, "aggregation": "fedkper", "lam
                                  "eps": 1e-12, "temperature": 1.0}
 _PAPER_TRAIN: dict[str, Any] = {"optimizer": "sgd", "lr": 0.01, "epochs": 5, "momentum": 0.9, "weight_decay": 1e-5,
                                 "batch_size": 50}
-_FEDNTD = "the paper takes its setup from [8, 3]; FedNTD [3]'s code (config/fedntd.json) and the authors' code use"
+_KPER = "olivesgatech/FedKPer"
+_CFG = f"{_KPER}, config/fedkper.json"
+_LOSS = f"{_KPER}, algorithms/fedkper/loss.py"
+_TRAINER = f"{_KPER}, algorithms/fedkper/ClientTrainer.py"
+_UNSTATED = "sec. 4.1 does not state it (it takes its setup from [8, 3]); the authors' code:"
+#: where each value of the presets comes from (FedKPer's paper, 001, and the authors' code)
+_PAPER_SOURCES: dict[str, str] = {
+    "distill": "paper: sec. 3.2, eq. 3 (l = CE(q_k, y) + lambda KD(q_g, q_k))",
+    "aggregation": "paper: sec. 3.2, eqs. 4-6 (p_k proportional to A_k (eps + d_k))",
+    "lambda_cap": "paper: sec. 3.2 ('we additionally cap lambda at 10')",
+    "clip": "paper: sec. 3.2 ('gradient-norm clipping (max norm of 5)')",
+    "eps": "paper: sec. 3.2, eq. 6 ('we utilize eps = 10^-12 throughout')",
+    "temperature": "reading: sec. 3.2, 'KD is KL divergence-based distillation on the client data' (no temperature), "
+                   "read as plain KL of the two softmax outputs (T = 1, as the authors' code, "
+                   f"{_LOSS}, line 15: tau = 1); other reading: Hinton's tempered KD with some T > 1",
+    "train.optimizer": "paper: sec. 4.1 ('a SGD optimizer with eta = 0.01')",
+    "train.lr": "paper: sec. 4.1 ('a SGD optimizer with eta = 0.01')",
+    "train.epochs": "paper: sec. 4.1 ('Each local model is trained for 5 epochs')",
+    "train.momentum": f"authors_code: {_UNSTATED} {_CFG}, line 30 (momentum 0.9, as FedNTD [3]'s config/fedntd.json)",
+    "train.weight_decay": f"authors_code: {_UNSTATED} {_CFG}, line 30 (weight_decay 1e-5, as FedNTD [3]'s)",
+    "train.batch_size": f"authors_code: {_UNSTATED} {_CFG}, line 7 (batch_size 50, as FedNTD [3]'s; the README's "
+                        "BloodMNIST command passes --batch_size=12)",
+}
+_AUTHORS_SOURCES: dict[str, str] = {
+    "distill": f"authors_code: {_LOSS}, line 29 (loss = ce_loss + beta * kl_loss)",
+    "aggregation": f"authors_code: {_KPER}, algorithms/fedkper/Server.py, lines 72-75 (aggregation weighted by the "
+                   "clients' scores of ClientTrainer.py, lines 82-84)",
+    "lambda_cap": f"authors_code: {_LOSS}, lines 16 and 26 (lam_max = 10; beta clamped at it)",
+    "clip": f"authors_code: {_TRAINER}, lines 62-63 (loss.backward(), optimizer.step(): no gradient clipping)",
+    "eps": f"open: the authors' code uses 1e-12 in the entropy and 1e-6 in the score A_k (eps + d_k) ({_TRAINER}, "
+           "lines 82-84); medfl has one eps (1e-12): the score differs by at most 1e-6 A_k",
+    "temperature": f"authors_code: {_LOSS}, line 15 (tau = 1)",
+    "train.optimizer": f"authors_code: {_KPER}, main.py, line 68 (optim.SGD)",
+    "train.lr": f"authors_code: {_CFG}, line 30 (lr 0.01)",
+    "train.epochs": f"authors_code: {_CFG}, line 22 (local_epochs 5)",
+    "train.momentum": f"authors_code: {_CFG}, line 30 (momentum 0.9)",
+    "train.weight_decay": f"authors_code: {_CFG}, line 30 (weight_decay 1e-5)",
+    "train.batch_size": f"authors_code: {_CFG}, line 7 (batch_size 50; the README's BloodMNIST command, whose rounds "
+                        "and clients this preset's experiment records, passes --batch_size=12)",
+}
 #: FedKPer's presets: the paper (sec. 3.2 and 4.1) and the authors' published code where it
 #: differs (no gradient clipping). Neither can reproduce the per-round learning-rate decay
 #: (x 0.99) of FedNTD's and the authors' code: medfl has no per-round learning-rate schedule.
@@ -38,12 +77,7 @@ PRESETS: dict[str, Preset] = {
     "paper": Preset(
         source="Fowler & AlRegib, FedKPer (paper 001), sec. 3.2 (eqs. 3-6: lambda = min(1/CE, 10), gradient-norm "
                "clip 5, eps 1e-12) and sec. 4.1 (SGD lr 0.01, 5 local epochs)",
-        values=dict(_PAPER_VALUES), train=dict(_PAPER_TRAIN),
-        open={"temperature": "eq. 3's KD is 'KL divergence-based distillation' with no temperature: plain KL (T = 1; "
-                             "the authors' code: tau 1)",
-              "train.momentum": f"not stated; {_FEDNTD} 0.9",
-              "train.weight_decay": f"not stated; {_FEDNTD} 1e-5",
-              "train.batch_size": f"not stated; {_FEDNTD} 50"},
+        values=dict(_PAPER_VALUES), train=dict(_PAPER_TRAIN), sources=dict(_PAPER_SOURCES),
         experiment={"rounds": 100, "fraction": 0.1, "partition": {"name": "dirichlet", "alpha": 0.1},
                     "num_clients": "20 (BloodMNIST), 30 (OrganCMNIST), 50 (OrganSMNIST)",
                     "datasets": "BloodMNIST, OrganSMNIST, OrganCMNIST (MedMNIST)", "local_test_fraction": 0.2,
@@ -51,11 +85,9 @@ PRESETS: dict[str, Preset] = {
                     "lr_schedule": "not stated (FedNTD's and the authors' code decay lr x 0.99 a round; medfl: none)"},
         description="the paper's settings (MedMNIST, Dirichlet 0.1, 10 % sampling)"),
     "authors": Preset(
-        source="the authors' code, github.com/olivesgatech/FedKPer (config/fedkper.json, "
-               "algorithms/fedkper/{ClientTrainer,loss}.py)",
-        values={**_PAPER_VALUES, "clip": None}, train=dict(_PAPER_TRAIN),
-        open={"eps": "the authors' code uses 1e-12 in the entropy and 1e-6 in the score A_k (eps + d_k); medfl has one "
-                     "eps (1e-12): the score differs by at most 1e-6 A_k"},
+        source="the authors' code, github.com/olivesgatech/FedKPer (config/fedkper.json, main.py, "
+               "algorithms/fedkper/{ClientTrainer,Server,loss}.py)",
+        values={**_PAPER_VALUES, "clip": None}, train=dict(_PAPER_TRAIN), sources=dict(_AUTHORS_SOURCES),
         experiment={"rounds": 200, "fraction": 0.1, "partition": {"name": "dirichlet", "alpha": 0.1},
                     "num_clients": 20, "model": "fedavg_cifar (the four-layer CNN)",
                     "lr_schedule": "StepLR gamma 0.99 per round (medfl: none)",

@@ -222,20 +222,86 @@ def _presets() -> dict[str, Preset]:
     paper = {"beta": 0.5, "server_lr": 1.0, "rho_min": 0.4, "rho_max": 1.0, "diversity": True, "shuffle": True,
              "vote": "majority", "head": "mlp", "dropout": 0.2, "head_activation": "relu",
              "tie_break": "mean_probability", "rho_sampling": "uniform", "min_hidden": PAPER_EMBED_DIM}
-    opened = {
-        "dropout": "the paper inserts dropout between the head's FC layers but gives no rate; 0.2, the rate of "
-                   "the authors' code (wpnine/FedSDC, sdc_head_dropout)",
-        "head_activation": "the paper names two FC layers with dropout between them and no activation; medfl "
-                           "reads 'a two-layer FC network' as an MLP (ReLU); the authors' code has none "
-                           "(preset 'authors')",
-        "tie_break": "the paper says 'major voting' and nothing of ties; medfl gives a tie to the tied class of "
-                     "highest mean probability",
-        "rho_sampling": "the paper gives the range [0.4, 1] and no distribution; independent uniform draws per head",
-        "min_hidden": "the paper's heads are rho x 2048 units (its ResNet-50's embedding); 2048 gives those "
-                      "widths on any body (none: rho x the body's own embedding)",
-        "train.momentum": "the paper says SGD with learning rate eta and names no momentum: plain SGD (0)",
-        "train.weight_decay": "not stated; none",
-        "train.epochs": "local epochs are not stated; one per round (the authors' code runs 5: preset 'authors')",
+    sdc = "wpnine/FedSDC (commit 3e2cc00)"
+    toml = f"{sdc}, pyproject.toml"
+    sec22 = "sec. 2.2"
+    paper_sources = {
+        "beta": f"paper: {sec22}, eq. 4 ('the momentum parameter, which is empirically set to 0.5')",
+        "server_lr": f"paper: {sec22}, eq. 5 (phi^(t+1) = phi^t - v^t: the server step is the momentum itself)",
+        "rho_min": f"paper: {sec22} ('a client-specific compression factor rho_i in [0.4, 1]')",
+        "rho_max": f"paper: {sec22} ('a client-specific compression factor rho_i in [0.4, 1]')",
+        "diversity": f"paper: {sec22} (the Diversity mechanism) and Table 2 (FedSDC = Diversity + Shuffle)",
+        "shuffle": f"paper: {sec22}, eq. 6 (Shuffle) and Table 2 (FedSDC = Diversity + Shuffle)",
+        "vote": f"reading: {sec22}, 'head-specific class probabilities p_i = Softmax(...); these predictions are "
+                "aggregated via major voting', read as a vote of each head's top class; other reading: soft voting, "
+                "the mean of the p_i (vote 'mean'), which the softmax before the vote would suggest",
+        "head": f"paper: {sec22} ('a two-layer fully connected (FC) network, where a dropout layer is inserted "
+                "between the linear layers')",
+        "dropout": f"authors_code: {toml}, line 83 (sdc_head_dropout = 0.2); the paper gives no rate",
+        "head_activation": f"reading: {sec22}, 'a two-layer fully connected (FC) network, where a dropout layer "
+                           "is inserted between the linear layers', read as an MLP (ReLU after the first layer); "
+                           f"other reading: no activation, an affine head at test time, as {sdc}, "
+                           "fedsdc/fedsdc_model.py, lines 155-158 (preset 'authors': head_activation 'none')",
+        "tie_break": "open: the paper says 'major voting' and nothing of ties; medfl gives a tie to the tied class "
+                     "of highest mean probability (the authors' code: the argmax of the summed logits, preset "
+                     "'authors')",
+        "rho_sampling": f"open: {sec22} gives the range [0.4, 1] and no distribution; independent uniform draws per "
+                        f"head (the authors' code draws one per stratum of the range, {sdc}, server_app.py, lines "
+                        "38-44: preset 'authors')",
+        "min_hidden": f"reading: {sec22}, 'the shared body phi employs a ResNet50 backbone' and 'the dimensionality "
+                      "of the first FC layer in h_i is dynamically adjusted via a client-specific compression factor "
+                      "rho_i', read as rho x 2048 units (the paper's ResNet-50 embedding) on any body; other reading: "
+                      "rho x the body's own embedding (min_hidden None, as the authors' code, "
+                      f"{sdc}, fedsdc/fedsdc_model.py, line 154), which gives a small body heads of a few units "
+                      "(issue 37)",
+        "train.optimizer": "paper: sec. 3.3 ('we set the optimizer to SGD')",
+        "train.momentum": "reading: sec. 3.3, 'we set the optimizer to SGD with a learning rate of 1e-4', read as "
+                          "plain SGD (momentum 0); other reading: SGD with a momentum the paper does not give (the "
+                          f"authors' code: 0.01, {toml}, line 98, preset 'authors')",
+        "train.weight_decay": f"open: not stated; none (the authors' code: 1e-3, {toml}, line 104)",
+        "train.epochs": f"open: local epochs are not stated; one per round (the authors' code runs 5, {toml}, "
+                        "line 95: preset 'authors')",
+        "gamma": f"reading: {sec22}, 'retaining only the top gamma in [0, 1] fraction (e.g., gamma = 0.3 prunes 70% "
+                 "under-performing heads)', read as FedSDC+'s gamma in Table 1; other reading: 0.3 is only an "
+                 f"example and Table 1's gamma is not stated (the authors' code uses 0.3, {sdc}, run_for_sparse.py, "
+                 "line 203)",
+        "keep_rounding": f"authors_code: {sdc}, run_for_sparse.py, line 205 (math.ceil(gamma * head_cnt)); the "
+                         "paper keeps 'the top gamma fraction' without rounding",
+    }
+    niid_sources = {
+        "niid1": {"train.lr": "paper: sec. 3.3 ('For the NIID-1, the learning rate is set to 1e-3')",
+                  "train.batch_size": "paper: sec. 3.3 (NIID-1: 'trained with a batch size of 64')"},
+        "niid2": {"train.lr": "paper: sec. 3.3 ('for the IID and NIID-2, we set the optimizer to SGD with a "
+                              "learning rate of 1e-4')",
+                  "train.batch_size": "paper: sec. 3.3 (IID and NIID-2: 'the batch size is set to 32')"},
+    }
+    model, client = f"{sdc}, fedsdc/fedsdc_model.py", f"{sdc}, fedsdc/fedsdc_client.py"
+    authors_sources = {
+        "beta": f"authors_code: {toml}, line 44 (server_momentum_beta = 0.5), passed to FedAvgM in "
+                f"fedsdc/fedsdc_strategy.py, line 143",
+        "server_lr": f"authors_code: {sdc}, fedsdc/fedsdc_strategy.py, lines 136-145 (FedAvgM built without "
+                     "server_learning_rate: Flower's default 1.0)",
+        "rho_min": f"authors_code: {toml}, line 77 (sdc_rho_start = 0.4)",
+        "rho_max": f"authors_code: {toml}, line 80 (sdc_rho_end = 1.0)",
+        "diversity": f"authors_code: {toml}, line 74 (sdc_diverse_head = 1)",
+        "shuffle": f"authors_code: {toml}, line 71 (sdc_shuffle = 1)",
+        "vote": f"authors_code: {client}, lines 171-209 (each head's top-1 class counts 1.0; the most counted wins)",
+        "head": f"authors_code: {model}, lines 154-159 (Linear, Dropout, Linear)",
+        "dropout": f"authors_code: {toml}, line 83 (sdc_head_dropout = 0.2)",
+        "head_activation": f"authors_code: {model}, lines 155-158 (no activation between the two Linear layers)",
+        "tie_break": f"authors_code: {client}, lines 187-209 (a tied vote keeps the argmax of the summed logits)",
+        "rho_sampling": f"authors_code: {sdc}, server_app.py, lines 38-44 (one uniform draw in each of head_cnt "
+                        "equal strata of [rho_start, rho_end])",
+        "min_hidden": f"authors_code: {model}, line 154 (int(rho x body.n_outputs): rho scales the body's own "
+                      "embedding)",
+        "gamma": f"authors_code: {sdc}, run_for_sparse.py, line 203 (gamma = 0.3)",
+        "keep_rounding": f"authors_code: {sdc}, run_for_sparse.py, line 205 (math.ceil(gamma * head_cnt))",
+        "train.optimizer": f"authors_code: {model}, lines 74-79 (torch.optim.SGD)",
+        "train.lr": f"authors_code: {toml}, line 101 (local_lr = 1e-3)",
+        "train.batch_size": f"authors_code: {toml}, line 107 (local_batch_size = 64)",
+        "train.momentum": f"authors_code: {toml}, line 98 (local_momentum = 1e-2)",
+        "train.weight_decay": f"authors_code: {toml}, line 104 (local_wd = 0.001)",
+        "train.epochs": f"authors_code: {toml}, line 95 (local_epoch = 5)",
     }
     niid1 = {"optimizer": "sgd", "lr": 1e-3, "batch_size": 64, "momentum": 0.0, "weight_decay": 0.0, "epochs": 1}
     niid2 = {**niid1, "lr": 1e-4, "batch_size": 32}
@@ -257,31 +323,33 @@ def _presets() -> dict[str, Preset]:
                    "sparse_ranking": "FedSDC+ (run_for_sparse.py) ranks heads by macro-F1 on the pooled training "
                                      "sets, not micro-F1 on validation data (not reproduced in medfl)"}
     src = "Gao et al., FedSDC (paper 002), sec. 2.2 (eqs. 4-8, rho, dropout, voting, gamma) and sec. 3.3"
-    asrc = "the authors' code, github.com/wpnine/FedSDC (pyproject.toml, server_app.py, fedsdc/*.py)"
+    asrc = ("the authors' code, github.com/wpnine/FedSDC at commit 3e2cc00 (pyproject.toml, server_app.py, "
+            "fedsdc/*.py, run_for_sparse.py)")
 
-    def make(values: dict[str, Any], train: dict[str, Any], opens: dict[str, str], exp: dict[str, Any], source: str,
-             text: str, plus: bool) -> Preset:
+    def make(values: dict[str, Any], train: dict[str, Any], sources: dict[str, str], exp: dict[str, Any],
+             source: str, text: str, plus: bool) -> Preset:
         v = {**values, "gamma": 0.3, "keep_rounding": "ceil"} if plus else dict(values)
-        o = dict(opens)
-        if plus and opens:   # the authors' run_for_sparse.py states it: math.ceil
-            o["keep_rounding"] = ("the paper keeps 'the top gamma fraction' without rounding; ceil, so at least "
-                                  "one head (as the authors' run_for_sparse.py)")
-        return Preset(source=source, values=v, train=dict(train), open=o, experiment=dict(exp),
+        keys = {*v, *(f"train.{k}" for k in train)}
+        return Preset(source=source, values=v, train=dict(train), experiment=dict(exp),
+                      sources={k: cite for k, cite in sources.items() if k in keys},
                       description=text + (" + FedSDC+ (gamma 0.3)" if plus else ""))
 
+    niid1_src = {**paper_sources, **niid_sources["niid1"]}
+    niid2_src = {**paper_sources, **niid_sources["niid2"]}
+    authors_train = {**niid1, "momentum": 0.01, "weight_decay": 1e-3, "epochs": 5}
     return {
-        "paper": make(paper, niid1, opened, exp1, src + " (NIID-1: lr 1e-3, batch 64)",
+        "paper": make(paper, niid1, niid1_src, exp1, src + " (NIID-1: lr 1e-3, batch 64)",
                       "the paper's settings, NIID-1 (HAM10000)", False),
-        "paper_plus": make(paper, niid1, opened, exp1, src + " (NIID-1: lr 1e-3, batch 64)",
+        "paper_plus": make(paper, niid1, niid1_src, exp1, src + " (NIID-1: lr 1e-3, batch 64)",
                            "the paper's settings, NIID-1 (HAM10000)", True),
-        "paper_niid2": make(paper, niid2, opened, exp2, src + " (IID and NIID-2: lr 1e-4, batch 32)",
+        "paper_niid2": make(paper, niid2, niid2_src, exp2, src + " (IID and NIID-2: lr 1e-4, batch 32)",
                             "the paper's settings, IID / NIID-2 (blood-cell datasets)", False),
-        "paper_niid2_plus": make(paper, niid2, opened, exp2, src + " (IID and NIID-2: lr 1e-4, batch 32)",
+        "paper_niid2_plus": make(paper, niid2, niid2_src, exp2, src + " (IID and NIID-2: lr 1e-4, batch 32)",
                                  "the paper's settings, IID / NIID-2 (blood-cell datasets)", True),
-        "authors": make(authors, {**niid1, "momentum": 0.01, "weight_decay": 1e-3, "epochs": 5}, {},
-                        exp_authors, asrc, "the authors' published code (HAM10000 NIID-1 settings)", False),
-        "authors_plus": make(authors, {**niid1, "momentum": 0.01, "weight_decay": 1e-3, "epochs": 5}, {},
-                             exp_authors, asrc, "the authors' published code (HAM10000 NIID-1 settings)", True),
+        "authors": make(authors, authors_train, authors_sources, exp_authors, asrc,
+                        "the authors' published code (HAM10000 NIID-1 settings)", False),
+        "authors_plus": make(authors, authors_train, authors_sources, exp_authors, asrc,
+                             "the authors' published code (HAM10000 NIID-1 settings)", True),
     }
 
 

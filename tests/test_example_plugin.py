@@ -76,6 +76,11 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     assert plugin["distribution"] == "medfl-plugin-example" and plugin["version"] == "0.1.0"
     assert plugin["registered"] == {"method": ["dp_fedavg_opacus", "dp_shared_images", "median", "median_snapshots"],
                                     "filter": ["half"]}
+    # medfl plugins NAME --json carries each preset value's source (issue 48)
+    described = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "median_snapshots", "--json"], env=env,
+                               capture_output=True, text=True, check=True)
+    (snapshots,) = json.loads(described.stdout)
+    assert {k: v["from"] for k, v in snapshots["presets"]["wide"]["sources"].items()} == {"keep": "open", "top": "open"}
     cfg = tmp_path / "train.json"
     # dp_shared_images makes a DP release: cross_test (which sends every client's model in the
     # clear) runs beside it only with the opt-in, and its privacy record then says so

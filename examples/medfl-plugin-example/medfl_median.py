@@ -19,7 +19,7 @@ a final model the run scores at every client (``final_models``: the best snapsho
 written after the run (``final_tables``: ``snapshots.csv``, each kept snapshot's last mean
 validation accuracy), what its ranking did each round (``mechanisms``: ``mechanisms.csv``)
 with a warning when it cannot act (``mechanism_warnings``), and a named preset (``presets``:
-``{"name": "median_snapshots", "preset": "wide"}``).
+``{"name": "median_snapshots", "preset": "wide"}``) whose every value cites its source.
 
 ``dp_shared_images``: FedAvg on each client's data plus a shared set of every client's
 training images, each released once under per-sample differential privacy in round 1. It
@@ -126,8 +126,13 @@ class MedianSnapshots(FedMedian):
 
     name = "median_snapshots"
     description = "Median aggregation; ensemble of the best recent global models by validation accuracy"
+    # every value cites where it comes from, "<kind>: <citation>" (kinds: paper, authors_code,
+    # reading, open; medfl plugins median_snapshots prints them, config.json records them)
     presets = {"wide": Preset(source="this example's docstring", values={"keep": 5, "top": 3},
-                              open={"top": "no source states it: three of the five"},
+                              sources={"keep": "open: no paper behind this example; five recent global models, "
+                                               "wider than the default 3 at the cost of two more snapshots a round",
+                                       "top": "open: no source states it; three of the five, a majority of the "
+                                              "snapshots kept"},
                               description="the best 3 of the last 5 global models")}
     # every name a client reports, declared before round 1 (a name is a string leaving the
     # site): the profile's count here, the validation's acc_<i> per snapshot in reported_names

@@ -248,15 +248,19 @@ def test_presets_resolve_to_their_documented_values(tiny_fl, resolve) -> None:
     out = run_experiment(resolve(fl))
     saved = json.loads((Path(out["dir"]) / "fedskd" / "config.json").read_text())["preset"]
     assert saved["name"] == "paper_skin" and saved["values"]["iterations"] == {"value": 1, "from": "config"}
-    assert saved["values"]["gamma"] == {"value": 100.0, "from": "paper"}
+    assert saved["values"]["gamma"] == {"value": 100.0, "from": "paper", "source": "sec. III-B3 ('... and 100 for "
+                                                                                  "the skin lesion classification task')"}
     for name, (gamma, terms, iterations, rounds, clients) in SKD_PRESETS.items():
         spec = {"name": "fedskd", "preset": name}
         block = preset_record(spec, build_method(spec))
         values = {k: v["value"] for k, v in block["values"].items()}
         assert values == {"gamma": gamma, "terms": terms, "stages": [1, 2, 3, 4], "skd_start": 0.0,
                           "iterations": iterations, "freeze_ktm_head": True}
-        assert {k for k, v in block["values"].items() if v["from"] != "paper"} == {"terms"}   # open: the atlas
+        # "5 training iterations" a round is a reading (steps or passes); the rest is stated
+        assert {k for k, v in block["values"].items() if v["from"] != "paper"} == {"iterations"}
+        assert block["values"]["iterations"]["from"] == "reading"
         assert {k: v["value"] for k, v in block["train"].items()} == {"optimizer": "adam", "lr": 1e-4, "batch_size": 8,
                                                                      "weight_decay": 0.0}
-        assert block["train"]["weight_decay"]["from"].startswith("open: ")
+        assert {k: v["from"] for k, v in block["train"].items()} == {"optimizer": "paper", "lr": "paper",
+                                                                    "batch_size": "paper", "weight_decay": "open"}
         assert block["experiment"]["rounds"] == rounds and block["experiment"]["num_clients"] == clients
