@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from medfl.config import build_method, method_train, resolve_config
+from medfl.config import build_method, method_preset, method_train, preset_origin, resolve_config
 from medfl.engine.client import run_client_update
 from medfl.experiment import run_experiment
 from medfl.messages import Reply
@@ -128,12 +128,13 @@ def test_the_authors_preset_is_recorded_and_spends_its_true_epsilon(authors_run:
     assert preset["name"] == "authors" and "shadhin39/PFedCDP" in preset["source"]
     # the code's formula at the paper's epsilon, recorded as such: the code itself runs at epsilon 8
     assert preset["values"]["noise_multiplier"]["value"] == AUTHORS_NOISE_MULTIPLIER
-    assert preset["values"]["noise_multiplier"]["from"].startswith("open: the authors' differential_privacy.py")
-    assert "epsilon 8 (sigma 0.606)" in preset["values"]["noise_multiplier"]["from"]
+    assert preset["values"]["noise_multiplier"]["source"].startswith("the authors' differential_privacy.py")
+    assert "epsilon 8 (sigma 0.606)" in preset["values"]["noise_multiplier"]["source"]
     assert preset["values"]["feature_shap"] == {"value": "off", "from": "config"}
-    assert preset["values"]["clip"]["from"].startswith("open: the authors' code clips each weight tensor")
+    assert preset["values"]["clip"]["source"].startswith("the authors' code clips each weight tensor")
     assert preset["train"]["epochs"] == {"value": 1, "from": "config"}
-    assert preset["train"]["optimizer"] == {"value": "adam", "from": "paper"}
+    authors = method_preset({"name": "pfedcdp", "preset": "authors"})
+    assert preset["train"]["optimizer"] == {"value": "adam", **preset_origin(authors, "train.optimizer", False)}
     assert preset["experiment"]["rounds"] == 20
     privacy = pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
     assert (privacy["noise_multiplier"] == AUTHORS_NOISE_MULTIPLIER).all()
