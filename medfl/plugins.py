@@ -501,8 +501,8 @@ def _jsonable(value: Any) -> Any:
 def describe(name: str) -> list[dict[str, Any]]:
     """Everything registered as ``name`` (bare or qualified ``dist:name``), of every kind:
     kind, name, qualified name, plugin, distribution, version, parameters (name, default,
-    type, required), presets (methods: values, train settings and each one's source), docstring, and the other candidates when the bare
-    name clashes (``clashes_with``). What ``medfl plugins NAME`` prints.
+    type, required), presets (methods: values, train settings and each one's source),
+    docstring, and the other candidates when the bare name clashes (``clashes_with``). What ``medfl plugins NAME`` prints.
 
     Raises:
         PluginError: nothing is registered under ``name``; the message names close matches.

@@ -255,8 +255,9 @@ def _presets() -> dict[str, Preset]:
                       f"{sdc}, fedsdc/fedsdc_model.py, line 154), which gives a small body heads of a few units "
                       "(issue 37)",
         "train.optimizer": "paper: sec. 3.3 ('we set the optimizer to SGD')",
-        "train.momentum": "reading: sec. 3.3, 'we set the optimizer to SGD with a learning rate of 1e-4', read as "
-                          "plain SGD (momentum 0); other reading: SGD with a momentum the paper does not give (the "
+        "train.momentum": "reading: sec. 2.2, 'Using Stochastic Gradient Descend (SGD) with learning rate eta', and "
+                          "sec. 3.3, 'we set the optimizer to SGD', read as plain SGD (momentum 0); other reading: SGD "
+                          "with a momentum the paper does not give (the "
                           f"authors' code: 0.01, {toml}, line 98, preset 'authors')",
         "train.weight_decay": f"open: not stated; none (the authors' code: 1e-3, {toml}, line 104)",
         "train.epochs": f"open: local epochs are not stated; one per round (the authors' code runs 5, {toml}, "

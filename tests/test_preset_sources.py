@@ -80,8 +80,8 @@ def test_source_problems_names_each_entry_without_a_valid_source() -> None:
                sources={"ok": "open: medfl's choice", "kind": "papers: eq. 1", "empty": "paper:  ",
                         "read": "reading: 'x' as y", "stale": "paper: eq. 9"}, open={"train.lrr": "typo"})
     problems = p.source_problems()
-    assert [q.split()[0].rstrip(":") for q in problems] == ["none", "kind", "empty", "read", "train.lr", "sources['stale']",
-                                                    "open['train.lrr']"]
+    assert [q.split()[0].rstrip(":") for q in problems] == ["none", "kind", "empty", "read", "train.lr",
+                                                           "sources['stale']", "open['train.lrr']"]
     assert "no source" in problems[0] and "paper, authors_code, reading, open" in problems[0]
     assert "other reading" in problems[3]
     assert parse_source("reading: 'x'; other reading: y") == ("reading", "'x'; other reading: y")
@@ -125,7 +125,11 @@ def test_config_json_records_kind_and_citation_of_each_value(monkeypatch: pytest
 def test_medfl_plugins_name_prints_every_value_with_its_source(capsys: pytest.CaptureFixture[str]) -> None:
     (d,) = describe("fedsdc")
     paper = d["presets"]["paper"]
-    assert paper["sources"]["min_hidden"]["from"] == "reading"
+    # issue 48: min_hidden 2048 is a reading of sec. 2.2 (ResNet-50's 2048 units), not a value
+    min_hidden = paper["sources"]["min_hidden"]
+    assert min_hidden["from"] == "reading" and "sec. 2.2" in min_hidden["source"]
+    assert "ResNet50" in min_hidden["source"] and "other reading: rho x the body's own embedding" in min_hidden["source"]
+    assert d["presets"]["authors"]["sources"]["min_hidden"]["from"] == "authors_code"
     assert set(paper["sources"]) == set(paper["values"]) | {f"train.{k}" for k in paper["train"]}
     assert main(["plugins", "fedsdc"]) == 0
     out = capsys.readouterr().out

@@ -448,7 +448,8 @@ def test_every_preset_resolves_to_its_documented_values(tiny_fl: dict[str, Any])
     saved = json.loads((Path(out["dir"]) / "fedsdc" / "config.json").read_text())
     assert saved["preset"] == preset_record(entry, build_method(entry))
     assert saved["preset"]["train"]["batch_size"] == {"value": 8, "from": "config"}
-    assert saved["preset"]["values"]["gamma"]["value"] == 0.3 and saved["preset"]["values"]["gamma"]["from"] == "reading"
+    gamma = saved["preset"]["values"]["gamma"]
+    assert gamma["value"] == 0.3 and gamma["from"] == "reading" and "other reading" in gamma["source"]
     assert saved["method_hparams"]["gamma"] == 0.3 and saved["method_hparams"]["dropout"] == 0.2
     for name, (values, train) in PRESET_TABLE.items():
         spec = {"name": "fedsdc", "preset": name}

@@ -248,8 +248,8 @@ def test_presets_resolve_to_their_documented_values(tiny_fl, resolve) -> None:
     out = run_experiment(resolve(fl))
     saved = json.loads((Path(out["dir"]) / "fedskd" / "config.json").read_text())["preset"]
     assert saved["name"] == "paper_skin" and saved["values"]["iterations"] == {"value": 1, "from": "config"}
-    assert saved["values"]["gamma"] == {"value": 100.0, "from": "paper", "source": "sec. III-B3 ('... and 100 for "
-                                                                                  "the skin lesion classification task')"}
+    assert saved["values"]["gamma"] == {"value": 100.0, "from": "paper",
+                                        "source": "sec. III-B3 ('... and 100 for the skin lesion classification task')"}
     for name, (gamma, terms, iterations, rounds, clients) in SKD_PRESETS.items():
         spec = {"name": "fedskd", "preset": name}
         block = preset_record(spec, build_method(spec))
