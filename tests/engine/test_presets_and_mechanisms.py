@@ -86,6 +86,24 @@ def test_config_json_says_where_every_value_came_from(tmp_path: Path, capsys: py
     assert "rounds 50 (this run: 2)" in err and "num_clients" not in err.split("differs")[-1]
 
 
+def test_a_value_without_a_source_is_recorded_and_warned_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """An outside plugin's preset that cites no source for a value still runs; config.json
+    says "unstated" (never "paper") and the run warns naming the value."""
+    from medfl.method import Preset
+
+    monkeypatch.setattr(Observed, "presets", {"old": Preset(source="an older plugin", values={"scale": 4.0},
+                                                            train={"lr": 0.02})})
+    run = _run(tmp_path, {"name": "test_observed", "preset": "old"}, rounds=1)
+    preset = json.loads((run / "config.json").read_text())["preset"]
+    assert preset["values"] == {"scale": {"value": 4.0, "from": "unstated",
+                                          "source": "the preset cites no source for scale"}}
+    assert preset["train"]["lr"]["from"] == "unstated"
+    err = capsys.readouterr().err
+    assert ("preset 'old' (an older plugin): 0 from the paper, 0 from the authors' code, 0 readings, 0 medfl's "
+            "choices, 0 from this config, 2 without a source; no source for scale, train.lr") in err
+
+
 # ------------------------------------------------------------------ mechanisms
 def _expected_lines(run: Path) -> pd.DataFrame:
     """mechanisms.csv recomputed from train_metrics.csv (what each client's reply said)."""
