@@ -486,15 +486,17 @@ _V17_SOURCES: dict[str, str] = {
                    "whose 'local' weights are get_feature_extractor_weights(), now the global ones: eq. 6 mixes the "
                    "global extractor with itself (client.py, model A, computes no masks); the masks are computed "
                    "and not applied",
-    "fisher_keep": "authors_code: the code thresholds raw Fisher values (fisher_threshold), no quantile",
+    "fisher_keep": "authors_code: " + _V17 + "client1.py and client2.py, FisherInformationCalculator."
+                   "create_binary_masks: a raw threshold (fisher_threshold), no quantile",
     "fisher_threshold": "authors_code: " + _V17 + "client1.py and client2.py, PartitionedModel.__init__: "
                         "FisherInformationCalculator(threshold=0.01) (computed once, on at most 1,000 training "
                         "samples; with apply_masks false it only sets personal_fraction)",
     "kd_scope": "authors_code: " + _V17 + "client.py, client1.py, client2.py, train_with_distillation: "
                 "tape.gradient(total_loss, self.full_model.trainable_variables): the whole model learns on eq. 11",
-    "extractor_epochs": "authors_code: the v1.7 clients have no separate cross-entropy phase (train_with_distillation "
-                        "alone, the whole model on eq. 11)",
-    "grad_clip": "authors_code: the v1.7 clients clip no gradient (optimizer.apply_gradients on the raw gradients)",
+    "extractor_epochs": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: train_with_distillation alone, "
+                        "no separate cross-entropy phase (the whole model on eq. 11)",
+    "grad_clip": "authors_code: " + _V17 + "client1.py, train_with_distillation: optimizer.apply_gradients on the "
+                 "raw gradients (no clip)",
     "teacher_weights": "authors_code: " + _REPO + ", the v1.7 server's fixed teacher weights 0.4/0.35/0.25 (High/"
                        "Medium/Low) (read by an earlier medfl session in PFedCDP/v1.7/PFedCDP/"
                        "server_main_contrastive_learning.py; not re-read for issue 48)",
@@ -508,7 +510,9 @@ _FORMULA_VALUES: dict[str, Any] = {**_PAPER_VALUES, "epsilon": None, "noise_mult
                                    "teacher_weights": "fixed"}
 _FORMULA_SOURCES: dict[str, str] = {
     **_PAPER_SOURCES,
-    "epsilon": "reading: null, sigma given instead (see noise_multiplier)",
+    "epsilon": "reading: the code's one-release formula read as sigma itself, every round, never composed: null "
+               "(the run records the epsilon spent); other reading: the paper's epsilon 5 as a target over the run "
+               "(Sec. IV.A, preset paper)",
     "noise_multiplier": "reading: the authors' differential_privacy.py (line 17) calibrates sigma = sqrt(2 ln(1.25 / "
                         "delta)) / epsilon for one release and adds it every round; here at the paper's epsilon 5 "
                         "(Sec. IV.A): sigma 0.969 for every cluster. Other reading: what the code runs, epsilon 8 "
