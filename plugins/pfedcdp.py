@@ -596,9 +596,12 @@ class PFedCDP(Method):
        personal mask only (``M_global = 1 - M_personal``), and zero Fisher is never personal.
     3. Eq. 6: ``W_L(t) = M_personal * W_L,own(t-1) + M_global * W_L,global(t-1)``: a
        parameter above the threshold keeps the client's own value, the others take the
-       global one (the authors' code computes the masks and then never applies them; ours is
-       tested to change what the client keeps). Round 1 (no own extractor yet) starts from
-       the global one; so does a client's classifier, from the server's.
+       global one (ours is tested to change what the client keeps; the authors' v1.7 clients
+       apply the masks after overwriting their own extractor with the global one, so their
+       eq. 6 mixes the global extractor with itself: ``apply_masks=False`` reproduces that,
+       the masks computed and reported, the client starting from the global extractor).
+       Round 1 (no own extractor yet) starts from the global one; so does a client's
+       classifier, from the server's.
     4. ``extractor_epochs`` epochs of cross-entropy on the whole local model (extractor and
        the client's classifier). Algorithm 1 as printed never trains the extractor (it is
        frozen and only the classifier learns), so no feature learning would happen anywhere;
@@ -720,13 +723,19 @@ class PFedCDP(Method):
     ``preset`` block says where each value came from): ``"paper"``, every value paper 000
     states (epsilon 5 over the run, C2 2.5, 8 bits on the update, models A / B / C and the
     student, FedAvg, eq. 17 summed, 20 local epochs) and medfl's choice for each value it
-    leaves open; ``"authors"``, the authors' published code where it differs: sigma 0.969
-    (``AUTHORS_NOISE_MULTIPLIER``: the code's one-release Gaussian calibration at the paper's
-    epsilon 5, delta 1e-5; the code itself uses epsilon 8, sigma 0.606, and only in model B's
-    client) every round without composition, which the ledger records as the epsilon it is
-    (31.4 over 20 rounds), fixed teacher weights [0.4, 0.35, 0.25], 5 local epochs, Adam, batch
-    64. Neither copies the authors' code's bugs: it computes the Fisher masks and never
-    applies them, and clips each weight tensor of the weights (not the update) to 2.5.
+    leaves open; ``"authors_v1_7"`` (and ``"authors"``, its alias), the authors' v1.7 client
+    files (``PFedCDP/v1.7/PFedCDP/client.py``, ``client1.py``, ``client2.py``) in what each
+    cluster sends: model B alone noised (``dp_clusters=["medium"]``), sigma 0.606
+    (``AUTHORS_V17_NOISE_MULTIPLIER``, epsilon 8 in the code's one-release formula) every round
+    on its weights, each weight tensor clipped to 2.5 by its own norm
+    (``dp_mode="weights_per_tensor"``: :func:`clip_noise_tensors` in the client step, accounted
+    through :meth:`own_dp`), then quantized at 12 bits (``bits`` per cluster,
+    :func:`authors_quantize`); models A and C in the clear (not private: their epsilon is
+    infinite); the masks not applied; the whole model on eq. 11 (``kd_scope="model"``), 5
+    epochs, fixed teacher weights [0.4, 0.35, 0.25]; ``"authors_formula"``, the code's formula
+    at the paper's epsilon 5 (sigma 0.969, ``AUTHORS_NOISE_MULTIPLIER``) on every cluster's
+    update without composition (31.4 over 20 rounds). Each value's source is in the preset's
+    ``sources``.
 
     The run scores the refined student, each teacher and the weighted teacher ensemble
     (:meth:`final_models`) on the public test split and on every client's splits
@@ -765,6 +774,16 @@ class PFedCDP(Method):
         alpha, refine_temperature, tau: eq. 18's alpha, T and SupCon's temperature.
         supcon_reduction: ``"sum"`` (eq. 17's text, default) or ``"mean"`` over the anchors.
         supcon_views: 1 (default) or 2 augmented views of each public sample (eq. 17's 2N).
+        dp_mode: ``"update"`` (eqs. 12-13, the engine's ``dp_gaussian``) or
+            ``"weights_per_tensor"`` (the authors' noise on the weights, each tensor clipped;
+            needs ``noise_multiplier`` and ``quantize="weights"``).
+        dp_clusters: the clusters whose replies are noised (default all three; a subset needs
+            ``dp_mode="weights_per_tensor"``): ``mechanisms.csv``'s ``dp_noise`` says per cluster
+            whether it was (``noised``) and at what ``sigma``.
+        apply_masks: apply eq. 6 (default) or start each round from the global extractor (the
+            masks still computed: ``personal_fraction``).
+        kd_scope: ``"classifier"`` (Algorithm 1, the extractor frozen) or ``"model"`` (the whole
+            model learns on eq. 11).
         teacher_weights: ``"shapley"``, ``"uniform"``, ``"fixed"`` or a list of weights.
         shapley_score: v(S)'s score: ``accuracy``, ``balanced_accuracy`` or ``auc``.
         shapley_samples: public samples per class in the Shapley game (``None``: as many as
@@ -1145,10 +1164,13 @@ class PFedCDP(Method):
                     self._fit_head(c, 0)
             self._initial_fit_due = False
         out = {}
-        for cid in self.federation.sample(round):
+        self._instructed = list(self.federation.sample(round))
+        for cid in self._instructed:
             c = self._cluster(cid)
-            out[cid] = Instruction(payload=self._payload(c), config={"spec": json.dumps(self._spec(c)), "cluster": c,
-                                                                     "round": round})
+            config: dict[str, Any] = {"spec": json.dumps(self._spec(c)), "cluster": c}
+            if self.in_step:        # the round seeds the client step's noise
+                config["round"] = round
+            out[cid] = Instruction(payload=self._payload(c), config=config)
         return out
 
     def _payload(self, c: str) -> dict[str, State]:
@@ -1169,7 +1191,9 @@ class PFedCDP(Method):
     def server_update(self, round: int, replies: dict[str, Reply]) -> None:
         """FedAvg (or the uniform mean) of the (dequantized, noised) extractors within each
         cluster; the server classifiers refitted on the public set; the round's observables."""
-        self.observed = {"round": round, "clusters": {}, "clients": {}}
+        self.observed = {"round": round, "clusters": {}, "clients": {},
+                         "noised_missing": sorted(cid for cid in getattr(self, "_instructed", [])
+                                                  if cid not in replies and self.noised(self._cluster(cid)))}
         for c in CLUSTERS:
             members = [cid for cid in replies if self._cluster(cid) == c]
             if not members:
@@ -1303,6 +1327,13 @@ class PFedCDP(Method):
                 out.append(f"cluster {c}: {int(q['bits'])}-bit quantization of the weights errs "
                            f"{q['error_to_update']:.3g}x the update itself (error norm {q['error_norm']:.3g}); "
                            "quantize 'update' (eq. 14) quantizes the update instead")
+        missing = self.observed.get("noised_missing") or []
+        if missing and len(CLUSTERS) > len(self.dp_clusters) and "noised_missing" not in self.warned:
+            self.warned.append("noised_missing")
+            out.append(f"client(s) {', '.join(missing)} of the noised cluster(s) {', '.join(self.dp_clusters)} sent "
+                       "no usable reply this round (reply_events.csv says why): when the other clusters send their "
+                       "weights in the clear, a noised reply's update is far longer than theirs and "
+                       "fl.update_norm_factor drops it as an outlier; set fl.update_norm_factor 0 to keep them")
         blown = [(cid, o) for cid, o in self.observed["clients"].items()
                  if o.get("above_one", 0.0) > ABOVE_ONE_WARN or o.get("personal_drift", 0.0) > DRIFT_WARN]
         new = [cid for cid, _ in blown if f"blowup:{cid}" not in self.warned]
