@@ -202,6 +202,23 @@ def test_the_v1_7_clients_send_b_noised_and_quantized_and_a_c_in_the_clear(tmp_p
     assert delta == pytest.approx(2.5 * AUTHORS_V17_NOISE_MULTIPLIER * math.sqrt(d), rel=0.1)   # noise, no signal
 
 
+def test_a_noised_cluster_without_replies_is_said(tmp_path: Path) -> None:
+    """Beside clusters sent in the clear a noised reply's update is ~100x longer and the engine's
+    fl.update_norm_factor drops it (10 clients: every model-B reply); the method says so."""
+    run = _run(tmp_path, capabilities=SCORES_BY_CLIENT, preset="authors_v1_7", feature_shap="off",
+               server_classifier="init")
+    m = run.coordinator
+    ins = m.configure_round(1)
+    replies = {cid: Reply(payload={"extractor": dict(ins[cid].payload["extractor"])}, num_examples=10,
+                          metrics={"personal_fraction": 0.0, "own_norm": 1.0, "above_one": 0.0})
+               for cid in ("0", "3")}                                    # high and low answered, medium (1, 2) not
+    m.server_update(1, replies)
+    warned = m.mechanism_warnings(1)
+    assert len(warned) == 1 and warned[0].startswith("client(s) 1, 2 of the noised cluster(s) medium")
+    assert "fl.update_norm_factor 0" in warned[0] and m.scored_from(1) is None
+    assert not m.mechanism_warnings(1)                                   # once
+
+
 @pytest.mark.parametrize("apply_masks, kd_scope", [(True, "classifier"), (False, "classifier"), (False, "model")])
 def test_masks_off_start_from_the_global_extractor_and_kd_scope_trains_it(tmp_path: Path, apply_masks: bool,
                                                                           kd_scope: str) -> None:
