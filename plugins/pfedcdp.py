@@ -693,12 +693,16 @@ class PFedCDP(Method):
     * ``dp_noise`` per cluster and round: sigma, C2, the number ``d`` of noised coordinates
       (the extractor's parameters), ``sum w_k^2`` of the round's aggregation weights, the
       noise's norm in the cluster's averaged update ``sigma C2 sqrt(d sum w_k^2)`` (its
-      expectation to within 1/sqrt(d)), and ``noise_to_update_min`` = that norm over C2: the
-      averaged clipped update has norm at most C2, so the noise is at least that many times
-      the signal. Everything here is the noise plan's and the coordinator's own (sigma as the
+      expectation to within 1/sqrt(d)), and ``noise_to_update_min`` = that norm over C2 (the
+      ``signal_bound`` below): the averaged clipped update has norm at most C2, so the noise is
+      at least that many times the signal. Everything here is the noise plan's and the coordinator's own (sigma as the
       engine derives it, the weights it applies): no client reports its update's norm,
       which no noise would cover. ``received_update_norm`` is the norm of the averaged
-      update as received (noise included).
+      update as received (noise included). ``noised`` (1 or 0: ``dp_clusters``) and ``target``
+      (``update`` or ``weights``: ``dp_mode``) say what was noised; a cluster sent in the clear
+      has sigma 0. ``signal_bound`` is the largest norm of what a client sends before the noise
+      (C2; ``clip sqrt(L)`` for weights clipped tensor by tensor, L tensors), and
+      ``noise_to_update_min`` is the noise's norm over it.
     * ``quantization`` per cluster: what was quantized (``update`` or ``weights``), the
       expected error norm of the replies' quantization (:func:`quantization_error`, from the
       dequantized values) and its ratio to the received updates' norm (both means over the
