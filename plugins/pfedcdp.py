@@ -1015,13 +1015,6 @@ class PFedCDP(Method):
             out.append({"name": "quantize", "bits": self.bits, "update": self.quantize == "update"})
         return out
 
-    def _noised_tensors(self, c: str, federation: Federation) -> int:
-        """The number of extractor weight tensors of cluster ``c``'s model (what
-        :func:`clip_noise_tensors` clips one by one)."""
-        spec = {"spatial_dims": federation.spatial_dims, "in_channels": federation.in_channels,
-                "num_classes": federation.num_classes, **self.cluster_models[c]}
-        return len(_split_keys(build_seeded(spec, 0))[0])
-
     def own_dp(self, federation: Federation) -> OwnDp | None:
         """The authors' noise on the weights (``dp_mode="weights_per_tensor"``), applied in the
         client step to the clusters of ``dp_clusters``: one release a round of each member's
@@ -1033,7 +1026,6 @@ class PFedCDP(Method):
         otherwise (the engine's ``dp_gaussian`` filter accounts the update's noise)."""
         if not (self.dp and self.dp_mode == "weights_per_tensor"):
             return None
-        self._tensors = {c: self._noised_tensors(c, federation) for c in CLUSTERS}
         return OwnDp(mechanism=WEIGHT_DP, unit="client", noise_multiplier=_ClusterNoise(self), sample_rate=1.0,
                      steps=1, clip=self.clip, delta=self.delta, accountant=self.accountant,
                      steps_metric="weight_dp_releases",
@@ -1046,11 +1038,10 @@ class PFedCDP(Method):
 
     def client_noise(self, client_id: str) -> float:
         """The noise multiplier :meth:`own_dp` accounts for ``client_id`` (see :class:`_ClusterNoise`)."""
-        c = self.assign.get(client_id) if hasattr(self, "assign") else None
+        c = getattr(self, "assign", {}).get(client_id)
         if c is None or not self.noised(c) or self.noise_multiplier is None:
             return 0.0
-        tensors = getattr(self, "_tensors", None) or {c: self._noised_tensors(c, self.federation)}
-        return float(self.noise_multiplier) / math.sqrt(tensors[c])
+        return float(self.noise_multiplier) / math.sqrt(len(self.extractors[c]))
 
     def _signal_bound(self, c: str) -> float:
         """The largest L2 norm of what a cluster-``c`` client sends before the noise: C2 for the
