@@ -27,7 +27,7 @@ from medfl.training import (StepMeans, get_state, make_optimizer, predict_proba,
                                    weighted_average)
 from medfl.losses.distill import SUPCON_REDUCTIONS, ensemble_logits, kd_loss, sup_mtkd_loss, two_views
 from medfl.messages import Instruction, Reply
-from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
+from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, OwnDp, Preset, derive_seed
 from medfl.metrics import classification_metrics
 from medfl.models.registry import build_seeded
 from medfl.plugins import lookup
@@ -38,9 +38,10 @@ from medfl.logs import plugin_logger
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
 
-__all__ = ["PFedCDP", "AUTHORS_NOISE_MULTIPLIER", "AUTHORS_TEACHER_WEIGHTS", "DEFAULT_CLUSTER_MODELS",
-           "PRESETS", "fisher_information", "fisher_masks", "mix_extractor", "personal_observables",
-           "quantization_error", "recalibrate_norms", "register_methods"]
+__all__ = ["PFedCDP", "AUTHORS_NOISE_MULTIPLIER", "AUTHORS_TEACHER_WEIGHTS", "AUTHORS_V17_NOISE_MULTIPLIER",
+           "DEFAULT_CLUSTER_MODELS", "DP_MODES", "PRESETS", "WEIGHT_DP", "authors_quantize", "clip_noise_tensors",
+           "fisher_information", "fisher_masks", "mix_extractor", "personal_observables", "quantization_error",
+           "recalibrate_norms", "register_methods"]
 
 logger = plugin_logger(__name__)
 
@@ -61,6 +62,21 @@ AUTHORS_TEACHER_WEIGHTS = (0.4, 0.35, 0.25)
 #: their extractors without noise (repository snapshot d7364e07). Per coordinate, this sigma
 #: is at least the code's: ``experiments/pfedcdp_evidence.py`` measures both.
 AUTHORS_NOISE_MULTIPLIER = math.sqrt(2.0 * math.log(1.25 / 1e-5)) / 5.0
+#: The sigma the authors' v1.7 model-B client runs at (``PFedCDP/v1.7/PFedCDP/client1.py``, ``fit``:
+#: ``DifferentialPrivacy(epsilon=8.0, delta=1e-5)``): differential_privacy.py's formula (line 17)
+#: at epsilon 8, ``sqrt(2 ln(1.25 / 1e-5)) / 8`` = 0.606.
+AUTHORS_V17_NOISE_MULTIPLIER = math.sqrt(2.0 * math.log(1.25 / 1e-5)) / 8.0
+#: Where the extractor's noise goes: ``"update"`` (eqs. 12-13: the update's L2 norm clipped to C2,
+#: noised by the engine's ``dp_gaussian`` filter) or ``"weights_per_tensor"`` (the authors'
+#: differential_privacy.py: each weight tensor of the extractor clipped to ``clip`` by its own L2
+#: norm and Gaussian noise of standard deviation ``clip * sigma`` added to the weights, in the
+#: method's client step, accounted through :meth:`PFedCDP.own_dp`).
+DP_MODES = ("update", "weights_per_tensor")
+#: What eq. 11's KD trains at the client: ``"classifier"`` (Algorithm 1: the extractor frozen) or
+#: ``"model"`` (the authors' v1.7 clients: the whole model, ``full_model.trainable_variables``).
+KD_SCOPES = ("classifier", "model")
+#: The name of the authors' weight noise in ``privacy.csv`` (:meth:`PFedCDP.own_dp`).
+WEIGHT_DP = "pfedcdp_weight_dp"
 CAPABILITY_MODES = ("auto", "draw", "measure")
 SERVER_CLASSIFIER = ("public", "init")
 TEACHER_WEIGHTS = ("shapley", "uniform", "fixed")
@@ -197,6 +213,61 @@ def quantization_error(state: State, bits: int) -> float:
     return math.sqrt(total)
 
 
+def clip_noise_tensors(state: State, clip: float, sigma: float, generator: torch.Generator) -> State:
+    """The authors' ``DifferentialPrivacy.apply_dp`` (shadhin39/PFedCDP, differential_privacy.py,
+    lines 19-29 and 31-40) on a model state: each tensor ``w`` scaled by ``min(1, clip / ||w||)``
+    (its own L2 norm over all its entries, ``tf.norm(w, ord=2)``), then Gaussian noise of standard
+    deviation ``clip * sigma`` added to every entry (drawn from ``generator``, on the CPU, float32
+    as the code's ``tf.random.normal``). It acts on the weights themselves, not on an update."""
+    out = {}
+    for k, w in state.items():
+        w32 = w.detach().to("cpu", torch.float32)
+        norm = torch.linalg.vector_norm(w32)
+        factor = torch.clamp(clip / norm, max=1.0) if float(norm) > 0 else torch.tensor(1.0)
+        noise = torch.randn(w32.shape, generator=generator, dtype=torch.float32) * (clip * sigma)
+        out[k] = (w32 * factor + noise).to(w.dtype)
+    return out
+
+
+def authors_quantize(state: State, bits: int) -> State:
+    """The authors' min-max quantization of the weights and its inverse (shadhin39/PFedCDP,
+    quantization.py: ``quantize_weights`` lines 11-37, the formula lines 24-25; ``dequantize_weights``
+    lines 39-52, the formula lines 47-48), per tensor: ``q = round((w - min) / (max - min + 1e-8)
+    * (2^b - 1))`` (round half to even, as ``tf.round``), then ``q / (2^b - 1) * (max - min) +
+    min``. What a coordinator receives of a weight tensor quantized at ``bits`` bits (medfl sends
+    the dequantized floats)."""
+    levels = float(2 ** bits - 1)
+    out = {}
+    for k, w in state.items():
+        w32 = w.detach().to("cpu", torch.float32)
+        if not w32.numel():
+            out[k] = w.clone()
+            continue
+        lo, hi = w32.min(), w32.max()
+        q = torch.round((w32 - lo) / (hi - lo + 1e-8) * levels)
+        out[k] = (q / levels * (hi - lo) + lo).to(w.dtype)
+    return out
+
+
+class _ClusterNoise(dict):  # type: ignore[type-arg]
+    """``{client id: noise multiplier}`` of :meth:`PFedCDP.own_dp`, resolved when asked from the
+    method's cluster assignment (known after the profile exchange, before the ledger records round
+    1): a client of a noised cluster gets the authors' sigma over the square root of its model's
+    number of noised tensors, a client of a cluster sent in the clear 0 (its epsilon infinite). A
+    client without a cluster yet (the plan's check before the profile, a site's policy) gets 0: it
+    may be sent in the clear."""
+
+    def __init__(self, method: "PFedCDP") -> None:
+        super().__init__()
+        self._method = method
+
+    def __getitem__(self, client_id: str) -> float:
+        return self._method.client_noise(str(client_id))
+
+    def __contains__(self, client_id: object) -> bool:
+        return True
+
+
 def _split_keys(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
     """The extractor's parameters, its buffers (BatchNorm statistics) and the classifier's keys."""
     if not hasattr(model, "head_keys") or not hasattr(model, "body_keys") or not hasattr(model, "embed"):
@@ -296,83 +367,194 @@ _PAPER_VALUES: dict[str, Any] = {
     "tau": 0.07, "supcon_reduction": "sum", "supcon_views": 2,   # eq. 17: summed over the batch, 2N views
     "teacher_weights": "uniform", "feature_shap": "printed", "shap_samples": 16, "grad_clip": 5.0,
 }
-_PAPER_OPEN: dict[str, str] = {
-    "capability_weights": "eq. 1 gives 1/4 each 'if all resources matter the same' (and 0.3/0.3/0.1/0.3 as an "
-                          "example); medfl 1/4",
-    "t_high": "eq. 2 names T_H without a value; medfl 0.6",
-    "t_medium": "eq. 2 names T_M without a value; medfl 0.4",
-    "max_latency_ms": "C_Net's maximum acceptable latency has no value; medfl 200 ms",
-    "fisher_keep": "eqs. 4-5's T_Fisher has no value; medfl keeps the top 20 % of the extractor's entries (a raw "
-                   "threshold does not transfer between models; the authors' code uses a raw 0.01)",
-    "fisher_threshold": "given as the quantile fisher_keep instead",
-    "extractor_epochs": "Algorithm 1 freezes the extractor and trains only the classifier (0: that literal "
-                        "reading, under which no feature learning happens anywhere); medfl 1 epoch of CE first",
-    "kd_lambda": "eq. 11's lambda has no value; the authors' code's 0.3",
-    "kd_temperature": "T_KD has no value; the authors' code's 3.0",
-    "server_classifier": "nothing says how W_C,server is trained; medfl fits it on the public set every round",
-    "server_epochs": "see server_classifier; 1 epoch a round",
-    "delta": "not stated; the authors' code's 1e-5",
-    "accountant": "'the privacy accountant' (III.C.3.i) is not named; Opacus's RDP accountant",
-    "refine_epochs": "Algorithm 2's E has no value; 5",
-    "refine_lr": "not stated; Adam at 1e-3",
-    "alpha": "eq. 18's alpha has no value; 0.5 (with eq. 17 summed over the batch, KD then weighs about 1/A of "
-             "SupCon for A anchors: see PFedCDP's docstring)",
-    "refine_temperature": "eq. 18's T has no value; 2",
-    "tau": "eq. 17's tau has no value; Khosla et al.'s reference code's 0.07",
-    "supcon_views": "eq. 17 counts 2N views and 2N_y - 1 positives (Khosla et al.'s two augmented views), "
-                    "Algorithm 2 feeds the batch as it is and names no augmentation; medfl 2 views drawn from the "
-                    "public set's own random transforms (public_dataset.augment)",
-    "teacher_weights": "III.A says Shapley values weight each model, III.D's equations average the teachers' "
-                       "logits uniformly (z_T = 1/K sum_k z_T^k) and put the Shapley values on input features "
-                       "(eqs. 16, 19); medfl follows the equations: uniform, with feature_shap 'printed' "
-                       "('shapley' is medfl's per-teacher reading of III.A)",
-    "feature_shap": "eqs. 16 and 19 as printed: (1/|F|) sum_i psi_i L = mean(psi) L; the explainer is not named "
-                    "(medfl: shap's GradientExplainer)",
-    "shap_samples": "'a representative subset of class-balanced test samples' has no size; 16",
-    "grad_clip": "the paper clips no gradient; without a clip the paper's DP noise makes the local losses "
-                 "overflow; medfl 5",
-    "train.batch_size": "not stated; the authors' code's 64",
-    "train.optimizer": "not stated; the authors' code's Adam",
-    "train.lr": "not stated; Adam's 1e-3, as the authors' code (Keras's default)",
-}
 _PAPER_EXPERIMENT: dict[str, Any] = {
     "rounds": 20, "num_clients": 10, "fraction": 1.0, "partition": {"name": "dirichlet", "alpha": 0.5},
     "client_counts_fig2": [10, 50, 100], "private_data": "CBIS-DDSM, 2,326 train / 772 test images",
     "public_data": "MIAS benign / malignant, 280 train / 50 test",
 }
 
-#: ``{"name": "pfedcdp", "preset": "paper"}``: every value paper 000 states (``open``: what it
-#: leaves open and medfl's choice); ``"authors"``: the authors' published code where it differs.
+_PAPER_VALUES.update(dp_mode="update", dp_clusters=list(CLUSTERS), apply_masks=True, kd_scope="classifier")
+_PAPER_TRAIN: dict[str, Any] = {"epochs": 20, "batch_size": 64, "optimizer": "adam", "lr": 1e-3}
+
+_REPO = "shadhin39/PFedCDP (snapshot d7364e07)"
+_V17 = _REPO + ", PFedCDP/v1.7/PFedCDP/"
+_DP_FILE = _REPO + ", PFedCDP/differential_privacy.py"
+#: Where each value of the ``paper`` preset comes from (:attr:`medfl.method.Preset.sources`).
+_PAPER_SOURCES: dict[str, str] = {
+    "cluster_models": "paper: Sec. IV.A (Experimental Setup), the models paragraph: model A for high, B for medium, "
+                      "C for low capability (C: 8 and 16 filters, a 32-unit dense layer)",
+    "student_model": "paper: Sec. IV.A: the student has 16 and 32 filters, a 64-unit dense layer, dropout 0.5",
+    "capability_weights": "reading: eq. 1 (Sec. III.B) takes w1..w4 = 1/4 'if all resources matter the same'; "
+                          "other reading: its example weights 0.3/0.3/0.1/0.3",
+    "t_high": "open: eq. 2 (Sec. III.B) names T_H without a value; medfl 0.6 (a score of 3/4 of the maximum on "
+              "most resources)",
+    "t_medium": "open: eq. 2 names T_M without a value; medfl 0.4",
+    "max_latency_ms": "open: Sec. III.B's network score divides by a maximum acceptable latency with no value; "
+                      "medfl 200 ms",
+    "fisher_keep": "open: eqs. 4-5's T_Fisher has no value; medfl keeps the top 20 % of the extractor's entries "
+                   "(a raw threshold does not transfer between models; the authors' code uses a raw 0.01)",
+    "fisher_threshold": "open: given as the quantile fisher_keep instead (eqs. 4-5 name no value)",
+    "extractor_epochs": "reading: Algorithm 1 freezes the extractor and trains only the classifier, so no feature "
+                        "learning would happen anywhere (that literal reading is 0); other reading, medfl's: 1 "
+                        "epoch of cross-entropy on the whole local model first",
+    "kd_lambda": "authors_code: " + _V17 + "client1.py, PartitionedModel.__init__: KnowledgeDistillationLoss("
+                 "temperature=3.0, lambda_balance=0.3) (eq. 11's lambda has no value in the paper)",
+    "kd_temperature": "authors_code: " + _V17 + "client1.py, PartitionedModel.__init__: KnowledgeDistillationLoss("
+                      "temperature=3.0, ...) (T_KD has no value in the paper)",
+    "server_classifier": "open: nothing in Sec. III.C or Algorithm 2 says how W_C,server is trained; medfl fits it "
+                         "on the public set every round",
+    "server_epochs": "open: see server_classifier; 1 epoch a round",
+    "epsilon": "paper: Sec. IV.A, 'we apply Differential Privacy (epsilon = 5.0, C2 = 2.5) ... to the model "
+               "updates'; sigma from the accountant over the run (Sec. III.C.3.i, eq. 13)",
+    "noise_multiplier": "paper: Sec. III.C.3.i: 'sigma is the noise multiplier computed by the privacy "
+                        "accountant ... with respect to epsilon and delta' (null: derived from epsilon)",
+    "clip": "paper: Sec. IV.A, C2 = 2.5; eq. 12 clips the update's L2 norm",
+    "delta": "authors_code: " + _DP_FILE + ", line 7: DifferentialPrivacy(epsilon=8.0, delta=1e-5, ...) (the paper "
+             "states no delta)",
+    "accountant": "open: 'the privacy accountant' (Sec. III.C.3.i) is not named; Opacus's RDP accountant",
+    "bits": "paper: Sec. IV.A, 'Quantization (8 bits)'; eqs. 14-15",
+    "quantize": "paper: Sec. III.C.3.ii, eq. 14 quantizes the update Delta W; Algorithm 1 line 21",
+    "cluster_average": "reading: Sec. III.C.4.ii and Algorithm 2 line 10 name FedAvg (weighted by training-set "
+                       "size); other reading: Algorithm 2's 'Avg' literally, a uniform mean",
+    "refine": "paper: Sec. III.D and Algorithm 2 lines 15-28 (the post-hoc refinement)",
+    "refine_epochs": "open: Algorithm 2's E has no value; 5",
+    "refine_lr": "open: not stated; Adam at 1e-3",
+    "alpha": "open: eq. 18's alpha has no value; 0.5 (with eq. 17 summed over the batch, KD then weighs about 1/A "
+             "of SupCon for A anchors: see PFedCDP's docstring)",
+    "refine_temperature": "open: eq. 18's T has no value; 2",
+    "tau": "open: eq. 17's tau has no value; Khosla et al.'s reference code's 0.07",
+    "supcon_reduction": "paper: Sec. III.D after eq. 17: 'This L^SCL term, summed over all samples in the batch'",
+    "supcon_views": "reading: eq. 17 counts 2N views and 2N_y - 1 positives (Khosla et al.'s two augmented views); "
+                    "other reading: Algorithm 2 feeds the batch as it is and names no augmentation (1 view)",
+    "teacher_weights": "reading: Sec. III.D's equations average the teachers' logits uniformly (z_T = 1/K sum_k "
+                       "z_T^k) and put the Shapley values on input features (eqs. 16, 19); other reading: Sec. "
+                       "III.A's 'Shapley values weight each model' ('shapley')",
+    "feature_shap": "paper: eqs. 16 and 19 as printed, (1/|F|) sum_i psi_i L = mean(psi) L (the explainer is not "
+                    "named: medfl uses shap's GradientExplainer)",
+    "shap_samples": "open: 'a representative subset of class-balanced test samples' (Sec. III.D) has no size; 16",
+    "grad_clip": "open: the paper clips no gradient; without a clip the paper's DP noise makes the local losses "
+                 "overflow; medfl 5",
+    "dp_mode": "paper: Sec. III.C.3.i, eqs. 12-13: the feature-extractor update Delta W_L,k is clipped to C2 and "
+               "noised",
+    "dp_clusters": "paper: Sec. IV.A applies DP 'to the model updates before transmission' of every client (and "
+                   "Algorithm 1, which every cluster runs): all three clusters",
+    "apply_masks": "paper: eq. 6 and Algorithm 1: W_L = M_personal * W_L,own + M_global * W_L,global",
+    "kd_scope": "paper: Algorithm 1 trains the classifier on eq. 11 with the extractor frozen",
+    "train.epochs": "paper: Sec. IV.A, 'each client performing local training for 20 epochs per round'",
+    "train.batch_size": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: train_with_distillation(x_train, "
+                        "y_train, epochs=5, batch_size=64, ...) (the paper states none)",
+    "train.optimizer": "authors_code: " + _V17 + "client1.py, PartitionedModel.train_with_distillation: optimizer = "
+                       "keras.optimizers.Adam() (the paper states none)",
+    "train.lr": "authors_code: " + _V17 + "client1.py, train_with_distillation: keras.optimizers.Adam() at Keras's "
+                "default learning rate 1e-3 (the paper states none)",
+}
+
+#: The authors' v1.7 clients (``PFedCDP/v1.7/PFedCDP/client.py``: model A, ``client1.py``: model B,
+#: ``client2.py``: model C), what each sends in ``FlowerClient.fit``.
+_V17_VALUES: dict[str, Any] = {
+    **_PAPER_VALUES, "dp_mode": "weights_per_tensor", "dp_clusters": ["medium"], "epsilon": None,
+    "noise_multiplier": AUTHORS_V17_NOISE_MULTIPLIER, "clip": 2.5, "delta": 1e-5, "quantize": "weights",
+    "bits": {"high": None, "medium": 12, "low": None}, "apply_masks": False, "fisher_keep": None,
+    "fisher_threshold": 0.01, "kd_scope": "model", "extractor_epochs": 0, "kd_lambda": 0.3, "kd_temperature": 3.0,
+    "grad_clip": None, "teacher_weights": "fixed",
+}
+_V17_SOURCES: dict[str, str] = {
+    **_PAPER_SOURCES,
+    "dp_mode": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: weights = dp.apply_dp(weights) on "
+               "get_feature_extractor_weights(), i.e. " + _DP_FILE + ", lines 19-29 (clip_weights: each tensor scaled "
+               "by min(1, 2.5 / ||w||)) and 31-40 (add_noise: std clipping_threshold * noise_multiplier on the "
+               "weights); the paper (eqs. 12-13) clips and noises the update",
+    "dp_clusters": "authors_code: " + _V17 + "client1.py (model B), FlowerClient.fit calls dp.apply_dp; client.py "
+                   "(model A) and client2.py (model C) FlowerClient.fit return get_feature_extractor_weights() "
+                   "without noise; the paper (Sec. IV.A) noises every client's update",
+    "epsilon": "authors_code: the code has no accountant: epsilon only enters the one-release formula ("
+               + _DP_FILE + ", line 17); null here, the run records the epsilon spent",
+    "noise_multiplier": "authors_code: " + _DP_FILE + ", line 17, sqrt(2 ln(1.25 / delta)) / epsilon at " + _V17 +
+                        "client1.py, FlowerClient.fit: DifferentialPrivacy(epsilon=8.0, delta=1e-5): 0.606 every "
+                        "round, never composed (the paper: epsilon 5 over the run, Sec. IV.A)",
+    "clip": "authors_code: " + _DP_FILE + ", line 7 (clipping_threshold=2.5), applied per weight tensor in lines "
+            "24-27",
+    "delta": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: DifferentialPrivacy(epsilon=8.0, delta=1e-5)",
+    "accountant": "open: the code accounts nothing; medfl records the weights' releases with Opacus's RDP "
+                  "accountant at noise multiplier sigma / sqrt(number of tensors) (see PFedCDP.own_dp)",
+    "quantize": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: quantization.quantize_weights(weights) on "
+                "the noised weights (the paper, eq. 14: the update)",
+    "bits": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: Quantization(num_bits=12); client.py and "
+            "client2.py send floats (the paper: 8 bits for every client, Sec. IV.A)",
+    "apply_masks": "authors_code: " + _V17 + "client1.py and client2.py, FlowerClient.fit: "
+                   "set_feature_extractor_weights(parameters) and then apply_fisher_personalization(parameters, ...), "
+                   "whose 'local' weights are get_feature_extractor_weights(), now the global ones: eq. 6 mixes the "
+                   "global extractor with itself (client.py, model A, computes no masks); the masks are computed "
+                   "and not applied",
+    "fisher_keep": "authors_code: " + _V17 + "client1.py and client2.py, FisherInformationCalculator."
+                   "create_binary_masks: a raw threshold (fisher_threshold), no quantile",
+    "fisher_threshold": "authors_code: " + _V17 + "client1.py and client2.py, PartitionedModel.__init__: "
+                        "FisherInformationCalculator(threshold=0.01) (computed once, on at most 1,000 training "
+                        "samples; with apply_masks false it only sets personal_fraction)",
+    "kd_scope": "authors_code: " + _V17 + "client.py, client1.py, client2.py, train_with_distillation: "
+                "tape.gradient(total_loss, self.full_model.trainable_variables): the whole model learns on eq. 11",
+    "extractor_epochs": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: train_with_distillation alone, "
+                        "no separate cross-entropy phase (the whole model on eq. 11)",
+    "grad_clip": "authors_code: " + _V17 + "client1.py, train_with_distillation: optimizer.apply_gradients on the "
+                 "raw gradients (no clip)",
+    "teacher_weights": "authors_code: " + _REPO + ", the v1.7 server's fixed teacher weights 0.4/0.35/0.25 (High/"
+                       "Medium/Low) (read by an earlier medfl session in PFedCDP/v1.7/PFedCDP/"
+                       "server_main_contrastive_learning.py; not re-read for issue 48)",
+    "train.epochs": "authors_code: " + _V17 + "client.py, client1.py and client2.py, FlowerClient.fit: "
+                    "train_with_distillation(..., epochs=5, batch_size=64, ...) (the paper: 20, Sec. IV.A)",
+}
+
+#: The previous ``authors`` preset, kept under its own name: the code's formula at the paper's
+#: epsilon 5 on every cluster's update (a mixture of the paper and the code, not a file).
+_FORMULA_VALUES: dict[str, Any] = {**_PAPER_VALUES, "epsilon": None, "noise_multiplier": AUTHORS_NOISE_MULTIPLIER,
+                                   "teacher_weights": "fixed"}
+_FORMULA_SOURCES: dict[str, str] = {
+    **_PAPER_SOURCES,
+    "epsilon": "reading: the code's one-release formula read as sigma itself, every round, never composed: null "
+               "(the run records the epsilon spent); other reading: the paper's epsilon 5 as a target over the run "
+               "(Sec. IV.A, preset paper)",
+    "noise_multiplier": "reading: the authors' differential_privacy.py (line 17) calibrates sigma = sqrt(2 ln(1.25 / "
+                        "delta)) / epsilon for one release and adds it every round; here at the paper's epsilon 5 "
+                        "(Sec. IV.A): sigma 0.969 for every cluster. other reading: what the code runs, epsilon 8 "
+                        "(sigma 0.606) on model B only (preset authors_v1_7)",
+    "teacher_weights": _V17_SOURCES["teacher_weights"],
+    "train.epochs": _V17_SOURCES["train.epochs"],
+}
+
+
+#: ``{"name": "pfedcdp", "preset": ...}``: ``paper``, every value paper 000 states and medfl's
+#: choice for what it leaves open; ``authors_v1_7``, the authors' v1.7 client files exactly in
+#: what leaves a client (which clusters are noised, sigma, per-tensor clipping of the weights,
+#: masks, quantization); ``authors``, the same (v1.7 is the repository's newest client code and
+#: the only one with the paper's three clusters A/B/C, Fisher masks and classifier KD: the
+#: top-level ``PFedCDP/client1.py`` is a 50-client Fashion-MNIST FedAvg with noisy gradients);
+#: ``authors_formula``, the code's sigma formula at the paper's epsilon on every cluster (what
+#: ``authors`` was before issue 48). Each value's source: the preset's ``sources``.
 PRESETS: dict[str, Preset] = {
     "paper": Preset(
-        source=_PAPER + " (eqs. 1-19, Algorithms 1-2, IV.A.2)",
-        values=_PAPER_VALUES,
-        train={"epochs": 20, "batch_size": 64, "optimizer": "adam", "lr": 1e-3},   # IV.A.2: 20 local epochs
-        open=_PAPER_OPEN, experiment=_PAPER_EXPERIMENT,
+        source=_PAPER + " (eqs. 1-19, Algorithms 1-2, IV.A)",
+        values=_PAPER_VALUES, train=_PAPER_TRAIN, experiment=_PAPER_EXPERIMENT,
+        sources=_PAPER_SOURCES,
         description="the paper's settings: epsilon 5 over the run, C2 2.5, 8 bits on the update, models A/B/C, "
                     "20 local epochs, eq. 17 summed over 2N views"),
-    "authors": Preset(
-        source="the authors' code (github.com/shadhin39/PFedCDP: differential_privacy.py, v1.7 clients and "
-               "server) where it differs from the paper; " + _PAPER + " elsewhere",
-        values={**_PAPER_VALUES, "epsilon": None, "noise_multiplier": AUTHORS_NOISE_MULTIPLIER,
-                "teacher_weights": "fixed"},
-        train={"epochs": 5, "batch_size": 64, "optimizer": "adam", "lr": 1e-3},
-        open={**{k: v for k, v in _PAPER_OPEN.items() if not k.startswith(("kd_", "train.", "teacher_weights"))},
-              "clip": "the authors' code clips each weight tensor of the weights (not the update) to 2.5; medfl "
-                      "clips the whole update's norm to C2 = 2.5 (eq. 12)",
-              "bits": "the authors' clients quantize the weights, at 8 or (v1.7's client B) 12 bits; medfl the "
-                      "paper's 8 bits on the update",
-              "fisher_keep": "the authors' code thresholds raw Fisher values at 0.01 and then never applies the "
-                             "masks; medfl applies eq. 6 to the top 20 %",
-              "noise_multiplier": "the authors' differential_privacy.py calibrates sigma = sqrt(2 ln(1.25 / delta)) / "
-                                  "epsilon for one release and adds it every round; it defaults to epsilon 8 (sigma "
-                                  "0.606), which v1.7's model B client uses, and models A and C send without noise; "
-                                  "medfl takes the paper's epsilon 5 in that formula (sigma 0.969) for every cluster",
-              "train.lr": "the authors' code's Keras Adam default, 1e-3"},
-        experiment={**_PAPER_EXPERIMENT, "authors_code_rounds": 10},
-        description="the authors' code: sigma 0.969 each round without composition (Opacus: epsilon 31.4 over 20 "
-                    "rounds), fixed teacher weights 0.4/0.35/0.25, 5 local epochs, Adam, batch 64"),
+    "authors_v1_7": Preset(
+        source="the authors' v1.7 clients (github.com/shadhin39/PFedCDP, PFedCDP/v1.7/PFedCDP/client.py, "
+               "client1.py, client2.py, FlowerClient.fit; PFedCDP/differential_privacy.py, quantization.py) in "
+               "what each cluster sends; " + _PAPER + " elsewhere",
+        values=_V17_VALUES, train={**_PAPER_TRAIN, "epochs": 5},
+        experiment={**_PAPER_EXPERIMENT, "authors_code_rounds": 10}, sources=_V17_SOURCES,
+        description="the authors' v1.7 clients: only model B (medium) noised, sigma 0.606 (epsilon 8, never "
+                    "composed) on its weights clipped per tensor to 2.5, 12 bits; A and C in the clear; masks not "
+                    "applied; the whole model on the KD loss, 5 epochs"),
+    "authors_formula": Preset(
+        source="the authors' sigma formula (PFedCDP/differential_privacy.py, line 17) at the paper's epsilon 5 on "
+               "every cluster's update; " + _PAPER + " elsewhere",
+        values=_FORMULA_VALUES, train={**_PAPER_TRAIN, "epochs": 5},
+        experiment={**_PAPER_EXPERIMENT, "authors_code_rounds": 10}, sources=_FORMULA_SOURCES,
+        description="sigma 0.969 each round on every cluster's update without composition (Opacus: epsilon 31.4 "
+                    "over 20 rounds), fixed teacher weights, 5 local epochs: a reading, not a file"),
 }
+PRESETS["authors"] = PRESETS["authors_v1_7"]
 
 
 # --------------------------------------------------------------------------- the method
@@ -408,9 +590,12 @@ class PFedCDP(Method):
        personal mask only (``M_global = 1 - M_personal``), and zero Fisher is never personal.
     3. Eq. 6: ``W_L(t) = M_personal * W_L,own(t-1) + M_global * W_L,global(t-1)``: a
        parameter above the threshold keeps the client's own value, the others take the
-       global one (the authors' code computes the masks and then never applies them; ours is
-       tested to change what the client keeps). Round 1 (no own extractor yet) starts from
-       the global one; so does a client's classifier, from the server's.
+       global one (ours is tested to change what the client keeps; the authors' v1.7 clients
+       apply the masks after overwriting their own extractor with the global one, so their
+       eq. 6 mixes the global extractor with itself: ``apply_masks=False`` reproduces that,
+       the masks computed and reported, the client starting from the global extractor).
+       Round 1 (no own extractor yet) starts from the global one; so does a client's
+       classifier, from the server's.
     4. ``extractor_epochs`` epochs of cross-entropy on the whole local model (extractor and
        the client's classifier). Algorithm 1 as printed never trains the extractor (it is
        frozen and only the classifier learns), so no feature learning would happen anywhere;
@@ -502,12 +687,16 @@ class PFedCDP(Method):
     * ``dp_noise`` per cluster and round: sigma, C2, the number ``d`` of noised coordinates
       (the extractor's parameters), ``sum w_k^2`` of the round's aggregation weights, the
       noise's norm in the cluster's averaged update ``sigma C2 sqrt(d sum w_k^2)`` (its
-      expectation to within 1/sqrt(d)), and ``noise_to_update_min`` = that norm over C2: the
-      averaged clipped update has norm at most C2, so the noise is at least that many times
-      the signal. Everything here is the noise plan's and the coordinator's own (sigma as the
+      expectation to within 1/sqrt(d)), and ``noise_to_update_min`` = that norm over C2 (the
+      ``signal_bound`` below): the averaged clipped update has norm at most C2, so the noise is
+      at least that many times the signal. Everything here is the noise plan's and the coordinator's own (sigma as the
       engine derives it, the weights it applies): no client reports its update's norm,
       which no noise would cover. ``received_update_norm`` is the norm of the averaged
-      update as received (noise included).
+      update as received (noise included). ``noised`` (1 or 0: ``dp_clusters``) and ``target``
+      (``update`` or ``weights``: ``dp_mode``) say what was noised; a cluster sent in the clear
+      has sigma 0. ``signal_bound`` is the largest norm of what a client sends before the noise
+      (C2; ``clip sqrt(L)`` for weights clipped tensor by tensor, L tensors), and
+      ``noise_to_update_min`` is the noise's norm over it.
     * ``quantization`` per cluster: what was quantized (``update`` or ``weights``), the
       expected error norm of the replies' quantization (:func:`quantization_error`, from the
       dequantized values) and its ratio to the received updates' norm (both means over the
@@ -532,13 +721,19 @@ class PFedCDP(Method):
     ``preset`` block says where each value came from): ``"paper"``, every value paper 000
     states (epsilon 5 over the run, C2 2.5, 8 bits on the update, models A / B / C and the
     student, FedAvg, eq. 17 summed, 20 local epochs) and medfl's choice for each value it
-    leaves open; ``"authors"``, the authors' published code where it differs: sigma 0.969
-    (``AUTHORS_NOISE_MULTIPLIER``: the code's one-release Gaussian calibration at the paper's
-    epsilon 5, delta 1e-5; the code itself uses epsilon 8, sigma 0.606, and only in model B's
-    client) every round without composition, which the ledger records as the epsilon it is
-    (31.4 over 20 rounds), fixed teacher weights [0.4, 0.35, 0.25], 5 local epochs, Adam, batch
-    64. Neither copies the authors' code's bugs: it computes the Fisher masks and never
-    applies them, and clips each weight tensor of the weights (not the update) to 2.5.
+    leaves open; ``"authors_v1_7"`` (and ``"authors"``, its alias), the authors' v1.7 client
+    files (``PFedCDP/v1.7/PFedCDP/client.py``, ``client1.py``, ``client2.py``) in what each
+    cluster sends: model B alone noised (``dp_clusters=["medium"]``), sigma 0.606
+    (``AUTHORS_V17_NOISE_MULTIPLIER``, epsilon 8 in the code's one-release formula) every round
+    on its weights, each weight tensor clipped to 2.5 by its own norm
+    (``dp_mode="weights_per_tensor"``: :func:`clip_noise_tensors` in the client step, accounted
+    through :meth:`own_dp`), then quantized at 12 bits (``bits`` per cluster,
+    :func:`authors_quantize`); models A and C in the clear (not private: their epsilon is
+    infinite); the masks not applied; the whole model on eq. 11 (``kd_scope="model"``), 5
+    epochs, fixed teacher weights [0.4, 0.35, 0.25]; ``"authors_formula"``, the code's formula
+    at the paper's epsilon 5 (sigma 0.969, ``AUTHORS_NOISE_MULTIPLIER``) on every cluster's
+    update without composition (31.4 over 20 rounds). Each value's source is in the preset's
+    ``sources``.
 
     The run scores the refined student, each teacher and the weighted teacher ensemble
     (:meth:`final_models`) on the public test split and on every client's splits
@@ -577,6 +772,16 @@ class PFedCDP(Method):
         alpha, refine_temperature, tau: eq. 18's alpha, T and SupCon's temperature.
         supcon_reduction: ``"sum"`` (eq. 17's text, default) or ``"mean"`` over the anchors.
         supcon_views: 1 (default) or 2 augmented views of each public sample (eq. 17's 2N).
+        dp_mode: ``"update"`` (eqs. 12-13, the engine's ``dp_gaussian``) or
+            ``"weights_per_tensor"`` (the authors' noise on the weights, each tensor clipped;
+            needs ``noise_multiplier`` and ``quantize="weights"``).
+        dp_clusters: the clusters whose replies are noised (default all three; a subset needs
+            ``dp_mode="weights_per_tensor"``): ``mechanisms.csv``'s ``dp_noise`` says per cluster
+            whether it was (``noised``) and at what ``sigma``.
+        apply_masks: apply eq. 6 (default) or start each round from the global extractor (the
+            masks still computed: ``personal_fraction``).
+        kd_scope: ``"classifier"`` (Algorithm 1, the extractor frozen) or ``"model"`` (the whole
+            model learns on eq. 11).
         teacher_weights: ``"shapley"``, ``"uniform"``, ``"fixed"`` or a list of weights.
         shapley_score: v(S)'s score: ``accuracy``, ``balanced_accuracy`` or ``auc``.
         shapley_samples: public samples per class in the Shapley game (``None``: as many as
@@ -603,7 +808,7 @@ class PFedCDP(Method):
     # the Fisher masks' share, the extractor's own epochs, personal_observables' norms
     train_metrics = ENGINE_TRAIN_METRICS | {"fisher_batches", "personal_fraction", "loss_extractor",
                                             "steps_extractor", "own_norm", "above_one", "personal_norm",
-                                            "personal_norm_prev", "personal_drift"}
+                                            "personal_norm_prev", "personal_drift", "weight_dp_releases"}
     profile_metrics = frozenset(SCORES)
 
     def __init__(self, capabilities: Any = "auto", capability_weights: list[float] | tuple[float, ...] = (0.25,) * 4,
@@ -620,7 +825,9 @@ class PFedCDP(Method):
                  shapley_score: str = "accuracy", shapley_samples: int | None = None,
                  feature_shap: str = "off", shap_samples: int = 16, shap_nsamples: int = 200,
                  grad_clip: float | None = 5.0, noise_multiplier: float | None = None, quantize: str = "update",
-                 cluster_average: str = "weighted", supcon_reduction: str = "sum", supcon_views: int = 1) -> None:
+                 cluster_average: str = "weighted", supcon_reduction: str = "sum", supcon_views: int = 1,
+                 dp_mode: str = "update", dp_clusters: list[str] | tuple[str, ...] | None = None,
+                 apply_masks: bool = True, kd_scope: str = "classifier") -> None:
         if isinstance(capabilities, str):
             if capabilities not in CAPABILITY_MODES:
                 raise MethodConfigError(f"pfedcdp: capabilities must be one of {', '.join(CAPABILITY_MODES)}, a list "
@@ -672,10 +879,37 @@ class PFedCDP(Method):
                                     f"spends), and set the other to null; got epsilon {epsilon!r} and "
                                     f"noise_multiplier {noise_multiplier!r}")
         self.quantize = _check_choice(quantize, "quantize", QUANTIZE)
-        if self.quantize == "weights" and self.dp:
+        self.dp_mode = _check_choice(dp_mode, "dp_mode", DP_MODES)
+        if dp_clusters is None:
+            dp_clusters = list(CLUSTERS)
+        if (isinstance(dp_clusters, str) or not isinstance(dp_clusters, (list, tuple))
+                or set(dp_clusters) - set(CLUSTERS) or len(set(dp_clusters)) != len(dp_clusters)):
+            raise MethodConfigError(f"pfedcdp: dp_clusters must be a list of distinct clusters among "
+                                    f"{', '.join(CLUSTERS)} (the clusters whose extractors are noised), got "
+                                    f"{dp_clusters!r}")
+        self.dp_clusters = [c for c in CLUSTERS if c in dp_clusters]
+        if self.dp_mode == "update" and self.dp and len(self.dp_clusters) != len(CLUSTERS):
+            raise MethodConfigError(f"pfedcdp: dp_clusters {self.dp_clusters} needs dp_mode 'weights_per_tensor': "
+                                    "dp_mode 'update' noises the update with the engine's dp_gaussian filter, which "
+                                    "every client applies")
+        if self.dp_mode == "weights_per_tensor":
+            if self.epsilon is not None:
+                raise MethodConfigError(f"pfedcdp: dp_mode 'weights_per_tensor' (the authors' noise on the weights, "
+                                        f"preset authors_v1_7) takes sigma as noise_multiplier (the authors' code has "
+                                        f"no accountant; the run records the epsilon spent), got epsilon {epsilon!r}; "
+                                        "for a target epsilon use dp_mode 'update' with dp_clusters of all three "
+                                        "clusters and quantize 'update' (eqs. 12-14, preset paper)")
+            if quantize != "weights":
+                raise MethodConfigError("pfedcdp: dp_mode 'weights_per_tensor' sends noised weights, so what is "
+                                        "quantized is the weights: set quantize 'weights'")
+        elif self.quantize == "weights" and self.dp:
             raise MethodConfigError("pfedcdp: quantize 'weights' needs the update without DP (dp_gaussian makes the "
                                     "chain send the noised update, which is what is quantized); set epsilon and "
                                     "noise_multiplier to null, or quantize 'update'")
+        if not isinstance(apply_masks, bool):
+            raise MethodConfigError(f"pfedcdp: apply_masks must be true or false, got {apply_masks!r}")
+        self.apply_masks = apply_masks
+        self.kd_scope = _check_choice(kd_scope, "kd_scope", KD_SCOPES)
         self.cluster_average = _check_choice(cluster_average, "cluster_average", CLUSTER_AVERAGE)
         self.supcon_reduction = _check_choice(supcon_reduction, "supcon_reduction", SUPCON_REDUCTIONS)
         if supcon_views not in SUPCON_VIEWS or isinstance(supcon_views, bool):
@@ -685,9 +919,21 @@ class PFedCDP(Method):
         self.clip = _check_pos(clip, "clip")
         self.delta = float(delta)
         self.accountant = str(accountant)
-        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16):
-            raise MethodConfigError(f"pfedcdp: bits must be an integer from 1 to 16 or null, got {bits!r}")
-        self.bits = bits
+        def bad_bits(b: Any) -> bool:
+            return b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 16)
+
+        if isinstance(bits, dict):
+            if set(bits) != set(CLUSTERS) or any(bad_bits(b) for b in bits.values()):
+                raise MethodConfigError(f"pfedcdp: bits per cluster must map each of {', '.join(CLUSTERS)} to an "
+                                        f"integer from 1 to 16 or null, got {bits!r}")
+            if self.quantize != "weights":
+                raise MethodConfigError("pfedcdp: bits per cluster quantizes in the client step, on the weights "
+                                        "(the authors' code): set quantize 'weights'")
+            bits = {c: bits[c] for c in CLUSTERS}
+        elif bad_bits(bits):
+            raise MethodConfigError(f"pfedcdp: bits must be an integer from 1 to 16, null, or one of those per "
+                                    f"cluster, got {bits!r}")
+        self.bits: int | dict[str, int | None] | None = bits
         self.refine = bool(refine)
         self.student_model = dict(student_model or {"name": "pfedcdp_student"})
         self.refine_epochs = _check_pos_int(refine_epochs, "refine_epochs", zero=True)
@@ -735,17 +981,68 @@ class PFedCDP(Method):
         return {"name": "dp_gaussian", **noise, "clip": self.clip, "delta": self.delta, "accountant": self.accountant,
                 "keys": "all"}
 
+    @property
+    def in_step(self) -> bool:
+        """Whether the client step itself noises and quantizes its extractor's weights (the
+        authors' pipeline: ``dp_mode="weights_per_tensor"`` or bits per cluster) instead of the
+        engine's filters."""
+        return self.dp_mode == "weights_per_tensor" or isinstance(self.bits, dict)
+
+    def cluster_bits(self, c: str) -> int | None:
+        """The quantization bits of cluster ``c``'s replies (``None``: sent as floats)."""
+        return self.bits.get(c) if isinstance(self.bits, dict) else self.bits
+
+    def noised(self, c: str) -> bool:
+        """Whether cluster ``c``'s replies carry DP noise."""
+        return self.dp and c in self.dp_clusters
+
     def default_filters(self) -> list[dict[str, Any]]:
         """``dp_gaussian`` on the extractor's update (clip C2, a target epsilon or a noise
         multiplier; ``keys: all``: the reply holds the extractor's parameters only, and the
         cluster models differ from the run's ``fl.model``) and ``quantize`` (bits; on the
-        update unless ``quantize="weights"``)."""
+        update unless ``quantize="weights"``). None where the client step does both itself
+        (:attr:`in_step`: the authors' noise on the weights of some clusters, bits per cluster)."""
         out: list[dict[str, Any]] = []
-        if self.dp:
+        if self.dp and self.dp_mode == "update":
             out.append(self._dp_entry())
-        if self.bits is not None:
+        if self.bits is not None and not self.in_step:
             out.append({"name": "quantize", "bits": self.bits, "update": self.quantize == "update"})
         return out
+
+    def own_dp(self, federation: Federation) -> OwnDp | None:
+        """The authors' noise on the weights (``dp_mode="weights_per_tensor"``), applied in the
+        client step to the clusters of ``dp_clusters``: one release a round of each member's
+        extractor weights, each of its L tensors clipped to ``clip``, noise ``clip * sigma`` per
+        entry. Accounted as a Gaussian release of the whole extractor, whose L2 sensitivity
+        (the weights against none, as ``dp_gaussian``'s update against none) is ``clip *
+        sqrt(L)``: noise multiplier ``sigma / sqrt(L)`` per client of a noised cluster, 0
+        (epsilon infinite, not private) per client of a cluster sent in the clear. ``None``
+        otherwise (the engine's ``dp_gaussian`` filter accounts the update's noise)."""
+        if not (self.dp and self.dp_mode == "weights_per_tensor"):
+            return None
+        return OwnDp(mechanism=WEIGHT_DP, unit="client", noise_multiplier=_ClusterNoise(self), sample_rate=1.0,
+                     steps=1, clip=self.clip, delta=self.delta, accountant=self.accountant,
+                     steps_metric="weight_dp_releases",
+                     statement=(f"each extractor weight tensor clipped to {self.clip:g} by its L2 norm and Gaussian "
+                                f"noise of std {self.clip:g} x {self.noise_multiplier:.4g} added to the weights, in "
+                                f"clusters {', '.join(self.dp_clusters) or 'none'}; the other clusters send their "
+                                "weights in the clear (noise multiplier 0: not private). The per-client noise "
+                                "multiplier, sigma / sqrt(number of tensors), is resolved after the capability "
+                                "profile; privacy.csv has each client's"))
+
+    def client_noise(self, client_id: str) -> float:
+        """The noise multiplier :meth:`own_dp` accounts for ``client_id`` (see :class:`_ClusterNoise`)."""
+        c = getattr(self, "assign", {}).get(client_id)
+        if c is None or not self.noised(c) or self.noise_multiplier is None:
+            return 0.0
+        return float(self.noise_multiplier) / math.sqrt(len(self.extractors[c]))
+
+    def _signal_bound(self, c: str) -> float:
+        """The largest L2 norm of what a cluster-``c`` client sends before the noise: C2 for the
+        clipped update, ``clip * sqrt(L)`` for the weights clipped tensor by tensor."""
+        if self.dp_mode == "update":
+            return self.clip
+        return self.clip * math.sqrt(len(self.extractors[c]))
 
     # ------------------------------------------------------------------ coordinator: setup, profile
     def setup(self, federation: Federation) -> None:
@@ -786,6 +1083,7 @@ class PFedCDP(Method):
         self.observed: dict[str, Any] = {}     # this round's mechanism observables (server_update)
         self.history: dict[str, dict[str, dict[str, float]]] = {}   # {observable: {id: {round: value}}}
         self.warned: list[str] = []            # what mechanism_warnings has said (once each)
+        self.first_noised_round: int | None = None   # the first round a noised cluster's replies were averaged
 
     def _planned_sigma(self, federation: Federation) -> float:
         """The noise multiplier of the run's extractor updates, planned as the engine plans the
@@ -794,6 +1092,8 @@ class PFedCDP(Method):
         rounds; 0 without DP."""
         if not self.dp:
             return 0.0
+        if self.dp_mode == "weights_per_tensor":
+            return float(self.noise_multiplier)
         entry = self._dp_entry()
         dp = lookup("filter", entry.pop("name")).from_config(entry)
         dp.plan(federation, "pfedcdp: the noise plan of its mechanisms")
@@ -853,9 +1153,13 @@ class PFedCDP(Method):
                     self._fit_head(c, 0)
             self._initial_fit_due = False
         out = {}
-        for cid in self.federation.sample(round):
+        self._instructed = list(self.federation.sample(round))
+        for cid in self._instructed:
             c = self._cluster(cid)
-            out[cid] = Instruction(payload=self._payload(c), config={"spec": json.dumps(self._spec(c)), "cluster": c})
+            config: dict[str, Any] = {"spec": json.dumps(self._spec(c)), "cluster": c}
+            if self.in_step:        # the round seeds the client step's noise
+                config["round"] = round
+            out[cid] = Instruction(payload=self._payload(c), config=config)
         return out
 
     def _payload(self, c: str) -> dict[str, State]:
@@ -876,7 +1180,9 @@ class PFedCDP(Method):
     def server_update(self, round: int, replies: dict[str, Reply]) -> None:
         """FedAvg (or the uniform mean) of the (dequantized, noised) extractors within each
         cluster; the server classifiers refitted on the public set; the round's observables."""
-        self.observed = {"round": round, "clusters": {}, "clients": {}}
+        self.observed = {"round": round, "clusters": {}, "clients": {},
+                         "noised_missing": sorted(cid for cid in getattr(self, "_instructed", [])
+                                                  if cid not in replies and self.noised(self._cluster(cid)))}
         for c in CLUSTERS:
             members = [cid for cid in replies if self._cluster(cid) == c]
             if not members:
@@ -905,23 +1211,29 @@ class PFedCDP(Method):
         d = sum(v.numel() for v in old.values() if v.is_floating_point())
         new = self.extractors[c]
         received = [{k: s[k].double() - old[k].double() for k in old if old[k].is_floating_point()} for s in states]
-        noise = self.sigma * self.clip * math.sqrt(d * w2)
+        sigma = self.sigma if self.noised(c) else 0.0
+        noise = sigma * self.clip * math.sqrt(d * w2)
+        bound = self._signal_bound(c)
         obs: dict[str, Any] = {
-            "dp_noise": {"clients": float(len(states)), "coordinates": float(d), "sigma": self.sigma,
-                         "clip": self.clip, "weights_sq_sum": w2, "noise_norm": noise,
-                         "noise_per_coordinate": self.sigma * self.clip * math.sqrt(w2),
-                         "noise_to_update_min": noise / self.clip,
+            "dp_noise": {"clients": float(len(states)), "coordinates": float(d), "noised": float(self.noised(c)),
+                         "target": "weights" if self.dp_mode == "weights_per_tensor" else "update",
+                         "sigma": sigma, "clip": self.clip, "signal_bound": bound, "weights_sq_sum": w2,
+                         "noise_norm": noise, "noise_per_coordinate": sigma * self.clip * math.sqrt(w2),
+                         "noise_to_update_min": noise / bound,
                          "received_update_norm": _norm(new[k].double() - old[k].double() for k in received[0])},
             "cluster_model": {"norm": _norm(new.values()),
                               "above_one": sum(int((v.abs() > 1.0).sum()) for v in new.values()) / max(d, 1)}}
-        if self.bits is not None:
-            target = "update" if self.dp or self.quantize == "update" else "weights"
-            errors = [quantization_error(u if target == "update" else s, self.bits) for u, s in zip(received, states)]
+        bits = self.cluster_bits(c)
+        if bits is not None:
+            target = "update" if self.dp_mode == "update" and (self.dp or self.quantize == "update") else "weights"
+            errors = [quantization_error(u if target == "update" else s, bits) for u, s in zip(received, states)]
             norms = [_norm(u.values()) for u in received]
             err, upd = sum(errors) / len(errors), sum(norms) / len(norms)
-            obs["quantization"] = {"bits": float(self.bits), "target": target, "error_norm": err,
+            obs["quantization"] = {"bits": float(bits), "target": target, "error_norm": err,
                                    "update_norm": upd, "error_to_update": err / upd if upd > 0 else float("nan")}
         self.observed["clusters"][c] = obs
+        if self.noised(c) and self.first_noised_round is None:
+            self.first_noised_round = int(self.observed["round"])
         self._remember("noise_to_update_min", c, obs["dp_noise"]["noise_to_update_min"])
         if "quantization" in obs:
             self._remember("quantization_error_to_update", c, obs["quantization"]["error_to_update"])
@@ -953,6 +1265,26 @@ class PFedCDP(Method):
             rows.append({"mechanism": "personalization", "scope": "client", "id": cid, **obs})
         return rows
 
+    def scored_from(self, round: int) -> int | None:
+        """The first round whose evaluated (personal) models PFedCDP's noise shaped, as known after
+        ``round``. A client's round-r personal model is its own extractor and classifier after its
+        round-r training, which starts from the cluster model averaged in round r - 1 (eq. 6 takes
+        the unkept share from it; without the masks it is all of it) and distils from it (eq. 11);
+        the noise a client adds to its round-r reply reaches the cluster model only in that
+        round's :meth:`server_update`, after the round's personal models were made (the client
+        keeps its own, un-noised model). So with noise on, the first round whose personal models
+        saw a noisy update is the round after the first round in which a noised cluster's
+        replies were averaged: round 2 when round 1's clients send noised extractors (``None``
+        after round 1, 2 from round 2 on). Without noise (``epsilon`` and ``noise_multiplier``
+        null), or when no client is in a noised cluster (``dp_clusters``), nothing noisy ever
+        reaches a personal model and the distillation from the cluster's model shapes round 1's
+        already: 1."""
+        if not self.dp or not any(self.noised(c) for c in self.assign.values()):
+            return 1
+        if self.first_noised_round is None or self.first_noised_round + 1 > round:
+            return None
+        return self.first_noised_round + 1
+
     def mechanism_warnings(self, round: int) -> list[str]:
         """Once each: the noise drowns a cluster's update; a client's own weights blew up;
         quantizing the weights errs more than the update."""
@@ -963,16 +1295,18 @@ class PFedCDP(Method):
             dp = obs["dp_noise"]
             if dp["noise_to_update_min"] >= NOISE_WARN_RATIO and f"noise:{c}" not in self.warned:
                 self.warned.append(f"noise:{c}")
-                need = 1.0 / math.sqrt(dp["coordinates"] * dp["weights_sq_sum"])
+                need = dp["signal_bound"] / (self.clip * math.sqrt(dp["coordinates"] * dp["weights_sq_sum"]))
                 out.append(
                     f"cluster {c}: the DP noise in the averaged extractor update has norm {dp['noise_norm']:.4g}, at "
-                    f"least {dp['noise_to_update_min']:.3g}x any clipped update (sigma {self.sigma:.3g}, C2 "
+                    f"least {dp['noise_to_update_min']:.3g}x any clipped {dp['target']} (sigma {self.sigma:.3g}, C2 "
                     f"{self.clip:g}, {int(dp['coordinates'])} coordinates, {int(dp['clients'])} client(s)): the "
-                    f"cluster model is mostly noise, and eq. 6 copies it into the unkept share of every member's own "
-                    f"extractor. A ratio of 1 needs sigma <= {need:.3g}: a larger epsilon, fewer rounds, more clients "
+                    f"cluster model is mostly noise, and eq. 6 copies it into "
+                    + ("the unkept share of every member's own extractor." if self.apply_masks else
+                       "every member's extractor (apply_masks false: all of it).")
+                    + f" A ratio of 1 needs sigma <= {need:.3g}: a larger epsilon, fewer rounds, more clients "
                     f"per cluster or a smaller extractor"
-                    + (f" (the authors' code's sigma 0.969 a round, preset 'authors', epsilon 31.4 over 20 rounds, "
-                       f"would still give {AUTHORS_NOISE_MULTIPLIER / need:.3g}x)"
+                    + (f" (the authors' formula at the paper's epsilon, sigma 0.969 a round, preset 'authors_formula', "
+                       f"epsilon 31.4 over 20 rounds, would still give {AUTHORS_NOISE_MULTIPLIER / need:.3g}x)"
                        if abs(self.sigma - AUTHORS_NOISE_MULTIPLIER) > 1e-9 else "")
                     + "; mechanisms.csv has the ratio per round")
             q = obs.get("quantization")
@@ -982,6 +1316,13 @@ class PFedCDP(Method):
                 out.append(f"cluster {c}: {int(q['bits'])}-bit quantization of the weights errs "
                            f"{q['error_to_update']:.3g}x the update itself (error norm {q['error_norm']:.3g}); "
                            "quantize 'update' (eq. 14) quantizes the update instead")
+        missing = self.observed.get("noised_missing") or []
+        if missing and len(CLUSTERS) > len(self.dp_clusters) and "noised_missing" not in self.warned:
+            self.warned.append("noised_missing")
+            out.append(f"client(s) {', '.join(missing)} of the noised cluster(s) {', '.join(self.dp_clusters)} sent "
+                       "no usable reply this round (reply_events.csv says why): when the other clusters send their "
+                       "weights in the clear, a noised reply's update is far longer than theirs and "
+                       "fl.update_norm_factor drops it as an outlier; set fl.update_norm_factor 0 to keep them")
         blown = [(cid, o) for cid, o in self.observed["clients"].items()
                  if o.get("above_one", 0.0) > ABOVE_ONE_WARN or o.get("personal_drift", 0.0) > DRIFT_WARN]
         new = [cid for cid, _ in blown if f"blowup:{cid}" not in self.warned]
@@ -1088,7 +1429,9 @@ class PFedCDP(Method):
             fisher, used = fisher_information(model, client.loader("train", augment=False), body, device,
                                               self.fisher_batches)
             masks = fisher_masks(fisher, keep=self.fisher_keep, threshold=self.fisher_threshold)
-            mixed = mix_extractor(own_ext, g_ext, masks)
+            # apply_masks false: the masks are computed and not applied (the authors' v1.7 clients)
+            mixed = (mix_extractor(own_ext, g_ext, masks) if self.apply_masks
+                     else {k: v.clone() for k, v in g_ext.items()})
             total = sum(m.numel() for m in masks.values())
             metrics.update(fisher_batches=float(used),
                            personal_fraction=float(sum(int(m.sum()) for m in masks.values())) / max(total, 1))
@@ -1111,18 +1454,22 @@ class PFedCDP(Method):
         teacher.eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
+        whole = self.kd_scope == "model"     # the authors' v1.7: the whole model learns on eq. 11
         for n, p in model.named_parameters():
-            p.requires_grad_(n in set(head_keys))
+            p.requires_grad_(whole or n in set(head_keys))
         lam, temp = self.kd_lambda, self.kd_temperature
 
         def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                zt = teacher(x)
+            if whole:
+                return kd_loss(m(x), zt, y, lam=lam, temperature=temp)
             _freeze_body(m)
             with torch.no_grad():
                 z = m.embed(x)
-                zt = teacher(x)
             return kd_loss(m.head(z), zt, y, lam=lam, temperature=temp)
 
-        opt = make_optimizer(model.head.parameters(), client.train)
+        opt = make_optimizer(model.parameters() if whole else model.head.parameters(), client.train)
         stats = train_epochs(model, client.loader("train"), opt, int(client.train.get("epochs", 1)), device=device,
                              loss_fn=loss, clip_grad_norm=self.grad_clip)
         metrics.update(loss=stats["loss"], steps=stats["steps"])
@@ -1132,7 +1479,32 @@ class PFedCDP(Method):
         client.state["extractor"] = ext
         client.state["buffers"] = {k: state[k] for k in buffer_keys}
         client.state["head"] = {k: state[k] for k in head_keys}
-        return Reply(payload={"extractor": ext}, metrics=metrics, num_examples=client.num_examples("train"))
+        sent = ext
+        if self.in_step:        # the authors' pipeline: noise and quantize the weights here, per cluster
+            sent, released = self._release_weights(ext, str(instruction.config.get("cluster", "")),
+                                                   int(instruction.config.get("round", 0)), client.seed)
+            if self.dp and self.dp_mode == "weights_per_tensor":
+                metrics["weight_dp_releases"] = released
+        return Reply(payload={"extractor": sent}, metrics=metrics, num_examples=client.num_examples("train"))
+
+    def _release_weights(self, ext: State, cluster: str, round: int, seed: int) -> tuple[State, float]:
+        """What a cluster-``cluster`` client sends of its extractor's weights in the authors'
+        pipeline (:attr:`in_step`), and the releases :meth:`own_dp` accounts (1: one a round,
+        noised or in the clear): in a noised cluster each tensor clipped and noised
+        (:func:`clip_noise_tensors`, seeded by the client and the round), then quantized at the
+        cluster's bits (:func:`authors_quantize`, sent dequantized). The client keeps ``ext``
+        (its own model is not a release)."""
+        if cluster not in CLUSTERS:
+            raise MethodConfigError(f"pfedcdp: the instruction names no cluster (got {cluster!r})")
+        sent = ext
+        if self.noised(cluster) and self.dp_mode == "weights_per_tensor":
+            gen = torch.Generator().manual_seed(derive_seed(seed, "weight_dp", round))
+            sent = clip_noise_tensors(ext, self.clip, float(self.noise_multiplier), gen)
+        bits = self.cluster_bits(cluster)
+        if bits is not None:
+            sent = authors_quantize(sent, bits)
+        device = next(iter(ext.values())).device if ext else "cpu"
+        return {k: v.to(device) for k, v in sent.items()}, 1.0
 
     def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
         """The personalised model: the client's own extractor and classifier (the cluster's
@@ -1337,13 +1709,17 @@ class PFedCDP(Method):
         """The readable summary of what the mechanisms did (:meth:`report`'s ``mechanisms``)."""
         noise = self.history.get("noise_to_update_min", {})
         return {
-            "dp": {"private": self.dp, "sigma_per_round": self.sigma, "clip": self.clip,
+            "dp": {"private": self.dp and len(self.dp_clusters) == len(CLUSTERS), "mode": self.dp_mode,
+                   "clusters_noised": [c for c in CLUSTERS if self.noised(c)],
+                   "clusters_in_clear": [c for c in CLUSTERS if not self.noised(c)],
+                   "sigma_per_round": self.sigma, "clip": self.clip,
                    "epsilon_target": self.epsilon, "noise_multiplier_given": self.noise_multiplier,
                    "spent": "privacy.csv and summary.json's privacy block (the accountant's epsilon)"},
             "noise_to_update_min_by_round": noise,
             "noise_drowns_update_from_round": {c: min((int(r) for r, v in by.items() if v >= NOISE_WARN_RATIO),
                                                       default=None) for c, by in noise.items()},
-            "quantization": {"target": "update" if self.dp or self.quantize == "update" else "weights",
+            "quantization": {"target": ("update" if self.dp_mode == "update" and (self.dp or self.quantize == "update")
+                                        else "weights"),
                              "bits": self.bits,
                              "error_to_update_by_round": self.history.get("quantization_error_to_update", {})},
             "own_weights_above_one_by_round": self.history.get("above_one", {}),
@@ -1368,7 +1744,7 @@ class PFedCDP(Method):
                 "assign": json.dumps(self.assign),
                 "scores": json.dumps(self.scores), "trained": json.dumps(sorted(self.trained)),
                 "mechanisms": json.dumps({"observed": self.observed, "history": self.history,
-                                          "warned": self.warned})}
+                                          "warned": self.warned, "first_noised_round": self.first_noised_round})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -1383,6 +1759,7 @@ class PFedCDP(Method):
         self.observed = dict(mech.get("observed", {}))
         self.history = dict(mech.get("history", {}))
         self.warned = list(mech.get("warned", []))
+        self.first_noised_round = mech.get("first_noised_round")
 
 
 @hookimpl

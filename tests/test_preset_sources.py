@@ -19,7 +19,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "medfl-plugin-examp
 
 #: Methods whose presets' ``sources`` are written in other branches of issue 48 (removed from
 #: this set when those branches are merged; then every built-in preset is checked).
-_SOURCES_PENDING_IN_OTHER_BRANCHES = {"pfedcdp", "fedtpf"}
+_SOURCES_PENDING_IN_OTHER_BRANCHES = {"fedtpf"}
 
 
 def _example_methods() -> list[type[Method]]:

@@ -96,7 +96,7 @@ def test_fisher_information_is_the_mean_squared_batch_gradient_of_the_log_likeli
 
 
 def test_client_keeps_its_own_value_where_fisher_is_high_and_takes_the_global_one_elsewhere(tmp_path):
-    """The authors' code builds the masks and never applies them; here a client's reply (with
+    """The authors' v1.7 clients apply the masks to their global weights (a no-op); here a client's reply (with
     extractor_epochs=0 nothing else changes its extractor) is exactly eq. 6."""
     run = _run(tmp_path, capabilities=SCORES_BY_CLIENT, extractor_epochs=0, epsilon=None, bits=None,
                fisher_keep=0.3)

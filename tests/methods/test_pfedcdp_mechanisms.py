@@ -21,8 +21,10 @@ from medfl.experiment import run_experiment
 from medfl.messages import Reply
 from medfl.method import MethodConfigError
 from medfl.models.registry import build_model
-from medfl_plugins.pfedcdp import (AUTHORS_NOISE_MULTIPLIER, DEFAULT_CLUSTER_MODELS, PFedCDP, personal_observables,
-                                   quantization_error)
+from medfl.method import SOURCE_KINDS, derive_seed
+from medfl_plugins.pfedcdp import (AUTHORS_NOISE_MULTIPLIER, AUTHORS_V17_NOISE_MULTIPLIER, DEFAULT_CLUSTER_MODELS,
+                                   PRESETS, WEIGHT_DP, PFedCDP, authors_quantize, clip_noise_tensors,
+                                   personal_observables, quantization_error)
 
 from test_pfedcdp import SCORES_BY_CLIENT, _fl, _run
 
@@ -68,6 +70,17 @@ def test_quantization_error_by_hand() -> None:
     ({"supcon_reduction": "max"}, "supcon_reduction must be one of sum, mean"),
     ({"supcon_views": 3}, "supcon_views must be 1 or 2"),
     ({"supcon_views": True}, "supcon_views must be 1 or 2"),
+    ({"dp_mode": "gradients"}, "dp_mode must be one of update, weights_per_tensor"),
+    ({"dp_clusters": ["medium", "mid"]}, "dp_clusters must be a list of distinct clusters"),
+    ({"dp_clusters": "medium"}, "dp_clusters must be a list of distinct clusters"),
+    ({"dp_clusters": ["medium"]}, "needs dp_mode 'weights_per_tensor'"),
+    ({"dp_mode": "weights_per_tensor", "quantize": "weights"}, "takes sigma as noise_multiplier"),
+    ({"dp_mode": "weights_per_tensor", "epsilon": None, "noise_multiplier": 0.6}, "set quantize 'weights'"),
+    ({"bits": {"high": 8, "medium": 12}}, "bits per cluster must map each of high, medium, low"),
+    ({"bits": {"high": 8, "medium": 17, "low": None}}, "bits per cluster must map each of high, medium, low"),
+    ({"bits": {"high": 8, "medium": 12, "low": None}}, "bits per cluster quantizes in the client step"),
+    ({"apply_masks": "no"}, "apply_masks must be true or false"),
+    ({"kd_scope": "extractor"}, "kd_scope must be one of classifier, model"),
 ])
 def test_new_options_are_checked(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(MethodConfigError, match=match):
@@ -93,23 +106,229 @@ def test_presets_resolve_to_the_documented_values() -> None:
     assert (paper.teacher_weights, paper.feature_shap) == ("uniform", "printed")
     train = method_train({"train": {"epochs": 1, "lr": 0.05, "dp": None}}, {"name": "pfedcdp", "preset": "paper"})
     assert (train["epochs"], train["batch_size"], train["optimizer"], train["lr"]) == (20, 64, "adam", 1e-3)
-    authors = build_method({"name": "pfedcdp", "preset": "authors"})
-    assert authors.epsilon is None and authors.noise_multiplier == pytest.approx(
+    formula = build_method({"name": "pfedcdp", "preset": "authors_formula"})
+    assert formula.epsilon is None and formula.noise_multiplier == pytest.approx(
         math.sqrt(2 * math.log(1.25 / 1e-5)) / 5) == pytest.approx(0.969, abs=5e-4)
-    assert authors.teacher_weights == "fixed" and (authors.kd_temperature, authors.kd_lambda) == (3.0, 0.3)
-    train = method_train({"train": {"epochs": 1, "lr": 0.05, "dp": None}}, {"name": "pfedcdp", "preset": "authors"})
+    assert formula.teacher_weights == "fixed" and (formula.kd_temperature, formula.kd_lambda) == (3.0, 0.3)
+    assert (formula.dp_mode, formula.dp_clusters, formula.bits) == ("update", ["high", "medium", "low"], 8)
+    train = method_train({"train": {"epochs": 1, "lr": 0.05, "dp": None}},
+                         {"name": "pfedcdp", "preset": "authors_formula"})
     assert (train["epochs"], train["optimizer"]) == (5, "adam")
+    # 'authors' is the v1.7 client files: model B alone noised, at epsilon 8's sigma, on its weights
+    authors = build_method({"name": "pfedcdp", "preset": "authors"})
+    assert PRESETS["authors"] is PRESETS["authors_v1_7"]
+    assert (authors.dp_mode, authors.dp_clusters, authors.epsilon) == ("weights_per_tensor", ["medium"], None)
+    assert authors.noise_multiplier == AUTHORS_V17_NOISE_MULTIPLIER == pytest.approx(0.6056, abs=1e-4)
+    assert (authors.clip, authors.delta, authors.quantize) == (2.5, 1e-5, "weights")
+    assert authors.bits == {"high": None, "medium": 12, "low": None}
+    assert (authors.apply_masks, authors.kd_scope, authors.extractor_epochs) == (False, "model", 0)
+    assert (authors.fisher_keep, authors.fisher_threshold, authors.grad_clip) == (None, 0.01, None)
+    for f in ("v1.7/PFedCDP/client.py", "client1.py", "client2.py", "differential_privacy.py", "quantization.py"):
+        assert f in PRESETS["authors"].source
+    train = method_train({"train": {"epochs": 1, "lr": 0.05, "dp": None}}, {"name": "pfedcdp", "preset": "authors"})
+    assert (train["epochs"], train["batch_size"], train["optimizer"], train["lr"]) == (5, 64, "adam", 1e-3)
     # the authors' sigma composed over the paper's 20 rounds: epsilon about 31
     assert _opacus_epsilon(AUTHORS_NOISE_MULTIPLIER, 20, 1e-5) == pytest.approx(31.43, abs=0.01)
 
 
-# ------------------------------------------------------------------ a run with the authors' noise
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_value_cites_its_source(name: str) -> None:
+    """Issue 48, item 3: a source of a known kind for every value and every train key; the
+    authors' code cited by repository and file, the paper by section or equation."""
+    preset = PRESETS[name]
+    keys = set(preset.values) | {f"train.{k}" for k in preset.train}
+    assert set(preset.sources) == keys
+    for key, src in preset.sources.items():
+        kind, _, text = src.partition(": ")
+        assert kind in SOURCE_KINDS and len(text) > 20, (key, src)
+        if kind == "authors_code":
+            assert "shadhin39/PFedCDP" in text and ".py" in text, (key, src)
+        if kind == "paper":
+            assert any(w in text for w in ("Sec.", "eq.", "eqs.", "Algorithm")), (key, src)
+        if kind == "reading":
+            assert "other reading" in text.lower(), (key, src)
+    build_method({"name": "pfedcdp", "preset": name})     # every value is a valid hyperparameter
+
+
+# ------------------------------------------------------------------ the authors' v1.7 pieces by hand
+def test_the_authors_clipping_and_noise_by_hand() -> None:
+    """differential_privacy.py: each tensor scaled to norm <= clip by its own norm, noise of std
+    clip * sigma on the weights (not the update, not the whole state's norm)."""
+    state = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.3, 0.4]), "z": torch.zeros(2)}
+    quiet = clip_noise_tensors(state, 2.5, 0.0, torch.Generator().manual_seed(0))
+    assert torch.allclose(quiet["a"], torch.tensor([1.5, 2.0]))          # norm 5 -> 2.5, alone
+    assert torch.equal(quiet["b"], state["b"]) and torch.equal(quiet["z"], state["z"])   # under the clip, zero
+    big = {"w": torch.zeros(200_000)}
+    noisy = clip_noise_tensors(big, 2.5, AUTHORS_V17_NOISE_MULTIPLIER, torch.Generator().manual_seed(1))
+    assert float(noisy["w"].std()) == pytest.approx(2.5 * AUTHORS_V17_NOISE_MULTIPLIER, rel=0.01)
+    again = clip_noise_tensors(big, 2.5, AUTHORS_V17_NOISE_MULTIPLIER, torch.Generator().manual_seed(1))
+    assert torch.equal(noisy["w"], again["w"])                           # seeded
+
+
+def test_the_authors_quantization_by_hand() -> None:
+    """quantization.py at 2 bits: levels at min + k (max - min) / 3, the 1e-8 of the code kept."""
+    w = torch.tensor([0.0, 0.9, 1.6, 3.0])
+    got = authors_quantize({"w": w}, 2)["w"]
+    scaled = (w - 0.0) / (3.0 + 1e-8) * 3                                # 0, 0.9, 1.6, 3 - 1e-8
+    assert torch.allclose(got, torch.round(scaled) / 3 * 3.0)
+    assert got.tolist() == pytest.approx([0.0, 1.0, 2.0, 3.0])
+    assert authors_quantize({"c": torch.full((3,), 0.7)}, 12)["c"].tolist() == pytest.approx([0.7] * 3)
+
+
+def test_the_v1_7_clients_send_b_noised_and_quantized_and_a_c_in_the_clear(tmp_path: Path) -> None:
+    """Round 1 of preset authors_v1_7 at the client: the high (A) client's reply is its own
+    extractor to the bit; the medium (B) client's is its extractor clipped per tensor, noised at
+    sigma 0.606 and quantized at 12 bits, exactly as recomputed from the client's seed."""
+    run = _run(tmp_path, capabilities=SCORES_BY_CLIENT, preset="authors_v1_7", feature_shap="off")
+    ins = run.coordinator.configure_round(1)
+    sent = {}
+    for cid in ("0", "1", "3"):                                          # high, medium, low
+        ctx = run.context(cid, 1)
+        reply = run_client_update(run.client_method, ctx, ins[cid], filters=run.privacy.chain)
+        sent[cid] = (reply, ctx.state["extractor"], ctx.seed)
+    assert not run.privacy.chain.filters                                  # nothing left to the engine's filters
+    for cid in ("0", "3"):
+        reply, own, _ = sent[cid]
+        assert all(torch.equal(reply.payload["extractor"][k], own[k]) for k in own)
+        assert reply.metrics["weight_dp_releases"] == 1.0
+    reply, own, seed = sent["1"]
+    gen = torch.Generator().manual_seed(derive_seed(seed, "weight_dp", 1))
+    want = authors_quantize(clip_noise_tensors(own, 2.5, AUTHORS_V17_NOISE_MULTIPLIER, gen), 12)
+    for k in own:
+        assert torch.equal(reply.payload["extractor"][k], want[k]), k
+        assert len(torch.unique(reply.payload["extractor"][k])) <= 2 ** 12
+    delta = math.sqrt(sum(float(((reply.payload["extractor"][k] - own[k]) ** 2).sum()) for k in own))
+    d = sum(v.numel() for v in own.values())
+    assert delta == pytest.approx(2.5 * AUTHORS_V17_NOISE_MULTIPLIER * math.sqrt(d), rel=0.1)   # noise, no signal
+
+
+def test_a_noised_cluster_without_replies_is_said(tmp_path: Path) -> None:
+    """Beside clusters sent in the clear a noised reply's update is ~100x longer and the engine's
+    fl.update_norm_factor drops it (10 clients: every model-B reply); the method says so."""
+    run = _run(tmp_path, capabilities=SCORES_BY_CLIENT, preset="authors_v1_7", feature_shap="off",
+               server_classifier="init")
+    m = run.coordinator
+    ins = m.configure_round(1)
+    replies = {cid: Reply(payload={"extractor": dict(ins[cid].payload["extractor"])}, num_examples=10,
+                          metrics={"personal_fraction": 0.0, "own_norm": 1.0, "above_one": 0.0})
+               for cid in ("0", "3")}                                    # high and low answered, medium (1, 2) not
+    m.server_update(1, replies)
+    warned = m.mechanism_warnings(1)
+    assert len(warned) == 1 and warned[0].startswith("client(s) 1, 2 of the noised cluster(s) medium")
+    assert "fl.update_norm_factor 0" in warned[0] and m.scored_from(1) is None
+    assert not m.mechanism_warnings(1)                                   # once
+
+
+@pytest.mark.parametrize("apply_masks, kd_scope", [(True, "classifier"), (False, "classifier"), (False, "model")])
+def test_masks_off_start_from_the_global_extractor_and_kd_scope_trains_it(tmp_path: Path, apply_masks: bool,
+                                                                          kd_scope: str) -> None:
+    """A round-2 client without extractor epochs: apply_masks false leaves it on the global
+    extractor (the authors' v1.7: eq. 6 mixes the global with itself), true keeps its own
+    Fisher-kept entries; kd_scope 'model' (the v1.7 clients) moves the extractor on eq. 11."""
+    run = _run(tmp_path, capabilities=SCORES_BY_CLIENT, epsilon=None, bits=None, extractor_epochs=0,
+               apply_masks=apply_masks, kd_scope=kd_scope)
+    ins = run.coordinator.configure_round(1)["1"]
+    ctx = run.context("1", 2)
+    g = ins.payload["extractor"]
+    ctx.state["extractor"] = {k: v + 1.0 for k, v in g.items()}          # an own extractor unlike the global
+    ctx.state["head"] = dict(ins.payload["server_head"])
+    reply = run_client_update(run.client_method, ctx, ins, filters=run.privacy.chain)
+    got = reply.payload["extractor"]
+    kept = sum(int((got[k] == g[k] + 1.0).sum()) for k in g)
+    same = sum(int((got[k] == g[k]).sum()) for k in g)
+    total = sum(v.numel() for v in g.values())
+    assert reply.metrics["personal_fraction"] > 0                        # the masks are computed either way
+    if kd_scope == "model":
+        assert same < total / 2                                          # the whole model learned
+    elif apply_masks:
+        assert kept == pytest.approx(reply.metrics["personal_fraction"] * total, abs=1) and same == total - kept
+    else:
+        assert same == total and kept == 0
+
+
+def test_scored_from_is_the_round_after_the_first_noised_one() -> None:
+    """Issue 48, item 1: with noise, round r's personal models saw it from r = first noised
+    round + 1 (None before); without noise, or with no client in a noised cluster, round 1."""
+    m = PFedCDP(epsilon=None, noise_multiplier=0.6, dp_mode="weights_per_tensor", dp_clusters=["medium"],
+                quantize="weights")
+    m.assign, m.first_noised_round = {"0": "high", "1": "medium"}, None
+    assert m.scored_from(1) is None
+    m.first_noised_round = 1
+    assert (m.scored_from(1), m.scored_from(2), m.scored_from(5)) == (None, 2, 2)
+    m.first_noised_round = 3                                               # B sampled first in round 3
+    assert (m.scored_from(3), m.scored_from(4)) == (None, 4)
+    m.assign = {"0": "high", "1": "low"}                                   # nobody in the noised cluster
+    assert m.scored_from(1) == 1
+    plain = PFedCDP(epsilon=None)
+    plain.assign, plain.first_noised_round = {"0": "medium"}, None
+    assert plain.scored_from(1) == 1
+
+
+def _last_state(run: Path) -> dict[str, Any]:
+    """The method's state in the run's last checkpoint."""
+    last = sorted((run / "checkpoints").glob("round_*.pt"))[-1]
+    return torch.load(last, map_location="cpu", weights_only=True)["method"]
+
+
+# ------------------------------------------------------------------ a run of the authors' v1.7 clients
+@pytest.fixture(scope="module")
+def v17_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], Any]:
+    """2 rounds, 4 clients (high 0, medium 1 and 2, low 3), preset authors_v1_7, 1 local epoch."""
+    tmp = tmp_path_factory.mktemp("cdp_v17")
+    cfg = resolve_config(_fl(tmp, capabilities=SCORES_BY_CLIENT, preset="authors_v1_7", feature_shap="off",
+                             refine_epochs=1, train={"epochs": 1, "batch_size": 8}))
+    out = run_experiment(cfg)
+    run = Path(out["dir"]) / "pfedcdp"
+    return run, json.loads((run / "summary.json").read_text()), cfg
+
+
+def test_the_v1_7_run_accounts_b_and_says_a_and_c_are_not_private(v17_run: tuple[Path, dict, Any]) -> None:
+    run, summary, _ = v17_run
+    privacy = pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
+    assert set(privacy["mechanism"]) == {WEIGHT_DP}
+    tensors = len([k for k, p in build_model({"spatial_dims": 2, "in_channels": 1, "num_classes": 2,
+                                              **DEFAULT_CLUSTER_MODELS["medium"]}).named_parameters()
+                   if not k.startswith("head")])
+    last = privacy[privacy["round"] == 2].set_index("client_id")
+    for cid in ("1", "2"):                                                # model B: sigma / sqrt(tensors), composed
+        sigma = AUTHORS_V17_NOISE_MULTIPLIER / math.sqrt(tensors)
+        assert last.loc[cid, "noise_multiplier"] == pytest.approx(sigma)
+        assert last.loc[cid, "epsilon"] == pytest.approx(_opacus_epsilon(sigma, 2, 1e-5), rel=1e-6)
+    for cid in ("0", "3"):                                                # models A and C: in the clear
+        assert last.loc[cid, "noise_multiplier"] == 0 and math.isinf(last.loc[cid, "epsilon"])
+    block = summary["privacy"]
+    assert block["private"] is False and block["epsilon"] is None and block["non_private_releases"] == [WEIGHT_DP]
+    assert block["mechanisms"][WEIGHT_DP]["performed_by"] == "method"
+    mech = pd.read_csv(run / "mechanisms.csv", dtype={"id": str, "text": str}, keep_default_na=False,
+                       na_values=[""])
+    noise = mech[(mech["mechanism"] == "dp_noise") & (mech["name"].isin(["noised", "sigma"]))]
+    for r in (1, 2):
+        got = {(row["id"], row["name"]): row["value"] for _, row in noise[noise["round"] == r].iterrows()}
+        assert got == {("high", "noised"): 0.0, ("high", "sigma"): 0.0, ("low", "noised"): 0.0,
+                       ("low", "sigma"): 0.0, ("medium", "noised"): 1.0,
+                       ("medium", "sigma"): pytest.approx(AUTHORS_V17_NOISE_MULTIPLIER)}
+    bits = mech[(mech["mechanism"] == "quantization") & (mech["name"] == "bits")]
+    assert set(bits["id"]) == {"medium"} and (bits["value"] == 12).all()
+    dp = summary["method_report"]["mechanisms"]["dp"]
+    assert (dp["clusters_noised"], dp["clusters_in_clear"], dp["private"]) == (["medium"], ["high", "low"], False)
+
+
+def test_scored_from_in_a_run(v17_run: tuple[Path, dict, Any], authors_run: tuple[Path, dict, str]) -> None:
+    """Both runs' methods, restored from their last checkpoint: noise first averaged in round 1,
+    so the personal models are scored from round 2 (and nothing is known after round 1)."""
+    for run, cfg in ((v17_run[0], v17_run[2]["methods"][0]), (authors_run[0], {"preset": "authors_formula"})):
+        m = build_method({"name": "pfedcdp", "preset": cfg["preset"]})
+        m.load_state_dict(_last_state(run))
+        assert m.first_noised_round == 1 and (m.scored_from(1), m.scored_from(2)) == (None, 2), run
+
+
+# ------------------------------------------------------------------ a run with the authors' formula
 @pytest.fixture(scope="module")
 def authors_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], str]:
-    """2 rounds, 4 clients, the 'authors' preset (sigma 0.969 every round), the paper's 2-view
+    """2 rounds, 4 clients, the 'authors_formula' preset (sigma 0.969 every round), the paper's 2-view
     summed SupCon; the slow settings overridden (feature Shapley values off, 1 local epoch)."""
     tmp = tmp_path_factory.mktemp("cdp_mech")
-    fl = _fl(tmp, capabilities=SCORES_BY_CLIENT, preset="authors", feature_shap="off", refine_epochs=2,
+    fl = _fl(tmp, capabilities=SCORES_BY_CLIENT, preset="authors_formula", feature_shap="off", refine_epochs=2,
              train={"epochs": 1, "batch_size": 8})
     with pytest.MonkeyPatch.context() as mp:
         import io
@@ -125,16 +344,18 @@ def authors_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
 def test_the_authors_preset_is_recorded_and_spends_its_true_epsilon(authors_run: tuple[Path, dict, str]) -> None:
     run, summary, _ = authors_run
     preset = json.loads((run / "config.json").read_text())["preset"]
-    assert preset["name"] == "authors" and "shadhin39/PFedCDP" in preset["source"]
-    # the code's formula at the paper's epsilon, recorded as such: the code itself runs at epsilon 8
+    assert preset["name"] == "authors_formula" and "differential_privacy.py" in preset["source"]
+    # the code's formula at the paper's epsilon, recorded as a reading: the code itself runs at epsilon 8
     assert preset["values"]["noise_multiplier"]["value"] == AUTHORS_NOISE_MULTIPLIER
-    assert preset["values"]["noise_multiplier"]["source"].startswith("the authors' differential_privacy.py")
-    assert "epsilon 8 (sigma 0.606)" in preset["values"]["noise_multiplier"]["source"]
+    nm = preset["values"]["noise_multiplier"]
+    assert nm["from"] == "reading" and "differential_privacy.py" in nm["source"], nm
+    assert "epsilon 8 (sigma 0.606)" in nm["source"]
     assert preset["values"]["feature_shap"] == {"value": "off", "from": "config"}
-    assert preset["values"]["clip"]["source"].startswith("the authors' code clips each weight tensor")
+    formula = method_preset({"name": "pfedcdp", "preset": "authors_formula"})
+    assert preset["values"]["clip"] == {"value": 2.5, **preset_origin(formula, "clip", False)}
     assert preset["train"]["epochs"] == {"value": 1, "from": "config"}
-    authors = method_preset({"name": "pfedcdp", "preset": "authors"})
-    assert preset["train"]["optimizer"] == {"value": "adam", **preset_origin(authors, "train.optimizer", False)}
+    assert preset["train"]["optimizer"] == {"value": "adam", **preset_origin(formula, "train.optimizer", False)}
+    assert preset["train"]["optimizer"]["from"] == "authors_code"
     assert preset["experiment"]["rounds"] == 20
     privacy = pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
     assert (privacy["noise_multiplier"] == AUTHORS_NOISE_MULTIPLIER).all()
