@@ -178,3 +178,24 @@ def test_fedfed_is_scored_from_its_release_round(tiny_fl):
     mech = pd.read_csv(run_dir / "mechanisms.csv")
     row = mech[(mech["mechanism"] == "selection") & (mech["name"] == "scored_from")].set_index("round")["value"]
     assert math.isnan(row.loc[1]) and row.loc[2:].tolist() == [2.0, 2.0]
+
+
+def test_a_round_named_too_late_to_have_its_checkpoint_stops_the_run_saying_why():
+    """A method that names its first round only rounds later: the best round among the rounds
+    from it on may have lost its checkpoint (keep_checkpoints), and the best round's models
+    with it; the run stops at once, saying so, instead of failing at its end."""
+    from types import SimpleNamespace
+
+    from medfl.engine.runner import Run
+
+    es = EarlyStopping("val/micro_f1", patience=5)
+    for r, v in enumerate([0.9, 0.5, 0.4], 1):
+        es.observe(r, _rows(v), rounds=10, scored_from=None if r < 3 else 1)
+    run = SimpleNamespace(early=es, label="late", scored_from=1, config={"keep_checkpoints": 1},
+                          files=SimpleNamespace(kept_checkpoints=lambda: [2]))
+    with pytest.raises(RunError, match=r"method 'late': scored_from named round 1 only after round 3, and early "
+                                       r"stopping's best round among the rounds from it on, 1, has no checkpoint "
+                                       r"left \(fl.keep_checkpoints 1\)"):
+        Run._check_best_kept(run, 3)
+    run.files = SimpleNamespace(kept_checkpoints=lambda: [1, 2])   # kept (pinned or recent): nothing to say
+    Run._check_best_kept(run, 3)
