@@ -866,8 +866,10 @@ def _print_separation(result: dict[str, Any]) -> None:
 
 
 def _final_lines(summary: dict[str, Any]) -> list[str]:
-    """Lines on a method's final models (``final_metrics.csv``: e.g. PFedCDP's refined
-    student) and client groups (``groups.csv``): mean accuracy and AUC per split."""
+    """Lines on the round a method is reported at when its best round over every round differs
+    (the summary's ``selection`` note: :meth:`medfl.engine.runner.Run.selection`), its final
+    models (``final_metrics.csv``: e.g. PFedCDP's refined student) and client groups
+    (``groups.csv``): mean accuracy and AUC per split."""
     def scores(block: dict[str, Any]) -> str:
         parts = []
         for split, metrics in block.items():
@@ -881,6 +883,9 @@ def _final_lines(summary: dict[str, Any]) -> list[str]:
         return "; ".join(parts)
 
     lines = []
+    note = (summary.get("selection") or {}).get("note")
+    if note:   # the reported round is not the best over every round, or the mechanism never acted
+        lines.append(f"selection (scored from round {summary['selection'].get('scored_from')}): {note}")
     finals = summary.get("final_models") or {}
     if finals:
         lines.append("final models (final_metrics.csv; mean over clients):")

@@ -205,6 +205,8 @@ def test_the_experiments_last_lines_say_which_methods_cannot_be_told_apart(tmp_p
     final = {sp: {m: {"mean": 1.0, "std": 0.0} for m in ("accuracy", "micro_f1", "auc")}
              for sp in ("local_test", "global_test")}
     summaries = {label: {"final": {"round": 3, **final}} for label in ("fedavg", "fedtpf")}
+    summaries["fedtpf"]["selection"] = {"scored_from": 3, "note": "best round 3 among rounds >= 3; overall best "
+                                        "round 2 (1), before the method's mechanism acts"}
     lines = final_separation(exp, summaries)
     assert lines[0].startswith("fedtpf: identical to fedavg in every round (3 evaluated rounds, 1 seed")
     assert lines[1].startswith("every arm at 1.000 on global_test/accuracy") and lines[1].endswith(
@@ -212,6 +214,8 @@ def test_the_experiments_last_lines_say_which_methods_cannot_be_told_apart(tmp_p
     print_result({"dir": str(exp), "summaries": summaries})
     out = capsys.readouterr().out
     assert "== methods that cannot be told apart\nfedtpf: identical to fedavg in every round" in out
+    assert ("selection (scored from round 3): best round 3 among rounds >= 3; overall best round 2 (1), before the "
+            "method's mechanism acts") in out
     # over seeds: the runs under seed_<s>/<label>, compared seed by seed
     seeds = tmp_path / "seeds"
     _write_run(seeds / "seed_0" / "fedavg")

@@ -349,7 +349,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
             if overall is not None and overall != self.early.best_round:
                 block["overall_best_round"] = overall
                 block["overall_best_value"] = self.early.overall_best_value
-                block["note"] = "best round" + self.early.restriction()
+                block["note"] = f"best round {self.early.best_round}{self.early.restriction()}"
         if self.scored_from is None:
             block["note"] = (f"the method's mechanism shaped no round of {rounds}: its scores are those of a model "
                              "its mechanism never acted on")

@@ -119,7 +119,8 @@ def test_a_run_chooses_its_best_round_from_scored_from_on_and_records_it(tiny_fl
     assert (es["overall_best_round"], sel["overall_best_round"]) == (overall, overall)
     assert sel["scored_from"] == 3 and sel["declared"] is True and sel["best_round"] == best >= 3
     assert sel["reported_round"] == best and s["final"]["round"] == best
-    assert f"overall best round {overall}" in sel["note"] and "before the method's mechanism acts" in sel["note"]
+    assert sel["note"].startswith(f"best round {best} among rounds >= 3; overall best round {overall} (")
+    assert sel["note"].endswith("), before the method's mechanism acts")
     # mechanisms.csv: the answer after every round (empty: not yet), for an unfinished run's reader
     mech = pd.read_csv(run_dir / "mechanisms.csv")
     row = mech[(mech["mechanism"] == "selection") & (mech["name"] == "scored_from")]
