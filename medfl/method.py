@@ -518,7 +518,14 @@ class Method(Configurable):
         the first round trained with the shared set, PFedCDP the first round whose personal
         models saw a noisy or distilled update. ``None``: no such round yet (still in a first
         stage). Early stopping and :mod:`medfl.arm_report` choose the best round among the
-        rounds from it on. Default: 1 (every round)."""
+        rounds from it on (earlier rounds are recorded, never the best round, and do not count
+        toward patience). Once it names a round it keeps naming it
+        (:meth:`medfl.engine.runner.Run.ask_scored_from` stops the run otherwise); name it
+        as soon as it is known, at the latest after that round itself: a round named later
+        may have lost its checkpoint (``keep_checkpoints``), which stops the run too.
+        The engine keeps the answer in every checkpoint, in ``summary.json``'s ``selection``
+        block and, for a method that overrides this hook, in ``mechanisms.csv`` (mechanism
+        ``selection``). Default: 1 (every round)."""
         return 1
 
     def mechanism_warnings(self, round: int) -> list[str]:

@@ -825,6 +825,7 @@ def print_result(result: dict[str, Any]) -> None:
             print((base / "seeds_table.md").read_text())
         else:
             print(f"\n== stopped before every seed finished; continue with `medfl resume {base}`")
+        _print_separation(result)
         print(f"\nresults: {base}")
         return
     if "folds" in result:  # cross-validation: the table of mean ± std over folds
@@ -834,6 +835,7 @@ def print_result(result: dict[str, Any]) -> None:
         else:
             print(f"\n== cross-validation stopped before every fold finished; continue with "
                   f"`medfl resume {base}`")
+        _print_separation(result)
         print(f"\nresults: {base}")
         return
     for label, summary in result["summaries"].items():
@@ -846,12 +848,28 @@ def print_result(result: dict[str, Any]) -> None:
                 print(line)
         else:
             print(f"\n== {label}: stopped early; continue with `medfl resume {run_dir}`")
+    _print_separation(result)
     print(f"\nresults: {base}")
 
 
+def _print_separation(result: dict[str, Any]) -> None:
+    """The lines saying which methods of a finished experiment cannot be told apart
+    (:func:`medfl.arm_report.final_separation`: a method whose curves equal another's in every
+    round, every method at the metric's ceiling), under ``== methods that cannot be told apart``."""
+    from medfl.arm_report import final_separation
+
+    lines = final_separation(Path(result["dir"]), result.get("summaries") or {})
+    if lines:
+        print("\n== methods that cannot be told apart")
+        for line in lines:
+            print(line)
+
+
 def _final_lines(summary: dict[str, Any]) -> list[str]:
-    """Lines on a method's final models (``final_metrics.csv``: e.g. PFedCDP's refined
-    student) and client groups (``groups.csv``): mean accuracy and AUC per split."""
+    """Lines on the round a method is reported at when its best round over every round differs
+    (the summary's ``selection`` note: :meth:`medfl.engine.runner.Run.selection`), its final
+    models (``final_metrics.csv``: e.g. PFedCDP's refined student) and client groups
+    (``groups.csv``): mean accuracy and AUC per split."""
     def scores(block: dict[str, Any]) -> str:
         parts = []
         for split, metrics in block.items():
@@ -865,6 +883,9 @@ def _final_lines(summary: dict[str, Any]) -> list[str]:
         return "; ".join(parts)
 
     lines = []
+    note = (summary.get("selection") or {}).get("note")
+    if note:   # the reported round is not the best over every round, or the mechanism never acted
+        lines.append(f"selection (scored from round {summary['selection'].get('scored_from')}): {note}")
     finals = summary.get("final_models") or {}
     if finals:
         lines.append("final models (final_metrics.csv; mean over clients):")

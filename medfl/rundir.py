@@ -44,7 +44,10 @@ records of them, and writes that say which file a full disk stopped. A run direc
                        ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
                        and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`);
                        with early stopping, ``final`` is the best round's, ``last_round`` the
-                       last round's and ``early_stopping`` says what was decided (below)
+                       last round's and ``early_stopping`` says what was decided (below);
+                       ``selection``: the first round the method's mechanism shaped
+                       (``Method.scored_from``), the round reported and, where it differs,
+                       the best over every round (:meth:`medfl.engine.runner.Run.selection`)
     log.txt            everything medfl logged while the run held its lock (timestamps, levels;
                        appended on resume, with a "resumed at round k" line; :mod:`medfl.logs`)
     forgetting.csv     per evaluated round: global/local/worst accuracy, balance, BwT,

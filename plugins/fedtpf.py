@@ -1237,6 +1237,15 @@ class FedFed(FedTPF):
                          mechanism=mechanism, accountant=accountant, mix=mix, vae_width=vae_width,
                          vae_grid=vae_grid)
 
+    def scored_from(self, round: int) -> int | None:
+        """The release round: its second step is the first training of phi on local plus
+        shared data (stage 2, where FedFed's shared set can shape the evaluated model; before
+        it phi is trained by plain FedAvg on local data). ``None`` while in stage 1, and when
+        the release brought no shared sample (no round is then FedFed's own)."""
+        if self.stage != "train" or not self.transition.get("shared_samples"):
+            return None
+        return int(self.transition["release_round"])
+
 
 @hookimpl
 def register_methods(register: Callable[..., None]) -> None:

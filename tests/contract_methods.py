@@ -19,8 +19,8 @@ from medfl.method import Method, Preset
 from medfl.models import ProbabilityModel
 from medfl.plugins import get_plugin_manager
 
-__all__ = ["StepCounter", "ValidatingAvg", "MeanOfTwo", "EnsembleLocal", "Stray", "Observed", "methods_registered",
-           "registered"]
+__all__ = ["StepCounter", "ValidatingAvg", "MeanOfTwo", "EnsembleLocal", "Stray", "Observed", "NoisedFrom",
+           "methods_registered", "registered"]
 
 
 class StepCounter(Method):
@@ -150,6 +150,34 @@ class Observed(HubAndSpoke):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.seen = dict(state["seen"])
+
+
+class NoisedFrom(HubAndSpoke):
+    """FedAvg whose own "mechanism" acts from round ``start``: from then on it adds Gaussian
+    noise of std ``sigma`` (seeded by the round) to the aggregate's weights, as a DP method
+    does, and says so through ``scored_from`` (``None`` before: still in a first stage).
+    ``answer`` makes it answer wrongly (``"zero"``, ``"moves"``), for the engine's checks
+    (tests/engine/test_scored_from.py, and over Flower tests/flower/test_coordinator.py)."""
+
+    name = "test_noised_from"
+
+    def __init__(self, start: int = 3, sigma: float = 1.0, answer: str = "right") -> None:
+        self.start, self.sigma, self.answer = int(start), float(sigma), answer
+
+    def server_update(self, round: int, replies: dict[str, Reply]) -> None:
+        super().server_update(round, replies)
+        if round >= self.start and self.sigma > 0:
+            gen = torch.Generator().manual_seed(round)
+            self.global_state = {k: v + self.sigma * torch.randn(v.shape, generator=gen)
+                                 if v.is_floating_point() and "running_" not in k else v
+                                 for k, v in self.global_state.items()}
+
+    def scored_from(self, round: int) -> int | None:
+        if self.answer == "zero":
+            return 0
+        if self.answer == "moves":
+            return round
+        return None if round < self.start else self.start
 
 
 @contextmanager

@@ -131,6 +131,13 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     assert 0 < record["mechanisms"]["shared_images"]["epsilon"] <= 4.0
     assert record["private"] is False and record["sent_in_clear"] == [
         "cross_test: every site's personalised model, sent in the clear"]
+    # scored from the first round trained with the shared set (round 1's second step), declared
+    # through scored_from; the other methods keep the default and write no selection row
+    selection = json.loads((shared / "summary.json").read_text())["selection"]
+    assert selection["scored_from"] == 1 and selection["declared"] is True
+    rows = pd.read_csv(shared / "mechanisms.csv")
+    assert rows[rows["mechanism"] == "selection"]["value"].tolist() == [1.0, 1.0, 1.0]
+    assert s_snap["selection"] == {"scored_from": 1, "declared": False, "reported_round": 3, "chosen_by": "last round"}
     # MEDFL_LOAD_PLUGINS restricts third-party plugins
     env["MEDFL_LOAD_PLUGINS"] = ""
     listed = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "--json"], env=env,

@@ -30,6 +30,11 @@ each client's epsilon) and ``round_releases`` (who was asked when), asks for it 
 medfl clips and noises them at the client after ``client_update`` returned, and the content
 guard checks what leaves. Each release is checked in ``check_reply`` (a bad one is dropped
 from the round). Labels travel in the clear.
+It declares where its own mechanism (the shared set) starts to shape the model it is scored
+by (``scored_from``: the first round whose training used the shared set, round 1's second
+step when the release succeeds), so early stopping and ``medfl.arm_report`` never score it
+by a model trained before the shared set existed. The other methods keep the default (round
+1): their mechanism (the median, the snapshot ensemble, DP-SGD) acts from the first round.
 It is the "share DP raw data" baseline FedTPF argues against: the same epsilon drowns whole
 images in noise.
 
@@ -271,7 +276,8 @@ class DpSharedImages(HubAndSpoke):
     Round 1 has two steps: every client releases its training images (clip to L2 norm
     ``clip``, Gaussian noise for ``(epsilon, delta)``, one release per image) with their
     labels; the coordinator keeps them as the shared set. From then on each sampled client
-    trains on its own data and the shared set, shuffled together.
+    trains on its own data and the shared set, shuffled together; the first round that does
+    is the first one the method is scored by (``scored_from``).
     """
 
     name = "dp_shared_images"
@@ -293,6 +299,7 @@ class DpSharedImages(HubAndSpoke):
         super().setup(federation)
         self.shared: dict[str, torch.Tensor] = {}
         self.asked = 0
+        self.trained_from: int | None = None   # the first round trained with the shared set
 
     def round_steps(self, round: int) -> int:
         return 2 if round == 1 and not self.shared else 1
@@ -331,8 +338,15 @@ class DpSharedImages(HubAndSpoke):
                     "training sample")
         return ""
 
+    def scored_from(self, round: int) -> int | None:
+        """The first round whose training used the shared set (``None`` until one did): the
+        rounds before it are plain FedAvg, not this method's."""
+        return self.trained_from
+
     def server_update(self, round: int, replies) -> None:
         if self.shared:
+            if self.trained_from is None and replies:
+                self.trained_from = round
             return super().server_update(round, replies)
         kept = list(replies.values())   # every reply passed check_reply
         if kept:
@@ -340,11 +354,12 @@ class DpSharedImages(HubAndSpoke):
                            "shared_y": torch.cat([r.payload["shared_y"].long() for r in kept])}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "shared": self.shared, "asked": self.asked}
+        return {**super().state_dict(), "shared": self.shared, "asked": self.asked, "trained_from": self.trained_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.shared, self.asked = dict(state["shared"]), int(state["asked"])
+        self.trained_from = state.get("trained_from")
 
     def client_update(self, client, instruction: Instruction) -> Reply:
         if instruction.config.get("dp_release") is True:

@@ -111,6 +111,7 @@ class Checkpoints:
         self.warnings = [dict(w) for w in engine.get("warnings", [])]
         if self.early is not None:
             self.early.load_state_dict(engine.get("early_stopping", {}))
+        self.scored_from = None if engine.get("scored_from") is None else int(engine["scored_from"])
         self.start_round = k + 1
         self.resume_round = self._ckpt = k
         recent = [c for c in self.files.kept_checkpoints() if c <= k][-max(1, int(self.config["keep_checkpoints"])):]
@@ -213,7 +214,7 @@ class Checkpoints:
         client states that no kept checkpoint needs (each kept one keeps its own, so a resume
         can fall back to it)."""
         engine: dict[str, Any] = {"failures": dict(self._failures), "excluded": sorted(self._excluded),
-                                  "warnings": list(self.warnings)}
+                                  "warnings": list(self.warnings), "scored_from": self.scored_from}
         if self.early is not None:
             engine["early_stopping"] = self.early.state_dict()
         ckpt = {"round": r, "method": self.coordinator.state_dict(), "client_states": self.store.index(r),

@@ -9,7 +9,11 @@ evaluated round the run reads the mean over clients of its metric, keeps the bes
 stops once ``patience`` evaluated rounds did not improve on it; the decision is in that
 round's checkpoint, so a resumed run decides the same. At the end the coordinator state is
 restored from the best round's checkpoint before ``finalize``, and the summary comes from
-the best round's rows; a run that early stopping ended is finished.
+the best round's rows; a run that early stopping ended is finished. Only rounds from the
+method's :meth:`~medfl.method.Method.scored_from` on (asked after every round,
+:meth:`Run.ask_scored_from`) can be the best round; the answer is in every checkpoint, in
+``mechanisms.csv`` (mechanism ``selection``) for a method that declares it, and in the
+summary's ``selection`` block.
 """
 
 from __future__ import annotations
@@ -154,6 +158,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
         #: early stopping and best-round selection (``fl.early_stopping``; ``None``: off)
         self.early = EarlyStopping.from_config(cfg)
         self._pinned: list[int] = []   # older checkpoints kept for early stopping (best rounds)
+        #: the method's answer to ``scored_from`` after the last round (``None``: not yet)
+        self.scored_from: int | None = None
         self._planned: tuple[int, dict[str, int]] | None = None   # (rounds, planned releases per client)
         self._failures: dict[str, int] = {}   # replies of each client that failed the checks
         self._excluded: set[str] = set()      # clients excluded by max_reply_failures
@@ -244,12 +250,15 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
                 self.files.write_rows("validation_metrics.csv", self.validation)
         every = int(self.config.get("eval_every", 1))
         rows = []
-        if r == self.federation.rounds or (every > 0 and r % every == 0):
+        evaluated = r == self.federation.rounds or (every > 0 and r % every == 0)
+        if evaluated:
             rows = self.evaluate(r)
             self.metrics = pd.concat([self.metrics, pd.DataFrame(rows)], ignore_index=True)
             self.files.write_rows("metrics.csv", self.metrics)
-            if self.early is not None:   # decided before the checkpoint, which records it
-                self.early.observe(r, rows, self.federation.rounds)
+        scored_from = self.ask_scored_from(r)
+        if evaluated and self.early is not None:   # decided before the checkpoint, which records it
+            self.early.observe(r, rows, self.federation.rounds, scored_from)
+            self._check_best_kept(r)
         self.files.write_rows("communication.csv", self.traffic.frame())
         self.record_mechanisms(r)
         self._save_checkpoint(r)
@@ -283,12 +292,78 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
         return (f"{_DIVERGING}: the mean training loss of round {r} is {now:.4g}, more than {LOSS_DIVERGED:g} x "
                 f"{ref}; its numbers mean nothing: lower train.lr or set train.clip_grad_norm")
 
+    def ask_scored_from(self, r: int) -> int | None:
+        """The method's :meth:`Method.scored_from` after round ``r``: the first round its own
+        mechanism shaped (``None``: not yet), kept in :attr:`scored_from` (and every checkpoint).
+
+        Raises:
+            RunError: the answer is not ``None`` or a round >= 1, or differs from a round the
+                method named before (the first round its mechanism shaped does not move).
+        """
+        answer = self.coordinator.scored_from(r)
+        if answer is not None and (isinstance(answer, bool) or not isinstance(answer, int) or answer < 1):
+            raise RunError(f"method {self.label!r}: scored_from({r}) must be None or a round >= 1, got {answer!r}")
+        if self.scored_from is not None and answer != self.scored_from:
+            raise RunError(f"method {self.label!r}: scored_from({r}) is {answer!r}, but the method said "
+                           f"{self.scored_from} before: the first round its mechanism shaped cannot change once named")
+        self.scored_from = answer
+        return answer
+
+    def _check_best_kept(self, r: int) -> None:
+        """After early stopping observed round ``r``: a best round that ``scored_from`` made
+        the best only now (the method named an earlier round late) must still have its
+        checkpoint, or the best round's models would be lost at the end.
+
+        Raises:
+            RunError: that checkpoint was dropped already (``keep_checkpoints``).
+        """
+        best = self.early.best_round if self.early is not None else None
+        if best is None or best >= r or best in self.files.kept_checkpoints():
+            return
+        raise RunError(f"method {self.label!r}: scored_from named round {self.scored_from} only after round {r}, "
+                       f"and early stopping's best round among the rounds from it on, {best}, has no checkpoint "
+                       f"left (fl.keep_checkpoints {self.config['keep_checkpoints']}): a method names that round "
+                       "at the latest after the round itself, or the run keeps more checkpoints")
+
+    def _selection_row(self) -> list[dict[str, Any]]:
+        """The ``mechanisms.csv`` row of a method that declares :meth:`Method.scored_from`
+        (mechanism ``selection``, scope ``run``, name ``scored_from``; empty value: not yet),
+        so a reader of an unfinished run knows the rounds it may be scored at."""
+        if type(self.coordinator).scored_from is Method.scored_from:
+            return []
+        return [{"mechanism": "selection", "scope": "run", "id": "", "scored_from": self.scored_from}]
+
+    def selection(self, best: int | None, rounds: int) -> dict[str, Any]:
+        """The summary's ``selection`` block: the first round the method's mechanism shaped
+        (``scored_from``, ``None``: none), whether the method declares it, the round its final
+        metrics come from (``reported_round``: early stopping's best round among the rounds
+        from ``scored_from`` on, else the last round) and, with early stopping, the best round
+        over every evaluated round when it differs (``overall_best_round``), with a note."""
+        block: dict[str, Any] = {"scored_from": self.scored_from,
+                                 "declared": type(self.coordinator).scored_from is not Method.scored_from,
+                                 "reported_round": best if best is not None else rounds,
+                                 "chosen_by": "early_stopping" if best is not None else "last round"}
+        if self.early is not None:
+            block["best_round"] = self.early.best_round
+            overall = self.early.overall_best_round
+            if overall is not None and overall != self.early.best_round:
+                block["overall_best_round"] = overall
+                block["overall_best_value"] = self.early.overall_best_value
+                block["note"] = f"best round {self.early.best_round}{self.early.restriction()}"
+        if self.scored_from is None:
+            block["note"] = (f"the method's mechanism shaped no round of {rounds}: its scores are those of a model "
+                             "its mechanism never acted on")
+        elif best is None and self.scored_from > rounds:
+            block["note"] = f"the method's mechanism acts from round {self.scored_from}, after the last round {rounds}"
+        return block
+
     def record_mechanisms(self, r: int) -> None:
         """What the method's mechanisms did in round ``r`` (:meth:`Method.mechanisms`) to
-        ``mechanisms.csv``, one line per value; what they could not do
+        ``mechanisms.csv``, one line per value, with the method's ``scored_from`` when it
+        declares one (:meth:`_selection_row`); what they could not do
         (:meth:`Method.mechanism_warnings`) on stderr and into the summary's ``warnings``."""
         lines = []
-        for i, row in enumerate(self.coordinator.mechanisms(r)):
+        for i, row in enumerate([*self.coordinator.mechanisms(r), *self._selection_row()]):
             row = dict(row)
             head = {"round": r, "mechanism": str(row.pop("mechanism", "")), "scope": str(row.pop("scope", "run")),
                     "id": str(row.pop("id", ""))}
@@ -450,6 +525,10 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
                    "seed": self.federation.seed, "wall_time_s_last_session": time.perf_counter() - t0,
                    "final": summarize_metrics(self.metrics, best)}
         selected = self.metrics
+        summary["selection"] = self.selection(best, rounds)
+        if self.scored_from is None:
+            self.warnings.append({"round": rounds, "warning": summary["selection"]["note"]})
+            logger.warning(f"medfl [{self.label}]: warning: {summary['selection']['note']}")
         if self.early is not None:
             summary["last_round"] = summarize_metrics(self.metrics)
             summary["early_stopping"] = self.early.summary(

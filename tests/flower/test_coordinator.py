@@ -818,3 +818,20 @@ def test_only_the_coordinator_tracks(tmp_path: Path, monkeypatch: pytest.MonkeyP
     acc.Reload()
     assert [e.step for e in acc.Scalars("eval/local_test/accuracy/mean")] == [1, 2]
     assert not list((tmp_path / "state").rglob("tensorboard")) and not list((tmp_path / "state").rglob("tracking.json"))
+
+
+def test_scored_from_over_the_grid_equals_in_process(tmp_path: Path) -> None:
+    """The coordinator asks the method's ``scored_from`` after every round over Flower as in
+    process: the same best round among the rounds from it on, the same overall best, the same
+    ``selection`` block and ``mechanisms.csv`` rows (issue 48, item 1)."""
+    from contract_methods import NoisedFrom, methods_registered
+
+    job = {**FEDAVG, "rounds": 5, "eval_every": 1, "eval_splits": ["val", "test"],
+           "early_stopping": {"metric": "val/micro_f1", "patience": 2}, "methods": [{"name": NoisedFrom.name}]}
+    with methods_registered(NoisedFrom, name="scored-from-over-flower"):
+        flower, local, _ = _run_both(tmp_path, "scored", job)
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (flower, local))
+    assert a["selection"]["scored_from"] == 3 and a["early_stopping"]["best_round"] >= 3
+    for block in ("early_stopping", "selection", "final", "rounds"):
+        assert json.dumps(a[block], sort_keys=True) == json.dumps(b[block], sort_keys=True), block
+    assert (flower / "mechanisms.csv").read_text() == (local / "mechanisms.csv").read_text()
