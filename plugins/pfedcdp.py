@@ -1320,9 +1320,9 @@ class PFedCDP(Method):
         if missing and len(CLUSTERS) > len(self.dp_clusters) and "noised_missing" not in self.warned:
             self.warned.append("noised_missing")
             out.append(f"client(s) {', '.join(missing)} of the noised cluster(s) {', '.join(self.dp_clusters)} sent "
-                       "no usable reply this round (reply_events.csv says why): when the other clusters send their "
-                       "weights in the clear, a noised reply's update is far longer than theirs and "
-                       "fl.update_norm_factor drops it as an outlier; set fl.update_norm_factor 0 to keep them")
+                       "no usable reply this round (reply_events.csv says why), so no noised update reached the "
+                       "cluster's model: the other clusters send their weights in the clear, and until a noised reply "
+                       "is averaged no round is scored (scored_from)")
         blown = [(cid, o) for cid, o in self.observed["clients"].items()
                  if o.get("above_one", 0.0) > ABOVE_ONE_WARN or o.get("personal_drift", 0.0) > DRIFT_WARN]
         new = [cid for cid, _ in blown if f"blowup:{cid}" not in self.warned]

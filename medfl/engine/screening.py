@@ -183,28 +183,41 @@ class Screening:
     def norm_outliers(self, instructions: dict[str, Instruction], replies: dict[str, Reply]) -> dict[str, str]:
         """The replies of one training step whose update (:func:`update_norm`: the model state
         minus the state sent) is longer than ``fl.update_norm_factor`` times the median
-        update norm of the step's replies, each with a reason that gives its norm and the
-        bound, as robust aggregators bound updates (a site scaling its weights by 1e6 would
-        otherwise drag the mean). The median of one reply is its own norm and a median of
-        two is their mean, which neither exceeds twice: with a factor >= 2 (the least
-        allowed) a step needs three replies before one can be dropped. Nothing is bounded
-        when the factor is 0, when the median is 0 (no update to compare with), or under
-        secure aggregation (the coordinator never sees a single update)."""
+        update norm of the step's replies in the same group, each with a reason that gives its
+        norm and the bound, as robust aggregators bound updates (a site scaling its weights by
+        1e6 would otherwise drag the mean). The groups are the method's
+        :meth:`~medfl.method.Method.client_groups` (one group when it names none): clients of
+        different groups may train different models with different noise (PFedCDP's clusters;
+        its ``authors_v1_7`` preset noises model B's weights only, whose updates are hundreds of
+        times longer than the clear clusters'), so their norms are not compared. The median of
+        one reply is its own norm and a median of two is their mean, which neither exceeds
+        twice: with a factor >= 2 (the least allowed) a group needs three replies in the step
+        before one can be dropped. Nothing is bounded when the factor is 0, when the median is 0
+        (no update to compare with), or under secure aggregation (the coordinator never sees a
+        single update)."""
         factor = float(self.config.get("update_norm_factor", 0) or 0)
         if not factor or self.secure_aggregation() is not None:
             return {}
         state = type(self.coordinator).reply_state
         norms = {cid: n for cid, reply in replies.items()
                  for n in [update_norm(reply, instructions[cid], state)] if n is not None}
-        if len(norms) < 3:
-            return {}
-        median = float(np.median(list(norms.values())))
-        bound = factor * median
-        if not median > 0:
-            return {}
-        return {cid: (f"update norm {n:.6g} is above the bound {bound:.6g} (fl.update_norm_factor {factor:g} x the "
-                      f"median update norm {median:.6g} of the step's {len(norms)} replies)")
-                for cid, n in norms.items() if n > bound}
+        groups = self.coordinator.client_groups() or {}
+        by_group: dict[str, dict[str, float]] = {}
+        for cid, n in norms.items():
+            by_group.setdefault(str(groups.get(cid, "")), {})[cid] = n
+        out: dict[str, str] = {}
+        for group, members in by_group.items():
+            if len(members) < 3:
+                continue
+            median = float(np.median(list(members.values())))
+            bound = factor * median
+            if not median > 0:
+                continue
+            where = f"the step's {len(members)} replies" + (f" of group {group!r}" if group else "")
+            out.update({cid: (f"update norm {n:.6g} is above the bound {bound:.6g} (fl.update_norm_factor {factor:g} "
+                              f"x the median update norm {median:.6g} of {where})")
+                        for cid, n in members.items() if n > bound})
+        return out
 
     def screen_scores(self, r: int, exchange: str, instructions: dict[str, Instruction],
                       scores: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

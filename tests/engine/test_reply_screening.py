@@ -189,6 +189,34 @@ def test_no_reply_can_be_dropped_by_the_bound_in_a_step_of_one_or_two(tiny_fl) -
     assert off.norm_outliers({"a": ins, "b": ins, "c": ins}, {"a": reply(1e-3), "b": reply(1e6), "c": reply(2e-3)}) == {}
 
 
+def test_the_update_norm_bound_compares_a_client_only_with_its_own_group(tiny_fl, monkeypatch) -> None:
+    """Clients of different groups (PFedCDP's clusters, whose authors' preset noises one cluster's
+    weights and sends the others in the clear) have update norms hundreds of times apart: the
+    bound takes each group's own median, so a whole group of long (noised) updates stays, and an
+    outlier within a group is still dropped, the reason naming the group."""
+    from medfl.messages import Instruction
+
+    run = Run(resolve_config(dict(tiny_fl, update_norm_factor=10)), {"name": "fedavg"},
+              Path(tiny_fl["output_dir"]), _data(tiny_fl))
+    run.coordinator.setup(run.federation)
+    sent = {k: v.clone() for k, v in run.coordinator.global_state.items()}
+    ins = Instruction(payload={"model": sent})
+
+    def reply(scale: float) -> Reply:
+        return Reply(payload={"model": {k: v + scale if v.is_floating_point() else v for k, v in sent.items()}},
+                     num_examples=1)
+
+    ids = ["a1", "a2", "a3", "a4", "b1", "b2", "b3"]
+    replies = {c: reply(1e-3 if c.startswith("a") else 1.0) for c in ids}
+    instructions = {c: ins for c in ids}
+    assert sorted(run.norm_outliers(instructions, replies)) == ["b1", "b2", "b3"]   # one group: B is dropped
+    monkeypatch.setattr(run.coordinator, "client_groups", lambda: {c: c[0] for c in ids})
+    assert run.norm_outliers(instructions, replies) == {}
+    replies["b3"] = reply(1e3)
+    dropped = run.norm_outliers(instructions, replies)
+    assert list(dropped) == ["b3"] and "of the step's 3 replies of group 'b'" in dropped["b3"]
+
+
 def _data(fl: dict[str, Any]) -> Any:
     from medfl.engine.data import split_data
     from medfl.engine.runner import build_source
