@@ -174,7 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fedtpf")
+    p.add_argument("--smoke", action="store_true",
+                   help="the test suite's run (tests/test_experiments.py): dirichlet_1.0, 450 tiles, width 4, 2 "
+                   "rounds with stage 1 capped at 1, 2 distillation steps; it checks that the script runs, its "
+                   "numbers are no evidence")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.splits, a.sweep, a.ablations, a.cases, a.width = ["dirichlet_1.0"], [], False, 450, 4
+        a.rounds, a.distill_rounds, a.distill_steps = 2, 1, 2
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     a.out.mkdir(parents=True, exist_ok=True)
