@@ -322,11 +322,14 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
     plt = _plt()
     from matplotlib.ticker import MaxNLocator
 
-    total = len(panels) + (1 if constants else 0)
-    cols = min(4, total)
-    rows = -(-total // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.9 * rows), squeeze=False)
-    for ax, (mech, name) in zip(axes.flat, panels):
+    cols = min(4, max(1, len(panels)))
+    rows = -(-len(panels) // cols)
+    text_height = 0.5 + 0.15 * len(constants) if constants else 0.0
+    fig = plt.figure(figsize=(3.8 * cols, 2.9 * rows + text_height))
+    grid = fig.add_gridspec(rows + (1 if constants else 0), cols,
+                            height_ratios=[2.9] * rows + ([text_height] if constants else []))
+    axes = [fig.add_subplot(grid[k // cols, k % cols]) for k in range(len(panels))]
+    for ax, (mech, name) in zip(axes, panels):
         part = df[(df["mechanism"] == mech) & (df["name"] == name)]
         ids = list(dict.fromkeys(part["id"].fillna("")))
         if len(ids) <= MECHANISM_LINES:
@@ -345,16 +348,14 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    if constants:
-        ax = list(axes.flat)[len(panels)]
+    if constants:   # one panel across the figure's width: the values that did not move, as text
+        ax = fig.add_subplot(grid[rows, :])
         ax.axis("off")
         rounds = sorted(df["round"].astype(int).unique())
         ax.set_title(f"constant over rounds {rounds[0]}-{rounds[-1]}" if len(rounds) > 1
-                     else f"round {rounds[0]}", fontsize=9)
+                     else f"round {rounds[0]} (one round: nothing to draw)", fontsize=9, loc="left")
         ax.text(0.0, 1.0, "\n".join(constants.values()), transform=ax.transAxes, va="top", ha="left",
-                fontsize=max(5, 8 - len(constants) // 12), family="monospace", wrap=True)
-    for ax in list(axes.flat)[total:]:
-        ax.axis("off")
+                fontsize=8, family="monospace")
     fig.suptitle(f"{run_dir.name}: what the method's mechanisms did" + (" (red: a warning)" if warned else ""))
     _tight_layout(fig)
     return _save_plot(fig, run_dir, "mechanisms.png")
