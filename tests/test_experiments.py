@@ -7,6 +7,7 @@ parser (the flags exist, their values are accepted), without running it."""
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import os
 import re
@@ -62,14 +63,30 @@ def readme_commands(text: str) -> list[str]:
         stripped = line.strip()
         if code and stripped.startswith("python experiments/"):
             parts = [stripped]
-            while parts[-1].endswith("\\") and k + 1 < len(lines):
-                parts[-1] = parts[-1][:-1]
+            while (parts[-1].endswith("\\") or not _quotes_closed(" ".join(parts))) and k + 1 < len(lines):
+                parts[-1] = parts[-1].removesuffix("\\")
                 k += 1
                 parts.append(lines[k].strip())
             command = " ".join(parts)
             commands.append(re.sub(r"\s+#.*$", "", command).strip())
         k += 1
     return commands
+
+
+def _quotes_closed(text: str) -> bool:
+    """Whether ``text`` splits as a shell line (a quoted JSON argument may span lines)."""
+    try:
+        shlex.split(text, comments=True)
+    except ValueError:
+        return False
+    return True
+
+
+def usage_argv(command: str) -> list[str]:
+    """A usage line's arguments as one invocation: optional groups ``[--rounds 15]`` are
+    taken as given, a trailing ``...`` dropped."""
+    command = re.sub(r"\[(--[^\[\]]*)\]", r"\1", command).replace(" ...", "")
+    return shlex.split(command, comments=True)
 
 
 class _Parsed(Exception):
@@ -104,20 +121,25 @@ def parse_only(script: Path, argv: list[str], monkeypatch: pytest.MonkeyPatch) -
 
 
 README_COMMANDS = readme_commands((EXPERIMENTS / "README.md").read_text())
+#: the commands each script's docstring (its ``--help``) quotes
+DOC_COMMANDS = [command for name in SCRIPTS
+                for command in readme_commands(ast.get_docstring(ast.parse((EXPERIMENTS / name).read_text()),
+                                                                 clean=False) or "")]
 
 
 def test_readme_has_commands() -> None:
     """The parser below finds the README's commands (a format change must not empty the test)."""
     assert len(README_COMMANDS) >= 10, README_COMMANDS
+    assert {shlex.split(c)[1] for c in DOC_COMMANDS} == {f"experiments/{name}" for name in SCRIPTS}
     scripts = {shlex.split(c)[1] for c in README_COMMANDS}
     assert "experiments/pfedcdp_evidence.py" in scripts and "experiments/fedtpf_evidence.py" in scripts
 
 
-@pytest.mark.parametrize("command", README_COMMANDS)
+@pytest.mark.parametrize("command", README_COMMANDS + DOC_COMMANDS)
 def test_readme_command_parses(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each figure's command in experiments/README.md names a script that exists and flags its
-    parser accepts, as written."""
-    argv = shlex.split(command)
+    """Each figure's command in experiments/README.md, and each command a script's ``--help``
+    quotes, names a script that exists and flags its parser accepts, as written."""
+    argv = usage_argv(command)
     assert argv[0] == "python", command
     script = ROOT / argv[1]
     assert script.is_file(), f"{argv[1]} does not exist"
