@@ -979,7 +979,8 @@ def _final_lines(summary: dict[str, Any]) -> list[str]:
                 else metrics.get("accuracy")
             auc = (metrics.get("auc") or {}).get("mean") if isinstance(metrics.get("auc"), dict) else metrics.get("auc")
             if acc is not None:
-                parts.append(f"{split} accuracy {float(acc):.3f}" + ("" if auc is None else f" AUC {float(auc):.3f}"))
+                parts.append(f"{split} accuracy {float(acc):.3f}" + ("" if auc is None else f" AUC {float(auc):.3f}")
+                             + _covers(metrics))
         return "; ".join(parts)
 
     lines = []
@@ -993,6 +994,18 @@ def _final_lines(summary: dict[str, Any]) -> list[str]:
         lines += [f"  {g} ({len(b.get('clients', []))} clients): {scores(b.get('final', {}))}"
                   for g, b in groups.items()]
     return lines
+
+
+def _covers(metrics: dict[str, Any]) -> str:
+    """`` (3 of 4 clients)`` for a split's summary block whose accuracy (and AUC, where it
+    covers fewer clients) says what it covers (summaries since issue 48), else ``""``."""
+    acc, auc = metrics.get("accuracy"), metrics.get("auc")
+    if not isinstance(acc, dict) or "clients" not in acc:
+        return ""
+    text = f" ({acc['clients']} of {acc['of']} clients"
+    if isinstance(auc, dict) and "clients" in auc and auc["clients"] != acc["clients"]:
+        text += f"; AUC {auc['clients']} of {auc['of']}"
+    return text + ")"
 
 
 def _epsilon_text(epsilon: Any) -> str:

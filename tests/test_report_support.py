@@ -182,3 +182,15 @@ def test_seeds_table_says_what_each_mean_covers(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "seeds_summary.json").read_text())
     assert set(summary["methods"]["fedavg"]["local_test"]) == {"accuracy", "auc"}   # counts are no metric
     assert "how many clients the means cover" in (tmp_path / "seeds_table.md").read_text()
+
+
+def test_final_models_lines_say_what_each_mean_covers() -> None:
+    """The run's printed lines on its final models (PFedCDP's student) say how many clients
+    each mean covers, and the AUC's own count where it covers fewer."""
+    from medfl.report import _final_lines
+
+    summary = {"final_models": {"student": {"round": 3, "local_test": {
+        "accuracy": {"mean": 0.8, "std": 0.1, "clients": 4, "of": 4},
+        "auc": {"mean": 0.0, "std": 0.0, "clients": 1, "of": 4}}}}}
+    assert _final_lines(summary) == ["final models (final_metrics.csv; mean over clients):",
+                                     "  student: local_test accuracy 0.800 AUC 0.000 (4 of 4 clients; AUC 1 of 4)"]
