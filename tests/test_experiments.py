@@ -11,6 +11,7 @@ import ast
 import importlib.util
 import os
 import re
+import resource
 import shlex
 import subprocess
 import sys
@@ -37,8 +38,12 @@ def test_smoke_mode_runs(script: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "MEDFL_NO_PROGRESS": "1", "MEDFL_NO_PLOTS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, str(EXPERIMENTS / script), "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(f"{script} --smoke: {cpu:.1f} CPU seconds")   # the cost in CI, less the machine's load
     assert proc.returncode == 0, \
         f"{script} --smoke failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     written = [p for p in out.rglob("*") if p.is_file()]
