@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fedtpf")
     p.add_argument("--smoke", action="store_true",
                    help="the test suite's run (tests/test_experiments.py): dirichlet_1.0, 450 tiles, width 4, 2 "
-                   "rounds with stage 1 capped at 1, 2 distillation steps; it checks that the script runs, its "
-                   "numbers are no evidence")
+                   "rounds with stage 1 capped at 1, 2 distillation steps, fedtpf and fedavg; it checks that "
+                   "the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
     if a.smoke:
         a.splits, a.sweep, a.ablations, a.cases, a.width = ["dirichlet_1.0"], [], False, 450, 4
