@@ -262,7 +262,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(label(x) for x in OPTION_ARMS)})")
     p.add_argument("--timing-repeats", type=int, default=5, help="0: skip the ensemble-cost timing")
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fedsdc")
+    p.add_argument("--smoke", action="store_true",
+                   help="the test suite's run (tests/test_experiments.py): ham10000_niid1, 400 images at 16 px, 5 "
+                   "held out a class, seed 0, 2 rounds, fedsdc and fedavgm, no timing; it checks that the "
+                   "script runs, its numbers are no evidence")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.settings, a.ham_cases, a.ham_k, a.image_size, a.seeds = ["ham10000_niid1"], 400, 5, 16, [0]
+        a.rounds, a.eval_every, a.arms, a.timing_repeats = 2, 1, ["fedsdc", "fedavgm"], 0
     arms = [x for x in ARMS + OPTION_ARMS if (a.arms is None and x in ARMS) or label(x) in (a.arms or ())]
     if not arms or (a.arms and len(arms) != len(a.arms)):
         p.error(f"--arms: expected labels among {', '.join(label(x) for x in ARMS + OPTION_ARMS)}")

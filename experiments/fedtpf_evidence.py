@@ -632,7 +632,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fedtpf_evidence",
                    help="results folder (default experiments/results/fedtpf_evidence)")
+    p.add_argument("--smoke", action="store_true",
+                   help="the test suite's run (tests/test_experiments.py): dirichlet_1.0, 450 tiles, 3 clients, "
+                   "seed 0, fedavg and fedtpf_dp, 2 rounds with stage 1 capped at 1, 5 distillation steps, "
+                   "last 1, no plots; it checks that the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.settings, a.seeds, a.arms, a.clients, a.cases = ["dirichlet_1.0"], [0], ["fedavg", "fedtpf_dp"], 3, 450
+        a.last = 1
+        a.rounds, a.distill_rounds, a.distill_steps, a.no_plots = 2, 1, 5, True
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
     torch.set_num_threads(1)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the entries and print what their mechanisms did."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--entries", required=True, help="a JSON list of method entries")
+    p.add_argument("--entries", default=None, help="a JSON list of method entries (required but with --smoke)")
     p.add_argument("--split", choices=list(SPLITS), default="dirichlet_1.0")
     p.add_argument("--clients", type=int, default=5)
     p.add_argument("--fraction", type=float, default=1.0)
@@ -73,7 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--public", type=int, default=0, metavar="N", help="N public tiles (clip public_quantile)")
     p.add_argument("--name", default="probe")
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fedtpf_probe")
+    p.add_argument("--smoke", action="store_true",
+                   help="the test suite's run (tests/test_experiments.py): 450 tiles, 3 clients, 2 rounds, by "
+                   "default the entry FedTPF with stage 1 capped at 1 round of 2 distillation steps; it checks "
+                   "that the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.cases, a.clients, a.rounds = 450, 3, 2
+        a.entries = a.entries or json.dumps([{"name": "fedtpf", "distill_rounds": 1, "distill_steps": 2}])
+    if a.entries is None:
+        p.error("the following arguments are required: --entries")
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
     torch.set_num_threads(1)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -509,7 +509,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1; 0: torch's choice)")
     p.add_argument("--rerun", action="store_true", help="rerun experiments whose runs are already in --out/runs")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per round too")
+    p.add_argument("--smoke", action="store_true",
+                   help="the test suite's run (tests/test_experiments.py): --quick with 300 CBIS-DDSM and 120 MIAS "
+                   "fixture images at 16 px, 4 clients, arms pfedcdp and fedavg, no refinement; it checks that "
+                   "the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.quick, a.cbis_cases, a.mias_cases, a.image_size, a.clients = True, 300, 120, 16, [4]
+        a.arms, a.refine_epochs, a.seeds = a.arms or ["pfedcdp", "fedavg"], 0, [0]
     if a.quick:
         a.rounds = a.rounds or 2
         a.clients = [10] if a.clients == [10, 50] else a.clients

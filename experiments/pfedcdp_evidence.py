@@ -130,7 +130,7 @@ def run_config(a: argparse.Namespace, cbis: Path, mias: Path, clients: int, seed
     fl = compare.fl_config(c, cbis, mias, clients, seed)
     fl.update(name=f"c{clients}_seed{seed}_{label}", output_dir=str(runs_root(a)), methods=[entry(a, label)],
               eval_splits=["val", "test"],
-              client_split={"train": 0.7, "val": 0.15, "test": 0.15}, overwrite=True, keep_checkpoints=0)
+              client_split={"train": 0.7, "val": 0.15, "test": 0.15}, overwrite=True, keep_checkpoints=1)
     if a.patience:
         fl["early_stopping"] = {"metric": "val/micro_f1", "patience": a.patience, "min_delta": 0.0}
     return fl
@@ -500,7 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true", help="only reread the finished runs and write the tables")
     p.add_argument("--only", nargs="*", default=None,
                    help="run only these (clients:arm) pairs, e.g. 10:nodp 30:authors (default all the studies')")
+    p.add_argument("--smoke", action="store_true",
+                   help="the test suite's run (tests/test_experiments.py): 300 CBIS-DDSM and 120 MIAS fixture "
+                   "images at 16 px, 4 clients, seed 0, 2 rounds, arms nodp and authors, no client or sigma "
+                   "study, last 1; it checks that the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.cbis_cases, a.mias_cases, a.image_size, a.clients, a.seeds, a.rounds = 300, 120, 16, 4, [0], 2
+        a.client_counts, a.sigmas, a.last, a.only = [], [], 1, a.only or ["4:nodp", "4:authors"]
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")

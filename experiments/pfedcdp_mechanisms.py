@@ -47,10 +47,10 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 
 
-def entries(a: argparse.Namespace) -> list[dict[str, Any]]:
-    """The method entries: the authors' preset, the arm's keys, the quick settings."""
+def entries(a: argparse.Namespace, labels: list[str]) -> list[dict[str, Any]]:
+    """The method entries of the arms ``labels``: the authors' preset, the arm's keys, the quick settings."""
     quick = {"capabilities": "draw", "feature_shap": "off", "supcon_views": 1, "refine_epochs": a.refine_epochs}
-    return [{"name": "pfedcdp", "preset": "authors", "label": label, **quick, **keys} for label, keys in ARMS.items()]
+    return [{"name": "pfedcdp", "preset": "authors", "label": label, **quick, **ARMS[label]} for label in labels]
 
 
 def read(run: Path) -> dict[str, Any]:
@@ -97,7 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--refine-epochs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--smoke", action="store_true",
+                   help="the test suite's run (tests/test_experiments.py): 300 CBIS-DDSM and 120 MIAS fixture "
+                   "images at 16 px, 4 clients, 2 rounds, arms nodp and authors, no refinement; it checks that "
+                   "the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
+    labels = list(ARMS)
+    if a.smoke:
+        a.cbis_cases, a.mias_cases, a.image_size, a.clients, a.rounds, a.refine_epochs = 300, 120, 16, 4, 2, 0
+        labels = ["nodp", "authors"]
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
@@ -114,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                            min_size=None, arms=None)
     cbis, mias, info = compare.prepare_data(c)
     fl = compare.fl_config(c, cbis, mias, a.clients, a.seed)
-    fl.update(name=f"mech_c{a.clients}_seed{a.seed}", methods=entries(a), eval_splits=["test"], overwrite=True)
+    fl.update(name=f"mech_c{a.clients}_seed{a.seed}", methods=entries(a, labels), eval_splits=["test"], overwrite=True)
     t0 = time.perf_counter()
     exp = Path(run_experiment(resolve_config(fl))["dir"])
-    results = {label: read(exp / label) for label in ARMS}
+    results = {label: read(exp / label) for label in labels}
     results["_settings"] = {"rounds": a.rounds, "clients": a.clients, "seed": a.seed, "data": info,
                             "wall_s": round(time.perf_counter() - t0, 1),
                             "command": " ".join(["python experiments/pfedcdp_mechanisms.py", *(argv or sys.argv[1:])])}

@@ -385,7 +385,12 @@ def main(argv: list[str] | None = None) -> int:
                         "run these small models 10-20x slower than one; 0: torch's own choice)")
     p.add_argument("--rerun", action="store_true", help="rerun seeds whose runs are already in --out/runs")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per round too")
+    p.add_argument("--smoke", action="store_true",
+                   help="the test suite's run (tests/test_experiments.py): --quick with 2 rounds, 200 images at 16 "
+                   "px, small_cnn; it checks that the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.quick, a.rounds, a.samples, a.image_size, a.model = True, 2, 200, 16, "small_cnn"
     a.seeds = a.seeds if a.seeds is not None else ([0] if a.quick else [0, 1, 2])
     a.epsilons = sorted(a.epsilons if a.epsilons is not None else ([3.0] if a.quick else [1.0, 3.0, 8.0]))
     a.rounds = a.rounds or (3 if a.quick else 15)

@@ -479,6 +479,7 @@ def write_arm_report(out_dir: str | Path, runs: Mapping[str, Sequence[str | Path
                             ax.plot([int(r)], [per.loc[int(r), "mean"]], "o", ms=3, color=line.get_color())
             ax.set_title(split, fontsize=9)
             ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
             ax.set_ylabel(f"{metric} (mean over clients)")
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=7)

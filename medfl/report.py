@@ -12,11 +12,12 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["plots_wanted", "write_plots", "write_experiment_plots", "write_forgetting_plot", "write_communication_plot", "write_privacy_plot", "write_group_plot",
-           "write_mechanism_plot", "write_student_plot", "STUDENT_METRICS",
+           "write_mechanism_plot", "constant_mechanisms", "write_student_plot", "STUDENT_METRICS",
            "write_comparison",
            "forgetting_table",
-           "print_result", "summary_table", "format_table", "load_metrics", "final_round", "CV_SPLITS", "cv_results", "cv_summary",
-           "cv_table", "write_cv_report", "SEED_METRICS", "seeds_results", "seeds_summary", "write_seeds_report"]
+           "print_result", "summary_table", "format_table", "shared_model_split", "clients_text",
+           "load_metrics", "final_round", "CV_SPLITS", "cv_results", "cv_summary",
+           "cv_table", "write_cv_report", "SEED_METRICS", "seeds_results", "seeds_clients_text", "seeds_summary", "write_seeds_report"]
 
 PLOT_METRICS = ("accuracy", "auc", "f1")
 
@@ -206,6 +207,8 @@ def write_privacy_plot(run_dir: str | Path) -> Path | None:
             if f.get("epsilon") is not None:
                 targets[str(f["name"])] = f["epsilon"]
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
     mechs = list(dict.fromkeys(df["mechanism"]))
     fig, axes = plt.subplots(1, len(mechs), figsize=(5.2 * len(mechs), 3.6), squeeze=False)
     for ax, mech in zip(axes[0], mechs):
@@ -217,6 +220,7 @@ def write_privacy_plot(run_dir: str | Path) -> Path | None:
         ax.set_title(f"{mech} ({g['unit'].iloc[0]}-level, delta={float(g['delta'].iloc[0]):g}, "
                      f"{g['accountant'].iloc[0]})", fontsize=9)
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("epsilon spent")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -263,12 +267,42 @@ def write_group_plot(run_dir: str | Path) -> Path | None:
 MECHANISM_PANELS, MECHANISM_LINES = 16, 10
 
 
+def _constant(values: pd.Series) -> bool:
+    """Whether a series of numbers is one value over the run (to 1e-9 relative)."""
+    v = values.dropna().to_numpy(dtype=float)
+    return len(v) > 0 and bool(np.allclose(v, v[0], rtol=1e-9, atol=1e-12))
+
+
+def constant_mechanisms(df: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """``mechanisms.csv``'s numeric (mechanism, name) values (``df``, the ``value`` column
+    numeric) that stay one value over the run, each as a text line: ``"dp: sigma = 0.969
+    (constant)"``; for several ids each constant, their values (or their range, over many).
+    A value that moves in any id is not listed."""
+    lines: dict[tuple[str, str], str] = {}
+    for (mech, name), part in df.groupby(["mechanism", "name"], sort=False):
+        per_id = part.groupby(part["id"].fillna(""), sort=False)["value"]
+        if not all(_constant(v) for _, v in per_id):
+            continue
+        firsts = {str(i): float(v.dropna().iloc[0]) for i, v in per_id}
+        values = sorted(set(firsts.values()))
+        if len(values) == 1:
+            text = f"{values[0]:.4g}"
+        elif len(firsts) <= 4:
+            text = ", ".join(f"{i} {v:.4g}" for i, v in firsts.items())
+        else:
+            text = f"{values[0]:.4g} to {values[-1]:.4g} over {len(firsts)} ids"
+        lines[(str(mech), str(name))] = f"{mech}: {name} = {text} (constant)"
+    return lines
+
+
 def write_mechanism_plot(run_dir: str | Path) -> Path | None:
     """Write ``plots/mechanisms.png``: every numeric value of the run's ``mechanisms.csv``
     (:meth:`medfl.method.Method.mechanisms`: stop rounds, decay weights, noise-to-signal
-    ratios...) over the rounds, one panel per (mechanism, value), one line per id (their
-    mean and range when there are more than ``MECHANISM_LINES``), the rounds of the
-    summary's ``warnings`` marked. Returns the path, or None for a run without such values."""
+    ratios...) that moves over the rounds, one panel per (mechanism, value), one line per id
+    (their mean and range when there are more than ``MECHANISM_LINES``), the rounds of the
+    summary's ``warnings`` marked; the values that stay one value over the run
+    (:func:`constant_mechanisms`) are listed as text in one last panel, not drawn as flat
+    curves. Returns the path, or None for a run without such values."""
     run_dir = Path(run_dir)
     path = run_dir / "mechanisms.csv"
     if not path.is_file():
@@ -282,14 +316,20 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
     summary = run_dir / "summary.json"
     if summary.is_file():
         warned = sorted({int(w["round"]) for w in json.loads(summary.read_text()).get("warnings", [])})
-    panels = list(dict.fromkeys(zip(df["mechanism"], df["name"])))[:MECHANISM_PANELS]
+    constants = constant_mechanisms(df)
+    panels = [k for k in dict.fromkeys(zip(df["mechanism"].astype(str), df["name"].astype(str)))
+              if k not in constants][:MECHANISM_PANELS]
     plt = _plt()
     from matplotlib.ticker import MaxNLocator
 
-    cols = min(4, len(panels))
+    cols = min(4, max(1, len(panels)))
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.9 * rows), squeeze=False)
-    for ax, (mech, name) in zip(axes.flat, panels):
+    text_height = 0.5 + 0.15 * len(constants) if constants else 0.0
+    fig = plt.figure(figsize=(3.8 * cols, 2.9 * rows + text_height))
+    grid = fig.add_gridspec(rows + (1 if constants else 0), cols,
+                            height_ratios=[2.9] * rows + ([text_height] if constants else []))
+    axes = [fig.add_subplot(grid[k // cols, k % cols]) for k in range(len(panels))]
+    for ax, (mech, name) in zip(axes, panels):
         part = df[(df["mechanism"] == mech) & (df["name"] == name)]
         ids = list(dict.fromkeys(part["id"].fillna("")))
         if len(ids) <= MECHANISM_LINES:
@@ -308,8 +348,14 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    for ax in list(axes.flat)[len(panels):]:
+    if constants:   # one panel across the figure's width: the values that did not move, as text
+        ax = fig.add_subplot(grid[rows, :])
         ax.axis("off")
+        rounds = sorted(df["round"].astype(int).unique())
+        ax.set_title(f"constant over rounds {rounds[0]}-{rounds[-1]}" if len(rounds) > 1
+                     else f"round {rounds[0]} (one round: nothing to draw)", fontsize=9, loc="left")
+        ax.text(0.0, 1.0, "\n".join(constants.values()), transform=ax.transAxes, va="top", ha="left",
+                fontsize=8, family="monospace")
     fig.suptitle(f"{run_dir.name}: what the method's mechanisms did" + (" (red: a warning)" if warned else ""))
     _tight_layout(fig)
     return _save_plot(fig, run_dir, "mechanisms.png")
@@ -361,7 +407,8 @@ def write_student_plot(run_dir: str | Path) -> Path | None:
 
 def write_plots(run_dir: str | Path) -> list[Path]:
     """Write ``plots/curves.png`` (metric per round, mean and client range per split),
-    ``plots/clients_<split>.png`` (final metrics per client as a heatmap),
+    ``plots/clients_<split>.png`` (final metrics per client as a heatmap; one row for a split
+    whose clients' rows are one score, :func:`shared_model_split`),
     ``plots/forgetting.png`` (:func:`write_forgetting_plot`) and, when the run has a
     ``communication.csv``, ``plots/communication.png`` (:func:`write_communication_plot`),
     a ``privacy.csv``, ``plots/privacy.png`` (:func:`write_privacy_plot`), a ``groups.csv``,
@@ -377,6 +424,8 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     metrics = [m for m in PLOT_METRICS if m in df.columns]
     splits = list(dict.fromkeys(df["split"]))
     chosen = final_round(run_dir, df)
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.6), squeeze=False)
     for ax, m in zip(axes[0], metrics):
         for split in splits:
@@ -387,6 +436,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         if chosen != int(df["round"].max()):   # early stopping's best round
             ax.axvline(chosen, ls=":", color="k", lw=1, label=f"best round {chosen}")
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(m)
         ax.set_title(f"{m}: mean and client range")
         ax.grid(alpha=0.3)
@@ -400,11 +450,15 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     last = df[df["round"] == chosen]
     cols = [c for c in ("accuracy", "precision", "recall", "specificity", "f1", "micro_f1", "auc") if c in df.columns]
     for split in splits:
-        t = last[last["split"] == split].set_index("client_id")[cols].astype(float)
+        part = last[last["split"] == split]
+        t = part.set_index("client_id")[cols].astype(float)
+        names = [f"client {c}" for c in t.index]
+        if shared_model_split(part, cols):   # one score: one row, not identical rows per client
+            t, names = t.iloc[:1], [clients_text(len(part), len(part), shared=True)]
         fig, ax = plt.subplots(figsize=(1.1 * len(cols) + 2, 0.45 * len(t) + 1.5))
         im = ax.imshow(t.values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right")
-        ax.set_yticks(range(len(t)), [f"client {c}" for c in t.index])
+        ax.set_yticks(range(len(t)), names)
         for i in range(t.shape[0]):
             for j in range(t.shape[1]):
                 v = t.values[i, j]
@@ -425,27 +479,59 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     return written
 
 
+def shared_model_split(part: pd.DataFrame, cols: list[str]) -> bool:
+    """Whether the rows of one split and round (``part``, one per client) are one score: a
+    split on data every client shares (not a ``local_*`` split, whose rows are each client's
+    own data) where every client's row has the same numbers for every metric of ``cols``
+    (missing where missing), as when the clients score one shared model (a FedAvg-like
+    method's ``global_test``); they are one result, not ``len(part)`` clients agreeing. One
+    client's row is not called shared."""
+    if len(part) < 2 or str(part["split"].iloc[0]).startswith("local_"):
+        return False
+    values = part[cols].astype(float).to_numpy()
+    same = (values == values[0]) | (np.isnan(values) & np.isnan(values[0]))
+    return bool(same.all())
+
+
+def clients_text(valid: int, total: int, shared: bool = False) -> str:
+    """What a mean covers: ``"3 of 4 clients"`` (those with a value of the metric among the
+    split's clients), or, for a split whose clients scored one shared model
+    (:func:`shared_model_split`), ``"one score, identical at all 4 clients"``."""
+    if shared:
+        return f"one score, identical at all {total} clients"
+    return f"{valid} of {total} client{'s' if total != 1 else ''}"
+
+
 def summary_table(run_dir: str | Path) -> pd.DataFrame:
     """Per split, mean / std / worst client of each metric in the run's final round (the
-    last, or early stopping's best round: :func:`final_round`)."""
+    last, or early stopping's best round: :func:`final_round`), and in ``clients`` how many of
+    the split's clients the mean covers (a client without a value, e.g. an AUC on a test split
+    of one class, is left out). A split whose clients all scored one shared model on the same
+    data (identical rows, :func:`shared_model_split`) is one score, in ``mean``: ``clients``
+    says so, and it has no spread, no worst and no best client."""
     df = load_metrics(run_dir)
     last = df[df["round"] == final_round(run_dir, df)]
     cols = [c for c in ("accuracy", "precision", "recall", "specificity", "f1", "micro_f1", "auc") if c in df.columns]
     rows = []
     for split, g in last.groupby("split", sort=False):
+        shared = shared_model_split(g, cols)
         for m in cols:
             v = g[m].astype(float)
+            valid = int(v.notna().sum())
             rows.append({"split": split, "metric": m,
                          "reported_by": str(g["reported_by"].iloc[0]) if "reported_by" in g.columns else "",
-                         "mean": v.mean(), "std": v.std(ddof=0),
-                         "worst": v.min(), "worst_client": g.loc[v.idxmin(), "client_id"] if v.notna().any() else "",
-                         "best": v.max()})
+                         "clients": clients_text(valid, len(g), shared),
+                         "mean": v.mean(), "std": float("nan") if shared else v.std(ddof=0),
+                         "worst": float("nan") if shared else v.min(),
+                         "worst_client": g.loc[v.idxmin(), "client_id"] if v.notna().any() and not shared else "",
+                         "best": float("nan") if shared else v.max()})
     return pd.DataFrame(rows)
 
 
 def format_table(df: pd.DataFrame) -> str:
-    """Plain-text table with floats to 4 decimals."""
-    return df.to_string(index=False, float_format=lambda x: f"{x:.4f}")
+    """Plain-text table with floats to 4 decimals (a missing number, e.g. the spread of one
+    shared model's score, as ``-``)."""
+    return df.to_string(index=False, float_format=lambda x: f"{x:.4f}", na_rep="-")
 
 
 def forgetting_table(summaries: dict[str, dict[str, Any]]) -> pd.DataFrame:
@@ -508,6 +594,8 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]], 
             row: dict[str, Any] = {"method": label, "split": split}
             for m, stats in block.items():
                 row[f"{m}_mean"], row[f"{m}_std"], row[f"{m}_worst"] = stats["mean"], stats["std"], stats["worst"]
+                if "clients" in stats:   # summaries before issue 48 do not say
+                    row[f"{m}_clients"] = f"{stats['clients']} of {stats['of']}"
             row.update(_mb_per_round(summary))
             row.update(_epsilon(summary))
             rows.append(row)
@@ -530,8 +618,11 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]], 
                 g = df[df["split"] == split].groupby("round")[m].mean()
                 if len(g):
                     ax.plot(g.index, g.values, style, marker="o", label=f"{label} {split}")
+    from matplotlib.ticker import MaxNLocator
+
     for ax, m in zip(axes, ("accuracy", "auc")):
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(f"mean {m} over clients")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
@@ -734,15 +825,37 @@ SEED_METRICS = ("micro_f1", "accuracy", "f1", "auc")
 
 def seeds_results(summaries: dict[int, dict[str, dict[str, Any]]]) -> pd.DataFrame:
     """One row per (seed, method, split): each metric's final mean over clients, from the
-    runs' summaries (``{seed: {label: summary}}``)."""
+    runs' summaries (``{seed: {label: summary}}``), and what each mean covers: ``clients:<metric>``
+    the clients with a value, ``of`` the clients evaluated (summaries since issue 48)."""
     rows = []
     for seed, by_label in summaries.items():
         for label, summary in by_label.items():
             for split, block in (summary or {}).get("final", {}).items():
                 if isinstance(block, dict):
                     rows.append({"seed": int(seed), "method": label, "split": split,
-                                 **{m: stats["mean"] for m, stats in block.items()}})
+                                 **{m: stats["mean"] for m, stats in block.items()},
+                                 **{f"clients:{m}": stats["clients"] for m, stats in block.items() if "clients" in stats},
+                                 **{"of": stats["of"] for stats in block.values() if "of" in stats}})
     return pd.DataFrame(rows)
+
+
+def seeds_clients_text(part: pd.DataFrame, metrics: list[str]) -> str:
+    """What the means of one method and split (``part``: its :func:`seeds_results` rows, one
+    a seed) cover: ``"4 of 4"`` when every seed's mean of every metric covers every client,
+    else the exceptions (``"4 of 4; auc 1 of 4"``, or a range over seeds, ``"auc 1-2 of 4"``);
+    ``"?"`` for summaries that do not say."""
+    if "of" not in part.columns or part["of"].isna().all():
+        return "?"
+    of = int(part["of"].max())
+
+    def span(values: pd.Series) -> str:
+        lo, hi = int(values.min()), int(values.max())
+        return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+    exceptions = [f"{m} {span(part[f'clients:{m}'])} of {of}" for m in metrics
+                  if f"clients:{m}" in part.columns and part[f"clients:{m}"].notna().any()
+                  and int(part[f"clients:{m}"].min()) < of]
+    return "; ".join([f"{of} of {of}" if len(exceptions) < len(metrics) else "", *exceptions]).strip("; ")
 
 
 def seeds_summary(results: pd.DataFrame) -> dict[str, Any]:
@@ -750,7 +863,8 @@ def seeds_summary(results: pd.DataFrame) -> dict[str, Any]:
     the per-seed values (in seed order)."""
     seeds = sorted(results["seed"].unique().tolist()) if not results.empty else []
     out: dict[str, Any] = {"seeds": seeds, "std": "population (ddof=0) over seeds", "methods": {}}
-    metrics = [c for c in results.columns if c not in ("seed", "method", "split") and c != "n"]
+    metrics = [c for c in results.columns if c not in ("seed", "method", "split", "n", "of")
+               and not str(c).startswith("clients:")]
     for label in dict.fromkeys(results.get("method", pd.Series(dtype=str))):
         block: dict[str, Any] = {}
         for split, part in results[results["method"] == label].groupby("split", sort=False):
@@ -779,14 +893,18 @@ def write_seeds_report(exp_dir: str | Path, summaries: dict[int, dict[str, dict[
     for label, block in summary["methods"].items():
         row: dict[str, Any] = {"method": label}
         for split in ("global_test", "local_test"):
-            for m in SEED_METRICS:
-                if m in block.get(split, {}):
-                    row[f"{split}: {m}"] = _pm(block[split][m])
+            shown = [m for m in SEED_METRICS if m in block.get(split, {})]
+            for m in shown:
+                row[f"{split}: {m}"] = _pm(block[split][m])
+            if shown:
+                part = results[(results["method"] == label) & (results["split"] == split)]
+                row[f"{split}: clients"] = seeds_clients_text(part, shown)
         rows.append(row)
     table = pd.DataFrame(rows)
     table.to_csv(exp_dir / "seeds_table.csv", index=False)
     n = len(summary["seeds"])
-    lines = [f"final mean over clients, mean ± std over {n} seed(s) {summary['seeds']} (ddof=0)", "",
+    lines = [f"final mean over clients, mean ± std over {n} seed(s) {summary['seeds']} (ddof=0); "
+             "'clients': how many clients the means cover", "",
              "| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
     lines += ["| " + " | ".join(str(v) for v in r) + " |" for r in table.itertuples(index=False)]
     (exp_dir / "seeds_table.md").write_text("\n".join(lines) + "\n")
@@ -879,7 +997,8 @@ def _final_lines(summary: dict[str, Any]) -> list[str]:
                 else metrics.get("accuracy")
             auc = (metrics.get("auc") or {}).get("mean") if isinstance(metrics.get("auc"), dict) else metrics.get("auc")
             if acc is not None:
-                parts.append(f"{split} accuracy {float(acc):.3f}" + ("" if auc is None else f" AUC {float(auc):.3f}"))
+                parts.append(f"{split} accuracy {float(acc):.3f}" + ("" if auc is None else f" AUC {float(auc):.3f}")
+                             + _covers(metrics))
         return "; ".join(parts)
 
     lines = []
@@ -896,6 +1015,18 @@ def _final_lines(summary: dict[str, Any]) -> list[str]:
         lines += [f"  {g} ({len(b.get('clients', []))} clients): {scores(b.get('final', {}))}"
                   for g, b in groups.items()]
     return lines
+
+
+def _covers(metrics: dict[str, Any]) -> str:
+    """`` (3 of 4 clients)`` for a split's summary block whose accuracy (and AUC, where it
+    covers fewer clients) says what it covers (summaries since issue 48), else ``""``."""
+    acc, auc = metrics.get("accuracy"), metrics.get("auc")
+    if not isinstance(acc, dict) or "clients" not in acc:
+        return ""
+    text = f" ({acc['clients']} of {acc['of']} clients"
+    if isinstance(auc, dict) and "clients" in auc and auc["clients"] != acc["clients"]:
+        text += f"; AUC {auc['clients']} of {auc['of']}"
+    return text + ")"
 
 
 def _epsilon_text(epsilon: Any) -> str:

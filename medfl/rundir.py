@@ -39,7 +39,8 @@ records of them, and writes that say which file a full disk stopped. A run direc
                        with ``bytes_to_client``, ``bytes_from_client`` and ``messages``: the
                        encoded size of the messages as Flower sends them, measured in process
                        too (:mod:`medfl.engine.traffic`)
-    summary.json       final metrics: mean, std, worst and best client per split, their
+    summary.json       final metrics: mean, std, worst and best client per split, and
+                       the clients each mean covers (``clients`` of ``of``), their
                        ``reported_by`` provenance, the
                        ``forgetting`` block (:func:`medfl.metrics.forgetting.forgetting_report`)
                        and the ``communication`` block (:meth:`medfl.engine.traffic.Traffic.summary`);

@@ -31,6 +31,7 @@ SLOW_MODULES = (
     "flower/test_secagg_flower.py",     # 210: SecAgg+ over the loop-back grid, on Ray, over a real deployment
     "flower/test_deploy_auth.py",       # 150: TLS, keys, a SuperLink restart and a resume
     "flower/test_under_load.py",        # 165: Flower processes held 35-40 s at their start
+    "test_experiments.py",              # 255 CPU s: the 11 experiments/ scripts' --smoke runs (8-40 each)
     "test_export.py",                   # 170 on 2 loaded cores: the demo trained, exported, run by MONAI's CLI
     "methods/test_fedtpf_bundles.py",   # 85
     "test_bundle_monai_tools.py",       # 65: every bundle through MONAI's workflow, verify_net_in_out, ckpt_export

@@ -85,7 +85,8 @@ def evaluate_metrics(y, probs) -> dict[str, float]:
 
 def summarize_metrics(metrics: pd.DataFrame, round: int | None = None) -> dict[str, Any]:
     """Per split, the mean, std (ddof=0), worst and best client of each metric in ``round``
-    (default: the last round of ``metrics``)."""
+    (default: the last round of ``metrics``), and what they cover: ``clients``, the clients
+    with a value of the metric, ``of``, the clients evaluated on the split."""
     if metrics.empty:
         return {}
     last = int(metrics["round"].max()) if round is None else int(round)
@@ -105,7 +106,8 @@ def summarize_metrics(metrics: pd.DataFrame, round: int | None = None) -> dict[s
                         "std": float(valid.std(ddof=0)) if len(valid) else float("nan"),
                         "worst": hi if low else lo,
                         "best": lo if low else hi,
-                        "worst_client": None if worst is None else str(worst)}
+                        "worst_client": None if worst is None else str(worst),
+                        "clients": int(len(valid)), "of": int(len(df))}
         out[str(split)] = block
     return out
 
