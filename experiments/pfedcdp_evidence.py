@@ -2,24 +2,26 @@
 """PFedCDP's DP evidence (issue 37): personal accuracy with and without the update's noise, the
 epsilon it spends, and what the noise did, over seeds, each arm at its best validation round.
 
-The claim under test: PFedCDP with ``preset: "authors"`` keeps personal accuracy (each client's
+The claim under test: PFedCDP with the authors' noise (``preset: "authors_formula"``) keeps personal accuracy (each client's
 own extractor and classifier on its ``local_test`` split) at or above its no-DP level minus a
 stated margin, and reports the epsilon this spends.
 
 Three studies on the CBIS-DDSM / MIAS fixtures of ``experiments/pfedcdp_compare.py`` (lesion
 crops, Dirichlet 0.5, capability clusters drawn from the seed). Every arm is ``{"name":
-"pfedcdp", "preset": "authors"}`` (the authors' training recipe: 5 classifier epochs of eq. 11
+"pfedcdp", "preset": "authors_formula"}`` (the authors' training recipe: 5 classifier epochs of eq. 11
 after one extractor epoch, Adam 1e-3, batch 64, KD T 3 and lambda 0.3, fixed teacher weights)
 with only the noise changed, so the arms of one seed share the partition, the clusters and the
 initialisations:
 
 ``main`` (``--clients``, default 10)
-    ``nodp`` (no noise, the update quantized to 8 bits), ``authors`` (the preset: sigma 0.969
-    added every round, the epsilon it spends recorded), ``paper_dp`` (the paper's epsilon 5
-    over the planned rounds: sigma from the accountant).
+    ``nodp`` (no noise, the update quantized to 8 bits), ``authors_formula`` (the preset: sigma
+    0.969 added every round, the epsilon it spends recorded), ``authors_v1_7`` (PFedCDP's
+    ``authors``: the authors' v1.7 clients as they run, model B's weights noised per tensor at
+    sigma 0.606 and 12 bits, A and C in the clear), ``paper_dp`` (the paper's epsilon 5 over the
+    planned rounds: sigma from the accountant).
 ``clients`` (``--client-counts``, default 10 30 50)
-    ``nodp`` and ``authors`` at each client count on the same data (the paper's Fig. 2 design:
-    more clients, less data each): the noise in a cluster's weighted average of n clipped
+    ``nodp`` and ``authors_formula`` at each client count on the same data (the paper's Fig. 2
+    design: more clients, less data each): the noise in a cluster's weighted average of n clipped
     updates is ``sigma C2 sqrt(d sum w_k^2)``, about ``sigma C2 sqrt(d / n)``.
 ``sigma`` (``--sigmas``, at ``--clients``)
     ``noise_multiplier`` swept below the authors' (0.606 is the authors' code's own
@@ -83,13 +85,20 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import pfedcdp_compare as compare  # noqa: E402  (the fixtures and the base run config are that script's)
 
 DEFAULT_OUT = ROOT / "experiments" / "results" / "pfedcdp_evidence"
-#: label -> the method entry's own keys on top of ``"preset": "authors"``
+#: label -> the method entry's own keys on top of its preset (:data:`ARM_PRESETS`, else
+#: ``"authors_formula"``: the authors' training recipe with their sigma formula at the paper's
+#: epsilon on every cluster, what this study measured as ``authors`` before issue 48)
 MAIN_ARMS: dict[str, dict[str, Any]] = {
     "nodp": {"noise_multiplier": None},
-    "authors": {},
+    "authors_formula": {},
+    "authors_v1_7": {},
     "paper_dp": {"noise_multiplier": None, "epsilon": 5.0},
 }
-CLIENT_ARMS = ("nodp", "authors")
+#: arms on another preset: ``authors_v1_7`` is the authors' v1.7 clients as they run (model B
+#: noised per weight tensor at sigma 0.606, A and C in the clear; PFedCDP's ``authors``)
+ARM_PRESETS = {"authors_v1_7": "authors_v1_7"}
+BASE_PRESET = "authors_formula"
+CLIENT_ARMS = ("nodp", "authors_formula")
 SPLITS = ("local_test", "local_val")
 METRICS = ("accuracy", "auc")
 
@@ -121,7 +130,8 @@ def plan(a: argparse.Namespace) -> list[tuple[int, str]]:
 
 def entry(a: argparse.Namespace, label: str) -> dict[str, Any]:
     quick = {"capabilities": "draw", "feature_shap": "off", "supcon_views": 1, "refine": False}
-    return {"name": "pfedcdp", "preset": "authors", "label": label, **quick, **arm_keys(label)}
+    return {"name": "pfedcdp", "preset": ARM_PRESETS.get(label, BASE_PRESET), "label": label, **quick,
+            **arm_keys(label)}
 
 
 def run_config(a: argparse.Namespace, cbis: Path, mias: Path, clients: int, seed: int, label: str) -> dict[str, Any]:
@@ -499,15 +509,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rerun", action="store_true", help="redo runs that finished before")
     p.add_argument("--report-only", action="store_true", help="only reread the finished runs and write the tables")
     p.add_argument("--only", nargs="*", default=None,
-                   help="run only these (clients:arm) pairs, e.g. 10:nodp 30:authors (default all the studies')")
+                   help="run only these (clients:arm) pairs, e.g. 10:nodp 30:authors_formula (default all the studies')")
     p.add_argument("--smoke", action="store_true",
                    help="the test suite's run (tests/test_experiments.py): 300 CBIS-DDSM and 120 MIAS fixture "
-                   "images at 16 px, 4 clients, seed 0, 2 rounds, arms nodp and authors, no client or sigma "
+                   "images at 16 px, 4 clients, seed 0, 2 rounds, arms nodp and authors_formula, no client or sigma "
                    "study, last 1; it checks that the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
     if a.smoke:
         a.cbis_cases, a.mias_cases, a.image_size, a.clients, a.seeds, a.rounds = 300, 120, 16, 4, [0], 2
-        a.client_counts, a.sigmas, a.last, a.only = [], [], 1, a.only or ["4:nodp", "4:authors"]
+        a.client_counts, a.sigmas, a.last, a.only = [], [], 1, a.only or ["4:nodp", "4:authors_formula"]
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
@@ -542,14 +552,15 @@ def main(argv: list[str] | None = None) -> int:
           f"`python experiments/pfedcdp_evidence.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
           f"Data: CBIS-DDSM fixture ({a.cbis_cases} cases, lesion crops {a.image_size} px) label counts "
           f"{info['cbis_counts']}; MIAS fixture {info['mias_counts']}. Each client's rows 70/15/15 "
-          f"train/val/test; {a.rounds} rounds; seeds {a.seeds}; every arm preset 'authors' with only the noise "
-          "changed; no post-hoc refinement (it does not touch the personal models).", ""]
+          f"train/val/test; {a.rounds} rounds; seeds {a.seeds}; every arm preset 'authors_formula' with only "
+          "the noise changed (authors_v1_7: the authors' v1.7 clients); no post-hoc refinement (it does not touch "
+          "the personal models).", ""]
     points: list[dict[str, Any]] = []
     results: dict[str, Any] = {}
     main_arms = [lab for lab in MAIN_ARMS if (a.clients, lab) in done]
     if main_arms:
         res = report_study(a, "main", {lab: done[(a.clients, lab)] for lab in main_arms},
-                           f"PFedCDP, {a.clients} clients, preset authors")
+                           f"PFedCDP, {a.clients} clients, preset authors_formula")
         results["main"] = res
         md += [f"## Main arms ({a.clients} clients)", "", (a.out / "main" / "arms_table.md").read_text(), "",
                "From round 2 on (round 1's personal models predate any noised model):", "",
@@ -569,11 +580,11 @@ def main(argv: list[str] | None = None) -> int:
         rows_all = []
         for n in counts:
             res = report_study(a, f"clients/c{n}", {lab: done[(n, lab)] for lab in CLIENT_ARMS},
-                               f"PFedCDP, {n} clients, nodp vs authors")
-            rows = gap_rows(res, ["authors"], "clients", [n])
+                               f"PFedCDP, {n} clients, nodp vs authors_formula")
+            rows = gap_rows(res, ["authors_formula"], "clients", [n])
             rows_all += rows
             points += [{"study": "clients", "noise": rows[0]["noise_per_coordinate"], "gap": b - x, "tag": f"c{n}"}
-                       for b, x in zip(res["late_scores"]["nodp"], res["late_scores"]["authors"])]
+                       for b, x in zip(res["late_scores"]["nodp"], res["late_scores"]["authors_formula"])]
         import pandas as pd
 
         (a.out / "clients").mkdir(parents=True, exist_ok=True)
@@ -583,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                "Per client count: clients/c<N>/arms_table.md, mechanisms.md, arms_curves.png", ""]
     sig_arms = [sigma_label(s) for s in a.sigmas if (a.clients, sigma_label(s)) in done]
     if sig_arms and (a.clients, "nodp") in done:
-        labs = ["nodp", *sig_arms] + [lab for lab in ("authors", "paper_dp") if (a.clients, lab) in done]
+        labs = ["nodp", *sig_arms] + [lab for lab in ("authors_formula", "paper_dp") if (a.clients, lab) in done]
         res = report_study(a, "sigma", {lab: done[(a.clients, lab)] for lab in labs},
                            f"PFedCDP, {a.clients} clients, noise multiplier sweep")
         results["sigma"] = res

@@ -2,14 +2,18 @@
 """PFedCDP's mechanisms acting, in minutes: a few rounds on the CBIS-DDSM / MIAS fixtures of
 ``experiments/pfedcdp_compare.py`` (lesion crops, Dirichlet 0.5), four arms that share the
 partition, the capability clusters, the initialisations and the authors' training recipe
-(``"preset": "authors"``: 5 local epochs, Adam 1e-3, batch 64, KD T 3 and lambda 0.3):
+(``"preset": "authors_formula"``: 5 local epochs, Adam 1e-3, batch 64, KD T 3 and lambda 0.3):
 
 ``nodp``
     no noise (``noise_multiplier`` null), the update quantized to 8 bits (eq. 14);
 ``nodp_weights``
     the same with the weights quantized instead (``quantize: "weights"``, medfl's old default);
-``authors``
-    the authors' noise: sigma 0.969 added every round (the run records the epsilon it spends);
+``authors_formula``
+    the authors' sigma formula at the paper's epsilon: sigma 0.969 added to every cluster's
+    update every round (the run records the epsilon it spends);
+``authors_v1_7``
+    PFedCDP's ``authors`` preset, the authors' v1.7 clients as they run: model B's weights
+    clipped per tensor and noised at sigma 0.606, 12 bits; A and C in the clear;
 ``paper_dp``
     the paper's: epsilon 5 over the run (sigma from the accountant for the planned rounds).
 
@@ -38,19 +42,23 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 import pfedcdp_compare as compare  # noqa: E402  (the fixtures and the run config are that script's)
 
-#: label -> the method entry's own keys on top of ``"preset": "authors"``
+#: label -> the method entry's own keys on top of its preset (``"authors_formula"``, or
+#: :data:`ARM_PRESETS`)
 ARMS: dict[str, dict[str, Any]] = {
     "nodp": {"noise_multiplier": None},
     "nodp_weights": {"noise_multiplier": None, "quantize": "weights"},
-    "authors": {},
+    "authors_formula": {},
+    "authors_v1_7": {},
     "paper_dp": {"noise_multiplier": None, "epsilon": 5.0},
 }
+ARM_PRESETS = {"authors_v1_7": "authors_v1_7"}
 
 
 def entries(a: argparse.Namespace, labels: list[str]) -> list[dict[str, Any]]:
     """The method entries of the arms ``labels``: the authors' preset, the arm's keys, the quick settings."""
     quick = {"capabilities": "draw", "feature_shap": "off", "supcon_views": 1, "refine_epochs": a.refine_epochs}
-    return [{"name": "pfedcdp", "preset": "authors", "label": label, **quick, **ARMS[label]} for label in labels]
+    return [{"name": "pfedcdp", "preset": ARM_PRESETS.get(label, "authors_formula"), "label": label, **quick,
+             **ARMS[label]} for label in labels]
 
 
 def read(run: Path) -> dict[str, Any]:
@@ -99,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true",
                    help="the test suite's run (tests/test_experiments.py): 300 CBIS-DDSM and 120 MIAS fixture "
-                   "images at 16 px, 4 clients, 2 rounds, arms nodp and authors, no refinement; it checks that "
+                   "images at 16 px, 4 clients, 2 rounds, arms nodp and authors_v1_7, no refinement; it checks that "
                    "the script runs, its numbers are no evidence")
     a = p.parse_args(argv)
     labels = list(ARMS)
     if a.smoke:
         a.cbis_cases, a.mias_cases, a.image_size, a.clients, a.rounds, a.refine_epochs = 300, 120, 16, 4, 2, 0
-        labels = ["nodp", "authors"]
+        labels = ["nodp", "authors_v1_7"]
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
