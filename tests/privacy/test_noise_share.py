@@ -124,3 +124,60 @@ def test_a_run_without_dp_has_no_noise_rows(tiny_fl: dict, resolve: Any) -> None
     run = _run(resolve, {**tiny_fl, "rounds": 1})
     path = run / "mechanisms.csv"
     assert not path.is_file() or _rows(run, "dp_gaussian").empty
+
+
+def _share(filters: list, release: str | None = None) -> NoiseShare:
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(chain=SimpleNamespace(filters=filters), dp_sgd=None, own=None,
+                           method_release=SimpleNamespace(mechanism=release) if release else None)
+    federation = SimpleNamespace(model_spec=lambda cid=None: MODEL, num_examples={})
+    return NoiseShare(plan, federation, {"model": "global"})
+
+
+def test_a_release_ratio_is_the_declared_noise_over_the_clipped_signal_per_sample() -> None:
+    share = _share([], release="feature_gaussian")
+    assert share.active
+    share.observe(0, "a", {}, {}, {"signal_norm": 2.0, "noise_norm": 5.0, "released": 10.0})
+    share.observe(0, "b", {}, {}, {"signal_norm": 4.0, "noise_norm": 5.0, "released": 10.0})
+    rows, found = share.rows({}, {})
+    by = {(r["scope"], r["id"]): r for r in rows}
+    assert by["client", "a"]["noise_to_signal"] == 2.5 and by["client", "b"]["noise_to_signal"] == 1.25
+    assert by["round", "mean"]["noise_to_signal"] == pytest.approx(5 / 3)
+    (mechanism, ratio, clients, change), = found
+    text = NoiseShare.warning(4, mechanism, ratio, clients, change)
+    assert "(feature_gaussian): in round 4 each released sample carries noise of 1.67 times" in text
+    assert share.rows({}, {}) == ([], [])     # the round is forgotten
+
+
+def test_dp_gaussian_measures_the_mean_received_update_at_the_coordinator() -> None:
+    import torch
+
+    from medfl.filters import parameter_keys
+    from medfl.plugins import lookup
+
+    f = lookup("filter", "dp_gaussian")(noise_multiplier=0.5, clip=1.0)
+    share = _share([f])
+    keys = parameter_keys(MODEL)
+    from medfl.models.registry import build_model
+
+    ref = {k: v.detach().clone() for k, v in build_model(MODEL).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    updates = {}
+    for cid in ("0", "1", "2", "3"):
+        u = {k: torch.randn(ref[k].shape, generator=g) * 0.05 for k in keys}
+        updates[cid] = torch.cat([u[k].flatten() for k in keys]).double()
+        state = {k: (v + u[k] if k in u else v) for k, v in ref.items()}
+        share.observe(0, cid, {"model": state}, {"global": ref}, {})
+    rows, found = share.rows({}, {})
+    by = {(r["scope"], r["id"]): r for r in rows}
+    d = sum(ref[k].numel() for k in keys)
+    mean = sum(updates.values()) / 4
+    assert by["round", "mean"]["noised_values"] == d == trainable_count(MODEL)
+    assert by["round", "mean"]["received_norm"] == pytest.approx(float(mean.norm()), rel=1e-6)
+    assert by["client", "2"]["received_norm"] == pytest.approx(float(updates["2"].norm()), rel=1e-6)
+    noise2 = d * 0.25 / 4
+    assert by["round", "mean"]["signal_norm_estimate"] == pytest.approx(
+        math.sqrt(max(0.0, float(mean.dot(mean)) - noise2)), rel=1e-6)
+    assert by["round", "mean"]["noise_to_signal"] == pytest.approx(0.5 * math.sqrt(d / 4))
+    assert found[0][:3] == ("dp_gaussian", by["round", "mean"]["noise_to_signal"], 4)
