@@ -181,3 +181,25 @@ def test_dp_gaussian_measures_the_mean_received_update_at_the_coordinator() -> N
         math.sqrt(max(0.0, float(mean.dot(mean)) - noise2)), rel=1e-6)
     assert by["round", "mean"]["noise_to_signal"] == pytest.approx(0.5 * math.sqrt(d / 4))
     assert found[0][:3] == ("dp_gaussian", by["round", "mean"]["noise_to_signal"], 4)
+
+
+def test_the_readme_dp_example_shows_the_warning_this_code_gives() -> None:
+    """README's first DP command (the demo bundle with dp_gaussian at epsilon 3, clip 1) does
+    not learn and says so: the numbers the README quotes are the ones the run computes."""
+    from medfl.privacy.accounting import noise_for_epsilon
+
+    root = Path(__file__).resolve().parents[2]
+    fl = json.loads((root / "bundles" / "demo" / "configs" / "train.json").read_text())["fl"]
+    readme = (root / "README.md").read_text()
+    assert '--fl#filters \'[{"name": "dp_gaussian", "epsilon": 3, "clip": 1.0}' in readme
+    n, rounds = fl["num_clients"], fl["rounds"]
+    sigma = noise_for_epsilon(3.0, 1e-5, 1.0, rounds, "rdp")     # every client in every round
+    d = trainable_count({**fl["model"], "spatial_dims": 2, "in_channels": 1, "num_classes": fl["dataset"]["num_classes"]})
+    ratio = noise_to_signal(d, [sigma] * n, [1.0] * n, [1.0] * n)
+    assert ratio > 1
+    quoted = (f"medfl [fedavg] round 1: warning: {DROWNED} (dp_gaussian): in round 1 the noise in the mean of the "
+              f"round's {n} client update(s) has {ratio:.3g} times the norm")
+    assert quoted in readme
+    assert f"needs about {clients_needed(ratio, n)} per round" in readme
+    assert f"a noise multiplier below {sigma / ratio:.3g} (now {sigma:.3g})" in readme
+    assert f"({d} noised values)" in readme and f"d = {d:,}" in readme and f"σ = {sigma:.3g}" in readme
