@@ -48,8 +48,8 @@ stepped mechanism, or ``signal_norm`` and ``noise_norm`` for a release; scope ``
 (id ``mean``) with ``clients``, ``noise_norm`` (the noise's expected norm in the mean),
 ``signal_bound`` (the largest norm the mean clipped signal can have) and ``noise_to_signal``
 (their ratio: the warning's criterion), plus for a reply filter ``received_norm``,
-``signal_norm_estimate``, ``signal_norm_estimate_error`` and ``measured_noise_to_signal``. Norms of stepped mechanisms are in
-units of the learning rate.
+``signal_norm_estimate``, ``signal_norm_estimate_error`` and ``measured_noise_to_signal``.
+Norms of stepped mechanisms are in units of the learning rate.
 Nothing it records is a per-sample value: the norms are of clipped, noised client updates as
 the coordinator received them, or the release's own declared metrics.
 """
@@ -246,17 +246,18 @@ class NoiseShare:
         rows, sigmas, ts, bs = [], [], [], []
         for cid in cids:
             d = self._trainable(self.federation.model_spec(cid))
-            b = rate[cid] * self.federation.num_examples.get(cid, 0) if unit == "sample" else 1.0
+            b = max(rate[cid] * self.federation.num_examples.get(cid, 0), 1e-12) if unit == "sample" else 1.0
             sigma, t = float(noise[cid]), float(steps[cid])
-            b = max(b, 1e-12)
-            sigmas.append(sigma), ts.append(t), bs.append(b)
+            sigmas.append(sigma)
+            ts.append(t)
+            bs.append(b)
             rows.append({"mechanism": name, "scope": "client", "id": cid, "steps": t, "expected_batch": b,
                          "noise_to_signal": noise_to_signal(d, [sigma], [t], [b])})
         d = self._trainable(self.federation.model_spec(cids[0])) if cids else 0
         ratio = noise_to_signal(d, sigmas, ts, bs)
         n = len(cids)
         rows.append({"mechanism": name, "scope": "round", "id": "mean", "clients": n, "noised_values": d,
-                     "noise_norm": clip * math.sqrt(d * sum(s * s * t / (b * b) for s, t, b in zip(sigmas, ts, bs))) / max(n, 1),
+                     "noise_norm": ratio * clip * sum(ts) / max(n, 1) if n else 0.0,
                      "signal_bound": clip * sum(ts) / max(n, 1), "noise_to_signal": ratio})
         top = max(sigmas, default=0.0)
         change = (f"a noise multiplier below {top / ratio if ratio > 0 else math.inf:.3g} (now up to {top:.3g}): a "
