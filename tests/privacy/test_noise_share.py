@@ -203,3 +203,15 @@ def test_the_readme_dp_example_shows_the_warning_this_code_gives() -> None:
     assert f"needs about {clients_needed(ratio, n)} per round" in readme
     assert f"a noise multiplier below {sigma / ratio:.3g} (now {sigma:.3g})" in readme
     assert f"({d} noised values)" in readme and f"d = {d:,}" in readme and f"σ = {sigma:.3g}" in readme
+
+
+def test_the_last_privacy_line_repeats_that_the_noise_drowned_the_signal() -> None:
+    from medfl.report import _privacy_line
+
+    block = {"epsilon": 3.0, "worst_client": "0", "unit": "client", "delta": 1e-5, "accountant": "rdp"}
+    text = NoiseShare.warning(1, "dp_gaussian", 466.0, 4, "a larger epsilon")
+    line = _privacy_line({"privacy": {"mechanisms": {"dp_gaussian": block}},
+                          "warnings": [{"round": 1, "warning": "something else"}, {"round": 1, "warning": text}]})
+    assert line.startswith("privacy: dp_gaussian epsilon 3 (worst client 0")
+    assert f"; {DROWNED} (dp_gaussian) from round 1: what it learned is mostly noise" in line
+    assert DROWNED not in _privacy_line({"privacy": {"mechanisms": {"dp_gaussian": block}}})
