@@ -45,7 +45,8 @@ release it performed (the reply metrics ``signal_norm`` and ``noise_norm``,
 ``client`` (id: the client) with ``noise_to_signal`` (the ratio for that client's reply
 alone), and ``received_norm`` for a reply filter or ``steps`` and ``expected_batch`` for a
 stepped mechanism, or ``signal_norm`` and ``noise_norm`` for a release; scope ``round``
-(id ``mean``) with ``clients``, ``noise_norm`` (the noise's expected norm in the mean),
+(id ``mean``; ``mean of <d> values`` for each model when the clients sent different ones,
+as PFedCDP's clusters do: each is averaged apart) with ``clients``, ``noise_norm`` (the noise's expected norm in the mean),
 ``signal_bound`` (the largest norm the mean clipped signal can have) and ``noise_to_signal``
 (their ratio: the warning's criterion), plus for a reply filter ``received_norm``,
 ``signal_norm_estimate``, ``signal_norm_estimate_error`` and ``measured_noise_to_signal``.
@@ -125,8 +126,9 @@ class NoiseShare:
                         and getattr(f, "noise_multiplier", None) is not None]
         self._parameter_keys = parameter_keys
         self._trainable = trainable_count
-        self._sums: dict[tuple[int, str, str], _Sum] = {}
-        self._dims: dict[tuple[int, str, str], int] = {}
+        #: (step, filter, reply key, the noised tensors' names and shapes) -> their sum
+        self._sums: dict[tuple[int, str, str, tuple[Any, ...]], _Sum] = {}
+        self._dims: dict[tuple[int, str, str, tuple[Any, ...]], int] = {}
         self._release: dict[str, tuple[float, float]] = {}
 
     @property
@@ -157,7 +159,10 @@ class NoiseShare:
                     continue
                 u = torch.cat([(state[k].detach().double().cpu() - ref[k].detach().double().cpu()).flatten()
                                for k in names])
-                slot = (step, f.name, key)
+                # clients sent different models (PFedCDP's clusters) are averaged apart, as the
+                # method averages them: one group per (names, shapes) of what was noised
+                shape = tuple((k, tuple(ref[k].shape)) for k in names)
+                slot = (step, f.name, key, shape)
                 entry = self._sums.setdefault(slot, _Sum())
                 entry.total = u if entry.total is None else entry.total.add_(u)
                 entry.norms[client_id] = float(u.norm())
@@ -176,7 +181,7 @@ class NoiseShare:
         """
         rows: list[dict[str, Any]] = []
         found: list[tuple[str, float, int, str]] = []
-        for slot in sorted(self._sums):
+        for slot in sorted(self._sums, key=lambda x: (x[0], x[1], x[2], self._dims[x])):
             rows_f, item = self._filter_rows(slot)
             rows += rows_f
             found.append(item)
@@ -201,7 +206,8 @@ class NoiseShare:
         self._sums, self._dims, self._release = {}, {}, {}
         return rows, found
 
-    def _filter_rows(self, slot: tuple[int, str, str]) -> tuple[list[dict[str, Any]], tuple[str, float, int, str]]:
+    def _filter_rows(self, slot: tuple[int, str, str, tuple[Any, ...]]
+                     ) -> tuple[list[dict[str, Any]], tuple[str, float, int, str]]:
         """The rows of one DP reply filter in one step and reply entry: per client the
         received update's norm and the bound ratio ``sigma sqrt(d)``; after averaging the
         clients, ``d``, the clip, the mean received update's norm, the noise's expected norm
@@ -210,12 +216,14 @@ class NoiseShare:
         and the measured ratio (missing unless the squared estimate exceeds twice that
         standard deviation: below, the estimate is the noise's own fluctuation). Quantization
         after the noise adds its error to the received norm, and so to the estimate."""
-        step, name, key = slot
+        step, name, key, _ = slot
         f = next(f for f in self.filters if f.name == name)
         sigma, clip, d = float(f.noise_multiplier), float(f.clip), self._dims[slot]
         entry = self._sums[slot]
         n = len(entry.norms)
         where = {"entry": key, **({"step": step} if step else {})}
+        groups = sum(1 for s in self._sums if s[:3] == slot[:3])
+        mean_id = "mean" if groups == 1 else f"mean of {d} values"
         rows: list[dict[str, Any]] = [
             {"mechanism": name, "scope": "client", "id": cid, **where, "received_norm": norm,
              "noise_to_signal": sigma * math.sqrt(d)} for cid, norm in sorted(entry.norms.items())]
@@ -227,7 +235,7 @@ class NoiseShare:
         # an estimate within two of those is the noise's own fluctuation, not a signal
         error2 = noise_mean2 * math.sqrt(2.0 / d)
         estimate = math.sqrt(max(0.0, estimate2))
-        rows.append({"mechanism": name, "scope": "round", "id": "mean", **where, "clients": n, "noised_values": d,
+        rows.append({"mechanism": name, "scope": "round", "id": mean_id, **where, "clients": n, "noised_values": d,
                      "signal_bound": clip, "received_norm": float(mean.norm()), "noise_norm": math.sqrt(noise_mean2),
                      "noise_to_signal": ratio, "signal_norm_estimate": estimate,
                      "signal_norm_estimate_error": math.sqrt(error2),

@@ -215,3 +215,18 @@ def test_the_last_privacy_line_repeats_that_the_noise_drowned_the_signal() -> No
     assert line.startswith("privacy: dp_gaussian epsilon 3 (worst client 0")
     assert f"; {DROWNED} (dp_gaussian) from round 1: what it learned is mostly noise" in line
     assert DROWNED not in _privacy_line({"privacy": {"mechanisms": {"dp_gaussian": block}}})
+
+
+def test_clients_that_send_different_models_are_averaged_apart() -> None:
+    import torch
+
+    from medfl.plugins import lookup
+
+    share = _share([lookup("filter", "dp_gaussian")(noise_multiplier=0.5, clip=1.0, keys="all")])
+    for cid, key, n in (("a", "w", 3), ("b", "w", 3), ("c", "w", 5)):   # PFedCDP: a cluster per model
+        share.observe(0, cid, {"model": {key: torch.ones(n)}}, {"global": {key: torch.zeros(n)}}, {})
+    rows, found = share.rows({}, {})
+    by = {(r["scope"], r["id"]): r for r in rows}
+    assert by["round", "mean of 3 values"]["clients"] == 2 and by["round", "mean of 5 values"]["clients"] == 1
+    assert by["round", "mean of 3 values"]["received_norm"] == pytest.approx(math.sqrt(3))
+    assert [item[2] for item in found] == [2, 1]
