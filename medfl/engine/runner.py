@@ -46,8 +46,8 @@ from medfl.metrics.forgetting import forgetting_report
 from medfl.method import Federation, Method
 from medfl.plugins import get_plugin_manager, lookup
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
-from medfl.privacy.signal import DROWNED, NoiseShare
 from medfl.privacy.releases import ReleaseJournal
+from medfl.privacy.signal import DROWNED, NoiseShare
 from medfl.rundir import (GrowingCsv, RunDir, RunError, _fold_of, _lock, _read_rounds, _unlock,  # noqa: F401
                           _write_csv, _write_json, full_disk_message)
 
