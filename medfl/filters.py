@@ -45,7 +45,7 @@ from medfl.method import Configurable, Federation, Method, MethodConfigError
 from medfl.seeding import derive_noise_seed, derive_seed
 
 __all__ = ["Filter", "FilterChain", "FilterContext", "FilterConfigError", "FilterMismatchError", "Release",
-           "parameter_keys", "float_buffer_keys", "configured_filters"]
+           "parameter_keys", "float_buffer_keys", "trainable_count", "configured_filters"]
 
 State = dict[str, torch.Tensor]
 
@@ -89,13 +89,13 @@ class Release:
     not_covered: tuple[str, ...] = ()
 
 
-_MODEL_KEYS: dict[str, tuple[list[str], list[str]]] = {}
+_MODEL_KEYS: dict[str, tuple[list[str], list[str], int]] = {}
 
 
-def _model_keys(model_spec: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(parameter names, floating-point buffer names) of the model ``model_spec`` builds, in
-    state-dict order; built once per spec and process, on the ``meta`` device where the
-    factory allows it (no memory, no random draws)."""
+def _model_keys(model_spec: dict[str, Any]) -> tuple[list[str], list[str], int]:
+    """(parameter names, floating-point buffer names, number of trainable parameter values) of
+    the model ``model_spec`` builds, in state-dict order; built once per spec and process, on
+    the ``meta`` device where the factory allows it (no memory, no random draws)."""
     key = json.dumps(model_spec, sort_keys=True, default=str)
     if key not in _MODEL_KEYS:
         from medfl.models.registry import build_model
@@ -109,15 +109,22 @@ def _model_keys(model_spec: dict[str, Any]) -> tuple[list[str], list[str]]:
         names = {n for n, _ in model.named_parameters()}
         state = model.state_dict(keep_vars=True)
         _MODEL_KEYS[key] = ([k for k in state if k in names],
-                            [k for k, v in state.items() if k not in names and v.is_floating_point()])
-    params, buffers = _MODEL_KEYS[key]
-    return list(params), list(buffers)
+                            [k for k, v in state.items() if k not in names and v.is_floating_point()],
+                            sum(p.numel() for p in model.parameters() if p.requires_grad))
+    params, buffers, count = _MODEL_KEYS[key]
+    return list(params), list(buffers), count
 
 
 def parameter_keys(model_spec: dict[str, Any]) -> list[str]:
     """Names of the parameters (not buffers) of the model ``model_spec`` builds, in state-dict
     order: what ``dp_gaussian`` noises."""
     return _model_keys(model_spec)[0]
+
+
+def trainable_count(model_spec: dict[str, Any]) -> int:
+    """How many trainable parameter values the model ``model_spec`` builds has: the
+    coordinates DP-SGD noises at every step."""
+    return _model_keys(model_spec)[2]
 
 
 def float_buffer_keys(model_spec: dict[str, Any]) -> list[str]:

@@ -216,6 +216,10 @@ class OwnDp:
         steps_metric: the training metric in which a client reports the applications it
             made in one local update (checked against ``steps``).
         statement: one sentence on how the method applies the noise (for ``config.json``).
+        noised_values: how many values one application's noise covers, one for every client
+            or ``{client id: count}`` (``None``, the default: the trainable parameters of the
+            client's model). The run's noise-to-signal rows (``mechanisms.csv``) use it; a
+            method that noises part of its model (PFedCDP's extractor) declares it.
     """
 
     mechanism: str
@@ -228,9 +232,10 @@ class OwnDp:
     accountant: str = "rdp"
     steps_metric: str = "dp_steps"
     statement: str = ""
+    noised_values: int | dict[str, int] | None = None
 
     def per_client(self, field_name: str, client_id: str) -> Any:
-        """``noise_multiplier``, ``sample_rate`` or ``steps`` for one client.
+        """``noise_multiplier``, ``sample_rate``, ``steps`` or ``noised_values`` for one client.
 
         Raises:
             KeyError: a per-client mapping lacks the client.

@@ -1037,8 +1037,9 @@ def _epsilon_text(epsilon: Any) -> str:
 
 
 def _privacy_line(summary: dict[str, Any]) -> str:
-    """One line on what the run released: its epsilon (per DP mechanism, the worst client)
-    and its bytes per round."""
+    """One line on what the run released: its epsilon (per DP mechanism, the worst client),
+    whether its DP noise drowned the signal (:mod:`medfl.privacy.signal`'s warning) and its
+    bytes per round."""
     privacy = summary.get("privacy") or {}
     mechs = privacy.get("mechanisms") or {}
     if mechs:
@@ -1048,6 +1049,13 @@ def _privacy_line(summary: dict[str, Any]) -> str:
         eps = "no differential privacy"
     if privacy.get("sent_in_clear"):
         eps += "; NOT private: " + "; ".join(map(str, privacy["sent_in_clear"]))
+    from medfl.privacy.signal import DROWNED
+
+    for w in summary.get("warnings") or []:   # the run's own verdict on its noise, repeated at the end
+        text = str(w.get("warning", ""))
+        if text.startswith(DROWNED):
+            eps += (f"; {text.split(':', 1)[0]} from round {w.get('round')}: what it learned is mostly noise "
+                    "(more clients per round, a larger epsilon or fewer rounds: the warning in summary.json)")
     per_round = (summary.get("communication") or {}).get("per_round") or {}
     mb = ""
     if per_round:

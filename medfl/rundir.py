@@ -18,7 +18,9 @@ records of them, and writes that say which file a full disk stopped. A run direc
                        method with several steps a round)
     mechanisms.csv     what the method's own mechanisms did each round (``Method.mechanisms``:
                        stop rounds, decay weights, noise-to-signal ratios...), one line per
-                       value: round, mechanism, scope, id, name, value (a number) or text
+                       value: round, mechanism, scope, id, name, value (a number) or text;
+                       in front, the engine's rows of the run's DP mechanisms: their noise
+                       against the clipped signal (:mod:`medfl.privacy.signal`)
     validation_metrics.csv  one row per (round, client) of a method's validation exchange
                        (``Method.configure_validate``), when it has one
     profile.csv        one row per client of a method's profile exchange before round 1

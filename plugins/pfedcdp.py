@@ -30,6 +30,7 @@ from medfl.messages import Instruction, Reply
 from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, OwnDp, Preset, derive_seed
 from medfl.metrics import classification_metrics
 from medfl.models.registry import build_seeded
+from medfl.privacy.noise import gaussian
 from medfl.plugins import lookup
 from medfl.shapley import (balanced_subset, ensemble_game, feature_importance, importance_weights, mean_importance,
                            shapley_values, teacher_weights)
@@ -224,7 +225,7 @@ def clip_noise_tensors(state: State, clip: float, sigma: float, generator: torch
         w32 = w.detach().to("cpu", torch.float32)
         norm = torch.linalg.vector_norm(w32)
         factor = torch.clamp(clip / norm, max=1.0) if float(norm) > 0 else torch.tensor(1.0)
-        noise = torch.randn(w32.shape, generator=generator, dtype=torch.float32) * (clip * sigma)
+        noise = gaussian(w32.shape, clip * sigma, generator)   # finite by construction (medfl.privacy.noise)
         out[k] = (w32 * factor + noise).to(w.dtype)
     return out
 
@@ -249,20 +250,21 @@ def authors_quantize(state: State, bits: int) -> State:
     return out
 
 
-class _ClusterNoise(dict):  # type: ignore[type-arg]
-    """``{client id: noise multiplier}`` of :meth:`PFedCDP.own_dp`, resolved when asked from the
-    method's cluster assignment (known after the profile exchange, before the ledger records round
-    1): a client of a noised cluster gets the authors' sigma over the square root of its model's
-    number of noised tensors, a client of a cluster sent in the clear 0 (its epsilon infinite). A
-    client without a cluster yet (the plan's check before the profile, a site's policy) gets 0: it
-    may be sent in the clear."""
+class _PerClient(dict):  # type: ignore[type-arg]
+    """``{client id: value}`` of :meth:`PFedCDP.own_dp`, resolved when asked from the method's
+    cluster assignment (known after the profile exchange, before the ledger records round 1)
+    by ``value(client id)``: the noise multiplier (:meth:`PFedCDP.client_noise`: a client of a
+    noised cluster gets the authors' sigma over the square root of its model's number of noised
+    tensors, a client of a cluster sent in the clear 0, its epsilon infinite; a client without a
+    cluster yet, as in the plan's check before the profile or a site's policy, 0: it may be sent
+    in the clear) or the number of values the noise covers (:meth:`PFedCDP.client_noised_values`)."""
 
-    def __init__(self, method: "PFedCDP") -> None:
+    def __init__(self, value: Callable[[str], float]) -> None:
         super().__init__()
-        self._method = method
+        self._value = value
 
     def __getitem__(self, client_id: str) -> float:
-        return self._method.client_noise(str(client_id))
+        return self._value(str(client_id))
 
     def __contains__(self, client_id: object) -> bool:
         return True
@@ -1020,7 +1022,7 @@ class PFedCDP(Method):
         otherwise (the engine's ``dp_gaussian`` filter accounts the update's noise)."""
         if not (self.dp and self.dp_mode == "weights_per_tensor"):
             return None
-        return OwnDp(mechanism=WEIGHT_DP, unit="client", noise_multiplier=_ClusterNoise(self), sample_rate=1.0,
+        return OwnDp(mechanism=WEIGHT_DP, unit="client", noise_multiplier=_PerClient(self.client_noise), sample_rate=1.0,
                      steps=1, clip=self.clip, delta=self.delta, accountant=self.accountant,
                      steps_metric="weight_dp_releases",
                      statement=(f"each extractor weight tensor clipped to {self.clip:g} by its L2 norm and Gaussian "
@@ -1028,14 +1030,23 @@ class PFedCDP(Method):
                                 f"clusters {', '.join(self.dp_clusters) or 'none'}; the other clusters send their "
                                 "weights in the clear (noise multiplier 0: not private). The per-client noise "
                                 "multiplier, sigma / sqrt(number of tensors), is resolved after the capability "
-                                "profile; privacy.csv has each client's"))
+                                "profile; privacy.csv has each client's"),
+                     noised_values=_PerClient(self.client_noised_values))
 
     def client_noise(self, client_id: str) -> float:
-        """The noise multiplier :meth:`own_dp` accounts for ``client_id`` (see :class:`_ClusterNoise`)."""
+        """The noise multiplier :meth:`own_dp` accounts for ``client_id`` (see :class:`_PerClient`)."""
         c = getattr(self, "assign", {}).get(client_id)
         if c is None or not self.noised(c) or self.noise_multiplier is None:
             return 0.0
         return float(self.noise_multiplier) / math.sqrt(len(self.extractors[c]))
+
+    def client_noised_values(self, client_id: str) -> int:
+        """How many values :meth:`own_dp`'s noise covers at ``client_id``: its cluster's extractor
+        weights (0 before the client has a cluster)."""
+        c = getattr(self, "assign", {}).get(client_id)
+        if c is None or c not in getattr(self, "extractors", {}):
+            return 0
+        return int(sum(t.numel() for t in self.extractors[c].values()))
 
     def _signal_bound(self, c: str) -> float:
         """The largest L2 norm of what a cluster-``c`` client sends before the noise: C2 for the

@@ -397,7 +397,8 @@ class DpFedAvgOpacus(HubAndSpoke):
     def own_dp(self, federation) -> OwnDp:
         """Per client: Poisson sampling at ``1 / batches`` for ``epochs * batches`` steps in
         one local update, ``batches = ceil(N_k / batch_size)`` (what Opacus's
-        ``make_private`` does with the loader below)."""
+        ``make_private`` does with the loader below). ``noised_values`` stays ``None``: Opacus
+        noises every trainable parameter, which is the default count."""
         bs, epochs = int(federation.train.get("batch_size", 16)), int(federation.train.get("epochs", 1))
         batches = {cid: max(1, math.ceil(int(n) / bs)) for cid, n in federation.num_examples.items()}
         return OwnDp(mechanism="dp_fedavg_opacus_sgd", unit="sample", noise_multiplier=self.noise_multiplier,

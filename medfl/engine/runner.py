@@ -51,6 +51,7 @@ from medfl.method import Federation, Method
 from medfl.plugins import get_plugin_manager, lookup
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
 from medfl.privacy.releases import ReleaseJournal
+from medfl.privacy.signal import DROWNED, NoiseShare
 from medfl.rundir import (GrowingCsv, RunDir, RunError, _fold_of, _lock, _read_rounds, _unlock,  # noqa: F401
                           _write_csv, _write_json, full_disk_message)
 
@@ -137,6 +138,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
         chain, self.filters_skipped = configured_filters(cfg, method_spec, self.coordinator)
         #: the run's differential privacy and filters, resolved (noise derived) before training
         self.privacy = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
+        #: the DP noise against the clipped signal, per round (``mechanisms.csv``, a warning)
+        self.noise_share = NoiseShare(self.privacy, self.federation, type(self.coordinator).reply_state)
         # resolve_config refused it without the opt-in; a reopened older run sent them as well
         if cross_test_in_clear(cfg, self.privacy.private, where, refuse=False):
             self.privacy.send_in_clear(CROSS_TEST_IN_CLEAR)
@@ -215,6 +218,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
                     dp_steps[cid] = dp_steps.get(cid, 0.0) + float(reply.metrics["dp_steps"])
                 if own is not None and own.steps_metric in reply.metrics:
                     own_steps[cid] = own_steps.get(cid, 0.0) + float(reply.metrics[own.steps_metric])
+                if self.noise_share.active:
+                    self.noise_share.observe(step, cid, reply.payload, instructions[cid].payload, reply.metrics)
                 to_client, from_client = sent.get(cid, (0, 0))
                 train_rows.append({"round": r, "client_id": cid, "step": step, "num_examples": reply.num_examples,
                                    "bytes_to_client": to_client, "bytes_from_client": from_client,
@@ -260,7 +265,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
             self.early.observe(r, rows, self.federation.rounds, scored_from)
             self._check_best_kept(r)
         self.files.write_rows("communication.csv", self.traffic.frame())
-        self.record_mechanisms(r)
+        self.record_mechanisms(r, dp_steps, own_steps)
         self._save_checkpoint(r)
         return rows
 
@@ -357,13 +362,27 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation):
             block["note"] = f"the method's mechanism acts from round {self.scored_from}, after the last round {rounds}"
         return block
 
-    def record_mechanisms(self, r: int) -> None:
+    def record_mechanisms(self, r: int, dp_steps: dict[str, float] | None = None,
+                          own_steps: dict[str, float] | None = None) -> None:
         """What the method's mechanisms did in round ``r`` (:meth:`Method.mechanisms`) to
-        ``mechanisms.csv``, one line per value, with the method's ``scored_from`` when it
-        declares one (:meth:`_selection_row`); what they could not do
-        (:meth:`Method.mechanism_warnings`) on stderr and into the summary's ``warnings``."""
+        ``mechanisms.csv``, one line per value; what they could not do
+        (:meth:`Method.mechanism_warnings`) on stderr and into the summary's ``warnings``; the
+        method's ``scored_from`` when it declares one (:meth:`_selection_row`). In front, the engine's own rows: the DP noise against the clipped signal of every DP
+        mechanism of the run (:class:`medfl.privacy.signal.NoiseShare`, from the round's
+        screened replies and the steps they reported: ``dp_steps``, ``own_steps``), and once
+        per mechanism a warning with what to change when the noise drowns the signal."""
         lines = []
-        for i, row in enumerate([*self.coordinator.mechanisms(r), *self._selection_row()]):
+        engine_rows, ratios = (self.noise_share.rows(dp_steps or {}, own_steps or {})
+                               if self.noise_share.active else ([], []))
+        for mechanism, ratio, clients, change in ratios:
+            text = NoiseShare.warning(r, mechanism, ratio, clients, change)
+            said = f"{DROWNED} ({mechanism})"
+            if text and not any(str(w.get("warning", "")).startswith(said) for w in self.warnings):
+                self.warnings.append({"round": r, "warning": text})
+                logger.warning(f"medfl [{self.label}] round {r}: warning: {text}")
+        first = len(engine_rows)   # the method's rows follow the engine's (numbers and strings only)
+        for i, row in enumerate([*engine_rows, *self.coordinator.mechanisms(r), *self._selection_row()],
+                                start=-first):
             row = dict(row)
             head = {"round": r, "mechanism": str(row.pop("mechanism", "")), "scope": str(row.pop("scope", "run")),
                     "id": str(row.pop("id", ""))}

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from medfl.losses.feature_distill import critic_loss, generator_adversarial_loss, prototype_loss, vae_loss
+from medfl.privacy.noise import gaussian
 
 __all__ = ["DistillVAE", "Critic", "DistillWeights", "distill_step", "parameters_of"]
 
@@ -70,11 +71,11 @@ class DistillVAE(nn.Module):
     def forward(self, x: torch.Tensor, generator: torch.Generator | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x_hat, z, mu, logvar)``, ``z = mu + sigma * eps`` (reparameterised; ``eps``
-        seeded by ``generator``)."""
+        seeded by ``generator``, finite by construction: :func:`medfl.privacy.noise.gaussian`)."""
         mu, logvar = self.encode(x)
         # drawn where the generator lives (a CPU generator seeds CUDA runs too), then moved
         where = generator.device if generator is not None else mu.device
-        eps = torch.randn(mu.shape, generator=generator, device=where, dtype=mu.dtype).to(mu.device)
+        eps = gaussian(mu.shape, 1.0, generator, dtype=mu.dtype, device=where).to(mu.device)
         z = mu + torch.exp(0.5 * logvar) * eps
         return self.decode(z, tuple(x.shape[2:])), z, mu, logvar
 

@@ -6,7 +6,9 @@ Re-exported here: :mod:`medfl.privacy.accounting`, :mod:`medfl.privacy.gaussian`
 :mod:`medfl.privacy.dp_sgd` (DP-SGD in local training with Opacus) and
 :mod:`medfl.privacy.ledger` (a run's privacy plan and its per-client epsilon) and
 :mod:`medfl.privacy.feature_release` (a per-sample DP release of features, FedTPF's shared
-set; not yet used by a method). docs/privacy.md
+set), :mod:`medfl.privacy.noise` (every Gaussian and Laplace draw, finite by construction) and
+:mod:`medfl.privacy.signal` (the noise against the clipped signal in what the coordinator
+aggregates, per round). docs/privacy.md
 says what each mechanism guarantees."""
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ the run's local-training settings carry a ``dp`` section:
   example independently with probability ``q`` (Opacus's ``UniformWithReplacementSampler``),
   computes per-sample gradients, and lets Opacus's ``DPOptimizer`` clip each to
   ``max_grad_norm``, sum them, add ``N(0, (noise_multiplier * max_grad_norm)^2)`` noise and
-  divide by the expected batch size ``q * N`` before the wrapped optimizer's step.
+  divide by the expected batch size ``q * N`` before the wrapped optimizer's step. The noise
+  is medfl's (:class:`FiniteNoiseDPOptimizer`: :func:`medfl.privacy.noise.gaussian`, finite
+  by construction), not Opacus's ``torch.normal``.
 
 Per-sample gradients come from Opacus's ``GradSampleModuleExpandedWeights`` (``grad_sample_mode
 "ew"``, PyTorch's ExpandedWeights) rather than its hook-based ``GradSampleModule``: the hooks
@@ -42,21 +44,45 @@ from torch.utils.data._utils.collate import default_collate
 from medfl.training import StepMeans, log_epoch
 from medfl.training import logger as training_logger
 from medfl.privacy.accounting import PrivacyConfigError
+from medfl.privacy.noise import gaussian
 from medfl.seeding import derive_noise_seed
 
 try:
     from opacus.grad_sample import GradSampleModuleExpandedWeights
     from opacus.optimizers import DPOptimizer
+    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
     from opacus.utils.module_utils import trainable_modules
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
     from opacus.validators import ModuleValidator
 except ImportError as exc:  # pragma: no cover - opacus is installed with medfl's test extra
     raise ImportError("medfl.privacy.dp_sgd needs Opacus: pip install 'opacus>=1.5'") from exc
 
-__all__ = ["make_private_model", "planned_steps", "train_epochs_dp", "dp_problems"]
+__all__ = ["make_private_model", "planned_steps", "train_epochs_dp", "dp_problems", "FiniteNoiseDPOptimizer"]
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Regularizer = Callable[[nn.Module], torch.Tensor]
+
+
+class FiniteNoiseDPOptimizer(DPOptimizer):
+    """Opacus's ``DPOptimizer`` with medfl's Gaussian noise: the same ``N(0, (noise_multiplier
+    * max_grad_norm)^2)`` on every coordinate of the summed clipped gradients, drawn with
+    :func:`medfl.privacy.noise.gaussian` from the optimizer's generator (Box-Muller in float64,
+    so never infinite, whatever ``torch.normal`` does on the device) and cast to the gradient's
+    dtype. Opacus's ``secure_mode`` (a defence against floating-point attacks on the noise)
+    is not used by medfl and is refused here rather than silently dropped."""
+
+    def add_noise(self) -> None:
+        """Add the noise to each parameter's clipped summed gradient (``p.grad``), as
+        ``DPOptimizer.add_noise`` does."""
+        if self.secure_mode:
+            raise PrivacyConfigError("FiniteNoiseDPOptimizer: secure_mode is not supported")
+        std = float(self.noise_multiplier * self.max_grad_norm)
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            noise = gaussian(p.summed_grad.shape, std, self.generator, dtype=p.summed_grad.dtype,
+                             device=p.summed_grad.device)
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
 
 
 # ------------------------------------------------------------------------------ models
@@ -390,11 +416,11 @@ def train_epochs_dp(
     try:
         wrapped = GradSampleModuleExpandedWeights(_LossOf(model, loss_fn), batch_first=True,
                                                   loss_reduction="mean")
-        dp_opt = DPOptimizer(optimizer, noise_multiplier=float(noise_multiplier),
-                             max_grad_norm=float(max_grad_norm),
-                             expected_batch_size=num_examples * sample_rate,
-                             loss_reduction="mean",
-                             generator=_generator(seed, "dp_sgd.noise", device))
+        dp_opt = FiniteNoiseDPOptimizer(optimizer, noise_multiplier=float(noise_multiplier),
+                                         max_grad_norm=float(max_grad_norm),
+                                         expected_batch_size=num_examples * sample_rate,
+                                         loss_reduction="mean",
+                                         generator=_generator(seed, "dp_sgd.noise", device))
         if regularizer is not None:
             previous = dp_opt.step_hook
 

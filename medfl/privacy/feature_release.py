@@ -43,6 +43,7 @@ import torch
 
 from medfl.filters import Release as LedgerRelease
 from medfl.privacy.accounting import PrivacyConfigError, check_delta, check_positive, epsilon_spent, noise_for_epsilon
+from medfl.privacy import noise
 
 __all__ = ["MECHANISMS", "RELEASE_METRICS", "Release", "SampleRelease", "method_release", "release_features", "release_at",
            "release_with_variance", "perform_release", "release_noise", "variance_scale", "perturb_features",
@@ -371,11 +372,10 @@ def _mean_norm(flat: torch.Tensor) -> float:
 def _draw(shape: torch.Size | tuple[int, ...], scale: float, mechanism: str, generator: torch.Generator | None,
           dtype: torch.dtype) -> torch.Tensor:
     """Noise of per-coordinate ``scale`` (Gaussian std or Laplace scale), drawn on the CPU from
-    ``generator`` (seeded the same on any machine)."""
-    if mechanism == "gaussian":
-        return torch.randn(shape, generator=generator, dtype=dtype, device="cpu") * scale
-    u = torch.rand(shape, generator=generator, dtype=dtype, device="cpu") - 0.5
-    return -scale * torch.sign(u) * torch.log1p(-2 * u.abs())
+    ``generator`` (seeded the same on any machine), finite by construction
+    (:mod:`medfl.privacy.noise`)."""
+    draw = noise.gaussian if mechanism == "gaussian" else noise.laplace
+    return draw(tuple(shape), float(scale), generator, dtype=dtype, device="cpu")
 
 
 def _clip(flat: torch.Tensor, clip: float, mechanism: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ import numbers
 import torch
 
 from medfl.privacy.accounting import check_positive
+from medfl.privacy.noise import gaussian
 
 __all__ = ["global_norm", "clip_update", "add_noise", "noise_generator"]
 
@@ -108,10 +109,11 @@ def add_noise(
 ) -> dict[str, torch.Tensor]:
     """Add independent Gaussian noise ``N(0, std^2)`` to every coordinate (eq. 13).
 
-    The noise is drawn with ``torch.randn(generator=generator)`` on the generator's device
-    (CPU for :func:`noise_generator`), in float32 (float64 for float64 tensors), one tensor
-    after the other in the order of ``keys``, so the same seed gives the same noise in any
-    process. It is added in that precision, then cast to the tensor's dtype and device.
+    The noise is drawn with :func:`medfl.privacy.noise.gaussian` (finite by construction:
+    Box-Muller in float64, ``|noise| <= 8.57 std``) on the generator's device (CPU for
+    :func:`noise_generator`), cast to float32 (float64 for float64 tensors), one tensor after
+    the other in the order of ``keys``, so the same seed gives the same noise in any process.
+    It is added in that precision, then cast to the tensor's dtype and device.
 
     Args:
         update: ``{key: tensor}``; not modified.
@@ -137,8 +139,7 @@ def add_noise(
             out[key] = t.clone()
             continue
         dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-        noise = torch.randn(t.shape, generator=generator, dtype=dtype, device=generator.device)
-        noise = noise.mul_(float(std)).to(t.device)
+        noise = gaussian(t.shape, float(std), generator, dtype=dtype, device=t.device)
         out[key] = (t.to(dtype) + noise).to(t.dtype)
     return out
 

@@ -311,6 +311,17 @@ def test_the_v1_7_run_accounts_b_and_says_a_and_c_are_not_private(v17_run: tuple
     assert set(bits["id"]) == {"medium"} and (bits["value"] == 12).all()
     dp = summary["method_report"]["mechanisms"]["dp"]
     assert (dp["clusters_noised"], dp["clusters_in_clear"], dp["private"]) == (["medium"], ["high", "low"], False)
+    # the engine's noise-to-signal rows: each cluster's model averaged apart, over its extractor's values
+    # (OwnDp.noised_values), model B's ratio sigma sqrt(d / L) per client, the clear clusters' 0
+    model_b = build_model({"spatial_dims": 2, "in_channels": 1, "num_classes": 2, **DEFAULT_CLUSTER_MODELS["medium"]})
+    d_b = sum(p.numel() for k, p in model_b.named_parameters() if not k.startswith("head"))
+    engine = mech[(mech["mechanism"] == WEIGHT_DP) & (mech["round"] == 1)]
+    per_client = engine[(engine["scope"] == "client") & (engine["name"] == "noise_to_signal")].set_index("id")["value"]
+    for cid in ("1", "2"):
+        assert per_client[cid] == pytest.approx(AUTHORS_V17_NOISE_MULTIPLIER * math.sqrt(d_b / tensors))
+    assert per_client["0"] == 0 and per_client["3"] == 0
+    means = engine[(engine["scope"] == "round") & (engine["name"] == "noised_values")]
+    assert len(means) == 3 and d_b in set(means["value"])
 
 
 def test_scored_from_in_a_run(v17_run: tuple[Path, dict, Any], authors_run: tuple[Path, dict, str]) -> None:

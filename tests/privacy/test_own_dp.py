@@ -132,3 +132,29 @@ def test_a_sites_privacy_policy_counts_the_methods_own_dp() -> None:
         with pytest.raises(PolicyRefusal, match=r"rule min_noise_multiplier: dp_fedavg_opacus_sgd adds noise "
                                                 r"multiplier 1.2"):
             SitePolicy(min_noise_multiplier=2.0).check(ctl, lambda: 40)
+
+
+def test_a_methods_own_dp_gets_the_engines_noise_to_signal_rows(tiny_fl: dict, resolve: Any) -> None:
+    """Issue 48, item 7: the engine writes the noise against the clipped signal of the
+    method's declared DP too, from the declaration and the steps the clients report."""
+    from contract_methods import methods_registered
+    from medfl.filters import trainable_count
+    from medfl.privacy.signal import noise_to_signal
+
+    fl = {**_fl(tiny_fl), "rounds": 1}
+    with methods_registered(_dp_fedavg(), name="dp-fedavg-test"):
+        out = run_experiment(resolve(fl))
+    run = Path(out["dir"]) / "test_dp_fedavg"
+    cfg = json.loads((run / "config.json").read_text())["privacy"]["dp_fedavg_opacus_sgd"]
+    tm = pd.read_csv(run / "train_metrics.csv", dtype={"client_id": str}).set_index("client_id")
+    mech = pd.read_csv(run / "mechanisms.csv", dtype={"id": str})
+    mech = mech[mech["mechanism"] == "dp_fedavg_opacus_sgd"].set_index(["scope", "id", "name"])["value"]
+    d = trainable_count({"name": "two_block_cnn", "spatial_dims": 2, "in_channels": 1, "num_classes": 2})
+    steps, batches = [], []
+    for cid, q in cfg["sample_rate"].items():
+        t, b = float(cfg["steps_per_update"][cid]), q * int(tm.loc[cid, "num_examples"])
+        assert mech["client", cid, "steps"] == t and mech["client", cid, "expected_batch"] == pytest.approx(b)
+        assert mech["client", cid, "noise_to_signal"] == pytest.approx(noise_to_signal(d, [1.2], [t], [b]))
+        steps.append(t), batches.append(b)
+    assert mech["round", "mean", "clients"] == 3
+    assert mech["round", "mean", "noise_to_signal"] == pytest.approx(noise_to_signal(d, [1.2] * 3, steps, batches))
