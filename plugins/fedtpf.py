@@ -332,8 +332,16 @@ class FedTPF(Method):
     noisy inputs, so ``"x_s"`` can only fire with little noise). The client keeps its own
     history and applies the stop condition
     (:func:`~medfl.losses.feature_distill.stop_condition_check`: accuracy >=
-    ``target_accuracy - tolerance``, cosine < ``max_cosine``, each moving at most
-    ``max_change`` over the last ``window`` evaluations). A client that meets it freezes the
+    ``target_accuracy - tolerance``, ``|cos|`` < ``max_cosine`` (the cosine being each
+    sample's ``|cos|`` averaged; ``cosine_reading="signed"``: the signed mean, the sentence's
+    words taken literally, under which x_r anti-aligned with x_s passes), each moving at most
+    ``max_change`` over the last ``window`` evaluations (in points, ``change_reading=
+    "absolute"``, or relative to the window's mean size, ``"relative"``); ``accuracy_ci=
+    "wilson"``: the accuracy criterion reads the lower end of the accuracy's 95 % Wilson
+    interval on the validation split, one reading of the paper's "(with a 95% confidence
+    interval)"; the window counts rounds, one validation of the aggregated model each, where
+    the paper writes "three consecutive training epochs": :data:`PAPER_SOURCES` gives each
+    reading and the other). A client that meets it freezes the
     distillation model it was sent (it stops training it and computing prototypes and, when
     sampled, replies the frozen model) and reports ``converged``; from the next round on its
     weight is eq. 8's ``alpha_k(t)``, ``Delta_perf`` the mean change of ``p_k`` over the
@@ -371,6 +379,21 @@ class FedTPF(Method):
     signal of norm at most ``clip`` (d coordinates), so noise-to-signal is at least
     ``z * sqrt(d)`` at any clip (about 30 for 28 x 28 x 3 features at epsilon 8); a clip
     above the features' norms only makes it worse.
+
+    **The scale** (``standardize``): the paper's images are "standardized through
+    preprocessing" (Sec. IV-A), so its ``x_s`` and its noise of variance ``sigma_s^2`` live on
+    standardized inputs. ``standardize="client"`` (the ``"paper"`` preset) standardizes each
+    client's inputs per channel with the mean and std of its own training split before the
+    distillation model (which is trained, validated and releases on that scale): the noise
+    and the release's ``x_p = x_s' + n`` are on it, and ``mechanisms.csv`` gives the
+    noise-to-signal on it (``noise_to_signal``) and on the engine's input scale
+    (``noise_to_signal_input``). A ``{"mean": [...], "std": [...]}`` is a fixed, public
+    normalization instead; ``"none"`` (the default) works on the engine's input scale (the
+    fixtures' pixels in [0, 1], on which variance 0.15 is 2-3x the signal). In stage 2 a
+    client multiplies ``D^s`` by its own std (the task model reads its input scale; the mean
+    cancels in a residual), exact for a fixed normalization, an approximation of each sender's
+    std for ``"client"``. The statistics never leave the client, but the released features
+    are on its scale, so they carry its std (the release's ``not_covered`` says so).
 
     **Stage 2** (rounds after the transition): FedAvg of phi, each sampled client training on
     ``D^k union D^s`` for ``fl.train.epochs``. ``mix=None``: one dataset of both, shuffled
@@ -434,6 +457,12 @@ class FedTPF(Method):
     (PathMNIST fixture, 5 clients, 8 rounds, one seed: global-test accuracy 0.82 with ``None``
     against 0.74 with ``mix=0.5`` at the paper's noise, 0.48 against 0.21 at epsilon 8;
     FedAvg 0.60).
+
+    **Scored from** (:meth:`scored_from`): the release round, the first whose task model was
+    trained with the shared set; stage 1's task model is plain FedAvg. **Eq. 8's lambda** is
+    not in the paper: when every alpha of stage 1 stays within 1 % of 1 the run warns that the
+    decay cannot change the aggregate (and with which lambda it would);
+    ``experiments/fedtpf_probe.py --decay-lambdas`` sweeps it.
 
     Ablations: ``lambda_proto=0`` (no prototypes), ``decay=False`` (plain FedAvg of the
     distillation models), ``lambda_wgan=0`` (no critic), ``epsilon=None`` (noise off,

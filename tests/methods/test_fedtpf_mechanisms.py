@@ -178,11 +178,14 @@ def test_fedfed_with_the_same_noise_gives_other_numbers(acting: Path, tmp_path: 
 
 # ---------------------------------------------------------------------------- the paper's preset
 def test_the_paper_preset_resolves_to_the_documented_values(tmp_path: Path) -> None:
-    entry = {"name": "fedtpf", "preset": "paper", "distill_rounds": 1, "distill_steps": 2, **SMALL}
+    # on the input scale: after 2 distillation steps x_s is nearly the image, and the paper's variance on its
+    # standardized scale leaves the release a copy of it, which the content guard refuses (as it should)
+    entry = {"name": "fedtpf", "preset": "paper", "distill_rounds": 1, "distill_steps": 2, "standardize": "none",
+             **SMALL}
     run = _run(tmp_path, entry, rounds=2)
     block = json.loads((run / "config.json").read_text())["preset"]
     assert block["name"] == "paper" and block["source"] == PAPER_PRESET.source
-    own = {"distill_rounds", "distill_steps", *SMALL}
+    own = {"distill_rounds", "distill_steps", "standardize", *SMALL}
     for key, value in PAPER_PRESET.values.items():
         if key in own:
             assert block["values"][key]["from"] == "config"
