@@ -1105,11 +1105,11 @@ class FedTPF(Method):
                        f": under eq. 8 as printed a lambda of at least {-math.log(DECAY_INERT) / biggest:.3g} "
                        f"would bring alpha below {DECAY_INERT:g} at that change" if biggest > 0
                        and self.decay_reading == "printed" else ""))
+            fix = ("raise decay_lambda (the paper gives no value; experiments/fedtpf_probe.py --decay-lambdas "
+                   "sweeps it)" if self.stopped_at else "a stop condition this data can meet comes first")
             say("decay", f"eq. 8's decay left every aggregation weight of stage 1 within {1 - DECAY_INERT:.0%} of 1 "
                          f"(alpha >= {min(alphas):.4f} with decay_lambda {self.decay_lambda:g}): it cannot change "
-                         f"the aggregated distillation model measurably; {why}. Raise decay_lambda (the paper gives "
-                         "no value; experiments/fedtpf_probe.py --decay-lambdas sweeps it) or set decay=False to say "
-                         "so")
+                         f"the aggregated distillation model measurably; {why}; {fix}, or set decay=False to say so")
         if self.release_round == round and self.release_stats:
             ratios = [s["noise_to_signal"] for s in self.release_stats.values()
                       if math.isfinite(s.get("noise_to_signal", math.nan))]

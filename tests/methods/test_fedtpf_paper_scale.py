@@ -213,6 +213,15 @@ def test_a_decay_that_cannot_change_the_aggregate_is_warned_with_the_lambda_that
     m2.server_validate(3, {c: {"residual_accuracy": 0.5} for c in "012"})
     assert m2.log[-1]["alpha"]["0"] == pytest.approx(math.exp(-0.03))
     assert not [w for w in m2.mechanism_warnings(3) if "weight of stage 1" in w]
+    # nobody stopped: no lambda can act, and the warning says the stop condition comes first
+    m3 = FedTPF(distill_rounds=2, decay_lambda=100.0, stop_on="x_s", **SMALL)
+    m3.setup(_fed())
+    for rnd in (1, 2):
+        m3.server_update(rnd, _replies(m3))
+        m3.server_validate(rnd, {c: {"residual_accuracy": 0.2 * rnd} for c in "012"})
+    warned = [w for w in m3.mechanism_warnings(2) if "weight of stage 1" in w]
+    assert len(warned) == 1 and "no client met the stop condition" in warned[0]
+    assert "a stop condition this data can meet comes first" in warned[0]
 
 
 def test_scored_from_is_the_first_round_trained_with_the_shared_set() -> None:
