@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     entries = with_lambdas(json.loads(a.entries), a.decay_lambdas)
     fl: dict[str, Any] = {
         "name": a.name, "output_dir": str(a.out / "runs"), "seed": a.seed, "rounds": a.rounds,
-        "num_clients": a.clients, "fraction": a.fraction, "progress": False, "overwrite": True, "eval_every": 0,
+        "num_clients": a.clients, "fraction": a.fraction, "progress": False, "overwrite": True,
+        "eval_every": 1 if a.curves else 0,
         "dataset": {"name": "manifest", "path": str(prepare(a) / "manifest.csv"), "column": "path",
                     "num_classes": 9, "cache": "memory"},
         "partition": SPLITS[a.split], "client_split": {"train": 0.85, "val": 0.15},

@@ -244,3 +244,32 @@ def test_scored_from_is_the_first_round_trained_with_the_shared_set() -> None:
         restored.setup(_fed())
         restored.load_state_dict(m.state_dict())
         assert restored.scored_from(4) == 3
+
+
+# ---------------------------------------------------------------------------- the lambda sweep's helpers
+def test_the_probe_runs_each_fedtpf_entry_once_per_lambda_and_tabulates_alpha(tmp_path, monkeypatch) -> None:
+    import importlib
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "experiments"))
+    probe = importlib.import_module("fedtpf_probe")
+    entries = [{"name": "fedavg"}, {"name": "fedtpf", "label": "tpf", "preset": "paper"},
+               {"name": "fedtpf", "decay": False}]
+    got = probe.with_lambdas(entries, [1.0, 30.0])
+    assert got == [{"name": "fedavg"},
+                   {"name": "fedtpf", "label": "tpf_lambda1", "preset": "paper", "decay_lambda": 1.0},
+                   {"name": "fedtpf", "label": "tpf_lambda30", "preset": "paper", "decay_lambda": 30.0},
+                   {"name": "fedtpf", "decay": False}]
+    assert probe.with_lambdas(entries, []) == entries
+    runs = {}
+    for label, lam, alphas in (("a", 1.0, (0.997, 1.0)), ("b", 30.0, (0.91, 1.0))):
+        (tmp_path / label).mkdir()
+        report = {"decay": {"on": True, "lambda": lam, "min_alpha": alphas[0], "max_alpha": alphas[1],
+                            "inert": alphas[0] >= 0.99},
+                  "stopped_at": {"0": 2}, "stop_condition": {"clients": 3}}
+        (tmp_path / label / "summary.json").write_text(json.dumps({"method_report": report}))
+        runs[label] = tmp_path / label
+    table = probe.alpha_table(runs)
+    assert table[["arm", "lambda", "min_alpha", "inert"]].values.tolist() == [["a", 1.0, 0.997, True],
+                                                                               ["b", 30.0, 0.91, False]]
