@@ -34,6 +34,7 @@ from medfl.losses.feature_distill import (
     stop_condition_check,
 )
 from medfl.messages import RELEASE_CLIP, RELEASE_FLAG, Instruction, Reply, state_mismatch
+from medfl.guard.params import PLANE_MIN_CORR
 from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
 from medfl.models.feature_distill import Critic, DistillVAE, DistillWeights, distill_step, parameters_of
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, noise_for_epsilon
@@ -1039,9 +1040,12 @@ class FedTPF(Method):
     def mechanism_warnings(self, round: int) -> list[str]:
         """What keeps a mechanism from acting, said once each: the residual classifier at
         chance on ``x_s`` (the stop condition cannot fire), its best accuracy below the
-        target halfway to the cap, stage 1 ending at the cap, and noise that drowns the
-        signal (noise norm >= signal norm in the validation or the release, or the accuracy
-        on ``x_p`` at chance)."""
+        target halfway to the cap, stage 1 ending at the cap, noise that drowns the signal
+        (noise norm >= signal norm in the validation or the release, or the accuracy on
+        ``x_p`` at chance), the paper's fixed noise too small for the content guard to let a
+        release of a still image-like ``x_s`` leave (noise-to-signal below about 0.33: ``x_p``
+        correlates >= 0.95 with ``x_s``), and eq. 8's decay leaving every alpha of stage 1
+        within 1 % of 1 (it cannot change the aggregate)."""
         out: list[str] = []
 
         def say(kind: str, text: str) -> None:
@@ -1078,6 +1082,15 @@ class FedTPF(Method):
                                                        "release below z * sqrt(d)"
                                                        if self.noise is None and self.clip != "public_quantile"
                                                        else ""))
+            # x_p = x_s + n correlates with x_s at about 1 / sqrt(1 + r^2), r the noise-to-signal
+            copy = math.sqrt(1.0 / PLANE_MIN_CORR ** 2 - 1.0)
+            if self.noise is not None and ratios and sorted(ratios)[len(ratios) // 2] < copy:
+                say("copy", f"the noise's norm is {sorted(ratios)[len(ratios) // 2]:.3g}x the signal's (median; on "
+                            f"the {self._scale_text()} scale): x_p correlates with x_s at about "
+                            f"{1 / math.sqrt(1 + sorted(ratios)[len(ratios) // 2] ** 2):.3f}, so where x_s is still "
+                            f"nearly the image the content guard refuses the release as a noisy copy (correlation >= "
+                            f"{PLANE_MIN_CORR:g}) and the run stops; distill longer (distill_steps, distill_rounds, "
+                            f"a stop condition that fires later) or raise noise.variance")
             n_val = min((len(h) for h in self.history.values()), default=0)
             if (self.stop_condition and round >= math.ceil(self.distill_rounds / 2) and n_val >= self.window
                     and self.stage == "distill"):
