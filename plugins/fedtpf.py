@@ -1082,15 +1082,19 @@ class FedTPF(Method):
                                                        "release below z * sqrt(d)"
                                                        if self.noise is None and self.clip != "public_quantile"
                                                        else ""))
-            # x_p = x_s + n correlates with x_s at about 1 / sqrt(1 + r^2), r the noise-to-signal
+            # x_p = x_s + n correlates with x_s at about 1 / sqrt(1 + r^2), r the noise-to-signal; a client's
+            # samples spread around its mean r (label_skew_2 fixture, seed 1: a client at r = 0.41-0.44 on its
+            # validation split had 5 training samples refused), hence the margin of 1.5 on the lowest client
             copy = math.sqrt(1.0 / PLANE_MIN_CORR ** 2 - 1.0)
-            if self.noise is not None and ratios and sorted(ratios)[len(ratios) // 2] < copy:
-                say("copy", f"the noise's norm is {sorted(ratios)[len(ratios) // 2]:.3g}x the signal's (median; on "
-                            f"the {self._scale_text()} scale): x_p correlates with x_s at about "
-                            f"{1 / math.sqrt(1 + sorted(ratios)[len(ratios) // 2] ** 2):.3f}, so where x_s is still "
-                            f"nearly the image the content guard refuses the release as a noisy copy (correlation >= "
-                            f"{PLANE_MIN_CORR:g}) and the run stops; distill longer (distill_steps, distill_rounds, "
-                            f"a stop condition that fires later) or raise noise.variance")
+            low = min(ratios, default=math.inf)
+            if self.noise is not None and low < 1.5 * copy:
+                say("copy", f"the noise's norm is {low:.3g}x the signal's on the lowest client (on the "
+                            f"{self._scale_text()} scale): x_p correlates with x_s at about "
+                            f"{1 / math.sqrt(1 + low ** 2):.3f} on average and more on some samples, so where x_s "
+                            f"is still nearly the image the content guard refuses the release as a noisy copy "
+                            f"(correlation >= {PLANE_MIN_CORR:g}) and the run stops; distill longer "
+                            f"(distill_steps, distill_rounds, a stop condition that fires later) or raise "
+                            f"noise.variance")
             n_val = min((len(h) for h in self.history.values()), default=0)
             if (self.stop_condition and round >= math.ceil(self.distill_rounds / 2) and n_val >= self.window
                     and self.stage == "distill"):
