@@ -11,6 +11,16 @@ as ``fl.public_dataset`` for ``clip: "public_quantile"``).
 
     python experiments/fedtpf_probe.py --rounds 7 --entries '[{"name": "fedtpf", "distill_rounds": 5},
         {"name": "fedtpf", "label": "paper_noise", "distill_rounds": 5, "noise": {"variance": 0.15}, "epsilon": null}]'
+
+``--decay-lambdas L ...`` runs every FedTPF entry with decay on once per eq. 8 lambda (labels
+``<label>_lambda<L>``) and prints, per lambda, the range of alpha over stage 1 (every client
+and round aggregated) and whether it stayed within 1 % of 1 (the decay cannot change the
+aggregate: FedTPF warns). ``--curves`` prints every arm's global-test accuracy round by round
+(the mean over the evaluating clients of ``metrics.csv``) and the round each is scored from
+(FedTPF/FedFed: the release round, the first trained with the shared set).
+
+    python experiments/fedtpf_probe.py --split label_skew_2 --rounds 8 --decay-lambdas 1 10 100 \
+        --entries '[{"name": "fedtpf", "preset": "paper", "distill_rounds": 5, "target_accuracy": 0.5}]'
 """
 
 from __future__ import annotations
@@ -26,8 +36,11 @@ import pandas as pd
 import torch
 
 from fedtpf_compare import ROOT, SPLITS, prepare, prepare_public
+from medfl.arm_report import round_curves
 from medfl.config import resolve_config
 from medfl.experiment import run_experiment
+
+__all__ = ["describe", "with_lambdas", "alpha_table", "curves", "main"]
 
 
 def describe(run: Path) -> list[str]:
@@ -59,6 +72,48 @@ def describe(run: Path) -> list[str]:
     return lines
 
 
+def with_lambdas(entries: list[dict[str, Any]], lambdas: list[float]) -> list[dict[str, Any]]:
+    """``entries`` with every FedTPF entry whose decay is on replaced by one copy per eq. 8
+    lambda, labelled ``<label>_lambda<L>``; the other entries unchanged."""
+    out: list[dict[str, Any]] = []
+    for entry in entries:
+        if entry.get("name") != "fedtpf" or entry.get("decay") is False or not lambdas:
+            out.append(entry)
+            continue
+        label = str(entry.get("label", entry["name"]))
+        out += [{**entry, "label": f"{label}_lambda{lam:g}", "decay_lambda": float(lam)} for lam in lambdas]
+    return out
+
+
+def alpha_table(runs: dict[str, Path]) -> pd.DataFrame:
+    """Per FedTPF run: eq. 8's lambda, the smallest and largest alpha of stage 1 (over every
+    aggregated client and round), the clients that stopped, and whether alpha stayed within
+    1 % of 1 (``inert``: the decay cannot change the aggregate)."""
+    rows = []
+    for label, run in runs.items():
+        rep = json.loads((run / "summary.json").read_text()).get("method_report", {})
+        decay = rep.get("decay")
+        if not decay or not decay.get("on"):
+            continue
+        rows.append({"arm": label, "lambda": decay.get("lambda"), "min_alpha": decay.get("min_alpha"),
+                     "max_alpha": decay.get("max_alpha"), "stopped": len(rep.get("stopped_at", {})),
+                     "clients": rep.get("stop_condition", {}).get("clients"), "inert": decay.get("inert")})
+    return pd.DataFrame(rows)
+
+
+def curves(runs: dict[str, Path], split: str = "global_test", metric: str = "accuracy") -> pd.DataFrame:
+    """Per round (rows) and arm (columns): the mean over the evaluating clients of ``metric``
+    on ``split`` (from each run's ``metrics.csv``)."""
+    cols = {}
+    for label, run in runs.items():
+        metrics = pd.read_csv(run / "metrics.csv", dtype={"client_id": str}, keep_default_na=False,
+                              na_values=["", "nan", "NaN"])
+        per = round_curves(metrics)
+        per = per[per["split"] == split]
+        cols[label] = per.set_index("round")[metric]
+    return pd.DataFrame(cols)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the entries and print what their mechanisms did."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -71,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", type=int, default=900, help="fixture tiles over train/val/test")
     p.add_argument("--public", type=int, default=0, metavar="N", help="N public tiles (clip public_quantile)")
+    p.add_argument("--decay-lambdas", nargs="*", type=float, default=[], metavar="L",
+                   help="run every FedTPF entry with decay on once per eq. 8 lambda; print alpha's range per lambda")
+    p.add_argument("--curves", action="store_true", help="print every arm's global-test accuracy per round")
     p.add_argument("--name", default="probe")
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "fedtpf_probe")
     p.add_argument("--smoke", action="store_true",
@@ -86,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MEDFL_NO_PROGRESS", "1")
     torch.set_num_threads(1)
     a.out.mkdir(parents=True, exist_ok=True)
-    entries = json.loads(a.entries)
+    entries = with_lambdas(json.loads(a.entries), a.decay_lambdas)
     fl: dict[str, Any] = {
         "name": a.name, "output_dir": str(a.out / "runs"), "seed": a.seed, "rounds": a.rounds,
-        "num_clients": a.clients, "fraction": a.fraction, "progress": False, "overwrite": True, "eval_every": 0,
+        "num_clients": a.clients, "fraction": a.fraction, "progress": False, "overwrite": True,
+        "eval_every": 1 if a.curves else 0,
         "dataset": {"name": "manifest", "path": str(prepare(a) / "manifest.csv"), "column": "path",
                     "num_classes": 9, "cache": "memory"},
         "partition": SPLITS[a.split], "client_split": {"train": 0.85, "val": 0.15},
@@ -102,8 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     out = run_experiment(resolve_config(fl))
     print(f"# {a.name}: {a.split}, {a.clients} clients, {a.rounds} rounds, seed {a.seed}, "
           f"{time.time() - started:.0f} s")
-    for entry in entries:
-        print("\n".join(describe(Path(out["dir"]) / str(entry.get("label", entry["name"])))))
+    runs = {str(e.get("label", e["name"])): Path(out["dir"]) / str(e.get("label", e["name"])) for e in entries}
+    for run in runs.values():
+        print("\n".join(describe(run)))
+    if a.decay_lambdas:
+        print(f"\n# eq. 8's alpha over stage 1 per lambda ({a.clients} clients, seed {a.seed}):")
+        print(alpha_table(runs).to_string(index=False))
+    if a.curves:
+        scored = {}
+        for label, run in runs.items():
+            rel = json.loads((run / "summary.json").read_text()).get("method_report", {}).get("transition", {})
+            scored[label] = rel.get("release_round", 1)
+        print(f"\n# global_test accuracy per round, mean over the evaluating clients (seed {a.seed}); scored from "
+              f"round: {scored}")
+        print(curves(runs).round(4).to_string())
     return 0
 
 

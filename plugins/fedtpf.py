@@ -23,6 +23,8 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 from medfl import hookimpl
 from medfl.training import StepMeans, get_state, make_optimizer, train_epochs, weighted_average
 from medfl.losses.feature_distill import (
+    CHANGE_READINGS,
+    COSINE_READINGS,
     DECAY_READINGS,
     STOP_CRITERIA,
     class_prototypes,
@@ -32,6 +34,7 @@ from medfl.losses.feature_distill import (
     stop_condition_check,
 )
 from medfl.messages import RELEASE_CLIP, RELEASE_FLAG, Instruction, Reply, state_mismatch
+from medfl.guard.params import PLANE_MIN_CORR
 from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
 from medfl.models.feature_distill import Critic, DistillVAE, DistillWeights, distill_step, parameters_of
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, noise_for_epsilon
@@ -47,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
 
 __all__ = ["FedTPF", "FedFed", "SharedSet", "MixedBatches", "PAPER_PRESET", "CHANCE_MARGIN", "CHANCE_ROUNDS",
-           "register_methods"]
+           "PAPER_SOURCES", "register_methods"]
 
 State = dict[str, torch.Tensor]
 #: the stages an instruction's ``config["stage"]`` names
@@ -57,6 +60,16 @@ STAGES = ("distill", "release", "train")
 STOP_ON = ("x_p", "x_s")
 #: the distillation model's optimizers (``distill_optimizer``); the critic always uses Adam
 DISTILL_OPTIMIZERS = ("adam", "sgd")
+#: what the stop condition's accuracy criterion reads (``accuracy_ci``): the accuracy itself
+#: (``"none"``) or the lower end of its 95 % Wilson interval on the validation split (``"wilson"``)
+ACCURACY_CI = ("none", "wilson")
+#: the scale the distillation model, the noise and the release work on (``standardize``, or a
+#: ``{"mean": [...], "std": [...]}`` per-channel normalization given in the config): the
+#: engine's input scale (``"none"``) or each client's inputs standardized per channel with the
+#: mean and standard deviation of its own training split (``"client"``)
+STANDARDIZE = ("none", "client")
+#: the alpha all of stage 1 must stay at or above (within 1 % of 1) for the decay warning
+DECAY_INERT = 0.99
 #: how far above chance an accuracy may sit and still count as "at chance" in the warnings
 #: (a client's chance is the larger of 1/K and its validation split's most common class)
 CHANCE_MARGIN = 0.05
@@ -176,54 +189,101 @@ def _fmt_ids(ids: list[str]) -> str:
     return ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
 
 
+#: Where each value of the ``"paper"`` preset comes from (:attr:`medfl.method.Preset.sources`).
+#: The quoted stop-condition sentence is Sec. III-D's: "When local testing indicates that the
+#: classifier achieves a classification accuracy of 90% +- 2% on the generalizable features x_s
+#: (with a 95% confidence interval), and the cosine similarity between the generator's
+#: reconstructed features x_r and the generalizable features x_s remains consistently below
+#: 0.15, with both indicators fluctuating by no more than 5% over three consecutive training
+#: epochs, we consider the client to have completed the core task of feature disentanglement".
+PAPER_SOURCES: dict[str, str] = {
+    "noise": "open: Table VIII evaluates sigma_s^2 = 0.15, 0.20 and 0.25 (Gaussian and Laplace) and Sec. IV-B "
+             "writes x_p = x_s + n, n ~ N(0, sigma_s^2 I); which variance Tables III-VII use is not stated: medfl "
+             "takes 0.15, the least noise, added on the standardized scale (standardize)",
+    "epsilon": "paper: Sec. IV-B (Privacy Verification), x_p = x_s + n, n ~ N(0, sigma_s^2 I), and Table VIII: "
+               "the noise is given by its variance, no clip and no epsilon (so no DP guarantee: epsilon null)",
+    "mechanism": "paper: Sec. IV-B, n ~ N(0, sigma_s^2 I) (Gaussian); Table VIII's Laplace rows are the "
+                 "mechanism='laplace' option",
+    "standardize": "reading: Sec. IV-A, 'All images have been standardized through preprocessing' (PathMNIST; "
+                   "LC25000 and CelebA: 'standard normalization'), so x_s and the noise live on standardized "
+                   "inputs; which mean and std is not said: medfl reads per-channel statistics of each client's own "
+                   "training split (no client holds the dataset's); other reading: one fixed dataset "
+                   "normalization, standardize={'mean': [...], 'std': [...]} (public constants)",
+    "stop_condition": "paper: Sec. III-D, the threshold condition that freezes a client's distillation model",
+    "target_accuracy": "paper: Sec. III-D, 'a classification accuracy of 90% +- 2% on the generalizable features x_s'",
+    "tolerance": "paper: Sec. III-D, '90% +- 2%'",
+    "accuracy_ci": "reading: Sec. III-D, '90% +- 2% on the generalizable features x_s (with a 95% confidence "
+                   "interval)': how the interval enters the test is not said; medfl tests the accuracy itself "
+                   "against 90% - 2%; other reading: accuracy_ci='wilson', the lower end of the accuracy's 95% "
+                   "Wilson interval on the client's validation split must reach 88% (a third: +- 2% is the "
+                   "interval's half-width, which fixes the validation size, not the test)",
+    "max_cosine": "paper: Sec. III-D, 'the cosine similarity between ... x_r and ... x_s remains consistently "
+                  "below 0.15'",
+    "cosine_reading": "reading: Sec. III-D, 'the cosine similarity between the generator's reconstructed features "
+                      "x_r and the generalizable features x_s remains consistently below 0.15', the test of "
+                      "'separating local features from generalized features' (same section): medfl reads |cos| < "
+                      "0.15 (near orthogonal; x_r anti-aligned with x_s at -0.6 is not separated from it); other "
+                      "reading: the words taken literally, signed cos < 0.15 (cosine_reading='signed')",
+    "window": "reading: Sec. III-D, 'over three consecutive training epochs': medfl tests the aggregated "
+              "distillation model once per round (eq. 9's p_k(t) is per round too) and counts three rounds, each "
+              "of distill_epochs local epochs; other reading: three consecutive local epochs of the client's own "
+              "model, tested after each epoch (not implemented: medfl's test is of the global model)",
+    "max_change": "reading: Sec. III-D, 'both indicators fluctuating by no more than 5%': medfl reads 5 points "
+                  "(range over the window <= 0.05, change_reading='absolute'); other reading: 5% of the value "
+                  "(change_reading='relative')",
+    "change_reading": "reading: Sec. III-D, 'fluctuating by no more than 5%': medfl reads an absolute range of 0.05; "
+                      "other reading: change_reading='relative', the range over the window's mean size (hard for a "
+                      "cosine near 0: 0.01 to 0.02 is a 67% change)",
+    "decay": "paper: Sec. III-D, eq. 8 (adaptive weight decay aggregation)",
+    "decay_reading": "reading: eq. 8 as printed, alpha_k(t) = exp(-lambda max(0, Delta_perf(t))) (a larger "
+                     "accuracy change gives a smaller weight); other reading: Sec. III-D's prose, 'if the accuracy "
+                     "difference is large, the aggregation weight ... will increase, slowing down the decay' "
+                     "(decay_reading='prose')",
+    "stop_on": "reading: Sec. III-D states the accuracy both 'in classifying the input images' (the classifier's "
+               "inputs are x_p = x_s + n, Fig. 2) and 'on the generalizable features x_s'; a classifier trained on "
+               "x_p scores at chance on clean x_s (its BatchNorm statistics are those of noisy inputs; PathMNIST "
+               "fixture: 0.09 on x_s, 0.6 on x_p), so medfl reads x_p; other reading: stop_on='x_s'",
+    "mix": "reading: Algorithm 1, ClientTraining(k, phi^r, D^k union D^s): one dataset of both, shuffled together; "
+           "other reading: a fixed share of shared samples per batch (mix=s); the paper says nothing of batches",
+    "distill_optimizer": "reading: Algorithm 1, LocalDisTraining, 'SGD update use Eq (1)(2)', no learning rate: "
+                         "medfl reads a stochastic-gradient step and uses Adam (plain SGD at 0.01 diverged on the "
+                         "fixture: the reconstruction term sums over every pixel); other reading: plain SGD "
+                         "(distill_optimizer='sgd')",
+    "distill_lr": "open: eta_k is not given: Adam's 1e-3",
+    "decay_lambda": "open: eq. 8's lambda ('the decay intensity hyperparameter') is not given: medfl's 1; with it "
+                    "alpha stays within 1% of 1 on the fixtures (a warning says so; experiments/fedtpf_probe.py "
+                    "--decay-lambdas sweeps it)",
+    "lambda_vae": "open: eq. 7's l_1 is not given: medfl's 1",
+    "lambda_wgan": "open: eq. 7's l_2 is not given: medfl's 0.1",
+    "lambda_proto": "open: eq. 7's l_3 is not given: medfl's 0.1",
+    "lambda_ce": "open: eq. 7's l_4 is not given: medfl's 1",
+    "gp_weight": "open: not given; WGAN-GP's own penalty weight 10 (Gulrajani et al. 2017, the paper's [42])",
+    "distill_rounds": "open: T_d (stage 1's rounds) is not given, nor what happens to a client that never meets "
+                      "the stop condition: medfl caps stage 1 at 10 rounds",
+    "distill_epochs": "open: E_d is not given: medfl's 1 epoch per round",
+    "distill_steps": "open: not in the paper: at least 60 steps per client and round (PathMNIST fixture, noise "
+                     "variance 0.15 on [0, 1] pixels: with one epoch, 4-5 steps, the residual classifier stays at "
+                     "chance on x_p; 60 steps lift it to 0.6 on average; 150 make x_s shrink under the fixed noise)",
+    "train.optimizer": "paper: Algorithm 1, ClientTraining, 'SGD update with D^k_t'",
+}
+
 #: Paper 003's settings (the ``"paper"`` preset of :class:`FedTPF`).
 PAPER_PRESET = Preset(
     source="paper 003 (FedTPF): Algorithm 1, Sec. III-D (stop condition, eqs. 8-9), Sec. III-E and IV-B "
-           "(noise x_p = x_s + n, n ~ N(0, sigma_s^2 I)), Tables III-VIII",
-    description="paper 003's settings: noise of variance 0.15 on unclipped x_s (not private), the 90 % +- 2 % "
-                "stop condition, eq. 8 as printed, SGD for the task model",
+           "(noise x_p = x_s + n, n ~ N(0, sigma_s^2 I)), Sec. IV-A (standardized images), Tables III-VIII",
+    description="paper 003's settings: noise of variance 0.15 on unclipped x_s of standardized inputs (not "
+                "private), the 90 % +- 2 % stop condition with |cos| < 0.15, eq. 8 as printed, SGD for the task model",
     values={
-        "noise": {"variance": 0.15}, "epsilon": None, "mechanism": "gaussian",
-        "stop_condition": True, "target_accuracy": 0.9, "tolerance": 0.02, "max_cosine": 0.15, "window": 3,
-        "max_change": 0.05, "decay": True, "decay_reading": "printed", "stop_on": "x_p", "mix": None,
+        "noise": {"variance": 0.15}, "epsilon": None, "mechanism": "gaussian", "standardize": "client",
+        "stop_condition": True, "target_accuracy": 0.9, "tolerance": 0.02, "accuracy_ci": "none",
+        "max_cosine": 0.15, "cosine_reading": "absolute", "window": 3, "max_change": 0.05,
+        "change_reading": "absolute", "decay": True, "decay_reading": "printed", "stop_on": "x_p", "mix": None,
         "distill_optimizer": "adam", "distill_lr": 1e-3, "decay_lambda": 1.0, "lambda_vae": 1.0,
         "lambda_wgan": 0.1, "lambda_proto": 0.1, "lambda_ce": 1.0, "gp_weight": 10.0, "distill_rounds": 10,
         "distill_epochs": 1, "distill_steps": 60,
     },
     train={"optimizer": "sgd"},
-    open={
-        "noise": "Table VIII evaluates sigma_s^2 = 0.15, 0.20 and 0.25 (and Laplace noise of those "
-                 "intensities); which one Tables III-VII use is not stated: medfl takes 0.15, the least noise",
-        "decay_reading": "eq. 8 as printed; the prose of Sec. III-D says the opposite (a large accuracy change "
-                         "slows the decay): decay_reading='prose' is that reading",
-        "mix": "Algorithm 1 trains on D^k union D^s and says nothing of the batches: medfl shuffles the union "
-               "together (each batch mixes both in proportion to their sizes)",
-        "decay_lambda": "eq. 8's lambda is not given: medfl's 1",
-        "lambda_vae": "eq. 7's l1..l4 are not given: medfl's 1, 0.1, 0.1, 1",
-        "lambda_wgan": "eq. 7's l2 is not given: medfl's 0.1",
-        "lambda_proto": "eq. 7's l3 is not given: medfl's 0.1",
-        "lambda_ce": "eq. 7's l4 is not given: medfl's 1",
-        "gp_weight": "not given; WGAN-GP's own penalty weight (Gulrajani et al. 2017, the paper's [42])",
-        "stop_on": "Sec. III-D states the condition as the classifier's accuracy 'in classifying the input "
-                   "images' (its inputs are x_p = x_s + n, Fig. 2) and as accuracy 'on the generalizable features "
-                   "x_s'; a classifier trained on x_p scores at chance on clean x_s (its BatchNorm statistics are "
-                   "those of noisy inputs; measured on the PathMNIST fixture: 0.09 on x_s, 0.6 on x_p), so medfl "
-                   "reads x_p; stop_on='x_s' is the other reading",
-        "distill_optimizer": "Algorithm 1 writes 'SGD update' for the generator and classifier and gives no "
-                             "learning rate: medfl reads a stochastic-gradient step and uses Adam (plain SGD at "
-                             "0.01 diverged on the fixture: the reconstruction term sums over every pixel); "
-                             "distill_optimizer='sgd' is the literal reading",
-        "distill_lr": "eta_k is not given: Adam's 1e-3 (medfl's choice)",
-        "distill_rounds": "T_d (stage 1's rounds) is not given, nor what happens to a client that never meets "
-                          "the stop condition: medfl caps stage 1 at 10 rounds",
-        "distill_epochs": "E_d is not given: medfl's 1 epoch per round",
-        "distill_steps": "not given: at least 60 steps per client and round, medfl's default (PathMNIST fixture, "
-                         "noise variance 0.15: with one epoch, 4-5 steps, the residual classifier stays at chance "
-                         "on x_p; 60 steps lift it to 0.6 on average; 150 make x_s shrink under the fixed noise)",
-        "train.lr": "not given: the run's fl.train.lr (shared with the experiment's other methods)",
-        "train.batch_size": "not given: the run's fl.train.batch_size",
-        "train.epochs": "E_r is not given: the run's fl.train.epochs",
-    },
+    sources=PAPER_SOURCES,
     experiment={
         "datasets": "LC25000 (224 x 224, 5 classes), PathMNIST (28 x 28, 9 classes), CelebA",
         "partitions": "LDA Dirichlet alpha 0.1 / 0.3 / 1.0 (Tables III, VI), #C=2 and #C=3 label skew (Table IV), "
@@ -269,8 +329,16 @@ class FedTPF(Method):
     noisy inputs, so ``"x_s"`` can only fire with little noise). The client keeps its own
     history and applies the stop condition
     (:func:`~medfl.losses.feature_distill.stop_condition_check`: accuracy >=
-    ``target_accuracy - tolerance``, cosine < ``max_cosine``, each moving at most
-    ``max_change`` over the last ``window`` evaluations). A client that meets it freezes the
+    ``target_accuracy - tolerance``, ``|cos|`` < ``max_cosine`` (the cosine being each
+    sample's ``|cos|`` averaged; ``cosine_reading="signed"``: the signed mean, the sentence's
+    words taken literally, under which x_r anti-aligned with x_s passes), each moving at most
+    ``max_change`` over the last ``window`` evaluations (in points, ``change_reading=
+    "absolute"``, or relative to the window's mean size, ``"relative"``); ``accuracy_ci=
+    "wilson"``: the accuracy criterion reads the lower end of the accuracy's 95 % Wilson
+    interval on the validation split, one reading of the paper's "(with a 95% confidence
+    interval)"; the window counts rounds, one validation of the aggregated model each, where
+    the paper writes "three consecutive training epochs": :data:`PAPER_SOURCES` gives each
+    reading and the other). A client that meets it freezes the
     distillation model it was sent (it stops training it and computing prototypes and, when
     sampled, replies the frozen model) and reports ``converged``; from the next round on its
     weight is eq. 8's ``alpha_k(t)``, ``Delta_perf`` the mean change of ``p_k`` over the
@@ -308,6 +376,21 @@ class FedTPF(Method):
     signal of norm at most ``clip`` (d coordinates), so noise-to-signal is at least
     ``z * sqrt(d)`` at any clip (about 30 for 28 x 28 x 3 features at epsilon 8); a clip
     above the features' norms only makes it worse.
+
+    **The scale** (``standardize``): the paper's images are "standardized through
+    preprocessing" (Sec. IV-A), so its ``x_s`` and its noise of variance ``sigma_s^2`` live on
+    standardized inputs. ``standardize="client"`` (the ``"paper"`` preset) standardizes each
+    client's inputs per channel with the mean and std of its own training split before the
+    distillation model (which is trained, validated and releases on that scale): the noise
+    and the release's ``x_p = x_s' + n`` are on it, and ``mechanisms.csv`` gives the
+    noise-to-signal on it (``noise_to_signal``) and on the engine's input scale
+    (``noise_to_signal_input``). A ``{"mean": [...], "std": [...]}`` is a fixed, public
+    normalization instead; ``"none"`` (the default) works on the engine's input scale (the
+    fixtures' pixels in [0, 1], on which variance 0.15 is 2-3x the signal). In stage 2 a
+    client multiplies ``D^s`` by its own std (the task model reads its input scale; the mean
+    cancels in a residual), exact for a fixed normalization, an approximation of each sender's
+    std for ``"client"``. The statistics never leave the client, but the released features
+    are on its scale, so they carry its std (the release's ``not_covered`` says so).
 
     **Stage 2** (rounds after the transition): FedAvg of phi, each sampled client training on
     ``D^k union D^s`` for ``fl.train.epochs``. ``mix=None``: one dataset of both, shuffled
@@ -372,6 +455,12 @@ class FedTPF(Method):
     against 0.74 with ``mix=0.5`` at the paper's noise, 0.48 against 0.21 at epsilon 8;
     FedAvg 0.60).
 
+    **Scored from** (:meth:`scored_from`): the release round, the first whose task model was
+    trained with the shared set; stage 1's task model is plain FedAvg. **Eq. 8's lambda** is
+    not in the paper: when every alpha of stage 1 stays within 1 % of 1 the run warns that the
+    decay cannot change the aggregate (and with which lambda it would);
+    ``experiments/fedtpf_probe.py --decay-lambdas`` sweeps it.
+
     Ablations: ``lambda_proto=0`` (no prototypes), ``decay=False`` (plain FedAvg of the
     distillation models), ``lambda_wgan=0`` (no critic), ``epsilon=None`` (noise off,
     non-private). ``stop_condition=False`` never freezes (stage 1 runs ``distill_rounds``).
@@ -388,8 +477,9 @@ class FedTPF(Method):
         "frozen", "shared_samples", "shared_fraction",
         "released", "x_norm", "x_s_norm", "x_s_norm_ratio", "epsilon", "noise_std", "clipped_fraction",
         "signal_norm", "noise_norm", "noise_to_signal"}
-    validate_metrics = frozenset({"residual_accuracy", "cosine", "converged", "residual_accuracy_p", "unmet",
-                                  "noise_to_signal", "clipped_fraction", "majority_share"})
+    validate_metrics = frozenset({"residual_accuracy", "cosine", "cosine_signed", "converged", "residual_accuracy_p",
+                                  "unmet", "noise_to_signal", "noise_to_signal_input", "clipped_fraction",
+                                  "majority_share"})
 
     def __init__(self, distill_rounds: int = 10, distill_epochs: int = 1, distill_steps: int = 60,
                  distill_lr: float = 1e-3, distill_optimizer: str = "adam",
@@ -401,7 +491,8 @@ class FedTPF(Method):
                  noise: dict[str, float] | None = None, epsilon: float | None = 8.0, delta: float = 1e-5,
                  clip: float | str = 5.0, clip_quantile: float = 0.5, mechanism: str = "gaussian",
                  accountant: str = "rdp", mix: float | None = None, vae_width: int = 16, vae_grid: int = 4,
-                 critic_width: int = 16) -> None:
+                 critic_width: int = 16, cosine_reading: str = "absolute", change_reading: str = "absolute",
+                 accuracy_ci: str = "none", standardize: str | dict[str, list[float]] = "none") -> None:
         where = f"method {self.name!r}"
 
         def integer(name: str, value: Any, low: int) -> int:
@@ -443,6 +534,10 @@ class FedTPF(Method):
         self.max_cosine = number("max_cosine", max_cosine, -1.0, 1.0)
         self.window = integer("window", window, 1)
         self.max_change = number("max_change", max_change, 0.0)
+        self.cosine_reading = choice("cosine_reading", cosine_reading, COSINE_READINGS)
+        self.change_reading = choice("change_reading", change_reading, CHANGE_READINGS)
+        self.accuracy_ci = choice("accuracy_ci", accuracy_ci, ACCURACY_CI)
+        self.standardize = self._check_standardize(standardize, where)
         self.mechanism = choice("mechanism", mechanism, MECHANISMS)
         self.accountant = accountant
         self.epsilon = None if epsilon is None else number("epsilon", epsilon, 0.0, open_low=True)
@@ -463,6 +558,10 @@ class FedTPF(Method):
             if noise is not None:
                 raise MethodConfigError(f"{where}: clip='public_quantile' is for the DP release; noise={noise!r} "
                                         "is added to unclipped x_s")
+            if standardize == "client":
+                raise MethodConfigError(f"{where}: clip='public_quantile' measures x_s on the public set, which the "
+                                        "coordinator cannot standardize as each client does (standardize='client'): "
+                                        "give a numeric clip or a fixed standardize={'mean': [...], 'std': [...]}")
             self.clip: float | str = clip
         else:
             self.clip = number("clip", clip, 0.0, open_low=True)
@@ -480,6 +579,23 @@ class FedTPF(Method):
             raise MethodConfigError(f"{where}: {e}") from None
         #: the clip the release uses (set at the coordinator for ``"public_quantile"``)
         self.clip_now: float = self.clip if isinstance(self.clip, float) and self.noise is None else math.nan
+
+    @staticmethod
+    def _check_standardize(value: Any, where: str) -> str | dict[str, list[float]]:
+        """``standardize``: ``"none"``, ``"client"`` or ``{"mean": [...], "std": [...]}`` (one
+        finite mean and one std > 0 per channel, as lists of equal length)."""
+        if isinstance(value, str) and value in STANDARDIZE:
+            return value
+        if isinstance(value, dict) and set(value) == {"mean", "std"}:
+            mean, std = value["mean"], value["std"]
+            ok = (isinstance(mean, (list, tuple)) and isinstance(std, (list, tuple)) and len(mean) == len(std) > 0
+                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                          for v in (*mean, *std)) and all(v > 0 for v in std))
+            if ok:
+                return {"mean": [float(v) for v in mean], "std": [float(v) for v in std]}
+        raise MethodConfigError(f"{where}: standardize must be one of {', '.join(STANDARDIZE)} or "
+                                f"{{'mean': [...], 'std': [...]}} (one finite mean and one std > 0 per channel), "
+                                f"got {value!r}")
 
     # ------------------------------------------------------------------ privacy
     def noise_scale(self, clip: float | None) -> float:
@@ -499,6 +615,9 @@ class FedTPF(Method):
         before; it travels in the release instruction); the paper's fixed-variance noise has
         no sensitivity bound (clip infinite, noise multiplier 0: not private)."""
         notes: tuple[str, ...] = (DISTILL_MODEL_NOT_COVERED,)
+        if self.standardize == "client":
+            notes += ("each client's per-channel standard deviation of its training split: the released features "
+                      "are on its standardized scale, (x - x_hat) / std + n, so their scale carries it",)
         keys = {"keys": ("shared_x",), "labels": "shared_y", "noise": self.mechanism, "not_covered": notes}
         if self.noise is not None:
             keys["not_covered"] = notes + (
@@ -513,6 +632,12 @@ class FedTPF(Method):
             return SampleRelease("feature_laplace", sigma, self.clip_now, 1.0, 0.0, "laplace", **keys)
         return SampleRelease("feature_gaussian", self.noise_multiplier, self.clip_now, 1.0, self.delta,
                              self.accountant, **keys)
+
+    def scored_from(self, round: int) -> int | None:
+        """The release round, the first whose task model was trained with the shared set
+        (the transition round's training step, stage 2's first), once it has happened;
+        ``None`` before (stage 1's task model is plain FedAvg)."""
+        return self.release_round if self.release_round and round >= self.release_round else None
 
     def round_releases(self, round: int) -> list[str]:
         """The clients asked for the release in ``round`` (the transition round's first step)."""
@@ -539,6 +664,9 @@ class FedTPF(Method):
                                  f"{where} (client {cid})")
                 except PrivacyConfigError as e:
                     raise MethodConfigError(str(e)) from None
+        if isinstance(self.standardize, dict) and len(self.standardize["mean"]) != federation.in_channels:
+            raise MethodConfigError(f"{where}: standardize gives {len(self.standardize['mean'])} channel(s), the "
+                                    f"data has {federation.in_channels}")
         if self.clip == "public_quantile" and federation.public is None:
             raise MethodConfigError(f"{where}: clip='public_quantile' needs fl.public_dataset (the coordinator "
                                     "measures the norms of x_s on its train split)")
@@ -596,7 +724,7 @@ class FedTPF(Method):
         norms = []
         with torch.no_grad():
             for x, _y in pub.loader("train", batch_size=256, shuffle=False, augment=False):
-                x = x.float()
+                x = self._standardized(x.float(), self._fixed_scale(x.dim()))
                 mu, _ = vae.encode(x)
                 x_s = x - vae.decode(mu, tuple(x.shape[2:]))
                 norms.append(x_s.flatten(1).norm(p=2 if self.mechanism == "gaussian" else 1, dim=1))
@@ -604,6 +732,49 @@ class FedTPF(Method):
             self.clip_now = norm_quantile(torch.cat(norms) if norms else torch.zeros(0), self.clip_quantile)
         except PrivacyConfigError as e:
             raise MethodConfigError(f"method {self.name!r}: clip='public_quantile' on fl.public_dataset: {e}") from None
+
+    def _fixed_scale(self, ndim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``standardize``'s fixed ``(mean, std)``, shaped to broadcast over ``ndim``-d batches;
+        ``None`` unless a fixed normalization is configured."""
+        if not isinstance(self.standardize, dict):
+            return None
+        shape = (1, -1) + (1,) * (ndim - 2)
+        return (torch.tensor(self.standardize["mean"]).view(shape), torch.tensor(self.standardize["std"]).view(shape))
+
+    def _client_scale(self, client: ClientContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``(mean, std)`` per channel this client standardizes with (``standardize``),
+        shaped ``(1, C, 1, ...)`` on its device: the fixed ones, or those of its own training
+        split (without augmentation, pooled over samples and positions; measured once and
+        kept in its state: statistics of its own data, which never leave it except as the
+        scale of what it releases), ``None`` for ``"none"``."""
+        ndim = len(tuple(client.sample_shape)) + 1
+        fixed = self._fixed_scale(ndim)
+        if fixed is not None:
+            return fixed[0].to(client.device), fixed[1].to(client.device)
+        if self.standardize == "none":
+            return None
+        kept = client.state.get("fedtpf_scale")
+        if kept is None:
+            total = square = count = None
+            for x, _y in client.loader("train", augment=False, shuffle=False):
+                x = x.double().transpose(0, 1).flatten(1)   # (C, N * positions)
+                total = x.sum(1) if total is None else total + x.sum(1)
+                square = (x * x).sum(1) if square is None else square + (x * x).sum(1)
+                count = x.shape[1] + (count or 0)
+            if not count:
+                return None
+            mean = total / count
+            std = (square / count - mean * mean).clamp_min(0.0).sqrt()
+            kept = {"mean": [float(v) for v in mean], "std": [max(float(v), 1e-6) for v in std]}
+            client.state["fedtpf_scale"] = kept
+        shape = (1, -1) + (1,) * (ndim - 2)
+        return (torch.tensor(kept["mean"]).view(shape).to(client.device),
+                torch.tensor(kept["std"]).view(shape).to(client.device))
+
+    @staticmethod
+    def _standardized(x: torch.Tensor, scale: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``(x - mean) / std`` per channel (``x`` itself without a scale)."""
+        return x if scale is None else (x - scale[0]) / scale[1]
 
     def _clip_config(self) -> dict[str, Any]:
         """The clip a client needs from the coordinator (only ``"public_quantile"``'s)."""
@@ -741,9 +912,17 @@ class FedTPF(Method):
         if odd:
             self.transition["left_out"] = {cid: f"feature shape {shapes[cid]}, the others' {shape}" for cid in odd}
         self._rows.append({"mechanism": "release", "scope": "run", "clip": self.transition["clip"],
-                           "clip_source": self._clip_source(), "noise": self._noise_text(),
+                           "clip_source": self._clip_source(), "noise": self._noise_text(), "scale": self._scale_text(),
                            "noise_per_coordinate": self.noise_scale(self.transition["clip"]),
                            "shared_samples": self.transition["shared_samples"]})
+
+    def _scale_text(self) -> str:
+        """The scale the noise is added on (``standardize``), for ``mechanisms.csv``."""
+        if self.standardize == "none":
+            return "input"
+        if self.standardize == "client":
+            return "standardized (each client's own per-channel mean and std)"
+        return "standardized (fixed per-channel mean and std)"
 
     def _clip_source(self) -> str:
         if self.noise is not None:
@@ -783,8 +962,8 @@ class FedTPF(Method):
             self.log[-1].update({"delta_perf": self.delta_perf,
                                  "mean_residual_accuracy": (sum(p_now.values()) / len(p_now)) if p_now else None,
                                  "converged": len(self.stopped_at)})
-        keys = ("residual_accuracy", "residual_accuracy_p", "cosine", "unmet", "noise_to_signal", "clipped_fraction",
-                "majority_share")
+        keys = ("residual_accuracy", "residual_accuracy_p", "cosine", "cosine_signed", "unmet", "noise_to_signal",
+                "noise_to_signal_input", "clipped_fraction", "majority_share")
         for cid, m in sorted(results.items()):
             row = {k: _as_float(m.get(k)) for k in keys}
             self.history.setdefault(cid, []).append({"round": float(round), **row})
@@ -797,9 +976,12 @@ class FedTPF(Method):
             self._rows.append({"mechanism": "stop_condition", "scope": "client", "id": cid,
                                "residual_accuracy_x_s": row["residual_accuracy"],
                                "residual_accuracy_x_p": row["residual_accuracy_p"], "cosine": row["cosine"],
+                               "cosine_signed": row["cosine_signed"], "cosine_reading": self.cosine_reading,
                                "unmet": unmet, "stop_round": self._stop_round(cid)})
-            self._rows.append({"mechanism": "noise", "scope": "client", "id": cid,
-                               "noise_to_signal": row["noise_to_signal"], "clipped_fraction": row["clipped_fraction"]})
+            self._rows.append({"mechanism": "noise", "scope": "client", "id": cid, "scale": self._scale_text(),
+                               "noise_to_signal": row["noise_to_signal"],
+                               "noise_to_signal_input": row["noise_to_signal_input"],
+                               "clipped_fraction": row["clipped_fraction"]})
         self._rows.append({"mechanism": "decay", "scope": "run", "delta_perf": self.delta_perf})
         self._rows.append({"mechanism": "stop_condition", "scope": "run", "converged": len(self.stopped_at),
                            "clients": len(self.federation.client_ids), "chance": 1.0 / self.federation.num_classes})
@@ -854,9 +1036,12 @@ class FedTPF(Method):
     def mechanism_warnings(self, round: int) -> list[str]:
         """What keeps a mechanism from acting, said once each: the residual classifier at
         chance on ``x_s`` (the stop condition cannot fire), its best accuracy below the
-        target halfway to the cap, stage 1 ending at the cap, and noise that drowns the
-        signal (noise norm >= signal norm in the validation or the release, or the accuracy
-        on ``x_p`` at chance)."""
+        target halfway to the cap, stage 1 ending at the cap, noise that drowns the signal
+        (noise norm >= signal norm in the validation or the release, or the accuracy on
+        ``x_p`` at chance), the paper's fixed noise too small for the content guard to let a
+        release of a still image-like ``x_s`` leave (noise-to-signal below about 0.33: ``x_p``
+        correlates >= 0.95 with ``x_s``), and eq. 8's decay leaving every alpha of stage 1
+        within 1 % of 1 (it cannot change the aggregate)."""
         out: list[str] = []
 
         def say(kind: str, text: str) -> None:
@@ -893,6 +1078,19 @@ class FedTPF(Method):
                                                        "release below z * sqrt(d)"
                                                        if self.noise is None and self.clip != "public_quantile"
                                                        else ""))
+            # x_p = x_s + n correlates with x_s at about 1 / sqrt(1 + r^2), r the noise-to-signal; a client's
+            # samples spread around its mean r (label_skew_2 fixture, seed 1: a client at r = 0.41-0.44 on its
+            # validation split had 5 training samples refused), hence the margin of 1.5 on the lowest client
+            copy = math.sqrt(1.0 / PLANE_MIN_CORR ** 2 - 1.0)
+            low = min(ratios, default=math.inf)
+            if self.noise is not None and low < 1.5 * copy:
+                say("copy", f"the noise's norm is {low:.3g}x the signal's on the lowest client (on the "
+                            f"{self._scale_text()} scale): x_p correlates with x_s at about "
+                            f"{1 / math.sqrt(1 + low ** 2):.3f} on average and more on some samples, so where x_s "
+                            f"is still nearly the image the content guard refuses the release as a noisy copy "
+                            f"(correlation >= {PLANE_MIN_CORR:g}) and the run stops; distill longer "
+                            f"(distill_steps, distill_rounds, a stop condition that fires later) or raise "
+                            f"noise.variance")
             n_val = min((len(h) for h in self.history.values()), default=0)
             if (self.stop_condition and round >= math.ceil(self.distill_rounds / 2) and n_val >= self.window
                     and self.stage == "distill"):
@@ -912,6 +1110,19 @@ class FedTPF(Method):
                 say("cap", f"stage 1 ended at the cap ({cap}): {len(capped)} of {len(self.federation.client_ids)} "
                            f"client(s) never met the stop condition (stop round 'cap': {_fmt_ids(capped)}), so "
                            "eq. 8's decay never acted on them")
+        alphas = [a for entry in self.log for a in entry["alpha"].values()]
+        if self.decay and self.transition.get("after_round") == round and alphas and min(alphas) >= DECAY_INERT:
+            biggest = max((d for d in self.delta_used.values() if math.isfinite(d)), default=0.0)
+            why = ("no client met the stop condition, so no weight could decay" if not self.stopped_at else
+                   f"the largest Delta_perf used was {biggest:.3g}" + (
+                       f": under eq. 8 as printed a lambda of at least {-math.log(DECAY_INERT) / biggest:.3g} "
+                       f"would bring alpha below {DECAY_INERT:g} at that change" if biggest > 0
+                       and self.decay_reading == "printed" else ""))
+            fix = ("raise decay_lambda (the paper gives no value; experiments/fedtpf_probe.py --decay-lambdas "
+                   "sweeps it)" if self.stopped_at else "a stop condition this data can meet comes first")
+            say("decay", f"eq. 8's decay left every aggregation weight of stage 1 within {1 - DECAY_INERT:.0%} of 1 "
+                         f"(alpha >= {min(alphas):.4f} with decay_lambda {self.decay_lambda:g}): it cannot change "
+                         f"the aggregated distillation model measurably; {why}; {fix}, or set decay=False to say so")
         if self.release_round == round and self.release_stats:
             ratios = [s["noise_to_signal"] for s in self.release_stats.values()
                       if math.isfinite(s.get("noise_to_signal", math.nan))]
@@ -953,10 +1164,12 @@ class FedTPF(Method):
                                                                     if math.isfinite(r["unmet"]) else None)}
                              for cid, r in last.items()}},
                 "decay": {"on": self.decay, "reading": self.decay_reading, "lambda": self.decay_lambda,
-                          "min_alpha": min(alphas) if alphas else None,
+                          "min_alpha": min(alphas) if alphas else None, "max_alpha": max(alphas) if alphas else None,
+                          "inert": bool(alphas) and min(alphas) >= DECAY_INERT,
                           "delta_perf": {r: d for r, d in sorted(self.delta_used.items())}},
                 "release": {
-                    "mechanism": self.mechanism, "noise": self._noise_text(), "epsilon": self.epsilon,
+                    "mechanism": self.mechanism, "noise": self._noise_text(), "scale": self._scale_text(),
+                    "epsilon": self.epsilon,
                     "delta": self.delta, "clip": self._finite_clip(), "clip_source": self._clip_source(),
                     "noise_per_coordinate": self.noise_scale(self._finite_clip()),
                     "private": self.epsilon is not None and self.noise is None,
@@ -1059,7 +1272,12 @@ class FedTPF(Method):
                       opt: torch.optim.Optimizer, epochs: int) -> Reply:
         """Stage 2: phi on ``D^k union D^s``, shuffled together (``mix=None``) or in batches
         of a fixed share of shared samples (``mix``)."""
-        shared = SharedSet(instruction.payload["shared_x"], instruction.payload["shared_y"])
+        shared_x = instruction.payload["shared_x"]
+        scale = self._client_scale(client)
+        if scale is not None and shared_x.numel():
+            # D^s is on the standardized scale; the task model reads this client's input scale
+            shared_x = shared_x.to(scale[1].device) * scale[1]
+        shared = SharedSet(shared_x.cpu(), instruction.payload["shared_y"])
         bs = int(client.train.get("batch_size", 16))
         g = torch.Generator().manual_seed(derive_seed(client.seed, "union"))
         clip_grad = client.train.get("clip_grad_norm")
@@ -1104,11 +1322,12 @@ class FedTPF(Method):
         weights = self.weights()
         log = StepMeans()   # the terms read every few steps, not every step
         loader = client.loader("train")
+        scale = self._client_scale(client)
         epoch = 0
         while epoch < self.distill_epochs or log.steps < self.distill_steps:
             before = log.steps
             for x, y in loader:
-                x, y = x.to(client.device), torch.as_tensor(y).to(client.device)
+                x, y = self._standardized(x.to(client.device), scale), torch.as_tensor(y).to(client.device)
                 out = distill_step(vae, critic, cls, x, y, protos, present, weights, opt_model,
                                    opt_critic if weights.wgan > 0 else None, g, perturb=perturb, read=False)
                 log.add(len(y), **out)
@@ -1127,12 +1346,14 @@ class FedTPF(Method):
 
     def _residuals(self, client: ClientContext, vae: DistillVAE, split: str
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(x, x_hat, labels)`` of ``split`` without augmentation; ``x_hat`` decoded from ``mu``."""
+        """``(x, x_hat, labels)`` of ``split`` without augmentation, on the distillation
+        model's scale (standardized per ``standardize``); ``x_hat`` decoded from ``mu``."""
         vae.eval()
         xs, hats, ys = [], [], []
+        scale = self._client_scale(client)
         with torch.no_grad():
             for x, y in client.loader(split, augment=False, shuffle=False):
-                x = x.to(client.device)
+                x = self._standardized(x.to(client.device), scale)
                 mu, _ = vae.encode(x)
                 hats.append(vae.decode(mu, tuple(x.shape[2:])).cpu())
                 xs.append(x.cpu())
@@ -1163,10 +1384,16 @@ class FedTPF(Method):
         with torch.no_grad():
             pred = torch.cat([cls(b.to(client.device)).argmax(1).cpu() for b in x_s.split(256)])
             pred_p = torch.cat([cls(b.to(client.device)).argmax(1).cpu() for b in x_p.split(256)])
-        acc, cos = float((pred == y).float().mean()), residual_cosine(x_hat, x_s)
+        acc, signed = float((pred == y).float().mean()), residual_cosine(x_hat, x_s)
+        cos = residual_cosine(x_hat, x_s, absolute=True) if self.cosine_reading == "absolute" else signed
         acc_p = float((pred_p == y).float().mean())
         order = 2 if self.mechanism == "gaussian" else 1
         clipped = 0.0 if clip is None else float((flat.norm(p=order, dim=1) > clip).float().mean())
+        noise = x_p.flatten(1) - signal
+        # the same ratio on the engine's input scale (x = std * x' + mean: noise and signal times std)
+        std = None if (scale := self._client_scale(client)) is None else scale[1].cpu()
+        signal_in = signal if std is None else (signal.view_as(x_s) * std).flatten(1)
+        noise_in = noise if std is None else (noise.view_as(x_s) * std).flatten(1)
         mine = dict(client.state.get("fedtpf", {}))
         mine["acc"] = [*mine.get("acc", []), acc_p if self.stop_on == "x_p" else acc]
         mine["cos"] = [*mine.get("cos", []), cos]
@@ -1175,14 +1402,17 @@ class FedTPF(Method):
         if not met:
             code, _ = stop_condition_check(mine["acc"], mine["cos"], target=self.target_accuracy,
                                            tol=self.tolerance, max_cosine=self.max_cosine, window=self.window,
-                                           max_change=self.max_change)
+                                           max_change=self.max_change, cosine_reading=self.cosine_reading,
+                                           change_reading=self.change_reading,
+                                           support=len(y) if self.accuracy_ci == "wilson" else None)
             if code == 0 and self.stop_condition:
                 met = True
                 mine["frozen"], mine["frozen_round"] = dict(distill), client.round
         client.state["fedtpf"] = mine
-        return {"residual_accuracy": acc, "cosine": cos, "converged": 1.0 if met else 0.0,
+        return {"residual_accuracy": acc, "cosine": cos, "cosine_signed": signed, "converged": 1.0 if met else 0.0,
                 "residual_accuracy_p": acc_p, "unmet": float(code),
-                "noise_to_signal": _ratio(_mean_norm(x_p.flatten(1) - signal), _mean_norm(signal)),
+                "noise_to_signal": _ratio(_mean_norm(noise), _mean_norm(signal)),
+                "noise_to_signal_input": _ratio(_mean_norm(noise_in), _mean_norm(signal_in)),
                 "clipped_fraction": clipped,
                 "majority_share": float(torch.bincount(y).max()) / len(y)}
 

@@ -17,11 +17,6 @@ from medfl.plugins import describe, registry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "medfl-plugin-example"
 
-#: Methods whose presets' ``sources`` are written in other branches of issue 48 (removed from
-#: this set when those branches are merged; then every built-in preset is checked).
-_SOURCES_PENDING_IN_OTHER_BRANCHES = {"fedtpf"}
-
-
 def _example_methods() -> list[type[Method]]:
     """The example plugin's method classes (examples/medfl-plugin-example, not installed here)."""
     sys.path.insert(0, str(EXAMPLE))
@@ -46,14 +41,11 @@ _PRESETS = _all_presets()
 
 def test_the_check_covers_the_methods_with_presets() -> None:
     methods = {m for m, _, _ in _PRESETS}
-    assert {"fedskd", "fedsdc", "fedkper", "median_snapshots"} <= methods
-    assert _SOURCES_PENDING_IN_OTHER_BRANCHES <= methods   # the exclusion names real methods
+    assert {"fedskd", "fedsdc", "fedkper", "pfedcdp", "fedtpf", "median_snapshots"} <= methods
 
 
 @pytest.mark.parametrize("method,name,preset", _PRESETS, ids=[f"{m}-{p}" for m, p, _ in _PRESETS])
 def test_every_preset_value_cites_its_source(method: str, name: str, preset: Preset) -> None:
-    if method in _SOURCES_PENDING_IN_OTHER_BRANCHES:
-        pytest.skip(f"{method}'s sources are written in another branch of issue 48")
     assert preset.source_problems() == [], f"{method} preset {name!r}"
     assert not preset.open, f"{method} preset {name!r}: write sources (Preset.open is deprecated)"
     for key in preset.entries():

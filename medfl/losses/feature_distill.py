@@ -25,7 +25,8 @@ import torch
 
 __all__ = ["class_prototypes", "prototype_loss", "vae_loss", "gradient_penalty", "critic_loss",
            "generator_adversarial_loss", "performance_change", "DECAY_READINGS", "decay_weights", "residual_cosine",
-           "STOP_CRITERIA", "stop_condition_check", "distillation_converged"]
+           "STOP_CRITERIA", "COSINE_READINGS", "CHANGE_READINGS", "wilson_lower", "stop_condition_check",
+           "distillation_converged"]
 
 
 def class_prototypes(embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int
@@ -167,12 +168,14 @@ def decay_weights(stopped_at: Mapping[str, int | None], round: int, delta_perf: 
     return out
 
 
-def residual_cosine(x_r: torch.Tensor, x_s: torch.Tensor) -> float:
+def residual_cosine(x_r: torch.Tensor, x_s: torch.Tensor, absolute: bool = False) -> float:
     """The mean over samples of the cosine similarity between the reconstruction ``x_r`` and
     the residual ``x_s = x - x_r`` (flattened per sample): low when the two carry different
-    content, the paper's sign of a converged generator."""
+    content, the paper's sign of a converged generator. ``absolute``: the mean of each
+    sample's ``|cos|`` (samples anti-aligned at -0.6 and aligned at +0.6 do not average to 0)."""
     a, b = x_r.detach().flatten(1), x_s.detach().flatten(1)
-    return float(torch.nn.functional.cosine_similarity(a, b, dim=1, eps=1e-12).mean())
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=1, eps=1e-12)
+    return float((cos.abs() if absolute else cos).mean())
 
 
 #: What :func:`stop_condition_check` reports, by code: 0 met, then the first criterion not met.
@@ -181,33 +184,89 @@ STOP_CRITERIA = ("met", "too few evaluations", "residual accuracy below target -
                  "cosine moved more than max_change")
 
 
+#: How the stop condition reads the paper's cosine test (``cosine_reading``): "the cosine
+#: similarity between ... x_r and ... x_s remains consistently below 0.15" (Sec. III-D).
+#: ``"absolute"``: ``|cos| < max_cosine`` (x_r and x_s near orthogonal, the separation the
+#: sentence's purpose names: x_r anti-aligned with x_s is not separated from it);
+#: ``"signed"``: the sentence's words taken literally, ``cos < max_cosine`` (a cosine of -0.6
+#: passes).
+COSINE_READINGS = ("absolute", "signed")
+#: How the stop condition reads "fluctuating by no more than 5 %" (``change_reading``):
+#: ``"absolute"``: each series' range (max - min) over the window is at most ``max_change``
+#: (0.05 = 5 percentage points of accuracy); ``"relative"``: the range over the mean of the
+#: window's absolute values is at most ``max_change`` (5 % of the value's size; for a
+#: cosine near 0 this is hard to meet: 0.01 to 0.02 is a 67 % change).
+CHANGE_READINGS = ("absolute", "relative")
+#: The two-sided 95 % normal quantile the Wilson interval of :func:`wilson_lower` uses.
+Z95 = 1.959963984540054
+
+
+def wilson_lower(accuracy: float, n: int, z: float = Z95) -> float:
+    """The lower end of the Wilson score interval (95 % by default) of an accuracy measured
+    on ``n`` samples: what the stop condition's accuracy criterion reads under
+    ``accuracy_ci="wilson"`` (the paper's "90 % +- 2 % ... (with a 95 % confidence
+    interval)", read as: the interval's lower end reaches 90 % - 2 %). NaN without samples."""
+    if n <= 0 or not math.isfinite(accuracy):
+        return math.nan
+    z2 = z * z
+    centre = accuracy + z2 / (2 * n)
+    spread = z * math.sqrt(max(accuracy * (1 - accuracy), 0.0) / n + z2 / (4 * n * n))
+    return (centre - spread) / (1 + z2 / n)
+
+
+def _moved(values: list[float], reading: str) -> float:
+    """A window's fluctuation under ``reading`` (:data:`CHANGE_READINGS`)."""
+    spread = max(values) - min(values)
+    if reading == "absolute":
+        return spread
+    size = sum(abs(v) for v in values) / len(values)
+    return spread / size if size > 0 else (0.0 if spread == 0 else math.inf)
+
+
 def stop_condition_check(accuracy: list[float], cosine: list[float], *, target: float = 0.9, tol: float = 0.02,
-                         max_cosine: float = 0.15, window: int = 3, max_change: float = 0.05) -> tuple[int, str]:
+                         max_cosine: float = 0.15, window: int = 3, max_change: float = 0.05,
+                         cosine_reading: str = "absolute", change_reading: str = "absolute",
+                         support: int | None = None) -> tuple[int, str]:
     """Section III-D's stop condition for one client's distillation model, made precise.
 
-    The paper: the residual classifier reaches "90 % +- 2 %" accuracy on ``x_s``, the cosine
-    similarity of ``x_r`` and ``x_s`` stays below 0.15, and both fluctuate by no more than 5 %
-    over three consecutive epochs. We read it as: over the last ``window`` evaluations
-    (``accuracy`` and ``cosine``, oldest first, on the client's own held-out data) every
-    accuracy is at least ``target - tol``, every cosine below ``max_cosine``, and each
-    series' range (max - min) is at most ``max_change`` (absolute). The paper's "95 %
-    confidence interval" is not specified further and is not used.
+    The paper: "When local testing indicates that the classifier achieves a classification
+    accuracy of 90% +- 2% on the generalizable features x_s (with a 95% confidence interval),
+    and the cosine similarity between the generator's reconstructed features x_r and the
+    generalizable features x_s remains consistently below 0.15, with both indicators
+    fluctuating by no more than 5% over three consecutive training epochs". We read it as:
+    over the last ``window`` evaluations (``accuracy`` and ``cosine``, oldest first, on the
+    client's own held-out data) every accuracy is at least ``target - tol``, every cosine
+    below ``max_cosine`` (``|cos|`` or ``cos``: ``cosine_reading``, :data:`COSINE_READINGS`),
+    and each series' fluctuation at most ``max_change`` (``change_reading``,
+    :data:`CHANGE_READINGS`). ``support``: the number of samples behind each accuracy; when
+    given, the accuracy criterion reads the lower end of each accuracy's 95 % Wilson interval
+    (:func:`wilson_lower`) instead of the accuracy itself (the "95 % confidence interval").
 
     Returns:
         ``(code, reason)``: ``code`` 0 when the condition is met, else the index in
         :data:`STOP_CRITERIA` of the first criterion not met; ``reason`` says it in numbers.
     """
+    if cosine_reading not in COSINE_READINGS:
+        raise ValueError(f"cosine_reading must be one of {', '.join(COSINE_READINGS)}, got {cosine_reading!r}")
+    if change_reading not in CHANGE_READINGS:
+        raise ValueError(f"change_reading must be one of {', '.join(CHANGE_READINGS)}, got {change_reading!r}")
     if len(accuracy) < window or len(cosine) < window:
         return 1, f"fewer than {window} evaluations"
     acc, cos = [float(a) for a in accuracy[-window:]], [float(c) for c in cosine[-window:]]
-    if min(acc) < target - tol:
-        return 2, f"residual accuracy {min(acc):.3f} < {target - tol:.3f}"
+    if cosine_reading == "absolute":
+        cos = [abs(c) for c in cos]
+    low = [wilson_lower(a, support) for a in acc] if support is not None else acc
+    if min(low) < target - tol:
+        what = "lower 95 % Wilson bound of the residual accuracy" if support is not None else "residual accuracy"
+        return 2, f"{what} {min(low):.3f} < {target - tol:.3f}"
+    name = "|cosine(x_r, x_s)|" if cosine_reading == "absolute" else "cosine(x_r, x_s)"
     if max(cos) >= max_cosine:
-        return 3, f"cosine(x_r, x_s) {max(cos):.3f} >= {max_cosine}"
-    if max(acc) - min(acc) > max_change:
-        return 4, f"accuracy moved {max(acc) - min(acc):.3f} > {max_change} over {window} evaluations"
-    if max(cos) - min(cos) > max_change:
-        return 5, f"cosine moved {max(cos) - min(cos):.3f} > {max_change} over {window} evaluations"
+        return 3, f"{name} {max(cos):.3f} >= {max_cosine}"
+    unit = "" if change_reading == "absolute" else " (relative)"
+    if _moved(acc, change_reading) > max_change:
+        return 4, f"accuracy moved {_moved(acc, change_reading):.3f}{unit} > {max_change} over {window} evaluations"
+    if _moved(cos, change_reading) > max_change:
+        return 5, f"cosine moved {_moved(cos, change_reading):.3f}{unit} > {max_change} over {window} evaluations"
     return 0, "met"
 
 

@@ -116,7 +116,7 @@ def test_residual_cosine_by_hand() -> None:
     ([0.91, 0.90, 0.92], [0.10, 0.12, 0.11], (True, "met")),
     ([0.91, 0.92], [0.1, 0.1], (False, "fewer than 3 evaluations")),
     ([0.5, 0.91, 0.87, 0.90], [0.1, 0.1, 0.1, 0.1], (False, "residual accuracy 0.870 < 0.880")),
-    ([0.90, 0.91, 0.92], [0.10, 0.15, 0.10], (False, "cosine(x_r, x_s) 0.150 >= 0.15")),
+    ([0.90, 0.91, 0.92], [0.10, 0.15, 0.10], (False, "|cosine(x_r, x_s)| 0.150 >= 0.15")),
     ([0.88, 0.99, 0.95], [0.1, 0.1, 0.1], (False, "accuracy moved 0.110 > 0.05 over 3 evaluations")),
     ([0.9, 0.9, 0.9], [0.01, 0.14, 0.05], (False, "cosine moved 0.130 > 0.05 over 3 evaluations")),
 ])
