@@ -422,15 +422,7 @@ def preset_origin(preset: Any, key: str, overridden: bool) -> dict[str, str]:
     :meth:`~medfl.method.Preset.source_of` (a kind of :data:`~medfl.method.SOURCE_KINDS`), or
     ``{"from": "unstated", ...}`` where the preset cites none (or one that is not
     ``"<kind>: <citation>"``)."""
-    if overridden:
-        return {"from": "config"}
-    try:
-        found = preset.source_of(key)
-    except ValueError as e:
-        return {"from": "unstated", "source": f"the preset's source is malformed: {e}"}
-    if found is None:
-        return {"from": "unstated", "source": f"the preset cites no source for {key}"}
-    return {"from": found[0], "source": found[1]}
+    return {"from": "config"} if overridden else preset.origin(key)
 
 
 #: How :func:`preset_counts` names each ``"from"`` of a preset record.

@@ -145,6 +145,18 @@ class Preset:
             return parse_source(f"open: {self.open[key]}", f"open[{key!r}]")
         return None
 
+    def origin(self, key: str) -> dict[str, str]:
+        """Where one entry comes from as ``config.json`` records it: ``{"from": kind, "source":
+        citation}`` (:meth:`source_of`), or ``{"from": "unstated", "source": why}`` where the
+        preset cites none or one that is not ``"<kind>: <citation>"``."""
+        try:
+            found = self.source_of(key)
+        except ValueError as e:
+            return {"from": "unstated", "source": f"the preset's source is malformed: {e}"}
+        if found is None:
+            return {"from": "unstated", "source": f"the preset cites no source for {key}"}
+        return {"from": found[0], "source": found[1]}
+
     def source_problems(self) -> list[str]:
         """What keeps this preset from citing a source for each of its entries, one line per
         entry: a key of ``values``/``train`` with no source, a source that is not

@@ -542,11 +542,9 @@ def _describe_preset(preset: Any) -> dict[str, Any]:
     settings and, for each of those (``train.`` prefixed), where it comes from as
     ``config.json`` records it (``{"from": kind, "source": citation}``, ``"unstated"`` where
     the preset cites none)."""
-    from medfl.config import preset_origin
-
     return {"values": _jsonable(dict(preset.values)), "train": _jsonable(dict(preset.train)),
             "source": preset.source, "description": preset.description,
-            "sources": {key: preset_origin(preset, key, False) for key in preset.entries()}}
+            "sources": {key: preset.origin(key) for key in preset.entries()}}
 
 
 def _reset_for_tests() -> None:

@@ -58,7 +58,7 @@ the coordinator received them, or the release's own declared metrics.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,11 +114,15 @@ class NoiseShare:
         federation: the run's federation (model spec, client sizes).
         reply_state: the method's ``reply_state`` (reply key -> instruction key of the state
             the client started from).
+        parameter_keys: the parameter names of a model spec's model (what ``dp_gaussian``
+            noises: :func:`medfl.filters.parameter_keys`, passed in by the engine, which sits
+            above both).
+        trainable_count: its number of trainable values (:func:`medfl.filters.trainable_count`).
     """
 
-    def __init__(self, plan: Any, federation: Any, reply_state: Mapping[str, str | None]) -> None:
-        from medfl.filters import parameter_keys, trainable_count
-
+    def __init__(self, plan: Any, federation: Any, reply_state: Mapping[str, str | None],
+                 parameter_keys: Callable[[dict[str, Any]], list[str]],
+                 trainable_count: Callable[[dict[str, Any]], int]) -> None:
         self.plan = plan
         self.federation = federation
         self.reply_state = dict(reply_state)

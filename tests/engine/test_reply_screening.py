@@ -160,23 +160,30 @@ def test_the_update_norm_bound_records_the_norm_and_the_bound(tiny_fl) -> None:
         assert norm > 1e5 * median and bound == pytest.approx(10 * median, rel=1e-5)
 
 
-def test_no_reply_can_be_dropped_by_the_bound_in_a_step_of_one_or_two(tiny_fl) -> None:
-    """The median of one norm is that norm, and the median of two is their mean, which
-    neither exceeds twice: with the least factor allowed (2) nothing is dropped, however far
-    apart the two updates are; a factor below 2, or not a number, is refused by name."""
-    from medfl.config import ConfigError
+def _bound_run(fl: dict[str, Any], factor: float) -> tuple[Run, Any, Callable[[float], Reply]]:
+    """A FedAvg run set up with ``fl.update_norm_factor`` ``factor``, the instruction of its
+    global model, and replies whose every floating weight is that model's plus a scale."""
     from medfl.messages import Instruction
 
-    run = Run(resolve_config(dict(tiny_fl, update_norm_factor=2)), {"name": "fedavg"}, Path(tiny_fl["output_dir"]),
-              _data(tiny_fl))
+    run = Run(resolve_config(dict(fl, update_norm_factor=factor)), {"name": "fedavg"}, Path(fl["output_dir"]),
+              _data(fl))
     run.coordinator.setup(run.federation)
     sent = {k: v.clone() for k, v in run.coordinator.global_state.items()}
-    ins = Instruction(payload={"model": sent})
 
     def reply(scale: float) -> Reply:
         return Reply(payload={"model": {k: v + scale if v.is_floating_point() else v for k, v in sent.items()}},
                      num_examples=1)
 
+    return run, Instruction(payload={"model": sent}), reply
+
+
+def test_no_reply_can_be_dropped_by_the_bound_in_a_step_of_one_or_two(tiny_fl) -> None:
+    """The median of one norm is that norm, and the median of two is their mean, which
+    neither exceeds twice: with the least factor allowed (2) nothing is dropped, however far
+    apart the two updates are; a factor below 2, or not a number, is refused by name."""
+    from medfl.config import ConfigError
+
+    run, ins, reply = _bound_run(tiny_fl, 2)
     assert run.norm_outliers({"a": ins}, {"a": reply(1e6)}) == {}
     assert run.norm_outliers({"a": ins, "b": ins}, {"a": reply(1e-3), "b": reply(1e6)}) == {}
     three = run.norm_outliers({"a": ins, "b": ins, "c": ins}, {"a": reply(1e-3), "b": reply(1e6), "c": reply(2e-3)})
@@ -194,18 +201,7 @@ def test_the_update_norm_bound_compares_a_client_only_with_its_own_group(tiny_fl
     weights and sends the others in the clear) have update norms hundreds of times apart: the
     bound takes each group's own median, so a whole group of long (noised) updates stays, and an
     outlier within a group is still dropped, the reason naming the group."""
-    from medfl.messages import Instruction
-
-    run = Run(resolve_config(dict(tiny_fl, update_norm_factor=10)), {"name": "fedavg"},
-              Path(tiny_fl["output_dir"]), _data(tiny_fl))
-    run.coordinator.setup(run.federation)
-    sent = {k: v.clone() for k, v in run.coordinator.global_state.items()}
-    ins = Instruction(payload={"model": sent})
-
-    def reply(scale: float) -> Reply:
-        return Reply(payload={"model": {k: v + scale if v.is_floating_point() else v for k, v in sent.items()}},
-                     num_examples=1)
-
+    run, ins, reply = _bound_run(tiny_fl, 10)
     ids = ["a1", "a2", "a3", "a4", "b1", "b2", "b3"]
     replies = {c: reply(1e-3 if c.startswith("a") else 1.0) for c in ids}
     instructions = {c: ins for c in ids}

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from medfl.experiment import run_experiment
-from medfl.filters import trainable_count
+from medfl.filters import parameter_keys, trainable_count
 from medfl.privacy.signal import DROWNED, NoiseShare, clients_needed, noise_to_signal
 
 
@@ -132,7 +132,7 @@ def _share(filters: list, release: str | None = None) -> NoiseShare:
     plan = SimpleNamespace(chain=SimpleNamespace(filters=filters), dp_sgd=None, own=None,
                            method_release=SimpleNamespace(mechanism=release) if release else None)
     federation = SimpleNamespace(model_spec=lambda cid=None: MODEL, num_examples={})
-    return NoiseShare(plan, federation, {"model": "global"})
+    return NoiseShare(plan, federation, {"model": "global"}, parameter_keys, trainable_count)
 
 
 def test_a_release_ratio_is_the_declared_noise_over_the_clipped_signal_per_sample() -> None:
