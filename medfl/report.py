@@ -302,7 +302,8 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
     (their mean and range when there are more than ``MECHANISM_LINES``), the rounds of the
     summary's ``warnings`` marked; the values that stay one value over the run
     (:func:`constant_mechanisms`) are listed as text in one last panel, not drawn as flat
-    curves. Returns the path, or None for a run without such values."""
+    curves; moving values past ``MECHANISM_PANELS`` panels are named in that text panel, not
+    dropped. Returns the path, or None for a run without such values."""
     run_dir = Path(run_dir)
     path = run_dir / "mechanisms.csv"
     if not path.is_file():
@@ -317,17 +318,23 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
     if summary.is_file():
         warned = sorted({int(w["round"]) for w in json.loads(summary.read_text()).get("warnings", [])})
     constants = constant_mechanisms(df)
-    panels = [k for k in dict.fromkeys(zip(df["mechanism"].astype(str), df["name"].astype(str)))
-              if k not in constants][:MECHANISM_PANELS]
+    moving = [k for k in dict.fromkeys(zip(df["mechanism"].astype(str), df["name"].astype(str)))
+              if k not in constants]
+    panels, undrawn = moving[:MECHANISM_PANELS], moving[MECHANISM_PANELS:]
+    notes = list(constants.values())
+    if undrawn:   # said, not dropped: the values past the last panel are named in the text panel
+        notes.append(f"not drawn ({len(undrawn)} more moving values than the {MECHANISM_PANELS} "
+                     f"panels; see mechanisms.csv):")
+        notes.extend(f"  {mech}: {name}" for mech, name in undrawn)
     plt = _plt()
     from matplotlib.ticker import MaxNLocator
 
     cols = min(4, max(1, len(panels)))
     rows = -(-len(panels) // cols)
-    text_height = 0.5 + 0.15 * len(constants) if constants else 0.0
+    text_height = 0.5 + 0.15 * len(notes) if notes else 0.0
     fig = plt.figure(figsize=(3.8 * cols, 2.9 * rows + text_height))
-    grid = fig.add_gridspec(rows + (1 if constants else 0), cols,
-                            height_ratios=[2.9] * rows + ([text_height] if constants else []))
+    grid = fig.add_gridspec(rows + (1 if notes else 0), cols,
+                            height_ratios=[2.9] * rows + ([text_height] if notes else []))
     axes = [fig.add_subplot(grid[k // cols, k % cols]) for k in range(len(panels))]
     for ax, (mech, name) in zip(axes, panels):
         part = df[(df["mechanism"] == mech) & (df["name"] == name)]
@@ -348,13 +355,13 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    if constants:   # one panel across the figure's width: the values that did not move, as text
+    if notes:   # one panel across the figure's width: the values that did not move, as text
         ax = fig.add_subplot(grid[rows, :])
         ax.axis("off")
         rounds = sorted(df["round"].astype(int).unique())
         ax.set_title(f"constant over rounds {rounds[0]}-{rounds[-1]}" if len(rounds) > 1
                      else f"round {rounds[0]} (one round: nothing to draw)", fontsize=9, loc="left")
-        ax.text(0.0, 1.0, "\n".join(constants.values()), transform=ax.transAxes, va="top", ha="left",
+        ax.text(0.0, 1.0, "\n".join(notes), transform=ax.transAxes, va="top", ha="left",
                 fontsize=8, family="monospace")
     fig.suptitle(f"{run_dir.name}: what the method's mechanisms did" + (" (red: a warning)" if warned else ""))
     _tight_layout(fig)
@@ -745,7 +752,10 @@ def cv_summary(results: pd.DataFrame, labels: list[str], folds: int, metric: str
                 clients[cid] = {"name": names[cid], **_mean_std(vals)}
             means = [float(np.nanmean(per_fold[k][metric].astype(float)))
                      if per_fold[k][metric].notna().any() else float("nan") for k in range(folds)]
-            block[split] = {"clients": clients, "overall": _mean_std(means)}
+            # what stands behind each fold's mean: the clients with a value of the clients evaluated
+            support = {"with_value": [int(per_fold[k][metric].notna().sum()) for k in range(folds)],
+                       "evaluated": [int(len(per_fold[k])) for k in range(folds)]}
+            block[split] = {"clients": clients, "overall": {**_mean_std(means), "clients": support}}
         fair = [fairness_report(res[res["fold"] == k]) for k in range(folds)]
         if any(fair):
             block["fairness"] = {key: _mean_std([f.get(key, float("nan")) if f else float("nan") for f in fair])
@@ -754,19 +764,41 @@ def cv_summary(results: pd.DataFrame, labels: list[str], folds: int, metric: str
     return out
 
 
+def _cv_support(overall: dict[str, Any], folds: int) -> str:
+    """What stands behind a cross-validated Mean: "4 of 4 clients, 5 folds", or, where folds
+    differ, "1-4 of 4 clients (by fold: 4, 1, ...), 5 folds" (folds without a value named)."""
+    support = overall.get("clients")
+    if not support:
+        return ""
+    have, evaluated = support["with_value"], support["evaluated"]
+    scored = sum(1 for v in overall.get("folds", []) if v is not None)
+    n_eval = max(evaluated) if evaluated else 0
+    if len(set(have)) <= 1:
+        clients = f"{have[0] if have else 0} of {n_eval} clients"
+    else:
+        clients = f"{min(have)}-{max(have)} of {n_eval} clients (by fold: {', '.join(map(str, have))})"
+    return f"{clients}, {scored} of {folds} folds" if scored < folds else f"{clients}, {folds} folds"
+
+
 def cv_table(summary: dict[str, Any]) -> pd.DataFrame:
     """The layout of the FedSKD paper's Tables II/III: one row per method; for Local Test
-    and Global Test a column per client and their Mean, each cell "mean ± std" over folds;
-    then the fairness columns of Table VII (Male, Female, Avg, Delta AUC) where known."""
+    and Global Test a column per client and their Mean, each cell "mean ± std" over folds
+    (a client's cell says over how many folds where it lacks a value in some), and a column
+    of what stands behind the Mean (clients with a value per fold, folds); then the fairness
+    columns of Table VII (Male, Female, Avg, Delta AUC) where known."""
     rows = []
+    folds = int(summary.get("folds", 0))
     for label, block in summary.get("methods", {}).items():
         row: dict[str, Any] = {"method": label}
         for split, heading in CV_SPLITS.items():
             if split not in block:
                 continue
             for cid, stats in block[split]["clients"].items():
-                row[f"{heading}: {stats['name']}"] = _pm(stats)
+                n = sum(1 for v in stats.get("folds", []) if v is not None)
+                row[f"{heading}: {stats['name']}"] = _pm(stats) + (f" ({n} of {folds} folds)"
+                                                                   if 0 < n < folds else "")
             row[f"{heading}: Mean"] = _pm(block[split]["overall"])
+            row[f"{heading}: support"] = _cv_support(block[split]["overall"], folds)
         if "fairness" in block:
             f = block["fairness"]
             row.update({"Fairness: Male": _pm(f["auc_M"]), "Fairness: Female": _pm(f["auc_F"]),

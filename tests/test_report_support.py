@@ -154,6 +154,27 @@ def test_constant_mechanism_values_are_text(tmp_path: Path, monkeypatch: pytest.
         assert all(float(t).is_integer() for t in axis), axis
 
 
+def test_mechanism_values_past_the_last_panel_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More moving values than ``MECHANISM_PANELS``: the first ones get panels, the rest are
+    named in the text panel (with their count), none is silently dropped."""
+    from medfl.report import MECHANISM_PANELS
+
+    n = MECHANISM_PANELS + 3
+    rows = [{"round": r, "mechanism": "m", "name": f"v{k:02d}", "scope": "run", "id": "", "value": float(r * (k + 1)),
+             "text": ""} for r in (1, 2, 3) for k in range(n)]
+    run = tmp_path / "run"
+    run.mkdir()
+    pd.DataFrame(rows).to_csv(run / "mechanisms.csv", index=False)
+    saved = _round_axes_figures(monkeypatch)
+    assert write_mechanism_plot(run) is not None
+    fig = saved[-1]
+    drawn = [ax.get_title() for ax in fig.axes if ax.axison]
+    assert drawn == [f"m: v{k:02d}" for k in range(MECHANISM_PANELS)]
+    text = "\n".join(t.get_text() for ax in fig.axes for t in ax.texts)
+    assert "not drawn (3 more moving values" in text
+    assert all(f"m: v{k:02d}" in text for k in range(MECHANISM_PANELS, n))
+
+
 def test_summaries_and_comparison_say_what_each_mean_covers(fedavg_run: dict[str, Any]) -> None:
     """summary.json's final block gives each metric's clients with a value and clients
     evaluated; comparison.csv carries them beside the means."""

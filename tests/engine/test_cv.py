@@ -164,9 +164,15 @@ def test_cv_summary_and_table_by_hand() -> None:
     assert a["overall"]["mean"] == pytest.approx(0.7) and a["overall"]["std"] == pytest.approx(0.0)
     b = s["methods"]["b"]["local_test"]["overall"]
     assert b["folds"] == [pytest.approx(0.5), pytest.approx(0.8)] and b["std"] == pytest.approx(0.15)
+    assert a["overall"]["clients"] == {"with_value": [2, 1], "evaluated": [2, 2]}
     table = cv_table(s)
-    assert list(table.columns) == ["method", "Local Test: site0", "Local Test: site1", "Local Test: Mean"]
+    assert list(table.columns) == ["method", "Local Test: site0", "Local Test: site1", "Local Test: Mean",
+                                   "Local Test: support"]
     assert table.loc[1, "Local Test: Mean"] == "0.650 ± 0.150"
+    # every mean says how many clients and folds stand behind it; a client missing a fold says so
+    assert table.loc[1, "Local Test: support"] == "2 of 2 clients, 2 folds"
+    assert table.loc[0, "Local Test: support"] == "1-2 of 2 clients (by fold: 2, 1), 2 folds"
+    assert table.loc[0, "Local Test: site1"] == "0.800 ± 0.000 (1 of 2 folds)"
 
 
 # ---------------------------------------------------------------- end to end
