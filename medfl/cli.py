@@ -377,7 +377,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
         rules: dict[str, Any] = {} if args.clear else dict(approvals.policy or {})
         if args.mechanisms is not None:
             rules["mechanisms"] = [m.strip() for m in args.mechanisms.split(",") if m.strip()]
-        for key in ("max_epsilon", "max_epsilon_per_release", "min_noise_multiplier"):
+        for key in ("max_epsilon", "max_epsilon_total", "max_epsilon_per_release", "min_noise_multiplier"):
             if getattr(args, key) is not None:
                 rules[key] = getattr(args, key)
         for text in args.require_filter or []:
@@ -433,6 +433,9 @@ def _add_policy(sub: Any) -> None:
                     help="comma-separated DP mechanisms accepted, e.g. dp_gaussian,dp_sgd")
     sp.add_argument("--max-epsilon", dest="max_epsilon", type=float, default=None,
                     help="largest epsilon of a run at this site (computed by the site from the noise it applies)")
+    sp.add_argument("--max-epsilon-total", dest="max_epsilon_total", type=float, default=None,
+                    help="largest epsilon of this site's data set over every run it serves (counted by the site in "
+                         "<state-dir>/budget.jsonl; see medfl budget)")
     sp.add_argument("--max-epsilon-per-release", dest="max_epsilon_per_release", type=float, default=None,
                     help="largest epsilon of one release (one noised reply, one DP-SGD update)")
     sp.add_argument("--min-noise-multiplier", dest="min_noise_multiplier", type=float, default=None,
@@ -441,9 +444,53 @@ def _add_policy(sub: Any) -> None:
                     help="a reply filter every run must apply, with bounds on its parameters: quantize:bits<=8 "
                          "(repeatable)")
     sp.add_argument("--cross-test", dest="cross_test", choices=["yes", "no"], default=None,
-                    help="whether this site may send its evaluation model for cross_test (default yes)")
+                    help="whether this site may send its evaluation model (without noise) for cross_test (default: "
+                         "yes without an epsilon cap, no with one)")
     sp.add_argument("--clear", action="store_true", help="start from an empty policy")
     sp.set_defaults(func=cmd_policy)
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    """Print what a site released of its data, per run and in all (:mod:`medfl.budget`)."""
+    from medfl.budget import BUDGET_FILE, SiteBudget
+    from medfl.privacy.releases import read_records
+
+    path = Path(args.state_dir) / BUDGET_FILE
+    if not path.is_file():
+        logger.error(f"medfl: error: no {BUDGET_FILE} in {args.state_dir}: this site has made no DP release yet "
+                     "(or the path is not a site's --state-dir)")
+        return 2
+    try:
+        records = read_records(path)
+    except ValueError as exc:
+        logger.error(f"medfl: error: {exc}")
+        return 2
+    datas = list(dict.fromkeys(str(r.get("data")) for r in records if r.get("type") == "spend"))
+    if not datas:
+        print(f"{path}: no DP release recorded")
+        return 0
+    for data in datas:
+        client = next(str(r.get("client")) for r in records if r.get("data") == data)
+        rows = SiteBudget(Path(args.state_dir), data, client, "medfl budget").table()
+        if args.run:
+            rows = [r for r in rows if r["run"] in (args.run, "(all runs)")]
+        print(f"data set {data} (client {client}), counted by the site from {path}:")
+        width = max(len(str(r["run"])) for r in rows)
+        for r in rows:
+            print(f"  {str(r['run']):<{width}}  epsilon {r['epsilon']:.4g}  rounds {r['rounds']:>4}  {r['mechanisms']}")
+    return 0
+
+
+def _add_budget(sub: Any) -> None:
+    sp = sub.add_parser("budget", help="what this site released of its data, per run and in all",
+                        description="A site counts every DP release it makes (medfl flower site keeps it in "
+                                    "<state-dir>/budget.jsonl, written before each reply leaves) and composes them "
+                                    "with Opacus's accountant, per run and over every run on the same data set: "
+                                    "what its policy's --max-epsilon and --max-epsilon-total are checked against "
+                                    "(docs/privacy.md).")
+    sp.add_argument("state_dir", help="the site's --state-dir")
+    sp.add_argument("--run", default=None, help="only this run id (and the total)")
+    sp.set_defaults(func=cmd_budget)
 
 
 def _site_approvals(args: argparse.Namespace) -> None:
@@ -916,6 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runs(sub)
     _add_approve(sub)
     _add_policy(sub)
+    _add_budget(sub)
     _add_flower(sub)
     _add_export(sub)
     _add_verbosity(p)

@@ -10,11 +10,20 @@ before the method's code runs, refusing with the rule that is broken::
     "policy": {
       "mechanisms": ["dp_gaussian", "dp_sgd"],
       "max_epsilon": 3.0,
+      "max_epsilon_total": 8.0,
       "max_epsilon_per_release": 1.0,
       "min_noise_multiplier": 0.8,
       "required_filters": [{"name": "quantize", "max": {"bits": 8}}],
       "cross_test": false
     }
+
+Each rule is checked twice: against the plan the coordinator sends with every message (a run
+whose plan breaks a rule is refused before any training), and against what the site itself
+has released (:mod:`medfl.budget`): before every DP reply leaves, the site composes its own
+records of what it released with what the reply would add, and refuses the reply that would
+pass a cap. The coordinator's ``releases`` number is a plan the site checks requests against
+(a round outside it, a second training reply in one round, a per-sample release asked twice,
+more release rounds than planned are refused), never a factor it trusts.
 
 ``mechanisms``
     the DP mechanisms the site accepts (``dp_gaussian``, ``dp_sgd``, a method's own release
@@ -22,12 +31,17 @@ before the method's code runs, refusing with the rule that is broken::
     using another one is refused.
 ``max_epsilon``
     the largest epsilon this site's data may spend over the run. The site computes it
-    itself, with Opacus's accountant, from what it will apply: the noise multiplier, clip
+    itself, with Opacus's accountant, from what it applies: the noise multiplier, clip
     rate and delta of each release (the resolved filter entries, ``train.dp``, the
-    method's ``release_plan`` and ``own_dp``), its own training-set size (DP-SGD's steps and sample rate)
-    and the number of releases the run plans for this client (``releases`` of the control
-    record); mechanisms compose by adding their epsilons. A run without any DP release
+    method's ``release_plan`` and ``own_dp``) and its own training-set size (DP-SGD's steps
+    and sample rate); mechanisms compose by adding their epsilons. At a run's start it
+    projects the plan (``releases`` of the control record); before every DP reply it counts
+    what it has released itself (``<state-dir>/budget.jsonl``). A run without any DP release
     has an infinite epsilon and is refused.
+``max_epsilon_total``
+    the largest epsilon this site's data set may spend over every run the site serves
+    (its budget file across runs, composed the same way): a run whose plan would pass it,
+    and any reply that would, is refused.
 ``max_epsilon_per_release``
     the same for one release (one reply of ``dp_gaussian``, one DP-SGD update, one
     release of a method's features).
@@ -38,8 +52,11 @@ before the method's code runs, refusing with the rule that is broken::
     "min": {param: bound}}`` over its resolved parameters (``quantize`` with ``bits`` at
     most 8).
 ``cross_test``
-    ``false``: the site never sends its evaluation model for the Global Test (default
-    ``true``).
+    whether the site sends its evaluation model for the Global Test of other sites. A model
+    sent for ``cross_test`` leaves without noise (its BatchNorm statistics are averages of the
+    site's images), so no epsilon covers it: unset, a site with ``max_epsilon`` or
+    ``max_epsilon_total`` never sends it and any other site does; ``true`` sends it whatever
+    the caps, ``false`` never.
 
 A rule the site cannot check, because the coordinator did not say how many releases the
 run plans, refuses the message. The in-process engine and the simulation runtime check no
@@ -50,16 +67,66 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
 
 from medfl.approval import ApprovalError
 
-__all__ = ["PolicyError", "PolicyRefusal", "SitePolicy", "POLICY_RULES"]
+__all__ = ["PolicyError", "PolicyRefusal", "SitePolicy", "POLICY_RULES", "Spend", "composed_epsilon", "site_releases",
+           "request_releases"]
 
 #: The rules a policy may set, as they are spelt in the approvals file.
-POLICY_RULES: tuple[str, ...] = ("mechanisms", "max_epsilon", "max_epsilon_per_release", "min_noise_multiplier",
-                                 "required_filters", "cross_test")
+POLICY_RULES: tuple[str, ...] = ("mechanisms", "max_epsilon", "max_epsilon_total", "max_epsilon_per_release",
+                                 "min_noise_multiplier", "required_filters", "cross_test")
+
+
+@dataclass(frozen=True)
+class Spend:
+    """One DP mechanism applied to one reply of a site, as the site accounts it.
+
+    Attributes:
+        mechanism: ``dp_gaussian``, ``dp_sgd``, a method's release (``feature_gaussian``) or
+            its own DP (``Method.own_dp``'s name).
+        unit: ``client`` or ``sample``.
+        noise_multiplier: noise std over the sensitivity (for ``laplace``: 1 / epsilon).
+        sample_rate: the sampling rate of one step (1 for a release of the whole set).
+        steps: applications of the mechanism in this reply (DP-SGD's optimizer steps).
+        delta: the mechanism's delta.
+        accountant: ``rdp``, ``prv``, ``gdp`` or ``laplace``.
+        clip: the sensitivity (for the ledger's description).
+        per_round: whether the run repeats it in every planned release (filters, DP-SGD, own
+            DP) or makes it once (a method's per-sample release).
+    """
+
+    mechanism: str
+    unit: str
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    delta: float
+    accountant: str
+    clip: float = math.inf
+    per_round: bool = True
+
+    def ledger_entry(self) -> dict[str, Any]:
+        """What the site's release ledger (:class:`medfl.privacy.releases.SiteReleaseLedger`) says of it."""
+        return {"mechanism": self.mechanism, "noise_multiplier": float(self.noise_multiplier), "clip": float(self.clip)}
+
+
+def composed_epsilon(entries: Iterable[dict[str, Any] | Spend]) -> float:
+    """The epsilon of a set of spends (budget records or :class:`Spend`): per (mechanism,
+    delta, accountant) the history ``(noise_multiplier, sample_rate, steps)`` composed by
+    Opacus's accountant (``privacy.csv``'s arithmetic, :mod:`medfl.privacy.ledger`), the groups' epsilons added. Infinite when any spend has no noise."""
+    from medfl.privacy.ledger import _epsilon
+
+    groups: dict[tuple[str, float, str], list[tuple[float, float, int]]] = {}
+    for e in entries:
+        d = asdict(e) if isinstance(e, Spend) else e
+        if int(d["steps"]) <= 0:
+            continue
+        key = (str(d["mechanism"]), float(d["delta"]), str(d["accountant"]))
+        groups.setdefault(key, []).append((float(d["noise_multiplier"]), float(d["sample_rate"]), int(d["steps"])))
+    return float(sum(_epsilon(hist, delta, acc) for (_, delta, acc), hist in groups.items()))
 
 
 class PolicyError(ApprovalError):
@@ -94,10 +161,12 @@ class SitePolicy:
     Attributes:
         mechanisms: DP mechanisms accepted (``None``: any).
         max_epsilon: largest epsilon over the run (``None``: no cap).
+        max_epsilon_total: largest epsilon over every run on the site's data set (``None``: no cap).
         max_epsilon_per_release: largest epsilon of one release (``None``: no cap).
         min_noise_multiplier: smallest noise multiplier of a Gaussian release (``None``: any).
         required_filters: filters the run must apply, with bounds on their parameters.
-        cross_test: whether the site sends its evaluation model for the Global Test.
+        cross_test: whether the site sends its evaluation model for cross_test (``None``:
+            only where no epsilon cap is set, :attr:`sends_models`).
     """
 
     mechanisms: tuple[str, ...] | None = None
@@ -105,7 +174,20 @@ class SitePolicy:
     max_epsilon_per_release: float | None = None
     min_noise_multiplier: float | None = None
     required_filters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
-    cross_test: bool = True
+    cross_test: bool | None = None
+    max_epsilon_total: float | None = None
+
+    @property
+    def capped(self) -> bool:
+        """Whether the policy caps the epsilon a run or the site's data set may spend."""
+        return self.max_epsilon is not None or self.max_epsilon_total is not None
+
+    @property
+    def sends_models(self) -> bool:
+        """Whether the site sends its evaluation model for ``cross_test``: as ``cross_test``
+        says, and where it is unset only when no epsilon cap is set (a model leaves without
+        noise)."""
+        return self.cross_test if self.cross_test is not None else not self.capped
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "policy") -> "SitePolicy":
@@ -125,7 +207,7 @@ class SitePolicy:
             raise PolicyError(f"{where}.mechanisms: expected a list of mechanism names like [\"dp_gaussian\", "
                               f"\"dp_sgd\"], got {mech!r}")
         caps = {k: None if data.get(k) is None else _positive(data[k], f"{where}.{k}")
-                for k in ("max_epsilon", "max_epsilon_per_release", "min_noise_multiplier")}
+                for k in ("max_epsilon", "max_epsilon_total", "max_epsilon_per_release", "min_noise_multiplier")}
         filters = data.get("required_filters", [])
         if not isinstance(filters, list):
             raise PolicyError(f"{where}.required_filters: expected a list like [{{\"name\": \"quantize\", "
@@ -140,8 +222,8 @@ class SitePolicy:
                 raise PolicyError(f"{w}: unknown key(s) {extra}; expected name, max, min")
             required.append({"name": f["name"], "max": _bounds(f.get("max", {}), f"{w}.max"),
                              "min": _bounds(f.get("min", {}), f"{w}.min")})
-        cross = data.get("cross_test", True)
-        if not isinstance(cross, bool):
+        cross = data.get("cross_test")
+        if cross is not None and not isinstance(cross, bool):
             raise PolicyError(f"{where}.cross_test: expected true or false, got {cross!r}")
         return cls(mechanisms=None if mech is None else tuple(mech), required_filters=tuple(required),
                    cross_test=cross, **caps)
@@ -151,13 +233,13 @@ class SitePolicy:
         out: dict[str, Any] = {}
         if self.mechanisms is not None:
             out["mechanisms"] = list(self.mechanisms)
-        for k in ("max_epsilon", "max_epsilon_per_release", "min_noise_multiplier"):
+        for k in ("max_epsilon", "max_epsilon_total", "max_epsilon_per_release", "min_noise_multiplier"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         if self.required_filters:
             out["required_filters"] = [{k: v for k, v in f.items() if v or k == "name"} for f in self.required_filters]
-        if not self.cross_test:
-            out["cross_test"] = False
+        if self.cross_test is not None:
+            out["cross_test"] = self.cross_test
         return out
 
     def describe(self) -> list[str]:
@@ -166,6 +248,7 @@ class SitePolicy:
         if self.mechanisms is not None:
             lines.append(f"mechanisms: only {', '.join(self.mechanisms) or 'none'}")
         for k, what in (("max_epsilon", "largest epsilon over a run"),
+                        ("max_epsilon_total", "largest epsilon over every run on this site's data set"),
                         ("max_epsilon_per_release", "largest epsilon of one release"),
                         ("min_noise_multiplier", "smallest noise multiplier")):
             if getattr(self, k) is not None:
@@ -173,60 +256,86 @@ class SitePolicy:
         for f in self.required_filters:
             b = [f"{p} <= {v:g}" for p, v in f["max"].items()] + [f"{p} >= {v:g}" for p, v in f["min"].items()]
             lines.append(f"required_filters: {f['name']}{' with ' + ', '.join(b) if b else ''}")
-        if not self.cross_test:
+        if self.cross_test is False:
             lines.append("cross_test: this site never sends its evaluation model")
+        elif self.cross_test:
+            lines.append("cross_test: this site sends its evaluation model (without noise) when asked")
+        elif self.capped:
+            lines.append("cross_test: not set, so this capped site never sends its evaluation model (it leaves "
+                         "without noise); --cross-test yes sends it")
         return lines or ["no rule: any privacy (or none) is accepted"]
 
     # ------------------------------------------------------------------ the site's check
-    def check(self, control: dict[str, Any], num_examples: Callable[[], int]) -> None:
+    def check(self, control: dict[str, Any], num_examples: Callable[[], int], budget: Any = None) -> None:
         """Refuse a site message that asks for less privacy than this policy accepts.
 
         Args:
             control: the message's control record (method, resolved ``filters``, ``train``
                 with its resolved ``dp``, ``releases``, ``want_model``).
             num_examples: this site's training-set size (called only for DP-SGD's steps).
+            budget: the site's ``medfl.budget.SiteBudget`` (its ``spends()``): ``max_epsilon_total``
+                projects the run's plan on top of what the other runs on its data set spent.
 
         Raises:
             PolicyRefusal: naming the rule, what the message asks for and what the policy accepts.
         """
-        if not self.cross_test and control.get("want_model"):
-            raise PolicyRefusal("rule cross_test: the coordinator asks for this site's evaluation model (cross_test), "
-                                "which its policy never sends; run without \"cross_test\" in eval_splits")
+        if not self.sends_models and control.get("want_model"):
+            why = ("which its policy never sends" if self.cross_test is False else
+                   "which a site with an epsilon cap sends only when its policy says cross_test: true (the model "
+                   "leaves without noise; medfl policy --cross-test yes)")
+            raise PolicyRefusal(f"rule cross_test: the coordinator asks for this site's evaluation model (cross_test), "
+                                f"{why}; run without \"cross_test\" in eval_splits")
         if not isinstance(control.get("method"), dict):
             return   # hello: no data leaves but the split's sizes
         self._check_filters(list(control.get("filters") or []))
-        releases = _releases(control, num_examples)
-        for mech, sigma, _, delta, accountant, _ in releases:
-            if self.mechanisms is not None and mech not in self.mechanisms:
-                raise PolicyRefusal(f"rule mechanisms: the run releases with {mech}, this site accepts only "
+        releases = site_releases(control, num_examples)
+        for r in releases:
+            if self.mechanisms is not None and r.mechanism not in self.mechanisms:
+                raise PolicyRefusal(f"rule mechanisms: the run releases with {r.mechanism}, this site accepts only "
                                     f"{', '.join(self.mechanisms) or 'no mechanism'}")
-            if self.min_noise_multiplier is not None and accountant != "laplace" \
-                    and sigma < self.min_noise_multiplier:
-                raise PolicyRefusal(f"rule min_noise_multiplier: {mech} adds noise multiplier {sigma:g}, this site "
-                                    f"requires at least {self.min_noise_multiplier:g}")
+            if self.min_noise_multiplier is not None and r.accountant != "laplace" \
+                    and r.noise_multiplier < self.min_noise_multiplier:
+                raise PolicyRefusal(f"rule min_noise_multiplier: {r.mechanism} adds noise multiplier "
+                                    f"{r.noise_multiplier:g}, this site requires at least {self.min_noise_multiplier:g}")
         if self.max_epsilon_per_release is not None:
-            for mech, sigma, rate, delta, accountant, (steps, _) in releases:
-                eps = _epsilon([(sigma, rate, steps)], delta, accountant)
+            for r in releases:
+                eps = _epsilon([(r.noise_multiplier, r.sample_rate, r.steps)], r.delta, r.accountant)
                 if eps > self.max_epsilon_per_release:
-                    raise PolicyRefusal(f"rule max_epsilon_per_release: one {mech} release spends epsilon "
-                                        f"{eps:.4g} (noise multiplier {sigma:g}, delta {delta:g}), this site accepts "
-                                        f"at most {self.max_epsilon_per_release:g}")
-        if self.max_epsilon is not None:
-            if not releases:
-                raise PolicyRefusal(f"rule max_epsilon: the run makes no differential-privacy release (epsilon "
-                                    f"infinite), this site accepts at most epsilon {self.max_epsilon:g}")
-            count = control.get("releases")
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise PolicyRefusal(f"rule max_epsilon: the coordinator does not say how many releases the run "
-                                    f"plans for this site (control record 'releases': {count!r}), so its epsilon "
-                                    "cannot be checked")
-            total = sum(_epsilon([(sigma, rate, steps * (count if per_round else 1))], delta, accountant)
-                        for _, sigma, rate, delta, accountant, (steps, per_round) in releases)
-            if total > self.max_epsilon:
-                mechs = ", ".join(sorted({r[0] for r in releases}))
-                raise PolicyRefusal(f"rule max_epsilon: the run spends epsilon {total:.4g} of this site's data "
-                                    f"({mechs} over {count} planned release(s)), this site accepts at most "
-                                    f"{self.max_epsilon:g}")
+                    raise PolicyRefusal(f"rule max_epsilon_per_release: one {r.mechanism} release spends epsilon "
+                                        f"{eps:.4g} (noise multiplier {r.noise_multiplier:g}, delta {r.delta:g}), "
+                                        f"this site accepts at most {self.max_epsilon_per_release:g}")
+        for cap, name in ((self.max_epsilon, "max_epsilon"), (self.max_epsilon_total, "max_epsilon_total")):
+            if cap is not None and not releases:
+                raise PolicyRefusal(f"rule {name}: the run makes no differential-privacy release (epsilon "
+                                    f"infinite), this site accepts at most epsilon {cap:g}")
+        if not self.capped:
+            return
+        count = control.get("releases")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise PolicyRefusal(f"rule {'max_epsilon' if self.max_epsilon is not None else 'max_epsilon_total'}: "
+                                f"the coordinator does not say how many releases the run plans for this site "
+                                f"(control record 'releases': {count!r}), so its epsilon cannot be checked")
+        from dataclasses import replace
+
+        # the plan projected: every per-round mechanism over the planned releases, a
+        # per-sample release once (what the site then counts itself, reply by reply)
+        plan = [replace(r, steps=r.steps * (count if r.per_round else 1)) for r in releases]
+        mechs = ", ".join(sorted({r.mechanism for r in releases}))
+        total = composed_epsilon(plan)
+        if self.max_epsilon is not None and total > self.max_epsilon:
+            raise PolicyRefusal(f"rule max_epsilon: the run spends epsilon {total:.4g} of this site's data "
+                                f"({mechs} over {count} planned release(s)), this site accepts at most "
+                                f"{self.max_epsilon:g}")
+        if self.max_epsilon_total is not None and budget is not None:
+            run = str(control.get("run", ""))
+            others = [r for r in budget.spends() if r.get("run") != run]
+            total = composed_epsilon([*others, *plan])
+            if total > self.max_epsilon_total:
+                runs = len({r["run"] for r in others})
+                raise PolicyRefusal(f"rule max_epsilon_total: the run's plan ({mechs} over {count} planned "
+                                    f"release(s)) on top of what {runs} earlier run(s) spent of this site's data set "
+                                    f"({composed_epsilon(others):.4g}) comes to epsilon {total:.4g}, this site accepts "
+                                    f"at most {self.max_epsilon_total:g} in all")
 
     def _check_filters(self, filters: list[Any]) -> None:
         for req in self.required_filters:
@@ -256,21 +365,21 @@ def _epsilon(hist: list[tuple[float, float, int]], delta: float, accountant: str
     return history_epsilon(hist, delta, accountant)
 
 
-def _releases(control: dict[str, Any], num_examples: Callable[[], int]
-              ) -> list[tuple[str, float, float, float, str, tuple[int, bool]]]:
-    """Every DP release the message's run makes at this site, as ``(mechanism, noise
-    multiplier, sample rate, delta, accountant, (steps per release, repeated every planned
-    release))``: from the resolved filter chain (built by the approved filter code), the
-    resolved ``train.dp`` (DP-SGD, its steps from this site's own training-set size) and
-    the method's ``release_plan`` (once per run)."""
+def site_releases(control: dict[str, Any], num_examples: Callable[[], int], method: Any = None) -> list[Spend]:
+    """Every DP mechanism the message's run applies at this site, each as one application
+    (:class:`medfl.budget.Spend`): the resolved filter chain's releases (built by the
+    approved filter code), the resolved ``train.dp`` (DP-SGD, its steps and sample rate from
+    this site's own training-set size), the method's ``release_plan`` (``per_round`` false:
+    once per run) and its ``own_dp`` (as the approved method code computes it for this site).
+    ``method``: the message's method, already built (default: built from ``control``)."""
     from medfl.config import build_method
     from medfl.filters import FilterChain
 
     out = []
     chain = FilterChain.from_specs(list(control.get("filters") or []), "filters sent to this site")
     for rel in chain.releases():
-        out.append((rel.mechanism, float(rel.noise_multiplier), float(rel.sample_rate), float(rel.delta),
-                    rel.accountant, (1, True)))
+        out.append(Spend(rel.mechanism, rel.unit, float(rel.noise_multiplier), float(rel.sample_rate), 1,
+                         float(rel.delta), rel.accountant, float(rel.clip)))
     dp = dict(control.get("train") or {}).get("dp")
     if isinstance(dp, dict) and dp:
         from medfl.privacy.dp_sgd import planned_steps
@@ -278,20 +387,30 @@ def _releases(control: dict[str, Any], num_examples: Callable[[], int]
         train = dict(control["train"])
         steps, rate = planned_steps(max(int(num_examples()), 1), int(train.get("batch_size", 16)),
                                     int(train.get("epochs", 1)))
-        out.append(("dp_sgd", float(dp.get("noise_multiplier") or 0.0), rate, float(dp.get("delta", 1e-5)),
-                    str(dp.get("accountant", "rdp")), (steps, True)))
-    method = build_method(dict(control["method"]))
+        out.append(Spend("dp_sgd", "sample", float(dp.get("noise_multiplier") or 0.0), rate, steps,
+                         float(dp.get("delta", 1e-5)), str(dp.get("accountant", "rdp")),
+                         float(dp.get("max_grad_norm", math.inf))))
+    method = method if method is not None else build_method(dict(control["method"]))
     rel = method.release_plan()
     if rel is not None:
-        out.append((rel.mechanism, float(rel.noise_multiplier), float(rel.sample_rate), float(rel.delta),
-                    rel.accountant, (1, False)))
+        out.append(Spend(rel.mechanism, rel.unit, float(rel.noise_multiplier), float(rel.sample_rate), 1,
+                         float(rel.delta), rel.accountant, float(rel.clip), per_round=False))
     own = _own_dp(method, control, num_examples)
     if own is not None:
         cid = str(control.get("client"))
-        out.append((own.mechanism, float(own.per_client("noise_multiplier", cid)),
-                    float(own.per_client("sample_rate", cid)), float(own.delta), own.accountant,
-                    (int(own.per_client("steps", cid)), True)))
+        out.append(Spend(own.mechanism, own.unit, float(own.per_client("noise_multiplier", cid)),
+                         float(own.per_client("sample_rate", cid)), int(own.per_client("steps", cid)),
+                         float(own.delta), own.accountant, float(own.clip)))
     return out
+
+
+def request_releases(control: dict[str, Any], num_examples: Callable[[], int], method: Any,
+                     is_release: bool) -> list[Spend]:
+    """The DP mechanisms one training request applies at this site (what its reply spends):
+    every per-round mechanism of :func:`site_releases`, and the method's per-sample release
+    only when the request is that release (``is_release``: the instruction carries
+    :data:`medfl.messages.RELEASE_FLAG`). Empty: the reply is no DP release."""
+    return [r for r in site_releases(control, num_examples, method) if r.per_round or is_release]
 
 
 def _own_dp(method: Any, control: dict[str, Any], num_examples: Callable[[], int]) -> Any:

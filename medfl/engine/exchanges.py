@@ -137,12 +137,14 @@ class Exchanges:
                 "method": self.method_spec, "model": self.federation.model_spec(cid),
                 "train": self.privacy.client_train(cid), "filters": self.privacy.chain.specs(), "step": self._step,
                 **({"pinned": list(self._pinned)} if self.early is not None else {}),
-                **({"releases": self._planned_releases().get(cid, 0)} if self.privacy.private else {}), **extra}
+                **({"releases": self._planned_releases().get(cid, 0), "rounds": int(self.federation.rounds)}
+                   if self.privacy.private else {}), **extra}
 
     def _planned_releases(self) -> dict[str, int]:
         """How many releases the run plans for each client (:func:`medfl.privacy.ledger.planned_releases`),
-        sent with every message of a private run: what a site's policy counts its epsilon over
-        (:mod:`medfl.policy`)."""
+        sent with every message of a private run with the run's ``rounds``: the plan a site
+        checks every request against and projects its epsilon over (:mod:`medfl.budget`,
+        :mod:`medfl.policy`)."""
         key = int(self.federation.rounds)
         if self._planned is None or self._planned[0] != key:
             self._planned = (key, planned_releases(self.federation))

@@ -76,6 +76,7 @@ from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, b
                                  run_client_validate, score_dataset)
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl import wire
+from medfl.budget import SiteBudget, data_key
 from medfl.flower import protocol as P
 from medfl.flower.proxy import secure_aggregation_mod
 from medfl.logs import file_log
@@ -83,7 +84,7 @@ from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
 
 __all__ = ["SiteSettings", "Site", "SiteError", "handle", "handle_locally", "site_for", "site_noise_key", "app",
-           "REPRODUCIBLE_NOISE_ENV"]
+           "instruction_digest", "REPRODUCIBLE_NOISE_ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ class Site:
         self._data: dict[tuple[int | None, int], FederatedData] = {}
         self._source: Any = None
         self.noise_key = "" if settings.simulated else site_noise_key(settings.state_dir, self.client_id)
+        #: the policy of the message being handled (read by :meth:`check`), or None
+        self.policy: Any = None
 
     # ------------------------------------------------------------------ data and state
     def data(self, fold: int | None, seed: Any = None) -> FederatedData:
@@ -262,15 +265,29 @@ class Site:
 
         return build_method(dict(ctl["method"]))
 
-    def context(self, ctl: dict[str, Any], store: ClientStore, state_before: int | None = None) -> ClientContext:
+    def request_noise_key(self, ctl: dict[str, Any], instruction: str = "") -> str:
+        """The secret mixed into the seeds of a request's privacy noise: this run's
+        (:meth:`run_noise_key`) and, for a training request, the digest of its instruction
+        (``instruction``: the control fields, the payload with the model sent, the config),
+        so two different requests never draw the same noise (the difference of two replies
+        to the same round with two models would otherwise cancel it). Empty where
+        :meth:`run_noise_key` is."""
+        key = self.run_noise_key(ctl)
+        if key and instruction:
+            return hashlib.sha256(f"{key}:{instruction}".encode()).hexdigest()
+        return key
+
+    def context(self, ctl: dict[str, Any], store: ClientStore, state_before: int | None = None,
+                instruction: str = "") -> ClientContext:
         """This client's context for the message's round, built as in process
-        (:func:`medfl.engine.exchanges.client_context`)."""
+        (:func:`medfl.engine.exchanges.client_context`); ``instruction``: the digest of a
+        training request's instruction, which the noise key names (:meth:`request_noise_key`)."""
         from medfl.engine.exchanges import client_context
 
         return client_context(self.data(ctl.get("fold"), ctl.get("seed")), self.client_id, int(ctl["round"]),
                               run_seed=int(ctl["seed"]), model_spec=dict(ctl["model"]), train=dict(ctl["train"]),
                               device=self.device, store=store, state_before=state_before,
-                              noise_key=self.run_noise_key(ctl),
+                              noise_key=self.request_noise_key(ctl, instruction),
                               deployed=not self.settings.simulated, coordinator=self.settings.superlink)
 
     def check(self, ctl: dict[str, Any]) -> None:
@@ -299,14 +316,26 @@ class Site:
             approvals = check_control(ctl, f"medfl site {self.client_id}", site=own)
         except ApprovalError as exc:
             raise SiteError(f"medfl site {self.client_id}: {exc}") from None
+        self.policy = None
         if approvals is None or approvals.policy is None:
             return
         try:
-            SitePolicy.from_dict(approvals.policy, f"approvals file {approvals.path}: policy").check(
-                ctl, lambda: self.data(ctl.get("fold"), ctl.get("seed")).num_examples()[self.client_id])
+            self.policy = SitePolicy.from_dict(approvals.policy, f"approvals file {approvals.path}: policy")
+            self.policy.check(ctl, lambda: self.num_examples(ctl), budget=self.budget())
         except ApprovalError as exc:
             raise SiteError(f"medfl site {self.client_id}: refused by its privacy policy ({approvals.path}): "
                             f"{exc}") from None
+
+    def num_examples(self, ctl: dict[str, Any]) -> int:
+        """This site's training-set size in the message's split (what DP-SGD's steps and
+        sample rate are computed from)."""
+        return int(self.data(ctl.get("fold"), ctl.get("seed")).num_examples()[self.client_id])
+
+    def budget(self) -> SiteBudget:
+        """This site's own privacy budget (:mod:`medfl.budget`, ``<state-dir>/budget.jsonl``),
+        for the data set its config names."""
+        return SiteBudget(self.settings.state_dir, data_key(self.cfg.get("dataset")), self.client_id,
+                          f"medfl site {self.client_id}")
 
     def check_models(self, specs: dict[str, dict[str, Any]]) -> None:
         """Refuse model specs (a method's final models, named inside an instruction rather
@@ -331,41 +360,62 @@ class Site:
     def train(self, ctl: dict[str, Any], ins: Instruction) -> tuple[Any, int, dict[str, Any]]:
         """Run the method's ``client_update``; save the client's state at the site.
 
-        A reply that carries a DP release (a DP filter, DP-SGD, the method's own release) is
-        recorded in the site's release ledger (:class:`medfl.privacy.releases.SiteReleaseLedger`)
-        before it leaves. A request for a release this site already made in the run (same
-        round and step) gets the reply it sent then, byte for byte, when its instruction is
-        the same (the update runs again, to restore the client's state, but its reply stays
-        here); under any other instruction it is refused before the client step runs
-        (nothing is trained or drawn).
+        A reply that carries a DP release (a DP filter, DP-SGD, the method's per-sample
+        release, its own DP: :func:`medfl.policy.request_releases`, as this site computes
+        them) is recorded in the site's release ledger
+        (:class:`medfl.privacy.releases.SiteReleaseLedger`) and, at a deployed site, in its
+        budget (:class:`medfl.budget.SiteBudget`) before it leaves. A request for a release
+        this site already made in the run (same round and step) gets the reply it sent then,
+        byte for byte, when its instruction is the same (the update runs again, to restore
+        the client's state, but its reply stays here); under any other instruction it is
+        refused before the client step runs (nothing is trained or drawn). A new release is
+        first checked against the plan the site accepted for the run and against its
+        policy's caps over what it has released itself (:meth:`medfl.budget.SiteBudget.admit`);
+        its noise is seeded from the instruction's digest too (:meth:`request_noise_key`).
 
         Raises:
-            SiteError: the release was made before under another instruction (naming the rule).
+            SiteError: the release was made before under another instruction, or the
+                site's plan or budget refuses it (naming the rule).
         """
+        from medfl.budget import BudgetRefused
         from medfl.filters import FilterChain
-        from medfl.privacy.releases import ReleaseRefused, SiteReleaseLedger, asked_releases, payload_digest
+        from medfl.messages import RELEASE_FLAG
+        from medfl.policy import request_releases
+        from medfl.privacy.releases import ReleaseRefused, SiteReleaseLedger
 
         # the coordinator's resolved filter entries (approved by Site.check): applied to the
         # reply here, undone at the coordinator
         filters = FilterChain.from_specs(ctl.get("filters") or [], f"filters sent to site {self.client_id}")
         method = self.method(ctl)
-        asked = asked_releases(method, filters, dict(ctl["train"]), ins)
+        is_release = ins.config.get(RELEASE_FLAG) is True
+        spends = request_releases(ctl, lambda: self.num_examples(ctl), method, is_release)
+        asked = [s.ledger_entry() for s in spends]
         ledger = SiteReleaseLedger(self._root(ctl), f"medfl site {self.client_id}") if asked else None
         release = (str(ctl["run"]), int(ctl["round"]), self.client_id, int(ctl.get("step", 0)))
-        digest, sent_before = "", None
+        digest, sent_before, budget = "", None, None
+        kind = "release" if is_release else "train"
         if ledger is not None:
-            digest = payload_digest({k: ctl.get(k) for k in _INSTRUCTION_FIELDS}, ins.payload, ins.config)
+            digest = instruction_digest(ctl, ins)
             try:
                 sent_before = ledger.replay(*release, asked, digest)
-            except ReleaseRefused as exc:
+                if sent_before is None and not self.settings.simulated:
+                    budget = self.budget()
+                    plan = budget.plan(release[0], str(ctl.get("session", "")), ctl.get("rounds"), ctl.get("releases"))
+                    policy = getattr(self, "policy", None)
+                    budget.admit(release[0], release[1], release[3], kind, spends, plan,
+                                 max_epsilon=policy.max_epsilon if policy is not None else None,
+                                 max_epsilon_total=policy.max_epsilon_total if policy is not None else None)
+            except (ReleaseRefused, BudgetRefused) as exc:
                 raise SiteError(str(exc)) from None
         store, _ = self.stores(ctl)
         # checks the reply (tensors and numbers, none of this site's labels or images) before
         # and after the filters, before the wire side packs it, which checks its types again
-        reply = run_client_update(method, self.context(ctl, store), ins, store=store, filters=filters,
-                                  step=release[3])
+        reply = run_client_update(method, self.context(ctl, store, instruction=digest), ins, store=store,
+                                  filters=filters, step=release[3])
         if sent_before is not None:
             return sent_before
+        if budget is not None:
+            budget.record(release[0], release[1], release[3], kind, spends)
         if ledger is not None:
             ledger.record(*release, asked, digest, reply.payload, int(reply.num_examples), dict(reply.metrics))
             ledger.prune(int(ctl.get("ckpt", 0)))   # replies no resume can ask for again
@@ -497,6 +547,15 @@ def _secret_file(path: Path, client_id: str) -> str:
 #: The control fields that make up a training instruction, besides its payload and config
 #: (the session fields, which change with every coordinator session, are not part of it).
 _INSTRUCTION_FIELDS = ("run", "round", "step", "client", "seed", "fold", "method", "model", "train", "filters")
+
+
+def instruction_digest(ctl: dict[str, Any], ins: Instruction) -> str:
+    """The digest of a training instruction (its control fields :data:`_INSTRUCTION_FIELDS`,
+    the payload with the model sent, the config): what a site's release ledger compares and
+    what its noise key names (:meth:`Site.request_noise_key`)."""
+    from medfl.privacy.releases import payload_digest
+
+    return payload_digest({k: ctl.get(k) for k in _INSTRUCTION_FIELDS}, ins.payload, ins.config)
 
 
 # ---------------------------------------------------------------------- message handling

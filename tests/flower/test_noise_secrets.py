@@ -30,7 +30,8 @@ from medfl.filters import FilterChain  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, handle  # noqa: E402
+from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, handle, instruction_digest  # noqa: E402
+from medfl.messages import Instruction  # noqa: E402
 from medfl.method import derive_seed  # noqa: E402
 from medfl.plugins import lookup  # noqa: E402
 from medfl.privacy.releases import payload_digest  # noqa: E402
@@ -123,13 +124,20 @@ def test_two_runs_at_two_noise_levels_draw_independent_noise_the_coordinator_can
         assert float(left.norm()) > 10 * CLIP, (
             f"the coordinator regenerated site {ctl['client']}'s noise from the run seed"
             f"{' and its noise.key' if key else ''}")
-    # the site itself, with the secret it drew for this run, regenerates it exactly (what
-    # is left is the clipped update): so the guesses above failed for want of that secret
+    # the site itself, with the secret it drew for this run and the digest of the request's
+    # instruction, regenerates it exactly (what is left is the clipped update): so the
+    # guesses above failed for want of that secret
     run_id = json.loads((run_one / "flower.json").read_text())["run_id"]
     assert ctl["run"] == run_id
-    secret = site.run_noise_key(ctl)
-    assert secret and secret != known_key
+    run_secret = site.run_noise_key(ctl)
+    assert run_secret and run_secret != known_key
     assert (site.settings.state_dir / run_id / f"site_{site.client_id}" / "noise_run.key").is_file()
+    ins = Instruction(payload=wire.take(decode_records(content), "ins.payload", "t"),
+                      config=wire.take(decode_records(content), "ins.config", "t"))
+    secret = site.request_noise_key(ctl, instruction_digest(ctl, ins))
+    assert secret not in (run_secret, known_key)
+    left = _flat(released) - _flat(_regenerated(ctl, released, run_secret))
+    assert float(left.norm()) > 10 * CLIP, "the run's secret alone regenerated noise that names the instruction"
     left = _flat(released) - _flat(_regenerated(ctl, released, secret))
     assert float(left.norm()) <= CLIP * (1 + 1e-6)
 
