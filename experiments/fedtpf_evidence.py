@@ -142,21 +142,65 @@ def fl_config(a: argparse.Namespace, data: Path, setting: str, seed: int) -> dic
             "methods": arms(a)}
 
 
+#: written in an arm's run directory when the content guard stopped it (the reason inside)
+REFUSED = "refused_by_guard.txt"
+
+
 def finished(run: Path) -> bool:
     return (run / "summary.json").is_file()
 
 
+def refused(run: Path) -> str | None:
+    """Why the content guard stopped the arm's run (at its release round), or None."""
+    path = run / REFUSED
+    return path.read_text().strip() if path.is_file() else None
+
+
 def run_all(a: argparse.Namespace, data: Path) -> None:
-    """Every (setting, seed) experiment whose arms have not all finished."""
+    """Every (setting, seed) experiment whose arms have not all finished. An arm whose
+    release the content guard refuses (x_s + n still a noisy copy of a client's images:
+    the run stops at its release round) is recorded as refused (``refused_by_guard.txt``
+    with the reason) and the other arms of that seed still run; the tables count the seeds
+    that finished and ``refused.md`` lists the refusals."""
+    from medfl.messages import PayloadError
+
     for setting in a.settings:
         for seed in a.seeds:
             exp = run_dir(a, setting, seed)
-            if all(finished(exp / k) for k in a.arms):
+            if all(finished(exp / k) or refused(exp / k) for k in a.arms):
                 print(f"{exp.name}: done already", flush=True)
                 continue
             t0 = time.time()
-            run_experiment(resolve_config(fl_config(a, data, setting, seed)))
+            while True:
+                cfg = fl_config(a, data, setting, seed)
+                cfg["methods"] = [m for m in cfg["methods"] if not refused(exp / m["label"])]
+                try:
+                    run_experiment(resolve_config(cfg))
+                    break
+                except PayloadError as exc:   # the guard stopped one arm: note it, run the others
+                    arm = next(k for k in a.arms if (exp / k).is_dir() and not finished(exp / k)
+                               and not refused(exp / k))
+                    (exp / arm / REFUSED).write_text(f"{exc}\n")
+                    print(f"{exp.name}: {arm} stopped by the content guard: {exc}", flush=True)
             print(f"{exp.name}: {time.time() - t0:.0f} s", flush=True)
+
+
+def refusals_report(a: argparse.Namespace) -> None:
+    """``refused.md``: every arm and seed the content guard stopped, with the reason."""
+    lines = []
+    for setting in a.settings:
+        for seed in a.seeds:
+            for arm in a.arms:
+                why = refused(run_dir(a, setting, seed) / arm)
+                if why:
+                    lines.append(f"| {setting} | {seed} | {arm} | {why.splitlines()[0][:400]} |")
+    path = a.out / "refused.md"
+    if lines:
+        path.write_text("Arms the content guard stopped at their release round (x_s + n a noisy copy of a "
+                        "client's images); the tables count only the seeds that finished.\n\n"
+                        "| setting | seed | arm | reason |\n|---|---|---|---|\n" + "\n".join(lines) + "\n")
+    elif path.exists():
+        path.unlink()
 
 
 # ---------------------------------------------------------------------------------------------- mechanisms
@@ -651,10 +695,11 @@ def main(argv: list[str] | None = None) -> int:
     arm_reports(a)
     paired_report(a)
     mechanisms_report(a)
+    refusals_report(a)
     if a.ceiling:
         ceiling_report(a, data)
     print(f"tables in {a.out} ({time.time() - started:.0f} s)")
-    for name in ["paired.md", "mechanisms.md", "ceiling.md"] + [f"{s}/arms_table.md" for s in a.settings]:
+    for name in ["paired.md", "mechanisms.md", "ceiling.md", "refused.md"] + [f"{s}/arms_table.md" for s in a.settings]:
         if (a.out / name).is_file():
             print((a.out / name).read_text())
     return 0

@@ -24,7 +24,8 @@ __all__ = ["ConfigError", "DEFAULTS", "ENTRY_KEYS", "DP_SGD_DEFAULTS", "PUBLIC_K
            "check_backend", "check_tracking", "check_min_sites", "BACKEND_DEFAULTS", "TRAIN_OPTIONAL", "FL_OPTIONAL",
            "EARLY_STOPPING_DEFAULTS", "TEST_SPLITS", "check_early_stopping", "ABSENCE_PHASES", "check_absences",
            "SECURE_AGGREGATION_DEFAULTS", "check_secure_aggregation", "CROSS_TEST_DEFAULTS", "CROSS_TEST_UNDER_DP",
-           "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR", "BOOL_WORDS", "read_bool",
+           "check_cross_test", "cross_test_in_clear", "CROSS_TEST_IN_CLEAR", "check_uncovered_entries",
+           "uncovered_keys", "uncovered_in_clear", "UNCOVERED_DEFAULTS", "UNCOVERED_UNDER_DP", "BOOL_WORDS", "read_bool",
            "read_plugin_values", "check_plugin_names", "plugin_names"]
 
 
@@ -138,6 +139,9 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: ``cross_test`` (:data:`CROSS_TEST_DEFAULTS`, :func:`check_cross_test`): what the Global Test may
 #: do in a run with differential privacy, which it leaves by sending every client's evaluation
 #: model in the clear; absent, a private run with ``cross_test`` in ``eval_splits`` is refused.
+#: ``uncovered_entries`` (:data:`UNCOVERED_DEFAULTS`, :func:`check_uncovered_entries`): what a run
+#: whose model is noised does with reply entries beside the model that no DP covers; absent, it
+#: is refused (:func:`uncovered_in_clear`).
 #: ``absences`` (:func:`check_absences`): a scripted schedule of clients left out of given
 #: rounds' exchanges, as if they had dropped out (replaying a deployment's dropouts in process).
 #: ``tracking`` (:func:`check_tracking`): the experiment trackers, e.g. ``[{"name": "mlflow",
@@ -146,7 +150,7 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: positive integer or ``"auto"`` (the cores this process may use shared among the processes that
 #: train beside it, :func:`auto_threads`); ``--threads N`` (``MEDFL_THREADS``) overrides it.
 FL_OPTIONAL: dict[str, Any] = {"plots": True, "secure_aggregation": None, "cross_test": None, "absences": None,
-                               "threads": "auto", "tracking": None,
+                               "threads": "auto", "tracking": None, "uncovered_entries": None,
                                # written by medfl: {kind: {name as written: "dist:name" it resolved to}}
                                "plugin_names": None}
 
@@ -695,6 +699,72 @@ def cross_test_in_clear(cfg: dict[str, Any], private: bool, where: str, refuse: 
         "fl.cross_test {\"under_dp\": \"send_models\"} (the run's privacy record then says it is not private)")
 
 
+#: The keys of ``fl.uncovered_entries`` and their defaults (:func:`check_uncovered_entries`).
+UNCOVERED_DEFAULTS: dict[str, Any] = {"under_dp": "refuse"}
+
+#: The values of ``fl.uncovered_entries.under_dp``: ``"refuse"`` (the default: a run whose model
+#: is noised, by a DP filter, DP-SGD or the method's own DP, and whose replies carry entries
+#: beside the model that no mechanism covers is refused before anything is sent) or
+#: ``"send_in_clear"`` (the entries are sent, and the run's privacy record says it is not private).
+UNCOVERED_UNDER_DP = ("refuse", "send_in_clear")
+
+
+def check_uncovered_entries(value: Any, where: str = "fl.uncovered_entries") -> dict[str, Any] | None:
+    """Check an ``uncovered_entries`` section: ``None``, or a dict of :data:`UNCOVERED_DEFAULTS`' keys.
+
+    Raises:
+        ConfigError: not a dict, an unknown key, or ``under_dp`` not one of :data:`UNCOVERED_UNDER_DP`.
+    """
+    out = _optional_section(value, UNCOVERED_DEFAULTS, where, '{"under_dp": "send_in_clear"}')
+    if out is not None and out["under_dp"] not in UNCOVERED_UNDER_DP:
+        raise ConfigError(f"{where}: under_dp: expected one of {', '.join(map(repr, UNCOVERED_UNDER_DP))}, "
+                          f"got {out['under_dp']!r}")
+    return out
+
+
+def uncovered_keys(method: Any, instruction: Any) -> list[str]:
+    """The keys of a reply to ``instruction`` (``Method.reply_keys``, the method's own
+    declaration) beside its model state (``reply_state``), which a DP filter, DP-SGD or the
+    method's own DP on the model does not cover; none for a per-sample release (its labels
+    are the release's declared clear part). An instruction the method cannot answer from its
+    settings alone (``reply_keys`` raises) counts as the model state's keys."""
+    from medfl.messages import RELEASE_FLAG
+
+    if instruction.config.get(RELEASE_FLAG) is True:
+        return []
+    try:
+        keys = set(method.reply_keys(instruction))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []
+    return sorted(keys - set(type(method).reply_state))
+
+
+def uncovered_in_clear(cfg: dict[str, Any], keys: list[str], method: str, where: str) -> str:
+    """What a run whose model is noised sends in the clear beside it: ``keys`` (from
+    :func:`uncovered_keys`) as one ``sent_in_clear`` line, only with the opt-in
+    ``fl.uncovered_entries: {"under_dp": "send_in_clear"}``.
+
+    Raises:
+        ConfigError: without the opt-in, naming the method, the keys and the option.
+    """
+    if (cfg.get("uncovered_entries") or {}).get("under_dp") == "send_in_clear":
+        return f"reply entries {keys} of method {method!r}: beside its noised model, in the clear (no DP covers them)"
+    raise ConfigError(
+        f"{where}: method {method!r} replies {keys} beside its model state {sorted(_reply_state_of(method))} under "
+        "differential privacy, and no mechanism covers them: the noise is on the model only, so they would leave the "
+        "sites in the clear while the run records an epsilon. Declare them in the method's reply_state (a DP filter "
+        "then clips and noises them with the model), drop them from the reply under DP, or opt in with "
+        "fl.uncovered_entries {\"under_dp\": \"send_in_clear\"} (the run's privacy record then says it is not "
+        "private)")
+
+
+def _reply_state_of(method: str) -> list[str]:
+    try:
+        return list(lookup("method", method).reply_state)
+    except PluginError:   # only for the message
+        return []
+
+
 def check_absences(value: Any, rounds: int, where: str = "fl.absences") -> dict[str, dict[str, list[str]]] | None:
     """Check a scripted absence schedule: ``None`` (no schedule), or ``{round: clients}``
     where ``round`` is an integer from 1 to ``rounds`` (a JSON key: ``"3"``) and ``clients``
@@ -938,9 +1008,16 @@ def _check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
                               "drop the filters (or set the entry's \"filters\": [])")
     from medfl.method import Method
 
-    private = (bool(chain.releases()) or method_train(cfg, m, cls)["dp"] is not None
-               or method.release_plan() is not None or cls.own_dp is not Method.own_dp)
+    model_dp = (bool(chain.releases()) or method_train(cfg, m, cls)["dp"] is not None
+                or cls.own_dp is not Method.own_dp)
+    private = model_dp or method.release_plan() is not None
     cross_test_in_clear(cfg, private, where)
+    if model_dp:   # entries beside the noised model, as the method declares a plain reply's keys
+        from medfl.messages import Instruction
+
+        keys = uncovered_keys(method, Instruction(payload={}, config={}))
+        if keys:
+            uncovered_in_clear(cfg, keys, cls.name, where)
 
 
 def _check_parameters(kind: str, spec: dict[str, Any], where: str, skip: tuple[str, ...] = (),
@@ -1155,6 +1232,8 @@ def _resolve_config(fl: dict[str, Any]) -> dict[str, Any]:
         cfg["secure_aggregation"] = check_secure_aggregation(cfg["secure_aggregation"], cfg["num_clients"])
     if "cross_test" in cfg:
         cfg["cross_test"] = check_cross_test(cfg["cross_test"])
+    if "uncovered_entries" in cfg:
+        cfg["uncovered_entries"] = check_uncovered_entries(cfg["uncovered_entries"])
     if "absences" in cfg:
         cfg["absences"] = check_absences(cfg["absences"], cfg["rounds"])
     if "threads" in cfg:

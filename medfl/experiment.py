@@ -49,12 +49,23 @@ def _saved_config(path: Path) -> dict[str, Any]:
     """A run or experiment directory's ``config.json``.
 
     Raises:
-        RunError: there is none.
+        RunError: there is none, or it is not the JSON object medfl wrote (garbled, cut
+            short, edited by hand): naming the file and where it stops being JSON.
     """
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise RunError(f"{path}: no config.json; not a medfl run or experiment directory")
-    return json.loads(cfg_file.read_text())
+    try:
+        saved = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f"line {exc.lineno} column {exc.colno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise RunError(f"{cfg_file}: not the JSON medfl wrote ({where}); the run cannot be resumed from it. "
+                       "Restore it from a copy, or start the run again in a new directory") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("fl"), dict):
+        raise RunError(f"{cfg_file}: expected a JSON object with an 'fl' section (what medfl writes), got "
+                       f"{type(saved).__name__}{'' if not isinstance(saved, dict) else ' without fl'}; the run cannot "
+                       "be resumed from it")
+    return saved
 
 
 def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any], run_factory: RunFactory = Run
@@ -331,8 +342,8 @@ def _final_models(run: Run) -> dict[str, Any]:
     if type(run).update_clients is not Run.update_clients:
         # over Flower (and on Ray) the clients' states stay at the sites: a model rebuilt here
         # would lack their personalised parts, so none is logged rather than a wrong one
-        raise RunError("the clients ran elsewhere (fl.backend "
-                       f"{(run.config.get('backend') or {}).get('name', '?')!r}); their models stay at the sites")
+        raise RunError(f"the clients ran {getattr(type(run), 'transport', type(run).__name__)}, not in this process; "
+                       "their models stay where they ran")
     last = run.rounds_run
     if run.early is not None and run.early.best_round is not None:
         last = int(run.early.best_round)

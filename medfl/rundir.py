@@ -68,7 +68,8 @@ records of them, and writes that say which file a full disk stopped. A run direc
 
 **Checksums.** Each file the engine writes whole (a per-round CSV, a checkpoint, a client
 state) gets a ``<name>.sha256`` sidecar written before the file is renamed into place
-(:func:`write_sum`), which a resume checks (:func:`check_sum`).
+(:func:`write_sum`), which a resume checks (:func:`check_sum`). A checkpoint without its
+sidecar is set aside like a damaged one (it may have been changed together with deleting it).
 
 **Manifest.** Each checkpoint (``checkpoints/round_NNNN.pt``) holds a manifest, ``files``:
 the size and SHA-256 of each of the run's own files (:data:`RUN_FILES`) as they were when the
@@ -249,10 +250,15 @@ def write_sum(written: Path, final: Path) -> None:
     tmp.replace(side)
 
 
-def check_sum(path: Path, sum_of: Path | None = None) -> str:
+def check_sum(path: Path, sum_of: Path | None = None, required: bool = False) -> str:
     """Why ``path`` does not match the sidecar checksum of ``sum_of`` (default ``path``):
-    "" when it does, or when there is no sidecar (files written before checksums)."""
+    "" when it does, or when there is no sidecar (files written before checksums) unless
+    ``required`` (a checkpoint, always written with one: its sidecar deleted is a checkpoint
+    that may have been changed with it)."""
     side = sum_path(sum_of or path)
+    if required and not side.is_file():
+        return (f"it has no {side.name} (every checkpoint is written with one; deleted, the checkpoint may have been "
+                "changed with it)")
     if side.is_file() and sha256_file(path) != side.read_text().split()[0]:
         return "its SHA-256 differs from the one written with it (the file was changed or damaged)"
     return ""
@@ -327,6 +333,11 @@ def manifest_problems(run_dir: Path, manifest: dict[str, list[Any]], round: int)
                         f"{path}: digest mismatch: its first bytes are not those round {round}'s checkpoint recorded "
                         f"({seen}), and it has no .sha256 written with it (the file was changed, its checksum deleted)")
     return problems
+
+
+#: ``status.json`` is written padded to at least this many bytes, so that a full disk's stop
+#: can still rewrite it in place (:meth:`RunDir.status`).
+STATUS_BYTES = 1024
 
 
 class RunError(RuntimeError):
@@ -547,9 +558,33 @@ class RunDir:
 
     def status(self, status: str, r: int, rounds: int, reason: str = "") -> None:
         """Write ``status.json``: the run's ``status``, its last round ``r`` of ``rounds``, and
-        the ``reason`` of a failure."""
-        _write_json(self.path / "status.json", {"status": status, "last_round": r,
-                                                "rounds": rounds, **({"reason": reason} if reason else {})})
+        the ``reason`` of a failure. On a full disk, where the atomic write finds no room for a
+        second copy, the file is rewritten in place (its own blocks freed first), so a run the
+        full disk stopped still says ``failed`` rather than its last status."""
+        path = self.path / "status.json"
+        data = {"status": status, "last_round": r, "rounds": rounds, **({"reason": reason} if reason else {})}
+        text = json.dumps(data, indent=2, default=str)
+        # padded with spaces (valid JSON) to a fixed size, so that it can be rewritten in place
+        text += " " * max(0, STATUS_BYTES - 1 - len(text.encode())) + "\n"
+        tmp = path.with_suffix(".json.tmp")
+        try:
+            with writing(path, tmp):
+                tmp.write_text(text)
+            tmp.replace(path)
+        except DiskFullError:
+            # no room for a second copy: overwrite the file's own bytes in place (no new space
+            # on the device), the reason shortened to fit, so a full disk's stop says "failed"
+            size = path.stat().st_size if path.is_file() else 0
+            for cut in (len(reason), 200, 0):
+                text = json.dumps({**data, **({"reason": reason[:cut]} if reason and cut else {})}, indent=2)
+                if len(text.encode()) < size:
+                    break
+            else:
+                raise
+            with open(path, "r+b") as f:
+                f.write((text + " " * (size - 1 - len(text.encode())) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
         for observer in self.observers:
             observer.status(status, r)
 
@@ -604,7 +639,7 @@ class RunDir:
         path = self.checkpoint_path(k)
         if not path.is_file():
             return f"{path} is missing", None
-        problem = check_sum(path)
+        problem = check_sum(path, required=True)
         ckpt = None
         if not problem:
             try:

@@ -138,9 +138,14 @@ def _headline_from_metrics(folder: Path) -> tuple[str, float] | None:
 
 def _epsilon(summary: dict[str, Any] | None, folder: Path) -> float | None:
     """The epsilon spent (worst client): the summary's ``privacy.epsilon``, or for a run with no
-    summary yet the largest epsilon of ``privacy.csv``'s last round; ``None`` without DP."""
+    summary yet the largest epsilon of ``privacy.csv``'s last round; ``None`` without DP;
+    infinite for a run that made DP releases but is not private (it sent something in the
+    clear beside them, or released without noise), as ``comparison.csv`` shows it."""
     if summary is not None:
-        eps = (summary.get("privacy") or {}).get("epsilon")
+        privacy = summary.get("privacy") or {}
+        eps = privacy.get("epsilon")
+        if eps is None and (privacy.get("sent_in_clear") or privacy.get("non_private_releases")):
+            return math.inf
         return None if eps is None else float(eps)
     path = folder / "privacy.csv"
     if not path.is_file():

@@ -47,11 +47,8 @@ class Checkpoints:
         """:meth:`prepare`, holding the lock (and the run's ``log.txt``) once it returns."""
         if not read_only:
             self.files.lock()
-            self._write_static()
-            self._log_preset()
-            self._log_privacy()
-            if self.early is not None and self.early.on_test_split:
-                logger.warning(self.early.leakage_warning(self.label))
+            if not resume:
+                self._announce()
         self.coordinator.setup(self.federation)
         if not (resume or read_only):
             self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
@@ -67,9 +64,6 @@ class Checkpoints:
                                     "the run wrote (rows lost or changed). Restore the file (nothing was changed), "
                                     "or start a new run")
             self._load_checkpoint(k, ckpt, read_only)
-        if not read_only:
-            logger.info(f"medfl [{self.label}]: resumed at round {k + 1} (after the checkpoint of round {k})"
-                        if k else f"medfl [{self.label}]: resumed at round 1 (no round was checkpointed)")
         self._released = self.journal.after(k) if not read_only else {}
         beyond = [r for r in self._released if r > self.federation.rounds]
         if beyond:
@@ -78,6 +72,10 @@ class Checkpoints:
                                 f"rounds, so that release would never be accounted in privacy.csv; resume with "
                                 f"--rounds {max(beyond)} or more")
         if not read_only:
+            # config.json (with a new --rounds) only once the resume is accepted: a refused one changes nothing
+            self._announce()
+            logger.info(f"medfl [{self.label}]: resumed at round {k + 1} (after the checkpoint of round {k})"
+                        if k else f"medfl [{self.label}]: resumed at round 1 (no round was checkpointed)")
             # what the stopped attempt wrote after round k (all of it when it stopped in round 1,
             # before any checkpoint: FedBN's local layers, a local model, the evaluation memory)
             # is redone, never continued from
@@ -90,6 +88,15 @@ class Checkpoints:
                         f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
                         f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
                         "released under; a release that comes back different is counted in privacy.csv")
+
+    def _announce(self) -> None:
+        """Write ``config.json`` and ``partition.csv`` (:meth:`_write_static`) and say which
+        preset and privacy the run applies: for a resume, only once it is accepted."""
+        self._write_static()
+        self._log_preset()
+        self._log_privacy()
+        if self.early is not None and self.early.on_test_split:
+            logger.warning(self.early.leakage_warning(self.label))
 
     def _refuse_resume(self, message: str) -> NoReturn:
         """Stop a resume that has changed nothing yet, releasing the run directory's lock so it

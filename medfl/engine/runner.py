@@ -45,7 +45,7 @@ from medfl.engine.store import ClientStore
 from medfl.engine.traffic import Traffic
 from medfl.training import compute_settings
 from medfl.filters import configured_filters, parameter_keys, trainable_count
-from medfl.messages import Reply
+from medfl.messages import Instruction, Reply
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import forgetting_report
 from medfl.method import Federation, Method
@@ -96,6 +96,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
     #: are one program that holds every update anyway; over Flower it can
     #: (:class:`medfl.flower.server.FlowerRun`).
     hides_replies = False
+    #: Where the clients run, in words (messages): ``in process`` here, the sites over Flower.
+    transport = "in process"
 
     def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
                  data: FederatedData) -> None:
@@ -145,6 +147,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         # resolve_config refused it without the opt-in; a reopened older run sent them as well
         if cross_test_in_clear(cfg, self.privacy.private, where, refuse=False):
             self.privacy.send_in_clear(CROSS_TEST_IN_CLEAR)
+        self.check_uncovered({"": Instruction(payload={}, config={})}, 0)   # a plain reply's entries, for config.json
         self.ledger = PrivacyLedger(self.privacy)
         #: every DP reply received, before the checkpoint (``releases.jsonl``)
         self.journal = ReleaseJournal(self.run_dir)
@@ -207,6 +210,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
             self._step = step
             instructions = self.coordinator.configure_round(r)
             self._addressed(instructions, self.federation.client_ids, r, "configure_round")
+            self.check_uncovered(instructions, r)
             asked = list(instructions)
             instructions = self._without_excluded(instructions, r, "train")
             for cid in instructions:

@@ -312,6 +312,31 @@ class Screening:
         the missing rows of ``train_metrics.csv``/``metrics.csv`` are the record (a Flower run
         adds an ``absent (scheduled)`` row to ``flower_events.csv``)."""
 
+    def check_uncovered(self, instructions: dict[str, Instruction], r: int) -> None:
+        """Before round ``r``'s ``instructions`` are sent: under DP on the model (a DP filter,
+        DP-SGD, the method's own DP), a reply entry the method declares beside its model state
+        (:func:`medfl.config.uncovered_keys`) would leave in the clear; without the opt-in
+        ``fl.uncovered_entries`` the run stops here, before anything is sent, and with it the
+        run records it as sent in the clear (``"private": false``).
+
+        Raises:
+            PrivacyConfigError: naming the method, the entries and the opt-in.
+        """
+        from medfl.config import ConfigError, uncovered_in_clear, uncovered_keys
+        from medfl.privacy.accounting import PrivacyConfigError
+
+        p = self.privacy
+        if not (p.chain.releases() or p.dp_sgd is not None or p.own is not None):
+            return
+        for ins in instructions.values():
+            keys = uncovered_keys(self.coordinator, ins)
+            if keys:
+                try:
+                    p.send_in_clear(uncovered_in_clear(self.config, keys, self.coordinator.name,
+                                                       f"method {self.label!r}, round {r}"))
+                except ConfigError as exc:
+                    raise PrivacyConfigError(str(exc)) from None
+
     def _without_excluded(self, instructions: dict[str, Instruction], r: int, phase: str) -> dict[str, Instruction]:
         """``instructions`` for the clients :meth:`asked` in ``phase`` of round ``r``."""
         return {cid: instructions[cid] for cid in self.asked(r, phase, instructions)}

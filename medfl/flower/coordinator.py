@@ -449,6 +449,7 @@ class FlowerRun(Run):
     """
 
     hides_replies = True
+    transport = "over Flower, at the sites"
     noise_source = ("each site's own secrets (<state-dir>/noise.key and a fresh random secret per run) mixed with "
                     "the run seed, unless a site sets MEDFL_REPRODUCIBLE_NOISE=1")
     connect_hint = "start a site per client with `medfl flower site --client-id ID ...`"

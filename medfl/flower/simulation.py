@@ -72,6 +72,7 @@ class SimulationRun(FlowerRun):
     coordinator as a deployment; it resumes with ``medfl resume`` and says where its
     sites' state is."""
 
+    transport = "on Flower's simulation runtime"
     noise_source = ("the run seed: a reproducible simulation on Flower's simulation runtime (as in process; "
                     "whoever knows the seed could regenerate the noise)")
     connect_hint = "every simulated node serves one client of the config's partition (fl.num_clients)"

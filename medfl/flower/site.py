@@ -390,6 +390,9 @@ class Site:
         is_release = ins.config.get(RELEASE_FLAG) is True
         spends = request_releases(ctl, lambda: self.num_examples(ctl), method, is_release)
         asked = [s.ledger_entry() for s in spends]
+        policy = self.policy
+        if spends and policy is not None and policy.capped:
+            self._refuse_uncovered(method, ins, spends, policy)
         ledger = SiteReleaseLedger(self._root(ctl), f"medfl site {self.client_id}") if asked else None
         release = (str(ctl["run"]), int(ctl["round"]), self.client_id, int(ctl.get("step", 0)))
         digest, sent_before, budget = "", None, None
@@ -401,7 +404,6 @@ class Site:
                 if sent_before is None and not self.settings.simulated:
                     budget = self.budget()
                     plan = budget.plan(release[0], str(ctl.get("session", "")), ctl.get("rounds"), ctl.get("releases"))
-                    policy = getattr(self, "policy", None)
                     budget.admit(release[0], release[1], release[3], kind, spends, plan,
                                  max_epsilon=policy.max_epsilon if policy is not None else None,
                                  max_epsilon_total=policy.max_epsilon_total if policy is not None else None)
@@ -420,6 +422,26 @@ class Site:
             ledger.record(*release, asked, digest, reply.payload, int(reply.num_examples), dict(reply.metrics))
             ledger.prune(int(ctl.get("ckpt", 0)))   # replies no resume can ask for again
         return reply.payload, int(reply.num_examples), dict(reply.metrics)
+
+    def _refuse_uncovered(self, method: Method, ins: Instruction, spends: list[Any], policy: Any) -> None:
+        """A site with an epsilon cap sends no reply entry beside its noised model that no DP
+        covers (:func:`medfl.config.uncovered_keys`, the approved method's own declaration):
+        the run's epsilon would not be what leaves.
+
+        Raises:
+            SiteError: naming the entries and the rule.
+        """
+        from medfl.config import uncovered_keys
+
+        if not any(s.per_round for s in spends):
+            return
+        keys = uncovered_keys(method, ins)
+        if keys:
+            rule = "max_epsilon" if policy.max_epsilon is not None else "max_epsilon_total"
+            raise SiteError(f"medfl site {self.client_id}: refused by its privacy policy: rule {rule}: method "
+                            f"{method.name!r} would reply {keys} beside its noised model state "
+                            f"{sorted(type(method).reply_state)}, in the clear (no DP mechanism covers them), so "
+                            "the run's epsilon would not bound what leaves this site")
 
     def secure_train(self, ctl: dict[str, Any], ins: Instruction, content: RecordDict) -> RecordDict:
         """:meth:`train` in a secure-aggregation round (``fl.secure_aggregation``): the answer

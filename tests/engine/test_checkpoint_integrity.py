@@ -61,12 +61,23 @@ def test_a_deleted_client_state_falls_back_to_a_checkpoint_whose_states_are_whol
     _same(full, part)
 
 
-def test_an_old_checkpoint_without_a_checksum_is_still_checked_by_reading_it(job) -> None:
+def test_a_checkpoint_without_its_checksum_is_refused(job, capsys) -> None:
+    """Issue 49, item 6: a checkpoint edited (a readable checkpoint with other values) together
+    with deleting its ``.sha256`` resumed silently from the edit (accuracy off by 0.167). A
+    checkpoint is always written with its sum: without it, it is set aside as damaged and the
+    run falls back to the one before, saying so."""
+    import torch
+
     full, part = _runs(job)
     ckpt = part / "checkpoints" / "round_0003.pt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state["method"] = {k: (v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                       for k, v in state["method"].items()} if isinstance(state["method"], dict) else state["method"]
+    torch.save(state, ckpt)
     (part / "checkpoints" / "round_0003.pt.sha256").unlink()
-    ckpt.write_bytes(ckpt.read_bytes()[:100])                               # truncated
     resume(part)
+    err = capsys.readouterr().err
+    assert "round_0003.pt is damaged (it has no round_0003.pt.sha256" in err and "last intact checkpoint, round 2" in err
     _same(full, part)
 
 
@@ -165,3 +176,20 @@ def test_a_file_changed_with_its_checksum_deleted_stops_the_resume(job, capsys) 
         side.write_bytes(kept_side)
     resume(part)
     _same(full, part)
+
+
+@pytest.mark.parametrize("text, why", [('{"fl": {"rounds": 4', "line 1 column"), ("[1, 2]", "expected a JSON object"),
+                                       ("\xff\xfe", "not the JSON medfl wrote")])
+def test_a_garbled_config_json_is_one_line(tiny_fl: dict, text: str, why: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 49, item 6: a garbled ``config.json`` gave a traceback; now ``medfl resume`` says
+    which file and where, in one line, and changes nothing."""
+    from medfl.cli import main
+
+    run = Path(run_experiment(resolve_config(dict(tiny_fl, name="g", rounds=2, stop_after_round=1)))["dir"]) / "fedavg"
+    (run / "config.json").write_bytes(text.encode("latin-1"))
+    capsys.readouterr()
+    assert main(["resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(run / "config.json") in err[0] and why in err[0], err
+    assert "Traceback" not in "\n".join(err)

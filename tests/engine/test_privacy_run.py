@@ -188,6 +188,7 @@ def test_a_filter_chain_that_would_filter_nothing_stops_the_run(tiny_fl: dict, r
     keys; without filters the same method runs."""
     from contract_methods import methods_registered
 
+    from medfl.config import ConfigError
     from medfl.messages import PayloadError
 
     with methods_registered(_delta_avg_method(), name="delta-avg-test"):
@@ -195,8 +196,14 @@ def test_a_filter_chain_that_would_filter_nothing_stops_the_run(tiny_fl: dict, r
         assert (plain / "summary.json").is_file() and not (plain / "privacy.csv").is_file()
         fl = {**tiny_fl, "name": "dp", "methods": [{"name": "test_delta_avg"}],
               "filters": [{"name": "dp_gaussian", "epsilon": 3.0, "delta": 1e-3, "clip": 1.0}]}
-        with pytest.raises(PayloadError, match=r"names \['model'\] in reply_state but its reply carries \['delta_y'\]"):
+        # its declared reply keys say so before anything is written (issue 49, item 3) ...
+        with pytest.raises(ConfigError, match=r"method 'test_delta_avg' replies \['delta_y'\] beside its model state "
+                                              r"\['model'\] under differential privacy"):
             _run(resolve, fl)
+        assert not (Path(tiny_fl["output_dir"]) / "dp").exists()
+        # ... and with the opt-in to send uncovered entries, the reply without its model state still stops the run
+        with pytest.raises(PayloadError, match=r"names \['model'\] in reply_state but its reply carries \['delta_y'\]"):
+            _run(resolve, {**fl, "uncovered_entries": {"under_dp": "send_in_clear"}})
     runs = Path(tiny_fl["output_dir"]) / "dp" / "test_delta_avg"
     assert not (runs / "summary.json").is_file()
     privacy = runs / "privacy.csv"

@@ -118,10 +118,13 @@ def test_a_resume_with_fewer_rounds_than_were_released_is_refused(
     from medfl.rundir import RunError
 
     run, _ = _stopped_after_release(tiny_fl, resolve, monkeypatch)
+    before = {name: (run / name).read_bytes() for name in ("config.json", "status.json")}
     with pytest.raises(RunError, match=r"round 3 was released to the coordinator before the run stopped "
                                        r"\(releases.jsonl\), but the resumed run has only 2 rounds.*"
                                        r"resume with --rounds 3 or more"):
         resume(run, rounds=2)
+    # issue 49, item 6: a refused resume changes nothing (config.json was planned at 2 rounds)
+    assert {name: (run / name).read_bytes() for name in before} == before
     resume(run, rounds=4)      # the refusal changed nothing: the run resumes with enough rounds
     df = pd.read_csv(run / "privacy.csv", dtype={"client_id": str})
     assert sorted(set(df["round"])) == [1, 2, 3, 4]

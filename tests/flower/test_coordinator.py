@@ -811,7 +811,9 @@ def test_only_the_coordinator_tracks(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(tracking.Tracking, "__init__", counted)
     fl = fl_config(tmp_path, "tracked", {**FEDAVG, "tracking": ["tensorboard"]})
-    with pytest.warns(tracking.TrackerWarning, match="their models stay at the sites"):
+    # the warning names where the clients ran (issue 49, item 6: it named fl.backend 'inprocess')
+    with pytest.warns(tracking.TrackerWarning, match="the clients ran over Flower, at the sites, not in this process; "
+                                                     "their models stay where they ran"):
         out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
     assert built == [Path(out["dir"])]
     acc = EventAccumulator(str(Path(out["dir"]) / "tensorboard" / "fedavg"))

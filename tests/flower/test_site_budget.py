@@ -253,3 +253,25 @@ def test_medfl_budget_prints_what_the_site_counted(tmp_path: Path, capsys: pytes
     assert main(["policy", "--max-epsilon-total", "8", "--file", str(approvals)]) == 0
     assert json.loads(approvals.read_text())["policy"]["max_epsilon_total"] == 8.0
     assert "max_epsilon_total: largest epsilon over every run on this site's data set 8" in capsys.readouterr().out
+
+
+def test_a_capped_site_refuses_an_entry_beside_its_noised_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """Issue 49, item 3, at the site: FedKPer's ``score`` leaves beside the model that
+    ``dp_gaussian`` noises; the coordinator opted in (``fl.uncovered_entries``), so its run says
+    it is not private, but a site with an epsilon cap refuses to send it, naming the entry."""
+    from medfl.flower.server import SiteFailure
+    from test_approval import _approve
+
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, "fedkper")
+    from medfl.cli import main
+
+    assert main(["approve", "--all", "--kind", "filter", "--file", str(approvals)]) == 0
+    assert main(["policy", "--max-epsilon", "30", "--file", str(approvals)]) == 0
+    monkeypatch.setenv("MEDFL_APPROVALS", str(approvals))
+    with pytest.raises(SiteFailure, match=r"site 0 failed in train of round 1 .*refused by its privacy policy: rule "
+                                          r"max_epsilon: method 'fedkper' would reply \['score'\] beside its noised "
+                                          r"model state \['model'\], in the clear"):
+        _run(tmp_path, "score", methods=[{"name": "fedkper"}], uncovered_entries={"under_dp": "send_in_clear"},
+             filters=[{"name": "dp_gaussian", "epsilon": 20, "clip": 1.0}])
