@@ -667,10 +667,19 @@ def check_cross_test(value: Any, where: str = "fl.cross_test") -> dict[str, Any]
     Raises:
         ConfigError: not a dict, an unknown key, or ``under_dp`` not one of :data:`CROSS_TEST_UNDER_DP`.
     """
-    out = _optional_section(value, CROSS_TEST_DEFAULTS, where, '{"under_dp": "send_models"}')
-    if out is not None and out["under_dp"] not in CROSS_TEST_UNDER_DP:
-        raise ConfigError(f"{where}.under_dp: expected one of {', '.join(map(repr, CROSS_TEST_UNDER_DP))}, "
-                          f"got {out['under_dp']!r}")
+    return _under_dp_section(value, CROSS_TEST_DEFAULTS, CROSS_TEST_UNDER_DP, where)
+
+
+def _under_dp_section(value: Any, defaults: dict[str, Any], choices: tuple[str, ...], where: str
+                      ) -> dict[str, Any] | None:
+    """An opt-in section ``{"under_dp": CHOICE}`` (``None``: off), its ``under_dp`` one of ``choices``.
+
+    Raises:
+        ConfigError: not a dict, an unknown key, or ``under_dp`` not one of ``choices``.
+    """
+    out = _optional_section(value, defaults, where, f'{{"under_dp": "{choices[-1]}"}}')
+    if out is not None and out["under_dp"] not in choices:
+        raise ConfigError(f"{where}.under_dp: expected one of {', '.join(map(repr, choices))}, got {out['under_dp']!r}")
     return out
 
 
@@ -715,11 +724,7 @@ def check_uncovered_entries(value: Any, where: str = "fl.uncovered_entries") -> 
     Raises:
         ConfigError: not a dict, an unknown key, or ``under_dp`` not one of :data:`UNCOVERED_UNDER_DP`.
     """
-    out = _optional_section(value, UNCOVERED_DEFAULTS, where, '{"under_dp": "send_in_clear"}')
-    if out is not None and out["under_dp"] not in UNCOVERED_UNDER_DP:
-        raise ConfigError(f"{where}: under_dp: expected one of {', '.join(map(repr, UNCOVERED_UNDER_DP))}, "
-                          f"got {out['under_dp']!r}")
-    return out
+    return _under_dp_section(value, UNCOVERED_DEFAULTS, UNCOVERED_UNDER_DP, where)
 
 
 def uncovered_keys(method: Any, instruction: Any) -> list[str]:

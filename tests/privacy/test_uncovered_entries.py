@@ -60,7 +60,7 @@ def test_an_entry_beside_the_noised_model_stops_the_run_before_anything_is_sent(
         # FedKPer's score is such an entry too
         with pytest.raises(ConfigError, match=r"method 'fedkper' replies \['score'\]"):
             resolve({**tiny_fl, "methods": [{"name": "fedkper"}], "filters": DP})
-        with pytest.raises(ConfigError, match=r"fl.uncovered_entries: under_dp: expected one of 'refuse', "
+        with pytest.raises(ConfigError, match=r"fl.uncovered_entries.under_dp: expected one of 'refuse', "
                                               r"'send_in_clear'"):
             resolve(_fl(tiny_fl, uncovered_entries={"under_dp": "yes"}))
     assert not list(Path(tiny_fl["output_dir"]).rglob("metrics.csv"))
