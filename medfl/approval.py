@@ -18,8 +18,11 @@ installed code, and everything that runs with it:
     the installed distribution that registered it (``medfl`` for the built-ins);
 ``files``, ``sha256``
     the SHA-256 of every source file that runs with it, and a hash of that listing:
-    every ``.py`` file of the distribution that defines it (all its top-level packages;
-    the module's own top-level package or file when it has no distribution), of medfl
+    every file of the distribution that defines it (all its top-level packages, their data
+    files included: a ``settings.txt`` or JSON the code reads is pinned like its source;
+    the module's own top-level package or file when it has no distribution; a plugin that is
+    a single module, not a package, has no data files medfl can tell apart from the folder
+    it is installed in, so files beside it are not pinned: ship data inside a package), of medfl
     itself (the engine where FedAvg's client step lives), and of every module these import
     (found in their source, followed transitively) that is neither in the standard library
     nor a distribution medfl requires or offers as an extra (torch, MONAI, Flower, MLflow...:
@@ -219,7 +222,10 @@ def _top_files(top: str) -> tuple[Path, list[Path]] | None:
         for loc in locations:
             for folder, dirs, names in os.walk(os.path.realpath(loc)):
                 dirs[:] = [d for d in dirs if d != "__pycache__"]
-                files |= {Path(folder, n) for n in names if n.endswith(".py")}
+                # every file of the package: its source and the data files its code may read
+                # (a settings file changed after approval must not steer approved code)
+                files |= {Path(folder, n) for n in names if not n.endswith((".pyc", ".pyo"))
+                          and os.path.isfile(os.path.join(folder, n))}
         return Path(os.path.realpath(locations[0])).parent, sorted(files)
     origin = spec.origin or ""
     if not origin.endswith(".py"):
@@ -255,7 +261,8 @@ def _pinned_files(tops: Iterable[str]) -> tuple[dict[str, Path], set[str]]:
             root, files = found
             for f in files:
                 out.setdefault(f.relative_to(root).as_posix(), f)
-                todo.extend(_imports(f))
+                if f.suffix == ".py":
+                    todo.extend(_imports(f))
     return out, seen
 
 
@@ -387,7 +394,7 @@ def _code_digest(tops: Iterable[str], who: str) -> tuple[dict[str, str], str]:
         f = getattr(mod, "__file__", None)
         if isinstance(f, str) and f in paths:
             loaded.setdefault(paths[f], []).append(mod)
-    for rel in sorted(files):
+    for rel in sorted(r for r in files if r.endswith(".py")):
         stale = _stale_bytecode(rel, files[rel], loaded)
         if stale:
             raise ApprovalError(f"{who}: {stale}; delete it (Python recompiles from the source)")

@@ -136,6 +136,35 @@ def test_a_plugin_whose_code_changed_after_approval_is_refused(
         _run(tmp_path, name, "after")
 
 
+def test_a_data_file_an_approved_package_reads_is_pinned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 49, item 6: a ``settings.txt`` changed after approval steered approved code. A
+    package's data files are pinned with its source: the change is refused, naming the file."""
+    import importlib
+
+    name = f"pkgplugin_{tmp_path.name[-6:].replace('-', '_')}"
+    pkg = tmp_path / "site_packages" / f"medfl_test_pkg_{name}"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(PLUGIN.format(cls="PkgPlugin", name=name))
+    settings = pkg / "settings.txt"
+    settings.write_text("lr 0.05\n")
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    module = importlib.import_module(pkg.name)
+    pm = get_plugin_manager()
+    pm.register(module, name=pkg.name)
+    try:
+        approvals = tmp_path / "approvals.json"
+        _approve(approvals, name)
+        entry = next(e for e in json.loads(approvals.read_text())["approved"] if e["name"] == name)
+        assert entry["sha256"]
+        check_control({"method": {"name": name}}, "site", path=approvals)
+        settings.write_text("lr 50\n")
+        with pytest.raises(ApprovalError, match=rf"refused method '{name}' .*its code changed since it was approved "
+                                                r"\(changed: .*settings\.txt\)"):
+            check_control({"method": {"name": name}}, "site", path=approvals)
+    finally:
+        pm.unregister(name=pkg.name)
+
+
 def test_another_version_than_the_approved_one_is_refused(tmp_path: Path) -> None:
     approvals = tmp_path / "approvals.json"
     _approve(approvals, "fedavg")
