@@ -132,7 +132,8 @@ class SiteBudget:
         if not 1 <= round <= rounds:
             raise BudgetRefused(f"{self.where}: refused: round {round} of run {run} is outside the plan this site "
                                 f"accepted (rounds 1-{rounds}); rule: a site releases only within the run's plan")
-        mine = self.spends(run)
+        every = self.spends()   # the file read once: this run's records and every run's
+        mine = [r for r in every if r.get("run") == run]
         if kind == "release":
             before = sorted({(int(r["round"]), int(r["step"])) for r in mine if r.get("kind") == "release"})
             if before:
@@ -155,12 +156,11 @@ class SiteBudget:
             if eps > max_epsilon:
                 raise BudgetRefused(
                     f"{self.where}: refused by its privacy budget: this reply ({_names(spends)}, round {round} step "
-                    f"{step}) would bring run {run}'s epsilon at this site to {eps:.4g} (spent {self.spent(run):.4g} "
+                    f"{step}) would bring run {run}'s epsilon at this site to {eps:.4g} (spent {composed_epsilon(mine):.4g} "
                     f"over {len(mine)} record(s) of its own), this site accepts at most {max_epsilon:g} per run "
                     "(rule max_epsilon, counted by the site from its budget file "
                     f"{self.path})")
         if max_epsilon_total is not None:
-            every = self.spends()
             eps = composed_epsilon([*every, *spends])
             if eps > max_epsilon_total:
                 runs = len({r["run"] for r in every})

@@ -365,18 +365,21 @@ def _epsilon(hist: list[tuple[float, float, int]], delta: float, accountant: str
     return history_epsilon(hist, delta, accountant)
 
 
-def site_releases(control: dict[str, Any], num_examples: Callable[[], int], method: Any = None) -> list[Spend]:
+def site_releases(control: dict[str, Any], num_examples: Callable[[], int], method: Any = None,
+                  chain: Any = None) -> list[Spend]:
     """Every DP mechanism the message's run applies at this site, each as one application
     (:class:`medfl.budget.Spend`): the resolved filter chain's releases (built by the
     approved filter code), the resolved ``train.dp`` (DP-SGD, its steps and sample rate from
     this site's own training-set size), the method's ``release_plan`` (``per_round`` false:
     once per run) and its ``own_dp`` (as the approved method code computes it for this site).
-    ``method``: the message's method, already built (default: built from ``control``)."""
+    ``method`` and ``chain``: the message's method and filter chain, already built (default:
+    built from ``control``)."""
     from medfl.config import build_method
     from medfl.filters import FilterChain
 
     out = []
-    chain = FilterChain.from_specs(list(control.get("filters") or []), "filters sent to this site")
+    if chain is None:
+        chain = FilterChain.from_specs(list(control.get("filters") or []), "filters sent to this site")
     for rel in chain.releases():
         out.append(Spend(rel.mechanism, rel.unit, float(rel.noise_multiplier), float(rel.sample_rate), 1,
                          float(rel.delta), rel.accountant, float(rel.clip)))
@@ -405,12 +408,12 @@ def site_releases(control: dict[str, Any], num_examples: Callable[[], int], meth
 
 
 def request_releases(control: dict[str, Any], num_examples: Callable[[], int], method: Any,
-                     is_release: bool) -> list[Spend]:
+                     is_release: bool, chain: Any = None) -> list[Spend]:
     """The DP mechanisms one training request applies at this site (what its reply spends):
     every per-round mechanism of :func:`site_releases`, and the method's per-sample release
     only when the request is that release (``is_release``: the instruction carries
     :data:`medfl.messages.RELEASE_FLAG`). Empty: the reply is no DP release."""
-    return [r for r in site_releases(control, num_examples, method) if r.per_round or is_release]
+    return [r for r in site_releases(control, num_examples, method, chain) if r.per_round or is_release]
 
 
 def _own_dp(method: Any, control: dict[str, Any], num_examples: Callable[[], int]) -> Any:

@@ -388,11 +388,11 @@ class Site:
         filters = FilterChain.from_specs(ctl.get("filters") or [], f"filters sent to site {self.client_id}")
         method = self.method(ctl)
         is_release = ins.config.get(RELEASE_FLAG) is True
-        spends = request_releases(ctl, lambda: self.num_examples(ctl), method, is_release)
+        spends = request_releases(ctl, lambda: self.num_examples(ctl), method, is_release, chain=filters)
         asked = [s.ledger_entry() for s in spends]
         policy = self.policy
         if spends and policy is not None and policy.capped:
-            self._refuse_uncovered(method, ins, spends, policy)
+            self._refuse_uncovered(method, ins, policy)
         ledger = SiteReleaseLedger(self._root(ctl), f"medfl site {self.client_id}") if asked else None
         release = (str(ctl["run"]), int(ctl["round"]), self.client_id, int(ctl.get("step", 0)))
         digest, sent_before, budget = "", None, None
@@ -423,7 +423,7 @@ class Site:
             ledger.prune(int(ctl.get("ckpt", 0)))   # replies no resume can ask for again
         return reply.payload, int(reply.num_examples), dict(reply.metrics)
 
-    def _refuse_uncovered(self, method: Method, ins: Instruction, spends: list[Any], policy: Any) -> None:
+    def _refuse_uncovered(self, method: Method, ins: Instruction, policy: Any) -> None:
         """A site with an epsilon cap sends no reply entry beside its noised model that no DP
         covers (:func:`medfl.config.uncovered_keys`, the approved method's own declaration):
         the run's epsilon would not be what leaves.
@@ -433,9 +433,7 @@ class Site:
         """
         from medfl.config import uncovered_keys
 
-        if not any(s.per_round for s in spends):
-            return
-        keys = uncovered_keys(method, ins)
+        keys = uncovered_keys(method, ins)   # none for a per-sample release (its labels are declared)
         if keys:
             rule = "max_epsilon" if policy.max_epsilon is not None else "max_epsilon_total"
             raise SiteError(f"medfl site {self.client_id}: refused by its privacy policy: rule {rule}: method "
