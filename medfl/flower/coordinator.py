@@ -204,10 +204,11 @@ class SuperLinkError(RunError):
 def transient_error(exc: BaseException) -> str:
     """What ``exc`` says when it is an error of the SuperLink that a later try may not
     meet ("": not one): an HTTP 5xx answer (a SuperLink on SQLite answers 500 when the
-    database is locked), a lost or timed-out connection, a gRPC ``UNAVAILABLE``,
-    ``INTERNAL``, ``UNKNOWN``, ``DEADLINE_EXCEEDED`` or ``RESOURCE_EXHAUSTED``, or SQLite's
-    own locked/busy error. Refusals (HTTP 4xx: the run was stopped, a token is wrong) are
-    not transient."""
+    database is locked), a pushed object the SuperLink did not store (Flower's
+    ``ObjectPushError``: its database failed the same way), a lost or timed-out connection,
+    a gRPC ``UNAVAILABLE``, ``INTERNAL``, ``UNKNOWN``, ``DEADLINE_EXCEEDED`` or
+    ``RESOURCE_EXHAUSTED``, or SQLite's own locked/busy error. Refusals (HTTP 4xx: the run
+    was stopped, a token is wrong) are not transient."""
     import sqlite3
 
     import httpx
@@ -225,6 +226,10 @@ def transient_error(exc: BaseException) -> str:
         return f"{type(exc).__name__}: {exc}"
     if isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc)):
         return f"SQLite: {exc}"
+    if type(exc).__name__ == "ObjectPushError":
+        # the SuperLink answered that it did not store a pushed object: its store_object
+        # turns any error of its database (SQLite's "database is locked") into that answer
+        return f"it did not store a message's content ({exc})"
     try:
         import grpc
     except ImportError:  # pragma: no cover - grpc comes with flwr
@@ -331,8 +336,9 @@ class SiteDirectory:
         msg = Message(content, dst_node_id=node, message_type=P.HELLO,
                       ttl=max(60.0, self.settings.hello_timeout + self.settings.connect_timeout))
         for mid in self.grid.push_messages([msg]):
-            self.pending[mid] = node
-        self.asked.add(node)
+            if mid:     # "": the node left meanwhile; a node listed again is asked again
+                self.pending[mid] = node
+                self.asked.add(node)
 
     def _refuse(self, node: int, cid: str, reason: str) -> None:
         """Refuse ``node`` for this run: an event, a line on stderr, and it is never asked
@@ -743,8 +749,16 @@ class FlowerRun(Run):
                                 ttl=self.settings.round_timeout + 60.0))
             order.append(cid)
         for cid, mid in zip(order, self.grid.push_messages(msgs)):
+            if not mid:
+                # the SuperLink did not take it: the node left the federation since its hello
+                # (a SuperNode that stopped on an error of the SuperLink unregisters itself)
+                self._log({"round": r, "phase": phase, "client_id": cid, "node_id": self.sites.nodes.get(cid),
+                           "status": "unavailable (the SuperLink refused the message: the node left)"})
+                self.sites.drop(cid)
+                continue
             by_msg[mid] = cid
             sent_at[cid] = time.monotonic()
+        order = [cid for cid in order if cid in sent_at]
         del msgs
         deadline = t0 + self.settings.round_timeout
         while by_msg and time.monotonic() < deadline:

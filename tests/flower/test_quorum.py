@@ -230,3 +230,54 @@ def test_a_superlink_that_keeps_failing_fails_the_run_with_one_line(tmp_path: Pa
         run_flower_experiment(resolve_config(fl), grid, RETRY_FAST)
     status = json.loads((tmp_path / "runs" / "gone" / "fedavg" / "status.json").read_text())
     assert status["status"] == "failed" and status["reason"].startswith("SuperLinkError: the SuperLink failed")
+
+
+class UnstoredPushes(LoopGrid):
+    """A loop-back grid as a SuperLink on SQLite behaves while its database is locked (issue
+    49, item 5): the ``push_failures`` first pushes of training messages fail with Flower's
+    ``ObjectPushError`` (the SuperLink's store_object turns "database is locked" into "not
+    stored"), and the training message of round 2 to node ``leaves`` is refused (an empty
+    message id: that SuperNode stopped on the SuperLink's error and unregistered itself) until
+    the node says hello again."""
+
+    def __init__(self, sites: dict[int, Site], push_failures: int, leaves: int) -> None:
+        super().__init__(sites)
+        self.push_failures, self.leaves = push_failures, leaves
+        self.refused: list[int] = []
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
+
+        kinds = {m.metadata.message_type for m in messages}
+        if P.TRAIN in kinds and self.push_failures:
+            self.push_failures -= 1
+            raise ObjectPushError("0" * 64, 1, "session")
+        gone = [m for m in messages if m.metadata.dst_node_id == self.leaves and m.metadata.message_type == P.TRAIN
+                and m.metadata.group_id == "2" and not self.refused]
+        ids = super().push_messages([m for m in messages if m not in gone])
+        if not gone:
+            return ids
+        self.refused.append(self.leaves)
+        it = iter(ids)
+        return ["" if m in gone else next(it) for m in messages]
+
+
+def test_a_push_the_superlink_did_not_store_is_retried_and_a_node_that_left_is_sent_again(tmp_path: Path) -> None:
+    """Before, an ObjectPushError killed the coordinator at once (no retry), and a message the
+    SuperLink refused for a node that had left was waited for until the round timed out."""
+    fl = {**fl_config(tmp_path, "unstored", {**FEDAVG, "rounds": 3}), "min_sites": 3}
+    grid = UnstoredPushes(_sites(tmp_path, fl), push_failures=2, leaves=102)
+    out = run_flower_experiment(resolve_config(fl), grid, RETRY_FAST)
+    run_dir = Path(out["dir"]) / "fedavg"
+    events = _table(run_dir, "flower_events.csv")
+    retries = events[events["phase"] == "superlink"]["status"].tolist()
+    assert len(retries) == 2
+    assert all(r.startswith(f"retry {i}/3 of to take messages: it did not store a message's content (Failed to push")
+               for i, r in enumerate(retries, 1))
+    r2 = events[(events["round"] == 2) & (events["phase"] == "train")]
+    assert grid.refused == [102]
+    assert r2["status"].iloc[0] == "unavailable (the SuperLink refused the message: the node left)"
+    assert str(r2["client_id"].iloc[0]) == "1"          # node 102
+    assert any(s.startswith("waited: 1 back (1)") for s in r2["status"])          # asked for its hello, sent again
+    ref = run_experiment(resolve_config({**fl, "name": "unstored_ref"}))
+    _same_numbers(run_dir, Path(ref["dir"]) / "fedavg")
