@@ -548,7 +548,8 @@ def _exec(cmd: list[str]) -> int:
 
 
 def cmd_flower_superlink(args: argparse.Namespace) -> int:
-    """Start the SuperLink (step 1)."""
+    """Start the SuperLink (step 1) and the SuperExec that starts each run's ServerApp,
+    which is started again whenever it exits (:func:`medfl.flower.flwr_launcher.supervise`)."""
     from medfl.flower.deploy import superlink_command
 
     insecure, extra = _tls_args(args, server=True)
@@ -560,7 +561,7 @@ def cmd_flower_superlink(args: argparse.Namespace) -> int:
                              "a set for trying it out)")
         extra.append("--enable-supernode-auth")
     return _exec(superlink_command(args.host, args.port, insecure=insecure, database=args.database,
-                                   extra=extra))
+                                   extra=extra, root_certificates=None if insecure else args.ssl_ca_certfile))
 
 
 @contextmanager
@@ -739,7 +740,8 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
             with _sigterm_as_interrupt():
                 code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
                                 root_certificates=None if insecure else args.root_certificates,
-                                watch=ended, watch_interval=1.0, on_output=note)
+                                watch=ended, watch_interval=1.0, on_output=note,
+                                done=lambda: read_json(result_file) is not None)
         except (FlowerDeployError, KeyboardInterrupt) as exc:
             run_id = seen.get("run")
             stopped = run_id is not None and flwr_stop(int(run_id), tmp / "flwr_home")
@@ -788,7 +790,11 @@ def _add_flower(sub: Any) -> None:
                         description="The three steps of a Flower deployment; see docs/flower.md.")
     fsub = fp.add_subparsers(dest="flower_command", required=True)
 
-    sp = fsub.add_parser("superlink", help="step 1: start the SuperLink (Fleet, Control and Runtime APIs on one port)")
+    sp = fsub.add_parser("superlink", help="step 1: start the SuperLink (Fleet, Control and Runtime APIs on one port)",
+                         description="Start Flower's SuperLink and, beside it, the SuperExec that starts each run's "
+                                     "ServerApp; the SuperExec is started again whenever it exits (an HTTP 500 of a "
+                                     "locked --database ends Flower's), the runs it started go on. Ctrl-C or SIGTERM "
+                                     "ends both and the runs' ServerApps.")
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to accept other machines)")
     sp.add_argument("--port", type=int, default=9092, help="port of the SuperLink's APIs (default 9092)")
     sp.add_argument("--database", default=None, help="SQLite file for the SuperLink's state (default: in memory)")

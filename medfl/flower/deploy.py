@@ -36,14 +36,18 @@ from typing import Any, Callable
 
 from medfl.flower.coordinator import RUN_CONFIG
 
-__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command", "site_command",
+__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command",
+           "superexec_command", "site_command",
            "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "read_json", "read_result", "started_run_id", "LocalFederation", "MARKER_ENV"]
+           "read_json", "read_result", "started_run_id", "run_status", "LocalFederation", "MARKER_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
 #: How often Flower's SuperExec looks for new tasks (Flower's default is 1 s).
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+#: Seconds the SuperLink's supervisor has to stop its ServerApps, SuperExec and SuperLink in
+#: order (:func:`medfl.flower.flwr_launcher.supervise`) before it is killed.
+SUPERLINK_GRACE = 45.0
 
 
 class FlowerDeployError(RuntimeError):
@@ -106,18 +110,48 @@ def flower_command(name: str) -> list[str]:
 
 
 def superlink_command(host: str = "127.0.0.1", port: int = 9092, insecure: bool = True,
-                      database: str | None = None, extra: list[str] | None = None) -> list[str]:
-    """The ``flower-superlink`` command of a medfl federation (:func:`flower_command`):
-    Fleet, Control and Runtime APIs on ``host:port``, and no runtime installation of app
-    dependencies (medfl is installed on every machine; Flower would otherwise try ``uv
-    sync`` for each run)."""
-    cmd = [*flower_command("flower-superlink"), "--host", host, "--port", str(port),
-           "--disable-runtime-dependency-installation"]
+                      database: str | None = None, extra: list[str] | None = None,
+                      root_certificates: str | Path | None = None) -> list[str]:
+    """The command of a medfl federation's SuperLink: Flower's ``flower-superlink``
+    (:func:`flower_command`; Fleet, Control and Runtime APIs on ``host:port``, no runtime
+    installation of app dependencies: medfl is installed on every machine, Flower would
+    otherwise try ``uv sync`` for each run) with ``--isolation process``, and beside it the
+    SuperExec that starts each run's ServerApp (:func:`superexec_command`), both under the
+    launcher's supervisor (:func:`medfl.flower.flwr_launcher.supervise`), which starts the
+    SuperExec again whenever it exits. ``root_certificates``: the CA that signed the
+    SuperLink's certificate (its ``--ssl-ca-certfile``), for the SuperExec to check it."""
+    from medfl.flower import flwr_launcher
+
+    link = [*flower_command("flower-superlink"), "--host", host, "--port", str(port),
+            "--disable-runtime-dependency-installation", "--isolation", "process"]
     if insecure:
-        cmd.append("--insecure")
+        link.append("--insecure")
     if database:
-        cmd += ["--database", database]
-    return cmd + list(extra or [])
+        link += ["--database", database]
+    link += list(extra or [])
+    launcher = [sys.executable, str(Path(flwr_launcher.__file__).resolve())]
+    return [*launcher, "supervise", "--superexec",
+            json.dumps(superexec_command(host, port, insecure=insecure, root_certificates=root_certificates)),
+            "--", *link[len(launcher):]]
+
+
+def superexec_command(host: str, port: int, *, insecure: bool = True,
+                      root_certificates: str | Path | None = None) -> list[str]:
+    """Flower's ``flower-superexec`` for the SuperLink on ``host:port`` (its Runtime API; a
+    bind-all ``host`` is reached on the loop-back address, as Flower's own SuperLink does).
+
+    Raises:
+        FlowerDeployError: TLS without ``root_certificates``, or Flower is not installed.
+    """
+    reach = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    address = f"[{reach}]:{port}" if ":" in reach else f"{reach}:{port}"
+    cmd = [_bin("flower-superexec"), "--runtime-api-address", address]
+    if insecure:
+        return cmd + ["--insecure"]
+    if not root_certificates:
+        raise FlowerDeployError("the SuperLink's SuperExec needs the CA of the SuperLink's certificate "
+                                "(--ssl-ca-certfile) to reach it over TLS")
+    return cmd + ["--root-certificates", str(Path(root_certificates).resolve())]
 
 
 def node_config(client_id: str, config: str | Path, state_dir: str | Path, *, overrides: dict[str, Any] | None = None,
@@ -255,9 +289,15 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
              flwr_home: str | Path | None = None, env: dict[str, str] | None = None,
              timeout: float | None = None, stream_to: Any = None, root_certificates: str | None = None,
              watch: Callable[[], str | None] | None = None, watch_interval: float = 0.5,
-             on_output: Callable[[str], None] | None = None) -> int:
+             on_output: Callable[[str], None] | None = None, done: Callable[[], bool] | None = None) -> int:
     """``flwr run APP_DIR --stream`` against ``superlink`` with ``run_config`` overrides;
-    returns the CLI's exit code once the run has ended.
+    returns the CLI's exit code once the run has ended. ``flwr run`` also ends, without a
+    word, when its log stream fails (an HTTP 500 of a SuperLink whose database is locked,
+    while the run goes on): then, with one line saying so, the run's status is asked
+    (:func:`run_status`) every :data:`FOLLOW_INTERVAL` seconds until it has finished,
+    ``done`` says so, or the SuperLink has not answered for :data:`FOLLOW_SILENCE` seconds.
+    A stream that ended because the SuperLink went away ("Connection to the SuperLink is
+    unavailable") is not followed: the run's ServerApp went down with it.
 
     Args:
         stream_to: a binary file for ``flwr run``'s output (default: this process's stdout).
@@ -265,6 +305,8 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
             returns (why the run cannot succeed) ends the ``flwr run`` process and is raised.
         on_output: called with each line of ``flwr run``'s output as it comes (the output
             still goes to ``stream_to``), e.g. to learn the run id (:func:`started_run_id`).
+        done: says whether the run is known to have ended (its ServerApp wrote its result
+            file): then the SuperLink is not asked (again).
 
     Raises:
         FlowerDeployError: the run did not end within ``timeout`` seconds, or ``watch``
@@ -282,11 +324,32 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
         cmd += ["--run-config", str(rc_file)]
     full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(home)}
     deadline = None if timeout is None else time.monotonic() + timeout
-    if on_output is None:
-        proc = subprocess.Popen(cmd, env=full_env, stdout=stream_to, stderr=subprocess.STDOUT if stream_to else None)
-    else:
-        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        threading.Thread(target=_pump, args=(proc.stdout, stream_to, on_output), daemon=True).start()
+    seen: dict[str, int] = {}
+
+    def note(line: str) -> None:
+        run_id = started_run_id(line)
+        if run_id is not None:
+            seen["run"] = run_id
+        if "SuperLink is unavailable" in line:
+            seen["gone"] = 1
+        if on_output is not None:
+            on_output(line)
+
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, stream_to, note), daemon=True)
+    pump.start()
+
+    def pause(step: float) -> None:
+        """Wait up to ``step`` seconds; raise at the deadline or on ``watch``'s reason."""
+        if deadline is not None:
+            if time.monotonic() >= deadline:
+                raise FlowerDeployError(f"flwr run did not end within {timeout} s")
+            step = min(step, max(0.0, deadline - time.monotonic()))
+        time.sleep(step)
+        reason = watch() if watch else None
+        if reason:
+            raise FlowerDeployError(reason)
+
     try:
         while True:
             wait = watch_interval if watch else None
@@ -294,7 +357,8 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
                 left = max(0.0, deadline - time.monotonic())
                 wait = left if wait is None else min(wait, left)
             try:
-                return int(proc.wait(timeout=wait))
+                code = int(proc.wait(timeout=wait))
+                break
             except subprocess.TimeoutExpired:
                 pass
             if deadline is not None and time.monotonic() >= deadline:
@@ -302,6 +366,33 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
             reason = watch() if watch else None
             if reason:
                 raise FlowerDeployError(reason)
+        pump.join(5.0)
+        run_id = seen.get("run")
+        if run_id is None or seen.get("gone"):
+            # no run, or the SuperLink went away (its ServerApp goes down with it): nothing to follow
+            return code
+        # `flwr run --stream` also ends without a word when its log stream fails (an HTTP 500
+        # of a SuperLink whose database is locked): follow the run at the SuperLink until it
+        # has ended, or its ServerApp has written its result
+        said, silent_since = False, None
+        while True:
+            if done is not None and done():
+                return code
+            status = run_status(run_id, home, env=env)
+            if status is not None and status.startswith("finished"):
+                return code
+            now = time.monotonic()
+            silent_since = (silent_since or now) if status is None else None
+            if silent_since is not None and now - silent_since > FOLLOW_SILENCE:
+                _say_to(stream_to, f"medfl: the SuperLink has not answered about run {run_id} for "
+                                   f"{FOLLOW_SILENCE:g} s; no longer waiting for it\n")
+                return code
+            if not said:
+                _say_to(stream_to, f"medfl: the log stream of run {run_id} ended before the run "
+                                   f"({status or 'no answer from the SuperLink'}); waiting for the run to end at the "
+                                   f"SuperLink (its whole log: `flwr log {run_id}`)\n")
+                said = True
+            pause(FOLLOW_INTERVAL)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -310,6 +401,41 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+#: How often :func:`flwr_run` asks the SuperLink whether a run whose log stream ended has ended.
+FOLLOW_INTERVAL = 2.0
+#: How long :func:`flwr_run` keeps asking a SuperLink that does not answer.
+FOLLOW_SILENCE = 60.0
+
+
+def _say_to(sink: Any, text: str) -> None:
+    """Write one line of medfl's to ``sink`` (a binary file; default: stdout)."""
+    try:
+        out = sink if sink is not None else sys.stdout.buffer
+        out.write(text.encode())
+        out.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def run_status(run_id: int, flwr_home: str | Path, env: dict[str, str] | None = None,
+               timeout: float = 30.0) -> str | None:
+    """Run ``run_id``'s status at the SuperLink of ``flwr_home``'s default connection (``flwr
+    ls --run-id``: ``"running"``, ``"finished:completed"``, ...); ``None`` when it did not
+    answer (unreachable, an HTTP error, no such run)."""
+    full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(flwr_home)}
+    try:
+        proc = subprocess.run([_bin("flwr"), "ls", "--run-id", str(run_id), "--format", "json"], env=full_env,
+                              capture_output=True, timeout=timeout, check=False)
+        answer = json.loads(proc.stdout.decode(errors="replace") or "{}")
+    except (subprocess.TimeoutExpired, ValueError):
+        return None
+    runs = answer.get("runs") if isinstance(answer, dict) and answer.get("success") else None
+    for row in runs or []:
+        if isinstance(row, dict) and str(row.get("run-id")) == str(run_id):
+            return str(row.get("status", "")) or None
+    return None
 
 
 def _pump(pipe: Any, sink: Any, on_output: Callable[[str], None]) -> None:
@@ -512,18 +638,20 @@ class LocalFederation:
             extra = ["--ssl-certfile", str(self.certs["server"]), "--ssl-keyfile", str(self.certs["server_key"]),
                      "--ssl-ca-certfile", str(self.certs["ca"])] + (["--enable-supernode-auth"] if self.auth else [])
         proc = self._start("superlink", superlink_command(self.host, port, insecure=not self.tls,
-                                                          database=database, extra=extra))
+                                                          database=database, extra=extra,
+                                                          root_certificates=self.certs.get("ca")))
         self._wait_port(port, proc, timeout)
         self.superlink = f"{self.host}:{port}"
         return self.superlink
 
     def stop_superlink(self) -> None:
-        """End the SuperLink (SIGTERM, SIGKILL after 5 s), as an outage or an upgrade would;
-        the sites stay up and keep trying to reach it."""
+        """End the SuperLink (SIGTERM to its supervisor, which stops the runs' ServerApps, its
+        SuperExec and the SuperLink in order; SIGKILL after :data:`SUPERLINK_GRACE` s), as an
+        outage or an upgrade would; the sites stay up and keep trying to reach it."""
         proc = self.procs.pop("superlink", None)
         if proc is None:
             return
-        _end(proc.popen)
+        _end(proc.popen, SUPERLINK_GRACE)
         proc.log.rename(proc.log.with_name(f"superlink-{uuid.uuid4().hex[:6]}.log"))
 
     def register_site(self, client_id: str) -> int:
@@ -650,6 +778,7 @@ class LocalFederation:
             try:
                 code = flwr_run(self.app_dir, self.superlink, rc, flwr_home=self.workdir / "flwr_home",
                                 env=self.env, timeout=timeout, stream_to=fh, watch=self.sites_gone,
+                                done=lambda: read_json(result_file) is not None,
                                 insecure=not self.tls, root_certificates=str(self.certs["ca"]) if self.tls else None)
             except FlowerDeployError as exc:
                 # stop the run at the SuperLink too: its ServerApp would wait out connect_timeout
@@ -666,7 +795,7 @@ class LocalFederation:
         """End every process this federation started: sites, then the SuperLink (SIGTERM,
         SIGKILL after 5 s), then any process still carrying the marker."""
         for name in [n for n in self.procs if n != "superlink"] + (["superlink"] if "superlink" in self.procs else []):
-            _end(self.procs.pop(name).popen)
+            _end(self.procs.pop(name).popen, SUPERLINK_GRACE if name == "superlink" else 5.0)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             left = _marked_pids(self.marker)

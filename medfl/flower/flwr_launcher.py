@@ -16,6 +16,21 @@ command. A task process that dies without a word is then noticed after twice the
 instead of after 60 s; the coordinator's round timeout covers a site whose answer does not
 come either way.
 
+It also keeps a Flower process that has stopped working from looking alive. Flower's
+SuperNode ends its work loop on an error of the SuperLink that its retries do not cover (an
+HTTP 500, as SQLite's "database is locked" behind ``--database`` gives): it leaves the
+federation (it unregisters itself), but its runtime API server is a non-daemon thread, so its
+process lives on and ``medfl flower site`` never learns that it should start it again. Here,
+once Flower's command has returned, a thread that keeps the process alive is given
+:data:`LINGER` seconds, and then the process ends with :data:`LEFT_EXIT` (said on stderr).
+
+``flwr_launcher.py supervise --superexec JSON -- flower-superlink ARGS...`` (what ``medfl
+flower superlink`` runs) starts the SuperLink with ``--isolation process`` and its SuperExec
+(the process that starts each run's ServerApp) beside it, and starts the SuperExec again
+whenever it exits while the SuperLink runs: Flower's SuperExec exits at the first HTTP 500
+of its task poll, and a SuperLink that started it itself never starts another, so no later
+run would start (:func:`supervise`).
+
 The file is run by path, not as ``python -m medfl...``: it imports Flower only, not medfl
 (and torch), so the SuperLink and SuperNodes start as fast as Flower's own commands.
 """
@@ -23,15 +38,19 @@ The file is run by path, not as ``python -m medfl...``: it imports Flower only, 
 from __future__ import annotations
 
 import importlib
-import logging
+import json
 import math
 import os
+import signal
+import subprocess
 import sys
-from typing import Mapping
+import threading
+import time
+import traceback
+from typing import Any, Callable, Mapping
 
-__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "COMMANDS", "task_window", "widen_task_window", "main"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "COMMANDS", "LEFT_EXIT", "LINGER", "SUPERVISED_ENV",
+           "task_window", "widen_task_window", "run_flower", "supervise", "outlive_superexec", "main"]
 
 #: Environment variable: seconds a new ClientApp/ServerApp process has to report (default below).
 TASK_WINDOW_ENV = "MEDFL_FLOWER_TASK_WINDOW"
@@ -43,6 +62,18 @@ COMMANDS = {"flower-superlink": ("flwr.superlink.cli", "flower_superlink"),
 #: Flower's task-state modules whose heartbeat interval sets how long a claimed task may stay silent.
 _STATE_MODULES = ("flwr.supercore.corestate.in_memory_corestate", "flwr.supercore.corestate.sql_corestate")
 _FLOWER_WINDOW = 30.0
+#: The exit status of a Flower process whose command returned (its work loop ended: a SuperNode
+#: has left the federation) while a thread of it would have kept the process alive.
+LEFT_EXIT = 75
+#: Seconds such a thread is given to end on its own once Flower's command has returned.
+LINGER = 5.0
+#: Set in the environment of the SuperExec :func:`supervise` starts (and so of its ServerApps).
+SUPERVISED_ENV = "MEDFL_SUPEREXEC_SUPERVISED"
+
+
+def _say(message: str) -> None:
+    """One line on stderr (this file configures no logging: it imports Flower only)."""
+    print(f"medfl: {message}", file=sys.stderr, flush=True)
 
 
 def task_window(env: Mapping[str, str] | None = None) -> float:
@@ -82,27 +113,258 @@ def widen_task_window(seconds: float) -> None:
         module.HEARTBEAT_DEFAULT_INTERVAL = max(float(seconds), float(module.HEARTBEAT_DEFAULT_INTERVAL))
 
 
+def _lingering() -> list[threading.Thread]:
+    """The threads other than this one that keep the process from exiting (non-daemon, alive)."""
+    return [t for t in threading.enumerate()
+            if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+
+
+def run_flower(entry: Callable[[], Any], name: str, linger: float = LINGER) -> int:
+    """Run Flower's console function ``entry`` (command ``name``) here; its exit code.
+
+    When it returns (or raises) while a non-daemon thread of it is still alive after
+    ``linger`` seconds, the process ends at once (:func:`os._exit`) with :data:`LEFT_EXIT`
+    (or the command's own non-zero code), saying so: a SuperNode whose work loop has ended
+    must not look alive to the ``medfl flower site`` that would start it again."""
+    how = "returned"
+    try:
+        result = entry()
+        code = int(result) if isinstance(result, int) else 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        how = f"exited with code {code}"
+    except BaseException as exc:  # noqa: BLE001 - said, and the process ends with a code
+        traceback.print_exc()
+        code = 1
+        how = f"stopped on {type(exc).__name__}: {exc}"
+    deadline = time.monotonic() + linger
+    for thread in _lingering():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = _lingering()
+    if left:
+        code = code or LEFT_EXIT
+        _say(f"{name} {how}, but its thread(s) {', '.join(t.name for t in left)} kept its process alive; "
+             f"ending the process (exit code {code}) so that whoever runs it can start it again")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _killed_with_parent() -> None:
+    """In a child, before it runs: SIGKILL when the supervisor dies (Linux; elsewhere nothing).
+    A supervisor that ends on its own first stops its children in order; one that is killed
+    (a crash) takes them down at once, as a crash of Flower's SuperLink would."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):   # pragma: no cover - not Linux
+        pass
+
+
+def _adopt_orphans() -> None:
+    """Make this process the one that orphaned descendants are handed to (Linux: a child
+    subreaper), so that the ServerApps of a SuperExec that died stay its descendants."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)   # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):   # pragma: no cover - not Linux
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``; elsewhere none)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:   # pragma: no cover - not Linux
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+                found.append(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _reap_adopted(own: set[int]) -> list[int]:
+    """Reap the adopted children of this process that have ended (not the ones in ``own``,
+    which their ``Popen`` waits for); return the adopted children still running."""
+    running = []
+    for pid in _children(os.getpid()):
+        if pid in own:
+            continue
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        if not done:
+            running.append(pid)
+    return running
+
+
+def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0, max_backoff: float = 30.0,
+              poll: float = 0.2, grace: float = 10.0) -> int:
+    """Run the SuperLink ``link_cmd`` and its SuperExec ``exec_cmd`` (``--parent-pid`` of this
+    process is added) as children of this process until the SuperLink exits or this process
+    is told to stop (SIGTERM, SIGINT); return the SuperLink's exit code.
+
+    A SuperExec that exits while the SuperLink runs is started again after ``backoff``
+    seconds, doubling up to ``max_backoff`` (reset after one that ran ``max_backoff``), with a
+    line on stderr each time. The ServerApps it had started go on (their environment names
+    this process in :data:`SUPERVISED_ENV`: medfl's ServerApp then does not end with its
+    SuperExec while this process lives, see :func:`outlive_superexec`); they stay
+    descendants of this process.
+
+    Both children run in sessions of their own, so that a signal to this process's group
+    (Ctrl-C, a service manager's stop) reaches this process only, and it stops them in
+    order, as Flower's SuperLink stops its own SuperExec: the ServerApps first (SIGTERM, up to
+    ``grace`` seconds), which tell the SuperLink that their runs stopped while it still
+    answers, then the SuperExec, then the SuperLink. A supervisor that is killed takes both
+    children down at once (a crash)."""
+    stopping = threading.Event()
+    exec_cmd = [*exec_cmd, "--parent-pid", str(os.getpid())]
+    exec_env = {**os.environ, SUPERVISED_ENV: str(os.getpid())}
+    _adopt_orphans()
+
+    def start(cmd: list[str], env: dict[str, str] | None = None) -> "subprocess.Popen[bytes]":
+        return subprocess.Popen(cmd, env=env, start_new_session=True,   # noqa: PLW1509 - one thread here
+                                preexec_fn=_killed_with_parent)
+
+    def stop(signum: int, _frame: Any) -> None:
+        stopping.set()
+
+    link = start(link_cmd)
+    superexec = start(exec_cmd, exec_env)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    _say(f"SuperLink pid {link.pid}, SuperExec pid {superexec.pid} (started again whenever it exits)")
+    delay, started, due, reaped = backoff, time.monotonic(), None, time.monotonic()
+    while link.poll() is None:
+        if stopping.wait(poll):
+            break
+        if time.monotonic() - reaped >= 2.0:     # a /proc scan: not at every poll
+            _reap_adopted({link.pid, superexec.pid})
+            reaped = time.monotonic()
+        if superexec.poll() is None:
+            continue
+        if due is None:
+            if time.monotonic() - started >= max_backoff:
+                delay = backoff
+            _say(f"the SuperExec exited with code {superexec.returncode} (an error of the SuperLink it polls, "
+                 f"such as HTTP 500 'database is locked': see above); starting it again in {delay:g} s; "
+                 "the runs it started go on")
+            due, delay = time.monotonic() + delay, min(delay * 2, max_backoff)
+        elif time.monotonic() >= due:
+            superexec, started, due = start(exec_cmd, exec_env), time.monotonic(), None
+            _say(f"SuperExec pid {superexec.pid}")
+    # the ServerApps first (the SuperExec's, and those a SuperExec that died left to this
+    # process), while the SuperLink still answers them; then the SuperExec; then the SuperLink
+    own = {link.pid, superexec.pid}
+    apps = _reap_adopted(own) + (_children(superexec.pid) if superexec.poll() is None else [])
+    for pid in apps:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_running(pid) for pid in apps):
+        _reap_adopted(own)
+        time.sleep(0.1)
+    for child in (superexec, link):
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    for pid in _reap_adopted(own) + _children(superexec.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap_adopted(own)
+    return int(link.returncode or 0)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rindex(b")") + 2:].split()[0] != b"Z"
+    except (OSError, ValueError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+
+def outlive_superexec() -> bool:
+    """In a ServerApp started by a SuperExec under :func:`supervise` (:data:`SUPERVISED_ENV`
+    names the supervisor): do not end when that SuperExec ends while the supervisor lives
+    (Flower's ServerApp watches the process that started it and stops itself when it is
+    gone); return whether that was done. The supervisor starts another SuperExec, and the run
+    goes on; a supervisor that is gone ends the run as before, a SuperLink that is gone too
+    (its calls fail), and stopping the supervisor ends it (SIGTERM)."""
+    raw = os.environ.get(SUPERVISED_ENV, "")
+    if not raw.isdigit():
+        return False
+    try:
+        from flwr.supercore import app_utils
+    except ImportError:   # pragma: no cover - Flower reorganised
+        return False
+    exists = getattr(app_utils, "_pid_exists", None)
+    if not callable(exists):
+        _say("warning: this Flower release watches the ServerApp's SuperExec elsewhere: a run ends with its SuperExec")
+        return False
+    starter, supervisor = os.getppid(), int(raw)
+
+    def alive(pid: int) -> bool:
+        return bool(exists(supervisor)) if pid == starter else bool(exists(pid))
+
+    app_utils._pid_exists = alive
+    return True
+
+
 def main(argv: list[str]) -> int:
     """``flwr_launcher.py NAME ARGS...``: run Flower's command ``NAME`` (one of
-    :data:`COMMANDS`) with ``ARGS`` after widening the task window; its exit code."""
-    from medfl.logs import configure_console
-
-    configure_console()
+    :data:`COMMANDS`) with ``ARGS`` after widening the task window (:func:`run_flower`); its
+    exit code. ``flwr_launcher.py supervise --superexec JSON -- NAME ARGS...``: run that
+    command and the SuperExec command ``JSON`` (a list) side by side (:func:`supervise`)."""
+    if argv[:2] == ["supervise", "--superexec"] and len(argv) > 4 and argv[3] == "--":
+        try:
+            exec_cmd = json.loads(argv[2])
+        except ValueError:
+            exec_cmd = None
+        if not isinstance(exec_cmd, list) or not all(isinstance(a, str) for a in exec_cmd) or not exec_cmd:
+            _say(f"error: --superexec {argv[2]!r}: expected a JSON list of the SuperExec command's words")
+            return 2
+        return supervise([sys.executable, os.path.abspath(__file__), *argv[4:]], exec_cmd)
     if not argv or argv[0] not in COMMANDS:
-        logger.error(f"usage: {os.path.basename(__file__)} {{{','.join(COMMANDS)}}} ARGS...")
+        _say(f"usage: {os.path.basename(__file__)} {{{','.join(COMMANDS)}}} ARGS... | "
+             "supervise --superexec JSON -- flower-superlink ARGS...")
         return 2
     try:
         window = task_window()
     except ValueError as exc:
-        logger.error(f"medfl: error: {exc}")
+        _say(f"error: {exc}")
         return 2
     widen_task_window(window)
     module, function = COMMANDS[argv[0]]
     entry = getattr(importlib.import_module(module), function)
     # Flower reads its own name from argv[0] (logs, exit handling), as its console script sets it
     sys.argv = [os.path.join(os.path.dirname(sys.executable), argv[0]), *argv[1:]]
-    result = entry()
-    return int(result) if isinstance(result, int) else 0
+    return run_flower(entry, argv[0])
 
 
 if __name__ == "__main__":

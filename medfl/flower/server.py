@@ -82,9 +82,11 @@ def main(grid: Grid, context: Context) -> None:
     """medfl's coordinator as a Flower ServerApp (``flwr run``): reads the run config
     (:data:`RUN_CONFIG`), runs the experiment and, with ``result-file``, writes
     ``{"ok": true, "dir": ...}`` or ``{"ok": false, "error": ...}`` there."""
+    from medfl.flower.flwr_launcher import outlive_superexec
     from medfl.logs import ensure_console
 
     ensure_console()   # the coordinator's lines on the ServerApp's stderr, as the medfl command shows them
+    outlive_superexec()   # under `medfl flower superlink`, a SuperExec restarted does not end this run
     rc = dict(context.run_config)
     result_file = str(rc.get("result-file", "") or "")
     try:

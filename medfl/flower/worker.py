@@ -38,9 +38,16 @@ logger = logging.getLogger(__name__)
 def exit_reason(code: int | None) -> str:
     """What a SuperNode's exit status tells the site's operator. Flower exits with 0 when
     the SuperLink drops the node (a SuperLink restarted without its database answers 401)
-    and with 1 on any error, a refused authentication included."""
+    and with 1 on any error, a refused authentication included; medfl's launcher ends a
+    SuperNode that left the federation but whose process lived on with
+    :data:`~medfl.flower.flwr_launcher.LEFT_EXIT`."""
+    from medfl.flower.flwr_launcher import LEFT_EXIT
+
     if code == 0:
         return "the SuperLink may have restarted or dropped this node"
+    if code == LEFT_EXIT:
+        return ("it stopped on an error of the SuperLink, quoted above (an HTTP 500 when the SuperLink's database "
+                "is locked), and left the federation while its process lived on: medfl ended it")
     return ("no connection to the SuperLink, or it refused this node: its message is above; is the SuperLink "
             "up, do the TLS settings match, and where it requires authentication, is this site's public key "
             "registered there (`medfl flower register-site`) and its private key given with --auth-key?")
@@ -122,7 +129,8 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
 
     With ``restart`` (the default), a SuperNode that exits on its own (a SuperLink that
     restarted without its database no longer knows the node and answers 401; a network
-    outage longer than Flower's retries) is started again after ``backoff`` seconds, doubling
+    outage longer than Flower's retries; an error of the SuperLink that ended its work loop,
+    after which medfl's launcher ends its process, see :func:`exit_reason`) is started again after ``backoff`` seconds, doubling
     up to ``max_backoff`` (reset after a SuperNode that ran for ``max_backoff``), with a log
     line each time: a site keeps serving until its operator stops it.
 

@@ -43,9 +43,19 @@ def test_flower_app_names_medfls_components_and_run_config(tmp_path: Path) -> No
 
 def test_commands(tmp_path: Path) -> None:
     sl = superlink_command("0.0.0.0", 9100)
-    assert sl[1].endswith("flwr_launcher.py") and sl[2] == "flower-superlink"   # the task window widened
-    assert sl[3:] == ["--host", "0.0.0.0", "--port", "9100", "--disable-runtime-dependency-installation",
-                      "--insecure"]
+    # the launcher's supervisor: the SuperLink (task window widened) and a SuperExec started again when it exits
+    assert sl[1].endswith("flwr_launcher.py") and sl[2:4] == ["supervise", "--superexec"]
+    superexec = json.loads(sl[4])
+    assert Path(superexec[0]).name == "flower-superexec"
+    assert superexec[1:] == ["--runtime-api-address", "127.0.0.1:9100", "--insecure"]   # bind-all: the loop-back
+    assert sl[5:] == ["--", "flower-superlink", "--host", "0.0.0.0", "--port", "9100",
+                      "--disable-runtime-dependency-installation", "--isolation", "process", "--insecure"]
+    tls = superlink_command("hub.example", 9100, insecure=False, root_certificates=tmp_path / "ca.pem",
+                            extra=["--ssl-ca-certfile", str(tmp_path / "ca.pem")])
+    assert json.loads(tls[4])[1:] == ["--runtime-api-address", "hub.example:9100", "--root-certificates",
+                                      str((tmp_path / "ca.pem").resolve())]
+    with pytest.raises(FlowerDeployError, match="needs the CA"):
+        superlink_command("hub.example", 9100, insecure=False)
     cmd = site_command("2", tmp_path / "train.json", tmp_path / "state", "hub:9100", port=9200,
                        overrides={"fl#dataset#root": "/data"})
     nc = cmd[cmd.index("--node-config") + 1]

@@ -1,0 +1,238 @@
+"""A deployment that survives its database (issue 49, item 5), piece by piece and without a
+SuperLink: Flower's SuperNode that ended its work loop on an HTTP 500 ("database is locked")
+but whose process lived on is ended by medfl's launcher, so ``medfl flower site`` starts it
+again; ``medfl flower superlink``'s supervisor starts a SuperExec that exited again, and the
+ServerApps it had started go on; ``flwr run`` whose log stream failed is followed until its
+run has ended. ``tests/flower/test_superlink_lock.py`` holds a real SuperLink's database
+locked for 6 s mid-run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
+
+import medfl.flower.deploy as deploy  # noqa: E402
+from medfl.flower import flwr_launcher  # noqa: E402
+from medfl.flower.worker import exit_reason  # noqa: E402
+
+LAUNCHER = str(Path(flwr_launcher.__file__).resolve())
+#: the launcher loaded by path, as it runs (it imports Flower only)
+LOAD = ("import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('launcher', sys.argv[1])\n"
+        "m = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(m)\n")
+
+FLOWER = LOAD + """
+import threading, time
+def server() -> None:   # Flower's runtime API server: a non-daemon thread that never ends by itself
+    threading.Thread(target=time.sleep, args=(3600,), name="supernode-runtime-http-api").start()
+def loop_ended() -> None:
+    server()
+    print("ERROR: Server error '500 Internal Server Error' for url '.../v1/fleet/pull-messages'", flush=True)
+def raises() -> None:
+    server()
+    raise RuntimeError("boom")
+def stopped() -> None:
+    raise SystemExit(0)
+sys.exit(m.run_flower({"loop_ended": loop_ended, "raises": raises, "stopped": stopped}[sys.argv[2]],
+                      "flower-supernode", linger=0.3))
+"""
+
+
+def _flower(case: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", FLOWER, LAUNCHER, case], capture_output=True, text=True, timeout=300)
+
+
+def test_a_supernode_whose_work_loop_ended_does_not_keep_its_process_alive() -> None:
+    """Before, the process lived on with its server thread: the SuperNode had left the
+    federation, and `medfl flower site`, waiting for it to exit, never started it again."""
+    done = _flower("loop_ended")
+    assert done.returncode == flwr_launcher.LEFT_EXIT == 75, done.stderr
+    assert ("medfl: flower-supernode returned, but its thread(s) supernode-runtime-http-api kept its process alive; "
+            "ending the process (exit code 75)") in done.stderr
+    raised = _flower("raises")
+    assert raised.returncode == 1 and "RuntimeError: boom" in raised.stderr
+    assert "flower-supernode stopped on RuntimeError: boom, but its thread(s)" in raised.stderr
+    stopped = _flower("stopped")       # Flower's own exit (SIGTERM): its threads end, nothing to say
+    assert stopped.returncode == 0 and "medfl:" not in stopped.stderr
+    assert "left the federation while its process lived on" in exit_reason(75)   # what the site says then
+
+
+SUPERVISE = LOAD + """
+import json
+link = [sys.executable, "-c", sys.argv[2], sys.argv[4]]
+superexec = [sys.executable, "-c", sys.argv[3], sys.argv[4]]
+sys.exit(m.supervise(link, superexec, backoff=0.1, max_backoff=0.4, poll=0.05))
+"""
+# the SuperLink: until SIGTERM, or exit with code N after 0.5 s
+LINK = ("import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "code = {code}\n"
+        "time.sleep(0.5 if code else 3600)\n"
+        "sys.exit(code)\n")
+# the SuperExec: note the start and what it was told; the first one starts a "ServerApp" (a
+# grandchild) and every one exits with code 1 soon after, as Flower's does on an HTTP 500
+SUPEREXEC = ("import os, subprocess, sys, time\n"
+             "d = sys.argv[1]\n"
+             "first = not os.path.exists(os.path.join(d, 'starts.txt'))\n"
+             "open(os.path.join(d, 'starts.txt'), 'a').write(os.environ.get('MEDFL_SUPEREXEC_SUPERVISED', '-') + ' '"
+             " + ' '.join(sys.argv[2:]) + '\\n')\n"
+             "if first:\n"
+             "    app = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'])\n"
+             "    open(os.path.join(d, 'app.pid'), 'w').write(str(app.pid))\n"
+             "time.sleep(0.2)\n"
+             "sys.exit(1)\n")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").is_file() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
+
+
+def test_the_superlink_supervisor_starts_a_superexec_that_exited_again(tmp_path: Path) -> None:
+    """Before, Flower's SuperLink started its SuperExec once: after an HTTP 500 of its task
+    poll no run ever started again. Now it is started again, the ServerApp it had started
+    goes on, and stopping the supervisor ends everything."""
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISE, LAUNCHER, LINK.format(code=0), SUPEREXEC, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    starts = tmp_path / "starts.txt"
+    deadline = time.monotonic() + 600    # a condition, with a generous limit (loaded machine)
+    while time.monotonic() < deadline and (not starts.is_file() or len(starts.read_text().splitlines()) < 5):
+        time.sleep(0.1)
+    app = int((tmp_path / "app.pid").read_text())
+    assert proc.poll() is None and _alive(app), "the supervisor and the first SuperExec's ServerApp run on"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    lines = starts.read_text().splitlines()
+    assert len(lines) >= 5 and all(ln.startswith(f"{proc.pid} --parent-pid {proc.pid}") for ln in lines), lines
+    assert "medfl: the SuperExec exited with code 1" in err and "starting it again in 0.1 s" in err
+    assert "starting it again in 0.4 s" in err      # the wait doubles up to max_backoff
+    deadline = time.monotonic() + 120
+    while _alive(app) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(app), "the ServerApp a SuperExec left behind was ended with the supervisor"
+
+
+def test_the_supervisor_ends_with_its_superlink(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", SUPERVISE, LAUNCHER, LINK.format(code=3),
+                           "import time; time.sleep(3600)", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr          # the SuperLink's code; its SuperExec was ended
+
+
+def test_a_serverapp_outlives_its_superexec_only_while_the_supervisor_lives(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flwr.supercore import app_utils
+
+    supervisor = os.getpid()
+    monkeypatch.setattr(app_utils, "_pid_exists", lambda pid: pid == supervisor)   # every other process gone
+    monkeypatch.delenv(flwr_launcher.SUPERVISED_ENV, raising=False)
+    assert not flwr_launcher.outlive_superexec()
+    assert not app_utils._pid_exists(os.getppid())                       # Flower's watch, as it was
+    monkeypatch.setenv(flwr_launcher.SUPERVISED_ENV, str(supervisor))
+    assert flwr_launcher.outlive_superexec()
+    assert app_utils._pid_exists(os.getppid())                           # its SuperExec: the supervisor lives
+    assert not app_utils._pid_exists(os.getppid() + 1)                   # any other process: Flower's answer
+    monkeypatch.setattr(app_utils, "_pid_exists", lambda pid: False)     # the supervisor gone too (a crash)
+    monkeypatch.setenv(flwr_launcher.SUPERVISED_ENV, str(supervisor))
+    assert flwr_launcher.outlive_superexec()
+    assert not app_utils._pid_exists(os.getppid())                       # the ServerApp ends, as before
+
+
+def _fake_flwr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, statuses: list[str | None], last: str = "") -> list[int]:
+    """``flwr run`` that starts run 42 and ends at once (its log stream failed; ``last``: its
+    last line); the run's status at the SuperLink goes through ``statuses``; return the list
+    of asked run ids."""
+    script = tmp_path / "flwr"
+    script.write_text(f"#!{sys.executable}\nprint('Successfully started run 42', flush=True)\nprint({last!r})\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(deploy, "_bin", lambda name: str(script))
+    monkeypatch.setattr(deploy, "FOLLOW_INTERVAL", 0.01)
+    asked: list[int] = []
+
+    def status(run_id: int, home: Path, env: dict[str, str] | None = None) -> str | None:
+        asked.append(run_id)
+        return statuses[min(len(asked), len(statuses)) - 1]
+
+    monkeypatch.setattr(deploy, "run_status", status)
+    return asked
+
+
+def test_flwr_run_whose_log_stream_ended_follows_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, `flwr run --stream` returned when an HTTP 500 broke its log stream, and the run
+    was reported as ended without a result while it went on."""
+    asked = _fake_flwr(tmp_path, monkeypatch, ["running", None, "running", "finished:completed"])
+    log = tmp_path / "out.log"
+    with open(log, "wb") as fh:
+        assert deploy.flwr_run(tmp_path / "app", "127.0.0.1:1", {}, flwr_home=tmp_path / "home", stream_to=fh) == 0
+    assert asked == [42] * 4
+    text = log.read_text()
+    assert "Successfully started run 42" in text
+    assert text.count("medfl: the log stream of run 42 ended before the run (running); waiting for the run to end "
+                      "at the SuperLink (its whole log: `flwr log 42`)") == 1
+    # the ServerApp's result is there: nothing to ask
+    asked = _fake_flwr(tmp_path, monkeypatch, ["running"])
+    with open(log, "wb") as fh:
+        deploy.flwr_run(tmp_path / "app", "127.0.0.1:1", {}, flwr_home=tmp_path / "home", stream_to=fh,
+                        done=lambda: True)
+    assert asked == []
+    # the stream ended because the SuperLink went away: its ServerApp went with it (a restarted
+    # SuperLink on its database would say "running" until the run's heartbeat window ran out)
+    asked = _fake_flwr(tmp_path, monkeypatch, ["running"], last="Connection to the SuperLink is unavailable. Please")
+    with open(log, "wb") as fh:
+        deploy.flwr_run(tmp_path / "app", "127.0.0.1:1", {}, flwr_home=tmp_path / "home", stream_to=fh)
+    assert asked == []
+    # the ServerApp writes its result while the run is followed
+    asked = _fake_flwr(tmp_path, monkeypatch, ["running"])
+    with open(log, "wb") as fh:
+        deploy.flwr_run(tmp_path / "app", "127.0.0.1:1", {}, flwr_home=tmp_path / "home", stream_to=fh,
+                        done=lambda: len(asked) >= 3)
+    assert len(asked) == 3
+    # a SuperLink that no longer answers is not waited for beyond FOLLOW_SILENCE
+    asked = _fake_flwr(tmp_path, monkeypatch, [None])
+    monkeypatch.setattr(deploy, "FOLLOW_SILENCE", 0.05)
+    with open(log, "wb") as fh:
+        deploy.flwr_run(tmp_path / "app", "127.0.0.1:1", {}, flwr_home=tmp_path / "home", stream_to=fh)
+    assert len(asked) >= 2 and "the SuperLink has not answered about run 42 for 0.05 s" in log.read_text()
+
+
+# a process that says in ``up.txt`` that it runs, notes in ``order.txt`` that it got SIGTERM, then ends
+NOTE_TERM = ("import os, signal, sys, time\n"
+             "def note(*_):\n"
+             "    open(os.path.join(sys.argv[1], 'order.txt'), 'a').write('{who}\\n')\n"
+             "    sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, note)\n"
+             "{before}"
+             "open(os.path.join(sys.argv[1], 'up.txt'), 'a').write('{who}\\n')\n"
+             "time.sleep(3600)\n")
+# the SuperExec: starts a ServerApp (that notes its SIGTERM) and runs on
+KEEPS = NOTE_TERM.format(who="superexec", before=(
+    "import subprocess\n"
+    f"subprocess.Popen([sys.executable, '-c', {NOTE_TERM.format(who='serverapp', before='')!r}, sys.argv[1]])\n"))
+
+
+def test_a_stop_signal_to_the_group_stops_the_serverapps_then_the_superexec_then_the_superlink(tmp_path: Path) -> None:
+    """Ctrl-C or a service manager signal the supervisor's whole process group: before, it
+    reached the SuperLink with everything else, so a run's ServerApp could not tell the
+    SuperLink that it stopped, and the restarted SuperLink sent its old messages to the sites."""
+    link = NOTE_TERM.format(who="superlink", before="")
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISE, LAUNCHER, link, KEEPS, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    up = tmp_path / "up.txt"
+    deadline = time.monotonic() + 600    # a condition, with a generous limit (loaded machine)
+    while time.monotonic() < deadline and (not up.is_file() or len(up.read_text().split()) < 3):
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "order.txt").read_text().split() == ["serverapp", "superexec", "superlink"]
