@@ -4,15 +4,17 @@
 # 3.12, torch 2.11+cu130, numpy, pandas, matplotlib, scikit-image, grpcio, protobuf...).
 #
 #   bash benchmarks/gpu_session.sh wheels            # here, with PyPI: fill .whl/ (about 27 MB)
+#   bash benchmarks/gpu_session.sh base REV          # here: unpack REV into .ab/base for "compare"
 #   bash benchmarks/gpu_session.sh run WHAT [OUT]    # there: install .whl/, then run WHAT, logs in OUT
 #
 # WHAT: "tests" (tests/engine/test_cuda.py and the compute tests), "bench" (engine_overhead.py
 # on resnet2d and resnet3d, fp32, on $GPU_DEVICE, default cuda, interleaved repeats, figures
-# also in JSON) or "profile" (medfl's steady rounds of resnet2d under cProfile), or several
-# joined by commas ("bench,profile,tests": about 5 minutes on an H200, inside the 10 minutes a
-# lent machine runs one command). OUT defaults to $OUT (what a lent machine sends back) or
-# ./gpu_logs. Every step has its own time limit, so one that hangs does not take the others'
-# time; the exit status is the first failing step's.
+# also in JSON), "profile" (medfl's steady rounds of resnet2d under cProfile) or "compare"
+# (benchmarks/compare.py: .ab/base, or $AB_BASE, against this tree on resnet2d, 2 pairs with
+# --steps; carry .ab), or several joined by commas ("bench,profile,tests": about 5 minutes on
+# an H200, inside the 10 minutes a lent machine runs one command). OUT defaults to $OUT (what a
+# lent machine sends back) or ./gpu_logs. Every step has its own time limit, so one that hangs
+# does not take the others' time; the exit status is the first failing step's.
 #
 # "wheels" downloads, for CPython 3.12 on x86-64 Linux and without their dependencies, the
 # distributions medfl needs that the image lacked when it was last listed (2026-11-17), at
@@ -57,11 +59,11 @@ run() {
     local what=${1:-} py=${PYTHON:-python3} site=/tmp/medfl-site dev=${GPU_DEVICE:-cuda}
     local part
     for part in ${what//,/ }; do
-        case "$part" in tests|bench|profile) ;;
-            *) echo "gpu_session.sh run: WHAT is tests, bench or profile (or several, comma-separated), not '$what'" >&2; exit 2 ;;
+        case "$part" in tests|bench|profile|compare) ;;
+            *) echo "gpu_session.sh run: WHAT is tests, bench, profile or compare (or several, comma-separated), not '$what'" >&2; exit 2 ;;
         esac
     done
-    [ -n "$what" ] || { echo "gpu_session.sh run: say WHAT: tests, bench or profile" >&2; exit 2; }
+    [ -n "$what" ] || { echo "gpu_session.sh run: say WHAT: tests, bench, profile or compare" >&2; exit 2; }
     OUT_DIR=${2:-${OUT:-gpu_logs}}
     FAILED=0
     mkdir -p "$OUT_DIR"
@@ -92,13 +94,28 @@ EOF
         profile)
             step profile_resnet2d 120 "$py" benchmarks/engine_overhead.py --workload resnet2d --device "$dev" --rounds 5 \
                 --profile "$OUT_DIR/profile_resnet2d.pstats" ;;
+        compare)
+            step compare_resnet2d 480 "$py" benchmarks/compare.py "${AB_BASE:-.ab/base}" --pairs 2 --steps \
+                --workdir "$OUT_DIR/compare" --json "$OUT_DIR/compare_resnet2d.json" -- --workload resnet2d \
+                --device "$dev" --rounds 5 --repeats 2 ;;
         esac
     done
     return "$FAILED"
 }
 
+base() {   # base REV: REV unpacked into .ab/base (a lent machine has no .git), named in .ab/base/COMMIT
+    local rev=${1:?gpu_session.sh base: say which revision} commit
+    commit=$(git rev-parse --verify "$rev^{commit}")
+    rm -rf .ab/base && mkdir -p .ab/base
+    git archive "$commit" | tar -x -C .ab/base
+    echo "$rev $commit" > .ab/base/COMMIT
+    grep -qx "/.ab/" .git/info/exclude 2>/dev/null || echo "/.ab/" >> .git/info/exclude
+    echo "$rev ($commit) in .ab/base: name .ab in the run's carry, then run compare"
+}
+
 case "${1:-}" in
     wheels) wheels ;;
+    base) shift; base "$@" ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; [ "${1:-}" = -h ] || [ "${1:-}" = --help ] || exit 2 ;;
+    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; [ "${1:-}" = -h ] || [ "${1:-}" = --help ] || exit 2 ;;
 esac
