@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import os
 import signal
@@ -71,9 +72,19 @@ LINGER = 5.0
 SUPERVISED_ENV = "MEDFL_SUPEREXEC_SUPERVISED"
 
 
-def _say(message: str) -> None:
-    """One line on stderr (this file configures no logging: it imports Flower only)."""
-    print(f"medfl: {message}", file=sys.stderr, flush=True)
+logger = logging.getLogger("medfl.flower.launcher")
+
+
+def _say(message: str, level: int = logging.WARNING) -> None:
+    """One ``medfl: ...`` line on stderr, through this file's own logger (run by path, it
+    imports Flower only and sets up no other logging; Flower keeps its own)."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()   # stderr
+        handler.setFormatter(logging.Formatter("medfl: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    logger.log(level, message)
 
 
 def task_window(env: Mapping[str, str] | None = None) -> float:
@@ -134,7 +145,7 @@ def run_flower(entry: Callable[[], Any], name: str, linger: float = LINGER) -> i
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         how = f"exited with code {code}"
     except BaseException as exc:  # noqa: BLE001 - said, and the process ends with a code
-        traceback.print_exc()
+        _say(f"{name} raised:\n{traceback.format_exc()}", logging.ERROR)
         code = 1
         how = f"stopped on {type(exc).__name__}: {exc}"
     deadline = time.monotonic() + linger
@@ -146,7 +157,8 @@ def run_flower(entry: Callable[[], Any], name: str, linger: float = LINGER) -> i
         _say(f"{name} {how}, but its thread(s) {', '.join(t.name for t in left)} kept its process alive; "
              f"ending the process (exit code {code}) so that whoever runs it can start it again")
         sys.stdout.flush()
-        sys.stderr.flush()
+        for handler in logger.handlers:
+            handler.flush()
         os._exit(code)
     return code
 
@@ -245,7 +257,7 @@ def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0,
     superexec = start(exec_cmd, exec_env)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    _say(f"SuperLink pid {link.pid}, SuperExec pid {superexec.pid} (started again whenever it exits)")
+    _say(f"SuperLink pid {link.pid}, SuperExec pid {superexec.pid} (started again whenever it exits)", logging.INFO)
     delay, started, due, reaped = backoff, time.monotonic(), None, time.monotonic()
     while link.poll() is None:
         if stopping.wait(poll):
@@ -264,7 +276,7 @@ def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0,
             due, delay = time.monotonic() + delay, min(delay * 2, max_backoff)
         elif time.monotonic() >= due:
             superexec, started, due = start(exec_cmd, exec_env), time.monotonic(), None
-            _say(f"SuperExec pid {superexec.pid}")
+            _say(f"SuperExec pid {superexec.pid}", logging.INFO)
     # the ServerApps first (the SuperExec's, and those a SuperExec that died left to this
     # process), while the SuperLink still answers them; then the SuperExec; then the SuperLink
     own = {link.pid, superexec.pid}
