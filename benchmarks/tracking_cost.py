@@ -3,7 +3,8 @@ clients, resnet10 width 8 on 32x32 images).
 
 Each variant runs the same seeded experiment in a fresh process: no tracking; MLflow's embedded
 SQLite store (no uri); MLflow against a local ``mlflow server`` (started here on loopback with
-a SQLite backend); TensorBoard. It prints, per variant, the median seconds per round (from one
+a SQLite backend); MLflow against a server that is down (``mlflow-down``: a closed loopback
+port, connections refused); TensorBoard. It prints, per variant, the median seconds per round (from one
 round's end to the next, over both methods' rounds), the time tracking spends on the run's own
 thread per round (turning the round's rows into scalars and queueing them: the critical path;
 the trackers themselves log from a background thread), that as a percentage of a round, and
@@ -12,6 +13,7 @@ what the end of each run waits for (artifacts, final models, the queue drained).
     python benchmarks/tracking_cost.py                    # 5 rounds, 1 repeat, all variants
     python benchmarks/tracking_cost.py --rounds 10 --repeats 3
     python benchmarks/tracking_cost.py --variants none,mlflow
+    python benchmarks/tracking_cost.py --rounds 2 --variants none,mlflow-down   # a server that is down
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("none", "mlflow", "mlflow-server", "tensorboard")
+VARIANTS = ("none", "mlflow", "mlflow-server", "mlflow-down", "tensorboard")
 
 CHILD = r"""
 import json, sys, time
@@ -90,6 +92,7 @@ print("RESULT " + json.dumps({"rounds": rounds, "critical": critical[0], "finish
 
 
 def _free_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -120,7 +123,8 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
 def run_variant(variant: str, rounds: int, tmp: Path, uri: str | None, k: int) -> dict:
     """One experiment of ``variant`` in a fresh process; its timings."""
     tracking = {"none": None, "mlflow": [{"name": "mlflow"}], "tensorboard": [{"name": "tensorboard"}],
-                "mlflow-server": [{"name": "mlflow", "uri": uri, "experiment": f"bench-{k}"}]}[variant]
+                "mlflow-server": [{"name": "mlflow", "uri": uri, "experiment": f"bench-{k}"}],
+                "mlflow-down": [{"name": "mlflow", "uri": f"http://127.0.0.1:{_free_port()}"}]}[variant]
     args = {"config": str(ROOT / "bundles" / "demo" / "configs" / "train.json"), "out": str(tmp / f"{variant}-{k}"),
             "data": str(tmp / "data"), "rounds": rounds, "tracking": tracking}
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,

@@ -115,9 +115,11 @@ def register_trackers(register: Register) -> None:
     Call ``register(TrackerClass)`` for each :class:`medfl.tracking.Tracker` subclass; the
     name is ``TrackerClass.name``, which ``fl.tracking`` (or ``medfl run --tracking``)
     chooses. The experiment builds it with its directory and the options of its
-    ``fl.tracking`` entry (checked against ``TrackerClass.options``) and calls it from one
-    background thread; a tracker that raises is left out with one warning and the run goes
-    on (see :mod:`medfl.tracking` and docs/plugins.md).
+    ``fl.tracking`` entry (checked against ``TrackerClass.options``) and calls it from a
+    background thread of its own; a tracker that raises, or whose call has not returned
+    ``medfl.tracking.TRACKER_WAIT_S`` after it began, is left out (logged, and named in each
+    finished run's ``summary.json``) and the run goes on (see :mod:`medfl.tracking` and
+    docs/plugins.md).
     """
 
 

@@ -11,10 +11,21 @@ scalars with ``step = round``; at the end of a run its ``summary.json`` and plot
 artifacts and its final models as models; at the end of the experiment its own files
 (``comparison.csv``, the CV and seeds reports and their plots).
 
-Nothing here is on a run's critical path: the trackers are called from one background thread
-(the round's rows are turned into scalars in the run's thread, which then goes on), and the
-queue is drained when a run ends. A tracker that raises (a server down mid-run) is reported
-once as a warning and left out for the rest of the session: tracking never stops or loses a run.
+Nothing here is on a run's critical path: each tracker is called from a background thread of
+its own (the round's rows are turned into scalars in the run's thread, which then goes on), and
+the queues are drained when a run ends. A tracker that raises (a server down mid-run) is left
+out for the rest of the session: its later calls are skipped at once, and tracking never stops
+or loses a run.
+
+A tracker whose server is down costs seconds, not minutes: a run waits for a tracker's call at
+most :data:`TRACKER_WAIT_S` (10 s; ``MEDFL_TRACKER_WAIT_S`` sets another) after the call began;
+a call still running then (a server that does not answer) has its tracker abandoned (its
+thread is left to end on its own) and reported like a failure. The ``mlflow`` tracker also
+bounds MLflow's own HTTP retries (``medfl_plugins.trackers.MLFLOW_HTTP_DEFAULTS``). Which
+tracker failed, in which call and why is logged (``medfl.tracking``) from the run's own thread,
+so its ``log.txt`` has it, and each finished run's ``summary.json`` gets a ``trackers`` block
+(:meth:`Tracking.summary`): ``{"mlflow": {"status": "failed", "step": "start_run", ...},
+"tensorboard": {"status": "ok"}}``.
 
 ``tracking.json`` in the experiment directory (written atomically) records each tracker's
 runs (MLflow's run ids) and the last round each run logged from each table, so that a resumed
@@ -23,12 +34,16 @@ experiment continues the same runs and never logs a round twice.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import queue
 import re
 import threading
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable
 
@@ -39,10 +54,58 @@ from medfl.plugins import lookup
 from medfl.rundir import RunDir, _write_json
 
 __all__ = ["Tracker", "TrackerWarning", "Tracking", "flatten_params", "round_scalars",
-           "TRACKING_FILE", "missing_package"]
+           "TRACKING_FILE", "TRACKER_WAIT_S", "WAIT_ENV", "ERROR_CHARS", "tracker_wait_s", "short_error",
+           "missing_package"]
+
+logger = logging.getLogger(__name__)
 
 #: The experiment directory's file that records the trackers' runs and what each logged.
 TRACKING_FILE = "tracking.json"
+
+#: The longest a run waits for one call to a tracker, in seconds, counted from when the call
+#: began: a call that has not returned by then (a server down or not answering) has its tracker
+#: abandoned and reported as failed, and none of its later calls is made, so a tracker that is
+#: down costs a session about this much in all. A tracker that answers is waited for call after
+#: call (a run's end waits for its artifacts and models to be logged).
+TRACKER_WAIT_S = 10.0
+#: The environment variable that sets another bound (seconds), e.g. for large models sent to a
+#: slow server, whose upload may need longer than :data:`TRACKER_WAIT_S`.
+WAIT_ENV = "MEDFL_TRACKER_WAIT_S"
+#: The longest text of a tracker's error in ``log.txt`` and ``summary.json`` (its start and its
+#: end are kept: the root cause of an HTTP error is at its end).
+ERROR_CHARS = 300
+
+
+def tracker_wait_s() -> float:
+    """The bound in force: :data:`WAIT_ENV` when set (a positive number of seconds), else
+    :data:`TRACKER_WAIT_S`.
+
+    Raises:
+        ConfigError: :data:`WAIT_ENV` is set to something else.
+    """
+    text = os.environ.get(WAIT_ENV, "").strip()
+    if not text:
+        return TRACKER_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{WAIT_ENV}={text!r}: expected a positive number of seconds (default {TRACKER_WAIT_S:g})")
+    return value
+
+
+def short_error(exc: BaseException | str, limit: int = ERROR_CHARS) -> str:
+    """``"<type>: <message>"`` of ``exc`` on one line, at most ``limit`` characters: a longer
+    one keeps its start and its end (where an HTTP client's error names the root cause, such as
+    ``Connection refused``)."""
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return f"{text[:head]} ... {text[-(limit - head - 5):]}"
+
 
 #: Columns of the per-round tables that name a row rather than measure something; their values
 #: become parts of a scalar's name (``client_id`` its last part).
@@ -52,7 +115,9 @@ NOT_SCALARS = {"round", "step", "client_id", "client_name", "data_client_id", "r
 
 
 class TrackerWarning(UserWarning):
-    """A tracker failed; the run goes on without it (said once per tracker and session)."""
+    """A finished run's final models could not be rebuilt for the trackers (the run's clients
+    ran elsewhere); the run and its tracking go on. A tracker that fails is logged instead
+    (``medfl.tracking``, in the run's ``log.txt``) and named in ``summary.json``."""
 
 
 def missing_package(tracker: str, package: str, exc: ImportError) -> ConfigError:
@@ -67,11 +132,13 @@ class Tracker:
     ``fl.tracking`` and ``--tracking`` choose); :class:`Tracking` builds it with the
     experiment directory and the options of its ``fl.tracking`` entry.
 
-    Every method is called from one background thread, in order: :meth:`start_run` for the
-    experiment (key ``""``) before any method run, then per method run :meth:`start_run`,
-    :meth:`log_metrics` once per round, :meth:`log_artifact` and :meth:`log_model` at its end,
-    :meth:`end_run`; :meth:`close` last. An exception from any of them leaves the tracker out
-    for the rest of the session (one :class:`TrackerWarning`), the run goes on.
+    Every method is called from a background thread of the tracker's own, in order:
+    :meth:`start_run` for the experiment (key ``""``) before any method run, then per method run
+    :meth:`start_run`, :meth:`log_metrics` once per round, :meth:`log_artifact` and
+    :meth:`log_model` at its end, :meth:`end_run`; :meth:`close` last. An exception from any of
+    them, or a call that has not returned :data:`TRACKER_WAIT_S` after it began, leaves the
+    tracker out for the rest of the session (logged once per run, named in ``summary.json``);
+    the run goes on.
 
     Attributes:
         name: the registered name.
@@ -209,6 +276,21 @@ class _RunWatch:
         self.tracking._status(self, status, r)
 
 
+@dataclass
+class _Worker:
+    """One tracker's calls, made in order by a daemon thread of its own (a tracker that hangs
+    holds up no other). ``pending`` and ``current`` change under :attr:`Tracking._cond`."""
+
+    name: str
+    jobs: "queue.SimpleQueue[tuple[str, str, Callable[[Tracker], None]] | None]" = field(
+        default_factory=queue.SimpleQueue)
+    #: calls queued or being made
+    pending: int = 0
+    #: the call being made: (step, what, when it began on Tracking's clock)
+    current: tuple[str, str, float] | None = None
+    thread: threading.Thread | None = None
+
+
 class Tracking:
     """The trackers of one experiment (``fl.tracking``) for this session.
 
@@ -220,20 +302,31 @@ class Tracking:
         final_models: ``run -> {name: (torch.nn.Module, example batch)}``: a finished run's
             final models (the global model, each client's personalised one), or ``None``:
             none logged.
+        wait_s: the longest a run waits for one tracker call (default: :func:`tracker_wait_s`).
+        clock: the time source of that bound (``time.monotonic``).
     """
 
     def __init__(self, root: Path, specs: list[dict[str, Any]], name: str, params: dict[str, Any],
-                 final_models: Callable[[Any], dict[str, Any]] | None = None) -> None:
+                 final_models: Callable[[Any], dict[str, Any]] | None = None, wait_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.root = Path(root)
         self.name = name
         self.params = params
         self.final_models = final_models
+        self.wait_s = float(tracker_wait_s() if wait_s is None else wait_s)
+        self._clock = clock
         self.state: dict[str, Any] = self._read_state()
         known = [dict(s) for s in self.state.get("trackers", [])]
         for spec in specs:   # the saved trackers go on; a new one joins
             if not any(k["name"] == spec["name"] for k in known):
                 known.append(dict(spec))
         self.specs = known
+        self._cond = threading.Condition()
+        #: tracker -> what failed (:meth:`summary`); the first failure of a tracker is kept
+        self._failures: dict[str, dict[str, Any]] = {}
+        #: (tracker, run key) whose failure the run's log has said ("": the experiment's log)
+        self._told: set[tuple[str, str]] = set()
+        self._closed = False
         self.trackers: dict[str, Tracker] = {}
         for spec in self.specs:
             opts = {k: v for k, v in spec.items() if k != "name"}
@@ -242,24 +335,24 @@ class Tracking:
             except ConfigError:   # a mistake in the entry (a uri MLflow refuses): said before anything runs
                 raise
             except Exception as exc:  # noqa: BLE001 - a tracker that cannot start must not stop the run
-                warnings.warn(f"medfl: tracker {spec['name']!r} could not start ({type(exc).__name__}: {exc}); the "
-                              "run goes on without it", TrackerWarning, stacklevel=2)
+                self._fail(spec["name"], "init", "building the tracker", short_error(exc), 0.0)
+        self._tell("")
         self.state["trackers"] = self.specs
         self.state.setdefault("runs", {})
-        self._failed: set[str] = set()
         self._lock = threading.RLock()
         #: the last round queued for each (tracker, run key, table): what the next round leaves out
         self._queued: dict[tuple[str, str], dict[str, int]] = {}
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="medfl-tracking", daemon=True)
-        self._thread.start()
+        self._workers: dict[str, _Worker] = {}
+        for tname in self.trackers:
+            worker = self._workers[tname] = _Worker(tname)
+            worker.thread = threading.Thread(target=self._work, args=(worker,), name=f"medfl-tracking-{tname}",
+                                             daemon=True)
+            worker.thread.start()
         self._started: set[str] = set()
         self._ran: set[str] = set()   # the runs that trained a round in this session
 
     # ------------------------------------------------------------------ state
     def _read_state(self) -> dict[str, Any]:
-        import json
-
         path = self.root / TRACKING_FILE
         if not path.is_file():
             return {}
@@ -271,46 +364,112 @@ class Tracking:
 
     def _save_state(self) -> None:
         with self._lock:
+            if self._closed:   # a call abandoned at the session's end returned later: the session is over
+                return
             _write_json(self.root / TRACKING_FILE, self.state)
 
     def _entry(self, tracker: str, key: str) -> dict[str, Any]:
         with self._lock:
             return self.state["runs"].setdefault(tracker, {}).setdefault(key, {"run": None, "logged": {}})
 
-    # ------------------------------------------------------------------ the worker
-    def _work(self) -> None:
+    # ------------------------------------------------------------------ the workers
+    def _work(self, worker: _Worker) -> None:
+        """A tracker's thread: its calls in order, until ``None``; a failed tracker's are skipped."""
         while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                job()
-            finally:
-                self._queue.task_done()
-
-    def _call(self, tracker: str, what: str, fn: Callable[[Tracker], None]) -> None:
-        """Queue ``fn(tracker)``; a failure leaves the tracker out (one warning)."""
-        def job() -> None:
-            if tracker in self._failed:
+            job = worker.jobs.get()
+            if job is None:
                 return
+            step, what, fn = job
             try:
-                fn(self.trackers[tracker])
-            except Exception as exc:  # noqa: BLE001 - a tracker must never stop a run
-                self._failed.add(tracker)
-                warnings.warn(f"medfl: tracker {tracker!r} failed ({what}: {type(exc).__name__}: {exc}); the run "
-                              "goes on without it (its results are in the run directory as always)",
-                              TrackerWarning, stacklevel=1)
+                with self._cond:
+                    skip = worker.name in self._failures
+                    began = self._clock()
+                    worker.current = None if skip else (step, what, began)
+                    self._cond.notify_all()
+                if not skip:
+                    try:
+                        fn(self.trackers[worker.name])
+                    except Exception as exc:  # noqa: BLE001 - a tracker must never stop a run
+                        self._fail(worker.name, step, what, short_error(exc), self._clock() - began)
+            finally:
+                with self._cond:
+                    worker.current = None
+                    worker.pending -= 1
+                    self._cond.notify_all()
 
-        self._queue.put(job)
+    def _fail(self, tracker: str, step: str, what: str, error: str, seconds: float) -> None:
+        """Record that ``tracker`` failed in ``step`` (the :class:`Tracker` method; ``what``: the
+        call in words) with ``error``, after ``seconds``; its later calls are skipped. The first
+        failure of a tracker is the one kept."""
+        with self._cond:
+            self._failures.setdefault(tracker, {"status": "failed", "step": step, "call": what, "error": error,
+                                                "seconds": round(float(seconds), 3)})
+            self._cond.notify_all()
+
+    def _call(self, tracker: str, step: str, what: str, fn: Callable[[Tracker], None]) -> None:
+        """Queue ``fn(tracker)`` on the tracker's thread (nothing when the tracker has failed);
+        ``step``: the :class:`Tracker` method it calls, ``what``: the call in words."""
+        with self._cond:
+            if tracker in self._failures or tracker not in self._workers:
+                return
+            worker = self._workers[tracker]
+            worker.pending += 1
+        worker.jobs.put((step, what, fn))
+
+    def _wait(self, block: bool = True) -> None:
+        """Abandon each tracker whose call has run :attr:`wait_s` (recorded as failed with a
+        ``TimeoutError``); with ``block``, first wait until every other tracker has made its
+        queued calls. Never longer than :attr:`wait_s` for a tracker that does not answer."""
+        with self._cond:
+            while True:
+                now = self._clock()
+                busy: list[_Worker] = []
+                for worker in self._workers.values():
+                    if worker.name in self._failures or not worker.pending:
+                        continue
+                    if worker.current is not None and now - worker.current[2] >= self.wait_s:
+                        step, what, began = worker.current
+                        self._fail(worker.name, step, what, f"TimeoutError: no answer {self.wait_s:g} s after the "
+                                   f"call began; medfl stopped waiting for it ({WAIT_ENV} sets the bound)", now - began)
+                        continue
+                    busy.append(worker)
+                if not busy or not block:
+                    return
+                due = [w.current[2] + self.wait_s - now for w in busy if w.current is not None]
+                self._cond.wait(timeout=max(0.01, min(due)) if due else self.wait_s)
 
     def drain(self) -> None:
-        """Wait until every queued call has been made."""
-        self._queue.join()
+        """Wait until every tracker has made its queued calls or failed; a tracker whose call
+        has not returned :attr:`wait_s` after it began is abandoned (:meth:`_wait`)."""
+        self._wait()
 
     @property
     def failed(self) -> set[str]:
         """The trackers left out after a failure."""
-        return set(self._failed)
+        with self._cond:
+            return set(self._failures)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """The ``trackers`` block of a run's ``summary.json``: per tracker of ``fl.tracking``,
+        ``{"status": "ok"}`` while every call so far worked, else ``{"status": "failed", "step":
+        <the Tracker method: init, start_run, log_metrics, log_artifact, log_model, end_run,
+        close>, "call": <the call in words>, "error": "<type>: <message>", "seconds": <how long
+        the failed call ran>}``."""
+        with self._cond:
+            return {s["name"]: dict(self._failures.get(s["name"], {"status": "ok"})) for s in self.specs}
+
+    def _tell(self, key: str, label: str = "") -> None:
+        """Log, from the calling thread (so that the ``log.txt`` open there has it), each
+        tracker failure not said yet: for run ``key`` (its ``label`` names it), or with ``key``
+        ``""`` the experiment's, each one no run has said."""
+        with self._cond:
+            news = [(n, f) for n, f in self._failures.items() if (n, key) not in self._told
+                    and (key or not any(t == n for t, _ in self._told))]
+            self._told.update((n, key) for n, _ in news)
+        for tname, f in news:
+            who, what = (f"medfl [{label or key}]", "this run") if key else ("medfl", "the experiment")
+            logger.warning(f"{who}: warning: tracker {tname!r} failed ({f['step']}, {f['call']}: {f['error']}); "
+                           f"{what} goes on without it (its results are in the run directory as always)")
 
     # ------------------------------------------------------------------ runs
     def start(self) -> None:
@@ -330,7 +489,8 @@ class Tracking:
                 _e["run"] = t.start_run(key, name, params, up, _e["run"], last)
                 self._save_state()
 
-            self._call(tname, f"starting run {key or name!r}", start)
+            what = f"starting run {key!r}" if key else f"starting the experiment's run {name!r}"
+            self._call(tname, "start_run", what, start)
 
     def watch(self, run: Any) -> Any:
         """Watch the method run ``run`` (an engine ``Run``): its per-round tables and status
@@ -348,6 +508,8 @@ class Tracking:
             self._rounds(watch, r)
         if status == "running":
             self._ran.add(key)
+        self._wait(block=False)
+        self._tell(key, str(run.label))
         if status == "finished":
             if key not in self._ran and all(self._entry(t, key).get("status") == "finished" for t in self.trackers):
                 return   # a finished run that a resume found finished (no round ran): tracked already
@@ -356,8 +518,23 @@ class Tracking:
             if key not in self._started:   # stopped before its first round: nothing to end
                 return
             for tname in self.trackers:
-                self._call(tname, f"ending run {key!r}", lambda t, _s=status, _n=tname: self._end(t, _n, key, _s))
+                self._call(tname, "end_run", f"ending run {key!r}",
+                           lambda t, _s=status, _n=tname: self._end(t, _n, key, _s))
             self.drain()
+            self._tell(key, str(run.label))
+            if status == "finished":
+                self._record(watch)
+
+    def _record(self, watch: _RunWatch) -> None:
+        """Add the trackers' :meth:`summary` to the finished run's ``summary.json``."""
+        path = Path(watch.run.run_dir) / "summary.json"
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):   # no summary to add to (a run that wrote none)
+            return
+        if isinstance(summary, dict):
+            summary["trackers"] = self.summary()
+            watch.run.files.write_json("summary.json", summary)
 
     def _end(self, tracker: Tracker, tname: str, key: str, status: str) -> None:
         tracker.end_run(key, status)
@@ -368,7 +545,7 @@ class Tracking:
     def _rounds(self, watch: _RunWatch, r: int) -> None:
         """Hand the trackers the rows of the rounds up to ``r`` that they have not logged."""
         for tname in self.trackers:
-            if tname in self._failed:
+            if tname in self.failed:
                 continue
             logged = self._entry(tname, watch.key)["logged"]
             with self._lock:
@@ -394,14 +571,14 @@ class Tracking:
 
             queued.update(done)
             if per_round or done:
-                self._call(tname, f"logging round {r} of {watch.key!r}", log)
+                self._call(tname, "log_metrics", f"logging round {r} of {watch.key!r}", log)
 
     def _finished(self, watch: _RunWatch) -> None:
         """A finished run's summary, plots and final models."""
         run_dir = Path(watch.run.run_dir)
         files = [run_dir / "summary.json", *sorted((run_dir / "plots").glob("*.png"))]
         models: dict[str, Any] = {}
-        if self.final_models is not None:
+        if self.final_models is not None and set(self.trackers) - self.failed:
             try:
                 models = self.final_models(watch.run)
             except Exception as exc:  # noqa: BLE001 - the models are extra; the run is finished
@@ -411,28 +588,38 @@ class Tracking:
             for path in files:
                 if path.is_file():
                     where = "plots" if path.parent.name == "plots" else None
-                    self._call(tname, f"logging {path.name}",
+                    self._call(tname, "log_artifact", f"logging {path.name}",
                                lambda t, _p=path, _w=where: t.log_artifact(watch.key, _p, _w))
             for mname, (model, example) in models.items():
-                self._call(tname, f"logging model {mname!r}",
+                self._call(tname, "log_model", f"logging model {mname!r}",
                            lambda t, _n=mname, _m=model, _x=example: t.log_model(watch.key, _n, _m, _x))
 
     def finish(self, status: str, result: dict[str, Any] | None = None) -> None:
         """End the experiment's run: its own files (comparison, CV and seeds reports) as
-        artifacts when ``status`` is ``"finished"``, then close every tracker."""
+        artifacts when ``status`` is ``"finished"``, then close every tracker. Waits for the
+        trackers as :meth:`drain` does (a tracker that does not answer: at most :attr:`wait_s`),
+        then logs the failures no run has said, in the calling thread's ``log.txt``."""
         if "" in self._started:
             if status == "finished":
                 for path in _experiment_files(self.root):
                     rel = path.parent.relative_to(self.root).as_posix()
                     for tname in self.trackers:
-                        self._call(tname, f"logging {path.name}",
+                        self._call(tname, "log_artifact", f"logging {path.name}",
                                    lambda t, _p=path, _r=rel: t.log_artifact("", _p, None if _r == "." else _r))
             for tname in self.trackers:
-                self._call(tname, "ending the experiment's run", lambda t, _n=tname: self._end(t, _n, "", status))
+                self._call(tname, "end_run", "ending the experiment's run",
+                           lambda t, _n=tname: self._end(t, _n, "", status))
         for tname in self.trackers:
-            self._call(tname, "closing", lambda t: t.close())
-        self._queue.put(None)
-        self._thread.join(timeout=None)
+            self._call(tname, "close", "closing", lambda t: t.close())
+        for worker in self._workers.values():
+            worker.jobs.put(None)
+        self._wait()
+        for worker in self._workers.values():   # each one not abandoned is past its last call
+            if worker.thread is not None and worker.name not in self.failed:
+                worker.thread.join(timeout=self.wait_s)
+        self._tell("")
+        with self._lock:
+            self._closed = True
 
 
 def _experiment_files(root: Path) -> Iterable[Path]:

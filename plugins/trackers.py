@@ -12,19 +12,83 @@
 
 MLflow and TensorBoard are imported when a run tracks with them, never when the plugin loads;
 without them the tracker names ``pip install "medfl[tracking]"``.
+
+A server that is down costs seconds: while the ``mlflow`` tracker talks to a server, MLflow's
+HTTP client retries as :data:`MLFLOW_HTTP_DEFAULTS` says (MLflow's own defaults retry one call
+for about 4 minutes), and :class:`medfl.tracking.Tracking` stops waiting for a call after
+``medfl.tracking.TRACKER_WAIT_S``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager, Iterator, TypeVar
 
 from medfl import hookimpl
 from medfl.config import ConfigError
 from medfl.tracking import Tracker, missing_package, now_ms, run_status
 
-__all__ = ["MLflow", "TensorBoard", "register_trackers"]
+__all__ = ["MLflow", "TensorBoard", "register_trackers", "MLFLOW_HTTP_DEFAULTS", "mlflow_http_defaults"]
+
+#: MLflow's HTTP client settings while the ``mlflow`` tracker calls a server (``http://`` or
+#: ``https://`` uri). MLflow's own (7 retries, backoff factor 2, 120 s timeout) make one call to
+#: a server that is down take about 4 minutes; these give up on a refused connection in about
+#: 3 s (2 retries, 0 s then 2-3 s apart), and each attempt waits 5 s for an answer (a server
+#: that never answers is given up first by ``medfl.tracking.TRACKER_WAIT_S``, 10 s). A
+#: variable already set in the environment wins over its value here (medfl sets only the ones
+#: missing, for the length of each of its calls, and removes them after).
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _EnvDefaults:
+    """Environment variables set while at least one block needs them (calls in several
+    threads), each one only where the environment has none; removed when the last block ends."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+        self._lock = threading.Lock()
+        self._users = 0
+        self._added: list[str] = []
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self._added = [k for k in self.values if k not in os.environ]
+                for k in self._added:
+                    os.environ[k] = self.values[k]
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    for k in self._added:
+                        if os.environ.get(k) == self.values[k]:   # not changed meanwhile
+                            del os.environ[k]
+                    self._added = []
+
+
+#: ``with mlflow_http_defaults():`` :data:`MLFLOW_HTTP_DEFAULTS` in the environment, except those set.
+mlflow_http_defaults = _EnvDefaults(MLFLOW_HTTP_DEFAULTS)
+
+
+def _bounded(method: _F) -> _F:
+    """An :class:`MLflow` method called with MLflow's HTTP retries bounded (:data:`MLFLOW_HTTP_DEFAULTS`)."""
+    @functools.wraps(method)
+    def call(self: "MLflow", *args: Any, **kwargs: Any) -> Any:
+        with self._http():
+            return method(self, *args, **kwargs)
+    return call  # type: ignore[return-value]
+
 
 #: The tag holding the last round a run logged (read on a resume: nothing at or before it is
 #: logged again, even if ``tracking.json`` was not written after it).
@@ -43,6 +107,9 @@ class MLflow(Tracker):
     name; default: the config's ``name``), ``run_name`` (the parent run's name; default:
     the experiment directory's name), ``artifact_location`` (where a new MLflow experiment
     keeps artifacts; default with the embedded store: ``<experiment dir>/mlartifacts``).
+
+    Each call to a server runs with MLflow's HTTP retries bounded (:data:`MLFLOW_HTTP_DEFAULTS`,
+    unless the environment sets them), so a server that is down fails it in seconds.
     """
 
     name = "mlflow"
@@ -68,6 +135,9 @@ class MLflow(Tracker):
                               "leave uri out for an embedded SQLite store in the experiment directory)")
         self.uri = uri
         self.artifact_location = artifacts
+        #: MLflow's HTTP retries bounded while calling a server; the embedded store makes no HTTP call
+        self._http: Callable[[], ContextManager[Any]] = \
+            mlflow_http_defaults if uri.startswith(("http://", "https://")) else nullcontext
         self.client = MlflowClient(tracking_uri=uri)
         self.experiment_id: str | None = None
         #: run key -> (MLflow run id, the last round it logged before this session)
@@ -80,6 +150,7 @@ class MLflow(Tracker):
                 self.client.create_experiment(name, artifact_location=self.artifact_location)
         return self.experiment_id
 
+    @_bounded
     def start_run(self, key: str, name: str, params: dict[str, str], parent: dict[str, Any] | None,
                   saved: dict[str, Any] | None, last_step: int) -> dict[str, Any]:
         """Create the run (nested under ``parent``) and log ``params``; or set a saved run
@@ -110,6 +181,7 @@ class MLflow(Tracker):
         self.runs[key] = (run_id, 0)
         return {"run_id": run_id, "experiment_id": exp}
 
+    @_bounded
     def log_metrics(self, key: str, metrics: dict[str, float], step: int) -> None:
         """One ``log_batch`` per 1000 scalars; the last one also records ``step`` as logged."""
         from mlflow.entities import Metric, RunTag
@@ -125,10 +197,12 @@ class MLflow(Tracker):
             self.client.log_batch(run_id, metrics=chunk,
                                   tags=[RunTag(LAST_STEP_TAG, str(int(step)))] if i == len(chunks) - 1 else [])
 
+    @_bounded
     def log_artifact(self, key: str, path: Path, artifact_path: str | None = None) -> None:
         """``MlflowClient.log_artifact``."""
         self.client.log_artifact(self.runs[key][0], str(path), artifact_path)
 
+    @_bounded
     def log_model(self, key: str, name: str, model: Any, example: Any = None) -> None:
         """:func:`mlflow.pytorch.log_model` into the run (an MLflow logged model whose
         source run is this run), pickled (``mlflow.pytorch.load_model`` gives the module
@@ -163,6 +237,7 @@ class MLflow(Tracker):
             if before_env is not None:
                 os.environ["MLFLOW_TRACKING_URI"] = before_env
 
+    @_bounded
     def end_run(self, key: str, status: str) -> None:
         """``MlflowClient.set_terminated`` with FINISHED, FAILED or KILLED (stopped, resumable)."""
         if key in self.runs:

@@ -216,7 +216,8 @@ class TrackerPlugin:
 
 def test_runtime_tracker_and_a_failing_one_never_stop_the_run(tiny_fl, resolve):
     """A third-party tracker registered at runtime gets every round; a tracker that fails is
-    reported once (TrackerWarning) and the run finishes."""
+    said once in the run's log.txt (no stderr warning of its own), named in its summary.json,
+    and the run finishes."""
     pm = get_plugin_manager()
     pm.register(TrackerPlugin(), name="test-trackers")
     Recorder.calls.clear()
@@ -225,9 +226,15 @@ def test_runtime_tracker_and_a_failing_one_never_stop_the_run(tiny_fl, resolve):
             warnings.simplefilter("always")
             out = run_experiment(resolve({**tiny_fl, "tracking": [{"name": "recorder", "label": "y"}, "broken"]}))
         assert out["summaries"]["fedavg"]["rounds"] == 2
-        failures = [w for w in caught if issubclass(w.category, TrackerWarning)]
-        assert len(failures) == 1 and "'broken' failed" in str(failures[0].message)
-        assert "tracking server down" in str(failures[0].message)
+        assert not [w for w in caught if issubclass(w.category, TrackerWarning)]
+        run = Path(out["dir"]) / "fedavg"
+        said = [line for line in (run / "log.txt").read_text().splitlines() if "tracker 'broken' failed" in line]
+        assert len(said) == 1 and "WARNING medfl.tracking" in said[0], said
+        assert "log_metrics" in said[0] and "ConnectionError: tracking server down" in said[0]
+        trackers = json.loads((run / "summary.json").read_text())["trackers"]
+        assert trackers["recorder"] == {"status": "ok"}
+        assert trackers["broken"]["status"] == "failed" and trackers["broken"]["step"] == "log_metrics"
+        assert trackers["broken"]["error"] == "ConnectionError: tracking server down"
         starts = [c for c in Recorder.calls if c[0] == "start"]
         assert starts[0] == ("start", "", None, "y") and starts[1] == ("start", "fedavg", {"id": "experiment"}, "y")
         steps = [c[2] for c in Recorder.calls if c[0] == "metrics"]
