@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_session.sh base REV          # here: unpack REV into .ab/base for "compare"
 #   bash benchmarks/gpu_session.sh run WHAT [OUT]    # there: install .whl/, then run WHAT, logs in OUT
 #
-# WHAT: "tests" (tests/engine/test_cuda.py and the compute tests), "bench" (engine_overhead.py
+# WHAT: "tests" (tests/engine/test_cuda.py, the compute tests and the guard on the GPU), "bench" (engine_overhead.py
 # on resnet2d and resnet3d, fp32, on $GPU_DEVICE, default cuda, interleaved repeats, figures
 # also in JSON), "profile" (medfl's steady rounds of resnet2d under cProfile) or "compare"
 # (benchmarks/compare.py: .ab/base, or $AB_BASE, against this tree on resnet2d, 2 pairs with
@@ -85,7 +85,7 @@ EOF
     for part in ${what//,/ }; do
         case "$part" in
         tests)
-            step cuda_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_compute.py ;;
+            step cuda_tests 240 "$py" -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/engine/test_compute.py tests/engine/test_guard_device_scan.py ;;
         bench)
             step bench_resnet2d 240 "$py" benchmarks/engine_overhead.py --workload resnet2d --device "$dev" --rounds 5 \
                 --repeats 3 --skip-flower --skip-memory --json "$OUT_DIR/bench_resnet2d.json"

@@ -8,7 +8,9 @@ replies with a ResNet-18 (2D, 11.2 M parameters). The script prints:
   reading them from disk) and its memory (probes, label vectors, prefilter tables);
 - the time of one check of the ResNet-18 reply in float32, float16, bfloat16 and int8
   (per-tensor quantised), of a metrics dict, and of an image leak (to show it is caught);
-- the peak of NumPy memory allocated during a check (``tracemalloc``);
+- the peak of NumPy memory allocated during a check (``tracemalloc``), and how many times the
+  check reads off the tensors' device (``.cpu()``, ``.item()``, ``nonzero``...: on a GPU each
+  waits for it; a figure any machine measures the same);
 - whether the plain mistakes of issue 38 (item 4) with 8 training images are caught, and
   the time of that check: scaled by 0.5, uint8 with a per-image min-max, halved (2 x 2
   means), 4 x 4 crops, plus 1e-6 noise.
@@ -26,6 +28,13 @@ Usage::
     python benchmarks/payload_guard.py --zscore        # images of mean 0, std 1
     python benchmarks/payload_guard.py --images 200 --size 64 --repeats 3
     python benchmarks/payload_guard.py --fixture pathmnist --repeats 3
+    python benchmarks/payload_guard.py --device cuda   # the replies on a GPU, scanned there
+    python benchmarks/payload_guard.py --scan device   # the GPU's code path on the CPU device
+
+``--device`` puts the replies (and the leaks) on a device, as a method training there sends
+them; ``--scan`` sets :data:`medfl.guard.device.SCAN` (``auto``: a GPU message is scanned on
+its GPU, a CPU one with NumPy; ``host``: always NumPy, GPU tensors copied off first, the path
+before issue 50; ``device``: always torch). An older checkout has no ``--scan``.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import torch
 
 from medfl.data.source import ArrayDataset
 from medfl.guard import ContentGuard, clear_reference_cache
+from medfl.guard.device import DeviceReads
 from medfl.messages import PayloadError
 
 
@@ -121,7 +131,7 @@ def _mistakes(x: torch.Tensor) -> dict[str, torch.Tensor]:
     crop = x[(slice(None), slice(None), *(slice(3, 7) for _ in x.shape[2:]))]
     return {"x 0.5": x * 0.5, "uint8 per-image min-max": ((x - lo) / (hi - lo) * 255).round().to(torch.uint8),
             "halved (2x2 means)": torch.nn.functional.interpolate(x, scale_factor=0.5, mode="area"),
-            "4x4 crops": crop.contiguous(), "+ 1e-6 noise": x + 1e-6 * torch.randn(x.shape)}
+            "4x4 crops": crop.contiguous(), "+ 1e-6 noise": x + 1e-6 * torch.randn(x.shape, device=x.device)}
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -142,8 +152,17 @@ def main() -> None:
     ap.add_argument("--zscore", action="store_true", help="z-scored images (default: min-max to [0, 1])")
     ap.add_argument("--fixture", choices=("pathmnist", "mias", "abide"), default=None,
                     help="a fixture's images instead of the synthetic ones (--images cases)")
+    ap.add_argument("--device", default="cpu", help="device the replies are on (default cpu; e.g. cuda)")
+    ap.add_argument("--scan", choices=("auto", "device", "host"), default=None,
+                    help="where the guard scans (medfl.guard.device.SCAN; default: its own, auto)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.scan:
+        import medfl.guard.device as device_scan
+
+        device_scan.SCAN = args.scan
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)   # noqa: E731
 
     from medfl.models.registry import build_model
 
@@ -173,7 +192,7 @@ def main() -> None:
         ContentGuard("0", datasets).index()          # the next round's guard: cached reference
         cached = time.perf_counter() - t0
 
-        model = build_model(spec)
+        model = build_model(spec).to(device)
         sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
         params = sum(v.numel() for v in sd.values())
         replies = {
@@ -196,15 +215,21 @@ def main() -> None:
         print(f"  memory: reference {stats['reference_bytes'] / 2**20:.2f} MiB "
               f"({stats['reference_bytes'] / stats['samples']:.0f} bytes per sample) + prefilter tables "
               f"{stats['table_bytes'] / 2**20:.0f} MiB")
-        print(f"check of one reply (median and min of {args.repeats}; {params / 1e6:.1f} M values for the model):")
+        print(f"check of one reply on {device} (median and min of {args.repeats}; {params / 1e6:.1f} M values "
+              f"for the model):")
         for what, reply in replies.items():
-            med, best = _time(lambda: guard.check(reply, "reply"), args.repeats)
+            guard.check(reply, "reply")   # the index's tables on the device: once per client
+            sync()
+            med, best = _time(lambda: (guard.check(reply, "reply"), sync()), args.repeats)
             tracemalloc.start()
             guard.check(reply, "reply")
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
-            print(f"  {what:<30} {1000 * med:8.1f} ms (min {1000 * best:.1f})   NumPy peak {peak / 2**20:6.1f} MiB")
-        x = torch.stack([torch.as_tensor(datasets["train"][i][0]) for i in range(8)])
+            with DeviceReads() as reads:
+                guard.check(reply, "reply")
+            print(f"  {what:<30} {1000 * med:8.1f} ms (min {1000 * best:.1f})   NumPy peak {peak / 2**20:6.1f} MiB"
+                  f"   {reads.count:4d} reads off the device")
+        x = torch.stack([torch.as_tensor(datasets["train"][i][0]) for i in range(8)]).to(device)
         for form, leaked in {"8 training images": x, **_mistakes(x)}.items():
             t0 = time.perf_counter()
             try:

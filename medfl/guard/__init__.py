@@ -100,12 +100,25 @@ crop probes) plus up to 3 MiB of lookup tables per client; checking a ResNet-18 
 about 20 ms more with them (large float32 tensors are read in place, in cache-sized steps),
 65 ms in int8, 0.35 s in float16/bfloat16.
 
+Where (issue 50): a message whose tensors are on a GPU is scanned there, with torch
+(:mod:`medfl.guard.device`): the label-like and negative values of every tensor counted in
+one pass, value probes, crop probes' largest pixels and gram keys looked up through the same
+prefilter tables and then exactly (sorted probes, ``torch.searchsorted``), plane signatures
+read at their positions only; what comes off the device is what the scans found (a handful
+of positions and keys in a model's weights), the per-tensor counts and the tensors that may
+hold labels. The reference itself is built on the host, once per client and process (a
+round-1 cost), and its tables are copied to the device once. A CPU message is scanned with
+NumPy as before. Every check decides on the host with the same rules, so the verdict and the
+error are the same on both paths (``tests/engine/test_guard_device_scan.py`` holds every leak
+form of the catch tests to it, on the CPU device and on a GPU where there is one);
+``MEDFL_GUARD_SCAN`` (``auto``, ``device``, ``host``) chooses the path.
+
 The package, bottom up (each module imports only those listed before it):
 :mod:`~medfl.guard.params` the numbers above; :mod:`~medfl.guard.probes` a sample's probes;
 :mod:`~medfl.guard.reference` a split's reference (:func:`build_split_reference`);
 :mod:`~medfl.guard.index` a client's splits merged, with prefilter tables, and the caches;
 :mod:`~medfl.guard.walk` the traversal of a message and its float values;
-:mod:`~medfl.guard.labels` the label check; :mod:`~medfl.guard.images` the image checks; and
+:mod:`~medfl.guard.device` the scans on the tensors' device; :mod:`~medfl.guard.labels` the label check; :mod:`~medfl.guard.images` the image checks; and
 this module, on top: :class:`ContentGuard`, which runs them, and :func:`loader_orders`.
 """
 
@@ -119,6 +132,7 @@ from torch.utils.data import DataLoader, Dataset
 
 # what ContentGuard uses and, with it, every name medfl.guard held when it was one module
 # (its internals too, for code that imported them from here)
+from medfl.guard.device import SCAN, _DeviceFloats, _scan_device
 from medfl.guard.images import _CHUNK, _ImageCheck, _plane_readings, _prefiltered, _rolling_keys
 from medfl.guard.index import (
     _CACHE, _CACHE_MAX, _LOCK, _MERGED, _MERGED_BYTES, _TABLE_BITS, _TABLE_MIN_BITS, _TABLE_SLOTS_PER_PROBE,
@@ -280,10 +294,13 @@ class ContentGuard(_LabelCheck, _ImageCheck):
         """
         leaves = _Leaves()
         _walk(value, "", leaves, exempt, True)
+        leaves.resolve()
         if not (leaves.tensors or leaves.scalars or leaves.stacks):
             return
         ix = self.index()
-        floats = _Floats([t for _, t in leaves.tensors], [t for _, t in leaves.stacks])
+        device = _scan_device(leaves)   # a message on a GPU is scanned there (medfl.guard.device)
+        tensors, stacks = [t for _, t in leaves.tensors], [t for _, t in leaves.stacks]
+        floats = _Floats(tensors, stacks) if device is None else _DeviceFloats(tensors, stacks, device)
         self._check_labels(ix, leaves, where, floats)
         self._check_images(ix, leaves, where, floats)
         self._check_crops(ix, leaves, where, floats)

@@ -20,12 +20,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from medfl.guard.device import _device_tables, _DeviceFloats, _item_hits
 from medfl.guard.index import _Bitset, _Index, _key_slot, _value_slot
 from medfl.guard.params import _AXES, CROP, GRAM, PLANE_MIN_CORR
 from medfl.guard.probes import _MULT, _gram_keys, _standardised, plane_positions
 from medfl.guard.walk import _SCAN_CHUNK, _Floats, _Leaves
 
-__all__ = ["_plane_readings", "_prefiltered", "_rolling_keys", "_CHUNK", "_ImageCheck"]
+__all__ = ["_plane_readings", "_to_host", "_prefiltered", "_rolling_keys", "_CHUNK", "_ImageCheck"]
 
 #: keys computed per step of a gram scan (:meth:`_ImageCheck._gram_hits`)
 _CHUNK = 1 << 20
@@ -33,13 +34,14 @@ _CHUNK = 1 << 20
 
 def _plane_readings(t: torch.Tensor, shape: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
     """The ways a tensor is read as planes of a view's ``shape`` (``(rows, prod(shape))``,
-    views where they can be, float64 once gathered), dimensions of 1 dropped: its last dimensions are ``shape``; its
+    views where they can be, on the tensor's device: the caller gathers the signature
+    positions before copying anything off it), dimensions of 1 dropped: its last dimensions are ``shape``; its
     last dimension is the plane's size (flattened planes) or, for a vector, a multiple of it;
     its last dimensions are ``shape`` and up to 4 channels (channel-last)."""
     if t.is_complex():
         t = t.real
     size, k = math.prod(shape), len(shape)
-    t = t.detach().cpu()
+    t = t.detach()
     if 1 in t.shape and t.numel() > 1:   # a channel or batch of one, anywhere
         t = t.squeeze()
     out = []
@@ -52,6 +54,22 @@ def _plane_readings(t: torch.Tensor, shape: tuple[int, ...]) -> list[tuple[str, 
     if t.dim() > k and tuple(t.shape[-k - 1:-1]) == shape and 2 <= t.shape[-1] <= 4:
         out.append((" (channel-last)", t.movedim(-1, -k - 1).reshape(-1, size)))
     return out
+
+
+def _to_host(parts: list[tuple[str, torch.Tensor]]) -> list[tuple[str, np.ndarray]]:
+    """``parts`` (name, 2-D tensor of one width, wherever it lies) as float64 NumPy arrays, in
+    order, in one copy off each device (a GPU waits once, not once per tensor)."""
+    out: list[np.ndarray | None] = [None] * len(parts)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(parts):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        whole = torch.cat([parts[i][1].to(torch.float64) for i in idx]).cpu().numpy()
+        at = 0
+        for i in idx:
+            rows = parts[i][1].shape[0]
+            out[i], at = whole[at:at + rows], at + rows
+    return [(name, a) for (name, _), a in zip(parts, out)]   # type: ignore[misc]
 
 
 def _prefiltered(pieces: list[tuple[int, np.ndarray]], table: "np.ndarray | _Bitset",
@@ -118,20 +136,38 @@ class _ImageCheck:
         if leaves.scalars:
             items.append((f" (the message's {len(leaves.scalars)} numbers)",
                           np.asarray(leaves.scalars, dtype=np.float32)))
+        tables = _device_tables(ix, floats.device) if isinstance(floats, _DeviceFloats) else None
         if held and ix.vtable is not None:
             # every float tensor's values in one lookup; the probes hit are then told apart
             # by tensor (for the error message), which costs a call only per tensor hit
-            at = self._value_positions(ix, [(a, v.view(np.uint32)) for a, v in floats.pieces if a < floats.full])
+            if tables is not None:
+                at, found = floats.value_hits(tables)   # type: ignore[attr-defined]
+            else:
+                at = self._value_positions(ix, [(a, v.view(np.uint32)) for a, v in floats.pieces if a < floats.full])
             if at.size:
                 seg = np.searchsorted(floats.starts, at, side="right") - 1
                 for path, k in held:
-                    mine = at[seg == k] - floats.starts[k]
-                    if mine.size:
-                        bits = floats.values(k).view(np.uint32)
-                        vhits[path] = ix.probe_ids(bits[mine])
-        if "exact" in ix.grams:
+                    mine = seg == k
+                    if mine.any():
+                        bits = (found[mine] if tables is not None
+                                else floats.values(k).view(np.uint32)[at[mine] - floats.starts[k]])
+                        vhits[path] = ix.probe_ids(bits)
+        if "exact" in ix.grams and tables is not None:
+            named = {k: path for path, k in held}
+            for k, keys in floats.gram_hits(tables, "exact"):   # type: ignore[attr-defined]
+                self._gram_record(ix, "exact", keys, named.get(k, ""), ghits)
+        elif "exact" in ix.grams:
             for path, k in held:
                 self._gram_hits(ix, "exact", floats.values(k).view(np.uint32), path, ghits)
+        if tables is not None:   # the tensors among them, on the device, together
+            on_device = [(path, t) for path, t in items if isinstance(t, torch.Tensor)]
+            items = [(path, t) for path, t in items if not isinstance(t, torch.Tensor)]
+            found, grams = _item_hits(tables, [t for _, t in on_device])
+            for i, bits in found:
+                vhits[on_device[i][0]] = ix.probe_ids(bits)
+            for variant, per_item in grams.items():
+                for i, keys in per_item:
+                    self._gram_record(ix, variant, keys, on_device[i][0], ghits)
         for path, t in items:
             if isinstance(t, torch.Tensor):
                 t = t.detach().cpu()
@@ -183,27 +219,34 @@ class _ImageCheck:
         pieces = [(path, [(a, v.view(np.uint32)) for a, v in floats.pieces if a < floats.full])
                   for path in [None] if paths]
         pieces += [(path, [(0, arr.astype(np.float32).reshape(-1).view(np.uint32))]) for path, arr in leaves.lists]
-        hits: dict[str, np.ndarray] = {}                        # path -> samples hit
+        runs: list[tuple[str | None, int, np.ndarray, np.ndarray]] = []   # path, first position, run starts, runs
+        if isinstance(floats, _DeviceFloats):
+            if paths:   # the held tensors' runs found on their device; the lists' on the host
+                runs.append((None, 0, *floats.crop_runs(_device_tables(ix, floats.device))))
+            pieces = [p for p in pieces if p[0] is not None]
         for path, parts in pieces:
             for first, bits in parts:
                 peaks, _ = _prefiltered([(0, bits)], ix.ctable, ix.crange)
                 at = np.unique((peaks[:, None] - np.arange(CROP)).reshape(-1))   # the runs holding a peak
                 at = at[(at >= 0) & (at <= bits.size - CROP)]
-                if not at.size:
-                    continue
-                keys = _gram_keys(bits[at[:, None] + np.arange(CROP)])
-                k = np.minimum(np.searchsorted(ix.ckeys, keys), ix.ckeys.size - 1)
-                hit = ix.ckeys[k] == keys
-                if not hit.any():
-                    continue
-                if path is None:   # the held tensors: tell them apart by position
-                    seg = np.searchsorted(floats.starts, at[hit] + first, side="right") - 1
-                    for s in np.unique(seg).tolist():
-                        named = paths.get(s, " (a stack of small tensors)")
-                        hits[named] = np.concatenate([hits.get(named, np.zeros(0, np.int64)),
-                                                      ix.csample[k[hit][seg == s]]])
-                else:
-                    hits[path] = np.concatenate([hits.get(path, np.zeros(0, np.int64)), ix.csample[k[hit]]])
+                runs.append((path, first, at, bits[at[:, None] + np.arange(CROP)]))
+        hits: dict[str, np.ndarray] = {}                        # path -> samples hit
+        for path, first, at, run in runs:
+            if not at.size:
+                continue
+            keys = _gram_keys(run)
+            k = np.minimum(np.searchsorted(ix.ckeys, keys), ix.ckeys.size - 1)
+            hit = ix.ckeys[k] == keys
+            if not hit.any():
+                continue
+            if path is None:   # the held tensors: tell them apart by position
+                seg = np.searchsorted(floats.starts, at[hit] + first, side="right") - 1
+                for s in np.unique(seg).tolist():
+                    named = paths.get(s, " (a stack of small tensors)")
+                    hits[named] = np.concatenate([hits.get(named, np.zeros(0, np.int64)),
+                                                  ix.csample[k[hit][seg == s]]])
+            else:
+                hits[path] = np.concatenate([hits.get(path, np.zeros(0, np.int64)), ix.csample[k[hit]]])
         if hits:
             per_sample = np.bincount(np.concatenate(list(hits.values())), minlength=len(ix.names))
             s = int(np.argmax(per_sample))
@@ -226,15 +269,17 @@ class _ImageCheck:
         values += [(path, torch.from_numpy(arr)) for path, arr in leaves.lists]
         for key, (sig, who) in ix.planes.items():
             pos = torch.from_numpy(plane_positions(key[1]))
-            for path, t in values:
-                for how, rows in _plane_readings(t, key[1]):
-                    std, varied = _standardised(rows[:, pos].to(torch.float64).numpy(), False)
-                    std = std[varied]
-                    step = max(1, (1 << 22) // max(sig.shape[0], 1))
-                    for a in range(0, std.shape[0], step):
-                        corr = std[a:a + step] @ sig.T.astype(np.float64)
-                        r, c = np.nonzero(corr >= PLANE_MIN_CORR)
-                        found += [(float(corr[i, j]), int(who[j]), path + how, key) for i, j in zip(r, c)]
+            # only the signature positions of each plane leave the tensor's device, all at once
+            picks = [(path + how, rows[:, pos.to(rows.device)])
+                     for path, t in values for how, rows in _plane_readings(t, key[1])]
+            for path, picked in _to_host(picks):
+                std, varied = _standardised(picked, False)
+                std = std[varied]
+                step = max(1, (1 << 22) // max(sig.shape[0], 1))
+                for a in range(0, std.shape[0], step):
+                    corr = std[a:a + step] @ sig.T.astype(np.float64)
+                    r, c = np.nonzero(corr >= PLANE_MIN_CORR)
+                    found += [(float(corr[i, j]), int(who[j]), path, key) for i, j in zip(r, c)]
         if not found:
             return
         corr, sample, path, (view, shape) = max(found)
@@ -279,11 +324,20 @@ class _ImageCheck:
             k = _rolling_keys(codes[a:min(m, a + _CHUNK) + GRAM - 1])
             cand = k[table[_key_slot(k, tbits)]]
             if cand.size:
-                hit = np.isin(keys, cand)
-                if hit.any():
-                    found.append(pos[hit])
+                found.append(cand)
         if found:
-            ghits.setdefault(variant, {})[path] = np.unique(np.concatenate(found))
+            self._gram_record(ix, variant, np.concatenate(found), path, ghits)
+
+    @staticmethod
+    def _gram_record(ix: _Index, variant: str, cand: np.ndarray, path: str,
+                     ghits: dict[str, dict[str, np.ndarray]]) -> None:
+        """Record the gram positions of ``variant`` whose key is among ``cand`` (keys found in
+        the tensor at ``path``; more keys found there add to them)."""
+        keys, pos = ix.grams[variant]
+        hit = np.isin(keys, cand)
+        if hit.any():
+            by_path = ghits.setdefault(variant, {})
+            by_path[path] = np.union1d(by_path.get(path, np.zeros(0, dtype=pos.dtype)), pos[hit])
 
     def _image_error(self, ix: _Index, where: str, path: str, sample: int, hits: int, total: int,
                      what: str, count: int) -> None:

@@ -103,6 +103,7 @@ class _Index:
     csample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))    # of each sorted key
     ctable: _Bitset | None = None                  # prefilter on a run's largest pixel
     crange: tuple[np.uint32, np.uint32] = (np.uint32(1), np.uint32(0))
+    cpeaks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))   # each key's largest pixel
     _vsorted: np.ndarray | None = field(default=None, repr=False)
 
     def probe_values(self, bits: np.ndarray) -> np.ndarray:
@@ -125,7 +126,7 @@ class _Index:
         """Memory of the arrays (what the merged-index cache counts)."""
         arrays = [self.vbits, self.vsample, self.vneed, *self.ggroup.values(), *self.gneed.values(),
                   *self.gtable.values(), *(a for pair in self.grams.values() for a in pair),
-                  *(a for pair in self.planes.values() for a in pair), self.ckeys, self.csample]
+                  *(a for pair in self.planes.values() for a in pair), self.ckeys, self.csample, self.cpeaks]
         arrays += [t for t in (self.vtable, self.ctable) if t is not None]   # type: ignore[misc]
         return int(sum(a.nbytes for a in arrays))
 
@@ -238,4 +239,5 @@ def _merge(refs: list[tuple[str, SplitReference]]) -> _Index:
         tbits = min(24, max(_TABLE_MIN_BITS, (first.size * 64 - 1).bit_length()))
         index.ckeys, index.csample = ckeys[order], csample[order]
         index.ctable, index.crange = _Bitset(_value_slot(first, tbits), tbits), _magnitude_range(first)
+        index.cpeaks = np.unique(first)
     return index

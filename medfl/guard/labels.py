@@ -210,10 +210,13 @@ class _LabelCheck:
         runs = _may_hold_runs([t for _, t in tensors], min(int(y.min()) for _, y in labels),
                               max(int(y.max()) for _, y in labels), shortest, floats)
         seqs: list[tuple[str, np.ndarray, bool, bool]] = []
+        read: list[tuple[str, torch.Tensor, bool]] = []
         for (path, t), can_run in zip(tensors, runs):
             # a tensor without a run is read only as class blocks: shapes that fit, values >= 0
             if can_run or (_block_shapes(tuple(t.shape), sizes, t.dim() == 1) and _nonnegative(t, floats)):
-                seqs.append((path, _numeric(t), t.dim() == 1, can_run))
+                read.append((path, t, can_run))
+        for (path, t, can_run), arr in zip(read, floats.arrays([t for _, t, _ in read])):   # one copy off a GPU
+            seqs.append((path, arr, t.dim() == 1, can_run))
         for path, arr in leaves.lists:
             if arr.size >= shortest:
                 seqs.append((path, arr, arr.ndim == 1, True))

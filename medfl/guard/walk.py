@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["_Leaves", "_number", "_walk", "_number_block", "_numeric", "_Floats", "_SCAN_CHUNK"]
+__all__ = ["_Leaves", "_number", "_walk", "_number_block", "_numeric", "_as_numeric", "_Floats", "_SCAN_CHUNK"]
 
 #: values per step of the one-pass scans: their temporaries stay in the CPU's cache (about
 #: twice as fast on a 2-core VM as whole-tensor passes, which stream every temporary through memory)
@@ -38,6 +38,21 @@ class _Leaves:
     lists: list[tuple[str, np.ndarray]] = field(default_factory=list)
     scalars: list[float] = field(default_factory=list)
     scalar_paths: list[str] = field(default_factory=list)
+    #: one-value tensors: ``(place in scalars, tensor)``, read together by :meth:`resolve`
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def resolve(self) -> None:
+        """Fill in the scalars of one-value tensors, one copy off each device (on a GPU, a
+        model's BatchNorm counters read one by one would each wait for the device)."""
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for at, t in self.pending:
+            by_device.setdefault(t.device, []).append((at, t))
+        for items in by_device.values():
+            values = torch.stack([(t.real if t.is_complex() else t).reshape(()).to(torch.float64)
+                                  for _, t in items]).cpu().tolist()
+            for (at, _), v in zip(items, values):
+                self.scalars[at] = v
+        self.pending.clear()
 
 
 def _number(x: Any) -> bool:
@@ -50,9 +65,9 @@ def _walk(value: Any, path: str, out: _Leaves, exempt: frozenset[str], top: bool
     top-level keys left out)."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
-        if t.numel() == 1:
-            item = t.reshape(-1)[0]
-            out.scalars.append(float(item.real if t.is_complex() else item))
+        if t.numel() == 1:   # read with the others of its device by _Leaves.resolve
+            out.pending.append((len(out.scalars), t))
+            out.scalars.append(float("nan"))
             out.scalar_paths.append(path)
         elif t.numel() > 1:
             out.tensors.append((path, t))
@@ -74,7 +89,8 @@ def _walk(value: Any, path: str, out: _Leaves, exempt: frozenset[str], top: bool
         _walk(v, p, out, exempt, False)
     tensors = [v for _, v in items if isinstance(v, torch.Tensor) and 1 < v.numel() <= 4096]
     if len(tensors) > 1 and len({tuple(t.shape) for t in tensors}) == 1 and len(tensors) == len(items):
-        out.stacks.append((f"{path}[*]", torch.stack([t.detach().cpu() for t in tensors])))
+        one = len({t.device for t in tensors}) == 1   # stacked where they are (a GPU's stay there)
+        out.stacks.append((f"{path}[*]", torch.stack([t.detach() if one else t.detach().cpu() for t in tensors])))
 
 
 def _number_block(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
@@ -91,7 +107,13 @@ def _number_block(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
 
 def _numeric(t: torch.Tensor) -> np.ndarray:
     """A tensor's values as a NumPy array: floats as float32/float64, integers as they are."""
-    t = t.detach().cpu()
+    return _as_numeric(t.detach().cpu()).contiguous().numpy()
+
+
+def _as_numeric(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype :func:`_numeric` reads it as, where it lies: the real part of a
+    complex tensor, booleans as uint8, float16/bfloat16/float32 as float32, float64 and the
+    common integer dtypes as they are, other integers as int64."""
     if t.is_complex():
         t = t.real
     if t.dtype == torch.bool:
@@ -101,7 +123,8 @@ def _numeric(t: torch.Tensor) -> np.ndarray:
     elif not t.is_floating_point() and t.dtype not in (torch.uint8, torch.int8, torch.int16, torch.int32,
                                                         torch.int64):
         t = t.to(torch.int64)
-    return t.contiguous().numpy()
+    return t
+
 
 class _Floats:
     """The values of a message's real floating-point tensors as float32, gathered once per
@@ -124,6 +147,8 @@ class _Floats:
     FULL = (torch.float32, torch.float64)
     #: a float32 tensor of at least this many values is read in place, not copied
     VIEW_MIN = 1 << 15
+    #: :meth:`arrays` gathers CPU tensors too (the device path, run on the CPU device)
+    GATHER = False
 
     def __init__(self, tensors: list[torch.Tensor], more: list[torch.Tensor] | tuple[()] = ()) -> None:
         real = self.FULL + self.HALF
@@ -186,3 +211,21 @@ class _Floats:
     def nonnegative(self, k: int) -> bool:
         """Whether every value of held tensor ``k`` is ``>= 0`` (NaN is not)."""
         return bool(np.min(self.values(k)) >= 0)
+
+    def arrays(self, tensors: list[torch.Tensor]) -> list[np.ndarray]:
+        """Each tensor's values as :func:`_numeric` gives them (what the label search reads),
+        in one copy off each device for each dtype (a GPU waits once, not once per tensor)."""
+        out: list[np.ndarray | None] = [None] * len(tensors)
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+        for i, t in enumerate(tensors):
+            if t.device.type == "cpu" and not self.GATHER:
+                out[i] = _numeric(t)   # read in place
+            else:
+                v = _as_numeric(t.detach())
+                groups.setdefault((v.device, v.dtype), []).append((i, v))
+        for items in groups.values():
+            whole = torch.cat([v.reshape(-1) for _, v in items]).cpu().numpy()
+            at = 0
+            for i, v in items:
+                out[i], at = whole[at:at + v.numel()].reshape(tuple(v.shape)), at + v.numel()
+        return out   # type: ignore[return-value]
