@@ -25,6 +25,26 @@ Measured:
   others.
 - overhead: Flower per round minus in-process per round, and their ratio; and the metrics
   of both runs must agree (max absolute difference printed).
+- where a Flower round goes (:func:`breakdown`), per round from the run's files: the
+  coordinator's exchanges (``train:all``, ``evaluate:all`` rows of ``flower_events.csv``)
+  against its own work between them (aggregation, checkpoint, metrics); and within each
+  exchange, for the site that answered last (the one the exchange waited for): its own work
+  (decode, train or evaluate, encode: the ``answered in`` line of the site's ``log.txt``),
+  Flower's start of the per-message ClientApp process until it forwarded the message (the
+  ``ClientApp process had run`` part of that line), and the rest of what the coordinator
+  measured for that site: Flower's transport and idle waits (the SuperNode asking the
+  SuperLink for work, the objects of the message pulled and pushed, the SuperExec handing
+  the task over, the reply's way back, the coordinator's pull interval); what is left of the
+  exchange is the coordinator's sending: it encodes the messages and uploads them to the
+  SuperLink (Flower pushes each array of a message as an object of its own, one request
+  each) before a site's clock starts. A site that picked its message up while the others were
+  still being uploaded started before its clock did, which can make its transport figure
+  small or even negative: the parts are exact only as a sum.
+
+``--node-poll S`` (repeatable) runs the Flower deployment once per value, with every
+SuperNode waiting at most ``S`` seconds before asking the SuperLink for a message again
+(``MEDFL_FLOWER_NODE_POLL``; 3 is Flower's own fixed wait, what medfl did before it set one):
+``--node-poll 3 --node-poll 0.2`` prints the breakdown before and after on the same machine.
 
 The anchor (issue 20): the same job as a plain Flower app (``plain_flower_app.py``: Flower's
 own ``FedAvg`` strategy, a plain PyTorch ClientApp, same data, model and rounds) on the same
@@ -40,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -105,13 +126,82 @@ def in_process(fl: dict[str, Any]) -> dict[str, Any]:
             "metrics": str(Path(out["dir"]) / "fedavg" / "metrics.csv")}
 
 
-def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: float) -> dict[str, Any]:
-    """Run the job over a local Flower deployment; return timings and the metrics file."""
+_SITE_LINE = re.compile(r"^(\S+ \S+) DEBUG \S+: site (\S+): (\S+) message, round (\d+): answered in ([0-9.]+) s"
+                        r"(?:; its ClientApp process had run ([0-9.]+) s)?")
+
+
+def site_timings(sites_dir: Path) -> pd.DataFrame:
+    """Every site's ``answered in`` lines (its run ``log.txt`` files under ``sites_dir``): one
+    row per message answered, with ``round``, ``phase``, ``client_id``, ``site_s`` (the site's
+    own work) and ``clientapp_s`` (how long the ClientApp process had run when it forwarded the
+    message; NaN where not known)."""
+    rows = []
+    for log in sorted(sites_dir.glob("*/*/site_*/log.txt")):
+        for line in log.read_text(errors="replace").splitlines():
+            m = _SITE_LINE.match(line)
+            if m:
+                rows.append({"round": int(m.group(4)), "phase": m.group(3), "client_id": m.group(2),
+                             "site_s": float(m.group(5)),
+                             "clientapp_s": float(m.group(6)) if m.group(6) else float("nan")})
+    return pd.DataFrame(rows, columns=["round", "phase", "client_id", "site_s", "clientapp_s"])
+
+
+def breakdown(events: pd.DataFrame, sites: pd.DataFrame) -> pd.DataFrame:
+    """Where each round of a Flower run went (see the module's docstring): one row per round
+    with ``round_s`` (from the end of the previous round, or from every site connected),
+    ``exchanges_s`` (the coordinator sending and waiting for replies, its exchanges summed),
+    ``coordinator_s`` (the rest: its own work between exchanges), and the exchanges split
+    for the site each one waited for: ``site_s`` (its own work), ``clientapp_s`` (Flower
+    starting the ClientApp process), ``flower_s`` (Flower's transport and idle waits: what the
+    coordinator measured for that site minus the two others) and ``send_s`` (the exchange
+    minus what it measured for that site: encoding the messages and uploading them to the
+    SuperLink), and ``transport_s``, the sum of the last two (exact where the split is not). The
+    components of a round (``coordinator_s``, ``clientapp_s``, ``site_s``, ``transport_s``) add
+    up to its ``round_s``."""
+    ev = events.copy()
+    ev["client_id"] = ev["client_id"].astype(str).str.replace(r"\.0$", "", regex=True)
+    ev["round"] = pd.to_numeric(ev["round"], errors="coerce")
+    connect = float(ev.loc[ev["phase"] == "connect", "time"].iloc[0])
+    ends = ev[ev["phase"] == "evaluate:all"].sort_values("round")
+    start, rows = connect, []
+    site_of = {(int(r.round), str(r.phase), str(r.client_id)): r for r in sites.itertuples()}
+    for end in ends.itertuples():
+        r = int(end.round)
+        row: dict[str, Any] = {"round": r, "round_s": float(end.time) - start, "exchanges_s": 0.0, "site_s": 0.0,
+                               "clientapp_s": 0.0, "flower_s": 0.0, "send_s": 0.0}
+        for phase in ("train", "evaluate"):
+            whole = ev[(ev["round"] == r) & (ev["phase"] == f"{phase}:all")]
+            replies = ev[(ev["round"] == r) & (ev["phase"] == phase) & (ev["status"] == "ok")]
+            if whole.empty or replies.empty:
+                continue
+            exchange = float(whole["seconds"].iloc[0])
+            last = replies.loc[replies["seconds"].astype(float).idxmax()]
+            seen = float(last["seconds"])
+            site = site_of.get((r, phase, str(last["client_id"])))
+            work = float(site.site_s) if site is not None else float("nan")
+            app = float(site.clientapp_s) if site is not None and not np.isnan(site.clientapp_s) else 0.0
+            row["exchanges_s"] += exchange
+            row["site_s"] += work
+            row["clientapp_s"] += app
+            row["flower_s"] += seen - work - app
+            row["send_s"] += exchange - seen
+            row[f"{phase}_s"] = exchange
+        row["transport_s"] = row["send_s"] + row["flower_s"]
+        row["coordinator_s"] = row["round_s"] - row["exchanges_s"]
+        rows.append(row)
+        start = float(end.time)
+    return pd.DataFrame(rows)
+
+
+def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: float,
+                node_poll: float | None = None, tag: str = "fed") -> dict[str, Any]:
+    """Run the job over a local Flower deployment (``node_poll``: the SuperNodes' polling
+    interval, ``None``: medfl's default); return timings, the breakdown and the metrics file."""
     from medfl.flower.deploy import LocalFederation
 
     cfg_file = work / "flower.json"
     cfg_file.write_text(json.dumps({"fl": fl}))
-    with LocalFederation(work / "fed") as fed:
+    with LocalFederation(work / tag, node_poll=node_poll) as fed:
         t0 = time.perf_counter()
         fed.start_superlink()
         for cid in range(clients):
@@ -131,8 +221,37 @@ def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: flo
     marks = [connect] + ends
     rounds = [b - a for a, b in zip(marks, marks[1:])]
     phases = ev[ev["phase"].isin(["train:all", "evaluate:all"])].groupby("phase")["seconds"].median().to_dict()
+    parts = breakdown(ev, site_timings(work / tag / "sites"))
     return {"deploy_startup_s": deploy_s, "run_startup_s": connect - launch, "round_s": rounds, "total_s": total,
-            "exchange_median_s": phases, "metrics": str(run_dir / "metrics.csv")}
+            "exchange_median_s": phases, "metrics": str(run_dir / "metrics.csv"), "node_poll": node_poll,
+            "breakdown": parts.to_dict(orient="records")}
+
+
+_PARTS = [("round_s", "round"), ("exchanges_s", "exchanges (coordinator sends, waits for replies)"),
+          ("clientapp_s", "  Flower starts a ClientApp process per message"),
+          ("site_s", "  site's own work (decode, train/evaluate, encode)"),
+          ("transport_s", "  transport + idle waits (both ways, polls included)"),
+          ("send_s", "    before the site's clock: coordinator uploads"),
+          ("flower_s", "    after it: SuperNode polls, pulls, the reply"),
+          ("coordinator_s", "coordinator's own work between exchanges")]
+
+
+def print_breakdown(label: str, parts: list[dict[str, Any]], in_process_round: float) -> None:
+    """The per-round breakdown of one Flower run: every round, then the median of rounds 2.."""
+    df = pd.DataFrame(parts)
+    if df.empty:
+        print(f"\n{label}: no round to break down")
+        return
+    steady = df[df["round"] > 1] if len(df) > 1 else df
+    print(f"\nWhere a Flower round goes, {label} (s; exchanges split for the site each one waited for):")
+    cols = ["round"] + [k for k, _ in _PARTS]
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    med = steady[[k for k, _ in _PARTS]].median()
+    for key, what in _PARTS:
+        print(f"  median rounds 2..: {what:52s} {med[key]:6.2f}")
+    target = in_process_round + 1.5
+    print(f"  in process per round {in_process_round:.2f} s; target <= in process + 1.5 s = {target:.2f} s: "
+          f"{'MET' if med['round_s'] <= target else 'MISSED'} ({med['round_s']:.2f} s)")
 
 
 def plain_flower(fl: dict[str, Any], work: Path, clients: int, rounds: int, timeout: float = 3600) -> dict[str, Any]:
@@ -176,6 +295,14 @@ def plain_flower(fl: dict[str, Any], work: Path, clients: int, rounds: int, time
             "round_s": [b - a for a, b in zip(marks, marks[1:])], "total_s": total}
 
 
+def _poll_name(poll: float | None) -> str:
+    if poll is None:
+        from medfl.flower.flwr_launcher import node_poll
+
+        return f"{node_poll():g} s (default)"
+    return f"{poll:g} s" + (" (Flower's own)" if poll >= 3 else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=3)
@@ -187,17 +314,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results", help="where the CSV and JSON go")
     p.add_argument("--skip-anchor", action="store_true",
                    help="do not run the plain Flower app (Flower's FedAvg) on the same deployment")
+    p.add_argument("--node-poll", type=float, action="append", default=None, metavar="SECONDS",
+                   help="the SuperNodes' polling interval (MEDFL_FLOWER_NODE_POLL; 3: Flower's own fixed wait); "
+                        "repeat it to run the Flower deployment once per value (default: medfl's default)")
     args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="medfl-flower-bench-"))
     base = job(work, args.clients, args.rounds, args.samples, args.image_size, args.seed)
     ip = in_process({**base, "name": "inproc", "output_dir": str(work / "runs")})
     anchor = None if args.skip_anchor else plain_flower(base, work, args.clients, args.rounds)
-    fw = over_flower({**base, "name": "flower", "output_dir": str(work / "runs")}, work, args.clients,
-                     args.round_timeout)
-    a, b = pd.read_csv(ip["metrics"]), pd.read_csv(fw["metrics"])
+    polls: list[float | None] = list(args.node_poll or [None])
+    runs = [over_flower({**base, "name": f"flower{k}", "output_dir": str(work / "runs")}, work, args.clients,
+                        args.round_timeout, node_poll=poll, tag=f"fed{k}") for k, poll in enumerate(polls)]
+    fw = runs[-1]
+    a = pd.read_csv(ip["metrics"])
     num = [c for c in a.columns if a[c].dtype.kind in "fi"]
-    diff = float(np.nanmax(np.abs(a[num].to_numpy(float) - b[num].to_numpy(float)))) if len(a) == len(b) else float("nan")
+    diff = 0.0
+    for run in runs:
+        b = pd.read_csv(run["metrics"])
+        diff = max(diff, float(np.nanmax(np.abs(a[num].to_numpy(float) - b[num].to_numpy(float))))
+                   if len(a) == len(b) else float("nan"))
 
     def steady(rounds: list[float]) -> float:
         return statistics.median(rounds[1:]) if len(rounds) > 1 else rounds[0]
@@ -222,18 +358,28 @@ def main(argv: list[str] | None = None) -> int:
             row["plain_flower"] = value
         rows[3]["note"] += (f"; medfl over Flower / plain Flower = {ratio_anchor:.2f}x "
                             f"(target <= 1.1: {'PASS' if ratio_anchor <= 1.1 else 'MISS'})")
+    if len(runs) > 1:   # one column per SuperNode polling interval ("flower": the last one)
+        for run in runs[:-1]:
+            for row, value in zip(rows, [run["run_startup_s"], run["deploy_startup_s"], run["round_s"][0],
+                                         steady(run["round_s"]), run["total_s"]]):
+                row[f"flower (poll {_poll_name(run['node_poll'])})"] = value
+        for row in rows:
+            row[f"flower (poll {_poll_name(fw['node_poll'])})"] = row.pop("flower")
+            row["note"] = row.pop("note")
     table = pd.DataFrame(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "flower_overhead.csv", index=False)
     report = {"job": {k: getattr(args, k) for k in ("clients", "rounds", "samples", "image_size", "seed")},
-              "in_process": ip, "flower": fw, "per_round_overhead_s": fw_round - ip_round,
+              "in_process": ip, "flower": fw, "flower_runs": runs, "per_round_overhead_s": fw_round - ip_round,
               "per_round_ratio": fw_round / ip_round, "metrics_max_abs_diff": diff,
               "plain_flower": anchor, "per_round_ratio_vs_plain_flower": ratio_anchor,
               "python": sys.version.split()[0]}
     (out / "flower_overhead.json").write_text(json.dumps(report, indent=2, default=str))
     with pd.option_context("display.width", 160, "display.max_colwidth", 70):
         print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    for run in runs:
+        print_breakdown(f"SuperNode poll {_poll_name(run['node_poll'])}", run["breakdown"], ip_round)
     print(f"\nFlower exchange medians (s): {fw['exchange_median_s']}")
     print(f"metrics in process vs over Flower: max |diff| = {diff:.3g}")
     print(f"wrote {out / 'flower_overhead.csv'} and {out / 'flower_overhead.json'}")

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from medfl.flower.coordinator import RUN_CONFIG
 
-__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command",
+__all__ = ["FlowerDeployError", "flower_env", "site_env", "free_port", "flower_command", "superlink_command",
            "superexec_command", "site_command",
            "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
            "read_json", "read_result", "started_run_id", "run_status", "LocalFederation", "MARKER_ENV"]
@@ -79,6 +79,26 @@ def flower_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
+def site_env(poll_interval: float | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a site's SuperNode (:func:`flower_env`), with its polling interval
+    (``medfl flower site --poll-interval``; ``None``: ``MEDFL_FLOWER_NODE_POLL`` as set, else
+    the launcher's default, :data:`~medfl.flower.flwr_launcher.DEFAULT_NODE_POLL`).
+
+    Raises:
+        FlowerDeployError: ``poll_interval`` is not a number of seconds from 0.01 to 3600.
+    """
+    from medfl.flower import flwr_launcher
+
+    out = flower_env(env)
+    if poll_interval is not None:
+        out[flwr_launcher.NODE_POLL_ENV] = f"{float(poll_interval):g}"
+    try:
+        flwr_launcher.node_poll(out)
+    except ValueError as exc:
+        raise FlowerDeployError(str(exc)) from None
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that is free now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -91,11 +111,14 @@ def flower_command(name: str) -> list[str]:
     :mod:`medfl.flower.flwr_launcher` (run by path, with this Python), which gives a new
     ServerApp or ClientApp process :func:`~medfl.flower.flwr_launcher.task_window` seconds
     to report instead of Flower's 30 s, so that a loaded machine does not make every task
-    token expire (``401 Runtime task-token authentication failed``).
+    token expire (``401 Runtime task-token authentication failed``), and a SuperNode
+    :func:`~medfl.flower.flwr_launcher.node_poll` seconds between two asks for a message
+    instead of Flower's 3 s (``MEDFL_FLOWER_NODE_POLL``).
 
     Raises:
-        FlowerDeployError: Flower is not installed, or ``MEDFL_FLOWER_TASK_WINDOW`` is not a
-            number of seconds of at least 30.
+        FlowerDeployError: Flower is not installed, ``MEDFL_FLOWER_TASK_WINDOW`` is not a
+            number of seconds of at least 30, or ``MEDFL_FLOWER_NODE_POLL`` not one from 0.01
+            to 3600.
     """
     from medfl.flower import flwr_launcher
 
@@ -104,6 +127,7 @@ def flower_command(name: str) -> list[str]:
     _bin(name)   # Flower is installed (a clear error otherwise)
     try:
         flwr_launcher.task_window()
+        flwr_launcher.node_poll()
     except ValueError as exc:
         raise FlowerDeployError(str(exc)) from None
     return [sys.executable, str(Path(flwr_launcher.__file__).resolve()), name]
@@ -538,6 +562,10 @@ class LocalFederation:
         env: extra environment for every process.
         task_poll_interval: Flower SuperExec's task polling interval in seconds (default
             0.1; Flower's own default is 1.0).
+        node_poll: how long each site's SuperNode waits before asking the SuperLink for a
+            message again when it had none (``MEDFL_FLOWER_NODE_POLL``; ``None``: as set in
+            ``env`` or this process's environment, else the launcher's default, 0.2 s; 3:
+            Flower's own wait).
         tls: encrypt every connection with a certificate authority and SuperLink
             certificate made for this federation (``certs/``; :mod:`medfl.flower.auth`).
         auth: SuperNode authentication (implies ``tls``): the SuperLink accepts only sites
@@ -550,7 +578,7 @@ class LocalFederation:
 
     def __init__(self, workdir: str | Path, host: str = "127.0.0.1", env: dict[str, str] | None = None,
                  task_poll_interval: float = 0.1, tls: bool = False, auth: bool = False,
-                 sites: int | None = None) -> None:
+                 sites: int | None = None, node_poll: float | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host = host
@@ -558,6 +586,10 @@ class LocalFederation:
         self.env = {**flower_env(), **(env or {}), MARKER_ENV: self.marker,
                     TASK_POLL_ENV: str(task_poll_interval), "FLWR_HOME": str(self.workdir / "flwr_home"),
                     "PYTHONUNBUFFERED": "1"}
+        if node_poll is not None:
+            from medfl.flower.flwr_launcher import NODE_POLL_ENV
+
+            self.env[NODE_POLL_ENV] = f"{float(node_poll):g}"
         if sites is not None:
             from medfl.config import LOCAL_SITES_ENV
 

@@ -31,6 +31,18 @@ whenever it exits while the SuperLink runs: Flower's SuperExec exits at the firs
 of its task poll, and a SuperLink that started it itself never starts another, so no later
 run would start (:func:`supervise`).
 
+It also takes the SuperNode's idle waits down to :func:`node_poll` seconds (environment
+variable :data:`NODE_POLL_ENV`, default :data:`DEFAULT_NODE_POLL`): Flower's SuperNode asks the
+SuperLink for a message and, when there is none, sleeps a fixed 3 s before asking again
+(``time.sleep(3)`` in ``flwr/supernode/start_client_internal.py``, Flower 1.42; no flag, no
+environment variable, no constant), so every message waited up to 3 s before its site saw it,
+and the evaluation that follows a training exchange nearly the whole 3 s (the site that answered
+last had just gone back to sleep); it waits for its ClientApp's reply in 0.5 s steps too.
+:func:`pace_supernode` gives that module its own view of ``time`` whose ``sleep`` waits at most
+the interval: Flower's loop is unchanged otherwise, and a value of 3 or more leaves Flower's own
+waits. A smaller interval is more requests to the SuperLink while sites are idle
+(one per site per interval): ``docs/flower.md`` says what to choose.
+
 The file is run by path, not as ``python -m medfl...``: it imports Flower only, not medfl
 (and torch), so the SuperLink and SuperNodes start as fast as Flower's own commands.
 """
@@ -38,6 +50,7 @@ The file is run by path, not as ``python -m medfl...``: it imports Flower only, 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -50,13 +63,24 @@ import time
 import traceback
 from typing import Any, Callable, Mapping
 
-__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "COMMANDS", "LEFT_EXIT", "LINGER", "SUPERVISED_ENV",
-           "task_window", "widen_task_window", "run_flower", "supervise", "outlive_superexec", "main"]
+__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "NODE_POLL_ENV", "DEFAULT_NODE_POLL", "COMMANDS", "LEFT_EXIT",
+           "LINGER", "SUPERVISED_ENV", "task_window", "widen_task_window", "node_poll", "PacedTime", "pace_supernode",
+           "run_flower", "supervise", "outlive_superexec", "main"]
 
 #: Environment variable: seconds a new ClientApp/ServerApp process has to report (default below).
 TASK_WINDOW_ENV = "MEDFL_FLOWER_TASK_WINDOW"
 #: The default window, in seconds (Flower's own is 30 s).
 DEFAULT_TASK_WINDOW = 300.0
+#: Environment variable: the longest a site's SuperNode waits before asking the SuperLink
+#: for a message again when it had none, and between two looks for its ClientApp's reply.
+NODE_POLL_ENV = "MEDFL_FLOWER_NODE_POLL"
+#: The default, in seconds (Flower's own SuperNode waits 3 s when idle, 0.5 s for a reply).
+DEFAULT_NODE_POLL = 0.2
+#: Flower's fixed idle wait; an interval of at least this leaves Flower's SuperNode as it is.
+FLOWER_NODE_POLL = 3.0
+_MIN_NODE_POLL = 0.01
+#: Flower's SuperNode work loop (the module whose ``time.sleep`` calls are its waits).
+_NODE_LOOP = "flwr.supernode.start_client_internal"
 #: The Flower commands this starts: name -> (module, function) of its console script.
 COMMANDS = {"flower-superlink": ("flwr.superlink.cli", "flower_superlink"),
             "flower-supernode": ("flwr.supernode.cli", "flower_supernode")}
@@ -122,6 +146,74 @@ def widen_task_window(seconds: float) -> None:
             raise RuntimeError(f"{name} has no HEARTBEAT_DEFAULT_INTERVAL: this Flower release keeps the task "
                                "heartbeat window elsewhere; medfl cannot widen it")
         module.HEARTBEAT_DEFAULT_INTERVAL = max(float(seconds), float(module.HEARTBEAT_DEFAULT_INTERVAL))
+
+
+def node_poll(env: Mapping[str, str] | None = None) -> float:
+    """The SuperNode's polling interval in seconds: :data:`NODE_POLL_ENV` of ``env`` (default:
+    this process's environment), else :data:`DEFAULT_NODE_POLL`.
+
+    Raises:
+        ValueError: the variable is not a finite number of seconds from 0.01 to 3600.
+    """
+    raw = (os.environ if env is None else env).get(NODE_POLL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_NODE_POLL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not _MIN_NODE_POLL <= value <= 3600.0:
+        raise ValueError(f"{NODE_POLL_ENV}={raw!r}: expected the seconds a site's SuperNode waits before asking the "
+                         f"SuperLink for a message again, a number from {_MIN_NODE_POLL:g} to 3600 (Flower's own "
+                         f"wait is {FLOWER_NODE_POLL:g}; default {DEFAULT_NODE_POLL:g})")
+    return value
+
+
+class PacedTime:
+    """The ``time`` module as Flower's SuperNode loop sees it once :func:`pace_supernode` ran:
+    the same module, except that :meth:`sleep` waits at most :attr:`cap` seconds.
+
+    Args:
+        module: the ``time`` module (or a stand-in: tests).
+        cap: the longest single wait, in seconds.
+    """
+
+    def __init__(self, module: Any, cap: float) -> None:
+        self._module = module
+        self.cap = float(cap)
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``, or :attr:`cap` seconds if that is shorter."""
+        self._module.sleep(min(float(seconds), self.cap))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def pace_supernode(seconds: float) -> bool:
+    """Make Flower's SuperNode in this process wait at most ``seconds`` between two asks for a
+    message (instead of its fixed 3 s) and between two looks for its ClientApp's reply
+    (instead of 0.5 s); return whether it was done. Nothing is done for ``seconds`` of 3 or
+    more (Flower's own waits), nor, with a warning, when this Flower release's loop is not the
+    one this was written for (Flower 1.42's ``start_client_internal``): the SuperNode then
+    keeps Flower's waits, which is slower, not wrong."""
+    module = importlib.import_module(_NODE_LOOP)
+    current = getattr(module, "time", None)
+    if isinstance(current, PacedTime):
+        current.cap = min(float(seconds), FLOWER_NODE_POLL)
+        return True
+    if float(seconds) >= FLOWER_NODE_POLL:
+        return False
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        source = ""
+    if current is not time or "time.sleep(3)" not in source:
+        _say(f"warning: this Flower release's SuperNode ({_NODE_LOOP}) does not wait as Flower 1.42's does; it "
+             f"keeps its own waits ({NODE_POLL_ENV} not applied)")
+        return False
+    module.time = PacedTime(time, seconds)
+    return True
 
 
 def _lingering() -> list[threading.Thread]:
@@ -368,10 +460,13 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         window = task_window()
+        poll = node_poll()
     except ValueError as exc:
         _say(f"error: {exc}")
         return 2
     widen_task_window(window)
+    if argv[0] == "flower-supernode":
+        pace_supernode(poll)
     module, function = COMMANDS[argv[0]]
     entry = getattr(importlib.import_module(module), function)
     # Flower reads its own name from argv[0] (logs, exit handling), as its console script sets it

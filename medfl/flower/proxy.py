@@ -13,7 +13,8 @@ pulls in torch): :func:`medfl.flower.deploy.write_app` ships a copy of it in the
 app as ``medfl_flower_proxy``, so the per-message process loads only Flower.
 
 Frames on the socket: an 8-byte big-endian length, then that many bytes; a request is a
-JSON header frame (``{"type": message type}``) followed by the serialized ``RecordDict``
+JSON header frame (``{"type": message type, "age": seconds this process had run}``, ``age``
+where known) followed by the serialized ``RecordDict``
 (Flower's protobuf); an answer is a JSON header frame (``{"ok": true}`` or
 ``{"ok": false, "error": text}``) followed, when ok, by the reply's ``RecordDict``.
 """
@@ -21,15 +22,17 @@ JSON header frame (``{"type": message type}``) followed by the serialized ``Reco
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
+import time
 from typing import Any
 
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 __all__ = ["app", "forward", "send_frame", "recv_frame", "encode_records", "decode_records", "WorkerError",
-           "secure_aggregation_mod"]
+           "secure_aggregation_mod", "process_age"]
 
 _LEN = struct.Struct(">Q")
 
@@ -75,8 +78,22 @@ def decode_records(data: bytes) -> RecordDict:
     return recorddict_from_proto(ProtoRecordDict.FromString(data))
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux ``/proc``; ``None`` elsewhere): in a ClientApp
+    process, what Flower's start of it (imports, pulling the message) took before medfl's code ran."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            stat = fh.read()
+        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])   # field 22: start time, clock ticks after boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def forward(socket_path: str, message_type: str, content: RecordDict, timeout: float | None = None) -> RecordDict:
     """Send one message's records to the site worker at ``socket_path``; return its answer.
+    The request's header also says how long this process had run (:func:`process_age`), which
+    the site logs with the time it took (its ``log.txt``).
 
     Raises:
         WorkerError: the worker is not running, or it failed (its error text included).
@@ -88,8 +105,12 @@ def forward(socket_path: str, message_type: str, content: RecordDict, timeout: f
     except OSError as exc:
         raise WorkerError(f"medfl site worker not reachable at {socket_path} ({exc}); "
                           "start the site with `medfl flower site`") from None
+    request: dict[str, Any] = {"type": message_type}
+    age = process_age()
+    if age is not None:
+        request["age"] = round(age, 3)
     with sock:
-        send_frame(sock, json.dumps({"type": message_type}).encode())
+        send_frame(sock, json.dumps(request).encode())
         send_frame(sock, encode_records(content))
         header: dict[str, Any] = json.loads(recv_frame(sock))
         if not header.get("ok"):

@@ -62,6 +62,7 @@ import json
 import logging
 import re
 import os
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -597,22 +598,32 @@ def _instruction(content: RecordDict, where: str, prefix: str = "ins") -> Instru
                        config=wire.take(content, f"{prefix}.config", where + " (config)"))
 
 
-def handle(site: Site, message_type: str, content: RecordDict) -> RecordDict:
+def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age: float | None = None) -> RecordDict:
     """Answer one medfl message (:mod:`medfl.flower.protocol`) at ``site``: decode and
     check what came in, run the step, encode and check what goes out (the answer's content
     is built by :mod:`medfl.wire`, as the in-process engine builds it to measure it).
+
+    The run's log at the site says how long that took (a DEBUG line ``... answered in S s``)
+    and, given ``clientapp_age`` (how long the ClientApp process that forwarded the message had
+    run: :func:`medfl.flower.proxy.process_age`), what Flower's start of that process took;
+    ``benchmarks/flower_overhead.py`` reads both.
 
     Raises:
         SiteError: unknown message type, wrong protocol or client id.
         PayloadError: something other than tensors and scalars in or out.
     """
+    t0 = time.perf_counter()
     ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
     site.check(ctl)
     # the site's own log of the run, beside its state (<state-dir>/<run id>/site_<client id>/log.txt)
     # (a hello names no run yet: it is answered without one)
     with file_log(site._root(ctl), f"site {site.client_id}: {message_type} message, round {ctl.get('round')}") \
             if "run" in ctl else nullcontext():
-        return _answer(site, message_type, ctl, content)
+        out = _answer(site, message_type, ctl, content)
+        logger.debug(f"site {site.client_id}: {message_type} message, round {ctl.get('round')}: answered in "
+                     f"{time.perf_counter() - t0:.3f} s" + ("" if clientapp_age is None else
+                     f"; its ClientApp process had run {clientapp_age:.3f} s when it forwarded the message"))
+        return out
 
 
 def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: RecordDict) -> RecordDict:

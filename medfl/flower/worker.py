@@ -86,7 +86,9 @@ class SiteWorker:
             except Exception:  # noqa: BLE001 - a broken request: drop the connection
                 return
             try:
-                out = handle(self._site(), str(header.get("type", "")), content)
+                age = header.get("age")
+                out = handle(self._site(), str(header.get("type", "")), content,
+                             clientapp_age=float(age) if isinstance(age, (int, float)) else None)
                 answer = encode_records(out)
             except Exception as exc:  # noqa: BLE001 - reported to the ClientApp, which raises it
                 msg = f"{type(exc).__name__}: {exc}"
