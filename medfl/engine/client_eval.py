@@ -160,10 +160,12 @@ def evaluate_model(
     from medfl.metrics.forgetting import negative_flips
 
     out: dict[str, dict[str, float]] = {}
-    fp = state_fingerprint(model) if cache is not None else ""
+    fp: str | None = None   # only the shared split's cache needs it: hashed when it is scored
     for split in splits:
-        key = (split, fp)
         shared = cache is not None and split == "global_test"
+        if shared and fp is None:
+            fp = state_fingerprint(model)
+        key = (split, fp or "")
         if shared and key in cache:
             scores, correct = dict(cache[key][0]), cache[key][1]
         else:
