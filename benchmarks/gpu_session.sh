@@ -7,14 +7,16 @@
 #   bash benchmarks/gpu_session.sh base REV          # here: unpack REV into .ab/base for "compare"
 #   bash benchmarks/gpu_session.sh run WHAT [OUT]    # there: install .whl/, then run WHAT, logs in OUT
 #
-# WHAT: "tests" (tests/engine/test_cuda.py, the compute tests and the guard on the GPU), "bench" (engine_overhead.py
-# on resnet2d and resnet3d, fp32, on $GPU_DEVICE, default cuda, interleaved repeats, figures
-# also in JSON), "profile" (medfl's steady rounds of resnet2d under cProfile) or "compare"
-# (benchmarks/compare.py: .ab/base, or $AB_BASE, against this tree on resnet2d, 2 pairs with
-# --steps; carry .ab), or several joined by commas ("bench,profile,tests": about 5 minutes on
-# an H200, inside the 10 minutes a lent machine runs one command). OUT defaults to $OUT (what a
-# lent machine sends back) or ./gpu_logs. Every step has its own time limit, so one that hangs
-# does not take the others' time; the exit status is the first failing step's.
+# WHAT: "tests" (tests/engine/test_cuda.py, the compute tests and the guard on the GPU), "bench"
+# (engine_overhead.py on resnet2d and resnet3d, fp32, on $GPU_DEVICE, default cuda, interleaved
+# repeats, figures also in JSON), "profile" (medfl's steady rounds of resnet2d under cProfile),
+# "compare" (benchmarks/compare.py: .ab/base, or $AB_BASE, against this tree on resnet2d, 2 pairs
+# with --steps; carry .ab), "guard" (payload_guard.py with the replies on $GPU_DEVICE, scanned
+# there and, as before issue 50, on the host; device_reads.py), or several joined by commas
+# ("bench,profile,tests": about 5 minutes on an H200, inside the 10 minutes a lent machine runs
+# one command). OUT defaults to $OUT (what a lent machine sends back) or ./gpu_logs. Every step
+# has its own time limit, so one that hangs does not take the others' time; the exit status is
+# the first failing step's.
 #
 # "wheels" downloads, for CPython 3.12 on x86-64 Linux and without their dependencies, the
 # distributions medfl needs that the image lacked when it was last listed (2026-11-17), at
@@ -59,11 +61,11 @@ run() {
     local what=${1:-} py=${PYTHON:-python3} site=/tmp/medfl-site dev=${GPU_DEVICE:-cuda}
     local part
     for part in ${what//,/ }; do
-        case "$part" in tests|bench|profile|compare) ;;
-            *) echo "gpu_session.sh run: WHAT is tests, bench, profile or compare (or several, comma-separated), not '$what'" >&2; exit 2 ;;
+        case "$part" in tests|bench|profile|compare|guard) ;;
+            *) echo "gpu_session.sh run: WHAT is tests, bench, profile, compare or guard (or several, comma-separated), not '$what'" >&2; exit 2 ;;
         esac
     done
-    [ -n "$what" ] || { echo "gpu_session.sh run: say WHAT: tests, bench, profile or compare" >&2; exit 2; }
+    [ -n "$what" ] || { echo "gpu_session.sh run: say WHAT: tests, bench, profile, compare or guard" >&2; exit 2; }
     OUT_DIR=${2:-${OUT:-gpu_logs}}
     FAILED=0
     mkdir -p "$OUT_DIR"
@@ -98,6 +100,10 @@ EOF
             step compare_resnet2d 480 "$py" benchmarks/compare.py "${AB_BASE:-.ab/base}" --pairs 2 --steps \
                 --workdir "$OUT_DIR/compare" --json "$OUT_DIR/compare_resnet2d.json" -- --workload resnet2d \
                 --device "$dev" --rounds 5 --repeats 2 ;;
+        guard)
+            step guard_device 120 "$py" benchmarks/payload_guard.py --device "$dev" --images 200 --repeats 5
+            step guard_host 120 "$py" benchmarks/payload_guard.py --device "$dev" --scan host --images 200 --repeats 5
+            step device_reads 90 "$py" benchmarks/device_reads.py --device "$dev" ;;
         esac
     done
     return "$FAILED"
@@ -117,5 +123,5 @@ case "${1:-}" in
     wheels) wheels ;;
     base) shift; base "$@" ;;
     run) shift; run "$@" ;;
-    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; [ "${1:-}" = -h ] || [ "${1:-}" = --help ] || exit 2 ;;
+    *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; [ "${1:-}" = -h ] || [ "${1:-}" = --help ] || exit 2 ;;
 esac
