@@ -132,7 +132,7 @@ from torch.utils.data import DataLoader, Dataset
 
 # what ContentGuard uses and, with it, every name medfl.guard held when it was one module
 # (its internals too, for code that imported them from here)
-from medfl.guard.device import SCAN, _DeviceFloats, _scan_device
+from medfl.guard.device import _DeviceFloats, _scan_device
 from medfl.guard.images import _CHUNK, _ImageCheck, _plane_readings, _prefiltered, _rolling_keys
 from medfl.guard.index import (
     _CACHE, _CACHE_MAX, _LOCK, _MERGED, _MERGED_BYTES, _TABLE_BITS, _TABLE_MIN_BITS, _TABLE_SLOTS_PER_PROBE,

@@ -23,7 +23,7 @@ import torch
 
 from medfl.guard.index import _Index
 from medfl.guard.params import LABEL_MIN_BITS
-from medfl.guard.walk import _Floats, _Leaves, _numeric
+from medfl.guard.walk import _Floats, _Leaves
 
 __all__ = ["_runs", "_surprise", "_search", "_class_block", "_block_shapes", "_label_candidates", "_may_sum_to",
            "_may_hold_runs", "_nonnegative", "_LabelCheck"]
