@@ -114,9 +114,12 @@ class _Probes:
     bitset: bool = False
 
     def find(self, x: torch.Tensor) -> torch.Tensor:
-        """The positions of ``x`` (same dtype) whose code is a probe's, exactly."""
+        """The positions of ``x`` (same dtype, 1-D) whose code is a probe's, exactly, looked
+        up :data:`_DEVICE_CHUNK` values at a time (bounding the temporaries)."""
         if not self.codes.numel() or not x.numel():
             return torch.zeros(0, dtype=torch.int64, device=x.device)
+        if x.numel() > _DEVICE_CHUNK:
+            return torch.cat([self.find(x[a:a + _DEVICE_CHUNK]) + a for a in range(0, x.numel(), _DEVICE_CHUNK)])
         slots = self.slot(x)
         if self.bitset:
             maybe = ((self.table[slots >> 3].to(torch.int32) >> (slots & 7).to(torch.int32)) & 1).bool()
@@ -204,18 +207,9 @@ class _DeviceFloats(_Floats):
 
     def __init__(self, tensors: list[torch.Tensor], more: list[torch.Tensor] | tuple[()] = (),
                  device: torch.device = torch.device("cpu")) -> None:
-        real = self.FULL + self.HALF
-        full = [t for t in tensors if t.dtype in self.FULL and t.numel()]
-        rest = [t for t in tensors if t.dtype in self.HALF and t.numel()]
-        rest += [t for t in more if t.dtype in real and t.numel()]
+        full, rest = self._hold(tensors, more)
         held = full + rest
         self.device = device
-        self._segment = {id(t): i for i, t in enumerate(held)}
-        self._held = held
-        sizes = [t.numel() for t in held]
-        self.starts = np.cumsum([0] + sizes[:-1]).astype(np.int64)
-        self.sizes = np.asarray(sizes, dtype=np.int64)
-        self.full = int(sum(sizes[:len(full)]))
         self.pieces = []
         with torch.no_grad():
             self.flat = (torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in held])
@@ -266,7 +260,7 @@ class _DeviceFloats(_Floats):
         bits = self.flat[:self.full].view(torch.int32)
         if tables.values is None or not bits.numel():
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint32)
-        at = torch.cat([tables.values.find(bits[a:a + _DEVICE_CHUNK]) + a for a in range(0, bits.numel(), _DEVICE_CHUNK)])
+        at = tables.values.find(bits)
         return at.cpu().numpy(), bits[at].cpu().numpy().view(np.uint32)
 
     def gram_hits(self, tables: _DeviceTables, variant: str) -> list[tuple[int, np.ndarray]]:
@@ -284,7 +278,7 @@ class _DeviceFloats(_Floats):
         n = bits.numel()
         if n < CROP or tables.peaks is None:
             return np.zeros(0, dtype=np.int64), np.zeros((0, CROP), dtype=np.uint32)
-        peaks = torch.cat([tables.peaks.find(bits[a:a + _DEVICE_CHUNK]) + a for a in range(0, n, _DEVICE_CHUNK)])
+        peaks = tables.peaks.find(bits)
         if not peaks.numel():
             return np.zeros(0, dtype=np.int64), np.zeros((0, CROP), dtype=np.uint32)
         offsets = torch.arange(CROP, device=bits.device)
@@ -300,8 +294,7 @@ def _segmented(probes: _Probes, codes: torch.Tensor, starts: np.ndarray, sizes: 
     inside it: gram keys (uint64) of runs of ``width`` codes that do not cross into the next
     segment (``width`` :data:`GRAM`), or value patterns (uint32; ``width`` 1)."""
     if width == 1:
-        at_t = (torch.cat([probes.find(codes[a:a + _DEVICE_CHUNK]) + a for a in range(0, codes.numel(), _DEVICE_CHUNK)])
-                if codes.numel() else torch.zeros(0, dtype=torch.int64, device=codes.device))
+        at_t = probes.find(codes)
         at, found = at_t.cpu().numpy(), codes[at_t].cpu().numpy().view(np.uint32)
     else:
         at, found = _gram_key_hits(probes, codes)

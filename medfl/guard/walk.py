@@ -151,17 +151,7 @@ class _Floats:
     GATHER = False
 
     def __init__(self, tensors: list[torch.Tensor], more: list[torch.Tensor] | tuple[()] = ()) -> None:
-        real = self.FULL + self.HALF
-        full = [t for t in tensors if t.dtype in self.FULL and t.numel()]
-        rest = [t for t in tensors if t.dtype in self.HALF and t.numel()]
-        rest += [t for t in more if t.dtype in real and t.numel()]
-        held = full + rest
-        self._segment = {id(t): i for i, t in enumerate(held)}
-        self._held = held   # keeps the ids valid while this object lives
-        sizes = [t.numel() for t in held]
-        self.starts = np.cumsum([0] + sizes[:-1]).astype(np.int64)
-        self.sizes = np.asarray(sizes, dtype=np.int64)
-        self.full = int(sum(sizes[:len(full)]))
+        full, rest = self._hold(tensors, more)
         #: ``(first position, float32 values)``: consecutive tensors' values, in order
         self.pieces: list[tuple[int, np.ndarray]] = []
         small: list[torch.Tensor] = []
@@ -174,6 +164,23 @@ class _Floats:
                     else:
                         small.append(t)
                 self._flush(small)
+
+    def _hold(self, tensors: list[torch.Tensor], more: list[torch.Tensor] | tuple[()]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Choose the tensors held and their positions (:attr:`starts`, :attr:`sizes`,
+        :attr:`full`, :meth:`segment`); return them as ``(float32/float64, the others)``."""
+        real = self.FULL + self.HALF
+        full = [t for t in tensors if t.dtype in self.FULL and t.numel()]
+        rest = [t for t in tensors if t.dtype in self.HALF and t.numel()]
+        rest += [t for t in more if t.dtype in real and t.numel()]
+        held = full + rest
+        self._segment = {id(t): i for i, t in enumerate(held)}
+        self._held = held   # keeps the ids valid while this object lives
+        sizes = [t.numel() for t in held]
+        self.starts = np.cumsum([0] + sizes[:-1]).astype(np.int64)
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.full = int(sum(sizes[:len(full)]))
+        return full, rest
 
     def _flush(self, small: list[torch.Tensor]) -> None:
         if small:
