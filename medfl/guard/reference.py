@@ -13,6 +13,7 @@ before it was a package).
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,15 @@ def _labels_of(ds: Dataset) -> np.ndarray | None:
     return np.asarray(labels, dtype=np.int64).reshape(-1)
 
 
+def _name_bytes(name: Any) -> bytes:
+    """A file name as the bytes the file system holds (``os.fsencode``): a path prep wrote
+    into a folder whose name is not UTF-8 holds surrogate escapes (``'\\udcff'``) that
+    ``str.encode`` refuses. The same bytes as ``str(name).encode()`` for every UTF-8 name."""
+    if isinstance(name, (str, bytes, os.PathLike)):
+        return os.fsencode(name)
+    return str(name).encode("utf-8", "surrogatepass")
+
+
 def _fingerprint(ds: Dataset) -> str:
     """Which samples a dataset holds: its type, size, labels, its first sample (so that
     another preprocessing of the same files differs) and its file list (or, without one,
@@ -126,7 +136,7 @@ def _fingerprint(ds: Dataset) -> str:
     files = getattr(ds, "files", None) or getattr(ds, "paths", None)
     listed = files is not None and len(files) == n
     if listed:
-        h.update("\n".join(map(str, files)).encode())
+        h.update(b"\n".join(map(_name_bytes, files)))
     for i in (sorted({0} if listed else {0, n // 2, n - 1}) if n else []):
         x = torch.as_tensor(_item_image(ds[i])).as_subclass(torch.Tensor).detach().cpu().contiguous()
         h.update(str(x.dtype).encode() + str(tuple(x.shape)).encode() + x.numpy().tobytes())

@@ -14,7 +14,8 @@ with a newline inside the quotes) and finds each DICOM in any of the three downl
 The file numbers inside an ROI series are unreliable, so the mask (8-bit, 0/255) and the
 crop (16-bit) are told apart by content. Images are read with pydicom: MONOCHROME1 is
 inverted, values are scaled to [0, 1] by ``BitsStored``, compressed transfer syntaxes are
-decoded when a decoder is installed and otherwise stop with the name of the missing decoder.
+decoded by pydicom's own decoders (``pip install "medfl[dicom]"``: pylibjpeg with its JPEG,
+JPEG-LS and JPEG 2000 plugins) and otherwise stop naming the syntax and that extra.
 
 Labels are per mammogram: malignant if any of its abnormalities is MALIGNANT, otherwise benign
 (BENIGN_WITHOUT_CALLBACK is benign). No patient is in both the train and the test split:
@@ -37,10 +38,11 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, check_file_size, check_pixel_count,
     limit_per_split, progress, resize_image, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
+    check_text_encoding,
 )
 
 __all__ = ["main", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
-           "PATHOLOGY", "CLASS_NAMES"]
+           "PATHOLOGY", "CLASS_NAMES", "DICOM_EXTRA"]
 
 CSV_FILES = {
     ("mass", "train"): "mass_case_description_train_set.csv",
@@ -86,6 +88,7 @@ def read_case_csvs(raw: Path, abnormality: str = "both", csv_dir: Path | None = 
             if path is None or not path.is_file():
                 raise PrepError(f"{name}: case-description CSV not found under {csv_dir or raw} "
                                 "(expected the four CSVs TCIA publishes beside the images)", name)
+            check_text_encoding(path, "CBIS-DDSM case-description CSV")
             try:
                 with open(path, newline="", encoding="utf-8-sig") as f:
                     rows = list(csv.DictReader(f))
@@ -249,15 +252,53 @@ class Resolver:
         return [literal] + [f for f in files if f != literal] if literal.is_file() else files
 
 
-def _decoder_available(ts: str) -> bool:
-    """Whether pydicom has a working decoder for transfer syntax ``ts`` on this machine."""
+#: What installs pydicom's own decoders of the compressed transfer syntaxes (JPEG, JPEG-LS,
+#: JPEG 2000; RLE needs none): the ``dicom`` extra, pylibjpeg with pylibjpeg-libjpeg and
+#: pylibjpeg-openjpeg.
+DICOM_EXTRA = 'pip install "medfl[dicom]" (pylibjpeg, pylibjpeg-libjpeg, pylibjpeg-openjpeg)'
+#: pydicom's decoder plugins that decode every variant of the syntaxes they list (``pydicom``:
+#: its own RLE decoder); Pillow does not (no 12-bit JPEG), so a file only Pillow failed on may
+#: be intact.
+_FULL_DECODERS = ("pylibjpeg", "gdcm", "pyjpegls", "pydicom")
+
+
+def _decoder_plugins(ts: str) -> tuple[list[str], list[str]]:
+    """pydicom's decoder plugins for transfer syntax ``ts``: (installed, not installed);
+    two empty lists for a syntax pydicom has no decoder for (or a pydicom before 3.0)."""
     try:
         from pydicom.pixels import get_decoder
         from pydicom.uid import UID
 
-        return bool(get_decoder(UID(ts)).is_available)
-    except Exception:  # noqa: BLE001 - an unknown syntax or an older pydicom: assume none
-        return False
+        decoder = get_decoder(UID(ts))
+    except Exception:  # noqa: BLE001 - an unknown syntax or an older pydicom
+        return [], []
+    missing = [str(m).split(" - ")[0] for m in decoder.missing_dependencies]
+    return list(decoder.available_plugins), missing
+
+
+def _decoder_available(ts: str) -> bool:
+    """Whether a decoder of pydicom's that reads every variant of transfer syntax ``ts``
+    (:data:`_FULL_DECODERS`; not Pillow alone) is installed here: a file it cannot decode is
+    damaged."""
+    return any(p in _FULL_DECODERS for p in _decoder_plugins(ts)[0])
+
+
+def _undecodable(path: Path, ts: str, name: str, exc: Exception) -> PrepError:
+    """The error for compressed pixel data that did not decode: a damaged file where a full
+    decoder is installed, else the syntax and what to install (:data:`DICOM_EXTRA`)."""
+    if _decoder_available(ts):
+        return PrepError(f"{path}: compressed transfer syntax {name} ({ts}): the installed decoder could not "
+                         f"decode it ({exc}); the file is damaged or its header (Rows, Columns, bits) "
+                         "disagrees with the compressed data", path)
+    installed, missing = _decoder_plugins(ts)
+    if not installed and not missing:
+        return PrepError(f"{path}: compressed transfer syntax {name} ({ts}): pydicom has no decoder for it; "
+                         "convert the file to an uncompressed transfer syntax (e.g. `gdcmconv --raw` or "
+                         f"`dcmdjpeg`) and prepare again ({exc})", path)
+    why = " ".join(str(exc).split())
+    tried = f"{' and '.join(installed)} could not decode it ({why})" if installed else "no decoder for it is installed"
+    return PrepError(f"{path}: compressed transfer syntax {name} ({ts}): {tried}. Install pydicom's decoders: "
+                     f"{DICOM_EXTRA}; if the file still does not decode, it is damaged", path)
 
 
 #: what a CBIS-DDSM image (mammogram, ROI crop or mask) must be
@@ -278,10 +319,55 @@ def _dcmread(path: Path, stop_before_pixels: bool = False) -> tuple[Any, int]:
                                  defer_size="1 MB" if stop_before_pixels else None)
             return ds, f.tell()
     except InvalidDicomError as exc:
-        why = re.sub(r"\s*(Use|or set) .?force.*$", "", str(exc))   # no option of ours forces a read
-        raise PrepError(f"{path}: not a DICOM file ({why})", path) from exc
+        found = _headerless(path, stop_before_pixels)
+        if found is not None:
+            return found
+        why = re.sub(r"\s*(Use|or set) .?force.*$", "", str(exc)).rstrip(".")   # no option of ours forces a read
+        raise PrepError(f"{path}: not a DICOM file ({why}; nor a DICOM data set without that header: no image "
+                        "of Rows, Columns and BitsAllocated)", path) from exc
     except (OSError, EOFError, ValueError, KeyError) as exc:
         raise PrepError(f"{path}: not a readable DICOM file ({type(exc).__name__}: {exc})", path) from exc
+
+
+#: (implicit VR, little endian) -> the transfer syntax of a data set written without file meta
+_RAW_SYNTAX = {(True, True): "1.2.840.10008.1.2", (False, True): "1.2.840.10008.1.2.1",
+               (False, False): "1.2.840.10008.1.2.2"}
+
+
+def _headerless(path: Path, stop_before_pixels: bool) -> tuple[Any, int] | None:
+    """A DICOM data set written without the Part-10 header (no 128-byte preamble, no
+    ``DICM``, no file meta; older archives and some exports): pydicom reads it with
+    ``force=True`` and the encoding it finds (implicit or explicit VR, byte order) becomes the
+    file meta's TransferSyntaxUID. ``None`` unless it starts with a group 0008 element and
+    parses as an image (Rows, Columns, BitsAllocated): forced reads of other bytes give
+    nonsense elements, not an error.
+    """
+    import pydicom
+    from pydicom.dataset import FileMetaDataset
+
+    try:
+        with open(path, "rb") as f:
+            # an image data set opens with group 0008 (SpecificCharacterSet, SOPClassUID...):
+            # anything else (zeros, text) is not forced through, which could take minutes
+            if f.read(2) not in (b"\x08\x00", b"\x00\x08"):
+                return None
+            f.seek(0)
+            ds = pydicom.dcmread(f, force=True, stop_before_pixels=stop_before_pixels,
+                                 defer_size="1 MB" if stop_before_pixels else None)
+            where = f.tell()
+        if not all(k in ds for k in ("Rows", "Columns", "BitsAllocated")):
+            return None
+        encoding = getattr(ds, "original_encoding", None) or (ds.is_implicit_VR, ds.is_little_endian)
+        syntax = _RAW_SYNTAX.get((bool(encoding[0]), bool(encoding[1])))
+    except Exception:  # noqa: BLE001 - whatever the forced read trips on, the file is not one
+        return None
+    if syntax is None:
+        return None
+    meta = FileMetaDataset()
+    meta.TransferSyntaxUID = syntax
+    ds.file_meta = meta
+    ds.headerless = True     # read_dicom's facts say so (the report counts such files)
+    return ds, where
 
 
 def _check_header(ds: Any, path: Path, size: int, header: int) -> None:
@@ -358,14 +444,7 @@ def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
         arr = ds.pixel_array
     except Exception as exc:  # noqa: BLE001 - decoders raise many types
         if ts not in _NATIVE:
-            name = getattr(ts_elem, "name", ts)
-            if _decoder_available(ts):
-                raise PrepError(f"{path}: compressed transfer syntax {name} ({ts}): the installed decoder could not "
-                                f"decode it ({exc}); the file is damaged or its header (Rows, Columns, bits) "
-                                "disagrees with the compressed data", path) from exc
-            raise PrepError(f"{path}: compressed transfer syntax {name} ({ts}) cannot be decoded: {exc}. "
-                            "Install a decoder plugin (pylibjpeg with pylibjpeg-libjpeg/-openjpeg, or "
-                            "python-gdcm)", path) from exc
+            raise _undecodable(path, ts, getattr(ts_elem, "name", ts), exc) from exc
         expected = int(getattr(ds, "Rows", 0)) * int(getattr(ds, "Columns", 0)) * allocated // 8
         got = len(ds.PixelData) if isinstance(ds.PixelData, (bytes, bytearray)) else -1
         if 0 <= got < expected:
@@ -385,7 +464,7 @@ def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
     if photometric == "MONOCHROME1":
         x = top - x
     facts = {"bits": bits, "rows": int(arr.shape[0]), "cols": int(arr.shape[1]),
-             "photometric": photometric, "transfer_syntax": ts,
+             "photometric": photometric, "transfer_syntax": ts, "part10": not getattr(ds, "headerless", False),
              "signed": int(getattr(ds, "PixelRepresentation", 0) or 0) == 1,
              "laterality": str(getattr(ds, "Laterality", "")), "patient_id": str(getattr(ds, "PatientID", ""))}
     return np.clip(x / top, 0.0, 1.0), facts
@@ -493,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.overwrite and (out / "manifest.csv").exists():
         (out / "manifest.csv").unlink()
     rows: list[dict[str, Any]] = []
+    headerless: list[str] = []
     for rec in progress(list(images.itertuples(index=False)), "cbis_ddsm", total=len(images)):
         img_path = rec[0]
         where = f"{rec.csv} line {rec.csv_line}"
@@ -506,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             continue
         x, facts, file = got
+        if not facts["part10"]:
+            headerless.append(_relative(file, raw))
         common = {"subject_id": rec.patient_id, "site": "CBIS-DDSM", "sex": "F", "split": rec.split,
                   "image_path": _relative(file, raw), "abnormality_type": rec.kind,
                   "laterality": rec.laterality, "view": rec.view, "breast_density": rec.breast_density,
@@ -544,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
             report.write(out)
             raise PrepError(f"the {split} split is empty after skipping {len(report.skipped)} item(s); "
                             f"see {out / 'skipped.csv'}", split)
+    if headerless:
+        report.note(f"{len(headerless)} image(s) without the DICOM Part-10 header (no preamble, 'DICM' or file "
+                    "meta; a data set as older archives write it) were read by their own encoding: "
+                    + ", ".join(headerless[:3]) + (", ..." if len(headerless) > 3 else ""))
     df = write_manifest(out, rows, classes=CLASS_NAMES, report=report)
     report.counts = {"abnormalities": len(abn), "images_listed": len(images), "samples_written": len(df),
                      "layout": resolver.layout,

@@ -42,7 +42,7 @@ __all__ = [
     "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
     "progress", "size_pair", "remove_stale_arrays", "staged_main", "NotDownloaded", "keep_present",
     "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size", "printable",
-    "limit_per_split",
+    "limit_per_split", "check_text_encoding",
 ]
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,42 @@ def limit_per_split(splits: Sequence[str], limit: int) -> list[int]:
             kept.append(i)
             seen[s] += 1
     return kept
+
+
+#: Byte-order marks of the text encodings other than UTF-8 (longest first) -> (name, iconv's name).
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 (little-endian)", "UTF-32"),
+         (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)", "UTF-32"),
+         (b"\xff\xfe", "UTF-16 (little-endian)", "UTF-16"), (b"\xfe\xff", "UTF-16 (big-endian)", "UTF-16"))
+
+
+def check_text_encoding(path: Path, what: str) -> None:
+    """Refuse a metadata file saved as UTF-16 or UTF-32 (Excel's "Unicode Text", some
+    editors' "Unicode"), naming the encoding and how to convert it, before a UTF-8 reader
+    fails on its first byte with ``can't decode byte 0xff``. Found by its byte-order mark, or,
+    without one, by the NUL in every other byte of the first 4 KiB.
+
+    Args:
+        path: the file (not read beyond its first 4 KiB).
+        what: what it should be, for the message ("HAM10000's metadata").
+
+    Raises:
+        PrepError: naming the encoding (and the mark) and the command that converts it.
+    """
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    found = next(((bom, name, codec) for bom, name, codec in _BOMS if head.startswith(bom)), None)
+    even, odd = head[0::2].count(0), head[1::2].count(0)      # "a\0b\0" (LE): NULs at odd offsets
+    if found is None and len(head) >= 4 and max(even, odd) >= 0.9 * (len(head) // 2) and min(even, odd) == 0:
+        little = odd > even
+        endian = "little" if little else "big"
+        found = (b"", f"UTF-16 ({endian}-endian, no byte-order mark)", "UTF-16LE" if little else "UTF-16BE")
+    if found is None:
+        return
+    bom, name, codec = found
+    mark = f" (byte-order mark {bom.hex(' ').upper()})" if bom and "mark" not in name else ""
+    raise PrepError(f"{path}: {name} text{mark}; expected UTF-8 (or ASCII) {what}. Save it as UTF-8 "
+                    f"(Excel: CSV UTF-8) or convert it: iconv -f {codec} -t UTF-8 {path.name} > utf8.tmp "
+                    f"&& mv utf8.tmp {path.name}", path)
 
 
 def require_columns(table: pd.DataFrame, columns: Sequence[str], where: str | Path) -> None:
@@ -571,11 +607,13 @@ def _squeeze(x: np.ndarray, chan: bool) -> np.ndarray:
 
 
 def progress(iterable: Any, desc: str, total: int | None = None) -> Any:
-    """A tqdm progress bar on stderr (quiet when ``MEDFL_NO_PROGRESS`` is set)."""
+    """A tqdm progress bar on stderr where stderr is a terminal (none in a redirected stderr;
+    none when ``MEDFL_NO_PROGRESS`` is set: :func:`medfl.logs.progress_bar_disabled`)."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, unit="file", file=sys.stderr,
-                disable=bool(os.environ.get("MEDFL_NO_PROGRESS")))
+    from medfl.logs import progress_bar_disabled
+
+    return tqdm(iterable, desc=desc, total=total, unit="file", file=sys.stderr, disable=progress_bar_disabled())
 
 
 def run_script(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:

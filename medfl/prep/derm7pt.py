@@ -42,7 +42,7 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, MAX_IMAGE_PIXELS, PrepError, PrepReport, base_parser, check_dirs, check_pixel_count, progress,
     require_columns, remove_stale_arrays, resize_image, save_array, size_pair, write_manifest, staged_main,
-    NotDownloaded, keep_present,
+    NotDownloaded, keep_present, check_text_encoding,
 )
 
 __all__ = [
@@ -150,6 +150,7 @@ def read_meta(path: Path, required: Sequence[str] = REQUIRED_COLUMNS) -> pd.Data
     path = Path(path)
     if not path.is_file():
         raise PrepError(f"{path}: not found; expected Derm7pt's meta.csv", path)
+    check_text_encoding(path, "Derm7pt's meta.csv")
     try:
         table = pd.read_csv(path, dtype=str, keep_default_na=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
@@ -192,6 +193,7 @@ def read_splits(meta_dir: Path, num_rows: int) -> tuple[pd.Series, dict[str, int
         if not path.is_file():
             raise PrepError(f"{path}: not found; expected the official {split} index file "
                             "(one column 'indexes', 0-based rows of meta.csv)", path)
+        check_text_encoding(path, f"{split} index file")
         try:
             table = pd.read_csv(path, dtype=str, keep_default_na=False)
         except pd.errors.EmptyDataError as exc:

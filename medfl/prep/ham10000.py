@@ -40,6 +40,8 @@ import argparse
 import csv
 import filecmp
 import re
+import shlex
+import zipfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -49,12 +51,13 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays,
     require_columns, save_array, size_pair, write_manifest, staged_main, NotDownloaded, keep_present,
+    check_text_encoding,
 )
 from medfl.prep.derm7pt import preprocess_image
 
 __all__ = [
     "CLASS_NAMES", "DX_TYPES", "COLUMNS", "IMAGE_FOLDERS", "METADATA_NAMES", "SEX_CODES", "find_metadata",
-    "read_metadata", "dx_label", "parse_age", "image_folders", "find_image", "build_parser", "main",
+    "read_metadata", "dx_label", "parse_age", "image_folders", "find_image", "unzip_hint", "build_parser", "main",
 ]
 
 #: The seven ``dx`` classes in label order (label = position), alphabetical as ISIC 2018
@@ -104,6 +107,7 @@ def read_metadata(path: Path) -> pd.DataFrame:
             missing, an ``image_id``
             that is not ``ISIC_<digits>`` or appears twice, an empty ``lesion_id``.
     """
+    check_text_encoding(path, "HAM10000's metadata")
     try:
         head = path.read_text(encoding="utf-8-sig", errors="strict")[:4096]
     except UnicodeDecodeError as exc:
@@ -171,11 +175,43 @@ def parse_age(value: str, where: str) -> str:
     return text
 
 
+def unzip_hint(raw: Path, folders: list[Path] | None = None) -> str:
+    """How to unzip the image archives lying in ``raw`` (``HAM10000_images_part_1.zip``, the
+    Kaggle archive: any ``.zip`` listing ``ISIC_*.jpg``) whose images are not unzipped beside
+    them, as ``unzip`` commands; ``""`` when there is none. Only the archives' file lists are read.
+
+    An archive of bare ``ISIC_*.jpg`` unzips into a folder named after it (``--images`` names
+    that folder unless it is one of :data:`IMAGE_FOLDERS`); one holding folders unzips into ``raw``.
+    """
+    have = {f.name for f in folders or []}
+    commands = []
+    for z in sorted(p for p in raw.iterdir() if p.suffix.lower() == ".zip" and p.is_file()) if raw.is_dir() else []:
+        try:
+            with zipfile.ZipFile(z) as archive:
+                jpgs = [n for n in archive.namelist() if re.search(r"(^|/)ISIC_\d+\.jpg$", n, re.IGNORECASE)]
+        except (zipfile.BadZipFile, OSError):
+            continue
+        flat = any("/" not in n for n in jpgs)
+        tops = {z.stem} if flat else {n.split("/")[0] for n in jpgs}
+        if not jpgs or tops <= have:        # nothing to unzip, or unzipped already
+            continue
+        target = raw / z.stem if flat else raw
+        command = f"unzip -q {shlex.quote(str(z))} -d {shlex.quote(str(target))}"
+        if flat and z.stem not in IMAGE_FOLDERS:
+            command += f" and pass --images {shlex.quote(str(target))}"
+        commands.append(command)
+    if not commands:
+        return ""
+    return ("the images are still zipped beside the metadata (this script reads unzipped folders): "
+            + "; ".join(commands))
+
+
 def image_folders(raw: Path, extra: Path | None = None) -> list[Path]:
     """The image folders that exist, in lookup order (``extra`` first).
 
     Raises:
-        PrepError: ``extra`` is not a folder, or no folder exists.
+        PrepError: ``extra`` is not a folder, or no folder exists (naming the archives to
+            unzip where they lie in ``raw``, :func:`unzip_hint`).
     """
     found = []
     if extra is not None:
@@ -185,21 +221,25 @@ def image_folders(raw: Path, extra: Path | None = None) -> list[Path]:
         found.append(path)
     found += [raw / f for f in IMAGE_FOLDERS if (raw / f).is_dir() and raw / f not in found]
     if not found:
-        raise PrepError(f"--raw {raw}: none of {', '.join(IMAGE_FOLDERS[:2])} exists; expected HAM10000's "
-                        "image folders (or pass the folder holding ISIC_*.jpg with --images)", raw)
+        zipped = unzip_hint(raw)
+        raise PrepError(f"--raw {raw}: none of {', '.join(IMAGE_FOLDERS[:2])} exists; "
+                        + (f"{zipped}; then run this again" if zipped else
+                           "expected HAM10000's image folders (or pass the folder holding ISIC_*.jpg with --images)"),
+                        raw)
     return found
 
 
-def find_image(folders: list[Path], image_id: str, where: str) -> Path:
+def find_image(folders: list[Path], image_id: str, where: str, hint: str = "") -> Path:
     """``<image_id>.jpg`` in the first folder holding it; identical copies elsewhere are fine.
+    ``hint`` ends the not-found message (:func:`unzip_hint`: archives still to unzip).
 
     Raises:
         PrepError: in no folder (names them), or two copies differ (names both).
     """
     hits = [f / f"{image_id}.jpg" for f in folders if (f / f"{image_id}.jpg").is_file()]
     if not hits:
-        raise NotDownloaded(f"{where}: image {image_id}.jpg not found in {', '.join(str(f) for f in folders)}",
-                            where)
+        raise NotDownloaded(f"{where}: image {image_id}.jpg not found in {', '.join(str(f) for f in folders)}"
+                            + (f"; {hint}" if hint else ""), where)
     for other in hits[1:]:
         if not filecmp.cmp(hits[0], other, shallow=False):
             raise PrepError(f"{hits[0]} and {other}: two different files for image {image_id}; expected "
@@ -268,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         if first[0] != key:
             raise PrepError(f"{meta_rel} lines {first[1]} and {i + 2}: lesion {lesion} has dx {first[0]!r} and "
                             f"{dx!r}; expected one diagnosis per lesion", meta_path)
+    zipped = unzip_hint(raw, folders)   # ends a not-found message where archives lie unzipped
     todo = keep_present(range(len(meta)), lambda r: find_image(
-        folders, meta.iloc[r]["image_id"], f"{meta_rel} line {r + 2} ({meta.iloc[r]['image_id']})"), report)
+        folders, meta.iloc[r]["image_id"], f"{meta_rel} line {r + 2} ({meta.iloc[r]['image_id']})", zipped), report)
     todo = todo[:args.limit]
     rows: list[dict[str, Any]] = []
     formats: Counter[str] = Counter()
@@ -292,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         ok, checked = report.attempt(where, check, "metadata")
         if not ok:
             continue
-        ok, image = report.attempt(where, lambda: find_image(folders, rec["image_id"], where), "image")
+        ok, image = report.attempt(where, lambda: find_image(folders, rec["image_id"], where, zipped), "image")
         if not ok:
             continue
         ok, done = report.attempt(image, lambda: preprocess_image(image, args.crop_border, size, args.aspect),

@@ -272,6 +272,39 @@ def test_nilearn_flat_layout_gives_the_same_dataset(raw4, tmp_path):
     assert json.loads((tmp_path / "b" / "report.json").read_text())["counts"]["layout"] == "nilearn"
 
 
+def _gunzip_maps(root: Path) -> int:
+    """Replace every ``*.nii.gz`` map under ``root`` by its ``.nii`` (as ``gunzip -r`` does)."""
+    import gzip
+
+    maps = [p for p in root.rglob("*.nii.gz") if "rois" not in p.parts]
+    for p in maps:
+        p.with_name(p.name[:-3]).write_bytes(gzip.decompress(p.read_bytes()))
+        p.unlink()
+    return len(maps)
+
+
+def test_maps_saved_as_nii_instead_of_nii_gz_are_read(raw4_copy, tmp_path):
+    """Issue 51, item 8: maps stored as ``.nii`` (gunzipped after download) gave "file not
+    found ... pass --present-only", and with that "none of the 4 ... check --raw" while the maps
+    were there; in the flat (nilearn) layout no maps were found at all. Both layouts read them,
+    the same arrays; a map absent in both forms is named as such."""
+    raw, _ = raw4_copy
+    ref = _prep(raw, tmp_path / "ref", "--atlas", "none")
+    assert _gunzip_maps(raw) >= len(ref) * len(DERIVS)
+    got = _prep(raw, tmp_path / "nii", "--atlas", "none")
+    assert got["image_path"].str.endswith("_reho.nii").all()
+    for a, b in zip(ref["path"], got["path"]):
+        np.testing.assert_array_equal(np.load(tmp_path / "ref" / a), np.load(tmp_path / "nii" / b))
+    flat = tmp_path / "flat"
+    abide_fixture.generate(flat, cases=4, seed=1, reference=None, layout="nilearn")
+    _gunzip_maps(flat)
+    assert sorted(_prep(flat, tmp_path / "flat_out", "--atlas", "none")["sample_id"]) == sorted(ref["sample_id"])
+    victim = raw / ref["image_path"].iloc[0].replace(".nii.gz", ".nii")
+    victim.unlink()
+    msg = str(_error(raw, tmp_path / "gone", "--atlas", "none"))
+    assert f"{victim.with_name(victim.name + '.gz')}: file not found (nor {victim.name})" in msg
+
+
 def test_qc_options_and_mean_fd_threshold(raw4, tmp_path):
     raw, info = raw4
     everyone = _prep(raw, tmp_path / "none", "--qc", "none", "--atlas", "none")

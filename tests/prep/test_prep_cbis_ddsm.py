@@ -162,6 +162,98 @@ def test_compressed_without_decoder_names_the_decoder(tmp_path, monkeypatch):
         read_dicom(tmp_path / "c.dcm")
 
 
+def _jpeg12(levels: list[list[int]]) -> bytes:
+    """A 12-bit JPEG Extended stream (SOF1, Huffman) of constant 8 x 8 blocks, ``levels``
+    (0..4095) one per block: only DC coefficients (quantiser 1), so any decoder gives the
+    levels back exactly. Pillow cannot decode 12-bit JPEG; libjpeg (pylibjpeg-libjpeg) can."""
+    import struct
+
+    lv = np.asarray(levels, dtype=np.int64)
+
+    def seg(marker: int, body: bytes) -> bytes:
+        return struct.pack(">BBH", 0xFF, marker, len(body) + 2) + body
+
+    head = (seg(0xDB, bytes([0]) + bytes([1] * 64))                                       # quantiser 1
+            + seg(0xC1, struct.pack(">BHHB", 12, lv.shape[0] * 8, lv.shape[1] * 8, 1) + bytes([1, 0x11, 0]))
+            + seg(0xC4, bytes([0x00, 0, 0, 0, 0, 16] + [0] * 11) + bytes(range(16)))   # DC: 16 codes of 5 bits
+            + seg(0xC4, bytes([0x10, 1] + [0] * 15 + [0]))                              # AC: EOB only, "0"
+            + seg(0xDA, bytes([1, 1, 0x00, 0, 63, 0])))
+    bits, prev = "", 0
+    for v in lv.reshape(-1):
+        coef = 8 * (int(v) - 2048)                      # DC of a constant block, level shift 2048
+        diff, prev = coef - prev, coef
+        cat = abs(diff).bit_length()
+        bits += format(cat, "05b") + (format(diff if diff > 0 else diff + (1 << cat) - 1, f"0{cat}b") if cat else "")
+        bits += "0"                                     # end of block
+    bits += "1" * (-len(bits) % 8)
+    scan = bytes(int(bits[i:i + 8], 2) for i in range(0, len(bits), 8)).replace(b"\xff", b"\xff\x00")
+    return b"\xff\xd8" + head + scan + b"\xff\xd9"
+
+
+def test_a_12bit_jpeg_dicom_decodes_with_the_dicom_extra_and_names_it_without(tmp_path, monkeypatch):
+    """Issue 51, item 8: a 12-bit JPEG Extended DICOM (other mammography sources than
+    CBIS-DDSM use it) was "damaged or its header disagrees" when Pillow was pydicom's only
+    decoder. With the ``dicom`` extra (pylibjpeg, its JPEG and JPEG 2000 plugins) it decodes
+    exactly, as does a JPEG 2000 one; with Pillow alone the error names the syntax and the extra."""
+    from pydicom.encaps import encapsulate
+    from pydicom.pixels import get_decoder
+    from pydicom.uid import JPEG2000Lossless, JPEGExtended12Bit
+
+    levels = [[100, 4095], [2048, 1234], [0, 3000]]
+    path = tmp_path / "j12.dcm"
+    write_mg_dicom(path, np.zeros((24, 16), np.uint16), "P", "1.2.3", "1.2.4", "x", "L", "CC")
+    ds = pydicom.dcmread(path)
+    ds.file_meta.TransferSyntaxUID = JPEGExtended12Bit
+    ds.BitsStored, ds.HighBit = 12, 11
+    ds.PixelData = encapsulate([_jpeg12(levels)])
+    ds["PixelData"].VR = "OB"
+    ds.save_as(path, enforce_file_format=True)
+    decoder = get_decoder(JPEGExtended12Bit)
+    if "pylibjpeg" in decoder.available_plugins:    # medfl[dicom] (the test extra brings it)
+        x, facts = read_dicom(path)
+        assert facts["bits"] == 12 and facts["transfer_syntax"] == JPEGExtended12Bit and x.shape == (24, 16)
+        assert np.array_equal(np.round(x * 4095).astype(int), np.kron(levels, np.ones((8, 8), int)))
+        px = (np.arange(32 * 32).reshape(32, 32) * 173 % 65536).astype(np.uint16)
+        write_mg_dicom(tmp_path / "j2k.dcm", px, "P", "1.2.3", "1.2.4", "x", "L", "CC")
+        j2k = pydicom.dcmread(tmp_path / "j2k.dcm")
+        j2k.compress(JPEG2000Lossless)
+        j2k.save_as(tmp_path / "j2k.dcm", enforce_file_format=True)
+        y, facts = read_dicom(tmp_path / "j2k.dcm")
+        assert facts["transfer_syntax"] == JPEG2000Lossless and np.array_equal(np.round(y * 65535), px)
+        # what a machine without the extra has: Pillow alone
+        monkeypatch.setattr(decoder, "_available", {k: v for k, v in decoder._available.items() if k == "pillow"})
+    with pytest.raises(PrepError) as e:
+        read_dicom(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: compressed transfer syntax JPEG Extended (Process 2 and 4) (1.2.840.10008.1.2.4.51)")
+    assert 'pip install "medfl[dicom]"' in msg and "damaged or its header" not in msg
+
+
+def test_a_dicom_data_set_without_the_part10_header_is_read(raws, tmp_path):
+    """Issue 51, item 8: a DICOM written without the Part-10 header (no preamble, ``DICM`` or
+    file meta; pydicom reads it with ``force=True``) was "not a DICOM file". It is read by its
+    own encoding, the same pixels, and report.json says which files had no header; bytes that
+    are no data set at all are still "not a DICOM file"."""
+    from pydicom.filebase import DicomBytesIO
+    from pydicom.filewriter import write_dataset
+
+    raw = _copy(raws["classic"], tmp_path / "raw")
+    ref = prep(raws["classic"], tmp_path / "ref")
+    victim = raw / ref["image_path"].iloc[0]
+    fp = DicomBytesIO()
+    fp.is_little_endian, fp.is_implicit_VR = True, True
+    write_dataset(fp, pydicom.dcmread(victim))
+    victim.write_bytes(fp.getvalue())
+    assert victim.read_bytes()[128:132] != b"DICM"
+    got = prep(raw, tmp_path / "out")
+    assert np.array_equal(np.load(tmp_path / "out" / got["path"].iloc[0]), np.load(tmp_path / "ref" / ref["path"].iloc[0]))
+    notes = json.loads((tmp_path / "out" / "report.json").read_text())["notes"]
+    assert any("1 image(s) without the DICOM Part-10 header" in n and ref["image_path"].iloc[0] in n for n in notes)
+    victim.write_bytes(b"\x08\x00\x05\x00CS\x0a\x00ISO_IR 100" + b"not a dicom at all" * 10)
+    with pytest.raises(PrepError, match="not a DICOM file"):
+        read_dicom(victim)
+
+
 def _copy(src: Path, dst: Path) -> Path:
     import shutil
 

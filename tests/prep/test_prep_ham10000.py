@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import struct
@@ -126,7 +127,8 @@ def test_every_download_layout_gives_the_same_manifest(layout: str, extra: tuple
 def test_the_kaggle_mirrors_metadata_without_a_dataset_column_is_prepared(raw: Path, prepared: dict, tmp_path: Path):
     """Issue 39, item 11: the Kaggle mirror's metadata has 7 columns, no ``dataset``; it was
     refused. It is prepared with an empty site (the report says why), the rest identical; a
-    run with the natural partitioner is refused naming the empty column, any other runs."""
+    run with the natural partitioner is refused naming the empty column and (issue 51, item 8)
+    its cause, the note of the report beside the manifest; any other partitioner runs."""
     import json
 
     from medfl.config import ConfigError, resolve_config
@@ -148,10 +150,94 @@ def test_the_kaggle_mirrors_metadata_without_a_dataset_column_is_prepared(raw: P
           "progress": False, "dataset": {"name": "manifest", "path": str(out / "manifest.csv")},
           "partition": {"name": "natural"}, "model": {"name": "small_cnn", "width": 4},
           "train": {"batch_size": 8}, "methods": [{"name": "fedavg"}]}
-    with pytest.raises((ConfigError, PartitionError), match=r"'site'.*(empty|missing)"):
+    with pytest.raises((ConfigError, PartitionError),
+                       match=r"'site' is empty in every row.*report.json says: HAM10000_metadata.csv has no "
+                             r"'dataset' column \(the Kaggle mirror's 7 columns\)"):
         run_experiment(resolve_config(fl))
     done = run_experiment(resolve_config({**fl, "name": "k2", "partition": {"name": "dirichlet", "alpha": 1.0}}))
     assert (Path(done["dir"]) / "fedavg" / "summary.json").is_file()
+
+
+ODD_FOLDER_RUN = """
+import json, os, sys
+from pathlib import Path
+from medfl.config import resolve_config
+from medfl.experiment import run_experiment
+from medfl.prep.ham10000 import main
+raw, tmp, size = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+out = tmp / os.fsdecode(b"data_\\xff")
+assert main(["--raw", str(raw), "--out", str(out), "--size", size]) == 0
+assert os.path.isfile(os.path.join(os.fsencode(tmp), b"data_\\xff", b"manifest.csv"))
+fl = {"name": "odd", "output_dir": str(out / "runs"), "seed": 0, "rounds": 1, "num_clients": 2,
+      "progress": False, "dataset": {"name": "manifest", "path": str(out / "manifest.csv")},
+      "partition": {"name": "dirichlet", "alpha": 1.0, "min_size": 4},
+      "model": {"name": "small_cnn", "width": 4}, "train": {"batch_size": 8}, "methods": [{"name": "fedavg"}]}
+run = Path(run_experiment(resolve_config(fl))["dir"]) / "fedavg"
+assert json.loads((run / "summary.json").read_text())["rounds"] == 1
+assert "data_\\\\udcff" in (run / "log.txt").read_text(encoding="utf-8")
+assert json.loads((run / "config.json").read_text())["fl"]["dataset"]["path"] == str(out / "manifest.csv")
+sys.stdout.buffer.write(os.fsencode(run))
+"""
+
+
+def test_a_dataset_prepared_into_a_folder_whose_name_is_not_utf8_trains(raw: Path, tmp_path: Path):
+    """Issue 51, item 8: prep accepts an ``--out`` named with the byte ``\\xff`` (held as
+    ``'\\udcff'``); training on it stopped in round 1 (``surrogates not allowed`` hashing the
+    file list in medfl/guard/reference.py) and every log line naming the run folder was a
+    ``--- Logging error ---`` traceback. It trains; log.txt names the folder escaped; the run's
+    config.json gives back the very path, so a resume opens the same data.
+
+    Everything that names the folder runs in a process of its own, its output read as bytes:
+    pytest-xdist sends a test's captured output and log records to the controller as UTF-8,
+    which a surrogate in them would stop (the worker's crash ends the whole session)."""
+    done = subprocess.run([sys.executable, "-c", ODD_FOLDER_RUN, str(raw), str(tmp_path), str(SIZE)],
+                          capture_output=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr.decode(errors="backslashreplace")[-3000:]
+    assert b"Logging error" not in done.stderr and b"Traceback" not in done.stderr
+    run = done.stdout.rsplit(b"\n", 1)[-1]   # after prep's summary
+    assert run.endswith(b"fedavg") and b"data_\xff" in run
+    # a stdout opened strict (any UTF-8 locale but C) printed the folder with a traceback
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    shown = subprocess.run([sys.executable, "-c", "import sys; from medfl.cli import main; sys.exit(main())",
+                            "report", os.fsdecode(run)], capture_output=True, env=env, cwd=REPO)
+    assert shown.returncode == 0, shown.stderr.decode(errors="backslashreplace")
+    assert b"data_\\udcff" in shown.stdout and b"Traceback" not in shown.stderr
+
+
+def _zip_folder(folder: Path, archive: Path, flat: bool) -> None:
+    """Zip ``folder``'s images as the Dataverse does (bare ``ISIC_*.jpg``, ``flat``) or as a
+    zip holding the folder itself; remove the folder."""
+    import zipfile
+
+    with zipfile.ZipFile(archive, "w") as z:
+        for f in sorted(folder.iterdir()):
+            z.write(f, f.name if flat else f"{folder.name}/{f.name}")
+    shutil.rmtree(folder)
+
+
+def test_zipped_image_parts_beside_the_metadata_are_named_with_the_unzip_command(raw: Path, tmp_path: Path):
+    """Issue 51, item 8: with HAM10000_images_part_1.zip and _2.zip beside the metadata, still
+    zipped, the script said only that the image folders were missing. It names each archive
+    with the command that unzips it where the script looks; done as said, it prepares."""
+    import zipfile
+
+    zipped = shutil.copytree(raw, tmp_path / "raw")
+    _zip_folder(zipped / "HAM10000_images_part_1", zipped / "HAM10000_images_part_1.zip", flat=True)
+    _zip_folder(zipped / "HAM10000_images_part_2", zipped / "HAM10000_images_part_2.zip", flat=False)
+    with pytest.raises(PrepError) as e:
+        prep(zipped, tmp_path / "out")
+    msg = str(e.value)
+    one = f"unzip -q {zipped / 'HAM10000_images_part_1.zip'} -d {zipped / 'HAM10000_images_part_1'}"
+    two = f"unzip -q {zipped / 'HAM10000_images_part_2.zip'} -d {zipped}"
+    assert "still zipped" in msg and one in msg and two in msg, msg
+    with zipfile.ZipFile(zipped / "HAM10000_images_part_1.zip") as z:     # as the first command does
+        z.extractall(zipped / "HAM10000_images_part_1")
+    with pytest.raises(PrepError) as e:                # part 2 still zipped: its images are not found
+        prep(zipped, tmp_path / "out")
+    assert "not found" in str(e.value) and two in str(e.value) and one not in str(e.value)
+    with zipfile.ZipFile(zipped / "HAM10000_images_part_2.zip") as z:
+        z.extractall(zipped)
+    assert prep(zipped, tmp_path / "out") == 0
 
 
 def test_overwrite_is_refused_then_removes_stale_arrays(raw: Path, tmp_path: Path):

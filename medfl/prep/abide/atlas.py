@@ -17,7 +17,7 @@ import pandas as pd
 from medfl.prep.abide.volumes import (
     GRID_AFFINE, GRID_SHAPE, _fmt_affine, load_volume, resample_to_grid, resize_volume, same_grid,
 )
-from medfl.prep.common import PrepError
+from medfl.prep.common import PrepError, check_text_encoding
 
 __all__ = ["ATLASES", "check_label_volume", "crop_cc_atlas", "rois_3mm_atlas", "read_coordinates",
            "sphere_atlas", "label_atlas", "atlas_table", "prepare_atlas", "write_atlas", "load_atlas",
@@ -119,6 +119,7 @@ def read_coordinates(path: str | Path) -> pd.DataFrame:
     if not path.is_file():
         raise PrepError(f"{path}: coordinate file not found; expected a CSV with x, y, z columns "
                         "(e.g. nilearn's power_2011.csv)", path)
+    check_text_encoding(path, "coordinate CSV")
     try:
         table = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:

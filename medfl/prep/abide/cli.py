@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         for d in derivatives:
             if not layout.path(s.file_id, d).is_file():
                 path = layout.path(s.file_id, d)
-                raise NotDownloaded(f"{path}: file not found; expected the {d} map of {s.file_id} "
+                raise NotDownloaded(f"{path}: file not found (nor {path.name.removesuffix('.gz')}); expected the "
+                                    f"{d} map of {s.file_id} "
                                     f"(listed by {pheno.name} line {s.line}, SUB_ID {s.sub_id})", path)
 
     subjects = keep_present(subjects, locate, report, name=lambda s: s.file_id)

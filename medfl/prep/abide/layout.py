@@ -14,7 +14,7 @@ from typing import Sequence
 from medfl.prep.abide.phenotypic import PHENOTYPIC_FILE
 from medfl.prep.common import PrepError
 
-__all__ = ["PIPELINES", "STRATEGIES", "DERIVATIVES", "FEDSKD_DERIVATIVES", "DerivativeLayout",
+__all__ = ["PIPELINES", "STRATEGIES", "DERIVATIVES", "FEDSKD_DERIVATIVES", "MAP_SUFFIXES", "DerivativeLayout",
            "find_phenotypic", "find_layout"]
 
 PIPELINES = ("cpac", "ccs", "dparsf", "niak")
@@ -65,9 +65,17 @@ class DerivativeLayout:
     root: Path
 
     def path(self, file_id: str, derivative: str) -> Path:
-        """The file of ``derivative`` for ``file_id``."""
-        name = f"{file_id}_{derivative}.nii.gz"
-        return self.root / derivative / name if self.kind == "pcp" else self.root / name
+        """The file of ``derivative`` for ``file_id``: ``<FILE_ID>_<derivative>.nii.gz``, or
+        the same name ending ``.nii`` where only that exists (a copy gunzipped after download,
+        :data:`MAP_SUFFIXES`); the ``.nii.gz`` name when neither exists."""
+        folder = self.root / derivative if self.kind == "pcp" else self.root
+        names = [folder / f"{file_id}_{derivative}{suffix}" for suffix in MAP_SUFFIXES]
+        return next((p for p in names if p.is_file()), names[0])
+
+
+#: The endings of a derivative map: PCP publishes ``.nii.gz``; a download tool, a browser or
+#: ``gunzip -r`` leaves ``.nii``. Both are read (``.nii.gz`` first where both exist).
+MAP_SUFFIXES = (".nii.gz", ".nii")
 
 
 def _has_pcp(root: Path, derivatives: Sequence[str]) -> bool:
@@ -75,7 +83,8 @@ def _has_pcp(root: Path, derivatives: Sequence[str]) -> bool:
 
 
 def _has_flat(root: Path, derivatives: Sequence[str]) -> bool:
-    return root.is_dir() and any(next(root.glob(f"*_{d}.nii.gz"), None) is not None for d in derivatives)
+    return root.is_dir() and any(next(root.glob(f"*_{d}{suffix}"), None) is not None
+                                 for d in derivatives for suffix in MAP_SUFFIXES)
 
 
 def find_layout(raw: Path, pipeline: str, strategy: str, derivatives: Sequence[str],
@@ -111,8 +120,8 @@ def find_layout(raw: Path, pipeline: str, strategy: str, derivatives: Sequence[s
         for p in sorted(base.glob("*/*")) if base.is_dir() else []:
             if p.is_dir() and p.parent.name in PIPELINES:
                 existing.append(str(p.relative_to(raw)))
-    expected = (f"Outputs/{pipeline}/{strategy}/<derivative>/<FILE_ID>_<derivative>.nii.gz (PCP) "
-                f"or [ABIDE_pcp/]{pipeline}/{strategy}/<FILE_ID>_<derivative>.nii.gz (nilearn)")
+    expected = (f"Outputs/{pipeline}/{strategy}/<derivative>/<FILE_ID>_<derivative>.nii.gz or .nii (PCP) "
+                f"or [ABIDE_pcp/]{pipeline}/{strategy}/<FILE_ID>_<derivative>.nii.gz or .nii (nilearn)")
     raise PrepError(f"{raw}: no derivative maps ({', '.join(derivatives)}) for pipeline {pipeline!r} "
                     f"and strategy {strategy!r}; expected {expected}; found "
                     + (", ".join(sorted(set(existing))) or "no <pipeline>/<strategy> folder")

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from medfl.prep.common import PrepError, require_columns
+from medfl.prep.common import PrepError, check_text_encoding, require_columns
 
 __all__ = ["PHENOTYPIC_FILE", "CLASS_NAMES", "SITES", "REGIONS", "REGION_ORDER", "NILEARN_QC", "Subject",
            "is_missing", "read_phenotypic", "select_rows", "parse_subject", "assign_folds"]
@@ -83,6 +83,7 @@ def read_phenotypic(path: str | Path) -> pd.DataFrame:
     if not path.is_file():
         raise PrepError(f"{path}: phenotypic CSV not found; expected {PHENOTYPIC_FILE} as "
                         "downloaded with the derivatives", path)
+    check_text_encoding(path, PHENOTYPIC_FILE)
     try:
         table = pd.read_csv(path, dtype=str, keep_default_na=False, na_filter=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as exc:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from medfl.prep.common import PrepError
+from medfl.prep.common import PrepError, check_text_encoding
 
 __all__ = [
     "INFO_COLUMNS", "BACKGROUND", "ABNORMALITY", "SEVERITY", "CLASS_SETS", "COORD_FRAME", "InfoRow",
@@ -93,6 +93,7 @@ def read_info_lines(path: Path) -> tuple[str | None, list[tuple[int, str]]]:
     path = Path(path)
     if not path.is_file():
         raise PrepError(f"{path}: not found; expected mini-MIAS's Info.txt", path)
+    check_text_encoding(path, "mini-MIAS Info.txt")
     try:
         data = path.read_bytes()
         text = data.removeprefix(b"\xef\xbb\xbf").decode("ascii")     # a UTF-8 BOM, as the other scripts accept
