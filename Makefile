@@ -18,8 +18,9 @@ $(BIN)/medfl: pyproject.toml
 
 setup: $(BIN)/medfl
 
+# from the repository root, so the "results:" path it prints is one from where you are
 demo: setup
-	cd bundles/demo && ../../$(BIN)/python -m monai.bundle run --config_file configs/train.json
+	$(BIN)/python -m monai.bundle run --config_file bundles/demo/configs/train.json --bundle_root bundles/demo
 
 # Whole test modules go to a worker at a time (module fixtures start their federation or data
 # once), slowest first (tests/conftest.py's SLOW_MODULES, kept in order by

@@ -4,8 +4,9 @@ A run directory is one with a ``config.json`` that names its ``method`` (what th
 writes for every method run: :class:`medfl.rundir.RunDir`); experiments, their ``fold_<k>/``
 and ``seed_<s>/`` folders hold them. For each run: its status (``status.json``, and whether a
 process holds its lock now), method, rounds done of those planned, the headline metric (the
-summary's ``final`` block: the best round under early stopping, else the last round; for a run
-without a summary yet, the last round in ``metrics.csv``), the epsilon spent (worst client;
+run's own metric, :func:`key_metric`, from the summary's ``final`` block: the best round under
+early stopping, else the last round; for a run without a summary yet, the last round in
+``metrics.csv``), the epsilon spent (worst client;
 ``-`` without differential privacy) and when it was last written. A run directory that cannot
 be read is listed with a ``corrupt: <why>`` status, never an exception.
 """
@@ -25,15 +26,16 @@ import pandas as pd
 
 from medfl.rundir import RunDir
 
-__all__ = ["RUN_FIELDS", "HEADLINE_SPLITS", "HEADLINE_METRICS", "DEFAULT_DEPTH", "find_run_dirs", "run_row",
-           "list_runs", "format_runs", "runs_csv", "runs_json"]
+__all__ = ["missing_folder", "RUN_FIELDS", "HEADLINE_SPLITS", "HEADLINE_METRICS", "DEFAULT_DEPTH", "find_run_dirs", "key_metric",
+           "run_row", "list_runs", "format_runs", "runs_csv", "runs_json"]
 
 #: The columns of the table, in order.
 RUN_FIELDS = ("path", "status", "method", "rounds_done", "rounds_planned", "headline", "value", "epsilon",
               "modified")
 #: The split of the headline metric: the first of these the run evaluated, else its first split.
 HEADLINE_SPLITS = ("local_test", "global_test", "cross_test", "test", "val")
-#: The headline metric: the first of these the run reports, else its first metric.
+#: The headline metric of a run whose config names none (:func:`key_metric`): the first of
+#: these the run reports, else its first metric.
 HEADLINE_METRICS = ("accuracy", "auc", "f1")
 #: How deep under the folder run directories are looked for (``runs/<exp>/fold_<k>/<method>``
 #: is 4 below ``runs``'s parent).
@@ -42,11 +44,35 @@ DEFAULT_DEPTH = 5
 _SKIP = {"checkpoints", "eval_state", "data", "__pycache__"}
 
 
-def find_run_dirs(root: str | Path, depth: int = DEFAULT_DEPTH) -> list[Path]:
+def missing_folder(path: str | Path) -> str | None:
+    """``"PATH: no such folder ..."`` when ``path`` does not exist, naming the folder a relative
+    path was looked for in (``make demo`` ran in ``bundles/demo``, so its ``runs/demo`` is not
+    the current folder's); ``None`` when it exists. A path the system cannot even look up
+    (a name too long, a component that is a file) is named with the system's reason."""
+    path = Path(path)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        where = "" if path.is_absolute() else f" (looked for in {Path.cwd()})"
+        return f"{path}: no such folder{where}"
+    except OSError as exc:
+        return f"{path}: cannot be opened ({exc.strerror or exc})"
+    return None
+
+
+def find_run_dirs(root: str | Path, depth: int = DEFAULT_DEPTH, unsearched: list[Path] | None = None) -> list[Path]:
     """Every run directory at most ``depth`` folders below ``root`` (``root`` itself included):
     a folder whose ``config.json`` is not an experiment's (an experiment's has only ``fl`` and
     its metadata, a run's names its ``method``), or that has a ``status.json``. Folders that
-    cannot be read are passed over; dot-folders and a run's own folders are not searched."""
+    cannot be read are passed over; dot-folders and a run's own folders are not searched.
+
+    Args:
+        root: the folder to search.
+        depth: how many folders below ``root`` to look (0: ``root`` itself).
+        unsearched: when given, gets every folder ``depth`` below ``root`` that is not a run
+            directory but has folders of its own, which were not searched (so a caller can say
+            that runs may lie deeper, rather than missing them silently).
+    """
     root = Path(root)
     found: list[Path] = []
 
@@ -54,15 +80,19 @@ def find_run_dirs(root: str | Path, depth: int = DEFAULT_DEPTH) -> list[Path]:
         if _is_run_dir(folder):
             found.append(folder)
             return
-        if left <= 0:
+        if left <= 0 and unsearched is None:
             return
         try:
-            children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink())
+            children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()
+                              and not p.name.startswith(".") and p.name not in _SKIP)
         except OSError:
             return
+        if left <= 0:
+            if children:
+                unsearched.append(folder)   # type: ignore[union-attr] - not None here
+            return
         for child in children:
-            if not child.name.startswith(".") and child.name not in _SKIP:
-                walk(child, left - 1)
+            walk(child, left - 1)
 
     walk(root, depth)
     return found
@@ -105,20 +135,44 @@ def _modified(folder: Path) -> float:
     return max(times, default=folder.stat().st_mtime if folder.exists() else 0.0)
 
 
-def _headline(final: dict[str, Any]) -> tuple[str, float] | None:
-    """``("<split> <metric>", mean)`` from a summary's ``final`` block, or ``None``."""
+def key_metric(config: Any) -> tuple[str | None, str | None]:
+    """``(split, metric)``: the metric a run's ``config.json`` names as its own, ``None`` for
+    what it leaves open: early stopping's ``fl.early_stopping.metric`` (``"<split>/<metric>"``,
+    the rounds are selected on it), else under cross-validation ``fl.cv.metric`` (the metric
+    its ``cv_table`` reports: AUC for abide_fedskd and derm7pt_fedskd), else neither (the
+    first of :data:`HEADLINE_METRICS` the run reports)."""
+    fl = config.get("fl") if isinstance(config, dict) else None
+    if not isinstance(fl, dict):
+        return None, None
+    early = fl.get("early_stopping")
+    if isinstance(early, dict) and isinstance(early.get("metric"), str) and "/" in early["metric"]:
+        split, metric = early["metric"].split("/", 1)
+        return split, metric
+    cv = fl.get("cv")
+    if isinstance(cv, dict) and isinstance(cv.get("folds"), int) and cv["folds"] >= 2 \
+            and isinstance(cv.get("metric"), str):
+        return None, cv["metric"]
+    return None, None
+
+
+def _headline(final: dict[str, Any], key: tuple[str | None, str | None] = (None, None)
+              ) -> tuple[str, float] | None:
+    """``("<split> <metric>", mean)`` from a summary's ``final`` block, or ``None``: the
+    split and metric of ``key`` (:func:`key_metric`) where the run reports them, else the first
+    of :data:`HEADLINE_SPLITS` and :data:`HEADLINE_METRICS`."""
     splits = [s for s, block in final.items() if isinstance(block, dict)]
     if not splits:
         return None
-    split = next((s for s in HEADLINE_SPLITS if s in splits), splits[0])
+    split = next((s for s in (key[0], *HEADLINE_SPLITS) if s in splits), splits[0])
     metrics = [m for m, stats in final[split].items() if isinstance(stats, dict) and "mean" in stats]
     if not metrics:
         return None
-    metric = next((m for m in HEADLINE_METRICS if m in metrics), metrics[0])
+    metric = next((m for m in (key[1], *HEADLINE_METRICS) if m in metrics), metrics[0])
     return f"{split} {metric}", float(final[split][metric]["mean"])
 
 
-def _headline_from_metrics(folder: Path) -> tuple[str, float] | None:
+def _headline_from_metrics(folder: Path, key: tuple[str | None, str | None] = (None, None)
+                           ) -> tuple[str, float] | None:
     """The headline of the last evaluated round in ``metrics.csv`` (a run with no summary yet),
     as ``("<split> <metric> (round r)", mean over clients)``; ``None`` without one."""
     path = folder / "metrics.csv"
@@ -130,9 +184,9 @@ def _headline_from_metrics(folder: Path) -> tuple[str, float] | None:
     last = int(df["round"].max())
     rows = df[df["round"] == last]
     final = {split: {m: {"mean": pd.to_numeric(g[m], errors="coerce").mean()}
-                     for m in g.columns if m in HEADLINE_METRICS}
+                     for m in g.columns if m in HEADLINE_METRICS or m == key[1]}
              for split, g in rows.groupby("split", sort=False)}
-    found = _headline(final)
+    found = _headline(final, key)
     return None if found is None else (f"{found[0]} (round {last})", found[1])
 
 
@@ -192,6 +246,7 @@ def run_row(folder: str | Path, root: str | Path | None = None) -> dict[str, Any
         if isinstance(status, dict):
             row["rounds_done"], row["rounds_planned"] = status.get("last_round"), status.get("rounds")
         config, _ = _read_json(folder / "config.json")
+        key = key_metric(config)
         if isinstance(config, dict) and isinstance(config.get("method"), dict):
             name = str(config["method"].get("name", folder.name))
             row["method"] = name if name == folder.name else f"{folder.name} ({name})"
@@ -203,8 +258,8 @@ def run_row(folder: str | Path, root: str | Path | None = None) -> dict[str, Any
             if not isinstance(summary, dict):
                 row["status"] = f"corrupt: {why or 'summary.json is not a JSON object'}"
                 summary = None
-        found = (_headline(summary.get("final") or {}) if summary is not None else None) \
-            or _headline_from_metrics(folder)
+        found = (_headline(summary.get("final") or {}, key) if summary is not None else None) \
+            or _headline_from_metrics(folder, key)
         if found is not None:
             row["headline"], row["value"] = found
         row["epsilon"] = _epsilon(summary, folder)
@@ -213,9 +268,11 @@ def run_row(folder: str | Path, root: str | Path | None = None) -> dict[str, Any
     return row
 
 
-def list_runs(root: str | Path, depth: int = DEFAULT_DEPTH) -> list[dict[str, Any]]:
+def list_runs(root: str | Path, depth: int = DEFAULT_DEPTH, unsearched: list[Path] | None = None
+              ) -> list[dict[str, Any]]:
     """The rows of every run under ``root`` (:func:`find_run_dirs`), oldest first (the
-    newest last, by :data:`RUN_FIELDS` ``modified``, seconds since the epoch).
+    newest last, by :data:`RUN_FIELDS` ``modified``, seconds since the epoch); ``unsearched``,
+    when given, gets the folders at ``depth`` whose subfolders were not searched.
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
@@ -226,7 +283,7 @@ def list_runs(root: str | Path, depth: int = DEFAULT_DEPTH) -> list[dict[str, An
         raise FileNotFoundError(f"{root}: no such folder")
     if not root.is_dir():
         raise NotADirectoryError(f"{root}: not a folder (give the folder that holds the runs)")
-    rows = [run_row(folder, root) for folder in find_run_dirs(root, depth)]
+    rows = [run_row(folder, root) for folder in find_run_dirs(root, depth, unsearched)]
     return sorted(rows, key=lambda r: (r["modified"], r["path"]))
 
 
@@ -243,8 +300,11 @@ def _text(value: Any, field: str) -> str:
 
 def format_runs(rows: list[dict[str, Any]]) -> str:
     """The rows as one plain-text table: path, status, method, rounds (done/planned), headline
-    metric and its value, epsilon, last modified (local time)."""
-    header = ["path", "status", "method", "rounds", "headline", "value", "epsilon", "modified"]
+    metric and its value, epsilon, last modified (local time). The value's column is named by
+    the metric (``auc``, ``accuracy``) when every run's headline is that one, else ``value``."""
+    names = {str(r["headline"]).split()[1] for r in rows if r["headline"] and len(str(r["headline"]).split()) > 1}
+    header = ["path", "status", "method", "rounds", "headline", names.pop() if len(names) == 1 else "value",
+              "epsilon", "modified"]
     lines = [[_text(r["path"], "path"), _text(r["status"], "status"), _text(r["method"], "method"),
               f"{_text(r['rounds_done'], '')}/{_text(r['rounds_planned'], '')}", _text(r["headline"], "headline"),
               _text(r["value"], "value"), _text(r["epsilon"], "epsilon"), _text(r["modified"], "modified")]

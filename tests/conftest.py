@@ -33,6 +33,7 @@ SLOW_MODULES = (
     "flower/test_under_load.py",        # 165: Flower processes held 35-40 s at their start
     "test_experiments.py",              # 255 CPU s: the 11 experiments/ scripts' --smoke runs (8-40 each)
     "test_export.py",                   # 170 on 2 loaded cores: the demo trained, exported, run by MONAI's CLI
+    "test_bundle_readmes.py",           # ~110: five bundle READMEs' commands as written (fixture, prep, run)
     "methods/test_fedtpf_bundles.py",   # 85
     "test_bundle_monai_tools.py",       # 65: every bundle through MONAI's workflow, verify_net_in_out, ckpt_export
     "tracking/test_tracking.py",        # 75: a real mlflow server, three bundle runs

@@ -36,11 +36,12 @@ def test_train_json_error_is_the_last_line(tmp_path: Path, run_bundle, override:
 
 
 def test_inference_json_error_is_the_last_line(tmp_path: Path, run_bundle) -> None:
-    """``inference.json`` goes through ``medfl.bundle.infer``: a run directory that is not one."""
+    """``inference.json`` goes through ``medfl.bundle.infer``: a run directory that does not exist
+    is named as such."""
     proc = run_bundle(BUNDLES / "mias" / "configs" / "inference.json", "--bundle_root", tmp_path,
                       check=False, timeout=120)
     assert proc.returncode == USER_ERROR_EXIT, proc.stderr[-3000:]
-    want = f"medfl: error: {tmp_path / 'runs' / 'mias' / 'fedavg'}: no config.json"
+    want = f"medfl: error: {tmp_path / 'runs' / 'mias' / 'fedavg'}: no such folder"
     assert _last_line(proc.stderr).startswith(want), proc.stderr[-3000:]
     assert "Failed to evaluate" not in proc.stderr
 

@@ -9,6 +9,7 @@ rows across clients and asks the source for a :class:`torch.utils.data.Dataset` 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -118,4 +119,16 @@ def read_manifest(path: str | Path, required: tuple[str, ...] = ("path", "label"
         raise DataError(f"{path}: manifest has no rows")
     if not pd.api.types.is_integer_dtype(table["label"]):
         raise DataError(f"{path}: column 'label' must hold integer class ids")
+    table.attrs["prep_notes"] = _prep_notes(path)
     return table
+
+
+def _prep_notes(manifest: Path) -> tuple[str, ...]:
+    """The notes of the data_prep ``report.json`` beside a manifest (what the script chose or
+    left empty, e.g. HAM10000's site from the Kaggle mirror's metadata), so that a refusal
+    naming a column can give their cause; empty where there is no such report."""
+    try:
+        notes = json.loads((manifest.parent / "report.json").read_text(encoding="utf-8")).get("notes", [])
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(str(n) for n in notes) if isinstance(notes, list) else ()

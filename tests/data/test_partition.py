@@ -305,6 +305,18 @@ def test_natural_missing_column() -> None:
         natural(TABLE, 0, 0, column="hospital")
 
 
+def test_natural_on_a_column_empty_in_every_row_says_why() -> None:
+    """Issue 51, item 8: a site column empty in every row (a manifest prepared from metadata
+    without sites) was "has N missing value(s)"; it says there is nothing to split by and what
+    to do, or the data_prep note that explains it when the table carries one."""
+    table = TABLE.assign(site=np.nan)
+    with pytest.raises(PartitionError, match=r"'site' is empty in every row.*choose another partitioner"):
+        natural(table, 0, 0)
+    table.attrs["prep_notes"] = ("kept 600 rows", "meta.csv has no 'hospital' column: the manifest's site is empty")
+    with pytest.raises(PartitionError, match=r"report.json says: meta.csv has no 'hospital' column: the manifest's site"):
+        natural(table, 0, 0)
+
+
 # ------------------------------------------------------------------ tables
 
 

@@ -4,26 +4,17 @@ sampling, FedKPer/FedAvg/FedProx on the same sampled clients, forgetting measure
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pandas as pd
 
-from medfl.fixtures import generate
-from medfl.prep.derm7pt import main as prep
 
-BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "derm7pt_fedkper"
+def test_derm7pt_fedkper_bundle(tmp_path):
+    """The three commands of the bundle README's "Try it on fixture data", as written (fixture
+    of 600 cases, prepared at 16 x 16, configs/try.json over train.json)."""
+    from bundle_readme import run_readme
 
-
-def test_derm7pt_fedkper_bundle(tmp_path, run_bundle):
-    generate("derm7pt", tmp_path / "raw", cases=600, seed=0, reference=False)
-    os.environ["MEDFL_NO_PROGRESS"] = "1"
-    assert prep(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "data"), "--size", "16",
-                 "--crop-border", "2"]) == 0
-    run_bundle(BUNDLE / "configs" / "train.json", "--bundle_root", tmp_path, "--dataset_dir", tmp_path / "data",
-               "--image_size", "16", "--fl#rounds", "2", "--fl#model", "{'name': 'small_cnn', 'width': 4}",
-               "--fl#progress", "False", "--fl#train#batch_size", "4")
-    exp = tmp_path / "runs" / "derm7pt_fedkper"
+    _, exp = run_readme("derm7pt_fedkper", tmp_path)
+    assert exp == tmp_path / "bundles" / "derm7pt_fedkper" / "runs" / "derm7pt_fedkper"
     sampled = {}
     for label in ("fedkper", "fedavg", "fedprox"):
         summary = json.loads((exp / label / "summary.json").read_text())

@@ -4,13 +4,12 @@ on fixture data: heterogeneous ResNet-10s, cross-validation, Local and Global Te
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from medfl.fixtures import generate
+from medfl.fixtures.bundles import BUNDLE_FIXTURES
 
 BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 METHODS = ["fedskd", "fedcross_het", "local"]
@@ -45,37 +44,30 @@ def _check_experiment(exp: Path, n_clients: int, region: bool) -> None:
 
 
 def test_abide_fedskd_bundle(tmp_path: Path, run_bundle) -> None:
-    from medfl.prep.abide import main as prep
+    """The three commands of the bundle README's "Try it on fixture data", as written."""
+    from bundle_readme import run_readme
 
-    info = generate("abide", tmp_path / "raw", cases=32, seed=0, reference=False)
-    os.environ["MEDFL_NO_PROGRESS"] = "1"
-    assert prep(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "data"), "--size", "16",
-                 "--test-fold", "none", "--atlas", "file", "--atlas-file", str(info["signal_atlas"])]) == 0
-    base = ["--bundle_root", tmp_path, "--dataset_dir", tmp_path / "data", "--spatial_size", "[16,16,16]"]
-    run_bundle(BUNDLES / "abide_fedskd" / "configs" / "train.json", *base, "--fl#rounds", "2",
-               "--fl#cv#folds", "2", "--iterations", "2", "--fl#progress", "False",
-               "--fl#model#width", "4", "--fl#client_models", "[{'width': 4}, {'width': 4}, {'width': 3}, {'width': 3}]")
-    exp = tmp_path / "runs" / "abide_fedskd"
+    _, exp = run_readme("abide_fedskd", tmp_path)
+    assert exp == tmp_path / "bundles" / "abide_fedskd" / "runs" / "abide_fedskd"
     _check_experiment(exp, 4, region=True)
     part = pd.read_csv(exp / "fold_1" / "fedskd" / "partition.csv", dtype=str)
     assert not (part["role"] == "global_test").any()   # no held-out set: CV uses every subject
-    run_bundle(BUNDLES / "abide_fedskd" / "configs" / "inference.json", *base, "--fold", "1")
+    # from where the README's commands ran: the run's config.json holds their relative paths
+    run_bundle(BUNDLES / "abide_fedskd" / "configs" / "inference.json", "--bundle_root", "bundles/abide_fedskd",
+               "--dataset_dir", "bundles/abide_fedskd/data/try", "--spatial_size", "[16,16,16]", "--fold", "1",
+               cwd=tmp_path)
     pred = pd.read_csv(exp / "fold_1" / "fedskd" / "predictions.csv")
-    assert len(pred) == 4 * 32 and set(pred["prediction"]) <= {0, 1}
+    cases = BUNDLE_FIXTURES["abide_fedskd"].parts[0].cases
+    assert len(pred) == 4 * cases and set(pred["prediction"]) <= {0, 1}
 
 
-def test_derm7pt_fedskd_bundle(tmp_path: Path, run_bundle) -> None:
-    from medfl.prep.derm7pt import main as prep
+def test_derm7pt_fedskd_bundle(tmp_path: Path) -> None:
+    """The three commands of the bundle README's "Try it on fixture data", as written."""
+    from bundle_readme import run_readme
 
-    generate("derm7pt", tmp_path / "raw", cases=150, seed=0, reference=False)
-    os.environ["MEDFL_NO_PROGRESS"] = "1"
-    assert prep(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "data"), "--size", "16",
-                 "--crop-border", "2"]) == 0
-    run_bundle(BUNDLES / "derm7pt_fedskd" / "configs" / "train.json", "--bundle_root", tmp_path,
-               "--dataset_dir", tmp_path / "data", "--image_size", "16", "--fl#rounds", "2", "--fl#cv#folds", "2",
-               "--iterations", "2", "--fl#progress", "False", "--fl#partition#min_size", "8",
-               "--fl#model#width", "4", "--fl#client_models", "[{'width': 4}, {'width': 3}, {'width': 2}]")
-    _check_experiment(tmp_path / "runs" / "derm7pt_fedskd_alpha1.0", 3, region=False)
+    _, exp = run_readme("derm7pt_fedskd", tmp_path)
+    assert exp == tmp_path / "bundles" / "derm7pt_fedskd" / "runs" / "derm7pt_fedskd_alpha1.0"
+    _check_experiment(exp, 3, region=False)
 
 
 @pytest.mark.parametrize("bundle", ["abide_fedskd", "derm7pt_fedskd"])

@@ -6,54 +6,44 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from medfl.fixtures import generate
-from medfl.prep import cbis_ddsm, mias
-
-BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "cbis_ddsm_pfedcdp"
-SIZE = "16"  # on 16 px inputs the paper's CNNs are exactly the paper's (their 4 x 4 pool is the identity)
+# the README prepares at 16 px: there the paper's CNNs are exactly the paper's (their 4 x 4 pool is the identity)
 METHODS = ["pfedcdp", "fedavg", "centralized"]
 SPLITS = ("public_test", "local_test", "global_test")
+CLIENTS = {str(c) for c in range(10)}   # the bundle's default num_clients
 
 
 @pytest.mark.plots
-def test_cbis_ddsm_pfedcdp_bundle(tmp_path, run_bundle, monkeypatch):
-    monkeypatch.setenv("MEDFL_NO_PROGRESS", "1")
-    # 40 CBIS-DDSM mammograms: 19 in the training CSVs (split over the clients, at least 4
-    # each), 21 in the official test split; 30 MIAS images of which 16 are benign or malignant
-    generate("cbis_ddsm", tmp_path / "raw_cbis", cases=40, seed=0, reference=False, size=(48, 32))
-    generate("mias", tmp_path / "raw_mias", cases=30, seed=0, reference=False, size=32)
-    private, public = tmp_path / "data" / "cbis_ddsm", tmp_path / "data" / "mias"
-    assert cbis_ddsm.main(["--raw", str(tmp_path / "raw_cbis"), "--out", str(private),
-                           "--size", SIZE, SIZE]) == 0
-    assert mias.main(["--raw", str(tmp_path / "raw_mias"), "--out", str(public), "--size", SIZE,
-                      "--classes", "benign-malignant"]) == 0
+def test_cbis_ddsm_pfedcdp_bundle(tmp_path):
+    """The three commands of the bundle README's "Try it on fixture data", as written: 800
+    CBIS-DDSM mammograms (the training share split over the default 10 clients by Dirichlet
+    0.5, at least 20 each; the official test split as the global test) and 30 MIAS images
+    of which 16 are benign or malignant, both prepared at 16 x 16, two rounds."""
+    from bundle_readme import run_readme
+
+    procs, exp = run_readme("cbis_ddsm_pfedcdp", tmp_path)
+    proc = procs[-1]
+    assert exp == tmp_path / "bundles" / "cbis_ddsm_pfedcdp" / "runs" / "cbis_ddsm_pfedcdp"
+    private, public = (tmp_path / "bundles" / "cbis_ddsm_pfedcdp" / "data" / "try" / d for d in ("cbis_ddsm", "mias"))
     manifest = pd.read_csv(private / "manifest.csv")
     assert set(manifest["split"]) == {"train", "test"}  # the official split: the global test set
     assert set(pd.read_csv(public / "manifest.csv")["label"]) == {0, 1}
 
-    # default dataset_dir: bundle_root/data, with cbis_ddsm/ and mias/ below it
-    proc = run_bundle(BUNDLE / "configs" / "train.json", "--bundle_root", tmp_path, "--image_size", SIZE,
-                      "--fl#rounds", "2", "--fl#num_clients", "4", "--fl#progress", "False",
-                      "--fl#partition#min_size", "4", "--fl#partition#max_retries", "1000",
-                      "--fl#train#batch_size", "4", "--fl#train#epochs", "1", "--fl#methods#0#refine_epochs", "1")
     # the console names the refined student's scores and the clusters' under PFedCDP's table
     assert "final models (final_metrics.csv" in proc.stdout and "  student: public_test accuracy" in proc.stdout
     assert "groups (groups.csv" in proc.stdout
-    exp = tmp_path / "runs" / "cbis_ddsm_pfedcdp"
     summaries = {m: json.loads((exp / m / "summary.json").read_text()) for m in METHODS}
     cdp = summaries["pfedcdp"]
-    assert cdp["num_clients"] == 4 and cdp["rounds"] == 2
+    assert cdp["num_clients"] == 10 and cdp["rounds"] == 2
 
     # every client trained (Dirichlet 0.5 with min_size left none empty) and has a cluster
     train = pd.read_csv(exp / "pfedcdp" / "train_metrics.csv", dtype={"client_id": str})
-    assert sorted(train["client_id"].unique()) == ["0", "1", "2", "3"] and (train["steps"] > 0).all()
+    assert set(train["client_id"]) == CLIENTS and (train["steps"] > 0).all()
     report = cdp["method_report"]
-    assert set(report["clusters"]) == {"0", "1", "2", "3"}
+    assert set(report["clusters"]) == CLIENTS
     assert set(report["clusters"].values()) <= {"high", "medium", "low"}
     weights = report["teacher_weights"]
     assert set(weights) == set(report["teachers"]) == set(report["clusters"].values())
@@ -68,7 +58,7 @@ def test_cbis_ddsm_pfedcdp_bundle(tmp_path, run_bundle, monkeypatch):
 
     profile = pd.read_csv(exp / "pfedcdp" / "profile.csv", dtype={"client_id": str})
     assert list(profile.columns) == ["client_id", "cpu", "memory", "battery", "network"]
-    assert sorted(profile["client_id"]) == ["0", "1", "2", "3"]
+    assert set(profile["client_id"]) == CLIENTS
     groups = pd.read_csv(exp / "pfedcdp" / "groups.csv", dtype={"client_id": str})
     assert dict(zip(groups["client_id"], groups["group"])) == report["clusters"]
     finals = pd.read_csv(exp / "pfedcdp" / "final_metrics.csv")

@@ -7,6 +7,7 @@ test). Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.grou
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from numbers import Real
 from typing import Any
@@ -23,6 +24,16 @@ from medfl.data.partition.groups import (
 )
 
 __all__ = ["class_sample", "natural", "subset"]
+
+
+def _all_empty(table: pd.DataFrame, column: str) -> str:
+    """Why ``natural`` cannot split a table whose ``column`` is empty in every row: the note
+    of the data_prep report that left it empty where the table carries one
+    (``table.attrs["prep_notes"]``, :func:`medfl.data.source.read_manifest`), else what to do."""
+    said = [n for n in table.attrs.get("prep_notes", ()) if re.search(rf"\b{re.escape(column)}\b", n)]
+    why = (f"data_prep's report.json says: {said[0]}" if said
+           else "choose another partitioner (dirichlet, iid, ...) or fill the column")
+    return f"column {column!r} is empty in every row: there is no {column} to make one client per value of; {why}"
 
 
 def natural(
@@ -74,6 +85,8 @@ def natural(
     num_clients = _check_int(func, "num_clients", num_clients, 0,
                              why=" (0 or None: as many clients as groups)")
     values = table[column]
+    if values.isna().all():
+        raise _fail(func, _all_empty(table, column))
     if values.isna().any():
         raise _fail(func, f"column {column!r} has {int(values.isna().sum())} missing value(s)")
     if mapping is not None:
