@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tomllib
+import types
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "medfl-plugin-example"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "medfl-plugin-example"
+
+
+@pytest.fixture(scope="module")
+def example_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a process that sees the example plugin installed (once per module,
+    with pip, into a target folder on ``PYTHONPATH``)."""
+    target = tmp_path_factory.mktemp("example") / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(EXAMPLE)], check=True, capture_output=True)
+    return dict(os.environ, PYTHONPATH=str(target))
 
 
 def test_median_aggregation_hand_computed():
@@ -56,6 +71,19 @@ def test_snapshots_are_ranked_by_mean_validation_accuracy():
     assert restored.chosen == [0, 2] and len(restored.snapshots) == 3
 
 
+def test_snapshots_refuse_a_run_too_short_for_top_where_they_see_its_rounds():
+    """The example's ``setup`` refuses with ``MethodConfigError`` (docs/plugins.md, *Refusing a
+    setting*): the hyperparameter against the run, which ``__init__`` cannot see."""
+    from medfl import MethodConfigError
+    from medfl.method import Federation
+
+    m = _example().MedianSnapshots(keep=3, top=2)
+    with pytest.raises(MethodConfigError, match=r"median_snapshots: top=2 needs at least 2 global models, the run "
+                                                r"has 1 round\(s\); lower top or raise fl.rounds"):
+        m.setup(Federation(client_ids=["0"], eval_client_ids=["0"], num_examples={"0": 4}, num_classes=2, rounds=1,
+                           seed=0, model={"name": "small_cnn", "width": 2}))
+
+
 def test_mean_probability_ensemble_returns_probabilities():
     ex = _example()
     torch.manual_seed(0)
@@ -64,11 +92,8 @@ def test_mean_probability_ensemble_returns_probabilities():
     assert ens.returns_probabilities and torch.allclose(p.sum(1), torch.ones(5))
 
 
-def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(EXAMPLE)], check=True, capture_output=True)
-    env = dict(os.environ, PYTHONPATH=str(target))
+def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl, example_env):
+    env = dict(example_env)
     listed = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "--json"], env=env,
                             capture_output=True, text=True, check=True)
     info = {p["name"]: p for p in json.loads(listed.stdout)}
@@ -76,6 +101,7 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
     assert plugin["distribution"] == "medfl-plugin-example" and plugin["version"] == "0.1.0"
     assert plugin["registered"] == {"method": ["dp_fedavg_opacus", "dp_shared_images", "median", "median_snapshots"],
                                     "filter": ["half"]}
+    assert info["medfl-plugin-example:stem_cnn"]["registered"] == {"model": ["stem_cnn"]}   # its model plugin
     # medfl plugins NAME --json carries each preset value's source (issue 48)
     described = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "median_snapshots", "--json"], env=env,
                                capture_output=True, text=True, check=True)
@@ -146,8 +172,6 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl):
 
 
 def test_half_filter_round_trip_and_refusals():
-    import pytest
-
     from medfl.filters import FilterContext
     from medfl.messages import PayloadError
 
@@ -164,3 +188,122 @@ def test_half_filter_round_trip_and_refusals():
         ex.Half().undo({"w": new["w"]}, ctx)
     with pytest.raises(ValueError, match="range"):
         ex.Half().apply({"w": torch.full((2,), 1e6)}, ctx)
+
+
+# ------------------------------------------------------------------ the model plugin (issue 51)
+
+MODEL_SOURCE = EXAMPLE / "medfl_stem_cnn.py"
+
+
+def _models_section() -> str:
+    """docs/plugins.md's ``### Models`` section, up to the next ``###`` heading."""
+    text = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    start = text.index("\n### Models\n")
+    return text[start:text.index("\n### ", start + 1)]
+
+
+def _blocks(section: str, lang: str) -> list[str]:
+    """The fenced ``lang`` code blocks of ``section``, as written."""
+    return re.findall(rf"^```{lang}\n(.*?)^```$", section, flags=re.S | re.M)
+
+
+def test_models_docs_show_the_example_model_plugin_verbatim():
+    """The docs' model plugin is the example's module, character for character, and its
+    entry point is the example's: the docs cannot drift from the code the tests run."""
+    section = _models_section()
+    assert MODEL_SOURCE.read_text(encoding="utf-8") in _blocks(section, "python")
+    (toml_block,) = _blocks(section, "toml")
+    documented = tomllib.loads(toml_block)
+    project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text(encoding="utf-8"))
+    assert documented["project"]["entry-points"]["medfl"] == project["project"]["entry-points"]["medfl"]
+    assert documented["tool"]["setuptools"] == project["tool"]["setuptools"]
+
+
+def test_model_plugin_from_the_docs_alone_follows_the_feature_model_contract():
+    """The module as docs/plugins.md prints it, registered at runtime, builds through the
+    registry and gives what the methods read (forward, stages, embedding, head split)."""
+    from medfl.models import FeatureModel
+    from medfl.models.registry import ModelConfigError, build_model, build_seeded
+    from medfl.plugins import get_plugin_manager
+
+    (source,) = [b for b in _blocks(_models_section(), "python") if "def register_models" in b]
+    module = types.ModuleType("docs_stem_cnn")
+    sys.modules[module.__name__] = module
+    pm = get_plugin_manager()
+    try:
+        exec(compile(source, "docs/plugins.md", "exec"), module.__dict__)
+        pm.register(module, name="docs-stem-cnn")
+        spec = {"name": "docs-stem-cnn:stem_cnn", "spatial_dims": 2, "in_channels": 1, "num_classes": 3,
+                "stem_channels": 3, "inner": {"name": "small_cnn", "width": 4}}
+        model = build_seeded(spec, seed=0).eval()
+        x = torch.randn(5, 1, 12, 12, generator=torch.Generator().manual_seed(0))
+        logits, stages = model.forward_features(x)
+        assert isinstance(model, FeatureModel) and model.embed_dim == 8
+        assert logits.shape == (5, 3) and torch.allclose(logits, model(x))
+        assert [tuple(f.shape) for f in stages] == [(5, 3, 12, 12), (5, 4, 6, 6), (5, 8, 3, 3)]
+        assert model.embed(x).shape == (5, 8) and torch.allclose(model.head(model.embed(x)), logits)
+        keys = list(model.state_dict())
+        assert model.head_keys() == ["inner.head.weight", "inner.head.bias"]
+        assert sorted(model.body_keys() + model.head_keys()) == sorted(keys) and len(set(keys)) == len(keys)
+        assert keys[0].startswith("stem.")
+        # seeded by the engine: the same spec and seed give the same weights, inner model included
+        again = build_seeded(spec, seed=0)
+        assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+        # keys do not depend on stem_channels (clients may differ in it); DP builds it fixed
+        assert list(build_model({**spec, "stem_channels": 2}).state_dict()) == keys
+        dp = build_model({**spec, "dp_compatible": True})
+        assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in dp.modules()) and dp(x).shape == (5, 3)
+        for bad, match in [({"stem_channels": 0}, "stem_channels must be an integer >= 1, got 0"),
+                           ({"inner": {"name": "small_cnn", "in_channels": 2}}, "without spatial_dims"),
+                           ({"inner": {"name": "weighted_ensemble", "members": [{"name": "small_cnn"}]}},
+                            "inner model WeightedEnsemble is not a FeatureModel"),
+                           ({"spatial_dims": 1}, "spatial_dims must be 2 or 3")]:
+            with pytest.raises(ModelConfigError, match=match):
+                build_model({**spec, **bad})
+    finally:
+        pm.unregister(name="docs-stem-cnn")
+        sys.modules.pop(module.__name__, None)
+
+
+def test_installed_model_plugin_trains_with_fedavg_style_and_feature_methods(tmp_path, tiny_fl, example_env):
+    """``stem_cnn`` installed from the example package (listed: the test above), trained by
+    the example's ``median`` (weights only), FedSDC (embedding and head split) and FedSKD (the
+    stages: stage 3 exists only because the stem's output is stage 1)."""
+    stem = {"name": "stem_cnn", "stem_channels": 3, "inner": {"name": "small_cnn", "width": 4}}
+    tiny_fl.update(rounds=1, plots=False, model=stem,
+                   methods=[{"name": "median"}, {"name": "fedsdc", "gamma": 0.5, "min_hidden": 8},
+                            {"name": "fedskd", "iterations": 2, "stages": [1, 3]}])
+    cfg = tmp_path / "train.json"
+    cfg.write_text(json.dumps({"fl": tiny_fl}))
+    proc = subprocess.run([sys.executable, "-m", "medfl.cli", "run", str(cfg)], env=example_env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = Path(tiny_fl["output_dir"]) / "t"
+    for method in ("median", "fedsdc", "fedskd"):
+        recorded = json.loads((out / method / "config.json").read_text())["fl"]
+        assert recorded["plugin_names"]["model"] == {"stem_cnn": "medfl-plugin-example:stem_cnn"}
+        summary = json.loads((out / method / "summary.json").read_text())
+        assert 0 <= summary["final"]["local_test"]["accuracy"]["mean"] <= 1
+    # FedSDC's heads take the embedding (embed_dim 8, min_hidden 8: widths around 8)
+    widths = json.loads((out / "fedsdc" / "summary.json").read_text())["method_report"]["head_widths"]
+    assert len(widths) == 3 and all(1 <= w <= 16 for w in widths)
+    # FedSKD distilled the stem's output and the inner model's second stage between peers
+    skd = pd.read_csv(out / "fedskd" / "train_metrics.csv")
+    peers = skd[skd["self_round"] == 0.0]
+    assert len(peers) and (peers["skd_batch"] > 0).all() and (peers["skd_pixel"] > 0).all()
+    # a bad option is the model's one-line refusal (ModelConfigError), not a traceback
+    proc = subprocess.run([sys.executable, "-m", "medfl.cli", "run", str(cfg), "fl#model#stem_channels=0",
+                           "fl#name=bad"], env=example_env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "medfl: error: stem_cnn: stem_channels must be an integer >= 1, got 0" in proc.stderr
+
+
+def test_readme_names_only_what_the_example_code_uses():
+    """Every code name the example's README puts in backticks (an attribute, hook, class or
+    plugin name) is one its modules or ``pyproject.toml`` use, so a contract name that medfl
+    dropped (``payload_exemptions``) cannot linger in it; numbered report columns (``acc_0``)
+    count as the ``acc_{i}`` the code writes."""
+    code = "\n".join(p.read_text(encoding="utf-8") for p in (*sorted(EXAMPLE.glob("*.py")), EXAMPLE / "pyproject.toml"))
+    named = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", (EXAMPLE / "README.md").read_text(encoding="utf-8")))
+    stale = sorted(n for n in named if not re.search(rf"\b{n}\b", code) and re.sub(r"_\d+$", "_{", n) not in code)
+    assert stale == [], f"examples/medfl-plugin-example/README.md names what its code does not use: {stale}"

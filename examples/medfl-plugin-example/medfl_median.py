@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from medfl import Instruction, OwnDp, hookimpl
-from medfl.method import Preset
+from medfl.method import MethodConfigError, Preset
 from medfl.hub import HubAndSpoke
 from medfl.training import predict_proba
 from medfl.training import get_state, make_optimizer, train_epochs
@@ -126,7 +126,13 @@ class MedianSnapshots(FedMedian):
 
     Args:
         keep: how many recent global models to keep (>= 1).
-        top: how many of them form the evaluated ensemble (1..keep).
+        top: how many of them form the evaluated ensemble (1..keep, and at most ``fl.rounds``:
+            a run of fewer rounds never has ``top`` global models; ``setup`` refuses it).
+
+    Raises:
+        MethodConfigError: ``keep`` or ``top`` out of range (``__init__``), or ``top`` above the
+            run's rounds (``setup``, where the method first sees them): the run stops with that
+            one line and leaves no run directory.
     """
 
     name = "median_snapshots"
@@ -145,12 +151,17 @@ class MedianSnapshots(FedMedian):
 
     def __init__(self, keep: int = 3, top: int = 2) -> None:
         if int(keep) < 1 or not 1 <= int(top) <= int(keep):
-            raise ValueError(f"median_snapshots: need keep >= 1 and 1 <= top <= keep, got keep={keep}, top={top}")
+            raise MethodConfigError(f"median_snapshots: need keep >= 1 and 1 <= top <= keep, got keep={keep}, "
+                                    f"top={top}")
         self.keep, self.top = int(keep), int(top)
 
     # ---------------------------------------------------------------- coordinator
     def setup(self, federation) -> None:
-        """The global model (``HubAndSpoke``), no snapshots yet."""
+        """The global model (``HubAndSpoke``), no snapshots yet; a run too short for ``top``
+        global models is refused here, where the method first sees its rounds."""
+        if self.top > federation.rounds:
+            raise MethodConfigError(f"median_snapshots: top={self.top} needs at least {self.top} global models, the "
+                                    f"run has {federation.rounds} round(s); lower top or raise fl.rounds")
         super().setup(federation)
         self.snapshots: list[dict[str, torch.Tensor]] = []
         self.chosen: list[int] = []
@@ -285,7 +296,7 @@ class DpSharedImages(HubAndSpoke):
 
     def __init__(self, epsilon: float = 8.0, clip: float = 5.0, delta: float = 1e-5) -> None:
         if not (epsilon > 0 and clip > 0 and 0 < delta < 1):
-            raise ValueError("dp_shared_images: epsilon and clip must be > 0, delta in (0, 1)")
+            raise MethodConfigError("dp_shared_images: epsilon and clip must be > 0, delta in (0, 1)")
         self.epsilon, self.clip, self.delta = float(epsilon), float(clip), float(delta)
 
     def release_plan(self) -> SampleRelease:
