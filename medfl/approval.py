@@ -12,7 +12,8 @@ installed code, and everything that runs with it:
 ``kind``, ``name``
     what the site runs: every kind :mod:`medfl.plugins` registers (:data:`APPROVED_KINDS`):
     the coordinator's ``method``, ``filter`` (the run's chain) and ``model`` (each client's,
-    and each model sent for scoring); every registered ``metric`` (an evaluation computes
+    each model sent for scoring, and each model one of them builds from its options, checked
+    when it is looked up: :func:`guarded_models`); every registered ``metric`` (an evaluation computes
     them all); the site's own ``dataset`` and ``partitioner``;
 ``distribution``, ``version``
     the installed distribution that registered it (``medfl`` for the built-ins);
@@ -73,12 +74,14 @@ import os
 import re
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 __all__ = ["APPROVALS_ENV", "APPROVED_KINDS", "ApprovalError", "CodeIdentity", "Approvals", "code_identity",
-           "required", "check_control", "approvals_path", "private_bytecode"]
+           "approval_identities", "plugin_kinds", "required", "check_control", "guarded_models", "approvals_path",
+           "private_bytecode"]
 
 logger = logging.getLogger(__name__)
 
@@ -382,6 +385,51 @@ def code_identity(kind: str, name: str, cache: dict[frozenset[str], Any] | None 
     return CodeIdentity(kind=kind, name=name, distribution=dist, version=version, sha256=sha, files=dict(hashes))
 
 
+def plugin_kinds(name: str) -> list[str]:
+    """The kinds a site runs (:data:`APPROVED_KINDS`) under which a plugin named ``name``
+    (bare or qualified) is registered here: what ``medfl approve --kind`` takes for it."""
+    from medfl.plugins import registry
+
+    reg = registry()
+    return [kind for kind in APPROVED_KINDS if reg.by_name.get(kind, {}).get(name)]
+
+
+def _kind_hint(kind: str, name: str) -> str | None:
+    """Why ``name`` is no ``kind`` when it is a plugin of other kinds, naming the ``--kind``
+    that approves it; ``None`` when it is registered as ``kind`` or as no other kind."""
+    kinds = plugin_kinds(name)
+    others = [k for k in kinds if k != kind]
+    if kind in kinds or kind not in APPROVED_KINDS or not others:   # an unknown --kind: code_identity says so
+        return None
+    options = " or ".join(f"--kind {k}" for k in others)
+    return (f"{name!r} is not a {kind} but a {' and a '.join(others)} plugin: approve it with {options} "
+            f"(`medfl approve {name} --kind {others[0]}`)")
+
+
+def approval_identities(wanted: Iterable[tuple[str, str]],
+                        cache: dict[frozenset[str], Any] | None = None) -> list[CodeIdentity]:
+    """The identity (:func:`code_identity`) of every ``(kind, name)`` of ``wanted``, each one
+    checked before any is returned, so that ``medfl approve`` records all of them or none.
+
+    Raises:
+        ApprovalError: one message naming every ``(kind, name)`` that cannot be approved
+            (not installed, ambiguous, not pinnable); a name registered as another kind says
+            which ``--kind`` approves it.
+    """
+    found: list[CodeIdentity] = []
+    problems: list[str] = []
+    for kind, name in wanted:
+        try:
+            found.append(code_identity(kind, name, cache))
+        except ApprovalError as exc:
+            problems.append(_kind_hint(kind, name) or str(exc))
+    if len(problems) > 1:
+        raise ApprovalError(f"{len(problems)} names cannot be approved: " + "; ".join(problems))
+    if problems:
+        raise ApprovalError(problems[0])
+    return found
+
+
 def _code_digest(tops: Iterable[str], who: str) -> tuple[dict[str, str], str]:
     """``({file: sha256}, digest of that listing)`` of :func:`_pinned_files` of ``tops``,
     after checking each file's bytecode (:func:`_stale_bytecode`)."""
@@ -502,6 +550,24 @@ class Approvals:
         """Remove an approval; whether there was one."""
         return self.entries.pop((kind, name), None) is not None
 
+    def check_listed(self, wanted: Iterable[tuple[str, str]]) -> None:
+        """Refuse, before any is revoked, ``(kind, name)`` pairs of ``wanted`` the file does
+        not list (a name it lists as another kind says which ``--kind`` to give).
+
+        Raises:
+            ApprovalError: naming every pair that is not in the file.
+        """
+        problems = []
+        for kind, name in wanted:
+            if (kind, name) in self.entries:
+                continue
+            others = sorted(k for k, n in self.entries if n == name)
+            problems.append(f"{kind} {name!r} is not in {self.path}" + (
+                f" (it lists {name!r} as a {' and a '.join(others)}: give "
+                f"{' or '.join(f'--kind {k}' for k in others)})" if others else ""))
+        if problems:
+            raise ApprovalError("; ".join(problems))
+
     def refusal(self, identity: CodeIdentity) -> str | None:
         """Why ``identity`` may not run (``None``: it is approved); a changed file is named."""
         e = self.entries.get((identity.kind, identity.name))
@@ -584,14 +650,68 @@ def check_control(control: dict[str, Any], who: str, path: Path | None = None,
     approvals = Approvals.load(path)
     cache: dict[frozenset[str], Any] = {}
     for kind, name in wanted:
-        try:
-            identity = code_identity(kind, name, cache)
-        except ApprovalError as exc:
-            raise ApprovalError(f"refused {kind} {name!r}: {exc}") from None
-        reason = approvals.refusal(identity)
-        if reason is not None:
-            raise ApprovalError(
-                f"refused {identity.describe()}: {reason}. The site operator can review its code and approve it "
-                f"with `medfl approve {name} --kind {kind} --file {path}` (or approve again everything the file "
-                f"lists, as installed now: `medfl approve --update --file {path}`)")
+        _check_one(approvals, kind, name, cache)
     return approvals
+
+
+def _check_one(approvals: Approvals, kind: str, name: str, cache: dict[frozenset[str], Any], via: str = "") -> None:
+    """Refuse ``name`` of ``kind`` unless ``approvals`` lists it with its installed version
+    and code; ``via``: what runs it (``, built by model 'stem_cnn'``), said in the refusal.
+
+    Raises:
+        ApprovalError: naming the plugin, why, and the ``medfl approve`` command that approves it.
+    """
+    try:
+        identity = code_identity(kind, name, cache)
+    except ApprovalError as exc:
+        raise ApprovalError(f"refused {kind} {name!r}{via}: {exc}") from None
+    reason = approvals.refusal(identity)
+    if reason is not None:
+        raise ApprovalError(
+            f"refused {identity.describe()}{via}: {reason}. The site operator can review its code and approve it "
+            f"with `medfl approve {name} --kind {kind} --file {approvals.path}` (or approve again everything the "
+            f"file lists, as installed now: `medfl approve --update --file {approvals.path}`)")
+
+
+@contextmanager
+def guarded_models(approvals: Approvals | None, who: str, allowed: Iterable[str] = ()) -> Iterator[None]:
+    """Within the block, every model plugin the registry looks up (:func:`medfl.plugins.lookup`,
+    through :func:`~medfl.plugins.guarded_lookups`) must be approved in ``approvals`` with its
+    installed version and code, as :func:`check_control` requires of the message's own models:
+    a wrapper model that builds an inner model from its options (``{"name": "stem_cnn",
+    "inner": {"name": ...}}``, with ``build_model`` or ``lookup("model", ...)``) cannot make
+    the site run a model plugin its operator never approved. The inner model is refused
+    before its factory runs, naming the models being built around it
+    (:func:`medfl.models.registry.building`).
+
+    Args:
+        approvals: the site's approvals file, as :func:`check_control` read it for the
+            message; ``None`` (no file): each model is allowed and announced once on stderr.
+        who: the site, in messages (``medfl site 0``).
+        allowed: model names :func:`check_control` already approved for the message.
+
+    Raises:
+        ApprovalError: from a lookup in the block: naming the model, the wrapper and why.
+    """
+    from medfl.models.registry import building
+    from medfl.plugins import guarded_lookups
+
+    done = set(allowed)
+    cache: dict[frozenset[str], Any] = {}
+
+    def check(kind: str, name: str) -> None:
+        if kind != "model" or name in done:
+            return
+        outer = building()
+        via = f", built by model {outer[-1]!r}" if outer else ""
+        if approvals is None:
+            if (who, kind, name) not in _WARNED:
+                _WARNED.add((who, kind, name))
+                logger.warning(f"{who}: running {kind} {name!r}{via} without approval (no approvals file: this site "
+                               f"runs any installed {kind}; see `medfl approve`)")
+        else:
+            _check_one(approvals, kind, name, cache, via)
+        done.add(name)
+
+    with guarded_lookups(check):
+        yield

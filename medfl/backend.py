@@ -13,17 +13,27 @@ simulation runtime...), and returns what ``drive`` returned. ``run_factory`` bui
 method's run (``(cfg, method_spec, run_dir, data) -> Run``: :class:`medfl.engine.runner.Run`
 itself, or a subclass such as :class:`medfl.flower.server.FlowerRun` bound to its grid);
 ``meta`` is added to the experiment's ``config.json`` files (e.g. ``{"engine": "flower"}``).
+
+The experiment's ``config.json`` records the backend that ran it (``"backend"``: its
+registered name). A stopped run continues on that backend, with the command its
+:meth:`Backend.resume_command` gives (:func:`resume_command`): ``medfl resume DIR`` for the
+backends whose clients this machine starts (``inprocess``, ``ray``); ``medfl flower run
+--resume DIR ...`` for ``flower``, whose clients ran at the sites and kept their state there.
+A backend whose runs cannot continue in ``medfl resume`` refuses it in :meth:`Backend.resume`,
+naming that command.
 """
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any, Callable
 
 from medfl.engine.runner import RunError
 from medfl.plugins import lookup
+from medfl.rundir import recorded_backend, resume_command
 
-__all__ = ["Backend", "Drive", "backend_name", "backend_of"]
+__all__ = ["Backend", "Drive", "backend_name", "backend_of", "recorded_backend", "resume_command"]
 
 #: The experiment's loop, as a backend calls it: ``drive(run_factory, meta=None) -> result``
 #: (the result of :func:`medfl.experiment.run_experiment` or :func:`medfl.experiment.resume`).
@@ -53,6 +63,20 @@ class Backend:
         return its result."""
         raise NotImplementedError(f"backend {self.name!r} cannot resume a run")
 
+    def check_resume(self, path: Path) -> None:
+        """Refuse to continue ``path`` from here before anything is written (default: accept).
+
+        Raises:
+            RunError: the run's clients cannot be reached from here; the message names the
+                command that continues it (:meth:`resume_command`).
+        """
+
+    def resume_command(self, path: Path, record: dict[str, Any]) -> str:
+        """The whole command that continues the stopped run or experiment ``path`` on this
+        backend (``record``: its experiment's ``config.json``, where :meth:`run` left what the
+        command needs). Default: ``medfl resume PATH``, for clients this machine starts."""
+        return f"medfl resume {shlex.quote(str(path))}"
+
 
 def backend_name(cfg: dict[str, Any]) -> str:
     """The backend a resolved (or saved) ``fl`` config names: ``fl.backend`` as a name or as
@@ -72,3 +96,4 @@ def backend_of(cfg: dict[str, Any]) -> Backend:
     if not isinstance(backend, Backend):
         raise RunError(f"backend {backend_name(cfg)!r} is not a medfl.backend.Backend: {backend!r}")
     return backend
+

@@ -230,7 +230,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Print a run's summary table and (re)write its plots (an experiment's too)."""
     from medfl.report import format_table, summary_table, write_experiment_plots, write_plots
 
+    from medfl.runs import missing_folder
+
     path = Path(args.run_dir)
+    if missing_folder(path):
+        logger.error(f"medfl: {missing_folder(path)}")
+        return 2
     is_run = (path / "metrics.csv").is_file()
     run_dirs = [path] if is_run else sorted(
         p.parent for p in path.rglob("metrics.csv"))  # experiments, and their seed_<s>/ or fold_<k>/
@@ -253,17 +258,26 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """List the runs under a folder as one table (or JSON / CSV), oldest first."""
-    from medfl.runs import format_runs, list_runs, runs_csv, runs_json
+    """List the runs under a folder as one table (or JSON / CSV), oldest first; say on stderr
+    how many folders at ``--depth`` were not searched further, and the commands that reach them."""
+    import shlex
+
+    from medfl.runs import DEFAULT_DEPTH, format_runs, list_runs, runs_csv, runs_json
 
     if args.depth < 0:
         logger.error(f"medfl: error: --depth: expected how many folders deep to look (0: DIR itself), got {args.depth}")
         return 2
+    unsearched: list[Path] = []
     try:
-        rows = list_runs(args.dir, depth=args.depth)
+        rows = list_runs(args.dir, depth=args.depth, unsearched=unsearched)
     except NotADirectoryError as exc:
         logger.error(f"medfl: error: {exc}")
         return 2
+    if unsearched:   # never silent: runs there would be missing from the list
+        logger.warning(f"medfl runs: {len(unsearched)} folder(s) {args.depth} level(s) below {args.dir} have subfolders "
+                       f"that were not searched (e.g. {unsearched[0]}); to list runs there: medfl runs "
+                       f"{shlex.quote(str(args.dir))} --depth {args.depth + DEFAULT_DEPTH}, or medfl runs "
+                       f"{shlex.quote(str(unsearched[0]))}")
     if args.json:
         print(runs_json(rows))
     elif args.csv:
@@ -285,7 +299,9 @@ def _add_runs(sub: Any) -> None:
                         description="List every run under DIR (searched recursively: experiments, their folds and "
                                     "seeds, each method's run), oldest first: status (finished, running (locked), "
                                     "stopped, interrupted, failed, crashed, or corrupt: <why>), method, rounds done/"
-                                    "planned, the headline metric (local_test accuracy where evaluated) of the final "
+                                    "planned, the headline metric (the run's own: fl.early_stopping's metric, else "
+                                    "fl.cv.metric under cross-validation, else accuracy; on local_test where "
+                                    "evaluated; the value's column is named by it) of the final "
                                     "round (early stopping's best round) or, before the end, of the last round, the "
                                     "epsilon spent by the worst client ('-' without differential privacy) and when "
                                     "the run last wrote a file.")
@@ -294,7 +310,8 @@ def _add_runs(sub: Any) -> None:
     fmt.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     fmt.add_argument("--csv", action="store_true", help="print the rows as CSV")
     sp.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
-                    help=f"how many folders deep to look for runs (default {DEFAULT_DEPTH})")
+                    help=f"how many folders deep to look for runs (default {DEFAULT_DEPTH}); stderr says how many "
+                         "folders at that depth have subfolders left unsearched")
     sp.set_defaults(func=cmd_runs)
 
 
@@ -308,8 +325,12 @@ def _code_summary(files: dict[str, str]) -> str:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    """Record, revoke or list the plugins a site's operator approves (:mod:`medfl.approval`)."""
-    from medfl.approval import APPROVED_KINDS, ApprovalError, Approvals, approvals_path, code_identity
+    """Record, revoke or list the plugins a site's operator approves (:mod:`medfl.approval`).
+    Every name is checked before the file is written or anything is printed: all of them are
+    recorded (or revoked), or none, with one ``medfl: error:`` line naming each name refused
+    (a name that is another kind of plugin, e.g. a model, names the ``--kind`` that takes it)."""
+    from medfl.approval import (APPROVED_KINDS, ApprovalError, Approvals, approval_identities, approvals_path,
+                                code_identity)
     from medfl.plugins import registry
 
     path = Path(args.file) if args.file else (approvals_path() or Path("approvals.json"))
@@ -337,16 +358,22 @@ def cmd_approve(args: argparse.Namespace) -> int:
             wanted = [(args.kind or "method", n) for n in args.names]
         else:
             raise SystemExit("medfl approve: name the plugin(s) to approve (or --all, --update, --list)")
-        for kind, name in wanted:
-            if args.revoke:
-                if not approvals.revoke(kind, name):
-                    raise ApprovalError(f"{kind} {name!r} is not in {path}")
-                print(f"revoked {kind} {name!r} in {path}")
-                continue
-            identity = code_identity(kind, name, cache)
+        # every name checked before anything is written or said: all of them, or none
+        revoked = wanted if args.revoke else []
+        try:
+            approvals.check_listed(revoked)
+            identities = [] if args.revoke else approval_identities(wanted, cache)
+        except ApprovalError as exc:
+            raise ApprovalError(f"{exc}; nothing was written to {path}") from None
+        for kind, name in revoked:
+            approvals.revoke(kind, name)
+        for identity in identities:
             approvals.approve(identity)
-            print(f"approved {identity.describe()} in {path}; its code: {_code_summary(identity.files)}")
         approvals.save()
+        for kind, name in revoked:
+            print(f"revoked {kind} {name!r} in {path}")
+        for identity in identities:
+            print(f"approved {identity.describe()} in {path}; its code: {_code_summary(identity.files)}")
     except ApprovalError as exc:
         logger.error(f"medfl: error: {exc}")
         return 2
@@ -679,7 +706,9 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
     """Launch a run on a SuperLink with ``flwr run`` and stream its log (step 3).
 
     It ends with the ServerApp's outcome (1 and one ``medfl flower run: the run failed:``
-    line when it failed) and leaves nothing running: once the ServerApp wrote its result,
+    line when it failed; 2 and one ``medfl: error:`` line, as ``medfl run``, when the
+    coordinator refused the settings before any run started: the config, or a method's
+    ``MethodConfigError``) and leaves nothing running: once the ServerApp wrote its result,
     a run that has not ended at the SuperLink within ``--exit-grace`` seconds is stopped
     (``flwr stop``), and so is the run on Ctrl-C or SIGTERM (exit code 130; the coordinator
     saves its finished rounds: continue with ``--resume``)."""
@@ -702,13 +731,13 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
         if not Path(args.config).is_file():
             raise FileNotFoundError(f"{args.config}: config file not found")
         overrides = _parse_overrides(args.overrides)
+    threads = None
     if getattr(args, "threads", None) is not None:
         from medfl.config import check_threads
 
-        if args.resume:
-            raise SystemExit("medfl flower run: --threads sets a new run's fl#threads (the coordinator's process); "
-                             "a resumed run keeps its saved one")
-        overrides = {**(overrides or {}), "fl#threads": check_threads(args.threads, "--threads")}
+        threads = check_threads(args.threads, "--threads")
+        if not args.resume:   # a new run's fl#threads; a resumed one's coordinator, as `medfl resume --threads`
+            overrides = {**(overrides or {}), "fl#threads": threads}
     if getattr(args, "tracking", None):
         if args.resume:
             raise SystemExit("medfl flower run: --tracking adds trackers to a new run's fl#tracking; a resumed run "
@@ -729,7 +758,8 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
                              connect_timeout=args.connect_timeout, hello_timeout=args.hello_timeout,
                              config=args.config, overrides=overrides, resume=args.resume, rounds=args.rounds,
                              progress_interval=args.progress_interval, site_nodes=site_nodes,
-                             max_reply_mb=args.max_reply_mb)
+                             max_reply_mb=args.max_reply_mb, launch=_launch_options(args, insecure),
+                             threads=threads if args.resume else None)
         app_dir = write_app(tmp / "app")
         seen: dict[str, float] = {}
 
@@ -768,12 +798,24 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
                 return 1
         result = read_json(result_file)
         if result is not None:  # the SuperLink runs on this machine: report the ServerApp's outcome
+            if result.get("refused"):   # the config or a method refused it before any run started, as `medfl run`
+                logger.error(f"medfl: error: {result['refused']}")
+                return 2
             if not result.get("ok"):
                 logger.error(f"medfl flower run: the run failed: {result.get('error')}")
                 return 1
             print(f"medfl flower run: results in {result['dir']}")
             return 0
     return int(code or 0)
+
+
+def _launch_options(args: argparse.Namespace, insecure: bool) -> str:
+    """The options of this ``medfl flower run`` that reach its SuperLink (``--superlink`` and
+    TLS, the CA made absolute), which the run's resume hints repeat."""
+    import shlex
+
+    tls = ["--insecure"] if insecure else ["--root-certificates", str(Path(args.root_certificates).resolve())]
+    return shlex.join(["--superlink", args.superlink, *tls])
 
 
 @contextmanager

@@ -16,14 +16,15 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
-from medfl.backend import Backend, backend_of
+from medfl.backend import Backend, backend_of, recorded_backend
 from medfl.config import method_label, set_threads
+from medfl.engine.checkpoints import REFUSALS
 from medfl.engine.data import FederatedData, split_data, warn_straddling
 from medfl.engine.runner import Run, RunError, RunFactory, _write_json, build_source
 from medfl.logs import file_log
 from medfl.plugins import get_plugin_manager, pinned_names
 
-__all__ = ["run_experiment", "resume"]
+__all__ = ["run_experiment", "resume", "check_split_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,15 @@ def _saved_config(path: Path) -> dict[str, Any]:
     """A run or experiment directory's ``config.json``.
 
     Raises:
-        RunError: there is none, or it is not the JSON object medfl wrote (garbled, cut
+        RunError: ``path`` does not exist (said as such), there is no ``config.json``, or it
+            is not the JSON object medfl wrote (garbled, cut
             short, edited by hand): naming the file and where it stops being JSON.
     """
+    from medfl.runs import missing_folder
+
     cfg_file = path / "config.json"
+    if missing_folder(path):
+        raise RunError(missing_folder(path))
     if not cfg_file.is_file():
         raise RunError(f"{path}: no config.json; not a medfl run or experiment directory")
     try:
@@ -198,8 +204,9 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
     with pinned_names(cfg.get("plugin_names")):   # the qualified names resolve_config recorded
         if run_factory is None or run_factory is Run:
             chosen = backend or backend_of(cfg)
-            return chosen.run(cfg, lambda factory, extra=None: _experiment(cfg, factory,
-                                                                           meta if extra is None else extra))
+            # config.json records the backend: a stopped run continues there (medfl.backend.resume_command)
+            return chosen.run(cfg, lambda factory, extra=None: _experiment(
+                cfg, factory, {"backend": chosen.name, **((meta if extra is None else extra) or {})}))
         return _experiment(cfg, run_factory, meta)
 
 
@@ -209,9 +216,90 @@ def _experiment(cfg: dict[str, Any], run_factory: RunFactory, meta: dict[str, An
     plain = not (int((cfg.get("cv") or {}).get("folds") or 0) > 1 or cfg.get("seeds"))
     # the split first: a dataset or partition that cannot work stops before anything is written
     data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
-    exp_dir = _create_unique_dir(Path(cfg["output_dir"]) / str(cfg["name"]), bool(cfg.get("overwrite")))
-    with file_log(exp_dir, f"experiment {exp_dir.name}"):
-        return _experiment_in(cfg, exp_dir, data, run_factory, meta)
+    check_split_sizes(cfg, data)   # every fold's and seed's split too: one line, and no directory
+    base = Path(cfg["output_dir"]) / str(cfg["name"])
+    made = [d for d in (base, base.parent) if not d.is_dir()]   # what a refusal removes again
+    exp_dir = _create_unique_dir(base, bool(cfg.get("overwrite")))
+    try:
+        with file_log(exp_dir, f"experiment {exp_dir.name}"):
+            return _experiment_in(cfg, exp_dir, data, run_factory, meta)
+    except REFUSALS:   # a method refused its settings in setup, or a model its options (its run is gone)
+        if exp_dir != base or base in made:
+            _discard_unstarted(exp_dir, base.parent if base.parent in made else None)
+        raise
+
+
+def _discard_unstarted(exp_dir: Path, output_dir: Path | None = None) -> None:
+    """Remove the experiment directory ``exp_dir`` this experiment created when no run of it
+    started: a method refused its settings in ``setup`` (:class:`~medfl.method.MethodConfigError`),
+    or a model its options (:data:`medfl.engine.checkpoints.REFUSALS`; its own run directory is
+    gone already, :meth:`medfl.engine.runner.Run.prepare`), so the
+    refusal leaves nothing behind. An experiment where another method's run (or another fold's,
+    or seed's) already started keeps its directory and those runs (``medfl runs`` lists them).
+    ``output_dir``: the output folder, when the experiment created it too (removed when empty)."""
+    import shutil
+
+    from medfl.runs import find_run_dirs
+
+    if find_run_dirs(exp_dir):
+        return
+    shutil.rmtree(exp_dir, ignore_errors=True)
+    if output_dir is not None:
+        try:
+            output_dir.rmdir()   # only an empty folder
+        except OSError:
+            pass
+
+
+def check_split_sizes(cfg: dict[str, Any], data: FederatedData | None = None) -> None:
+    """Refuse a split that leaves a client fewer training samples than a method of ``cfg``
+    needs (:attr:`medfl.method.Method.min_train_samples`), before anything is written.
+
+    Checks the split of a plain experiment (``data``, drawn when ``None``), and with
+    cross-validation or ``seeds`` the split of every fold or seed, so a run that cannot
+    train stops before its first fold rather than in a later one.
+
+    Args:
+        cfg: the resolved ``fl`` config (method names resolvable: inside ``pinned_names``).
+        data: the plain experiment's split, when already drawn.
+
+    Raises:
+        DataError: one line naming the fold or seed, the client, its training samples, the
+            method and what to change (more cases, fewer folds or clients, a larger
+            ``min_size``).
+    """
+    from medfl.data.source import DataError
+    from medfl.plugins import lookup
+
+    needs = {method_label(spec): int(getattr(lookup("method", spec["name"]), "min_train_samples", 1))
+             for spec in cfg["methods"]}
+    label, need = max(needs.items(), key=lambda kv: kv[1], default=("", 1))
+    if need <= 1:
+        return
+    folds = int((cfg.get("cv") or {}).get("folds") or 0)
+    if data is not None:
+        splits: list[tuple[str, FederatedData]] = [("", data)]
+    else:
+        source = build_source(cfg["dataset"])
+        if folds > 1:
+            splits = [(f"fold_{k}: ", split_data(source, cfg, fold=k)) for k in range(folds)]
+        elif cfg.get("seeds"):
+            splits = [(f"seed_{int(s)}: ", split_data(source, {**cfg, "seed": int(s), "seeds": None}))
+                      for s in cfg["seeds"]]
+        else:
+            splits = [("", split_data(source, cfg))]
+    for where, split in splits:
+        a = split.assignments
+        a = a[a["client_id"] != ""]
+        counts = a[a["role"] == "train"].groupby("client_id").size().reindex(a["client_id"].unique(), fill_value=0)
+        for cid, n in counts.items():
+            if n < need:
+                name = a.loc[a["client_id"] == cid, "client_name"].iloc[0]
+                change = ["more cases (a larger dataset)"] + (["fewer folds (fl.cv.folds)"] if folds > 1 else []) + \
+                         ["fewer clients (fl.num_clients)", "a larger fl.partition.min_size where the partitioner has one"]
+                raise DataError(f"{where}client {cid} ({name}) has {n} training sample(s) but {label} needs at least "
+                                f"{need} (it trains on batches of {need} or more); this split is too small to train: "
+                                f"use {', '.join(change[:-1])} or {change[-1]}")
 
 
 def _experiment_in(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, run_factory: RunFactory,
@@ -250,8 +338,11 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
             says: it is not extended (early stopping decided it; the run says so on stderr),
             so an experiment resumed with more rounds extends its other methods' runs.
         run_factory: builds each run, used as it is; ``None`` (or :class:`Run`): the backend
-            that ran it (its saved ``fl.backend``) chooses (see :func:`run_experiment`).
-        backend: the backend to continue on (default: the saved ``fl.backend``'s).
+            that ran it chooses (see :func:`run_experiment`).
+        backend: the backend to continue on (default: the one that ran it, as its
+            experiment's ``config.json`` records it: :func:`medfl.backend.recorded_backend`;
+            one whose clients ran elsewhere, such as ``flower``, refuses and names the command
+            that resumes there).
         tracking: tracker names to track with besides those the experiment tracked with
             (its ``fl.tracking`` and ``tracking.json``); the runs they started continue.
 
@@ -278,14 +369,17 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     def drive(factory: RunFactory) -> dict[str, Any]:
         return _tracked(top, top_cfg, specs, factory, path == top, lambda f: _resume(path, _saved_config(path), rounds, f))
 
+    chosen = None
+    if run_factory is None or run_factory is Run:   # a run continues on the backend that ran it (config.json)
+        chosen = backend or backend_of({"backend": recorded_backend(path)[0]})
+        chosen.check_resume(path)   # before anything is written: e.g. Flower's clients are at the sites
     # --threads (MEDFL_THREADS) wins over the saved fl.threads; "auto" is medfl resume's
     set_threads(saved["fl"].get("threads"), apply_auto=False)
     # the plugins the run started with (a run written before medfl recorded them: bare names, resolved now);
     # an experiment's (or fold's) own log; a method run's directory gets its log with its lock
     with pinned_names(saved.get("fl", {}).get("plugin_names")), \
             (file_log(path, f"resume of {path.name}") if "method" not in saved else nullcontext()):
-        if run_factory is None or run_factory is Run:   # a run continues on its backend (ray: the simulation runtime)
-            chosen = backend or backend_of(saved["fl"])
+        if chosen is not None:
             return chosen.resume(path, saved["fl"], rounds, lambda factory, extra=None: drive(factory))
         return drive(run_factory)
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from medfl.rundir import RunError
+from medfl.rundir import RunError, resume_command
 
 __all__ = [
     "ExportError",
@@ -519,6 +519,10 @@ def _check_out(out_dir: Path) -> None:
 
 def _finished(run_dir: Path) -> None:
     status_file = run_dir / "status.json"
+    from medfl.runs import missing_folder
+
+    if missing_folder(run_dir):
+        raise ExportError(missing_folder(run_dir))
     if not (run_dir / "config.json").is_file():
         raise ExportError(f"{run_dir}: no config.json; not a medfl run directory")
     if not status_file.is_file():
@@ -528,7 +532,7 @@ def _finished(run_dir: Path) -> None:
     status = json.loads(status_file.read_text())
     if status.get("status") != "finished":
         raise ExportError(f"{run_dir}: the run is {status.get('status')!r} at round {status.get('last_round')} of "
-                          f"{status.get('rounds')}, not finished; resume it first (medfl resume {run_dir})")
+                          f"{status.get('rounds')}, not finished; resume it first ({resume_command(run_dir)})")
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:

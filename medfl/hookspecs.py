@@ -46,10 +46,14 @@ def register_methods(register: Register) -> None:
 def register_models(register: Register) -> None:
     """Register model factories.
 
-    Call ``register(factory, name="resnet18")``. A factory takes keyword arguments
-    (``spatial_dims``, ``in_channels``, ``num_classes`` and its own knobs such as ``width``)
-    and returns a :class:`torch.nn.Module` following the :class:`medfl.models.FeatureModel`
-    protocol (``forward``, ``forward_features``, ``head_prefix``).
+    Call ``register(factory, name="resnet18")``. A factory takes keyword-only arguments
+    (``spatial_dims``, ``in_channels``, ``num_classes``, which the engine passes from the
+    dataset, and its own options such as ``width``, which a config's model spec sets) and
+    returns a :class:`torch.nn.Module` following the :class:`medfl.models.FeatureModel`
+    protocol (``forward``, ``forward_features``, ``embed`` and ``embed_dim``, ``head``,
+    ``head_prefix``, ``body_keys``, ``head_keys``). An inner registered model is built with
+    :func:`medfl.models.registry.build_model`. docs/plugins.md, *Writing a model plugin*,
+    walks through the example plugin's ``stem_cnn``.
     """
 
 
@@ -104,6 +108,9 @@ def register_backends(register: Register) -> None:
     The registry builds it with no arguments; its ``run(cfg, drive)`` and
     ``resume(path, cfg, rounds, drive)`` call the experiment's ``drive(run_factory, meta)``
     once, where the runs can reach their clients (see :mod:`medfl.backend` and docs/plugins.md).
+    A backend whose clients run elsewhere overrides ``resume_command(path, record)`` (the
+    command every "continue with" hint names) and ``check_resume(path)`` (refuse ``medfl
+    resume`` there, naming that command).
     """
 
 

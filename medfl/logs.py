@@ -21,6 +21,7 @@ directory get theirs the same way.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -31,7 +32,8 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["ROOT", "LOG_FILE", "FILE_FORMAT", "StderrHandler", "console_level", "configure_console",
-           "app_configured", "ensure_console", "remove_console", "FileLog", "file_log", "plugin_logger", "Throttle"]
+           "app_configured", "ensure_console", "remove_console", "FileLog", "file_log", "plugin_logger", "Throttle",
+           "NO_PROGRESS_ENV", "progress_bar_disabled"]
 
 #: The logger every medfl message goes through (its children: one per module).
 ROOT = "medfl"
@@ -57,6 +59,21 @@ class StderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value) -> None:  # noqa: ANN001 - the base class assigns it; always sys.stderr
         pass
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line, with a path that is not UTF-8 (``'\\udcff'`` for the byte ``\\xff``)
+        escaped as ``\\udcff``, as Python's own stderr writes it: a stderr that refuses such
+        characters (a pipe opened strict, pytest's capture) gets the line, not a traceback."""
+        return super().format(record).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _printable_stdout() -> None:
+    """Let ``print`` write a path that is not UTF-8 (a folder named with the byte ``\\xff``)
+    as ``\\udcff`` instead of stopping with ``UnicodeEncodeError``: a UTF-8 locale other than
+    C opens stdout strict. Only a stdout that is still the interpreter's own is changed."""
+    out = sys.stdout
+    if out is sys.__stdout__ and isinstance(out, io.TextIOWrapper) and out.errors == "strict":
+        out.reconfigure(errors="backslashreplace")
 
 
 def console_level(verbose: int = 0, quiet: int = 0) -> int:
@@ -105,6 +122,7 @@ def configure_console(level: int = logging.INFO, force: bool = False) -> logging
     """For an entry point: print medfl's messages on stderr at ``level`` and above, each line
     as it reads (``%(message)s``: the messages name their run and say ``warning:`` themselves),
     unless the application configured logging (:func:`app_configured`; ``force``: regardless).
+    A strict stdout prints paths that are not UTF-8 escaped from then on (``_printable_stdout``).
 
     The ``medfl`` logger itself is set to DEBUG so that a run's ``log.txt`` gets the details
     (per-epoch progress) whatever the console shows. Calling it again replaces the handler
@@ -112,6 +130,7 @@ def configure_console(level: int = logging.INFO, force: bool = False) -> logging
     """
     if not force and app_configured():
         return None
+    _printable_stdout()
     remove_console()
     handler = StderrHandler()
     handler.setLevel(level)
@@ -140,10 +159,12 @@ def plugin_logger(module: str) -> logging.Logger:
 
 class _RunFileHandler(logging.FileHandler):
     """A run's ``log.txt``: the records of one thread (the one running the run), so runs and
-    simulated sites in other threads of the process keep to their own files."""
+    simulated sites in other threads of the process keep to their own files. A path that is
+    not UTF-8 (a folder named with the byte ``\\xff``, held as ``'\\udcff'``) is written
+    escaped (``\\udcff``), so the file stays UTF-8 and the record is kept."""
 
     def __init__(self, path: Path, thread: int, header: logging.LogRecord) -> None:
-        super().__init__(path, mode="a", encoding="utf-8", delay=True)
+        super().__init__(path, mode="a", encoding="utf-8", delay=True, errors="backslashreplace")
         self.thread = thread
         self.header: logging.LogRecord | None = header
         self.setLevel(logging.DEBUG)
@@ -259,3 +280,18 @@ class Throttle:
             self.last = now
             return True
         return False
+
+
+#: The environment variable that turns every progress bar off (set to anything but ``""``,
+#: ``0``, ``false``, ``no``), as ``fl.progress: false`` does for a run's.
+NO_PROGRESS_ENV = "MEDFL_NO_PROGRESS"
+
+
+def progress_bar_disabled(wanted: bool = True) -> bool | None:
+    """tqdm's ``disable`` for a progress bar on stderr: ``True`` (no bar) where progress is not
+    ``wanted`` (a run's ``fl.progress``) or :data:`NO_PROGRESS_ENV` is set, else ``None``:
+    tqdm then draws the bar only where stderr is a terminal, so a redirected stderr
+    (``medfl run ... 2> log.txt``, CI) gets no bar frames."""
+    if not wanted or os.environ.get(NO_PROGRESS_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+        return True
+    return None

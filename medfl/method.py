@@ -78,7 +78,19 @@ REPORTED_EXCHANGES = ("train", "validate", "profile")
 
 
 class MethodConfigError(ValueError):
-    """A method was given parameters it does not accept."""
+    """A method refuses its settings: a hyperparameter it does not accept, or one that does
+    not fit the run's training settings. Import it as ``from medfl import MethodConfigError``.
+
+    Raise it from ``__init__`` (the hyperparameters alone: checked when the config is read)
+    or from :meth:`Method.setup` (where the method first sees the
+    :class:`Federation`: rounds, clients, ``train``, models, the public dataset). Either way
+    the run stops before its first round with one ``medfl: error: MESSAGE`` line (``medfl
+    run``, a bundle's ``python -m monai.bundle run``, and ``medfl flower run``, where ``setup``
+    runs at the coordinator) and leaves no run directory. Name the setting, the value and what
+    would be accepted in the message. Any other exception from ``setup`` (a plain
+    ``ValueError`` included) is taken for a bug: its traceback, and the run directory kept
+    for a look (``medfl runs`` lists it as crashed).
+    """
 
 
 #: Where a preset value comes from (:attr:`Preset.sources`): the paper (section, equation,
@@ -417,6 +429,10 @@ class Method(Configurable):
             checked the same way.
         profile_metrics: every name :meth:`client_profile` may return (default none),
             checked the same way.
+        min_train_samples: the fewest training samples every client needs (default 1): a
+            split that leaves a client fewer is refused before the run directory is created,
+            in one line naming the client and what to change (FedSKD's P2P training needs a
+            batch of two).
     """
 
     name: ClassVar[str] = ""
@@ -429,13 +445,20 @@ class Method(Configurable):
     train_metrics: ClassVar[frozenset[str]] = ENGINE_TRAIN_METRICS
     validate_metrics: ClassVar[frozenset[str]] = frozenset()
     profile_metrics: ClassVar[frozenset[str]] = frozenset()
+    min_train_samples: ClassVar[int] = 1
     _kind: ClassVar[str] = "method"
 
     federation: Federation
 
     # ---------------------------------------------------------------- coordinator side
     def setup(self, federation: Federation) -> None:
-        """Build the initial coordinator state. Default: remember the federation."""
+        """Build the initial coordinator state. Default: remember the federation.
+
+        Raises:
+            MethodConfigError: a hyperparameter does not fit the run (its rounds, clients,
+                training settings, models or public dataset); the run stops with that one
+                line and leaves no directory (see :class:`MethodConfigError`).
+        """
         self.federation = federation
 
     def configure_profile(self) -> dict[str, Instruction]:

@@ -29,9 +29,10 @@ import os
 import re
 import warnings
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pluggy
 
@@ -53,6 +54,7 @@ __all__ = [
     "lookup",
     "qualified_name",
     "pinned_names",
+    "guarded_lookups",
     "plugin_qualifier",
     "plugin_info",
     "describe",
@@ -158,6 +160,8 @@ _dists: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version
 # and a stale registry then named a plugin that was gone).
 _registry_cache: tuple[frozenset[int], tuple[Any, ...], "Registry"] | None = None
 _pins: dict[str, dict[str, str]] = {}   # kind -> {name: qualified}: see pinned_names
+#: the check every :func:`resolve` in a :func:`guarded_lookups` block makes (a site's approvals)
+_guard: ContextVar[Callable[[str, str], None] | None] = ContextVar("medfl_plugin_guard", default=None)
 _warned: set[str] = set()   # plugins already warned about (API version)
 
 
@@ -389,11 +393,23 @@ def registry() -> Registry:
 def resolve(kind: str, name: str) -> Registered:
     """The :class:`Registered` entry of ``name`` (bare or qualified ``dist:name``) of ``kind``.
 
+    Inside a :func:`guarded_lookups` block, the block's check runs on the name before the
+    entry is returned (a site refuses a model plugin its operator did not approve).
+
     Raises:
         PluginError: unknown (close matches named), ambiguous (every candidate's qualified
             name given) or refused (API version) name.
+        Exception: whatever the block's check raises to refuse the name.
     """
-    return registry().resolve(kind, name)
+    found = registry().resolve(kind, name)
+    check = _guard.get()
+    if check is not None:
+        token = _guard.set(None)   # the check may look plugins up itself
+        try:
+            check(kind, name)
+        finally:
+            _guard.reset(token)
+    return found
 
 
 def lookup(kind: str, name: str) -> Any:
@@ -432,6 +448,21 @@ def pinned_names(pins: dict[str, dict[str, str]] | None) -> Iterator[None]:
         yield
     finally:
         _pins = before
+
+
+@contextmanager
+def guarded_lookups(check: Callable[[str, str], None]) -> Iterator[None]:
+    """Within the block (this thread or task: a context variable), every :func:`resolve`,
+    :func:`lookup` and :func:`qualified_name` first calls ``check(kind, name)``, which raises
+    to refuse the name. A site's approvals use it (:func:`medfl.approval.guarded_models`):
+    a model that builds another registered model from its options (a wrapper calling
+    ``build_model`` or ``lookup("model", ...)``) cannot make the site run a model plugin
+    its operator did not approve. Blocks do not nest: the inner check replaces the outer."""
+    token = _guard.set(check)
+    try:
+        yield
+    finally:
+        _guard.reset(token)
 
 
 def plugin_info() -> list[dict[str, Any]]:

@@ -967,14 +967,17 @@ def write_seeds_report(exp_dir: str | Path, summaries: dict[int, dict[str, dict[
 
 def print_result(result: dict[str, Any]) -> None:
     """Print each method's summary table (or, cross-validated, the CV table) and where the
-    results are; a stopped run gets the command that continues it."""
+    results are; a stopped run gets the command that continues it where its clients are
+    (:func:`medfl.rundir.resume_command`)."""
+    from medfl.rundir import resume_command
+
     base = Path(result["dir"])
     if "seed_list" in result:  # repeated over seeds: the table of mean ± std over seeds
         if result.get("seeds"):
             print(f"\n== {len(result['seed_list'])} seed(s) {result['seed_list']} ({base / 'seeds_table.md'})")
             print((base / "seeds_table.md").read_text())
         else:
-            print(f"\n== stopped before every seed finished; continue with `medfl resume {base}`")
+            print(f"\n== stopped before every seed finished; continue with `{resume_command(base)}`")
         _print_separation(result)
         print(f"\nresults: {base}")
         return
@@ -984,7 +987,7 @@ def print_result(result: dict[str, Any]) -> None:
             print((base / "cv_table.md").read_text())
         else:
             print(f"\n== cross-validation stopped before every fold finished; continue with "
-                  f"`medfl resume {base}`")
+                  f"`{resume_command(base)}`")
         _print_separation(result)
         print(f"\nresults: {base}")
         return
@@ -997,7 +1000,7 @@ def print_result(result: dict[str, Any]) -> None:
             for line in _final_lines(summary):
                 print(line)
         else:
-            print(f"\n== {label}: stopped early; continue with `medfl resume {run_dir}`")
+            print(f"\n== {label}: stopped early; continue with `{resume_command(run_dir)}`")
     _print_separation(result)
     print(f"\nresults: {base}")
 

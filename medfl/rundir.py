@@ -106,6 +106,8 @@ import hashlib
 import json
 import logging
 import os
+import shlex
+import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -115,11 +117,12 @@ import pandas as pd
 import torch
 
 from medfl.logs import FileLog
+from medfl.plugins import PluginError, lookup
 
 
 __all__ = ["sha256_file", "with_step_column", "RUN_FILES", "file_manifest", "manifest_problems", "interrupted_write", "sum_path", "write_sum",
            "check_sum", "DiskFullError", "NO_SPACE", "disk_full", "full_disk_message", "writing",
-           "append_text", "RunError", "GrowingCsv", "RunDir"]
+           "append_text", "RunError", "GrowingCsv", "RunDir", "recorded_backend", "resume_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -502,6 +505,15 @@ class RunDir:
         _unlock(self.handle)
         self.handle = None
 
+    def discard(self) -> None:
+        """Remove the run directory and everything in it, releasing its lock first: for a new
+        run that stopped before its first round because its method refused its settings
+        (:class:`~medfl.method.MethodConfigError` from ``setup``), so that the refusal leaves
+        no run behind (``medfl runs`` would list it as crashed). Never called on a run that
+        trained."""
+        self.unlock()
+        shutil.rmtree(self.path, ignore_errors=True)
+
     def locked_elsewhere(self) -> bool:
         """Whether a process (another one, or this one through another :class:`RunDir`) holds
         the run directory's lock now, i.e. the run is being written (``medfl runs``). Probed
@@ -680,3 +692,53 @@ class RunDir:
             raise RunError(f"{self.path}: no intact checkpoint to resume from ({detail}); start a new run "
                            f"(or raise fl.keep_checkpoints, default 2, to keep more to fall back to)")
         return 0, None
+
+
+# ---------------------------------------------------------------------- which backend ran it
+#: the ``"engine"`` of an experiment's ``config.json`` written before it recorded its
+#: ``"backend"``: the backend that wrote it
+_ENGINES = {"flower": "flower", "simulation": "ray"}
+
+
+def _experiment_record(path: Path) -> dict[str, Any]:
+    """The ``config.json`` of the experiment the run, fold, seed or experiment directory
+    ``path`` belongs to (the topmost directory above it holding one); ``{}`` when there is
+    none or it is not a JSON object (:func:`medfl.experiment.resume` names that problem)."""
+    top = Path(path)
+    while (top.parent / "config.json").is_file():
+        top = top.parent
+    try:
+        saved = json.loads((top / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def recorded_backend(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """The name of the backend that ran the run or experiment in ``path``, and its
+    experiment's ``config.json``: its ``"backend"`` (:func:`medfl.experiment.run_experiment`
+    records it); for a directory written before medfl recorded it, the backend its
+    ``"engine"`` names, else its ``fl.backend`` (``inprocess`` when it names none)."""
+    record = _experiment_record(Path(path))
+    name = record.get("backend") or _ENGINES.get(str(record.get("engine")))
+    if not name:
+        fl = record.get("fl") if isinstance(record.get("fl"), dict) else {}
+        backend = fl.get("backend") or "inprocess"
+        name = backend if isinstance(backend, str) else backend.get("name") or "inprocess"
+    return str(name), record
+
+
+def resume_command(path: str | Path) -> str:
+    """The command that continues the stopped run or experiment ``path`` where its clients
+    are: the ``resume_command(path, record)`` of the backend that ran it
+    (:func:`recorded_backend`; :meth:`medfl.backend.Backend.resume_command`), what every
+    "continue with" hint names. A backend that is not installed any more gets ``medfl
+    resume PATH`` (which then names the missing backend)."""
+    name, record = recorded_backend(path)
+    try:
+        command = getattr(lookup("backend", name)(), "resume_command", None)
+    except PluginError:   # its plugin is gone: the plain command, which says so
+        command = None
+    if command is None:
+        return f"medfl resume {shlex.quote(str(path))}"
+    return str(command(Path(path), record))

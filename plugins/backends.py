@@ -13,11 +13,12 @@ Flower's modules are imported when a backend runs, not when the plugin loads.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
 from medfl import hookimpl
-from medfl.backend import Backend, Drive
+from medfl.backend import Backend, Drive, recorded_backend
 from medfl.config import check_device
 from medfl.engine.runner import Run, RunError
 
@@ -89,12 +90,36 @@ class Flower(Backend):
 
     def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
         """The experiment's runs are :class:`~medfl.flower.coordinator.FlowerRun` on the grid
-        (``config.json`` says ``"engine": "flower"``)."""
-        return drive(self._factory(), {"engine": "flower"})
+        (``config.json`` says ``"engine": "flower"``, and under ``"launch"`` the options of
+        ``medfl flower run`` that reach the SuperLink, for :meth:`resume_command`)."""
+        factory = self._factory()
+        launch = str(getattr(self.settings, "launch", "") or "")
+        return drive(factory, {"engine": "flower", **({"launch": launch} if launch else {})})
 
     def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
-        """Continue with :class:`~medfl.flower.coordinator.FlowerRun` on the grid."""
+        """Continue with :class:`~medfl.flower.coordinator.FlowerRun` on the grid (none:
+        :meth:`check_resume` refuses)."""
+        self.check_resume(path)
         return drive(self._factory())
+
+    def check_resume(self, path: Path) -> None:
+        """Refuse a resume with no grid (``medfl resume``).
+
+        Raises:
+            RunError: the clients ran at the sites, which keep their state; the message names
+                the command that resumes there (:meth:`resume_command`).
+        """
+        if self.grid is None:
+            raise RunError(f"{path}: its clients ran at the sites over Flower, which keep their state; `medfl resume` "
+                           "would train them here on this machine's copy of the data without it. Continue with "
+                           f"`{self.resume_command(path, recorded_backend(path)[1])}`")
+
+    def resume_command(self, path: Path, record: dict[str, Any]) -> str:
+        """``medfl flower run --resume PATH`` and the options that reached the SuperLink when
+        the run started (its ``config.json``'s ``"launch"``; a run that did not record them:
+        the placeholders ``--superlink HOST:PORT`` and ``--insecure``/``--root-certificates``)."""
+        launch = str(record.get("launch") or "") or "--superlink HOST:PORT (--insecure | --root-certificates CA.pem)"
+        return f"medfl flower run --resume {shlex.quote(str(path))} {launch}"
 
 
 @hookimpl

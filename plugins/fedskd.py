@@ -92,7 +92,8 @@ def _batches(client: "ClientContext", iterations: int | None) -> Iterator[tuple[
         if not got:
             empty += 1
             if empty > 1:
-                raise ValueError(f"client {client.client_id}: no training batch of two or more samples")
+                raise MethodConfigError(f"client {client.client_id}: no training batch of two or more samples; "
+                                        f"use a train.batch_size of 2 or more, or give the client more cases")
 
 
 def _head_keys(model: nn.Module) -> list[str]:
@@ -274,6 +275,8 @@ class FedSKD(Method):
                                             *(f"skd_{t}" for t in SKD_TERMS)}
     description = "FedSKD: P2P mutual learning with batch/pixel/region similarity distillation (paper 004)"
     presets = PRESETS
+    # training skips batches of one (BatchNorm): a client needs two samples (checked before the run)
+    min_train_samples = 2
     # the DAM it sends was never sent to it: quantization applies, update filters (DP) do not
     reply_state = {"dam": None}
 
@@ -452,6 +455,7 @@ class FedCross(Method):
 
     name = "fedcross"
     description = "FedCross: one model fine-tuned sequentially through the clients (P2P baseline of paper 004)"
+    min_train_samples = 2   # as FedSKD: batches of one are skipped
     reply_state = {"model": "model"}
 
     def __init__(self, iterations: int | None = None) -> None:
@@ -530,6 +534,7 @@ class FedCrossHet(Method):
 
     name = "fedcross_het"
     description = "FedCross-dagger: heterogeneous models circulated P2P and fine-tuned (baseline of paper 004)"
+    min_train_samples = 2   # as FedSKD: batches of one are skipped
     # a client's first model is built from a seed, not received: no reference for update filters
     reply_state = {"model": None}
 

@@ -264,6 +264,88 @@ def test_per_client_lines_are_info_only_every_so_often(monkeypatch: pytest.Monke
     assert lines[1][1].startswith("medfl [fedavg] round 3: client 1 trained (2/4 clients, ")
 
 
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal (as a user's console does)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_redirected_stderr_gets_a_line_per_round_and_no_bar(tiny_fl: dict[str, Any],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``medfl run ... 2> log.txt``: no bar frames in the file, a line per round instead."""
+    from medfl.config import resolve_config
+    from medfl.experiment import run_experiment
+
+    monkeypatch.delenv("MEDFL_NO_PROGRESS", raising=False)
+    stream = io.StringIO()   # not a terminal, as a file or a pipe
+    with monkeypatch.context() as mp:
+        mp.setattr(sys, "stderr", stream)
+        result = run_experiment(resolve_config({**tiny_fl, "progress": True}))
+    err = stream.getvalue()
+    assert "round/s" not in err and "client/s" not in err and "\r" not in err and "%|" not in err
+    assert [line.split(" (")[0] for line in err.splitlines() if " done (" in line] == \
+        ["medfl [fedavg] round 1 of 2 done", "medfl [fedavg] round 2 of 2 done"]
+    log = (Path(result["dir"]) / "fedavg" / LOG_FILE).read_text()
+    assert "INFO medfl.engine.exchanges: medfl [fedavg] round 2 of 2 done (" in log
+
+
+@pytest.mark.parametrize(("terminal", "env", "wanted", "bar", "level"), [
+    (True, None, True, True, "DEBUG"),      # a terminal: the bar, the round lines only in log.txt
+    (False, None, True, False, "INFO"),     # redirected: no bar, a line per round
+    (True, "1", True, False, "DEBUG"),      # MEDFL_NO_PROGRESS: quiet everywhere
+    (True, None, False, False, "DEBUG"),    # fl.progress false: quiet everywhere
+])
+def test_round_bar_on_a_terminal_only(terminal: bool, env: str | None, wanted: bool, bar: bool, level: str,
+                                      monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from medfl.engine.exchanges import RoundBar
+
+    if env is None:
+        monkeypatch.delenv("MEDFL_NO_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("MEDFL_NO_PROGRESS", env)
+    stream: io.StringIO = _Terminal() if terminal else io.StringIO()
+    with monkeypatch.context() as mp, caplog.at_level(logging.DEBUG, logger="medfl"):
+        mp.setattr(sys, "stderr", stream)
+        rounds = RoundBar(iter([3, 4]), "fedavg", 2, 4, wanted)
+        for r in rounds:
+            rounds.set_postfix({"local_acc": f"0.{r}00"})
+        rounds.close()
+    assert ("fedavg: 100%|" in stream.getvalue() and "4/4 [" in stream.getvalue()) is bar
+    lines = [(rec.levelname, rec.getMessage().split(" (")[0], rec.getMessage().split("): ")[-1])
+             for rec in caplog.records if " done (" in rec.getMessage()]
+    assert lines == [(level, "medfl [fedavg] round 3 of 4 done", "local_acc=0.300"),
+                     (level, "medfl [fedavg] round 4 of 4 done", "local_acc=0.400")]
+
+
+@pytest.mark.parametrize(("env", "wanted", "expected"), [
+    (None, True, None), ("", True, None), ("0", True, None), ("false", True, None), ("1", True, True),
+    ("yes", True, True), (None, False, True),
+])
+def test_progress_bar_disabled(env: str | None, wanted: bool, expected: bool | None,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``None`` lets tqdm draw only on a terminal; ``True`` draws nothing."""
+    from medfl.logs import progress_bar_disabled
+
+    if env is None:
+        monkeypatch.delenv("MEDFL_NO_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("MEDFL_NO_PROGRESS", env)
+    assert progress_bar_disabled(wanted) is expected
+
+
+def test_prep_bar_is_not_written_into_a_redirected_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    from medfl.prep.common import progress
+
+    monkeypatch.delenv("MEDFL_NO_PROGRESS", raising=False)
+    for terminal in (False, True):
+        stream: io.StringIO = _Terminal() if terminal else io.StringIO()
+        with monkeypatch.context() as mp:
+            mp.setattr(sys, "stderr", stream)
+            assert list(progress(range(3), "prep")) == [0, 1, 2]
+        assert ("prep: 100%|" in stream.getvalue()) is terminal
+
+
 def _tiny_training(debug: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     from medfl.training import train_epochs
 

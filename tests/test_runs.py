@@ -18,7 +18,9 @@ import pytest
 from medfl.config import resolve_config
 from medfl.experiment import run_experiment
 from medfl.rundir import RunDir
-from medfl.runs import RUN_FIELDS, find_run_dirs, format_runs, list_runs, run_row
+from medfl.runs import RUN_FIELDS, find_run_dirs, format_runs, key_metric, list_runs, run_row
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tiny(out: Path, name: str, **kw: Any) -> dict[str, Any]:
@@ -86,7 +88,8 @@ def test_table_json_and_csv(runs: Path, capsys: pytest.CaptureFixture[str], monk
                            timeout=300, env=env)
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["path", "status", "method", "rounds", "headline", "value", "epsilon", "modified"]
+    assert lines[0].split() == ["path", "status", "method", "rounds", "headline", "accuracy", "epsilon", "modified"]
+    assert "not searched" not in table.stderr
     assert lines[1].startswith("fin/fedavg") and " 2/2 " in lines[1] and lines[-1].startswith("stop/fedavg")
     assert " 1/3 " in lines[-1] and "stopped" in lines[-1]
     dp_line = next(line for line in lines if line.startswith("dp/fedavg"))
@@ -160,3 +163,64 @@ def test_depth_limits_the_search(runs: Path) -> None:
     assert find_run_dirs(runs, depth=1) == []
     assert len(find_run_dirs(runs, depth=2)) == 4
     assert find_run_dirs(runs / "fin" / "fedavg", depth=0) == [runs / "fin" / "fedavg"]
+
+
+def test_folders_below_the_depth_are_named_not_skipped_silently(runs: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A run deeper than ``--depth``: stderr says how many folders were not searched and the
+    two commands that reach it; the first of them, run as printed, lists it (issue 51)."""
+    import shlex
+
+    from medfl.cli import main
+
+    deep = tmp_path / "deep"
+    shutil.copytree(runs / "fin" / "fedavg", deep / "a" / "b" / "c" / "d" / "e" / "fedavg")
+    (deep / "x" / "y" / "z" / "w" / "v" / ".hidden").mkdir(parents=True)   # nothing searchable below v
+    assert main(["runs", str(deep)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"medfl runs: no runs under {deep}")
+    edge = deep / "a" / "b" / "c" / "d" / "e"
+    assert err.strip() == (f"medfl runs: 1 folder(s) 5 level(s) below {deep} have subfolders that were not searched "
+                           f"(e.g. {edge}); to list runs there: medfl runs {deep} --depth 10, or medfl runs {edge}")
+    for command in err.strip().split("to list runs there: ")[1].split(", or "):
+        argv = shlex.split(command)
+        assert argv[:2] == ["medfl", "runs"]
+        assert main([*argv[1:], "--csv"]) == 0
+        listed, err = capsys.readouterr()
+        assert [r["path"] for r in csv.DictReader(io.StringIO(listed))] in (["a/b/c/d/e/fedavg"], ["fedavg"])
+        assert err == ""
+    unsearched: list[Path] = []
+    assert find_run_dirs(runs, depth=1, unsearched=unsearched) == []
+    assert unsearched == [runs / "dp", runs / "fin", runs / "stop"]
+    unsearched.clear()
+    assert len(find_run_dirs(runs, depth=2, unsearched=unsearched)) == 4 and unsearched == []
+
+
+def test_the_headline_is_the_run_s_own_metric(copy, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cross-validated run (abide_fedskd: fl.cv.metric AUC) heads with AUC, an early-stopped
+    one with its selection metric; the table's value column is named by the metric."""
+    from medfl.config import resolve_config
+    from medfl.config_file import load_bundle_config
+
+    root = copy("fin")
+    run_dir = root / "fedavg"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    assert key_metric(config) == (None, None) and run_row(run_dir)["headline"] == "local_test accuracy"
+    bundle = resolve_config(load_bundle_config(ROOT / "bundles" / "abide_fedskd" / "configs" / "train.json", {}))
+    assert key_metric({"fl": bundle}) == (None, "auc")
+    (run_dir / "config.json").write_text(json.dumps({**config, "fl": {**config["fl"], "cv": bundle["cv"]}}))
+    row = run_row(run_dir)
+    assert row["headline"] == "local_test auc"
+    assert row["value"] == pytest.approx(summary["final"]["local_test"]["auc"]["mean"])
+    header = format_runs([row, run_row(root / "local")]).splitlines()[0].split()
+    assert header[4:6] == ["headline", "value"]   # two metrics: each row names its own
+    assert format_runs([row]).splitlines()[0].split()[4:6] == ["headline", "auc"]
+    # before the summary: the last round of metrics.csv, on the selection metric's split
+    early = {"metric": "global_test/f1", "patience": 5, "min_delta": 0.0, "mode": None, "min_rounds": 0}
+    (run_dir / "config.json").write_text(json.dumps({**config, "fl": {**config["fl"], "early_stopping": early}}))
+    assert key_metric(json.loads((run_dir / "config.json").read_text())) == ("global_test", "f1")
+    (run_dir / "summary.json").unlink()
+    RunDir(run_dir).status("stopped", 2, 2)
+    row = run_row(run_dir)
+    assert row["headline"] == "global_test f1 (round 2)" and 0 <= row["value"] <= 1

@@ -11,16 +11,27 @@ written), ``coordinator``, ``store``, ``eval_store``, ``early`` and tables.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, NoReturn
 
+import torch
+
 from medfl.config import method_preset, preset_counts, preset_record
 from medfl.filters import FilterChain
+from medfl.method import MethodConfigError
+from medfl.models.registry import ModelConfigError, build_model, recorded_builds
+from medfl.plugins import PluginError
 from medfl.rundir import RunError, with_step_column
 
-__all__ = ["Checkpoints"]
+__all__ = ["Checkpoints", "REFUSALS"]
 
 logger = logging.getLogger(__name__)
+
+#: What stops a new run as a refusal of its settings before anything ran, its run directory
+#: removed (:meth:`Checkpoints.prepare`): a method's ``setup`` refusing them, a model
+#: factory refusing its options, or a model name (an inner model a wrapper builds) unknown.
+REFUSALS: tuple[type[Exception], ...] = (MethodConfigError, ModelConfigError, PluginError)
 
 
 class Checkpoints:
@@ -33,13 +44,29 @@ class Checkpoints:
         (``read_only``: load the last checkpoint and change nothing on disk, for predicting).
         A writing run holds the run directory's lock until :meth:`execute` ends.
 
+        A method that refuses its settings where it first sees them, in
+        :meth:`~medfl.method.Method.setup` (raising :class:`~medfl.method.MethodConfigError`),
+        or a model that refuses its options (:class:`~medfl.models.registry.ModelConfigError`
+        from its factory, or a :class:`~medfl.plugins.PluginError` for an unknown inner model
+        a wrapper builds: every model of the run is built here, :meth:`_check_models`)
+        stops a new run before anything ran: the run directory this call created goes with the
+        refusal (:meth:`medfl.rundir.RunDir.discard`), so the refusal is one ``medfl: error:``
+        line and no run is left behind (:data:`REFUSALS`). Any other exception keeps the
+        directory (a bug: its traceback, and a run ``medfl runs`` lists as crashed).
+
         Raises:
             RunError: another process holds the run directory.
+            MethodConfigError: the method refused its settings in ``setup``.
+            ModelConfigError: a model refused its options.
+            PluginError: a model builds an unknown model.
         """
+        created = not (resume or read_only or self.run_dir.exists())
         try:
             self._prepare(resume, read_only)
-        except BaseException:   # nothing was run: the lock and the run's log.txt go with the failure
-            if not read_only:
+        except BaseException as exc:   # nothing was run: the lock and the run's log.txt go with the failure
+            if created and isinstance(exc, REFUSALS):
+                self.files.discard()
+            elif not read_only:
                 self.files.unlock()
             raise
 
@@ -49,8 +76,10 @@ class Checkpoints:
             self.files.lock()
             if not resume:
                 self._announce()
-        self.coordinator.setup(self.federation)
+        with recorded_builds() as built:
+            self.coordinator.setup(self.federation)
         if not (resume or read_only):
+            self._check_models(built)
             self.eval_store.rollback(0)  # a fresh run never compares with an older run's memory
             return
         k, ckpt = self.files.intact_checkpoint(read_only, self._lost_states)
@@ -88,6 +117,36 @@ class Checkpoints:
                         f"({len(records)} DP repl{'y' if len(records) == 1 else 'ies'}, noise multiplier "
                         f"{', '.join(f'{v:.4g}' for v in sigma)}): it runs again under the parameters it was "
                         "released under; a release that comes back different is counted in privacy.csv")
+
+    def _check_models(self, built: list[dict[str, Any]]) -> None:
+        """Build once each distinct model spec of the run (the global one and each client's,
+        ``fl.client_models``) that the method's ``setup`` did not build (``built``), on the
+        CPU with the random state untouched, so that a model refusing its options, or naming
+        an unknown inner model, stops the run in :meth:`prepare` rather than in round 1 at
+        the client that builds it. Only those refusals count here: any other failure is left
+        to the run, where it happened before.
+
+        Raises:
+            ModelConfigError: a factory refused its options.
+            PluginError: a model builds an unknown model.
+        """
+        def key(spec: dict[str, Any]) -> str:   # dp_compatible (Opacus's fixer) is the privacy checks' part
+            return json.dumps({k: v for k, v in spec.items() if k != "dp_compatible"}, sort_keys=True, default=str)
+
+        fed = self.federation
+        done = {key(spec) for spec in built}
+        todo = {key(spec): spec for spec in (fed.model_spec(cid) for cid in
+                                             [None, *sorted(set(fed.client_ids) | set(fed.eval_client_ids))])}
+        for k, spec in todo.items():
+            if k in done:
+                continue
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    build_model({name: v for name, v in spec.items() if name != "dp_compatible"})
+            except (ModelConfigError, PluginError):
+                raise
+            except Exception:   # noqa: BLE001 - not a refusal: the run builds it later, failing there as before
+                pass
 
     def _announce(self) -> None:
         """Write ``config.json`` and ``partition.csv`` (:meth:`_write_static`) and say which
@@ -169,15 +228,18 @@ class Checkpoints:
             self.data.save(self.run_dir / "partition.csv")
 
     def _log_preset(self) -> None:
-        """Say on stderr which preset the method runs with, and where the run's own settings
-        differ from the experiment the preset's source describes (``config.json``'s ``preset``
-        has every value and where it came from)."""
+        """Say on stderr, in one short line, which preset the method runs with, how many values
+        it sets, how many settings of its source's experiment this run does not share, every
+        value it cites no source for (a warning), and where the full table is (``config.json``'s
+        ``preset`` block: every value and where it came from); the run's ``log.txt`` gets the
+        source, the counts by kind and each differing setting (DEBUG)."""
         preset = method_preset(self.method_spec)
         if preset is None:
             return
+        name = self.method_spec["preset"]
         record = preset_record(self.method_spec, self.coordinator) or {}
         entries = [*record.get("values", {}).values(), *record.get("train", {}).values()]
-        line = f"preset {self.method_spec['preset']!r} ({preset.source}): " + preset_counts(entries)
+        line = f"preset {name!r} ({preset.source}): " + preset_counts(entries)
         differ = [f"{k} {v!r} (this run: {self.config[k]!r})" for k, v in preset.experiment.items()
                   if k in self.config and self.config[k] != v]
         if differ:
@@ -186,8 +248,16 @@ class Checkpoints:
                           for k, e in record.get(part, {}).items() if e["from"] == "unstated")
         if unstated:
             line += f"; no source for {', '.join(unstated)} (the plugin's preset cites none)"
-        (logger.warning if unstated else logger.info)(f"medfl [{self.label}] {line}; config.json has every value "
-                                                      "and its source")
+        logger.debug(f"medfl [{self.label}] {line}; config.json has every value and its source")
+        short = [f"{len(entries)} value{'' if len(entries) == 1 else 's'}"]
+        if differ:
+            short.append(f"{len(differ)} setting{' differs' if len(differ) == 1 else 's differ'} from its source's "
+                         "experiment")
+        if unstated:
+            short.append(f"no source for {', '.join(unstated)} (the plugin's preset cites none)")
+        (logger.warning if unstated else logger.info)(
+            f"medfl [{self.label}] preset {name!r} ({'; '.join(short)}): every value, its source and the source's "
+            f"experiment: \"preset\" in {self.run_dir / 'config.json'}")
 
     def _log_privacy(self) -> None:
         """Say on stderr what the run's differential privacy is (and what Opacus's validator

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from tqdm.auto import tqdm
 
@@ -22,12 +22,13 @@ from medfl.context import ClientContext
 from medfl.engine.client import run_client_profile, run_client_update, run_client_validate
 from medfl.engine.data import POOLED, FederatedData, client_order
 from medfl.engine.store import ClientStore
-from medfl.logs import Throttle
+from medfl.logs import Throttle, progress_bar_disabled
 from medfl.messages import Instruction, Reply
 from medfl.method import derive_seed
 from medfl.privacy.ledger import planned_releases
 
-__all__ = ["Exchanges", "client_context", "ROLES", "PLACEHOLDER_ID", "RoundProgress", "PROGRESS_EVERY_S", "rounds_span"]
+__all__ = ["Exchanges", "client_context", "ROLES", "PLACEHOLDER_ID", "RoundBar", "RoundProgress", "PROGRESS_EVERY_S",
+           "rounds_span"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,49 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
     )
 
 
+class RoundBar:
+    """The run's progress over its rounds: a tqdm bar of rounds where stderr is a terminal
+    (:func:`medfl.logs.progress_bar_disabled`: none in a redirected stderr, a log file or CI,
+    none with ``fl.progress`` false or ``MEDFL_NO_PROGRESS``), and a line per round finished
+    (``medfl [fedavg] round 3 of 5 done (2.1 s): local_acc=0.812``) at INFO where progress is
+    wanted but no bar is drawn, else at DEBUG (the run's ``log.txt`` has it either way).
+
+    Args:
+        rounds: the round numbers to run.
+        label: the run's label.
+        initial: the rounds done before (a resumed run).
+        total: the rounds planned.
+        wanted: whether progress may be shown (the config's ``progress``).
+    """
+
+    def __init__(self, rounds: Iterable[int], label: str, initial: int, total: int, wanted: bool = True) -> None:
+        disable = progress_bar_disabled(wanted)
+        self.label, self.total, self.post = label, total, ""
+        self.bar = tqdm(rounds, desc=label, unit="round", disable=disable, leave=True, initial=initial, total=total)
+        self.level = logging.INFO if disable is None and self.bar.disable else logging.DEBUG
+
+    def __iter__(self) -> Iterator[int]:
+        for r in self.bar:
+            t0 = time.perf_counter()
+            self.post = ""
+            yield r
+            logger.log(self.level, f"medfl [{self.label}] round {r} of {self.total} done "
+                                   f"({time.perf_counter() - t0:.1f} s){': ' + self.post if self.post else ''}")
+
+    def set_postfix(self, post: dict[str, str]) -> None:
+        """The round's numbers, on the bar and in its line (``{"local_acc": "0.812"}``)."""
+        self.post = ", ".join(f"{k}={v}" for k, v in post.items())
+        self.bar.set_postfix(post)
+
+    def close(self) -> None:
+        """The rounds ended (the bar stays on the terminal)."""
+        self.bar.close()
+
+
 class RoundProgress:
     """Progress of one round's training exchange, client by client: a tqdm bar under the
-    round's bar where stderr is a terminal (none in a log file or CI: tqdm's ``disable=None``),
+    round's bar where stderr is a terminal (none in a log file or CI: tqdm's ``disable=None``;
+    none with ``fl.progress`` false or ``MEDFL_NO_PROGRESS``),
     and a line per client trained (``round r: client c trained (k/n, 12.3 s)``) at DEBUG, or
     INFO when :data:`PROGRESS_EVERY_S` seconds have passed since the round began or the last
     INFO line (:class:`medfl.logs.Throttle`).
@@ -91,7 +132,7 @@ class RoundProgress:
         self.label, self.r, self.n, self.k = label, r, n, 0
         self.throttle = Throttle(PROGRESS_EVERY_S)
         self.bar = tqdm(total=n, desc=f"{label} round {r}", unit="client", leave=False,
-                        disable=None if bar else True)
+                        disable=progress_bar_disabled(bar))
         self.t0 = time.perf_counter()
 
     def start(self, cid: str) -> None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pandas as pd
-from tqdm.auto import tqdm
 
 from medfl import wire
 from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, cross_test_in_clear, method_label,
@@ -37,7 +37,7 @@ from medfl.engine.early_stopping import EarlyStopping
 from medfl.engine.evaluation import (ENGINE_TABLES, METRICS_PROVENANCE, _TABLE_NAME, Evaluation,  # noqa: F401
                                      evaluate_metrics, final_models_of, metrics_provenance, reported_by,
                                      summarize_metrics)
-from medfl.engine.exchanges import PLACEHOLDER_ID, ROLES, Exchanges, client_context, rounds_span  # noqa: F401
+from medfl.engine.exchanges import PLACEHOLDER_ID, ROLES, Exchanges, RoundBar, client_context, rounds_span  # noqa: F401
 from medfl.engine.mechanisms import Mechanisms
 from medfl.engine.screening import (Screening, TooFewSites, _absence_schedule, quorum_rule, sites_needed,  # noqa: F401
                                     update_norm)
@@ -354,9 +354,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         t0 = time.perf_counter()
         if self.start_round <= last:   # "round 3 of 5 in DIR", "rounds 3-5 of 5 in DIR"
             logger.info(f"medfl [{self.label}]: {rounds_span(self.start_round, last)} of {rounds} in {self.run_dir}")
-        bar = tqdm(self._round_numbers(self.start_round, last), desc=f"{self.label}", unit="round",
-                   disable=not self.config.get("progress", True), leave=True,
-                   initial=self.start_round - 1, total=rounds)
+        bar = RoundBar(self._round_numbers(self.start_round, last), self.label, self.start_round - 1, rounds,
+                       bool(self.config.get("progress", True)))
         try:
             self._rounds(bar, last, pm)
             bar.close()
@@ -400,7 +399,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
 
     def resume_command(self, top: Path) -> str:
         """The command that continues this run's experiment ``top`` (told on an interruption)."""
-        return f"medfl resume {top}"
+        return f"medfl resume {shlex.quote(str(top))}"
 
     def _round_numbers(self, first: int, last: int) -> Iterator[int]:
         """Rounds ``first`` to ``last``, ending after the round where early stopping decided

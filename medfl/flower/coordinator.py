@@ -121,6 +121,10 @@ class FlowerSettings:
             to the site's key under SuperNode authentication; a hello from any other node for
             that client is refused. Empty (the default): the last node to say hello for a
             client serves it.
+        launch: the options of ``medfl flower run`` that reached this SuperLink
+            (``--superlink HOST:PORT`` and ``--insecure`` or ``--root-certificates CA``),
+            recorded in the experiment's ``config.json`` so that every resume hint is a whole
+            command (:meth:`FlowerRun.resume_command`). Empty: not known (placeholders).
     """
 
     round_timeout: float = 600.0
@@ -130,6 +134,7 @@ class FlowerSettings:
     progress_interval: float = 15.0
     site_nodes: str = ""
     max_reply_mb: float = 0.0
+    launch: str = ""
     #: how often one call to the SuperLink that failed with a transient error (HTTP 5xx, as
     #: SQLite's "database is locked" behind ``--database`` gives; a lost connection) is tried
     #: again before the run fails (:class:`SteadyGrid`), and the first wait between two
@@ -143,15 +148,15 @@ class FlowerSettings:
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> "FlowerSettings":
         """Read ``round-timeout``, ``connect-timeout``, ``hello-timeout``, ``poll-interval``,
-        ``progress-interval``, ``site-nodes``, ``max-reply-mb``, ``superlink-retries`` and
-        ``superlink-backoff`` from a Flower run config (absent keys keep their defaults)."""
+        ``progress-interval``, ``site-nodes``, ``max-reply-mb``, ``launch``, ``superlink-retries``
+        and ``superlink-backoff`` from a Flower run config (absent keys keep their defaults)."""
         kw: dict[str, Any] = {}
         for f in fields(cls):
             if f.name == "stop":
                 continue
             key = f.name.replace("_", "-")
             if key in run_config and run_config[key] not in ("", None):
-                kw[f.name] = str(run_config[key]) if f.name == "site_nodes" else float(run_config[key])
+                kw[f.name] = str(run_config[key]) if f.name in ("site_nodes", "launch") else float(run_config[key])
         return cls(**kw)
 
     def pause(self) -> None:
@@ -462,8 +467,15 @@ class FlowerRun(Run):
 
     def resume_command(self, top: Path) -> str:
         """Over Flower a run continues with ``medfl flower run --resume`` (the sites keep
-        their state)."""
-        return f"medfl flower run --resume {top} (with the same --superlink and TLS options)"
+        their state), with the options that reached the SuperLink
+        (:meth:`medfl_plugins.backends.Flower.resume_command`: this session's, else those the
+        experiment recorded)."""
+        from medfl.backend import recorded_backend
+        from medfl.plugins import lookup
+
+        record = recorded_backend(top)[1]
+        return lookup("backend", "flower")().resume_command(top, {**record, "launch": self.settings.launch
+                                                                   or record.get("launch", "")})
 
     def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
                  data: FederatedData, grid: Grid, settings: FlowerSettings | None = None,
@@ -1068,6 +1080,8 @@ RUN_CONFIG: dict[str, Any] = {
     "progress-interval": 15.0,   # seconds between "waiting for sites" lines at the start
     "site-nodes": "",        # JSON {client id: node id}: only that node may serve the client
     "max-reply-mb": 0.0,     # the largest answer taken from a site (0: bounded by what the method sends)
+    "launch": "",            # the options of `medfl flower run` that reach the SuperLink (for resume hints)
+    "threads": "",           # with resume: the coordinator's torch threads (--threads; a new run: fl#threads)
     "superlink-retries": 8,  # tries again of a SuperLink call failing with HTTP 5xx ("database is locked")...
     "superlink-backoff": 0.5,  # ... after this many seconds, doubling (at most 30 s)
 }

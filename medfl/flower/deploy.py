@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -265,14 +266,19 @@ def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeo
                     hello_timeout: float, config: str | Path | None = None, overrides: dict[str, Any] | None = None,
                     resume: str | Path | None = None, rounds: int | None = None,
                     progress_interval: float | None = None, site_nodes: dict[str, int] | None = None,
-                    max_reply_mb: float | None = None) -> dict[str, Any]:
+                    max_reply_mb: float | None = None, launch: str = "", threads: int | str | None = None
+                    ) -> dict[str, Any]:
     """The run config (keys of :data:`~medfl.flower.coordinator.RUN_CONFIG`) of one ``flwr run``
     of medfl's app: a bundle ``config`` with its ``#``-path ``overrides``, or a stopped run
     directory to ``resume`` (optionally to a new total of ``rounds``); paths made absolute.
     ``progress_interval``: seconds between the coordinator's "waiting for sites" lines
     (``None``: the app's default); ``site_nodes``: ``{client id: node id}``, the only node
     that may serve each client (:func:`medfl.flower.auth.pin_site`); ``max_reply_mb``: the
-    largest answer taken from a site (``None``: bounded by what the method sends)."""
+    largest answer taken from a site (``None``: bounded by what the method sends); ``launch``:
+    the options of ``medfl flower run`` that reach this SuperLink, which the resume hints name
+    (:attr:`~medfl.flower.coordinator.FlowerSettings.launch`); ``threads``: with ``resume``,
+    the coordinator's torch threads (as ``medfl resume --threads``; a new run gets them as
+    ``fl#threads``)."""
     rc: dict[str, Any] = {"workdir": str(Path(workdir).resolve()), "result-file": str(result_file),
                           "round-timeout": float(round_timeout), "connect-timeout": float(connect_timeout),
                           "hello-timeout": float(hello_timeout)}
@@ -282,8 +288,12 @@ def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeo
         rc["max-reply-mb"] = float(max_reply_mb)
     if site_nodes:
         rc["site-nodes"] = json.dumps({str(k): int(v) for k, v in site_nodes.items()})
+    if launch:
+        rc["launch"] = str(launch)
     if resume:
         rc.update(resume=str(Path(resume).resolve()), rounds=int(rounds or 0))
+        if threads is not None:
+            rc["threads"] = str(threads)
     else:
         rc.update(config=str(Path(str(config)).resolve()), overrides=json.dumps(overrides or {}))
     return rc
@@ -800,7 +810,8 @@ class LocalFederation:
         rc = make_run_config(workdir=self.workdir, result_file=result_file, round_timeout=round_timeout,
                              connect_timeout=connect_timeout, hello_timeout=hello_timeout, config=config,
                              overrides=overrides, resume=resume, rounds=rounds, progress_interval=progress_interval,
-                             site_nodes=site_nodes)
+                             site_nodes=site_nodes, launch=shlex.join(["--superlink", self.superlink,
+                                                                        *self._client_tls()]))
         gone = self.sites_gone()
         if gone:
             raise FlowerDeployError(f"run {name!r} not started: {gone}")

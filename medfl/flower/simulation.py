@@ -45,7 +45,7 @@ from flwr.serverapp import Grid, ServerApp
 from medfl.backend import Drive
 from medfl.config import actor_threads
 from medfl.engine.data import FederatedData, client_order, split_data
-from medfl.engine.runner import RunError, build_source
+from medfl.engine.runner import Run, RunError, build_source
 from medfl.flower.coordinator import FlowerRun, FlowerSettings
 from medfl.flower.site import Site, SiteSettings, handle
 from medfl.flower.proxy import secure_aggregation_mod
@@ -79,7 +79,7 @@ class SimulationRun(FlowerRun):
 
     def resume_command(self, top: Path) -> str:
         """A simulated run continues like an in-process one."""
-        return f"medfl resume {top}"
+        return Run.resume_command(self, top)
 
     def _connect(self, ids: list[str], t0: float) -> None:
         """Every simulated node exists from the start: wait until each has answered its

@@ -63,10 +63,10 @@ import logging
 import re
 import os
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from flwr.app import Context, Message, RecordDict
@@ -190,6 +190,8 @@ class Site:
         self.noise_key = "" if settings.simulated else site_noise_key(settings.state_dir, self.client_id)
         #: the policy of the message being handled (read by :meth:`check`), or None
         self.policy: Any = None
+        #: the approvals file :meth:`check` read for the message being handled, or None
+        self.approvals: Any = None
 
     # ------------------------------------------------------------------ data and state
     def data(self, fold: int | None, seed: Any = None) -> FederatedData:
@@ -317,6 +319,7 @@ class Site:
             approvals = check_control(ctl, f"medfl site {self.client_id}", site=own)
         except ApprovalError as exc:
             raise SiteError(f"medfl site {self.client_id}: {exc}") from None
+        self.approvals = approvals
         self.policy = None
         if approvals is None or approvals.policy is None:
             return
@@ -326,6 +329,29 @@ class Site:
         except ApprovalError as exc:
             raise SiteError(f"medfl site {self.client_id}: refused by its privacy policy ({approvals.path}): "
                             f"{exc}") from None
+
+    @contextmanager
+    def models_guarded(self, ctl: dict[str, Any]) -> Iterator[None]:
+        """Handle the message ``ctl`` (checked by :meth:`check`) in this block: every model
+        plugin built in it, the inner model a wrapper builds from its options included, must
+        be approved as the message's own models are (:func:`medfl.approval.guarded_models`).
+
+        Raises:
+            SiteError: a model built in the block is not approved (naming it and the
+                wrapper that builds it), before its factory runs.
+        """
+        from medfl.approval import ApprovalError, guarded_models, required
+
+        if self.settings.simulated:   # the user's own simulated sites: nothing to approve
+            yield
+            return
+        allowed = [name for kind, name in required({"model": ctl.get("model"), "specs": ctl.get("specs")})
+                   if kind == "model"]
+        try:
+            with guarded_models(self.approvals, f"medfl site {self.client_id}", allowed):
+                yield
+        except ApprovalError as exc:
+            raise SiteError(f"medfl site {self.client_id}: {exc}") from None
 
     def num_examples(self, ctl: dict[str, Any]) -> int:
         """This site's training-set size in the message's split (what DP-SGD's steps and
@@ -618,7 +644,7 @@ def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age:
     # the site's own log of the run, beside its state (<state-dir>/<run id>/site_<client id>/log.txt)
     # (a hello names no run yet: it is answered without one)
     with file_log(site._root(ctl), f"site {site.client_id}: {message_type} message, round {ctl.get('round')}") \
-            if "run" in ctl else nullcontext():
+            if "run" in ctl else nullcontext(), site.models_guarded(ctl):
         out = _answer(site, message_type, ctl, content)
         logger.debug(f"site {site.client_id}: {message_type} message, round {ctl.get('round')}: answered in "
                      f"{time.perf_counter() - t0:.3f} s" + ("" if clientapp_age is None else

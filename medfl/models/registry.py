@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from medfl.plugins import lookup
 
-__all__ = ["build_model", "build_seeded", "ModelConfigError"]
+__all__ = ["build_model", "build_seeded", "building", "recorded_builds", "ModelConfigError"]
+
+#: the names of the models whose factories are running, outermost first (:func:`building`)
+_building: ContextVar[tuple[str, ...]] = ContextVar("medfl_models_building", default=())
+#: the specs built in a :func:`recorded_builds` block, or None outside one
+_built: ContextVar[list[dict[str, Any]] | None] = ContextVar("medfl_models_built", default=None)
 
 
 class ModelConfigError(ValueError):
@@ -35,6 +42,9 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
             trainable with per-sample gradients (the message lists the layers).
     """
     spec = dict(spec)
+    record = _built.get()
+    if record is not None:
+        record.append(dict(spec))
     name = spec.pop("name")
     dp_compatible = spec.pop("dp_compatible", False)
     if not isinstance(dp_compatible, bool):
@@ -49,12 +59,38 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
                 f"model {name!r} takes no argument(s) {', '.join(unknown)}; valid: "
                 f"{', '.join(sig.parameters)}"
             )
-    model = factory(**spec)
+    token = _building.set((*_building.get(), str(name)))
+    try:
+        model = factory(**spec)
+    finally:
+        _building.reset(token)
     if dp_compatible:
         from medfl.privacy.dp_sgd import make_private_model  # imports Opacus: only when asked
 
         model = make_private_model(model, where=f"model {name!r}")[0]
     return model
+
+
+def building() -> tuple[str, ...]:
+    """The names of the models :func:`build_model` is building in this thread or task,
+    outermost first: inside a wrapper model's factory that builds an inner model,
+    ``("stem_cnn",)``. A site's refusal of the inner model names the wrapper with it
+    (:func:`medfl.approval.guarded_models`)."""
+    return _building.get()
+
+
+@contextmanager
+def recorded_builds() -> Iterator[list[dict[str, Any]]]:
+    """Within the block (this thread or task), every spec :func:`build_model` is given, an
+    inner model's included, is appended to the list yielded: what a method's ``setup`` built
+    already, which the engine need not build again to check it
+    (:meth:`medfl.engine.checkpoints.Checkpoints.prepare`)."""
+    specs: list[dict[str, Any]] = []
+    token = _built.set(specs)
+    try:
+        yield specs
+    finally:
+        _built.reset(token)
 
 
 def build_seeded(spec: dict[str, Any], seed: int, device: str = "cpu") -> nn.Module:

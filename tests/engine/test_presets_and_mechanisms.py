@@ -80,10 +80,27 @@ def test_config_json_says_where_every_value_came_from(tmp_path: Path, capsys: py
     assert preset["medfl_defaults"] == {"unused": 0}
     assert preset["experiment"] == {"rounds": 50, "num_clients": 3}
     assert saved["method_hparams"]["scale"] == 3.0
-    err = capsys.readouterr().err
-    assert ("preset 'paper' (a test paper, Table 1): 0 from the paper, 0 from the authors' code, 1 readings, "
-            "1 medfl's choices, 1 from this config; the source's") in err
-    assert "rounds 50 (this run: 2)" in err and "num_clients" not in err.split("differs")[-1]
+    # stderr: one short line (the preset, how many values, how many settings differ, where the table is)
+    err = [line for line in capsys.readouterr().err.splitlines() if "preset" in line]
+    assert err == [f"medfl [test_observed] preset 'paper' (3 values; 1 setting differs from its source's experiment): "
+                   f"every value, its source and the source's experiment: \"preset\" in {run / 'config.json'}"]
+    # the run's log.txt: the source, the counts by kind and each setting that differs
+    detail = next(line for line in (run / "log.txt").read_text().splitlines() if "preset 'paper' (a test" in line)
+    assert ("DEBUG medfl.engine.checkpoints: medfl [test_observed] preset 'paper' (a test paper, Table 1): 0 from the "
+            "paper, 0 from the authors' code, 1 readings, 1 medfl's choices, 1 from this config; the source's") in detail
+    assert "rounds 50 (this run: 2)" in detail and "num_clients" not in detail.split("differs")[-1]
+
+
+def test_a_seed_method_announces_its_preset_in_a_short_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """FedKPer's paper preset (its source citation, 12 values, six settings of the paper's
+    experiment that a tiny run does not share) is one line of the preset's name, counts and
+    where the table is, not the 740 characters of all of it (issue 51)."""
+    run = _run(tmp_path, {"name": "fedkper", "preset": "paper"}, rounds=1)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "preset 'paper'" in line]
+    assert len(lines) == 1 and lines[0].startswith("medfl [fedkper] preset 'paper' (12 values; ")
+    assert lines[0].endswith(f"experiment: \"preset\" in {run / 'config.json'}")
+    assert len(lines[0]) - len(str(run / "config.json")) < 160 and "Fowler" not in lines[0]
+    assert "Fowler & AlRegib" in (run / "log.txt").read_text()   # the detail stays in the run's log
 
 
 def test_a_value_without_a_source_is_recorded_and_warned_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -99,9 +116,11 @@ def test_a_value_without_a_source_is_recorded_and_warned_as_such(tmp_path: Path,
     assert preset["values"] == {"scale": {"value": 4.0, "from": "unstated",
                                           "source": "the preset cites no source for scale"}}
     assert preset["train"]["lr"]["from"] == "unstated"
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err   # the warning names every value without a source, in the short line
+    assert ("medfl [test_observed] preset 'old' (2 values; no source for scale, train.lr (the plugin's preset cites "
+            "none)): every value, its source") in err
     assert ("preset 'old' (an older plugin): 0 from the paper, 0 from the authors' code, 0 readings, 0 medfl's "
-            "choices, 0 from this config, 2 without a source; no source for scale, train.lr") in err
+            "choices, 0 from this config, 2 without a source; no source for scale, train.lr") in (run / "log.txt").read_text()
 
 
 # ------------------------------------------------------------------ mechanisms

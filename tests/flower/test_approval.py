@@ -214,6 +214,28 @@ def test_approve_list_and_revoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
         Approvals.load(tmp_path / "bad.json")
 
 
+def test_approve_checks_every_name_before_writing_or_printing(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``medfl approve fedavg fedprox small_cnn``: the model among the methods is refused,
+    naming the ``--kind`` that approves it, before anything is written or printed (issue 51,
+    point 6: two "approved" lines, then a failure, and nothing written); ``--revoke`` too."""
+    approvals = tmp_path / "a.json"
+    assert main(["approve", "fedavg", "fedprox", "small_cnn", "--file", str(approvals)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not approvals.exists(), out
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
+        "medfl: error: 'small_cnn' is not a method but a model plugin: approve it with --kind model "
+        f"(`medfl approve small_cnn --kind model`); nothing was written to {approvals}"], err
+    assert main(["approve", "fedavg", "fedprox", "--file", str(approvals)]) == 0
+    assert main(["approve", "small_cnn", "--kind", "model", "--file", str(approvals)]) == 0
+    before = approvals.read_text()
+    capsys.readouterr()
+    assert main(["approve", "fedavg", "small_cnn", "--revoke", "--file", str(approvals)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and approvals.read_text() == before, out
+    assert f"method 'small_cnn' is not in {approvals} (it lists 'small_cnn' as a model: give --kind model)" in err
+
+
 def test_site_command_checks_its_approvals_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """``medfl flower site --approvals FILE``: a missing file stops the site before it
@@ -506,6 +528,60 @@ def test_final_models_are_checked_like_the_others(tmp_path: Path, monkeypatch: p
     with pytest.raises(SiteError, match=r"medfl site 0: refused model 'pfedcdp_student' .*: it is not in the "
                                         r"approvals file .*`medfl approve pfedcdp_student --kind model"):
         site.check_models({"student": {"name": "pfedcdp_student"}})
+
+
+WRAPPER = '''
+"""A model plugin that wraps another registered model, named by its options."""
+from medfl import hookimpl
+from medfl.models.registry import build_model
+
+
+def {wrap}(*, spatial_dims, in_channels, num_classes, inner="small_cnn"):
+    return build_model({{"name": inner, "width": 4, "spatial_dims": spatial_dims, "in_channels": in_channels,
+                        "num_classes": num_classes}})
+
+
+def {inner}(**kwargs):
+    return build_model({{"name": "small_cnn", **kwargs}})
+
+
+@hookimpl
+def register_models(register):
+    register({wrap}, name="{wrap}")
+    register({inner}, name="{inner}")
+'''
+
+
+def test_a_model_a_wrapper_builds_must_be_approved_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper model builds an inner model named by its options: approving the wrapper does
+    not approve the inner model plugin (installed after the operator's approvals), which the
+    site refuses before its code runs, naming both; approved too, the run goes through."""
+    import importlib
+
+    approvals = tmp_path / "approvals.json"
+    _approve(approvals, "fedavg")
+    tag = tmp_path.name[-6:].replace("-", "_")
+    wrap, inner, mod = f"wrap_{tag}", f"inner_{tag}", f"medfl_test_wrapper_{tag}"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / f"{mod}.py").write_text(WRAPPER.format(wrap=wrap, inner=inner))
+    monkeypatch.syspath_prepend(str(tmp_path / "m"))
+    pm = get_plugin_manager()
+    pm.register(importlib.import_module(mod), name=mod)
+    monkeypatch.setenv(APPROVALS_ENV, str(approvals))
+    try:
+        assert main(["approve", wrap, "--kind", "model", "--file", str(approvals)]) == 0
+        fl = fl_config(tmp_path, "wrapped", {**FEDAVG, "rounds": 1, "eval_every": 0,
+                                             "model": {"name": wrap, "inner": inner}})
+        with pytest.raises(SiteFailure, match=rf"site 0 .*SiteError: medfl site 0: refused model '{inner}' "
+                                              rf"\(.*\), built by model '{wrap}': it is not in the approvals file .*"
+                                              rf"`medfl approve {inner} --kind model --file "):
+            run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+        assert main(["approve", inner, "--kind", "model", "--file", str(approvals)]) == 0
+        fl["name"] = "wrapped_ok"
+        out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl, "ok")), FAST)
+        assert out["summaries"]["fedavg"]["rounds"] == 1
+    finally:
+        pm.unregister(name=mod)
 
 
 def test_a_plugin_outside_an_importable_module_cannot_be_approved() -> None:

@@ -11,6 +11,7 @@ refuses. ``test_flower.py`` runs the same jobs over real Flower processes.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -285,15 +286,60 @@ def test_site_drops_out_for_a_round_and_rejoins_with_its_state(tmp_path: Path, f
     _no_state_at_coordinator(run_dir)
 
 
-def test_stopped_flower_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
+def test_stopped_flower_run_resumes_to_the_uninterrupted_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str],
+                                                                 request: pytest.FixtureRequest) -> None:
+    """A Flower run stopped after round 1 (the ServerApp's ``serve``, as ``medfl flower run``
+    starts it) prints the command that continues it at the sites, with the options that
+    reached the SuperLink (issue 51: it said `medfl resume DIR`, which trained the remaining
+    rounds here without the sites' state). `medfl resume` refuses in one line naming that
+    command and writes nothing; the printed command, run as pasted (``flwr run`` caught: its
+    ServerApp serves restarted sites) with ``--threads 1`` as `medfl resume` takes it, ends
+    with the uninterrupted run's numbers."""
+    import shlex
+
+    import medfl.flower.deploy as deploy
+    from medfl.cli import main
+    from medfl.flower.server import serve
+
+    monkeypatch.chdir(tmp_path)   # serve() changes to the run config's workdir
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    torch.set_num_threads(1)      # every part as the resume's --threads 1 (the numbers are compared exactly)
     fl = fl_config(tmp_path, "stop", {**FEDBN, "stop_after_round": 1})
+    launch = f"--superlink hub:9100 --root-certificates {tmp_path / 'ca.pem'}"
+    rc = deploy.make_run_config(workdir=tmp_path, result_file=tmp_path / "result.json", round_timeout=2.0,
+                                connect_timeout=5.0, hello_timeout=2.0, config=write_config(tmp_path / "stop.json", fl),
+                                launch=launch)
     grid = LoopGrid(_sites(tmp_path, fl))
-    out = run_flower_experiment(resolve_config(fl), grid, FAST)
-    run_dir = Path(out["dir"]) / "fedbn"
+    out = serve(grid, {**rc, "poll-interval": 0.01})
+    exp = Path(out["dir"])
+    run_dir = exp / "fedbn"
     assert not (run_dir / "summary.json").is_file()
-    grid = LoopGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
-    resumed = resume_flower(out["dir"], grid, FAST)       # the experiment directory, as `medfl flower run --resume`
-    assert resumed["summaries"]["fedbn"]["rounds"] == 3
+    printed = [a or b for a, b in re.findall(r"continue with:? (?:`([^`]+)`|(medfl .+))", capsys.readouterr().out)]
+    assert printed == [f"medfl flower run --resume {run_dir} {launch}"]
+
+    files = {f: f.read_bytes() for f in exp.rglob("*") if f.is_file()}
+    assert main(["resume", str(exp)]) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(said) == 1 and said[0].startswith("medfl: error: ") and "ran at the sites over Flower" in said[0], said
+    assert f"`medfl flower run --resume {exp} {launch}`" in said[0]
+    assert {f: f.read_bytes() for f in exp.rglob("*") if f.is_file()} == files   # nothing written
+
+    restarted = LoopGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
+    launched: list[tuple[str, dict[str, Any]]] = []
+
+    def flwr_run(app_dir: Path, superlink: str, run_config: dict[str, Any], **kw: Any) -> int:
+        launched.append((superlink, run_config))
+        result = serve(restarted, {**run_config, "poll-interval": 0.01})   # the ServerApp at the SuperLink
+        Path(run_config["result-file"]).write_text(json.dumps({"ok": True, "dir": result["dir"]}))
+        return 0
+
+    monkeypatch.setattr(deploy, "flwr_run", flwr_run)
+    assert main(shlex.split(printed[0])[1:] + ["--threads", "1"]) == 0
+    assert [(link, rc2["resume"], rc2["threads"]) for link, rc2 in launched] == [("hub:9100", str(run_dir), "1")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == 3 and summary["threads"]["setting"] == 1   # --threads reached the coordinator
     ref = run_experiment(resolve_config({**fl, "name": "stop_ref", "stop_after_round": None}))
     for f in ("metrics.csv", "train_metrics.csv"):
         numeric_equal(pd.read_csv(Path(ref["dir"]) / "fedbn" / f), pd.read_csv(run_dir / f), f, atol=0.0)

@@ -98,7 +98,13 @@ def test_flower_run_command_sends_the_run_config(tmp_path: Path, monkeypatch: py
     rc = sent[-1]
     rc.pop("app_there")
     assert rc["resume"] == str(tmp_path.resolve() / "runs" / "demo") and rc["rounds"] == 4
-    assert "config" not in rc and "overrides" not in rc
+    assert "config" not in rc and "overrides" not in rc and "threads" not in rc
+    assert rc["launch"] == "--superlink 127.0.0.1:9092 --insecure"   # what the run's resume hints repeat
+
+    # --threads with --resume, as `medfl resume --threads 1` takes it (issue 51: it was refused)
+    assert main(["flower", "run", "--resume", "runs/demo", "--threads", "1", "--root-certificates", "ca.pem"]) == 0
+    rc = sent[-1]
+    assert rc["threads"] == "1" and rc["launch"] == f"--superlink 127.0.0.1:9092 --root-certificates {tmp_path.resolve() / 'ca.pem'}"
 
     with pytest.raises(SystemExit, match="give a bundle config"):
         main(["flower", "run", "--insecure"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -169,14 +170,16 @@ def test_site_drops_out_and_rejoins_with_its_state(federation) -> None:
 PAUSED_TIMEOUT = 45.0    # the paused-sites run: how long the coordinator waits for an answer
 
 
-def test_sites_that_stop_answering_fail_the_run_which_resumes_once_they_are_back(federation) -> None:
+def test_sites_that_stop_answering_fail_the_run_which_resumes_once_they_are_back(
+        federation, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 39, items 1 and 2: every site stops answering (paused, as on a starved machine)
     once round 1 has trained, so round 1's evaluation (or, had the pause come later, a later
     exchange) has no site. The coordinator asks the sites for their hello again and waits
     ``fl.site_wait_s``; then the run fails naming the round and the minimum, and its status
     says so; it never says "finished". Before, the run went on with no site (each round in a
-    millisecond) and finished. Once the sites are back, ``--resume`` ends with the numbers of
-    a run that never failed."""
+    millisecond) and finished. Once the sites are back, the command the failure names (issue
+    51: whole, with the SuperLink's address and TLS option), run as pasted, ends with the
+    numbers of a run that never failed."""
     fed, work, _ = federation
     name = "paused"
     fl = _fl(work, name, {**FEDBN, "rounds": 2, "eval_every": 1, "site_wait_s": 15})
@@ -207,8 +210,12 @@ def test_sites_that_stop_answering_fail_the_run_which_resumes_once_they_are_back
     events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str})
     assert events["status"].str.startswith("waiting: 3 site(s) missing").any()
 
-    res = fed.run(resume=work / "runs" / name, round_timeout=ROUND_TIMEOUT, timeout=RUN_TIMEOUT, name=name + "-resume")
-    assert res["ok"], f"{res.get('error')}\n{res.get('traceback')}"
+    hint = re.search(r"continue with: (medfl flower run --resume .+)$", result["error"], re.M)
+    assert hint and hint.group(1) == f"medfl flower run --resume {work / 'runs' / name} --superlink {fed.superlink} --insecure"
+    from medfl.cli import main
+
+    monkeypatch.chdir(work)
+    assert main([*shlex.split(hint.group(1))[1:], "--round-timeout", str(ROUND_TIMEOUT), "--connect-timeout", "120"]) == 0
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
     ref = run_experiment(resolve_config({**fl, "name": name + "_ref"}))
     for f in ("metrics.csv", "train_metrics.csv"):
