@@ -118,7 +118,7 @@ def test_cli_verbose_and_quiet(tiny_fl: dict[str, Any], tmp_path: Path, capsys: 
         text = (Path(tiny_fl["output_dir"]) / name / "fedavg" / LOG_FILE).read_text()
         assert "epoch 1/1: loss " in text and "DEBUG medfl.training: " in text
     assert cli.main(["-q", "report", str(tmp_path / "nowhere")]) == 2
-    assert "no metrics.csv here" in capsys.readouterr().err   # errors show whatever -q says
+    assert "nowhere: no such folder" in capsys.readouterr().err   # errors show whatever -q says
 
 
 def test_cli_help_names_the_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,7 @@ import importlib
 import json
 import time
 from pathlib import Path
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -141,7 +142,7 @@ def test_the_site_logs_how_long_it_took(tmp_path: Path, caplog: pytest.LogCaptur
 
     caplog.set_level(logging.DEBUG, logger="medfl")   # as `medfl flower site` sets it (log.txt gets DEBUG)
     site = SimpleNamespace(client_id="0", check=lambda ctl: None, _root=lambda ctl: tmp_path / "run",
-                           hello=lambda ctl: {"sizes": {}, "digest": "d"})
+                           hello=lambda ctl: {"sizes": {}, "digest": "d"}, models_guarded=lambda ctl: nullcontext())
     content = wire.answer("0")
     wire.put_json(content, P.CONTROL, {"protocol": wire.PROTOCOL, "client": "0", "run": "r1", "round": 3})
     handle(site, P.HELLO, content, clientapp_age=1.25)   # type: ignore[arg-type]
