@@ -108,15 +108,11 @@ def refusal(exc: BaseException) -> str | None:
     sees the training settings (:class:`~medfl.method.MethodConfigError` from ``setup``: the
     run directory is removed, :meth:`medfl.engine.runner.Run.prepare`). ``None`` for anything
     else: a run that failed (kept, with its traceback in the ServerApp's log)."""
-    from medfl.bundle import user_error_message
     from medfl.config import ConfigError
-    from medfl.method import MethodConfigError
-    from medfl.models.registry import ModelConfigError
-    from medfl.plugins import PluginError
+    from medfl.engine.checkpoints import REFUSALS
 
-    if isinstance(exc, (ConfigError, PluginError, MethodConfigError, ModelConfigError)):
-        return user_error_message(exc)
-    return None
+    # none of these is a KeyError, so the line is the exception's text (as medfl.bundle prints it)
+    return str(exc) if isinstance(exc, (ConfigError, *REFUSALS)) else None
 
 
 def _report_refusal(message: str, error: str, result_file: str) -> None:
