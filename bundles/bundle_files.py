@@ -12,6 +12,11 @@ Each bundle under ``bundles/`` gets, from the one template kept here:
   verified from this repository.
 - ``models/README.md``: where ``models/model.pt`` comes from (``medfl export``); the folder
   is kept in git by this file.
+- ``configs/evaluate.json``: the evaluation workflow MONAI FL's ``MonaiAlgo`` reads by default
+  (``configs/train.json`` and ``configs/evaluate.json``): ``train.json``'s
+  ``validate#evaluator`` (one site's validation split, ``medfl.monai_fl``) run on
+  ``models/model.pt`` (``MonaiAlgo`` disables that checkpoint loader and sends its own
+  weights). Identical in every bundle (docs/bundles.md, "Run with MONAI FL").
 
 Usage::
 
@@ -28,7 +33,7 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["BUNDLES_DIR", "LOGGING_CONF", "MODELS_README", "DATASETS", "BUNDLE_DATA", "bundle_dirs",
+__all__ = ["BUNDLES_DIR", "LOGGING_CONF", "MODELS_README", "EVALUATE_JSON", "DATASETS", "BUNDLE_DATA", "bundle_dirs",
            "expected_files", "check", "write", "main"]
 
 #: The folder holding every bundle (this script's folder).
@@ -114,11 +119,12 @@ python -m monai.bundle run --config_file configs/train.json      # writes runs/<
 medfl export runs/<name>/<method> --out exported/<name>           # a complete MONAI bundle
 ```
 
-`medfl export RUN_DIR --out DIR` writes a bundle with `models/model.pt`,
-`configs/inference.json` and `configs/metadata.json` (see the repository's README, "Tracking
-and export", and `docs/bundles.md`). Copy its `models/model.pt` here if you want this bundle
-folder to carry the weights; the model was trained on the data described in
-`docs/data_license.txt`, whose terms apply to the weights as well.
+`medfl export RUN_DIR --out DIR` writes a bundle that runs with MONAI alone, without medfl:
+`models/model.pt` and `models/model.ts`, `configs/inference.json` (MONAI transforms, a MONAI or
+TorchScript network), `configs/metadata.json`, `LICENSE` and `docs/README.md` (see the
+repository's README, "Exported models", and `docs/bundles.md`). Copy its `models/model.pt`
+here if you want this bundle folder to carry the weights; the model was trained on the data
+described in `docs/data_license.txt`, whose terms apply to the weights as well.
 
 This file is written by `bundles/bundle_files.py` for every bundle.
 """
@@ -127,6 +133,22 @@ _VERIFY_NOTE = ("Checked against: {checked}.\n"
                 "Not checked: the data provider's current page could not be read from this repository (no\n"
                 "network); read the terms at the source above before you download or share the data or\n"
                 "models trained on it.\n")
+
+#: ``configs/evaluate.json`` of every bundle: laid over ``configs/train.json`` (whose
+#: ``validate`` section it completes), it evaluates ``models/model.pt`` on the validation split
+#: of the site ``client_id`` (``python -m monai.bundle run --config_file
+#: "['configs/train.json','configs/evaluate.json']" --client_id 1``); MONAI FL's ``MonaiAlgo``
+#: reads the same pair as its evaluation workflow, with the checkpoint loader disabled.
+EVALUATE_JSON = """\
+{
+    "validate#handlers": [
+        {"_target_": "CheckpointLoader", "load_path": "$@bundle_root + '/models/model.pt'",
+         "load_dict": {"model": "@network"}, "map_location": "@device"},
+        {"_target_": "StatsHandler", "iteration_log": false}
+    ],
+    "run": "$@validate#evaluator.run()"
+}
+"""
 
 #: The data sets, by key: the licence text each ``docs/data_license.txt`` states, and what it
 #: was checked against here (``reference_data/PROVENANCE.txt``, kept beside the repository in
@@ -279,6 +301,7 @@ def expected_files(bundle_dir: Path) -> dict[Path, str]:
         bundle_dir / "LICENSE": (_REPO / "LICENSE").read_text(encoding="utf-8"),
         bundle_dir / "docs" / "data_license.txt": _data_license(bundle_dir.name),
         bundle_dir / "models" / "README.md": MODELS_README,
+        bundle_dir / "configs" / "evaluate.json": EVALUATE_JSON,
     }
 
 

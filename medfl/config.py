@@ -890,7 +890,8 @@ def check_tracking(value: Any, where: str = "fl.tracking") -> list[dict[str, Any
 
     Raises:
         ConfigError: not a list, an entry without a registered tracker name (the registered
-            ones are listed), an option the tracker does not have, or a tracker twice.
+            ones are listed), an option the tracker does not have, a ``per_client`` that is
+            not true or false (:func:`read_bool`), or a tracker twice.
     """
     if value is None:
         return []
@@ -913,6 +914,8 @@ def check_tracking(value: Any, where: str = "fl.tracking") -> list[dict[str, Any
         if unknown:
             raise ConfigError(f"{here} ({entry['name']}): unknown key(s) {', '.join(map(repr, unknown))}; valid "
                               f"keys: {', '.join(['name', *sorted(getattr(cls, 'options', {}))])}")
+        if "per_client" in entry:   # the bundle CLI hands over a JSON true as the word
+            entry = {**entry, "per_client": read_bool(entry["per_client"], f"{here} ({entry['name']}).per_client")}
         missing = [pkg for pkg in getattr(cls, "requires", ()) if importlib.util.find_spec(pkg) is None]
         if missing:
             raise ConfigError(f"{here}: the {entry['name']!r} tracker needs {', '.join(map(repr, missing))}, which "

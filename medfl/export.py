@@ -1,6 +1,6 @@
 """A finished run's models as MONAI bundles (:func:`export_run`, ``medfl export``), and the
-pieces medfl's bundle configs use for MONAI's inference workflow (:func:`network_def`,
-:class:`SourceDataset`, :class:`Predictor`, :class:`RunPredictor`).
+pieces medfl's training bundles use for MONAI's inference workflow (:func:`network_def`,
+:class:`SourceDataset`, :class:`RunPredictor`).
 
 Two routes from a medfl model spec to a network MONAI's tools build from a config
 (:func:`network_config`):
@@ -13,10 +13,14 @@ Two routes from a medfl model spec to a network MONAI's tools build from a confi
 * **medfl route**: every other model (``small_cnn``, the PFedCDP CNNs, instance-norm or
   DP-compatible ResNets, ensembles, a plugin's model) is built by
   :func:`registered_model`, i.e. the registered model factory through the plugin registry,
-  without medfl's engine; the state dict keeps medfl's keys.
+  without medfl's engine; the state dict keeps medfl's keys. An exported bundle holds such a
+  model as TorchScript (``models/model.ts``, ``network_def`` is ``torch.jit.load`` of it), so
+  it too runs without medfl.
 
-:func:`export_run` checks every exported network against the run's own model on a probe
-batch before it writes anything, so an exported model predicts what ``medfl predict`` does.
+An exported bundle's ``inference.json`` reads the run's manifest and preprocesses with MONAI
+transforms only (:func:`inference_data`); :func:`export_run` checks every exported network
+against the run's own model on a probe batch before it writes anything, so an exported model
+predicts what ``medfl predict`` does.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import inspect
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +41,12 @@ from medfl.rundir import RunError, resume_command
 
 __all__ = [
     "ExportError",
-    "Predictor",
     "RunPredictor",
     "same_state",
     "SourceDataset",
     "complete_spec",
     "export_run",
+    "inference_data",
     "instantiate",
     "monai_state",
     "network_config",
@@ -174,14 +178,25 @@ def complete_spec(model: Mapping[str, Any], meta: Mapping[str, Any] | None = Non
     return spec
 
 
-def network_def(model: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> nn.Module:
+def network_def(model: Mapping[str, Any], meta: Mapping[str, Any] | None = None, **shape: int) -> nn.Module:
     """A bundle's ``network_def``: the network of its ``fl`` section's model spec, completed
-    from its metadata (:func:`complete_spec`), built from :func:`network_config` (randomly
-    initialised, as MONAI's ``network_def`` is before a checkpoint is loaded).
+    with ``shape`` (``spatial_dims``, ``in_channels``, ``num_classes``) and from the metadata
+    ``meta`` (:func:`complete_spec`, which refuses the two when they differ), built from
+    :func:`network_config` (randomly initialised, as MONAI's ``network_def`` is before a
+    checkpoint is loaded).
 
-    Use in a bundle config: ``"network_def": "$medfl.export.network_def(@fl#model, @_meta_)"``.
+    Use in a training bundle's config, self-contained (MONAI FL's ``MonaiAlgo`` and NVFlare
+    parse it without the metadata): ``"network_def": "$medfl.export.network_def(@fl#model,
+    spatial_dims=2, in_channels=1, num_classes=3)"``; or ``network_def(@model, @_meta_)``.
+
+    Raises:
+        ValueError: a key of ``shape`` is not one of the three above, or a value is missing
+            or disagrees with ``meta``.
     """
-    return instantiate(network_config(complete_spec(model, meta)))
+    unknown = sorted(set(shape) - set(_FILLED))
+    if unknown:
+        raise ValueError(f"network_def: unknown argument(s) {', '.join(unknown)}; expected {', '.join(_FILLED)}")
+    return instantiate(network_config(complete_spec({**model, **shape}, meta)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,93 +246,6 @@ class SourceDataset(Dataset):
         x, y = ds[i]
         sid = str(rows["sample_id"].iloc[i]) if "sample_id" in rows.columns else str(i)
         return {"image": x, "label": int(y), "sample_id": sid}
-
-
-def _write_predictions(out: Path, frame: Any) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(out, index=False)
-    return out
-
-
-class Predictor:
-    """The evaluator of an exported bundle's ``inference.json``: runs ``network`` (with the
-    weights of ``checkpoint``) through ``inferer`` over ``dataset`` in batches, applies
-    ``postprocessing`` to each sample's output (MONAI's channel-first convention: a
-    ``(num_classes,)`` logit vector) and writes one CSV row per sample: ``sample_id``,
-    ``label``, ``prediction`` (the argmax) and ``prob_<class name>``.
-
-    It is not MONAI's ``SupervisedEvaluator``, which needs pytorch-ignite (not a medfl
-    dependency); it calls the same pieces in the same order.
-
-    Args:
-        network: the network (``network_def``).
-        dataset: a :class:`SourceDataset` (or any dataset of ``{"image", "label"}`` dicts).
-        output_file: the CSV to write (its folder is created).
-        device: where to run. Default ``"cpu"``.
-        inferer: a MONAI inferer (``inferer(inputs, network)``); default ``SimpleInferer``.
-        postprocessing: a callable on one sample's output; default: softmax (MONAI's
-            ``Activations(softmax=True)``).
-        checkpoint: a state dict file (``models/model.pt``) loaded strictly; ``None``: the
-            network's weights as they are.
-        batch_size: samples per batch. Default 64.
-        class_names: column names of the probabilities; default the dataset's.
-    """
-
-    def __init__(self, network: nn.Module, dataset: Dataset, output_file: str | Path, device: str | torch.device = "cpu",
-                 inferer: Callable[..., torch.Tensor] | None = None, postprocessing: Callable[..., Any] | None = None,
-                 checkpoint: str | Path | None = None, batch_size: int = 64,
-                 class_names: list[str] | None = None) -> None:
-        self.network = network
-        self.dataset = dataset
-        self.output_file = Path(output_file)
-        self.device = torch.device(device)
-        self.inferer = inferer
-        self.postprocessing = postprocessing
-        self.checkpoint = checkpoint
-        self.batch_size = int(batch_size)
-        self.class_names = class_names
-
-    def run(self) -> Path:
-        """Predict every sample and write the CSV; returns its path.
-
-        Raises:
-            ValueError: the checkpoint does not fit the network (names the file), or the
-                dataset is empty.
-        """
-        import pandas as pd
-        from monai.data import decollate_batch
-        from monai.inferers import SimpleInferer
-        from monai.transforms import Activations
-
-        if self.checkpoint is not None:
-            state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
-            try:
-                self.network.load_state_dict(state, strict=True)
-            except RuntimeError as exc:
-                raise ValueError(f"{self.checkpoint}: does not fit network_def: {exc}") from exc
-        inferer = self.inferer or SimpleInferer()
-        post = self.postprocessing or Activations(softmax=True)
-        net = self.network.to(self.device).eval()
-        loader = torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
-        ids: list[str] = []
-        labels: list[int] = []
-        probs: list[torch.Tensor] = []
-        with torch.no_grad():
-            for batch in loader:
-                out = inferer(batch["image"].to(self.device), net)
-                probs.extend(torch.as_tensor(post(o)).float().cpu() for o in decollate_batch(out))
-                labels.extend(int(v) for v in batch["label"])
-                ids.extend(str(s) for s in batch.get("sample_id", range(len(ids), len(ids) + len(out))))
-        if not probs:
-            raise ValueError("the dataset has no samples to predict on")
-        p = torch.stack(probs).numpy()
-        names = self.class_names or getattr(self.dataset, "class_names", None) or [str(k) for k in range(p.shape[1])]
-        frame = pd.DataFrame({"sample_id": ids, "label": labels, "prediction": p.argmax(1)})
-        for k, name in enumerate(names):
-            frame[f"prob_{name}"] = p[:, k]
-        path = _write_predictions(self.output_file, frame)
-        print(f"predictions: {path}")
-        return path
 
 
 class RunPredictor:
@@ -406,19 +334,17 @@ def _torchscript(net: nn.Module, path: Path, probe: torch.Tensor, extra: dict[st
         return {"file": None, "script_failed": reason, "trace_failed": f"{type(exc).__name__}: {exc}"}
 
 
-def _metadata(run: Any, role: str, config: dict[str, Any], source: Any, probs: bool) -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
+def _metadata(run: Any, role: str, config: dict[str, Any], source: Any, probs: bool,
+              packages: dict[str, str]) -> dict[str, Any]:
+    """An exported bundle's ``configs/metadata.json`` (MONAI's bundle spec: its mandatory keys,
+    the network's input and output formats), with ``medfl_export`` saying where it came from."""
     import monai
     import numpy
 
     shape = [int(s) for s in source.sample_shape]
     names = [n or str(k) for k, n in enumerate(source.class_names)]
-    try:
-        medfl_version = version("medfl")
-    except PackageNotFoundError:   # a checkout that is not installed
-        medfl_version = "unknown"
     label = run.label
+    monai_route = config["_target_"].startswith("monai.")
     return {
         "schema": "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/"
                   "meta_schema_20220324.json",
@@ -427,7 +353,7 @@ def _metadata(run: Any, role: str, config: dict[str, Any], source: Any, probs: b
         "monai_version": monai.__version__,
         "pytorch_version": torch.__version__.split("+")[0],
         "numpy_version": numpy.__version__,
-        "required_packages_version": {"medfl": medfl_version},
+        "required_packages_version": dict(packages),   # MONAI >= 1.4's name for optional_packages_version
         "name": f"medfl {label}: {role}",
         "task": f"Image classification ({len(names)} classes), trained federated by medfl",
         "description": f"The {role} model of the medfl run {run.run_dir.name!r} (method {label}).",
@@ -439,76 +365,301 @@ def _metadata(run: Any, role: str, config: dict[str, Any], source: Any, probs: b
                                  "value_range": [], "is_patch_data": False,
                                  "channel_def": {str(i): f"channel_{i}" for i in range(shape[0])}}},
             "outputs": {"pred": {"type": "probabilities" if probs else "logits", "format": "classes",
-                                 "num_channels": len(names), "spatial_shape": [1], "dtype": "float32",
-                                 "value_range": [0, 1] if probs else [], "is_patch_data": False,
+                                 "modality": "n/a", "num_channels": len(names), "spatial_shape": [1],
+                                 "dtype": "float32", "value_range": [0, 1] if probs else [], "is_patch_data": False,
                                  "channel_def": {str(i): n for i, n in enumerate(names)}}},
         },
         "medfl_export": {"run_dir": str(run.run_dir), "method": label, "model": role,
-                         "route": "monai" if config["_target_"].startswith("monai.") else "medfl"},
+                         "medfl_version": _version("medfl"), "route": "monai" if monai_route else "torchscript",
+                         "model_spec": None if monai_route else {k: v for k, v in config.items() if k != "_target_"}},
     }
 
 
-def _dataset_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """The run's dataset spec with its folder (``root``, or ``path``'s folder) replaced by a
-    reference to the bundle's ``dataset_dir``, and that folder."""
-    spec = dict(spec)
-    if isinstance(spec.get("root"), str):
-        root, spec["root"] = spec["root"], "@dataset_dir"
-        return spec, root
-    if isinstance(spec.get("path"), str):
-        path = Path(spec["path"])
-        spec["path"] = f"$@dataset_dir + '/{path.name}'"
-        return spec, str(path.parent)
-    return spec, None
+#: The prediction loop of an exported bundle's ``inference.json`` in MONAI config expressions
+#: (MONAI and torch only: no pytorch-ignite, no medfl). A reference (``@id``) that a lambda
+#: needs is one of its default arguments, evaluated where it is defined: before Python 3.12 a
+#: lambda's (or comprehension's) body does not see the references MONAI passes to ``eval``.
+_LOOP: dict[str, Any] = {
+    "rows": "$list(filter(lambda r, split=@split: split in (None, '', 'all') or r.get('split') == split, "
+            "csv.DictReader(io.StringIO(pathlib.Path(@manifest).read_text(encoding='utf-8')))))",
+    "datalist": "$list(map(lambda ir, root=@dataset_dir, column=@image_column: {'image': os.path.join(root, "
+                "ir[1][column]), 'label': int(ir[1]['label']), 'sample_id': ir[1].get('sample_id', str(ir[0]))}, "
+                "enumerate(@rows)))",
+    "dataset": {"_target_": "Dataset", "data": "@datalist", "transform": "@preprocessing"},
+    "dataloader": {"_target_": "DataLoader", "dataset": "@dataset", "batch_size": "@batch_size", "shuffle": False,
+                   "num_workers": 0},
+    "network": "$@network_def.to(@device)",
+    "checkpoint": "$@bundle_root + '/models/model.pt'",
+    "inferer": {"_target_": "SimpleInferer"},
+    "header": "$['sample_id', 'label', 'prediction'] + ['prob_' + n for n in @class_names]",
+    "predict": "$torch.no_grad()(lambda batch, net=@network, inferer=@inferer, post=@postprocessing, device=@device: "
+               "[[sid, int(y), int(p.argmax()), *p.tolist()] for sid, y, p in zip(batch['sample_id'], batch['label'], "
+               "[torch.as_tensor(post(o)).float().cpu() for o in monai.data.decollate_batch(inferer("
+               "batch['image'].to(device), net))])])",
+    "write_csv": "$lambda path, rows: (os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True), "
+                 "(lambda f: (csv.writer(f).writerows(rows), f.close()))(open(path, 'w', newline='')), "
+                 "print('predictions: ' + path), path)[-1]",
+    "evaluator": "$types.SimpleNamespace(run=lambda loader=@dataloader, predict=@predict, header=@header, "
+                 "path=@output_file, write=@write_csv: write(path, [header] + (list(itertools.chain.from_iterable("
+                 "map(predict, loader))) or exec(\"raise ValueError('no samples to predict on: check dataset_dir, "
+                 "manifest, image_column and split')\"))))",
+    "initialize": ["$@network.load_state_dict(torch.load(@checkpoint, map_location=@device, weights_only=True), "
+                   "strict=True)", "$@network.eval()"],
+    "run": ["$@evaluator.run()"],
+}
+
+#: The packages MONAI's ``LoadImage`` reads a file suffix with (metadata's required packages).
+_READER_PACKAGES = {".nii": "nibabel", ".gz": "nibabel", ".dcm": "pydicom", "": "pydicom"}
 
 
-def _inference_config(config: dict[str, Any], dataset: dict[str, Any], dataset_dir: str | None,
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:   # a checkout that is not installed
+        return "unknown"
+
+
+def inference_data(spec: Mapping[str, Any], source: Any) -> dict[str, Any]:
+    """The data part of an exported bundle's ``inference.json``: the dataset's files (its
+    manifest, ``dataset_dir``, ``image_column``, ``split``) and its evaluation-time
+    preprocessing in MONAI transforms only (``LoadImaged`` with the reader medfl uses, then
+    :func:`medfl.data.manifest.eval_chain`), so the bundle preprocesses as ``medfl predict`` does
+    without medfl.
+
+    Args:
+        spec: the run's dataset spec (``{"name": "manifest" | "synthetic2d", ...}``).
+        source: the :class:`~medfl.data.source.FederatedSource` the spec built.
+
+    Returns:
+        ``{"config": {...inference.json keys...}, "packages": {name: version},
+        "steps": [plain-language preprocessing steps]}``.
+
+    Raises:
+        ExportError: a dataset whose samples are not files that MONAI reads (``random_blocks``,
+            a plugin's dataset), or a manifest whose files need different readers.
+    """
+    from medfl.data.images import reader_for
+    from medfl.data.manifest import eval_chain
+
+    name = spec.get("name")
+    if name == "synthetic2d":
+        folder, manifest, column = Path(source.info["directory"]).absolute(), "manifest.csv", "path"
+        normalize, size = "none", None
+    elif name == "manifest":
+        path = Path(spec["path"]).absolute()
+        folder = Path(spec["root"]).absolute() if spec.get("root") else path.parent
+        manifest = path.name if path.parent == folder else str(path)
+        column, normalize, size = source.info["column"], source.info["normalize"], source.info["spatial_size"]
+    else:
+        raise ExportError(f"dataset {name!r}: its samples are made by its medfl code, not read from files, so an "
+                          "exported bundle cannot preprocess them with MONAI transforms alone; export needs a "
+                          "'manifest' or 'synthetic2d' dataset (medfl predict runs the models on any dataset)")
+    files = [str(f) for f in source.table[column]]
+    kinds = {"npy" if f.lower().endswith(".npy") else (reader_for(f) or "auto") for f in files}
+    if len(kinds) > 1:
+        raise ExportError(f"dataset {name!r}: column {column!r} names files that need different readers "
+                          f"({', '.join(sorted(kinds))}); an exported bundle reads every file with one LoadImaged")
+    kind = kinds.pop()
+    load: dict[str, Any] = {"_target_": "LoadImaged", "keys": "image", "image_only": True,
+                            "ensure_channel_first": True}
+    if kind == "npy":   # medfl reads .npy as written: channel first
+        load.update(reader="NumpyReader", channel_dim=0)
+    elif kind != "auto":
+        load["reader"] = kind
+    chain = eval_chain(len(source.sample_shape) - 1, normalize, size)
+    packages = sorted({"pillow" if kind == "PILReader" else _READER_PACKAGES.get(Path(f).suffix.lower(), "pillow")
+                       for f in files} if kind != "npy" else set())
+    steps = [f"read each file of the manifest's column {column!r} with MONAI's LoadImaged ("
+             + ("NumpyReader, channel first as written" if kind == "npy"
+                else f"{load.get('reader', 'the reader MONAI picks by suffix')}, channel first") + ")"]
+    steps += [f"{t}({', '.join(f'{k}={v!r}' for k, v in kw.items() if k != 'keys')})" for t, kw in chain]
+    config = {
+        "dataset_dir": str(folder),
+        "manifest": f"$@dataset_dir + '/{manifest}'" if "/" not in manifest else manifest,
+        "image_column": column,
+        "split": "all",
+        "preprocessing": {"_target_": "Compose", "transforms": [load, *({"_target_": t, **kw} for t, kw in chain)]},
+    }
+    return {"config": config, "packages": {p: _version(p) for p in packages}, "steps": steps}
+
+
+def _inference_config(network: dict[str, Any] | str, data: dict[str, Any], class_names: list[str],
                       batch_size: int, probs: bool) -> dict[str, Any]:
-    """An exported bundle's ``configs/inference.json``: MONAI's inference workflow properties,
-    the run's dataset spec (override ``dataset_dir``, ``dataset_spec#...``, ``split``)."""
+    """An exported bundle's ``configs/inference.json``: MONAI's inference workflow on the
+    run's manifest (override ``dataset_dir``, ``manifest``, ``split`` or ``datalist``), with
+    MONAI, torch and the standard library only (:data:`_LOOP`)."""
     return {
-        "imports": ["$import torch", "$import medfl.export"],
+        "imports": ["$import csv", "$import glob", "$import io", "$import itertools", "$import os", "$import pathlib",
+                    "$import types", "$import torch", "$import monai"],
         "bundle_root": ".",
         "device": "cpu",
-        "dataset_dir": dataset_dir,
+        **{k: v for k, v in data.items() if k != "preprocessing"},
         "output_dir": "$@bundle_root + '/eval'",
-        "split": "all",
+        "output_file": "$@output_dir + '/predictions.csv'",
         "batch_size": batch_size,
-        "dataset_spec": dataset,
-        "network_def": config,
-        "network": "$@network_def.to(@device)",
-        "checkpoint": "$@bundle_root + '/models/model.pt'",
-        "dataset": {"_target_": "medfl.export.SourceDataset", "spec": "@dataset_spec", "split": "@split"},
-        "inferer": {"_target_": "SimpleInferer"},
+        "class_names": class_names,
+        "network_def": network,
+        "preprocessing": data["preprocessing"],
         "postprocessing": ({"_target_": "Identity"} if probs else {"_target_": "Activations", "softmax": True}),
-        "evaluator": {"_target_": "medfl.export.Predictor", "network": "@network", "dataset": "@dataset",
-                      "output_file": "$@output_dir + '/predictions.csv'", "device": "@device",
-                      "inferer": "@inferer", "postprocessing": "@postprocessing", "checkpoint": "@checkpoint",
-                      "batch_size": "@batch_size"},
-        "run": ["$@evaluator.run()"],
+        **_LOOP,
     }
+
+
+_LOGGING_CONF = """\
+[loggers]
+keys=root
+
+[handlers]
+keys=console
+
+[formatters]
+keys=plain
+
+[logger_root]
+level=INFO
+handlers=console
+
+[handler_console]
+class=StreamHandler
+level=INFO
+formatter=plain
+args=(sys.stdout,)
+
+[formatter_plain]
+format=%(asctime)s %(levelname)s %(name)s: %(message)s
+"""
+
+
+def _license_text(license_file: str | Path | None) -> tuple[str, str]:
+    """``(LICENSE text, what it is)``: ``license_file``'s text where given (the run owner's
+    choice), else medfl's own Apache-2.0 licence."""
+    if license_file is not None:
+        path = Path(license_file)
+        if not path.is_file():
+            raise ExportError(f"{path}: --license: no such file (a licence text for the exported models)")
+        return path.read_text(encoding="utf-8"), f"the licence in LICENSE (from {path.name})"
+    try:
+        from importlib.metadata import distribution
+
+        dist = distribution("medfl")
+        found = [f for f in dist.files or [] if Path(str(f)).name.upper().startswith("LICENSE")]
+        text = dist.locate_file(found[0]).read_text(encoding="utf-8") if found else ""
+    except Exception:   # noqa: BLE001 - not installed, or its files not listed: the checkout's own
+        text = ""
+    if "Apache License" not in text:
+        repo = Path(__file__).resolve().parents[1] / "LICENSE"
+        text = repo.read_text(encoding="utf-8") if repo.is_file() else (
+            "Apache License, Version 2.0 (SPDX: Apache-2.0): https://www.apache.org/licenses/LICENSE-2.0\n")
+    return text, "Apache-2.0 (medfl's licence, the default of `medfl export`)"
+
+
+def _final_metrics(run_dir: Path) -> dict[str, str]:
+    """The run's final metrics (``summary.json``'s ``final`` block: per evaluated split, each
+    metric's mean over the clients), as ``{split: "accuracy 0.85, auc 0.5, ..."}``."""
+    import math
+
+    try:
+        final = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("final") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    out: dict[str, str] = {}
+    for split, metrics in final.items():
+        if not isinstance(metrics, dict):
+            continue
+        means = [(m, v.get("mean")) for m, v in metrics.items() if isinstance(v, dict)]
+        shown = [f"{m} {v:.4g}" for m, v in means if isinstance(v, (int, float)) and math.isfinite(v)]
+        if shown:
+            out[split] = ", ".join(shown)
+    return out
+
+
+def _readme(run: Any, role: str, meta: dict[str, Any], data: dict[str, Any], last: int, licence: str) -> str:
+    """An exported bundle's ``docs/README.md``: the model, its inputs and outputs, how to run
+    it, where it came from."""
+    fmt = meta["network_data_format"]
+    image, pred = fmt["inputs"]["image"], fmt["outputs"]["pred"]
+    route = meta["medfl_export"]["route"]
+    network = ("`monai.networks.nets.ResNet` (its complete arguments are `network_def` in configs/inference.json; "
+               "weights in models/model.pt)" if route == "monai" else
+               f"medfl's `{meta['medfl_export']['model_spec'].get('name')}` as TorchScript (models/model.ts, "
+               "loaded with `torch.jit.load`; models/model.pt holds the same weights in medfl's key names)")
+    metrics = _final_metrics(run.run_dir)
+    lines = [
+        f"# {meta['name']}", "",
+        f"{meta['description']} {meta['task']}.", "",
+        "## Model", "",
+        f"- network: {network}",
+        f"- classes ({pred['num_channels']}): " + ", ".join(f"{k} = {v}" for k, v in pred["channel_def"].items()),
+        "", "## Input", "",
+        f"`image`: float32, channel first, {image['num_channels']} channel(s) x "
+        f"{' x '.join(map(str, image['spatial_shape']))} after preprocessing. `configs/inference.json`'s "
+        "`preprocessing` (MONAI transforms only) does what medfl's dataset did at evaluation time:", "",
+        *[f"{i}. {s}" for i, s in enumerate(data["steps"], 1)], "",
+        "## Output", "",
+        f"`pred`: {pred['type']} per class (" + ("the network's own" if pred["type"] == "probabilities"
+                                                 else "logits; `postprocessing` applies the softmax") + "). "
+        "The run writes `eval/predictions.csv`: `sample_id`, `label`, `prediction` (the most probable class) "
+        "and `prob_<class>`.", "",
+        "## Run it", "",
+        "Needs MONAI " + meta["monai_version"] + " and PyTorch " + meta["pytorch_version"] + " or later"
+        + "".join(f", {k} {v}" for k, v in meta["required_packages_version"].items()) + "; not medfl:", "",
+        "```bash",
+        "python -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json \\",
+        "    --bundle_root . [--dataset_dir DIR] [--split test] [--device cuda:0]",
+        "```", "",
+        "`dataset_dir` holds a manifest CSV (`manifest`, default the run's) with a `label` column, the "
+        "`image_column` naming each file (relative to `dataset_dir`), and optionally `sample_id` and `split`. "
+        "To predict on a folder without a manifest, give the list yourself, e.g. "
+        "`--datalist \"\\$[{'image': f, 'label': -1, 'sample_id': f} for f in sorted(glob.glob(@dataset_dir + "
+        "'/*.dcm'))]\"`.", "",
+        "## Where it came from", "",
+        f"- medfl run `{run.run_dir.parent.name}/{run.run_dir.name}` (`{run.run_dir}`), method `{run.label}`, "
+        f"the {role} model, round {last}",
+        f"- exported by medfl {meta['medfl_export']['medfl_version']}",
+        *([f"- the run's final metrics (mean over its clients, round {last}):"]
+          + [f"  - {split}: {shown}" for split, shown in metrics.items()] if metrics else []),
+        "", "## Licence", "",
+        f"The exported model is under {licence}. The data it was trained on has its own licence and terms, "
+        "which may restrict how the model (its weights) may be used or shared: check them before you do.", "",
+    ]
+    return "\n".join(lines)
 
 
 def _write_bundle(folder: Path, run: Any, role: str, config: dict[str, Any], state: dict[str, torch.Tensor],
-                  source: Any, probe: torch.Tensor, probs: bool) -> dict[str, Any]:
-    """One exported bundle in ``folder``; returns its entry of ``export.json``."""
-    (folder / "models").mkdir(parents=True)
-    (folder / "configs").mkdir()
-    dataset, dataset_dir = _dataset_spec(run.config["dataset"])
-    inference = _inference_config(config, dataset, dataset_dir,
-                                  int(run.config["train"].get("eval_batch_size", 64)), probs)
-    meta = _metadata(run, role, config, source, probs)
-    torch.save(state, folder / "models" / "model.pt")
+                  source: Any, probe: torch.Tensor, probs: bool, data: dict[str, Any], last: int,
+                  licence: tuple[str, str]) -> dict[str, Any] | str:
+    """One exported bundle in ``folder``; returns its entry of ``export.json``, or why it is
+    not exported (a medfl model that is no TorchScript)."""
+    names = [n or str(k) for k, n in enumerate(source.class_names)]
+    meta = _metadata(run, role, config, source, probs, data["packages"])
+    monai_route = meta["medfl_export"]["route"] == "monai"
+    network = config if monai_route else "$torch.jit.load(@bundle_root + '/models/model.ts', map_location=@device)"
+    inference = _inference_config(network, data["config"], names, int(run.config["train"].get("eval_batch_size", 64)),
+                                  probs)
     net = instantiate(config)
     net.load_state_dict(state, strict=True)
+    (folder / "models").mkdir(parents=True)
     ts = _torchscript(net, folder / "models" / "model.ts", probe,
                       {"metadata.json": json.dumps(meta), "inference.json": json.dumps(inference)})
+    if not monai_route and ts.get("file") is None:
+        shutil.rmtree(folder)
+        return (f"its model {meta['medfl_export']['model_spec'].get('name')!r} is not a MONAI network and neither "
+                f"scripts nor traces to TorchScript ({ts['script_failed']}; {ts['trace_failed']}), so no bundle "
+                "could run it without medfl")
     meta["medfl_export"]["torchscript"] = ts
+    torch.save(state, folder / "models" / "model.pt")
+    (folder / "configs").mkdir()
+    (folder / "docs").mkdir()
     (folder / "configs" / "metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     (folder / "configs" / "inference.json").write_text(json.dumps(inference, indent=2) + "\n")
+    (folder / "configs" / "logging.conf").write_text(_LOGGING_CONF)
+    (folder / "LICENSE").write_text(licence[0], encoding="utf-8")
+    (folder / "docs" / "README.md").write_text(_readme(run, role, meta, data, last, licence[1]), encoding="utf-8")
     return {"folder": folder.name, "model": role, "route": meta["medfl_export"]["route"],
-            "network": config["_target_"], "torchscript": ts.get("method")}
-
+            "network": config["_target_"] if monai_route else "torch.jit.load(models/model.ts)",
+            "torchscript": ts.get("method")}
 
 def _check_out(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -535,7 +686,7 @@ def _finished(run_dir: Path) -> None:
                           f"{status.get('rounds')}, not finished; resume it first ({resume_command(run_dir)})")
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+def export_run(run_dir: str | Path, out_dir: str | Path, license_file: str | Path | None = None) -> dict[str, Any]:
     """Write a finished run's models as MONAI bundles.
 
     Layout of ``out_dir`` (created; it must be absent or empty):
@@ -549,22 +700,28 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
       one (personal layers or a model of its own: FedBN, Local, FedKPer...);
     * ``export.json``: what was written, and every model left out with the reason.
 
-    Each bundle holds ``models/model.pt`` (a plain state dict in the key names of its
-    ``network_def``), ``models/model.ts`` (TorchScript as ``monai.bundle ckpt_export`` writes
-    it; scripted, else traced, as ``metadata.json``'s ``medfl_export.torchscript`` says),
-    ``configs/inference.json`` and ``configs/metadata.json``. With early stopping the models
-    are those of the best round, as ``medfl predict`` uses.
+    Each bundle runs with MONAI and torch alone (no medfl): ``models/model.pt`` (a plain
+    state dict in the key names of its ``network_def``), ``models/model.ts`` (TorchScript as
+    ``monai.bundle ckpt_export`` writes it; scripted, else traced, as ``metadata.json``'s
+    ``medfl_export.torchscript`` says), ``configs/inference.json`` (``network_def`` a MONAI
+    network, or ``torch.jit.load`` of ``model.ts`` for a model MONAI has not; the dataset's
+    preprocessing in MONAI transforms, :func:`inference_data`), ``configs/metadata.json``,
+    ``configs/logging.conf``, ``LICENSE`` and ``docs/README.md``. With early stopping the
+    models are those of the best round, as ``medfl predict`` uses.
 
     Args:
         run_dir: a finished method run directory.
         out_dir: where to write.
+        license_file: the licence text to write as each bundle's ``LICENSE`` (the run owner's
+            choice); default medfl's own (Apache-2.0).
 
     Returns:
         The content of ``export.json``.
 
     Raises:
-        ExportError: ``out_dir`` is not empty, ``run_dir`` is no finished run, or no model of
-            the run can be exported.
+        ExportError: ``out_dir`` is not empty, ``run_dir`` is no finished run, its dataset's
+            preprocessing has no MONAI-only form (:func:`inference_data`), ``license_file`` is
+            missing, or no model of the run can be exported.
         RunError: an experiment directory (the message lists its runs), no checkpoint.
     """
     from medfl.models.registry import build_model
@@ -575,6 +732,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
     _finished(run_dir)
     run, last = open_run(run_dir, "export")
     source = run.data.source
+    data = inference_data(run.config["dataset"], source)
+    licence = _license_text(license_file)
     gen = torch.Generator().manual_seed(0)
     probe = torch.rand((2, *[int(s) for s in source.sample_shape]), generator=gen)
     # (folder, role, network config, state): rebuilt at once, since a method may hand every
@@ -618,7 +777,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
     try:
         for folder, role, config, state in wanted:
             probs = bool(getattr(instantiate(config), "returns_probabilities", False))
-            written.append(_write_bundle(work / folder, run, role, config, state, source, probe, probs))
+            entry = _write_bundle(work / folder, run, role, config, state, source, probe, probs, data, last, licence)
+            if isinstance(entry, str):
+                skipped.append({"model": role, "reason": entry})
+            else:
+                written.append(entry)
         if not written:
             raise ExportError(f"{run_dir}: no model of the run can be exported: "
                               + "; ".join(f"{s['model']}: {s['reason']}" for s in skipped))

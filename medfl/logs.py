@@ -8,7 +8,11 @@ Library code never adds a handler when it is imported. Entry points do:
   Flower launcher and :func:`medfl.bundle.run` call :func:`configure_console` (or
   :func:`ensure_console`) (a handler on ``medfl`` that writes each line
   as it was always printed, to the *current* ``sys.stderr``), unless the application has
-  configured logging itself (:func:`app_configured`);
+  configured logging itself (:func:`app_configured`). While that handler is installed the
+  ``medfl`` logger does not propagate to the root logger, so a root handler that another
+  library adds later (``logging.basicConfig`` on import: Opacus, ``mlflow.pytorch``) neither
+  prints medfl's lines a second time nor shows its DEBUG lines; a test runner's capture on the
+  root logger (pytest's ``caplog``) still gets every record (:class:`CaptureRelay`);
 - a MONAI bundle run (``python -m monai.bundle run``) configures them from the bundle's
   ``configs/logging.conf``.
 
@@ -31,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["ROOT", "LOG_FILE", "FILE_FORMAT", "StderrHandler", "console_level", "configure_console",
+__all__ = ["ROOT", "LOG_FILE", "FILE_FORMAT", "StderrHandler", "CaptureRelay", "console_level", "configure_console",
            "app_configured", "ensure_console", "remove_console", "FileLog", "file_log", "plugin_logger", "Throttle",
            "NO_PROGRESS_ENV", "progress_bar_disabled"]
 
@@ -92,13 +96,29 @@ def _is_capture(handler: logging.Handler) -> bool:
     return type(handler).__module__.startswith("_pytest")
 
 
+class CaptureRelay(logging.Handler):
+    """Installed with medfl's console (:func:`configure_console`), which keeps medfl's records
+    from the root logger: hands each record to the test runner's captures on the root logger
+    (pytest's ``caplog`` and its reports, :func:`_is_capture`), which show no user anything, as
+    propagation did; not one that is on ``medfl`` itself too (pytest 9 attaches its captures
+    to the loggers that do not propagate), which has the record already. Any other root
+    handler (one a library added with ``logging.basicConfig``) gets nothing from medfl."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Pass ``record`` to each capture on the root logger whose level it reaches."""
+        own = logging.getLogger(ROOT).handlers
+        for h in logging.getLogger().handlers:
+            if _is_capture(h) and h not in own and record.levelno >= h.level:
+                h.handle(record)
+
+
 def app_configured() -> bool:
     """Whether the application configured logging itself: a handler (other than medfl's own
     console and run logs, and a test runner's capture) on the root logger or on ``medfl``
     (``logging.basicConfig``, ``logging.config.fileConfig`` of a bundle's ``logging.conf``)."""
     for name in ("", ROOT):
         for h in logging.getLogger(name).handlers:
-            if not isinstance(h, (StderrHandler, _RunFileHandler)) and not _is_capture(h):
+            if not isinstance(h, (StderrHandler, _RunFileHandler, CaptureRelay)) and not _is_capture(h):
                 return True
     return False
 
@@ -106,15 +126,23 @@ def app_configured() -> bool:
 def _shown() -> bool:
     """Whether some handler shows medfl's warnings: one on ``medfl`` or the root logger other
     than the run logs and a test runner's capture."""
-    return any(not isinstance(h, _RunFileHandler) and not _is_capture(h)
+    return any(not isinstance(h, (_RunFileHandler, CaptureRelay)) and not _is_capture(h)
                for name in ("", ROOT) for h in logging.getLogger(name).handlers)
 
 
+#: The attribute of the console handler that keeps the ``medfl`` logger's ``propagate`` from
+#: before :func:`configure_console` (put back by :func:`remove_console`).
+_PROPAGATE = "_medfl_propagate"
+
+
 def remove_console() -> None:
-    """Take the console handler :func:`configure_console` added off ``medfl`` (and close it)."""
+    """Take the console handler :func:`configure_console` added off ``medfl`` (and close it);
+    ``medfl`` propagates to the root logger again as it did before."""
     log = logging.getLogger(ROOT)
-    for h in [h for h in log.handlers if isinstance(h, StderrHandler)]:
+    for h in [h for h in log.handlers if isinstance(h, (StderrHandler, CaptureRelay))]:
         log.removeHandler(h)
+        if hasattr(h, _PROPAGATE):
+            log.propagate = bool(getattr(h, _PROPAGATE))
         h.close()
 
 
@@ -125,8 +153,12 @@ def configure_console(level: int = logging.INFO, force: bool = False) -> logging
     A strict stdout prints paths that are not UTF-8 escaped from then on (``_printable_stdout``).
 
     The ``medfl`` logger itself is set to DEBUG so that a run's ``log.txt`` gets the details
-    (per-epoch progress) whatever the console shows. Calling it again replaces the handler
-    (never two). Returns the handler, or ``None`` when the application's configuration stays.
+    (per-epoch progress) whatever the console shows, and stops propagating to the root logger
+    while the handler is installed: a root handler that a library adds later (Opacus and
+    ``mlflow.pytorch`` call ``logging.basicConfig`` when imported) would print every medfl line
+    again, DEBUG included (a test runner's capture still gets them, :class:`CaptureRelay`).
+    Calling it again replaces the handler (never two). Returns the handler, or ``None`` when the
+    application's configuration stays.
     """
     if not force and app_configured():
         return None
@@ -136,7 +168,10 @@ def configure_console(level: int = logging.INFO, force: bool = False) -> logging
     handler.setLevel(level)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log = logging.getLogger(ROOT)
+    setattr(handler, _PROPAGATE, log.propagate)
     log.addHandler(handler)
+    log.addHandler(CaptureRelay())
+    log.propagate = False
     log.setLevel(logging.DEBUG)
     return handler
 

@@ -7,9 +7,11 @@ experiment itself (the parent of every method run, folds and seeds included), ``
 ``"fold_0/fedavg"`` a method run. :class:`Tracking` builds the trackers of ``fl.tracking``,
 watches each method run's :class:`medfl.rundir.RunDir` (every per-round table it writes and
 each ``status.json``), and after each finished round hands the round's rows to the trackers as
-scalars with ``step = round``; at the end of a run its ``summary.json`` and plots go as
-artifacts and its final models as models; at the end of the experiment its own files
-(``comparison.csv``, the CV and seeds reports and their plots).
+scalars with ``step = round`` (:func:`round_scalars`: the across-client means, and each
+client's value for a tracker whose entry says ``per_client: true``); at the end of a run its
+``summary.json`` and plots go as artifacts, its final models as models and its headline
+figures (:func:`headline_figures`) to the experiment's run; at the end of the experiment its
+own files (``comparison.csv``, the CV and seeds reports and their plots).
 
 Nothing here is on a run's critical path: each tracker is called from a background thread of
 its own (the round's rows are turned into scalars in the run's thread, which then goes on), and
@@ -53,7 +55,8 @@ from medfl.config import ConfigError
 from medfl.plugins import lookup
 from medfl.rundir import RunDir, _write_json
 
-__all__ = ["Tracker", "TrackerWarning", "Tracking", "flatten_params", "round_scalars",
+__all__ = ["Tracker", "TrackerWarning", "Tracking", "flatten_params", "round_scalars", "headline_figures",
+           "TABLE_SECTIONS",
            "TRACKING_FILE", "TRACKER_WAIT_S", "WAIT_ENV", "ERROR_CHARS", "tracker_wait_s", "short_error",
            "missing_package"]
 
@@ -134,8 +137,8 @@ class Tracker:
 
     Every method is called from a background thread of the tracker's own, in order:
     :meth:`start_run` for the experiment (key ``""``) before any method run, then per method run
-    :meth:`start_run`, :meth:`log_metrics` once per round, :meth:`log_artifact` and
-    :meth:`log_model` at its end, :meth:`end_run`; :meth:`close` last. An exception from any of
+    :meth:`start_run`, :meth:`log_metrics` once per round, :meth:`log_summary`,
+    :meth:`log_artifact` and :meth:`log_model` at its end, :meth:`end_run`; :meth:`close` last. An exception from any of
     them, or a call that has not returned :data:`TRACKER_WAIT_S` after it began, leaves the
     tracker out for the rest of the session (logged once per run, named in ``summary.json``);
     the run goes on.
@@ -157,10 +160,19 @@ class Tracker:
     def __init__(self, root: Path, **options: Any) -> None:
         """Args:
             root: the experiment directory (the tracker's own files may go under it).
-            **options: the ``fl.tracking`` entry's keys (checked against :attr:`options`).
+            **options: the ``fl.tracking`` entry's keys (checked against :attr:`options`;
+                ``per_client``, where a tracker offers it, is true or false:
+                :func:`medfl.config.check_tracking`).
         """
         self.root = Path(root)
         self.settings: dict[str, Any] = {**self.options, **options}
+
+    @property
+    def per_client(self) -> bool:
+        """Whether :meth:`log_metrics` gets each client's value besides the across-client means:
+        the entry's ``per_client`` where :attr:`options` has that key (the built-in trackers:
+        default ``false``), else ``True`` (a tracker that does not offer the choice gets all)."""
+        return bool(self.settings.get("per_client", True))
 
     def start_run(self, key: str, name: str, params: dict[str, Any], parent: dict[str, Any] | None,
                   saved: dict[str, Any] | None, last_step: int) -> dict[str, Any]:
@@ -179,6 +191,11 @@ class Tracker:
     def log_metrics(self, key: str, metrics: dict[str, float], step: int) -> None:
         """Log the scalars of round ``step`` of run ``key``."""
         raise NotImplementedError
+
+    def log_summary(self, key: str, figures: dict[str, float], step: int) -> None:
+        """Keep the finished method run ``key``'s headline figures (:func:`headline_figures`:
+        ``{"<key>/<split>/<metric>": mean, ...}``, ``step``: the round they come from) with the
+        experiment's run, so the experiment compares its arms at a glance. Default: nothing."""
 
     def log_artifact(self, key: str, path: Path, artifact_path: str | None = None) -> None:
         """Keep the file ``path`` (a PNG, ``summary.json``, ``comparison.csv``...) with run
@@ -223,16 +240,24 @@ def _numeric(series: pd.Series) -> bool:
     return pd.api.types.is_numeric_dtype(series) and not pd.api.types.is_bool_dtype(series)
 
 
-def round_scalars(table: str, rows: pd.DataFrame) -> dict[int, dict[str, float]]:
+#: The first part of a scalar's name for the per-round tables not named by their stem: the
+#: evaluation's come first where names are sorted (MLflow's and TensorBoard's charts), before
+#: the run's bookkeeping (``traffic/...``: the bytes and messages of ``communication.csv``).
+TABLE_SECTIONS = {"metrics": "eval", "cross_test": "eval_cross_test", "communication": "traffic"}
+
+
+def round_scalars(table: str, rows: pd.DataFrame, per_client: bool = True) -> dict[int, dict[str, float]]:
     """The scalars of a per-round table's ``rows``, per round: ``{round: {name: value}}``.
 
-    A scalar is named ``<table>/<name columns...>/<column>/<client>`` (``table``: the file's
-    stem without ``_metrics``, ``metrics.csv`` being ``eval``), and for every column measured
-    per client also ``.../mean`` over the round's clients. A table with several rows of one
-    client a round (a method with several training steps a round) names the later steps
-    ``<table>/step<k>/...`` (its ``step`` column when it has one, else the rows' order)."""
+    A scalar is named ``<section>/<name columns...>/<column>/<client>`` (``section``: the
+    file's stem without ``_metrics``, or :data:`TABLE_SECTIONS`' name: ``metrics.csv`` is
+    ``eval``, ``communication.csv`` ``traffic``), and for every column measured per client
+    also ``.../mean`` over the round's clients; with ``per_client`` false only the means (and
+    the columns not measured per client). A table with several rows of one client a round (a
+    method with several training steps a round) names the later steps ``<section>/step<k>/...``
+    (its ``step`` column when it has one, else the rows' order)."""
     stem = table[:-4] if table.endswith(".csv") else table
-    prefix = "eval" if stem == "metrics" else stem.removesuffix("_metrics")
+    prefix = TABLE_SECTIONS.get(stem, stem.removesuffix("_metrics"))
     if rows.empty or "round" not in rows:
         return {}
     rows = rows.reset_index(drop=True)
@@ -252,12 +277,44 @@ def round_scalars(table: str, rows: pd.DataFrame) -> dict[int, dict[str, float]]
             if v is None or pd.isna(v) or not math.isfinite(float(v)):
                 continue
             stat = "/".join([*base, _part(col)])
-            out.setdefault(r, {})[f"{stat}/{client}" if client else stat] = float(v)
             if client:
                 sums.setdefault((r, stat), []).append(float(v))
+            if per_client or not client:
+                out.setdefault(r, {})[f"{stat}/{client}" if client else stat] = float(v)
     for (r, stat), vs in sums.items():
-        out[r][f"{stat}/mean"] = sum(vs) / len(vs)
+        out.setdefault(r, {})[f"{stat}/mean"] = sum(vs) / len(vs)
     return out
+
+
+def headline_figures(key: str, summary: dict[str, Any]) -> tuple[dict[str, float], int]:
+    """A finished method run's headline figures, as its ``summary.json`` has them and
+    ``comparison.csv`` shows them, named for the experiment's run: ``<key>/<split>/<metric>``,
+    the mean over the clients of each metric of the summary's ``final`` block (the best round
+    under early stopping, else the last round), ``<key>/mb_to_clients_per_round`` and
+    ``<key>/mb_from_clients_per_round`` (megabytes, 1e6 bytes) and, with differential
+    privacy, ``<key>/epsilon`` (the worst client's). Non-finite values are left out.
+
+    Returns:
+        ``(figures, round)``: ``round`` is the ``final`` block's round (0 when it has none).
+    """
+    final = summary.get("final") if isinstance(summary.get("final"), dict) else {}
+    out: dict[str, float] = {}
+
+    def put(name: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value)):
+            out["/".join(_part(p) for p in (*key.split("/"), *name.split("/")))] = float(value)
+
+    for split, block in final.items():
+        if isinstance(block, dict):
+            for metric, stats in block.items():
+                if isinstance(stats, dict):
+                    put(f"{split}/{metric}", stats.get("mean"))
+    per_round = (summary.get("communication") or {}).get("per_round") or {}
+    for side in ("to", "from"):
+        value = per_round.get(f"bytes_{side}_clients")
+        put(f"mb_{side}_clients_per_round", float(value) / 1e6 if isinstance(value, (int, float)) else None)
+    put("epsilon", (summary.get("privacy") or {}).get("epsilon"))
+    return out, int(final.get("round") or 0)
 
 
 class _RunWatch:
@@ -452,8 +509,8 @@ class Tracking:
     def summary(self) -> dict[str, dict[str, Any]]:
         """The ``trackers`` block of a run's ``summary.json``: per tracker of ``fl.tracking``,
         ``{"status": "ok"}`` while every call so far worked, else ``{"status": "failed", "step":
-        <the Tracker method: init, start_run, log_metrics, log_artifact, log_model, end_run,
-        close>, "call": <the call in words>, "error": "<type>: <message>", "seconds": <how long
+        <the Tracker method: init, start_run, log_metrics, log_summary, log_artifact, log_model,
+        end_run, close>, "call": <the call in words>, "error": "<type>: <message>", "seconds": <how long
         the failed call ran>}``."""
         with self._cond:
             return {s["name"]: dict(self._failures.get(s["name"], {"status": "ok"})) for s in self.specs}
@@ -557,7 +614,7 @@ class Tracking:
                     continue
                 after = int(queued.get(table, 0))
                 new = df[(df["round"] > after) & (df["round"] <= r)]
-                for rr, scalars in round_scalars(table, new).items():
+                for rr, scalars in round_scalars(table, new, self.trackers[tname].per_client).items():
                     per_round.setdefault(rr, {}).update(scalars)
                 done[table] = max(after, r)
 
@@ -574,9 +631,15 @@ class Tracking:
                 self._call(tname, "log_metrics", f"logging round {r} of {watch.key!r}", log)
 
     def _finished(self, watch: _RunWatch) -> None:
-        """A finished run's summary, plots and final models."""
+        """A finished run's summary, plots and final models, and its headline figures for the
+        experiment's run."""
         run_dir = Path(watch.run.run_dir)
         files = [run_dir / "summary.json", *sorted((run_dir / "plots").glob("*.png"))]
+        try:
+            summary = json.loads((run_dir / "summary.json").read_text())
+        except (OSError, ValueError):   # a run that wrote no summary: no figures
+            summary = {}
+        figures, step = headline_figures(watch.key, summary if isinstance(summary, dict) else {})
         models: dict[str, Any] = {}
         if self.final_models is not None and set(self.trackers) - self.failed:
             try:
@@ -585,6 +648,9 @@ class Tracking:
                 warnings.warn(f"medfl: the final models of {watch.key!r} are not tracked ({type(exc).__name__}: "
                               f"{exc})", TrackerWarning, stacklevel=1)
         for tname in self.trackers:
+            if figures:
+                self._call(tname, "log_summary", f"logging the headline figures of {watch.key!r}",
+                           lambda t, _f=figures, _s=step: t.log_summary(watch.key, _f, _s))
             for path in files:
                 if path.is_file():
                     where = "plots" if path.parent.name == "plots" else None

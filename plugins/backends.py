@@ -1,4 +1,4 @@
-"""Built-in backends: ``inprocess``, ``ray`` and ``flower`` (see :mod:`medfl.backend`).
+"""Built-in backends: ``inprocess``, ``ray``, ``flower`` and ``nvflare`` (see :mod:`medfl.backend`).
 
 - ``inprocess`` (the default): every client in this process, one after another
   (:class:`medfl.engine.runner.Run`).
@@ -7,8 +7,11 @@
 - ``flower``: the clients are SuperNodes at the sites, reached through a SuperLink by
   medfl's ServerApp (:mod:`medfl.flower.server`, started by ``medfl flower run``), which
   builds this backend with its grid.
+- ``nvflare``: the clients are NVIDIA FLARE clients at the sites, reached by medfl's
+  controller workflow (:mod:`medfl.nvflare.controller`, in a job ``medfl nvflare job`` writes),
+  which builds this backend with its task grid.
 
-Flower's modules are imported when a backend runs, not when the plugin loads.
+Flower's and NVFlare's modules are imported when a backend runs, not when the plugin loads.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from medfl.backend import Backend, Drive, recorded_backend
 from medfl.config import check_device
 from medfl.engine.runner import Run, RunError
 
-__all__ = ["InProcess", "Ray", "Flower", "register_backends"]
+__all__ = ["InProcess", "Ray", "Flower", "NVFlare", "register_backends"]
 
 
 class InProcess(Backend):
@@ -122,8 +125,57 @@ class Flower(Backend):
         return f"medfl flower run --resume {shlex.quote(str(path))} {launch}"
 
 
+class NVFlare(Flower):
+    """The clients are NVIDIA FLARE clients at the sites, reached through the job's controller
+    workflow (:class:`medfl.nvflare.controller.MedflController`, which builds this backend with
+    its :class:`~medfl.nvflare.grid.TaskGrid`); the rounds are the Flower coordinator's.
+
+    Args:
+        grid: the workflow's task grid; ``None`` (as the registry builds it): no NVFlare job
+            here, and running says how to write one.
+        settings: the coordinator's :class:`medfl.flower.coordinator.FlowerSettings`.
+    """
+
+    name = "nvflare"
+    description = "the clients are NVIDIA FLARE clients at the sites (medfl nvflare job; needs medfl[nvflare])"
+
+    def _factory(self) -> Any:
+        if self.grid is None:
+            raise RunError("fl.backend 'nvflare': the clients are NVIDIA FLARE clients; write the job with "
+                           "`medfl nvflare job --config CONFIG --out DIR` and submit it (or run it in NVFlare's "
+                           "simulator: `nvflare simulator DIR/JOB -w WORKSPACE -n SITES`), docs/nvflare.md")
+        from medfl.nvflare.grid import nvflare_run_factory
+
+        return nvflare_run_factory(self.grid, self.settings)
+
+    def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
+        """The experiment's runs are :class:`~medfl.nvflare.grid.NVFlareRun` (``config.json``
+        says ``"engine": "nvflare"``)."""
+        return drive(self._factory(), {"engine": "nvflare"})
+
+    def check_resume(self, path: Path) -> None:
+        """Refuse a resume outside an NVFlare job (``medfl resume``).
+
+        Raises:
+            RunError: the sites keep their state; the message names the command that writes
+                the job continuing the run.
+        """
+        if self.grid is None:
+            raise RunError(f"{path}: its clients ran at the sites over NVIDIA FLARE, which keep their state; "
+                           "`medfl resume` would train them here without it. Continue with "
+                           f"`{self.resume_command(path, {})}`")
+
+    def resume_command(self, path: Path, record: dict[str, Any]) -> str:
+        """``medfl nvflare job --resume PATH --out medfl_resume_job``: writes the job that
+        continues the run (run where the run directory is, on the NVFlare server's machine; the
+        command then says how to submit the job, as the first one was)."""
+        from medfl.nvflare import RESUME_JOB
+
+        return f"medfl nvflare job --resume {shlex.quote(str(path))} --out {RESUME_JOB}"
+
+
 @hookimpl
 def register_backends(register: Any) -> None:
     """Register the built-in backends."""
-    for backend in (InProcess, Ray, Flower):
+    for backend in (InProcess, Ray, Flower, NVFlare):
         register(backend)

@@ -2,10 +2,16 @@
 
 - ``mlflow``: the experiment is one MLflow run and each method run a run nested under it
   (``mlflow.parentRunId``), through :class:`mlflow.tracking.MlflowClient`: params and each
-  round's scalars in ``log_batch`` calls, artifacts with ``log_artifact``, the final models
-  with :func:`mlflow.pytorch.log_model`. With no ``uri``, an embedded SQLite store
-  ``mlflow.db`` (artifacts in ``mlartifacts/``) in the experiment directory: no server
-  (MLflow 3 refuses the plain file store).
+  round's scalars in ``log_batch`` calls, each finished method run's headline figures on the
+  experiment's run, artifacts with ``log_artifact``, the final models with
+  :func:`mlflow.pytorch.log_model` as TorchScript (they load where medfl is not installed).
+  Every run is tagged as MLflow's own runs are (``mlflow.user``, ``mlflow.source.name``,
+  ``mlflow.source.type``, ``mlflow.source.git.commit`` inside a git checkout, and what
+  ``MLFLOW_RUN_CONTEXT`` adds) and with ``medfl.version``. The entry's ``uri`` and
+  ``experiment`` win over ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_NAME`` (or
+  ``MLFLOW_EXPERIMENT_ID``); with neither, an embedded SQLite store ``mlflow.db`` (artifacts
+  in ``mlartifacts/``) in the experiment directory: no server (MLflow 3 refuses the plain
+  file store).
 - ``tensorboard``: :class:`torch.utils.tensorboard.SummaryWriter` event files in
   ``tensorboard/<run>/`` of the experiment directory (one subdirectory per method run),
   scalars with ``step = round``.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import threading
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -32,7 +39,8 @@ from medfl import hookimpl
 from medfl.config import ConfigError
 from medfl.tracking import Tracker, missing_package, now_ms, run_status
 
-__all__ = ["MLflow", "TensorBoard", "register_trackers", "MLFLOW_HTTP_DEFAULTS", "mlflow_http_defaults"]
+__all__ = ["MLflow", "TensorBoard", "register_trackers", "MLFLOW_HTTP_DEFAULTS", "mlflow_http_defaults",
+           "LAST_STEP_TAG", "VERSION_TAG", "run_tags", "git_commit", "scripted"]
 
 #: MLflow's HTTP client settings while the ``mlflow`` tracker calls a server (``http://`` or
 #: ``https://`` uri). MLflow's own (7 retries, backoff factor 2, 120 s timeout) make one call to
@@ -95,6 +103,93 @@ def _bounded(method: _F) -> _F:
 LAST_STEP_TAG = "medfl.last_step"
 
 
+#: The tag holding the version of medfl that made a run (MLflow's own tags say the rest).
+VERSION_TAG = "medfl.version"
+
+
+def git_commit(folder: Path) -> str | None:
+    """The commit checked out where ``folder`` is (``git rev-parse HEAD``), or ``None``: not
+    in a git checkout, no ``git`` program, or no answer within 10 s."""
+    try:
+        out = subprocess.run(["git", "-C", str(folder), "rev-parse", "--verify", "-q", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and len(commit) in (40, 64) else None
+
+
+def run_tags() -> dict[str, str]:
+    """The tags of every run the ``mlflow`` tracker starts: MLflow's own context tags, as its
+    fluent API sets them (``mlflow.user``, ``mlflow.source.name``, ``mlflow.source.type``,
+    those of ``MLFLOW_RUN_CONTEXT``...), ``mlflow.source.git.commit`` of the git checkout the
+    run was started in (the current folder; else what MLflow found from the program's own
+    file; none outside a checkout) and :data:`VERSION_TAG`."""
+    import getpass
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_SOURCE_NAME, MLFLOW_SOURCE_TYPE, MLFLOW_USER
+
+    try:
+        from mlflow.tracking.context.registry import resolve_tags
+
+        tags = {str(k): str(v) for k, v in resolve_tags({}).items()}
+    except Exception:  # noqa: BLE001 - MLflow's context providers are extras; the run is tagged anyway
+        tags = {}
+    if MLFLOW_USER not in tags:
+        try:
+            tags[MLFLOW_USER] = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no user name in this environment (a container without one)
+            pass
+    tags.setdefault(MLFLOW_SOURCE_NAME, sys.argv[0] if sys.argv and sys.argv[0] else "medfl")
+    tags.setdefault(MLFLOW_SOURCE_TYPE, "LOCAL")
+    commit = git_commit(Path.cwd())
+    if commit and tags.get(MLFLOW_GIT_COMMIT) != commit:
+        # MLflow's git tags (branch, repo URL) came from another checkout than the current folder's
+        tags = {k: v for k, v in tags.items() if not k.startswith("mlflow.source.git.")}
+        tags[MLFLOW_GIT_COMMIT] = commit
+    try:
+        tags[VERSION_TAG] = version("medfl")
+    except PackageNotFoundError:   # a checkout that is not installed
+        import medfl
+
+        tags[VERSION_TAG] = str(getattr(medfl, "__version__", "unknown"))
+    return tags
+
+
+def scripted(model: Any, example: Any) -> tuple[Any, str]:
+    """``model`` as TorchScript, which loads with ``torch`` alone (no medfl, no MONAI):
+    scripted, else traced on ``example`` (a batch), each checked against the module's own
+    output on ``example`` (:func:`monai.networks.utils.convert_to_torchscript`, as
+    ``monai.bundle ckpt_export`` does).
+
+    Returns:
+        ``(script module, "torch.jit.script" | "torch.jit.trace")``, or ``(None, why)`` when
+        neither works (``example`` is ``None`` and scripting failed, or both failed).
+    """
+    import copy
+
+    from monai.networks.utils import convert_to_torchscript
+
+    # on the CPU, as a copy: the logged module loads on a machine without a GPU
+    model = copy.deepcopy(model).cpu().eval()
+    example = None if example is None else example.detach().cpu()
+    why = []
+    for trace in (False, True):
+        if trace and example is None:
+            why.append("tracing needs an input example")
+            break
+        try:
+            module = convert_to_torchscript(model, verify=example is not None, inputs=None if example is None
+                                            else [example], use_trace=trace, rtol=1e-4, atol=1e-5)
+            return module, "torch.jit.trace" if trace else "torch.jit.script"
+        except Exception as exc:  # noqa: BLE001 - torch.jit raises many kinds; the reason is returned
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            why.append(f"{'tracing' if trace else 'scripting'}: {type(exc).__name__}: {first}")
+    return None, "; ".join(why)
+
+
 def _chunks(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
 
@@ -103,10 +198,13 @@ class MLflow(Tracker):
     """MLflow: one parent run per experiment, a nested run per method run.
 
     Options: ``uri`` (a tracking URI: ``http://host:5000``, ``sqlite:///path/mlflow.db``;
-    default: ``sqlite:///<experiment dir>/mlflow.db``), ``experiment`` (MLflow's experiment
-    name; default: the config's ``name``), ``run_name`` (the parent run's name; default:
-    the experiment directory's name), ``artifact_location`` (where a new MLflow experiment
-    keeps artifacts; default with the embedded store: ``<experiment dir>/mlartifacts``).
+    default: ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<experiment dir>/mlflow.db``),
+    ``experiment`` (MLflow's experiment name; default: ``MLFLOW_EXPERIMENT_NAME`` when set,
+    else the experiment ``MLFLOW_EXPERIMENT_ID`` names, else the config's ``name``),
+    ``run_name`` (the parent run's name; default: the experiment directory's name),
+    ``artifact_location`` (where a new MLflow experiment keeps artifacts; default with the
+    embedded store: ``<experiment dir>/mlartifacts``), ``per_client`` (``true``: each client's
+    scalars too; default ``false``: the across-client means only).
 
     Each call to a server runs with MLflow's HTTP retries bounded (:data:`MLFLOW_HTTP_DEFAULTS`,
     unless the environment sets them), so a server that is down fails it in seconds.
@@ -114,7 +212,7 @@ class MLflow(Tracker):
 
     name = "mlflow"
     description = "MLflow runs (nested per method run); embedded SQLite store unless uri names a server"
-    options = {"uri": None, "experiment": None, "run_name": None, "artifact_location": None}
+    options = {"uri": None, "experiment": None, "run_name": None, "artifact_location": None, "per_client": False}
     requires = ("mlflow",)
 
     def __init__(self, root: Path, **options: Any) -> None:
@@ -126,13 +224,17 @@ class MLflow(Tracker):
             raise missing_package("mlflow", "mlflow", exc) from exc
         uri = self.settings["uri"]
         artifacts = self.settings["artifact_location"]
+        where = "fl.tracking (mlflow).uri"
+        if uri is None and os.environ.get("MLFLOW_TRACKING_URI", "").strip():
+            uri, where = os.environ["MLFLOW_TRACKING_URI"].strip(), "MLFLOW_TRACKING_URI"
         if uri is None:
             uri = f"sqlite:///{(self.root / 'mlflow.db').resolve()}"
             artifacts = artifacts or (self.root / "mlartifacts").resolve().as_uri()
-        elif not isinstance(uri, str) or "://" not in uri or uri.startswith("file:"):
-            raise ConfigError(f"fl.tracking (mlflow).uri: expected a tracking URI such as http://127.0.0.1:5000 or "
+        elif not isinstance(uri, str) or ("://" not in uri and uri != "databricks") or uri.startswith("file:"):
+            raise ConfigError(f"{where}: expected a tracking URI such as http://127.0.0.1:5000 or "
                               f"sqlite:///path/mlflow.db, got {uri!r} (MLflow 3 refuses the plain file store; "
-                              "leave uri out for an embedded SQLite store in the experiment directory)")
+                              "leave uri out and MLFLOW_TRACKING_URI unset for an embedded SQLite store in the "
+                              "experiment directory)")
         self.uri = uri
         self.artifact_location = artifacts
         #: MLflow's HTTP retries bounded while calling a server; the embedded store makes no HTTP call
@@ -142,9 +244,32 @@ class MLflow(Tracker):
         self.experiment_id: str | None = None
         #: run key -> (MLflow run id, the last round it logged before this session)
         self.runs: dict[str, tuple[str, int]] = {}
+        self._tags: dict[str, str] | None = None
 
-    def _experiment(self, name: str) -> str:
+    def experiment_name(self, config_name: str | None) -> str | None:
+        """The MLflow experiment's name: the entry's ``experiment``, else
+        ``MLFLOW_EXPERIMENT_NAME``, else ``None`` when ``MLFLOW_EXPERIMENT_ID`` is set (that
+        experiment), else ``config_name`` (the config's ``name``; ``"medfl"`` without one)."""
+        for name in (self.settings["experiment"], os.environ.get("MLFLOW_EXPERIMENT_NAME", "").strip()):
+            if name:
+                return str(name)
+        if os.environ.get("MLFLOW_EXPERIMENT_ID", "").strip():
+            return None
+        return str(config_name or "medfl")
+
+    def _experiment(self, name: str | None) -> str:
+        """The id of the experiment ``name`` (created when missing); ``None``: the one
+        ``MLFLOW_EXPERIMENT_ID`` names, which must exist."""
         if self.experiment_id is None:
+            if name is None:
+                wanted = os.environ["MLFLOW_EXPERIMENT_ID"].strip()
+                try:
+                    self.experiment_id = self.client.get_experiment(wanted).experiment_id
+                except Exception as exc:
+                    raise ConfigError(f"MLFLOW_EXPERIMENT_ID={wanted!r}: no such experiment at {self.uri} "
+                                      f"({type(exc).__name__}); set MLFLOW_EXPERIMENT_NAME or the entry's "
+                                      "experiment instead") from exc
+                return self.experiment_id
             found = self.client.get_experiment_by_name(name)
             self.experiment_id = found.experiment_id if found is not None else \
                 self.client.create_experiment(name, artifact_location=self.artifact_location)
@@ -165,8 +290,10 @@ class MLflow(Tracker):
             self.client.update_run(run_id, status="RUNNING")
             self.runs[key] = (run_id, max(last_step, int(run.data.tags.get(LAST_STEP_TAG, 0))))
             return dict(saved)
-        exp = self._experiment(str(self.settings["experiment"] or params.get("name") or "medfl"))
-        tags = {"medfl.run": key or "(experiment)"}
+        exp = self._experiment(self.experiment_name(params.get("name")))
+        if self._tags is None:
+            self._tags = run_tags()
+        tags = {**self._tags, "medfl.run": key or "(experiment)"}
         if parent and parent.get("run_id"):
             tags["mlflow.parentRunId"] = str(parent["run_id"])
         run_name = name if key else str(self.settings["run_name"] or name)
@@ -198,6 +325,22 @@ class MLflow(Tracker):
                                   tags=[RunTag(LAST_STEP_TAG, str(int(step)))] if i == len(chunks) - 1 else [])
 
     @_bounded
+    def log_summary(self, key: str, figures: dict[str, float], step: int) -> None:
+        """The figures on the experiment's run (``<key>/<split>/<metric>``...), one
+        ``log_batch`` per 1000 (not the per-round guard: each key is logged once, at the end
+        of its run)."""
+        from mlflow.entities import Metric
+        from mlflow.utils import validation
+
+        if "" not in self.runs:
+            return
+        ts = now_ms()
+        items = [Metric(k, float(v), ts, int(step)) for k, v in sorted(figures.items())]
+        for chunk in _chunks(items, int(getattr(validation, "MAX_METRICS_PER_BATCH", 1000))):
+            if chunk:
+                self.client.log_batch(self.runs[""][0], metrics=chunk)
+
+    @_bounded
     def log_artifact(self, key: str, path: Path, artifact_path: str | None = None) -> None:
         """``MlflowClient.log_artifact``."""
         self.client.log_artifact(self.runs[key][0], str(path), artifact_path)
@@ -205,10 +348,14 @@ class MLflow(Tracker):
     @_bounded
     def log_model(self, key: str, name: str, model: Any, example: Any = None) -> None:
         """:func:`mlflow.pytorch.log_model` into the run (an MLflow logged model whose
-        source run is this run), pickled (``mlflow.pytorch.load_model`` gives the module
-        back; MLflow 3's default ``pt2`` export would need every model to trace), with
-        ``example`` (a batch) as its input example, from which MLflow infers the signature."""
+        source run is this run) as TorchScript (:func:`scripted`), which
+        ``mlflow.pytorch.load_model`` gives back where only ``torch`` and MLflow are installed
+        (no medfl, no MONAI; requirements: ``torch``); with ``example`` (a batch) as its input
+        example, from which MLflow infers the signature. A model that neither scripts nor
+        traces is logged pickled, and its requirements then name ``medfl`` and ``monai`` (its
+        classes are medfl's); the model's metadata says which (``medfl_format``)."""
         import inspect
+        from importlib.metadata import PackageNotFoundError, version
 
         import mlflow
         import mlflow.pytorch
@@ -216,12 +363,23 @@ class MLflow(Tracker):
         import torch
 
         run_id = self.runs[key][0]
+        module, how = scripted(model, example)
+        requirements = [f"torch=={torch.__version__.split('+')[0]}"]
+        if module is None:
+            try:
+                requirements.append(f"medfl=={version('medfl')}")
+            except PackageNotFoundError:   # a checkout that is not installed
+                requirements.append("medfl")
+            requirements.append(f"monai=={monai.__version__}")
+        accepted = inspect.signature(mlflow.pytorch.log_model).parameters
         extra: dict[str, Any] = {}
-        if "serialization_format" in inspect.signature(mlflow.pytorch.log_model).parameters:
+        if "metadata" in accepted:
+            extra["metadata"] = {"medfl_format": "torchscript" if module is not None else "pickle", "medfl_how": how}
+        if "serialization_format" in accepted:   # MLflow 3's default, pt2, would need every model to export
             extra["serialization_format"] = "pickle"
         if example is not None:
             extra["input_example"] = example.detach().cpu().numpy()
-        name_arg = "name" if "name" in inspect.signature(mlflow.pytorch.log_model).parameters else "artifact_path"
+        name_arg = "name" if "name" in accepted else "artifact_path"
         # the fluent API logs into the process-wide tracking URI (and MLFLOW_TRACKING_URI, which
         # processes started later inherit): set for this call only, then put back as it was
         from mlflow.tracking._tracking_service import utils as tracking_utils
@@ -230,8 +388,8 @@ class MLflow(Tracker):
         mlflow.set_tracking_uri(self.uri)
         try:
             with mlflow.start_run(run_id=run_id):
-                mlflow.pytorch.log_model(model.eval(), **{name_arg: name}, pip_requirements=[
-                    f"torch=={torch.__version__.split('+')[0]}", f"monai=={monai.__version__}"], **extra)
+                mlflow.pytorch.log_model(model.eval() if module is None else module, **{name_arg: name},
+                                         pip_requirements=requirements, **extra)
         finally:
             mlflow.set_tracking_uri(before)
             if before_env is not None:
@@ -247,12 +405,13 @@ class MLflow(Tracker):
 class TensorBoard(Tracker):
     """TensorBoard event files, one subdirectory per method run under ``log_dir`` (default:
     ``<experiment dir>/tensorboard``); the config as text, each round's scalars with
-    ``step = round``. A continued run purges any event after its last logged round
+    ``step = round`` (``per_client``: each client's too; default: the across-client means).
+    A continued run purges any event after its last logged round
     (``SummaryWriter(purge_step=...)``), so no step is written twice."""
 
     name = "tensorboard"
     description = "TensorBoard event files in the experiment directory (torch.utils.tensorboard)"
-    options = {"log_dir": None}
+    options = {"log_dir": None, "per_client": False}
     requires = ("tensorboard",)
 
     def __init__(self, root: Path, **options: Any) -> None:

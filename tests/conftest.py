@@ -42,6 +42,7 @@ SLOW_MODULES = (
     "engine/test_engine.py",            # 47
     "methods/test_pfedcdp_bundle.py",   # 22 (more with plots under load)
     "prep/test_prep_abide.py",          # 37
+    "test_wheel.py",                    # 35 CPU s: a wheel built, installed in a fresh venv, its demo and mias prep run
     "flower/test_coordinator.py",       # 35
     "engine/test_cv.py",                # 31
     "flower/test_startup_failures.py",  # 30

@@ -1,5 +1,6 @@
 """Every bundle carries the files a MONAI model-zoo bundle has (bundles/bundle_files.py writes
-them from one template): configs/logging.conf, LICENSE, docs/data_license.txt, models/."""
+them from one template): configs/logging.conf, configs/evaluate.json, LICENSE,
+docs/data_license.txt, models/."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_check_names_a_drifted_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(module, "_REPO", tmp_path)
     assert sorted(module.check()) == sorted(f"bundles/demo/{f}: missing" for f in
                                             ("configs/logging.conf", "LICENSE", "docs/data_license.txt",
-                                             "models/README.md"))
+                                             "models/README.md", "configs/evaluate.json"))
     module.write()
     assert module.check() == []
     (fake / "configs" / "logging.conf").write_text("[loggers]\nkeys=root\n")

@@ -16,9 +16,10 @@ import torch
 BUNDLES = sorted(p for p in (Path(__file__).resolve().parents[1] / "bundles").iterdir()
                  if (p / "configs").is_dir())
 #: every training config of every bundle (train.json, and ham10000's fedtpf.json beside it;
-#: try.json is an overlay of train.json, tests/test_bundle_readmes.py runs it)
+#: try.json is an overlay of train.json, tests/test_bundle_readmes.py runs it; evaluate.json
+#: one of train.json's MONAI workflow, tests/test_monai_fl.py runs it)
 TRAIN_CONFIGS = sorted(c for b in BUNDLES for c in (b / "configs").glob("*.json")
-                       if c.name not in ("inference.json", "metadata.json", "try.json"))
+                       if c.name not in ("inference.json", "metadata.json", "try.json", "evaluate.json"))
 DEMO = Path(__file__).resolve().parents[1] / "bundles" / "demo"
 ENV = {**os.environ, "MEDFL_NO_PROGRESS": "1"}
 

@@ -1,5 +1,6 @@
 """``medfl export``: a finished run's models as MONAI bundles that MONAI alone loads, that
-predict what ``medfl predict`` does, and that ``python -m monai.bundle run`` infers with."""
+predict what ``medfl predict`` does, and that ``python -m monai.bundle run`` infers with in a
+process where medfl cannot be imported."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from medfl.cli import main
 from medfl.experiment import run_experiment
-from medfl.export import ExportError, SourceDataset, export_run
+from medfl.export import ExportError, SourceDataset, _inference_config, export_run, inference_data
 from medfl.predict import predict
 from medfl.rundir import RunError
 
@@ -44,6 +45,37 @@ for bundle in bundles:
 assert not [m for m in sys.modules if m == "medfl" or m.startswith("medfl.")], "medfl was imported"
 torch.save(result, out)
 """
+
+
+# ``python -m monai.bundle ARGS`` where medfl cannot be imported: a meta-path finder refuses
+# medfl and its built-in plugins before anything runs (the editable install would find them).
+NO_MEDFL = """
+import runpy, sys
+class NoMedfl:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("medfl", "medfl_plugins"):
+            raise ImportError(f"No module named {name!r} (medfl is blocked in this process)")
+sys.meta_path.insert(0, NoMedfl())
+try:
+    import medfl
+except ImportError as exc:
+    print("import medfl:", exc, file=sys.stderr)
+else:
+    raise SystemExit("medfl is importable")
+sys.argv = ["monai.bundle", *sys.argv[1:]]
+runpy.run_module("monai.bundle", run_name="__main__", alter_sys=True)
+"""
+
+
+def _run_without_medfl(bundle: Path, *extra: str) -> Path:
+    """``python -m monai.bundle run`` on an exported bundle where ``import medfl`` fails;
+    returns its predictions CSV."""
+    cmd = [sys.executable, "-c", NO_MEDFL, "run", "--config_file", str(bundle / "configs" / "inference.json"),
+           "--meta_file", str(bundle / "configs" / "metadata.json"), "--bundle_root", str(bundle), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "import medfl: No module named 'medfl' (medfl is blocked in this process)" in proc.stderr
+    return bundle / "eval" / "predictions.csv"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +109,15 @@ def _monai_only(bundles: list[Path], images: torch.Tensor, tmp: Path) -> list[di
     return [out[str(b)] for b in bundles]
 
 
+def _leaves(node: object, key: str = "") -> list[tuple[str, object]]:
+    """Every ``(key, value)`` leaf of a parsed JSON config."""
+    if isinstance(node, dict):
+        return [leaf for k, v in node.items() for leaf in _leaves(v, k)]
+    if isinstance(node, list):
+        return [leaf for v in node for leaf in _leaves(v, key)]
+    return [(key, node)]
+
+
 def _images(run_dir: Path) -> torch.Tensor:
     spec = json.loads((run_dir / "config.json").read_text())["fl"]["dataset"]
     ds = SourceDataset(spec)
@@ -98,6 +139,20 @@ def test_global_model_loads_into_plain_monai_resnet(demo_runs, tmp_path):
     meta = json.loads((tmp_path / "out" / "global" / "configs" / "metadata.json").read_text())
     assert meta["network_data_format"]["inputs"]["image"]["spatial_shape"] == [32, 32]
     assert meta["medfl_export"]["torchscript"]["method"] == "torch.jit.script"
+    # MONAI's bundle spec: its mandatory metadata keys, and the files init_bundle writes
+    assert {"version", "monai_version", "pytorch_version", "numpy_version", "required_packages_version", "task",
+            "description", "authors", "copyright", "network_data_format"} <= set(meta)
+    assert "medfl" not in meta["required_packages_version"]
+    bundle = tmp_path / "out" / "global"
+    assert "Apache License" in (bundle / "LICENSE").read_text()
+    readme = (bundle / "docs" / "README.md").read_text()
+    assert "python -m monai.bundle run --config_file configs/inference.json" in readme
+    assert f"method `fedavg`" in readme and "local_test: accuracy" in readme and "may restrict" in readme
+    import configparser
+
+    conf = configparser.ConfigParser(interpolation=None)
+    conf.read(bundle / "configs" / "logging.conf")
+    assert conf["logger_root"]["handlers"] == "console"
 
 
 def test_personal_models_are_exported_per_client(demo_runs, tmp_path):
@@ -118,14 +173,15 @@ def test_personal_models_are_exported_per_client(demo_runs, tmp_path):
 
 
 def test_monai_bundle_run_infers_like_medfl_predict(demo_runs, tmp_path):
+    """The exported bundle runs where medfl cannot be imported: MONAI transforms read the run's
+    manifest and the MONAI ResNet predicts what medfl predict does."""
     run_dir = demo_runs / "fedavg"
     export_run(run_dir, tmp_path / "out")
     bundle = tmp_path / "out" / "global"
-    cmd = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(bundle / "configs" / "inference.json"),
-           "--meta_file", str(bundle / "configs" / "metadata.json"), "--bundle_root", str(bundle)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ids, got = _probs(bundle / "eval" / "predictions.csv")
+    cfg = json.loads((bundle / "configs" / "inference.json").read_text())
+    code = [v for k, v in _leaves(cfg) if k == "_target_" or (isinstance(v, str) and v.startswith("$"))]
+    assert len(code) > 20 and not [v for v in code if "medfl" in v]   # no medfl in any target or expression
+    ids, got = _probs(_run_without_medfl(bundle))
     want_ids, want = _probs(predict(run_dir, output=tmp_path / "p.csv", clients=["1"]))
     assert ids == want_ids
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -134,12 +190,11 @@ def test_monai_bundle_run_infers_like_medfl_predict(demo_runs, tmp_path):
     # the exported bundle is a complete MONAI inference workflow, and MONAI's checks pass on it
     from monai.bundle import ConfigWorkflow
 
-    from medfl.export import Predictor
-
     wf = ConfigWorkflow(config_file=str(bundle / "configs" / "inference.json"),
-                        meta_file=str(bundle / "configs" / "metadata.json"), workflow_type="infer")
+                        meta_file=str(bundle / "configs" / "metadata.json"), workflow_type="infer",
+                        bundle_root=str(bundle))
     wf.initialize()
-    assert wf.check_properties() == [] and isinstance(wf.evaluator, Predictor)
+    assert wf.check_properties() == [] and callable(wf.evaluator.run)
     proc = subprocess.run([sys.executable, "-m", "monai.bundle", "verify_net_in_out", "network_def", "--config_file",
                            str(bundle / "configs" / "inference.json"), "--meta_file",
                            str(bundle / "configs" / "metadata.json")], capture_output=True, text=True, timeout=600, env=ENV)
@@ -162,7 +217,7 @@ def test_registered_model_route_for_a_small_cnn(tiny_fl, resolve, tmp_path):
     run_dir = exp / "local"
     summary = export_run(run_dir, tmp_path / "out")
     assert {b["folder"] for b in summary["bundles"]} == {"client_0", "client_1", "client_2"}
-    assert {b["route"] for b in summary["bundles"]} == {"medfl"}
+    assert {b["route"] for b in summary["bundles"]} == {"torchscript"}
     from monai.bundle import ConfigParser
 
     images = _images(run_dir)
@@ -170,14 +225,18 @@ def test_registered_model_route_for_a_small_cnn(tiny_fl, resolve, tmp_path):
     for cid in ("0", "2"):
         bundle = tmp_path / "out" / f"client_{cid}"
         cfg = json.loads((bundle / "configs" / "inference.json").read_text())
-        assert cfg["network_def"]["_target_"] == "medfl.export.registered_model"
-        net = ConfigParser({"net": cfg["network_def"]}).get_parsed_content("net").eval()
+        assert cfg["network_def"] == "$torch.jit.load(@bundle_root + '/models/model.ts', map_location=@device)"
+        parser = ConfigParser({**cfg, "bundle_root": str(bundle)})
+        net = parser.get_parsed_content("network_def").eval()
         net.load_state_dict(torch.load(bundle / "models" / "model.pt", weights_only=True), strict=True)
         with torch.no_grad():
             got = torch.softmax(net(images), 1).numpy()
-            ts = torch.softmax(torch.jit.load(str(bundle / "models" / "model.ts"))(images), 1).numpy()
         np.testing.assert_allclose(got, _probs(csv, cid)[1], atol=1e-5)
-        np.testing.assert_allclose(ts, got, atol=1e-5)
+    # the TorchScript bundle runs without medfl, as medfl predict does
+    ids, got = _probs(_run_without_medfl(tmp_path / "out" / "client_1"))
+    want_ids, want = _probs(csv, "1")
+    assert ids == want_ids
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_export_errors_name_the_problem(demo_runs, tmp_path, capsys):
@@ -204,8 +263,14 @@ def test_export_errors_name_the_problem(demo_runs, tmp_path, capsys):
     assert main(["export", str(run_dir), "--out", str(busy)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("medfl: error: ") and "not empty" in err[0]
-    assert main(["export", str(run_dir), "--out", str(tmp_path / "ok")]) == 0
+    with pytest.raises(ExportError, match="nowhere.txt: --license: no such file"):
+        export_run(run_dir, tmp_path / "o4", license_file=tmp_path / "nowhere.txt")
+    assert not (tmp_path / "o4").exists()
+    (tmp_path / "terms.txt").write_text("CC BY-NC 4.0, as the data's terms require\n")
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "ok"), "--license", str(tmp_path / "terms.txt")]) == 0
     assert "ok/global: global (monai.networks.nets.ResNet; model.ts: torch.jit.script)" in capsys.readouterr().out
+    assert (tmp_path / "ok" / "global" / "LICENSE").read_text() == "CC BY-NC 4.0, as the data's terms require\n"
+    assert "the licence in LICENSE (from terms.txt)" in (tmp_path / "ok" / "global" / "docs" / "README.md").read_text()
 
 
 def test_export_help_says_the_layout(capsys):
@@ -213,3 +278,84 @@ def test_export_help_says_the_layout(capsys):
         main(["export", "--help"])
     text = " ".join(capsys.readouterr().out.split())   # argparse wraps the lines
     assert "OUT/global" in text and "OUT/client_<id>" in text and "--out" in text and "monai.bundle run" in text
+
+
+# Every kind of file a manifest names (2D grayscale DICOM and PGM, RGB JPEG, 3D NIfTI, medfl's
+# cached .npy), each with a normalisation and resize: (kind, suffix, normalize, spatial_size,
+# the reader's package in the bundle's metadata).
+FILE_KINDS = [
+    ("dicom", ".dcm", "minmax", [8, 8], "pydicom"),
+    ("pgm", ".pgm", "zscore", None, "pillow"),
+    ("jpeg", ".jpg", "minmax", [6, 6], "pillow"),
+    ("nifti", ".nii.gz", "zscore", [4, 4, 4], "nibabel"),
+    ("npy", ".npy", "zscore", [4, 4], None),
+]
+
+
+def _write_image(kind: str, path: Path, rng: np.random.Generator) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "dicom":
+        from medfl.fixtures.cbis_ddsm import write_mg_dicom
+
+        write_mg_dicom(path, rng.integers(0, 4000, (12, 10)), "P1", "1.2.3", "1.2.3.4", "test", "L", "CC")
+    elif kind in ("pgm", "jpeg"):
+        from PIL import Image
+
+        shape = (12, 10) if kind == "pgm" else (12, 10, 3)
+        Image.fromarray(rng.integers(0, 255, shape).astype(np.uint8)).save(path)
+    elif kind == "nifti":
+        import nibabel as nib
+
+        nib.save(nib.Nifti1Image(rng.normal(size=(6, 7, 5)).astype(np.float32), np.eye(4)), str(path))
+    else:
+        np.save(path, rng.normal(size=(1, 9, 7)).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind,suffix,normalize,size,package", FILE_KINDS)
+def test_exported_preprocessing_is_medfl_s_in_monai_transforms(kind, suffix, normalize, size, package, tmp_path):
+    """The exported inference.json reads a manifest's files with MONAI transforms alone and
+    gives the tensors medfl's dataset gives at evaluation time."""
+    import monai.transforms
+    from monai.bundle import ConfigParser
+
+    from medfl.data.manifest import manifest_source
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(3):
+        _write_image(kind, tmp_path / "files" / f"img{i}{suffix}", rng)
+        rows.append({"sample_id": f"s{i}", "image_path": f"files/img{i}{suffix}", "label": i % 2,
+                     "split": "test" if i else "train"})
+    pd.DataFrame(rows).to_csv(tmp_path / "manifest.csv", index=False)
+    spec = {"name": "manifest", "path": str(tmp_path / "manifest.csv"), "column": "image_path",
+            "normalize": normalize, "spatial_size": size}
+    source = manifest_source(**{k: v for k, v in spec.items() if k != "name"})
+    data = inference_data(spec, source)
+    assert list(data["packages"]) == ([package] if package else [])
+    cfg = _inference_config({"_target_": "Identity"}, data["config"], ["a", "b"], 2, False)
+    assert all(hasattr(monai.transforms, t["_target_"]) for t in cfg["preprocessing"]["transforms"])
+    got = ConfigParser(cfg).get_parsed_content("dataset")
+    want = source.make_dataset(source.table, False)
+    assert len(got) == len(want) == 3
+    for i in range(3):
+        assert tuple(got[i]["image"].shape) == tuple(source.sample_shape)
+        torch.testing.assert_close(torch.as_tensor(got[i]["image"]), want[i][0], rtol=0, atol=1e-6)
+        assert (got[i]["sample_id"], got[i]["label"]) == (f"s{i}", i % 2)
+    test_rows = ConfigParser({**cfg, "split": "test"}).get_parsed_content("datalist")
+    assert [d["sample_id"] for d in test_rows] == ["s1", "s2"]
+
+
+def test_export_refuses_data_monai_transforms_cannot_read(tmp_path):
+    from PIL import Image
+
+    from medfl.data.manifest import manifest_source
+    from medfl.data.random_blocks import random_blocks
+
+    with pytest.raises(ExportError, match="dataset 'random_blocks': its samples are made by its medfl code, not read "
+                                          "from files"):
+        inference_data({"name": "random_blocks"}, random_blocks(num_blocks=1, samples_per_block=2))
+    np.save(tmp_path / "a.npy", np.zeros((1, 4, 4), np.float32))
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(tmp_path / "b.pgm")
+    pd.DataFrame({"path": ["a.npy", "b.pgm"], "label": [0, 1]}).to_csv(tmp_path / "m.csv", index=False)
+    with pytest.raises(ExportError, match=r"column 'path' names files that need different readers \(PILReader, npy\)"):
+        inference_data({"name": "manifest", "path": str(tmp_path / "m.csv")}, manifest_source(str(tmp_path / "m.csv")))

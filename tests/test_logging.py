@@ -449,3 +449,45 @@ def test_bundle_logging_conf_configures_medfl(tmp_path: Path) -> None:
     assert "INFO medfl.logs: log opened (pid " in run_log and "INFO medfl.engine.runner: medfl [fedavg]: round 1 of 1 in " in run_log
     experiment = (tmp_path / "runs" / "demo" / LOG_FILE).read_text()
     assert " INFO medfl.engine.data: medfl partition: " in experiment   # the conf's INFO, in the file too
+
+
+_LOG_LINE = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO|WARNING|ERROR) [\w.]+: (.*)$"
+# what `medfl run` does once its console is installed, after which a library is imported that
+# calls logging.basicConfig (Opacus, mlflow.pytorch; an explicit call too): the run logs on
+_LIBRARY_AFTER_CONSOLE = """
+import logging, sys
+from medfl.cli import main
+from medfl.logs import configure_console
+configure_console()
+import opacus, mlflow.pytorch
+logging.basicConfig(level=logging.DEBUG)
+assert logging.getLogger().handlers, "no root handler: nothing to test"
+sys.exit(main(["run", sys.argv[1]]))
+"""
+
+
+def test_other_libraries_logging_set_up_never_changes_medfls_console(tiny_fl: dict[str, Any],
+                                                                      tmp_path: Path) -> None:
+    """Once Opacus or ``mlflow.pytorch`` is imported (each calls ``logging.basicConfig``: a root
+    handler), medfl's console prints each of its lines once, and no DEBUG line without ``-v``;
+    the run's ``log.txt`` gets every line, DEBUG included, as before."""
+    import re
+    import subprocess
+
+    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install \"medfl[tracking]\"")
+    cfg = tmp_path / "train.json"
+    cfg.write_text(json.dumps({"fl": {**tiny_fl, "rounds": 1}}))
+    proc = subprocess.run([sys.executable, "-c", _LIBRARY_AFTER_CONSOLE, str(cfg)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "runs").glob("*/fedavg/log.txt"))
+    assert len(runs) == 1, runs
+    lines = [m.groups() for m in map(re.compile(_LOG_LINE).match, runs[0].read_text().splitlines()) if m]
+    shown = [msg for level, msg in lines if level != "DEBUG" and msg and not msg.startswith("log opened")]
+    hidden = [msg for level, msg in lines if level == "DEBUG"]
+    assert shown and hidden, lines   # the run logged at INFO and at DEBUG
+    for msg in set(shown):
+        assert proc.stderr.count(msg) == sum(m == msg for m in shown), (msg, proc.stderr[-3000:])
+    for msg in set(hidden):
+        assert msg not in proc.stderr, (msg, proc.stderr[-3000:])
+    assert "DEBUG" not in proc.stderr and ":medfl." not in proc.stderr, proc.stderr[-3000:]

@@ -220,7 +220,7 @@ def test_a_third_party_backend_is_chosen_by_name_and_runs(tiny_fl, resolve):
         again = resume(out["dir"], rounds=2)
         assert used == ["run", "resume"] and again["summaries"]["fedavg"]["rounds"] == 2
         with pytest.raises(ConfigError, match=r"fl.backend: expected one of 'inprocess', 'ray', 'flower', "
-                                              r"'logged' or .*got 'nowhere'"):
+                                              r"'nvflare', 'logged' or .*got 'nowhere'"):
             resolve({**tiny_fl, "backend": "nowhere"})
     finally:
         pm.unregister(name="backend-plugin")

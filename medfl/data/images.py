@@ -14,7 +14,16 @@ import numpy as np
 
 from medfl.data.source import DataError
 
-__all__ = ["load_sample"]
+__all__ = ["load_sample", "NETPBM", "reader_for"]
+
+#: Netpbm suffixes, which MONAI's automatic reader choice gives to its DICOM reader; PIL reads them.
+NETPBM = (".pgm", ".ppm", ".pbm", ".pnm")
+
+
+def reader_for(path: str | Path) -> str | None:
+    """The MONAI reader :func:`load_sample` gives ``LoadImage`` for a file that is not
+    ``.npy``: ``"PILReader"`` for netpbm files, ``None`` (MONAI's choice by suffix) otherwise."""
+    return "PILReader" if Path(path).suffix.lower() in NETPBM else None
 
 
 def load_sample(path: str | Path) -> np.ndarray:
@@ -35,9 +44,7 @@ def load_sample(path: str | Path) -> np.ndarray:
         else:
             from monai.transforms import LoadImage
 
-            # MONAI picks its DICOM reader for netpbm files; PIL reads them
-            reader = "PILReader" if path.suffix.lower() in (".pgm", ".ppm", ".pbm", ".pnm") else None
-            arr = np.asarray(LoadImage(reader=reader, image_only=True, ensure_channel_first=True)(str(path)))
+            arr = np.asarray(LoadImage(reader=reader_for(path), image_only=True, ensure_channel_first=True)(str(path)))
     except Exception as exc:  # noqa: BLE001 - every reader error becomes one clear message
         raise DataError(f"{path}: cannot read image ({type(exc).__name__}: {exc})") from exc
     if arr.ndim < 3:

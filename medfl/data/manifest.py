@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from medfl.data.images import load_sample
 from medfl.data.source import DataError, FederatedSource, read_manifest
 
-__all__ = ["manifest_source", "ManifestDataset", "build_transforms", "load_sample", "AUGMENT_KEYS"]
+__all__ = ["manifest_source", "ManifestDataset", "build_transforms", "eval_chain", "load_sample", "AUGMENT_KEYS"]
 
 #: Keys accepted in ``augment`` and what they do (training sets only).
 AUGMENT_KEYS = {
@@ -41,33 +41,48 @@ NORMALIZE = ("none", "zscore", "minmax")
 CACHE = ("none", "memory", "disk")
 
 
-def build_transforms(spatial_dims: int, normalize: str = "none",
-                     spatial_size: Sequence[int] | None = None,
-                     augment: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """The deterministic and the random MONAI ``Compose`` over ``{"image", "label"}`` dicts.
+def eval_chain(spatial_dims: int, normalize: str = "none",
+               spatial_size: Sequence[int] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The deterministic chain after a sample is read, as ``(MONAI dict transform name,
+    its arguments)``: float32, the intensity normalisation, the resize. :func:`build_transforms`
+    builds it, and ``medfl export`` writes it into an exported bundle's ``inference.json``, so
+    both preprocess alike.
 
     Raises:
-        DataError: an unknown normalisation, augmentation key or a wrong spatial size.
+        DataError: an unknown normalisation or a wrong spatial size.
     """
-    from monai.transforms import (  # here, not at the top: importing MONAI takes seconds
-        Compose, EnsureTyped, NormalizeIntensityd, RandFlipd, RandGaussianNoised, RandRotated,
-        RandScaleIntensityd, Resized, ScaleIntensityd,
-    )
-
-    from medfl.data._load import LoadImageArray
-
     if normalize not in NORMALIZE:
         raise DataError(f"dataset.normalize: unknown {normalize!r}; valid: {', '.join(NORMALIZE)}")
-    det: list[Any] = [LoadImageArray(), EnsureTyped(keys="image", dtype=torch.float32, track_meta=False)]
+    chain: list[tuple[str, dict[str, Any]]] = [
+        ("EnsureTyped", {"keys": "image", "dtype": "float32", "track_meta": False})]
     if normalize == "zscore":
-        det.append(NormalizeIntensityd(keys="image", channel_wise=True))
+        chain.append(("NormalizeIntensityd", {"keys": "image", "channel_wise": True}))
     elif normalize == "minmax":
-        det.append(ScaleIntensityd(keys="image", minv=0.0, maxv=1.0, channel_wise=True))
+        chain.append(("ScaleIntensityd", {"keys": "image", "minv": 0.0, "maxv": 1.0, "channel_wise": True}))
     if spatial_size:
         size = [int(s) for s in spatial_size]
         if len(size) != spatial_dims or min(size) < 1:
             raise DataError(f"dataset.spatial_size: expected {spatial_dims} positive sizes, got {list(spatial_size)}")
-        det.append(Resized(keys="image", spatial_size=size, mode="area"))
+        chain.append(("Resized", {"keys": "image", "spatial_size": size, "mode": "area"}))
+    return chain
+
+
+def build_transforms(spatial_dims: int, normalize: str = "none",
+                     spatial_size: Sequence[int] | None = None,
+                     augment: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """The deterministic (:class:`~medfl.data._load.LoadImageArray`, then :func:`eval_chain`)
+    and the random MONAI ``Compose`` over ``{"image", "label"}`` dicts.
+
+    Raises:
+        DataError: an unknown normalisation, augmentation key or a wrong spatial size.
+    """
+    import monai.transforms  # here, not at the top: importing MONAI takes seconds
+    from monai.transforms import Compose, RandFlipd, RandGaussianNoised, RandRotated, RandScaleIntensityd
+
+    from medfl.data._load import LoadImageArray
+
+    det: list[Any] = [LoadImageArray(), *(getattr(monai.transforms, name)(**kwargs)
+                                          for name, kwargs in eval_chain(spatial_dims, normalize, spatial_size))]
     rand: list[Any] = []
     augment = dict(augment or {})
     unknown = sorted(set(augment) - set(AUGMENT_KEYS))

@@ -71,7 +71,12 @@ def _listed(ctl: dict[str, Any], key: str, where: str) -> list[str]:
     return value
 
 __all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "SteadyGrid", "SuperLinkError",
-           "transient_error", "flower_run_factory", "RUN_CONFIG"]
+           "transient_error", "flower_run_factory", "RUN_CONFIG", "FLOWER_TERMS"]
+
+#: the words the coordinator's messages use for its transport: its name, a site's node, the
+#: hub that routes the messages. A grid of another transport names its own in a ``terms``
+#: attribute (:class:`medfl.nvflare.grid.TaskGrid`: NVFlare clients and server).
+FLOWER_TERMS = {"name": "Flower", "node": "SuperNode", "hub": "SuperLink"}
 
 logger = logging.getLogger(__name__)
 
@@ -481,9 +486,10 @@ class FlowerRun(Run):
                  data: FederatedData, grid: Grid, settings: FlowerSettings | None = None,
                  fold: int | None = None) -> None:
         super().__init__(cfg, method_spec, run_dir, data)
+        self.terms = {**FLOWER_TERMS, **getattr(grid, "terms", {})}
         if self.coordinator.pools_data:
             raise RunError(f"method {self.label!r} pools every client's data in one place; it cannot run "
-                           "across sites over Flower (run it in process)")
+                           f"across sites over {self.terms['name']} (run it in process)")
         self.settings = settings or FlowerSettings()
         self.grid = SteadyGrid(grid, self.settings, self._log)
         if fold is not None:   # else Run's: the fold of the config.json beside run_dir
@@ -553,7 +559,7 @@ class FlowerRun(Run):
         if missing:
             refused = "".join(f"; refused {why}" if why.startswith(("node", "site")) else f"; refused node {n}: {why}"
                               for n, why in sorted(self.sites.refused.items()))
-            raise RunError(f"no SuperNode serves client(s) {missing} after {time.monotonic() - t0:.0f} s "
+            raise RunError(f"no {self.terms['node']} serves client(s) {missing} after {time.monotonic() - t0:.0f} s "
                            f"(connected: {sorted(self.sites.nodes)}){refused}; {self.connect_hint}")
 
     def _connect(self, ids: list[str], t0: float) -> None:
@@ -581,7 +587,7 @@ class FlowerRun(Run):
             logger.info(f"medfl flower: {what}waiting for sites ({time.monotonic() - t0:.0f} of {deadline - t0:.0f} s): "
                         f"no site serves client(s) {', '.join(missing)} yet; "
                         f"connected: {', '.join(c for c in ids if c in self.sites.nodes) or 'none'} "
-                        f"({nodes} SuperNode(s) registered)")
+                        f"({nodes} {self.terms['node']}(s) registered)")
         if waited and len(ids) - len(missing) >= enough:
             who = "every site" if not missing else f"{len(ids) - len(missing)} of {len(ids)} sites"
             logger.info(f"medfl flower: {what}{who} connected after {time.monotonic() - t0:.0f} s")
@@ -765,7 +771,7 @@ class FlowerRun(Run):
                 # the SuperLink did not take it: the node left the federation since its hello
                 # (a SuperNode that stopped on an error of the SuperLink unregisters itself)
                 self._log({"round": r, "phase": phase, "client_id": cid, "node_id": self.sites.nodes.get(cid),
-                           "status": "unavailable (the SuperLink refused the message: the node left)"})
+                           "status": f"unavailable (the {self.terms['hub']} refused the message: the node left)"})
                 self.sites.drop(cid)
                 continue
             by_msg[mid] = cid
@@ -789,7 +795,7 @@ class FlowerRun(Run):
                         continue
                     self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
                                "status": f"failed (error {code})", "seconds": secs})
-                    failed[cid] = f"site {cid} failed in {phase} of round {r} (Flower error {code}): {reason}"
+                    failed[cid] = f"site {cid} failed in {phase} of round {r} ({self.terms['name']} error {code}): {reason}"
                     settled.add(cid)
                     continue
                 settled.add(cid)

@@ -24,6 +24,7 @@ Labels are per mammogram: malignant if any of its abnormalities is MALIGNANT, ot
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 
@@ -38,10 +39,10 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, check_file_size, check_pixel_count,
     limit_per_split, progress, resize_image, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
-    check_text_encoding,
+    check_text_encoding, run_script,
 )
 
-__all__ = ["main", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
+__all__ = ["main", "build_parser", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
            "PATHOLOGY", "CLASS_NAMES", "DICOM_EXTRA"]
 
 CSV_FILES = {
@@ -520,9 +521,8 @@ def _relative(file: Path, raw: Path) -> str:
         return os.path.relpath(file, raw) if os.path.isabs(file) else str(file)
 
 
-@staged_main
-def main(argv: list[str] | None = None) -> int:
-    """Prepare CBIS-DDSM: see ``python data_prep/cbis_ddsm.py --help``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (common options plus the CBIS-DDSM ones)."""
     p = base_parser("cbis_ddsm", __doc__.split("\n\n")[0] + "\n\nLayouts, labels and the patient rule: "
                     "see medfl/prep/cbis_ddsm.py and bundles/cbis_ddsm/docs/README.md.")
     p.add_argument("--abnormality", choices=["both", "mass", "calc"], default="both",
@@ -542,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--patient-overlap", choices=["move-to-test", "drop-train", "error"], default="move-to-test",
                    help="patients in both the train and the test CSVs (31 in the real ones): move their "
                         "train images to test (default), drop them, or stop")
+    return p
+
+
+@staged_main
+def main(argv: list[str] | None = None) -> int:
+    """Prepare CBIS-DDSM: see ``python -m medfl.prep.cbis_ddsm --help``."""
+    p = build_parser()
     a = p.parse_args(argv)
     if a.limit is not None and a.limit < 1:
         p.error(f"--limit: expected a positive number, got {a.limit}")
@@ -640,3 +647,6 @@ def main(argv: list[str] | None = None) -> int:
     print(report.summary())
     return 0
 
+
+if __name__ == "__main__":   # python -m medfl.prep.cbis_ddsm: the command line of data_prep/cbis_ddsm.py
+    run_script(main)

@@ -311,8 +311,9 @@ class PrepReport:
 def base_parser(name: str, description: str, partial: bool = True) -> argparse.ArgumentParser:
     """The options every data_prep script takes: ``--raw``, ``--out``, ``--skip-bad``,
     ``--overwrite``, ``--limit``, and ``--present-only`` where a dataset is downloaded file
-    by file (``partial``)."""
-    p = argparse.ArgumentParser(prog=f"python data_prep/{name}.py", description=description,
+    by file (``partial``). Its usage names ``python -m medfl.prep.<name>``, which runs the same
+    script in a checkout and in an installed medfl (``data_prep/<name>.py`` is only in the first)."""
+    p = argparse.ArgumentParser(prog=f"python -m medfl.prep.{name}", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--raw", required=True, type=Path, help="the dataset as downloaded (read only)")
     p.add_argument("--out", required=True, type=Path,

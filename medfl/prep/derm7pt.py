@@ -42,7 +42,7 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, MAX_IMAGE_PIXELS, PrepError, PrepReport, base_parser, check_dirs, check_pixel_count, progress,
     require_columns, remove_stale_arrays, resize_image, save_array, size_pair, write_manifest, staged_main,
-    NotDownloaded, keep_present, check_text_encoding,
+    NotDownloaded, keep_present, check_text_encoding, run_script,
 )
 
 __all__ = [
@@ -365,8 +365,8 @@ split = train/val/test from the official index files; sex F/M; site = image fold
 ((3, H, W) float32 RGB in [0, 1]), report.json and skipped.csv.
 
 example:
-  python data_prep/derm7pt.py --raw ~/data/release_v0 --out ~/data/derm7pt_224
-  python data_prep/derm7pt.py --raw ~/data/release_v0 --out ~/data/derm7pt_64 --size 64 --clinic""")
+  python -m medfl.prep.derm7pt --raw ~/data/release_v0 --out ~/data/derm7pt_224
+  python -m medfl.prep.derm7pt --raw ~/data/release_v0 --out ~/data/derm7pt_64 --size 64 --clinic""")
     p.add_argument("--size", type=int, nargs="+", default=[224], metavar="N",
                    help="output size: N (square) or H W (default 224, as FedSkin)")
     p.add_argument("--crop-border", type=int, default=25, metavar="PX",
@@ -529,3 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write(out)
     print(report.summary())
     return 0
+
+
+if __name__ == "__main__":   # python -m medfl.prep.derm7pt: the command line of data_prep/derm7pt.py
+    run_script(main)

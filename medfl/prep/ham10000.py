@@ -51,7 +51,7 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays,
     require_columns, save_array, size_pair, write_manifest, staged_main, NotDownloaded, keep_present,
-    check_text_encoding,
+    check_text_encoding, run_script,
 )
 from medfl.prep.derm7pt import preprocess_image
 
@@ -257,8 +257,8 @@ lesion_id; site = the source collection of the `dataset` column; sex F/M; split 
 arrays/ ((3, H, W) float32 RGB in [0, 1]), report.json and skipped.csv.
 
 example:
-  python data_prep/ham10000.py --raw ~/data/HAM10000 --out ~/data/ham10000_224
-  python data_prep/ham10000.py --raw ~/data/HAM10000 --out ~/data/ham10000_64 --size 64 --images all_images""")
+  python -m medfl.prep.ham10000 --raw ~/data/HAM10000 --out ~/data/ham10000_224
+  python -m medfl.prep.ham10000 --raw ~/data/HAM10000 --out ~/data/ham10000_64 --size 64 --images all_images""")
     p.add_argument("--size", type=int, nargs="+", default=[224], metavar="N",
                    help="output size: N (square) or H W (default 224)")
     p.add_argument("--aspect", choices=ASPECT_MODES, default="stretch",
@@ -381,3 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write(out)
     print(report.summary())
     return 0
+
+
+if __name__ == "__main__":   # python -m medfl.prep.ham10000: the command line of data_prep/ham10000.py
+    run_script(main)

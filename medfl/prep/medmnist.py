@@ -41,7 +41,7 @@ import numpy as np
 
 from medfl.prep.common import (
     PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays, resize_image, save_array,
-    write_manifest, staged_main,
+    write_manifest, staged_main, run_script,
 )
 
 __all__ = ["Dataset", "DATASETS", "SPLITS", "SIZES", "parse_name", "find_file", "check_npz_file", "load_split",
@@ -282,8 +282,8 @@ sample, MedMNIST has no patient ids), arrays/<split>/ (float32 (C, H, W) or (1, 
 [0, 1]), report.json. A bad file stops the script (--skip-bad has nothing per sample to skip).
 
 example:
-  python data_prep/medmnist.py --raw ~/data/medmnist --flag pathmnist --out ~/data/pathmnist_28
-  python data_prep/medmnist.py --raw ~/data/medmnist/chestmnist_64.npz --chest-label any --out ~/data/chest""", partial=False)
+  python -m medfl.prep.medmnist --raw ~/data/medmnist --flag pathmnist --out ~/data/pathmnist_28
+  python -m medfl.prep.medmnist --raw ~/data/medmnist/chestmnist_64.npz --chest-label any --out ~/data/chest""", partial=False)
     p.add_argument("--flag", choices=sorted(DATASETS), default=None, help="the dataset (default: from the file name)")
     p.add_argument("--size", type=int, default=28, help="28 (default: <flag>.npz), 64, 128 or 224 (<flag>_<size>.npz)")
     p.add_argument("--resize", type=int, default=None, metavar="N", help="resample 2D images to N x N (default: as stored)")
@@ -370,3 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write(out)
     print(report.summary())
     return 0
+
+
+if __name__ == "__main__":   # python -m medfl.prep.medmnist: the command line of data_prep/medmnist.py
+    run_script(main)

@@ -1,6 +1,6 @@
 """The data_prep packages medfl.prep.abide and medfl.prep.mias: their modules import each
-other one way and stay short, every public name is importable from the package, and
-``python -m medfl.prep.<name>`` is the command line of ``data_prep/<name>.py``."""
+other one way and stay short, every public name is importable from the package; and for
+every dataset ``python -m medfl.prep.<name>`` is the command line of ``data_prep/<name>.py``."""
 
 from __future__ import annotations
 
@@ -29,10 +29,14 @@ MAY_IMPORT = {
         "cli": {"info", "pgm"},
     },
 }
-#: The first line of each script's description (its --help).
+#: The first line of each script's description (its --help), for every data_prep/<name>.py.
 SUMMARY = {
     "abide": "ABIDE-I Preprocessed (PCP) as downloaded -> a medfl manifest",
     "mias": "mini-MIAS as downloaded -> a medfl manifest of mammograms",
+    "ham10000": "HAM10000 as downloaded -> a medfl manifest of seven-class dermoscopy images",
+    "cbis_ddsm": "CBIS-DDSM as downloaded -> an image-level benign/malignant manifest",
+    "derm7pt": "Derm7pt (release_v0) as downloaded -> a medfl manifest of five-class dermoscopy images",
+    "medmnist": "MedMNIST v2 (and MedMNIST+) ``.npz`` files as downloaded -> a medfl manifest",
 }
 
 
@@ -69,12 +73,19 @@ def test_public_names_come_from_the_package(name: str) -> None:
             assert module.startswith(f"medfl.prep.{name}."), (attr, module)
 
 
-@pytest.mark.parametrize("name", sorted(MAY_IMPORT))
+def test_every_data_prep_script_has_its_summary() -> None:
+    assert {p.stem for p in (REPO / "data_prep").glob("*.py")} == set(SUMMARY)
+
+
+@pytest.mark.parametrize("name", sorted(SUMMARY))
 def test_python_m_is_the_data_prep_script(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m medfl.prep.<name> --help`` prints the script's usage under the name that
+    works in a checkout and in an installed medfl alike (the single-module scripts printed
+    nothing and exited 0 before they ran their ``main``)."""
     monkeypatch.setenv("COLUMNS", "100")        # the width argparse wraps the help to, both sides
     proc = subprocess.run([sys.executable, "-m", f"medfl.prep.{name}", "--help"], capture_output=True,
                           text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == importlib.import_module(f"medfl.prep.{name}").build_parser().format_help()
-    assert proc.stdout.startswith(f"usage: python data_prep/{name}.py")
+    assert proc.stdout.startswith(f"usage: python -m medfl.prep.{name}")
     assert SUMMARY[name] in proc.stdout

@@ -21,7 +21,7 @@ from medfl import hookimpl
 from medfl.config import ConfigError
 from medfl.experiment import resume, run_experiment
 from medfl.plugins import get_plugin_manager
-from medfl.tracking import Tracker, TrackerWarning
+from medfl.tracking import WAIT_ENV, Tracker, TrackerWarning
 
 mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed: pip install \"medfl[tracking]\"")
 pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install \"medfl[tracking]\"")
@@ -31,6 +31,30 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "demo" / "configs" / "train.json"
 TINY_BUNDLE = ("--fl#rounds", "2", "--fl#dataset#num_samples", "240", "--fl#partition#min_size", "10",
                "--fl#progress", "False", "--fl#model#width", "4", "--fl#dataset#image_size", "16")
+
+
+@pytest.fixture(autouse=True)
+def _patient_trackers(monkeypatch):
+    """The tests here check what a tracker that works records. On a loaded machine one call to
+    a one-worker ``mlflow server`` can take longer than the 10-s default bound, after which medfl
+    rightly abandons the tracker (tests/tracking/test_tracker_bounds.py tests that): the bound is
+    raised here, for these runs and the bundle subprocesses they start."""
+    monkeypatch.setenv(WAIT_ENV, "600")
+
+
+def _tracker_failures(root: Path) -> dict[str, Any]:
+    """Each run's failed trackers (``summary.json``'s ``trackers`` block) under ``root``: what an
+    assertion on a tracker's runs says when one is missing."""
+    found = {}
+    for path in root.rglob("summary.json"):
+        try:
+            trackers = json.loads(path.read_text()).get("trackers", {})
+        except ValueError:
+            continue
+        failed = {k: v for k, v in trackers.items() if v.get("status") != "ok"}
+        if failed:
+            found[str(path.relative_to(root))] = failed
+    return found
 
 
 def _free_port() -> int:
@@ -95,18 +119,18 @@ def test_demo_bundle_against_a_real_mlflow_server(tmp_path, run_bundle, mlflow_s
     """(a) The demo bundle (tiny) tracked by a real server: one parent run, a nested run per
     method, the resolved config as params, per-round metric histories (one step a round),
     plots, summary.json, comparison.csv and the final model read back through the client."""
-    entry = json.dumps([{"name": "mlflow", "uri": mlflow_server, "experiment": "served"}])
+    entry = json.dumps([{"name": "mlflow", "uri": mlflow_server, "experiment": "served", "per_client": True}])
     run_bundle(BUNDLE, "--bundle_root", tmp_path, *TINY_BUNDLE, "--fl#tracking", entry, timeout=600)
     client = MlflowClient(tracking_uri=mlflow_server)
     parent, children = _runs(client, "served")
-    assert set(children) == {"fedavg", "local"} and parent.info.status == "FINISHED"
+    assert set(children) == {"fedavg", "local"} and parent.info.status == "FINISHED", _tracker_failures(tmp_path)
     assert parent.data.params["rounds"] == "2" and parent.data.params["methods.0.name"] == "fedavg"
     assert {"comparison.csv", "comparison.png"} <= _artifacts(client, parent.info.run_id)
     for label, run in children.items():
         assert run.info.status == "FINISHED"
         assert run.data.params["method.name"] == label and run.data.params["train.lr"] == "0.01"
         for key in ("eval/local_test/accuracy/mean", "eval/local_test/accuracy/0", "train/loss/mean",
-                    "communication/train/bytes_to_client/mean"):
+                    "traffic/train/bytes_to_client/mean"):
             assert _steps(client, run.info.run_id, key) == [1, 2], key
         assert {"summary.json", "plots"} <= _artifacts(client, run.info.run_id)
         assert any(p.endswith(".png") for p in _artifacts(client, run.info.run_id, "plots"))
@@ -134,7 +158,7 @@ def test_embedded_store_tensorboard_and_resume(tiny_fl, resolve, tmp_path):
 
     from medfl.cli import main
 
-    cfg = {**tiny_fl, "rounds": 3, "tracking": [{"name": "mlflow"}], "stop_after_round": 1}
+    cfg = {**tiny_fl, "rounds": 3, "tracking": [{"name": "mlflow", "per_client": True}], "stop_after_round": 1}
     exp = Path(run_experiment(resolve(cfg))["dir"])
     first = json.loads((exp / "tracking.json").read_text())
     assert (exp / "mlflow.db").is_file() and not (exp / "tensorboard").exists()
@@ -157,7 +181,8 @@ def test_embedded_store_tensorboard_and_resume(tiny_fl, resolve, tmp_path):
     acc = EventAccumulator(str(exp / "tensorboard" / "fedavg"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("eval/local_test/accuracy/mean")] == [1, 2, 3]
-    assert [e.step for e in acc.Scalars("train/loss/0")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("train/loss/mean")] == [1, 2, 3]
+    assert not [t for t in acc.Tags()["scalars"] if t.endswith("/0")]   # tensorboard: per_client false
     metrics = __import__("pandas").read_csv(exp / "fedavg" / "metrics.csv")
     want = metrics[(metrics["split"] == "local_test") & (metrics["round"] == 3)]["accuracy"].mean()
     assert acc.Scalars("eval/local_test/accuracy/mean")[-1].value == pytest.approx(want, rel=1e-5)
@@ -248,7 +273,9 @@ def test_runtime_tracker_and_a_failing_one_never_stop_the_run(tiny_fl, resolve):
 @pytest.mark.parametrize("entry, message", [
     ([{"name": "mlfow"}], "fl.tracking[0]: unknown tracker 'mlfow'; registered trackers: mlflow, tensorboard"),
     (["tensorboard", {"name": "mlflow", "url": "x"}], "fl.tracking[1] (mlflow): unknown key(s) 'url'; valid keys: "
-                                                      "name, artifact_location, experiment, run_name, uri"),
+                                                      "name, artifact_location, experiment, per_client, run_name, uri"),
+    ([{"name": "tensorboard", "per_client": "always"}], "fl.tracking[0] (tensorboard).per_client: expected true or "
+                                                        "false (or yes/no, 1/0), got 'always'"),
     ("tensorboard", None),
     (3, "fl.tracking: expected a list"),
     (["mlflow", "mlflow"], "fl.tracking[1]: tracker 'mlflow' is named twice"),
@@ -299,3 +326,96 @@ def test_an_untracked_run_imports_no_tracker(tiny_fl, tmp_path):
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# Run first in a child process: medfl, its plugins and MONAI cannot be imported there, as on a
+# machine where only torch and MLflow are installed (medfl is an editable install here).
+_WITHOUT_MEDFL = """
+import importlib.abc, json, sys
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("medfl", "medfl_plugins", "monai"):
+            raise ImportError(f"No module named {name!r} (not installed here)")
+        return None
+
+sys.meta_path.insert(0, NotInstalled())
+try:
+    import medfl
+except ImportError:
+    pass
+else:
+    sys.exit("medfl could be imported")
+import mlflow.models, mlflow.pytorch, torch
+shape = mlflow.models.get_model_info(sys.argv[1]).signature.inputs.inputs[0].shape
+model = mlflow.pytorch.load_model(sys.argv[1])
+torch.manual_seed(0)
+out = model(torch.rand(1, *shape[1:]))
+print(json.dumps({"type": type(model).__name__, "shape": list(out.shape),
+                  "medfl": [m for m in sys.modules if m.partition(".")[0] in ("medfl", "medfl_plugins", "monai")]}))
+"""
+
+
+def test_mlflow_as_its_users_expect(tiny_fl, resolve, tmp_path, monkeypatch):
+    """MLflow's environment variables choose the store and the experiment (an entry's own
+    ``uri``/``experiment`` win); every run has MLflow's standard tags (user, source, the git
+    commit of the checkout it was started in) and medfl's version; the experiment's run holds
+    each arm's headline figures (summary.json's ``final`` means); the method runs have the
+    across-client means only (``per_client`` off), the evaluation's names sorting before the
+    traffic's; the logged model loads where medfl cannot be imported."""
+    from medfl_plugins.trackers import MLflow
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@example.org"]
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "start"]):
+        subprocess.run(git + args, check=True, capture_output=True, timeout=60)
+    commit = subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    monkeypatch.chdir(checkout)
+    uri = f"sqlite:///{tmp_path / 'env.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from_env")
+    assert MLflow(tmp_path).uri == uri and MLflow(tmp_path).experiment_name("t") == "from_env"
+    assert MLflow(tmp_path, experiment="entry", uri="sqlite:///x.db").experiment_name("t") == "entry"
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI: expected a tracking URI"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "plain_folder"))
+        MLflow(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+
+    cfg = {**tiny_fl, "rounds": 1, "methods": [{"name": "fedavg"}, {"name": "fedavgm"}], "tracking": ["mlflow"]}
+    exp = Path(run_experiment(resolve(cfg))["dir"])
+    assert not (exp / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=uri)
+    parent, children = _runs(client, "from_env")
+    assert set(children) == {"fedavg", "fedavgm"}, _tracker_failures(exp)
+    version = __import__("importlib.metadata").metadata.version("medfl")
+    for run in (parent, *children.values()):
+        tags = run.data.tags
+        assert tags["mlflow.source.git.commit"] == commit and tags["medfl.version"] == version
+        assert tags["mlflow.user"] and tags["mlflow.source.name"] and tags["mlflow.source.type"] == "LOCAL"
+    for label, run in children.items():
+        final = json.loads((exp / label / "summary.json").read_text())["final"]
+        for split in ("local_test", "global_test"):
+            assert parent.data.metrics[f"{label}/{split}/accuracy"] == pytest.approx(final[split]["accuracy"]["mean"])
+        assert parent.data.metrics[f"{label}/mb_to_clients_per_round"] > 0
+        keys = sorted(run.data.metrics)
+        assert "eval/local_test/accuracy/mean" in keys and "traffic/train/bytes_to_client/mean" in keys
+        assert not [k for k in keys if k.startswith("communication/") or k.split("/")[-1].isdigit()], keys
+        assert keys[0].startswith("eval/") and max(i for i, k in enumerate(keys) if k.startswith("eval/")) < \
+            min(i for i, k in enumerate(keys) if k.startswith("traffic/")), keys
+
+    model = client.search_logged_models([parent.info.experiment_id], filter_string=
+                                        f"source_run_id = '{children['fedavg'].info.run_id}'")[0]
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_MEDFL, f"models:/{model.model_id}"], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded == {"type": "RecursiveScriptModule", "shape": [1, 2], "medfl": []}, loaded
+
+
+def test_per_client_is_read_as_the_bundle_command_line_passes_it(tiny_fl, resolve):
+    """MONAI's bundle command line hands ``--fl#tracking '[{"name": "mlflow", "per_client": true}]'``
+    over with the word ``true``: read as the boolean, as every other boolean setting is."""
+    entry = [{"name": "mlflow", "per_client": "true"}, {"name": "tensorboard", "per_client": False}]
+    assert resolve({**tiny_fl, "tracking": entry})["tracking"] == [{"name": "mlflow", "per_client": True},
+                                                                   {"name": "tensorboard", "per_client": False}]

@@ -56,8 +56,8 @@ ReHo, DC, LFCD and VMHC as channels, and writes manifest.csv (label 1 = autism,
 arrays/<FILE_ID>.npy, the atlas, excluded.csv, report.json and skipped.csv.
 
 examples:
-  python data_prep/abide.py --raw ~/data/ABIDE_Initiative --out ~/data/abide_ccs
-  python data_prep/abide.py --raw ~/nilearn_data --out ~/data/abide48 --size 48 \\
+  python -m medfl.prep.abide --raw ~/data/ABIDE_Initiative --out ~/data/abide_ccs
+  python -m medfl.prep.abide --raw ~/nilearn_data --out ~/data/abide48 --size 48 \\
       --pipeline cpac --strategy filt_noglobal --max-mean-fd 0.2 --atlas-file CC200.nii.gz""")
     p.add_argument("--phenotypic", type=Path, default=None, metavar="CSV",
                    help=f"the phenotypic file (default: {PHENOTYPIC_FILE} next to the derivatives)")

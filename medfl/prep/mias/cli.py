@@ -154,8 +154,8 @@ severity, x, y, radius), arrays/ ((1, N, N) float32 in [0, 1]), report.json and 
 Info.txt coordinates have their origin at the bottom-left of the 1024 x 1024 image.
 
 examples:
-  python data_prep/mias.py --raw ~/data/all-mias --out ~/data/mias_256
-  python data_prep/mias.py --raw ~/data/all-mias --out ~/data/mias_bm_roi \\
+  python -m medfl.prep.mias --raw ~/data/all-mias --out ~/data/mias_256
+  python -m medfl.prep.mias --raw ~/data/all-mias --out ~/data/mias_bm_roi \\
       --classes benign-malignant --roi --size 128""")
     p.add_argument("--info", type=Path, default=None, metavar="PATH",
                    help="Info.txt to read (absolute or relative to --raw; default: the "

@@ -1,0 +1,24 @@
+"""medfl over NVIDIA FLARE: the coordinator as an NVFlare controller workflow, each site as an
+NVFlare executor (the ``nvflare`` backend, ``pip install 'medfl[nvflare]'``; docs/nvflare.md).
+
+- :mod:`medfl.nvflare.grid`: :class:`~medfl.nvflare.grid.TaskGrid`, which carries the
+  coordinator's messages as NVFlare tasks, and :class:`~medfl.nvflare.grid.NVFlareRun`, the
+  Flower coordinator's run (:class:`medfl.flower.coordinator.FlowerRun`) on that grid;
+- :mod:`medfl.nvflare.executor`: :class:`~medfl.nvflare.executor.MedflExecutor`, the site side
+  (the same :class:`medfl.flower.site.Site` a Flower SuperNode runs: approvals, the site's
+  privacy policy, the release ledger, the content guard, state kept per site);
+- :mod:`medfl.nvflare.controller`: :class:`~medfl.nvflare.controller.MedflController`, the
+  workflow that runs the experiment on the NVFlare server;
+- :mod:`medfl.nvflare.job`: :func:`~medfl.nvflare.job.write_job` (``medfl nvflare job``).
+
+NVFlare is imported by these modules, not by this package.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RESUME_JOB"]
+
+#: the ``--out`` of the job that continues a stopped run, as its "continue with" hint names it
+#: (:meth:`medfl_plugins.backends.NVFlare.resume_command`: ``medfl nvflare job --resume RUN_DIR
+#: --out medfl_resume_job``, run in the server's directory)
+RESUME_JOB = "medfl_resume_job"
