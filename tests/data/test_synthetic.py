@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,19 @@ def _generate(root: str) -> str:
     return str(generate_synthetic2d(root, num_samples=40, image_size=8, seed=3))
 
 
+def _default_signals() -> None:
+    """A pool worker ends on the SIGTERM that ``Pool.terminate`` sends, whatever handlers it
+    inherited: a forked worker gets the test process's, and an earlier test's ``ray.init`` (the
+    simulation backend) leaves its own SIGTERM handler there. In a CI run a worker idle on the
+    task queue caught that SIGTERM and did not end, and ``with Pool`` waited for it forever; the
+    kernel's default action cannot be caught."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_processes_generating_the_same_set_at_once_get_one_complete_set(tmp_path: Path) -> None:
     """As sites of a federation started together on one machine do."""
-    with mp.get_context("fork").Pool(3) as pool:
+    with mp.get_context("fork").Pool(3, initializer=_default_signals) as pool:
         dirs = pool.map(_generate, [str(tmp_path)] * 3)
     assert len(set(dirs)) == 1
     out = Path(dirs[0])
