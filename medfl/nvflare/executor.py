@@ -9,12 +9,14 @@ approvals and privacy policy (``MEDFL_APPROVALS`` in the NVFlare client's enviro
 leaves, and the run's client state under the site's own state directory. Nothing of the site's
 state is sent to the server.
 
-Which client of the partition this NVFlare client serves, and where it keeps its state, is
-read in this order: the environment of the NVFlare client (``MEDFL_CLIENT_ID``,
-``MEDFL_STATE_DIR``, ``MEDFL_SITE_CONFIG``: a site's own bundle config, e.g. with its own data
-path; ``MEDFL_WORKDIR``; ``MEDFL_DEVICE``), then the job's arguments (``client_ids``: NVFlare
-client name -> client id; ``state_dir``; the job's bundle config), then defaults (the state
-directory ``medfl_state`` in the client's workspace).
+Which client of the partition this NVFlare client serves is read from the environment of the
+NVFlare client (``MEDFL_CLIENT_ID``), else the job's ``client_ids``; its config from
+``MEDFL_SITE_CONFIG`` (a site's own bundle config, e.g. with its own data path), else the job's;
+``MEDFL_WORKDIR`` and ``MEDFL_DEVICE`` likewise. Where the site keeps its state is the site's
+alone: ``MEDFL_STATE_DIR``, else ``medfl_state`` in the NVFlare client's workspace. A job cannot
+choose it: the state directory holds the site's release ledger (``budget.jsonl``, what its
+privacy budget counts) and its noise key, and a coordinator that could point the site at a new
+folder could start its budget from zero.
 """
 
 from __future__ import annotations
@@ -54,17 +56,24 @@ class MedflExecutor(Executor):
             ``MEDFL_SITE_CONFIG``.
         overrides: ``#``-path overrides of the config (``{"fl#dataset#root": "/data"}``).
         client_ids: NVFlare client name -> the medfl client id it serves (``{"site-1": "0"}``).
-        state_dir: the site's state directory (default: ``medfl_state`` in its workspace).
+        state_dir: refused when set: the state directory is the site's (``MEDFL_STATE_DIR``, or
+            ``medfl_state`` in its workspace), never the job's.
         workdir: where relative paths of the config are read (default: the client's own).
+
+    Raises:
+        ValueError: the job sets ``state_dir``.
     """
 
     def __init__(self, bundle: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
                  client_ids: dict[str, str] | None = None, state_dir: str = "", workdir: str = "") -> None:
         super().__init__()
+        if state_dir:
+            raise ValueError(f"medfl executor: the job sets state_dir={state_dir!r}; a site's state directory "
+                             "holds its release ledger and is the site's to choose: set MEDFL_STATE_DIR in the "
+                             "NVFlare client's environment (default: medfl_state in its workspace)")
         self.bundle = dict(bundle or {})
         self.overrides = dict(overrides or {})
         self.client_ids = {str(k): str(v) for k, v in (client_ids or {}).items()}
-        self.state_dir = state_dir
         self.workdir = workdir
 
     def node_config(self, fl_ctx: FLContext) -> dict[str, Any]:
@@ -79,7 +88,7 @@ class MedflExecutor(Executor):
             raise SiteError(f"medfl site {name!r}: which client of the partition it serves is not known: the job's "
                             f"client_ids name {sorted(self.client_ids)}; set MEDFL_CLIENT_ID in this NVFlare client's "
                             "environment or write the job with `medfl nvflare job --sites N` for clients site-1..site-N")
-        state = os.environ.get(SITE_ENV["state-dir"]) or self.state_dir
+        state = os.environ.get(SITE_ENV["state-dir"], "")
         if not state:
             workspace = fl_ctx.get_engine().get_workspace()
             state = str(Path(workspace.get_root_dir()) / "medfl_state")

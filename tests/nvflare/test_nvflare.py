@@ -129,14 +129,18 @@ class _LoopController(MedflController):
     """The job's controller whose ``send`` hands each task to its target's executor at once
     and the result to the task's callback (NVFlare's delivery, without its processes)."""
 
-    def __init__(self, executors: dict[str, MedflExecutor], **args: Any) -> None:
+    def __init__(self, executors: dict[str, MedflExecutor], workspaces: Path, **args: Any) -> None:
         super().__init__(**args)
         self.executors = executors
+        self.workspaces = workspaces
 
     def send(self, task: Any, fl_ctx: Any, targets: Any = None, **kw: Any) -> None:
         name = targets[0]
         ctx = FLContext()
         ctx.set_prop(ReservedKey.IDENTITY_NAME, name)
+        # the client's engine, for its workspace (where the site keeps its state: medfl_state)
+        workspace = SimpleNamespace(get_root_dir=lambda: str(self.workspaces / name))
+        ctx.put(ReservedKey.ENGINE, SimpleNamespace(get_workspace=lambda: workspace), private=True, sticky=False)
         result = self.executors[name].execute(task.name, task.data, ctx, Signal())
         task.result_received_cb(SimpleNamespace(task=task, result=result, client=SimpleNamespace(name=name)), ctx)
 
@@ -153,12 +157,14 @@ def _job_args(job: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def _loopback(work: Path, server: dict[str, Any], client: dict[str, Any], tag: str,
               names: dict[str, str] = NAMES) -> tuple[dict[str, Any], _Engine]:
     """Run a job's workflow over the loop-back controller, one site per NVFlare client of
-    ``names``, each with its state in ``work/state/NAME`` (kept across calls, as a site's); the
-    outcome (the result file) and the engine (its panics)."""
-    executors = {n: MedflExecutor(**{**client, "state_dir": str(work / "state" / n)}) for n in names}
+    ``names``, each with its NVFlare workspace in ``work/state/NAME`` and so its state in
+    ``work/state/NAME/medfl_state`` (kept across calls, as a site's); the outcome (the result
+    file) and the engine (its panics)."""
+    executors = {n: MedflExecutor(**client) for n in names}
     result = work / f"result_{tag}.json"
-    controller = _LoopController(executors, **{**server, "result_file": str(result), "round_timeout": 5.0,
-                                               "connect_timeout": 2.0, "hello_timeout": 1.0})
+    controller = _LoopController(executors, work / "state", **{**server, "result_file": str(result),
+                                                               "round_timeout": 5.0, "connect_timeout": 2.0,
+                                                               "hello_timeout": 1.0})
     engine, ctx = _Engine(names), FLContext()
     ctx.put(ReservedKey.ENGINE, engine, private=True, sticky=False)
     controller.control_flow(Signal(), ctx)
@@ -269,3 +275,20 @@ def test_nvflare_backend_outside_a_job_names_the_job_command(tmp_path: Path) -> 
     fl["backend"] = "nvflare"
     with pytest.raises(RunError, match=r"medfl nvflare job --config CONFIG --out DIR"):
         run_experiment(resolve_config(fl))
+
+
+def test_a_job_cannot_choose_where_a_site_keeps_its_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state directory (the site's release ledger, what its privacy budget counts, and its
+    noise key) is the site's: a job that sets one is refused when the site builds the executor;
+    the site's own MEDFL_STATE_DIR, else its workspace, is where the state goes."""
+    bundle = {"fl": _fl(tmp_path, "ledger")}
+    with pytest.raises(ValueError, match=r"state_dir='/elsewhere'.*set MEDFL_STATE_DIR"):
+        MedflExecutor(bundle=bundle, client_ids=NAMES, state_dir="/elsewhere")
+    executor = MedflExecutor(bundle=bundle, client_ids=NAMES)
+    ctx = FLContext()
+    ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1")
+    workspace = SimpleNamespace(get_root_dir=lambda: str(tmp_path / "ws"))
+    ctx.put(ReservedKey.ENGINE, SimpleNamespace(get_workspace=lambda: workspace), private=True, sticky=False)
+    assert executor.node_config(ctx)["state-dir"] == str((tmp_path / "ws" / "medfl_state").resolve())
+    monkeypatch.setenv("MEDFL_STATE_DIR", str(tmp_path / "own"))
+    assert executor.node_config(ctx)["state-dir"] == str((tmp_path / "own").resolve())
