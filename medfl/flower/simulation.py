@@ -217,8 +217,12 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
                        "are on; Ctrl-C again to stop at once)")
 
     previous = None
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) not in (
-            signal.SIG_IGN, None):
+    main = threading.current_thread() is threading.main_thread()
+    # ray.init sets its own SIGTERM handler in this process and leaves it there: put back ours
+    # (a process forked later inherits it: a pool worker that caught Pool.terminate's SIGTERM
+    # with Ray's handler never ended)
+    term = signal.getsignal(signal.SIGTERM) if main else None
+    if main and signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None):
         previous = signal.signal(signal.SIGINT, stopping)
     try:
         run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
@@ -233,6 +237,8 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
             signal.signal(signal.SIGINT, previous)
         flwr_logger.removeFilter(quiet)
         shutdown_ray()
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
     if out.get("interrupted"):
         raise KeyboardInterrupt
     if "result" not in out:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,10 @@ def one_thread():
 
 def test_simulation_runtime_matches_in_process_and_resumes(tmp_path: Path, one_thread: None) -> None:
     ref = run_experiment(resolve_config(fl_config(tmp_path, "ref", JOB)))
+    term = signal.getsignal(signal.SIGTERM)
     sim = run_experiment(resolve_config({**fl_config(tmp_path, "sim", JOB), "backend": RAY}))
+    # ray.init's SIGTERM handler is not left in this process (a later fork inherited it)
+    assert signal.getsignal(signal.SIGTERM) is term
     ref_dir, sim_dir = Path(ref["dir"]), Path(sim["dir"])
     assert json.loads((sim_dir / "config.json").read_text())["engine"] == "simulation"
     for label in ("fedavg", "fedbn"):
