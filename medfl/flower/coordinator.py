@@ -47,7 +47,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 from flwr.app import Message, RecordDict
-from flwr.common.secure_aggregation.secaggplus_constants import Stage
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
 from flwr.serverapp import Grid
 
 from medfl import wire
@@ -55,6 +55,7 @@ from medfl.engine.client import cross_test_mean, release_exemptions
 from medfl.engine.data import FederatedData, client_order
 from medfl.engine.runner import Run, RunError, TooFewSites, quorum_rule, sites_needed
 from medfl.flower import protocol as P
+from medfl.flower.proxy import pack_records, unpack_records
 from medfl.flower.secagg import SecureAggregation, SecureRound, describe
 from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
 from medfl.wire import WireError
@@ -763,7 +764,11 @@ class FlowerRun(Run):
                 self._log({"round": r, "phase": phase, "client_id": cid, "status": "absent"})
                 continue
             size_to[cid] = wire.encoded_size(outgoing[cid])
-            msgs.append(Message(outgoing[cid], dst_node_id=node, message_type=message_type, group_id=str(r),
+            # packed into one array (a handful of Flower objects instead of one per tensor, each a request on
+            # every hop), but for SecAgg+'s messages: Flower's secaggplus_mod reads and masks their records
+            content = (outgoing[cid] if RECORD_KEY_CONFIGS in outgoing[cid].config_records
+                       else pack_records(outgoing[cid]))
+            msgs.append(Message(content, dst_node_id=node, message_type=message_type, group_id=str(r),
                                 ttl=self.settings.round_timeout + 60.0))
             order.append(cid)
         for cid, mid in zip(order, self.grid.push_messages(msgs)):
@@ -800,6 +805,7 @@ class FlowerRun(Run):
                     continue
                 settled.add(cid)
                 try:
+                    reply.content = unpack_records(reply.content)
                     ctl = (wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}") if controlled
                            else {"client": cid})
                     if str(ctl.get("client")) != cid:

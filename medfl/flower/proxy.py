@@ -12,6 +12,12 @@ This module imports nothing from medfl at import time (importing the ``medfl`` p
 pulls in torch): :func:`medfl.flower.deploy.write_app` ships a copy of it in the Flower
 app as ``medfl_flower_proxy``, so the per-message process loads only Flower.
 
+The coordinator sends a message's records packed into one array (:func:`pack_records`; all
+but the hello, which says which protocol a site speaks, and the messages of a SecAgg+ round,
+whose arrays Flower's ``secaggplus_mod`` masks): Flower moves every array of a message as
+objects of its own, with a request per object on every hop. This proxy hands the packed bytes
+to the worker as they are and packs its answer, decoding nothing.
+
 Frames on the socket: an 8-byte big-endian length, then that many bytes; a request is a
 JSON header frame (``{"type": message type, "age": seconds this process had run}``, ``age``
 where known) followed by the serialized ``RecordDict``
@@ -28,13 +34,20 @@ import struct
 import time
 from typing import Any
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-__all__ = ["app", "forward", "send_frame", "recv_frame", "encode_records", "decode_records", "WorkerError",
+__all__ = ["app", "forward", "forward_bytes", "send_frame", "recv_frame", "encode_records", "decode_records",
+           "PACKED", "pack_records", "packed", "packed_bytes", "unpack_records", "WorkerError",
            "secure_aggregation_mod", "process_age"]
 
 _LEN = struct.Struct(">Q")
+
+#: The one record of a packed message's content (:func:`pack_records`).
+PACKED = "medfl.packed"
+_PACKED_ARRAY = "records"
+#: The packed array's ``stype``: what its bytes are (Flower's protobuf of a ``RecordDict``).
+PACKED_STYPE = "medfl.recorddict.protobuf"
 
 
 class WorkerError(RuntimeError):
@@ -78,9 +91,65 @@ def decode_records(data: bytes) -> RecordDict:
     return recorddict_from_proto(ProtoRecordDict.FromString(data))
 
 
+def packed(data: bytes) -> RecordDict:
+    """A message content that carries ``data`` (a ``RecordDict``'s protobuf bytes,
+    :func:`encode_records`) as one array: Flower moves each array of a message as objects of
+    its own (a request per object on every hop: coordinator, SuperLink, SuperNode, ClientApp),
+    so a message of 60 tensors took 60-odd requests each way where this takes a handful."""
+    return RecordDict({PACKED: ArrayRecord({_PACKED_ARRAY: Array(dtype="uint8", shape=(len(data),),
+                                                                    stype=PACKED_STYPE, data=bytes(data))})})
+
+
+def pack_records(content: RecordDict) -> RecordDict:
+    """``content`` packed into one array (:func:`packed`); :func:`unpack_records` gives it back."""
+    return packed(encode_records(content))
+
+
+def packed_bytes(content: RecordDict) -> bytes | None:
+    """The bytes a packed content carries (:func:`packed`); ``None`` for a content that is not packed.
+
+    Raises:
+        ValueError: the content has the packed record but not as :func:`packed` writes it.
+    """
+    if PACKED not in content:
+        return None
+    record = content[PACKED]
+    if len(content) != 1 or not isinstance(record, ArrayRecord) or list(record.keys()) != [_PACKED_ARRAY]:
+        raise ValueError(f"a packed message holds the one array record {PACKED!r} with the one array "
+                         f"{_PACKED_ARRAY!r}; got records {sorted(content)}")
+    array = record[_PACKED_ARRAY]
+    if array.stype != PACKED_STYPE or array.dtype != "uint8" or list(array.shape) != [len(array.data)]:
+        raise ValueError(f"a packed message's array is {PACKED_STYPE!r} uint8 bytes; got stype {array.stype!r}, "
+                         f"dtype {array.dtype!r}, shape {list(array.shape)} for {len(array.data)} bytes")
+    return bytes(array.data)
+
+
+def unpack_records(content: RecordDict) -> RecordDict:
+    """The content a packed content carries (:func:`pack_records`), or ``content`` itself when it is not packed.
+
+    Raises:
+        ValueError: the packed bytes are not a ``RecordDict`` (the decoder's error quoted).
+    """
+    data = packed_bytes(content)
+    if data is None:
+        return content
+    try:
+        return decode_records(data)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and Flower's checks: one error
+        raise ValueError(f"a packed message's bytes are not a record dict ({type(exc).__name__}: {exc})") from None
+
+
 def process_age() -> float | None:
     """Seconds since this process started (Linux ``/proc``; ``None`` elsewhere): in a ClientApp
-    process, what Flower's start of it (imports, pulling the message) took before medfl's code ran."""
+    process, what Flower's start of it (imports, pulling the message) took before medfl's code ran.
+    A ClientApp forked by the site's fork server (:mod:`medfl.flower.flwr_forks`) counts from
+    when Flower started its ``flwr-clientapp`` command (``MEDFL_CLIENTAPP_STARTED``)."""
+    started = os.environ.get("MEDFL_CLIENTAPP_STARTED", "")
+    try:
+        if started:
+            return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - float(started))
+    except (ValueError, AttributeError):
+        pass
     try:
         with open("/proc/self/stat", "rb") as fh:
             stat = fh.read()
@@ -91,9 +160,20 @@ def process_age() -> float | None:
 
 
 def forward(socket_path: str, message_type: str, content: RecordDict, timeout: float | None = None) -> RecordDict:
-    """Send one message's records to the site worker at ``socket_path``; return its answer.
-    The request's header also says how long this process had run (:func:`process_age`), which
-    the site logs with the time it took (its ``log.txt``).
+    """Send one message's records to the site worker at ``socket_path``; return its answer
+    (:func:`forward_bytes` of their protobuf bytes).
+
+    Raises:
+        WorkerError: the worker is not running, or it failed (its error text included).
+    """
+    return decode_records(forward_bytes(socket_path, message_type, encode_records(content), timeout))
+
+
+def forward_bytes(socket_path: str, message_type: str, data: bytes, timeout: float | None = None) -> bytes:
+    """Send one message's records (their protobuf bytes, :func:`encode_records`) to the site
+    worker at ``socket_path``; return its answer's. The request's header also says how long
+    this process had run (:func:`process_age`), which the site logs with the time it took
+    (its ``log.txt``).
 
     Raises:
         WorkerError: the worker is not running, or it failed (its error text included).
@@ -111,11 +191,11 @@ def forward(socket_path: str, message_type: str, content: RecordDict, timeout: f
         request["age"] = round(age, 3)
     with sock:
         send_frame(sock, json.dumps(request).encode())
-        send_frame(sock, encode_records(content))
+        send_frame(sock, data)
         header: dict[str, Any] = json.loads(recv_frame(sock))
         if not header.get("ok"):
             raise WorkerError(str(header.get("error", "the site worker failed")))
-        return decode_records(recv_frame(sock))
+        return recv_frame(sock)
 
 
 def secure_aggregation_mod(msg: Message, context: Context, call_next: Any) -> Message:
@@ -138,8 +218,11 @@ def _dispatch(msg: Message, context: Context) -> Message:
     worker = str(node_config.get("worker", "") or "")
     message_type = msg.metadata.message_type
     if worker:
+        data = packed_bytes(msg.content)
+        if data is not None:   # the worker reads the packed bytes as they are; its answer goes back packed
+            return Message(packed(forward_bytes(worker, message_type, data)), reply_to=msg)
         content = forward(worker, message_type, msg.content)
-    else:  # no worker: handle the message in this process
+    else:  # no worker: handle the message in this process (it answers a packed message packed)
         from medfl.flower.site import handle_locally
 
         content = handle_locally(node_config, message_type, msg.content)

@@ -25,6 +25,7 @@ from medfl.report import print_result
 from medfl.config import THREADS_ENV, check_threads, resolve_config
 from medfl.config_file import load_bundle_config
 from medfl.experiment import resume, run_experiment
+from medfl.flower import flwr_forks
 from medfl.flower.coordinator import (RUN_CONFIG, FlowerRun, FlowerSettings, SiteDirectory, SiteFailure, SteadyGrid,
                                       SuperLinkError, transient_error)
 from medfl.engine.runner import RunError
@@ -66,6 +67,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> dict[str, Any]:
     if rc["workdir"]:
         os.chdir(str(rc["workdir"]))
     settings = FlowerSettings.from_run_config(rc)
+    flwr_forks.pace_pulls()   # a reply listed before its content arrived: asked for again soon, not after 1 s
     if rc["resume"]:
         with _threads(str(rc.get("threads") or "")):   # `medfl flower run --resume --threads N`
             result = resume_flower(str(rc["resume"]), grid, settings, int(rc["rounds"]) or None)

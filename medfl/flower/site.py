@@ -79,7 +79,7 @@ from medfl.engine.data import FederatedData, client_order, split_data
 from medfl import wire
 from medfl.budget import SiteBudget, data_key
 from medfl.flower import protocol as P
-from medfl.flower.proxy import secure_aggregation_mod
+from medfl.flower.proxy import pack_records, secure_aggregation_mod, unpack_records
 from medfl.logs import file_log
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
@@ -634,10 +634,16 @@ def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age:
     run: :func:`medfl.flower.proxy.process_age`), what Flower's start of that process took;
     ``benchmarks/flower_overhead.py`` reads both.
 
+    A packed message (:func:`medfl.flower.proxy.pack_records`) is answered packed.
+
     Raises:
         SiteError: unknown message type, wrong protocol or client id.
         PayloadError: something other than tensors and scalars in or out.
+        ValueError: a packed message whose bytes are not a record dict.
     """
+    inner = unpack_records(content)
+    if inner is not content:
+        return pack_records(handle(site, message_type, inner, clientapp_age=clientapp_age))
     t0 = time.perf_counter()
     ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
     site.check(ctl)

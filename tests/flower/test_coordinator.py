@@ -30,7 +30,8 @@ from medfl.engine.runner import Run, RunError, build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl import wire  # noqa: E402
-from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
+from medfl.flower.proxy import (decode_records, encode_records, pack_records, packed, packed_bytes,  # noqa: E402
+                                unpack_records)
 from medfl.flower.server import FlowerRun, FlowerSettings, resume_flower, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
 
@@ -71,7 +72,7 @@ class LoopGrid:
             mid = f"m{self._n}"
             msg.metadata.__dict__["_message_id"] = mid   # the SuperLink's job
             node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
-            ctl = wire.take_json(msg.content, P.CONTROL, "loop grid")
+            ctl = wire.take_json(unpack_records(msg.content), P.CONTROL, "loop grid")
             self.sent.append((node, kind, int(ctl.get("round", 0) or 0)))
             what = self.rule(node, kind, ctl) if self.rule else "ok"
             ids.append(mid)
@@ -85,8 +86,9 @@ class LoopGrid:
             return Message(Error(code=5, reason="node unavailable"), reply_to=msg)
         try:
             out = handle(self.sites[node], kind, decode_records(encode_records(msg.content)))
-            if self.tamper:
-                out = self.tamper(node, kind, ctl, out)
+            if self.tamper:   # on what the site answered; it travels as the site sends it (packed or not)
+                tampered = self.tamper(node, kind, ctl, unpack_records(out))
+                out = pack_records(tampered) if packed_bytes(out) is not None else tampered
             return Message(decode_records(encode_records(out)), reply_to=msg)
         except Exception as exc:  # noqa: BLE001 - as Flower reports a ClientApp exception
             return Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
@@ -487,6 +489,34 @@ def test_undecodable_replies_are_refused_not_fatal(tmp_path: Path) -> None:
     assert "split 'secret', which was not asked for" in reasons
     metrics = pd.read_csv(run_dir / "metrics.csv", dtype={"client_id": str})
     assert not ((metrics["round"] == 1) & (metrics["client_id"] == "0")).any()   # its evaluation was refused
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+
+
+def test_messages_travel_packed_and_a_garbled_pack_is_refused_with_the_site_named(tmp_path: Path) -> None:
+    """Issue 50: every message but the hello travels as one packed array; a reply whose
+    packed bytes are not a record dict is refused, naming the site, and the run goes on."""
+    kinds: dict[str, set[bool]] = {}
+
+    class Garbling(LoopGrid):
+        def push_messages(self, messages: list[Message]) -> list[str]:
+            for msg in messages:
+                kinds.setdefault(msg.metadata.message_type, set()).add(packed_bytes(msg.content) is not None)
+            return super().push_messages(messages)
+
+        def _answer(self, msg: Message, what: str, ctl: dict[str, Any]) -> Message:
+            reply = super()._answer(msg, what, ctl)
+            if msg.metadata.dst_node_id == 102 and msg.metadata.message_type == P.TRAIN and ctl.get("round") == 1:
+                return Message(packed(b"\xff\x00 not records"), reply_to=msg)
+            return reply
+
+    fl = fl_config(tmp_path, "garbled", {**FEDAVG, "rounds": 2})
+    out = run_flower_experiment(resolve_config(fl), Garbling(_sites(tmp_path, fl)), FAST)
+    assert kinds == {P.HELLO: {False}, P.TRAIN: {True}, P.EVALUATE: {True}}
+    run_dir = Path(out["dir"]) / "fedavg"
+    events = pd.read_csv(run_dir / "reply_events.csv", dtype={"client_id": str})
+    row = events[(events["round"] == 1) & (events["client_id"] == "1")]
+    assert row["status"].tolist() == ["dropped"]
+    assert "packed message's bytes are not a record dict" in row["reason"].iloc[0]
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
 
 

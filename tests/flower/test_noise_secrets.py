@@ -28,7 +28,7 @@ from medfl import wire  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.filters import FilterChain  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
-from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
+from medfl.flower.proxy import decode_records, encode_records, unpack_records  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, handle, instruction_digest  # noqa: E402
 from medfl.messages import Instruction  # noqa: E402
@@ -48,8 +48,8 @@ CLIP = 1e-3
 
 
 class RecordingGrid(LoopGrid):
-    """The loop-back grid, keeping every training message (as it travels) and every site's
-    answer to it."""
+    """The loop-back grid, keeping every training message's records (as the site reads them:
+    unpacked) and every site's answer to it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, tamper=self._keep, **kwargs)
@@ -57,7 +57,7 @@ class RecordingGrid(LoopGrid):
         self.answered: dict[tuple[int, str], bytes] = {}  # (round, client) -> its train answer's content
 
     def push_messages(self, messages: list[Message]) -> list[str]:
-        self.asked += [(m.metadata.dst_node_id, encode_records(m.content)) for m in messages
+        self.asked += [(m.metadata.dst_node_id, encode_records(unpack_records(m.content))) for m in messages
                        if m.metadata.message_type == P.TRAIN]
         return super().push_messages(messages)
 

@@ -30,7 +30,7 @@ from medfl.engine.runner import RunError  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower import secagg  # noqa: E402
-from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
+from medfl.flower.proxy import decode_records, encode_records, unpack_records  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.site import SiteError, app as site_app  # noqa: E402
 from medfl import wire  # noqa: E402
@@ -72,10 +72,10 @@ class AppLoopGrid(LoopGrid):
             return Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
         if out.has_error():
             return Message(out.error, reply_to=msg)
-        content = decode_records(encode_records(out.content))
+        content = unpack_records(decode_records(encode_records(out.content)))   # the answer as the coordinator reads it
         stage = str(ctl.get("secure_aggregation", "")) if kind == P.TRAIN else ""
         self.received.append((node, int(ctl.get("round", 0) or 0), stage, content))
-        return Message(content, reply_to=msg)
+        return Message(decode_records(encode_records(out.content)), reply_to=msg)
 
 
 def _secure_job(**extra: Any) -> dict[str, Any]:

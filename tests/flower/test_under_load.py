@@ -54,8 +54,12 @@ def test_a_clientapp_slow_to_start_keeps_its_task_token(tmp_path: Path) -> None:
     machine at load 30-70 needs that long to import Flower) still answers its message: its
     task token does not expire, no second process is started for the message, and no
     ``401 Runtime task-token authentication failed`` is logged (before: the token expired
-    at 30 s and the late process was refused with that 401)."""
+    at 30 s and the late process was refused with that 401). The sites start their
+    ClientApps as Flower does (``MEDFL_FLOWER_CLIENTAPP_START=flower``: a new Python process,
+    which the hook holds; a forked one imports nothing), as a site whose fork server cannot
+    be reached does."""
     env, marker = slow_start_env(tmp_path / "hook", "flwr-clientapp", 40.0)
+    env["MEDFL_FLOWER_CLIENTAPP_START"] = "flower"
     cfg = write_config(tmp_path / "train.json", fl_config(tmp_path, "slow", {**FEDAVG, "rounds": 1}))
     with LocalFederation(tmp_path / "fed", env=env) as fed:
         fed.start_superlink()
