@@ -18,6 +18,10 @@ descriptors over the socket) to the fork server, which forks a child that runs F
 imports. The stub stays until that child ends, passes SIGTERM/SIGINT on to it, and exits with
 its exit code, so to the SuperExec it is the ClientApp process.
 
+The child has the stub's environment, but what Flower reads from the environment when it is
+imported (``FLWR_TELEMETRY_ENABLED``, ``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``...) it read in the fork server, which has the
+SuperNode's environment, as its SuperExec and so Flower's own ClientApps do.
+
 Nothing of Flower is changed: the SuperExec still starts a command named ``flwr-clientapp``
 for each task, with Flower's arguments. When the fork server cannot be reached, the stub
 replaces itself with Flower's own ``flwr-clientapp`` (:data:`REAL_ENV`), so a message is never
@@ -29,8 +33,8 @@ Like the launcher, this file imports nothing of medfl: it runs beside Flower onl
 
 from __future__ import annotations
 
-import array
 import json
+import logging
 import os
 import select
 import shutil
@@ -39,11 +43,10 @@ import socket
 import stat
 import sys
 import tempfile
-import time
 import traceback
 from typing import Any
 
-__all__ = ["MODE_ENV", "MODES", "REAL_ENV", "STARTED_ENV", "STUB", "WARM_MODULES", "FIRST_PULL_WAIT", "ForkServer", "start", "mode",
+__all__ = ["logger", "MODE_ENV", "MODES", "REAL_ENV", "STARTED_ENV", "STUB", "WARM_MODULES", "FIRST_PULL_WAIT", "ForkServer", "start", "mode",
            "pace_pulls"]
 
 #: Environment variable: how a site's ClientApp processes start: ``fork`` (default: from the
@@ -70,7 +73,7 @@ _MAX_REQUEST = 1 << 20
 #: filled in by :func:`start`). It imports the standard library only.
 STUB = r'''#!{python} -IS
 """medfl: Flower's flwr-clientapp, started by the site's fork server (medfl/flower/flwr_forks.py)."""
-import array, json, os, signal, socket, sys, time
+import json, os, signal, socket, sys, time
 started = time.clock_gettime(time.CLOCK_BOOTTIME)
 real = os.environ.get("{real_env}", "")
 try:
@@ -95,6 +98,24 @@ signal.signal(signal.SIGINT, _pass_on)
 line = reader.readline()
 sys.exit(int(json.loads(line)["code"]) if line else 1)
 '''
+
+
+logger = logging.getLogger("medfl.flower.forks")
+_handler: logging.StreamHandler | None = None   # type: ignore[type-arg]
+
+
+def _say(message: str, level: int = logging.WARNING, prefix: str = "medfl: ") -> None:
+    """One line on this process's stderr through this file's own logger (run beside Flower,
+    with no logging set up but Flower's); ``prefix`` starts it."""
+    global _handler
+    if _handler is None:
+        _handler = logging.StreamHandler()
+        _handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(_handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    _handler.stream = sys.stderr   # the stderr of now (a fork's own); not setStream: it flushes the old one
+    logger.log(level, prefix + message)
 
 
 def mode(env: dict[str, str] | os._Environ[str] | None = None) -> str:
@@ -193,10 +214,10 @@ def _run_clientapp(request: dict[str, Any], fds: list[int]) -> int:
     except SystemExit as exc:   # as the interpreter ends a process: a code, or a message on stderr and 1
         if exc.code is None or isinstance(exc.code, int):
             return int(exc.code or 0)
-        print(exc.code, file=sys.stderr)
+        _say(str(exc.code), logging.ERROR, prefix="")
         return 1
     except BaseException:   # noqa: BLE001 - said on the ClientApp's stderr; the exit code says it failed
-        traceback.print_exc()
+        _say(traceback.format_exc().rstrip(), logging.ERROR, prefix="")
         return 1
 
 
@@ -219,12 +240,10 @@ class ForkServer:
         try:
             request, fds = _recv_request(conn)
         except (OSError, ValueError) as exc:
-            print(f"medfl: fork server: a bad request ({exc}); the stub falls back to Flower's own start",
-                  file=sys.stderr, flush=True)
+            _say(f"fork server: a bad request ({exc}); the stub falls back to Flower's own start")
             conn.close()
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush_streams()
         pid = os.fork()
         if pid == 0:   # the ClientApp
             code = 1
@@ -240,11 +259,7 @@ class ForkServer:
                 _set_name(_COMMAND)   # `ps -C flwr-clientapp` finds it as it finds Flower's own
                 code = _run_clientapp(request, fds)
             finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except (OSError, ValueError):
-                        pass
+                _flush_streams()
                 os._exit(code)
         for fd in fds:
             os.close(fd)
@@ -305,6 +320,15 @@ class ForkServer:
                     pass
 
 
+def _flush_streams() -> None:
+    """Flush this process's stdout and stderr (before a fork: a child would write them again)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
 def _exit_now(_signum: int, _frame: Any) -> None:
     """A signal handler that ends the process through its ``finally`` blocks."""
     raise SystemExit(0)
@@ -344,8 +368,8 @@ def pace_pulls(seconds: float = FIRST_PULL_WAIT) -> bool:
     found = [getattr(getattr(inflatable_utils, name, None), "__kwdefaults__", None)
              for name in ("pull_objects", "pull_and_inflate_object_from_tree")]
     if not all(isinstance(d, dict) and isinstance(d.get("initial_backoff"), (int, float)) for d in found):
-        print("medfl: warning: this Flower release pulls a message's content otherwise than Flower 1.42; it "
-              "keeps its own waits", file=sys.stderr, flush=True)
+        _say("warning: this Flower release pulls a message's content otherwise than Flower 1.42; it keeps its "
+             "own waits")
         return False
     done = False
     for defaults in found:
@@ -368,8 +392,7 @@ def start(real_command: str | None = None, first_pull_wait: float | None = None)
     """
     real = real_command or shutil.which(_COMMAND)
     if not real:
-        print(f"medfl: {_COMMAND} not found on PATH; the SuperNode starts its ClientApps as Flower does",
-              file=sys.stderr, flush=True)
+        _say(f"{_COMMAND} not found on PATH; the SuperNode starts its ClientApps as Flower does")
         return None
     try:
         folder = tempfile.mkdtemp(prefix="medfl-clientapps-")
@@ -382,11 +405,10 @@ def start(real_command: str | None = None, first_pull_wait: float | None = None)
             fh.write(STUB.format(python=sys.executable, socket=path, real_env=REAL_ENV))
         os.chmod(stub, stat.S_IRWXU)
     except (OSError, AttributeError) as exc:
-        print(f"medfl: the ClientApp fork server could not start ({exc}); the SuperNode starts its ClientApps "
-              "as Flower does", file=sys.stderr, flush=True)
+        _say(f"the ClientApp fork server could not start ({exc}); the SuperNode starts its ClientApps as "
+             "Flower does")
         return None
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush_streams()
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:   # the fork server
@@ -405,7 +427,8 @@ def start(real_command: str | None = None, first_pull_wait: float | None = None)
         except SystemExit:
             pass
         except BaseException:   # noqa: BLE001 - said; the stubs fall back to Flower's own start
-            traceback.print_exc()
+            _say("the ClientApp fork server stopped; the SuperNode's ClientApps start as Flower starts them:\n"
+                 + traceback.format_exc().rstrip(), logging.ERROR)
             code = 1
         finally:
             shutil.rmtree(folder, ignore_errors=True)

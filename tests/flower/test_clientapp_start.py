@@ -62,11 +62,11 @@ def test_the_stub_runs_flowers_clientapp_from_the_fork_server(tmp_path: Path) ->
         print("HELP", ok.returncode, json.dumps(ok.stdout), flush=True)
         bad = subprocess.run(["flwr-clientapp", "--no-such-option"], capture_output=True, text=True, timeout=300)
         print("BAD", bad.returncode, json.dumps(bad.stderr), flush=True)
-        # the child runs with the stub's working folder and environment: Flower's --token-file is read from there
-        open("token.txt", "w").write("")
-        env = {**os.environ, "MEDFL_TEST_MARK": "x"}
+        # the child runs in the stub's working folder: Flower's --token-file (relative) is read from there
+        os.mkdir("elsewhere")
+        open("elsewhere/token.txt", "w").write("")
         empty = subprocess.run(["flwr-clientapp", "--token-file", "token.txt", "--runtime-api-address",
-                                "127.0.0.1:1"], capture_output=True, text=True, timeout=300, env=env)
+                                "127.0.0.1:1"], capture_output=True, text=True, timeout=300, cwd="elsewhere")
         print("EMPTY", empty.returncode, json.dumps(empty.stderr[-2000:]), flush=True)
     """)
     assert res.returncode == 0, res.stderr
@@ -78,7 +78,7 @@ def test_the_stub_runs_flowers_clientapp_from_the_fork_server(tmp_path: Path) ->
     code, text = out["BAD"].split(" ", 1)
     assert code == "2" and "flwr-clientapp: error:" in json.loads(text)   # argparse, on the stub's stderr
     code, text = out["EMPTY"].split(" ", 1)
-    assert code != "0" and "token" in json.loads(text).lower()           # read from the stub's folder: empty
+    assert code == "1" and "does not contain a token" in json.loads(text)   # found there (else "does not point to a file")
     assert not Path(folder).exists()
 
 

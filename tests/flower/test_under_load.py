@@ -88,6 +88,8 @@ def run_processes(fed: LocalFederation) -> list[str]:
     for pid in fed.stray_processes():
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            # a ClientApp forked by a site's fork server runs under the launcher's command line, by its name
+            cmd = f"[{Path(f'/proc/{pid}/comm').read_text().strip()}] {cmd}"
         except OSError:
             continue
         if any(name in cmd for name in RUN_PROCESSES) and "flower site" not in cmd:
