@@ -480,16 +480,17 @@ def main(argv: list[str]) -> int:
     try:
         window = task_window()
         poll = node_poll()
-        start_mode = _forks().mode()
+        forks = _forks()   # loaded once: run by path, each call would load the file anew
+        start_mode = forks.mode()
     except ValueError as exc:
         _say(f"error: {exc}")
         return 2
     widen_task_window(window)
     if argv[0] == "flower-supernode":
         pace_supernode(poll)
-        _forks().pace_pulls()
+        forks.pace_pulls()
         if start_mode == "fork":
-            _forks().start(first_pull_wait=_forks().FIRST_PULL_WAIT)
+            forks.start(first_pull_wait=forks.FIRST_PULL_WAIT)
     module, function = COMMANDS[argv[0]]
     entry = getattr(importlib.import_module(module), function)
     # Flower reads its own name from argv[0] (logs, exit handling), as its console script sets it
