@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -86,6 +87,27 @@ def job(work: Path, clients: int, rounds: int, samples: int, image_size: int, se
         "eval_splits": ["test"], "eval_every": 1,   # what the plain Flower anchor evaluates too
         "methods": [{"name": "fedavg"}],
     }
+
+
+def bundle_job(config: str, work: Path, rounds: int, seed: int | None) -> dict[str, Any]:
+    """The ``fl`` section of a bundle config (``--bundle``), its ``bundle_root`` in ``work`` (so
+    its generated data and runs stay there), with ``rounds`` rounds and its first method only
+    (the breakdown follows one method's exchanges; the demo's second, ``local``, exchanges the
+    same messages)."""
+    from medfl.config_file import load_bundle_config
+
+    fl = load_bundle_config(config, {"bundle_root": str(work / "bundle")})
+    fl = {**fl, "rounds": rounds, "progress": False, "overwrite": True, "methods": list(fl["methods"])[:1]}
+    if seed is not None:
+        fl["seed"] = seed
+    return fl
+
+
+def _label(fl: dict[str, Any]) -> str:
+    """The run folder of the job's (one) method."""
+    from medfl.config import method_label
+
+    return method_label(fl["methods"][0])
 
 
 class _RoundClock:
@@ -123,7 +145,7 @@ def in_process(fl: dict[str, Any]) -> dict[str, Any]:
     ends = [clock.start] + clock.ends
     rounds = [b - a for a, b in zip(ends, ends[1:])]
     return {"startup_s": clock.start - t0, "round_s": rounds, "total_s": total,
-            "metrics": str(Path(out["dir"]) / "fedavg" / "metrics.csv")}
+            "metrics": str(Path(out["dir"]) / _label(fl) / "metrics.csv")}
 
 
 _SITE_LINE = re.compile(r"^(\S+ \S+) DEBUG \S+: site (\S+): (\S+) message, round (\d+): answered in ([0-9.]+) s"
@@ -193,6 +215,87 @@ def breakdown(events: pd.DataFrame, sites: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+#: What each long-lived process of a loopback deployment is, by its name (``comm``) and command
+#: line; a process's CPU includes the children it has reaped (a fork server's ClientApps, a
+#: SuperExec's ``flwr-clientapp`` commands). Short-lived processes are counted through them.
+_KINDS: list[tuple[str | None, str | None, str | None]] = [
+          ("flwr-clientapp", None, None),   # a forked ClientApp (its command line is its SuperNode's): its reaper counts it
+          ("medfl-forks", None, "ClientApps (forked, each message's)"),
+          ("flower-superexe", None, "SuperExecs (+ the flwr-clientapp commands they ran)"),
+          ("flwr-serverapp", None, "ServerApp (medfl's coordinator)"),
+          (None, " supervise --superexec ", "SuperLink's supervisor"),
+          (None, "flower-superlink", "SuperLink"),
+          (None, "flower-supernode", "SuperNodes"),
+          (None, " flower site ", "site workers (train, evaluate)"),
+          (None, "flwr run", "flwr run --stream")]
+
+
+def _kind(comm: str, cmdline: str) -> str | None:
+    for name, words, kind in _KINDS:
+        if (name is not None and comm.startswith(name)) or (words is not None and words in cmdline):
+            return kind
+    return None
+
+
+class CpuSampler:
+    """The CPU seconds of every process below this one, sampled every ``interval`` seconds in a
+    thread (Linux ``/proc``; elsewhere nothing is sampled): ``(time, {pid: (kind, seconds)})``,
+    a process's seconds being its own and those of the children it has reaped."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        import threading
+
+        self.interval = interval
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "CpuSampler":
+        if Path("/proc/self/stat").is_file():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _snapshot(self) -> dict[int, tuple[str, float]]:
+        from medfl.flower.deploy import _descendants
+
+        out: dict[int, tuple[str, float]] = {}
+        for pid in _descendants(os.getpid()):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            comm, rest = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
+            kind = _kind(comm, f" {cmd} ")
+            if kind is not None:
+                out[pid] = (kind, sum(int(v) for v in rest[11:15]) / self._tick)
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._snapshot()))
+            self._stop.wait(self.interval)
+
+    def per_round(self, start: float, end: float, rounds: int) -> dict[str, float]:
+        """CPU seconds a round by kind of process between the wall-clock times ``start`` and
+        ``end`` (``rounds`` rounds), over the processes alive at both ends."""
+        if rounds < 1 or not self.samples:
+            return {}
+        first = min(self.samples, key=lambda s: abs(s[0] - start))[1]
+        last = min(self.samples, key=lambda s: abs(s[0] - end))[1]
+        out: dict[str, float] = {}
+        for pid, (kind, seconds) in last.items():
+            if pid in first and first[pid][0] == kind:
+                out[kind] = out.get(kind, 0.0) + (seconds - first[pid][1]) / rounds
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: float,
                 node_poll: float | None = None, tag: str = "fed") -> dict[str, Any]:
     """Run the job over a local Flower deployment (``node_poll``: the SuperNodes' polling
@@ -201,7 +304,8 @@ def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: flo
 
     cfg_file = work / "flower.json"
     cfg_file.write_text(json.dumps({"fl": fl}))
-    with LocalFederation(work / tag, node_poll=node_poll) as fed:
+    with LocalFederation(work / tag, node_poll=node_poll, sites=clients) as fed, CpuSampler() as cpu:
+        # sites=clients: each site's torch threads are its share of the cores, as on one machine they should be
         t0 = time.perf_counter()
         fed.start_superlink()
         for cid in range(clients):
@@ -214,7 +318,7 @@ def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: flo
         total = time.perf_counter() - t1
     if not res.get("ok"):
         raise RuntimeError(f"the Flower run failed: {res.get('error')}\n{res.get('traceback')}")
-    run_dir = Path(res["dir"]) / "fedavg"
+    run_dir = Path(res["dir"]) / _label(fl)
     ev = pd.read_csv(run_dir / "flower_events.csv")
     connect = float(ev.loc[ev["phase"] == "connect", "time"].iloc[0])
     ends = ev[ev["phase"] == "evaluate:all"].sort_values("round")["time"].astype(float).tolist()
@@ -222,9 +326,11 @@ def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: flo
     rounds = [b - a for a, b in zip(marks, marks[1:])]
     phases = ev[ev["phase"].isin(["train:all", "evaluate:all"])].groupby("phase")["seconds"].median().to_dict()
     parts = breakdown(ev, site_timings(work / tag / "sites"))
+    steady = marks[1:] if len(marks) > 2 else marks   # rounds 2.. (round 1 imports and warms caches)
+    cpu_s = cpu.per_round(steady[0], steady[-1], len(steady) - 1)
     return {"deploy_startup_s": deploy_s, "run_startup_s": connect - launch, "round_s": rounds, "total_s": total,
             "exchange_median_s": phases, "metrics": str(run_dir / "metrics.csv"), "node_poll": node_poll,
-            "breakdown": parts.to_dict(orient="records")}
+            "breakdown": parts.to_dict(orient="records"), "cpu_per_round_s": cpu_s}
 
 
 _PARTS = [("round_s", "round"), ("exchanges_s", "exchanges (coordinator sends, waits for replies)"),
@@ -252,6 +358,23 @@ def print_breakdown(label: str, parts: list[dict[str, Any]], in_process_round: f
     target = in_process_round + 1.5
     print(f"  in process per round {in_process_round:.2f} s; target <= in process + 1.5 s = {target:.2f} s: "
           f"{'MET' if med['round_s'] <= target else 'MISSED'} ({med['round_s']:.2f} s)")
+
+
+def print_cpu(label: str, cpu: dict[str, float], round_s: float) -> None:
+    """CPU seconds a round by kind of process (rounds 2..), against the cores of this machine:
+    a round cannot take less wall time than its CPU seconds over the cores it may use."""
+    if not cpu:
+        print(f"\n{label}: no CPU figures (Linux /proc only)")
+        return
+    from medfl.config import available_cores
+
+    cores = available_cores()
+    total = sum(cpu.values())
+    print(f"\nCPU a round by process, {label} (s, rounds 2..; a process counts the children it reaped):")
+    for kind, seconds in cpu.items():
+        print(f"  {kind:52s} {seconds:6.2f}")
+    print(f"  {'all':52s} {total:6.2f}  = {total / cores:.2f} s of wall time on {cores} core(s) at the least "
+          f"(a round took {round_s:.2f} s)")
 
 
 def plain_flower(fl: dict[str, Any], work: Path, clients: int, rounds: int, timeout: float = 3600) -> dict[str, Any]:
@@ -305,11 +428,15 @@ def _poll_name(poll: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", default=None, metavar="CONFIG",
+                   help="run a bundle's job instead (its fl section, first method only, --rounds rounds, its own "
+                        "clients, data and model; e.g. bundles/demo/configs/train.json); --clients, --samples and "
+                        "--image-size are then not used")
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--samples", type=int, default=240, help="images in the generated dataset")
     p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="the job's seed (default 0; a bundle's own)")
     p.add_argument("--round-timeout", type=float, default=600.0)
     p.add_argument("--out", default="benchmarks/results", help="where the CSV and JSON go")
     p.add_argument("--skip-anchor", action="store_true",
@@ -320,7 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="medfl-flower-bench-"))
-    base = job(work, args.clients, args.rounds, args.samples, args.image_size, args.seed)
+    if args.bundle:
+        base = bundle_job(args.bundle, work, args.rounds, args.seed)
+        args.clients = int(base["num_clients"])
+    else:
+        base = job(work, args.clients, args.rounds, args.samples, args.image_size,
+                   0 if args.seed is None else args.seed)
     ip = in_process({**base, "name": "inproc", "output_dir": str(work / "runs")})
     anchor = None if args.skip_anchor else plain_flower(base, work, args.clients, args.rounds)
     polls: list[float | None] = list(args.node_poll or [None])
@@ -370,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "flower_overhead.csv", index=False)
-    report = {"job": {k: getattr(args, k) for k in ("clients", "rounds", "samples", "image_size", "seed")},
+    report = {"job": {k: getattr(args, k) for k in ("bundle", "clients", "rounds", "samples", "image_size", "seed")},
+              "site_threads": "auto over MEDFL_LOCAL_SITES = clients",
               "in_process": ip, "flower": fw, "flower_runs": runs, "per_round_overhead_s": fw_round - ip_round,
               "per_round_ratio": fw_round / ip_round, "metrics_max_abs_diff": diff,
               "plain_flower": anchor, "per_round_ratio_vs_plain_flower": ratio_anchor,
@@ -380,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     for run in runs:
         print_breakdown(f"SuperNode poll {_poll_name(run['node_poll'])}", run["breakdown"], ip_round)
+        print_cpu(f"SuperNode poll {_poll_name(run['node_poll'])}", run.get("cpu_per_round_s") or {},
+                  steady(run["round_s"]))
     print(f"\nFlower exchange medians (s): {fw['exchange_median_s']}")
     print(f"metrics in process vs over Flower: max |diff| = {diff:.3g}")
     print(f"wrote {out / 'flower_overhead.csv'} and {out / 'flower_overhead.json'}")

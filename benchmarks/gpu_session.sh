@@ -12,7 +12,9 @@
 # repeats, figures also in JSON), "profile" (medfl's steady rounds of resnet2d under cProfile),
 # "compare" (benchmarks/compare.py: .ab/base, or $AB_BASE, against this tree on resnet2d, 2 pairs
 # with --steps; carry .ab), "guard" (payload_guard.py with the replies on $GPU_DEVICE, scanned
-# there and, as before issue 50, on the host; device_reads.py), or several joined by commas
+# there and, as before issue 50, on the host; device_reads.py), "flower" (flower_overhead.py on
+# the demo bundle's job: a loopback Flower round on the lent machine's host cores, with where its
+# time and CPU go; no GPU used), or several joined by commas
 # ("bench,profile,tests": about 5 minutes on an H200, inside the 10 minutes a lent machine runs
 # one command). OUT defaults to $OUT (what a lent machine sends back) or ./gpu_logs. Every step
 # has its own time limit, so one that hangs does not take the others' time; the exit status is
@@ -61,11 +63,11 @@ run() {
     local what=${1:-} py=${PYTHON:-python3} site=/tmp/medfl-site dev=${GPU_DEVICE:-cuda}
     local part
     for part in ${what//,/ }; do
-        case "$part" in tests|bench|profile|compare|guard) ;;
-            *) echo "gpu_session.sh run: WHAT is tests, bench, profile, compare or guard (or several, comma-separated), not '$what'" >&2; exit 2 ;;
+        case "$part" in tests|bench|profile|compare|guard|flower) ;;
+            *) echo "gpu_session.sh run: WHAT is tests, bench, profile, compare, guard or flower (or several, comma-separated), not '$what'" >&2; exit 2 ;;
         esac
     done
-    [ -n "$what" ] || { echo "gpu_session.sh run: say WHAT: tests, bench, profile, compare or guard" >&2; exit 2; }
+    [ -n "$what" ] || { echo "gpu_session.sh run: say WHAT: tests, bench, profile, compare, guard or flower" >&2; exit 2; }
     OUT_DIR=${2:-${OUT:-gpu_logs}}
     FAILED=0
     mkdir -p "$OUT_DIR"
@@ -104,6 +106,9 @@ EOF
             step guard_device 120 "$py" benchmarks/payload_guard.py --device "$dev" --images 200 --repeats 5
             step guard_host 120 "$py" benchmarks/payload_guard.py --device "$dev" --scan host --images 200 --repeats 5
             step device_reads 90 "$py" benchmarks/device_reads.py --device "$dev" ;;
+        flower)   # Flower's commands (flower-superlink, flwr-clientapp...) were installed in $site/bin
+            PATH="$site/bin:$PATH" step flower_demo 300 "$py" benchmarks/flower_overhead.py \
+                --bundle bundles/demo/configs/train.json --rounds 6 --skip-anchor --out "$OUT_DIR/flower_demo" ;;
         esac
     done
     return "$FAILED"
