@@ -55,7 +55,7 @@ __all__ = ["PROTOCOL", "CONTROL", "pack", "unpack", "put", "take", "metrics_reco
            "score_request", "answer", "train_answer", "train_answer_size", "ArraySizes", "evaluate_answer", "validate_answer", "score_answer"]
 
 #: Version of the medfl-over-Flower protocol; a site refuses messages of another version.
-PROTOCOL = 3
+PROTOCOL = 4
 
 #: Name of the control ``ConfigRecord`` in every medfl message.
 CONTROL = "medfl"

@@ -40,12 +40,17 @@ from medfl.flower.coordinator import RUN_CONFIG
 __all__ = ["FlowerDeployError", "flower_env", "site_env", "free_port", "flower_command", "superlink_command",
            "superexec_command", "site_command",
            "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "read_json", "read_result", "started_run_id", "run_status", "LocalFederation", "MARKER_ENV"]
+           "read_json", "read_result", "started_run_id", "run_status", "LocalFederation", "MARKER_ENV",
+           "TASK_POLL_ENV", "TELEMETRY_ENV"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
 #: How often Flower's SuperExec looks for new tasks (Flower's default is 1 s).
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+#: Flower's telemetry switch (on unless ``"0"``). Off by default in the processes medfl starts:
+#: every ClientApp would send two events to Flower's server (HTTPS; about 0.1 s of CPU a
+#: message, refused where the site has no internet), and a site sends nothing unasked.
+TELEMETRY_ENV = "FLWR_TELEMETRY_ENABLED"
 #: Seconds the SuperLink's supervisor has to stop its ServerApps, SuperExec and SuperLink in
 #: order (:func:`medfl.flower.flwr_launcher.supervise`) before it is killed.
 SUPERLINK_GRACE = 45.0
@@ -70,13 +75,16 @@ def _bin(name: str) -> str:
 def flower_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) with this Python's script directory first on
     ``PATH``: Flower starts its helpers (``flower-superexec``, ``flwr-serverapp``,
-    ``flwr-clientapp``) by name, so they must be found from the same installation."""
+    ``flwr-clientapp``) by name, so they must be found from the same installation. Unless
+    ``env`` sets them: the SuperExecs look for tasks every 0.1 s (:data:`TASK_POLL_ENV`) and
+    Flower's telemetry is off (:data:`TELEMETRY_ENV`; ``FLWR_TELEMETRY_ENABLED=1`` turns it on)."""
     out = dict(os.environ if env is None else env)
     bindir = str(Path(sys.executable).parent)
     parts = out.get("PATH", "").split(os.pathsep) if out.get("PATH") else []
     if bindir not in parts:
         out["PATH"] = os.pathsep.join([bindir, *parts])
     out.setdefault(TASK_POLL_ENV, "0.1")
+    out.setdefault(TELEMETRY_ENV, "0")
     return out
 
 

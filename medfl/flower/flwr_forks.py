@@ -335,7 +335,10 @@ def _exit_now(_signum: int, _frame: Any) -> None:
 
 
 def _warm_up() -> None:
-    """Import what every ClientApp imports, once, in the fork server."""
+    """Import what every ClientApp imports, once, in the fork server; then freeze what that
+    made (:func:`gc.freeze`), so that a forked ClientApp's garbage collections never visit, and
+    so never copy, the memory pages it shares with the fork server."""
+    import gc
     import importlib
 
     for name in WARM_MODULES:
@@ -349,6 +352,8 @@ def _warm_up() -> None:
         httpx.Client().close()
     except Exception:   # noqa: BLE001 - a warm-up only
         pass
+    gc.collect()
+    gc.freeze()
 
 
 def pace_pulls(seconds: float = FIRST_PULL_WAIT) -> bool:

@@ -39,8 +39,8 @@ environment variable, no constant), so every message waited up to 3 s before its
 and the evaluation that follows a training exchange nearly the whole 3 s (the site that answered
 last had just gone back to sleep); it waits for its ClientApp's reply in 0.5 s steps too.
 :func:`pace_supernode` gives that module its own view of ``time`` whose ``sleep`` waits at most
-the interval: Flower's loop is unchanged otherwise, and a value of 3 or more leaves Flower's own
-waits. A smaller interval is more requests to the SuperLink while sites are idle
+the interval (at most :data:`LOCAL_WAIT`, 0.02 s, for the looks at its own memory for the reply):
+Flower's loop is unchanged otherwise, and a value of 3 or more leaves Flower's own waits. A smaller interval is more requests to the SuperLink while sites are idle
 (one per site per interval): ``docs/flower.md`` says what to choose.
 
 Before it runs ``flower-supernode``, it starts the site's ClientApp fork server
@@ -69,7 +69,7 @@ import time
 import traceback
 from typing import Any, Callable, Mapping
 
-__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "NODE_POLL_ENV", "DEFAULT_NODE_POLL", "COMMANDS", "LEFT_EXIT",
+__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "NODE_POLL_ENV", "DEFAULT_NODE_POLL", "LOCAL_WAIT", "COMMANDS", "LEFT_EXIT",
            "LINGER", "SUPERVISED_ENV", "task_window", "widen_task_window", "node_poll", "PacedTime", "pace_supernode",
            "run_flower", "supervise", "outlive_superexec", "main"]
 
@@ -78,12 +78,16 @@ TASK_WINDOW_ENV = "MEDFL_FLOWER_TASK_WINDOW"
 #: The default window, in seconds (Flower's own is 30 s).
 DEFAULT_TASK_WINDOW = 300.0
 #: Environment variable: the longest a site's SuperNode waits before asking the SuperLink
-#: for a message again when it had none, and between two looks for its ClientApp's reply.
+#: for a message again when it had none.
 NODE_POLL_ENV = "MEDFL_FLOWER_NODE_POLL"
 #: The default, in seconds (Flower's own SuperNode waits 3 s when idle, 0.5 s for a reply).
 DEFAULT_NODE_POLL = 0.2
 #: Flower's fixed idle wait; an interval of at least this leaves Flower's SuperNode as it is.
 FLOWER_NODE_POLL = 3.0
+#: The SuperNode's shorter waits (Flower: 0.5 s), for its ClientApp's reply and for content on
+#: its way into its own store, look at memory of its own process, not over the network: medfl's
+#: launcher takes them down to this many seconds (at most the polling interval).
+LOCAL_WAIT = 0.02
 _MIN_NODE_POLL = 0.01
 #: Flower's SuperNode work loop (the module whose ``time.sleep`` calls are its waits).
 _NODE_LOOP = "flwr.supernode.start_client_internal"
@@ -177,7 +181,10 @@ def node_poll(env: Mapping[str, str] | None = None) -> float:
 
 class PacedTime:
     """The ``time`` module as Flower's SuperNode loop sees it once :func:`pace_supernode` ran:
-    the same module, except that :meth:`sleep` waits at most :attr:`cap` seconds.
+    the same module, except that :meth:`sleep` waits at most :attr:`cap` seconds for Flower's
+    idle wait (3 s: asking the SuperLink again) and at most :data:`LOCAL_WAIT` seconds (and at
+    most :attr:`cap`) for its shorter ones (0.5 s: looking again at its own process's memory
+    for its ClientApp's reply).
 
     Args:
         module: the ``time`` module (or a stand-in: tests).
@@ -189,8 +196,11 @@ class PacedTime:
         self.cap = float(cap)
 
     def sleep(self, seconds: float) -> None:
-        """Wait ``seconds``, or :attr:`cap` seconds if that is shorter."""
-        self._module.sleep(min(float(seconds), self.cap))
+        """Wait ``seconds``, or :attr:`cap` seconds if that is shorter; a wait shorter than
+        Flower's idle wait (a look at the SuperNode's own memory) at most :data:`LOCAL_WAIT`."""
+        seconds = float(seconds)
+        limit = self.cap if seconds >= FLOWER_NODE_POLL else min(self.cap, LOCAL_WAIT)
+        self._module.sleep(min(seconds, limit))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -198,9 +208,9 @@ class PacedTime:
 
 def pace_supernode(seconds: float) -> bool:
     """Make Flower's SuperNode in this process wait at most ``seconds`` between two asks for a
-    message (instead of its fixed 3 s) and between two looks for its ClientApp's reply
-    (instead of 0.5 s); return whether it was done. Nothing is done for ``seconds`` of 3 or
-    more (Flower's own waits), nor, with a warning, when this Flower release's loop is not the
+    message (instead of its fixed 3 s) and at most :data:`LOCAL_WAIT` between two looks for its
+    ClientApp's reply (instead of 0.5 s); return whether it was done. Nothing is done for
+    ``seconds`` of 3 or more (Flower's own waits), nor, with a warning, when this Flower release's loop is not the
     one this was written for (Flower 1.42's ``start_client_internal``): the SuperNode then
     keeps Flower's waits, which is slower, not wrong."""
     module = importlib.import_module(_NODE_LOOP)

@@ -12,7 +12,7 @@ This module imports nothing from medfl at import time (importing the ``medfl`` p
 pulls in torch): :func:`medfl.flower.deploy.write_app` ships a copy of it in the Flower
 app as ``medfl_flower_proxy``, so the per-message process loads only Flower.
 
-The coordinator sends a message's records packed into one array (:func:`pack_records`; all
+The coordinator sends a message's records packed into one record (:func:`pack_records`; all
 but the hello, which says which protocol a site speaks, and the messages of a SecAgg+ round,
 whose arrays Flower's ``secaggplus_mod`` masks): Flower moves every array of a message as
 objects of its own, with a request per object on every hop. This proxy hands the packed bytes
@@ -34,11 +34,11 @@ import struct
 import time
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 __all__ = ["app", "forward", "forward_bytes", "send_frame", "recv_frame", "encode_records", "decode_records",
-           "PACKED", "pack_records", "packed", "packed_bytes", "unpack_records", "WorkerError",
+           "PACKED", "pack_records", "packed", "inline_max", "packed_bytes", "unpack_records", "WorkerError",
            "secure_aggregation_mod", "process_age"]
 
 _LEN = struct.Struct(">Q")
@@ -91,17 +91,34 @@ def decode_records(data: bytes) -> RecordDict:
     return recorddict_from_proto(ProtoRecordDict.FromString(data))
 
 
+def inline_max() -> int:
+    """The largest packed message, in bytes, that travels as one bytes value of a config record
+    (:func:`packed`): Flower's array chunk size (``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``, 5 MB),
+    the most Flower itself puts in one request."""
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+
+    return int(FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)
+
+
 def packed(data: bytes) -> RecordDict:
     """A message content that carries ``data`` (a ``RecordDict``'s protobuf bytes,
-    :func:`encode_records`) as one array: Flower moves each array of a message as objects of
+    :func:`encode_records`) as one record: Flower moves each array of a message as objects of
     its own (a request per object on every hop: coordinator, SuperLink, SuperNode, ClientApp),
-    so a message of 60 tensors took 60-odd requests each way where this takes a handful."""
+    so a message of 60 tensors took 60-odd requests each way where this takes three to five.
+
+    Up to :func:`inline_max` bytes, ``data`` is the one bytes value of a config record: three
+    Flower objects (the message, its record dict, the record). Larger, it is one uint8 array,
+    which Flower cuts into chunks of that size, so that no request carries a whole model: five
+    objects, and one per further chunk."""
+    data = bytes(data)
+    if len(data) <= inline_max():
+        return RecordDict({PACKED: ConfigRecord({_PACKED_ARRAY: data})})
     return RecordDict({PACKED: ArrayRecord({_PACKED_ARRAY: Array(dtype="uint8", shape=(len(data),),
-                                                                    stype=PACKED_STYPE, data=bytes(data))})})
+                                                                    stype=PACKED_STYPE, data=data)})})
 
 
 def pack_records(content: RecordDict) -> RecordDict:
-    """``content`` packed into one array (:func:`packed`); :func:`unpack_records` gives it back."""
+    """``content`` packed into one record (:func:`packed`); :func:`unpack_records` gives it back."""
     return packed(encode_records(content))
 
 
@@ -114,9 +131,15 @@ def packed_bytes(content: RecordDict) -> bytes | None:
     if PACKED not in content:
         return None
     record = content[PACKED]
-    if len(content) != 1 or not isinstance(record, ArrayRecord) or list(record.keys()) != [_PACKED_ARRAY]:
-        raise ValueError(f"a packed message holds the one array record {PACKED!r} with the one array "
-                         f"{_PACKED_ARRAY!r}; got records {sorted(content)}")
+    if len(content) != 1 or not isinstance(record, (ConfigRecord, ArrayRecord)) \
+            or list(record.keys()) != [_PACKED_ARRAY]:
+        raise ValueError(f"a packed message holds the one record {PACKED!r} (a config record or an array record) "
+                         f"with the one entry {_PACKED_ARRAY!r}; got records {sorted(content)}")
+    if isinstance(record, ConfigRecord):
+        value = record[_PACKED_ARRAY]
+        if not isinstance(value, bytes):
+            raise ValueError(f"a packed message's config record holds bytes; got {type(value).__name__}")
+        return value
     array = record[_PACKED_ARRAY]
     if array.stype != PACKED_STYPE or array.dtype != "uint8" or list(array.shape) != [len(array.data)]:
         raise ValueError(f"a packed message's array is {PACKED_STYPE!r} uint8 bytes; got stype {array.stype!r}, "

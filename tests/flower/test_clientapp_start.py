@@ -153,10 +153,28 @@ def _content() -> RecordDict:
     return content
 
 
-def test_a_packed_content_is_one_array_and_comes_back_the_same() -> None:
+def _objects(content: RecordDict) -> list[str]:
+    """The Flower objects a message with ``content`` travels as (a request each on every hop)."""
+    from flwr.app import Message
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    try:
+        return sorted(type(o).__name__ for o in get_all_nested_objects(Message(content, dst_node_id=1,
+                                                                               message_type=P.TRAIN)).values())
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def test_a_packed_content_is_one_record_and_comes_back_the_same() -> None:
     content = _content()
     box = pack_records(content)
-    assert list(box) == [PACKED] and len(box[PACKED]) == 1          # one record, one array
+    assert list(box) == [PACKED] and len(box[PACKED]) == 1          # one record, one entry
+    assert isinstance(box[PACKED], ConfigRecord)                     # small: the bytes of a config record
+    assert _objects(box) == ["ConfigRecord", "Message", "RecordDict"]
+    assert len(_objects(content)) > 3
     assert packed_bytes(box) == encode_records(content)
     back = unpack_records(box)
     assert encode_records(back) == encode_records(content)
@@ -164,11 +182,30 @@ def test_a_packed_content_is_one_array_and_comes_back_the_same() -> None:
     assert packed_bytes(content) is None and unpack_records(content) is content
 
 
+def test_a_large_packed_content_is_one_array_in_flowers_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above Flower's chunk size the bytes go as one array, which Flower cuts into chunks:
+    no single request carries a whole model."""
+    from flwr.common import constant
+
+    from medfl.flower import proxy
+
+    content = _content()
+    data = encode_records(content)
+    monkeypatch.setattr(constant, "FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE", len(data) - 1)
+    assert proxy.inline_max() == len(data) - 1
+    box = pack_records(content)
+    assert isinstance(box[PACKED], ArrayRecord)
+    assert _objects(box).count("ArrayChunk") >= 1 and "ConfigRecord" not in _objects(box)
+    assert packed_bytes(box) == data
+    assert encode_records(unpack_records(box)) == data
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda: RecordDict({PACKED: ArrayRecord({"records": Array(dtype="uint8", shape=(3,), stype="x",
                                                                 data=b"abc")})}), "stype 'x'"),
-    (lambda: RecordDict({PACKED: ConfigRecord({"records": "abc"})}), "one array record"),
-    (lambda: RecordDict({PACKED: pack_records(_content())[PACKED], "more": ConfigRecord({})}), "one array record"),
+    (lambda: RecordDict({PACKED: ConfigRecord({"records": "abc"})}), "holds bytes; got str"),
+    (lambda: RecordDict({PACKED: ConfigRecord({"other": b"abc"})}), "one entry 'records'"),
+    (lambda: RecordDict({PACKED: pack_records(_content())[PACKED], "more": ConfigRecord({})}), "one record"),
     (lambda: packed(b"\xff\x00garbage"), "bytes are not a record dict"),
 ])
 def test_a_malformed_packed_content_is_one_clear_error(bad, match: str) -> None:  # noqa: ANN001

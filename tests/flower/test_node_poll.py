@@ -19,7 +19,7 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 from medfl.flower import flwr_launcher  # noqa: E402
 from medfl.flower.deploy import FlowerDeployError, LocalFederation, site_env  # noqa: E402
 from medfl.flower.flwr_launcher import (  # noqa: E402
-    DEFAULT_NODE_POLL, NODE_POLL_ENV, PacedTime, node_poll, pace_supernode,
+    DEFAULT_NODE_POLL, LOCAL_WAIT, NODE_POLL_ENV, PacedTime, node_poll, pace_supernode,
 )
 
 LOOP = "flwr.supernode.start_client_internal"
@@ -40,10 +40,13 @@ def test_paced_time_caps_each_wait_and_is_time_otherwise() -> None:
     fake = SimpleNamespace(sleep=waits.append, monotonic=lambda: 42.0)
     paced = PacedTime(fake, 0.2)
     paced.sleep(3)       # the SuperNode's idle wait
-    paced.sleep(0.5)     # its wait for the ClientApp's reply
-    paced.sleep(0.05)
-    assert waits == [0.2, 0.2, 0.05]
+    paced.sleep(0.5)     # its look at its own memory for the ClientApp's reply
+    paced.sleep(0.01)
+    assert waits == [0.2, LOCAL_WAIT, 0.01]
     assert paced.monotonic() == 42.0
+    slow = PacedTime(fake, 0.01)
+    slow.sleep(3), slow.sleep(0.5)
+    assert waits[-2:] == [0.01, 0.01]                # never longer than the interval
 
 
 def test_flowers_supernode_loop_waits_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,6 +109,18 @@ def test_a_sites_supernode_gets_its_interval(tmp_path: Path, monkeypatch: pytest
 def test_a_local_federation_passes_it_to_every_process(tmp_path: Path) -> None:
     assert LocalFederation(tmp_path / "a", node_poll=0.05).env[NODE_POLL_ENV] == "0.05"
     assert LocalFederation(tmp_path / "b", env={NODE_POLL_ENV: "3"}).env[NODE_POLL_ENV] == "3"
+
+
+def test_flowers_telemetry_is_off_unless_the_user_turned_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process medfl starts gets FLWR_TELEMETRY_ENABLED=0 (each ClientApp would send two
+    HTTPS events: about 0.1 s of CPU a message), unless the environment says otherwise."""
+    from medfl.flower.deploy import TELEMETRY_ENV, flower_env
+
+    monkeypatch.delenv(TELEMETRY_ENV, raising=False)
+    assert flower_env()[TELEMETRY_ENV] == "0" and site_env()[TELEMETRY_ENV] == "0"
+    assert flower_env({TELEMETRY_ENV: "1"})[TELEMETRY_ENV] == "1"
+    monkeypatch.setenv(TELEMETRY_ENV, "1")
+    assert site_env()[TELEMETRY_ENV] == "1"
 
 
 def test_the_site_logs_its_own_time_and_the_clientapps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
