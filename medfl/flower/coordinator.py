@@ -340,15 +340,6 @@ class SiteDirectory:
         self.refused: dict[int, str] = {}     # nodes whose hello was refused -> why (never asked again)
         self.pins = settings.pins()           # client id -> the only node that may serve it ({}: any)
         self.pending: dict[str, int] = {}     # hello message id -> node id
-        self.sent_at: dict[str, float] = {}   # hello message id -> when it was pushed (time.monotonic)
-
-    def hello_again_after(self) -> float:
-        """Seconds after which a node's unanswered hello is sent again (a third of
-        ``hello_timeout``, from 1 to 10 s). Flower's SuperNode pushes the replies it holds
-        when it has pulled a message: a site paused mid-exchange of a run that then failed
-        pushes that run's stale reply at the next run's hello, and the hello's own reply then
-        waits for the node's next message, which this hello is."""
-        return min(10.0, max(1.0, self.settings.hello_timeout / 3.0))
 
     def _push_hello(self, node: int) -> None:
         content = RecordDict()
@@ -358,16 +349,7 @@ class SiteDirectory:
         for mid in self.grid.push_messages([msg]):
             if mid:     # "": the node left meanwhile; a node listed again is asked again
                 self.pending[mid] = node
-                self.sent_at[mid] = time.monotonic()
                 self.asked.add(node)
-
-    def _unanswered(self) -> list[int]:
-        """The nodes whose latest hello has waited :meth:`hello_again_after` seconds unanswered."""
-        latest: dict[int, float] = {}
-        for mid, node in self.pending.items():
-            latest[node] = max(latest.get(node, 0.0), self.sent_at.get(mid, 0.0))
-        now, again = time.monotonic(), self.hello_again_after()
-        return sorted(n for n, t in latest.items() if now - t >= again and n not in self.refused and n not in self.retired)
 
     def _refuse(self, node: int, cid: str, reason: str) -> None:
         """Refuse ``node`` for this run: an event, a line on stderr, and it is never asked
@@ -420,12 +402,8 @@ class SiteDirectory:
             return
         for reply in self.grid.pull_messages(list(self.pending)):
             node = self.pending.pop(reply.metadata.reply_to_message_id, None)
-            self.sent_at.pop(reply.metadata.reply_to_message_id, None)
             if node is None:
                 continue
-            for mid in [m for m, n in self.pending.items() if n == node]:   # its other hellos: answered by this one
-                del self.pending[mid]
-                self.sent_at.pop(mid, None)
             if reply.has_error():
                 if reply.error.code in _DROPOUT_CODES:
                     continue
@@ -453,9 +431,6 @@ class SiteDirectory:
             waiting_for = set(self.pending.values())
             for node in sorted((self.lost & online) - waiting_for - self.retired):
                 self._push_hello(node)   # a node that missed an exchange: ask again (waited for through need)
-            for node in self._unanswered():
-                if node in online:
-                    self._push_hello(node)   # its answer may be held at its SuperNode: see hello_again_after
             self._pull_hellos()
             fresh = {n for n in self.pending.values() if n not in self.lost}
             served = len(need & set(self.nodes))
@@ -789,7 +764,7 @@ class FlowerRun(Run):
                 self._log({"round": r, "phase": phase, "client_id": cid, "status": "absent"})
                 continue
             size_to[cid] = wire.encoded_size(outgoing[cid])
-            # packed into one record (three Flower objects up to 5 MB instead of one per tensor, each a request on
+            # packed into one array (a handful of Flower objects instead of one per tensor, each a request on
             # every hop), but for SecAgg+'s messages: Flower's secaggplus_mod reads and masks their records
             content = (outgoing[cid] if RECORD_KEY_CONFIGS in outgoing[cid].config_records
                        else pack_records(outgoing[cid]))

@@ -184,33 +184,6 @@ def test_fedavg_over_the_grid_equals_in_process(tmp_path: Path) -> None:
     _no_state_at_coordinator(flower)
 
 
-def test_a_hello_whose_answer_is_held_is_sent_again(tmp_path: Path) -> None:
-    """A site paused mid-exchange of a failed run holds that run's stale reply; at the next
-    run's hello its SuperNode pushes the stale reply and keeps the hello's answer until its
-    next message. The coordinator sends an unanswered hello again after ``hello_again_after``
-    (a third of hello_timeout, 1-10 s), and the run goes on as if nothing had happened."""
-    first: set[int] = set()
-
-    def rule(node: int, kind: str, ctl: dict[str, Any]) -> str:
-        if kind == P.HELLO and node == 102 and node not in first:
-            first.add(node)
-            return "silent"      # the first hello's answer never comes back
-        return "ok"
-
-    flower, local, grid = _run_both(tmp_path, "held", {**FEDAVG, "rounds": 1}, {"rule": rule})
-    for f in ("metrics.csv", "train_metrics.csv"):
-        numeric_equal(pd.read_csv(local / f), pd.read_csv(flower / f), f, atol=0.0)
-    hellos = [node for node, kind, _ in grid.sent if kind == P.HELLO]
-    assert hellos.count(102) == 2 and hellos.count(101) == hellos.count(103) == 1
-    events = pd.read_csv(flower / "flower_events.csv", dtype={"client_id": str})
-    joined = events[(events["phase"] == "hello") & (events["client_id"] == "1")]
-    assert list(joined["status"]) == ["joined"]      # once, though asked twice
-    from medfl.flower.coordinator import SiteDirectory
-
-    assert SiteDirectory(grid, {}, None, FAST, print).hello_again_after() == 1.0
-    assert SiteDirectory(grid, {}, None, FlowerSettings(), print).hello_again_after() == 10.0
-
-
 def test_fedskd_peer_to_peer_over_the_grid_equals_in_process(tmp_path: Path) -> None:
     flower, local, grid = _run_both(tmp_path, "fedskd", FEDSKD)
     for f in ("metrics.csv", "train_metrics.csv", "cross_test.csv"):
