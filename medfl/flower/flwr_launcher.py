@@ -40,8 +40,9 @@ and the evaluation that follows a training exchange nearly the whole 3 s (the si
 last had just gone back to sleep); it waits for its ClientApp's reply in 0.5 s steps too.
 :func:`pace_supernode` gives that module its own view of ``time`` whose ``sleep`` waits at most
 the interval (at most :data:`LOCAL_WAIT`, 0.02 s, for the looks at its own memory for the reply):
-Flower's loop is unchanged otherwise, and a value of 3 or more leaves Flower's own waits. A smaller interval is more requests to the SuperLink while sites are idle
-(one per site per interval): ``docs/flower.md`` says what to choose.
+Flower's loop is unchanged otherwise, and a value of 3 or more leaves Flower's own waits. A
+smaller interval is more requests to the SuperLink while sites are idle (one per site per
+interval): ``docs/flower.md`` says what to choose.
 
 Before it runs ``flower-supernode``, it starts the site's ClientApp fork server
 (:mod:`medfl.flower.flwr_forks`; :data:`~medfl.flower.flwr_forks.MODE_ENV` = ``flower`` leaves
@@ -69,8 +70,8 @@ import time
 import traceback
 from typing import Any, Callable, Mapping
 
-__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "NODE_POLL_ENV", "DEFAULT_NODE_POLL", "LOCAL_WAIT", "COMMANDS", "LEFT_EXIT",
-           "LINGER", "SUPERVISED_ENV", "task_window", "widen_task_window", "node_poll", "PacedTime", "pace_supernode",
+__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "NODE_POLL_ENV", "DEFAULT_NODE_POLL", "LOCAL_WAIT", "COMMANDS",
+           "LEFT_EXIT", "LINGER", "SUPERVISED_ENV", "task_window", "widen_task_window", "node_poll", "PacedTime", "pace_supernode",
            "run_flower", "supervise", "outlive_superexec", "main"]
 
 #: Environment variable: seconds a new ClientApp/ServerApp process has to report (default below).
@@ -210,9 +211,10 @@ def pace_supernode(seconds: float) -> bool:
     """Make Flower's SuperNode in this process wait at most ``seconds`` between two asks for a
     message (instead of its fixed 3 s) and at most :data:`LOCAL_WAIT` between two looks for its
     ClientApp's reply (instead of 0.5 s); return whether it was done. Nothing is done for
-    ``seconds`` of 3 or more (Flower's own waits), nor, with a warning, when this Flower release's loop is not the
-    one this was written for (Flower 1.42's ``start_client_internal``): the SuperNode then
-    keeps Flower's waits, which is slower, not wrong."""
+    ``seconds`` of 3 or more (Flower's own waits), nor, with a warning, when this Flower
+    release's loop is not the one this was written for (Flower 1.42's
+    ``start_client_internal``): the SuperNode then keeps Flower's waits, which is slower, not
+    wrong."""
     module = importlib.import_module(_NODE_LOOP)
     current = getattr(module, "time", None)
     if isinstance(current, PacedTime):
