@@ -44,6 +44,18 @@ Flower's loop is unchanged otherwise, and a value of 3 or more leaves Flower's o
 smaller interval is more requests to the SuperLink while sites are idle (one per site per
 interval): ``docs/flower.md`` says what to choose.
 
+It wakes a site's SuperExec when a message comes in. Flower's SuperNode starts a SuperExec
+(``flower-superexec``) that asks it for a task every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``
+seconds (an HTTP request each time; medfl set 0.1 s, so that a message did not wait for it):
+with four sites that was about a sixth of a loopback round's CPU on 2 cores. Here
+(:func:`wake_superexec`) the SuperNode starts its SuperExec through this file with the read end
+of a pipe, and writes a byte to it whenever it stores a message for a ClientApp; the
+SuperExec's wait between two asks (:class:`WokenTime`) ends at that byte, and otherwise lasts
+at least :data:`WOKEN_POLL` seconds. The SuperLink's SuperExec (which starts each run's
+ServerApp) is woken the same way by the SuperLink when it creates a run (:func:`supervise`,
+:func:`wake_on_runs`). Flower's loops are unchanged; a Flower release that starts its SuperExec,
+stores messages or creates runs otherwise keeps its polling, with a warning.
+
 Before it runs ``flower-supernode``, it starts the site's ClientApp fork server
 (:mod:`medfl.flower.flwr_forks`; :data:`~medfl.flower.flwr_forks.MODE_ENV` = ``flower`` leaves
 Flower's own start): each message's ClientApp is then forked from a process that has Flower
@@ -62,6 +74,7 @@ import json
 import logging
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -70,9 +83,11 @@ import time
 import traceback
 from typing import Any, Callable, Mapping
 
-__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "NODE_POLL_ENV", "DEFAULT_NODE_POLL", "LOCAL_WAIT", "COMMANDS",
-           "LEFT_EXIT", "LINGER", "SUPERVISED_ENV", "task_window", "widen_task_window", "node_poll", "PacedTime", "pace_supernode",
-           "run_flower", "supervise", "outlive_superexec", "main"]
+__all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "NODE_POLL_ENV", "DEFAULT_NODE_POLL",
+           "LOCAL_WAIT", "COMMANDS", "LEFT_EXIT", "LINGER", "SUPERVISED_ENV", "task_window",
+           "widen_task_window", "node_poll", "PacedTime", "pace_supernode", "WAKE_FD_ENV",
+           "WAKER_FD_ENV", "WOKEN_POLL", "WokenTime", "wake_superexec", "wait_for_wakes",
+           "wake_on_runs", "run_flower", "supervise", "outlive_superexec", "main"]
 
 #: Environment variable: seconds a new ClientApp/ServerApp process has to report (default below).
 TASK_WINDOW_ENV = "MEDFL_FLOWER_TASK_WINDOW"
@@ -92,9 +107,26 @@ LOCAL_WAIT = 0.02
 _MIN_NODE_POLL = 0.01
 #: Flower's SuperNode work loop (the module whose ``time.sleep`` calls are its waits).
 _NODE_LOOP = "flwr.supernode.start_client_internal"
+#: Flower's SuperExec loop (its ``time.sleep(task_poll_interval)`` is the wait between two asks).
+_EXEC_LOOP = "flwr.supercore.superexec.run_superexec"
+#: Flower's in-memory state of a SuperNode (its ``store_message`` takes each message that comes in).
+_NODE_STATE = "flwr.supernode.nodestate.in_memory_nodestate"
+#: Set for the SuperExec a SuperNode starts through :func:`wake_superexec`: the number of the
+#: file descriptor (the read end of a pipe) on which its SuperNode wakes it.
+WAKE_FD_ENV = "MEDFL_FLOWER_WAKE_FD"
+#: Set for a SuperLink started by :func:`supervise`: the number of the file descriptor (the
+#: write end of a pipe) on which it wakes its SuperExec when it creates a run.
+WAKER_FD_ENV = "MEDFL_FLOWER_WAKER_FD"
+#: Flower's SuperLink states (each ``create_run`` makes a run's ServerApp task).
+_LINK_STATES = (("flwr.server.superlink.linkstate.in_memory_linkstate", "InMemoryLinkState"),
+                ("flwr.server.superlink.linkstate.sql_linkstate", "SqlLinkState"))
+#: The longest a woken SuperExec waits between two asks for a task when no wake comes (or
+#: ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` if longer): Flower's own default interval.
+WOKEN_POLL = 1.0
 #: The Flower commands this starts: name -> (module, function) of its console script.
 COMMANDS = {"flower-superlink": ("flwr.superlink.cli", "flower_superlink"),
-            "flower-supernode": ("flwr.supernode.cli", "flower_supernode")}
+            "flower-supernode": ("flwr.supernode.cli", "flower_supernode"),
+            "flower-superexec": ("flwr.supercore.cli", "flower_superexec")}
 #: Flower's task-state modules whose heartbeat interval sets how long a claimed task may stay silent.
 _STATE_MODULES = ("flwr.supercore.corestate.in_memory_corestate", "flwr.supercore.corestate.sql_corestate")
 _FLOWER_WINDOW = 30.0
@@ -234,6 +266,204 @@ def pace_supernode(seconds: float) -> bool:
     return True
 
 
+class WokenTime:
+    """The ``time`` module as Flower's SuperExec loop sees it once :func:`wait_for_wakes` ran:
+    the same module, except that :meth:`sleep` (its wait between two asks for a task) ends as
+    soon as a byte comes on ``fd`` (its SuperNode stored a message for a ClientApp) and lasts
+    at least ``floor`` seconds otherwise.
+
+    Each byte is one message: when several came during one ask, as many waits after it end at
+    once, so no message waits for the fallback. Once the pipe has no writer left (the
+    SuperNode is gone), the waits are the plain ``time.sleep`` again.
+
+    Args:
+        module: the ``time`` module (or a stand-in: tests).
+        fd: the read end of the pipe the SuperNode writes to (made non-blocking here).
+        floor: the shortest wait when no byte comes, in seconds.
+    """
+
+    def __init__(self, module: Any, fd: int, floor: float = WOKEN_POLL) -> None:
+        self._module = module
+        self.fd: int | None = fd
+        self.floor = float(floor)
+        self.pending = 0
+        os.set_blocking(fd, False)
+
+    def _drain(self) -> int:
+        """Read what is on the pipe; the bytes read, or -1 at its end (no writer left)."""
+        got = 0
+        while self.fd is not None:
+            try:
+                data = os.read(self.fd, 4096)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                os.close(self.fd)
+                self.fd = None
+                return got or -1
+            got += len(data)
+        return got
+
+    def sleep(self, seconds: float) -> None:
+        """Wait until the SuperNode's next byte, or ``max(seconds, floor)`` seconds; at once
+        when a byte read before is still owed its ask."""
+        if self.pending > 0:
+            self.pending -= 1
+            return
+        if self.fd is None:
+            self._module.sleep(seconds)
+            return
+        ready, _, _ = select.select([self.fd], [], [], max(float(seconds), self.floor))
+        if ready:
+            got = self._drain()
+            if got < 0:                      # the SuperNode is gone: Flower's own waits
+                self._module.sleep(seconds)
+            else:
+                self.pending += max(got - 1, 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class _SuperExecStarter:
+    """The ``subprocess`` module as Flower's SuperNode loop sees it once :func:`wake_superexec`
+    ran: ``Popen(["flower-superexec", ...])`` (and only that) runs this file's
+    ``flower-superexec`` with the pipe's read end (:data:`WAKE_FD_ENV`) instead."""
+
+    def __init__(self, module: Any, fd: int) -> None:
+        self._module = module
+        self.fd: int | None = fd
+
+    def Popen(self, args: Any, *more: Any, **options: Any) -> Any:  # noqa: N802 - subprocess's name
+        """``subprocess.Popen``, except for the SuperNode's ``flower-superexec`` (see above)."""
+        if (self.fd is None or more or options or not isinstance(args, list) or not args
+                or args[0] != "flower-superexec"):
+            return self._module.Popen(args, *more, **options)
+        fd, self.fd = self.fd, None
+        try:
+            return self._module.Popen([sys.executable, os.path.abspath(__file__), *args],
+                                      env={**os.environ, WAKE_FD_ENV: str(fd)}, pass_fds=(fd,))
+        finally:
+            os.close(fd)   # the SuperExec has its own; a byte written without it is dropped
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _wake(fd: int) -> None:
+    """Write one byte to the SuperExec's pipe; a full pipe (it has bytes enough to wake) or one
+    without a reader (the SuperExec is gone) is left as it is."""
+    try:
+        os.write(fd, b"\0")
+    except OSError:
+        pass
+
+
+def wake_superexec() -> bool:
+    """In a SuperNode's process, before Flower's command runs: start its SuperExec through
+    this file (``flower-superexec``, with :func:`wait_for_wakes`) and wake it whenever a message
+    for a ClientApp is stored (see the module's docstring); return whether it was done. Not
+    done, with a warning, when this Flower release's SuperNode does not start its SuperExec
+    and store its messages as Flower 1.42's does: the SuperExec then polls as Flower's does."""
+    module = importlib.import_module(_NODE_LOOP)
+    if isinstance(getattr(module, "subprocess", None), _SuperExecStarter):
+        return True
+    try:
+        state_class = importlib.import_module(_NODE_STATE).InMemoryNodeState
+        source = inspect.getsource(module)
+    except (ImportError, AttributeError, OSError, TypeError):
+        state_class, source = None, ""
+    if (state_class is None or getattr(module, "subprocess", None) is not subprocess
+            or 'command = ["flower-superexec"]' not in source or "subprocess.Popen(command)" not in source
+            or not callable(getattr(state_class, "store_message", None))):
+        _say("warning: this Flower release's SuperNode does not start its SuperExec as Flower 1.42's does; the "
+             "SuperExec looks for tasks every FLWR_SUPEREXEC_TASK_POLL_INTERVAL seconds instead of being woken")
+        return False
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    store = state_class.store_message
+
+    def store_message(self: Any, message: Any) -> Any:
+        stored = store(self, message)
+        if stored is not None and not getattr(message.metadata, "reply_to_message_id", ""):
+            _wake(write)
+        return stored
+
+    store_message.__doc__ = store.__doc__
+    state_class.store_message = store_message
+    module.subprocess = _SuperExecStarter(subprocess, read)
+    return True
+
+
+def wake_on_runs(env: Mapping[str, str] | None = None) -> bool:
+    """In a SuperLink started by :func:`supervise`: write a byte on the descriptor
+    :data:`WAKER_FD_ENV` names whenever a run is created (its ServerApp's task), so that the
+    SuperLink's SuperExec starts it at once; return whether it was done. Not done when the
+    variable is absent or names no open descriptor, nor, with a warning, when this Flower
+    release's SuperLink states have no ``create_run`` (its SuperExec then polls)."""
+    raw = (os.environ if env is None else env).get(WAKER_FD_ENV, "").strip()
+    os.environ.pop(WAKER_FD_ENV, None)
+    if not raw.isdigit():
+        return False
+    fd = int(raw)
+    try:
+        os.fstat(fd)
+        classes = [getattr(importlib.import_module(module), name) for module, name in _LINK_STATES]
+    except (OSError, ImportError, AttributeError):
+        classes = []
+    if not classes or not all(callable(getattr(c, "create_run", None)) for c in classes):
+        _say("warning: this Flower release's SuperLink does not create runs as Flower 1.42's does; its SuperExec "
+             "looks for a run's ServerApp every FLWR_SUPEREXEC_TASK_POLL_INTERVAL seconds instead of being woken")
+        return False
+    os.set_blocking(fd, False)
+    for cls in classes:
+        create = cls.__dict__.get("create_run")
+        if create is None or getattr(create, "_medfl_wakes", False):
+            continue
+
+        def create_run(self: Any, *args: Any, _create: Any = create, **kwargs: Any) -> Any:
+            run_id = _create(self, *args, **kwargs)
+            if run_id:
+                _wake(fd)
+            return run_id
+
+        create_run.__doc__ = create.__doc__
+        create_run._medfl_wakes = True   # type: ignore[attr-defined]
+        cls.create_run = create_run
+    return True
+
+
+def wait_for_wakes(env: Mapping[str, str] | None = None) -> bool:
+    """In a SuperExec started by :func:`wake_superexec`: make Flower's SuperExec loop wait for
+    its SuperNode's bytes (:class:`WokenTime`) on the descriptor :data:`WAKE_FD_ENV` names;
+    return whether it was done. Not done (the SuperExec polls as Flower's does) when the
+    variable is absent or names no open descriptor, nor, with a warning, when this Flower
+    release's loop waits otherwise."""
+    raw = (os.environ if env is None else env).get(WAKE_FD_ENV, "").strip()
+    os.environ.pop(WAKE_FD_ENV, None)   # not for the ClientApps it starts
+    if not raw.isdigit():
+        return False
+    fd = int(raw)
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    module = importlib.import_module(_EXEC_LOOP)
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        source = ""
+    if getattr(module, "time", None) is not time or "time.sleep(task_poll_interval)" not in source:
+        os.close(fd)
+        _say("warning: this Flower release's SuperExec does not wait as Flower 1.42's does; it looks for tasks every "
+             "FLWR_SUPEREXEC_TASK_POLL_INTERVAL seconds instead of being woken")
+        return False
+    module.time = WokenTime(time, fd)
+    return True
+
+
 def _lingering() -> list[threading.Thread]:
     """The threads other than this one that keep the process from exiting (non-daemon, alive)."""
     return [t for t in threading.enumerate()
@@ -345,6 +575,13 @@ def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0,
     SuperExec while this process lives, see :func:`outlive_superexec`); they stay
     descendants of this process.
 
+    Flower's ``flower-superexec`` (an ``exec_cmd`` whose first word is named so) runs through
+    this file with the read end of a pipe whose write end the SuperLink gets: the SuperLink
+    writes a byte when it creates a run (:func:`wake_on_runs`) and the SuperExec starts its
+    ServerApp at once instead of at its next look (:func:`wait_for_wakes`, at least every
+    :data:`WOKEN_POLL` seconds). Both ends stay open here, so a SuperExec started again reads
+    on the same pipe.
+
     Both children run in sessions of their own, so that a signal to this process's group
     (Ctrl-C, a service manager's stop) reaches this process only, and it stops them in
     order, as Flower's SuperLink stops its own SuperExec: the ServerApps first (SIGTERM, up to
@@ -354,17 +591,24 @@ def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0,
     stopping = threading.Event()
     exec_cmd = [*exec_cmd, "--parent-pid", str(os.getpid())]
     exec_env = {**os.environ, SUPERVISED_ENV: str(os.getpid())}
+    link_env, link_fds, exec_fds = None, (), ()
+    if os.path.basename(exec_cmd[0]) == "flower-superexec":   # woken by the SuperLink (see the module)
+        read, write = os.pipe()   # both ends stay here: a SuperExec started again reads on
+        exec_cmd = [sys.executable, os.path.abspath(__file__), "flower-superexec", *exec_cmd[1:]]
+        exec_env[WAKE_FD_ENV], exec_fds = str(read), (read,)
+        link_env, link_fds = {**os.environ, WAKER_FD_ENV: str(write)}, (write,)
     _adopt_orphans()
 
-    def start(cmd: list[str], env: dict[str, str] | None = None) -> "subprocess.Popen[bytes]":
+    def start(cmd: list[str], env: dict[str, str] | None = None,
+              fds: tuple[int, ...] = ()) -> "subprocess.Popen[bytes]":
         return subprocess.Popen(cmd, env=env, start_new_session=True,   # noqa: PLW1509 - one thread here
-                                preexec_fn=_killed_with_parent)
+                                preexec_fn=_killed_with_parent, pass_fds=fds)
 
     def stop(signum: int, _frame: Any) -> None:
         stopping.set()
 
-    link = start(link_cmd)
-    superexec = start(exec_cmd, exec_env)
+    link = start(link_cmd, link_env, link_fds)
+    superexec = start(exec_cmd, exec_env, exec_fds)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     _say(f"SuperLink pid {link.pid}, SuperExec pid {superexec.pid} (started again whenever it exits)", logging.INFO)
@@ -385,7 +629,7 @@ def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0,
                  "the runs it started go on")
             due, delay = time.monotonic() + delay, min(delay * 2, max_backoff)
         elif time.monotonic() >= due:
-            superexec, started, due = start(exec_cmd, exec_env), time.monotonic(), None
+            superexec, started, due = start(exec_cmd, exec_env, exec_fds), time.monotonic(), None
             _say(f"SuperExec pid {superexec.pid}", logging.INFO)
     # the ServerApps first (the SuperExec's, and those a SuperExec that died left to this
     # process), while the SuperLink still answers them; then the SuperExec; then the SuperLink
@@ -497,12 +741,19 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         _say(f"error: {exc}")
         return 2
-    widen_task_window(window)
+    if argv[0] == "flower-superexec":
+        forks._set_name(argv[0])   # as `ps -C` finds Flower's own (its first 15 bytes)
+        wait_for_wakes()
+    else:
+        widen_task_window(window)
+    if argv[0] == "flower-superlink":
+        wake_on_runs()
     if argv[0] == "flower-supernode":
         pace_supernode(poll)
         forks.pace_pulls()
         if start_mode == "fork":
             forks.start(first_pull_wait=forks.FIRST_PULL_WAIT)
+        wake_superexec()   # after the fork server: its pipe is not the fork server's
     module, function = COMMANDS[argv[0]]
     entry = getattr(importlib.import_module(module), function)
     # Flower reads its own name from argv[0] (logs, exit handling), as its console script sets it

@@ -80,6 +80,26 @@ def test_fedavg_over_flower_matches_in_process(federation) -> None:
     ok = events[(events["status"] == "ok") & events["phase"].isin(["train", "evaluate"])]
     assert len(ok) == 2 * 2 * 3   # rounds x (train, evaluate) x sites
     _no_state_at_coordinator(flower)
+    _every_superexec_is_woken(fed)
+
+
+def _every_superexec_is_woken(fed: LocalFederation) -> None:
+    """The SuperLink's SuperExec and each site's run through medfl's launcher, woken by their
+    SuperLink or SuperNode (``flwr_launcher.py flower-superexec``), none as Flower's own
+    polling command (issue 50, item 4)."""
+    from medfl.flower.deploy import _descendants
+
+    lines = []
+    for proc in fed.procs.values():
+        for pid in _descendants(proc.popen.pid):
+            try:
+                line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "flower-superexec" in line:
+                lines.append(line)
+    woken = [ln for ln in lines if "flwr_launcher.py flower-superexec " in ln]
+    assert len(woken) == len(lines) == 1 + 3, lines    # the SuperLink's and three sites'
 
 
 def test_fedskd_peer_to_peer_over_flower_matches_in_process(federation) -> None:
