@@ -22,8 +22,12 @@ The child has the stub's environment, but what Flower reads from the environment
 imported (``FLWR_TELEMETRY_ENABLED``, ``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``...) it read in the fork server, which has the
 SuperNode's environment, as its SuperExec and so Flower's own ClientApps do.
 
-Nothing of Flower is changed: the SuperExec still starts a command named ``flwr-clientapp``
-for each task, with Flower's arguments. When the fork server cannot be reached, the stub
+A site's SuperExec, which :mod:`medfl.flower.flwr_launcher` runs, does not start the stub at
+all: :func:`launch` sends the stub's request from the SuperExec's own process (one Python
+start fewer a message) and falls back to the stub when the fork server does not answer.
+
+Nothing of Flower's code is changed: each task's ClientApp runs Flower's own
+``flwr-clientapp`` entry point with Flower's arguments. When the fork server cannot be reached, the stub
 replaces itself with Flower's own ``flwr-clientapp`` (:data:`REAL_ENV`), so a message is never
 lost to it. :data:`MODE_ENV` = ``flower`` leaves Flower's own start. The fork server ends
 with the process that started it (Linux ``PR_SET_PDEATHSIG``), and its children with it.
@@ -43,11 +47,12 @@ import socket
 import stat
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any
 
-__all__ = ["logger", "MODE_ENV", "MODES", "REAL_ENV", "STARTED_ENV", "STUB", "WARM_MODULES", "FIRST_PULL_WAIT", "ForkServer", "start", "mode",
-           "pace_pulls"]
+__all__ = ["logger", "MODE_ENV", "MODES", "REAL_ENV", "STARTED_ENV", "STUB", "WARM_MODULES",
+           "FIRST_PULL_WAIT", "ForkServer", "Launched", "launch", "start", "mode", "pace_pulls"]
 
 #: Environment variable: how a site's ClientApp processes start: ``fork`` (default: from the
 #: fork server) or ``flower`` (Flower's own: a new Python process that imports Flower).
@@ -178,6 +183,78 @@ def _recv_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
             or not all(isinstance(a, str) for a in request["argv"]) or not isinstance(request.get("env"), dict)):
         raise ValueError("a request without argv and env")
     return request, list(fds)
+
+
+class Launched:
+    """A ClientApp the fork server forked for :func:`launch` (the stub's part, in the caller's
+    process): its pid, and its exit code once the fork server has said it (:meth:`poll`)."""
+
+    def __init__(self, conn: socket.socket, pid: int, rest: bytes = b"") -> None:
+        self.conn: socket.socket | None = conn
+        self.pid = pid
+        self.returncode: int | None = None
+        self._rest = rest
+        conn.setblocking(False)
+
+    def poll(self) -> int | None:
+        """The ClientApp's exit code if the fork server has said it (the connection is then
+        closed), else ``None``; never waits."""
+        if self.conn is None:
+            return self.returncode
+        try:
+            while not self._rest.endswith(b"\n"):
+                more = self.conn.recv(256)
+                if not more:
+                    break
+                self._rest += more
+            self.returncode = int(json.loads(self._rest)["code"]) if self._rest else 1
+        except BlockingIOError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            self.returncode = 1
+        self.conn.close()
+        self.conn = None
+        return self.returncode
+
+
+def launch(argv: list[str], fds: tuple[int, int, int] = (0, 1, 2), command: str | None = None) -> Launched | None:
+    """Ask the fork server for a ClientApp with ``argv`` (Flower's ``flwr-clientapp`` arguments),
+    this process's environment and working folder, and ``fds`` as its standard streams, as its
+    stub would, without starting the stub; ``None`` where that cannot be done (the
+    ``flwr-clientapp`` first on ``PATH``, or ``command``, is not a fork server's stub, or its
+    server does not answer): then start the command as usual. What a site's SuperExec does for
+    each message (:func:`medfl.flower.flwr_launcher.direct_clientapps`): one Python process
+    fewer a message. The ClientApp ends with the fork server (it signals its children when
+    it ends), and watches its ``--parent-pid`` as Flower's does."""
+    found = command or shutil.which(_COMMAND)
+    if not found:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(found)), _SOCKET)
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return None
+        started = time.clock_gettime(time.CLOCK_BOOTTIME)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(30.0)
+        try:
+            conn.connect(path)
+            request = json.dumps({"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd(),
+                                  "started": started}).encode()
+            socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], list(fds))
+            got = b""
+            while b"\n" not in got:
+                more = conn.recv(256)
+                if not more:
+                    raise OSError("the fork server closed the connection")
+                got += more
+            line, rest = got.split(b"\n", 1)
+            pid = int(json.loads(line)["pid"])
+        except BaseException:
+            conn.close()
+            raise
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Launched(conn, pid, rest)
 
 
 def _fresh_randomness() -> None:

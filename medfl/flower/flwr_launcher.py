@@ -51,7 +51,9 @@ with four sites that was about a sixth of a loopback round's CPU on 2 cores. Her
 (:func:`wake_superexec`) the SuperNode starts its SuperExec through this file with the read end
 of a pipe, and writes a byte to it whenever it stores a message for a ClientApp; the
 SuperExec's wait between two asks (:class:`WokenTime`) ends at that byte, and otherwise lasts
-at least :data:`WOKEN_POLL` seconds. The SuperLink's SuperExec (which starts each run's
+at least :data:`WOKEN_POLL` seconds; it asks the site's ClientApp fork server for each
+ClientApp itself instead of starting the fork server's ``flwr-clientapp`` command
+(:func:`direct_clientapps`). The SuperLink's SuperExec (which starts each run's
 ServerApp) is woken the same way by the SuperLink when it creates a run (:func:`supervise`,
 :func:`wake_on_runs`). Flower's loops are unchanged; a Flower release that starts its SuperExec,
 stores messages or creates runs otherwise keeps its polling, with a warning.
@@ -86,8 +88,8 @@ from typing import Any, Callable, Mapping
 __all__ = ["TASK_WINDOW_ENV", "DEFAULT_TASK_WINDOW", "NODE_POLL_ENV", "DEFAULT_NODE_POLL",
            "LOCAL_WAIT", "COMMANDS", "LEFT_EXIT", "LINGER", "SUPERVISED_ENV", "task_window",
            "widen_task_window", "node_poll", "PacedTime", "pace_supernode", "WAKE_FD_ENV",
-           "WAKER_FD_ENV", "WOKEN_POLL", "WokenTime", "wake_superexec", "wait_for_wakes",
-           "wake_on_runs", "run_flower", "supervise", "outlive_superexec", "main"]
+           "direct_clientapps", "WAKER_FD_ENV", "WOKEN_POLL", "WokenTime", "wake_superexec",
+           "wait_for_wakes", "wake_on_runs", "run_flower", "supervise", "outlive_superexec", "main"]
 
 #: Environment variable: seconds a new ClientApp/ServerApp process has to report (default below).
 TASK_WINDOW_ENV = "MEDFL_FLOWER_TASK_WINDOW"
@@ -109,6 +111,8 @@ _MIN_NODE_POLL = 0.01
 _NODE_LOOP = "flwr.supernode.start_client_internal"
 #: Flower's SuperExec loop (its ``time.sleep(task_poll_interval)`` is the wait between two asks).
 _EXEC_LOOP = "flwr.supercore.superexec.run_superexec"
+#: Flower's SuperExec executor that starts each task's process (``subprocess.Popen(args)``).
+_EXECUTOR = "flwr.supercore.superexec.executor.subprocess_executor"
 #: Flower's in-memory state of a SuperNode (its ``store_message`` takes each message that comes in).
 _NODE_STATE = "flwr.supernode.nodestate.in_memory_nodestate"
 #: Set for the SuperExec a SuperNode starts through :func:`wake_superexec`: the number of the
@@ -435,6 +439,61 @@ def wake_on_runs(env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+class _ClientAppStarter:
+    """The ``subprocess`` module as Flower's SuperExec executor sees it once
+    :func:`direct_clientapps` ran: ``Popen(["flwr-clientapp", ...])`` asks the site's fork
+    server for the ClientApp itself (:func:`medfl.flower.flwr_forks.launch`) instead of starting
+    the fork server's stub, a Python process, to ask it; anything else, and a ClientApp the
+    fork server cannot start, is ``subprocess.Popen`` as before (the stub, which falls back to
+    Flower's own ``flwr-clientapp``)."""
+
+    def __init__(self, module: Any, forks: Any) -> None:
+        self._module = module
+        self._forks = forks
+        self.running: list[Any] = []
+
+    def Popen(self, args: Any, *more: Any, **options: Any) -> Any:  # noqa: N802 - subprocess's name
+        """``subprocess.Popen``, except for ``flwr-clientapp`` (see above)."""
+        self.running = [app for app in self.running if app.poll() is None]   # closes the ended ones' sockets
+        quiet = options.get("stdout") == self._module.DEVNULL and options.get("stderr") == self._module.DEVNULL
+        if (more or not isinstance(args, list) or not args or args[0] != "flwr-clientapp"
+                or (options and (set(options) != {"stdout", "stderr"} or not quiet))):
+            return self._module.Popen(args, *more, **options)
+        null = os.open(os.devnull, os.O_RDWR) if quiet else None
+        try:
+            app = self._forks.launch(args[1:], (0, null, null) if quiet else (0, 1, 2))
+        finally:
+            if null is not None:
+                os.close(null)
+        if app is None:
+            return self._module.Popen(args, *more, **options)
+        self.running.append(app)
+        return app
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def direct_clientapps(forks: Any) -> bool:
+    """In a site's SuperExec whose ``flwr-clientapp`` is the fork server's stub: have Flower's
+    executor ask the fork server for each ClientApp itself (:class:`_ClientAppStarter`), one
+    Python process fewer a message; return whether it was done. Not done, with a warning, when
+    this Flower release's executor does not start its ClientApps with ``subprocess.Popen``."""
+    module = importlib.import_module(_EXECUTOR)
+    if isinstance(getattr(module, "subprocess", None), _ClientAppStarter):
+        return True
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        source = ""
+    if getattr(module, "subprocess", None) is not subprocess or "subprocess.Popen(args)" not in source:
+        _say("warning: this Flower release's SuperExec starts its ClientApps otherwise than Flower 1.42's; each "
+             "starts through the fork server's flwr-clientapp command instead")
+        return False
+    module.subprocess = _ClientAppStarter(subprocess, forks)
+    return True
+
+
 def wait_for_wakes(env: Mapping[str, str] | None = None) -> bool:
     """In a SuperExec started by :func:`wake_superexec`: make Flower's SuperExec loop wait for
     its SuperNode's bytes (:class:`WokenTime`) on the descriptor :data:`WAKE_FD_ENV` names;
@@ -744,6 +803,8 @@ def main(argv: list[str]) -> int:
     if argv[0] == "flower-superexec":
         forks._set_name(argv[0])   # as `ps -C` finds Flower's own (its first 15 bytes)
         wait_for_wakes()
+        if start_mode == "fork":   # a site's ClientApps from its fork server (the SuperLink's starts none)
+            direct_clientapps(forks)
     else:
         widen_task_window(window)
     if argv[0] == "flower-superlink":

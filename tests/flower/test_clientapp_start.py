@@ -111,6 +111,99 @@ def test_the_stub_runs_flowers_own_clientapp_when_the_fork_server_is_gone(tmp_pa
     assert code == "0" and "usage: flwr-clientapp" in json.loads(text)
 
 
+def test_a_superexec_asks_the_fork_server_itself(tmp_path: Path) -> None:
+    """What a site's SuperExec does for each message (``flwr_forks.launch``): the same
+    request as the stub's, from its own process, no stub started; the ClientApp gets the
+    streams it is handed and its exit code comes back; a ``flwr-clientapp`` that is no fork
+    server's stub is left to ``subprocess``."""
+    res = _driver(tmp_path, """
+        def run(argv):
+            read, write = os.pipe()
+            app = flwr_forks.launch(argv, (0, write, write))
+            os.close(write)
+            out = b""
+            while True:                        # the pipe's end: the ClientApp has ended
+                chunk = os.read(read, 65536)
+                if not chunk:
+                    break
+                out += chunk
+            for _ in range(3000):              # its exit code, said by the fork server (a condition)
+                if app.poll() is not None:
+                    break
+                time.sleep(0.1)
+            return app, out.decode()
+        app, out = run(["--help"])
+        print("HELP", app.returncode, app.conn is None, json.dumps(out), flush=True)
+        app, out = run(["--no-such-option"])
+        print("BAD", app.returncode, json.dumps(out), flush=True)
+        print("OTHER", flwr_forks.launch(["--help"], command=sys.executable), flush=True)
+        print("CHILDREN", sum(1 for n in os.listdir("/proc") if n.isdigit() and os.path.exists(f"/proc/{n}/stat")
+              and int(open(f"/proc/{n}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid()), flush=True)
+    """)
+    assert res.returncode == 0, res.stderr
+    out = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in res.stdout.splitlines() if " " in line}
+    code, closed, text = out["HELP"].split(" ", 2)
+    assert code == "0" and closed == "True" and "usage: flwr-clientapp" in json.loads(text)
+    code, text = out["BAD"].split(" ", 1)
+    assert code == "2" and "flwr-clientapp: error:" in json.loads(text)
+    assert out["OTHER"] == "None"
+    assert out["CHILDREN"] == "1"          # the fork server only: no stub was started
+
+
+class _Subprocess(SimpleNamespace):
+    """A stand-in ``subprocess`` module that records what it was asked to start."""
+
+    DEVNULL = subprocess.DEVNULL
+
+    def __init__(self) -> None:
+        super().__init__(started=[])
+
+    def Popen(self, args, *more, **options):  # noqa: ANN001, ANN201, N802
+        self.started.append((args, more, options))
+        return "popen"
+
+
+def test_the_superexec_starts_a_clientapp_without_its_stub_and_anything_else_as_before() -> None:
+    asked: list[tuple] = []
+    apps = iter([SimpleNamespace(poll=lambda: None), SimpleNamespace(poll=lambda: 0), None])
+
+    def launch(argv, fds):  # noqa: ANN001, ANN202
+        asked.append((argv, fds, [os.path.exists(f"/proc/self/fd/{fd}") for fd in fds]))
+        return next(apps)
+
+    sub = _Subprocess()
+    starter = flwr_launcher._ClientAppStarter(sub, SimpleNamespace(launch=launch))
+    first = starter.Popen(["flwr-clientapp", "--token", "t", "--insecure"])
+    assert asked[-1][:2] == (["--token", "t", "--insecure"], (0, 1, 2)) and sub.started == []
+    quiet = starter.Popen(["flwr-clientapp", "--token", "u"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fds = asked[-1][1]
+    assert fds[0] == 0 and fds[1] == fds[2] > 2 and asked[-1][2] == [True, True, True]   # /dev/null, open then
+    assert not os.path.exists(f"/proc/self/fd/{fds[1]}")                                  # and closed after
+    assert starter.running == [first, quiet]
+    assert starter.Popen(["flwr-clientapp", "--token", "v"]) == "popen"       # the fork server could not
+    assert sub.started[-1] == (["flwr-clientapp", "--token", "v"], (), {})    # -> the stub, as before
+    assert starter.running == [first]                                          # the ended one is let go
+    assert starter.Popen(["flwr-serverapp", "--x"]) == "popen"
+    assert starter.Popen(["flwr-clientapp"], stdout=subprocess.PIPE) == "popen" and len(asked) == 3
+    assert starter.DEVNULL == subprocess.DEVNULL
+
+
+def test_this_flowers_superexec_starts_clientapps_as_expected(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The hook fits this Flower (1.42): its executor starts a task's process with
+    ``subprocess.Popen(args)``. A Flower release that does otherwise fails here."""
+    import importlib
+
+    executor = importlib.import_module("flwr.supercore.superexec.executor.subprocess_executor")
+    monkeypatch.setattr(executor, "subprocess", subprocess)
+    assert flwr_launcher.direct_clientapps(flwr_forks) is True
+    assert isinstance(executor.subprocess, flwr_launcher._ClientAppStarter)
+    assert flwr_launcher.direct_clientapps(flwr_forks) is True
+    monkeypatch.setattr(executor, "subprocess", SimpleNamespace())
+    assert flwr_launcher.direct_clientapps(flwr_forks) is False
+    assert "starts its ClientApps otherwise" in capsys.readouterr().err
+
+
 def test_how_clientapps_start_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert flwr_forks.mode({}) == "fork"
     assert flwr_forks.mode({flwr_forks.MODE_ENV: " Flower "}) == "flower"
