@@ -76,7 +76,8 @@ def flower_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) with this Python's script directory first on
     ``PATH``: Flower starts its helpers (``flower-superexec``, ``flwr-serverapp``,
     ``flwr-clientapp``) by name, so they must be found from the same installation. Unless
-    ``env`` sets them: the SuperExecs look for tasks every 0.1 s (:data:`TASK_POLL_ENV`) and
+    ``env`` sets them: a SuperExec medfl's launcher does not wake looks for tasks every 0.1 s
+    (:data:`TASK_POLL_ENV`; a woken one at least every 1 s) and
     Flower's telemetry is off (:data:`TELEMETRY_ENV`; ``FLWR_TELEMETRY_ENABLED=1`` turns it on)."""
     out = dict(os.environ if env is None else env)
     bindir = str(Path(sys.executable).parent)
