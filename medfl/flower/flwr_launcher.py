@@ -217,7 +217,41 @@ def node_poll(env: Mapping[str, str] | None = None) -> float:
     return value
 
 
-class PacedTime:
+def _source(module: Any) -> str:
+    """The source of a Flower ``module`` (what the hooks below check before they touch it), or
+    ``""`` where it cannot be read (no ``.py`` beside the bytecode)."""
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
+
+
+class _ModuleView:
+    """A stand-in for a module (``time``, ``subprocess``) that a Flower module sees instead of
+    it: everything is the module's but what a subclass defines."""
+
+    _module: Any
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def _inherited_fd(name: str, env: Mapping[str, str] | None) -> int | None:
+    """The open file descriptor that environment variable ``name`` of ``env`` (default: this
+    process's) names, else ``None``; the variable is taken out of this process's environment
+    (not for the processes it starts)."""
+    raw = (os.environ if env is None else env).get(name, "").strip()
+    os.environ.pop(name, None)
+    if not raw.isdigit():
+        return None
+    try:
+        os.fstat(int(raw))
+    except OSError:
+        return None
+    return int(raw)
+
+
+class PacedTime(_ModuleView):
     """The ``time`` module as Flower's SuperNode loop sees it once :func:`pace_supernode` ran:
     the same module, except that :meth:`sleep` waits at most :attr:`cap` seconds for Flower's
     idle wait (3 s: asking the SuperLink again) and at most :data:`LOCAL_WAIT` seconds (and at
@@ -240,9 +274,6 @@ class PacedTime:
         limit = self.cap if seconds >= FLOWER_NODE_POLL else min(self.cap, LOCAL_WAIT)
         self._module.sleep(min(seconds, limit))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
 
 def pace_supernode(seconds: float) -> bool:
     """Make Flower's SuperNode in this process wait at most ``seconds`` between two asks for a
@@ -259,10 +290,7 @@ def pace_supernode(seconds: float) -> bool:
         return True
     if float(seconds) >= FLOWER_NODE_POLL:
         return False
-    try:
-        source = inspect.getsource(module)
-    except (OSError, TypeError):
-        source = ""
+    source = _source(module)
     if current is not time or "time.sleep(3)" not in source:
         _say(f"warning: this Flower release's SuperNode ({_NODE_LOOP}) does not wait as Flower 1.42's does; it "
              f"keeps its own waits ({NODE_POLL_ENV} not applied)")
@@ -271,7 +299,7 @@ def pace_supernode(seconds: float) -> bool:
     return True
 
 
-class WokenTime:
+class WokenTime(_ModuleView):
     """The ``time`` module as Flower's SuperExec loop sees it once :func:`wait_for_wakes` ran:
     the same module, except that :meth:`sleep` (its wait between two asks for a task) ends as
     soon as a byte comes on ``fd`` (its SuperNode stored a message for a ClientApp) and lasts
@@ -328,11 +356,8 @@ class WokenTime:
             else:
                 self.pending += max(got - 1, 0)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
 
-
-class _SuperExecStarter:
+class _SuperExecStarter(_ModuleView):
     """The ``subprocess`` module as Flower's SuperNode loop sees it once :func:`wake_superexec`
     ran: ``Popen(["flower-superexec", ...])`` (and only that) runs this file's
     ``flower-superexec`` with the pipe's read end (:data:`WAKE_FD_ENV`) instead."""
@@ -352,9 +377,6 @@ class _SuperExecStarter:
                                       env={**os.environ, WAKE_FD_ENV: str(fd)}, pass_fds=(fd,))
         finally:
             os.close(fd)   # the SuperExec has its own; a byte written without it is dropped
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
 
 
 def _wake(fd: int) -> None:
@@ -377,9 +399,9 @@ def wake_superexec() -> bool:
         return True
     try:
         state_class = importlib.import_module(_NODE_STATE).InMemoryNodeState
-        source = inspect.getsource(module)
-    except (ImportError, AttributeError, OSError, TypeError):
-        state_class, source = None, ""
+    except (ImportError, AttributeError):
+        state_class = None
+    source = _source(module)
     if (state_class is None or getattr(module, "subprocess", None) is not subprocess
             or 'command = ["flower-superexec"]' not in source or "subprocess.Popen(command)" not in source
             or not callable(getattr(state_class, "store_message", None))):
@@ -408,15 +430,12 @@ def wake_on_runs(env: Mapping[str, str] | None = None) -> bool:
     SuperLink's SuperExec starts it at once; return whether it was done. Not done when the
     variable is absent or names no open descriptor, nor, with a warning, when this Flower
     release's SuperLink states have no ``create_run`` (its SuperExec then polls)."""
-    raw = (os.environ if env is None else env).get(WAKER_FD_ENV, "").strip()
-    os.environ.pop(WAKER_FD_ENV, None)
-    if not raw.isdigit():
+    fd = _inherited_fd(WAKER_FD_ENV, env)
+    if fd is None:
         return False
-    fd = int(raw)
     try:
-        os.fstat(fd)
         classes = [getattr(importlib.import_module(module), name) for module, name in _LINK_STATES]
-    except (OSError, ImportError, AttributeError):
+    except (ImportError, AttributeError):
         classes = []
     if not classes or not all(callable(getattr(c, "create_run", None)) for c in classes):
         _say("warning: this Flower release's SuperLink does not create runs as Flower 1.42's does; its SuperExec "
@@ -440,7 +459,7 @@ def wake_on_runs(env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-class _ClientAppStarter:
+class _ClientAppStarter(_ModuleView):
     """The ``subprocess`` module as Flower's SuperExec executor sees it once
     :func:`direct_clientapps` ran: ``Popen(["flwr-clientapp", ...])`` asks the site's fork
     server for the ClientApp itself (:func:`medfl.flower.flwr_forks.launch`) instead of starting
@@ -471,9 +490,6 @@ class _ClientAppStarter:
         self.running.append(app)
         return app
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
 
 def direct_clientapps(forks: Any) -> bool:
     """In a site's SuperExec whose ``flwr-clientapp`` is the fork server's stub: have Flower's
@@ -483,11 +499,7 @@ def direct_clientapps(forks: Any) -> bool:
     module = importlib.import_module(_EXECUTOR)
     if isinstance(getattr(module, "subprocess", None), _ClientAppStarter):
         return True
-    try:
-        source = inspect.getsource(module)
-    except (OSError, TypeError):
-        source = ""
-    if getattr(module, "subprocess", None) is not subprocess or "subprocess.Popen(args)" not in source:
+    if getattr(module, "subprocess", None) is not subprocess or "subprocess.Popen(args)" not in _source(module):
         _say("warning: this Flower release's SuperExec starts its ClientApps otherwise than Flower 1.42's; each "
              "starts through the fork server's flwr-clientapp command instead")
         return False
@@ -501,21 +513,11 @@ def wait_for_wakes(env: Mapping[str, str] | None = None) -> bool:
     return whether it was done. Not done (the SuperExec polls as Flower's does) when the
     variable is absent or names no open descriptor, nor, with a warning, when this Flower
     release's loop waits otherwise."""
-    raw = (os.environ if env is None else env).get(WAKE_FD_ENV, "").strip()
-    os.environ.pop(WAKE_FD_ENV, None)   # not for the ClientApps it starts
-    if not raw.isdigit():
-        return False
-    fd = int(raw)
-    try:
-        os.fstat(fd)
-    except OSError:
+    fd = _inherited_fd(WAKE_FD_ENV, env)   # and not for the ClientApps it starts
+    if fd is None:
         return False
     module = importlib.import_module(_EXEC_LOOP)
-    try:
-        source = inspect.getsource(module)
-    except (OSError, TypeError):
-        source = ""
-    if getattr(module, "time", None) is not time or "time.sleep(task_poll_interval)" not in source:
+    if getattr(module, "time", None) is not time or "time.sleep(task_poll_interval)" not in _source(module):
         os.close(fd)
         _say("warning: this Flower release's SuperExec does not wait as Flower 1.42's does; it looks for tasks every "
              "FLWR_SUPEREXEC_TASK_POLL_INTERVAL seconds instead of being woken")
