@@ -12,6 +12,7 @@ before the method's code runs, refusing with the rule that is broken::
       "max_epsilon": 3.0,
       "max_epsilon_total": 8.0,
       "max_epsilon_per_release": 1.0,
+      "max_delta": 1e-5,
       "min_noise_multiplier": 0.8,
       "required_filters": [{"name": "quantize", "max": {"bits": 8}}],
       "cross_test": false
@@ -37,7 +38,9 @@ more release rounds than planned are refused), never a factor it trusts.
     and sample rate); mechanisms compose by adding their epsilons. At a run's start it
     projects the plan (``releases`` of the control record); before every DP reply it counts
     what it has released itself (``<state-dir>/budget.jsonl``). A run without any DP release
-    has an infinite epsilon and is refused.
+    has an infinite epsilon and is refused. It caps each run anew: ``medfl policy
+    --max-epsilon`` asks for ``--max-epsilon-total`` too (a number, or ``none`` for no cap
+    over runs).
 ``max_epsilon_total``
     the largest epsilon this site's data set may spend over every run the site serves
     (its budget file across runs, composed the same way): a run whose plan would pass it,
@@ -45,6 +48,14 @@ more release rounds than planned are refused), never a factor it trusts.
 ``max_epsilon_per_release``
     the same for one release (one reply of ``dp_gaussian``, one DP-SGD update, one
     release of a method's features).
+``max_delta``
+    the largest delta of any release (a filter's, ``train.dp``'s, a method's per-sample
+    release's and its own DP's); unset, :data:`DEFAULT_MAX_DELTA` (1e-5). A release asking a
+    larger delta is refused (an (epsilon, 0.5) guarantee is none), and every epsilon the site
+    computes (a release's, a run's, over every run) is at this delta, whatever delta the
+    coordinator named: each mechanism's history composed by its accountant at the site's
+    delta, the mechanisms' epsilons added (so the deltas add too: at most one ``max_delta``
+    per mechanism).
 ``min_noise_multiplier``
     the smallest noise multiplier (noise std over the clip) of any Gaussian release.
 ``required_filters``
@@ -72,12 +83,15 @@ from typing import Any, Callable, Iterable
 
 from medfl.approval import ApprovalError
 
-__all__ = ["PolicyError", "PolicyRefusal", "SitePolicy", "POLICY_RULES", "Spend", "composed_epsilon", "site_releases",
-           "request_releases"]
+__all__ = ["PolicyError", "PolicyRefusal", "SitePolicy", "POLICY_RULES", "DEFAULT_MAX_DELTA", "Spend",
+           "composed_epsilon", "site_releases", "request_releases"]
 
 #: The rules a policy may set, as they are spelt in the approvals file.
 POLICY_RULES: tuple[str, ...] = ("mechanisms", "max_epsilon", "max_epsilon_total", "max_epsilon_per_release",
-                                 "min_noise_multiplier", "required_filters", "cross_test")
+                                 "max_delta", "min_noise_multiplier", "required_filters", "cross_test")
+
+#: The largest delta a site with a policy accepts when the policy sets no ``max_delta``.
+DEFAULT_MAX_DELTA = 1e-5
 
 
 @dataclass(frozen=True)
@@ -113,20 +127,22 @@ class Spend:
         return {"mechanism": self.mechanism, "noise_multiplier": float(self.noise_multiplier), "clip": float(self.clip)}
 
 
-def composed_epsilon(entries: Iterable[dict[str, Any] | Spend]) -> float:
-    """The epsilon of a set of spends (budget records or :class:`Spend`): per (mechanism,
-    delta, accountant) the history ``(noise_multiplier, sample_rate, steps)`` composed by
-    Opacus's accountant (``privacy.csv``'s arithmetic, :mod:`medfl.privacy.ledger`), the groups' epsilons added. Infinite when any spend has no noise."""
+def composed_epsilon(entries: Iterable[dict[str, Any] | Spend], delta: float) -> float:
+    """The epsilon of a set of spends (budget records or :class:`Spend`) at the site's
+    ``delta`` (whatever delta each names): per (mechanism, accountant) the history
+    ``(noise_multiplier, sample_rate, steps)`` composed by Opacus's accountant (``privacy.csv``'s
+    arithmetic, :mod:`medfl.privacy.ledger`), the groups' epsilons added. Infinite when any
+    spend has no noise."""
     from medfl.privacy.ledger import _epsilon
 
-    groups: dict[tuple[str, float, str], list[tuple[float, float, int]]] = {}
+    groups: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
     for e in entries:
         d = asdict(e) if isinstance(e, Spend) else e
         if int(d["steps"]) <= 0:
             continue
-        key = (str(d["mechanism"]), float(d["delta"]), str(d["accountant"]))
+        key = (str(d["mechanism"]), str(d["accountant"]))
         groups.setdefault(key, []).append((float(d["noise_multiplier"]), float(d["sample_rate"]), int(d["steps"])))
-    return float(sum(_epsilon(hist, delta, acc) for (_, delta, acc), hist in groups.items()))
+    return float(sum(_epsilon(hist, delta, acc) for (_, acc), hist in groups.items()))
 
 
 class PolicyError(ApprovalError):
@@ -163,6 +179,8 @@ class SitePolicy:
         max_epsilon: largest epsilon over the run (``None``: no cap).
         max_epsilon_total: largest epsilon over every run on the site's data set (``None``: no cap).
         max_epsilon_per_release: largest epsilon of one release (``None``: no cap).
+        max_delta: largest delta of any release, and the delta every epsilon is computed at
+            (``None``: :data:`DEFAULT_MAX_DELTA`, :attr:`delta`).
         min_noise_multiplier: smallest noise multiplier of a Gaussian release (``None``: any).
         required_filters: filters the run must apply, with bounds on their parameters.
         cross_test: whether the site sends its evaluation model for cross_test (``None``:
@@ -176,6 +194,12 @@ class SitePolicy:
     required_filters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     cross_test: bool | None = None
     max_epsilon_total: float | None = None
+    max_delta: float | None = None
+
+    @property
+    def delta(self) -> float:
+        """The largest delta this site accepts, and the delta it computes every epsilon at."""
+        return DEFAULT_MAX_DELTA if self.max_delta is None else self.max_delta
 
     @property
     def capped(self) -> bool:
@@ -206,8 +230,9 @@ class SitePolicy:
         if mech is not None and (not isinstance(mech, list) or not all(isinstance(m, str) and m for m in mech)):
             raise PolicyError(f"{where}.mechanisms: expected a list of mechanism names like [\"dp_gaussian\", "
                               f"\"dp_sgd\"], got {mech!r}")
-        caps = {k: None if data.get(k) is None else _positive(data[k], f"{where}.{k}")
-                for k in ("max_epsilon", "max_epsilon_total", "max_epsilon_per_release", "min_noise_multiplier")}
+        caps = {k: None if data.get(k) is None else _positive(data[k], f"{where}.{k}") for k in _NUMBERS}
+        if caps["max_delta"] is not None and caps["max_delta"] >= 1:
+            raise PolicyError(f"{where}.max_delta: expected a delta in (0, 1) such as 1e-05, got {data['max_delta']!r}")
         filters = data.get("required_filters", [])
         if not isinstance(filters, list):
             raise PolicyError(f"{where}.required_filters: expected a list like [{{\"name\": \"quantize\", "
@@ -233,7 +258,7 @@ class SitePolicy:
         out: dict[str, Any] = {}
         if self.mechanisms is not None:
             out["mechanisms"] = list(self.mechanisms)
-        for k in ("max_epsilon", "max_epsilon_total", "max_epsilon_per_release", "min_noise_multiplier"):
+        for k in _NUMBERS:
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         if self.required_filters:
@@ -244,6 +269,8 @@ class SitePolicy:
 
     def describe(self) -> list[str]:
         """One line per rule, for ``medfl policy --show`` and the site's start."""
+        if not self.to_dict():
+            return ["no rule: any privacy (or none) is accepted"]
         lines = []
         if self.mechanisms is not None:
             lines.append(f"mechanisms: only {', '.join(self.mechanisms) or 'none'}")
@@ -253,6 +280,10 @@ class SitePolicy:
                         ("min_noise_multiplier", "smallest noise multiplier")):
             if getattr(self, k) is not None:
                 lines.append(f"{k}: {what} {getattr(self, k):g}")
+        if self.max_epsilon is not None and self.max_epsilon_total is None:
+            lines.append("max_epsilon_total: none, so every run may spend max_epsilon anew on this site's data set")
+        lines.append(f"max_delta: largest delta of any release, the delta every epsilon is computed at, "
+                     f"{self.delta:g}{' (the default)' if self.max_delta is None else ''}")
         for f in self.required_filters:
             b = [f"{p} <= {v:g}" for p, v in f["max"].items()] + [f"{p} >= {v:g}" for p, v in f["min"].items()]
             lines.append(f"required_filters: {f['name']}{' with ' + ', '.join(b) if b else ''}")
@@ -263,7 +294,7 @@ class SitePolicy:
         elif self.capped:
             lines.append("cross_test: not set, so this capped site never sends its evaluation model (it leaves "
                          "without noise); --cross-test yes sends it")
-        return lines or ["no rule: any privacy (or none) is accepted"]
+        return lines
 
     # ------------------------------------------------------------------ the site's check
     def check(self, control: dict[str, Any], num_examples: Callable[[], int], budget: Any = None) -> None:
@@ -293,17 +324,20 @@ class SitePolicy:
             if self.mechanisms is not None and r.mechanism not in self.mechanisms:
                 raise PolicyRefusal(f"rule mechanisms: the run releases with {r.mechanism}, this site accepts only "
                                     f"{', '.join(self.mechanisms) or 'no mechanism'}")
+            if r.delta > self.delta:
+                raise PolicyRefusal(f"rule max_delta: {r.mechanism} releases at delta {r.delta:g}, this site "
+                                    f"accepts at most {self.delta:g} (medfl policy --max-delta)")
             if self.min_noise_multiplier is not None and r.accountant != "laplace" \
                     and r.noise_multiplier < self.min_noise_multiplier:
                 raise PolicyRefusal(f"rule min_noise_multiplier: {r.mechanism} adds noise multiplier "
                                     f"{r.noise_multiplier:g}, this site requires at least {self.min_noise_multiplier:g}")
         if self.max_epsilon_per_release is not None:
             for r in releases:
-                eps = _epsilon([(r.noise_multiplier, r.sample_rate, r.steps)], r.delta, r.accountant)
+                eps = _epsilon([(r.noise_multiplier, r.sample_rate, r.steps)], self.delta, r.accountant)
                 if eps > self.max_epsilon_per_release:
                     raise PolicyRefusal(f"rule max_epsilon_per_release: one {r.mechanism} release spends epsilon "
-                                        f"{eps:.4g} (noise multiplier {r.noise_multiplier:g}, delta {r.delta:g}), "
-                                        f"this site accepts at most {self.max_epsilon_per_release:g}")
+                                        f"{eps:.4g} (noise multiplier {r.noise_multiplier:g}, at delta "
+                                        f"{self.delta:g}), this site accepts at most {self.max_epsilon_per_release:g}")
         for cap, name in ((self.max_epsilon, "max_epsilon"), (self.max_epsilon_total, "max_epsilon_total")):
             if cap is not None and not releases:
                 raise PolicyRefusal(f"rule {name}: the run makes no differential-privacy release (epsilon "
@@ -321,7 +355,7 @@ class SitePolicy:
         # per-sample release once (what the site then counts itself, reply by reply)
         plan = [replace(r, steps=r.steps * (count if r.per_round else 1)) for r in releases]
         mechs = ", ".join(sorted({r.mechanism for r in releases}))
-        total = composed_epsilon(plan)
+        total = composed_epsilon(plan, self.delta)
         if self.max_epsilon is not None and total > self.max_epsilon:
             raise PolicyRefusal(f"rule max_epsilon: the run spends epsilon {total:.4g} of this site's data "
                                 f"({mechs} over {count} planned release(s)), this site accepts at most "
@@ -329,13 +363,13 @@ class SitePolicy:
         if self.max_epsilon_total is not None and budget is not None:
             run = str(control.get("run", ""))
             others = [r for r in budget.spends() if r.get("run") != run]
-            total = composed_epsilon([*others, *plan])
+            total = composed_epsilon([*others, *plan], self.delta)
             if total > self.max_epsilon_total:
                 runs = len({r["run"] for r in others})
                 raise PolicyRefusal(f"rule max_epsilon_total: the run's plan ({mechs} over {count} planned "
                                     f"release(s)) on top of what {runs} earlier run(s) spent of this site's data set "
-                                    f"({composed_epsilon(others):.4g}) comes to epsilon {total:.4g}, this site accepts "
-                                    f"at most {self.max_epsilon_total:g} in all")
+                                    f"({composed_epsilon(others, self.delta):.4g}) comes to epsilon {total:.4g}, this "
+                                    f"site accepts at most {self.max_epsilon_total:g} in all")
 
     def _check_filters(self, filters: list[Any]) -> None:
         for req in self.required_filters:
@@ -353,6 +387,10 @@ class SitePolicy:
                     if not _number(f.get(param)) or float(f[param]) < bound:
                         raise PolicyRefusal(f"rule required_filters: filter {req['name']!r} has {param} "
                                             f"{f.get(param)!r}, this site requires at least {bound:g}")
+
+
+#: The rules that are one number > 0.
+_NUMBERS = ("max_epsilon", "max_epsilon_total", "max_epsilon_per_release", "max_delta", "min_noise_multiplier")
 
 
 def _number(value: Any) -> bool:

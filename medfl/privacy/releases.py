@@ -36,7 +36,7 @@ import torch
 from medfl.rundir import append_text
 
 __all__ = ["payload_digest", "append_record", "read_records", "ReleaseRefused", "SiteReleaseLedger",
-           "ReleaseJournal", "asked_releases", "LEDGER_FILE", "JOURNAL_FILE"]
+           "ReleaseJournal", "asked_releases", "ledger_releases", "LEDGER_FILE", "JOURNAL_FILE"]
 
 #: The site's ledger, in its run directory (``<state-dir>/<run id>/site_<client>/``).
 LEDGER_FILE = "releases.jsonl"
@@ -191,6 +191,21 @@ class SiteReleaseLedger:
         for path in folder.glob("round_*_step_*.pt"):
             if int(path.name.split("_")[1]) <= upto:
                 path.unlink(missing_ok=True)
+
+
+def ledger_releases(state_dir: Path) -> dict[tuple[str, int, str, int], Path]:
+    """Every release the site ledgers in a site's ``state_dir`` record
+    (``<run id>/site_<client>/releases.jsonl``): ``(run, round, client, step)`` -> the ledger.
+    What the site's budget (:mod:`medfl.budget`) must count.
+
+    Raises:
+        ValueError: a ledger line other than its last is not a JSON record.
+    """
+    out = {}
+    for path in sorted(Path(state_dir).glob(f"*/site_*/{LEDGER_FILE}")):
+        for r in read_records(path):
+            out[(str(r["run"]), int(r["round"]), str(r["client"]), int(r["step"]))] = path
+    return out
 
 
 def _describe(mechanisms: list[dict[str, Any]]) -> str:

@@ -251,7 +251,7 @@ def test_site_command_checks_its_approvals_file(tmp_path: Path, monkeypatch: pyt
     _approve(approvals, "fedavg")
     _site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
     assert os.environ[APPROVALS_ENV] == str(approvals.resolve())
-    assert main(["policy", "--max-epsilon", "3", "--file", str(approvals)]) == 0
+    assert main(["policy", "--max-epsilon", "3", "--max-epsilon-total", "none", "--file", str(approvals)]) == 0
     capsys.readouterr()
     _site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
     assert "medfl site 2: privacy policy: max_epsilon: largest epsilon over a run 3" in capsys.readouterr().out

@@ -47,7 +47,7 @@ def _run(tmp_path: Path, name: str, filters: list[dict[str, Any]], **extra: Any)
 
 def test_a_site_capping_epsilon_refuses_a_run_above_it_and_accepts_one_below(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _site_with_policy(tmp_path, monkeypatch, "--max-epsilon", "3")
+    _site_with_policy(tmp_path, monkeypatch, "--max-epsilon", "3", "--max-epsilon-total", "none")
     with pytest.raises(SiteFailure, match=r"site 0 failed in train of round 1 .*medfl site 0: refused by its privacy "
                                           r"policy \(.*approvals\.json\): rule max_epsilon: the run spends epsilon "
                                           r"7\.\d+ of this site's data \(dp_gaussian over 1 planned release\(s\)\), "
@@ -170,12 +170,18 @@ def test_a_malformed_policy_in_the_approvals_file_names_the_file(tmp_path: Path)
 
 def test_policy_command_writes_and_shows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     approvals = tmp_path / "approvals.json"
-    assert main(["policy", "--max-epsilon", "3", "--min-noise-multiplier", "0.8", "--mechanisms",
-                 "dp_gaussian,dp_sgd", "--require-filter", "quantize:bits<=8", "--cross-test", "no",
+    assert main(["policy", "--max-epsilon", "3", "--file", str(approvals)]) == 2
+    assert "--max-epsilon caps each run anew: give --max-epsilon-total NUMBER too" in capsys.readouterr().err
+    assert main(["policy", "--max-epsilon", "3", "--max-epsilon-total", "8", "--min-noise-multiplier", "0.8",
+                 "--mechanisms", "dp_gaussian,dp_sgd", "--require-filter", "quantize:bits<=8", "--cross-test", "no",
                  "--file", str(approvals)]) == 0
     assert json.loads(approvals.read_text())["policy"] == {
-        "mechanisms": ["dp_gaussian", "dp_sgd"], "max_epsilon": 3.0, "min_noise_multiplier": 0.8,
-        "required_filters": [{"name": "quantize", "max": {"bits": 8.0}}], "cross_test": False}
+        "mechanisms": ["dp_gaussian", "dp_sgd"], "max_epsilon": 3.0, "max_epsilon_total": 8.0,
+        "min_noise_multiplier": 0.8, "required_filters": [{"name": "quantize", "max": {"bits": 8.0}}],
+        "cross_test": False}
+    assert main(["policy", "--max-epsilon", "2", "--max-epsilon-total", "none", "--file", str(approvals)]) == 0
+    assert "max_epsilon_total: none, so every run may spend max_epsilon anew" in capsys.readouterr().out
+    assert main(["policy", "--max-epsilon", "3", "--max-epsilon-total", "8", "--file", str(approvals)]) == 0
     capsys.readouterr()
     assert main(["policy", "--file", str(approvals)]) == 0
     shown = capsys.readouterr().out

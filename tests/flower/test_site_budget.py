@@ -84,12 +84,12 @@ def test_releases_zero_is_a_plan_the_site_checks_not_a_factor_it_trusts(
     """The audit: with ``releases: 0`` a site capped at epsilon 3 answered dp_gaussian at
     sigma 1e-3. Now the policy's projection passes (0 x anything), but the site's own plan
     check refuses the release: nothing is trained or sent."""
-    _site_with_policy(tmp_path, monkeypatch, "--max-epsilon", "3")
+    _site_with_policy(tmp_path, monkeypatch, "--max-epsilon", "3", "--max-epsilon-total", "none")
     grid, _ = _run(tmp_path, "honest", filters=[{"name": "dp_gaussian", "epsilon": 2, "clip": 1.0}])
     site, ctl, attack = _message(grid, run="attack-zero", releases=0,
                                  filters=[{**_message(grid)[1]["filters"][0], "noise_multiplier": 1e-3}])
     before = len(_budget(site))
-    with pytest.raises(SiteError, match=r"refused: round 1 would be this site's 1th round with a DP training reply "
+    with pytest.raises(SiteError, match=r"refused: round 1 would be this site's 1st round with a DP training reply "
                                         r"in run attack-zero, the plan this site accepted names 0 release\(s\)"):
         handle(site, P.TRAIN, attack)
     spent = [r for r in _budget(site)[before:] if r["type"] == "spend"]
@@ -99,7 +99,7 @@ def test_releases_zero_is_a_plan_the_site_checks_not_a_factor_it_trusts(
     honest = [r for r in _budget(site) if r["type"] == "spend" and r["run"] == ctl["run"]]
     assert [(r["mechanism"], r["round"], r["step"], r["kind"]) for r in honest] == [("dp_gaussian", 1, 0, "train")]
     sigma = float(ctl["filters"][0]["noise_multiplier"])
-    assert composed_epsilon(honest) == pytest.approx(epsilon_spent([(sigma, 1.0, 1)], 1e-5), rel=1e-9)
+    assert composed_epsilon(honest, 1e-5) == pytest.approx(epsilon_spent([(sigma, 1.0, 1)], 1e-5), rel=1e-9)
 
 
 def test_the_same_update_asked_again_as_steps_or_rounds_is_refused(tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_the_same_update_asked_again_as_steps_or_rounds_is_refused(tmp_path: Pat
         handle(site, P.TRAIN, attack)
     # a new session (a resumed run) may plan more rounds, but not release past what it plans
     _, _, attack = _message(grid, round=2, rounds=8, session="resumed")
-    with pytest.raises(SiteError, match=r"round 2 would be this site's 2th round with a DP training reply .* names 1 "
+    with pytest.raises(SiteError, match=r"round 2 would be this site's 2nd round with a DP training reply .* names 1 "
                                         r"release\(s\)"):
         handle(site, P.TRAIN, attack)
     spends = [r for r in _budget(site) if r["type"] == "spend" and r["run"] == ctl["run"]]
@@ -137,27 +137,28 @@ def test_the_sites_own_count_stops_a_run_at_its_cap_across_sessions_and_runs(tmp
     """The budget composes what the site itself released: a coordinator that plans 1 release
     per session and resumes 8 times is refused once the run's epsilon passes max_epsilon; a
     new run on the same data set is refused past max_epsilon_total."""
-    budget = SiteBudget(tmp_path, "data-a", "0", "medfl site 0")
     gauss = [Spend("dp_gaussian", "client", 1.0, 1.0, 1, 1e-5, "rdp", 1.0)]
     one = epsilon_spent([(1.0, 1.0, 1)], 1e-5)
     cap = epsilon_spent([(1.0, 1.0, 3)], 1e-5) + 1e-9    # three releases fit, a fourth does not
+    budget = SiteBudget(tmp_path, "data-a", "0", "medfl site 0", SitePolicy(max_epsilon=cap))
     answered = 0
     with pytest.raises(BudgetRefused, match=r"would bring run r1's epsilon at this site to .* \(spent .* over 3 "
                                             rf"record\(s\) of its own\), this site accepts at most {cap:g} per run"):
         for k in range(1, 9):   # each session plans one more round
             plan = budget.plan("r1", f"session{k}", k, k)
-            budget.admit("r1", k, 0, "train", gauss, plan, max_epsilon=cap)
+            budget.admit("r1", k, 0, "train", gauss, plan)
             budget.record("r1", k, 0, "train", gauss)
             answered += 1
     assert answered == 3 and budget.spent("r1") == pytest.approx(cap, rel=1e-6)
     # another run, another data set: its own count; the same data set: the total
-    other = SiteBudget(tmp_path, "data-b", "0", "medfl site 0")
+    other = SiteBudget(tmp_path, "data-b", "0", "medfl site 0", SitePolicy(max_epsilon_total=one + 1e-9))
     plan = other.plan("r2", "s", 1, 1)
-    other.admit("r2", 1, 0, "train", gauss, plan, max_epsilon_total=one + 1e-9)
+    other.admit("r2", 1, 0, "train", gauss, plan)
+    budget = SiteBudget(tmp_path, "data-a", "0", "medfl site 0", SitePolicy(max_epsilon_total=cap + 0.5))
     plan = budget.plan("r3", "s", 1, 1)
     with pytest.raises(BudgetRefused, match=r"would bring this site's epsilon over every run on its data set to .* "
                                             r"\(spent .* over 1 run\(s\)\), this site accepts at most .* in all"):
-        budget.admit("r3", 1, 0, "train", gauss, plan, max_epsilon_total=cap + 0.5)
+        budget.admit("r3", 1, 0, "train", gauss, plan)
     rows = budget.table()
     assert [r["run"] for r in rows] == ["r1", "(all runs)"] and rows[-1]["epsilon"] == pytest.approx(budget.spent())
 
@@ -227,13 +228,14 @@ def test_a_capped_site_sends_no_model_for_cross_test_unless_its_policy_says_so()
     assert not policy.sends_models and policy.to_dict() == {"max_epsilon": 3.0}
     assert any("never sends its evaluation model" in line for line in policy.describe())
     assert SitePolicy.from_dict({"max_epsilon": 3, "cross_test": True}).to_dict()["cross_test"] is True
-    assert math.isinf(composed_epsilon([Spend("dp_gaussian", "client", 0.0, 1.0, 1, 1e-5, "rdp")]))
+    assert math.isinf(composed_epsilon([Spend("dp_gaussian", "client", 0.0, 1.0, 1, 1e-5, "rdp")], 1e-5))
 
 
 def test_medfl_budget_prints_what_the_site_counted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from medfl.cli import main
 
-    assert main(["budget", str(tmp_path)]) == 2
+    approvals = tmp_path / "approvals.json"
+    assert main(["budget", str(tmp_path), "--file", str(approvals)]) == 2
     assert "no budget.jsonl" in capsys.readouterr().err
     budget = SiteBudget(tmp_path, "data", "0", "medfl site 0")
     gauss = [Spend("dp_gaussian", "client", 1.0, 1.0, 1, 1e-5, "rdp", 1.0)]
@@ -242,17 +244,21 @@ def test_medfl_budget_prints_what_the_site_counted(tmp_path: Path, capsys: pytes
         for r in (1, 2):
             budget.admit(run, r, 0, "train", gauss, plan)
             budget.record(run, r, 0, "train", gauss)
-    assert main(["budget", str(tmp_path)]) == 0
+    assert main(["budget", str(tmp_path), "--file", str(approvals)]) == 0
     out = capsys.readouterr().out
     two, four = epsilon_spent([(1.0, 1.0, 2)], 1e-5), epsilon_spent([(1.0, 1.0, 4)], 1e-5)
     lines = [" ".join(line.split()) for line in out.splitlines()]
     assert f"first epsilon {two:.4g} rounds 2 dp_gaussian" in lines
     assert f"second epsilon {two:.4g} rounds 2 dp_gaussian" in lines
     assert f"(all runs) epsilon {four:.4g} rounds 4 dp_gaussian" in lines   # composed, not 2 x 7.08
-    approvals = tmp_path / "approvals.json"
+    assert "policy (none): max_epsilon none per run, max_epsilon_total none over every run on a data set; epsilon at " \
+           "delta 1e-05" in lines
     assert main(["policy", "--max-epsilon-total", "8", "--file", str(approvals)]) == 0
     assert json.loads(approvals.read_text())["policy"]["max_epsilon_total"] == 8.0
     assert "max_epsilon_total: largest epsilon over every run on this site's data set 8" in capsys.readouterr().out
+    assert main(["budget", str(tmp_path), "--file", str(approvals)]) == 0
+    assert f"policy ({approvals}): max_epsilon none per run, max_epsilon_total 8 over every run on a data set; " \
+           "epsilon at delta 1e-05" in capsys.readouterr().out
 
 
 def test_a_capped_site_refuses_an_entry_beside_its_noised_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -268,10 +274,36 @@ def test_a_capped_site_refuses_an_entry_beside_its_noised_model(tmp_path: Path, 
     from medfl.cli import main
 
     assert main(["approve", "--all", "--kind", "filter", "--file", str(approvals)]) == 0
-    assert main(["policy", "--max-epsilon", "30", "--file", str(approvals)]) == 0
+    assert main(["policy", "--max-epsilon", "30", "--max-epsilon-total", "none", "--file", str(approvals)]) == 0
     monkeypatch.setenv("MEDFL_APPROVALS", str(approvals))
     with pytest.raises(SiteFailure, match=r"site 0 failed in train of round 1 .*refused by its privacy policy: rule "
                                           r"max_epsilon: method 'fedkper' would reply \['score'\] beside its noised "
                                           r"model state \['model'\], in the clear"):
         _run(tmp_path, "score", methods=[{"name": "fedkper"}], uncovered_entries={"under_dp": "send_in_clear"},
              filters=[{"name": "dp_gaussian", "epsilon": 20, "clip": 1.0}])
+
+
+def test_a_coordinators_delta_half_is_refused_at_the_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review: dp_gaussian at sigma 0.5 and delta 0.5 (epsilon 2.44, 10.7 at delta 1e-5)
+    passed a site's --max-epsilon 3. Now the site's delta bounds every release."""
+    _site_with_policy(tmp_path, monkeypatch, "--max-epsilon", "3", "--max-epsilon-total", "none", "--max-delta", "1e-5")
+    grid, _ = _run(tmp_path, "honest", filters=[{"name": "dp_gaussian", "epsilon": 2, "clip": 1.0}])
+    site, ctl, attack = _message(grid, run="attack-delta",
+                                 filters=[{**_message(grid)[1]["filters"][0], "noise_multiplier": 0.5, "delta": 0.5}])
+    with pytest.raises(SiteError, match=r"refused by its privacy policy \(.*approvals\.json\): rule max_delta: "
+                                        r"dp_gaussian releases at delta 0\.5, this site accepts at most 1e-05"):
+        handle(site, P.TRAIN, attack)
+    assert [r["run"] for r in _budget(site) if r["type"] == "spend"] == [ctl["run"]]
+
+
+def test_a_site_whose_budget_is_gone_refuses_the_next_run(tmp_path: Path) -> None:
+    """The review: a deleted budget.jsonl counted zero while the run's release ledger listed
+    the releases. Now the site refuses, naming the ledger, and releases nothing."""
+    grid, _ = _run(tmp_path, "gone", filters=[{"name": "dp_gaussian", "noise_multiplier": 1.0, "clip": 1.0}])
+    site, ctl, again = _message(grid, run="again")
+    (site.settings.state_dir / BUDGET_FILE).unlink()
+    with pytest.raises(SiteError, match=rf"refused: its release ledger\(s\) .*{ctl['run']}/site_{site.client_id}/"
+                                        rf"releases\.jsonl record 1 release\(s\) \(the first: run {ctl['run']} round 1 "
+                                        r"step 0\) and its privacy budget .*budget\.jsonl is missing"):
+        handle(site, P.TRAIN, again)
+    assert not (site.settings.state_dir / "again" / f"site_{site.client_id}" / "releases").exists()

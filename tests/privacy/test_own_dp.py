@@ -122,16 +122,17 @@ def test_a_sites_privacy_policy_counts_the_methods_own_dp() -> None:
 
     ctl = {"method": {"name": "test_dp_fedavg"}, "filters": [], "client": "0", "seed": 0, "releases": 3,
            "train": {"batch_size": 8, "epochs": 1}, "model": {"name": "two_block_cnn", "num_classes": 2}}
-    # 40 examples in batches of 8: 5 steps per update at sample rate 1/5, 3 updates, sigma 1.2
+    # 40 examples in batches of 8: 5 steps per update at sample rate 1/5, 3 updates, sigma 1.2 (at delta
+    # 1e-3, which the site accepts)
     eps = epsilon_spent([(1.2, 0.2, 15)], 1e-3)
     with methods_registered(_dp_fedavg(), name="dp-fedavg-test"):
-        SitePolicy(max_epsilon=eps + 1e-6).check(ctl, lambda: 40)
+        SitePolicy(max_epsilon=eps + 1e-6, max_delta=1e-3).check(ctl, lambda: 40)
         with pytest.raises(PolicyRefusal, match=rf"rule max_epsilon: the run spends epsilon {eps:.4g} "
                                                 r".*dp_fedavg_opacus_sgd over 3"):
-            SitePolicy(max_epsilon=eps - 0.01).check(ctl, lambda: 40)
+            SitePolicy(max_epsilon=eps - 0.01, max_delta=1e-3).check(ctl, lambda: 40)
         with pytest.raises(PolicyRefusal, match=r"rule min_noise_multiplier: dp_fedavg_opacus_sgd adds noise "
                                                 r"multiplier 1.2"):
-            SitePolicy(min_noise_multiplier=2.0).check(ctl, lambda: 40)
+            SitePolicy(min_noise_multiplier=2.0, max_delta=1e-3).check(ctl, lambda: 40)
 
 
 def test_a_methods_own_dp_gets_the_engines_noise_to_signal_rows(tiny_fl: dict, resolve: Any) -> None:
