@@ -79,7 +79,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-__all__ = ["APPROVALS_ENV", "APPROVED_KINDS", "ApprovalError", "CodeIdentity", "Approvals", "code_identity",
+__all__ = ["APPROVALS_ENV", "OPT_OUT", "APPROVED_KINDS", "ApprovalError", "CodeIdentity", "Approvals", "code_identity",
            "approval_identities", "plugin_kinds", "required", "check_control", "guarded_models", "approvals_path",
            "private_bytecode"]
 
@@ -87,6 +87,9 @@ logger = logging.getLogger(__name__)
 
 #: Environment variable naming a site's approvals file (``medfl flower site --approvals`` sets it).
 APPROVALS_ENV = "MEDFL_APPROVALS"
+#: Its value (and ``--approvals``') by which a site opts out by name: it runs any installed plugin
+#: the coordinator names, and says so (an NVFlare site answers nothing without a file or this).
+OPT_OUT = "none"
 #: Plugin kinds whose code a site runs on its data and whose output leaves the site: every
 #: kind :data:`medfl.plugins.KINDS` registers but ``backend`` (the coordinator's choice of
 #: where the clients are; a site never runs one).
@@ -592,9 +595,10 @@ class Approvals:
 
 
 def approvals_path() -> Path | None:
-    """The approvals file this process enforces (:data:`APPROVALS_ENV`), if any."""
+    """The approvals file this process enforces (:data:`APPROVALS_ENV`), if any (none where
+    it is unset or :data:`OPT_OUT`)."""
     value = os.environ.get(APPROVALS_ENV, "").strip()
-    return Path(value) if value else None
+    return Path(value) if value and value != OPT_OUT else None
 
 
 def required(control: dict[str, Any], site: Iterable[tuple[str, str]] = ()) -> list[tuple[str, str]]:

@@ -407,7 +407,7 @@ def _add_approve(sub: Any) -> None:
 def cmd_policy(args: argparse.Namespace) -> int:
     """Write or show the privacy policy of a site's approvals file (:mod:`medfl.policy`)."""
     from medfl.approval import ApprovalError, Approvals, approvals_path
-    from medfl.policy import SitePolicy
+    from medfl.policy import PolicyError, SitePolicy
 
     path = Path(args.file) if args.file else (approvals_path() or Path("approvals.json"))
     try:
@@ -415,7 +415,18 @@ def cmd_policy(args: argparse.Namespace) -> int:
         rules: dict[str, Any] = {} if args.clear else dict(approvals.policy or {})
         if args.mechanisms is not None:
             rules["mechanisms"] = [m.strip() for m in args.mechanisms.split(",") if m.strip()]
-        for key in ("max_epsilon", "max_epsilon_total", "max_epsilon_per_release", "min_noise_multiplier"):
+        total = args.max_epsilon_total
+        if args.max_epsilon is not None and total is None and "max_epsilon_total" not in rules:
+            raise PolicyError("--max-epsilon caps each run anew: give --max-epsilon-total NUMBER too (the cap over "
+                              "every run on this site's data set), or --max-epsilon-total none for no such cap")
+        if total is not None and total.strip().lower() == "none":
+            rules.pop("max_epsilon_total", None)
+        elif total is not None:
+            try:
+                rules["max_epsilon_total"] = float(total)
+            except ValueError:
+                raise PolicyError(f"--max-epsilon-total: expected a number or none, got {total!r}") from None
+        for key in ("max_epsilon", "max_epsilon_per_release", "max_delta", "min_noise_multiplier"):
             if getattr(args, key) is not None:
                 rules[key] = getattr(args, key)
         for text in args.require_filter or []:
@@ -470,12 +481,15 @@ def _add_policy(sub: Any) -> None:
     sp.add_argument("--mechanisms", default=None,
                     help="comma-separated DP mechanisms accepted, e.g. dp_gaussian,dp_sgd")
     sp.add_argument("--max-epsilon", dest="max_epsilon", type=float, default=None,
-                    help="largest epsilon of a run at this site (computed by the site from the noise it applies)")
-    sp.add_argument("--max-epsilon-total", dest="max_epsilon_total", type=float, default=None,
+                    help="largest epsilon of one run at this site, each run anew (computed by the site from the noise "
+                         "it applies); needs --max-epsilon-total")
+    sp.add_argument("--max-epsilon-total", dest="max_epsilon_total", default=None, metavar="NUMBER|none",
                     help="largest epsilon of this site's data set over every run it serves (counted by the site in "
-                         "<state-dir>/budget.jsonl; see medfl budget)")
+                         "<state-dir>/budget.jsonl; see medfl budget); none: no such cap")
     sp.add_argument("--max-epsilon-per-release", dest="max_epsilon_per_release", type=float, default=None,
                     help="largest epsilon of one release (one noised reply, one DP-SGD update)")
+    sp.add_argument("--max-delta", dest="max_delta", type=float, default=None,
+                    help="largest delta of any release, and the delta every epsilon is computed at (default 1e-5)")
     sp.add_argument("--min-noise-multiplier", dest="min_noise_multiplier", type=float, default=None,
                     help="smallest noise multiplier of any Gaussian release")
     sp.add_argument("--require-filter", dest="require_filter", action="append", default=None, metavar="SPEC",
@@ -489,27 +503,36 @@ def _add_policy(sub: Any) -> None:
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    """Print what a site released of its data, per run and in all (:mod:`medfl.budget`)."""
-    from medfl.budget import BUDGET_FILE, SiteBudget
-    from medfl.privacy.releases import read_records
+    """Print what a site released of its data, per run and in all (:mod:`medfl.budget`), at
+    the delta of its policy (in its approvals file), with the policy's caps."""
+    from medfl.approval import ApprovalError, Approvals, approvals_path
+    from medfl.budget import BUDGET_FILE, BudgetRefused, SiteBudget
+    from medfl.policy import SitePolicy
 
+    file = Path(args.file) if args.file else (approvals_path() or Path("approvals.json"))
+    try:
+        rules = Approvals.load(file, missing_ok=True).policy
+        policy = SitePolicy.from_dict(rules, f"policy of {file}") if rules else SitePolicy()
+        records = SiteBudget(Path(args.state_dir), "", "", "medfl budget", policy).records()
+    except (ApprovalError, BudgetRefused) as exc:
+        logger.error(f"medfl: error: {exc}")
+        return 2
     path = Path(args.state_dir) / BUDGET_FILE
     if not path.is_file():
         logger.error(f"medfl: error: no {BUDGET_FILE} in {args.state_dir}: this site has made no DP release yet "
                      "(or the path is not a site's --state-dir)")
         return 2
-    try:
-        records = read_records(path)
-    except ValueError as exc:
-        logger.error(f"medfl: error: {exc}")
-        return 2
-    datas = list(dict.fromkeys(str(r.get("data")) for r in records if r.get("type") == "spend"))
+    total = policy.max_epsilon_total
+    print(f"policy ({file if rules else 'none'}): max_epsilon "
+          f"{'none' if policy.max_epsilon is None else f'{policy.max_epsilon:g}'} per run, max_epsilon_total "
+          f"{'none' if total is None else f'{total:g}'} over every run on a data set; epsilon at delta "
+          f"{policy.delta:g}")
+    datas = list(dict.fromkeys(str(r["data"]) for r in records if r["type"] == "spend"))
     if not datas:
         print(f"{path}: no DP release recorded")
-        return 0
     for data in datas:
-        client = next(str(r.get("client")) for r in records if r.get("data") == data)
-        rows = SiteBudget(Path(args.state_dir), data, client, "medfl budget").table()
+        client = next(str(r["client"]) for r in records if r["data"] == data)
+        rows = SiteBudget(Path(args.state_dir), data, client, "medfl budget", policy).table()
         if args.run:
             rows = [r for r in rows if r["run"] in (args.run, "(all runs)")]
         print(f"data set {data} (client {client}), counted by the site from {path}:")
@@ -523,10 +546,14 @@ def _add_budget(sub: Any) -> None:
     sp = sub.add_parser("budget", help="what this site released of its data, per run and in all",
                         description="A site counts every DP release it makes (medfl flower site keeps it in "
                                     "<state-dir>/budget.jsonl, written before each reply leaves) and composes them "
-                                    "with Opacus's accountant, per run and over every run on the same data set: "
-                                    "what its policy's --max-epsilon and --max-epsilon-total are checked against "
+                                    "with Opacus's accountant, per run and over every run on the same data set, at "
+                                    "its policy's delta: what its policy's --max-epsilon (per run) and "
+                                    "--max-epsilon-total (over every run) are checked against, printed beside it "
                                     "(docs/privacy.md).")
     sp.add_argument("state_dir", help="the site's --state-dir")
+    sp.add_argument("--file", default=None,
+                    help="the site's approvals file, with its policy (default: $MEDFL_APPROVALS, else approvals.json "
+                         "here; none: no caps, delta 1e-5)")
     sp.add_argument("--run", default=None, help="only this run id (and the total)")
     sp.set_defaults(func=cmd_budget)
 
@@ -536,11 +563,14 @@ def _site_approvals(args: argparse.Namespace) -> None:
     which the site worker in this process reads), or warn that no approvals are enforced."""
     import os
 
-    from medfl.approval import APPROVALS_ENV, ApprovalError, Approvals, approvals_path
+    from medfl.approval import APPROVALS_ENV, OPT_OUT, ApprovalError, Approvals, approvals_path
 
-    path = Path(args.approvals).resolve() if getattr(args, "approvals", None) else approvals_path()
+    given = getattr(args, "approvals", None)
+    path = Path(given).resolve() if given and given != OPT_OUT else None if given else approvals_path()
     who = f"medfl site {args.client_id}"
     if path is None:
+        if given:   # opted out by name: the worker in this process must not read an older MEDFL_APPROVALS
+            os.environ[APPROVALS_ENV] = OPT_OUT
         logger.warning(f"{who}: WARNING: no --approvals file: this site runs any method installed here that the coordinator "
                        "names; review and approve methods with `medfl approve NAME --file approvals.json` and start the site "
                        "with --approvals approvals.json")
@@ -904,7 +934,8 @@ def _add_flower(sub: Any) -> None:
                          "--enable-supernode-auth; its public key must be registered there")
     sp.add_argument("--approvals", default=None,
                     help="approvals file (`medfl approve`): run only the methods it approves, with the same "
-                         "version and code hash; without it the site runs any installed method (and warns)")
+                         "version and code hash; without it, or with 'none', the site runs any installed method "
+                         "(and warns)")
     sp.add_argument("--no-restart", action="store_true",
                     help="end the site when its SuperNode exits (default: start it again with a growing wait, "
                          "1 s to 60 s, so a SuperLink restart or an outage never ends the site)")

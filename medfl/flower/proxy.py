@@ -236,8 +236,25 @@ def secure_aggregation_mod(msg: Message, context: Context, call_next: Any) -> Me
     return call_next(msg, context)
 
 
+def _json_or_text(value: Any) -> Any:
+    """A run-config value holding a JSON object or list (``overrides``, ``site-nodes``) as
+    that object; any other value as it is."""
+    if isinstance(value, str) and value[:1] in ("{", "["):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _dispatch(msg: Message, context: Context) -> Message:
+    from medfl.config_file import refuse_syntax
+
     node_config = dict(context.node_config)
+    # the run config is the coordinator's text: plain data (its JSON strings too, e.g. overrides), or
+    # nothing here runs, although no site reads it
+    rc = {k: _json_or_text(v) for k, v in dict(context.run_config).items()}
+    refuse_syntax(rc, f"medfl site {node_config.get('client-id', '?')}: the Flower run config")
     worker = str(node_config.get("worker", "") or "")
     message_type = msg.metadata.message_type
     if worker:

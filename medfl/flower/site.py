@@ -84,7 +84,7 @@ from medfl.logs import file_log
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
 
-__all__ = ["SiteSettings", "Site", "SiteError", "handle", "handle_locally", "site_for", "site_noise_key", "app",
+__all__ = ["SiteSettings", "Site", "SiteError", "plain", "handle", "handle_locally", "site_for", "site_noise_key", "app",
            "instruction_digest", "REPRODUCIBLE_NOISE_ENV"]
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,7 @@ class Site:
             self.threads = set_threads(self.cfg.get("threads"), local_sites(), apply_auto=False)
         self._data: dict[tuple[int | None, int], FederatedData] = {}
         self._source: Any = None
+        self._data_key: str | None = None
         self.noise_key = "" if settings.simulated else site_noise_key(settings.state_dir, self.client_id)
         #: the policy of the message being handled (read by :meth:`check`), or None
         self.policy: Any = None
@@ -201,16 +202,20 @@ class Site:
         seed = int(self.cfg["seed"] if seed is None else seed)
         key = (fold, seed)
         if key not in self._data:
-            from medfl.engine.runner import build_source
-
-            if self._source is None:
-                self._source = build_source(self.cfg["dataset"])
-            data = split_data(self._source, {**self.cfg, "seed": seed}, fold=fold)
+            data = split_data(self.source(), {**self.cfg, "seed": seed}, fold=fold)
             if self.client_id not in data.client_ids:
                 raise SiteError(f"medfl site: client id {self.client_id!r} is not in this config's partition "
                                 f"(clients {data.client_ids}); check client-id and num_clients")
             self._data[key] = data
         return self._data[key]
+
+    def source(self) -> Any:
+        """The data set this site's config names (built once)."""
+        if self._source is None:
+            from medfl.engine.runner import build_source
+
+            self._source = build_source(self.cfg["dataset"])
+        return self._source
 
     def _root(self, ctl: dict[str, Any]) -> Path:
         run = str(ctl["run"])
@@ -360,9 +365,11 @@ class Site:
 
     def budget(self) -> SiteBudget:
         """This site's own privacy budget (:mod:`medfl.budget`, ``<state-dir>/budget.jsonl``),
-        for the data set its config names."""
-        return SiteBudget(self.settings.state_dir, data_key(self.cfg.get("dataset")), self.client_id,
-                          f"medfl site {self.client_id}")
+        for the data set its config names (keyed by the data's own fingerprint)."""
+        if self._data_key is None:
+            self._data_key = data_key(self.source())
+        return SiteBudget(self.settings.state_dir, self._data_key, self.client_id,
+                          f"medfl site {self.client_id}", self.policy)
 
     def check_models(self, specs: dict[str, dict[str, Any]]) -> None:
         """Refuse model specs (a method's final models, named inside an instruction rather
@@ -431,9 +438,7 @@ class Site:
                 if sent_before is None and not self.settings.simulated:
                     budget = self.budget()
                     plan = budget.plan(release[0], str(ctl.get("session", "")), ctl.get("rounds"), ctl.get("releases"))
-                    budget.admit(release[0], release[1], release[3], kind, spends, plan,
-                                 max_epsilon=policy.max_epsilon if policy is not None else None,
-                                 max_epsilon_total=policy.max_epsilon_total if policy is not None else None)
+                    budget.admit(release[0], release[1], release[3], kind, spends, plan)
             except (ReleaseRefused, BudgetRefused) as exc:
                 raise SiteError(str(exc)) from None
         store, _ = self.stores(ctl)
@@ -619,9 +624,25 @@ def site_for(node_config: dict[str, Any]) -> Site:
     return _SITES[key]
 
 
+def plain(data: Any, where: str) -> None:
+    """Refuse MONAI config syntax in what a coordinator sent (:func:`medfl.config_file.refuse_syntax`;
+    tensors and other leaves pass): a site runs none of a coordinator's text.
+
+    Raises:
+        SiteError: naming ``where`` and the key.
+    """
+    from medfl.config_file import PlainDataError, refuse_syntax
+
+    try:
+        refuse_syntax(data, where, json_only=False)
+    except PlainDataError as exc:
+        raise SiteError(str(exc)) from None
+
+
 def _instruction(content: RecordDict, where: str, prefix: str = "ins") -> Instruction:
-    return Instruction(payload=wire.take(content, f"{prefix}.payload", where),
-                       config=wire.take(content, f"{prefix}.config", where + " (config)"))
+    config = wire.take(content, f"{prefix}.config", where + " (config)")
+    plain(config, where + " (config)")
+    return Instruction(payload=wire.take(content, f"{prefix}.payload", where), config=config)
 
 
 def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age: float | None = None) -> RecordDict:
@@ -646,6 +667,7 @@ def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age:
         return pack_records(handle(site, message_type, inner, clientapp_age=clientapp_age))
     t0 = time.perf_counter()
     ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
+    plain(ctl, f"medfl site {site.client_id}: {message_type} message's control record")
     site.check(ctl)
     # the site's own log of the run, beside its state (<state-dir>/<run id>/site_<client id>/log.txt)
     # (a hello names no run yet: it is answered without one)

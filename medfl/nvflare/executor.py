@@ -9,20 +9,29 @@ approvals and privacy policy (``MEDFL_APPROVALS`` in the NVFlare client's enviro
 leaves, and the run's client state under the site's own state directory. Nothing of the site's
 state is sent to the server.
 
-Which client of the partition this NVFlare client serves is read from the environment of the
-NVFlare client (``MEDFL_CLIENT_ID``), else the job's ``client_ids``; its config from
-``MEDFL_SITE_CONFIG`` (a site's own bundle config, e.g. with its own data path), else the job's;
-``MEDFL_WORKDIR`` and ``MEDFL_DEVICE`` likewise. Where the site keeps its state is the site's
-alone: ``MEDFL_STATE_DIR``, else ``medfl_state`` in the NVFlare client's workspace. A job cannot
-choose it: the state directory holds the site's release ledger (``budget.jsonl``, what its
-privacy budget counts) and its noise key, and a coordinator that could point the site at a new
-folder could start its budget from zero.
+What the job carries (its bundle config, ``overrides``, ``client_ids`` and ``workdir``) is the
+coordinator's text: it is read as plain JSON data (:func:`medfl.config_file.plain_fl`), never by
+MONAI's parser, and MONAI syntax anywhere in it is refused naming the key before anything else
+runs. What the site alone chooses comes from the NVFlare client's environment, which
+``medfl nvflare site`` writes (:data:`SITE_ENV`):
+
+* ``MEDFL_APPROVALS``: the approvals file whose methods and privacy policy the site enforces; the
+  executor answers nothing without one, unless the site opts out by name (``MEDFL_APPROVALS=none``).
+* ``MEDFL_SITE_CONFIG``: the site's own bundle config (its data set and root; MONAI's full syntax:
+  the site's own text). A job may then choose run settings only (:data:`SITE_KEYS` are the site's):
+  a job whose overrides set one, or that sets ``workdir``, or whose ``client_ids`` name another
+  client for this site, is refused naming the key. Without it the job's config is the site's
+  (its data paths included), read as plain data.
+* ``MEDFL_CLIENT_ID`` (else the job's ``client_ids``), ``MEDFL_WORKDIR`` (else the job's
+  ``workdir`` at a site without its own config), ``MEDFL_DEVICE``.
+* ``MEDFL_STATE_DIR``, else ``medfl_state`` in the NVFlare client's workspace: never the job's. The
+  state directory holds the site's release ledger (``budget.jsonl``, what its privacy budget
+  counts) and its noise key; a coordinator that could point the site at a new folder could start
+  its budget from zero.
 """
 
 from __future__ import annotations
 
-import json
-import hashlib
 import logging
 import os
 import traceback
@@ -35,17 +44,23 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 
+from medfl.approval import APPROVALS_ENV, OPT_OUT
+from medfl.config_file import PlainDataError, plain_fl, refuse_syntax
 from medfl.flower.proxy import decode_records, encode_records
-from medfl.flower.site import Site, SiteError, handle, site_for
+from medfl.flower.site import Site, SiteError, SiteSettings, handle
 from medfl.nvflare.grid import ERROR, RECORDS
 
-__all__ = ["MedflExecutor", "SITE_ENV"]
+__all__ = ["MedflExecutor", "SITE_ENV", "SITE_KEYS"]
 
 logger = logging.getLogger(__name__)
 
 #: the environment variables a site's operator sets on its NVFlare client (they win over the job)
 SITE_ENV = {"client-id": "MEDFL_CLIENT_ID", "state-dir": "MEDFL_STATE_DIR", "config": "MEDFL_SITE_CONFIG",
             "workdir": "MEDFL_WORKDIR", "device": "MEDFL_DEVICE"}
+
+#: the ``fl`` settings a job cannot set at a site with its own config: which data, where the site
+#: reads and writes, its machine, and which plugin a dataset name resolves to
+SITE_KEYS = ("dataset", "output_dir", "device", "threads", "plugin_names")
 
 
 class MedflExecutor(Executor):
@@ -71,54 +86,79 @@ class MedflExecutor(Executor):
             raise ValueError(f"medfl executor: the job sets state_dir={state_dir!r}; a site's state directory "
                              "holds its release ledger and is the site's to choose: set MEDFL_STATE_DIR in the "
                              "NVFlare client's environment (default: medfl_state in its workspace)")
-        self.bundle = dict(bundle or {})
-        self.overrides = dict(overrides or {})
-        self.client_ids = {str(k): str(v) for k, v in (client_ids or {}).items()}
-        self.workdir = workdir
+        self.bundle, self.overrides, self.client_ids, self.workdir = bundle, overrides or {}, client_ids or {}, workdir
+        self._sites: dict[str, Site] = {}
 
-    def node_config(self, fl_ctx: FLContext) -> dict[str, Any]:
-        """The Flower-style node config of this client's site (see the module docstring).
+    def settings(self, fl_ctx: FLContext) -> SiteSettings:
+        """This NVFlare client's site settings (see the module docstring): the site's
+        environment, and of the job only what the site lets it choose, read as plain data.
 
         Raises:
-            SiteError: no client id for this NVFlare client, or no bundle config.
+            SiteError: no approvals file (and no opt-out), MONAI syntax anywhere in the job, a
+                site setting the job may not choose, or no client id.
         """
         name = fl_ctx.get_identity_name()
-        cid = os.environ.get(SITE_ENV["client-id"]) or self.client_ids.get(name)
+        where = f"medfl site {name!r}: the job"
+        approvals = os.environ.get(APPROVALS_ENV, "").strip()
+        if not approvals:
+            raise SiteError(f"medfl site {name!r}: refused: no approvals file ({APPROVALS_ENV} is not set in this NVFlare "
+                            f"client's environment); write the site with `medfl nvflare site --approvals FILE`, or set "
+                            f"{APPROVALS_ENV}={OPT_OUT} to run any installed method the job names")
+        try:
+            refuse_syntax({"client_ids": self.client_ids, "workdir": self.workdir}, where)
+            own = os.environ.get(SITE_ENV["config"], "")
+            if own:
+                refuse_syntax(self.overrides, f"{where}: overrides")
+                self._site_only(name, where)
+            else:
+                fl = plain_fl(self.bundle or {}, self.overrides, where)
+        except PlainDataError as exc:
+            raise SiteError(str(exc)) from None
+        cid = os.environ.get(SITE_ENV["client-id"]) or str(self.client_ids.get(name, ""))
         if not cid:
             raise SiteError(f"medfl site {name!r}: which client of the partition it serves is not known: the job's "
                             f"client_ids name {sorted(self.client_ids)}; set MEDFL_CLIENT_ID in this NVFlare client's "
                             "environment or write the job with `medfl nvflare job --sites N` for clients site-1..site-N")
-        state = os.environ.get(SITE_ENV["state-dir"], "")
-        if not state:
-            workspace = fl_ctx.get_engine().get_workspace()
-            state = str(Path(workspace.get_root_dir()) / "medfl_state")
-        config = os.environ.get(SITE_ENV["config"]) or self._job_config(Path(state))
-        node = {"client-id": cid, "state-dir": str(Path(state).resolve()), "config": config,
-                "overrides": json.dumps(self.overrides)}
-        for key in ("workdir", "device"):
-            value = os.environ.get(SITE_ENV[key]) or (self.workdir if key == "workdir" else "")
-            if value:
-                node[key] = value
-        return node
+        state = os.environ.get(SITE_ENV["state-dir"], "") or str(
+            Path(fl_ctx.get_engine().get_workspace().get_root_dir()) / "medfl_state")
+        workdir = os.environ.get(SITE_ENV["workdir"]) or (None if own else self.workdir) or None
+        common = {"client_id": cid, "state_dir": Path(state).resolve(), "device": os.environ.get(SITE_ENV["device"]) or None,
+                  "workdir": Path(workdir) if workdir else None}
+        if own:
+            return SiteSettings(config=Path(own), overrides=dict(self.overrides), **common)
+        return SiteSettings(config=Path(f"<job of {name}>"), resolved=fl, **common)
 
-    def _job_config(self, state: Path) -> str:
-        """The job's bundle config as a file in the site's state directory (named by its digest)."""
-        if not self.bundle:
-            raise SiteError("medfl site: the job carries no bundle config and MEDFL_SITE_CONFIG is not set")
-        # the keys keep their order: a config's order is part of it (``client_split``'s splits are
-        # drawn in the order they are written)
-        text = json.dumps(self.bundle, indent=1)
-        path = state / "jobs" / f"config_{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
-        return str(path)
+    def _site_only(self, name: str, where: str) -> None:
+        """Refuse what a job may not choose at a site with its own config: an override of a
+        :data:`SITE_KEYS` setting (or of anything outside ``fl``), a ``workdir``, a client id
+        for this site other than the site's ``MEDFL_CLIENT_ID`` (which it must then set).
+
+        Raises:
+            PlainDataError: naming the key.
+        """
+        for key in self.overrides:
+            parts = str(key).replace("::", "#").split("#")
+            if parts[0] != "fl" or len(parts) < 2 or parts[1] in SITE_KEYS:
+                raise PlainDataError(f"{where}: overrides: key {key!r}: the site's own setting (this site reads its "
+                                     f"own config, {SITE_ENV['config']}; a job chooses run settings only, not "
+                                     f"fl.{'/'.join(SITE_KEYS)}) (refused)")
+        if self.workdir:
+            raise PlainDataError(f"{where}: key 'workdir' ({self.workdir!r}): where this site reads its files is its "
+                                 f"own ({SITE_ENV['workdir']}) (refused)")
+        cid = os.environ.get(SITE_ENV["client-id"], "")
+        if not cid:
+            raise PlainDataError(f"medfl site {name!r}: a site with its own config ({SITE_ENV['config']}) names the "
+                                 f"client it serves itself: set {SITE_ENV['client-id']} (refused)")
+        if name in self.client_ids and str(self.client_ids[name]) != cid:
+            raise PlainDataError(f"{where}: key 'client_ids': names client {self.client_ids[name]!r} for this site, "
+                                 f"which serves client {cid!r} ({SITE_ENV['client-id']}) (refused)")
 
     def site(self, fl_ctx: FLContext) -> Site:
-        """This client's :class:`Site` (one per process and node config)."""
-        return site_for(self.node_config(fl_ctx))
+        """This client's :class:`Site` (one per executor and NVFlare client)."""
+        name = fl_ctx.get_identity_name()
+        if name not in self._sites:
+            self._sites[name] = Site(self.settings(fl_ctx))
+        return self._sites[name]
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         """Answer one medfl message: the reply's records, or return code
