@@ -58,10 +58,12 @@ from typing import Any
 from medfl.policy import SitePolicy, Spend, composed_epsilon
 from medfl.privacy.releases import append_record, ledger_releases
 
-__all__ = ["SiteBudget", "BudgetRefused", "data_key", "BUDGET_FILE", "Spend", "composed_epsilon"]
+__all__ = ["SiteBudget", "BudgetRefused", "data_key", "BUDGET_FILE", "KEY_PREFIX", "Spend", "composed_epsilon"]
 
 #: The site's budget, in its ``--state-dir`` (shared by every run it serves).
 BUDGET_FILE = "budget.jsonl"
+#: What a :func:`data_key` begins with (keys of config text, written before, did not).
+KEY_PREFIX = "table:"
 
 
 class BudgetRefused(RuntimeError):
@@ -80,7 +82,7 @@ def data_key(source: Any) -> str:
     h = hashlib.sha256(json.dumps([list(map(str, table.columns)), int(source.num_classes),
                                    list(map(str, source.class_names)), list(source.sample_shape)]).encode())
     h.update(pd.util.hash_pandas_object(table, index=True).to_numpy().tobytes())
-    return h.hexdigest()[:16]
+    return KEY_PREFIX + h.hexdigest()[:16]
 
 
 #: The fields of each type of budget record, and the type of their values.
@@ -140,9 +142,11 @@ class SiteBudget:
         return out
 
     def spends(self, run: str | None = None) -> list[dict[str, Any]]:
-        """The spend records of this site's data set (of one ``run``, or of all)."""
-        return [r for r in self.records() if r.get("type") == "spend" and r.get("data") == self.data
-                and (run is None or r.get("run") == run)]
+        """The spend records of this site's data set (of one ``run``, or of all). A record
+        keyed the old way (a digest of config text, before :data:`KEY_PREFIX`) cannot be told
+        to be of another data set, so it counts for every one."""
+        return [r for r in self.records() if r.get("type") == "spend" and (run is None or r.get("run") == run)
+                and (r.get("data") == self.data or not str(r.get("data")).startswith(KEY_PREFIX))]
 
     def spent(self, run: str | None = None) -> float:
         """Epsilon spent so far (in ``run``, or over every run on this data set) at the site's delta."""

@@ -126,3 +126,17 @@ def test_the_budget_counts_the_data_by_its_fingerprint_not_by_config_text(tmp_pa
     assert len(same) == 1, same
     (data / "manifest.csv").write_text("\n".join(rows[:-1]) + "\n")
     assert key(str(data / "manifest.csv")) not in same
+
+
+def test_spends_keyed_by_config_text_before_count_for_every_data_set(tmp_path: Path) -> None:
+    """A budget written before the fingerprint key (its spends keyed by a digest of config text)
+    cannot tell which data set a spend was of: it counts for each, never for none."""
+    from medfl.budget import BUDGET_FILE, KEY_PREFIX, SiteBudget
+
+    rec = {"type": "spend", "run": "old", "round": 1, "step": 0, "client": "0", "kind": "train",
+           "mechanism": "dp_gaussian", "unit": "client", "noise_multiplier": 1.0, "sample_rate": 1.0, "steps": 1,
+           "delta": 1e-5, "accountant": "rdp"}
+    (tmp_path / BUDGET_FILE).write_text("\n".join(json.dumps({**rec, "data": d, "run": d})
+                                                  for d in ("0123456789abcdef", f"{KEY_PREFIX}other")) + "\n")
+    budget = SiteBudget(tmp_path, f"{KEY_PREFIX}mine", "0", "medfl site 0")
+    assert [r["run"] for r in budget.spends()] == ["0123456789abcdef"] and budget.spent() > 0

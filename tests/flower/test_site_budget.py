@@ -140,7 +140,7 @@ def test_the_sites_own_count_stops_a_run_at_its_cap_across_sessions_and_runs(tmp
     gauss = [Spend("dp_gaussian", "client", 1.0, 1.0, 1, 1e-5, "rdp", 1.0)]
     one = epsilon_spent([(1.0, 1.0, 1)], 1e-5)
     cap = epsilon_spent([(1.0, 1.0, 3)], 1e-5) + 1e-9    # three releases fit, a fourth does not
-    budget = SiteBudget(tmp_path, "data-a", "0", "medfl site 0", SitePolicy(max_epsilon=cap))
+    budget = SiteBudget(tmp_path, "table:data-a", "0", "medfl site 0", SitePolicy(max_epsilon=cap))
     answered = 0
     with pytest.raises(BudgetRefused, match=r"would bring run r1's epsilon at this site to .* \(spent .* over 3 "
                                             rf"record\(s\) of its own\), this site accepts at most {cap:g} per run"):
@@ -151,10 +151,10 @@ def test_the_sites_own_count_stops_a_run_at_its_cap_across_sessions_and_runs(tmp
             answered += 1
     assert answered == 3 and budget.spent("r1") == pytest.approx(cap, rel=1e-6)
     # another run, another data set: its own count; the same data set: the total
-    other = SiteBudget(tmp_path, "data-b", "0", "medfl site 0", SitePolicy(max_epsilon_total=one + 1e-9))
+    other = SiteBudget(tmp_path, "table:data-b", "0", "medfl site 0", SitePolicy(max_epsilon_total=one + 1e-9))
     plan = other.plan("r2", "s", 1, 1)
     other.admit("r2", 1, 0, "train", gauss, plan)
-    budget = SiteBudget(tmp_path, "data-a", "0", "medfl site 0", SitePolicy(max_epsilon_total=cap + 0.5))
+    budget = SiteBudget(tmp_path, "table:data-a", "0", "medfl site 0", SitePolicy(max_epsilon_total=cap + 0.5))
     plan = budget.plan("r3", "s", 1, 1)
     with pytest.raises(BudgetRefused, match=r"would bring this site's epsilon over every run on its data set to .* "
                                             r"\(spent .* over 1 run\(s\)\), this site accepts at most .* in all"):
