@@ -340,6 +340,8 @@ class SiteDirectory:
         self.refused: dict[int, str] = {}     # nodes whose hello was refused -> why (never asked again)
         self.pins = settings.pins()           # client id -> the only node that may serve it ({}: any)
         self.pending: dict[str, int] = {}     # hello message id -> node id
+        #: the grid's nodes are all it will ever have (an NVFlare job's clients): see :meth:`settled`
+        self.fixed_nodes = False
 
     def _push_hello(self, node: int) -> None:
         content = RecordDict()
@@ -435,9 +437,18 @@ class SiteDirectory:
             fresh = {n for n in self.pending.values() if n not in self.lost}
             served = len(need & set(self.nodes))
             short = served < (len(need) if enough is None else min(enough, len(need)))
-            if (not fresh and not short) or time.monotonic() >= deadline:
+            if (not fresh and not short) or self.settled() or time.monotonic() >= deadline:
                 return
             self.settings.pause()
+
+    def settled(self) -> bool:
+        """Whether no hello can change which clients are served any more: the grid's nodes are
+        fixed (:attr:`fixed_nodes`), no hello is awaited, and every node serves a client or was
+        refused (never asked again); waiting longer for a client without a node is then waiting
+        for nothing."""
+        if not self.fixed_nodes or self.pending:
+            return False
+        return set(self.grid.get_node_ids()) <= set(self.nodes.values()) | set(self.refused) | self.retired
 
     def drop(self, cid: str) -> None:
         """Forget ``cid``'s node after it missed an exchange (it is asked again later)."""
@@ -581,7 +592,7 @@ class FlowerRun(Run):
             self.sites.refresh(need=ids, enough=enough,
                                timeout=min(left, max(self.settings.progress_interval, 0.1)))
             missing = [c for c in ids if c not in self.sites.nodes]
-            if len(ids) - len(missing) >= enough or time.monotonic() >= deadline:
+            if len(ids) - len(missing) >= enough or self.sites.settled() or time.monotonic() >= deadline:
                 break
             waited = True
             nodes = len(self.grid.get_node_ids())

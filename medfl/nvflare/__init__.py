@@ -9,7 +9,9 @@ NVFlare executor (the ``nvflare`` backend, ``pip install 'medfl[nvflare]'``; doc
   privacy policy, the release ledger, the content guard, state kept per site);
 - :mod:`medfl.nvflare.controller`: :class:`~medfl.nvflare.controller.MedflController`, the
   workflow that runs the experiment on the NVFlare server;
-- :mod:`medfl.nvflare.job`: :func:`~medfl.nvflare.job.write_job` (``medfl nvflare job``).
+- :mod:`medfl.nvflare.job`: :func:`~medfl.nvflare.job.write_job` (``medfl nvflare job``) and
+  :func:`~medfl.nvflare.job.write_site` (``medfl nvflare site``: a site's NVFlare settings
+  locked down to medfl).
 
 NVFlare is imported by these modules, not by this package.
 """

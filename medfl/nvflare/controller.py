@@ -88,8 +88,10 @@ class MedflController(Controller):
         self.resume = resume
         self.rounds = int(rounds)
         self.result_file = result_file
-        self.timeouts = {"round_timeout": float(round_timeout), "connect_timeout": float(connect_timeout),
-                         "hello_timeout": float(hello_timeout)}
+        # attributes named as the arguments: NVFlare's job API writes a component's arguments
+        # from them (a dict of them wrote none, and a job ran with the default timeouts)
+        self.round_timeout, self.connect_timeout = float(round_timeout), float(connect_timeout)
+        self.hello_timeout = float(hello_timeout)
 
     def start_controller(self, fl_ctx: FLContext) -> None:
         """Nothing to start: the experiment starts in :meth:`control_flow`."""
@@ -133,7 +135,8 @@ class MedflController(Controller):
         from medfl.logs import ensure_console
 
         ensure_console()
-        settings = FlowerSettings(poll_interval=0.05, stop=_Aborted(abort_signal), **self.timeouts)
+        settings = FlowerSettings(poll_interval=0.05, stop=_Aborted(abort_signal), round_timeout=self.round_timeout,
+                                  connect_timeout=self.connect_timeout, hello_timeout=self.hello_timeout)
         try:
             result = self.experiment(TaskGrid(self, fl_ctx), settings)
         except BaseException as exc:  # noqa: BLE001 - said in the result file and as the job's panic

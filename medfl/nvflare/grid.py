@@ -168,6 +168,9 @@ class NVFlareRun(FlowerRun):
                            "Flower's secaggplus_mod at each site); unset it under fl.backend 'nvflare', or use "
                            "`medfl flower run`")
         super().__init__(cfg, method_spec, run_dir, data, grid, settings, fold)
+        # an NVFlare job's clients are fixed when it starts (the server's job process lists its
+        # participants): once each has answered its hello, or been refused, the run waits no more
+        self.sites.fixed_nodes = True
 
     def resume_command(self, top: Path) -> str:
         """A stopped NVFlare run continues as a new job (:meth:`medfl_plugins.backends.NVFlare.resume_command`)."""

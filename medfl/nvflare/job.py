@@ -1,4 +1,5 @@
-"""``medfl nvflare job``: an NVIDIA FLARE job folder running a medfl config.
+"""``medfl nvflare job`` and ``medfl nvflare site``: an NVIDIA FLARE job folder running a medfl
+config, and an NVFlare site locked down to medfl.
 
 :func:`write_job` writes, with NVFlare's job API (``FedJob``), the folder an NVFlare user
 submits as usual (``nvflare job submit -j DIR/medfl`` in a provisioned or POC system, or
@@ -7,50 +8,168 @@ app (:class:`medfl.nvflare.controller.MedflController`, carrying the bundle conf
 client app (:class:`medfl.nvflare.executor.MedflExecutor`, carrying the same config and which
 NVFlare client serves which client of the partition: ``site-1`` serves client ``0``...).
 medfl must be installed (``medfl[nvflare]``) on the server and at every site.
+
+:func:`write_site` writes an NVFlare site's ``local/`` settings so that it builds medfl's
+classes alone, deploys no job with custom code, and runs medfl with its own approvals and paths
+(docs/nvflare.md, "Securing a site").
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 from medfl.config import ConfigError, resolve_config
-from medfl.config_file import load_bundle_config
+from medfl.config_file import PlainDataError, load_bundle_config, refuse_syntax
 
-__all__ = ["write_job", "allow_components", "add_parser", "cmd_nvflare_job", "JOB_NAME", "COMPONENTS", "site_names"]
+__all__ = ["write_job", "write_site", "add_parser", "cmd_nvflare_job", "cmd_nvflare_site", "JOB_NAME", "COMPONENTS",
+           "SITE_ENV_FILE", "site_names"]
 
 #: the job's folder name under ``--out``
 JOB_NAME = "medfl"
 
 
-#: what a site's (and the server's) NVFlare ``class_allow_list`` must allow for a medfl job
+#: medfl's component classes: what the server's NVFlare and each site's must build for a medfl
+#: job, and all that a site written by :func:`write_site` builds
 COMPONENTS = ("medfl.nvflare.controller.MedflController", "medfl.nvflare.executor.MedflExecutor")
+#: the file in a site's ``local/`` holding its medfl environment (:func:`write_site`)
+SITE_ENV_FILE = "medfl_site.env"
 
 
-def allow_components(local_dir: str | Path) -> Path:
-    """Allow medfl's two components in an NVFlare site's ``local/resources.json`` (NVFlare
-    builds only the component classes its ``class_allow_list`` names): add them to the list
-    there, starting from ``resources.json.default``'s (or NVFlare's default list) when the
-    site has none. For the simulator, ``local_dir`` is ``WORKSPACE/local`` (copied to every
-    simulated site). Returns the file written.
+def _json_object(path: Path, what: str) -> dict[str, Any] | None:
+    """The JSON object in ``path`` (``None`` when there is no such file).
 
     Raises:
-        ConfigError: an existing resources file is not a JSON object.
+        ConfigError: the file is not a JSON object (one line naming it).
     """
-    from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not JSON ({exc.msg}, line {exc.lineno}); {what} must be a JSON object: "
+                          "fix it or move it away") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: {what} must be a JSON object, not a JSON {type(data).__name__}")
+    return data
 
-    local = Path(local_dir)
-    path = local / "resources.json"
-    base = path if path.is_file() else local / "resources.json.default"
-    resources: Any = json.loads(base.read_text()) if base.is_file() else {}
-    if not isinstance(resources, dict):
-        raise ConfigError(f"{base}: expected a JSON object (NVFlare's site resources)")
-    allowed = list(resources.get("class_allow_list") or DEFAULT_CLASS_ALLOW_LIST)
-    resources["class_allow_list"] = allowed + [c for c in COMPONENTS if c not in allowed]
+
+def _deny_byoc(policy: dict[str, Any], source: Path | str) -> dict[str, Any]:
+    """``policy`` (NVFlare's site authorization policy, format 1.0) with the right ``byoc``
+    (deploying a job with custom code) set to ``none`` for every role; a role granted every
+    right (``"any"``) keeps each other right NVFlare 2.9 names (its admin commands, their
+    categories, ``server-predeployed-flwr``), since NVFlare reads a role's single grant before
+    its per-right ones.
+
+    Raises:
+        ConfigError: the result is not a policy NVFlare accepts (naming ``source``).
+    """
+    from nvflare.apis.fl_constant import AdminCommandNames
+    from nvflare.app_opt.flower.defs import Constant
+    from nvflare.fuel.sec.authz import parse_policy_config
+    from nvflare.security.security import COMMAND_CATEGORIES
+
+    rights = sorted({*COMMAND_CATEGORIES.values(), Constant.RIGHT_SERVER_PREDEPLOYED_FLWR}
+                    | {v for k, v in vars(AdminCommandNames).items() if k.isupper() and v not in COMMAND_CATEGORIES})
+    roles = policy.get("permissions")
+    if not isinstance(roles, dict) or not roles:
+        raise ConfigError(f"{source}: 'permissions' must map each role to its rights (NVFlare's authorization policy)")
+    policy = {**policy, "permissions": {role: {**({r: grant for r in rights} if isinstance(grant, (str, list))
+                                                 else grant), "byoc": "none"} for role, grant in roles.items()}}
+    _, err = parse_policy_config(policy, COMMAND_CATEGORIES)
+    if err:
+        raise ConfigError(f"{source}: not an authorization policy NVFlare accepts: {err}")
+    return policy
+
+
+def write_site(workspace: str | Path, approvals: str | Path, *, config: str | Path | None = None,
+               client_id: str = "", state_dir: str | Path | None = None, workdir: str | Path | None = None,
+               device: str = "") -> list[Path]:
+    """Lock an NVFlare site down to medfl (``medfl nvflare site``): write in ``workspace/local``
+
+    - ``resources.json`` (from itself, else ``resources.json.default``, its other keys kept):
+      ``class_allow_list`` is medfl's :data:`COMPONENTS` alone and ``class_list_enforcement_mode``
+      is ``enforce``, so the site builds no other class a job names (NVFlare's default list has
+      about 90, executors among them that read data and answer without medfl's approvals), and
+      ``allow_log_streaming`` is false: the job's log stays at the site (NVFlare would add its
+      own ``JobLogStreamer`` to each job to send it to the server);
+    - ``authorization.json`` (from itself, else ``authorization.json.default``, else every
+      NVFlare role with every right, as a site without one grants): no role may deploy a job
+      with custom code (``byoc``), for which NVFlare skips the class allow-list;
+    - :data:`SITE_ENV_FILE`: the site's medfl environment as ``export`` lines to source before
+      starting the site (``MEDFL_APPROVALS``, ``MEDFL_SITE_CONFIG``, ``MEDFL_CLIENT_ID``,
+      ``MEDFL_STATE_DIR``, ``MEDFL_WORKDIR``, ``MEDFL_DEVICE``; those not given are unset).
+
+    Args:
+        workspace: the NVFlare site's workspace: a provisioned startup kit, or a simulator
+            workspace (its ``local/`` is copied to every simulated site, and so is the
+            environment: leave ``client_id`` and ``config`` out there).
+        approvals: the site's approvals file (``medfl approve``, ``medfl policy``), or ``none``
+            to run any installed plugin a job names (the explicit opt-out).
+        config: the site's own bundle config (its data set and root).
+        client_id: which client of the partition the site serves (needed with ``config``).
+        state_dir: where the site keeps its ledger and state (default: ``medfl_state`` in the
+            client's workspace); made absolute.
+        workdir: where relative paths of the site's config are read; made absolute.
+        device: the site's torch device.
+
+    Returns:
+        The three files written.
+
+    Raises:
+        ConfigError: an input is missing or invalid, or a file there is not a JSON object.
+    """
+    from nvflare.app_common.logging.constants import ALLOW_LOG_STREAMING_VAR
+    from nvflare.app_common.widgets.component_path_authorizer import (CLASS_ALLOW_LIST, CLASS_LIST_ENFORCEMENT_MODE,
+                                                                       ClassListEnforcementMode)
+    from nvflare.lighter.constants import DEFINED_ROLES
+
+    from medfl.approval import APPROVALS_ENV, OPT_OUT, ApprovalError, Approvals
+    from medfl.nvflare.executor import SITE_ENV
+
+    env: dict[str, str] = {APPROVALS_ENV: OPT_OUT}
+    if str(approvals) != OPT_OUT:
+        try:
+            env[APPROVALS_ENV] = str(Approvals.load(Path(approvals).resolve()).path)
+        except ApprovalError as exc:
+            raise ConfigError(f"--approvals: {exc}") from None
+    if config is not None:
+        if not Path(config).is_file():
+            raise ConfigError(f"--config {config}: no such file (the site's own bundle config)")
+        if not client_id:
+            raise ConfigError(f"--config {config}: a site with its own config names the client it serves: give "
+                              "--client-id too")
+    given = {"config": config, "client-id": client_id, "state-dir": state_dir, "workdir": workdir, "device": device}
+    for key, value in given.items():
+        if value:
+            env[SITE_ENV[key]] = str(Path(value).resolve()) if key in ("config", "state-dir", "workdir") else str(value)
+    local = Path(workspace) / "local"
     local.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(resources, indent=2))
-    return path
+    resources = local / "resources.json"
+    kept = _json_object(resources, "NVFlare's site resources")
+    if kept is None:
+        kept = _json_object(local / "resources.json.default", "NVFlare's site resources") or {}
+    kept.update({CLASS_ALLOW_LIST: list(COMPONENTS), ALLOW_LOG_STREAMING_VAR: False,
+                 CLASS_LIST_ENFORCEMENT_MODE: ClassListEnforcementMode.ENFORCE.value})
+    authz = local / "authorization.json"
+    policy = _json_object(authz, "NVFlare's authorization policy")
+    source: Path | str = authz
+    if policy is None:
+        source = local / "authorization.json.default"
+        policy = _json_object(source, "NVFlare's authorization policy")
+    if policy is None:
+        source, policy = "NVFlare's roles", {"format_version": "1.0", "permissions": {r: "any" for r in DEFINED_ROLES}}
+    policy = _deny_byoc(policy, source)
+    resources.write_text(json.dumps(kept, indent=2) + "\n")
+    authz.write_text(json.dumps(policy, indent=2) + "\n")
+    env_file = local / SITE_ENV_FILE
+    lines = [f"export {k}={shlex.quote(env[k])}" if k in env else f"unset {k}"
+             for k in (APPROVALS_ENV, *SITE_ENV.values())]
+    env_file.write_text("# the site's medfl environment (`medfl nvflare site`): source it before starting the site\n"
+                        + "\n".join(lines) + "\n")
+    return [resources, authz, env_file]
 
 
 def site_names(n: int) -> list[str]:
@@ -66,8 +185,11 @@ def write_job(out: str | Path, config: str | Path | None = None, *, sites: int |
 
     Args:
         out: the folder the job is written in (``out/medfl``).
-        config: the bundle config (``train.json``); relative paths in it are read from the
-            directory this is called in (the job records it as ``workdir``).
+        config: the bundle config (``train.json``), read here by MONAI's parser (the
+            coordinator's own text); the job carries its ``fl`` section as plain data, which is
+            all a site reads of it. Relative paths in it are read at the server from the
+            directory this is called in (the controller's ``workdir``), at a site from its own
+            (``medfl nvflare site --workdir``).
         sites: how many NVFlare clients (``site-1``...; default: the config's ``num_clients``).
         overrides: ``#``-path overrides of the config.
         resume: a stopped run or experiment directory on the server's machine, to continue
@@ -81,7 +203,8 @@ def write_job(out: str | Path, config: str | Path | None = None, *, sites: int |
 
     Raises:
         ConfigError: no config (and no resume), the config's ``fl.backend`` names another
-            backend, or ``sites`` differs from the config's ``num_clients``.
+            backend, ``sites`` differs from the config's ``num_clients``, or its ``fl`` section
+            is not plain JSON once read (a value MONAI built, an expression's result).
     """
     from nvflare.job_config.api import FedJob
 
@@ -89,7 +212,6 @@ def write_job(out: str | Path, config: str | Path | None = None, *, sites: int |
     from medfl.nvflare.executor import MedflExecutor
     from medfl.nvflare.grid import TASKS
 
-    overrides = dict(overrides or {})
     if resume:
         saved = Path(resume) / "config.json"
         if not saved.is_file():
@@ -98,23 +220,27 @@ def write_job(out: str | Path, config: str | Path | None = None, *, sites: int |
         fl = fl.get("fl") if isinstance(fl, dict) else None      # medfl writes {"fl": ..., "engine": ...}
         if not isinstance(fl, dict):
             raise ConfigError(f"--resume {resume}: {saved} has no 'fl' section (not the config.json medfl writes)")
-        bundle = {"fl": fl}
+        bundle, resolved = {"fl": fl}, fl
     elif config is None:
         raise ConfigError("medfl nvflare job: give --config CONFIG (a bundle config) or --resume RUN_DIR")
     else:
-        bundle = json.loads(Path(config).read_text()) if str(config).endswith(".json") else None
-        if bundle is None:
+        if not str(config).endswith(".json"):
             raise ConfigError(f"--config {config}: expected a JSON bundle config (train.json)")
-        fl = resolve_config(load_bundle_config(config, overrides))
-        backend = fl.get("backend") or "inprocess"
+        fl = load_bundle_config(config, overrides)
+        resolved = resolve_config(fl)
+        backend = resolved.get("backend") or "inprocess"
         backend = backend if isinstance(backend, str) else backend.get("name", "inprocess")
         if backend not in ("inprocess", "nvflare"):
             raise ConfigError(f"{config}: fl.backend is {backend!r}; an NVFlare job runs on backend 'nvflare' "
                               "(remove fl.backend or set it to 'nvflare')")
-        overrides["fl#backend"] = "nvflare"
-    n = int(sites or fl.get("num_clients") or 0)
-    if n != int(fl.get("num_clients") or n):
-        raise ConfigError(f"--sites {n}: the config's fl.num_clients is {fl.get('num_clients')}; each NVFlare "
+        bundle = {"fl": {**fl, "backend": "nvflare"}}
+    try:   # what a site reads of the job: plain data, or every site refuses it
+        refuse_syntax(bundle, f"{config or resume}: the job's config")
+    except PlainDataError as exc:
+        raise ConfigError(str(exc)) from None
+    n = int(sites or resolved.get("num_clients") or 0)
+    if n != int(resolved.get("num_clients") or n):
+        raise ConfigError(f"--sites {n}: the config's fl.num_clients is {resolved.get('num_clients')}; each NVFlare "
                           "client serves one client of the partition")
     if n < 1:
         raise ConfigError(f"--sites {n}: expected at least 1")
@@ -123,41 +249,65 @@ def write_job(out: str | Path, config: str | Path | None = None, *, sites: int |
     job = FedJob(name=JOB_NAME, min_clients=n)
     # medfl is installed at the server and the sites (medfl[nvflare]): not copied into the job's custom/
     job.set_app_packages(["medfl", "medfl_plugins"])
-    job.to_server(MedflController(bundle=bundle, overrides=overrides, workdir=workdir, resume=str(resume or ""),
-                                  rounds=rounds, result_file=result_file, round_timeout=round_timeout,
+    # no overrides: `nvflare job submit` rewrites '#'-path keys into nested objects
+    job.to_server(MedflController(bundle=bundle, workdir=workdir, resume=str(resume or ""), rounds=rounds,
+                                  result_file=result_file, round_timeout=round_timeout,
                                   connect_timeout=connect_timeout))
-    job.to_clients(MedflExecutor(bundle=bundle, overrides=overrides, workdir=workdir,
-                                 client_ids={name: str(i) for i, name in enumerate(names)}), tasks=list(TASKS))
+    job.to_clients(MedflExecutor(bundle=bundle, client_ids={name: str(i) for i, name in enumerate(names)}),
+                   tasks=list(TASKS))
     Path(out).mkdir(parents=True, exist_ok=True)
     job.export_job(str(out))
     return Path(out) / JOB_NAME
 
 
-def cmd_nvflare_job(args: Any) -> int:
-    """``medfl nvflare job``: write the job (and, with ``--allow LOCAL``, allow its components
-    in that NVFlare ``local/`` folder); say how to run it."""
+def _error(exc: BaseException) -> int:
+    """Say ``exc`` as medfl's one-line error; the exit status 2."""
     import logging
 
+    logging.getLogger("medfl").error(f"medfl: error: {exc}")
+    return 2
+
+
+def cmd_nvflare_job(args: Any) -> int:
+    """``medfl nvflare job``: write the job; say how to run it."""
     try:
         overrides = json.loads(args.overrides) if args.overrides else {}
         job = write_job(args.out, args.config, sites=args.sites, overrides=overrides, resume=args.resume,
                         rounds=args.rounds, result_file=args.result_file, round_timeout=args.round_timeout,
                         connect_timeout=args.connect_timeout)
-        allowed = [allow_components(d) for d in args.allow]
     except (ConfigError, json.JSONDecodeError, OSError, ImportError) as exc:
-        logging.getLogger("medfl").error(f"medfl: error: {exc}")
-        return 2
+        return _error(exc)
     print(f"wrote NVFlare job {job}")
-    for path in allowed:
-        print(f"allowed medfl's components in {path}")
-    print(f"simulate: nvflare simulator {job} -w WORKSPACE -n N -t N  (first: medfl nvflare job ... --allow "
-          f"WORKSPACE/local)\nsubmit:   nvflare job submit -j {job}  (docs/nvflare.md)")
+    print(f"simulate: nvflare simulator {job} -w WORKSPACE -n N -t N  (first: medfl nvflare site --workspace "
+          f"WORKSPACE --approvals FILE)\nsubmit:   nvflare job submit -j {job}  (docs/nvflare.md)")
+    return 0
+
+
+def cmd_nvflare_site(args: Any) -> int:
+    """``medfl nvflare site``: lock an NVFlare site's workspace down to medfl (:func:`write_site`);
+    say what was written and how to start the site."""
+    try:
+        written = write_site(args.workspace, args.approvals, config=args.config, client_id=args.client_id,
+                             state_dir=args.state_dir, workdir=args.workdir, device=args.device)
+    except (ConfigError, OSError, ImportError) as exc:
+        return _error(exc)
+    resources, authz, env = written
+    print(f"wrote {resources}: class_allow_list {', '.join(COMPONENTS)} only, class_list_enforcement_mode enforce, "
+          "allow_log_streaming false")
+    print(f"wrote {authz}: no role may deploy a job with custom code (byoc: none); other rights kept")
+    print(f"wrote {env}:\n  " + "\n  ".join(env.read_text().splitlines()[1:]))
+    if args.approvals == "none":
+        print("WARNING: --approvals none: this site runs any installed plugin a job names (no approvals file)")
+    start, source = Path(args.workspace) / "startup" / "start.sh", f". {shlex.quote(str(env))} &&"
+    print(f"start the site: {source} {shlex.quote(str(start))}" if start.is_file() else
+          f"simulate: {source} nvflare simulator JOB -w {shlex.quote(str(args.workspace))} -n N -t N")
     return 0
 
 
 def add_parser(sub: Any) -> None:
-    """Add ``medfl nvflare job`` to the command line's subcommands ``sub``."""
-    np_ = sub.add_parser("nvflare", help="run a config under NVIDIA FLARE: write its job (docs/nvflare.md)")
+    """Add ``medfl nvflare job`` and ``medfl nvflare site`` to the command line's subcommands ``sub``."""
+    np_ = sub.add_parser("nvflare", help="run a config under NVIDIA FLARE: write its job, lock a site down "
+                                         "(docs/nvflare.md)")
     nsub = np_.add_subparsers(dest="nvflare_command", required=True)
     sp = nsub.add_parser("job", help="write an NVFlare job folder running a bundle config (needs medfl[nvflare])")
     sp.add_argument("--config", default=None, help="the bundle config (train.json)")
@@ -169,6 +319,18 @@ def add_parser(sub: Any) -> None:
     sp.add_argument("--result-file", default="", help="where the server writes the outcome as JSON")
     sp.add_argument("--round-timeout", type=float, default=600.0, help="seconds to wait for one exchange")
     sp.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for the sites at the start")
-    sp.add_argument("--allow", action="append", default=[], metavar="LOCAL_DIR",
-                    help="also allow medfl's components in this NVFlare local/ folder (resources.json); repeatable")
     sp.set_defaults(func=cmd_nvflare_job)
+    sp = nsub.add_parser("site", help="lock an NVFlare site down to medfl: only medfl's executor, no custom code, "
+                                      "the site's approvals and paths (docs/nvflare.md, Securing a site)")
+    sp.add_argument("--workspace", required=True, metavar="DIR", help="the site's NVFlare workspace (its startup kit, "
+                                                                      "or a simulator workspace); written: DIR/local")
+    sp.add_argument("--approvals", required=True, metavar="FILE|none",
+                    help="the site's approvals file (medfl approve, medfl policy); none: run any installed plugin")
+    sp.add_argument("--config", default=None, help="the site's own bundle config (its data set and root)")
+    sp.add_argument("--client-id", default="", help="the client of the partition this site serves (needed with "
+                                                    "--config; default: the job's site-K -> K-1)")
+    sp.add_argument("--state-dir", default=None, help="where the site keeps its ledger and state, outside the "
+                                                      "workspace (default: medfl_state in the client's workspace)")
+    sp.add_argument("--workdir", default=None, help="where relative paths of the site's config are read")
+    sp.add_argument("--device", default="", help="the site's torch device (e.g. cuda:1)")
+    sp.set_defaults(func=cmd_nvflare_site)

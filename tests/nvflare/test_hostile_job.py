@@ -140,3 +140,55 @@ def test_the_privacy_docs_table_of_who_chooses_what_is_what_a_site_enforces(
     assert {"train", "filters", "rounds", "partition", "num_clients"} <= set(taken), taken
     overrides = {f"fl#{k}": FL[k] for k in taken if k in FL}
     assert MedflExecutor(bundle={"fl": FL}, overrides=overrides).site(_ctx(tmp_path)).client_id == "0"
+
+
+#: the hostile jobs of the simulator test: (what the site's environment adds, the change to the
+#: job's client app, what each site's refusal says)
+HOSTILE = {
+    "expression": (False, lambda args, m: args.setdefault("overrides", {}).update({"fl#progress": expression(m)}),
+                   r"the job: overrides: key 'fl#progress' holds .*MONAI config syntax"),
+    "data root": (True, lambda args, m: args.setdefault("overrides", {}).update({"fl#dataset#root": str(m.parent)}),
+                  r"the job: overrides: key 'fl#dataset#root': the site's own setting"),
+    "work folder": (True, lambda args, m: args.update(workdir=str(m.parent)),
+                    r"the job: key 'workdir' \(.*\): where this site reads its files is its own"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_hostile_job_is_refused_by_every_site_in_nvflare_simulator(tmp_path: Path, case: str) -> None:
+    """NVFlare's own simulator, each site with an approvals file whose policy caps epsilon at 3
+    (and, for the data root and work folder, a config of its own, as `medfl nvflare site`
+    writes): the job with one hostile change is refused by both sites with their reason, the
+    server ends without waiting out its connect timeout, and the expression never ran."""
+    import re
+    import subprocess
+
+    from medfl.cli import main
+    from medfl.nvflare.job import SITE_ENV_FILE, write_job
+
+    own_config, change, said = HOSTILE[case]
+    marker = tmp_path / "elsewhere" / "MARKER"
+    marker.parent.mkdir()
+    fl = {**FL, "dataset": {**FL["dataset"], "root": str(tmp_path / "data")}, "output_dir": str(tmp_path / "runs")}
+    config = tmp_path / "fl.json"
+    config.write_text(json.dumps({"fl": fl}))
+    approvals = tmp_path / "approvals.json"
+    approvals.write_text(json.dumps({"medfl_approvals": 2, "approved": [],
+                                     "policy": {"max_epsilon": 3, "max_epsilon_total": 3}}))
+    result = tmp_path / "result.json"
+    job = write_job(tmp_path / "jobs", config, result_file=str(result), round_timeout=600, connect_timeout=600)
+    client = job / "app" / "config" / "config_fed_client.json"
+    app = json.loads(client.read_text())
+    change(app["executors"][0]["executor"]["args"], marker)
+    client.write_text(json.dumps(app))
+    site = ["--config", str(config), "--client-id", "0"] if own_config else []
+    assert main(["nvflare", "site", "--workspace", str(tmp_path / "ws"), "--approvals", str(approvals), *site]) == 0
+    env_file = tmp_path / "ws" / "local" / SITE_ENV_FILE
+    cmd = f". {env_file} && exec {sys.executable} -m nvflare.cli simulator {job} -w {tmp_path / 'ws'} -n 2 -t 2"
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    outcome = json.loads(result.read_text())
+    assert not outcome["ok"], outcome
+    for name in NAMES:
+        assert re.search(rf"NVFlare client {name}: SiteError: medfl site '{name}': {said}", outcome["error"]), outcome
+    assert not marker.exists() and not list(tmp_path.rglob("site_0")), "nothing ran at a site"

@@ -41,7 +41,7 @@ from medfl.nvflare.executor import MedflExecutor  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
 from medfl.nvflare.controller import MedflController  # noqa: E402
 from medfl.nvflare import RESUME_JOB  # noqa: E402
-from medfl.nvflare.job import COMPONENTS, allow_components, write_job  # noqa: E402
+from medfl.nvflare.job import COMPONENTS, write_job, write_site  # noqa: E402
 
 SIM_TIMEOUT = 300   # one simulator run, at most
 
@@ -81,7 +81,7 @@ def test_job_in_nvflare_simulator_gives_the_in_process_numbers(tmp_path: Path) -
     result = tmp_path / "result.json"
     job = write_job(tmp_path / "jobs", config, result_file=str(result), round_timeout=120, connect_timeout=120)
     assert {p.name for p in job.iterdir()} == {"meta.json", "app"} and not (job / "app" / "custom").exists()
-    allow_components(tmp_path / "ws" / "local")
+    write_site(tmp_path / "ws", "none")   # medfl's classes only (the server reads this local/ too)
     env = {**os.environ, REPRODUCIBLE_NOISE_ENV: "1"}   # the sites draw their noise from the run seed
     proc = subprocess.run([sys.executable, "-m", "nvflare.cli", "simulator", str(job), "-w", str(tmp_path / "ws"),
                            "-n", str(len(NAMES3)), "-t", str(len(NAMES3))], capture_output=True, text=True,
@@ -289,6 +289,6 @@ def test_a_job_cannot_choose_where_a_site_keeps_its_ledger(tmp_path: Path, monke
     ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-1")
     workspace = SimpleNamespace(get_root_dir=lambda: str(tmp_path / "ws"))
     ctx.put(ReservedKey.ENGINE, SimpleNamespace(get_workspace=lambda: workspace), private=True, sticky=False)
-    assert executor.node_config(ctx)["state-dir"] == str((tmp_path / "ws" / "medfl_state").resolve())
+    assert executor.settings(ctx).state_dir == (tmp_path / "ws" / "medfl_state").resolve()
     monkeypatch.setenv("MEDFL_STATE_DIR", str(tmp_path / "own"))
-    assert executor.node_config(ctx)["state-dir"] == str((tmp_path / "own").resolve())
+    assert executor.settings(ctx).state_dir == (tmp_path / "own").resolve()
