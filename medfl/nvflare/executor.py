@@ -121,7 +121,7 @@ class MedflExecutor(Executor):
                             "environment or write the job with `medfl nvflare job --sites N` for clients site-1..site-N")
         state = os.environ.get(SITE_ENV["state-dir"], "") or str(
             Path(fl_ctx.get_engine().get_workspace().get_root_dir()) / "medfl_state")
-        workdir = os.environ.get(SITE_ENV["workdir"]) or (None if own else self.workdir) or None
+        workdir = os.environ.get(SITE_ENV["workdir"]) or self.workdir   # a job's: refused above with own config
         common = {"client_id": cid, "state_dir": Path(state).resolve(), "device": os.environ.get(SITE_ENV["device"]) or None,
                   "workdir": Path(workdir) if workdir else None}
         if own:
