@@ -76,6 +76,15 @@ DP_MODES = ("update", "weights_per_tensor")
 #: What eq. 11's KD trains at the client: ``"classifier"`` (Algorithm 1: the extractor frozen) or
 #: ``"model"`` (the authors' v1.7 clients: the whole model, ``full_model.trainable_variables``).
 KD_SCOPES = ("classifier", "model")
+#: What eq. 11's softmaxes act on: ``"logits"`` (eq. 11 as written) or ``"probabilities"`` (the
+#: authors' v1.7 clients: their models end in a softmax layer, so the student's and the teacher's
+#: outputs are probabilities, soft-maxed again in both the KL and the cross-entropy term).
+KD_INPUTS = ("logits", "probabilities")
+#: What a client's evaluation scores (:meth:`PFedCDP.client_eval_model`): ``"personal"`` (its own
+#: extractor and classifier after its round) or ``"global"`` (its cluster's aggregated extractor,
+#: as the coordinator holds it after the round, with the client's own classifier: the authors'
+#: v1.7 ``FlowerClient.evaluate``).
+SCORES_MODES = ("personal", "global")
 #: The name of the authors' weight noise in ``privacy.csv`` (:meth:`PFedCDP.own_dp`).
 WEIGHT_DP = "pfedcdp_weight_dp"
 CAPABILITY_MODES = ("auto", "draw", "measure")
@@ -330,6 +339,17 @@ def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
+def _check_clusters(value: Any, name: str, what: str) -> list[str]:
+    """``value`` as a list of distinct clusters in ``CLUSTERS``' order (``None``: all of them)."""
+    if value is None:
+        return list(CLUSTERS)
+    if (isinstance(value, str) or not isinstance(value, (list, tuple))
+            or set(value) - set(CLUSTERS) or len(set(value)) != len(value)):
+        raise MethodConfigError(f"pfedcdp: {name} must be a list of distinct clusters among "
+                                f"{', '.join(CLUSTERS)} ({what}), got {value!r}")
+    return [c for c in CLUSTERS if c in value]
+
+
 def _check_pos(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value) > 0:
         raise MethodConfigError(f"pfedcdp: {name} must be a number > 0, got {value!r}")
@@ -375,16 +395,26 @@ _PAPER_EXPERIMENT: dict[str, Any] = {
     "public_data": "MIAS benign / malignant, 280 train / 50 test",
 }
 
-_PAPER_VALUES.update(dp_mode="update", dp_clusters=list(CLUSTERS), apply_masks=True, kd_scope="classifier")
+_PAPER_VALUES.update(dp_mode="update", dp_clusters=list(CLUSTERS), apply_masks=True, kd_scope="classifier",
+                     kd_clusters=list(CLUSTERS), kd_input="logits", score="personal")
 _PAPER_TRAIN: dict[str, Any] = {"epochs": 20, "batch_size": 64, "optimizer": "adam", "lr": 1e-3}
 
 _REPO = "shadhin39/PFedCDP (snapshot d7364e07)"
 _V17 = _REPO + ", PFedCDP/v1.7/PFedCDP/"
 _DP_FILE = _REPO + ", PFedCDP/differential_privacy.py"
+_CA = _V17 + "client.py"      # model A (high)
+_CB = _V17 + "client1.py"     # model B (medium); as stored it does not compile (IndentationError, line 281)
+_CC = _V17 + "client2.py"     # model C (low)
+_SERVER = _V17 + "server_main_contrastive_learning.py"
 #: Where each value of the ``paper`` preset comes from (:attr:`medfl.method.Preset.sources`).
 _PAPER_SOURCES: dict[str, str] = {
-    "cluster_models": "paper: Sec. IV.A (Experimental Setup), the models paragraph: model A for high, B for medium, "
-                      "C for low capability (C: 8 and 16 filters, a 32-unit dense layer)",
+    "cluster_models": "reading: Sec. IV.A (Experimental Setup), the models paragraph: model A for high, B for medium, "
+                      "C for low capability (C: 8 and 16 filters, a 32-unit dense layer); model B 'includes dropout "
+                      "regularization' with no rate given: medfl's pfedcdp_b drops 0.5 after its dense layer "
+                      "(medfl.models.cnn.PFEDCDP_B_DROPOUT), the paper's student's rate (Sec. IV.A) and the rate of "
+                      "the authors' model-B classifier (" + _CB + ", line 722: Dropout(0.5) before its softmax "
+                      "layer, line 723; their model B is another network, lines 703-724); other reading: another "
+                      "rate (their model C drops 0.4, " + _CC + ", line 637)",
     "student_model": "paper: Sec. IV.A: the student has 16 and 32 filters, a 64-unit dense layer, dropout 0.5",
     "capability_weights": "reading: eq. 1 (Sec. III.B) takes w1..w4 = 1/4 'if all resources matter the same'; "
                           "other reading: its example weights 0.3/0.3/0.1/0.3",
@@ -399,10 +429,11 @@ _PAPER_SOURCES: dict[str, str] = {
     "extractor_epochs": "reading: Algorithm 1 freezes the extractor and trains only the classifier, so no feature "
                         "learning would happen anywhere (that literal reading is 0); other reading, medfl's: 1 "
                         "epoch of cross-entropy on the whole local model first",
-    "kd_lambda": "authors_code: " + _V17 + "client1.py, PartitionedModel.__init__: KnowledgeDistillationLoss("
-                 "temperature=3.0, lambda_balance=0.3) (eq. 11's lambda has no value in the paper)",
-    "kd_temperature": "authors_code: " + _V17 + "client1.py, PartitionedModel.__init__: KnowledgeDistillationLoss("
-                      "temperature=3.0, ...) (T_KD has no value in the paper)",
+    "kd_lambda": "authors_code: " + _CA + ", line 171 (PartitionedModel.__init__: KnowledgeDistillationLoss("
+                 "temperature=3.0, lambda_balance=0.3)); the same in client1.py line 736 and client2.py line 651 "
+                 "(eq. 11's lambda has no value in the paper)",
+    "kd_temperature": "authors_code: " + _CA + ", line 171 (KnowledgeDistillationLoss(temperature=3.0, ...)); the "
+                      "same in client1.py line 736 and client2.py line 651 (T_KD has no value in the paper)",
     "server_classifier": "open: nothing in Sec. III.C or Algorithm 2 says how W_C,server is trained; medfl fits it "
                          "on the public set every round",
     "server_epochs": "open: see server_classifier; 1 epoch a round",
@@ -442,13 +473,24 @@ _PAPER_SOURCES: dict[str, str] = {
                    "Algorithm 1, which every cluster runs): all three clusters",
     "apply_masks": "paper: eq. 6 and Algorithm 1: W_L = M_personal * W_L,own + M_global * W_L,global",
     "kd_scope": "paper: Algorithm 1 trains the classifier on eq. 11 with the extractor frozen",
+    "kd_clusters": "paper: Algorithm 1, which every cluster runs, distils each client's classifier from the server "
+                   "model (eq. 11): all three clusters",
+    "kd_input": "paper: eqs. 7-11 apply the softmax to the logits z (softmax(z / T))",
+    "score": "reading: Sec. IV.B reports accuracy on the private CBIS-DDSM data without saying which model is "
+             "scored; medfl scores each client's personalised model (its own extractor and classifier after its "
+             "round, the 'personalized models' of Sec. V); other reading: the cluster's aggregated extractor with "
+             "the client's classifier (the authors' v1.7 FlowerClient.evaluate, preset authors_v1_7)",
     "train.epochs": "paper: Sec. IV.A, 'each client performing local training for 20 epochs per round'",
-    "train.batch_size": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: train_with_distillation(x_train, "
-                        "y_train, epochs=5, batch_size=64, ...) (the paper states none)",
-    "train.optimizer": "authors_code: " + _V17 + "client1.py, PartitionedModel.train_with_distillation: optimizer = "
-                       "keras.optimizers.Adam() (the paper states none)",
-    "train.lr": "authors_code: " + _V17 + "client1.py, train_with_distillation: keras.optimizers.Adam() at Keras's "
-                "default learning rate 1e-3 (the paper states none)",
+    "train.batch_size": "authors_code: " + _CA + ", line 393 (FlowerClient.fit: train_with_distillation(x_train, "
+                        "y_train, epochs=5, batch_size=64, ...)); client1.py line 992, client2.py line 913 (the paper "
+                        "states none)",
+    "train.optimizer": "authors_code: " + _CA + ", line 363 (FlowerClient.__init__ compiles the full model with "
+                       "keras.optimizers.Adam()) and line 257 (the distillation loop's Adam()); client1.py lines 963 "
+                       "and 867, client2.py line 888 (the paper states none)",
+    "train.lr": "reading: the paper states no learning rate; 1e-3, Keras's Adam default, at which the authors' v1.7 "
+                "models A and B train (" + _CA + ", line 363; client1.py, line 963: keras.optimizers.Adam()); other "
+                "reading: their model C's 3e-4 (client2.py, line 888: Adam(learning_rate=0.0003); cluster_lr of "
+                "preset authors_v1_7)",
 }
 
 #: The authors' v1.7 clients (``PFedCDP/v1.7/PFedCDP/client.py``: model A, ``client1.py``: model B,
@@ -458,52 +500,81 @@ _V17_VALUES: dict[str, Any] = {
     "noise_multiplier": AUTHORS_V17_NOISE_MULTIPLIER, "clip": 2.5, "delta": 1e-5, "quantize": "weights",
     "bits": {"high": None, "medium": 12, "low": None}, "apply_masks": False, "fisher_keep": None,
     "fisher_threshold": 0.01, "kd_scope": "model", "extractor_epochs": 0, "kd_lambda": 0.3, "kd_temperature": 3.0,
-    "grad_clip": None, "teacher_weights": "fixed",
+    "grad_clip": None, "teacher_weights": "fixed", "kd_clusters": ["high"],
+    "cluster_lr": {"high": None, "medium": None, "low": 3e-4}, "kd_input": "probabilities", "score": "global",
 }
 _V17_SOURCES: dict[str, str] = {
     **_PAPER_SOURCES,
-    "dp_mode": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: weights = dp.apply_dp(weights) on "
-               "get_feature_extractor_weights(), i.e. " + _DP_FILE + ", lines 19-29 (clip_weights: each tensor scaled "
-               "by min(1, 2.5 / ||w||)) and 31-40 (add_noise: std clipping_threshold * noise_multiplier on the "
-               "weights); the paper (eqs. 12-13) clips and noises the update",
-    "dp_clusters": "authors_code: " + _V17 + "client1.py (model B), FlowerClient.fit calls dp.apply_dp; client.py "
-                   "(model A) and client2.py (model C) FlowerClient.fit return get_feature_extractor_weights() "
+    "dp_mode": "authors_code: " + _CB + ", lines 996-997 (FlowerClient.fit: weights = get_feature_extractor_weights(); "
+               "weights = dp.apply_dp(weights)), with client1.py's own DifferentialPrivacy (lines 47-96, which "
+               "replaces the one imported from differential_privacy.py at line 11): clip_weights, lines 62-72, scales "
+               "each tensor by min(1, 2.5 / ||w||), add_noise, lines 74-83, adds noise of std clipping_threshold * "
+               "noise_multiplier to the weights; the paper (eqs. 12-13) clips and noises the update",
+    "dp_clusters": "authors_code: " + _CB + ", line 997 (model B's fit calls dp.apply_dp); " + _CA + ", line 409 "
+                   "(model A) and client2.py, line 923 (model C): fit returns get_feature_extractor_weights() "
                    "without noise; the paper (Sec. IV.A) noises every client's update",
     "epsilon": "authors_code: the code has no accountant: epsilon only enters the one-release formula ("
-               + _DP_FILE + ", line 17); null here, the run records the epsilon spent",
-    "noise_multiplier": "authors_code: " + _DP_FILE + ", line 17, sqrt(2 ln(1.25 / delta)) / epsilon at " + _V17 +
-                        "client1.py, FlowerClient.fit: DifferentialPrivacy(epsilon=8.0, delta=1e-5): 0.606 every "
-                        "round, never composed (the paper: epsilon 5 over the run, Sec. IV.A)",
-    "clip": "authors_code: " + _DP_FILE + ", line 7 (clipping_threshold=2.5), applied per weight tensor in lines "
-            "24-27",
-    "delta": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: DifferentialPrivacy(epsilon=8.0, delta=1e-5)",
+               + _CB + ", line 60; " + _DP_FILE + ", line 17); null here, the run records the epsilon spent",
+    "noise_multiplier": "authors_code: " + _CB + ", line 60: sqrt(2 ln(1.25 / delta)) / epsilon, at line 984: "
+                        "DifferentialPrivacy(epsilon=8.0, delta=1e-5): 0.606 every round, never composed (the paper: "
+                        "epsilon 5 over the run, Sec. IV.A)",
+    "clip": "authors_code: " + _CB + ", line 50 (clipping_threshold=2.5), applied per weight tensor in lines 62-72",
+    "delta": "authors_code: " + _CB + ", line 984: DifferentialPrivacy(epsilon=8.0, delta=1e-5)",
     "accountant": "open: the code accounts nothing; medfl records the weights' releases with Opacus's RDP "
                   "accountant at noise multiplier sigma / sqrt(number of tensors) (see PFedCDP.own_dp)",
-    "quantize": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: quantization.quantize_weights(weights) on "
-                "the noised weights (the paper, eq. 14: the update)",
-    "bits": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: Quantization(num_bits=12); client.py and "
-            "client2.py send floats (the paper: 8 bits for every client, Sec. IV.A)",
-    "apply_masks": "authors_code: " + _V17 + "client1.py and client2.py, FlowerClient.fit: "
+    "quantize": "authors_code: " + _CB + ", line 998: quantization.quantize_weights(weights) on the noised weights "
+                "(client1.py's own Quantization, lines 98-131, replacing the import at line 12; the formula lines "
+                "118-119); fit returns its (codes, min/max) pair as the parameters (lines 998 and 1007) and no v1.7 "
+                "file dequantizes them: medfl sends the dequantized values (the paper, eq. 14: the update)",
+    "bits": "authors_code: " + _CB + ", line 985: Quantization(num_bits=12); client.py (line 409) and client2.py "
+            "(line 923) send floats (the paper: 8 bits for every client, Sec. IV.A)",
+    "apply_masks": "authors_code: " + _CB + ", lines 981 and 988 (client2.py, lines 906 and 909): "
                    "set_feature_extractor_weights(parameters) and then apply_fisher_personalization(parameters, ...), "
-                   "whose 'local' weights are get_feature_extractor_weights(), now the global ones: eq. 6 mixes the "
-                   "global extractor with itself (client.py, model A, computes no masks); the masks are computed "
-                   "and not applied",
-    "fisher_keep": "authors_code: " + _V17 + "client1.py and client2.py, FisherInformationCalculator."
-                   "create_binary_masks: a raw threshold (fisher_threshold), no quantile",
-    "fisher_threshold": "authors_code: " + _V17 + "client1.py and client2.py, PartitionedModel.__init__: "
-                        "FisherInformationCalculator(threshold=0.01) (computed once, on at most 1,000 training "
-                        "samples; with apply_masks false it only sets personal_fraction)",
-    "kd_scope": "authors_code: " + _V17 + "client.py, client1.py, client2.py, train_with_distillation: "
-                "tape.gradient(total_loss, self.full_model.trainable_variables): the whole model learns on eq. 11",
-    "extractor_epochs": "authors_code: " + _V17 + "client1.py, FlowerClient.fit: train_with_distillation alone, "
-                        "no separate cross-entropy phase (the whole model on eq. 11)",
-    "grad_clip": "authors_code: " + _V17 + "client1.py, train_with_distillation: optimizer.apply_gradients on the "
-                 "raw gradients (no clip)",
-    "teacher_weights": "authors_code: " + _REPO + ", the v1.7 server's fixed teacher weights 0.4/0.35/0.25 (High/"
-                       "Medium/Low) (read by an earlier medfl session in PFedCDP/v1.7/PFedCDP/"
-                       "server_main_contrastive_learning.py; not re-read for issue 48)",
-    "train.epochs": "authors_code: " + _V17 + "client.py, client1.py and client2.py, FlowerClient.fit: "
-                    "train_with_distillation(..., epochs=5, batch_size=64, ...) (the paper: 20, Sec. IV.A)",
+                   "whose 'local' weights (client1.py, line 759: get_feature_extractor_weights()) are now the global "
+                   "ones: eq. 6 mixes the global extractor with itself (client.py, model A, computes no masks); the "
+                   "masks are computed and not applied",
+    "fisher_keep": "authors_code: " + _CB + ", line 666 (create_binary_masks: fisher_layer >= self.threshold; "
+                   "client2.py, line 581): a raw threshold (fisher_threshold), no quantile",
+    "fisher_threshold": "authors_code: " + _CB + ", line 739 (PartitionedModel.__init__: "
+                        "FisherInformationCalculator(threshold=0.01); client2.py, line 654), computed once (line 762) "
+                        "on at most 1,000 training samples (line 766); with apply_masks false it only sets "
+                        "personal_fraction",
+    "kd_scope": "authors_code: " + _CA + ", lines 298-299 (train_with_distillation's distillation loop: "
+                "tape.gradient(total_loss, self.full_model.trainable_variables)) and lines 244-250 (without a "
+                "teacher: self.full_model.fit); client1.py lines 908-909 and 854, client2.py lines 824-825 and 767: "
+                "in both branches the whole model trains. On what is kd_clusters: only model A's fit looks for a "
+                "teacher (client.py, line 387); models B and C never do and train on cross-entropy alone (this "
+                "source said 'the whole model learns on eq. 11' before issue 63, true of model A only)",
+    "kd_clusters": "authors_code: " + _CA + ", line 387 (model A's FlowerClient.fit calls download_teacher_model"
+                   "(self.current_round), lines 185-200, and with a teacher distils, lines 257-299); " + _CB + ", "
+                   "lines 977-1007 and client2.py, lines 902-923 (models B and C's fit) never call "
+                   "download_teacher_model (client1.py line 795, client2.py line 708), so teacher_model stays None "
+                   "(client1.py line 733, client2.py line 648) and train_with_distillation takes its branch without "
+                   "distillation (client1.py lines 814 and 854, client2.py lines 727 and 767: full_model.fit, plain "
+                   "cross-entropy)",
+    "cluster_lr": "authors_code: " + _CC + ", line 888 (model C's FlowerClient.__init__ compiles the full model with "
+                  "keras.optimizers.Adam(learning_rate=0.0003), what trains it: its fit loads no teacher, so "
+                  "train_with_distillation runs full_model.fit, line 767; the module-level compile at line 452 has "
+                  "the same rate); models A and B compile Adam() at Keras's 1e-3 (client.py, line 363; client1.py, "
+                  "line 963): train.lr",
+    "kd_input": "authors_code: " + _CA + ", line 158 (model A's classifier ends in Dense(2, activation='softmax')); "
+                "lines 287 and 290 (the student's and the teacher's 'logits' are the models' outputs, "
+                "probabilities); lines 522-523 and 530 (compute_distillation_loss soft-maxes them again in the KL "
+                "term and the student's again in the cross-entropy term)",
+    "score": "authors_code: " + _CA + ", lines 411-418; client1.py, lines 1009-1018; client2.py, lines 925-934 "
+             "(FlowerClient.evaluate: set_feature_extractor_weights(parameters), the aggregated extractor, then "
+             "full_model.evaluate with the client's own classifier)",
+    "extractor_epochs": "authors_code: " + _CB + ", lines 991-993 (FlowerClient.fit: train_with_distillation "
+                        "alone, no separate cross-entropy phase; client.py lines 390-395, client2.py lines 912-914)",
+    "grad_clip": "authors_code: " + _CA + ", line 299 and client1.py, line 909 (optimizer.apply_gradients on the raw "
+                 "gradients); Keras fit (client1.py line 854, client2.py line 767) with the compiled Adam and no "
+                 "clipnorm (client1.py line 963, client2.py line 888)",
+    "teacher_weights": "authors_code: " + _SERVER + ", line 218 (MultiTeacherDistiller.train_step: weights = [0.4, "
+                       "0.35, 0.25], 'A=40%, B=35%, C=25%'), fixed for High/Medium/Low",
+    "train.epochs": "authors_code: " + _CA + ", line 392; client1.py, line 992; client2.py, line 913 (FlowerClient."
+                    "fit: train_with_distillation(..., epochs=5, batch_size=64, ...)) (the paper: 20, Sec. IV.A)",
+    "train.lr": "authors_code: " + _CA + ", line 363 and client1.py, line 963 (FlowerClient.__init__: "
+                "keras.optimizers.Adam() at Keras's default 1e-3, models A and B); model C's 3e-4: cluster_lr",
 }
 
 #: The previous ``authors`` preset, kept under its own name: the code's formula at the paper's
@@ -547,7 +618,9 @@ PRESETS: dict[str, Preset] = {
         experiment={**_PAPER_EXPERIMENT, "authors_code_rounds": 10}, sources=_V17_SOURCES,
         description="the authors' v1.7 clients: only model B (medium) noised, sigma 0.606 (epsilon 8, never "
                     "composed) on its weights clipped per tensor to 2.5, 12 bits; A and C in the clear; masks not "
-                    "applied; the whole model on the KD loss, 5 epochs"),
+                    "applied; the whole model trains 5 epochs: A on the KD loss with softmax applied twice, B and C "
+                    "on cross-entropy alone (C at lr 3e-4); scored with the aggregated extractor and each client's "
+                    "classifier"),
     "authors_formula": Preset(
         source="the authors' sigma formula (PFedCDP/differential_privacy.py, line 17) at the paper's epsilon 5 on "
                "every cluster's update; " + _PAPER + " elsewhere",
@@ -731,8 +804,30 @@ class PFedCDP(Method):
     (``dp_mode="weights_per_tensor"``: :func:`clip_noise_tensors` in the client step, accounted
     through :meth:`own_dp`), then quantized at 12 bits (``bits`` per cluster,
     :func:`authors_quantize`); models A and C in the clear (not private: their epsilon is
-    infinite); the masks not applied; the whole model on eq. 11 (``kd_scope="model"``), 5
-    epochs, fixed teacher weights [0.4, 0.35, 0.25]; ``"authors_formula"``, the code's formula
+    infinite); the masks not applied; the whole model trains (``kd_scope="model"``) 5 epochs,
+    model A on eq. 11 with its softmax outputs soft-maxed again (``kd_input="probabilities"``),
+    models B and C on cross-entropy alone (``kd_clusters=["high"]``: their ``fit`` never calls
+    ``download_teacher_model``), model C at learning rate 3e-4 (``cluster_lr``); each round
+    scored with the cluster's aggregated extractor and the client's own classifier
+    (``score="global"``, their ``evaluate``); fixed teacher weights [0.4, 0.35, 0.25].
+    What of the v1.7 files is *not* reproduced, and why: model A's teacher is medfl's (the
+    cluster's global extractor with the server classifier, every round), while their client A
+    loads ``Model_A_server_model-round-{r}.h5`` from its working directory when present
+    (client.py, lines 185-200, 387), a file their server writes only in
+    ``SaveModelStrategy.aggregate_fit`` after round r, through ``set_weights`` of the clients'
+    extractor arrays on ``create_model_A()``, another network with a 3-class MIAS classifier
+    (server_main_contrastive_learning.py): as stored, no round-r teacher exists at round r's
+    fit, and one left from elsewhere would meet a 2-class student; medfl distils model A as
+    its code is written instead. Keras keeps each client's compiled Adam state across rounds,
+    medfl builds a new optimizer each round; every v1.7 client loads the whole CBIS-DDSM
+    (client.py, line 505; client1.py, line 550; client2.py, line 465), medfl partitions it;
+    none of the three files runs as stored: client1.py does not compile (an IndentationError at
+    line 281, the nested ``apply_fisher_personalization``'s loop body dedented after its
+    ``for`` at line 277), client2.py builds its model at line 448 before ``client_id`` exists
+    (line 461), and the ``evaluate`` of client.py and client2.py calls ``precision_score``
+    (client.py, line 427; client2.py, line 941) without a module-level sklearn import, so it
+    returns zeros from its ``except`` (client.py, lines 486-496); medfl computes the scores.
+    ``"authors_formula"``, the code's formula
     at the paper's epsilon 5 (sigma 0.969, ``AUTHORS_NOISE_MULTIPLIER``) on every cluster's
     update without composition (31.4 over 20 rounds). Each value's source is in the preset's
     ``sources``.
@@ -783,7 +878,17 @@ class PFedCDP(Method):
         apply_masks: apply eq. 6 (default) or start each round from the global extractor (the
             masks still computed: ``personal_fraction``).
         kd_scope: ``"classifier"`` (Algorithm 1, the extractor frozen) or ``"model"`` (the whole
-            model learns on eq. 11).
+            model trains).
+        kd_clusters: the clusters whose clients train on eq. 11 (default all three); the others
+            train on cross-entropy alone and build no teacher.
+        cluster_lr: ``{cluster: learning rate or null}``, the local learning rate per cluster
+            (null or absent: ``train.lr``).
+        kd_input: ``"logits"`` (eq. 11 on the logits) or ``"probabilities"`` (the model's
+            output soft-maxed before eq. 11, which soft-maxes it again: the authors' models end
+            in a softmax layer).
+        score: ``"personal"`` (each client's own extractor and classifier) or ``"global"`` (its
+            cluster's aggregated extractor with its own classifier) is what a client's
+            evaluation scores; ``summary.json``'s ``scoring`` names it.
         teacher_weights: ``"shapley"``, ``"uniform"``, ``"fixed"`` or a list of weights.
         shapley_score: v(S)'s score: ``accuracy``, ``balanced_accuracy`` or ``auc``.
         shapley_samples: public samples per class in the Shapley game (``None``: as many as
@@ -829,7 +934,10 @@ class PFedCDP(Method):
                  grad_clip: float | None = 5.0, noise_multiplier: float | None = None, quantize: str = "update",
                  cluster_average: str = "weighted", supcon_reduction: str = "sum", supcon_views: int = 1,
                  dp_mode: str = "update", dp_clusters: list[str] | tuple[str, ...] | None = None,
-                 apply_masks: bool = True, kd_scope: str = "classifier") -> None:
+                 apply_masks: bool = True, kd_scope: str = "classifier",
+                 kd_clusters: list[str] | tuple[str, ...] | None = None,
+                 cluster_lr: dict[str, float | None] | None = None, kd_input: str = "logits",
+                 score: str = "personal") -> None:
         if isinstance(capabilities, str):
             if capabilities not in CAPABILITY_MODES:
                 raise MethodConfigError(f"pfedcdp: capabilities must be one of {', '.join(CAPABILITY_MODES)}, a list "
@@ -882,14 +990,7 @@ class PFedCDP(Method):
                                     f"noise_multiplier {noise_multiplier!r}")
         self.quantize = _check_choice(quantize, "quantize", QUANTIZE)
         self.dp_mode = _check_choice(dp_mode, "dp_mode", DP_MODES)
-        if dp_clusters is None:
-            dp_clusters = list(CLUSTERS)
-        if (isinstance(dp_clusters, str) or not isinstance(dp_clusters, (list, tuple))
-                or set(dp_clusters) - set(CLUSTERS) or len(set(dp_clusters)) != len(dp_clusters)):
-            raise MethodConfigError(f"pfedcdp: dp_clusters must be a list of distinct clusters among "
-                                    f"{', '.join(CLUSTERS)} (the clusters whose extractors are noised), got "
-                                    f"{dp_clusters!r}")
-        self.dp_clusters = [c for c in CLUSTERS if c in dp_clusters]
+        self.dp_clusters = _check_clusters(dp_clusters, "dp_clusters", "the clusters whose extractors are noised")
         if self.dp_mode == "update" and self.dp and len(self.dp_clusters) != len(CLUSTERS):
             raise MethodConfigError(f"pfedcdp: dp_clusters {self.dp_clusters} needs dp_mode 'weights_per_tensor': "
                                     "dp_mode 'update' noises the update with the engine's dp_gaussian filter, which "
@@ -912,6 +1013,17 @@ class PFedCDP(Method):
             raise MethodConfigError(f"pfedcdp: apply_masks must be true or false, got {apply_masks!r}")
         self.apply_masks = apply_masks
         self.kd_scope = _check_choice(kd_scope, "kd_scope", KD_SCOPES)
+        self.kd_clusters = _check_clusters(kd_clusters, "kd_clusters", "the clusters whose clients train on eq. 11; "
+                                           "the others train on cross-entropy alone")
+        if cluster_lr is not None:
+            if not isinstance(cluster_lr, dict) or set(cluster_lr) - set(CLUSTERS):
+                raise MethodConfigError(f"pfedcdp: cluster_lr must map some of {', '.join(CLUSTERS)} to a learning "
+                                        f"rate > 0 or null (train.lr), got {cluster_lr!r}")
+            cluster_lr = {c: None if cluster_lr.get(c) is None else _check_pos(cluster_lr[c], f"cluster_lr[{c!r}]")
+                          for c in CLUSTERS}
+        self.cluster_lr: dict[str, float | None] | None = cluster_lr
+        self.kd_input = _check_choice(kd_input, "kd_input", KD_INPUTS)
+        self.score = _check_choice(score, "score", SCORES_MODES)
         self.cluster_average = _check_choice(cluster_average, "cluster_average", CLUSTER_AVERAGE)
         self.supcon_reduction = _check_choice(supcon_reduction, "supcon_reduction", SUPCON_REDUCTIONS)
         if supcon_views not in SUPCON_VIEWS or isinstance(supcon_views, bool):
@@ -1289,12 +1401,16 @@ class PFedCDP(Method):
         after round 1, 2 from round 2 on). Without noise (``epsilon`` and ``noise_multiplier``
         null), or when no client is in a noised cluster (``dp_clusters``), nothing noisy ever
         reaches a personal model and the distillation from the cluster's model shapes round 1's
-        already: 1."""
+        already: 1. With ``score="global"`` a round's evaluation scores the cluster model averaged
+        in that round, so the first noised round is itself the first one scored on noise."""
         if not self.dp or not any(self.noised(c) for c in self.assign.values()):
             return 1
-        if self.first_noised_round is None or self.first_noised_round + 1 > round:
+        # score "global": the round's evaluation scores the cluster model averaged in that very
+        # round, so the first round whose replies were noised is already scored on noise
+        lag = 0 if self.score == "global" else 1
+        if self.first_noised_round is None or self.first_noised_round + lag > round:
             return None
-        return self.first_noised_round + 1
+        return self.first_noised_round + lag
 
     def mechanism_warnings(self, round: int) -> list[str]:
         """Once each: the noise drowns a cluster's update; a client's own weights blew up;
@@ -1394,12 +1510,14 @@ class PFedCDP(Method):
         self.heads[c] = {k: state[k] for k in self.heads[c]}
 
     def configure_evaluate(self, round: int) -> dict[str, Instruction]:
-        """The cluster's spec; the cluster's model too for a client that never trained."""
+        """The cluster's spec; the cluster's model too for a client that never trained, and for
+        every client with ``score="global"`` (its aggregated extractor is what is scored)."""
         out = {}
         for cid in self.federation.eval_client_ids:
             c = self._cluster(cid)
-            payload = {} if cid in self.trained else self._payload(c)
-            out[cid] = Instruction(payload=payload, config={"spec": json.dumps(self._spec(c)), "cluster": c})
+            payload = self._payload(c) if self.score == "global" or cid not in self.trained else {}
+            out[cid] = Instruction(payload=payload, config={"spec": json.dumps(self._spec(c)), "cluster": c,
+                                                            "score": self.score})
         return out
 
     def client_groups(self) -> dict[str, str]:
@@ -1413,6 +1531,17 @@ class PFedCDP(Method):
         except (KeyError, ValueError):
             raise MethodConfigError("pfedcdp: the instruction carries no model spec") from None
         return dict(spec)
+
+    def distils(self, cluster: str) -> bool:
+        """Whether a client of ``cluster`` trains on eq. 11 (``kd_clusters``); the others train on
+        cross-entropy alone, with no teacher."""
+        return cluster in self.kd_clusters
+
+    def client_train(self, cluster: str, train: dict[str, Any]) -> dict[str, Any]:
+        """The local training settings of a client of ``cluster``: ``train`` with the learning rate
+        of ``cluster_lr`` where it names one (the authors' v1.7 model C: Adam at 3e-4)."""
+        lr = (self.cluster_lr or {}).get(cluster)
+        return dict(train) if lr is None else {**train, "lr": float(lr)}
 
     def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
         """Algorithm 1: Fisher masks, eq. 6, extractor epochs, classifier KD; reply with the
@@ -1453,34 +1582,47 @@ class PFedCDP(Method):
         model.load_state_dict({**mixed, **own_buf, **head_state})
         for p in model.parameters():
             p.requires_grad_(True)
+        cluster = str(instruction.config.get("cluster", ""))
+        train_cfg = self.client_train(cluster, client.train)
         # 4. the extractor's local epochs (0: Algorithm 1 as printed)
         if self.extractor_epochs:
-            opt = make_optimizer(model.parameters(), client.train)
+            opt = make_optimizer(model.parameters(), train_cfg)
             stats = train_epochs(model, client.loader("train"), opt, self.extractor_epochs, device=device,
                                  clip_grad_norm=self.grad_clip)
             metrics.update(loss_extractor=stats["loss"], steps_extractor=stats["steps"])
-        # 5. the classifier on eq. 11, the extractor frozen; teacher = global extractor + server head
-        teacher = build_seeded(spec, 0, device)
-        teacher.load_state_dict({**g_ext, **g_buf, **s_head})
-        teacher.eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
-        whole = self.kd_scope == "model"     # the authors' v1.7: the whole model learns on eq. 11
+        # 5. the classifier on eq. 11, the extractor frozen; teacher = global extractor + server head.
+        # A cluster outside kd_clusters trains on cross-entropy alone and builds no teacher (the
+        # authors' v1.7 models B and C never load one).
+        distil = self.distils(cluster)
+        teacher: nn.Module | None = None
+        if distil:
+            teacher = build_seeded(spec, 0, device)
+            teacher.load_state_dict({**g_ext, **g_buf, **s_head})
+            teacher.eval()
+            for p in teacher.parameters():
+                p.requires_grad_(False)
+        whole = self.kd_scope == "model"     # the authors' v1.7: the whole model trains
         for n, p in model.named_parameters():
             p.requires_grad_(whole or n in set(head_keys))
-        lam, temp = self.kd_lambda, self.kd_temperature
+        lam, temp, probs = self.kd_lambda, self.kd_temperature, self.kd_input == "probabilities"
 
         def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if whole:
+                zs = m(x)
+            else:
+                _freeze_body(m)
+                with torch.no_grad():
+                    z = m.embed(x)
+                zs = m.head(z)
+            if teacher is None:
+                return nn.functional.cross_entropy(zs, y)
             with torch.no_grad():
                 zt = teacher(x)
-            if whole:
-                return kd_loss(m(x), zt, y, lam=lam, temperature=temp)
-            _freeze_body(m)
-            with torch.no_grad():
-                z = m.embed(x)
-            return kd_loss(m.head(z), zt, y, lam=lam, temperature=temp)
+            if probs:       # the authors' softmax output layer, soft-maxed again by the loss
+                zs, zt = torch.softmax(zs, dim=1), torch.softmax(zt, dim=1)
+            return kd_loss(zs, zt, y, lam=lam, temperature=temp)
 
-        opt = make_optimizer(model.parameters() if whole else model.head.parameters(), client.train)
+        opt = make_optimizer(model.parameters() if whole else model.head.parameters(), train_cfg)
         stats = train_epochs(model, client.loader("train"), opt, int(client.train.get("epochs", 1)), device=device,
                              loss_fn=loss, clip_grad_norm=self.grad_clip)
         metrics.update(loss=stats["loss"], steps=stats["steps"])
@@ -1492,7 +1634,7 @@ class PFedCDP(Method):
         client.state["head"] = {k: state[k] for k in head_keys}
         sent = ext
         if self.in_step:        # the authors' pipeline: noise and quantize the weights here, per cluster
-            sent, released = self._release_weights(ext, str(instruction.config.get("cluster", "")),
+            sent, released = self._release_weights(ext, cluster,
                                                    int(instruction.config.get("round", 0)), client.seed)
             if self.dp and self.dp_mode == "weights_per_tensor":
                 metrics["weight_dp_releases"] = released
@@ -1518,15 +1660,22 @@ class PFedCDP(Method):
         return {k: v.to(device) for k, v in sent.items()}, 1.0
 
     def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
-        """The personalised model: the client's own extractor and classifier (the cluster's
-        model for a client that has not trained yet)."""
+        """The model a client's evaluation scores (``score``): ``"personal"``, its own extractor
+        and classifier; ``"global"``, its cluster's aggregated extractor (and buffers) as sent
+        with the client's own classifier (the authors' v1.7 ``evaluate``:
+        ``set_feature_extractor_weights(parameters)``, then the full model). A client that has not
+        trained yet scores the cluster's model (its server classifier)."""
         spec = self._client_spec(instruction)
         model = build_seeded(spec, 0, client.device)
         own = {**client.state.get("extractor", {}), **client.state.get("buffers", {}), **client.state.get("head", {})}
-        if own and set(own) == set(model.state_dict()):
+        p = instruction.payload
+        head = client.state.get("head")
+        if (str(instruction.config.get("score", self.score)) == "global" and "extractor" in p and head
+                and set({**p["extractor"], **p["extractor_buffers"], **head}) == set(model.state_dict())):
+            model.load_state_dict({**p["extractor"], **p["extractor_buffers"], **head})
+        elif own and set(own) == set(model.state_dict()):
             model.load_state_dict(own)
-        elif "extractor" in instruction.payload:
-            p = instruction.payload
+        elif "extractor" in p:
             model.load_state_dict({**p["extractor"], **p["extractor_buffers"], **p["server_head"]})
         return model.eval()
 
@@ -1744,6 +1893,8 @@ class PFedCDP(Method):
         mechanisms did (``mechanisms``) (summary.json)."""
         counts = {c: sum(1 for v in self.assign.values() if v == c) for c in CLUSTERS}
         return {"clusters": dict(self.assign), "cluster_sizes": counts, "capability_scores": self.scores,
+                "scoring": {"score": self.score, "kd_clusters": list(self.kd_clusters), "kd_input": self.kd_input,
+                            "cluster_lr": self.cluster_lr},
                 "thresholds": {"t_high": self.t_high, "t_medium": self.t_medium}, **self.report_,
                 "mechanisms": self._mechanism_report()}
 
