@@ -30,7 +30,7 @@ _PAPER_VALUES: dict[str, Any] = {"distill": True, "aggregation": "fedkper", "lam
                                  "eps": 1e-12, "temperature": 1.0}
 _PAPER_TRAIN: dict[str, Any] = {"optimizer": "sgd", "lr": 0.01, "epochs": 5, "momentum": 0.9, "weight_decay": 1e-5,
                                 "batch_size": 50}
-_KPER = "olivesgatech/FedKPer"
+_KPER = "olivesgatech/FedKPer (commit f7717c5)"
 _CFG = f"{_KPER}, config/fedkper.json"
 _LOSS = f"{_KPER}, algorithms/fedkper/loss.py"
 _TRAINER = f"{_KPER}, algorithms/fedkper/ClientTrainer.py"
@@ -51,7 +51,7 @@ _PAPER_SOURCES: dict[str, str] = {
     "train.momentum": f"authors_code: {_UNSTATED} {_CFG}, line 30 (momentum 0.9, as FedNTD [3]'s config/fedntd.json)",
     "train.weight_decay": f"authors_code: {_UNSTATED} {_CFG}, line 30 (weight_decay 1e-5, as FedNTD [3]'s)",
     "train.batch_size": f"authors_code: {_UNSTATED} {_CFG}, line 7 (batch_size 50, as FedNTD [3]'s; the README's "
-                        "BloodMNIST command passes --batch_size=12)",
+                        "BloodMNIST command, README.md line 10 at commit 2b78279, passes --batch_size=12)",
 }
 _AUTHORS_SOURCES: dict[str, str] = {
     "distill": f"authors_code: {_LOSS}, line 29 (loss = ce_loss + beta * kl_loss)",
@@ -67,8 +67,9 @@ _AUTHORS_SOURCES: dict[str, str] = {
     "train.epochs": f"authors_code: {_CFG}, line 22 (local_epochs 5)",
     "train.momentum": f"authors_code: {_CFG}, line 30 (momentum 0.9)",
     "train.weight_decay": f"authors_code: {_CFG}, line 30 (weight_decay 1e-5)",
-    "train.batch_size": f"authors_code: {_CFG}, line 7 (batch_size 50; the README's BloodMNIST command, whose rounds "
-                        "and clients this preset's experiment records, passes --batch_size=12)",
+    "train.batch_size": f"authors_code: {_CFG}, line 7 (batch_size 50; the README's BloodMNIST command, "
+                        "README.md line 10 at commit 2b78279, whose rounds and clients this preset's experiment "
+                        "records, passes --batch_size=12)",
 }
 #: FedKPer's presets: the paper (sec. 3.2 and 4.1) and the authors' published code where it
 #: differs (no gradient clipping). Neither can reproduce the per-round learning-rate decay
@@ -85,8 +86,8 @@ PRESETS: dict[str, Preset] = {
                     "lr_schedule": "not stated (FedNTD's and the authors' code decay lr x 0.99 a round; medfl: none)"},
         description="the paper's settings (MedMNIST, Dirichlet 0.1, 10 % sampling)"),
     "authors": Preset(
-        source="the authors' code, github.com/olivesgatech/FedKPer (config/fedkper.json, main.py, "
-               "algorithms/fedkper/{ClientTrainer,Server,loss}.py)",
+        source="the authors' code, github.com/olivesgatech/FedKPer at commit f7717c5 (config/fedkper.json, "
+               "main.py, algorithms/fedkper/{ClientTrainer,Server,loss}.py)",
         values={**_PAPER_VALUES, "clip": None}, train=dict(_PAPER_TRAIN), sources=dict(_AUTHORS_SOURCES),
         experiment={"rounds": 200, "fraction": 0.1, "partition": {"name": "dirichlet", "alpha": 0.1},
                     "num_clients": 20, "model": "fedavg_cifar (the four-layer CNN)",

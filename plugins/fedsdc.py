@@ -321,8 +321,9 @@ def _presets() -> dict[str, Preset]:
                    "early_stopping": "off (server_early_stopping_step 0); the round of best test accuracy is kept",
                    "model": "resnet50 ImageNet-pretrained, BatchNorm frozen, dropout 0.1 on the embedding",
                    "image_size": 56, "augment": "flips, rotation 20, color jitter 0.1",
-                   "sparse_ranking": "FedSDC+ (run_for_sparse.py) ranks heads by macro-F1 on the pooled training "
-                                     "sets, not micro-F1 on validation data (not reproduced in medfl)"}
+                   "sparse_ranking": "FedSDC+ ranks heads by balanced accuracy on the pooled training sets "
+                                     "(run_for_sparse.py, line 211, evaluate='bacc'; macro-F1 before commit "
+                                     "3e2cc00), not micro-F1 on validation data (not reproduced in medfl)"}
     src = "Gao et al., FedSDC (paper 002), sec. 2.2 (eqs. 4-8, rho, dropout, voting, gamma) and sec. 3.3"
     asrc = ("the authors' code, github.com/wpnine/FedSDC at commit 3e2cc00 (pyproject.toml, server_app.py, "
             "fedsdc/*.py, run_for_sparse.py)")
