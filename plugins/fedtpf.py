@@ -197,11 +197,23 @@ def _fmt_ids(ids: list[str]) -> str:
 #: 0.15, with both indicators fluctuating by no more than 5% over three consecutive training
 #: epochs, we consider the client to have completed the core task of feature disentanglement".
 PAPER_SOURCES: dict[str, str] = {
-    "noise": "open: Table VIII evaluates sigma_s^2 = 0.15, 0.20 and 0.25 (Gaussian and Laplace) and Sec. IV-B "
-             "writes x_p = x_s + n, n ~ N(0, sigma_s^2 I); which variance Tables III-VII use is not stated: medfl "
-             "takes 0.15, the least noise, added on the standardized scale (standardize)",
-    "epsilon": "paper: Sec. IV-B (Privacy Verification), x_p = x_s + n, n ~ N(0, sigma_s^2 I), and Table VIII: "
-               "the noise is given by its variance, no clip and no epsilon (so no DP guarantee: epsilon null)",
+    "noise": "open: Table VIII (l. 367-369) evaluates sigma_s^2 = 0.15, 0.20 and 0.25 (Gaussian and Laplace) and "
+             "Sec. IV-B writes x_p = x_s + n, n ~ N(0, sigma_s^2 I) (l. 315); which variance Tables III-VII use is "
+             "not stated: medfl takes 0.15, the least noise, added on the standardized scale (standardize). "
+             "Sec. III-E (l. 232) adds that 'the noise level sigma_s applied to x_s is proportional to the "
+             "magnitude of x_s' (a smaller x_s, a lower sigma_s), with no rule for it: medfl's sigma_s is fixed, "
+             "the same variance per coordinate whatever x_s's magnitude, so it does not fall as the distillation "
+             "model shrinks x_s; on the input scale it is sigma_s times each client's per-channel std, "
+             "proportional to the inputs' spread, not to x_s. The nearest medfl option is the DP release "
+             "(noise=null) with clip='public_quantile': its noise std is z * clip, the clip a quantile of x_s's "
+             "norms on public data",
+    "epsilon": "reading: Sec. III-E says FedTPF uses differential privacy ('we employ differential privacy (DP) to "
+               "protect the generalization-related features before globally sharing them', l. 226; 'privacy "
+               "budget', l. 232) but gives no epsilon, delta or clip anywhere; the noise is given only by its "
+               "variance (l. 315, Table VIII). medfl reads the release as that variance added to unclipped x_s, "
+               "which bounds no sample's contribution: epsilon null, recorded as not private; other reading: a DP "
+               "release as the words say, x_s clipped and noised at an epsilon (noise=null with epsilon and clip, "
+               "medfl's default epsilon 8, clip 5), whose values the paper does not give",
     "mechanism": "paper: Sec. IV-B, n ~ N(0, sigma_s^2 I) (Gaussian); Table VIII's Laplace rows are the "
                  "mechanism='laplace' option",
     "standardize": "reading: Sec. IV-A, 'All images have been standardized through preprocessing' (PathMNIST; "
@@ -261,9 +273,14 @@ PAPER_SOURCES: dict[str, str] = {
     "distill_rounds": "open: T_d (stage 1's rounds) is not given, nor what happens to a client that never meets "
                       "the stop condition: medfl caps stage 1 at 10 rounds",
     "distill_epochs": "open: E_d is not given: medfl's 1 epoch per round",
-    "distill_steps": "open: not in the paper: at least 60 steps per client and round (PathMNIST fixture, noise "
-                     "variance 0.15 on [0, 1] pixels: with one epoch, 4-5 steps, the residual classifier stays at "
-                     "chance on x_p; 60 steps lift it to 0.6 on average; 150 make x_s shrink under the fixed noise)",
+    "distill_steps": "open: not in the paper: at least 60 steps per client and round, so that the residual "
+                     "classifier of a small client gets steps enough to leave chance on x_p. On the standardized "
+                     "scale this preset uses, the noise of variance 0.15 is 0.15 of each channel's variance: "
+                     "noise-to-signal 0.40 after 5 steps, while x_s is still nearly x, and 0.62-0.71 after 60, "
+                     "the VAE shrinking x_s under the fixed noise (PathMNIST fixture, two label-skewed clients, "
+                     "one round, vae_width 16); the fixture's validation splits (8-14 tiles a client) are too "
+                     "small to say how many steps the accuracy needs on this scale, so the floor of 60, set when "
+                     "the noise went on the input scale (2-3x the signal there), is kept",
     "train.optimizer": "paper: Algorithm 1, ClientTraining, 'SGD update with D^k_t'",
 }
 
@@ -386,11 +403,37 @@ class FedTPF(Method):
     noise-to-signal on it (``noise_to_signal``) and on the engine's input scale
     (``noise_to_signal_input``). A ``{"mean": [...], "std": [...]}`` is a fixed, public
     normalization instead; ``"none"`` (the default) works on the engine's input scale (the
-    fixtures' pixels in [0, 1], on which variance 0.15 is 2-3x the signal). In stage 2 a
-    client multiplies ``D^s`` by its own std (the task model reads its input scale; the mean
-    cancels in a residual), exact for a fixed normalization, an approximation of each sender's
-    std for ``"client"``. The statistics never leave the client, but the released features
-    are on its scale, so they carry its std (the release's ``not_covered`` says so).
+    fixtures' pixels in [0, 1], on which variance 0.15 is 2-3x the signal). The statistics
+    never leave the client, but the released features are on its scale, so they carry its std
+    (the release's ``not_covered`` says so).
+
+    **One scale in stage 2.** The paper standardizes every input (Sec. IV-A, l. 255), builds
+    ``x_s = x - x_hat`` and ``x_p = x_s + n`` on that scale (l. 175, 230) and trains phi on
+    ``D^k union D^s`` (Algorithm 1, l. 126) in that one coordinate system: the local images
+    and the shared features are both centred (the residual's mean is about 0, as the
+    standardized images' is). medfl's task model reads the engine's input scale, for training
+    and for evaluation alike, so in stage 2 each receiving client takes ``D^s`` into its own
+    input coordinates with **its own** per-channel mean and std, ``x = x_shared * std + mean``
+    (the inverse of its own standardization): under ``"client"`` the statistics of its
+    training split, under a fixed normalization those constants, under ``"none"`` std 1 and
+    the mean of its training split (measured once at the client and kept in its state, like
+    ``"client"``'s; it never leaves the client), since the residual has lost the mean that its
+    local tiles keep. Each sender's features were standardized with the sender's statistics,
+    so for ``"client"`` this is the receiver's approximation of them (exact for a fixed
+    normalization). Evaluation and the global test are unchanged: phi reads the engine's
+    inputs, as it trained on. Before (std only, or nothing under ``"none"``) the shared set sat
+    its channel means below the tiles' (0.25-0.46 on the PathMNIST fixture, 2-5 of a
+    label-skewed client's stds; a reviewer's probe, label_skew_2, 5 clients, 8 rounds, with
+    the mean added back: the paper preset's global-test accuracy in rounds 5-8 from 0.12-0.16
+    to 0.27-0.54, FedAvg 0.22). What is left is the residual's own mean (``x_s`` keeps what
+    ``x_hat`` has not learned of the colour), reported per client as the stage-2 training
+    metric and ``mechanisms.csv``'s ``mix`` row ``shared_mean_gap``: the mapped shared set's
+    per-channel mean's distance from the client's own, in its per-channel stds, averaged over
+    channels (from numbers the mapping computes anyway; the mean itself is not reported).
+    The other design, phi reading standardized inputs everywhere (local tiles, evaluation and
+    the global test standardized with each client's statistics), differs from this one only
+    by a per-channel affine map in front of phi; it would move every evaluation onto
+    per-client scales, so medfl keeps the engine's.
 
     **Stage 2** (rounds after the transition): FedAvg of phi, each sampled client training on
     ``D^k union D^s`` for ``fl.train.epochs``. ``mix=None``: one dataset of both, shuffled
@@ -447,7 +490,8 @@ class FedTPF(Method):
     ``embed_dim`` (eq. 6 needs it); the default release is a DP one (the paper's fixed
     variance is the ``"paper"`` preset); ``distill_steps`` (not in the paper, default 60)
     gives the residual classifier of a small client enough steps a round to leave chance (on
-    the PathMNIST fixture at the paper's variance: one epoch of 4-5 steps leaves it at chance
+    the PathMNIST fixture at the paper's variance on [0, 1] pixels, before the preset's noise
+    went on the standardized scale: one epoch of 4-5 steps leaves it at chance
     on ``x_p``, 60 steps reach 0.6 on average, 150 let the VAE shrink ``x_s`` under the fixed
     noise and the accuracy falls again); the stage-2 batch composition (``mix``) is not in the
     paper: the default, ``None``, shuffles the union as Algorithm 1's ``D^k union D^s`` reads
@@ -474,7 +518,7 @@ class FedTPF(Method):
     train_metrics = ENGINE_TRAIN_METRICS | {
         *(f"distill_{t}" for t in ("loss", "vae", "wgan_generator", "critic", "prototype", "ce",
                                    "residual_accuracy", "residual_norm_ratio", "steps")),
-        "frozen", "shared_samples", "shared_fraction",
+        "frozen", "shared_samples", "shared_fraction", "shared_mean_gap",
         "released", "x_norm", "x_s_norm", "x_s_norm_ratio", "epsilon", "noise_std", "clipped_fraction",
         "signal_norm", "noise_norm", "noise_to_signal"}
     validate_metrics = frozenset({"residual_accuracy", "cosine", "cosine_signed", "converged", "residual_accuracy_p",
@@ -741,18 +785,11 @@ class FedTPF(Method):
         shape = (1, -1) + (1,) * (ndim - 2)
         return (torch.tensor(self.standardize["mean"]).view(shape), torch.tensor(self.standardize["std"]).view(shape))
 
-    def _client_scale(self, client: ClientContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The ``(mean, std)`` per channel this client standardizes with (``standardize``),
-        shaped ``(1, C, 1, ...)`` on its device: the fixed ones, or those of its own training
-        split (without augmentation, pooled over samples and positions; measured once and
-        kept in its state: statistics of its own data, which never leave it except as the
-        scale of what it releases), ``None`` for ``"none"``."""
-        ndim = len(tuple(client.sample_shape)) + 1
-        fixed = self._fixed_scale(ndim)
-        if fixed is not None:
-            return fixed[0].to(client.device), fixed[1].to(client.device)
-        if self.standardize == "none":
-            return None
+    def _own_statistics(self, client: ClientContext) -> dict[str, list[float]] | None:
+        """This client's per-channel ``{"mean": [...], "std": [...]}`` of its training split
+        (without augmentation, pooled over samples and positions), measured once and kept in
+        its state: statistics of its own data, which never leave it (except as the scale of
+        what it releases under ``"client"``); ``None`` without training samples."""
         kept = client.state.get("fedtpf_scale")
         if kept is None:
             total = square = count = None
@@ -767,9 +804,41 @@ class FedTPF(Method):
             std = (square / count - mean * mean).clamp_min(0.0).sqrt()
             kept = {"mean": [float(v) for v in mean], "std": [max(float(v), 1e-6) for v in std]}
             client.state["fedtpf_scale"] = kept
+        return kept
+
+    def _client_scale(self, client: ClientContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``(mean, std)`` per channel this client standardizes with (``standardize``),
+        shaped ``(1, C, 1, ...)`` on its device: the fixed ones, or those of its own training
+        split (:meth:`_own_statistics`), ``None`` for ``"none"``."""
+        ndim = len(tuple(client.sample_shape)) + 1
+        fixed = self._fixed_scale(ndim)
+        if fixed is not None:
+            return fixed[0].to(client.device), fixed[1].to(client.device)
+        if self.standardize == "none":
+            return None
+        kept = self._own_statistics(client)
+        if kept is None:
+            return None
         shape = (1, -1) + (1,) * (ndim - 2)
         return (torch.tensor(kept["mean"]).view(shape).to(client.device),
                 torch.tensor(kept["std"]).view(shape).to(client.device))
+
+    def _input_scale(self, client: ClientContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The per-channel ``(mean, std)`` that takes the shared set into this client's input
+        coordinates in stage 2, ``x = x_shared * std + mean`` (the inverse of its own
+        standardization): under ``"client"`` and a fixed normalization the ``(mean, std)`` it
+        standardizes with (:meth:`_client_scale`); under ``"none"`` std 1 and the mean of its
+        own training split (:meth:`_own_statistics`: the residual ``x - x_hat`` has lost the
+        inputs' mean, which the local tiles keep). ``None`` without training samples."""
+        scale = self._client_scale(client)
+        if scale is not None or self.standardize != "none":
+            return scale
+        kept = self._own_statistics(client)
+        if kept is None:
+            return None
+        shape = (1, -1) + (1,) * len(tuple(client.sample_shape)[1:])
+        mean = torch.tensor(kept["mean"]).view(shape).to(client.device)
+        return mean, torch.ones_like(mean)
 
     @staticmethod
     def _standardized(x: torch.Tensor, scale: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -825,7 +894,8 @@ class FedTPF(Method):
                                              [float(r.num_examples) for r in replies.values()])
         if self.stage != "distill":
             self._rows += [{"mechanism": "mix", "scope": "client", "id": cid,
-                            "shared_fraction": _as_float(r.metrics.get("shared_fraction"))}
+                            "shared_fraction": _as_float(r.metrics.get("shared_fraction")),
+                            "shared_mean_gap": _as_float(r.metrics.get("shared_mean_gap"))}
                            for cid, r in replies.items() if "shared_fraction" in r.metrics]
             return
         self.delta_used[round] = self.delta_perf
@@ -1271,12 +1341,23 @@ class FedTPF(Method):
     def _train_stage2(self, client: ClientContext, instruction: Instruction, phi: nn.Module,
                       opt: torch.optim.Optimizer, epochs: int) -> Reply:
         """Stage 2: phi on ``D^k union D^s``, shuffled together (``mix=None``) or in batches
-        of a fixed share of shared samples (``mix``)."""
+        of a fixed share of shared samples (``mix``), on one scale: ``D^s`` (standardized
+        residuals, or raw residuals under ``"none"``) is taken into this client's input
+        coordinates, ``x_shared * std + mean`` with its own ``(mean, std)``
+        (:meth:`_input_scale`), the coordinates of its local tiles and of the evaluation's
+        inputs. ``shared_mean_gap``: how far the mapped shared set's per-channel mean sits from
+        the mean it was mapped onto, in this client's per-channel standard deviations
+        (averaged over channels; 0 when the residuals are centred)."""
         shared_x = instruction.payload["shared_x"]
-        scale = self._client_scale(client)
+        scale = self._input_scale(client)
+        gap = math.nan
         if scale is not None and shared_x.numel():
-            # D^s is on the standardized scale; the task model reads this client's input scale
-            shared_x = shared_x.to(scale[1].device) * scale[1]
+            mean, std = scale
+            shared_x = shared_x.to(std.device).float() * std + mean
+            own = None if isinstance(self.standardize, dict) else self._own_statistics(client)
+            spread = std if own is None else torch.tensor(own["std"]).view_as(std).to(std.device)
+            dims = [0, *range(2, shared_x.dim())]
+            gap = float(((shared_x.mean(dim=dims, keepdim=True) - mean).abs() / spread).mean())
         shared = SharedSet(shared_x.cpu(), instruction.payload["shared_y"])
         bs = int(client.train.get("batch_size", 16))
         g = torch.Generator().manual_seed(derive_seed(client.seed, "union"))
@@ -1296,6 +1377,8 @@ class FedTPF(Method):
             seen = mixed.shared_seen + mixed.local_seen
             stats = {**stats, "shared_samples": float(len(shared)),
                      "shared_fraction": mixed.shared_seen / seen if seen else 0.0}
+        if math.isfinite(gap):
+            stats["shared_mean_gap"] = gap
         return Reply(payload={"model": get_state(phi)}, metrics=stats, num_examples=client.num_examples("train"))
 
     def _distill_locally(self, client: ClientContext, phi: nn.Module, distill: State, clip: float | None
@@ -1448,6 +1531,10 @@ class FedFed(FedTPF):
     Deviation: FedFed's generator is a ResNet-style beta-VAE; ours is FedTPF's small conv
     VAE, so the comparison isolates FedTPF's additions (prototypes, critic, stop condition,
     decay). No preset: paper 003 compares against FedFed without stating FedFed's settings.
+    One scale in stage 2 as FedTPF (its docstring): under the default ``standardize="none"`` the
+    released residual ``x - x_hat`` has lost the tiles' mean (about 0.49 on the PathMNIST
+    fixture), so each receiving client adds its own per-channel training mean (std 1) before
+    phi trains on the union, the coordinates of its local tiles and of the evaluation.
     """
 
     name = "fedfed"

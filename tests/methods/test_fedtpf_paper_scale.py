@@ -38,8 +38,13 @@ def test_every_value_and_train_key_of_the_paper_preset_names_its_source() -> Non
         kind, _, citation = text.partition(": ")
         assert kind in SOURCE_KINDS and citation, key
     # what the issue found recorded as "paper": readings, each quoting the sentence and the other reading
-    for key in ("window", "max_change", "change_reading", "accuracy_ci", "cosine_reading", "standardize"):
+    for key in ("window", "max_change", "change_reading", "accuracy_ci", "cosine_reading", "standardize",
+                "epsilon"):
         assert PAPER_SOURCES[key].startswith("reading: ") and "other reading" in PAPER_SOURCES[key], key
+    # the paper says it uses DP but gives no epsilon: null is a reading; l. 232's "proportional" is answered
+    assert "differential privacy" in PAPER_SOURCES["epsilon"]
+    assert "l. 232" in PAPER_SOURCES["noise"] and "proportional to the magnitude of x_s" in PAPER_SOURCES["noise"]
+    assert "standardized scale this preset uses" in PAPER_SOURCES["distill_steps"]
     assert "three consecutive training epochs" in PAPER_SOURCES["window"]
     assert "95% confidence" in PAPER_SOURCES["accuracy_ci"] and "below 0.15" in PAPER_SOURCES["cosine_reading"]
     assert "standardized through preprocessing" in PAPER_SOURCES["standardize"]
@@ -153,7 +158,7 @@ def test_a_fixed_normalization_is_checked_and_public_quantile_refuses_per_client
         FedTPF(clip="public_quantile", standardize="client")
 
 
-def test_stage_2_brings_the_standardized_shared_set_back_to_the_clients_input_scale(monkeypatch) -> None:
+def test_stage_2_maps_the_standardized_shared_set_back_to_the_clients_input_scale(monkeypatch) -> None:
     import medfl_plugins.fedtpf as mod
 
     m = FedTPF(noise={"variance": 0.15}, epsilon=None, standardize="client", distill_rounds=2, **SMALL)
@@ -170,8 +175,11 @@ def test_stage_2_brings_the_standardized_shared_set_back_to_the_clients_input_sc
     shared = torch.ones(4, 3, 8, 8)
     m.client_update(client, Instruction(payload={"model": m.global_state, "shared_x": shared,
                                                  "shared_y": torch.tensor([0, 1, 0, 1])}, config={"stage": "train"}))
+    # x = x_shared * std + mean with the client's own training statistics: the local tiles' coordinates
+    # (the std alone left the shared set about mean / std below them: issue 63)
+    mean = torch.tensor(client.state["fedtpf_scale"]["mean"]).view(1, 3, 1, 1)
     std = torch.tensor(client.state["fedtpf_scale"]["std"]).view(1, 3, 1, 1)
-    torch.testing.assert_close(seen["x"], shared * std)
+    torch.testing.assert_close(seen["x"], shared * std + mean)
 
 
 # ---------------------------------------------------------------------------- eq. 8's decay and scoring
