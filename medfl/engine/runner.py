@@ -44,7 +44,7 @@ from medfl.engine.screening import (Screening, TooFewSites, _absence_schedule, q
 from medfl.engine.store import ClientStore
 from medfl.engine.traffic import Traffic
 from medfl.training import compute_settings
-from medfl.filters import configured_filters, parameter_keys, trainable_count
+from medfl.filters import configured_filters, float_buffer_keys, parameter_keys, trainable_count
 from medfl.messages import Instruction, Reply
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import forgetting_report
@@ -143,7 +143,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         self.privacy = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
         #: the DP noise against the clipped signal, per round (``mechanisms.csv``, a warning)
         self.noise_share = NoiseShare(self.privacy, self.federation, type(self.coordinator).reply_state,
-                                      parameter_keys, trainable_count)
+                                      parameter_keys, trainable_count, float_buffer_keys)
         # resolve_config refused it without the opt-in; a reopened older run sent them as well
         if cross_test_in_clear(cfg, self.privacy.private, where, refuse=False):
             self.privacy.send_in_clear(CROSS_TEST_IN_CLEAR)
@@ -445,6 +445,8 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
                    "final": summarize_metrics(self.metrics, best)}
         selected = self.metrics
         summary["selection"] = self.selection(best, rounds)
+        # the verdict on the DP noise: its worst-case ratio against the score the run reports
+        self.judge_noise(rounds, int(summary["selection"]["reported_round"]))
         if self.scored_from is None:
             self.warnings.append({"round": rounds, "warning": summary["selection"]["note"]})
             logger.warning(f"medfl [{self.label}]: warning: {summary['selection']['note']}")

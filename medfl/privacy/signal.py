@@ -53,6 +53,34 @@ as PFedCDP's clusters do: each is averaged apart) with ``clients``, ``noise_norm
 Norms of stepped mechanisms are in units of the learning rate.
 Nothing it records is a per-sample value: the norms are of clipped, noised client updates as
 the coordinator received them, or the release's own declared metrics.
+
+**The warning is judged on the run's score, not on the ratio alone** (issue 63, item 4). The
+ratio is a worst case: it takes every client's update at the clip and pointing the same way in
+one round, while training averages the noise over rounds and steps and adds the signal up.
+On the demo bundle's model it is 7.8 at epsilon 1000 over 5 rounds; on the CBIS-DDSM fixture
+with that model (GroupNorm) FedAvg at that epsilon learns nearly as well as without DP (0.88
+against 0.89 test accuracy: docs/privacy.md, *The criterion against utility*, has the table). So the run says
+:data:`DROWNED` ("the model learns little or nothing") only when both hold at the end of the
+run (:func:`drowned`): the ratio was above 1 in some round, and the run's own score shows it
+did not learn (:class:`Utility`, :func:`utility_of`): its mean ``accuracy`` over clients at the
+round the run reports (early stopping's best, else the last), on ``local_val``, else
+``local_test``, else ``global_test``, passing over the split early stopping chose the round
+on while another is evaluated (the best of several rounds on a split is pushed up by the
+choice), is at most the **majority-class score** (the best mean accuracy over clients a model that
+predicts one class for every input scores on that split: a model that learned nothing) plus
+:data:`MARGIN_SE` binomial standard errors of that score over the split's examples
+(``sqrt(p (1 - p) / N)``: the spread of a score on ``N`` examples). A ratio above 1 with a
+score above that prints a note (:data:`BOUND_ONLY`, on the log, and the verdict in
+``mechanisms.csv``), not the warning. ``mechanisms.csv`` gets the verdict's row at the last
+round, scope ``run``, id ``utility``: ``split``, ``reported_round``, ``score``,
+``majority_score``, ``margin``, ``examples``, ``learned`` (1 or 0) and the run's worst
+``noise_to_signal``.
+
+BatchNorm: ``dp_gaussian`` with ``keys: "parameters"`` (the default) noises the parameters
+only; the BatchNorm running statistics are data statistics the noise does not cover, so they
+are not sent and the global model keeps its initial ones (mean 0, variance 1) for the whole
+run. :meth:`NoiseShare.stale_statistics` names those layers; the run warns once
+(:data:`STALE_BATCHNORM`) and writes a row (scope ``run``, id ``batchnorm``).
 """
 
 from __future__ import annotations
@@ -64,10 +92,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["DROWNED", "noise_to_signal", "clients_needed", "NoiseShare"]
+__all__ = ["DROWNED", "BOUND_ONLY", "STALE_BATCHNORM", "MARGIN_SE", "noise_to_signal", "clients_needed",
+           "majority_score", "Utility", "JUDGED_SPLITS", "utility_of", "drowned", "NoiseShare"]
 
-#: the start of every warning :class:`NoiseShare` gives (one per mechanism and run)
+#: the start of the warning that the DP noise kept the model from learning (one per mechanism
+#: and run, at its end: the ratio above 1 and the score at the majority-class level)
 DROWNED = "DP noise drowns the signal"
+#: the start of the note that the ratio's worst-case bound is above 1 but the run learned
+BOUND_ONLY = "DP noise bound above 1"
+#: the start of the warning that a DP run leaves the BatchNorm statistics at their initial values
+STALE_BATCHNORM = "DP leaves the BatchNorm statistics at their initial values"
+#: the margin over the majority-class score, in binomial standard errors of that score
+MARGIN_SE = 2.0
 
 
 def noise_to_signal(dim: int, sigmas: list[float], steps: list[float], batches: list[float]) -> float:
@@ -96,6 +132,120 @@ def clients_needed(ratio: float, clients: int) -> int:
     return int(math.ceil(clients * ratio * ratio))
 
 
+def majority_score(labels: Mapping[str, Any]) -> tuple[float, int, int]:
+    """The best mean over clients of the accuracy of one constant prediction: what a model
+    that learned nothing scores at most on these labels (per client, the labels of its split).
+
+    Returns:
+        ``(score, class, examples)``: the score, the class predicted, the labels in all;
+        ``(nan, -1, 0)`` when no client has a label.
+    """
+    import numpy as np
+
+    per = [np.asarray(v, dtype=np.int64).ravel() for v in labels.values()]
+    per = [v for v in per if v.size]
+    if not per:
+        return math.nan, -1, 0
+    k = int(max(int(v.max()) for v in per)) + 1
+    share = np.mean([np.bincount(v, minlength=k) / v.size for v in per], axis=0)
+    c = int(np.argmax(share))
+    return float(share[c]), c, int(sum(v.size for v in per))
+
+
+@dataclass(frozen=True)
+class Utility:
+    """What a run's own score says about whether it learned (:func:`drowned`).
+
+    Attributes:
+        split: the ``metrics.csv`` split scored (``local_val``...).
+        metric: the metric (``accuracy``).
+        round: the round the run reports.
+        score: the model's mean over clients of ``metric`` on ``split`` at ``round``.
+        majority: :func:`majority_score` on the same clients' labels of that split.
+        majority_class: the class it predicts.
+        examples: the split's labels in all (the clients that reported the score).
+    """
+
+    split: str
+    metric: str
+    round: int
+    score: float
+    majority: float
+    majority_class: int
+    examples: int
+
+    @property
+    def margin(self) -> float:
+        """:data:`MARGIN_SE` binomial standard errors of the majority score on ``examples``."""
+        p = min(max(self.majority, 0.0), 1.0)
+        return MARGIN_SE * math.sqrt(p * (1 - p) / max(self.examples, 1))
+
+    @property
+    def learned(self) -> bool:
+        """The score is above the majority-class score plus the margin."""
+        return self.score > self.majority + self.margin
+
+    def row(self, worst_ratio: float) -> dict[str, Any]:
+        """Its ``mechanisms.csv`` values (scope ``run``, id ``utility``)."""
+        return {"split": self.split, "metric": self.metric, "reported_round": self.round, "score": self.score,
+                "majority_score": self.majority, "majority_class": self.majority_class, "margin": self.margin,
+                "examples": self.examples, "learned": int(self.learned), "noise_to_signal": worst_ratio}
+
+    def text(self) -> str:
+        """The score against the majority-class score, in words."""
+        return (f"the model scored {self.score:.3f} {self.metric} on {self.split} at round {self.round}, "
+                f"{'above' if self.learned else 'not above'} {self.majority + self.margin:.3f} ({self.majority:.3f}, "
+                f"the score of predicting class {self.majority_class} for every input, plus {MARGIN_SE:g} standard "
+                f"errors over {self.examples} examples)")
+
+
+#: the splits a verdict may read, in the order it prefers them (``metrics.csv``'s names)
+JUDGED_SPLITS = ("local_val", "local_test", "global_test")
+
+
+def utility_of(metrics: Any, reported_round: int, chosen_on: str | None,
+               labels: Callable[[str, list[str]], Mapping[str, Any]]) -> Utility | None:
+    """A run's :class:`Utility` from its ``metrics.csv`` rows: the mean ``accuracy`` over
+    clients at ``reported_round`` (else the last evaluated round) on the first evaluated of
+    :data:`JUDGED_SPLITS`, passing over ``chosen_on``, the split that chose the round (early
+    stopping's), while another is evaluated: the best of several rounds on a split is that
+    split's score pushed up by the choice, most of all for a model whose scores only jump
+    around; and the majority-class score of the same clients' labels of that split.
+
+    Args:
+        metrics: the run's ``metrics.csv`` as a DataFrame.
+        reported_round: the round the run reports (early stopping's best, else the last).
+        chosen_on: the split that chose that round, or ``None``.
+        labels: ``(split, client ids) -> {client id: labels}``.
+
+    Returns:
+        ``None`` without an ``accuracy`` on any of those splits.
+    """
+    if metrics is None or metrics.empty or "accuracy" not in metrics.columns or "split" not in metrics.columns:
+        return None
+    have = [s for s in JUDGED_SPLITS if ((metrics["split"] == s) & metrics["accuracy"].notna()).any()]
+    if chosen_on in have and len(have) > 1:
+        have.remove(chosen_on)
+    if not have:
+        return None
+    split = have[0]
+    part = metrics[(metrics["split"] == split) & metrics["accuracy"].notna()]
+    at = part[part["round"] == reported_round]
+    if at.empty:
+        at = part[part["round"] == part["round"].max()]
+    majority, cls, n = majority_score(labels(split, [str(c) for c in at["client_id"]]))
+    if not math.isfinite(majority):
+        return None
+    return Utility(split=split, metric="accuracy", round=int(at["round"].iloc[0]), score=float(at["accuracy"].mean()),
+                   majority=majority, majority_class=cls, examples=n)
+
+
+def drowned(ratio: float, utility: Utility | None) -> bool:
+    """The warning's criterion: the worst-case ratio above 1 **and** the run's score at the
+    majority-class level (within the margin). No score, no verdict (``False``)."""
+    return bool(ratio > 1) and utility is not None and not utility.learned
+
+
 @dataclass
 class _Sum:
     """The received updates of one reply entry in one training step, summed at the coordinator."""
@@ -118,11 +268,14 @@ class NoiseShare:
             noises: :func:`medfl.filters.parameter_keys`, passed in by the engine, which sits
             above both).
         trainable_count: its number of trainable values (:func:`medfl.filters.trainable_count`).
+        buffer_keys: its floating-point buffers' names (:func:`medfl.filters.float_buffer_keys`;
+            ``None``: not known, :meth:`stale_statistics` names none).
     """
 
     def __init__(self, plan: Any, federation: Any, reply_state: Mapping[str, str | None],
                  parameter_keys: Callable[[dict[str, Any]], list[str]],
-                 trainable_count: Callable[[dict[str, Any]], int]) -> None:
+                 trainable_count: Callable[[dict[str, Any]], int],
+                 buffer_keys: Callable[[dict[str, Any]], list[str]] | None = None) -> None:
         self.plan = plan
         self.federation = federation
         self.reply_state = dict(reply_state)
@@ -130,6 +283,7 @@ class NoiseShare:
                         and getattr(f, "noise_multiplier", None) is not None]
         self._parameter_keys = parameter_keys
         self._trainable = trainable_count
+        self._buffer_keys = buffer_keys
         #: (step, filter, reply key, the noised tensors' names and shapes) -> their sum
         self._sums: dict[tuple[int, str, str, tuple[Any, ...]], _Sum] = {}
         self._dims: dict[tuple[int, str, str, tuple[Any, ...]], int] = {}
@@ -140,6 +294,38 @@ class NoiseShare:
         """Whether the run has a DP mechanism to account for."""
         return bool(self.filters) or self.plan.dp_sgd is not None or self.plan.own is not None \
             or self.plan.method_release is not None
+
+    def stale_statistics(self) -> list[tuple[str, list[str]]]:
+        """For each DP reply filter that noises the parameters only (``keys: "parameters"``),
+        the layers of the global model whose running statistics it does not send (BatchNorm:
+        the names before ``.running_mean``/``.running_var``): ``(filter, layers)``; the
+        coordinator keeps the values it sent, the initial ones, for the whole run."""
+        if self._buffer_keys is None:
+            return []
+        out = []
+        for f in self.filters:
+            if getattr(f, "keys", "all") != "parameters":
+                continue
+            names = self._buffer_keys(self.federation.model_spec())
+            stats = [k for k in names if k.rsplit(".", 1)[-1] in ("running_mean", "running_var")]
+            layers = list(dict.fromkeys(k.rsplit(".", 1)[0] for k in stats))   # in the model's order
+            if layers:
+                out.append((f.name, layers))
+        return out
+
+    @staticmethod
+    def stale_warning(mechanism: str, layers: list[str]) -> str:
+        """The warning that ``mechanism`` leaves the global model's BatchNorm ``layers`` at
+        their initial statistics (once per run)."""
+        shown = ", ".join(layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+        return (f"{STALE_BATCHNORM} ({mechanism}): the model's {len(layers)} BatchNorm layer(s) ({shown}) keep "
+                "running mean 0 and variance 1 in the global model for the whole run: their running statistics are "
+                f"statistics of the clients' data that {mechanism} (keys \"parameters\") does not noise, so they are "
+                "not sent and the coordinator keeps the values it sent. The global model normalizes with them when "
+                "it is evaluated, so its scores mix the DP noise with statistics it never learned. For statistics DP "
+                "covers: a model without running statistics (\"norm\": \"instance\", or \"dp_compatible\": true, "
+                f"which makes BatchNorm GroupNorm), or {mechanism} with keys \"all\" (the statistics clipped and "
+                "noised with the update)")
 
     # ------------------------------------------------------------------ during the round
     def observe(self, step: int, client_id: str, payload: Mapping[str, Any], ins_payload: Mapping[str, Any],
@@ -304,19 +490,39 @@ class NoiseShare:
         return rows, (name, ratio, 0, "a larger epsilon, a clip near the features' norms, or smaller features")
 
     @staticmethod
-    def warning(r: int, mechanism: str, ratio: float, clients: int, change: str) -> str:
-        """The warning for a round whose ratio after averaging is above 1 (see the module
-        docstring), saying what to change; "" otherwise."""
-        if not ratio > 1:
+    def warning(r: int, mechanism: str, ratio: float, clients: int, change: str,
+                utility: Utility | None = None, stale: bool = False) -> str:
+        """The warning that the noise kept the model from learning, when :func:`drowned`
+        (``ratio``: the worst round's ratio after averaging, first above 1 in round ``r``;
+        ``utility``: the run's score against the majority-class score), saying what to
+        change; "" otherwise. ``stale``: the global model's BatchNorm statistics stayed at
+        their initial values (:meth:`stale_statistics`), which the warning then names."""
+        if not drowned(ratio, utility):
             return ""
+        assert utility is not None
         if clients:
             more = (f"more clients per round: the ratio falls with their square root, so {ratio:.3g} over "
                     f"{clients} client(s) needs about {clients_needed(ratio, clients)} per round; or ")
-            what = (f"the noise in the mean of the round's {clients} client update(s) has {ratio:.3g} times the norm "
-                    "their clipped signal can have at most")
+            what = (f"the noise in the mean of the round's {clients} client update(s) has up to {ratio:.3g} times "
+                    "the norm their clipped signal can have at most")
         else:
             more = ""
             what = f"each released sample carries noise of {ratio:.3g} times the norm of its clipped features"
-        return (f"{DROWNED} ({mechanism}): in round {r} {what}, so what the coordinator uses is mostly noise and "
-                f"the model learns little or nothing from it. To change it: {more}{change}. mechanisms.csv has "
-                f"noise_to_signal for every round")
+        bn = ("; the global model's BatchNorm statistics are also still their initial values, which can keep it "
+              "from learning without any noise (the warning on them says why)" if stale else "")
+        return (f"{DROWNED} ({mechanism}): {utility.text()}: it learned little or nothing, and from round {r} "
+                f"{what}, so what the coordinator uses is mostly noise{bn}. To change it: {more}{change}. "
+                "mechanisms.csv has noise_to_signal for every round and the verdict (id utility)")
+
+    @staticmethod
+    def bound_note(r: int, mechanism: str, ratio: float, utility: Utility | None) -> str:
+        """The note for a ratio above 1 that is not a :data:`DROWNED` warning (the run learned,
+        or has no score to judge by); "" for a ratio of at most 1."""
+        if not ratio > 1 or drowned(ratio, utility):
+            return ""
+        bound = (f"{BOUND_ONLY} ({mechanism}): from round {r} the worst-case noise_to_signal is up to {ratio:.3g} "
+                 "(every client's update at the clip and pointing the same way, in one round; training averages the "
+                 "noise over rounds and steps)")
+        if utility is None:
+            return f"{bound}; the run has no accuracy to judge whether the model learned by"
+        return f"{bound}, but {utility.text()}: the noise did not keep it from learning"

@@ -1,6 +1,8 @@
 """The DP noise against the clipped signal (medfl.privacy.signal): the engine's rows in
 mechanisms.csv for every DP mechanism, and the warning with what to change when the noise
-drowns the signal (issue 48, item 7)."""
+drowns the signal (issue 48, item 7), given only when the run's own score shows it did not learn
+(issue 63, item 4: tests/privacy/test_dp_warning_utility.py checks that criterion against the
+utility table)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 from medfl.experiment import run_experiment
 from medfl.filters import parameter_keys, trainable_count
-from medfl.privacy.signal import DROWNED, NoiseShare, clients_needed, noise_to_signal
+from medfl.privacy.signal import BOUND_ONLY, DROWNED, NoiseShare, Utility, clients_needed, noise_to_signal
 
 
 #: tiny_fl's model as the federation builds it (synthetic2d: one channel, two classes)
@@ -38,6 +40,20 @@ def _value(df: pd.DataFrame, r: int, scope: str, cid: str, name: str) -> float:
     return float(hit["value"].iloc[0])
 
 
+#: a run that learned nothing: 0.30 accuracy where predicting one class scores 0.45 (N = 100)
+FLAT = Utility(split="local_val", metric="accuracy", round=3, score=0.30, majority=0.45, majority_class=0, examples=100)
+#: a run that learned: 0.80
+LEARNED = Utility(split="local_val", metric="accuracy", round=3, score=0.80, majority=0.45, majority_class=0,
+                  examples=100)
+
+
+def _utility(run: Path) -> dict[str, Any]:
+    """The verdict's row of mechanisms.csv (scope run, id utility): numbers, and texts for text values."""
+    df = pd.read_csv(run / "mechanisms.csv", dtype={"id": str, "text": str})
+    u = df[(df["scope"] == "run") & (df["id"] == "utility")]
+    return {n: (t if isinstance(t, str) and t else v) for n, v, t in zip(u["name"], u["value"], u["text"])}
+
+
 def _warnings(run: Path) -> list[str]:
     return [w["warning"] for w in json.loads((run / "summary.json").read_text()).get("warnings", [])]
 
@@ -51,11 +67,29 @@ def test_the_ratio_is_sigma_sqrt_d_over_the_square_root_of_clients_and_steps() -
     assert clients_needed(14.0, 3) == 588
 
 
-def test_the_warning_says_what_to_change_only_above_one() -> None:
-    assert NoiseShare.warning(2, "dp_gaussian", 0.9, 3, "x") == ""
-    text = NoiseShare.warning(2, "dp_gaussian", 3.0, 4, "a larger epsilon")
-    assert text.startswith(f"{DROWNED} (dp_gaussian): in round 2")
+def test_the_warning_needs_a_ratio_above_one_and_a_score_at_the_majority_level() -> None:
+    assert NoiseShare.warning(2, "dp_gaussian", 0.9, 3, "x", FLAT) == ""      # the noise cannot be why
+    assert NoiseShare.warning(2, "dp_gaussian", 3.0, 4, "x", LEARNED) == ""   # it learned: a note, not a warning
+    assert NoiseShare.warning(2, "dp_gaussian", 3.0, 4, "x", None) == ""      # nothing to judge by
+    text = NoiseShare.warning(2, "dp_gaussian", 3.0, 4, "a larger epsilon", FLAT)
+    assert text.startswith(f"{DROWNED} (dp_gaussian): the model scored 0.300 accuracy on local_val at round 3, "
+                           "not above 0.549 (0.450, the score of predicting class 0 for every input, plus 2 standard "
+                           "errors over 100 examples)")
+    assert "from round 2" in text and "up to 3 times" in text
     assert "about 36 per round" in text and "a larger epsilon" in text and "mechanisms.csv" in text
+    assert NoiseShare.bound_note(2, "dp_gaussian", 3.0, LEARNED).startswith(f"{BOUND_ONLY} (dp_gaussian)")
+    assert "the noise did not keep it from learning" in NoiseShare.bound_note(2, "dp_gaussian", 3.0, LEARNED)
+    assert NoiseShare.bound_note(2, "dp_gaussian", 3.0, FLAT) == NoiseShare.bound_note(2, "dp_gaussian", 0.5, None) == ""
+
+
+def test_the_margin_is_two_binomial_standard_errors_of_the_majority_score() -> None:
+    from medfl.privacy.signal import majority_score
+
+    assert FLAT.margin == pytest.approx(2 * math.sqrt(0.45 * 0.55 / 100))
+    # the best constant prediction, scored as the summary scores: the mean over clients
+    score, cls, n = majority_score({"a": [0, 0, 0, 1], "b": [1, 1, 2, 2, 2, 2]})
+    assert (cls, n) == (0, 10) and score == pytest.approx((0.75 + 0.0) / 2)
+    assert math.isnan(majority_score({"a": []})[0])
 
 
 def test_dp_gaussian_rows_and_one_warning_with_what_to_change(tiny_fl: dict, resolve: Any,
@@ -80,8 +114,13 @@ def test_dp_gaussian_rows_and_one_warning_with_what_to_change(tiny_fl: dict, res
             assert _value(df, r, "client", cid, "noise_to_signal") == pytest.approx(sigma * math.sqrt(d))
             # the received update is the clipped one plus the noise: its norm is near the noise's
             assert _value(df, r, "client", cid, "received_norm") == pytest.approx(sigma * math.sqrt(d), rel=0.25)
+    # the verdict: the tiny model's score on local_test (no val split evaluated) against the majority class
+    u = _utility(run)
+    assert u["split"] == "local_test" and u["reported_round"] == 2 and u["noise_to_signal"] == pytest.approx(ratio)
     drowned = [w for w in _warnings(run) if w.startswith(DROWNED)]
-    assert len(drowned) == 1 and "round 1" in drowned[0]          # once, not every round
+    assert u["learned"] == 0 and u["score"] <= u["majority_score"] + u["margin"]   # sigma ~ 4: it learns nothing
+    assert len(drowned) == 1 and "from round 1" in drowned[0]          # once, not every round
+    assert "on local_test at round 2" in drowned[0]
     assert "more clients per round" in drowned[0] and "epsilon" in drowned[0] and "fewer rounds" in drowned[0]
     assert f"about {clients_needed(ratio, 3)} per round" in drowned[0]
     assert err.count(DROWNED) == 1
@@ -115,7 +154,7 @@ def test_dp_sgd_rows_follow_its_steps_batches_and_noise(tiny_fl: dict, resolve: 
     ratio = _value(df, 1, "round", "mean", "noise_to_signal")
     assert ratio == pytest.approx(noise_to_signal(d, sigmas, steps, batches))
     drowned = [w for w in _warnings(run) if w.startswith(f"{DROWNED} (dp_sgd)")]
-    assert bool(drowned) == (ratio > 1)
+    assert bool(drowned) == (ratio > 1 and _utility(run)["learned"] == 0)
     if drowned:
         assert "batch_size" in drowned[0]
 
@@ -145,8 +184,9 @@ def test_a_release_ratio_is_the_declared_noise_over_the_clipped_signal_per_sampl
     assert by["client", "a"]["noise_to_signal"] == 2.5 and by["client", "b"]["noise_to_signal"] == 1.25
     assert by["round", "mean"]["noise_to_signal"] == pytest.approx(5 / 3)
     (mechanism, ratio, clients, change), = found
-    text = NoiseShare.warning(4, mechanism, ratio, clients, change)
-    assert "(feature_gaussian): in round 4 each released sample carries noise of 1.67 times" in text
+    text = NoiseShare.warning(4, mechanism, ratio, clients, change, FLAT)
+    assert "(feature_gaussian): the model scored" in text
+    assert "from round 4 each released sample carries noise of 1.67 times" in text
     assert share.rows({}, {}) == ([], [])     # the round is forgotten
 
 
@@ -185,7 +225,8 @@ def test_dp_gaussian_measures_the_mean_received_update_at_the_coordinator() -> N
 
 def test_the_readme_dp_example_shows_the_warning_this_code_gives() -> None:
     """README's first DP command (the demo bundle with dp_gaussian at epsilon 3, clip 1) does
-    not learn and says so: the numbers the README quotes are the ones the run computes."""
+    not learn and says so at the end of the run: the numbers the README quotes are the ones
+    the run computes."""
     from medfl.privacy.accounting import noise_for_epsilon
 
     root = Path(__file__).resolve().parents[2]
@@ -197,9 +238,11 @@ def test_the_readme_dp_example_shows_the_warning_this_code_gives() -> None:
     d = trainable_count({**fl["model"], "spatial_dims": 2, "in_channels": 1, "num_classes": fl["dataset"]["num_classes"]})
     ratio = noise_to_signal(d, [sigma] * n, [1.0] * n, [1.0] * n)
     assert ratio > 1
-    quoted = (f"medfl [fedavg] round 1: warning: {DROWNED} (dp_gaussian): in round 1 the noise in the mean of the "
-              f"round's {n} client update(s) has {ratio:.3g} times the norm")
-    assert quoted in readme
+    quoted = f"medfl [fedavg] round {rounds}: warning: {DROWNED} (dp_gaussian): the model scored "
+    assert quoted in readme and "it learned little or nothing" in readme
+    assert (f"from round 1 the noise in the mean of the round's {n} client update(s) has up to {ratio:.3g} times "
+            "the norm") in readme
+    assert "BatchNorm statistics are also still their initial values" in readme
     assert f"needs about {clients_needed(ratio, n)} per round" in readme
     assert f"a noise multiplier below {sigma / ratio:.3g} (now {sigma:.3g})" in readme
     assert f"({d} noised values)" in readme and f"d = {d:,}" in readme and f"σ = {sigma:.3g}" in readme
@@ -209,7 +252,7 @@ def test_the_last_privacy_line_repeats_that_the_noise_drowned_the_signal() -> No
     from medfl.report import _privacy_line
 
     block = {"epsilon": 3.0, "worst_client": "0", "unit": "client", "delta": 1e-5, "accountant": "rdp"}
-    text = NoiseShare.warning(1, "dp_gaussian", 466.0, 4, "a larger epsilon")
+    text = NoiseShare.warning(1, "dp_gaussian", 466.0, 4, "a larger epsilon", FLAT)
     line = _privacy_line({"privacy": {"mechanisms": {"dp_gaussian": block}},
                           "warnings": [{"round": 1, "warning": "something else"}, {"round": 1, "warning": text}]})
     assert line.startswith("privacy: dp_gaussian epsilon 3 (worst client 0")
