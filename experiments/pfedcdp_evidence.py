@@ -17,7 +17,10 @@ initialisations:
     ``nodp`` (no noise, the update quantized to 8 bits), ``authors_formula`` (the preset: sigma
     0.969 added every round, the epsilon it spends recorded), ``authors_v1_7`` (PFedCDP's
     ``authors``: the authors' v1.7 clients as they run, model B's weights noised per tensor at
-    sigma 0.606 and 12 bits, A and C in the clear), ``paper_dp`` (the paper's epsilon 5 over the
+    sigma 0.606 and 12 bits, A and C in the clear; only A distils, C at Adam 3e-4, each client
+    scored with the cluster's aggregated extractor and its own classifier, as v1.7's ``evaluate``),
+    ``authors_v1_7_personal`` (the same clients scored on their own extractors, as every other
+    arm: the two scorings side by side), ``paper_dp`` (the paper's epsilon 5 over the
     planned rounds: sigma from the accountant).
 ``clients`` (``--client-counts``, default 10 30 50)
     ``nodp`` and ``authors_formula`` at each client count on the same data (the paper's Fig. 2
@@ -92,11 +95,14 @@ MAIN_ARMS: dict[str, dict[str, Any]] = {
     "nodp": {"noise_multiplier": None},
     "authors_formula": {},
     "authors_v1_7": {},
+    "authors_v1_7_personal": {"score": "personal"},
     "paper_dp": {"noise_multiplier": None, "epsilon": 5.0},
 }
 #: arms on another preset: ``authors_v1_7`` is the authors' v1.7 clients as they run (model B
-#: noised per weight tensor at sigma 0.606, A and C in the clear; PFedCDP's ``authors``)
-ARM_PRESETS = {"authors_v1_7": "authors_v1_7"}
+#: noised per weight tensor at sigma 0.606, A and C in the clear; PFedCDP's ``authors``; scored
+#: as their ``evaluate`` scores, the cluster's aggregated extractor with each client's classifier),
+#: ``authors_v1_7_personal`` the same clients scored on their own extractors, as the other arms
+ARM_PRESETS = {"authors_v1_7": "authors_v1_7", "authors_v1_7_personal": "authors_v1_7"}
 BASE_PRESET = "authors_formula"
 CLIENT_ARMS = ("nodp", "authors_formula")
 SPLITS = ("local_test", "local_val")
