@@ -20,7 +20,8 @@ initialisations:
     sigma 0.606 and 12 bits, A and C in the clear; only A distils, C at Adam 3e-4, each client
     scored with the cluster's aggregated extractor and its own classifier, as v1.7's ``evaluate``),
     ``authors_v1_7_personal`` (the same clients scored on their own extractors, as every other
-    arm: the two scorings side by side), ``paper_dp`` (the paper's epsilon 5 over the
+    arm: the two scorings side by side; ``nodp_global``, ``authors_formula_global`` and
+    ``paper_dp_global`` score those arms the authors' way), ``paper_dp`` (the paper's epsilon 5 over the
     planned rounds: sigma from the accountant).
 ``clients`` (``--client-counts``, default 10 30 50)
     ``nodp`` and ``authors_formula`` at each client count on the same data (the paper's Fig. 2
@@ -97,6 +98,9 @@ MAIN_ARMS: dict[str, dict[str, Any]] = {
     "authors_v1_7": {},
     "authors_v1_7_personal": {"score": "personal"},
     "paper_dp": {"noise_multiplier": None, "epsilon": 5.0},
+    "nodp_global": {"noise_multiplier": None, "score": "global"},
+    "authors_formula_global": {"score": "global"},
+    "paper_dp_global": {"noise_multiplier": None, "epsilon": 5.0, "score": "global"},
 }
 #: arms on another preset: ``authors_v1_7`` is the authors' v1.7 clients as they run (model B
 #: noised per weight tensor at sigma 0.606, A and C in the clear; PFedCDP's ``authors``; scored
