@@ -133,8 +133,10 @@ class Mechanisms:
                                 f"noise_to_signal is {ratio:.3g}; whether the noise keeps the model from learning is "
                                 "judged at the end of the run, from its score against the majority-class score")
                 bounds[mechanism] = (first, ratio, clients, change)
-        if self.noise_share.active and not any(str(w.get("warning", "")).startswith(STALE_BATCHNORM)
-                                               for w in self.warnings):
+        # once per session: the filters and the model spec do not change within a run
+        if (self.noise_share.active and not getattr(self, "_stale_checked", False)
+                and not any(str(w.get("warning", "")).startswith(STALE_BATCHNORM) for w in self.warnings)):
+            self._stale_checked = True
             for mechanism, layers in self.noise_share.stale_statistics():
                 text = NoiseShare.stale_warning(mechanism, layers)
                 self.warnings.append({"round": r, "warning": text})
