@@ -18,6 +18,15 @@ from medfl.config import resolve_config
 # fixture, so module-scoped runs and the processes tests start (bundles, Flower apps) see it.
 os.environ.setdefault("MEDFL_NO_PLOTS", "1")
 
+# The suite runs as a user's clone does, without ``../shared``: fixtures synthesise their
+# metadata rows (the processes tests start too), so nothing passes on files users lack. The
+# tests of the real metadata files take them from the ``reference_data`` fixture below, and
+# skip where they are absent.
+from medfl.fixtures import reference_data_dir  # noqa: E402
+
+REFERENCE_DATA = reference_data_dir()
+os.environ["MEDFL_REFERENCE_DATA"] = "none"
+
 
 #: The test modules that take longest (seconds, serial, on a 2 vCPU VM), slowest first: they
 #: run first, so that parallel workers (``make test`` runs ``pytest -n 2 --dist loadfile
@@ -31,6 +40,7 @@ SLOW_MODULES = (
     "flower/test_secagg_flower.py",     # 210: SecAgg+ over the loop-back grid, on Ray, over a real deployment
     "flower/test_deploy_auth.py",       # 150: TLS, keys, a SuperLink restart and a resume
     "flower/test_under_load.py",        # 165: Flower processes held 35-40 s at their start
+    "flower/test_failed_run.py",        # ~160 loaded: runs that fail to start, real SuperLink and a site
     "test_experiments.py",              # 255 CPU s: the 11 experiments/ scripts' --smoke runs (8-40 each)
     "test_export.py",                   # 170 on 2 loaded cores: the demo trained, exported, run by MONAI's CLI
     "test_bundle_readmes.py",           # ~110: five bundle READMEs' commands as written (fixture, prep, run)
@@ -170,9 +180,7 @@ def resolve():
 def reference_data() -> Path:
     """The real metadata files (``../shared/reference_data``); skips when absent, as in a
     user's own clone without the shared folder."""
-    from medfl.fixtures import reference_data_dir
-
-    found = reference_data_dir()
+    found = REFERENCE_DATA
     if found is None:
         pytest.skip("real metadata files not found: ../shared/reference_data beside the clone "
                     "(or MEDFL_REFERENCE_DATA) is needed for this test")

@@ -8,6 +8,8 @@ small to train stops in one line, with nothing written."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,21 @@ def test_readme_commands_run_as_written(bundle: str, tmp_path: Path) -> None:
     the run's ``results:`` folder (a path from where it ran) has every method's metrics."""
     _, results = run_readme(bundle, tmp_path)
     assert list(results.rglob("metrics.csv")) and list(results.rglob("summary.json"))
+
+
+def test_the_suite_runs_as_a_clone_without_shared_does() -> None:
+    """The READMEs' fixtures (and every fixture the suite writes) are built from synthesised
+    rows, in this process and in those it starts, as on a user's clone with no
+    ``../shared``: a fixture too small for its bundle's defaults fails here, not for users."""
+    import os
+
+    from medfl.fixtures import reference_data_dir
+
+    assert os.environ.get("MEDFL_REFERENCE_DATA") == "none"
+    assert reference_data_dir() is None
+    proc = subprocess.run([sys.executable, "-c", "from medfl.fixtures import reference_data_dir as r; print(r())"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "None"
 
 
 def test_every_other_readme_is_run_by_its_bundle_test() -> None:
