@@ -39,7 +39,7 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, check_file_size, check_pixel_count,
     limit_per_split, progress, resize_image, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
-    check_text_encoding, run_script,
+    check_text_encoding, run_script, check_file, require_columns,
 )
 
 __all__ = ["main", "build_parser", "read_case_csvs", "Resolver", "read_dicom", "is_mask", "image_table", "CSV_FILES",
@@ -63,10 +63,8 @@ _NATIVE = {"1.2.840.10008.1.2", "1.2.840.10008.1.2.1", "1.2.840.10008.1.2.2", "1
 
 
 def _find_csv(raw: Path, name: str) -> Path | None:
-    for cand in [raw / name, *sorted(raw.glob(f"*/{name}")), *sorted(raw.glob(f"*/*/{name}"))]:
-        if cand.is_file():
-            return cand
-    return None
+    cands = [raw / name, *sorted(raw.glob(f"*/{name}")), *sorted(raw.glob(f"*/*/{name}"))]
+    return next((c for c in cands if c.is_file()), None) or next((c for c in cands if os.path.lexists(c)), None)
 
 
 def read_case_csvs(raw: Path, abnormality: str = "both", csv_dir: Path | None = None) -> pd.DataFrame:
@@ -86,25 +84,23 @@ def read_case_csvs(raw: Path, abnormality: str = "both", csv_dir: Path | None = 
         for split in ("train", "test"):
             name = CSV_FILES[(kind, split)]
             path = (csv_dir / name) if csv_dir else _find_csv(raw, name)
-            if path is None or not path.is_file():
+            if path is None or not os.path.lexists(path):
                 raise PrepError(f"{name}: case-description CSV not found under {csv_dir or raw} "
                                 "(expected the four CSVs TCIA publishes beside the images)", name)
+            check_file(path, "a CBIS-DDSM case-description CSV")
             check_text_encoding(path, "CBIS-DDSM case-description CSV")
             try:
                 with open(path, newline="", encoding="utf-8-sig") as f:
-                    rows = list(csv.DictReader(f))
-                header = list(rows[0].keys()) if rows else []
+                    reader = csv.DictReader(f)
+                    rows, header = list(reader), list(reader.fieldnames or [])
             except (OSError, UnicodeDecodeError, csv.Error) as exc:
                 raise PrepError(f"{path}: not a readable CSV ({exc})", path) from exc
             df = pd.DataFrame(rows, columns=header, dtype=str).fillna("")
             if "breast density" in df.columns and "breast_density" not in df.columns:
                 df = df.rename(columns={"breast density": "breast_density"})
-            missing = [c for c in REQUIRED + ["breast_density"] if c not in df.columns]
-            if missing:
-                raise PrepError(f"{path}: missing column(s) {', '.join(repr(c) for c in missing)}; found "
-                                f"{', '.join(df.columns)}", path)
+            require_columns(df, REQUIRED + ["breast_density"], path)
             if df.empty:
-                raise PrepError(f"{path}: no rows (expected one row per abnormality)", path)
+                raise PrepError(f"{path}: no rows, only the header (expected one row per abnormality)", path)
             for c in df.columns:
                 df[c] = df[c].astype(str).str.strip()
                 df.loc[df[c].isin(MISSING), c] = ""
@@ -263,9 +259,16 @@ DICOM_EXTRA = 'pip install "medfl[dicom]" (pylibjpeg, pylibjpeg-libjpeg, pylibjp
 _FULL_DECODERS = ("pylibjpeg", "gdcm", "pyjpegls", "pydicom")
 
 
+#: pydicom's decoder plugins whose requirement names a module, not the package that installs
+#: it (pydicom's plugin table, "Plugins for Pixel Data compression and decompression": the
+#: ``gdcm`` plugin requires python-gdcm)
+_PLUGIN_PACKAGES = {"gdcm": "python-gdcm"}
+
+
 def _decoder_plugins(ts: str) -> tuple[list[str], list[str]]:
-    """pydicom's decoder plugins for transfer syntax ``ts``: (installed, not installed);
-    two empty lists for a syntax pydicom has no decoder for (or a pydicom before 3.0)."""
+    """pydicom's decoder plugins for transfer syntax ``ts``: (installed, the packages that
+    would install the others: pydicom's ``missing_dependencies``); two empty lists for a
+    syntax pydicom has no decoder for (or a pydicom before 3.0)."""
     try:
         from pydicom.pixels import get_decoder
         from pydicom.uid import UID
@@ -273,33 +276,38 @@ def _decoder_plugins(ts: str) -> tuple[list[str], list[str]]:
         decoder = get_decoder(UID(ts))
     except Exception:  # noqa: BLE001 - an unknown syntax or an older pydicom
         return [], []
-    missing = [str(m).split(" - ")[0] for m in decoder.missing_dependencies]
-    return list(decoder.available_plugins), missing
+    # "gdcm - requires gdcm>=3.0.10", "pylibjpeg - requires pylibjpeg>=2.0 and pylibjpeg-libjpeg>=2.1"
+    needs = [str(m).partition(" - requires ")[2] for m in decoder.missing_dependencies]
+    names = [re.split(r"[<>=!~ ;\[]", r.strip())[0] for n in needs for r in re.split(r",| and ", n) if r.strip()]
+    return list(decoder.available_plugins), list(dict.fromkeys(_PLUGIN_PACKAGES.get(n, n) for n in names))
 
 
 def _decoder_available(ts: str) -> bool:
     """Whether a decoder of pydicom's that reads every variant of transfer syntax ``ts``
     (:data:`_FULL_DECODERS`; not Pillow alone) is installed here: a file it cannot decode is
-    damaged."""
+    damaged, or needs another of pydicom's decoders."""
     return any(p in _FULL_DECODERS for p in _decoder_plugins(ts)[0])
 
 
 def _undecodable(path: Path, ts: str, name: str, exc: Exception) -> PrepError:
-    """The error for compressed pixel data that did not decode: a damaged file where a full
-    decoder is installed, else the syntax and what to install (:data:`DICOM_EXTRA`)."""
+    """The one-line error for compressed pixel data that did not decode: the file, the syntax
+    (name and UID), what the installed decoders said, and the packages of pydicom's other
+    decoders for it (:data:`DICOM_EXTRA` where no full decoder is installed)."""
+    installed, packages = _decoder_plugins(ts)
+    why = "; ".join(" ".join(line.split()) for line in str(exc).splitlines() if line.strip()).replace(":; ", ": ")
+    head = f"{path}: compressed transfer syntax {name} ({ts})"
+    if not installed and not packages:
+        return PrepError(f"{head}: pydicom has no decoder for it; convert the file to an uncompressed transfer "
+                         f"syntax (e.g. `gdcmconv --raw` or `dcmdjpeg`) and prepare again ({why})", path)
     if _decoder_available(ts):
-        return PrepError(f"{path}: compressed transfer syntax {name} ({ts}): the installed decoder could not "
-                         f"decode it ({exc}); the file is damaged or its header (Rows, Columns, bits) "
-                         "disagrees with the compressed data", path)
-    installed, missing = _decoder_plugins(ts)
-    if not installed and not missing:
-        return PrepError(f"{path}: compressed transfer syntax {name} ({ts}): pydicom has no decoder for it; "
-                         "convert the file to an uncompressed transfer syntax (e.g. `gdcmconv --raw` or "
-                         f"`dcmdjpeg`) and prepare again ({exc})", path)
-    why = " ".join(str(exc).split())
+        others = f"pydicom's other decoder for it may: pip install {' '.join(packages)}; if not, " if packages else ""
+        return PrepError(f"{head}: the installed decoder could not decode it ({why}); {others}the file is damaged "
+                         "or its header (Rows, Columns, bits) disagrees with the compressed data", path)
     tried = f"{' and '.join(installed)} could not decode it ({why})" if installed else "no decoder for it is installed"
-    return PrepError(f"{path}: compressed transfer syntax {name} ({ts}): {tried}. Install pydicom's decoders: "
-                     f"{DICOM_EXTRA}; if the file still does not decode, it is damaged", path)
+    others = [p for p in packages if p not in DICOM_EXTRA]
+    return PrepError(f"{head}: {tried}. Install pydicom's decoders: {DICOM_EXTRA}"
+                     + (f" or pip install {' '.join(others)}" if others else "")
+                     + "; if the file still does not decode, it is damaged", path)
 
 
 #: what a CBIS-DDSM image (mammogram, ROI crop or mask) must be
@@ -419,12 +427,8 @@ def read_dicom(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
             without an installed decoder (naming what to install), pixel data shorter than the
             header promises (truncated), or another decoding failure (its message).
     """
-    head, size = b"", 0
-    if path.is_file():
-        with open(path, "rb") as f:     # the first bytes only: the file may be huge (a sparse file)
-            head, size = f.read(132), os.fstat(f.fileno()).st_size
-    if path.is_file() and not head:
-        raise PrepError(f"{path}: an empty file (0 bytes); expected a DICOM image", path)
+    with open(check_file(path, "a DICOM image"), "rb") as f:   # the first bytes only: the file may be huge
+        head, size = f.read(132), os.fstat(f.fileno()).st_size
     # a DICOM file's 128-byte preamble is free: a legal dual-personality file holds a TIFF
     # header there, so another format is sniffed only where "DICM" is not at offset 128
     for magic, kind in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"II*\x00", "a TIFF image"),

@@ -21,10 +21,12 @@ Per-file problems raise :class:`PrepError` naming the file and what was expected
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -42,7 +44,7 @@ __all__ = [
     "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
     "progress", "size_pair", "remove_stale_arrays", "staged_main", "NotDownloaded", "keep_present",
     "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size", "printable",
-    "limit_per_split", "check_text_encoding",
+    "limit_per_split", "check_text_encoding", "file_problem", "check_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,51 @@ NOT_DOWNLOADED = "not downloaded"
 #: the hint a stop on an absent file ends with
 PRESENT_ONLY_HINT = ("; if the download is partial, pass --present-only to prepare the samples "
                      "that are present (the others are listed in skipped.csv)")
+
+
+def file_problem(path: str | Path) -> str:
+    """What keeps ``path`` from being read as a file, in a few words: ``""`` for a non-empty
+    regular file this process may read, ``"not found"`` where nothing is (not even a link),
+    else ``"a directory"``, ``"a symlink loop (...)"``, ``"a broken symlink (...)"``,
+    ``"an empty file (0 bytes)"``, ``"unreadable (permission denied)"``, ``"a FIFO, socket or
+    device"``. Nothing is read (``stat`` only)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if not os.path.islink(path):
+            return "not found" if exc.errno in (errno.ENOENT, errno.ENOTDIR) else f"unreadable ({exc.strerror})"
+        target = os.readlink(path)
+        if exc.errno == errno.ELOOP:
+            return f"a symlink loop (-> {target}, which leads back to itself)"
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"a broken symlink (-> {target}, which does not exist)"
+        return f"a symlink (-> {target}) that cannot be followed ({exc.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if not stat.S_ISREG(st.st_mode):
+        return "a FIFO, socket or device"
+    if st.st_size == 0:
+        return "an empty file (0 bytes)"
+    if not os.access(path, os.R_OK):
+        return "unreadable (permission denied)"
+    return ""
+
+
+def check_file(path: Path, expected: str) -> Path:
+    """``path``, when it is a non-empty regular file this process may read (:func:`file_problem`).
+
+    Args:
+        expected: what it should be, for the message ("the JPEG image of ...").
+
+    Raises:
+        NotDownloaded: nothing at ``path``, not even a broken link.
+        PrepError: one line naming what is there instead (a directory, a symlink loop, an empty
+            file...); never with the ``--present-only`` hint, since the path exists.
+    """
+    problem = file_problem(path)
+    if problem:
+        raise (NotDownloaded if problem == "not found" else PrepError)(f"{path}: {problem}; expected {expected}", path)
+    return path
 
 
 def check_pixel_count(path: str | Path, shape: Sequence[int], limit: int = MAX_IMAGE_PIXELS) -> None:
@@ -206,7 +253,11 @@ def check_text_encoding(path: Path, what: str) -> None:
 
 
 def require_columns(table: pd.DataFrame, columns: Sequence[str], where: str | Path) -> None:
-    """Raise :class:`PrepError` naming ``where`` and the missing columns, if any."""
+    """Raise :class:`PrepError` naming ``where`` and the missing columns, if any (a table
+    without any column: an empty file)."""
+    if len(table.columns) == 0:
+        raise PrepError(f"{where}: empty (no header row, no columns, no rows); expected a CSV with columns "
+                        f"{', '.join(map(repr, columns))}", where)
     missing = [c for c in columns if c not in table.columns]
     if missing:
         raise PrepError(f"{where}: missing column(s) {', '.join(repr(c) for c in missing)}; "
@@ -367,6 +418,9 @@ def check_dirs(raw: Path, out: Path, overwrite: bool) -> tuple[Path, Path]:
         PrepError: ``raw`` is not a directory, ``out`` is inside ``raw`` (the raw directory is
             never written to), or ``out`` holds an earlier manifest and not ``overwrite``.
     """
+    for option, path in (("--raw", raw), ("--out", out)):
+        if "symlink loop" in file_problem(path):        # resolve() stops on it
+            raise PrepError(f"{option} {path}: {file_problem(path)}; expected a folder", path)
     raw, out = Path(raw).resolve(), Path(out).resolve()
     if not raw.is_dir():
         raise PrepError(f"--raw {raw}: not a directory; expected the dataset as downloaded", raw)

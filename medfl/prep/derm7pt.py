@@ -42,7 +42,7 @@ import pandas as pd
 from medfl.prep.common import (
     ASPECT_MODES, MAX_IMAGE_PIXELS, PrepError, PrepReport, base_parser, check_dirs, check_pixel_count, progress,
     require_columns, remove_stale_arrays, resize_image, save_array, size_pair, write_manifest, staged_main,
-    NotDownloaded, keep_present, check_text_encoding, run_script,
+    NotDownloaded, check_file, keep_present, check_text_encoding, run_script,
 )
 
 __all__ = [
@@ -243,8 +243,9 @@ def resolve_image(images: Path, rel: str, column: str, where: str,
     offered as a mix-up.
 
     Raises:
-        PrepError: the cell is empty or leaves ``images/``, or the file does not exist (the
-            message names a file that differs only in case, when there is one).
+        PrepError: the cell is empty or leaves ``images/``, the file does not exist (the
+            message names a file that differs only in case, when there is one), or what is
+            there is not a readable file (:func:`~medfl.prep.common.check_file`).
     """
     if not rel:
         raise PrepError(f"{where}, column {column!r}: empty; expected a path under images/", where)
@@ -253,7 +254,7 @@ def resolve_image(images: Path, rel: str, column: str, where: str,
         raise PrepError(f"{where}, column {column!r}: {rel!r}; expected a path relative to images/",
                         where)
     path = images / rel
-    if not path.is_file():
+    if not os.path.lexists(path):
         variant = _case_variant(images, rel)
         if variant in listed:
             variant = None
@@ -261,7 +262,7 @@ def resolve_image(images: Path, rel: str, column: str, where: str,
                 "folders such as FCL and FCl are different)" if variant else "")
         raise (PrepError if variant else NotDownloaded)(
             f"{path}: image not found (named by {where}, column {column!r}){hint}", path)
-    return path
+    return check_file(path, f"the image {where} names in column {column!r}")
 
 
 def load_rgb(path: Path) -> tuple[np.ndarray, str]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import csv
 import filecmp
+import os
 import re
 import shlex
 import zipfile
@@ -50,7 +51,7 @@ import pandas as pd
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays,
-    require_columns, save_array, size_pair, write_manifest, staged_main, NotDownloaded, keep_present,
+    require_columns, save_array, size_pair, write_manifest, staged_main, NotDownloaded, check_file, keep_present,
     check_text_encoding, run_script,
 )
 from medfl.prep.derm7pt import preprocess_image
@@ -234,12 +235,16 @@ def find_image(folders: list[Path], image_id: str, where: str, hint: str = "") -
     ``hint`` ends the not-found message (:func:`unzip_hint`: archives still to unzip).
 
     Raises:
-        PrepError: in no folder (names them), or two copies differ (names both).
+        NotDownloaded: in no folder (names them).
+        PrepError: what is there is not a readable file (a directory, a symlink loop, an empty
+            file...: :func:`~medfl.prep.common.check_file`), or two copies differ (names both).
     """
-    hits = [f / f"{image_id}.jpg" for f in folders if (f / f"{image_id}.jpg").is_file()]
+    paths = [f / f"{image_id}.jpg" for f in folders]
+    hits = [p for p in paths if p.is_file()] or [p for p in paths if os.path.lexists(p)]
     if not hits:
         raise NotDownloaded(f"{where}: image {image_id}.jpg not found in {', '.join(str(f) for f in folders)}"
                             + (f"; {hint}" if hint else ""), where)
+    check_file(hits[0], f"the JPEG image {where} names")
     for other in hits[1:]:
         if not filecmp.cmp(hits[0], other, shallow=False):
             raise PrepError(f"{hits[0]} and {other}: two different files for image {image_id}; expected "

@@ -31,6 +31,7 @@ What this module does, and why:
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import zipfile
 from collections import Counter
@@ -41,7 +42,7 @@ import numpy as np
 
 from medfl.prep.common import (
     PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays, resize_image, save_array,
-    write_manifest, staged_main, run_script,
+    write_manifest, staged_main, run_script, file_problem,
 )
 
 __all__ = ["Dataset", "DATASETS", "SPLITS", "SIZES", "parse_name", "find_file", "check_npz_file", "load_split",
@@ -137,7 +138,7 @@ def find_file(raw: Path, flag: str | None, size: int) -> tuple[Path, str, int]:
     if size not in SIZES[kind]:
         raise PrepError(f"--size {size}: {flag} comes in sizes {', '.join(map(str, SIZES[kind]))}", raw)
     path = raw / (f"{flag}.npz" if size == 28 else f"{flag}_{size}.npz")
-    if not path.is_file():
+    if not os.path.lexists(path):
         there = sorted(p.name for p in raw.glob("*.npz"))
         raise PrepError(f"{path}: not found; the folder holds {', '.join(there) or 'no .npz file'}", path)
     return path, flag, size
@@ -232,9 +233,13 @@ def check_npz_file(path: Path) -> None:
     place of the download (an error or login page) is the usual "anything else".
 
     Raises:
-        PrepError: the file cannot be read, is empty, or is not a zip archive (a ``.npy``
+        PrepError: the file is not a readable file (a directory, a symlink loop...:
+            :func:`~medfl.prep.common.file_problem`), is empty, or is not a zip archive (a ``.npy``
             array, an HTML or XML page, a pickle, or other bytes), naming what was found.
     """
+    problem = file_problem(path)       # an empty file is said below
+    if problem and not problem.startswith("an empty file"):
+        raise PrepError(f"{path}: {problem}; expected MedMNIST's .npz download", path)
     try:
         with open(path, "rb") as f:
             head = f.read(1024)
@@ -309,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.resize is not None and args.resize < 1:
         parser.error("--resize: expected a positive size")
     raw_given = Path(args.raw)
-    if not raw_given.exists():
-        raise PrepError(f"--raw {raw_given}: not found; expected a folder of MedMNIST .npz files or one .npz file",
+    problem = file_problem(raw_given)
+    if problem == "not found" or "symlink" in problem:    # resolve() stops on a loop
+        raise PrepError(f"--raw {raw_given}: {problem}; expected a folder of MedMNIST .npz files or one .npz file",
                         raw_given)
     path, flag, size = find_file(raw_given.resolve(), args.flag, args.size)
     size_from = f"as the file name {path.name} says" if parse_name(path) else f"--size {size}"

@@ -355,6 +355,31 @@ def test_bad_derivative_file_stops_or_is_skipped(raw4_copy, tmp_path, case, dama
     assert json.loads((tmp_path / "skip" / "report.json").read_text())["num_skipped"] == 1
 
 
+def test_nonfinite_voxels_are_counted_per_subject(raw4_copy, tmp_path, capsys):
+    """Issue 64, item 6: NaN and inf voxels were zeroed with no line naming the subject; now
+    one stderr line per subject names it, the file and the NaN and inf counts, and report.json
+    lists them per subject."""
+    raw, _ = raw4_copy
+    victim = _train_subject(raw)
+    path = _deriv(raw, victim, "reho")
+    img = nib.load(str(path))
+    data = np.asanyarray(img.dataobj).astype(np.float32)
+    live = np.argwhere(data != 0)
+    for i, value in enumerate([np.nan] * 5 + [np.inf, np.inf, -np.inf]):
+        data[tuple(live[i])] = value
+    nib.save(nib.Nifti1Image(data, img.affine, img.header), str(path))
+    capsys.readouterr()
+    df = _prep(raw, tmp_path / "out", "--atlas", "none")
+    rel = path.relative_to(raw).as_posix()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "non-finite" in line]
+    sub_id = df.set_index("sample_id").loc[victim, "subject_id"]
+    assert lines == [f"warning: subject {victim} (SUB_ID {sub_id}): zeroed non-finite voxels in {rel} (5 NaN, 3 inf)"]
+    counts = json.loads((tmp_path / "out" / "report.json").read_text())["counts"]
+    assert counts["nonfinite_voxels_zeroed"] == 8
+    assert counts["nonfinite_voxels_zeroed_per_subject"] == {victim: {rel: {"nan": 5, "inf": 3}}}
+    assert np.isfinite(np.load(tmp_path / "out" / df.set_index("sample_id").loc[victim, "path"])).all()
+
+
 def test_wrong_grid_resampled_explicitly(raw4_copy, tmp_path):
     raw, info = raw4_copy
     victim = info["file_ids"][0]

@@ -229,6 +229,73 @@ def test_a_12bit_jpeg_dicom_decodes_with_the_dicom_extra_and_names_it_without(tm
     assert 'pip install "medfl[dicom]"' in msg and "damaged or its header" not in msg
 
 
+def test_an_empty_case_csv_says_it_is_empty(raws, tmp_path):
+    """Issue 64, item 6: an empty case CSV said "missing column(s) ...; found" with nothing
+    after it; a CSV of a header alone was the same (the header was taken from the first row)."""
+    raw = _copy(raws["classic"], tmp_path / "raw")
+    name = raw / "calc_case_description_test_set.csv"
+    header = name.read_text(encoding="utf-8-sig").splitlines()[0]
+    for text, message in [("", r"an empty file \(0 bytes\); expected a CBIS-DDSM case-description CSV"),
+                          ("\ufeff\r\n", r"empty \(no header row, no columns, no rows\); expected a CSV with columns "
+                                         r"'patient_id'"),
+                          (header + "\n", r"no rows, only the header")]:
+        name.write_text(text, encoding="utf-8")
+        with pytest.raises(PrepError, match=rf"^{re.escape(str(name))}: {message}") as e:
+            prep(raw, tmp_path / "out")
+        assert "\n" not in str(e.value) and "found" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_undecodable_dicom_names_its_syntax_and_the_decoders_in_one_line(raws, tmp_path, monkeypatch):
+    """Issue 64, item 6: a DICOM that pydicom's installed decoders cannot decode (pydicom's
+    own JPEG-lossy.dcm: only GDCM reads it) was "damaged" over three lines without naming
+    python-gdcm; one line now names the file, the syntax (name and UID) and the packages of
+    pydicom's other decoders for it (pydicom's plugin table). A JPEG Baseline 8-bit DICOM made
+    here with Pillow decodes; with no decoder installed the line names what to install."""
+    import io
+
+    from PIL import Image
+    from pydicom.data import get_testdata_file
+    from pydicom.encaps import encapsulate
+    from pydicom.pixels import get_decoder
+    from pydicom.uid import JPEGBaseline8Bit, JPEGExtended12Bit
+
+    lossy = get_testdata_file("JPEG-lossy.dcm")
+    if lossy is not None and "gdcm" not in get_decoder(JPEGExtended12Bit).available_plugins:
+        raw = _copy(raws["tcia"], tmp_path / "raw")
+        victim = sorted(raw.rglob("*full mammogram images*/1-1.dcm"))[0]
+        ds = pydicom.dcmread(lossy)
+        ds.Modality = "MG"          # an NM image in pydicom's test data
+        ds.save_as(victim, enforce_file_format=True)
+        with pytest.raises(PrepError) as e:
+            prep(raw, tmp_path / "out")
+        msg = str(e.value)
+        assert msg.startswith(f"{victim}: compressed transfer syntax JPEG Extended (Process 2 and 4) "
+                              "(1.2.840.10008.1.2.4.51): ") and "\n" not in msg
+        assert "pip install python-gdcm" in msg and not (tmp_path / "out").exists()
+    px = (np.arange(16 * 24).reshape(16, 24) % 256).astype(np.uint8)
+    path = tmp_path / "baseline.dcm"
+    write_mg_dicom(path, px, "P", "1.2.3", "1.2.4", "x", "L", "CC", bits=8)
+    ds = pydicom.dcmread(path)
+    jpeg = io.BytesIO()
+    Image.fromarray(px).save(jpeg, format="JPEG", quality=95)
+    ds.file_meta.TransferSyntaxUID = JPEGBaseline8Bit
+    ds.PixelData = encapsulate([jpeg.getvalue()])
+    ds["PixelData"].VR = "OB"
+    ds.save_as(path, enforce_file_format=True)
+    decoder = get_decoder(JPEGBaseline8Bit)
+    if decoder.available_plugins:
+        x, facts = read_dicom(path)
+        assert facts["transfer_syntax"] == JPEGBaseline8Bit and np.abs(x * 255 - px).max() < 8
+    monkeypatch.setattr(decoder, "_available", {})       # a machine without any of pydicom's decoders
+    with pytest.raises(PrepError) as e:
+        read_dicom(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: compressed transfer syntax JPEG Baseline (Process 1) (1.2.840.10008.1.2.4.50): "
+                          "no decoder for it is installed. Install pydicom's decoders: pip install \"medfl[dicom]\"")
+    assert "\n" not in msg and ("gdcm" in decoder.available_plugins or "or pip install python-gdcm" in msg)
+
+
 def test_a_dicom_data_set_without_the_part10_header_is_read(raws, tmp_path):
     """Issue 51, item 8: a DICOM written without the Part-10 header (no preamble, ``DICM`` or
     file meta; pydicom reads it with ``force=True``) was "not a DICOM file". It is read by its

@@ -357,7 +357,7 @@ BAD_INPUTS = [
      r"mdb004\.pgm: not a binary PGM.*a PNG.*expected the magic number 'P5'", "mdb004"),
     ("ascii_pgm", _ascii_pgm, r"mdb004\.pgm: not a binary PGM.*ASCII \(P2\)", "mdb004"),
     ("bad_pgm_header", _bad_header, r"mdb004\.pgm: bad P5 PGM header: expected height", "mdb004"),
-    ("empty_pgm", _empty, r"mdb004\.pgm: empty file", "mdb004"),
+    ("empty_pgm", _empty, r"mdb004\.pgm: an empty file \(0 bytes\)", "mdb004"),
     ("missing_image", _missing, r"mdb004\.pgm: image missing \(listed by Info\.txt line \d+\)",
      "mdb004"),
     ("unknown_severity", _severity, r"Info\.txt line \d+, field SEVERITY: unknown code 'X'",

@@ -8,6 +8,8 @@ The command line of ``python data_prep/abide.py`` and ``python -m medfl.prep.abi
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,10 +30,12 @@ from medfl.prep.abide.volumes import (
 )
 from medfl.prep.common import (
     PrepError, PrepReport, base_parser, check_dirs, progress, save_array,
-    write_manifest, staged_main, NotDownloaded, keep_present,
+    write_manifest, staged_main, NotDownloaded, check_file, keep_present,
 )
 
 __all__ = ["build_parser", "main"]
+
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- command line
@@ -154,11 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         subjects.append(subject)
     def locate(s: Subject) -> None:
         for d in derivatives:
-            if not layout.path(s.file_id, d).is_file():
-                path = layout.path(s.file_id, d)
-                raise NotDownloaded(f"{path}: file not found (nor {path.name.removesuffix('.gz')}); expected the "
-                                    f"{d} map of {s.file_id} "
-                                    f"(listed by {pheno.name} line {s.line}, SUB_ID {s.sub_id})", path)
+            path = layout.path(s.file_id, d)
+            what = f"the {d} map of {s.file_id} (listed by {pheno.name} line {s.line}, SUB_ID {s.sub_id})"
+            if not os.path.lexists(path):
+                raise NotDownloaded(f"{path}: file not found (nor {path.name.removesuffix('.gz')}); expected {what}",
+                                    path)
+            check_file(path, what)
 
     subjects = keep_present(subjects, locate, report, name=lambda s: s.file_id)
     if args.limit is not None:
@@ -184,18 +189,19 @@ def main(argv: list[str] | None = None) -> int:
                               "atlas_source": source, "atlas_regions": int(len(labels_table))})
 
     rows: list[dict[str, Any]] = []
-    nonfinite = 0
+    nonfinite: dict[str, dict[str, dict[str, int]]] = {}   # FILE_ID -> file -> NaN and inf voxels zeroed
     resampled_n = 0
     for subject, fold in progress(list(zip(subjects, folds)), "abide", total=len(subjects)):
-        def prepare(s: Subject = subject) -> tuple[np.ndarray, bool, int]:
-            channels, flags, bad = [], [], 0
+        def prepare(s: Subject = subject) -> tuple[np.ndarray, bool, dict[str, tuple[int, int]]]:
+            channels, flags, bad = [], [], {}
             locate(s)
             for d in derivatives:
-                vol, res, n_bad = load_derivative(layout.path(s.file_id, d), args.resample,
-                                                  f"{d} map of {s.file_id}")
+                vol, res, (nan, inf) = load_derivative(layout.path(s.file_id, d), args.resample,
+                                                       f"{d} map of {s.file_id}")
                 channels.append(vol)
                 flags.append(res)
-                bad += n_bad
+                if nan or inf:
+                    bad[d] = (nan, inf)
             arr = np.stack(channels)
             if size is not None:
                 arr, _ = resize_volume(arr, size, args.aspect, order=1)
@@ -204,11 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         ok, result = report.attempt(subject.file_id, prepare, "derivatives")
         if not ok:
             continue
-        arr, resampled, n_bad = result
-        nonfinite += n_bad
+        arr, resampled, bad = result
         resampled_n += int(resampled)
         rel = save_array(out, f"arrays/{subject.file_id}.npy", arr)
         files = {d: layout.path(subject.file_id, d).relative_to(raw).as_posix() for d in derivatives}
+        if bad:
+            nonfinite[subject.file_id] = {files[d]: {"nan": n, "inf": i} for d, (n, i) in bad.items()}
+            logger.warning(f"warning: subject {subject.file_id} (SUB_ID {subject.sub_id}): zeroed non-finite voxels in "
+                           + "; ".join(f"{files[d]} ({n} NaN, {i} inf)" for d, (n, i) in bad.items()))
         rows.append({
             "sample_id": subject.file_id, "path": rel, "image_path": files[derivatives[0]],
             "label": subject.label, "class_name": subject.class_name, "subject_id": str(subject.sub_id),
@@ -251,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         "train": int((df["split"] == "train").sum()), "test": int((df["split"] == "test").sum()),
         "per_region": {r: int((df["region"] == r).sum()) for r in REGION_ORDER},
         "array_shape": [len(derivatives), *(size or GRID_SHAPE)], "channels": derivatives,
-        "resampled": resampled_n, "nonfinite_voxels_zeroed": nonfinite,
+        "resampled": resampled_n,
+        "nonfinite_voxels_zeroed": sum(c["nan"] + c["inf"] for f in nonfinite.values() for c in f.values()),
+        "nonfinite_voxels_zeroed_per_subject": nonfinite,
         "layout": layout.kind, "excluded_csv": "excluded.csv",
     })
     report.write(out)

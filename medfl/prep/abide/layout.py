@@ -7,6 +7,7 @@ Imports :mod:`medfl.prep.abide.phenotypic` (the CSV's name) only.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -67,10 +68,12 @@ class DerivativeLayout:
     def path(self, file_id: str, derivative: str) -> Path:
         """The file of ``derivative`` for ``file_id``: ``<FILE_ID>_<derivative>.nii.gz``, or
         the same name ending ``.nii`` where only that exists (a copy gunzipped after download,
-        :data:`MAP_SUFFIXES`); the ``.nii.gz`` name when neither exists."""
+        :data:`MAP_SUFFIXES`); else the name something else bears (a folder, a link), else the
+        ``.nii.gz`` name."""
         folder = self.root / derivative if self.kind == "pcp" else self.root
         names = [folder / f"{file_id}_{derivative}{suffix}" for suffix in MAP_SUFFIXES]
-        return next((p for p in names if p.is_file()), names[0])
+        return next((p for p in names if p.is_file()), None) or next(
+            (p for p in names if os.path.lexists(p)), names[0])
 
 
 #: The endings of a derivative map: PCP publishes ``.nii.gz``; a download tool, a browser or

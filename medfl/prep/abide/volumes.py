@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from medfl.prep.common import PrepError
+from medfl.prep.common import PrepError, check_file
 
 __all__ = ["GRID_SHAPE", "GRID_AFFINE", "RESIZE_ASPECTS", "RESAMPLE_MODES", "load_volume", "same_grid",
            "resample_to_grid", "load_derivative", "resize_volume"]
@@ -42,13 +42,12 @@ def load_volume(path: str | Path, what: str = "NIfTI volume") -> tuple[np.ndarra
     """Read a 3D NIfTI volume: ``(data, affine)``; a trailing axis of length 1 is dropped.
 
     Raises:
-        PrepError: the file is missing, unreadable (corrupt or truncated), or not 3D.
+        PrepError: the file is missing, not a readable file (a directory, an empty file...:
+            :func:`~medfl.prep.common.check_file`), corrupt or truncated, or not 3D.
     """
     import nibabel as nib
 
-    path = Path(path)
-    if not path.is_file():
-        raise PrepError(f"{path}: file not found; expected the {what}", path)
+    path = check_file(Path(path), f"the {what}")
     try:
         img = nib.load(str(path))
         data = np.asanyarray(img.dataobj)
@@ -102,11 +101,12 @@ def resample_to_grid(data: np.ndarray, affine: np.ndarray, order: int = 1,
 
 
 def load_derivative(path: str | Path, resample: str = "error", what: str = "derivative map"
-                    ) -> tuple[np.ndarray, bool, int]:
-    """Read one derivative map on the PCP grid: ``(float32 volume, resampled, non-finite count)``.
+                    ) -> tuple[np.ndarray, bool, tuple[int, int]]:
+    """Read one derivative map on the PCP grid: ``(float32 volume, resampled, (NaN, inf))``,
+    the last the counts of NaN and of infinite voxels, which become 0.
 
     A volume on another grid is resampled (``resample`` ``linear`` or ``nearest``) or
-    refused (``error``); non-finite voxels become 0.
+    refused (``error``).
 
     Raises:
         PrepError: missing/unreadable/not 3D (see :func:`load_volume`), another grid with
@@ -126,13 +126,12 @@ def load_derivative(path: str | Path, resample: str = "error", what: str = "deri
         data = resample_to_grid(data.astype(np.float32), affine, order=1 if resample == "linear" else 0)
         resampled = True
     vol = np.asarray(data, dtype=np.float32)
-    bad = ~np.isfinite(vol)
-    n_bad = int(bad.sum())
-    if n_bad:
-        vol = np.where(bad, np.float32(0), vol)
+    nan, inf = int(np.isnan(vol).sum()), int(np.isinf(vol).sum())
+    if nan or inf:
+        vol = np.where(np.isfinite(vol), vol, np.float32(0))
     if not np.any(vol):
         raise PrepError(f"{path}: no non-zero finite voxel; expected a {what}", path)
-    return vol, resampled, n_bad
+    return vol, resampled, (nan, inf)
 
 
 def _index_map(n_old: int, n_new: int, aspect: str, scale: float) -> tuple[int, int, float, float]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from medfl.prep.common import (
     ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress,
-    resize_image, remove_stale_arrays, save_array, write_manifest, staged_main, NotDownloaded, keep_present,
+    resize_image, remove_stale_arrays, save_array, write_manifest, staged_main, NotDownloaded, check_file, keep_present,
 )
 from medfl.prep.mias.info import (
     _REFNUM, BACKGROUND, CLASS_SETS, COORD_FRAME, SEVERITY, InfoRow, check_image_rows, image_label,
@@ -57,10 +57,11 @@ def find_info(raw: Path, info: Path | None = None) -> Path:
 
 
 def index_images(raw: Path) -> dict[str, list[Path]]:
-    """Every ``*.pgm`` under ``raw`` (any depth, suffix in any case) by lower-case stem."""
+    """Every ``*.pgm`` under ``raw`` (any depth, suffix in any case) by lower-case stem,
+    regular files first (then what else bears the name: a folder, a link, for the message)."""
     files: dict[str, list[Path]] = defaultdict(list)
-    for p in sorted(raw.rglob("*")):
-        if p.suffix.lower() == ".pgm" and p.is_file():
+    for p in sorted(raw.rglob("*"), key=lambda p: (not p.is_file(), p)):
+        if p.suffix.lower() == ".pgm":
             files[p.stem.lower()].append(p)
     return dict(files)
 
@@ -70,10 +71,11 @@ def _resolve(files: dict[str, list[Path]], refnum: str, where: str, raw: Path) -
     if not found:
         raise NotDownloaded(f"{refnum}.pgm: image missing (listed by {where}); expected "
                             f"{refnum}.pgm under --raw {raw}", f"{refnum}.pgm")
-    if len(found) > 1:
-        raise PrepError(f"{refnum}.pgm: found {len(found)} times ({', '.join(map(str, found))}); "
-                        "expected one file per image", found[0])
-    return found[0]
+    regular = [p for p in found if p.is_file()]
+    if len(regular) > 1:
+        raise PrepError(f"{refnum}.pgm: found {len(regular)} times ({', '.join(map(str, regular))}); "
+                        "expected one file per image", regular[0])
+    return check_file(found[0], f"the P5 PGM image {where} lists")
 
 
 # --------------------------------------------------------------------------- image handling
