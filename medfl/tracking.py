@@ -19,6 +19,15 @@ the queues are drained when a run ends. A tracker that raises (a server down mid
 out for the rest of the session: its later calls are skipped at once, and tracking never stops
 or loses a run.
 
+A failed tracker's runs are not left running for ever: at the end of each method run and of the
+experiment, medfl tries once more to end the runs it started and left open, as ``"failed"``
+(``Tracker.end_run(key, "failed")``: MLflow's FAILED), from a thread of its own and waiting at
+most :data:`TRACKER_WAIT_S` (a refused connection fails in seconds); after a failed attempt, the
+next is at the experiment's end. The ``trackers`` block of ``summary.json`` counts, per run, the
+scalars the tracker logged and those it did not (``values_sent``, ``values_unsent``) and how the
+run was ended, and at the experiment's end one warning line per failed tracker gives the count
+and the runs still open, by id. No call is added while every tracker works.
+
 A tracker whose server is down costs seconds, not minutes: a run waits for a tracker's call at
 most :data:`TRACKER_WAIT_S` (10 s; ``MEDFL_TRACKER_WAIT_S`` sets another) after the call began;
 a call still running then (a server that does not answer) has its tracker abandoned (its
@@ -407,6 +416,19 @@ class Tracking:
             worker.thread.start()
         self._started: set[str] = set()
         self._ran: set[str] = set()   # the runs that trained a round in this session
+        #: (tracker, run key) -> [scalars handed to the tracker for the run, scalars it logged]
+        self._values: dict[tuple[str, str], list[int]] = {}
+        #: (tracker, run key) of each run a tracker started or continued in this session
+        self._opened: set[tuple[str, str]] = set()
+        #: (tracker, run key) -> the status a run was ended with in this session
+        self._ended: dict[tuple[str, str], str] = {}
+        #: failed tracker -> the thread of its last attempt to end the runs it left open
+        self._mending: dict[str, threading.Thread] = {}
+        #: failed tracker -> why its last attempt to end its runs failed
+        self._unreachable: dict[str, str] = {}
+        #: the finished runs whose summary.json has the trackers block (rewritten at the end
+        #: of a session in which a tracker failed: how its runs ended)
+        self._recorded: dict[str, _RunWatch] = {}
 
     # ------------------------------------------------------------------ state
     def _read_state(self) -> dict[str, Any]:
@@ -463,15 +485,25 @@ class Tracking:
                                                 "seconds": round(float(seconds), 3)})
             self._cond.notify_all()
 
-    def _call(self, tracker: str, step: str, what: str, fn: Callable[[Tracker], None]) -> None:
+    def _call(self, tracker: str, step: str, what: str, fn: Callable[[Tracker], None]) -> bool:
         """Queue ``fn(tracker)`` on the tracker's thread (nothing when the tracker has failed);
-        ``step``: the :class:`Tracker` method it calls, ``what``: the call in words."""
+        ``step``: the :class:`Tracker` method it calls, ``what``: the call in words. Returns
+        whether it was queued."""
         with self._cond:
             if tracker in self._failures or tracker not in self._workers:
-                return
+                return False
             worker = self._workers[tracker]
             worker.pending += 1
         worker.jobs.put((step, what, fn))
+        return True
+
+    def _count(self, tracker: str, key: str, handed: int = 0, sent: int = 0) -> None:
+        """Count scalars of run ``key`` handed to ``tracker`` (queued, or dropped because it
+        had failed) and those it logged."""
+        with self._lock:
+            counts = self._values.setdefault((tracker, key), [0, 0])
+            counts[0] += handed
+            counts[1] += sent
 
     def _wait(self, block: bool = True) -> None:
         """Abandon each tracker whose call has run :attr:`wait_s` (recorded as failed with a
@@ -506,14 +538,42 @@ class Tracking:
         with self._cond:
             return set(self._failures)
 
-    def summary(self) -> dict[str, dict[str, Any]]:
+    def summary(self, key: str | None = None) -> dict[str, dict[str, Any]]:
         """The ``trackers`` block of a run's ``summary.json``: per tracker of ``fl.tracking``,
         ``{"status": "ok"}`` while every call so far worked, else ``{"status": "failed", "step":
         <the Tracker method: init, start_run, log_metrics, log_summary, log_artifact, log_model,
         end_run, close>, "call": <the call in words>, "error": "<type>: <message>", "seconds": <how long
-        the failed call ran>}``."""
+        the failed call ran>, "runs": ...}``.
+
+        ``runs`` (a failed tracker that was built): per run, the method run ``key`` and the
+        experiment's (``"(experiment)"``; ``key`` ``None``: every run of the session),
+        ``{"run": <what the tracker returned for it, e.g. {"run_id": ...}; null: never
+        started>, "values_sent": <scalars it logged>, "values_unsent": <scalars it was handed
+        and did not log, those after its failure included>, "ended": <the status the run was
+        ended with in this session: "failed" for one ended after the failure; null: not ended
+        (left open, when the tracker started it)>}``. A tracker that worked has no ``runs``.
+        """
         with self._cond:
-            return {s["name"]: dict(self._failures.get(s["name"], {"status": "ok"})) for s in self.specs}
+            out = {s["name"]: dict(self._failures.get(s["name"], {"status": "ok"})) for s in self.specs}
+        for tname, entry in out.items():
+            if entry["status"] != "ok" and tname in self.trackers:
+                entry["runs"] = self._runs_of(tname, None if key is None else [key, ""])
+        return out
+
+    def _runs_of(self, tracker: str, keys: list[str] | None) -> dict[str, dict[str, Any]]:
+        """``summary()``'s ``runs`` of ``tracker``: ``keys``, or (``None``) every run it was
+        handed scalars for or started in this session."""
+        with self._lock:
+            if keys is None:
+                keys = sorted({k for t, k in (*self._values, *self._opened) if t == tracker},
+                              key=lambda k: (k == "", k))   # the experiment's last
+            saved = self.state["runs"].get(tracker, {})
+            out = {}
+            for k in keys:
+                handed, sent = self._values.get((tracker, k), [0, 0])
+                out[k or "(experiment)"] = {"run": (saved.get(k) or {}).get("run"), "values_sent": sent,
+                                            "values_unsent": handed - sent, "ended": self._ended.get((tracker, k))}
+            return out
 
     def _tell(self, key: str, label: str = "") -> None:
         """Log, from the calling thread (so that the ``log.txt`` open there has it), each
@@ -544,6 +604,8 @@ class Tracking:
                 up = self.state["runs"][_n].get("", {}).get("run") if parent else None
                 last = max([0, *(int(v) for v in _e["logged"].values())])
                 _e["run"] = t.start_run(key, name, params, up, _e["run"], last)
+                with self._lock:
+                    self._opened.add((_n, key))
                 self._save_state()
 
             what = f"starting run {key!r}" if key else f"starting the experiment's run {name!r}"
@@ -579,6 +641,7 @@ class Tracking:
                            lambda t, _s=status, _n=tname: self._end(t, _n, key, _s))
             self.drain()
             self._tell(key, str(run.label))
+            self._end_left([key])
             if status == "finished":
                 self._record(watch)
 
@@ -590,20 +653,62 @@ class Tracking:
         except (OSError, ValueError):   # no summary to add to (a run that wrote none)
             return
         if isinstance(summary, dict):
-            summary["trackers"] = self.summary()
+            summary["trackers"] = self.summary(watch.key)
             watch.run.files.write_json("summary.json", summary)
+            self._recorded[watch.key] = watch
 
     def _end(self, tracker: Tracker, tname: str, key: str, status: str) -> None:
         tracker.end_run(key, status)
         with self._lock:
             self._entry(tname, key)["status"] = status
+            self._ended[(tname, key)] = status
         self._save_state()
+
+    def _end_left(self, keys: list[str] | None) -> None:
+        """One attempt, per failed tracker, to end as ``"failed"`` the runs it started in this
+        session and left open (``keys``: those runs only; ``None``: all of them, the
+        experiment's last), each tracker in a thread of its own (its own may still be stuck
+        in a call), waited for at most :attr:`wait_s` in all. Nothing is tried for a tracker
+        whose last attempt has not returned; with ``keys``, nor for one whose last attempt
+        failed (the experiment's end tries once more). No call is made while every tracker
+        works."""
+        threads = []
+        for tname in sorted(self.failed & set(self.trackers)):
+            last = self._mending.get(tname)
+            if (last is not None and last.is_alive()) or (keys is not None and tname in self._unreachable):
+                continue
+            with self._lock:
+                todo = sorted((k for t, k in self._opened if t == tname and (t, k) not in self._ended
+                               and (keys is None or k in keys)), key=lambda k: (k == "", k))
+            if todo:
+                thread = threading.Thread(target=self._mend, args=(tname, todo), daemon=True,
+                                          name=f"medfl-tracking-{tname}-end")
+                self._mending[tname] = thread
+                thread.start()
+                threads.append(thread)
+        deadline = time.monotonic() + self.wait_s
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _mend(self, tname: str, keys: list[str]) -> None:
+        """End the runs ``keys`` of the failed tracker ``tname`` as ``"failed"``, in order; the
+        first that fails (its server still down) stops the attempt."""
+        for key in keys:
+            try:
+                self.trackers[tname].end_run(key, "failed")
+            except Exception as exc:  # noqa: BLE001 - still unreachable: said at the session's end
+                with self._lock:
+                    self._unreachable[tname] = short_error(exc)
+                return
+            with self._lock:
+                self._ended[(tname, key)] = "failed"
+                self._entry(tname, key)["status"] = "failed"
+                self._unreachable.pop(tname, None)
+            self._save_state()
 
     def _rounds(self, watch: _RunWatch, r: int) -> None:
         """Hand the trackers the rows of the rounds up to ``r`` that they have not logged."""
         for tname in self.trackers:
-            if tname in self.failed:
-                continue
             logged = self._entry(tname, watch.key)["logged"]
             with self._lock:
                 queued = self._queued.setdefault((tname, watch.key), {k: int(v) for k, v in logged.items()})
@@ -619,15 +724,18 @@ class Tracking:
                 done[table] = max(after, r)
 
             def log(t: Tracker, _p: dict[int, dict[str, float]] = per_round, _d: dict[str, int] = done,
-                    _l: dict[str, Any] = logged) -> None:
+                    _l: dict[str, Any] = logged, _n: str = tname) -> None:
                 for rr in sorted(_p):
                     t.log_metrics(watch.key, _p[rr], rr)
+                    self._count(_n, watch.key, sent=len(_p[rr]))
                 with self._lock:
                     _l.update(_d)
                 self._save_state()
 
             queued.update(done)
-            if per_round or done:
+            # a failed tracker's rounds are counted (summary.json's values_unsent), not queued
+            self._count(tname, watch.key, handed=sum(len(v) for v in per_round.values()))
+            if (per_round or done) and tname not in self.failed:
                 self._call(tname, "log_metrics", f"logging round {r} of {watch.key!r}", log)
 
     def _finished(self, watch: _RunWatch) -> None:
@@ -649,8 +757,12 @@ class Tracking:
                               f"{exc})", TrackerWarning, stacklevel=1)
         for tname in self.trackers:
             if figures:
-                self._call(tname, "log_summary", f"logging the headline figures of {watch.key!r}",
-                           lambda t, _f=figures, _s=step: t.log_summary(watch.key, _f, _s))
+                def summarise(t: Tracker, _n: str = tname) -> None:
+                    t.log_summary(watch.key, figures, step)
+                    self._count(_n, "", sent=len(figures))
+
+                self._count(tname, "", handed=len(figures))
+                self._call(tname, "log_summary", f"logging the headline figures of {watch.key!r}", summarise)
             for path in files:
                 if path.is_file():
                     where = "plots" if path.parent.name == "plots" else None
@@ -683,9 +795,41 @@ class Tracking:
         for worker in self._workers.values():   # each one not abandoned is past its last call
             if worker.thread is not None and worker.name not in self.failed:
                 worker.thread.join(timeout=self.wait_s)
+        self._end_left(None)
         self._tell("")
+        if self.failed & set(self.trackers):
+            for watch in list(self._recorded.values()):   # how the failed trackers' runs ended
+                self._record(watch)
+            self._tell_left()
         with self._lock:
             self._closed = True
+
+    def _tell_left(self) -> None:
+        """Log one line per failed tracker that lost scalars or started runs: how many scalars it
+        did not log, how many runs were ended as failed, and those left open (their ids), which
+        its server did not let medfl end."""
+        for tname in sorted(self.failed & set(self.trackers)):
+            runs = self._runs_of(tname, None)
+            unsent = sum(r["values_unsent"] for r in runs.values())
+            handed = unsent + sum(r["values_sent"] for r in runs.values())
+            ended = [k for k, r in runs.items() if r["ended"] == "failed"]
+            with self._lock:
+                still = {k or "(experiment)" for t, k in self._opened if t == tname and (t, k) not in self._ended}
+            left = [(k, r["run"]) for k, r in runs.items() if k in still]
+            if not (unsent or ended or left):   # nothing lost, nothing to end: its failure was said
+                continue
+            text = (f"medfl: warning: tracker {tname!r} did not log {unsent} of the {handed} values it was handed "
+                    "(all are in the run directories)")
+            if ended:
+                text += f"; it ended {len(ended)} run(s) as failed"
+            if left:
+                mending = self._mending.get(tname)
+                why = f"no answer within {self.wait_s:g} s" if mending is not None and mending.is_alive() else \
+                    self._unreachable.get(tname, "not tried")
+                names = ", ".join(f"{k!r} run_id {r['run_id']}" if isinstance(r, dict) and "run_id" in r
+                                  else f"{k!r} {json.dumps(r)}" for k, r in left)
+                text += f"; runs left open (ending them as failed did not work: {why}): {names}"
+            logger.warning(text)
 
 
 def _experiment_files(root: Path) -> Iterable[Path]:
