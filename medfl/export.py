@@ -353,7 +353,8 @@ def _metadata(run: Any, role: str, config: dict[str, Any], source: Any, probs: b
         "monai_version": monai.__version__,
         "pytorch_version": torch.__version__.split("+")[0],
         "numpy_version": numpy.__version__,
-        "required_packages_version": dict(packages),   # MONAI >= 1.4's name for optional_packages_version
+        # MONAI >= 1.4's name for optional_packages_version; MONAI's bundle CLI imports fire
+        "required_packages_version": {"fire": _version("fire"), **packages},
         "name": f"medfl {label}: {role}",
         "task": f"Image classification ({len(names)} classes), trained federated by medfl",
         "description": f"The {role} model of the medfl run {run.run_dir.name!r} (method {label}).",
@@ -604,8 +605,12 @@ def _readme(run: Any, role: str, meta: dict[str, Any], data: dict[str, Any], las
         "and `prob_<class>`.", "",
         "## Run it", "",
         "Needs MONAI " + meta["monai_version"] + " and PyTorch " + meta["pytorch_version"] + " or later"
-        + "".join(f", {k} {v}" for k, v in meta["required_packages_version"].items()) + "; not medfl:", "",
+        + "".join(f", {k} {v}" for k, v in meta["required_packages_version"].items())
+        + " (`python -m monai.bundle` needs fire); not medfl:", "",
         "```bash",
+        "pip install " + " ".join(f'"{k}>={v}"' if v != "unknown" else k for k, v in [("monai", meta["monai_version"]),
+                                                             ("torch", meta["pytorch_version"]),
+                                                             *meta["required_packages_version"].items()]),
         "python -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json \\",
         "    --bundle_root . [--dataset_dir DIR] [--split test] [--device cuda:0]",
         "```", "",

@@ -1,11 +1,13 @@
 """``medfl export``: a finished run's models as MONAI bundles that MONAI alone loads, that
 predict what ``medfl predict`` does, and that ``python -m monai.bundle run`` infers with in a
-process where medfl cannot be imported."""
+process that sees only the packages their README names (no medfl)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -47,34 +49,52 @@ torch.save(result, out)
 """
 
 
-# ``python -m monai.bundle ARGS`` where medfl cannot be imported: a meta-path finder refuses
-# medfl and its built-in plugins before anything runs (the editable install would find them).
-NO_MEDFL = """
-import runpy, sys
-class NoMedfl:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("medfl", "medfl_plugins"):
-            raise ImportError(f"No module named {name!r} (medfl is blocked in this process)")
-sys.meta_path.insert(0, NoMedfl())
-try:
-    import medfl
-except ImportError as exc:
-    print("import medfl:", exc, file=sys.stderr)
-else:
-    raise SystemExit("medfl is importable")
-sys.argv = ["monai.bundle", *sys.argv[1:]]
-runpy.run_module("monai.bundle", run_name="__main__", alter_sys=True)
-"""
+def _exact_environment(packages: list[str], root: Path) -> Path:
+    """A folder holding exactly ``packages`` and what they require (their installed files,
+    linked), for an interpreter started with ``-S`` and ``PYTHONPATH`` on it: it sees these
+    distributions and the standard library, nothing else (no medfl, no site-packages)."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: dict[str, object] = {}
+    todo = list(packages)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in found:
+            continue
+        found[name] = dist = distribution(name)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    root.mkdir(parents=True, exist_ok=True)
+    for dist in found.values():
+        for top in {f.parts[0] for f in dist.files or []}:
+            if top not in ("..", "__pycache__") and not top.endswith(".data") and not (root / top).exists():
+                (root / top).symlink_to(dist.locate_file(top))
+    return root
 
 
-def _run_without_medfl(bundle: Path, *extra: str) -> Path:
-    """``python -m monai.bundle run`` on an exported bundle where ``import medfl`` fails;
-    returns its predictions CSV."""
-    cmd = [sys.executable, "-c", NO_MEDFL, "run", "--config_file", str(bundle / "configs" / "inference.json"),
-           "--meta_file", str(bundle / "configs" / "metadata.json"), "--bundle_root", str(bundle), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+def _run_readme_command(bundle: Path, *extra: str) -> Path:
+    """The exported bundle README's command (``pip install ...`` then ``python -m monai.bundle
+    run ...``) as written, in the bundle's folder: the packages of its ``pip install`` line
+    are the only ones the interpreter sees (medfl's import fails); returns the predictions CSV."""
+    text = (bundle / "docs" / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"^```bash\n(.*?)^```", text, re.S | re.M).group(1).replace("\\\n", " ")
+    pip, run = [line for line in block.splitlines() if line.strip()]
+    packages = [re.split(r"[<>=]", p.strip('"'))[0] for p in shlex.split(pip)[2:]]
+    assert {"monai", "torch", "fire"} <= set(packages), pip
+    env_dir = _exact_environment(packages, bundle.parent.parent / f"env_{bundle.name}")
+    command = re.sub(r"\s*\[[^]]*\]", "", run).replace("python ", f"{shlex.quote(sys.executable)} -S ", 1)
+    env = {**ENV, "PYTHONPATH": str(env_dir), "PYTHONNOUSERSITE": "1"}
+    probe = subprocess.run([sys.executable, "-S", "-c", "import medfl"], capture_output=True, text=True, env=env,
+                           cwd=bundle, timeout=120)
+    assert probe.returncode != 0 and "No module named 'medfl'" in probe.stderr
+    proc = subprocess.run(f"{command} {shlex.join(extra)}", shell=True, cwd=bundle, capture_output=True, text=True,
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "import medfl: No module named 'medfl' (medfl is blocked in this process)" in proc.stderr
     return bundle / "eval" / "predictions.csv"
 
 
@@ -181,7 +201,7 @@ def test_monai_bundle_run_infers_like_medfl_predict(demo_runs, tmp_path):
     cfg = json.loads((bundle / "configs" / "inference.json").read_text())
     code = [v for k, v in _leaves(cfg) if k == "_target_" or (isinstance(v, str) and v.startswith("$"))]
     assert len(code) > 20 and not [v for v in code if "medfl" in v]   # no medfl in any target or expression
-    ids, got = _probs(_run_without_medfl(bundle))
+    ids, got = _probs(_run_readme_command(bundle))
     want_ids, want = _probs(predict(run_dir, output=tmp_path / "p.csv", clients=["1"]))
     assert ids == want_ids
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -233,7 +253,7 @@ def test_registered_model_route_for_a_small_cnn(tiny_fl, resolve, tmp_path):
             got = torch.softmax(net(images), 1).numpy()
         np.testing.assert_allclose(got, _probs(csv, cid)[1], atol=1e-5)
     # the TorchScript bundle runs without medfl, as medfl predict does
-    ids, got = _probs(_run_without_medfl(tmp_path / "out" / "client_1"))
+    ids, got = _probs(_run_readme_command(tmp_path / "out" / "client_1"))
     want_ids, want = _probs(csv, "1")
     assert ids == want_ids
     np.testing.assert_allclose(got, want, atol=1e-5)
