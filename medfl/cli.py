@@ -298,7 +298,8 @@ def _add_runs(sub: Any) -> None:
                                      "epsilon, last modified",
                         description="List every run under DIR (searched recursively: experiments, their folds and "
                                     "seeds, each method's run), oldest first: status (finished, running (locked), "
-                                    "stopped, interrupted, failed, crashed, or corrupt: <why>), method, rounds done/"
+                                    "stopped, interrupted, failed, failed to start, crashed, or corrupt: <why>), method, "
+                                    "rounds done/"
                                     "planned, the headline metric (the run's own: fl.early_stopping's metric, else "
                                     "fl.cv.metric under cross-validation, else accuracy; on local_test where "
                                     "evaluated; the value's column is named by it) of the final "
@@ -729,7 +730,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
         shutil_rmtree(Path(sock).parent)   # run_site removes it from here on
         raise
     return run_site(settings, cmd, env=site_env(getattr(args, "poll_interval", None)),
-                    restart=not getattr(args, "no_restart", False))
+                    restart=not getattr(args, "no_restart", False), superlink=args.superlink)
 
 
 def cmd_flower_run(args: argparse.Namespace) -> int:
@@ -741,13 +742,15 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
     ``MethodConfigError``) and leaves nothing running: once the ServerApp wrote its result,
     a run that has not ended at the SuperLink within ``--exit-grace`` seconds is stopped
     (``flwr stop``), and so is the run on Ctrl-C or SIGTERM (exit code 130; the coordinator
-    saves its finished rounds: continue with ``--resume``)."""
+    saves its finished rounds: continue with ``--resume``). A failed run's line is all it
+    says of the failure: Flower's report of the ServerApp's exception (its traceback) is shown
+    only with ``--debug``."""
     import tempfile
     import time
     import uuid
 
-    from medfl.flower.deploy import (FlowerDeployError, flwr_run, flwr_stop, make_run_config, read_json,
-                                     started_run_id, write_app)
+    from medfl.flower.deploy import (FlowerDeployError, HeldTraceback, flwr_run, flwr_stop, make_run_config,
+                                     read_json, started_run_id, write_app)
 
     options = argparse.ArgumentParser(prog="medfl flower run", add_help=False)
     _flower_run_options(options)
@@ -793,6 +796,13 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
         app_dir = write_app(tmp / "app")
         seen: dict[str, float] = {}
 
+        def failed() -> bool:   # the ServerApp wrote a failed result, which the line below reports
+            result = read_json(result_file)
+            return result is not None and not result.get("ok") and not result.get("refused")
+
+        # Flower's traceback of a ServerApp that failed is held back (shown after all if no line says why)
+        output = None if args.debug else HeldTraceback(failed)
+
         def note(line: str) -> None:
             run_id = started_run_id(line)
             if run_id is not None:
@@ -812,7 +822,7 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
             with _sigterm_as_interrupt():
                 code = flwr_run(app_dir, args.superlink, rc, insecure=insecure, flwr_home=tmp / "flwr_home",
                                 root_certificates=None if insecure else args.root_certificates,
-                                watch=ended, watch_interval=1.0, on_output=note,
+                                watch=ended, watch_interval=1.0, on_output=note, stream_to=output,
                                 done=lambda: read_json(result_file) is not None)
         except (FlowerDeployError, KeyboardInterrupt) as exc:
             run_id = seen.get("run")
@@ -827,6 +837,8 @@ def cmd_flower_run(args: argparse.Namespace) -> int:
                 logger.error(f"medfl flower run: {exc}" + ("; the run was stopped" if stopped else ""))
                 return 1
         result = read_json(result_file)
+        if output is not None and not failed():
+            output.release()
         if result is not None:  # the SuperLink runs on this machine: report the ServerApp's outcome
             if result.get("refused"):   # the config or a method refused it before any run started, as `medfl run`
                 logger.error(f"medfl: error: {result['refused']}")
@@ -982,6 +994,9 @@ def _flower_run_options(sp: argparse.ArgumentParser) -> None:
                          "by the node registered for it (with SuperNode authentication, by the site's key)")
     sp.add_argument("--insecure", action="store_true", help="no TLS")
     sp.add_argument("--root-certificates", default=None, help="CA certificate of the SuperLink (TLS)")
+    sp.add_argument("--debug", action="store_true",
+                    help="when the run fails, show the ServerApp's traceback too (Flower's report of it, in the "
+                         "run's output); without it the failure is one line")
     _add_threads_option(sp)
     _tracking_option(sp)   # only the coordinator tracks (docs/flower.md)
 

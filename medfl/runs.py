@@ -26,8 +26,13 @@ import pandas as pd
 
 from medfl.rundir import RunDir
 
-__all__ = ["missing_folder", "RUN_FIELDS", "HEADLINE_SPLITS", "HEADLINE_METRICS", "DEFAULT_DEPTH", "find_run_dirs", "key_metric",
+__all__ = ["missing_folder", "FAILED_TO_START", "RUN_FIELDS", "HEADLINE_SPLITS", "HEADLINE_METRICS", "DEFAULT_DEPTH", "find_run_dirs", "key_metric",
            "run_row", "list_runs", "format_runs", "runs_csv", "runs_json"]
+
+#: The ``status.json`` status of a run that stopped at its start, before any round (over
+#: Flower: a client without a site within ``--connect-timeout``); listed as
+#: ``failed to start: <why>``.
+FAILED_TO_START = "failed to start"
 
 #: The columns of the table, in order.
 RUN_FIELDS = ("path", "status", "method", "rounds_done", "rounds_planned", "headline", "value", "epsilon",
@@ -213,8 +218,8 @@ def _epsilon(summary: dict[str, Any] | None, folder: Path) -> float | None:
 
 def _status(folder: Path, status: dict[str, Any] | None, why: str | None) -> str:
     """The status column: ``finished``, ``running (locked)``, ``stopped``, ``interrupted``,
-    ``failed: <reason>``, ``crashed (...)`` for a run marked running that no process holds, or
-    ``corrupt: <why>``."""
+    ``failed: <reason>``, ``failed to start: <reason>`` (:data:`FAILED_TO_START`), ``crashed
+    (...)`` for a run marked running that no process holds, or ``corrupt: <why>``."""
     locked = RunDir(folder).locked_elsewhere()
     if locked:
         return "running (locked)"
@@ -227,8 +232,8 @@ def _status(folder: Path, status: dict[str, Any] | None, why: str | None) -> str
     state = status["status"]
     if state == "running":
         return "crashed (status running, but no process holds its lock)"
-    if state == "failed":
-        return f"failed: {status.get('reason') or 'no reason recorded'}"
+    if state in ("failed", FAILED_TO_START):
+        return f"{state}: {status.get('reason') or 'no reason recorded'}"
     return state
 
 

@@ -480,7 +480,10 @@ class FlowerRun(Run):
     transport = "over Flower, at the sites"
     noise_source = ("each site's own secrets (<state-dir>/noise.key and a fresh random secret per run) mixed with "
                     "the run seed, unless a site sets MEDFL_REPRODUCIBLE_NOISE=1")
-    connect_hint = "start a site per client with `medfl flower site --client-id ID ...`"
+    #: what to do about clients without a node at the start, for a transport whose sites are
+    #: not started with ``medfl flower site`` (a simulation, an NVFlare job); ``None``: a
+    #: deployment's advice, which names what registered (:meth:`connect_advice`)
+    connect_hint: str | None = None
 
     def resume_command(self, top: Path) -> str:
         """Over Flower a run continues with ``medfl flower run --resume`` (the sites keep
@@ -540,7 +543,9 @@ class FlowerRun(Run):
         up to ``connect_timeout`` for a node serving every client.
 
         Raises:
-            RunError: some client has no node by then, or a node's partition differs.
+            RunError: some client has no node by then, or a node's partition differs (the
+                run directory is unlocked; a new run's ``status.json`` says ``failed to
+                start``, :meth:`_not_started`).
         """
         super().prepare(resume=resume, read_only=read_only)
         if read_only:
@@ -571,8 +576,48 @@ class FlowerRun(Run):
         if missing:
             refused = "".join(f"; refused {why}" if why.startswith(("node", "site")) else f"; refused node {n}: {why}"
                               for n, why in sorted(self.sites.refused.items()))
-            raise RunError(f"no {self.terms['node']} serves client(s) {missing} after {time.monotonic() - t0:.0f} s "
-                           f"(connected: {sorted(self.sites.nodes)}){refused}; {self.connect_hint}")
+            error = (f"no {self.terms['node']} serves client(s) {missing} after {time.monotonic() - t0:.0f} s "
+                     f"(connected: {sorted(self.sites.nodes)}){refused}; "
+                     f"{self.connect_hint if self.connect_hint is not None else self.connect_advice(missing)}")
+            self._not_started(error, resume)
+            raise RunError(error)
+
+    def connect_advice(self, missing: list[str]) -> str:
+        """What the connect error of a deployment says after the clients ``missing``: which
+        sites registered at the SuperLink (client and node ids; a node that registered but had
+        not answered medfl's hello, a site still starting), the ``connect-timeout`` it waited
+        and how to raise it, and whether no site registered at all (start one per client) or
+        the others are late or missing."""
+        try:
+            online = sorted(set(self.grid.get_node_ids()))
+        except Exception:  # noqa: BLE001 - the SuperLink's own trouble; the advice goes without it
+            online = []
+        served = set(self.sites.nodes.values())
+        quiet = [n for n in online if n not in served and n not in self.sites.refused and n not in self.sites.retired]
+        limit = f"--connect-timeout {self.settings.connect_timeout:g} s"
+        if not served and not quiet and not self.sites.refused:
+            return (f"no site registered at the {self.terms['hub']} within {limit}: start a site per client with "
+                    "`medfl flower site --client-id ID ...` (sites still starting on a busy machine: raise "
+                    "--connect-timeout)")
+        registered = [f"client {cid} (node {self.sites.nodes[cid]})" for cid in client_order(self.sites.nodes)]
+        registered += [f"node {n} (no answer to medfl's hello yet)" for n in quiet]
+        return (f"registered: {', '.join(registered) or 'no site that may serve a client'}; late or missing: "
+                f"client(s) {', '.join(missing)}, not served within {limit}: raise --connect-timeout for sites "
+                "still starting (a busy machine), or start the missing ones (`medfl flower site --client-id ID ...`)")
+
+    def _not_started(self, error: str, resume: bool) -> None:
+        """After ``error`` stopped the run at its start: release the run directory's lock, and
+        for a new run say so in ``status.json`` (``medfl runs`` lists it as ``failed to start:
+        ERROR``; ``--resume`` starts it once its sites are up). A resumed run keeps its status."""
+        from medfl.runs import FAILED_TO_START
+
+        try:
+            if not resume:
+                self._status(FAILED_TO_START, 0, error)
+        except OSError:   # a full disk: the run stays unlocked without it
+            pass
+        finally:
+            self.files.unlock()
 
     def _connect(self, ids: list[str], t0: float) -> None:
         """Wait up to ``connect_timeout`` for a node serving each client of ``ids``, saying on

@@ -40,8 +40,8 @@ from medfl.flower.coordinator import RUN_CONFIG
 __all__ = ["FlowerDeployError", "flower_env", "site_env", "free_port", "flower_command", "superlink_command",
            "superexec_command", "site_command",
            "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "read_json", "read_result", "started_run_id", "run_status", "LocalFederation", "MARKER_ENV",
-           "TASK_POLL_ENV", "TELEMETRY_ENV"]
+           "read_json", "read_result", "started_run_id", "run_status", "HeldTraceback",
+           "LocalFederation", "MARKER_ENV", "TASK_POLL_ENV", "TELEMETRY_ENV", "SERVERAPP_RAISED", "NODE_ID_LINE"]
 
 #: Environment variable carrying a federation's marker into every process it starts.
 MARKER_ENV = "MEDFL_FLOWER_MARKER"
@@ -54,6 +54,12 @@ TELEMETRY_ENV = "FLWR_TELEMETRY_ENABLED"
 #: Seconds the SuperLink's supervisor has to stop its ServerApps, SuperExec and SuperLink in
 #: order (:func:`medfl.flower.flwr_launcher.supervise`) before it is killed.
 SUPERLINK_GRACE = 45.0
+#: What Flower (1.42) logs, in a run's log stream, when the ServerApp raised; its traceback and
+#: exit code follow (:class:`HeldTraceback`).
+SERVERAPP_RAISED = "ServerApp raised an exception"
+#: What Flower's SuperNode (1.42) logs once the SuperLink registered it: ``SuperNode ID: <node
+#: id>`` (:func:`medfl.flower.worker.run_site` says "registered as node N" then).
+NODE_ID_LINE = re.compile(r"SuperNode ID: (\d+)")
 
 
 class FlowerDeployError(RuntimeError):
@@ -493,6 +499,45 @@ def _pump(pipe: Any, sink: Any, on_output: Callable[[str], None]) -> None:
             pass
         on_output(raw.decode(errors="replace"))
     pipe.close()
+
+
+class HeldTraceback:
+    """``flwr run``'s output (:func:`flwr_run`'s ``stream_to``), passed on to ``sink`` (a binary
+    file; default: stdout) line by line, except Flower's report of a ServerApp that raised: from
+    its first line (:data:`SERVERAPP_RAISED`) on, when ``hold()`` says that medfl will say why
+    in a line of its own (the ServerApp wrote its failed result), the lines are kept in
+    :attr:`held` instead (the traceback, Flower's exit code and its link), for
+    :meth:`release` to write after all where medfl has nothing to say
+    (``medfl flower run --debug`` shows them as they come)."""
+
+    def __init__(self, hold: Callable[[], bool], sink: Any = None) -> None:
+        self.hold = hold
+        self.sink = sink
+        self.held: list[bytes] = []
+        self.holding = False
+
+    def _out(self) -> Any:
+        return self.sink if self.sink is not None else sys.stdout.buffer
+
+    def write(self, data: bytes) -> int:
+        if not self.holding and SERVERAPP_RAISED.encode() in data and self.hold():
+            self.holding = True
+        if self.holding:
+            self.held.append(bytes(data))
+        else:
+            self._out().write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        if not self.holding:
+            self._out().flush()
+
+    def release(self) -> None:
+        """Write what was held (and stop holding)."""
+        held, self.held, self.holding = self.held, [], False
+        for data in held:
+            self.write(data)
+        self.flush()
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
