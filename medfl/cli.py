@@ -1123,6 +1123,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget(sub)
     _add_flower(sub)
     _add_export(sub)
+    from medfl.predict import add_parser as _add_predict
+
+    _add_predict(sub)
     from medfl.nvflare.job import add_parser as _add_nvflare
 
     _add_nvflare(sub)
