@@ -168,3 +168,26 @@ def test_network_def_takes_its_shape_without_metadata():
         network_def({"name": "resnet10", "width": 4}, meta, num_classes=4)
     with pytest.raises(ValueError, match="unknown argument.* classes; expected spatial_dims, in_channels, num_classes"):
         network_def({"name": "resnet10", "width": 4}, spatial_dims=2, in_channels=1, classes=3)
+
+
+def test_the_docs_block_gives_the_first_global_weights(tmp_path, monkeypatch):
+    """docs/bundles.md's MONAI FL block as written, from a folder laid out as the repository
+    root: train.json's network_def gives weights the site's network takes, and the site has
+    none to send before it trains (MONAI's behaviour, which the docs name)."""
+    import re
+
+    text = (ROOT / "docs" / "bundles.md").read_text(encoding="utf-8")
+    section = text.split("## Run with MONAI FL", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^```python\n(.*?)^```", section, re.S | re.M).group(1)
+    shutil.copytree(ROOT / "bundles" / "demo", tmp_path / "bundles" / "demo",
+                    ignore=shutil.ignore_patterns("runs", "data", "__pycache__"))
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(block, "docs/bundles.md", "exec"), scope)
+    algo, weights = scope["algo"], scope["global_weights"]
+    net = algo.trainer.network
+    assert set(weights) == set(net.state_dict())
+    net.load_state_dict(weights, strict=True)
+    with pytest.raises(ValueError, match="global_weights` is None"):
+        algo.get_weights()
+    assert "get_weights()` before the first `train()` raises" in " ".join(section.split())
