@@ -48,6 +48,7 @@ SLOW_MODULES = (
     "nvflare/test_nvflare.py",          # 80: a job in NVFlare's simulator, every method through its controller
     "nvflare/test_hostile_job.py",      # 65: three hostile jobs refused in NVFlare's simulator
     "nvflare/test_site_lockdown.py",    # 25: a locked site's files, its refusals, one simulator run
+    "nvflare/test_docs_nvflare.py",     # 60-80: docs/nvflare.md's simulator block as written
     "test_bundle_monai_tools.py",       # 65: every bundle through MONAI's workflow, verify_net_in_out, ckpt_export
     "tracking/test_tracking.py",        # 75: a real mlflow server, three bundle runs
     "methods/test_ham10000_bundles.py",  # 75

@@ -9,9 +9,11 @@ NVFlare executor (the ``nvflare`` backend, ``pip install 'medfl[nvflare]'``; doc
   privacy policy, the release ledger, the content guard, state kept per site);
 - :mod:`medfl.nvflare.controller`: :class:`~medfl.nvflare.controller.MedflController`, the
   workflow that runs the experiment on the NVFlare server;
-- :mod:`medfl.nvflare.job`: :func:`~medfl.nvflare.job.write_job` (``medfl nvflare job``) and
-  :func:`~medfl.nvflare.job.write_site` (``medfl nvflare site``: a site's NVFlare settings
-  locked down to medfl).
+- :mod:`medfl.nvflare.job`: :func:`~medfl.nvflare.job.write_job` (``medfl nvflare job``: a job
+  folder naming no folder of the machine that wrote it), :func:`~medfl.nvflare.job.write_site`
+  (``medfl nvflare site``: a site's NVFlare settings locked down to medfl) and
+  :func:`~medfl.nvflare.job.simulate_job` (``medfl nvflare simulate``: a job folder run in
+  NVFlare's simulator through its ``SimEnv``, NVFlare 2.9's replacement of ``nvflare simulator``).
 
 NVFlare is imported by these modules, not by this package.
 """

@@ -9,6 +9,12 @@ on the ``nvflare`` backend, whose runs send their messages to the NVFlare client
 written there as JSON (``{"ok": true, "dir": ...}`` or ``{"ok": false, "error": ...}``). A
 failed or refused run ends the NVFlare job with a system panic whose reason is the error line.
 
+Relative paths of the config (``fl.output_dir``, a data root, ``result_file``) are read at the
+server from ``MEDFL_WORKDIR`` in the server's environment, else from the directory NVFlare runs
+the server's job in (its workspace: ``WORKSPACE/server`` in the simulator, the server's startup
+kit when provisioned). A job written by ``medfl nvflare job`` names no folder of the machine
+that wrote it.
+
 This module is the top of the server's process for medfl (as :mod:`medfl.flower.server` is
 under Flower).
 """
@@ -36,7 +42,11 @@ from medfl.nvflare.grid import TaskGrid
 from medfl.plugins import lookup
 from medfl.report import print_result
 
-__all__ = ["MedflController"]
+__all__ = ["MedflController", "WORKDIR_ENV"]
+
+#: where relative paths of the config are read at the server, set in its environment (as at a
+#: site: :data:`medfl.nvflare.executor.SITE_ENV`)
+WORKDIR_ENV = "MEDFL_WORKDIR"
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +78,10 @@ class MedflController(Controller):
     Args:
         bundle: the bundle config (``{"fl": ...}``) the job carries.
         overrides: ``#``-path overrides of it.
-        workdir: where relative paths of the config are read (default: the server's own).
+        workdir: where relative paths of the config are read when the server's environment sets
+            no ``MEDFL_WORKDIR`` (default: the directory NVFlare runs the server's job in, its
+            workspace). ``medfl nvflare job`` leaves it empty: a job carries no folder of the
+            machine that wrote it.
         resume: a stopped run or experiment directory (on the server's machine) to continue
             instead of starting the config's.
         rounds: with ``resume``, a new total number of rounds (0: as configured).
@@ -109,8 +122,9 @@ class MedflController(Controller):
     def experiment(self, grid: TaskGrid, settings: FlowerSettings) -> dict[str, Any]:
         """Run (or resume) the job's experiment on the ``nvflare`` backend over ``grid``."""
         backend = lookup("backend", "nvflare")(grid, settings)
-        if self.workdir:
-            os.chdir(self.workdir)
+        workdir = os.environ.get(WORKDIR_ENV) or self.workdir
+        if workdir:
+            os.chdir(workdir)
         if self.resume:
             return resume(self.resume, self.rounds or None, backend=backend)
         return run_experiment(self._config(), backend=backend)
@@ -145,7 +159,8 @@ class MedflController(Controller):
             self.system_panic(f"medfl: {error}", fl_ctx)
             return
         print_result(result)
-        self._write({"ok": True, "dir": str(result["dir"])})
+        # absolute: a relative fl.output_dir is in the server's working folder, not the reader's
+        self._write({"ok": True, "dir": os.path.abspath(str(result["dir"]))})
 
     def _write(self, outcome: dict[str, Any]) -> None:
         if self.result_file:

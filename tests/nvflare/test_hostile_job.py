@@ -156,12 +156,14 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", HOSTILE)
 def test_a_hostile_job_is_refused_by_every_site_in_nvflare_simulator(tmp_path: Path, case: str) -> None:
-    """NVFlare's own simulator, each site with an approvals file whose policy caps epsilon at 3
-    (and, for the data root and work folder, a config of its own, as `medfl nvflare site`
-    writes): the job with one hostile change is refused by both sites with their reason, the
-    server ends without waiting out its connect timeout, and the expression never ran."""
+    """NVFlare's own simulator (its SimEnv: `medfl nvflare simulate`), each site with an
+    approvals file whose policy caps epsilon at 3 (and, for the data root and work folder, a
+    config of its own, as `medfl nvflare site` writes): the job with one hostile change is
+    refused by both sites with their reason, the server ends without waiting out its connect
+    timeout, and the expression never ran."""
     import re
-    import subprocess
+
+    from test_nvflare import run_bounded
 
     from medfl.cli import main
     from medfl.nvflare.job import SITE_ENV_FILE, write_job
@@ -182,11 +184,12 @@ def test_a_hostile_job_is_refused_by_every_site_in_nvflare_simulator(tmp_path: P
     change(app["executors"][0]["executor"]["args"], marker)
     client.write_text(json.dumps(app))
     site = ["--config", str(config), "--client-id", "0"] if own_config else []
-    assert main(["nvflare", "site", "--workspace", str(tmp_path / "ws"), "--approvals", str(approvals), *site]) == 0
-    env_file = tmp_path / "ws" / "local" / SITE_ENV_FILE
-    cmd = f". {env_file} && exec {sys.executable} -m nvflare.cli simulator {job} -w {tmp_path / 'ws'} -n 2 -t 2"
-    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    ws = tmp_path / "ws" / "medfl"   # where SimEnv runs the job medfl
+    assert main(["nvflare", "site", "--workspace", str(ws), "--approvals", str(approvals), *site]) == 0
+    env_file = ws / "local" / SITE_ENV_FILE
+    cmd = f". {env_file} && exec {sys.executable} -m medfl nvflare simulate {job} --workspace-root {ws.parent}"
+    _, printed = run_bounded(["bash", "-c", cmd], cwd=tmp_path)
+    assert result.is_file(), printed[-3000:]
     outcome = json.loads(result.read_text())
     assert not outcome["ok"], outcome
     for name in NAMES:

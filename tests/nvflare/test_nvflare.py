@@ -1,5 +1,7 @@
 """medfl over NVIDIA FLARE: the job ``medfl nvflare job`` writes runs in NVFlare's simulator
-with the in-process numbers; over a loop-back controller (the job's controller and executors
+(through its ``SimEnv``: ``medfl nvflare simulate``, not the deprecated ``nvflare simulator``)
+with the in-process numbers, and names no folder of the machine that wrote it, so that it runs
+moved elsewhere; over a loop-back controller (the job's controller and executors
 in this process, each task handed to its site's executor at once: NVFlare's delivery without
 its processes) every built-in method gives its in-process numbers or is refused by name, a
 stopped run resumes through the job ``medfl nvflare job --resume`` writes, and a site's refusal
@@ -44,6 +46,36 @@ from medfl.nvflare import RESUME_JOB  # noqa: E402
 from medfl.nvflare.job import COMPONENTS, write_job, write_site  # noqa: E402
 
 SIM_TIMEOUT = 300   # one simulator run, at most
+#: what NVFlare 2.9 prints when ``nvflare simulator`` runs a job
+DEPRECATED = "WARNING: 'nvflare simulator' is deprecated. Use 'python job.py' with SimEnv instead."
+
+
+def run_bounded(args: list[str], timeout: float = SIM_TIMEOUT, **popen: Any) -> tuple[int, str]:
+    """Run ``args`` for at most ``timeout`` s: its exit status and what it printed. Past that, it
+    and every process under it are killed (NVFlare's simulator starts in a session of its own,
+    which killing its parent alone would leave running) and the test fails."""
+    import psutil
+
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"{shlex.join(args)} ran past {timeout} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def simulate(job: Path, root: Path, *, cwd: Path, env: dict[str, str] | None = None) -> str:
+    """``medfl nvflare simulate JOB --workspace-root ROOT`` (NVFlare's ``SimEnv``) in a process of
+    its own, at most :data:`SIM_TIMEOUT` s: what it printed, without NVFlare's deprecation warning.
+    ``ROOT/medfl`` must be locked down first (``medfl nvflare site``)."""
+    _, said = run_bounded([sys.executable, "-m", "medfl", "nvflare", "simulate", str(job), "--workspace-root",
+                           str(root)], cwd=cwd, env=env)
+    assert DEPRECATED.split(".")[0] not in said, said[-3000:]
+    return said
 
 FL: dict[str, Any] = {
     "seed": 0, "num_clients": 2, "progress": False, "rounds": 2,
@@ -71,7 +103,8 @@ SIMULATED = ("fedprox", "fedkper", "fedsdc", "fedtpf", "pfedcdp")
 
 def test_job_in_nvflare_simulator_gives_the_in_process_numbers(tmp_path: Path) -> None:
     """One job, 3 sites x 2 rounds, in NVFlare's own simulator (its server, clients and task
-    exchange): each method's metrics are the numbers recorded for its in-process run (which
+    exchange), run through NVFlare's SimEnv (``medfl nvflare simulate``; nothing deprecated
+    said): each method's metrics are the numbers recorded for its in-process run (which
     tests/engine/test_builtin_numbers.py checks the in-process run still gives); no client state
     at the coordinator; each site kept its state in its own workspace."""
     fl = _method_fl(tmp_path, "pfedcdp", clients=len(NAMES3))
@@ -81,12 +114,10 @@ def test_job_in_nvflare_simulator_gives_the_in_process_numbers(tmp_path: Path) -
     result = tmp_path / "result.json"
     job = write_job(tmp_path / "jobs", config, result_file=str(result), round_timeout=120, connect_timeout=120)
     assert {p.name for p in job.iterdir()} == {"meta.json", "app"} and not (job / "app" / "custom").exists()
-    write_site(tmp_path / "ws", "none")   # medfl's classes only (the server reads this local/ too)
+    write_site(tmp_path / "ws" / "medfl", "none")   # medfl's classes only (the server reads this local/ too)
     env = {**os.environ, REPRODUCIBLE_NOISE_ENV: "1"}   # the sites draw their noise from the run seed
-    proc = subprocess.run([sys.executable, "-m", "nvflare.cli", "simulator", str(job), "-w", str(tmp_path / "ws"),
-                           "-n", str(len(NAMES3)), "-t", str(len(NAMES3))], capture_output=True, text=True,
-                          timeout=SIM_TIMEOUT, cwd=tmp_path, env=env)
-    assert result.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = simulate(job, tmp_path / "ws", cwd=tmp_path, env=env)
+    assert result.is_file(), said[-3000:]
     outcome = json.loads(result.read_text())
     assert outcome["ok"], outcome
     assert json.loads((Path(outcome["dir"]) / "config.json").read_text())["engine"] == "nvflare"
@@ -95,7 +126,74 @@ def test_job_in_nvflare_simulator_gives_the_in_process_numbers(tmp_path: Path) -
         assert_recorded(method, {f: (nv / f).read_text() for f in ("metrics.csv", "train_metrics.csv")})
         assert not list((nv / "clients").rglob("state_r*.pt")), "client state at the coordinator"
     for site, cid in NAMES3.items():
-        assert list((tmp_path / "ws" / site / "medfl_state").rglob(f"site_{cid}/session.json")), site
+        assert list((tmp_path / "ws" / "medfl" / site / "medfl_state").rglob(f"site_{cid}/session.json")), site
+
+
+def test_a_written_job_names_no_folder_of_the_writer_and_runs_moved_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`medfl nvflare job`, run in a folder of this machine on a config whose paths are relative,
+    writes no path of it (that folder, the temporary folder, the repository, the virtualenv, the
+    home folder) in any file of the job; moved to another folder and run from a third one in
+    NVFlare's simulator (SimEnv), the job reads its data in each site's workspace, writes the
+    run in the server's, and gives the in-process numbers."""
+    from medfl.cli import main
+    from medfl.nvflare.job import JOB_NAME
+
+    writer = tmp_path / "writer"
+    writer.mkdir()
+    fl = {**json.loads(json.dumps(FL)), "name": "moved", "rounds": 1, "methods": [{"name": "fedavg"}]}
+    fl["dataset"]["root"], fl["output_dir"] = "data", "runs"
+    (writer / "train.json").write_text(json.dumps({"fl": fl}))
+    monkeypatch.chdir(writer)
+    assert main(["nvflare", "job", "--config", "train.json", "--out", "jobs", "--result-file", "result.json",
+                 "--round-timeout", "120", "--connect-timeout", "120"]) == 0
+    mine = {str(p) for p in (writer, tmp_path, TESTS.parent, Path(sys.prefix), Path.home())}
+    files = [p for p in (writer / "jobs").rglob("*") if p.is_file()]
+    assert {p.relative_to(writer / "jobs" / JOB_NAME).as_posix() for p in files} == {
+        "meta.json", "app/config/config_fed_server.json", "app/config/config_fed_client.json"}
+    for path in files:
+        text = path.read_text()
+        assert not [m for m in mine if m in text], (path, [m for m in mine if m in text])
+
+    moved = tmp_path / "elsewhere" / "job"
+    moved.parent.mkdir()
+    (writer / "jobs" / JOB_NAME).rename(moved)
+    (writer / "train.json").unlink()   # nothing of the writer's folder is read
+    root, third = tmp_path / "simulation", tmp_path / "third"
+    third.mkdir()
+    write_site(root / JOB_NAME, "none")
+    said = simulate(moved, root, cwd=third)
+    server = root / JOB_NAME / "server"
+    assert (server / "result.json").is_file(), said[-3000:]
+    outcome = json.loads((server / "result.json").read_text())
+    assert outcome == {"ok": True, "dir": str(server / "runs" / "moved")}, outcome
+    for site in NAMES:
+        assert (root / JOB_NAME / site / "data").is_dir(), site   # the relative data root, in the site's workspace
+    left = [p for p in (*writer.rglob("*"), *third.rglob("*")) if p.is_file()]
+    assert not left, f"written in the writer's or the caller's folder: {left}"
+
+    monkeypatch.chdir(tmp_path)
+    ref = Path(run_experiment(resolve_config({**fl, "output_dir": str(tmp_path / "ref")}))["dir"]) / "fedavg"
+    for f in ("metrics.csv", "train_metrics.csv"):
+        x, y = pd.read_csv(ref / f), pd.read_csv(server / "runs" / "moved" / "fedavg" / f)
+        exact = [c for c in x.columns if not c.startswith("bytes_")]
+        numeric_equal(x[exact], y[exact], f, atol=0.0)
+        numeric_equal(x, y, f, atol=BYTES_ATOL)
+
+
+def test_a_job_says_which_paths_of_its_config_are_absolute(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An absolute path in the config is read as it is on every machine: writing the job warns,
+    naming each such key, and writes it unchanged (the config is the user's)."""
+    fl = _fl(tmp_path, "absolute")
+    fl["dataset"]["root"] = "data"
+    config = tmp_path / "fl.json"
+    config.write_text(json.dumps({"fl": fl}))
+    with caplog.at_level("WARNING", logger="medfl"):
+        job = write_job(tmp_path / "jobs", config)
+    warned = [r.getMessage() for r in caplog.records if "absolute path" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"medfl nvflare job: fl.output_dir is an absolute path "
+                                                     f"({tmp_path / 'runs'})"), warned
+    assert _job_args(job)[0]["bundle"]["fl"]["output_dir"] == str(tmp_path / "runs")
 
 
 virtual_clock = test_coordinator.virtual_clock   # autouse here too: a wait is a number of polls, not seconds

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,11 +28,11 @@ from nvflare.app_common.widgets.component_path_authorizer import ComponentPathAu
 from nvflare.fuel.sec.authz import AuthzContext, Person  # noqa: E402
 from nvflare.lighter.constants import DEFINED_ROLES  # noqa: E402
 from nvflare.security.security import FLAuthorizer  # noqa: E402
-from test_nvflare import NAMES, SIM_TIMEOUT, _Engine, _fl, _LoopController  # noqa: E402
+from test_nvflare import NAMES, _Engine, _fl, _LoopController  # noqa: E402
 
 from medfl.cli import main  # noqa: E402
 from medfl.nvflare.executor import SITE_ENV, MedflExecutor  # noqa: E402
-from medfl.nvflare.job import COMPONENTS, SITE_ENV_FILE, write_job  # noqa: E402
+from medfl.nvflare.job import COMPONENTS, SITE_ENV_FILE  # noqa: E402
 
 #: a class NVFlare's default allow-list has: an executor that is not medfl's
 OTHER = "nvflare.app_common.executors.model_learner_executor.ModelLearnerExecutor"
@@ -203,23 +202,34 @@ def test_the_server_ends_as_soon_as_no_site_is_left_to_wait_for(
         assert re.search(f"NVFlare client {name}: SiteError: .*{reason}", said), said
 
 
-def test_a_job_naming_another_class_fails_at_a_locked_site_in_nvflare_simulator(tmp_path: Path) -> None:
-    """NVFlare's simulator enforces the site's class allow-list (its authorization policy it does
-    not: the simulator authorizes everything): medfl's job with its executor swapped for one of
-    NVFlare's default list fails at each site, naming the class."""
+def test_a_job_naming_another_class_fails_at_a_locked_site_in_nvflare_simulator(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """NVFlare's simulator (its SimEnv, given the job through NVFlare's own job API) enforces the
+    site's class allow-list (its authorization policy it does not: the simulator authorizes
+    everything): medfl's job with its executor swapped for one of NVFlare's default list fails
+    at each site, naming the class; `medfl nvflare simulate` refuses such a job folder itself."""
+    from nvflare.app_common.executors.model_learner_executor import ModelLearnerExecutor
+    from nvflare.job_config.api import FedJob
+    from nvflare.recipe import SimEnv
+
+    from medfl.nvflare.controller import MedflController
+    from medfl.nvflare.grid import TASKS
+
     fl = _fl(tmp_path, "other")
-    fl.update(num_clients=1, methods=[{"name": "fedavg"}], rounds=1)
-    config = tmp_path / "fl.json"
-    config.write_text(json.dumps({"fl": fl}))
+    fl.update(num_clients=1, methods=[{"name": "fedavg"}], rounds=1, backend="nvflare")
     result = tmp_path / "result.json"
-    job = write_job(tmp_path / "jobs", config, result_file=str(result), round_timeout=60, connect_timeout=60)
-    client = job / "app" / "config" / "config_fed_client.json"
-    app = json.loads(client.read_text())
-    app["executors"][0]["executor"] = {"path": OTHER, "args": {}}
-    client.write_text(json.dumps(app))
-    assert main(["nvflare", "site", "--workspace", str(tmp_path / "ws"), "--approvals", "none"]) == 0
-    proc = subprocess.run([sys.executable, "-m", "nvflare.cli", "simulator", str(job), "-w", str(tmp_path / "ws"),
-                           "-n", "1", "-t", "1"], capture_output=True, text=True, timeout=SIM_TIMEOUT, cwd=tmp_path)
-    said = proc.stdout + proc.stderr
+    job = FedJob(name="medfl", min_clients=1)
+    job.set_app_packages(["medfl", "medfl_plugins"])
+    job.to_server(MedflController(bundle={"fl": fl}, result_file=str(result), round_timeout=60, connect_timeout=60))
+    job.to_clients(ModelLearnerExecutor(learner_id="learner"), tasks=list(TASKS))
+    job.export_job(str(tmp_path / "jobs"))
+    assert main(["nvflare", "simulate", str(tmp_path / "jobs" / "medfl"), "--workspace-root", str(tmp_path)]) == 2
+    assert "not a job folder `medfl nvflare job` writes" in capfd.readouterr().err
+    assert main(["nvflare", "site", "--workspace", str(tmp_path / "ws" / "medfl"), "--approvals", "none"]) == 0
+    try:   # the simulator's own processes, bounded by the controller's connect timeout
+        SimEnv(num_clients=1, workspace_root=str(tmp_path / "ws")).deploy(job)
+    except RuntimeError:
+        pass   # a failed simulation (SimEnv names its logs)
+    said = "".join(capfd.readouterr())
     assert f"Component '{OTHER}' at config path 'executors.#1.executor' is not in allow_list" in said, said[-3000:]
     assert not json.loads(result.read_text())["ok"]
