@@ -379,3 +379,30 @@ def test_export_refuses_data_monai_transforms_cannot_read(tmp_path):
     pd.DataFrame({"path": ["a.npy", "b.pgm"], "label": [0, 1]}).to_csv(tmp_path / "m.csv", index=False)
     with pytest.raises(ExportError, match=r"column 'path' names files that need different readers \(PILReader, npy\)"):
         inference_data({"name": "manifest", "path": str(tmp_path / "m.csv")}, manifest_source(str(tmp_path / "m.csv")))
+
+
+def test_readme_export_commands_run_as_written(demo_runs, tmp_path):
+    """README's "Exported models": ``medfl export RUN_DIR --out DIR`` and the block after it
+    (``python -m monai.bundle run`` on DIR/global, ``ckpt_export``) as written, with RUN_DIR and
+    DIR filled in and the optional ``[...]`` arguments left out."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text.split("### Exported models", 1)[1].split("\n## ", 1)[0]
+    export = re.search(r"`(medfl export RUN_DIR --out DIR)`", section).group(1)
+    block = re.search(r"^```bash\n(.*?)^```", section, re.S | re.M).group(1).replace("\\\n", " ")
+    out = tmp_path / "exported"
+    fill = {"RUN_DIR": str(demo_runs / "fedavg"), "DIR": str(out)}
+
+    def as_written(line: str) -> list[str]:
+        line = re.sub(r"\s*#.*$", "", re.sub(r"\s*\[[^]]*\]", "", line))
+        return [re.sub(r"\b(RUN_DIR|DIR)\b", lambda m: fill[m.group(1)], a) for a in shlex.split(line)]
+
+    assert main(as_written(export)[1:]) == 0
+    commands = [as_written(line) for line in block.splitlines() if line.strip()]
+    assert [c[:4] for c in commands] == [["python", "-m", "monai.bundle", "run"],
+                                        ["python", "-m", "monai.bundle", "ckpt_export"]], commands
+    for argv in commands:
+        proc = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=600, env=ENV,
+                              cwd=tmp_path)
+        assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+    assert len(pd.read_csv(out / "global" / "eval" / "predictions.csv")) > 0
+    assert torch.jit.load(str(tmp_path / "net.ts")) is not None
