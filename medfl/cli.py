@@ -730,7 +730,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
         shutil_rmtree(Path(sock).parent)   # run_site removes it from here on
         raise
     return run_site(settings, cmd, env=site_env(getattr(args, "poll_interval", None)),
-                    restart=not getattr(args, "no_restart", False), superlink=args.superlink)
+                    restart=not getattr(args, "no_restart", False))
 
 
 def cmd_flower_run(args: argparse.Namespace) -> int:

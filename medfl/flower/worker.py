@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -124,28 +123,29 @@ class SiteWorker:
                 os.unlink(self.socket_path)
 
 
-def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str, superlink: str | None
-                     ) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` (the SuperNode) with its log (stderr) passed on to this process's stderr
-    line by line, adding ``WHO: registered as node N`` when Flower logs the node id the
-    SuperLink gave it (:data:`medfl.flower.deploy.NODE_ID_LINE`; a release that words it
+def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` (the SuperNode), saying first that the site waits for the SuperLink its
+    ``--superlink`` names; its log (stderr) is passed on line by line through this module's
+    logger, with ``WHO: registered as node N at the SuperLink ADDRESS`` after Flower's line
+    that gives the node id (:data:`medfl.flower.deploy.NODE_ID_LINE`; a release that words it
     otherwise gets no such line, its own lines pass unchanged)."""
     from medfl.flower.deploy import NODE_ID_LINE
 
-    if superlink:
-        print(f"{who}: waiting for the SuperLink at {superlink}", flush=True)
+    superlink = cmd[cmd.index("--superlink") + 1] if "--superlink" in cmd else "it was given"
+    if "--superlink" in cmd:
+        logger.info(f"{who}: waiting for the SuperLink at {superlink}")
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
-    at = f" at the SuperLink {superlink}" if superlink else ""
 
     def relay(pipe: Any) -> None:
         for line in iter(pipe.readline, b""):
-            text = line.decode(errors="replace")
+            text = line.decode(errors="replace").rstrip("\n")
+            # Flower's own level, so that -q still shows its warnings and errors
+            level = next((lv for name, lv in (("ERROR", logging.ERROR), ("WARNING", logging.WARNING))
+                          if text.lstrip("\x1b[0123456789;m").startswith(name)), logging.INFO)
+            logger.log(level, text)
             found = NODE_ID_LINE.search(text)
-            try:
-                sys.stderr.write(text + (f"{who}: registered as node {found.group(1)}{at}\n" if found else ""))
-                sys.stderr.flush()
-            except (OSError, ValueError):   # the terminal went away: keep reading, so the SuperNode never blocks
-                pass
+            if found:
+                logger.info(f"{who}: registered as node {found.group(1)} at the SuperLink {superlink}")
         pipe.close()
 
     threading.Thread(target=relay, args=(proc.stderr,), name="medfl-supernode-log", daemon=True).start()
@@ -153,8 +153,7 @@ def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str, super
 
 
 def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, str] | None = None, *,
-             restart: bool = True, backoff: float = 1.0, max_backoff: float = 60.0,
-             superlink: str | None = None) -> int:
+             restart: bool = True, backoff: float = 1.0, max_backoff: float = 60.0) -> int:
     """Run a site: the worker in this process, ``supernode_cmd`` (whose node config must
     carry ``worker='<socket>'``, see :func:`socket_for`) as its child, until told to stop
     (SIGTERM or SIGINT). Returns the SuperNode's last exit code.
@@ -173,8 +172,6 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
         restart: start the SuperNode again when it exits on its own.
         backoff: the first wait before a restart, in seconds.
         max_backoff: the longest wait between restarts.
-        superlink: the SuperLink's address, for the lines that say the site waits for it and
-            was registered by it.
     """
     from medfl.approval import private_bytecode
 
@@ -186,7 +183,7 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
     who = f"medfl site {settings.client_id}"
     try:
         worker._site()  # load config and data now: errors show at start, not at the first message
-        procs = [_start_supernode(supernode_cmd, env, who, superlink)]
+        procs = [_start_supernode(supernode_cmd, env, who)]
     except BaseException:
         worker.stop()
         shutil_rmtree(Path(sock_path).parent)   # the socket's folder from socket_for
@@ -215,7 +212,7 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
                 worker.stop()
                 return
             delay = min(delay * 2, max_backoff)
-            procs.append(_start_supernode(supernode_cmd, env, who, superlink))
+            procs.append(_start_supernode(supernode_cmd, env, who))
             print(f"{who}: SuperNode pid {procs[-1].pid}", flush=True)
 
     signal.signal(signal.SIGTERM, _end)
