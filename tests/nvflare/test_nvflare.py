@@ -45,7 +45,7 @@ from medfl.nvflare.controller import MedflController  # noqa: E402
 from medfl.nvflare import RESUME_JOB  # noqa: E402
 from medfl.nvflare.job import COMPONENTS, write_job, write_site  # noqa: E402
 
-SIM_TIMEOUT = 300   # one simulator run, at most
+SIM_TIMEOUT = 900   # one simulator run, at most (generous: 120-220 s alone, more beside other tests)
 #: what NVFlare 2.9 prints when ``nvflare simulator`` runs a job
 DEPRECATED = "WARNING: 'nvflare simulator' is deprecated. Use 'python job.py' with SimEnv instead."
 
