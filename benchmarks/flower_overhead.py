@@ -41,10 +41,9 @@ Measured:
   still being uploaded started before its clock did, which can make its transport figure
   small or even negative: the parts are exact only as a sum.
 
-``--node-poll S`` (repeatable) runs the Flower deployment once per value, with every
-SuperNode waiting at most ``S`` seconds before asking the SuperLink for a message again
-(``MEDFL_FLOWER_NODE_POLL``; 3 is Flower's own fixed wait, what medfl did before it set one):
-``--node-poll 3 --node-poll 0.2`` prints the breakdown before and after on the same machine.
+medfl runs Flower's commands unchanged (issue 65): what a round costs over Flower is Flower's
+own start of a process per message, its 3-s idle wait of each SuperNode and its transport, and
+the breakdown says which.
 
 The anchor (issue 20): the same job as a plain Flower app (``plain_flower_app.py``: Flower's
 own ``FedAvg`` strategy, a plain PyTorch ClientApp, same data, model and rounds) on the same
@@ -219,8 +218,6 @@ def breakdown(events: pd.DataFrame, sites: pd.DataFrame) -> pd.DataFrame:
 #: line; a process's CPU includes the children it has reaped (a fork server's ClientApps, a
 #: SuperExec's ``flwr-clientapp`` commands). Short-lived processes are counted through them.
 _KINDS: list[tuple[str | None, str | None, str | None]] = [
-          ("flwr-clientapp", None, None),   # a forked ClientApp (its command line is its SuperNode's): its reaper counts it
-          ("medfl-forks", None, "ClientApps (forked, each message's)"),
           ("flower-superexe", None, "SuperExecs (+ the flwr-clientapp commands they ran)"),
           ("flwr-serverapp", None, "ServerApp (medfl's coordinator)"),
           (None, " supervise --superexec ", "SuperLink's supervisor"),
@@ -296,15 +293,13 @@ class CpuSampler:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: float,
-                node_poll: float | None = None, tag: str = "fed") -> dict[str, Any]:
-    """Run the job over a local Flower deployment (``node_poll``: the SuperNodes' polling
-    interval, ``None``: medfl's default); return timings, the breakdown and the metrics file."""
+def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: float, tag: str = "fed") -> dict[str, Any]:
+    """Run the job over a local Flower deployment; return timings, the breakdown and the metrics file."""
     from medfl.flower.deploy import LocalFederation
 
     cfg_file = work / "flower.json"
     cfg_file.write_text(json.dumps({"fl": fl}))
-    with LocalFederation(work / tag, node_poll=node_poll, sites=clients) as fed, CpuSampler() as cpu:
+    with LocalFederation(work / tag, sites=clients) as fed, CpuSampler() as cpu:
         # sites=clients: each site's torch threads are its share of the cores, as on one machine they should be
         t0 = time.perf_counter()
         fed.start_superlink()
@@ -329,7 +324,7 @@ def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: flo
     steady = marks[1:] if len(marks) > 2 else marks   # rounds 2.. (round 1 imports and warms caches)
     cpu_s = cpu.per_round(steady[0], steady[-1], len(steady) - 1)
     return {"deploy_startup_s": deploy_s, "run_startup_s": connect - launch, "round_s": rounds, "total_s": total,
-            "exchange_median_s": phases, "metrics": str(run_dir / "metrics.csv"), "node_poll": node_poll,
+            "exchange_median_s": phases, "metrics": str(run_dir / "metrics.csv"),
             "breakdown": parts.to_dict(orient="records"), "cpu_per_round_s": cpu_s}
 
 
@@ -418,14 +413,6 @@ def plain_flower(fl: dict[str, Any], work: Path, clients: int, rounds: int, time
             "round_s": [b - a for a, b in zip(marks, marks[1:])], "total_s": total}
 
 
-def _poll_name(poll: float | None) -> str:
-    if poll is None:
-        from medfl.flower.flwr_launcher import node_poll
-
-        return f"{node_poll():g} s (default)"
-    return f"{poll:g} s" + (" (Flower's own)" if poll >= 3 else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", default=None, metavar="CONFIG",
@@ -441,9 +428,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results", help="where the CSV and JSON go")
     p.add_argument("--skip-anchor", action="store_true",
                    help="do not run the plain Flower app (Flower's FedAvg) on the same deployment")
-    p.add_argument("--node-poll", type=float, action="append", default=None, metavar="SECONDS",
-                   help="the SuperNodes' polling interval (MEDFL_FLOWER_NODE_POLL; 3: Flower's own fixed wait); "
-                        "repeat it to run the Flower deployment once per value (default: medfl's default)")
     args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="medfl-flower-bench-"))
@@ -455,10 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                    0 if args.seed is None else args.seed)
     ip = in_process({**base, "name": "inproc", "output_dir": str(work / "runs")})
     anchor = None if args.skip_anchor else plain_flower(base, work, args.clients, args.rounds)
-    polls: list[float | None] = list(args.node_poll or [None])
-    runs = [over_flower({**base, "name": f"flower{k}", "output_dir": str(work / "runs")}, work, args.clients,
-                        args.round_timeout, node_poll=poll, tag=f"fed{k}") for k, poll in enumerate(polls)]
-    fw = runs[-1]
+    fw = over_flower({**base, "name": "flower", "output_dir": str(work / "runs")}, work, args.clients,
+                     args.round_timeout)
     # the numbers are bit-equal only at equal torch threads (sums over more threads round
     # otherwise): the sites train on their share of the cores, so the check runs the job in
     # process on as many threads when the timed in-process run had more
@@ -469,11 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         {**base, "name": "inproc_threads", "output_dir": str(work / "runs"), "threads": site_threads})
     a = pd.read_csv(same["metrics"])
     num = [c for c in a.columns if a[c].dtype.kind in "fi"]
-    diff = 0.0
-    for run in runs:
-        b = pd.read_csv(run["metrics"])
-        diff = max(diff, float(np.nanmax(np.abs(a[num].to_numpy(float) - b[num].to_numpy(float))))
-                   if len(a) == len(b) else float("nan"))
+    b = pd.read_csv(fw["metrics"])
+    diff = float(np.nanmax(np.abs(a[num].to_numpy(float) - b[num].to_numpy(float)))) if len(a) == len(b) else float("nan")
 
     def steady(rounds: list[float]) -> float:
         return statistics.median(rounds[1:]) if len(rounds) > 1 else rounds[0]
@@ -498,21 +477,13 @@ def main(argv: list[str] | None = None) -> int:
             row["plain_flower"] = value
         rows[3]["note"] += (f"; medfl over Flower / plain Flower = {ratio_anchor:.2f}x "
                             f"(target <= 1.1: {'PASS' if ratio_anchor <= 1.1 else 'MISS'})")
-    if len(runs) > 1:   # one column per SuperNode polling interval ("flower": the last one)
-        for run in runs[:-1]:
-            for row, value in zip(rows, [run["run_startup_s"], run["deploy_startup_s"], run["round_s"][0],
-                                         steady(run["round_s"]), run["total_s"]]):
-                row[f"flower (poll {_poll_name(run['node_poll'])})"] = value
-        for row in rows:
-            row[f"flower (poll {_poll_name(fw['node_poll'])})"] = row.pop("flower")
-            row["note"] = row.pop("note")
     table = pd.DataFrame(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "flower_overhead.csv", index=False)
     report = {"job": {k: getattr(args, k) for k in ("bundle", "clients", "rounds", "samples", "image_size", "seed")},
               "site_threads": "auto over MEDFL_LOCAL_SITES = clients",
-              "in_process": ip, "flower": fw, "flower_runs": runs, "per_round_overhead_s": fw_round - ip_round,
+              "in_process": ip, "flower": fw, "per_round_overhead_s": fw_round - ip_round,
               "per_round_ratio": fw_round / ip_round, "metrics_max_abs_diff": diff,
               "metrics_compared_at_threads": site_threads,
               "plain_flower": anchor, "per_round_ratio_vs_plain_flower": ratio_anchor,
@@ -520,10 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "flower_overhead.json").write_text(json.dumps(report, indent=2, default=str))
     with pd.option_context("display.width", 160, "display.max_colwidth", 70):
         print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
-    for run in runs:
-        print_breakdown(f"SuperNode poll {_poll_name(run['node_poll'])}", run["breakdown"], ip_round)
-        print_cpu(f"SuperNode poll {_poll_name(run['node_poll'])}", run.get("cpu_per_round_s") or {},
-                  steady(run["round_s"]))
+    print_breakdown("Flower", fw["breakdown"], ip_round)
+    print_cpu("Flower", fw.get("cpu_per_round_s") or {}, steady(fw["round_s"]))
     print(f"\nFlower exchange medians (s): {fw['exchange_median_s']}")
     print(f"metrics in process ({site_threads} torch thread(s), as each site) vs over Flower: max |diff| = {diff:.3g}"
           + ("" if same is ip else f" (the timed in-process run used {own_threads})"))

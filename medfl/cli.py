@@ -72,17 +72,6 @@ _THREADS_HELP = ("torch threads of each process that trains: a number, or auto (
                  "together, pytest-xdist workers); wins over the config's fl#threads")
 
 
-def _poll_seconds(text: str) -> float:
-    """``medfl flower site --poll-interval``: seconds from 0.01 to 3600."""
-    from medfl.flower.flwr_launcher import NODE_POLL_ENV, node_poll
-
-    try:
-        return node_poll({NODE_POLL_ENV: text})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds from 0.01 to 3600 (3 or more: Flower's own "
-                                         "wait)") from None
-
-
 def _add_threads_option(sp: argparse.ArgumentParser) -> None:
     """Give the command ``sp`` the ``--threads N|auto`` option (see :func:`_apply_threads`)."""
     sp.add_argument("--threads", default=None, metavar="N|auto", help=_THREADS_HELP)
@@ -714,7 +703,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
         with _auth_errors("medfl flower site"):
             extra += ["--auth-supernode-private-key", str(check_private_key(args.auth_key).resolve())]
     _site_approvals(args)
-    from medfl.flower.deploy import site_env
+    from medfl.flower.deploy import flower_env
     from medfl.flower.site import SiteSettings
     from medfl.flower.worker import run_site, shutil_rmtree, socket_for
 
@@ -729,7 +718,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     except BaseException:
         shutil_rmtree(Path(sock).parent)   # run_site removes it from here on
         raise
-    return run_site(settings, cmd, env=site_env(getattr(args, "poll_interval", None)),
+    return run_site(settings, cmd, env=flower_env(),
                     restart=not getattr(args, "no_restart", False))
 
 
@@ -951,11 +940,6 @@ def _add_flower(sub: Any) -> None:
     sp.add_argument("--no-restart", action="store_true",
                     help="end the site when its SuperNode exits (default: start it again with a growing wait, "
                          "1 s to 60 s, so a SuperLink restart or an outage never ends the site)")
-    sp.add_argument("--poll-interval", type=_poll_seconds, default=None, metavar="SECONDS",
-                    help="how long the SuperNode waits before asking the SuperLink for a message again when it "
-                         "had none (default 0.2, or MEDFL_FLOWER_NODE_POLL; 3 or more: Flower's own 3 s). "
-                         "Shorter: a message reaches the site sooner; longer: fewer requests to the SuperLink "
-                         "while the site is idle (docs/flower.md)")
     sp.add_argument("overrides", nargs=argparse.REMAINDER,
                     help="config overrides after the options, as for `medfl run`: any '#' path of the bundle "
                          "config (fl#dataset#root=/data bundle_root=/x; key=value first, then also --key value)")

@@ -39,7 +39,6 @@ SLOW_MODULES = (
     "flower/test_soak.py",              # 330: a site and the SuperLink killed mid-run, then resumed
     "flower/test_secagg_flower.py",     # 210: SecAgg+ over the loop-back grid, on Ray, over a real deployment
     "flower/test_deploy_auth.py",       # 150: TLS, keys, a SuperLink restart and a resume
-    "flower/test_under_load.py",        # 165: Flower processes held 35-40 s at their start
     "flower/test_failed_run.py",        # ~160 loaded: runs that fail to start, real SuperLink and a site
     "test_experiments.py",              # 255 CPU s: the 11 experiments/ scripts' --smoke runs (8-40 each)
     "test_export.py",                   # 170 on 2 loaded cores: the demo trained, exported, run by MONAI's CLI

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from medfl.flower.coordinator import RUN_CONFIG
 
-__all__ = ["FlowerDeployError", "flower_env", "site_env", "free_port", "flower_command", "superlink_command",
+__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command",
            "superexec_command", "site_command",
            "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
            "read_json", "read_result", "started_run_id", "run_status", "HeldTraceback",
@@ -82,9 +82,8 @@ def flower_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) with this Python's script directory first on
     ``PATH``: Flower starts its helpers (``flower-superexec``, ``flwr-serverapp``,
     ``flwr-clientapp``) by name, so they must be found from the same installation. Unless
-    ``env`` sets them: a SuperExec medfl's launcher does not wake looks for tasks every 0.1 s
-    (:data:`TASK_POLL_ENV`; a woken one at least every 1 s) and
-    Flower's telemetry is off (:data:`TELEMETRY_ENV`; ``FLWR_TELEMETRY_ENABLED=1`` turns it on)."""
+    ``env`` sets them: a SuperExec looks for tasks every 0.1 s (:data:`TASK_POLL_ENV`, Flower's
+    documented setting; its default is 1 s) and Flower's telemetry is off (:data:`TELEMETRY_ENV`; ``FLWR_TELEMETRY_ENABLED=1`` turns it on)."""
     out = dict(os.environ if env is None else env)
     bindir = str(Path(sys.executable).parent)
     parts = out.get("PATH", "").split(os.pathsep) if out.get("PATH") else []
@@ -92,26 +91,6 @@ def flower_env(env: dict[str, str] | None = None) -> dict[str, str]:
         out["PATH"] = os.pathsep.join([bindir, *parts])
     out.setdefault(TASK_POLL_ENV, "0.1")
     out.setdefault(TELEMETRY_ENV, "0")
-    return out
-
-
-def site_env(poll_interval: float | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a site's SuperNode (:func:`flower_env`), with its polling interval
-    (``medfl flower site --poll-interval``; ``None``: ``MEDFL_FLOWER_NODE_POLL`` as set, else
-    the launcher's default, :data:`~medfl.flower.flwr_launcher.DEFAULT_NODE_POLL`).
-
-    Raises:
-        FlowerDeployError: ``poll_interval`` is not a number of seconds from 0.01 to 3600.
-    """
-    from medfl.flower import flwr_launcher
-
-    out = flower_env(env)
-    if poll_interval is not None:
-        out[flwr_launcher.NODE_POLL_ENV] = f"{float(poll_interval):g}"
-    try:
-        flwr_launcher.node_poll(out)
-    except ValueError as exc:
-        raise FlowerDeployError(str(exc)) from None
     return out
 
 
@@ -123,30 +102,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def flower_command(name: str) -> list[str]:
-    """How medfl starts Flower's ``flower-superlink`` or ``flower-supernode``: through
-    :mod:`medfl.flower.flwr_launcher` (run by path, with this Python), which gives a new
-    ServerApp or ClientApp process :func:`~medfl.flower.flwr_launcher.task_window` seconds
-    to report instead of Flower's 30 s, so that a loaded machine does not make every task
-    token expire (``401 Runtime task-token authentication failed``), and a SuperNode
-    :func:`~medfl.flower.flwr_launcher.node_poll` seconds between two asks for a message
-    instead of Flower's 3 s (``MEDFL_FLOWER_NODE_POLL``).
+    """Flower's own command ``name`` (``flower-superlink``, ``flower-supernode``), as installed
+    beside this Python: medfl runs Flower's commands unchanged.
 
     Raises:
-        FlowerDeployError: Flower is not installed, ``MEDFL_FLOWER_TASK_WINDOW`` is not a
-            number of seconds of at least 30, or ``MEDFL_FLOWER_NODE_POLL`` not one from 0.01
-            to 3600.
+        FlowerDeployError: Flower is not installed.
     """
-    from medfl.flower import flwr_launcher
-
-    if name not in flwr_launcher.COMMANDS:
-        raise FlowerDeployError(f"{name!r}: medfl starts only {', '.join(flwr_launcher.COMMANDS)}")
-    _bin(name)   # Flower is installed (a clear error otherwise)
-    try:
-        flwr_launcher.task_window()
-        flwr_launcher.node_poll()
-    except ValueError as exc:
-        raise FlowerDeployError(str(exc)) from None
-    return [sys.executable, str(Path(flwr_launcher.__file__).resolve()), name]
+    return [_bin(name)]
 
 
 def superlink_command(host: str = "127.0.0.1", port: int = 9092, insecure: bool = True,
@@ -169,10 +131,9 @@ def superlink_command(host: str = "127.0.0.1", port: int = 9092, insecure: bool 
     if database:
         link += ["--database", database]
     link += list(extra or [])
-    launcher = [sys.executable, str(Path(flwr_launcher.__file__).resolve())]
-    return [*launcher, "supervise", "--superexec",
+    return [sys.executable, str(Path(flwr_launcher.__file__).resolve()), "supervise", "--superexec",
             json.dumps(superexec_command(host, port, insecure=insecure, root_certificates=root_certificates)),
-            "--", *link[len(launcher):]]
+            "--", *link]
 
 
 def superexec_command(host: str, port: int, *, insecure: bool = True,
@@ -626,10 +587,6 @@ class LocalFederation:
         env: extra environment for every process.
         task_poll_interval: Flower SuperExec's task polling interval in seconds (default
             0.1; Flower's own default is 1.0).
-        node_poll: how long each site's SuperNode waits before asking the SuperLink for a
-            message again when it had none (``MEDFL_FLOWER_NODE_POLL``; ``None``: as set in
-            ``env`` or this process's environment, else the launcher's default, 0.2 s; 3:
-            Flower's own wait).
         tls: encrypt every connection with a certificate authority and SuperLink
             certificate made for this federation (``certs/``; :mod:`medfl.flower.auth`).
         auth: SuperNode authentication (implies ``tls``): the SuperLink accepts only sites
@@ -642,7 +599,7 @@ class LocalFederation:
 
     def __init__(self, workdir: str | Path, host: str = "127.0.0.1", env: dict[str, str] | None = None,
                  task_poll_interval: float = 0.1, tls: bool = False, auth: bool = False,
-                 sites: int | None = None, node_poll: float | None = None) -> None:
+                 sites: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host = host
@@ -650,10 +607,6 @@ class LocalFederation:
         self.env = {**flower_env(), **(env or {}), MARKER_ENV: self.marker,
                     TASK_POLL_ENV: str(task_poll_interval), "FLWR_HOME": str(self.workdir / "flwr_home"),
                     "PYTHONUNBUFFERED": "1"}
-        if node_poll is not None:
-            from medfl.flower.flwr_launcher import NODE_POLL_ENV
-
-            self.env[NODE_POLL_ENV] = f"{float(node_poll):g}"
         if sites is not None:
             from medfl.config import LOCAL_SITES_ENV
 

@@ -164,15 +164,7 @@ def unpack_records(content: RecordDict) -> RecordDict:
 
 def process_age() -> float | None:
     """Seconds since this process started (Linux ``/proc``; ``None`` elsewhere): in a ClientApp
-    process, what Flower's start of it (imports, pulling the message) took before medfl's code ran.
-    A ClientApp forked by the site's fork server (:mod:`medfl.flower.flwr_forks`) counts from
-    when Flower started its ``flwr-clientapp`` command (``MEDFL_CLIENTAPP_STARTED``)."""
-    started = os.environ.get("MEDFL_CLIENTAPP_STARTED", "")
-    try:
-        if started:
-            return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - float(started))
-    except (ValueError, AttributeError):
-        pass
+    process, what Flower's start of it (imports, pulling the message) took before medfl's code ran."""
     try:
         with open("/proc/self/stat", "rb") as fh:
             stat = fh.read()

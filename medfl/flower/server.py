@@ -25,7 +25,6 @@ from medfl.report import print_result
 from medfl.config import THREADS_ENV, check_threads, resolve_config
 from medfl.config_file import load_bundle_config
 from medfl.experiment import resume, run_experiment
-from medfl.flower import flwr_forks
 from medfl.flower.coordinator import (RUN_CONFIG, FlowerRun, FlowerSettings, SiteDirectory, SiteFailure, SteadyGrid,
                                       SuperLinkError, transient_error)
 from medfl.engine.runner import RunError
@@ -67,7 +66,6 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> dict[str, Any]:
     if rc["workdir"]:
         os.chdir(str(rc["workdir"]))
     settings = FlowerSettings.from_run_config(rc)
-    flwr_forks.pace_pulls()   # a reply listed before its content arrived: asked for again soon, not after 1 s
     if rc["resume"]:
         with _threads(str(rc.get("threads") or "")):   # `medfl flower run --resume --threads N`
             result = resume_flower(str(rc["resume"]), grid, settings, int(rc["rounds"]) or None)
@@ -141,11 +139,9 @@ def main(grid: Grid, context: Context) -> None:
     ``{"ok": true, "dir": ...}`` or ``{"ok": false, "error": ...}`` there. A run refused before
     it started (:func:`refusal`: the config, a method's ``MethodConfigError``) ends the
     ServerApp without a traceback, its line in the result file's ``"refused"`` (or on stderr)."""
-    from medfl.flower.flwr_launcher import outlive_superexec
     from medfl.logs import ensure_console
 
     ensure_console()   # the coordinator's lines on the ServerApp's stderr, as the medfl command shows them
-    outlive_superexec()   # under `medfl flower superlink`, a SuperExec restarted does not end this run
     rc = dict(context.run_config)
     result_file = str(rc.get("result-file", "") or "")
     try:

@@ -26,6 +26,9 @@ from typing import Any
 from medfl.flower.deploy import FlowerDeployError, LocalFederation, _kill_group
 
 __all__ = ["Disruption", "SoakResult", "random_plan", "last_round", "wait_unlocked", "soak"]
+#: Seconds until a SuperLink restarted on its database gives up a run whose ServerApp died with
+#: it (Flower 1.42: its task's heartbeat lapses after twice its 30 s interval), plus a minute.
+_STALE_RUN_EXPIRY = 2 * 30.0 + 60.0
 
 
 @dataclass
@@ -118,15 +121,6 @@ def wait_unlocked(run_dir: Path, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def _stale_run_expiry(fed: LocalFederation) -> float:
-    """Seconds until a SuperLink restarted on its database gives up a run whose ServerApp died
-    with it (Flower: its task's heartbeat lapses after 2 task windows, which medfl's launcher
-    widens to ``MEDFL_FLOWER_TASK_WINDOW``), plus a minute."""
-    from medfl.flower.flwr_launcher import task_window
-
-    return 2 * task_window(fed.env) + 60.0
-
-
 def soak(fed: LocalFederation, config: str | Path, run_dir: Path, plan: list[Disruption], *,
          site_config: str | Path, database: str | Path, round_timeout: float = 30.0,
          hello_timeout: float = 120.0, timeout: float = 3600.0, poll: float = 0.05) -> SoakResult:
@@ -197,7 +191,7 @@ def soak(fed: LocalFederation, config: str | Path, run_dir: Path, plan: list[Dis
                 wait_unlocked(run_dir, max(1.0, deadline - time.monotonic()))
                 # a site may be held by the crashed run's last message, its content lost with the SuperLink,
                 # until that run's ServerApp task expires (2 task windows): the resumed run waits that long
-                runner = launch(resume=exp_dir, name="resumed", connect_timeout=_stale_run_expiry(fed))
+                runner = launch(resume=exp_dir, name="resumed", connect_timeout=_STALE_RUN_EXPIRY)
             done = last_round(run_dir)
         if not runner.is_alive():
             break

@@ -35,19 +35,22 @@ __all__ = ["SiteWorker", "run_site", "socket_for", "exit_reason"]
 logger = logging.getLogger(__name__)
 
 
-def exit_reason(code: int | None) -> str:
+#: Seconds a SuperNode whose work loop ended (:func:`_loop_ended`) is given to exit before its
+#: site ends it: Flower's Runtime API server thread would
+#: keep its process alive after it left the federation.
+LINGER = 5.0
+
+
+def exit_reason(code: int | None, left: bool = False) -> str:
     """What a SuperNode's exit status tells the site's operator. Flower exits with 0 when
     the SuperLink drops the node (a SuperLink restarted without its database answers 401)
-    and with 1 on any error, a refused authentication included; medfl's launcher ends a
-    SuperNode that left the federation but whose process lived on with
-    :data:`~medfl.flower.flwr_launcher.LEFT_EXIT`."""
-    from medfl.flower.flwr_launcher import LEFT_EXIT
-
-    if code == 0:
-        return "the SuperLink may have restarted or dropped this node"
-    if code == LEFT_EXIT:
+    and with 1 on any error, a refused authentication included; ``left``: its work loop had
+    raised and the site ended the process that lived on (:data:`LINGER`)."""
+    if left:
         return ("it stopped on an error of the SuperLink, quoted above (an HTTP 500 when the SuperLink's database "
                 "is locked), and left the federation while its process lived on: medfl ended it")
+    if code == 0:
+        return "the SuperLink may have restarted or dropped this node"
     return ("no connection to the SuperLink, or it refused this node: its message is above; is the SuperLink "
             "up, do the TLS settings match, and where it requires authentication, is this site's public key "
             "registered there (`medfl flower register-site`) and its private key given with --auth-key?")
@@ -123,12 +126,28 @@ class SiteWorker:
                 os.unlink(self.socket_path)
 
 
-def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str) -> subprocess.Popen[bytes]:
+def _loop_ended(line: str, previous: str) -> bool:
+    """Whether ``line`` of a SuperNode's stderr (after ``previous``) says that its work loop
+    has ended: Flower 1.42 logs an HTTP 5xx of the SuperLink (``ERROR : Server error '500
+    ...'``, which its retries do not cover) and leaves the federation; or Python's traceback
+    of the main thread (not another thread's, ``Exception in thread ...``)."""
+    if line.startswith("Traceback (most recent call last):"):
+        return not previous.startswith("Exception in thread")
+    return line.lstrip("\x1b[0123456789;m").startswith("ERROR") and "Server error '5" in line
+
+
+def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str,
+                     ended: set[int] | None = None) -> subprocess.Popen[bytes]:
     """Start ``cmd`` (the SuperNode), saying first that the site waits for the SuperLink its
     ``--superlink`` names; its log (stderr) is passed on line by line through this module's
     logger, with ``WHO: registered as node N at the SuperLink ADDRESS`` after Flower's line
     that gives the node id (:data:`medfl.flower.deploy.NODE_ID_LINE`; a release that words it
-    otherwise gets no such line, its own lines pass unchanged)."""
+    otherwise gets no such line, its own lines pass unchanged).
+
+    When a line says that Flower's work loop has ended (:func:`_loop_ended`: an HTTP 5xx of the
+    SuperLink; the node has left the federation) and the process has not exited
+    :data:`LINGER` seconds later, it is ended (SIGTERM, which Flower's command handles; SIGKILL if that did not end it) and its
+    pid added to ``ended``."""
     from medfl.flower.deploy import NODE_ID_LINE
 
     superlink = cmd[cmd.index("--superlink") + 1] if "--superlink" in cmd else "it was given"
@@ -136,9 +155,25 @@ def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str) -> su
         logger.info(f"{who}: waiting for the SuperLink at {superlink}")
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
 
+    def end_if_alive() -> None:
+        if proc.poll() is None:
+            if ended is not None:
+                ended.add(proc.pid)
+            proc.terminate()
+            try:
+                proc.wait(timeout=LINGER)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
     def relay(pipe: Any) -> None:
+        previous = ""
         for line in iter(pipe.readline, b""):
             text = line.decode(errors="replace").rstrip("\n")
+            if _loop_ended(text, previous):
+                timer = threading.Timer(LINGER, end_if_alive)
+                timer.daemon = True
+                timer.start()
+            previous = text
             # Flower's own level, so that -q still shows its warnings and errors
             level = next((lv for name, lv in (("ERROR", logging.ERROR), ("WARNING", logging.WARNING))
                           if text.lstrip("\x1b[0123456789;m").startswith(name)), logging.INFO)
@@ -161,7 +196,7 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
     With ``restart`` (the default), a SuperNode that exits on its own (a SuperLink that
     restarted without its database no longer knows the node and answers 401; a network
     outage longer than Flower's retries; an error of the SuperLink that ended its work loop,
-    after which medfl's launcher ends its process, see :func:`exit_reason`) is started again after ``backoff`` seconds, doubling
+    after which the site ends its process, see :func:`_start_supernode`) is started again after ``backoff`` seconds, doubling
     up to ``max_backoff`` (reset after a SuperNode that ran for ``max_backoff``), with a log
     line each time: a site keeps serving until its operator stops it.
 
@@ -183,7 +218,8 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
     who = f"medfl site {settings.client_id}"
     try:
         worker._site()  # load config and data now: errors show at start, not at the first message
-        procs = [_start_supernode(supernode_cmd, env, who)]
+        ended: set[int] = set()
+        procs = [_start_supernode(supernode_cmd, env, who, ended)]
     except BaseException:
         worker.stop()
         shutil_rmtree(Path(sock_path).parent)   # the socket's folder from socket_for
@@ -206,13 +242,14 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
                 return
             if time.monotonic() - started >= max_backoff:
                 delay = backoff
-            print(f"{who}: the SuperNode exited with code {code} ({exit_reason(code)}); starting it again in {delay:g} s "
+            print(f"{who}: the SuperNode exited with code {code} ({exit_reason(code, procs[-1].pid in ended)}); "
+                  f"starting it again in {delay:g} s "
                   "(stop the site with Ctrl-C or SIGTERM)", flush=True)
             if stopping.wait(delay):
                 worker.stop()
                 return
             delay = min(delay * 2, max_backoff)
-            procs.append(_start_supernode(supernode_cmd, env, who))
+            procs.append(_start_supernode(supernode_cmd, env, who, ended))
             print(f"{who}: SuperNode pid {procs[-1].pid}", flush=True)
 
     signal.signal(signal.SIGTERM, _end)

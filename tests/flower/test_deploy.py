@@ -43,12 +43,12 @@ def test_flower_app_names_medfls_components_and_run_config(tmp_path: Path) -> No
 
 def test_commands(tmp_path: Path) -> None:
     sl = superlink_command("0.0.0.0", 9100)
-    # the launcher's supervisor: the SuperLink (task window widened) and a SuperExec started again when it exits
+    # the launcher's supervisor: Flower's SuperLink command and a SuperExec started again when it exits
     assert sl[1].endswith("flwr_launcher.py") and sl[2:4] == ["supervise", "--superexec"]
     superexec = json.loads(sl[4])
     assert Path(superexec[0]).name == "flower-superexec"
     assert superexec[1:] == ["--runtime-api-address", "127.0.0.1:9100", "--insecure"]   # bind-all: the loop-back
-    assert sl[5:] == ["--", "flower-superlink", "--host", "0.0.0.0", "--port", "9100",
+    assert sl[5] == "--" and Path(sl[6]).name == "flower-superlink" and sl[7:] == ["--host", "0.0.0.0", "--port", "9100",
                       "--disable-runtime-dependency-installation", "--isolation", "process", "--insecure"]
     tls = superlink_command("hub.example", 9100, insecure=False, root_certificates=tmp_path / "ca.pem",
                             extra=["--ssl-ca-certfile", str(tmp_path / "ca.pem")])

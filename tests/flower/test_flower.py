@@ -80,13 +80,12 @@ def test_fedavg_over_flower_matches_in_process(federation) -> None:
     ok = events[(events["status"] == "ok") & events["phase"].isin(["train", "evaluate"])]
     assert len(ok) == 2 * 2 * 3   # rounds x (train, evaluate) x sites
     _no_state_at_coordinator(flower)
-    _every_superexec_is_woken(fed)
+    _flower_runs_its_own_commands(fed)
 
 
-def _every_superexec_is_woken(fed: LocalFederation) -> None:
-    """The SuperLink's SuperExec and each site's run through medfl's launcher, woken by their
-    SuperLink or SuperNode (``flwr_launcher.py flower-superexec``), none as Flower's own
-    polling command (issue 50, item 4)."""
+def _flower_runs_its_own_commands(fed: LocalFederation) -> None:
+    """The SuperLink, the SuperNodes and their SuperExecs run as Flower's own console
+    scripts, none through a medfl file that would change Flower in its process (issue 65)."""
     from medfl.flower.deploy import _descendants
 
     lines = []
@@ -96,10 +95,11 @@ def _every_superexec_is_woken(fed: LocalFederation) -> None:
                 line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "flower-superexec" in line:
+            if any(f"flower-{name}" in line for name in ("superlink", "supernode", "superexec")):
                 lines.append(line)
-    woken = [ln for ln in lines if "flwr_launcher.py flower-superexec " in ln]
-    assert len(woken) == len(lines) == 1 + 3, lines    # the SuperLink's and three sites'
+    assert not [ln for ln in lines if "flwr_launcher.py flower-" in ln], lines
+    # the SuperLink's SuperExec and three sites'
+    assert len([ln for ln in lines if "/flower-superexec " in ln.split(" --")[0] + " "]) == 1 + 3, lines
 
 
 def test_fedskd_peer_to_peer_over_flower_matches_in_process(federation) -> None:

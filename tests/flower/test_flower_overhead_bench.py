@@ -23,17 +23,14 @@ def bench():  # noqa: ANN201 - the benchmark module, loaded by path as `python b
 
 def test_each_process_of_a_loopback_deployment_is_named(bench) -> None:  # noqa: ANN001
     kind = bench._kind
-    assert kind("medfl-forks", " python flwr_launcher.py flower-supernode --superlink x ") == \
-        "ClientApps (forked, each message's)"
-    assert kind("python", " python /x/medfl/flower/flwr_launcher.py flower-supernode --superlink 127.0.0.1:1 ") == \
-        "SuperNodes"
+    assert kind("flower-supernod", " python /x/bin/flower-supernode --superlink 127.0.0.1:1 ") == "SuperNodes"
     assert kind("python", " python /x/flwr_launcher.py supervise --superexec [] -- flower-superlink --port 1 ") == \
         "SuperLink's supervisor"
-    assert kind("python", " python /x/flwr_launcher.py flower-superlink --host 127.0.0.1 ") == "SuperLink"
+    assert kind("flower-superlin", " python /x/bin/flower-superlink --host 127.0.0.1 ") == "SuperLink"
     assert kind("python", " python -m medfl.cli flower site --client-id 0 ") == "site workers (train, evaluate)"
     assert kind("flower-superexe", " python flower-superexec --insecure ") .startswith("SuperExecs")
     assert kind("flwr-serverapp", " ") == "ServerApp (medfl's coordinator)"
-    assert kind("flwr-clientapp", " python flwr_launcher.py flower-supernode ") is None   # counted by its reaper
+    assert kind("flwr-clientapp", " python /x/bin/flwr-clientapp ") is None   # short-lived: counted by its reaper
     assert kind("bash", " bash ") is None
 
 

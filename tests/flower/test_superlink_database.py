@@ -1,8 +1,8 @@
 """A deployment that survives its database (issue 49, item 5), piece by piece and without a
 SuperLink: Flower's SuperNode that ended its work loop on an HTTP 500 ("database is locked")
-but whose process lived on is ended by medfl's launcher, so ``medfl flower site`` starts it
+but whose process lived on is ended by its site, so ``medfl flower site`` starts it
 again; ``medfl flower superlink``'s supervisor starts a SuperExec that exited again, and the
-ServerApps it had started go on; ``flwr run`` whose log stream failed is followed until its
+ServerApps it had started end with it; ``flwr run`` whose log stream failed is followed until its
 run has ended. ``tests/flower/test_superlink_lock.py`` holds a real SuperLink's database
 locked for 6 s mid-run."""
 
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
 import medfl.flower.deploy as deploy  # noqa: E402
-from medfl.flower import flwr_launcher  # noqa: E402
+from medfl.flower import flwr_launcher, worker  # noqa: E402
 from medfl.flower.worker import exit_reason  # noqa: E402
 
 LAUNCHER = str(Path(flwr_launcher.__file__).resolve())
@@ -30,40 +30,44 @@ LOAD = ("import importlib.util, sys\n"
         "m = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(m)\n")
 
-FLOWER = LOAD + """
-import threading, time
-def server() -> None:   # Flower's runtime API server: a non-daemon thread that never ends by itself
-    threading.Thread(target=time.sleep, args=(3600,), name="supernode-runtime-http-api").start()
-def loop_ended() -> None:
-    server()
-    print("ERROR: Server error '500 Internal Server Error' for url '.../v1/fleet/pull-messages'", flush=True)
-def raises() -> None:
-    server()
-    raise RuntimeError("boom")
-def stopped() -> None:
-    raise SystemExit(0)
-sys.exit(m.run_flower({"loop_ended": loop_ended, "raises": raises, "stopped": stopped}[sys.argv[2]],
-                      "flower-supernode", linger=0.3))
+# a SuperNode whose work loop ended while its Runtime API server thread (non-daemon) lives on:
+# ``raises``: an uncaught exception of the main thread; ``500``: Flower's error line, then its
+# main thread returns; ``thread``: an exception of another thread only, and a 4xx line
+FLOWER = """
+import sys, threading, time
+threading.Thread(target=time.sleep, args=(3600,), name="supernode-runtime-http-api").start()
+if sys.argv[1] == "500":   # Flower 1.42's words, its colours included; then its main thread ends
+    print("\\x1b[91mERROR \\x1b[0m:     Server error '500 Internal Server Error' for url "
+          "'http://127.0.0.1:1/v1/fleet/pull-messages'", file=sys.stderr, flush=True)
+    sys.exit(0)
+if sys.argv[1] == "thread":
+    print("\\x1b[91mERROR \\x1b[0m:     Server error '404 Not Found' for url 'x'", file=sys.stderr, flush=True)
+    threading.Thread(target=lambda: 1 / 0).start()
+    time.sleep(3600)
+raise RuntimeError("boom")
 """
 
 
-def _flower(case: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", FLOWER, LAUNCHER, case], capture_output=True, text=True, timeout=300)
-
-
-def test_a_supernode_whose_work_loop_ended_does_not_keep_its_process_alive() -> None:
+def test_a_supernode_whose_work_loop_raised_does_not_keep_its_process_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, the process lived on with its server thread: the SuperNode had left the
-    federation, and `medfl flower site`, waiting for it to exit, never started it again."""
-    done = _flower("loop_ended")
-    assert done.returncode == flwr_launcher.LEFT_EXIT == 75, done.stderr
-    assert ("medfl: flower-supernode returned, but its thread(s) supernode-runtime-http-api kept its process alive; "
-            "ending the process (exit code 75)") in done.stderr
-    raised = _flower("raises")
-    assert raised.returncode == 1 and "RuntimeError: boom" in raised.stderr
-    assert "flower-supernode stopped on RuntimeError: boom, but its thread(s)" in raised.stderr
-    stopped = _flower("stopped")       # Flower's own exit (SIGTERM): its threads end, nothing to say
-    assert stopped.returncode == 0 and "medfl:" not in stopped.stderr
-    assert "left the federation while its process lived on" in exit_reason(75)   # what the site says then
+    federation, and `medfl flower site`, waiting for it to exit, never started it again. Now
+    the site ends it once Python's traceback of its main thread came; a thread's does not."""
+    monkeypatch.setattr(worker, "LINGER", 0.5)
+    ended: set[int] = set()
+    proc = worker._start_supernode([sys.executable, "-c", FLOWER, "raises"], None, "site 0", ended)
+    assert proc.wait(timeout=300) != 0 and ended == {proc.pid}
+    logged = worker._start_supernode([sys.executable, "-c", FLOWER, "500"], None, "site 0", ended)
+    assert logged.wait(timeout=300) != 0 and ended == {proc.pid, logged.pid}
+    assert "left the federation while its process lived on: medfl ended it" in exit_reason(1, left=True)
+    assert "left the federation" not in exit_reason(1)
+    other = worker._start_supernode([sys.executable, "-c", FLOWER, "thread"], None, "site 1", ended)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            other.wait(timeout=4.0)
+        assert other.pid not in ended
+    finally:
+        other.kill()
+        other.wait()
 
 
 SUPERVISE = LOAD + """
@@ -102,8 +106,8 @@ def _alive(pid: int) -> bool:
 
 def test_the_superlink_supervisor_starts_a_superexec_that_exited_again(tmp_path: Path) -> None:
     """Before, Flower's SuperLink started its SuperExec once: after an HTTP 500 of its task
-    poll no run ever started again. Now it is started again, the ServerApp it had started
-    goes on, and stopping the supervisor ends everything."""
+    poll no run ever started again. Now it is started again, and stopping the supervisor ends
+    everything, a ServerApp its SuperExec left behind included."""
     proc = subprocess.Popen([sys.executable, "-c", SUPERVISE, LAUNCHER, LINK.format(code=0), SUPEREXEC, str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     starts = tmp_path / "starts.txt"
@@ -111,12 +115,12 @@ def test_the_superlink_supervisor_starts_a_superexec_that_exited_again(tmp_path:
     while time.monotonic() < deadline and (not starts.is_file() or len(starts.read_text().splitlines()) < 5):
         time.sleep(0.1)
     app = int((tmp_path / "app.pid").read_text())
-    assert proc.poll() is None and _alive(app), "the supervisor and the first SuperExec's ServerApp run on"
+    assert proc.poll() is None, "the supervisor runs on"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     lines = starts.read_text().splitlines()
-    assert len(lines) >= 5 and all(ln.startswith(f"{proc.pid} --parent-pid {proc.pid}") for ln in lines), lines
+    assert len(lines) >= 5 and all(ln.startswith(f"- --parent-pid {proc.pid}") for ln in lines), lines
     assert "medfl: the SuperExec exited with code 1" in err and "starting it again in 0.1 s" in err
     assert "starting it again in 0.4 s" in err      # the wait doubles up to max_backoff
     deadline = time.monotonic() + 120
@@ -129,24 +133,6 @@ def test_the_supervisor_ends_with_its_superlink(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", SUPERVISE, LAUNCHER, LINK.format(code=3),
                            "import time; time.sleep(3600)", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 3, done.stderr          # the SuperLink's code; its SuperExec was ended
-
-
-def test_a_serverapp_outlives_its_superexec_only_while_the_supervisor_lives(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flwr.supercore import app_utils
-
-    supervisor = os.getpid()
-    monkeypatch.setattr(app_utils, "_pid_exists", lambda pid: pid == supervisor)   # every other process gone
-    monkeypatch.delenv(flwr_launcher.SUPERVISED_ENV, raising=False)
-    assert not flwr_launcher.outlive_superexec()
-    assert not app_utils._pid_exists(os.getppid())                       # Flower's watch, as it was
-    monkeypatch.setenv(flwr_launcher.SUPERVISED_ENV, str(supervisor))
-    assert flwr_launcher.outlive_superexec()
-    assert app_utils._pid_exists(os.getppid())                           # its SuperExec: the supervisor lives
-    assert not app_utils._pid_exists(os.getppid() + 1)                   # any other process: Flower's answer
-    monkeypatch.setattr(app_utils, "_pid_exists", lambda pid: False)     # the supervisor gone too (a crash)
-    monkeypatch.setenv(flwr_launcher.SUPERVISED_ENV, str(supervisor))
-    assert flwr_launcher.outlive_superexec()
-    assert not app_utils._pid_exists(os.getppid())                       # the ServerApp ends, as before
 
 
 def _fake_flwr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, statuses: list[str | None], last: str = "") -> list[int]:
