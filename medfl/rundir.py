@@ -14,7 +14,7 @@ records of them, and writes that say which file a full disk stopped. A run direc
                        written before the column existed gets it on resume from its row
                        order); its (round, client_id) pairs are the record of the sampled clients;
                        ``bytes_to_client``/``bytes_from_client``: that training step's
-                       instruction and reply as Flower sends them (one row per step for a
+                       instruction and reply (:func:`medfl.wire.encoded_size`; one row per step for a
                        method with several steps a round)
     mechanisms.csv     what the method's own mechanisms did each round (``Method.mechanisms``:
                        stop rounds, decay weights, noise-to-signal ratios...), one line per
@@ -39,8 +39,8 @@ records of them, and writes that say which file a full disk stopped. A run direc
                        (:mod:`medfl.privacy.releases`)
     communication.csv  one row per (round, client, phase: train, validate, evaluate, score)
                        with ``bytes_to_client``, ``bytes_from_client`` and ``messages``: the
-                       encoded size of the messages as Flower sends them, measured in process
-                       too (:mod:`medfl.engine.traffic`)
+                       encoded size of the messages (:func:`medfl.wire.encoded_size`), the same
+                       in process and deployed (:mod:`medfl.engine.traffic`)
     summary.json       final metrics: mean, std, worst and best client per split, and
                        the clients each mean covers (``clients`` of ``of``), their
                        ``reported_by`` provenance, the

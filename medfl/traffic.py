@@ -22,7 +22,7 @@ are :data:`PHASES`:
     model's state);
 ``score``
     ``cross_test``: every evaluation model and the shared evaluation instructions sent to
-    each site, one ``MetricRecord`` per model back;
+    each site, one metrics record per model back;
 ``final``
     the coordinator's final models (:meth:`medfl.method.Method.final_models`) sent to each
     client after the last round and their metrics back, counted in the last round.

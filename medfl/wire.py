@@ -1,156 +1,360 @@
-"""medfl messages as Flower records, and the content of every message medfl sends.
+"""The content of every message medfl sends, and its byte encoding.
 
 Both transports build their messages here: the Flower coordinator and sites
-(:mod:`medfl.flower`) send them, and the in-process engine (:class:`medfl.engine.runner.Run`)
-builds the same contents to measure what a deployment would send
-(:mod:`medfl.engine.traffic`), so the two count the same bytes.
+(:mod:`medfl.flower`, which hand them to Flower through :mod:`medfl.flower.records`) and the
+in-process engine (:class:`medfl.engine.runner.Run`), which builds the same contents to
+measure what a deployment would send (:mod:`medfl.engine.traffic`): both count the same
+bytes, :func:`encoded_size`. Nothing here needs Flower.
+
+Contents. A :class:`Content` is an ordered ``{name: record}``; a record is one of three kinds,
+as Flower's: :class:`Arrays` (``{key: NumPy array}``, Flower's ``ArrayRecord``), :class:`Config`
+(``{key: int | float | bool | str | bytes}`` or a list of one of them, ``ConfigRecord``) and
+:class:`Metrics` (``{key: int | float}`` or a list of ints or of floats, ``MetricRecord``).
 
 Values. An :class:`~medfl.messages.Instruction` or :class:`~medfl.messages.Reply` holds nested
 dicts, lists and tuples of tensors and scalars. :func:`pack` turns such a value into two
-Flower records that travel in a :class:`flwr.app.RecordDict`:
+records: ``<name>.arrays`` (every tensor as a NumPy array, dtype and shape kept, keyed by its
+position in the tree, ``"0"``, ``"1"``...; bfloat16 as its int16 bits) and ``<name>.tree`` (one
+entry ``tree``: the structure as JSON, scalars in place, each tensor replaced by its key; JSON
+keeps ``int``/``float``/``bool``/``None``/``str`` apart and Python's float repr round-trips
+exactly, ``NaN`` and ``inf`` included). :func:`unpack` reverses it exactly (tuples stay tuples,
+dict order is kept). Both sides check what they send and receive with
+:func:`medfl.messages.validate_payload`. Flat ``{name: number}`` results travel as
+:class:`Metrics` (:func:`metrics_record`, :func:`read_metrics`), control fields as a
+:class:`Config` of JSON texts named :data:`CONTROL` (:func:`put_json`, :func:`take_json`).
 
-``<name>.arrays`` (``ArrayRecord``)
-    every tensor, as a NumPy array (``np.save`` bytes: dtype and shape kept exactly), keyed
-    by its position in the tree (``"0"``, ``"1"``, ...);
-``<name>.tree`` (``ConfigRecord``)
-    one entry ``tree``: the structure as JSON, with the scalars in place and each tensor
-    replaced by its key. JSON keeps ``int``/``float``/``bool``/``None``/``str`` apart and
-    Python's float repr round-trips exactly (``NaN`` and ``inf`` included).
+Encoding (:func:`encode`, :func:`decode`; integers little-endian, ``str``: a u32 byte length
+and UTF-8)::
 
-:func:`unpack` reverses it exactly (tuples stay tuples, dict order is kept), so a value
-sent over Flower equals the in-process one bit for bit. Both sides check what they send
-and what they receive with :func:`medfl.messages.validate_payload`: only tensors and
-scalars ever reach the wire, and a decoded value is checked again before anyone uses it.
+    content = b"MFLW" | u8 version (1) | u32 record count | record*
+    record  = str name | u8 kind (b"a" arrays, b"c" config, b"m" metrics) | u32 entry count | entry*
+    arrays entry = str key | str dtype (NumPy's ``dtype.str``, e.g. "<f4"; kinds b, i, u, f, c)
+                   | u8 ndim | u64 dim * ndim | data (C order, itemsize * prod(dims) bytes)
+    config or metrics entry = str key | value
+    value   = u8 tag | "i": i64 | "u": u64 (an int of 2**63 or more) | "f": f64 | "?": u8 0 or 1
+                     | "s": str | "y": u32 length, bytes
+                     | "l": u8 element tag, u32 count, count element payloads (no tag each)
 
-Flat ``{name: number}`` results (evaluation metrics) travel as ``MetricRecord``
-(:func:`metrics_record`, :func:`read_metrics`); control fields as a ``ConfigRecord`` of JSON
-texts named :data:`CONTROL` (:func:`put_json`, :func:`take_json`).
+Metrics take the tags ``i``, ``u``, ``f`` and lists of them; a list holding an int of 2**63 or
+more is all ``u`` (as Flower's records). :func:`decode` is strict: a buffer that is
+truncated, has bytes after the content, or declares sizes it does not hold raises
+:class:`WireError` saying what and where, before anything is allocated for it.
+:func:`encoded_size` is ``len(encode(content))`` computed from the arrays' dtypes and shapes
+(no array is serialised). The message's envelope is not counted (the transport's headers,
+Flower's ``Metadata``).
 
-Messages (:mod:`medfl.flower.protocol` lists the message types). Requests, coordinator to
-site: :func:`instruction_request` (``train``, ``evaluate``, ``evaluate.validate``: the control
-record and one instruction under ``ins``) and :func:`score_request` (``evaluate.score``:
-every evaluation model and the shared evaluation instructions). Answers, site to
-coordinator, each with the control record ``{"protocol": PROTOCOL, "client": id, ...}``
-(:func:`answer`): :func:`train_answer`, :func:`evaluate_answer`, :func:`validate_answer`,
-:func:`score_answer`. :func:`encoded_size` is the size of a content as Flower serialises it;
+Messages (:mod:`medfl.flower.protocol` lists the types). Requests, coordinator to site:
+:func:`instruction_request` (``train``, ``evaluate``, ``evaluate.validate``: the control record
+and one instruction under ``ins``) and :func:`score_request` (``evaluate.score``: every
+evaluation model and the shared evaluation instructions). Answers, site to coordinator, each
+with the control record ``{"protocol": PROTOCOL, "client": id, ...}`` (:func:`answer`):
+:func:`train_answer`, :func:`evaluate_answer`, :func:`validate_answer`, :func:`score_answer`.
 :class:`RecordCache` lets many messages that carry the same tensors (one global model sent to
 every client) pack them once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+import math
+import re
+import struct
+from typing import Any, Iterator
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-from flwr.common.serde import recorddict_to_proto
 
 from medfl.messages import Instruction, PayloadError, validate_payload
 
-__all__ = ["PROTOCOL", "CONTROL", "pack", "unpack", "put", "take", "metrics_record", "read_metrics", "put_json",
-           "take_json", "WireError", "RecordCache", "ContentSnapshot", "encoded_size", "instruction_request", "instruction_request_size",
-           "share_instructions",
-           "score_request", "answer", "train_answer", "train_answer_size", "ArraySizes", "evaluate_answer", "validate_answer", "score_answer"]
+__all__ = ["PROTOCOL", "CONTROL", "Content", "Arrays", "Config", "Metrics", "encode", "decode", "encoded_size",
+           "pack", "unpack", "put", "take", "metrics_record", "read_metrics", "put_json", "take_json", "WireError",
+           "RecordCache", "ContentSnapshot", "instruction_request", "instruction_request_size", "share_instructions",
+           "score_request", "answer", "train_answer", "train_answer_size", "evaluate_answer", "validate_answer",
+           "score_answer"]
 
-#: Version of the medfl-over-Flower protocol; a site refuses messages of another version.
+#: Version of the medfl message protocol; a site refuses messages of another version.
 PROTOCOL = 4
 
-#: Name of the control ``ConfigRecord`` in every medfl message.
+#: Name of the control record in every medfl message.
 CONTROL = "medfl"
 
 
 class WireError(PayloadError):
-    """A Flower message does not hold what a medfl message must (missing or malformed records)."""
+    """A message does not hold what a medfl message must (missing or malformed records or bytes)."""
 
 
-def _tensor_to_array(t: torch.Tensor) -> tuple[Array, str | None]:
-    """A tensor as a Flower ``Array``; bfloat16 (no NumPy dtype) travels as its int16 bits."""
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return Array(t.contiguous().view(torch.int16).numpy()), "bfloat16"
-    return Array(t.contiguous().numpy()), None
+class Arrays(dict):
+    """An arrays record (Flower's ``ArrayRecord``): ``{key: NumPy array}`` of kinds b, i, u, f, c."""
 
 
-def _array_to_tensor(a: Array, special: str | None) -> torch.Tensor:
-    arr = a.numpy()
-    t = torch.from_numpy(np.array(arr, copy=True))  # writable, owns its memory
+class Config(dict):
+    """A config record (Flower's ``ConfigRecord``): ``{key: value}``, a value an ``int``, ``float``,
+    ``bool``, ``str`` or ``bytes``, or a list of one of them."""
+
+
+class Metrics(dict):
+    """A metrics record (Flower's ``MetricRecord``): ``{key: int | float}``, or a list of ints or of floats."""
+
+
+class Content(dict):
+    """A message's content (Flower's ``RecordDict``): an ordered ``{name: record}`` of
+    :class:`Arrays`, :class:`Config` and :class:`Metrics` records."""
+
+    def __setitem__(self, name: str, record: Arrays | Config | Metrics) -> None:
+        if not isinstance(name, str) or type(record) not in _KINDS:
+            raise WireError(f"record {name!r}: a content holds Arrays, Config and Metrics records by name, "
+                            f"not {type(record).__name__}")
+        super().__setitem__(name, record)
+
+
+# ---------------------------------------------------------------------- encoding
+_MAGIC, _VERSION = b"MFLW", 1
+_KINDS: dict[type, bytes] = {Arrays: b"a", Config: b"c", Metrics: b"m"}
+_RECORDS = {v: k for k, v in _KINDS.items()}
+_U8, _U32, _U64, _I64, _F64 = (struct.Struct("<" + c) for c in "BIQqd")
+_NUMBERS = {b"i": _I64, b"u": _U64, b"f": _F64}
+_TAGS = {b"c": {b"i", b"u", b"f", b"?", b"s", b"y"}, b"m": {b"i", b"u", b"f"}}   # the value tags of each kind of record
+_DTYPE = re.compile(r"[<>|][biufc]\d{1,2}")
+
+
+def _text(s: str) -> bytes:
+    b = s.encode()
+    return _U32.pack(len(b)) + b
+
+
+def _tag(v: Any) -> bytes:
+    if isinstance(v, bool):
+        return b"?"
+    if isinstance(v, int) and v >= 2**63:
+        return b"u"
+    for tag, kind in ((b"i", int), (b"f", float), (b"s", str), (b"y", bytes), (b"l", list)):
+        if isinstance(v, kind):
+            return tag
+    return b""
+
+
+def _payload(tag: bytes, v: Any) -> bytes:
+    if tag == b"s":
+        return _text(v)
+    if tag == b"y":
+        return _U32.pack(len(v)) + v
+    return _U8.pack(v) if tag == b"?" else _NUMBERS[tag].pack(v)
+
+
+def _value(v: Any, kind: bytes, where: str) -> bytes:
+    """A config or metrics entry's value, tagged (the module docstring's ``value``)."""
+    tag = _tag(v)
+    tags = [_tag(x) for x in v] if tag == b"l" else [tag]
+    if set(tags) == {b"i", b"u"}:
+        tags = [b"u"] * len(tags)
+    if len(set(tags)) > 1 or not set(tags) <= _TAGS[kind]:
+        raise WireError(f"{where}: {type(v).__name__} {v!r:.60} cannot travel in a "
+                        f"{_RECORDS[kind].__name__} record")
+    try:
+        if tag != b"l":
+            return tag + _payload(tag, v)
+        elem = tags[0] if v else b"i"
+        return b"l" + elem + _U32.pack(len(v)) + b"".join(_payload(elem, x) for x in v)
+    except (struct.error, UnicodeEncodeError) as exc:
+        raise WireError(f"{where}: {v!r:.60} cannot be encoded ({exc})") from None
+
+
+def _chunks(content: Content, measure: bool) -> Iterator[bytes | int]:
+    """The encoding of ``content`` in pieces; with ``measure``, each array's data as its length."""
+    yield _MAGIC + _U8.pack(_VERSION) + _U32.pack(len(content))
+    for name, record in content.items():
+        kind = _KINDS.get(type(record))
+        if kind is None or not isinstance(name, str):
+            raise WireError(f"record {name!r}: {type(record).__name__} is not a record (Arrays, Config, Metrics)")
+        yield _text(name) + kind + _U32.pack(len(record))
+        for key, v in record.items():
+            where = f"record {name!r} entry {key!r}"
+            if kind != b"a":
+                yield _text(key) + _value(v, kind, where)
+                continue
+            if not isinstance(v, np.ndarray) or not _DTYPE.fullmatch(v.dtype.str) or v.ndim > 32:
+                raise WireError(f"{where}: {type(v).__name__} {getattr(v, 'dtype', '')} is not a numeric NumPy "
+                                "array of at most 32 dimensions")
+            yield _text(key) + _text(v.dtype.str) + _U8.pack(v.ndim) + b"".join(_U64.pack(d) for d in v.shape)
+            yield v.nbytes if measure else v.tobytes()
+
+
+def encode(content: Content) -> bytes:
+    """``content`` as bytes (the module docstring's format); :func:`decode` gives it back.
+
+    Raises:
+        WireError: a record or value that the format cannot carry.
+    """
+    return b"".join(_chunks(content, False))  # type: ignore[arg-type]
+
+
+def encoded_size(content: Content) -> int:
+    """``len(encode(content))``, from the arrays' dtypes and shapes (none is serialised): the
+    bytes medfl records for a message, in process, over Flower and over NVIDIA FLARE alike.
+
+    Raises:
+        WireError: as :func:`encode`.
+    """
+    return sum(c if isinstance(c, int) else len(c) for c in _chunks(content, True))
+
+
+class _Reader:
+    """Reads :func:`encode`'s bytes, refusing any length the buffer does not hold."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = memoryview(data).cast("B"), 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        left = len(self.data) - self.pos
+        if n > left:
+            raise WireError(f"truncated: {what} needs {n} bytes at offset {self.pos}, {left} left")
+        self.pos += n
+        return self.data[self.pos - n:self.pos]
+
+    def num(self, st: struct.Struct, what: str) -> Any:
+        return st.unpack(self.take(st.size, what))[0]
+
+    def text(self, what: str) -> str:
+        raw = self.take(self.num(_U32, what + " length"), what)
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError as exc:
+            raise WireError(f"{what} at offset {self.pos - len(raw)} is not UTF-8 ({exc})") from None
+
+    def scalar(self, tag: bytes, what: str) -> Any:
+        if tag == b"s":
+            return self.text(what)
+        if tag == b"y":
+            return bytes(self.take(self.num(_U32, what + " length"), what))
+        if tag == b"?":
+            b = self.num(_U8, what)
+            if b > 1:
+                raise WireError(f"{what}: bool byte {b} at offset {self.pos - 1}")
+            return bool(b)
+        return self.num(_NUMBERS[tag], what)
+
+    def value(self, kind: bytes, what: str) -> Any:
+        tag = bytes(self.take(1, what + " tag"))
+        listed = tag == b"l"
+        if listed:
+            tag = bytes(self.take(1, what + " element tag"))
+        if tag not in _TAGS[kind]:
+            raise WireError(f"{what}: unknown value tag {tag!r} at offset {self.pos - 1} in a "
+                            f"{_RECORDS[kind].__name__} record")
+        if not listed:
+            return self.scalar(tag, what)
+        return [self.scalar(tag, what) for _ in range(self.num(_U32, what + " count"))]
+
+    def array(self, what: str) -> np.ndarray:
+        dtype = self.text(what + " dtype")
+        try:
+            dt = np.dtype(dtype if _DTYPE.fullmatch(dtype) else "O")
+        except TypeError:
+            dt = np.dtype("O")
+        if dt.kind == "O":
+            raise WireError(f"{what}: dtype {dtype!r:.40} is not a numeric NumPy dtype")
+        ndim = self.num(_U8, what + " ndim")
+        if ndim > 32:
+            raise WireError(f"{what}: {ndim} dimensions (at most 32)")
+        dims = [self.num(_U64, what + " shape") for _ in range(ndim)]
+        n = dt.itemsize * math.prod(dims)
+        raw = self.take(n, f"{what} data (shape {dims}, {dtype})")
+        try:
+            return np.frombuffer(raw, dtype=dt).reshape(dims).copy()
+        except ValueError as exc:
+            raise WireError(f"{what}: shape {dims} ({exc})") from None
+
+
+def decode(data: bytes) -> Content:
+    """The :class:`Content` that :func:`encode` wrote as ``data``.
+
+    Raises:
+        WireError: ``data`` is not exactly one encoded content (bad magic or version, truncated,
+            a length it does not hold, an unknown record kind or value tag, a duplicate name,
+            bytes after the end), naming what and where.
+    """
+    try:
+        r = _Reader(data)
+    except TypeError as exc:
+        raise WireError(f"not bytes: {type(data).__name__} ({exc})") from None
+    magic = bytes(r.take(len(_MAGIC), "the magic"))
+    if magic != _MAGIC:
+        raise WireError(f"bad magic {magic!r}: not a medfl message content (b'MFLW')")
+    version = r.num(_U8, "the version")
+    if version != _VERSION:
+        raise WireError(f"format version {version}, this medfl reads version {_VERSION}")
+    content = Content()
+    for i in range(r.num(_U32, "the record count")):
+        name = r.text(f"record {i} name")
+        kind = bytes(r.take(1, f"record {name!r} kind"))
+        if kind not in _RECORDS or name in content:
+            raise WireError(f"record {name!r}: " + ("a duplicate name" if name in content else
+                                                    f"unknown kind {kind!r} at offset {r.pos - 1}"))
+        record = _RECORDS[kind]()
+        for j in range(r.num(_U32, f"record {name!r} entry count")):
+            key = r.text(f"record {name!r} entry {j} key")
+            if key in record:
+                raise WireError(f"record {name!r}: duplicate entry {key!r}")
+            what = f"record {name!r} entry {key!r}"
+            record[key] = r.array(what) if kind == b"a" else r.value(kind, what)
+        content[name] = record
+    if r.pos != len(r.data):
+        raise WireError(f"{len(r.data) - r.pos} bytes after the content's end (offset {r.pos})")
+    return content
+
+
+# ---------------------------------------------------------------------- values
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype a tensor of ``dtype`` travels as (bfloat16: int16)."""
+    return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _tensor_to_array(t: torch.Tensor, measure: bool) -> np.ndarray:
+    """A tensor as a NumPy array of its own (a copy); bfloat16 (no NumPy dtype) as its int16
+    bits. ``measure``: a zero-strided array of the same dtype and shape, copying nothing
+    (what :func:`encoded_size` needs; never sent)."""
+    if measure:
+        return np.broadcast_to(np.zeros((), _numpy_dtype(t.dtype)), tuple(t.shape))
+    own = torch.empty_like(t, device="cpu", memory_format=torch.contiguous_format).copy_(t.detach())
+    return (own.view(torch.int16) if t.dtype == torch.bfloat16 else own).numpy()
+
+
+def _array_to_tensor(a: Any, special: str | None, where: str) -> torch.Tensor:
+    if not isinstance(a, np.ndarray):
+        raise WireError(f"{where}: a {type(a).__name__} where an array was expected")
+    t = torch.from_numpy(np.array(a, copy=True))  # writable, owns its memory
     if special == "bfloat16":
         return t.view(torch.bfloat16)
     if special is not None:
-        raise WireError(f"unknown tensor encoding {special!r}")
+        raise WireError(f"{where}: unknown tensor encoding {special!r}")
     return t
 
 
-class ArraySizes:
-    """What :func:`encoded_size` needs of the ``ArrayRecord`` that :func:`pack` would build -
-    each array's key, NumPy dtype and shape - without copying a tensor: how the in-process
-    engine measures a reply it never sends (:func:`train_answer_size`).
-
-    Args:
-        entries: ``(key, numpy dtype name, shape)`` per array, in :func:`pack`'s order.
-    """
-
-    def __init__(self, entries: list[tuple[str, str, tuple[int, ...]]]) -> None:
-        self.entries = entries
-
-    def record(self) -> ArrayRecord:
-        """An ``ArrayRecord`` of zeros of the same keys, dtypes and shapes (the same encoded size)."""
-        return ArrayRecord({k: Array(np.zeros(shape, dtype=dt)) for k, dt, shape in self.entries})
-
-
-#: Serialised byte length of an ``Array`` by (dtype, shape): the data plus NumPy's header.
-_DATA_LENGTHS: dict[tuple[str, tuple[int, ...]], int] = {}
-#: NumPy dtype name of each torch dtype (bfloat16 travels as int16).
-_NUMPY_DTYPES: dict[torch.dtype, str] = {}
-
-
-def _numpy_dtype(dtype: torch.dtype) -> str:
-    if dtype not in _NUMPY_DTYPES:
-        _NUMPY_DTYPES[dtype] = ("int16" if dtype == torch.bfloat16
-                                else str(torch.empty(0, dtype=dtype).numpy().dtype))
-    return _NUMPY_DTYPES[dtype]
-
-
-def _data_length(dtype: str, shape: tuple[int, ...]) -> int:
-    key = (dtype, shape)
-    n = _DATA_LENGTHS.get(key)
-    if n is None:
-        n = len(Array(np.zeros(shape, dtype=dtype)).data)
-        if len(_DATA_LENGTHS) >= 4096:
-            _DATA_LENGTHS.clear()
-        _DATA_LENGTHS[key] = n
-    return n
-
-
 def pack(value: Any, where: str = "message", *, allow_str: bool = True, measure: bool = False
-         ) -> tuple[Any, ConfigRecord]:
-    """Encode a tree of tensors and scalars as ``(ArrayRecord, ConfigRecord)``.
+         ) -> tuple[Arrays, Config]:
+    """Encode a tree of tensors and scalars as ``(Arrays, Config)`` records.
 
     Args:
         value: dicts (string keys), lists and tuples of tensors, ``int``, ``float``,
             ``bool``, ``None`` and (when ``allow_str``) ``str``.
         where: where the value goes, for error messages.
         allow_str: whether strings may be sent (instructions yes, anything from a site no).
-        measure: return :class:`ArraySizes` instead of the ``ArrayRecord`` (no tensor is
-            copied; only :func:`encoded_size`-style measuring can use it).
+        measure: hold zero-strided stand-ins of the tensors, copying none: only for
+            :func:`encoded_size` (the in-process engine measures what it never sends).
 
     Raises:
         PayloadError: ``value`` holds anything else (checked before encoding).
     """
     validate_payload(value, where, allow_str=allow_str)
-    arrays: dict[str, Any] = {}
+    arrays = Arrays()
 
     def enc(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             key = str(len(arrays))
-            if measure:
-                arrays[key] = (_numpy_dtype(v.dtype), tuple(v.shape))
-                special = "bfloat16" if v.dtype == torch.bfloat16 else None
-            else:
-                arrays[key], special = _tensor_to_array(v)
-            return {"t": key} if special is None else {"t": key, "x": special}
+            arrays[key] = _tensor_to_array(v, measure)
+            return {"t": key} if v.dtype != torch.bfloat16 else {"t": key, "x": "bfloat16"}
         if isinstance(v, dict):
             return {"d": [[k, enc(x)] for k, x in v.items()]}
         if isinstance(v, tuple):
@@ -159,21 +363,17 @@ def pack(value: Any, where: str = "message", *, allow_str: bool = True, measure:
             return {"l": [enc(x) for x in v]}
         return {"s": v}
 
-    tree = json.dumps(enc(value), allow_nan=True)
-    if measure:
-        return ArraySizes([(k, dt, shape) for k, (dt, shape) in arrays.items()]), ConfigRecord({"tree": tree})
-    return ArrayRecord(arrays), ConfigRecord({"tree": tree})
+    return arrays, Config({"tree": json.dumps(enc(value), allow_nan=True)})
 
 
-def unpack(arrays: ArrayRecord, tree: ConfigRecord, where: str = "message", *,
-           allow_str: bool = True) -> Any:
+def unpack(arrays: Arrays, tree: Config, where: str = "message", *, allow_str: bool = True) -> Any:
     """Decode what :func:`pack` encoded, and check it again.
 
     Raises:
         WireError: the records are malformed (a tensor key missing, an unknown node).
         PayloadError: the decoded value holds something that may not travel.
     """
-    if "tree" not in tree or not isinstance(tree["tree"], str):
+    if not isinstance(tree.get("tree"), str):
         raise WireError(f"{where}: no 'tree' entry in the config record")
     try:
         root = json.loads(tree["tree"])
@@ -187,7 +387,7 @@ def unpack(arrays: ArrayRecord, tree: ConfigRecord, where: str = "message", *,
             key = node["t"]
             if key not in arrays:
                 raise WireError(f"{where}: tensor {key!r} missing from the array record")
-            return _array_to_tensor(arrays[key], node.get("x"))
+            return _array_to_tensor(arrays[key], node.get("x"), f"{where}: tensor {key!r}")
         if "d" in node:
             return {str(k): dec(x) for k, x in node["d"]}
         if "u" in node:
@@ -203,44 +403,42 @@ def unpack(arrays: ArrayRecord, tree: ConfigRecord, where: str = "message", *,
     return value
 
 
-def put(content: RecordDict, name: str, value: Any, where: str, *, allow_str: bool = True,
-        cache: "RecordCache | None" = None) -> None:
+def put(content: Content, name: str, value: Any, where: str, *, allow_str: bool = True,
+        cache: "RecordCache | None" = None, measure: bool = False) -> None:
     """Pack ``value`` into ``content`` as ``<name>.arrays`` and ``<name>.tree`` (with
-    ``cache``: the records ``cache`` already packed for this very object, if any)."""
-    if cache is None:
-        arrays, tree = pack(value, where, allow_str=allow_str)
-    else:
-        arrays, tree = cache.pack(value, where, allow_str=allow_str)
+    ``cache``: the records ``cache`` already packed for this very object, if any; ``measure``:
+    as :func:`pack`'s)."""
+    arrays, tree = (cache.pack if cache is not None else pack)(value, where, allow_str=allow_str, measure=measure)
     content[f"{name}.arrays"] = arrays
     content[f"{name}.tree"] = tree
 
 
-def take(content: RecordDict, name: str, where: str, *, allow_str: bool = True) -> Any:
+def take(content: Content, name: str, where: str, *, allow_str: bool = True) -> Any:
     """Unpack the value :func:`put` stored under ``name``.
 
     Raises:
         WireError: the message has no such value.
     """
     a, t = content.get(f"{name}.arrays"), content.get(f"{name}.tree")
-    if not isinstance(a, ArrayRecord) or not isinstance(t, ConfigRecord):
+    if not isinstance(a, Arrays) or not isinstance(t, Config):
         raise WireError(f"{where}: no {name!r} in the message (records {sorted(content)})")
     return unpack(a, t, where, allow_str=allow_str)
 
 
-def put_json(content: RecordDict, name: str, value: dict[str, Any]) -> None:
-    """Store a small dict of JSON scalars (control fields) as a ``ConfigRecord``: every
+def put_json(content: Content, name: str, value: dict[str, Any]) -> None:
+    """Store a small dict of JSON scalars (control fields) as a :class:`Config` record: every
     entry as its own JSON text, so ``None`` and nested specs travel too."""
-    content[name] = ConfigRecord({k: json.dumps(v, allow_nan=True) for k, v in value.items()})
+    content[name] = Config({k: json.dumps(v, allow_nan=True) for k, v in value.items()})
 
 
-def take_json(content: RecordDict, name: str, where: str) -> dict[str, Any]:
+def take_json(content: Content, name: str, where: str) -> dict[str, Any]:
     """Read what :func:`put_json` stored.
 
     Raises:
         WireError: the record is missing or not JSON.
     """
     rec = content.get(name)
-    if not isinstance(rec, ConfigRecord):
+    if not isinstance(rec, Config):
         raise WireError(f"{where}: no {name!r} record in the message (records {sorted(content)})")
     try:
         return {k: json.loads(v) for k, v in rec.items()}  # type: ignore[arg-type]
@@ -248,8 +446,8 @@ def take_json(content: RecordDict, name: str, where: str) -> dict[str, Any]:
         raise WireError(f"{where}: record {name!r} is not JSON ({exc})") from None
 
 
-def metrics_record(metrics: dict[str, float], where: str) -> MetricRecord:
-    """A flat ``{name: number}`` dict as a ``MetricRecord`` (values as ``float``).
+def metrics_record(metrics: dict[str, float], where: str) -> Metrics:
+    """A flat ``{name: number}`` dict as a :class:`Metrics` record (values as ``float``).
 
     Raises:
         PayloadError: a value is not a number.
@@ -259,17 +457,17 @@ def metrics_record(metrics: dict[str, float], where: str) -> MetricRecord:
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
             raise PayloadError(f"{where}[{k!r}]: metrics must be numbers, got {type(v).__name__}")
         out[str(k)] = float(v)
-    return MetricRecord(out)
+    return Metrics(out)
 
 
 def read_metrics(record: Any, where: str) -> dict[str, float]:
-    """The ``{name: float}`` dict of a ``MetricRecord``.
+    """The ``{name: float}`` dict of a :class:`Metrics` record.
 
     Raises:
-        WireError: ``record`` is not a ``MetricRecord`` of scalars.
+        WireError: ``record`` is not a :class:`Metrics` record of scalars.
     """
-    if not isinstance(record, MetricRecord):
-        raise WireError(f"{where}: expected a MetricRecord, got {type(record).__name__}")
+    if not isinstance(record, Metrics):
+        raise WireError(f"{where}: expected a Metrics record, got {type(record).__name__}")
     out = {}
     for k, v in record.items():
         if isinstance(v, list):
@@ -304,10 +502,10 @@ class RecordCache:
     """
 
     def __init__(self) -> None:
-        self._packed: dict[Any, tuple[list[torch.Tensor], Any, ConfigRecord]] = {}
+        self._packed: dict[Any, tuple[list[torch.Tensor], Arrays, Config]] = {}
 
     def pack(self, value: Any, where: str, *, allow_str: bool = True, measure: bool = False
-             ) -> tuple[Any, ConfigRecord]:
+             ) -> tuple[Arrays, Config]:
         """:func:`pack` of ``value``, done once per structure (``measure``: as :func:`pack`'s)."""
         tensors: list[torch.Tensor] = []
         try:
@@ -322,56 +520,15 @@ class RecordCache:
         return arrays, tree
 
 
-#: Encoded share of an ``ArrayRecord`` by its signature (see :func:`encoded_size`).
-_ARRAY_RECORD_SIZES: dict[Any, int] = {}
-
-
-def _share(name: str, record: Any) -> int:
-    """Bytes that ``record`` stored under ``name`` adds to an encoded ``RecordDict``."""
-    if isinstance(record, (ArrayRecord, ArraySizes)):
-        if isinstance(record, ArraySizes):
-            sig = (name, tuple((k, dt, shape, "numpy.ndarray", _data_length(dt, shape))
-                               for k, dt, shape in record.entries))
-        else:
-            sig = (name, tuple((k, a.dtype, tuple(a.shape), a.stype, len(a.data)) for k, a in record.items()))
-        n = _ARRAY_RECORD_SIZES.get(sig)
-        if n is None:
-            real = record.record() if isinstance(record, ArraySizes) else record
-            n = recorddict_to_proto(RecordDict({name: real})).ByteSize()
-            if len(_ARRAY_RECORD_SIZES) >= 4096:
-                _ARRAY_RECORD_SIZES.clear()
-            _ARRAY_RECORD_SIZES[sig] = n
-        return n
-    return recorddict_to_proto(RecordDict({name: record})).ByteSize()
-
-
-def encoded_size(content: RecordDict) -> int:
-    """Bytes of a message's content as Flower serialises it: the size of the protobuf
-    encoding of the ``RecordDict``, ``flwr.common.serde.recorddict_to_proto(content).ByteSize()``.
-
-    The message's envelope (Flower's ``Metadata``: ids, message type, ttl...) is not counted,
-    nor the transport's framing; Flower (1.20+) moves a content as content-addressed objects
-    (arrays in chunks of at most 5 MiB, each object with a small header), so the bytes on the
-    network differ from this by those headers.
-
-    Computed record by record (the encoding is a list of ``(name, record)`` items, so the
-    size is the sum of each item's). An ``ArrayRecord``'s share depends only on its name and
-    on its arrays' keys, dtypes, shapes, stypes and byte lengths (protobuf writes a byte
-    string as its length and its bytes), so it is encoded once per such signature and
-    remembered: measuring the same model's state again costs no second encoding.
-    """
-    return sum(_share(name, record) for name, record in content.items())
-
-
 # ---------------------------------------------------------------------- requests
-def _put_instruction(content: RecordDict, ins: Instruction, prefix: str, where: str, where_config: str,
-                     cache: RecordCache | None) -> None:
-    put(content, f"{prefix}.payload", ins.payload, where, cache=cache)
-    put(content, f"{prefix}.config", ins.config, where_config, cache=cache)
+def _put_instruction(content: Content, ins: Instruction, prefix: str, where: str, where_config: str,
+                     cache: RecordCache | None, measure: bool = False) -> None:
+    put(content, f"{prefix}.payload", ins.payload, where, cache=cache, measure=measure)
+    put(content, f"{prefix}.config", ins.config, where_config, cache=cache, measure=measure)
 
 
-def instruction_request(control: dict[str, Any], ins: Instruction, cache: RecordCache | None = None
-                        ) -> RecordDict:
+def instruction_request(control: dict[str, Any], ins: Instruction, cache: RecordCache | None = None, *,
+                        _measure: bool = False) -> Content:
     """The content of a ``train``, ``evaluate`` or ``evaluate.validate`` message: the control
     record (:data:`CONTROL`: the coordinator's control fields, ``client`` among them) and the
     instruction (``ins.payload``, ``ins.config``; packed once per structure with ``cache``).
@@ -380,10 +537,10 @@ def instruction_request(control: dict[str, Any], ins: Instruction, cache: Record
         PayloadError: the instruction holds something that may not travel.
     """
     cid = control.get("client")
-    content = RecordDict()
+    content = Content()
     put_json(content, CONTROL, control)
     _put_instruction(content, ins, "ins", f"instruction to client {cid}", f"instruction config to client {cid}",
-                     cache)
+                     cache, _measure)
     return content
 
 
@@ -395,11 +552,7 @@ def instruction_request_size(control: dict[str, Any], ins: Instruction, cache: R
     Raises:
         PayloadError: as :func:`instruction_request`.
     """
-    cid = control.get("client")
-    content = RecordDict()
-    put_json(content, CONTROL, control)
-    return (encoded_size(content) + _measured("ins.payload", ins.payload, f"instruction to client {cid}", cache=cache)
-            + _measured("ins.config", ins.config, f"instruction config to client {cid}", cache=cache))
+    return encoded_size(instruction_request(control, ins, cache, _measure=True))
 
 
 class ContentSnapshot:
@@ -439,16 +592,6 @@ def _holds_nan(key: Any) -> bool:
     return False
 
 
-def _measured(name: str, value: Any, where: str, *, allow_str: bool = True, cache: RecordCache | None = None) -> int:
-    """Bytes that :func:`put` of ``value`` under ``name`` adds to an encoded message, measured
-    without copying a tensor (through ``cache`` when given)."""
-    if cache is None:
-        arrays, tree = pack(value, where, allow_str=allow_str, measure=True)
-    else:
-        arrays, tree = cache.pack(value, where, allow_str=allow_str, measure=True)
-    return _share(f"{name}.arrays", arrays) + _share(f"{name}.tree", tree)
-
-
 def share_instructions(instructions: dict[str, Instruction]) -> tuple[list[Instruction], dict[str, int]]:
     """Each distinct instruction object once (in order of first use) and, per client, the
     index of its own: what a ``score_request`` carries (``ins.<k>.*`` and ``ins_of``)."""
@@ -464,7 +607,7 @@ def share_instructions(instructions: dict[str, Instruction]) -> tuple[list[Instr
 
 
 def score_request(control: dict[str, Any], models: dict[str, Any], shared: list[Instruction],
-                  cache: RecordCache | None = None) -> RecordDict:
+                  cache: RecordCache | None = None) -> Content:
     """The content of an ``evaluate.score`` message (``cross_test``): the control record
     (with ``specs`` and ``ins_of``, :func:`share_instructions`), every evaluation model
     (``models``: ``{owner: state}``) and each shared evaluation instruction (``ins.<k>.*``),
@@ -474,7 +617,7 @@ def score_request(control: dict[str, Any], models: dict[str, Any], shared: list[
         PayloadError: a model or instruction holds something that may not travel.
     """
     cid = control.get("client")
-    content = RecordDict()
+    content = Content()
     put_json(content, CONTROL, control)
     put(content, "models", models, f"cross_test models to site {cid}", cache=cache)
     for k, ins in enumerate(shared):
@@ -484,15 +627,16 @@ def score_request(control: dict[str, Any], models: dict[str, Any], shared: list[
 
 
 # ---------------------------------------------------------------------- answers
-def answer(client: str, content: RecordDict | None = None, **control: Any) -> RecordDict:
+def answer(client: str, content: Content | None = None, **control: Any) -> Content:
     """``content`` (default: empty) with a site's control record added:
     ``{"protocol": PROTOCOL, "client": client, **control}``."""
-    content = RecordDict() if content is None else content
+    content = Content() if content is None else content
     put_json(content, CONTROL, {"protocol": PROTOCOL, "client": client, **control})
     return content
 
 
-def train_answer(client: str, payload: Any, metrics: dict[str, Any], num_examples: int) -> RecordDict:
+def train_answer(client: str, payload: Any, metrics: dict[str, Any], num_examples: int, *,
+                 _measure: bool = False) -> Content:
     """A site's answer to ``train``: the reply's payload (``reply.payload``), its metrics
     (``reply.metrics``) and ``num_examples`` in the control record.
 
@@ -500,9 +644,9 @@ def train_answer(client: str, payload: Any, metrics: dict[str, Any], num_example
         PayloadError: anything other than tensors and numbers (strings included).
     """
     me = f"site {client}"
-    out = RecordDict()
-    put(out, "reply.payload", payload, f"reply of {me}", allow_str=False)
-    put(out, "reply.metrics", metrics, f"reply metrics of {me}", allow_str=False)
+    out = Content()
+    put(out, "reply.payload", payload, f"reply of {me}", allow_str=False, measure=_measure)
+    put(out, "reply.metrics", metrics, f"reply metrics of {me}", allow_str=False, measure=_measure)
     return answer(client, out, num_examples=int(num_examples))
 
 
@@ -513,23 +657,19 @@ def train_answer_size(client: str, payload: Any, metrics: dict[str, Any], num_ex
     Raises:
         PayloadError: as :func:`train_answer`.
     """
-    me = f"site {client}"
-    rest = RecordDict()
-    put(rest, "reply.metrics", metrics, f"reply metrics of {me}", allow_str=False)
-    answer(client, rest, num_examples=int(num_examples))
-    return _measured("reply.payload", payload, f"reply of {me}", allow_str=False) + encoded_size(rest)
+    return encoded_size(train_answer(client, payload, metrics, num_examples, _measure=True))
 
 
 def evaluate_answer(client: str, results: dict[str, dict[str, float]], state: dict[str, Any] | None = None
-                    ) -> RecordDict:
-    """A site's answer to ``evaluate``: one ``MetricRecord`` per split (``eval.<split>``), the
+                    ) -> Content:
+    """A site's answer to ``evaluate``: one :class:`Metrics` record per split (``eval.<split>``), the
     splits in the control record, and (``cross_test``) the evaluation model's state (``model``).
 
     Raises:
         PayloadError: a metric is not a number, or the state holds something else than tensors.
     """
     me = f"site {client}"
-    out = RecordDict()
+    out = Content()
     for split, m in results.items():
         out[f"eval.{split}"] = metrics_record(m, f"evaluation of {me} ({split})")
     if state is not None:
@@ -537,17 +677,17 @@ def evaluate_answer(client: str, results: dict[str, dict[str, float]], state: di
     return answer(client, out, splits=list(results))
 
 
-def validate_answer(client: str, scores: dict[str, float]) -> RecordDict:
-    """A site's answer to ``evaluate.validate``: its scalars as one ``MetricRecord`` (``validate``)."""
-    out = RecordDict()
+def validate_answer(client: str, scores: dict[str, float]) -> Content:
+    """A site's answer to ``evaluate.validate``: its scalars as one :class:`Metrics` record (``validate``)."""
+    out = Content()
     out["validate"] = metrics_record(scores, f"validation of site {client}")
     return answer(client, out)
 
 
-def score_answer(client: str, results: dict[str, dict[str, float]]) -> RecordDict:
+def score_answer(client: str, results: dict[str, dict[str, float]]) -> Content:
     """A site's answer to ``evaluate.score``: each owner's model's metrics on this site's test
     split (``score.<owner>``), the owners in the control record."""
-    out = RecordDict()
+    out = Content()
     for owner, m in results.items():
         out[f"score.{owner}"] = metrics_record(m, f"cross_test score at site {client}")
     return answer(client, out, owners=list(results))

@@ -210,7 +210,7 @@ class Evaluation:
                         out: dict[str, dict[str, dict[str, float]]]) -> None:
         """Record the ``score`` exchange of ``cross_test`` a deployment would have: each site
         is sent every evaluation model and the shared evaluation instructions
-        (:func:`medfl.wire.score_request`) and answers one ``MetricRecord`` per model."""
+        (:func:`medfl.wire.score_request`) and answers one metrics record per model."""
         specs = {cid: self.federation.model_spec(cid) for cid in models}
         shared, ins_of = wire.share_instructions({owner: used[owner] for owner in models})
         cache = wire.RecordCache()

@@ -1,6 +1,6 @@
 """A run's exchanges with its clients in process: every client runs in this process, one at
 a time, its context built here (:func:`client_context`) and its state loaded from and saved
-to ``clients/``; each message is measured as Flower would send it (:mod:`medfl.wire`,
+to ``clients/``; each message is measured as a deployment sends it (:func:`medfl.wire.encoded_size`,
 ``communication.csv``) with the control fields a deployment sends (:meth:`Exchanges._control`).
 
 :class:`Exchanges` is a part of the engine's :class:`~medfl.engine.runner.Run` (a mixin):
@@ -211,7 +211,7 @@ class Exchanges:
         returned replies; the method's ``server_update`` sees only those that answered).
 
         Each exchange is recorded in :attr:`traffic` (``train``) with the sizes of the
-        instruction and reply as Flower would send them (:mod:`medfl.wire`); the round's
+        instruction and reply as a deployment sends them (:func:`medfl.wire.encoded_size`); the round's
         progress, client by client, is logged (:class:`RoundProgress`).
         """
         order = client_order(instructions)

@@ -2,11 +2,13 @@
 
 Every exchange of a run - a training step's instruction and reply, a validation, an
 evaluation, a ``cross_test`` scoring - is one request to a client and at most one answer.
-Its size is the encoded size of the message contents as Flower sends them
-(:func:`medfl.wire.encoded_size`, the contents built by :mod:`medfl.wire`): over Flower the
-coordinator measures the messages it sends and receives (:class:`medfl.flower.server.FlowerRun`);
-in process the engine builds the same contents and measures them
-(:class:`medfl.engine.runner.Run`), so a run counts the same bytes on either transport.
+Its size is the length of medfl's own encoding of the message contents
+(:func:`medfl.wire.encoded_size`, the contents built by :mod:`medfl.wire`), whichever transport
+carries them: over Flower and NVIDIA FLARE the coordinator measures the contents it sends and
+receives (:class:`medfl.flower.server.FlowerRun`) before they become Flower records; in
+process the engine builds the same contents and measures them (:class:`medfl.engine.runner.Run`),
+so a run counts the same bytes on every transport. The transport's own framing (Flower's
+protobuf, its envelope) is not counted.
 
 :class:`Traffic` sums them per ``(round, client_id, phase)``; the phases and the columns of
 ``communication.csv`` are :mod:`medfl.traffic`'s (:data:`~medfl.traffic.PHASES`,

@@ -9,11 +9,13 @@ coordinator as the ServerApp.
   steps on the site's own data, its persistent state kept at the site;
 - :mod:`medfl.flower.protocol`: message types and the partition fingerprint (the messages'
   content is built by :mod:`medfl.wire`, shared with the in-process engine, which measures it);
+- :mod:`medfl.flower.records`: the one conversion of those contents to Flower's records and back;
 - :mod:`medfl.flower.deploy`: the commands of the three steps, and
   :class:`LocalFederation` (a whole federation of processes on one machine).
 
-See ``docs/flower.md``. Flower (``flwr``) is a dependency of medfl itself: the in-process
-engine builds the same message contents (:mod:`medfl.wire`) to measure its traffic.
+See ``docs/flower.md``. This package needs Flower (``flwr``); an in-process run does not: the
+engine builds the same message contents (:mod:`medfl.wire`, which imports no Flower) to
+measure its traffic.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@
 transport methods replaced: :meth:`~FlowerRun.update_clients` and
 :meth:`~FlowerRun.evaluate_clients` send each addressed client's
 :class:`~medfl.messages.Instruction` to the SuperNode serving that client, as a Flower
-message (built by :mod:`medfl.wire`), and turn the answers back into
-:class:`~medfl.messages.Reply` objects and metrics. Everything else - the method's
-coordinator role, checkpoints, ``metrics.csv``, ``summary.json``, resume - is ``Run``'s,
-unchanged, so any method registered through the plugin contract runs over Flower with no
-method-specific code here: hub-and-spoke methods (FedAvg, FedProx, FedKPer...) and
-peer-to-peer ones (FedSKD, FedCross: the coordinator relays one site's model to another
-in the instructions; nothing is aggregated) alike.
+message (a :class:`medfl.wire.Content`, handed to Flower by :mod:`medfl.flower.records`),
+and turn the answers back into :class:`~medfl.messages.Reply` objects and metrics.
+Everything else - the method's coordinator role, checkpoints, ``metrics.csv``,
+``summary.json``, resume - is ``Run``'s, unchanged, so any method registered through the
+plugin contract runs over Flower with no method-specific code here: hub-and-spoke methods
+(FedAvg, FedProx, FedKPer...) and peer-to-peer ones (FedSKD, FedCross: the coordinator
+relays one site's model to another in the instructions; nothing is aggregated) alike.
 
 Sites and dropouts. A first ``query.hello`` asks every node which client id it serves and
 checks its partition fingerprint against the coordinator's (:class:`SiteDirectory`); a node
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
-from flwr.app import Message, RecordDict
+from flwr.app import Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage
 from flwr.serverapp import Grid
 
@@ -56,9 +56,10 @@ from medfl.engine.data import FederatedData, client_order
 from medfl.engine.runner import Run, RunError, TooFewSites, quorum_rule, sites_needed
 from medfl.flower import protocol as P
 from medfl.flower.proxy import pack_records, unpack_records
+from medfl.flower.records import from_recorddict, to_recorddict
 from medfl.flower.secagg import SecureAggregation, SecureRound, describe
 from medfl.messages import Instruction, PayloadError, Reply, SampleGuard, validate_payload
-from medfl.wire import WireError
+from medfl.wire import Content, WireError
 
 #: what decoding a site's message raises when the message is malformed (PayloadError is a TypeError)
 _UNDECODABLE = (PayloadError, TypeError, ValueError, KeyError, OverflowError)
@@ -344,9 +345,9 @@ class SiteDirectory:
         self.fixed_nodes = False
 
     def _push_hello(self, node: int) -> None:
-        content = RecordDict()
+        content = Content()
         wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "fold": self.fold, "seed": self.seed})
-        msg = Message(content, dst_node_id=node, message_type=P.HELLO,
+        msg = Message(to_recorddict(content), dst_node_id=node, message_type=P.HELLO,
                       ttl=max(60.0, self.settings.hello_timeout + self.settings.connect_timeout))
         for mid in self.grid.push_messages([msg]):
             if mid:     # "": the node left meanwhile; a node listed again is asked again
@@ -363,7 +364,7 @@ class SiteDirectory:
 
     def _accept(self, node: int, reply: Message) -> None:
         try:
-            ctl = wire.take_json(reply.content, P.CONTROL, f"hello from node {node}")
+            ctl = wire.take_json(from_recorddict(reply.content), P.CONTROL, f"hello from node {node}")
             cid = str(ctl.get("client"))
             protocol = int(ctl.get("protocol", -1))
             sizes_got, digest_got = dict(ctl.get("sizes", {})), int(ctl.get("digest", -1))
@@ -699,17 +700,17 @@ class FlowerRun(Run):
         super()._save_checkpoint(r)
         self._flush_events()
 
-    def _instruction_content(self, r: int, cid: str, ins: Instruction, **extra: Any) -> RecordDict:
+    def _instruction_content(self, r: int, cid: str, ins: Instruction, **extra: Any) -> Content:
         return wire.instruction_request(self._control(r, cid, **extra), ins)
 
     # ------------------------------------------------------------------ one exchange
-    def exchange(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict],
+    def exchange(self, r: int, phase: str, message_type: str, outgoing: dict[str, Content],
                  releases: frozenset[str] | set[str] = frozenset(), counted_as: str | None = None,
-                 controlled: bool = True) -> dict[str, Message]:
+                 controlled: bool = True) -> dict[str, Content]:
         """Send each client's content to its node and collect the answers.
 
-        Returns the replies of the clients that answered in time, in the engine's client
-        order; a client without a node, one whose node is unavailable and one that has
+        Returns the contents of the replies of the clients that answered in time, in the
+        engine's client order; a client without a node, one whose node is unavailable and one that has
         not answered within ``round_timeout`` are left out (and logged).
 
         Enough sites (:func:`~medfl.engine.runner.sites_needed`: ``fl.min_sites``,
@@ -747,7 +748,7 @@ class FlowerRun(Run):
         t0 = time.monotonic()
         need = sites_needed(len(ids), self.config)
         again = controlled and not (self.secure is not None and message_type == P.TRAIN)
-        replies: dict[str, Message] = {}
+        replies: dict[str, Content] = {}
         failed: dict[str, str] = {}     # sites that answered with an error -> what it said
         settled: set[str] = set()       # sites that answered (accepted, refused or with an error)
         asked: list[str] = []           # sites sent the content at least once
@@ -801,9 +802,9 @@ class FlowerRun(Run):
         logger.info(f"medfl flower: round {r} ({phase}): sending it again to client(s) {', '.join(back)}")
         return back
 
-    def _send(self, r: int, phase: str, message_type: str, outgoing: dict[str, RecordDict],
+    def _send(self, r: int, phase: str, message_type: str, outgoing: dict[str, Content],
               releases: frozenset[str] | set[str], counted_as: str | None, controlled: bool,
-              replies: dict[str, Message], failed: dict[str, str], settled: set[str]) -> list[str]:
+              replies: dict[str, Content], failed: dict[str, str], settled: set[str]) -> list[str]:
         """One round trip of :meth:`exchange`: send each client of ``outgoing`` that has a
         node its content, collect the answers for up to ``round_timeout`` seconds into
         ``replies`` (accepted), ``failed`` (Flower errors) and ``settled`` (every client that
@@ -822,8 +823,8 @@ class FlowerRun(Run):
             size_to[cid] = wire.encoded_size(outgoing[cid])
             # packed into one array (a handful of Flower objects instead of one per tensor, each a request on
             # every hop), but for SecAgg+'s messages: Flower's secaggplus_mod reads and masks their records
-            content = (outgoing[cid] if RECORD_KEY_CONFIGS in outgoing[cid].config_records
-                       else pack_records(outgoing[cid]))
+            records = to_recorddict(outgoing[cid])
+            content = records if RECORD_KEY_CONFIGS in records.config_records else pack_records(records)
             msgs.append(Message(content, dst_node_id=node, message_type=message_type, group_id=str(r),
                                 ttl=self.settings.round_timeout + 60.0))
             order.append(cid)
@@ -861,8 +862,8 @@ class FlowerRun(Run):
                     continue
                 settled.add(cid)
                 try:
-                    reply.content = unpack_records(reply.content)
-                    ctl = (wire.take_json(reply.content, P.CONTROL, f"{phase} reply of site {cid}") if controlled
+                    got = from_recorddict(unpack_records(reply.content))
+                    ctl = (wire.take_json(got, P.CONTROL, f"{phase} reply of site {cid}") if controlled
                            else {"client": cid})
                     if str(ctl.get("client")) != cid:
                         raise WireError(f"{phase} reply of node {node}: answered as client {ctl.get('client')!r}, "
@@ -872,7 +873,7 @@ class FlowerRun(Run):
                                "status": "refused", "seconds": secs})
                     self.refuse(r, cid, f"{phase}: {exc}")
                     continue
-                size_from[cid] = wire.encoded_size(reply.content)
+                size_from[cid] = wire.encoded_size(got)
                 limit = self.reply_limit(cid, size_to[cid], cid in releases)
                 if size_from[cid] > limit:
                     self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node,
@@ -880,7 +881,7 @@ class FlowerRun(Run):
                     self.refuse(r, cid, f"{phase}: the answer of site {cid} is {size_from[cid] / 2**20:.1f} MiB, "
                                         f"more than the {limit / 2**20:.1f} MiB it can need (max-reply-mb)")
                     continue
-                replies[cid] = reply
+                replies[cid] = got
                 self._log({"round": r, "phase": phase, "client_id": cid, "node_id": node, "status": "ok",
                            "seconds": secs})
             if by_msg:
@@ -929,7 +930,7 @@ class FlowerRun(Run):
         answers = self.exchange(r, "train", P.TRAIN, outgoing, releases)
         return self._decode(r, "train", answers, lambda cid, msg: self._train_reply(r, cid, msg, instructions[cid]))
 
-    def _train_reply(self, r: int, cid: str, msg: Message, instruction: Instruction) -> Reply:
+    def _train_reply(self, r: int, cid: str, content: Content, instruction: Instruction) -> Reply:
         """A site's answer to ``train`` as a :class:`Reply`, checked (tensors and numbers only,
         nothing shaped like the site's images, an integer ``num_examples``).
 
@@ -937,13 +938,13 @@ class FlowerRun(Run):
             PayloadError: the answer is not what a site sends.
         """
         where = f"reply of site {cid} in round {r}"
-        payload = wire.take(msg.content, "reply.payload", where, allow_str=False)
-        metrics = wire.take(msg.content, "reply.metrics", where + " (metrics)", allow_str=False)
+        payload = wire.take(content, "reply.payload", where, allow_str=False)
+        metrics = wire.take(content, "reply.metrics", where + " (metrics)", allow_str=False)
         validate_payload(payload, where, allow_str=False, guard=self._guard,
                          exempt=release_exemptions(self.coordinator, instruction))
         if not isinstance(payload, dict) or not isinstance(metrics, dict):
             raise PayloadError(f"{where}: payload and metrics must be dicts")
-        ctl = wire.take_json(msg.content, P.CONTROL, where)
+        ctl = wire.take_json(content, P.CONTROL, where)
         n = ctl.get("num_examples", 0)
         if isinstance(n, bool) or not isinstance(n, int):
             raise PayloadError(f"{where}: num_examples {n!r} is not an integer")
@@ -962,8 +963,8 @@ class FlowerRun(Run):
             return {"protocol": wire.PROTOCOL, "run": self.run_id, "session": self.session, "round": r,
                     "client": cid, "step": self._step, "secure_aggregation": stage}
 
-        def exchange(stage: str, outgoing: dict[str, RecordDict], counted_as: str, controlled: bool
-                     ) -> dict[str, Message]:
+        def exchange(stage: str, outgoing: dict[str, Content], counted_as: str, controlled: bool
+                     ) -> dict[str, Content]:
             phase = "train" if counted_as == "train" else f"secagg.{stage}"
             return self.exchange(r, phase, P.TRAIN, outgoing, counted_as=counted_as, controlled=controlled)
 
@@ -1002,15 +1003,15 @@ class FlowerRun(Run):
         """What ``fl.secure_aggregation`` protects (:func:`medfl.flower.secagg.describe`), or ``None``."""
         return None if self.secure is None else describe(self.secure.settings)
 
-    def _decode(self, r: int, phase: str, answers: dict[str, Message], decode: Any) -> dict[str, Any]:
-        """``decode(cid, message)`` for every answer; one that cannot be decoded (a missing or
+    def _decode(self, r: int, phase: str, answers: dict[str, Content], decode: Any) -> dict[str, Any]:
+        """``decode(cid, content)`` for every answer; one that cannot be decoded (a missing or
         malformed record, a payload the audit rejects) is refused (:meth:`Run.refuse`: dropped
         from the round with a row in ``reply_events.csv``, the site excluded after
         ``max_reply_failures``) and the round goes on with the others."""
         out: dict[str, Any] = {}
-        for cid, msg in answers.items():
+        for cid, content in answers.items():
             try:
-                out[cid] = decode(cid, msg)
+                out[cid] = decode(cid, content)
             except _UNDECODABLE as exc:
                 self.refuse(r, cid, f"{phase}: {exc}")
         return out
@@ -1034,7 +1035,7 @@ class FlowerRun(Run):
         outgoing = {cid: self._instruction_content(r, cid, ins, **extra) for cid, ins in instructions.items()}
         answers = self.exchange(r, phase, P.VALIDATE, outgoing)
         return self._decode(r, phase, answers,
-                            lambda cid, msg: wire.read_metrics(msg.content.get("validate"), where.format(cid)))
+                            lambda cid, got: wire.read_metrics(got.get("validate"), where.format(cid)))
 
     def final_evaluate_clients(self, r: int, finals: dict[str, tuple[dict[str, Any], dict[str, Any]]],
                                splits: list[str]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
@@ -1046,15 +1047,15 @@ class FlowerRun(Run):
                     for cid in self.federation.eval_client_ids}
         answers = self.exchange(r, "final", P.EVALUATE, outgoing)
 
-        def decode(cid: str, msg: Message) -> dict[str, dict[str, dict[str, float]]]:
+        def decode(cid: str, got: Content) -> dict[str, dict[str, dict[str, float]]]:
             where = f"final evaluation of site {cid}"
-            ctl = wire.take_json(msg.content, P.CONTROL, where)
+            ctl = wire.take_json(got, P.CONTROL, where)
             per: dict[str, dict[str, dict[str, float]]] = {}
             for key in _listed(ctl, "splits", where):
                 name, _, split = str(key).partition("/")
                 if name not in finals or split not in splits:
                     raise PayloadError(f"{where}: unexpected result {key!r}")
-                per.setdefault(name, {})[split] = wire.read_metrics(msg.content.get(f"eval.{key}"), f"{where} ({key})")
+                per.setdefault(name, {})[split] = wire.read_metrics(got.get(f"eval.{key}"), f"{where} ({key})")
             return per
 
         return self._decode(r, "final", answers, decode)
@@ -1079,17 +1080,17 @@ class FlowerRun(Run):
         out: dict[str, dict[str, dict[str, float]]] = {}
         models: dict[str, Any] = {}
 
-        def decode(cid: str, msg: Message) -> tuple[dict[str, dict[str, float]], Any]:
+        def decode(cid: str, got: Content) -> tuple[dict[str, dict[str, float]], Any]:
             where = f"evaluation of site {cid} in round {r}"
-            ctl = wire.take_json(msg.content, P.CONTROL, where)
+            ctl = wire.take_json(got, P.CONTROL, where)
             results = {}
             for split in _listed(ctl, "splits", where):
                 if split not in own:
                     raise PayloadError(f"{where}: metrics for split {split!r}, which was not asked for ({own})")
-                results[str(split)] = wire.read_metrics(msg.content.get(f"eval.{split}"), f"{where} ({split})")
+                results[str(split)] = wire.read_metrics(got.get(f"eval.{split}"), f"{where} ({split})")
             state = None
             if cross:
-                state = wire.take(msg.content, "model", where + " (model)", allow_str=False)
+                state = wire.take(got, "model", where + " (model)", allow_str=False)
                 validate_payload(state, where + " (model)", allow_str=False, guard=self._guard)
             return results, state
 
@@ -1107,15 +1108,15 @@ class FlowerRun(Run):
             del models, outgoing
             by_owner: dict[str, dict[str, dict[str, float]]] = {}
 
-            def scores(data_cid: str, msg: Message) -> dict[str, dict[str, float]]:
+            def scores(data_cid: str, content: Content) -> dict[str, dict[str, float]]:
                 got = {}
-                for key in msg.content:
+                for key in content:
                     if key.startswith("score."):
                         owner = key[len("score."):]
                         if owner not in specs:
                             raise PayloadError(f"score reply of site {data_cid}: a score for client {owner!r}, "
                                                "whose model it was not sent")
-                        got[owner] = wire.read_metrics(msg.content[key], f"cross_test of client {owner} at site {data_cid}")
+                        got[owner] = wire.read_metrics(content[key], f"cross_test of client {owner} at site {data_cid}")
                 return got
 
             for data_cid, got in self._decode(r, "score", scored, scores).items():

@@ -1,11 +1,13 @@
 """What the coordinator and the sites say to each other over Flower: message types, record
 names and the partition fingerprint both sides compute.
 
-Every medfl message carries a ``medfl`` ``ConfigRecord`` of control fields (JSON values:
+Every medfl message carries a ``medfl`` config record of control fields (JSON values:
 the run and session ids, the round, the run seed, the addressed client id, the method and
 model specs, the local-training settings...) next to its payload records; every
-message's content is built by :mod:`medfl.wire` (shared with the in-process engine, which
-measures the same contents), and :data:`PROTOCOL` and :data:`CONTROL` are defined there.
+message's content is a :class:`medfl.wire.Content` built by :mod:`medfl.wire` (shared with the
+in-process engine, which measures the same contents), converted to and from Flower's records
+only where a message meets Flower (:mod:`medfl.flower.records`); :data:`PROTOCOL` and
+:data:`CONTROL` are defined in :mod:`medfl.wire`.
 Message types (``<category>.<action>``, Flower's convention):
 
 ``query.hello``
@@ -16,12 +18,12 @@ Message types (``<category>.<action>``, Flower's convention):
     reply holds the :class:`~medfl.messages.Reply` (``reply``) and ``num_examples``.
 ``evaluate``
     one evaluation (:func:`medfl.engine.client_eval.run_client_evaluate`) on the listed own
-    splits; metrics come back as one ``MetricRecord`` per split (``eval.<split>``), and,
+    splits; metrics come back as one metrics record per split (``eval.<split>``), and,
     when ``cross_test`` is asked for, the evaluation model's state (``model``).
 ``evaluate.validate``
     the method's validation exchange (``Method.configure_validate`` /
     ``client_validate``): an instruction under ``ins``; the scalars come back as one
-    ``MetricRecord`` (``validate``).
+    metrics record (``validate``).
 ``evaluate.score``
     ``cross_test``: other clients' evaluation models (``models``: ``{client id: state}``)
     scored on this site's local test split; only the metrics come back (``score.<id>``).

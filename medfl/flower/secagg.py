@@ -47,14 +47,12 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common import bytes_to_ndarray, ndarrays_to_parameters
+from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
 from flwr.common.secure_aggregation.quantization import dequantize
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
-from flwr.compat.common import recorddict_compat as compat
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from medfl import wire
@@ -64,6 +62,7 @@ from medfl.training import weighted_average
 from medfl.messages import SECURE_AGGREGATE, Instruction, PayloadError, Reply
 from medfl.method import Method
 from medfl.seeding import derive_seed
+from medfl.wire import Arrays, Config, Content, Metrics
 
 __all__ = ["RECORD_KEY_CONFIGS", "SecureAggregation", "SecureRound", "secure_layout", "secure_update",
            "secure_train_answer", "describe"]
@@ -118,17 +117,18 @@ def secure_update(method: type[Method], payload: dict[str, Any], reference: dict
 
 
 def secure_train_answer(client: str, update: list[np.ndarray], metrics: dict[str, Any], num_examples: int
-                        ) -> RecordDict:
+                        ) -> Content:
     """A site's answer to a secure-aggregation ``train`` message before ``secaggplus_mod``
     masks it: medfl's answer with an empty payload (metrics and ``num_examples`` as usual),
     plus the ``FitRes`` records the mod reads (the update as ``fitres.parameters``, the weight
     as ``fitres.num_examples``); the mod replaces them with the masked vector and clears every
-    array before the answer leaves."""
+    array before the answer leaves (the arrays keyed ``"0"``, ``"1"``... as Flower's
+    ``parameters_to_arrayrecord`` keys them)."""
     out = wire.train_answer(client, {}, metrics, num_examples)
-    out["fitres.parameters"] = compat.parameters_to_arrayrecord(ndarrays_to_parameters(update), keep_input=True)
-    out["fitres.num_examples"] = MetricRecord({"num_examples": int(num_examples)})
-    out["fitres.metrics"] = ConfigRecord({})
-    out["fitres.status"] = ConfigRecord({"code": 0, "message": "ok"})
+    out["fitres.parameters"] = Arrays({str(i): a for i, a in enumerate(update)})
+    out["fitres.num_examples"] = Metrics({"num_examples": int(num_examples)})
+    out["fitres.metrics"] = Config({})
+    out["fitres.status"] = Config({"code": 0, "message": "ok"})
     return out
 
 
@@ -167,7 +167,7 @@ class SecureRound:
 
 
 #: ``exchange(stage, outgoing contents, counted as, replies carry medfl's control record)``
-Exchange = Callable[[str, dict[str, RecordDict], str, bool], dict[str, Message]]
+Exchange = Callable[[str, dict[str, Content], str, bool], dict[str, Content]]
 
 
 class SecureAggregation:
@@ -210,9 +210,9 @@ class SecureAggregation:
 
     # ------------------------------------------------------------------ one round
     def run(self, r: int, step: int, method: type[Method], instructions: dict[str, Instruction],
-            nodes: dict[str, int], max_weight: float, request: Callable[[str, Instruction], RecordDict],
+            nodes: dict[str, int], max_weight: float, request: Callable[[str, Instruction], Content],
             control: Callable[[str, str], dict[str, Any]], exchange: Exchange,
-            decode: Callable[[str, Message], Reply], refuse: Callable[[str, str], None]) -> SecureRound:
+            decode: Callable[[str, Content], Reply], refuse: Callable[[str, str], None]) -> SecureRound:
         """Run the four stages with the sites of ``instructions`` that have a node.
 
         Args:
@@ -241,18 +241,18 @@ class SecureAggregation:
         neigh = self.neighbours(r, step, list(cid_of), shares)
         where = f"secure aggregation of round {r}"
 
-        def configs(cid: str, stage: str, values: dict[str, Any]) -> RecordDict:
-            content = RecordDict()
+        def configs(cid: str, stage: str, values: dict[str, Any]) -> Content:
+            content = Content()
             wire.put_json(content, wire.CONTROL, control(cid, stage))
-            content[RECORD_KEY_CONFIGS] = ConfigRecord({Key.STAGE: stage, **values})
+            content[RECORD_KEY_CONFIGS] = Config({Key.STAGE: stage, **values})
             return content
 
-        def answered(got: dict[str, Message], stage: str) -> dict[int, Any]:
+        def answered(got: dict[str, Content], stage: str) -> dict[int, Any]:
             """The configs record of each site that answered ``stage``, by node id."""
             res: dict[int, Any] = {}
-            for cid, msg in got.items():
-                rec = msg.content.config_records.get(RECORD_KEY_CONFIGS)
-                if rec is None:
+            for cid, content in got.items():
+                rec = content.get(RECORD_KEY_CONFIGS)
+                if not isinstance(rec, Config):
                     refuse(cid, f"{where}: its {stage} answer has no {RECORD_KEY_CONFIGS!r} record")
                     continue
                 res[nodes[cid]] = rec
@@ -283,7 +283,7 @@ class SecureAggregation:
             return out
 
         # stage 1: neighbours' public keys out, encrypted shares back
-        def share_request(cid: str) -> RecordDict:
+        def share_request(cid: str) -> Content:
             nid = nodes[cid]
             return configs(cid, Stage.SHARE_KEYS, {str(m): keys[m] for m in sorted(neigh[nid] & set(keys))})
 
@@ -305,10 +305,10 @@ class SecureAggregation:
         shapes = [(1,)] + [tuple(instructions[cid_of[min(shared)]].payload[method.reply_state[k] or ""][name].shape)
                            for k, name in layout]
 
-        def collect_request(nid: int) -> RecordDict:
+        def collect_request(nid: int) -> Content:
             cid = cid_of[nid]
             content = request(cid, instructions[cid])
-            content[RECORD_KEY_CONFIGS] = ConfigRecord({Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+            content[RECORD_KEY_CONFIGS] = Config({Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
                                                         Key.CIPHERTEXT_LIST: forward[nid][1],
                                                         Key.SOURCE_LIST: forward[nid][0]})
             return content
@@ -317,12 +317,12 @@ class SecureAggregation:
                             "train", True)
         total: list[np.ndarray] | None = None
         delivered: set[int] = set()
-        for cid, msg in got_msgs.items():
+        for cid, content in got_msgs.items():
             try:
-                reply = decode(cid, msg)
+                reply = decode(cid, content)
                 if reply.payload:
                     raise PayloadError(f"{where}: site {cid} sent a model payload beside its masked vector")
-                vec = self._masked_vector(msg, shapes, f"{where}: masked vector of site {cid}")
+                vec = self._masked_vector(content, shapes, f"{where}: masked vector of site {cid}")
             except (PayloadError, TypeError, ValueError, KeyError) as exc:
                 refuse(cid, str(exc))
                 continue
@@ -335,7 +335,7 @@ class SecureAggregation:
         dropped = shared - delivered
 
         # stage 3: who delivered out, shares of the masks to remove back
-        def unmask_request(nid: int) -> RecordDict:
+        def unmask_request(nid: int) -> Content:
             return configs(cid_of[nid], Stage.UNMASK, {Key.ACTIVE_NODE_ID_LIST: sorted(neigh[nid] & delivered),
                                                        Key.DEAD_NODE_ID_LIST: sorted(neigh[nid] & dropped)})
 
@@ -366,12 +366,12 @@ class SecureAggregation:
         self._finish(out, total, len(delivered), layout, method, instructions, max_weight)
         return out
 
-    def _masked_vector(self, msg: Message, shapes: list[tuple[int, ...]], where: str) -> list[np.ndarray]:
+    def _masked_vector(self, content: Content, shapes: list[tuple[int, ...]], where: str) -> list[np.ndarray]:
         """A site's masked vector, checked: one integer array per expected shape, within the modulus."""
-        rec = msg.content.config_records.get(RECORD_KEY_CONFIGS)
-        if rec is None or not isinstance(rec.get(Key.MASKED_PARAMETERS), list):
+        rec = content.get(RECORD_KEY_CONFIGS)
+        if not isinstance(rec, Config) or not isinstance(rec.get(Key.MASKED_PARAMETERS), list):
             raise PayloadError(f"{where}: no {Key.MASKED_PARAMETERS!r} in the answer")
-        if any(len(ar) for ar in msg.content.array_records.values()):
+        if any(len(ar) for ar in content.values() if isinstance(ar, Arrays)):
             raise PayloadError(f"{where}: the answer carries arrays beside the masked vector")
         vec = [bytes_to_ndarray(b) for b in rec[Key.MASKED_PARAMETERS]]
         if [tuple(a.shape) for a in vec] != [tuple(s) for s in shapes]:

@@ -80,9 +80,11 @@ from medfl import wire
 from medfl.budget import SiteBudget, data_key
 from medfl.flower import protocol as P
 from medfl.flower.proxy import pack_records, secure_aggregation_mod, unpack_records
+from medfl.flower.records import from_recorddict, to_recorddict
 from medfl.logs import file_log
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
+from medfl.wire import Config, Content
 
 __all__ = ["SiteSettings", "Site", "SiteError", "plain", "handle", "handle_locally", "site_for", "site_noise_key", "app",
            "instruction_digest", "REPRODUCIBLE_NOISE_ENV"]
@@ -473,7 +475,7 @@ class Site:
                             f"{sorted(type(method).reply_state)}, in the clear (no DP mechanism covers them), so "
                             "the run's epsilon would not bound what leaves this site")
 
-    def secure_train(self, ctl: dict[str, Any], ins: Instruction, content: RecordDict) -> RecordDict:
+    def secure_train(self, ctl: dict[str, Any], ins: Instruction, content: Content) -> Content:
         """:meth:`train` in a secure-aggregation round (``fl.secure_aggregation``): the answer
         carries the update (the reply's model state minus the state sent) for SecAgg+ to mask
         (:func:`medfl.flower.secagg.secure_train_answer`), and no model payload.
@@ -485,7 +487,7 @@ class Site:
         """
         from medfl.flower.secagg import RECORD_KEY_CONFIGS, secure_train_answer, secure_update
 
-        if RECORD_KEY_CONFIGS not in content.config_records:
+        if not isinstance(content.get(RECORD_KEY_CONFIGS), Config):
             raise SiteError(f"medfl site {self.client_id}: a secure-aggregation training message without SecAgg+'s "
                             f"{RECORD_KEY_CONFIGS!r} record: refusing to send the update unmasked")
         payload, n, metrics = self.train(ctl, ins)
@@ -639,7 +641,7 @@ def plain(data: Any, where: str) -> None:
         raise SiteError(str(exc)) from None
 
 
-def _instruction(content: RecordDict, where: str, prefix: str = "ins") -> Instruction:
+def _instruction(content: Content, where: str, prefix: str = "ins") -> Instruction:
     config = wire.take(content, f"{prefix}.config", where + " (config)")
     plain(config, where + " (config)")
     return Instruction(payload=wire.take(content, f"{prefix}.payload", where), config=config)
@@ -648,7 +650,8 @@ def _instruction(content: RecordDict, where: str, prefix: str = "ins") -> Instru
 def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age: float | None = None) -> RecordDict:
     """Answer one medfl message (:mod:`medfl.flower.protocol`) at ``site``: decode and
     check what came in, run the step, encode and check what goes out (the answer's content
-    is built by :mod:`medfl.wire`, as the in-process engine builds it to measure it).
+    is built by :mod:`medfl.wire`, as the in-process engine builds it to measure it; Flower's
+    records are converted on the way in and out, :mod:`medfl.flower.records`).
 
     The run's log at the site says how long that took (a DEBUG line ``... answered in S s``)
     and, given ``clientapp_age`` (how long the ClientApp process that forwarded the message had
@@ -666,21 +669,22 @@ def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age:
     if inner is not content:
         return pack_records(handle(site, message_type, inner, clientapp_age=clientapp_age))
     t0 = time.perf_counter()
-    ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
+    got = from_recorddict(content)
+    ctl = wire.take_json(got, P.CONTROL, f"message to site {site.client_id}")
     plain(ctl, f"medfl site {site.client_id}: {message_type} message's control record")
     site.check(ctl)
     # the site's own log of the run, beside its state (<state-dir>/<run id>/site_<client id>/log.txt)
     # (a hello names no run yet: it is answered without one)
     with file_log(site._root(ctl), f"site {site.client_id}: {message_type} message, round {ctl.get('round')}") \
             if "run" in ctl else nullcontext(), site.models_guarded(ctl):
-        out = _answer(site, message_type, ctl, content)
+        out = to_recorddict(_answer(site, message_type, ctl, got))
         logger.debug(f"site {site.client_id}: {message_type} message, round {ctl.get('round')}: answered in "
                      f"{time.perf_counter() - t0:.3f} s" + ("" if clientapp_age is None else
                      f"; its ClientApp process had run {clientapp_age:.3f} s when it forwarded the message"))
         return out
 
 
-def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: RecordDict) -> RecordDict:
+def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: Content) -> Content:
     """:func:`handle` once the message's control fields ``ctl`` are read and checked."""
     me = f"site {site.client_id}"
     if message_type == P.HELLO:

@@ -8,7 +8,9 @@ node, each message is an NVFlare :class:`~nvflare.apis.controller_spec.Task` sen
 (the task's name is the medfl message type: ``query.hello``, ``train``, ``evaluate``,
 ``evaluate.validate``, ``evaluate.score``), its data the message's records as Flower's
 protobuf bytes (:func:`medfl.flower.proxy.encode_records`), and the client's result comes back
-as the reply. So the rounds, the hello with its partition check, dropouts, quorum waits,
+as the reply. The traffic a run records is the coordinator's count of medfl's own contents
+(:func:`medfl.wire.encoded_size`, before they become Flower records), the same bytes as in
+process and over Flower. So the rounds, the hello with its partition check, dropouts, quorum waits,
 checkpoints and resume are the Flower coordinator's, unchanged, and the site answers with the
 Flower site's own code (:mod:`medfl.nvflare.executor`).
 

@@ -1,8 +1,8 @@
 """communication.csv: what every run sends to and receives from each client, per round.
 
-The sizes are those of the messages as Flower sends them (``medfl.wire``), measured in
-process too; ``tests/flower/test_traffic_flower.py`` checks that both transports count the
-same bytes."""
+The sizes are those of medfl's encoding of the messages (``medfl.wire.encoded_size``), the
+same in process and deployed; ``tests/flower/test_traffic_flower.py`` checks that both
+transports count the same bytes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-from flwr.app import RecordDict
-from flwr.common.serde import recorddict_to_proto
 
 from medfl import wire
 from medfl.experiment import resume, run_experiment
@@ -62,21 +60,21 @@ def test_traffic_sums_exchanges_per_round_client_and_phase() -> None:
         t.add(1, "0", "gossip", 1)
 
 
-def test_encoded_size_is_the_size_of_flowers_encoding() -> None:
-    """encoded_size sums each record's share and remembers an ArrayRecord's share by its
-    arrays' keys, dtypes, shapes and byte lengths: always the size of the full encoding."""
+def test_encoded_size_is_the_size_of_the_encoding() -> None:
+    """encoded_size computes each array's share from its dtype and shape, serialising none:
+    always the size of the full encoding."""
     g = torch.Generator().manual_seed(0)
     values = [{"w": torch.randn(64, 32, generator=g), "n": torch.tensor(3)},
               {"w": torch.randn(64, 32, generator=g), "n": torch.tensor(300)},     # same signature
               {"w": torch.randn(200, 1, 3, generator=g).to(torch.bfloat16), "e": torch.zeros(0, 5)},
               [torch.ones(128 * 1024, dtype=torch.uint8)] * 3 + [1, -0.0, None, "x" * 300]]
     for value in values:
-        content = RecordDict()
+        content = wire.Content()
         wire.put(content, "v", value, "test")
         content["m"] = wire.metrics_record({"loss": 0.25, "n": 3}, "test")
         wire.put_json(content, wire.CONTROL, {"client": "0", "spec": {"name": "resnet10"}})
         for _ in range(2):
-            assert wire.encoded_size(content) == recorddict_to_proto(content).ByteSize()
+            assert wire.encoded_size(content) == len(wire.encode(content))
 
 
 def test_an_instruction_sent_to_several_clients_is_packed_once_and_measured_exactly() -> None:
@@ -88,7 +86,7 @@ def test_an_instruction_sent_to_several_clients_is_packed_once_and_measured_exac
         control = {"protocol": wire.PROTOCOL, "client": cid, "round": 1}
         ins = Instruction(payload={"model": model}, config={"lr": 0.1})
         cached = wire.instruction_request(control, ins, cache)
-        assert wire.encoded_size(cached) == recorddict_to_proto(wire.instruction_request(control, ins)).ByteSize()
+        assert wire.encoded_size(cached) == len(wire.encode(wire.instruction_request(control, ins)))
         contents.append(cached)
         # what the in-process engine records: measured without copying, the same bytes
         for shared in (cache, wire.RecordCache(), None):

@@ -1,7 +1,8 @@
 """The Flower coordinator (:class:`FlowerRun`) and sites (:class:`Site`) in one process.
 
 A loop-back grid stands in for the SuperLink: every message is serialized to Flower's
-protobuf and back (as on the wire), handed to the addressed node's :class:`Site` with
+protobuf and back (as on the wire, medfl's contents converted by :mod:`medfl.flower.records`),
+handed to the addressed node's :class:`Site` with
 :func:`medfl.flower.site.handle`, and its answer serialized back. So these tests run the
 coordinator's and the sites' real code, fast and deterministically: the same numbers as in
 process, state kept at the sites, dropouts and rejoins, resume, and what the coordinator
@@ -32,15 +33,17 @@ from medfl.flower import protocol as P  # noqa: E402
 from medfl import wire  # noqa: E402
 from medfl.flower.proxy import (decode_records, encode_records, pack_records, packed, packed_bytes,  # noqa: E402
                                 unpack_records)
+from medfl.flower.records import from_recorddict, to_recorddict  # noqa: E402
 from medfl.flower.server import FlowerRun, FlowerSettings, resume_flower, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
+from medfl.wire import Content  # noqa: E402
 
 from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config, numeric_equal, write_config  # noqa: E402
 
 FAST = FlowerSettings(round_timeout=2.0, connect_timeout=5.0, hello_timeout=2.0, poll_interval=0.01)
 
 #: ``(node, message type, control fields, reply content) -> reply content``
-Tamper = Callable[[int, str, dict[str, Any], RecordDict], RecordDict]
+Tamper = Callable[[int, str, dict[str, Any], Content], Content]
 
 
 class LoopGrid:
@@ -72,7 +75,7 @@ class LoopGrid:
             mid = f"m{self._n}"
             msg.metadata.__dict__["_message_id"] = mid   # the SuperLink's job
             node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
-            ctl = wire.take_json(unpack_records(msg.content), P.CONTROL, "loop grid")
+            ctl = wire.take_json(from_recorddict(unpack_records(msg.content)), P.CONTROL, "loop grid")
             self.sent.append((node, kind, int(ctl.get("round", 0) or 0)))
             what = self.rule(node, kind, ctl) if self.rule else "ok"
             ids.append(mid)
@@ -87,7 +90,7 @@ class LoopGrid:
         try:
             out = handle(self.sites[node], kind, decode_records(encode_records(msg.content)))
             if self.tamper:   # on what the site answered; it travels as the site sends it (packed or not)
-                tampered = self.tamper(node, kind, ctl, unpack_records(out))
+                tampered = to_recorddict(self.tamper(node, kind, ctl, from_recorddict(unpack_records(out))))
                 out = pack_records(tampered) if packed_bytes(out) is not None else tampered
             return Message(decode_records(encode_records(out)), reply_to=msg)
         except Exception as exc:  # noqa: BLE001 - as Flower reports a ClientApp exception
@@ -383,7 +386,7 @@ def test_early_stopping_over_the_grid_equals_in_process_after_a_resume(tmp_path:
 
 
 def _add_to_payload(extra: Callable[[], Any]) -> Tamper:
-    def tamper(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def tamper(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         if node == 102 and kind == P.TRAIN:
             payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
             payload["leak"] = extra()
@@ -423,7 +426,7 @@ def test_metrics_a_site_reports_about_itself_are_marked(tmp_path: Path) -> None:
     Its claim is well-formed and cannot be checked (only it evaluates its model on its data),
     so it is kept but marked ``reported_by = self``; ``cross_test``, which the peers score on
     their own data, is marked ``peers`` and shows what the model really does."""
-    def boast(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def boast(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         if node == 101 and kind == P.EVALUATE and "eval.global_test" in out:
             out["eval.global_test"] = wire.metrics_record({**dict(out["eval.global_test"]), "accuracy": 1.0}, "tamper")
         return out
@@ -450,7 +453,7 @@ def test_a_site_answering_with_errors_is_dropped_then_excluded(tmp_path: Path) -
     """Issue 19: one site's Flower error (its code raised, or it answers errors on purpose)
     stopped every run; now it is dropped like a bad reply and excluded by policy (the run
     stops only when every site asked fails: tests/flower/test_approval.py)."""
-    def fail(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def fail(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         if node == 102 and kind == P.TRAIN:
             raise RuntimeError("boom")
         return out
@@ -468,7 +471,7 @@ def test_undecodable_replies_are_refused_not_fatal(tmp_path: Path) -> None:
     """Issue 19: a reply whose records are missing or malformed (a bare KeyError, a non-integer
     num_examples, metrics for splits nobody asked for) stopped the run; now each is refused
     with a reason naming the site, in train, evaluate and the client check alike."""
-    def garble(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def garble(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         r = int(ctl.get("round", 0))
         if node == 102 and kind == P.TRAIN and r == 1:
             del out["reply.payload.tree"]
@@ -572,7 +575,7 @@ def test_a_node_whose_hello_is_refused_cannot_stop_the_run(tmp_path: Path) -> No
     sites[105] = Site(SiteSettings(client_id="1", config=tmp_path / "site.json", state_dir=tmp_path / "s105"))
     sites[106] = Site(SiteSettings(client_id="2", config=tmp_path / "site.json", state_dir=tmp_path / "s106"))
 
-    def garble(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def garble(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         if kind == P.HELLO and node == 105:
             del out[P.CONTROL]
         if kind == P.HELLO and node == 106:
@@ -646,9 +649,9 @@ def test_site_refuses_other_protocols_clients_and_message_types(tmp_path: Path) 
     site = _sites(tmp_path, fl_config(tmp_path, "x", FEDAVG))[101]
 
     def msg(**ctl: Any) -> RecordDict:
-        content = RecordDict()
+        content = Content()
         wire.put_json(content, P.CONTROL, ctl)
-        return content
+        return to_recorddict(content)
 
     with pytest.raises(SiteError, match="protocol 99"):
         handle(site, P.HELLO, msg(protocol=99))
@@ -658,7 +661,8 @@ def test_site_refuses_other_protocols_clients_and_message_types(tmp_path: Path) 
         handle(site, "query.secrets", msg(protocol=P.PROTOCOL))
     with pytest.raises(wire.WireError, match="no 'medfl' record"):
         handle(site, P.HELLO, RecordDict())
-    hello = wire.take_json(handle(site, P.HELLO, msg(protocol=P.PROTOCOL, fold=None)), P.CONTROL, "hello")
+    hello = wire.take_json(from_recorddict(handle(site, P.HELLO, msg(protocol=P.PROTOCOL, fold=None))), P.CONTROL,
+                           "hello")
     assert hello["client"] == "0" and set(hello["sizes"]) == {"train", "val", "test"}
 
 
@@ -666,7 +670,7 @@ def test_a_site_sending_nan_weights_is_dropped_from_the_round_and_the_run_goes_o
     """Issue 19: NaN updates were averaged in and the run died blaming an honest site; now
     the coordinator's reply checks drop the reply, name the site in reply_events.csv, and the
     other sites' round completes."""
-    def nan_weights(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def nan_weights(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         if node == 102 and kind == P.TRAIN and int(ctl.get("round", 0)) == 1:
             payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
             key = next(iter(payload["model"]))
@@ -683,7 +687,7 @@ def test_a_site_sending_nan_weights_is_dropped_from_the_round_and_the_run_goes_o
 def _rewrite_train_reply(change: Callable[[dict[str, Any], dict[str, float], dict[str, Any]], None]) -> Tamper:
     """Site 1 (node 102) rewrites its round-1 train reply: ``change(payload, metrics, control)``
     edits them in place, and they are packed again without the site's outgoing checks."""
-    def tamper(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def tamper(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         if node == 102 and kind == P.TRAIN and int(ctl.get("round", 0)) == 1:
             payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
             metrics = wire.take(out, "reply.metrics", "tamper", allow_str=True)
@@ -757,7 +761,7 @@ def test_a_reply_the_filters_cannot_undo_is_dropped_with_the_site_named(tmp_path
     chain's codes (here float weights where 8-bit codes were planned) made ``Run.unfilter``
     raise and stop the whole run. The reply is now dropped with the site named in
     reply_events.csv, and the run goes on with the others."""
-    def garble(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def garble(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         if node == 102 and kind == P.TRAIN and ctl.get("round") == 1:
             payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
             payload["model"] = _wrong_codes(payload["model"])
@@ -777,7 +781,7 @@ def test_an_oversized_reply_is_refused_with_its_size(tmp_path: Path) -> None:
     Flower with no event. An answer larger than what the method can send (four times the
     larger of the instruction and the model state, plus 64 MiB: a few MB for this model) is
     refused with its size in reply_events.csv; the run goes on with the other sites."""
-    def pad(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def pad(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         if node == 102 and kind == P.TRAIN and ctl.get("round") == 1:
             payload = wire.take(out, "reply.payload", "tamper", allow_str=True)
             payload["blob"] = torch.zeros(72 * 2**20 // 4)   # 72 MiB of float32
@@ -839,7 +843,7 @@ def test_undeclared_names_and_counts_from_a_site_are_dropped_with_the_site_named
     is now dropped with the site named in reply_events.csv, and the run goes on."""
     from contract_methods import ValidatingAvg, methods_registered
 
-    def garble(node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def garble(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
         r = ctl.get("round")
         if kind == P.TRAIN and (node, r) in ((102, 1), (103, 2)):
             payload = wire.take(out, "reply.payload", "tamper", allow_str=False)

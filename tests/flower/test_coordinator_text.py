@@ -13,13 +13,14 @@ import pytest
 
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.app import Context, Message, RecordDict  # noqa: E402
 
 from medfl import wire  # noqa: E402
 from medfl.budget import data_key  # noqa: E402
 from medfl.config_file import PlainDataError, plain_fl, refuse_syntax  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower.proxy import app  # noqa: E402
+from medfl.flower.records import to_recorddict  # noqa: E402
 from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
 
 from test_coordinator import task_identity  # noqa: E402,F401  (autouse: Flower stamps messages with it)
@@ -74,13 +75,13 @@ def test_a_flower_run_config_with_an_expression_is_refused_by_the_site_and_runs_
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"fl": FL}))
     node = {"client-id": "0", "config": str(config), "state-dir": str(tmp_path / "state")}
-    content = RecordDict()
+    content = wire.Content()
     wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL})
     for rc, key in (({"overrides": json.dumps({"fl#progress": expression(marker)})}, "overrides#fl#progress"),
                     ({"workdir": expression(marker)}, "workdir")):
         # Flower's runtime turns the ClientApp's exception into the error reply the coordinator reads
         with pytest.raises(PlainDataError, match=rf"^medfl site 0: the Flower run config: key '{key}' holds .*refused"):
-            app(Message(content=content, dst_node_id=1, message_type=P.HELLO), _context(rc, node))
+            app(Message(content=to_recorddict(content), dst_node_id=1, message_type=P.HELLO), _context(rc, node))
     assert not marker.exists() and not (tmp_path / "state").exists()
 
 
@@ -90,17 +91,17 @@ def test_a_message_field_with_monai_syntax_is_refused_before_the_site_checks_it(
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"fl": FL}))
     site = Site(SiteSettings(client_id="0", config=config, state_dir=tmp_path / "state"))
-    content = RecordDict()
+    content = wire.Content()
     wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "method": {"name": "fedavg", "mu": "$1"}})
     with pytest.raises(SiteError, match=r"query.hello message's control record: key 'method#mu' holds '\$1'"):
-        handle(site, P.HELLO, content)
-    content = RecordDict()
+        handle(site, P.HELLO, to_recorddict(content))
+    content = wire.Content()
     wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "run": "r1", "round": 1})
     wire.put(content, "ins.payload", {}, "test")
     wire.put(content, "ins.config", {"schedule": {"_target_": "builtins.exec"}}, "test")
-    content["padding"] = ConfigRecord({})
+    content["padding"] = wire.Config({})
     with pytest.raises(SiteError, match=r"\(config\): key 'schedule#_target_'"):
-        handle(site, P.VALIDATE, content)
+        handle(site, P.VALIDATE, to_recorddict(content))
     assert not list((tmp_path / "state").rglob("clients")), "no client state was touched"
 
 

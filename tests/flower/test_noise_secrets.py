@@ -22,13 +22,14 @@ import torch
 
 pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 
-from flwr.app import Message, RecordDict  # noqa: E402
+from flwr.app import Message  # noqa: E402
 
 from medfl import wire  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.filters import FilterChain  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
-from medfl.flower.proxy import decode_records, encode_records, unpack_records  # noqa: E402
+from medfl.flower.proxy import unpack_records  # noqa: E402
+from medfl.flower.records import from_recorddict, to_recorddict  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, handle, instruction_digest  # noqa: E402
 from medfl.messages import Instruction  # noqa: E402
@@ -48,8 +49,8 @@ CLIP = 1e-3
 
 
 class RecordingGrid(LoopGrid):
-    """The loop-back grid, keeping every training message's records (as the site reads them:
-    unpacked) and every site's answer to it."""
+    """The loop-back grid, keeping every training message's content (as the site reads it:
+    unpacked) and every site's answer to it, each as :func:`medfl.wire.encode` bytes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, tamper=self._keep, **kwargs)
@@ -57,13 +58,14 @@ class RecordingGrid(LoopGrid):
         self.answered: dict[tuple[int, str], bytes] = {}  # (round, client) -> its train answer's content
 
     def push_messages(self, messages: list[Message]) -> list[str]:
-        self.asked += [(m.metadata.dst_node_id, encode_records(unpack_records(m.content))) for m in messages
+        self.asked += [(m.metadata.dst_node_id, wire.encode(from_recorddict(unpack_records(m.content))))
+                       for m in messages
                        if m.metadata.message_type == P.TRAIN]
         return super().push_messages(messages)
 
-    def _keep(self, node: int, kind: str, ctl: dict[str, Any], out: RecordDict) -> RecordDict:
+    def _keep(self, node: int, kind: str, ctl: dict[str, Any], out: wire.Content) -> wire.Content:
         if kind == P.TRAIN:
-            self.answered[(int(ctl["round"]), str(ctl["client"]))] = encode_records(out)
+            self.answered[(int(ctl["round"]), str(ctl["client"]))] = wire.encode(out)
         return out
 
 
@@ -80,7 +82,7 @@ def _dp_run(work: Path, name: str, sigma: float) -> tuple[RecordingGrid, Path]:
 
 
 def _released(grid: RecordingGrid, cid: str) -> dict[str, torch.Tensor]:
-    return wire.take(decode_records(grid.answered[(1, cid)]), "reply.payload", "test")["model"]
+    return wire.take(wire.decode(grid.answered[(1, cid)]), "reply.payload", "test")["model"]
 
 
 def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -114,7 +116,7 @@ def test_two_runs_at_two_noise_levels_draw_independent_noise_the_coordinator_can
     # what the coordinator knows: the run seed, the config (the control record it sent) and,
     # say, site 0's persistent noise.key; with them it still cannot draw site 0's noise
     node, content = one.asked[0]
-    ctl = wire.take_json(decode_records(content), P.CONTROL, "test")
+    ctl = wire.take_json(wire.decode(content), P.CONTROL, "test")
     site = one.sites[node]
     released = _released(one, str(ctl["client"]))
     known_key = (site.settings.state_dir / "noise.key").read_text().strip()
@@ -132,8 +134,8 @@ def test_two_runs_at_two_noise_levels_draw_independent_noise_the_coordinator_can
     run_secret = site.run_noise_key(ctl)
     assert run_secret and run_secret != known_key
     assert (site.settings.state_dir / run_id / f"site_{site.client_id}" / "noise_run.key").is_file()
-    ins = Instruction(payload=wire.take(decode_records(content), "ins.payload", "t"),
-                      config=wire.take(decode_records(content), "ins.config", "t"))
+    ins = Instruction(payload=wire.take(wire.decode(content), "ins.payload", "t"),
+                      config=wire.take(wire.decode(content), "ins.config", "t"))
     secret = site.request_noise_key(ctl, instruction_digest(ctl, ins))
     assert secret not in (run_secret, known_key)
     left = _flat(released) - _flat(_regenerated(ctl, released, run_secret))
@@ -148,19 +150,19 @@ def test_a_site_replays_a_release_for_the_same_instruction_and_refuses_another_n
     grid, run_dir = _dp_run(tmp_path, "ledger", 1.0)
     node, content = grid.asked[0]
     site = grid.sites[node]
-    ctl = wire.take_json(decode_records(content), P.CONTROL, "test")
+    ctl = wire.take_json(wire.decode(content), P.CONTROL, "test")
     cid = str(ctl["client"])
     # the same request again (as a resumed coordinator sends it): the very same bytes
-    again = encode_records(handle(site, P.TRAIN, decode_records(content)))
+    again = wire.encode(from_recorddict(handle(site, P.TRAIN, to_recorddict(wire.decode(content)))))
     assert again == grid.answered[(1, cid)]
     # the same round at another noise level: refused before anything is released
     for change in ({"noise_multiplier": 2.0}, {"clip": 2 * CLIP}):
-        other = decode_records(content)
+        other = wire.decode(content)
         wire.put_json(other, P.CONTROL, {**ctl, "filters": [{**ctl["filters"][0], **change}]})
         with pytest.raises(SiteError, match=r"refused to release round 1 step 0 of run .* again: it was released "
                                             r"under another instruction \(dp_gaussian at noise multiplier 1, "
                                             r".*Rule: a site releases each \(run, round, client, step\) once"):
-            handle(site, P.TRAIN, other)
+            handle(site, P.TRAIN, to_recorddict(other))
     # its ledger: one record for the release, with what it was and the digest of its bytes
     root = site.settings.state_dir / str(ctl["run"]) / f"site_{cid}"
     records = [json.loads(line) for line in (root / "releases.jsonl").read_text().splitlines()]
@@ -168,7 +170,7 @@ def test_a_site_replays_a_release_for_the_same_instruction_and_refuses_another_n
     rec = records[0]
     assert (rec["run"], rec["round"], rec["client"], rec["step"]) == (ctl["run"], 1, cid, 0)
     assert rec["mechanisms"] == [{"mechanism": "dp_gaussian", "noise_multiplier": 1.0, "clip": CLIP}]
-    assert rec["released"] == payload_digest(wire.take(decode_records(grid.answered[(1, cid)]), "reply.payload", "t"))
+    assert rec["released"] == payload_digest(wire.take(wire.decode(grid.answered[(1, cid)]), "reply.payload", "t"))
     assert json.loads((run_dir / "summary.json").read_text())["privacy"]["private"] is True
 
 
@@ -204,7 +206,7 @@ def test_a_coordinator_resumed_after_a_release_gets_the_same_bytes_from_every_si
     again = RecordingGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
     resume_flower(Path(fl["output_dir"]) / "resumed", again, FAST, rounds=4)
     run_dir = Path(fl["output_dir"]) / "resumed" / "fedavg"
-    rounds = [int(wire.take_json(decode_records(c), P.CONTROL, "t")["round"]) for _, c in again.asked]
+    rounds = [int(wire.take_json(wire.decode(c), P.CONTROL, "t")["round"]) for _, c in again.asked]
     assert rounds[:3] == [2, 2, 2]
     for cid in ("0", "1", "2"):   # round 2's answers: the very same bytes
         assert again.answered[(2, cid)] == first[(2, cid)], f"site {cid} released round 2 again as other bytes"

@@ -31,6 +31,7 @@ from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower import secagg  # noqa: E402
 from medfl.flower.proxy import decode_records, encode_records, unpack_records  # noqa: E402
+from medfl.flower.records import from_recorddict, to_recorddict  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.site import SiteError, app as site_app  # noqa: E402
 from medfl import wire  # noqa: E402
@@ -59,7 +60,7 @@ class AppLoopGrid(LoopGrid):
                                           node_config={"client-id": str(i), "config": str(cfg),
                                                        "state-dir": str(work / "app_state" / f"site{i}")})
                          for i in range(3)}
-        self.received: list[tuple[int, int, str, RecordDict]] = []
+        self.received: list[tuple[int, int, str, wire.Content]] = []
 
     def _answer(self, msg: Message, what: str, ctl: dict[str, Any]) -> Message:
         node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
@@ -72,7 +73,8 @@ class AppLoopGrid(LoopGrid):
             return Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
         if out.has_error():
             return Message(out.error, reply_to=msg)
-        content = unpack_records(decode_records(encode_records(out.content)))   # the answer as the coordinator reads it
+        # the answer as the coordinator reads it
+        content = from_recorddict(unpack_records(decode_records(encode_records(out.content))))
         stage = str(ctl.get("secure_aggregation", "")) if kind == P.TRAIN else ""
         self.received.append((node, int(ctl.get("round", 0) or 0), stage, content))
         return Message(decode_records(encode_records(out.content)), reply_to=msg)
@@ -95,7 +97,7 @@ def _capture(monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict[str, Any]], lis
                         "reference": {k: v.clone() for k, v in reference["model"].items()}})
         return out
 
-    def answer(client: str, update: list[np.ndarray], metrics: dict[str, Any], num_examples: int) -> RecordDict:
+    def answer(client: str, update: list[np.ndarray], metrics: dict[str, Any], num_examples: int) -> wire.Content:
         updates[-1].update(client=client, num_examples=int(num_examples))
         return real_answer(client, update, metrics, num_examples)
 
@@ -159,11 +161,11 @@ def test_secure_aggregation_gives_the_plain_metrics_and_hides_every_update(tmp_p
     train = [(node, r, stage, c) for node, r, stage, c in grid.received if stage]
     assert sorted({stage for _, _, stage, _ in train}) == ["collect_masked_vectors", "setup", "share_keys", "unmask"]
     for node, r, stage, content in train:
-        assert all(len(rec) == 0 for rec in content.array_records.values()), (node, r, stage)
+        assert all(len(rec) == 0 for rec in content.values() if isinstance(rec, wire.Arrays)), (node, r, stage)
         if stage != "collect_masked_vectors":
             continue
         assert wire.take(content, "reply.payload", "test") == {}
-        masked = [bytes_to_ndarray(b) for b in content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
+        masked = [bytes_to_ndarray(b) for b in content[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]]
         own = next(u for u in updates[3 * (r - 1): 3 * r] if u["client"] == str(node - 101))
         x = np.concatenate([a.ravel() for a in own["update"]])
         y = np.concatenate([a.ravel() for a in masked[1:]]).astype(np.float64)
@@ -237,13 +239,13 @@ def test_a_site_never_sends_its_update_outside_secaggs_collect_stage(tmp_path: P
     (so no mod would mask the answer) is refused before the site trains."""
     fl = fl_config(tmp_path, "unmasked", _secure_job())
     site = _sites(tmp_path, fl)[101]
-    content = RecordDict()
+    content = wire.Content()
     wire.put_json(content, wire.CONTROL, {"protocol": wire.PROTOCOL, "client": "0", "secure_aggregation":
                                           "collect_masked_vectors"})
     wire.put(content, "ins.payload", {}, "test")
     wire.put(content, "ins.config", {}, "test")
     with pytest.raises(SiteError, match="refusing to send the update unmasked"):
-        test_coordinator.handle(site, P.TRAIN, content)
+        test_coordinator.handle(site, P.TRAIN, to_recorddict(content))
 
 
 def test_secure_aggregation_over_a_real_deployment(federation: Any) -> None:

@@ -33,7 +33,7 @@ from medfl import wire  # noqa: E402
 from medfl.budget import BUDGET_FILE, BudgetRefused, SiteBudget, Spend, composed_epsilon  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
-from medfl.flower.proxy import decode_records, encode_records  # noqa: E402
+from medfl.flower.records import from_recorddict, to_recorddict  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, handle  # noqa: E402
 from medfl.policy import PolicyRefusal, SitePolicy  # noqa: E402
@@ -63,10 +63,10 @@ def _message(grid: RecordingGrid, **ctl_changes: Any) -> tuple[Any, dict[str, An
     """The first training message of the run as it travelled, its site, and a copy with
     control fields changed (a hostile coordinator's message)."""
     node, content = grid.asked[0]
-    ctl = wire.take_json(decode_records(content), P.CONTROL, "test")
-    other = decode_records(content)
+    ctl = wire.take_json(wire.decode(content), P.CONTROL, "test")
+    other = wire.decode(content)
     wire.put_json(other, P.CONTROL, {**ctl, **ctl_changes})
-    return grid.sites[node], ctl, other
+    return grid.sites[node], ctl, to_recorddict(other)
 
 
 def _budget(site: Any) -> list[dict[str, Any]]:
@@ -199,16 +199,16 @@ def test_a_methods_own_dp_is_in_the_ledger_and_a_second_model_for_its_round_is_r
         assert [(r["mechanism"], r["unit"], r["noise_multiplier"]) for r in spends] == [
             ("dp_fedavg_opacus_sgd", "sample", 1.2)]
         # the same request: the same bytes
-        again = encode_records(handle(site, P.TRAIN, decode_records(content)))
+        again = wire.encode(from_recorddict(handle(site, P.TRAIN, to_recorddict(wire.decode(content)))))
         assert again == grid.answered[(1, str(ctl["client"]))]
         # the same round with an all-zero model: refused before anything is trained or drawn
-        other = decode_records(content)
+        other = wire.decode(content)
         payload = wire.take(other, "ins.payload", "test")
         zeros = {k: torch.zeros_like(v) for k, v in payload["model"].items()}
         wire.put(other, "ins.payload", {**payload, "model": zeros}, "test")
         with pytest.raises(SiteError, match=r"refused to release round 1 step 0 of run .* again: it was released under "
                                             r"another instruction \(dp_fedavg_opacus_sgd at noise multiplier 1\.2"):
-            handle(site, P.TRAIN, other)
+            handle(site, P.TRAIN, to_recorddict(other))
 
 
 def test_a_capped_site_sends_no_model_for_cross_test_unless_its_policy_says_so() -> None:
