@@ -174,21 +174,24 @@ def process_age() -> float | None:
         return None
 
 
-def forward(socket_path: str, message_type: str, content: RecordDict, timeout: float | None = None) -> RecordDict:
+def forward(socket_path: str, message_type: str, content: RecordDict, timeout: float | None = None,
+            run_config: dict[str, Any] | None = None) -> RecordDict:
     """Send one message's records to the site worker at ``socket_path``; return its answer
     (:func:`forward_bytes` of their protobuf bytes).
 
     Raises:
         WorkerError: the worker is not running, or it failed (its error text included).
     """
-    return decode_records(forward_bytes(socket_path, message_type, encode_records(content), timeout))
+    return decode_records(forward_bytes(socket_path, message_type, encode_records(content), timeout, run_config))
 
 
-def forward_bytes(socket_path: str, message_type: str, data: bytes, timeout: float | None = None) -> bytes:
+def forward_bytes(socket_path: str, message_type: str, data: bytes, timeout: float | None = None,
+                  run_config: dict[str, Any] | None = None) -> bytes:
     """Send one message's records (their protobuf bytes, :func:`encode_records`) to the site
     worker at ``socket_path``; return its answer's. The request's header also says how long
     this process had run (:func:`process_age`), which the site logs with the time it took
-    (its ``log.txt``).
+    (its ``log.txt``), and carries the run's config (``run_config``), which the worker refuses
+    before anything else when it holds MONAI syntax (:meth:`medfl.flower.worker.SiteWorker.handle_connection`).
 
     Raises:
         WorkerError: the worker is not running, or it failed (its error text included).
@@ -201,6 +204,8 @@ def forward_bytes(socket_path: str, message_type: str, data: bytes, timeout: flo
         raise WorkerError(f"medfl site worker not reachable at {socket_path} ({exc}); "
                           "start the site with `medfl flower site`") from None
     request: dict[str, Any] = {"type": message_type}
+    if run_config is not None:
+        request["run_config"] = run_config
     age = process_age()
     if age is not None:
         request["age"] = round(age, 3)
@@ -240,23 +245,23 @@ def _json_or_text(value: Any) -> Any:
 
 
 def _dispatch(msg: Message, context: Context) -> Message:
-    from medfl.config_file import refuse_syntax
-
     node_config = dict(context.node_config)
     # the run config is the coordinator's text: plain data (its JSON strings too, e.g. overrides), or
-    # nothing here runs, although no site reads it
+    # nothing runs, although no site reads it. The worker checks it (this process imports Flower
+    # only: medfl's check would import torch, seconds a message)
     rc = {k: _json_or_text(v) for k, v in dict(context.run_config).items()}
-    refuse_syntax(rc, f"medfl site {node_config.get('client-id', '?')}: the Flower run config")
     worker = str(node_config.get("worker", "") or "")
     message_type = msg.metadata.message_type
     if worker:
         data = packed_bytes(msg.content)
         if data is not None:   # the worker reads the packed bytes as they are; its answer goes back packed
-            return Message(packed(forward_bytes(worker, message_type, data)), reply_to=msg)
-        content = forward(worker, message_type, msg.content)
+            return Message(packed(forward_bytes(worker, message_type, data, run_config=rc)), reply_to=msg)
+        content = forward(worker, message_type, msg.content, run_config=rc)
     else:  # no worker: handle the message in this process (it answers a packed message packed)
+        from medfl.config_file import refuse_syntax
         from medfl.flower.site import handle_locally
 
+        refuse_syntax(rc, f"medfl site {node_config.get('client-id', '?')}: the Flower run config")
         content = handle_locally(node_config, message_type, msg.content)
     return Message(content, reply_to=msg)
 

@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from medfl.config_file import refuse_syntax
 from medfl.flower.proxy import decode_records, encode_records, recv_frame, send_frame
 from medfl.flower.site import Site, SiteSettings, handle
 
@@ -89,6 +90,8 @@ class SiteWorker:
             except Exception:  # noqa: BLE001 - a broken request: drop the connection
                 return
             try:
+                if "run_config" in header:   # the ClientApp does not check it (it does not import medfl)
+                    refuse_syntax(header["run_config"], f"medfl site {self.settings.client_id}: the Flower run config")
                 age = header.get("age")
                 out = handle(self._site(), str(header.get("type", "")), content,
                              clientapp_age=float(age) if isinstance(age, (int, float)) else None)
