@@ -1152,6 +1152,12 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args)
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "flwr":
+            raise
+        logger.error("medfl: error: this needs Flower, which is not installed here: pip install 'medfl[flower]' "
+                     "(Flower's simulation runtime, fl.backend 'ray': 'medfl[simulation]')")
+        return 2
     except (*user_errors(), KeyError, OSError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else user_error_message(exc)
         if msg is None:   # not a mistake in the input nor a full disk: a bug, with its traceback

@@ -40,6 +40,17 @@ TINY = ("--fl#rounds", "1", "--fl#dataset#num_samples", "240", "--fl#partition#m
 JUNK = ("bundles/demo/data/synthetic.npz", "bundles/demo/runs/demo/fedavg/summary.json",
         "bundles/demo/configs/__pycache__/x.pyc")
 
+#: what the fresh environment imports first (a ``.pth`` line): every import of ``flwr`` fails
+NO_FLOWER = """import importlib.abc, sys
+
+class _NoFlower(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "flwr" or name.startswith("flwr."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: Flower is an extra of medfl)", name=name)
+
+sys.meta_path.insert(0, _NoFlower())
+"""
+
 
 def _left_out(rel: Path) -> bool:
     """Whether a path of bundles/ or data_prep/ (relative to the repository) is no part of
@@ -101,6 +112,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                    env, tmp).stdout.strip()
     Path(purelib, "_medfl_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Flower is an extra: the installed wheel runs in process with every flwr import refused
+    Path(purelib, "_medfl_no_flower.py").write_text(NO_FLOWER)
+    Path(purelib, "_medfl_no_flower.pth").write_text("import _medfl_no_flower\n")
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
           "--no-compile", str(wheel)], env, tmp)
     work = tmp / "work"   # not the repository: python -m puts the working folder on sys.path
@@ -128,9 +142,12 @@ def test_the_wheel_holds_every_bundle_and_prep_file_and_builds_without_warnings(
     assert f"\nVersion: {version}\n" in meta and "\nLicense-Expression: Apache-2.0\n" in meta
     assert "\nLicense-File: LICENSE\n" in meta and "\nClassifier: Typing :: Typed\n" in meta
     assert not re.search(r"^Classifier: License ::", meta, re.M)   # PEP 639: the expression alone
+    flower = re.findall(r"^Requires-Dist: flwr.*$", meta, re.M)
+    assert flower and all("extra ==" in line for line in flower), flower   # Flower only with medfl[flower]
 
 
 def test_the_installed_wheel_lists_copies_and_runs_a_bundle(installed: dict[str, Any]) -> None:
+    """Without Flower (:data:`NO_FLOWER`): in process, medfl needs none of its extras."""
     env, work, python = installed["env"], installed["work"], installed["python"]
     where = _run([python, "-c", "import importlib.util as u; print(u.find_spec('medfl').origin); "
                   "print(u.find_spec('medfl_plugins').origin)"], env, work).stdout.split()

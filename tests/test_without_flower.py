@@ -21,7 +21,7 @@ class _NoFlower(importlib.abc.MetaPathFinder):
         if name == "flwr" or name.startswith("flwr."):
             with open(os.environ["MEDFL_TEST_FLWR_ATTEMPTS"], "a") as fh:
                 fh.write(name + "\\n")
-            raise ImportError(f"no module named {name!r} (blocked: this run must not need Flower)")
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: as if Flower were not installed)", name=name)
 
 sys.meta_path.insert(0, _NoFlower())
 """
@@ -49,3 +49,18 @@ def test_an_in_process_run_imports_no_flower(tmp_path: Path) -> None:
     assert set(metrics["client_id"]) == {"0", "1"} and metrics["accuracy"].between(0, 1).all()
     comm = pd.read_csv(run / "communication.csv")
     assert (comm.loc[comm["phase"] == "train", ["bytes_to_client", "bytes_from_client"]] > 0).all().all()
+
+
+def test_a_command_that_needs_flower_says_how_to_install_it(tmp_path: Path) -> None:
+    """Flower is the extra ``medfl[flower]``: without it, a run on Flower's simulation runtime
+    ends with one line naming the extra (exit code 2), not a traceback."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK)
+    (tmp_path / "train.json").write_text(json.dumps({"fl": {**FL, "backend": "ray"}}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), *filter(None, [
+        os.environ.get("PYTHONPATH")])]), "MEDFL_TEST_FLWR_ATTEMPTS": str(tmp_path / "attempts.txt")}
+    proc = subprocess.run([sys.executable, "-m", "medfl.cli", "run", "train.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "medfl: error: this needs Flower, which is not installed here: pip install 'medfl[flower]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
