@@ -11,7 +11,7 @@ A backend does not loop over methods, folds or seeds itself: the experiment hand
 its runs can reach their clients (this process; the ServerApp thread of Flower's
 simulation runtime...), and returns what ``drive`` returned. ``run_factory`` builds each
 method's run (``(cfg, method_spec, run_dir, data) -> Run``: :class:`medfl.engine.runner.Run`
-itself, or a subclass such as :class:`medfl.flower.server.FlowerRun` bound to its grid);
+itself, or a subclass such as :class:`medfl.engine.remote.RemoteRun` bound to its transport);
 ``meta`` is added to the experiment's ``config.json`` files (e.g. ``{"engine": "flower"}``).
 
 The experiment's ``config.json`` records the backend that ran it (``"backend"``: its

@@ -436,7 +436,7 @@ def _final_models(run: Run) -> dict[str, Any]:
     if type(run).update_clients is not Run.update_clients:
         # over Flower (and on Ray) the clients' states stay at the sites: a model rebuilt here
         # would lack their personalised parts, so none is logged rather than a wrong one
-        raise RunError(f"the clients ran {getattr(type(run), 'transport', type(run).__name__)}, not in this process; "
+        raise RunError(f"the clients ran {getattr(run, 'where', type(run).__name__)}, not in this process; "
                        "their models stay where they ran")
     last = run.rounds_run
     if run.early is not None and run.early.best_round is not None:

@@ -9,7 +9,7 @@
   builds this backend with its grid.
 - ``nvflare``: the clients are NVIDIA FLARE clients at the sites, reached by medfl's
   controller workflow (:mod:`medfl.nvflare.controller`, in a job ``medfl nvflare job`` writes),
-  which builds this backend with its task grid.
+  which builds this backend with its transport.
 
 Flower's and NVFlare's modules are imported when a backend runs, not when the plugin loads.
 """
@@ -71,28 +71,43 @@ class Flower(Backend):
     """The clients are SuperNodes at the sites, reached over ``grid`` (a SuperLink's).
 
     Args:
-        grid: the ServerApp's grid; ``None`` (as the registry builds it): there is no
+        grid: the ServerApp's grid, or a :class:`medfl.transport.Transport` standing in for it
+            (tests: sites in this process); ``None`` (as the registry builds it): there is no
             SuperLink here, and running says how to start one.
-        settings: the coordinator's :class:`medfl.flower.coordinator.FlowerSettings`.
+        settings: the coordinator's :class:`medfl.engine.remote_sites.RemoteSettings`.
     """
 
     name = "flower"
     description = "the clients are Flower SuperNodes at the sites (medfl flower run)"
+    #: what running without a grid says
+    missing = ("fl.backend 'flower': the clients are Flower SuperNodes reached through a SuperLink; run the config "
+               "with `medfl flower run CONFIG` (docs/flower.md), not `medfl run`")
 
     def __init__(self, grid: Any = None, settings: Any = None) -> None:
         self.grid = grid
         self.settings = settings
 
     def _factory(self) -> Any:
-        if self.grid is None:
-            raise RunError("fl.backend 'flower': the clients are Flower SuperNodes reached through a SuperLink; run "
-                           "the config with `medfl flower run CONFIG` (docs/flower.md), not `medfl run`")
-        from medfl.flower.coordinator import flower_run_factory
+        """:class:`~medfl.engine.remote.RemoteRun` on the transport (for a Flower grid, a
+        :class:`~medfl.flower.transport.FlowerTransport` per run, which records its retries).
 
-        return flower_run_factory(self.grid, self.settings)
+        Raises:
+            RunError: no grid (:attr:`missing`).
+        """
+        if self.grid is None:
+            raise RunError(self.missing)
+        from medfl.engine.remote import RemoteSettings, remote_run_factory
+        from medfl.transport import Transport
+
+        settings = self.settings or RemoteSettings()
+        if isinstance(self.grid, Transport):
+            return remote_run_factory(self.grid, settings)
+        from medfl.flower.transport import FlowerTransport
+
+        return remote_run_factory(lambda log: FlowerTransport(self.grid, settings, log), settings)
 
     def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-        """The experiment's runs are :class:`~medfl.flower.coordinator.FlowerRun` on the grid
+        """The experiment's runs are :class:`~medfl.engine.remote.RemoteRun` on the grid
         (``config.json`` says ``"engine": "flower"``, and under ``"launch"`` the options of
         ``medfl flower run`` that reach the SuperLink, for :meth:`resume_command`)."""
         factory = self._factory()
@@ -100,7 +115,7 @@ class Flower(Backend):
         return drive(factory, {"engine": "flower", **({"launch": launch} if launch else {})})
 
     def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
-        """Continue with :class:`~medfl.flower.coordinator.FlowerRun` on the grid (none:
+        """Continue with :class:`~medfl.engine.remote.RemoteRun` on the grid (none:
         :meth:`check_resume` refuses)."""
         self.check_resume(path)
         return drive(self._factory())
@@ -128,29 +143,24 @@ class Flower(Backend):
 class NVFlare(Flower):
     """The clients are NVIDIA FLARE clients at the sites, reached through the job's controller
     workflow (:class:`medfl.nvflare.controller.MedflController`, which builds this backend with
-    its :class:`~medfl.nvflare.grid.TaskGrid`); the rounds are the Flower coordinator's.
+    its :class:`~medfl.nvflare.transport.NVFlareTransport` as ``grid``); the runs are
+    :class:`~medfl.engine.remote.RemoteRun`, as over Flower.
 
     Args:
-        grid: the workflow's task grid; ``None`` (as the registry builds it): no NVFlare job
+        grid: the workflow's transport; ``None`` (as the registry builds it): no NVFlare job
             here, and running says how to write one.
-        settings: the coordinator's :class:`medfl.flower.coordinator.FlowerSettings`.
+        settings: the coordinator's :class:`medfl.engine.remote_sites.RemoteSettings`.
     """
 
     name = "nvflare"
     description = "the clients are NVIDIA FLARE clients at the sites (medfl nvflare job; needs medfl[nvflare])"
-
-    def _factory(self) -> Any:
-        if self.grid is None:
-            raise RunError("fl.backend 'nvflare': the clients are NVIDIA FLARE clients; write the job with "
-                           "`medfl nvflare job --config CONFIG --out DIR` and submit it (or run it in NVFlare's "
-                           "simulator: `nvflare simulator DIR/JOB -w WORKSPACE -n SITES`), docs/nvflare.md")
-        from medfl.nvflare.grid import nvflare_run_factory
-
-        return nvflare_run_factory(self.grid, self.settings)
+    missing = ("fl.backend 'nvflare': the clients are NVIDIA FLARE clients; write the job with `medfl nvflare job "
+               "--config CONFIG --out DIR` and submit it (or run it in NVFlare's simulator: `nvflare simulator "
+               "DIR/JOB -w WORKSPACE -n SITES`), docs/nvflare.md")
 
     def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-        """The experiment's runs are :class:`~medfl.nvflare.grid.NVFlareRun` (``config.json``
-        says ``"engine": "nvflare"``)."""
+        """The experiment's runs are :class:`~medfl.engine.remote.RemoteRun` over NVFlare
+        (``config.json`` says ``"engine": "nvflare"``)."""
         return drive(self._factory(), {"engine": "nvflare"})
 
     def check_resume(self, path: Path) -> None:

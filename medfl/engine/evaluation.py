@@ -6,7 +6,7 @@ client's splits, and the numbers are summarised (``metrics.csv``, ``cross_test.c
 :class:`Evaluation` is a part of the engine's :class:`~medfl.engine.runner.Run` (a mixin):
 its methods use the run's ``config``, ``coordinator``, ``federation``, ``data``, ``files``
 and tables; :meth:`Evaluation.evaluate_clients` and :meth:`Evaluation.final_evaluate_clients`
-are transport seams a transport's run (:class:`medfl.flower.server.FlowerRun`) overrides.
+are transport seams a transport's run (:class:`medfl.engine.remote.RemoteRun`) overrides.
 """
 
 from __future__ import annotations

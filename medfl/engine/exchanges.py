@@ -6,7 +6,7 @@ to ``clients/``; each message is measured as a deployment sends it (:func:`medfl
 :class:`Exchanges` is a part of the engine's :class:`~medfl.engine.runner.Run` (a mixin):
 :meth:`Exchanges.update_clients`, :meth:`Exchanges.validate_clients` and
 :meth:`Exchanges.profile_clients` are the transport seam a transport's run
-(:class:`medfl.flower.server.FlowerRun`) overrides to reach sites instead.
+(:class:`medfl.engine.remote.RemoteRun`) overrides to reach sites instead.
 """
 
 from __future__ import annotations

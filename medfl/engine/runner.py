@@ -94,10 +94,10 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
     #: Whether this transport can hide each client's reply from the coordinator
     #: (``fl.secure_aggregation``): not in one process, where the coordinator and the clients
     #: are one program that holds every update anyway; over Flower it can
-    #: (:class:`medfl.flower.server.FlowerRun`).
+    #: (:class:`medfl.engine.remote.RemoteRun`).
     hides_replies = False
     #: Where the clients run, in words (messages): ``in process`` here, the sites over Flower.
-    transport = "in process"
+    where = "in process"
 
     def __init__(self, cfg: dict[str, Any], method_spec: dict[str, Any], run_dir: str | Path,
                  data: FederatedData) -> None:
@@ -319,7 +319,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
     def aggregated(self, r: int, replies: dict[str, Reply]) -> dict[str, Reply]:
         """What the method's ``server_update`` receives for the replies of one training step:
         the replies themselves here; under secure aggregation over Flower only their weighted
-        mean (:meth:`medfl.flower.server.FlowerRun.aggregated`)."""
+        mean (:meth:`medfl.engine.remote.RemoteRun.aggregated`)."""
         return replies
 
     def secure_aggregation(self) -> dict[str, Any] | None:
@@ -492,7 +492,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
 
 
 #: Builds a method's run: ``(cfg, method_spec, run_dir, data) -> Run`` (:class:`Run` itself,
-#: or a transport's subclass such as :class:`medfl.flower.server.FlowerRun` bound to its grid).
+#: or a transport's subclass such as :class:`medfl.engine.remote.RemoteRun` bound to its transport).
 RunFactory = Callable[[dict[str, Any], dict[str, Any], Path, FederatedData], "Run"]
 
 

@@ -6,7 +6,7 @@ dropped, and the quorum a round needs (:func:`sites_needed`).
 
 :class:`Screening` is a part of the engine's :class:`~medfl.engine.runner.Run` (a mixin): its
 methods use the run's ``config``, ``coordinator``, ``federation``, ``privacy``, ``files`` and
-bookkeeping, and a transport's run (:class:`medfl.flower.server.FlowerRun`) overrides them
+bookkeeping, and a transport's run (:class:`medfl.engine.remote.RemoteRun`) overrides them
 as it overrides the run's.
 """
 
@@ -77,7 +77,7 @@ def sites_needed(addressed: int, cfg: dict[str, Any]) -> int:
     up; null: unused), never more than ``addressed`` (0 when none is addressed). The one rule
     of the in-process engine (:meth:`Run.check_quorum`) and of Flower's coordinator, which
     waits for that many sites before it sends and, when fewer answered, for the missing ones
-    to come back (:meth:`medfl.flower.server.FlowerRun.exchange`)."""
+    to come back (:meth:`medfl.engine.remote.RemoteRun.exchange`)."""
     fraction = cfg.get("min_fraction")
     want = max(int(cfg.get("min_sites", 1)), math.ceil(float(fraction) * addressed - 1e-9) if fraction else 0)
     return min(int(addressed), want)

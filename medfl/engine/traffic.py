@@ -5,7 +5,7 @@ evaluation, a ``cross_test`` scoring - is one request to a client and at most on
 Its size is the length of medfl's own encoding of the message contents
 (:func:`medfl.wire.encoded_size`, the contents built by :mod:`medfl.wire`), whichever transport
 carries them: over Flower and NVIDIA FLARE the coordinator measures the contents it sends and
-receives (:class:`medfl.flower.server.FlowerRun`) before they become Flower records; in
+receives (:class:`medfl.engine.remote.RemoteRun`) before a transport carries them; in
 process the engine builds the same contents and measures them (:class:`medfl.engine.runner.Run`),
 so a run counts the same bytes on every transport. The transport's own framing (Flower's
 protobuf, its envelope) is not counted.

@@ -237,32 +237,19 @@ def _last_json(text: str) -> dict:
 
 def parse_site_nodes(text: str | dict[str, Any], where: str) -> dict[str, int]:
     """``{client id: node id}`` from JSON ``text``, or from a mapping already decoded (a
-    run's flower.json); ``where`` names it in errors.
+    run's flower.json): :func:`medfl.engine.remote_sites.parse_pins`.
 
     Raises:
         AuthError: not a JSON object of client ids to positive integer node ids, or one
             node registered for two clients.
     """
+    from medfl.engine.remote_sites import parse_pins
+    from medfl.engine.runner import RunError
+
     try:
-        raw = json.loads(text) if isinstance(text, str) else text
-    except json.JSONDecodeError as exc:
-        raise AuthError(f"{where}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); expected "
-                        '{"client id": node id, ...}') from None
-    if not isinstance(raw, dict):
-        raise AuthError(f'{where}: expected a JSON object {{"client id": node id, ...}}, got {type(raw).__name__}')
-    out: dict[str, int] = {}
-    for cid, node in raw.items():
-        if isinstance(node, bool) or not isinstance(node, int) or node <= 0:
-            raise AuthError(f"{where}: client {cid!r}: node id {node!r} is not a positive integer (the id "
-                            "`medfl flower register-site` printed)")
-        out[str(cid)] = node
-    seen: dict[int, str] = {}
-    for cid, node in out.items():
-        if node in seen:
-            raise AuthError(f"{where}: node {node} is registered for clients {seen[node]!r} and {cid!r}; a node "
-                            "serves one client")
-        seen[node] = cid
-    return out
+        return parse_pins(text, where)
+    except RunError as exc:
+        raise AuthError(str(exc)) from None
 
 
 def read_site_nodes(path: str | Path) -> dict[str, int]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from medfl.flower.coordinator import RUN_CONFIG
+from medfl.flower.transport import RUN_CONFIG
 
 __all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command",
            "superexec_command", "site_command",
@@ -244,7 +244,7 @@ def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeo
                     progress_interval: float | None = None, site_nodes: dict[str, int] | None = None,
                     max_reply_mb: float | None = None, launch: str = "", threads: int | str | None = None
                     ) -> dict[str, Any]:
-    """The run config (keys of :data:`~medfl.flower.coordinator.RUN_CONFIG`) of one ``flwr run``
+    """The run config (keys of :data:`~medfl.flower.transport.RUN_CONFIG`) of one ``flwr run``
     of medfl's app: a bundle ``config`` with its ``#``-path ``overrides``, or a stopped run
     directory to ``resume`` (optionally to a new total of ``rounds``); paths made absolute.
     ``progress_interval``: seconds between the coordinator's "waiting for sites" lines
@@ -252,7 +252,7 @@ def make_run_config(*, workdir: str | Path, result_file: str | Path, round_timeo
     that may serve each client (:func:`medfl.flower.auth.pin_site`); ``max_reply_mb``: the
     largest answer taken from a site (``None``: bounded by what the method sends); ``launch``:
     the options of ``medfl flower run`` that reach this SuperLink, which the resume hints name
-    (:attr:`~medfl.flower.coordinator.FlowerSettings.launch`); ``threads``: with ``resume``,
+    (:attr:`~medfl.engine.remote_sites.RemoteSettings.launch`); ``threads``: with ``resume``,
     the coordinator's torch threads (as ``medfl resume --threads``; a new run gets them as
     ``fl#threads``)."""
     rc: dict[str, Any] = {"workdir": str(Path(workdir).resolve()), "result-file": str(result_file),

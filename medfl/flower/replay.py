@@ -33,8 +33,9 @@ __all__ = ["ABSENT_STATUSES", "RoundAccount", "recorded_absences", "account_roun
 
 #: The ``flower_events.csv`` statuses of a site that missed an exchange (it was sent nothing,
 #: or its answer never came): ``absent`` (no node served it), ``absent (scheduled)``
-#: (``fl.absences``), ``timeout`` and ``dropped (error N)`` (Flower reported its node gone).
-ABSENT_STATUSES = ("absent", "absent (scheduled)", "timeout", "dropped (error")
+#: (``fl.absences``), ``timeout`` and ``dropped (WHY)`` (the transport reported the node gone or
+#: the message lost; ``dropped (error N)`` in a run written before).
+ABSENT_STATUSES = ("absent", "absent (scheduled)", "timeout", "dropped (")
 
 
 def _read(path: Path, **kw: Any) -> pd.DataFrame:

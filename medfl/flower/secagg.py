@@ -15,7 +15,7 @@ secure aggregation that handler answers with the update as the mod expects it
 empties of every array), and an empty model payload.
 
 The coordinator side is :class:`SecureAggregation`: the four SecAgg+ stages (Bell et al.,
-CCS 2020) driven over medfl's own exchanges (:meth:`medfl.flower.coordinator.FlowerRun.exchange`:
+CCS 2020) driven over medfl's own exchanges (:meth:`medfl.engine.remote.RemoteRun.exchange`:
 its timeouts, dropouts, events and byte counts), speaking the mod's message format
 (``flwr.common.secure_aggregation.secaggplus_constants``) and reconstructing with Flower's
 primitives (Shamir shares, key agreement, the mask generator, dequantization):
@@ -64,7 +64,7 @@ from medfl.method import Method
 from medfl.seeding import derive_seed
 from medfl.wire import Arrays, Config, Content, Metrics
 
-__all__ = ["RECORD_KEY_CONFIGS", "SecureAggregation", "SecureRound", "secure_layout", "secure_update",
+__all__ = ["RECORD_KEY_CONFIGS", "Stage", "SecureAggregation", "SecureRound", "secure_layout", "secure_update",
            "secure_train_answer", "describe"]
 
 State = dict[str, torch.Tensor]

@@ -3,8 +3,8 @@ names ``medfl.flower.server:app``) and the functions that run an experiment over
 
 This module is the top of the coordinator's process, like the command line: it parses the
 run config, reads the bundle config, runs the experiment (:mod:`medfl.experiment`) on the
-``flower`` backend and prints the result. The coordinator itself, :class:`FlowerRun`, is
-:mod:`medfl.flower.coordinator` (its names are importable from here too).
+``flower`` backend and prints the result. The coordinator itself is
+:class:`medfl.engine.remote.RemoteRun`, over :class:`medfl.flower.transport.FlowerTransport`.
 """
 
 from __future__ import annotations
@@ -24,33 +24,33 @@ from medfl.backend import resume_command
 from medfl.report import print_result
 from medfl.config import THREADS_ENV, check_threads, resolve_config
 from medfl.config_file import load_bundle_config
-from medfl.experiment import resume, run_experiment
-from medfl.flower.coordinator import (RUN_CONFIG, FlowerRun, FlowerSettings, SiteDirectory, SiteFailure, SteadyGrid,
-                                      SuperLinkError, transient_error)
+from medfl.engine.remote_sites import RemoteSettings
 from medfl.engine.runner import RunError
+from medfl.experiment import resume, run_experiment
+from medfl.flower.transport import RUN_CONFIG
 from medfl.plugins import lookup
 
-__all__ = ["FlowerSettings", "FlowerRun", "SiteDirectory", "SiteFailure", "SteadyGrid", "SuperLinkError",
-           "transient_error", "run_flower_experiment", "resume_flower", "serve", "refusal", "app", "RUN_CONFIG"]
+__all__ = ["run_flower_experiment", "resume_flower", "serve", "refusal", "app", "RUN_CONFIG"]
 
 logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- experiments
-def run_flower_experiment(cfg: dict[str, Any], grid: Grid, settings: FlowerSettings | None = None
+def run_flower_experiment(cfg: dict[str, Any], grid: Any, settings: RemoteSettings | None = None
                           ) -> dict[str, Any]:
     """Run every method of a resolved config over Flower: :func:`medfl.experiment.run_experiment`
-    on the ``flower`` backend, with :class:`FlowerRun` as its runs (same directory layout,
+    on the ``flower`` backend (``grid``: the ServerApp's, or a :class:`medfl.transport.Transport`
+    standing in for it), with :class:`~medfl.engine.remote.RemoteRun` as its runs (same directory layout,
     ``comparison.csv``, cross-validation folds in ``fold_<k>/``; the ``config.json`` files say
     ``"engine": "flower"``)."""
     return run_experiment(cfg, backend=lookup("backend", "flower")(grid, settings))
 
 
-def resume_flower(path: str | Path, grid: Grid, settings: FlowerSettings | None = None,
+def resume_flower(path: str | Path, grid: Any, settings: RemoteSettings | None = None,
                   rounds: int | None = None) -> dict[str, Any]:
     """Continue a stopped Flower run, experiment or cross-validated experiment directory
     over Flower (:func:`medfl.experiment.resume` on the ``flower`` backend, with
-    :class:`FlowerRun`); its sites keep their state under the run id in each run's
+    :class:`~medfl.engine.remote.RemoteRun`); its sites keep their state under the run id in each run's
     ``flower.json`` and roll back what they wrote after the last checkpoint."""
     return resume(path, rounds, backend=lookup("backend", "flower")(grid, settings))
 
@@ -65,7 +65,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> dict[str, Any]:
     rc = {**RUN_CONFIG, **{k: v for k, v in run_config.items()}}
     if rc["workdir"]:
         os.chdir(str(rc["workdir"]))
-    settings = FlowerSettings.from_run_config(rc)
+    settings = RemoteSettings.from_run_config(rc)
     if rc["resume"]:
         with _threads(str(rc.get("threads") or "")):   # `medfl flower run --resume --threads N`
             result = resume_flower(str(rc["resume"]), grid, settings, int(rc["rounds"]) or None)

@@ -3,9 +3,9 @@
 ``"backend": "ray"`` in the ``fl`` section (or ``{"name": "ray", "client_cpus": 1,
 "client_gpus": 0.25}``; :data:`medfl.config.BACKEND_DEFAULTS`), or ``medfl run CONFIG
 --backend ray``, runs the experiment through :func:`flwr.simulation.run_simulation`: the
-coordinator is :class:`~medfl.flower.coordinator.FlowerRun` (the deployment's ServerApp code,
-over Flower's in-memory grid instead of a SuperLink) and every client is a simulated
-SuperNode whose messages are handled by the deployment's own
+coordinator is :class:`~medfl.engine.remote.RemoteRun` (the deployment's ServerApp code,
+over Flower's in-memory grid instead of a SuperLink: :class:`SimulatedTransport`) and every
+client is a simulated SuperNode whose messages are handled by the deployment's own
 :func:`medfl.flower.site.handle` in a Ray actor. Ray runs as many actors as the resources
 allow (cores / ``client_cpus``, GPUs / ``client_gpus``), so the clients of a round train in
 parallel; each actor keeps torch, the plugins and the sites it served loaded between
@@ -34,7 +34,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +44,13 @@ from flwr.serverapp import Grid, ServerApp
 from medfl.backend import Drive
 from medfl.config import actor_threads
 from medfl.engine.data import FederatedData, client_order, split_data
-from medfl.engine.runner import Run, RunError, build_source
-from medfl.flower.coordinator import FlowerRun, FlowerSettings
+from medfl.engine.remote import RemoteRun, RemoteSettings
+from medfl.engine.runner import RunError, build_source
 from medfl.flower.site import Site, SiteSettings, handle
 from medfl.flower.proxy import secure_aggregation_mod
+from medfl.flower.transport import FLOWER_TERMS, FlowerTransport
 
-__all__ = ["SimulationRun", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing", "shutdown_ray",
+__all__ = ["SimulatedTransport", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing", "shutdown_ray",
            "STATE_FOLDER"]
 
 logger = logging.getLogger(__name__)
@@ -67,31 +67,16 @@ def ray_missing() -> str:
     return ""
 
 
-class SimulationRun(FlowerRun):
-    """A :class:`FlowerRun` over the simulation runtime's in-memory grid: the same
-    coordinator as a deployment; it resumes with ``medfl resume`` and says where its
-    sites' state is."""
+class SimulatedTransport(FlowerTransport):
+    """:class:`FlowerTransport` over the simulation runtime's in-memory grid: every simulated
+    node exists from the start (the run waits until each has answered its hello or been
+    refused, not for nodes to come), and its sites draw privacy noise from the run seed."""
 
-    transport = "on Flower's simulation runtime"
+    terms = {**FLOWER_TERMS, "where": "on Flower's simulation runtime"}
+    fixed_nodes = True
+    connect_hint = "every simulated node serves one client of the config's partition (fl.num_clients)"
     noise_source = ("the run seed: a reproducible simulation on Flower's simulation runtime (as in process; "
                     "whoever knows the seed could regenerate the noise)")
-    connect_hint = "every simulated node serves one client of the config's partition (fl.num_clients)"
-
-    def resume_command(self, top: Path) -> str:
-        """A simulated run continues like an in-process one."""
-        return Run.resume_command(self, top)
-
-    def _connect(self, ids: list[str], t0: float) -> None:
-        """Every simulated node exists from the start: wait until each has answered its
-        hello (or was refused: a site that cannot build its split), not for nodes to come."""
-        deadline = t0 + self.settings.connect_timeout
-        while True:
-            self.sites.refresh(need=ids, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            if all(c in self.sites.nodes for c in ids) or time.monotonic() >= deadline:
-                return
-            online = set(self.grid.get_node_ids())
-            if online and online <= set(self.sites.refused) | set(self.sites.nodes.values()):
-                return   # every node answered; the caller reports the refusals
 
 
 class SimulatedSites:
@@ -272,19 +257,19 @@ class _DropDeprecation(logging.Filter):
 _STOP_WAIT = 60.0
 
 
-def _settings(wait: float = 600.0) -> FlowerSettings:
+def _settings(wait: float = 600.0) -> RemoteSettings:
     """The coordinator's settings on the simulation runtime: every simulated node is there
     from the start and replies arrive through memory, but each node's actor must first start
     (torch, the dataset), which a loaded machine slows down: ``wait`` seconds
     (``fl.backend.connect_timeout``) for every node's hello at the start."""
-    return FlowerSettings(poll_interval=0.01, connect_timeout=float(wait), hello_timeout=60.0, progress_interval=30.0)
+    return RemoteSettings(poll_interval=0.01, connect_timeout=float(wait), hello_timeout=60.0, progress_interval=30.0)
 
 
 def _factory(grid: Grid, stop: threading.Event | None = None) -> Any:
-    def build(cfg: dict[str, Any], spec: dict[str, Any], run_dir: Path, data: FederatedData) -> SimulationRun:
+    def build(cfg: dict[str, Any], spec: dict[str, Any], run_dir: Path, data: FederatedData) -> RemoteRun:
         settings = _settings(cfg["backend"]["connect_timeout"])
         settings.stop = stop
-        return SimulationRun(cfg, spec, run_dir, data, grid, settings)
+        return RemoteRun(cfg, spec, run_dir, data, lambda log: SimulatedTransport(grid, settings, log), settings)
     return build
 
 

@@ -1,4 +1,5 @@
-"""A medfl site: the Flower ``ClientApp`` a SuperNode runs where one client's data lives.
+"""A medfl site: what answers the coordinator's messages where one client's data lives (behind
+a Flower SuperNode's ``ClientApp``, :mod:`medfl.flower.proxy`, or an NVIDIA FLARE executor).
 
 The SuperNode is started with a node config naming the site (``medfl flower site`` writes
 it)::
@@ -51,7 +52,7 @@ naming a plugin (method, filter, model, metric, or its own dataset and partition
 not approved there with the same distribution version and code, and every message that asks
 for less privacy than the file's ``policy`` accepts (:mod:`medfl.policy`), before the
 method's code runs; the coordinator's run then fails with a
-:class:`~medfl.flower.coordinator.SiteFailure` naming the site and the reason. Without one, the
+:class:`~medfl.engine.remote_sites.SiteFailure` naming the site and the reason. Without one, the
 site runs any method installed in its environment and says so.
 """
 
@@ -66,11 +67,9 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from flwr.app import Context, Message, RecordDict
-from flwr.clientapp import ClientApp
 
 from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, build_peer_model,
                                  evaluate_final_models, evaluate_model, run_client_profile, run_client_update,
@@ -79,15 +78,16 @@ from medfl.engine.data import FederatedData, client_order, split_data
 from medfl import wire
 from medfl.budget import SiteBudget, data_key
 from medfl.flower import protocol as P
-from medfl.flower.proxy import pack_records, secure_aggregation_mod, unpack_records
-from medfl.flower.records import from_recorddict, to_recorddict
 from medfl.logs import file_log
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
 from medfl.wire import Config, Content
 
-__all__ = ["SiteSettings", "Site", "SiteError", "plain", "handle", "handle_locally", "site_for", "site_noise_key", "app",
-           "instruction_digest", "REPRODUCIBLE_NOISE_ENV"]
+if TYPE_CHECKING:   # Flower is imported where a message meets it (handle), never for NVIDIA FLARE's sites
+    from flwr.app import RecordDict
+
+__all__ = ["SiteSettings", "Site", "SiteError", "plain", "answer_message", "handle", "handle_locally", "site_for",
+           "site_noise_key", "instruction_digest", "REPRODUCIBLE_NOISE_ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -647,45 +647,56 @@ def _instruction(content: Content, where: str, prefix: str = "ins") -> Instructi
     return Instruction(payload=wire.take(content, f"{prefix}.payload", where), config=config)
 
 
-def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age: float | None = None) -> RecordDict:
-    """Answer one medfl message (:mod:`medfl.flower.protocol`) at ``site``: decode and
-    check what came in, run the step, encode and check what goes out (the answer's content
-    is built by :mod:`medfl.wire`, as the in-process engine builds it to measure it; Flower's
-    records are converted on the way in and out, :mod:`medfl.flower.records`).
+def answer_message(site: Site, message_type: str, content: Content, *, clientapp_age: float | None = None
+                   ) -> Content:
+    """Answer one medfl message (:mod:`medfl.flower.protocol`) at ``site``, whatever carried it
+    (Flower: :func:`handle`; NVIDIA FLARE: :mod:`medfl.nvflare.executor`): check what came in,
+    run the step, check what goes out (the answer is built by :mod:`medfl.wire`, as the
+    in-process engine builds it to measure it).
 
     The run's log at the site says how long that took (a DEBUG line ``... answered in S s``)
     and, given ``clientapp_age`` (how long the ClientApp process that forwarded the message had
     run: :func:`medfl.flower.proxy.process_age`), what Flower's start of that process took;
     ``benchmarks/flower_overhead.py`` reads both.
 
-    A packed message (:func:`medfl.flower.proxy.pack_records`) is answered packed.
-
     Raises:
         SiteError: unknown message type, wrong protocol or client id.
         PayloadError: something other than tensors and scalars in or out.
-        ValueError: a packed message whose bytes are not a record dict.
     """
-    inner = unpack_records(content)
-    if inner is not content:
-        return pack_records(handle(site, message_type, inner, clientapp_age=clientapp_age))
     t0 = time.perf_counter()
-    got = from_recorddict(content)
-    ctl = wire.take_json(got, P.CONTROL, f"message to site {site.client_id}")
+    ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
     plain(ctl, f"medfl site {site.client_id}: {message_type} message's control record")
     site.check(ctl)
     # the site's own log of the run, beside its state (<state-dir>/<run id>/site_<client id>/log.txt)
     # (a hello names no run yet: it is answered without one)
     with file_log(site._root(ctl), f"site {site.client_id}: {message_type} message, round {ctl.get('round')}") \
             if "run" in ctl else nullcontext(), site.models_guarded(ctl):
-        out = to_recorddict(_answer(site, message_type, ctl, got))
+        out = _answer(site, message_type, ctl, content)
         logger.debug(f"site {site.client_id}: {message_type} message, round {ctl.get('round')}: answered in "
                      f"{time.perf_counter() - t0:.3f} s" + ("" if clientapp_age is None else
                      f"; its ClientApp process had run {clientapp_age:.3f} s when it forwarded the message"))
         return out
 
 
+def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age: float | None = None) -> RecordDict:
+    """:func:`answer_message` on a Flower message's ``RecordDict``: its records converted on the
+    way in and out (:mod:`medfl.flower.records`); a packed message
+    (:func:`medfl.flower.proxy.pack_records`) is answered packed.
+
+    Raises:
+        SiteError, PayloadError: as :func:`answer_message`.
+        ValueError: a packed message whose bytes are not a record dict.
+    """
+    from medfl.flower.proxy import pack_records, unpack_records
+    from medfl.flower.records import from_recorddict, to_recorddict
+
+    inner = unpack_records(content)
+    out = to_recorddict(answer_message(site, message_type, from_recorddict(inner), clientapp_age=clientapp_age))
+    return out if inner is content else pack_records(out)
+
+
 def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: Content) -> Content:
-    """:func:`handle` once the message's control fields ``ctl`` are read and checked."""
+    """:func:`answer_message` once the message's control fields ``ctl`` are read and checked."""
     me = f"site {site.client_id}"
     if message_type == P.HELLO:
         info = site.hello(ctl)
@@ -717,17 +728,3 @@ def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: Content
 def handle_locally(node_config: dict[str, Any], message_type: str, content: RecordDict) -> RecordDict:
     """:func:`handle` in this process, for the site named by ``node_config``."""
     return handle(site_for(node_config), message_type, content)
-
-
-def _local(msg: Message, context: Context) -> Message:
-    return Message(handle_locally(dict(context.node_config), msg.metadata.message_type, msg.content), reply_to=msg)
-
-
-#: The ClientApp handling every message in the ClientApp process itself (no site worker);
-#: ``medfl flower`` uses the lighter :mod:`medfl.flower.proxy` instead.
-app = ClientApp()
-app.query("hello")(_local)
-app.train(mods=[secure_aggregation_mod])(_local)
-app.evaluate()(_local)
-app.evaluate("validate")(_local)
-app.evaluate("score")(_local)

@@ -1,9 +1,9 @@
 """medfl over NVIDIA FLARE: the coordinator as an NVFlare controller workflow, each site as an
 NVFlare executor (the ``nvflare`` backend, ``pip install 'medfl[nvflare]'``; docs/nvflare.md).
 
-- :mod:`medfl.nvflare.grid`: :class:`~medfl.nvflare.grid.TaskGrid`, which carries the
-  coordinator's messages as NVFlare tasks, and :class:`~medfl.nvflare.grid.NVFlareRun`, the
-  Flower coordinator's run (:class:`medfl.flower.coordinator.FlowerRun`) on that grid;
+- :mod:`medfl.nvflare.transport`: :class:`~medfl.nvflare.transport.NVFlareTransport`, which
+  carries the coordinator's messages (:class:`medfl.engine.remote.RemoteRun`, the same as over
+  Flower) as NVFlare tasks;
 - :mod:`medfl.nvflare.executor`: :class:`~medfl.nvflare.executor.MedflExecutor`, the site side
   (the same :class:`medfl.flower.site.Site` a Flower SuperNode runs: approvals, the site's
   privacy policy, the release ledger, the content guard, state kept per site);

@@ -4,7 +4,7 @@ The NVFlare server runs this workflow of a medfl job (``medfl nvflare job``). It
 :meth:`~MedflController.control_flow` reads the job's bundle config and runs the experiment
 (:func:`medfl.experiment.run_experiment`, or :func:`medfl.experiment.resume` of a stopped run)
 on the ``nvflare`` backend, whose runs send their messages to the NVFlare clients as tasks
-(:class:`medfl.nvflare.grid.TaskGrid`). The run directory is written on the server's machine
+(:class:`medfl.nvflare.transport.NVFlareTransport`). The run directory is written on the server's machine
 (``fl.output_dir``) exactly as under ``medfl run``; with ``result_file`` the outcome is also
 written there as JSON (``{"ok": true, "dir": ...}`` or ``{"ok": false, "error": ...}``). A
 failed or refused run ends the NVFlare job with a system panic whose reason is the error line.
@@ -36,9 +36,9 @@ from nvflare.apis.signal import Signal
 
 from medfl.config import resolve_config
 from medfl.config_file import load_bundle_config
+from medfl.engine.remote_sites import RemoteSettings
 from medfl.experiment import resume, run_experiment
-from medfl.flower.coordinator import FlowerSettings
-from medfl.nvflare.grid import TaskGrid
+from medfl.nvflare.transport import NVFlareTransport
 from medfl.plugins import lookup
 from medfl.report import print_result
 
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 class _Aborted(threading.Event):
-    """The stop event of :class:`FlowerSettings`, set when NVFlare aborts the job."""
+    """The stop event of :class:`~medfl.engine.remote_sites.RemoteSettings`, set when NVFlare aborts the job."""
 
     def __init__(self, signal: Signal) -> None:
         super().__init__()
@@ -119,9 +119,9 @@ class MedflController(Controller):
         Flower's coordinator ignores a reply it stopped waiting for."""
         logger.info(f"medfl nvflare: late {task_name} result of {client.name} ignored")
 
-    def experiment(self, grid: TaskGrid, settings: FlowerSettings) -> dict[str, Any]:
-        """Run (or resume) the job's experiment on the ``nvflare`` backend over ``grid``."""
-        backend = lookup("backend", "nvflare")(grid, settings)
+    def experiment(self, transport: NVFlareTransport, settings: RemoteSettings) -> dict[str, Any]:
+        """Run (or resume) the job's experiment on the ``nvflare`` backend over ``transport``."""
+        backend = lookup("backend", "nvflare")(transport, settings)
         workdir = os.environ.get(WORKDIR_ENV) or self.workdir
         if workdir:
             os.chdir(workdir)
@@ -149,10 +149,10 @@ class MedflController(Controller):
         from medfl.logs import ensure_console
 
         ensure_console()
-        settings = FlowerSettings(poll_interval=0.05, stop=_Aborted(abort_signal), round_timeout=self.round_timeout,
+        settings = RemoteSettings(poll_interval=0.05, stop=_Aborted(abort_signal), round_timeout=self.round_timeout,
                                   connect_timeout=self.connect_timeout, hello_timeout=self.hello_timeout)
         try:
-            result = self.experiment(TaskGrid(self, fl_ctx), settings)
+            result = self.experiment(NVFlareTransport(self, fl_ctx), settings)
         except BaseException as exc:  # noqa: BLE001 - said in the result file and as the job's panic
             error = f"{type(exc).__name__}: {exc}"
             self._write({"ok": False, "error": error, "traceback": traceback.format_exc()})

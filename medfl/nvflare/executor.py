@@ -1,9 +1,10 @@
 """A medfl site as an NVFlare executor: :class:`MedflExecutor`.
 
 Each NVFlare client of a medfl job runs this executor for medfl's tasks
-(:data:`medfl.nvflare.grid.TASKS`). A task's data holds one medfl message (its records as
-Flower's protobuf bytes); the executor answers it with :func:`medfl.flower.site.handle` on the
-site's :class:`medfl.flower.site.Site`, exactly as a Flower SuperNode's site does: the site's
+(:data:`medfl.nvflare.transport.TASKS`). A task's data holds one medfl message (its content's
+bytes, :func:`medfl.wire.encode`); the executor answers it with
+:func:`medfl.flower.site.answer_message` on the site's :class:`medfl.flower.site.Site`, exactly
+as a Flower SuperNode's site does (no Flower needed): the site's
 approvals and privacy policy (``MEDFL_APPROVALS`` in the NVFlare client's environment,
 :mod:`medfl.approval`), its release ledger and privacy budget, the content guard on what
 leaves, and the run's client state under the site's own state directory. Nothing of the site's
@@ -44,11 +45,11 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 from nvflare.apis.signal import Signal
 
+from medfl import wire
 from medfl.approval import APPROVALS_ENV, OPT_OUT
 from medfl.config_file import PlainDataError, plain_fl, refuse_syntax
-from medfl.flower.proxy import decode_records, encode_records
-from medfl.flower.site import Site, SiteError, SiteSettings, handle
-from medfl.nvflare.grid import ERROR, RECORDS
+from medfl.flower.site import Site, SiteError, SiteSettings, answer_message
+from medfl.nvflare.transport import CONTENT, ERROR
 
 __all__ = ["MedflExecutor", "SITE_ENV", "SITE_KEYS"]
 
@@ -161,18 +162,19 @@ class MedflExecutor(Executor):
         return self._sites[name]
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
-        """Answer one medfl message: the reply's records, or return code
+        """Answer one medfl message: the answer's bytes, or return code
         ``EXECUTION_EXCEPTION`` with the site's error text (a refusal by its approvals or
-        policy, a method that failed), which the coordinator names with the site."""
-        if RECORDS not in shareable:
+        policy, a method that failed, a message that cannot be read), which the coordinator
+        names with the site."""
+        if CONTENT not in shareable:
             return make_reply(ReturnCode.BAD_TASK_DATA)
         try:
-            out = handle(self.site(fl_ctx), task_name, decode_records(shareable[RECORDS]))
+            out = wire.encode(answer_message(self.site(fl_ctx), task_name, wire.decode(shareable[CONTENT])))
         except Exception as exc:  # noqa: BLE001 - every failure is the site's answer, with its reason
             logger.debug(traceback.format_exc())
             reply = make_reply(ReturnCode.EXECUTION_EXCEPTION)
             reply[ERROR] = f"{type(exc).__name__}: {exc}"
             return reply
         reply = Shareable()
-        reply[RECORDS] = encode_records(out)
+        reply[CONTENT] = out
         return reply

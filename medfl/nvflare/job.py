@@ -220,7 +220,7 @@ def write_job(out: str | Path, config: str | Path | None = None, *, sites: int |
             backend, ``sites`` differs from the config's ``num_clients``, or its ``fl`` section
             is not plain JSON once read (a value MONAI built, an expression's result).
     """
-    from medfl.nvflare.grid import TASKS
+    from medfl.nvflare.transport import TASKS
 
     if resume:
         saved = Path(resume) / "config.json"

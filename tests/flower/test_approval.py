@@ -1,6 +1,6 @@
 """A site runs only the plugins its operator approved (name, version, code hash).
 
-The sites run in this process behind the loop-back grid of ``test_coordinator.py``: a
+The sites run in this process behind the loop-back transport of ``test_coordinator.py``: a
 refusal travels to the coordinator as Flower does it (the ClientApp's exception becomes an
 error reply) and fails the run with a :class:`SiteFailure` naming the site and the reason.
 """
@@ -22,13 +22,14 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 from medfl.approval import APPROVALS_ENV, Approvals, ApprovalError, check_control, code_identity  # noqa: E402
 from medfl.cli import main  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
-from medfl.flower.server import SiteFailure, run_flower_experiment  # noqa: E402
+from medfl.engine.remote import SiteFailure  # noqa: E402
+from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site, SiteError  # noqa: E402
 from medfl.plugins import get_plugin_manager  # noqa: E402
 
 from contract_methods import methods_registered  # noqa: E402
 from flower_cases import FEDAVG, fl_config  # noqa: E402
-from test_coordinator import FAST, LoopGrid, _sites, task_identity  # noqa: E402,F401  (autouse fixture)
+from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 
 PLUGIN = '''
 """A third-party method plugin, as a site would have it installed."""
@@ -77,7 +78,7 @@ def _approve(path: Path, *names: str) -> None:
 
 def _run(tmp_path: Path, method: str, name: str) -> dict[str, Any]:
     fl = fl_config(tmp_path, name, {**FEDAVG, "rounds": 1, "eval_every": 0, "methods": [{"name": method}]})
-    return run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+    return run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl)), FAST)
 
 
 def test_an_approved_method_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,7 +287,7 @@ def test_a_leaking_evaluation_model_is_refused_at_the_site(tmp_path: Path) -> No
         fl["dataset"]["num_samples"] = 240
         with pytest.raises(SiteFailure, match=r"site 0 failed in evaluate .*PayloadError: evaluation model of "
                                               r"site 0\['stash'\]: holds the labels of client 0's global_test"):
-            run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+            run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl)), FAST)
 
 
 def test_site_check_refuses_before_building_the_method(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -575,10 +576,10 @@ def test_a_model_a_wrapper_builds_must_be_approved_too(tmp_path: Path, monkeypat
         with pytest.raises(SiteFailure, match=rf"site 0 .*SiteError: medfl site 0: refused model '{inner}' "
                                               rf"\(.*\), built by model '{wrap}': it is not in the approvals file .*"
                                               rf"`medfl approve {inner} --kind model --file "):
-            run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+            run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl)), FAST)
         assert main(["approve", inner, "--kind", "model", "--file", str(approvals)]) == 0
         fl["name"] = "wrapped_ok"
-        out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl, "ok")), FAST)
+        out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl, "ok")), FAST)
         assert out["summaries"]["fedavg"]["rounds"] == 1
     finally:
         pm.unregister(name=mod)

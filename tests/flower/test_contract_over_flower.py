@@ -1,4 +1,4 @@
-"""The method contract's extension points over Flower (the loop-back grid of
+"""The method contract's extension points over Flower (the loop-back transport of
 test_coordinator.py: the coordinator's and the sites' real code, one process): client state
 across the steps of a round, the validation exchange, evaluation results at the coordinator,
 and Global Test (cross_test) of an evaluation model that is not the client's registered model
@@ -19,7 +19,7 @@ from medfl.flower import protocol as P  # noqa: E402
 
 from contract_methods import ValidatingAvg, registered  # noqa: E402
 from flower_cases import numeric_equal  # noqa: E402
-from test_coordinator import _run_both, _no_state_at_coordinator, task_identity  # noqa: E402,F401
+from test_coordinator import _run_both, _no_state_at_coordinator  # noqa: E402
 
 BASE: dict[str, Any] = {"rounds": 2, "model": {"name": "small_cnn", "width": 4},
                         "train": {"batch_size": 8, "lr": 0.05}}

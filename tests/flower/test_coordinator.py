@@ -1,12 +1,13 @@
-"""The Flower coordinator (:class:`FlowerRun`) and sites (:class:`Site`) in one process.
+"""The remote coordinator (:class:`~medfl.engine.remote.RemoteRun`) and sites (:class:`Site`) in one process.
 
-A loop-back grid stands in for the SuperLink: every message is serialized to Flower's
-protobuf and back (as on the wire, medfl's contents converted by :mod:`medfl.flower.records`),
-handed to the addressed node's :class:`Site` with
-:func:`medfl.flower.site.handle`, and its answer serialized back. So these tests run the
-coordinator's and the sites' real code, fast and deterministically: the same numbers as in
-process, state kept at the sites, dropouts and rejoins, resume, and what the coordinator
-refuses. ``test_flower.py`` runs the same jobs over real Flower processes.
+A loop-back transport (:class:`LoopTransport`, a :class:`medfl.transport.InProcessTransport`)
+stands in for Flower's: every message crosses as its bytes (:func:`medfl.wire.encode`), is
+handed to the addressed node's :class:`Site` with :func:`medfl.flower.site.answer_message`, and
+its answer crosses back. So these tests run the coordinator's and the sites' real code, fast and
+deterministically: the same numbers as in process, state kept at the sites, dropouts and
+rejoins, resume, and what the coordinator refuses. ``test_flower_transport.py`` runs Flower's
+transport over a Flower grid in this process, ``test_flower.py`` the same jobs over real Flower
+processes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pandas as pd
 import pytest
@@ -22,86 +23,79 @@ import torch
 
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
-from flwr.app import Error, Message, RecordDict  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
-
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.data import split_data  # noqa: E402
 from medfl.engine.runner import Run, RunError, build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl import wire  # noqa: E402
-from medfl.flower.proxy import (decode_records, encode_records, pack_records, packed, packed_bytes,  # noqa: E402
-                                unpack_records)
-from medfl.flower.records import from_recorddict, to_recorddict  # noqa: E402
-from medfl.flower.server import FlowerRun, FlowerSettings, resume_flower, run_flower_experiment  # noqa: E402
-from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
+from medfl.engine.remote import RemoteRun, RemoteSettings  # noqa: E402
+from medfl.flower.server import resume_flower, run_flower_experiment  # noqa: E402
+from medfl.flower.site import Site, SiteError, SiteSettings, answer_message  # noqa: E402
+from medfl.flower.transport import FLOWER_TERMS  # noqa: E402
+from medfl.transport import Answer, InProcessTransport, Outgoing  # noqa: E402
 from medfl.wire import Content  # noqa: E402
 
 from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config, numeric_equal, write_config  # noqa: E402
+# Flower's message stamp, for the tests that import it from here (it stamps no message of this file's)
+from flower_grid import task_identity  # noqa: E402,F401
 
-FAST = FlowerSettings(round_timeout=2.0, connect_timeout=5.0, hello_timeout=2.0, poll_interval=0.01)
+FAST = RemoteSettings(round_timeout=2.0, connect_timeout=5.0, hello_timeout=2.0, poll_interval=0.01)
 
 #: ``(node, message type, control fields, reply content) -> reply content``
 Tamper = Callable[[int, str, dict[str, Any], Content], Content]
 
 
-class LoopGrid:
-    """A Flower ``Grid`` whose nodes are :class:`Site` objects in this process.
+class LoopTransport(InProcessTransport):
+    """The sites of this process as the coordinator's transport, standing in for Flower's (its
+    words: SuperNode, SuperLink): every content crosses as its bytes and is answered by the
+    addressed node's :class:`Site` (:func:`medfl.flower.site.answer_message`) when received.
 
     Args:
         sites: node id -> the site it runs.
         rule: ``(node, message type, control fields) -> "ok" | "unavailable" | "silent"``:
-            answer, answer with Flower's NODE_UNAVAILABLE error, or never answer.
-        tamper: rewrites a site's reply before it travels back.
+            answer, lose the message (the node is gone), or never answer.
+        tamper: rewrites a site's answer before it travels back.
     """
+
+    terms = FLOWER_TERMS
 
     def __init__(self, sites: dict[int, Site], rule: Callable[[int, str, dict[str, Any]], str] | None = None,
                  tamper: Tamper | None = None) -> None:
-        self.sites = dict(sites)
+        super().__init__(dict(sites), answer_message)
         self.rule = rule
         self.tamper = tamper
-        self.pending: dict[str, tuple[Message, str, dict[str, Any]]] = {}
         self.sent: list[tuple[int, str, int]] = []   # (node, message type, round)
-        self._n = 0
+        self.lost: set[str] = set()                  # messages whose node is gone
 
-    def get_node_ids(self) -> list[int]:
-        return sorted(self.sites)
-
-    def push_messages(self, messages: list[Message]) -> list[str]:
-        ids = []
-        for msg in messages:
-            self._n += 1
-            mid = f"m{self._n}"
-            msg.metadata.__dict__["_message_id"] = mid   # the SuperLink's job
-            node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
-            ctl = wire.take_json(from_recorddict(unpack_records(msg.content)), P.CONTROL, "loop grid")
-            self.sent.append((node, kind, int(ctl.get("round", 0) or 0)))
-            what = self.rule(node, kind, ctl) if self.rule else "ok"
-            ids.append(mid)
-            if what != "silent":   # answered when pulled, as a node answers after the push
-                self.pending[mid] = (msg, what, ctl)
+    def send(self, messages: list[Outgoing]) -> list[str]:
+        ids = super().send(messages)
+        for msg, mid in zip(messages, ids):
+            ctl = wire.take_json(msg.content, P.CONTROL, "loop transport")
+            self.sent.append((msg.node, msg.kind, int(ctl.get("round", 0) or 0)))
+            what = self.rule(msg.node, msg.kind, ctl) if self.rule else "ok"
+            if what == "silent":
+                self.pending.pop(mid, None)
+            elif what == "unavailable":
+                self.lost.add(mid)
         return ids
 
-    def _answer(self, msg: Message, what: str, ctl: dict[str, Any]) -> Message:
-        node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
-        if what == "unavailable" or node not in self.sites:
-            return Message(Error(code=5, reason="node unavailable"), reply_to=msg)
-        try:
-            out = handle(self.sites[node], kind, decode_records(encode_records(msg.content)))
-            if self.tamper:   # on what the site answered; it travels as the site sends it (packed or not)
-                tampered = to_recorddict(self.tamper(node, kind, ctl, from_recorddict(unpack_records(out))))
-                out = pack_records(tampered) if packed_bytes(out) is not None else tampered
-            return Message(decode_records(encode_records(out)), reply_to=msg)
-        except Exception as exc:  # noqa: BLE001 - as Flower reports a ClientApp exception
-            return Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
-
-    def pull_messages(self, message_ids: list[str]) -> list[Message]:
-        return [self._answer(*self.pending.pop(m)) for m in message_ids if m in self.pending]
+    def deliver(self, mid: str, msg: Outgoing) -> Answer:
+        if mid in self.lost:
+            return Answer(mid, error="node unavailable", lost=True)
+        answer = super().deliver(mid, msg)
+        if self.tamper is None or answer.content is None:
+            return answer
+        ctl = wire.take_json(msg.content, P.CONTROL, "loop transport")
+        try:   # on what the site answered; a tamper that raises is the site's error
+            return Answer(mid, wire.decode(wire.encode(self.tamper(msg.node, msg.kind, ctl, answer.content))))
+        except Exception as exc:  # noqa: BLE001
+            return Answer(mid, error=f"{type(exc).__name__}: {exc}")
 
 
 class VirtualClock:
-    """The coordinator's clock over the loop-back grid (``time`` in :mod:`medfl.flower.coordinator`):
+    """The coordinator's clock over the loop-back transport (``time`` in :mod:`medfl.engine.remote`
+    and :mod:`medfl.engine.remote_sites`):
     it moves only when the coordinator waits (``time.sleep``, one ``poll_interval`` per poll),
     so a timeout is a number of polls and a test's outcome never depends on how loaded the
     machine is (a site's answer, computed when it is pulled, never arrives "late")."""
@@ -124,20 +118,13 @@ class VirtualClock:
 @pytest.fixture(autouse=True)
 def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
     """Every test here runs the coordinator on a :class:`VirtualClock`."""
-    import medfl.flower.coordinator as coordinator
+    import medfl.engine.remote as remote
+    import medfl.engine.remote_sites as remote_sites
 
     clock = VirtualClock()
-    monkeypatch.setattr(coordinator, "time", clock)
+    monkeypatch.setattr(remote, "time", clock)
+    monkeypatch.setattr(remote_sites, "time", clock)
     return clock
-
-
-@pytest.fixture(autouse=True)
-def task_identity() -> Iterator[None]:
-    """Flower stamps messages with the running task's identity (set by its ServerApp process)."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 def _sites(work: Path, fl: dict[str, Any], tag: str = "") -> dict[int, Site]:
@@ -152,7 +139,7 @@ def _tampered_run(tmp_path: Path, name: str, job: dict[str, Any], tamper: Callab
     """Run ``job`` over the loop-back grid with ``tamper`` rewriting the sites' replies; return
     the method's run directory and its ``reply_events.csv`` (empty when nothing was refused)."""
     fl = fl_config(tmp_path, name, job)
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl), tamper=tamper), FAST)
+    out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl), tamper=tamper), FAST)
     run_dir = Path(out["dir"]) / method
     path = run_dir / "reply_events.csv"
     events = pd.read_csv(path, dtype={"client_id": str}) if path.is_file() else pd.DataFrame()
@@ -160,9 +147,9 @@ def _tampered_run(tmp_path: Path, name: str, job: dict[str, Any], tamper: Callab
 
 
 def _run_both(work: Path, name: str, job: dict[str, Any], grid_kw: dict[str, Any] | None = None
-              ) -> tuple[Path, Path, LoopGrid]:
+              ) -> tuple[Path, Path, LoopTransport]:
     fl = fl_config(work, name, job)
-    grid = LoopGrid(_sites(work, fl), **(grid_kw or {}))
+    grid = LoopTransport(_sites(work, fl), **(grid_kw or {}))
     out = run_flower_experiment(resolve_config(fl), grid, FAST)
     ref = run_experiment(resolve_config({**fl, "name": name + "_ref"}))
     label = fl["methods"][0]["name"]
@@ -266,7 +253,7 @@ def test_site_drops_out_for_a_round_and_rejoins_with_its_state(tmp_path: Path, f
     then comes back as a new node (a restarted SuperNode) on the same state directory."""
     fl = fl_config(tmp_path, "drop", FEDBN)
     sites = _sites(tmp_path, fl)
-    grid = LoopGrid(sites)
+    grid = LoopTransport(sites)
 
     def rule(node: int, kind: str, ctl: dict[str, Any]) -> str:
         if node == 103 and kind == P.TRAIN and ctl["round"] == 2:
@@ -283,7 +270,7 @@ def test_site_drops_out_for_a_round_and_rejoins_with_its_state(tmp_path: Path, f
     assert trained == {1: {"0", "1", "2"}, 2: {"0", "1"}, 3: {"0", "1", "2"}}
     events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
     lost = events[(events["client_id"] == "2") & (events["round"] == 2) & (events["phase"] == "train")]
-    assert lost["status"].tolist() == ["dropped (error 5)" if failure == "unavailable" else "timeout"]
+    assert lost["status"].tolist() == ["dropped (node unavailable)" if failure == "unavailable" else "timeout"]
     assert ((events["phase"] == "hello") & (events["client_id"] == "2") & (events["node_id"] == "203")).any()
     ref = _replica(tmp_path, fl, {(2, "2")})
     for f in ("metrics.csv", "train_metrics.csv"):
@@ -316,7 +303,7 @@ def test_stopped_flower_run_resumes_to_the_uninterrupted_result(tmp_path: Path, 
     rc = deploy.make_run_config(workdir=tmp_path, result_file=tmp_path / "result.json", round_timeout=2.0,
                                 connect_timeout=5.0, hello_timeout=2.0, config=write_config(tmp_path / "stop.json", fl),
                                 launch=launch)
-    grid = LoopGrid(_sites(tmp_path, fl))
+    grid = LoopTransport(_sites(tmp_path, fl))
     out = serve(grid, {**rc, "poll-interval": 0.01})
     exp = Path(out["dir"])
     run_dir = exp / "fedbn"
@@ -331,7 +318,7 @@ def test_stopped_flower_run_resumes_to_the_uninterrupted_result(tmp_path: Path, 
     assert f"`medfl flower run --resume {exp} {launch}`" in said[0]
     assert {f: f.read_bytes() for f in exp.rglob("*") if f.is_file()} == files   # nothing written
 
-    restarted = LoopGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
+    restarted = LoopTransport({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
     launched: list[tuple[str, dict[str, Any]]] = []
 
     def flwr_run(app_dir: Path, superlink: str, run_config: dict[str, Any], **kw: Any) -> int:
@@ -359,9 +346,9 @@ def test_early_stopping_over_the_grid_equals_in_process_after_a_resume(tmp_path:
     early = {**FEDBN, "rounds": 6, "eval_every": 1, "eval_splits": ["val", "test", "global_test"],
              "early_stopping": {"metric": "val/micro_f1", "patience": 3}}
     fl = fl_config(tmp_path, "early", {**early, "stop_after_round": 2})
-    grid = LoopGrid(_sites(tmp_path, fl))
+    grid = LoopTransport(_sites(tmp_path, fl))
     out = run_flower_experiment(resolve_config(fl), grid, FAST)
-    grid = LoopGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
+    grid = LoopTransport({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
     resume_flower(out["dir"], grid, FAST)
     ref = Path(run_experiment(resolve_config({**fl, "name": "early_ref", "stop_after_round": None}))["dir"]) / "fedbn"
     run_dir = Path(out["dir"]) / "fedbn"
@@ -450,7 +437,7 @@ def test_metrics_a_site_reports_about_itself_are_marked(tmp_path: Path) -> None:
 
 
 def test_a_site_answering_with_errors_is_dropped_then_excluded(tmp_path: Path) -> None:
-    """Issue 19: one site's Flower error (its code raised, or it answers errors on purpose)
+    """Issue 19: one site's error (its code raised, or it answers errors on purpose)
     stopped every run; now it is dropped like a bad reply and excluded by policy (the run
     stops only when every site asked fails: tests/flower/test_approval.py)."""
     def fail(node: int, kind: str, ctl: dict[str, Any], out: Content) -> Content:
@@ -461,7 +448,7 @@ def test_a_site_answering_with_errors_is_dropped_then_excluded(tmp_path: Path) -
     run_dir, events = _tampered_run(tmp_path, "errors", {**FEDAVG, "rounds": 3, "max_reply_failures": 2}, fail)
     assert events[["round", "client_id", "status"]].values.tolist() == [
         [1, "1", "dropped"], [2, "1", "dropped"], [2, "1", "excluded"]]
-    assert events["reason"].iloc[0] == "site 1 failed in train of round 1 (Flower error 2): RuntimeError: boom"
+    assert events["reason"].iloc[0] == "site 1 failed in train of round 1 (Flower): RuntimeError: boom"
     trained = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})
     assert sorted(trained[trained["round"] == 3]["client_id"]) == ["0", "2"]
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 3
@@ -495,34 +482,6 @@ def test_undecodable_replies_are_refused_not_fatal(tmp_path: Path) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
 
 
-def test_messages_travel_packed_and_a_garbled_pack_is_refused_with_the_site_named(tmp_path: Path) -> None:
-    """Issue 50: every message but the hello travels as one packed array; a reply whose
-    packed bytes are not a record dict is refused, naming the site, and the run goes on."""
-    kinds: dict[str, set[bool]] = {}
-
-    class Garbling(LoopGrid):
-        def push_messages(self, messages: list[Message]) -> list[str]:
-            for msg in messages:
-                kinds.setdefault(msg.metadata.message_type, set()).add(packed_bytes(msg.content) is not None)
-            return super().push_messages(messages)
-
-        def _answer(self, msg: Message, what: str, ctl: dict[str, Any]) -> Message:
-            reply = super()._answer(msg, what, ctl)
-            if msg.metadata.dst_node_id == 102 and msg.metadata.message_type == P.TRAIN and ctl.get("round") == 1:
-                return Message(packed(b"\xff\x00 not records"), reply_to=msg)
-            return reply
-
-    fl = fl_config(tmp_path, "garbled", {**FEDAVG, "rounds": 2})
-    out = run_flower_experiment(resolve_config(fl), Garbling(_sites(tmp_path, fl)), FAST)
-    assert kinds == {P.HELLO: {False}, P.TRAIN: {True}, P.EVALUATE: {True}}
-    run_dir = Path(out["dir"]) / "fedavg"
-    events = pd.read_csv(run_dir / "reply_events.csv", dtype={"client_id": str})
-    row = events[(events["round"] == 1) & (events["client_id"] == "1")]
-    assert row["status"].tolist() == ["dropped"]
-    assert "packed message's bytes are not a record dict" in row["reason"].iloc[0]
-    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
-
-
 def test_pinned_clients_are_served_only_by_their_registered_node(tmp_path: Path) -> None:
     """Issue 19: "the last hello for a client id wins". With site-nodes (client -> the node
     registered for it), a second node claiming client 1, with the right config and data, is
@@ -533,9 +492,9 @@ def test_pinned_clients_are_served_only_by_their_registered_node(tmp_path: Path)
     sites = _sites(tmp_path, fl)
     sites[104] = Site(SiteSettings(client_id="1", config=tmp_path / "site.json", state_dir=tmp_path / "s104"))
     pins = dataclasses.replace(FAST, site_nodes=json.dumps({"0": 101, "1": 102, "2": 103}))
-    exp = run_flower_experiment(resolve_config(fl), LoopGrid(sites), pins)["dir"]
+    exp = run_flower_experiment(resolve_config(fl), LoopTransport(sites), pins)["dir"]
     # the resume is given no site-nodes: it keeps the first session's (flower.json)
-    assert resume_flower(exp, LoopGrid(sites), FAST)["summaries"]["fedavg"]["rounds"] == 2
+    assert resume_flower(exp, LoopTransport(sites), FAST)["summaries"]["fedavg"]["rounds"] == 2
     run_dir = Path(exp) / "fedavg"
     assert json.loads((run_dir / "flower.json").read_text())["site_nodes"] == {"0": 101, "1": 102, "2": 103}
     events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
@@ -549,7 +508,7 @@ def test_pinned_clients_are_served_only_by_their_registered_node(tmp_path: Path)
     # a malformed mapping stops the run before anything is sent
     bad = dataclasses.replace(FAST, site_nodes=json.dumps({"0": 101, "1": 101}))
     with pytest.raises(RunError, match="node 101 is registered for clients '0' and '1'"):
-        run_flower_experiment(resolve_config(fl_config(tmp_path, "bad_pins", FEDAVG)), LoopGrid(_sites(tmp_path, fl)),
+        run_flower_experiment(resolve_config(fl_config(tmp_path, "bad_pins", FEDAVG)), LoopTransport(_sites(tmp_path, fl)),
                               bad)
 
 
@@ -562,7 +521,7 @@ def test_site_drawing_another_partition_is_refused(tmp_path: Path) -> None:
     # refused, so client 2 has no site: the connect error says why
     with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['2'\].*refused site 2 .*drew a different "
                                        "partition"):
-        run_flower_experiment(resolve_config(fl), LoopGrid(sites), FAST)
+        run_flower_experiment(resolve_config(fl), LoopTransport(sites), FAST)
 
 
 def test_a_node_whose_hello_is_refused_cannot_stop_the_run(tmp_path: Path) -> None:
@@ -583,7 +542,7 @@ def test_a_node_whose_hello_is_refused_cannot_stop_the_run(tmp_path: Path) -> No
             wire.put_json(out, P.CONTROL, {**control, "digest": 12345})
         return out
 
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(sites, tamper=garble), FAST)
+    out = run_flower_experiment(resolve_config(fl), LoopTransport(sites, tamper=garble), FAST)
     run_dir = Path(out["dir"]) / "fedavg"
     events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str, "node_id": str})
     refused = events[events["status"].astype(str).str.startswith("refused")]
@@ -601,9 +560,9 @@ def test_missing_site_fails_after_connect_timeout(tmp_path: Path) -> None:
     fl = fl_config(tmp_path, "missing", FEDAVG)
     sites = _sites(tmp_path, fl)
     del sites[102]
-    quick = FlowerSettings(round_timeout=1.0, connect_timeout=0.2, hello_timeout=0.2, poll_interval=0.01)
+    quick = RemoteSettings(round_timeout=1.0, connect_timeout=0.2, hello_timeout=0.2, poll_interval=0.01)
     with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['1'\]"):
-        run_flower_experiment(resolve_config(fl), LoopGrid(sites), quick)
+        run_flower_experiment(resolve_config(fl), LoopTransport(sites), quick)
 
 
 def test_coordinator_says_which_sites_it_still_waits_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -612,14 +571,14 @@ def test_coordinator_says_which_sites_it_still_waits_for(tmp_path: Path, capsys:
     fl = fl_config(tmp_path, "waiting", FEDAVG)
     sites = _sites(tmp_path, fl)
     del sites[102]
-    quick = FlowerSettings(round_timeout=1.0, connect_timeout=0.5, hello_timeout=0.2, poll_interval=0.01,
+    quick = RemoteSettings(round_timeout=1.0, connect_timeout=0.5, hello_timeout=0.2, poll_interval=0.01,
                            progress_interval=0.1)
     with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['1'\]"):
-        run_flower_experiment(resolve_config(fl), LoopGrid(sites), quick)
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("medfl flower: waiting for sites")]
+        run_flower_experiment(resolve_config(fl), LoopTransport(sites), quick)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("medfl: waiting for sites")]
     assert len(lines) >= 2, lines
     assert "no site serves client(s) 1 yet; connected: 0, 2 (2 SuperNode(s) registered)" in lines[-1]
-    assert FlowerSettings.from_run_config({"progress-interval": 20}).progress_interval == 20.0
+    assert RemoteSettings.from_run_config({"progress-interval": 20}).progress_interval == 20.0
 
 
 def test_pooled_methods_cannot_run_across_sites(tmp_path: Path) -> None:
@@ -627,7 +586,7 @@ def test_pooled_methods_cannot_run_across_sites(tmp_path: Path) -> None:
     cfg = resolve_config(fl)
     data = split_data(build_source(cfg["dataset"]), cfg)
     with pytest.raises(RunError, match="pools every client's data"):
-        FlowerRun(cfg, cfg["methods"][0], tmp_path / "run", data, LoopGrid({}), FAST)
+        RemoteRun(cfg, cfg["methods"][0], tmp_path / "run", data, LoopTransport({}), FAST)
 
 
 # ---------------------------------------------------------------------- the site alone
@@ -648,21 +607,20 @@ def test_node_config_errors_name_what_is_missing(tmp_path: Path) -> None:
 def test_site_refuses_other_protocols_clients_and_message_types(tmp_path: Path) -> None:
     site = _sites(tmp_path, fl_config(tmp_path, "x", FEDAVG))[101]
 
-    def msg(**ctl: Any) -> RecordDict:
+    def msg(**ctl: Any) -> Content:
         content = Content()
         wire.put_json(content, P.CONTROL, ctl)
-        return to_recorddict(content)
+        return content
 
     with pytest.raises(SiteError, match="protocol 99"):
-        handle(site, P.HELLO, msg(protocol=99))
+        answer_message(site, P.HELLO, msg(protocol=99))
     with pytest.raises(SiteError, match="addressed to client '1'"):
-        handle(site, P.HELLO, msg(protocol=P.PROTOCOL, client="1"))
+        answer_message(site, P.HELLO, msg(protocol=P.PROTOCOL, client="1"))
     with pytest.raises(SiteError, match="unknown message type 'query.secrets'"):
-        handle(site, "query.secrets", msg(protocol=P.PROTOCOL))
+        answer_message(site, "query.secrets", msg(protocol=P.PROTOCOL))
     with pytest.raises(wire.WireError, match="no 'medfl' record"):
-        handle(site, P.HELLO, RecordDict())
-    hello = wire.take_json(from_recorddict(handle(site, P.HELLO, msg(protocol=P.PROTOCOL, fold=None))), P.CONTROL,
-                           "hello")
+        answer_message(site, P.HELLO, Content())
+    hello = wire.take_json(answer_message(site, P.HELLO, msg(protocol=P.PROTOCOL, fold=None)), P.CONTROL, "hello")
     assert hello["client"] == "0" and set(hello["sizes"]) == {"train", "val", "test"}
 
 
@@ -735,7 +693,7 @@ def test_a_diverging_run_is_warned_about_over_flower_as_in_process(tmp_path: Pat
     thousands, ln 2 = 0.69 at the start) finished with no word; the warning comes from the
     coordinator's round (``Run.divergence``), the same code over Flower as in process."""
     fl = fl_config(tmp_path, "lr", {**FEDAVG, "rounds": 1, "train": {"batch_size": 8, "lr": 100.0}})
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+    out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl)), FAST)
     warnings = json.loads((Path(out["dir"]) / "fedavg" / "summary.json").read_text())["warnings"]
     assert [w["round"] for w in warnings] == [1]
     assert warnings[0]["warning"].startswith("training is diverging: the mean training loss of round 1 is")
@@ -746,7 +704,7 @@ def test_an_experiment_over_seeds_runs_across_sites(tmp_path: Path) -> None:
     coordinator sends (before, a site drew the config's seed and every other seed's hello was
     refused as another partition)."""
     fl = {**fl_config(tmp_path, "seeds", {**FEDAVG, "rounds": 1}), "seeds": [0, 3]}
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+    out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl)), FAST)
     ref = run_experiment(resolve_config({**fl, "name": "seeds_ref"}))
     for seed in (0, 3):
         a = pd.read_csv(Path(ref["dir"]) / f"seed_{seed}" / "fedavg" / "metrics.csv")
@@ -800,7 +758,7 @@ def test_an_oversized_reply_is_refused_with_its_size(tmp_path: Path) -> None:
 
     rc = make_run_config(workdir=tmp_path, result_file=tmp_path / "r.json", round_timeout=9, connect_timeout=9,
                          hello_timeout=9, config="train.json", max_reply_mb=2)
-    assert FlowerSettings.from_run_config(rc).max_reply_mb == 2.0
+    assert RemoteSettings.from_run_config(rc).max_reply_mb == 2.0
 
 
 def _wrong_codes(value: Any) -> Any:
@@ -826,7 +784,7 @@ def test_cross_test_under_dp_over_the_grid_is_refused_or_recorded_as_not_private
     with pytest.raises(ConfigError, match=r"fl\.cross_test \{\"under_dp\": \"send_models\"\}"):
         resolve_config(fl_config(tmp_path, "refused", job))
     fl = fl_config(tmp_path, "opted_in", {**job, "cross_test": {"under_dp": "send_models"}})
-    grid = LoopGrid(_sites(tmp_path, fl))
+    grid = LoopTransport(_sites(tmp_path, fl))
     out = run_flower_experiment(resolve_config(fl), grid, FAST)
     run_dir = Path(out["dir"]) / "fedavg"
     assert [k for _, k, _ in grid.sent].count(P.SCORE) == 3 and (run_dir / "cross_test.csv").is_file()
@@ -894,7 +852,7 @@ def test_only_the_coordinator_tracks(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # the warning names where the clients ran (issue 49, item 6: it named fl.backend 'inprocess')
     with pytest.warns(tracking.TrackerWarning, match="the clients ran over Flower, at the sites, not in this process; "
                                                      "their models stay where they ran"):
-        out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+        out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl)), FAST)
     assert built == [Path(out["dir"])]
     acc = EventAccumulator(str(Path(out["dir"]) / "tensorboard" / "fedavg"))
     acc.Reload()

@@ -23,7 +23,7 @@ from medfl.flower.proxy import app  # noqa: E402
 from medfl.flower.records import to_recorddict  # noqa: E402
 from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
 
-from test_coordinator import task_identity  # noqa: E402,F401  (autouse: Flower stamps messages with it)
+from flower_grid import task_identity  # noqa: E402,F401  (autouse: Flower stamps messages with it)
 
 FL: dict[str, Any] = {
     "seed": 0, "num_clients": 2, "rounds": 1, "progress": False,

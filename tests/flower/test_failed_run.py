@@ -5,7 +5,7 @@ the SuperLink and when it registered.
 
 The sites are "late" deterministically: sites 1 and 2 are never started, and the runs give
 up after a ``--connect-timeout`` of a few seconds. The first test runs the coordinator over
-``test_coordinator``'s loop-back grid (no process); the others start real Flower processes
+``test_coordinator``'s loop-back transport (no process); the others start real Flower processes
 (a SuperLink, ``medfl flower site``, ``medfl flower run``), each with its own federation.
 """
 
@@ -22,17 +22,16 @@ import pytest
 
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
-
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.runner import RunError  # noqa: E402
 from medfl.flower.deploy import LocalFederation  # noqa: E402
-from medfl.flower.server import FlowerSettings, resume_flower, run_flower_experiment  # noqa: E402
+from medfl.engine.remote import RemoteSettings  # noqa: E402
+from medfl.flower.server import resume_flower, run_flower_experiment  # noqa: E402
 from medfl.runs import find_run_dirs, run_row  # noqa: E402
 from medfl.rundir import RunDir  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, write_config  # noqa: E402
-from test_coordinator import LoopGrid, VirtualClock, _sites  # noqa: E402
+from test_coordinator import LoopTransport, VirtualClock, _sites  # noqa: E402
 from test_startup_failures import federation  # noqa: E402,F401  (its SuperLink-only fixture)
 
 
@@ -64,20 +63,19 @@ def failed_to_start(output_dir: Path) -> str:
 
 @pytest.fixture
 def loop_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[VirtualClock]:
-    """The coordinator on ``test_coordinator``'s virtual clock, under a task identity (what
-    Flower's ServerApp process sets), as the loop-back grid's tests run it."""
-    import medfl.flower.coordinator as coordinator
+    """The coordinator on ``test_coordinator``'s virtual clock, as the loop-back transport's
+    tests run it."""
+    import medfl.engine.remote as remote
+    import medfl.engine.remote_sites as remote_sites
 
     clock = VirtualClock()
-    monkeypatch.setattr(coordinator, "time", clock)
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    monkeypatch.setattr(remote, "time", clock)
+    monkeypatch.setattr(remote_sites, "time", clock)
     yield clock
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 def test_connect_error_names_registered_and_missing_sites(tmp_path: Path, loop_clock: VirtualClock) -> None:
-    """Over the loop-back grid: client 0's site answers, node 102 registered but never
+    """Over the loop-back transport: client 0's site answers, node 102 registered but never
     answers its hello (a site still starting), client 2 has no node: the error names each
     by client and node id, the timeout and how to raise it; the run is listed as failed to
     start, unlocked, and continues with ``--resume`` once the sites answer. With no node at
@@ -85,8 +83,8 @@ def test_connect_error_names_registered_and_missing_sites(tmp_path: Path, loop_c
     fl = fl_config(tmp_path, "late", FEDAVG)
     sites = _sites(tmp_path, fl)
     del sites[103]
-    quick = FlowerSettings(round_timeout=1.0, connect_timeout=7.0, hello_timeout=0.2, poll_interval=0.01)
-    grid = LoopGrid(sites, rule=lambda node, kind, ctl: "silent" if node == 102 else "ok")
+    quick = RemoteSettings(round_timeout=1.0, connect_timeout=7.0, hello_timeout=0.2, poll_interval=0.01)
+    grid = LoopTransport(sites, rule=lambda node, kind, ctl: "silent" if node == 102 else "ok")
     with pytest.raises(RunError) as err:
         run_flower_experiment(resolve_config(fl), grid, quick)
     msg = str(err.value)
@@ -96,12 +94,12 @@ def test_connect_error_names_registered_and_missing_sites(tmp_path: Path, loop_c
     assert "no site registered" not in msg
     assert failed_to_start(tmp_path / "runs") == f"failed to start: {msg}"
     # once every site answers, the run that failed to start continues with --resume, from round 1
-    out = resume_flower(find_run_dirs(tmp_path / "runs")[0], LoopGrid(_sites(tmp_path, fl, tag="b")), quick)
+    out = resume_flower(find_run_dirs(tmp_path / "runs")[0], LoopTransport(_sites(tmp_path, fl, tag="b")), quick)
     assert run_row(Path(out["dir"]))["status"] == "finished"
 
     fl = fl_config(tmp_path / "none", "nobody", FEDAVG)
     with pytest.raises(RunError) as err:
-        run_flower_experiment(resolve_config(fl), LoopGrid({}), quick)
+        run_flower_experiment(resolve_config(fl), LoopTransport({}), quick)
     assert str(err.value) == (
         "no SuperNode serves client(s) ['0', '1', '2'] after 7 s (connected: []); no site registered at the "
         "SuperLink within --connect-timeout 7 s: start a site per client with `medfl flower site --client-id ID "
@@ -119,7 +117,7 @@ def test_run_without_sites_fails_in_one_line(federation: LocalFederation, tmp_pa
             "client with `medfl flower site --client-id ID ...`") in line, line
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
     assert "ServerApp raised an exception" not in proc.stdout
-    assert "medfl flower: waiting for sites" in proc.stdout   # the coordinator's progress still shows
+    assert "medfl: waiting for sites" in proc.stdout   # the coordinator's progress still shows
     status = failed_to_start(tmp_path / "runs")
     assert "no site registered" in status
 

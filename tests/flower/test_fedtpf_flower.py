@@ -1,4 +1,4 @@
-"""FedTPF over Flower (the loop-back grid of test_coordinator.py: the coordinator's and the
+"""FedTPF over Flower (the loop-back transport of test_coordinator.py: the coordinator's and the
 sites' real code): stage 1, the stop-condition validation exchange, the release round and
 stage 2 give the in-process numbers; only the release reply carries per-sample features, and
 only in answer to the release instruction; a site whose release holds features of another
@@ -20,10 +20,8 @@ from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
 
 from flower_cases import numeric_equal  # noqa: E402
-import test_coordinator  # noqa: E402
 from test_coordinator import _no_state_at_coordinator, _run_both, _tampered_run  # noqa: E402
 
-task_identity = test_coordinator.task_identity
 
 JOB: dict[str, Any] = {"rounds": 4, "model": {"name": "small_cnn", "width": 4}, "train": {"batch_size": 8, "lr": 0.05},
                        "client_split": {"train": 0.6, "val": 0.2, "test": 0.2},
@@ -101,10 +99,10 @@ def test_a_site_releasing_features_of_another_size_is_left_out_of_the_shared_set
     from medfl.config import resolve_config
     from medfl.flower.server import run_flower_experiment
     from flower_cases import fl_config
-    from test_coordinator import FAST, LoopGrid, _sites
+    from test_coordinator import FAST, LoopTransport, _sites
 
     fl = fl_config(tmp_path, "tpf_bad", JOB)
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl), tamper=tamper), FAST)
+    out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl), tamper=tamper), FAST)
     report = json.loads((Path(out["dir"]) / "fedtpf" / "summary.json").read_text())["method_report"]
     assert list(report["transition"]["left_out"]) == [str(first[0] - 101)]     # node 101 serves client 0
     assert report["transition"]["contributors"] == 2

@@ -3,7 +3,7 @@ from ``__init__`` (the coordinator reads the config) or from ``setup`` (the coor
 starts): one ``medfl: error:`` line, exit 2 as ``medfl run``, no traceback in the ServerApp's
 log and no run directory (issue 51, point 4).
 
-The ServerApp (:func:`medfl.flower.server.main`) runs in this process over the loop-back grid
+The ServerApp (:func:`medfl.flower.server.main`) runs in this process over the loop-back transport
 of ``test_coordinator.py``, standing in for ``flwr run``, which reports an exception of the
 ServerApp as Flower does: its traceback in the run's log stream (``medfl flower run``'s
 stdout). Before, both refusals ended with that traceback and ``medfl flower run: the run
@@ -26,7 +26,7 @@ from medfl.cli import main  # noqa: E402
 from contract_methods import methods_registered  # noqa: E402
 from flower_cases import FEDAVG, fl_config, write_config  # noqa: E402
 from refusing_method import LINES, Refusing, entry  # noqa: E402
-from test_coordinator import LoopGrid, _sites, task_identity  # noqa: E402,F401  (autouse fixture)
+from test_coordinator import LoopTransport, _sites  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -48,11 +48,11 @@ def test_flower_run_refusal_is_one_line_and_leaves_no_run(tmp_path: Path, where:
     ran: list[int] = []
 
     def flwr_run(app: Any, superlink: str, rc: dict[str, Any], **kw: Any) -> int:
-        """The ServerApp on the loop-back grid; an exception of it is reported as Flower's
+        """The ServerApp on the loop-back transport; an exception of it is reported as Flower's
         ``run_serverapp`` does (its traceback in the streamed log) and ends the run."""
         ran.append(1)
         # the sites' own config (their data; the method comes from the coordinator)
-        grid = LoopGrid(_sites(tmp_path, {**fl, "methods": [{"name": "fedavg"}]}))
+        grid = LoopTransport(_sites(tmp_path, {**fl, "methods": [{"name": "fedavg"}]}))
         try:
             server.main(grid, SimpleNamespace(run_config=rc))
         except Exception:   # noqa: BLE001 - as Flower: "ServerApp raised an exception" and its traceback

@@ -1,5 +1,5 @@
 """Noise the coordinator cannot remove, over Flower (issue 38, items 0 and 8), on the
-loop-back grid of test_coordinator.py (the coordinator's and the sites' real code):
+loop-back transport of test_coordinator.py (the coordinator's and the sites' real code):
 
 * each site draws fresh randomness of its own for every run: two runs with the same seed and
   config at noise multiplier 1 and 2 give independent noise, not one draw at two scales, and
@@ -22,46 +22,38 @@ import torch
 
 pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 
-from flwr.app import Message  # noqa: E402
-
 from medfl import wire  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.filters import FilterChain  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
-from medfl.flower.proxy import unpack_records  # noqa: E402
-from medfl.flower.records import from_recorddict, to_recorddict  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, handle, instruction_digest  # noqa: E402
+from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, answer_message, instruction_digest  # noqa: E402
 from medfl.messages import Instruction  # noqa: E402
 from medfl.method import derive_seed  # noqa: E402
 from medfl.plugins import lookup  # noqa: E402
 from medfl.privacy.releases import payload_digest  # noqa: E402
+from medfl.transport import Outgoing  # noqa: E402
 
 from flower_cases import fl_config  # noqa: E402
-import test_coordinator  # noqa: E402
-from test_coordinator import FAST, LoopGrid, _sites  # noqa: E402
+from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 
-#: Flower stamps messages with the running task's identity (test_coordinator's autouse fixture)
-task_identity = test_coordinator.task_identity
 
 #: a clip so small that a release is almost all noise: what the site sent is its noise
 CLIP = 1e-3
 
 
-class RecordingGrid(LoopGrid):
-    """The loop-back grid, keeping every training message's content (as the site reads it:
-    unpacked) and every site's answer to it, each as :func:`medfl.wire.encode` bytes."""
+class RecordingTransport(LoopTransport):
+    """The loop-back transport, keeping every training message's content and every site's
+    answer to it, each as :func:`medfl.wire.encode` bytes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, tamper=self._keep, **kwargs)
         self.asked: list[tuple[int, bytes]] = []          # (node, the train message's content)
         self.answered: dict[tuple[int, str], bytes] = {}  # (round, client) -> its train answer's content
 
-    def push_messages(self, messages: list[Message]) -> list[str]:
-        self.asked += [(m.metadata.dst_node_id, wire.encode(from_recorddict(unpack_records(m.content))))
-                       for m in messages
-                       if m.metadata.message_type == P.TRAIN]
-        return super().push_messages(messages)
+    def send(self, messages: list[Outgoing]) -> list[str]:
+        self.asked += [(m.node, wire.encode(m.content)) for m in messages if m.kind == P.TRAIN]
+        return super().send(messages)
 
     def _keep(self, node: int, kind: str, ctl: dict[str, Any], out: wire.Content) -> wire.Content:
         if kind == P.TRAIN:
@@ -69,19 +61,19 @@ class RecordingGrid(LoopGrid):
         return out
 
 
-def _dp_run(work: Path, name: str, sigma: float) -> tuple[RecordingGrid, Path]:
+def _dp_run(work: Path, name: str, sigma: float) -> tuple[RecordingTransport, Path]:
     """One round of FedAvg under dp_gaussian at noise multiplier ``sigma`` over the grid, the
     sites keeping their state (and their noise.key) in ``work/state``."""
     job = {"rounds": 1, "eval_every": 0, "model": {"name": "small_cnn", "width": 4},
            "train": {"batch_size": 8, "lr": 0.05}, "methods": [{"name": "fedavg"}],
            "filters": [{"name": "dp_gaussian", "noise_multiplier": sigma, "clip": CLIP}]}
     fl = fl_config(work, name, job)
-    grid = RecordingGrid(_sites(work, fl))
+    grid = RecordingTransport(_sites(work, fl))
     out = run_flower_experiment(resolve_config(fl), grid, FAST)
     return grid, Path(out["dir"]) / "fedavg"
 
 
-def _released(grid: RecordingGrid, cid: str) -> dict[str, torch.Tensor]:
+def _released(grid: RecordingTransport, cid: str) -> dict[str, torch.Tensor]:
     return wire.take(wire.decode(grid.answered[(1, cid)]), "reply.payload", "test")["model"]
 
 
@@ -153,7 +145,7 @@ def test_a_site_replays_a_release_for_the_same_instruction_and_refuses_another_n
     ctl = wire.take_json(wire.decode(content), P.CONTROL, "test")
     cid = str(ctl["client"])
     # the same request again (as a resumed coordinator sends it): the very same bytes
-    again = wire.encode(from_recorddict(handle(site, P.TRAIN, to_recorddict(wire.decode(content)))))
+    again = wire.encode(answer_message(site, P.TRAIN, wire.decode(content)))
     assert again == grid.answered[(1, cid)]
     # the same round at another noise level: refused before anything is released
     for change in ({"noise_multiplier": 2.0}, {"clip": 2 * CLIP}):
@@ -162,7 +154,7 @@ def test_a_site_replays_a_release_for_the_same_instruction_and_refuses_another_n
         with pytest.raises(SiteError, match=r"refused to release round 1 step 0 of run .* again: it was released "
                                             r"under another instruction \(dp_gaussian at noise multiplier 1, "
                                             r".*Rule: a site releases each \(run, round, client, step\) once"):
-            handle(site, P.TRAIN, to_recorddict(other))
+            answer_message(site, P.TRAIN, other)
     # its ledger: one record for the release, with what it was and the digest of its bytes
     root = site.settings.state_dir / str(ctl["run"]) / f"site_{cid}"
     records = [json.loads(line) for line in (root / "releases.jsonl").read_text().splitlines()]
@@ -190,7 +182,7 @@ def test_a_coordinator_resumed_after_a_release_gets_the_same_bytes_from_every_si
            "train": {"batch_size": 8, "lr": 0.05}, "methods": [{"name": "fedavg"}],
            "filters": [{"name": "dp_gaussian", "epsilon": 3.0, "delta": 1e-3, "clip": 0.5}]}
     fl = fl_config(tmp_path, "resumed", job)
-    grid = RecordingGrid(_sites(tmp_path, fl))
+    grid = RecordingTransport(_sites(tmp_path, fl))
     screen = Run.screen
 
     def crash(self, r, instructions, replies):  # type: ignore[no-untyped-def]
@@ -203,7 +195,7 @@ def test_a_coordinator_resumed_after_a_release_gets_the_same_bytes_from_every_si
         with pytest.raises(KeyboardInterrupt):
             run_flower_experiment(resolve_config(fl), grid, FAST)
     first = dict(grid.answered)
-    again = RecordingGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
+    again = RecordingTransport({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
     resume_flower(Path(fl["output_dir"]) / "resumed", again, FAST, rounds=4)
     run_dir = Path(fl["output_dir"]) / "resumed" / "fedavg"
     rounds = [int(wire.take_json(wire.decode(c), P.CONTROL, "t")["round"]) for _, c in again.asked]

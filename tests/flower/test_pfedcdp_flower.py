@@ -1,4 +1,4 @@
-"""PFedCDP over Flower (the loop-back grid of test_coordinator.py: the coordinator's and the
+"""PFedCDP over Flower (the loop-back transport of test_coordinator.py: the coordinator's and the
 sites' real code): the profile exchange carries four scores per site, the public set is read
 at the coordinator only, the extractor's noised 8-bit update is the only training reply, the
 final models are scored at the sites, and every number equals the in-process run's."""
@@ -20,10 +20,8 @@ from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
 
 from flower_cases import numeric_equal  # noqa: E402
-import test_coordinator  # noqa: E402
 from test_coordinator import _run_both, _no_state_at_coordinator  # noqa: E402
 
-task_identity = test_coordinator.task_identity
 
 SCORES = [{"cpu": 1.0, "memory": 0.8, "battery": 1.0, "network": 0.6},
           {"cpu": 0.5, "memory": 0.5, "battery": 0.5, "network": 0.5},

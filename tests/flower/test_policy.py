@@ -1,7 +1,7 @@
 """A site's own privacy policy (issue 38, item 6): the least privacy it accepts, written in
 its approvals file and checked at the site before the method's code runs.
 
-The sites run behind the loop-back grid of ``test_coordinator.py``, as in
+The sites run behind the loop-back transport of ``test_coordinator.py``, as in
 ``test_approval.py``: a refusal travels to the coordinator as Flower does it (the
 ClientApp's exception becomes an error reply) and, every site refusing, fails the run with
 a :class:`SiteFailure` naming the site and the rule.
@@ -21,12 +21,13 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 from medfl.approval import APPROVALS_ENV, ApprovalError, Approvals  # noqa: E402
 from medfl.cli import main  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
-from medfl.flower.server import SiteFailure, run_flower_experiment  # noqa: E402
+from medfl.engine.remote import SiteFailure  # noqa: E402
+from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.policy import PolicyError, PolicyRefusal, SitePolicy  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config  # noqa: E402
 from test_approval import _approve  # noqa: E402
-from test_coordinator import FAST, LoopGrid, _sites, task_identity  # noqa: E402,F401  (autouse fixture)
+from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 
 
 def _site_with_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *policy: str) -> Path:
@@ -42,7 +43,7 @@ def _site_with_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *policy: 
 
 def _run(tmp_path: Path, name: str, filters: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     fl = fl_config(tmp_path, name, {**FEDAVG, "rounds": 1, "eval_every": 0, "filters": filters, **extra})
-    return run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+    return run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl)), FAST)
 
 
 def test_a_site_capping_epsilon_refuses_a_run_above_it_and_accepts_one_below(

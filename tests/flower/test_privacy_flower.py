@@ -1,4 +1,4 @@
-"""Differential privacy and reply filters over Flower (the loop-back grid of
+"""Differential privacy and reply filters over Flower (the loop-back transport of
 test_coordinator.py: the coordinator's and the sites' real code): the same DP run gives the
 in-process numbers exactly (seeded noise, the same filters applied at the site and undone at
 the coordinator), the filter chain travels with every training instruction, and a site with
@@ -16,15 +16,12 @@ import pytest
 pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 
 from medfl.flower import protocol as P  # noqa: E402
-from medfl.flower.server import SiteFailure  # noqa: E402
+from medfl.engine.remote import SiteFailure  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
 
 from flower_cases import numeric_equal  # noqa: E402
-import test_coordinator  # noqa: E402
 from test_coordinator import _run_both, _no_state_at_coordinator  # noqa: E402
 
-#: Flower stamps messages with the running task's identity (test_coordinator's autouse fixture)
-task_identity = test_coordinator.task_identity
 
 BASE: dict[str, Any] = {"rounds": 2, "model": {"name": "small_cnn", "width": 4},
                         "train": {"batch_size": 8, "lr": 0.05}}

@@ -1,6 +1,7 @@
 """A Flower run never goes on, or finishes, without its sites (issue 39, items 1 and 2), and
 a SuperLink that answers "database is locked" does not kill it (item 6b), over the loop-back
-grid of ``test_coordinator.py`` (the coordinator's and the sites' real code, deterministic):
+transport of ``test_coordinator.py`` (the coordinator's and the sites' real code, deterministic;
+the SuperLink's errors over the Flower grid of ``flower_grid.py``):
 
 - an exchange that too few sites answered (``fl.min_sites``, ``fl.min_fraction``) waits for the
   sites that missed it (their hello asked again and waited for, up to ``fl.site_wait_s``) and
@@ -33,19 +34,23 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.runner import TooFewSites  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
-from medfl.flower.server import FlowerSettings, SuperLinkError, resume_flower, run_flower_experiment  # noqa: E402
+from medfl.engine.remote import RemoteSettings  # noqa: E402
+from medfl.flower.server import resume_flower, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site  # noqa: E402
+from medfl.flower.transport import SuperLinkError  # noqa: E402
+from medfl.transport import Answer  # noqa: E402
 
 from flower_cases import FEDAVG, FEDBN, fl_config, numeric_equal  # noqa: E402
-from test_coordinator import FAST, LoopGrid, _sites, task_identity  # noqa: E402,F401 - the autouse fixture
+from flower_grid import LoopGrid, task_identity  # noqa: E402,F401 - the autouse fixture
+from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 
 #: no wait for the hellos of new nodes before an exchange: a hello withheld at its first pull
 #: is then met only by the waits this file is about
-NO_HELLO_WAIT = FlowerSettings(round_timeout=2.0, connect_timeout=5.0, hello_timeout=0.0, poll_interval=0.01)
+NO_HELLO_WAIT = RemoteSettings(round_timeout=2.0, connect_timeout=5.0, hello_timeout=0.0, poll_interval=0.01)
 
 
-class SlowHellos(LoopGrid):
-    """A loop-back grid whose nodes in :attr:`held` answer a hello only at its second pull
+class SlowHellos(LoopTransport):
+    """A loop-back transport whose nodes in :attr:`held` answer a hello only at its second pull
     (a site that is slow to come back): a coordinator that asks and does not wait misses it."""
 
     def __init__(self, sites: dict[int, Site], **kw: Any) -> None:
@@ -67,17 +72,17 @@ class SlowHellos(LoopGrid):
 
         self.rule = rule
 
-    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+    def receive(self, ids: list[str]) -> list[Answer]:
         out = []
-        for mid in message_ids:
-            if mid not in self.pending:
+        for mid in ids:
+            msg = self.pending.get(mid)
+            if msg is None:
                 continue
-            msg = self.pending[mid][0]
-            if msg.metadata.message_type == P.HELLO and msg.metadata.dst_node_id in self.held:
+            if msg.kind == P.HELLO and msg.node in self.held:
                 self.pulls[mid] = self.pulls.get(mid, 0) + 1
                 if self.pulls[mid] < 2:
                     continue
-            out.append(self._answer(*self.pending.pop(mid)))
+            out.append(self.deliver(mid, self.pending.pop(mid)))
         return out
 
 
@@ -119,8 +124,8 @@ def test_a_round_whose_sites_stay_away_fails_and_the_run_resumes(tmp_path: Path)
     failed. Before, the run finished with round 1 unevaluated."""
     job = {**FEDBN, "rounds": 2, "eval_every": 1, "site_wait_s": 3}
     fl = fl_config(tmp_path, "away", job)
-    grid = LoopGrid(_sites(tmp_path, fl),
-                    rule=lambda node, kind, ctl: "silent" if kind == P.EVALUATE and ctl.get("round") == 1 else "ok")
+    grid = LoopTransport(_sites(tmp_path, fl),
+                         rule=lambda node, kind, ctl: "silent" if kind == P.EVALUATE and ctl.get("round") == 1 else "ok")
     with pytest.raises(TooFewSites, match=r"round 1: 0 of 3 sites answered evaluate \(missing: 0, 1, 2\), the round "
                                           r"needs at least 1 \(fl.min_sites 1\).*medfl flower run --resume"):
         run_flower_experiment(resolve_config(fl), grid, FAST)
@@ -134,7 +139,7 @@ def test_a_round_whose_sites_stay_away_fails_and_the_run_resumes(tmp_path: Path)
     assert events["status"].str.startswith("waited: 3 back").any()       # they were asked again...
     assert (events[(events["phase"] == "evaluate")]["status"] == "timeout").sum() >= 6   # ... and missed it again
 
-    back = LoopGrid({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
+    back = LoopTransport({n + 100: Site(s.settings) for n, s in grid.sites.items()})   # restarted sites
     resumed = resume_flower(tmp_path / "runs" / "away", back, FAST)
     assert resumed["summaries"]["fedbn"]["rounds"] == 2
     assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
@@ -200,7 +205,7 @@ class LockedSuperLink(LoopGrid):
         return super().pull_messages(message_ids)
 
 
-RETRY_FAST = FlowerSettings(round_timeout=10.0, connect_timeout=10.0, hello_timeout=2.0, poll_interval=0.01,
+RETRY_FAST = RemoteSettings(round_timeout=10.0, connect_timeout=10.0, hello_timeout=2.0, poll_interval=0.01,
                             superlink_retries=3, superlink_backoff=0.01)
 
 

@@ -1,4 +1,4 @@
-"""Per-sample releases over Flower (the loop-back grid of test_coordinator.py: the
+"""Per-sample releases over Flower (the loop-back transport of test_coordinator.py: the
 coordinator's and the sites' real code): medfl performs the release at the site, so raw
 images a plugin returns under a release key reach the coordinator noised at the declared
 noise multiplier; a release key in a training reply is refused at every site, which stops
@@ -16,15 +16,14 @@ import pytest
 pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 
 from medfl.config import resolve_config  # noqa: E402
-from medfl.flower.server import SiteFailure, run_flower_experiment  # noqa: E402
+from medfl.engine.remote import SiteFailure  # noqa: E402
+from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.privacy.accounting import PrivacyConfigError, noise_for_epsilon  # noqa: E402
 
 from flower_cases import fl_config  # noqa: E402
 from release_probes import CLIP, DELTA, EPSILON, RawRelease, noise_std, probes_registered  # noqa: E402
-import test_coordinator  # noqa: E402
-from test_coordinator import FAST, LoopGrid, _sites  # noqa: E402
+from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 
-task_identity = test_coordinator.task_identity
 
 JOB: dict[str, Any] = {"rounds": 1, "model": {"name": "small_cnn", "width": 4},
                        "train": {"batch_size": 8, "lr": 0.05}, "methods": [{"name": "raw_release_probe"}]}
@@ -36,10 +35,10 @@ def probes() -> Iterator[None]:
     yield from probes_registered()
 
 
-def _run(tmp_path: Path, name: str, **entry: Any) -> tuple[Path, LoopGrid]:
+def _run(tmp_path: Path, name: str, **entry: Any) -> tuple[Path, LoopTransport]:
     job = {**JOB, "methods": [{"name": entry.pop("name", "raw_release_probe"), **entry}]}
     fl = fl_config(tmp_path, name, job)
-    grid = LoopGrid(_sites(tmp_path, fl))
+    grid = LoopTransport(_sites(tmp_path, fl))
     out = run_flower_experiment(resolve_config(fl), grid, FAST)
     return Path(out["dir"]) / job["methods"][0]["name"], grid
 
@@ -61,7 +60,7 @@ def test_a_release_key_in_a_training_reply_is_refused_at_the_site(tmp_path: Path
 
 def test_the_old_contract_is_refused_before_anything_is_sent(tmp_path: Path, probes: Any) -> None:
     fl = fl_config(tmp_path, "old", {**JOB, "methods": [{"name": "old_release_probe"}]})
-    grid = LoopGrid(_sites(tmp_path, fl))
+    grid = LoopTransport(_sites(tmp_path, fl))
     with pytest.raises(PrivacyConfigError, match="sets payload_exemptions"):
         run_flower_experiment(resolve_config(fl), grid, FAST)
     assert not RawRelease.received and not RawRelease.sent

@@ -1,9 +1,10 @@
 """Secure aggregation (``fl.secure_aggregation``, Flower's SecAgg+) over Flower.
 
-The loop-back grid of test_coordinator.py, with every message handed to medfl's real
-``ClientApp`` (:data:`medfl.flower.site.app`: Flower's ``secaggplus_mod`` in front of the
-site's ``train`` handler) with a Flower ``Context`` per node that lives as long as the run, as
-a SuperNode keeps it: the coordinator's and the sites' real code, Flower's real client mod.
+A Flower grid in this process (flower_grid.py), with every message handed to medfl's real
+``ClientApp`` (:data:`medfl.flower.proxy.app`, handling the message in its process: Flower's
+``secaggplus_mod`` in front of the site's ``train`` handler) with a Flower ``Context`` per node
+that lives as long as the run, as a SuperNode keeps it: the coordinator's, Flower's transport's
+and the sites' real code, Flower's real client mod.
 Then on Flower's simulation runtime (Ray), and over a real deployment on loopback (a
 SuperLink and three ``medfl flower site`` processes, test_flower.py's federation).
 """
@@ -30,26 +31,23 @@ from medfl.engine.runner import RunError  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
 from medfl.flower import secagg  # noqa: E402
-from medfl.flower.proxy import decode_records, encode_records, unpack_records  # noqa: E402
-from medfl.flower.records import from_recorddict, to_recorddict  # noqa: E402
+from medfl.flower.proxy import app as site_app, decode_records, encode_records, unpack_records  # noqa: E402
+from medfl.flower.records import from_recorddict  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.site import SiteError, app as site_app  # noqa: E402
+from medfl.flower.site import SiteError, answer_message  # noqa: E402
 from medfl import wire  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
-import test_coordinator  # noqa: E402
 import test_flower  # noqa: E402
-from test_coordinator import FAST, LoopGrid, _sites  # noqa: E402
+from flower_grid import LoopGrid, task_identity  # noqa: E402,F401  (autouse: Flower stamps messages with it)
+from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 from test_flower import federation  # noqa: E402,F401  (the real deployment, started once for this module)
-
-#: Flower stamps messages with the running task's identity (test_coordinator's autouse fixture)
-task_identity = test_coordinator.task_identity
 
 SECURE = {"num_shares": 1.0, "reconstruction_threshold": 2}
 
 
 class AppLoopGrid(LoopGrid):
-    """The loop-back grid answering through medfl's site ``ClientApp`` (mods included), one
+    """The Flower grid answering through medfl's site ``ClientApp`` (mods included), one
     Flower ``Context`` per node kept across messages; every answer the coordinator receives
     is kept in :attr:`received` as ``(node, round, stage, content)``."""
 
@@ -136,7 +134,7 @@ def test_secure_aggregation_gives_the_plain_metrics_and_hides_every_update(tmp_p
     grid = AppLoopGrid(tmp_path, fl)
     secure_dir = Path(run_flower_experiment(resolve_config(fl), grid, FAST)["dir"]) / "fedavg"
     plain_fl = fl_config(tmp_path, "plain", FEDAVG)
-    plain_dir = Path(run_flower_experiment(resolve_config(plain_fl), LoopGrid(_sites(tmp_path, plain_fl, "p")),
+    plain_dir = Path(run_flower_experiment(resolve_config(plain_fl), LoopTransport(_sites(tmp_path, plain_fl, "p")),
                                            FAST)["dir"]) / "fedavg"
 
     # the same metrics as without it, within the quantization error
@@ -245,7 +243,7 @@ def test_a_site_never_sends_its_update_outside_secaggs_collect_stage(tmp_path: P
     wire.put(content, "ins.payload", {}, "test")
     wire.put(content, "ins.config", {}, "test")
     with pytest.raises(SiteError, match="refusing to send the update unmasked"):
-        test_coordinator.handle(site, P.TRAIN, to_recorddict(content))
+        answer_message(site, P.TRAIN, content)
 
 
 def test_secure_aggregation_over_a_real_deployment(federation: Any) -> None:

@@ -229,7 +229,7 @@ def test_the_simulated_hello_wait_is_the_backend_connect_timeout(tmp_path: Path,
     seconds (default 600) for it (before: a fixed 120 s, and the key was refused)."""
     assert resolve_config({**fl_config(tmp_path, "d", JOB), "backend": RAY})["backend"]["connect_timeout"] == 600.0
     cfg = resolve_config({**fl_config(tmp_path, "w", JOB), "backend": {**RAY, "connect_timeout": 1800}})
-    # the run the simulation builds gets the config's wait (SimulationRun caught: no Ray needed)
-    monkeypatch.setattr(simulation, "SimulationRun", lambda cfg, spec, run_dir, data, grid, settings: settings)
+    # the run the simulation builds gets the config's wait (RemoteRun caught: no Ray needed)
+    monkeypatch.setattr(simulation, "RemoteRun", lambda cfg, spec, run_dir, data, transport, settings: settings)
     settings = simulation._factory(grid=None)(cfg, {"name": "fedavg"}, tmp_path / "run", None)
     assert settings.connect_timeout == 1800.0

@@ -1,7 +1,7 @@
 """A site's privacy budget that the coordinator cannot talk around (issue 49, items 1, 2 and 4).
 
 The audit of 2026-11-27 attacked sites through the coordinator's own messages; each attack
-is replayed here on the loop-back grid of ``test_coordinator.py`` (the coordinator's and the
+is replayed here on the loop-back transport of ``test_coordinator.py`` (the coordinator's and the
 sites' real code), by sending a site a real training message with its control record or
 payload changed as a hostile coordinator would:
 
@@ -27,46 +27,40 @@ import torch
 
 pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 
-from flwr.app import RecordDict  # noqa: E402
-
 from medfl import wire  # noqa: E402
 from medfl.budget import BUDGET_FILE, BudgetRefused, SiteBudget, Spend, composed_epsilon  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.flower import protocol as P  # noqa: E402
-from medfl.flower.records import from_recorddict, to_recorddict  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, handle  # noqa: E402
+from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, answer_message  # noqa: E402
 from medfl.policy import PolicyRefusal, SitePolicy  # noqa: E402
 from medfl.privacy.accounting import epsilon_spent  # noqa: E402
 
 from flower_cases import fl_config  # noqa: E402
-import test_coordinator  # noqa: E402
 from test_coordinator import FAST, _sites  # noqa: E402
-from test_noise_secrets import RecordingGrid  # noqa: E402
+from test_noise_secrets import RecordingTransport  # noqa: E402
 from test_policy import _site_with_policy  # noqa: E402
 
-#: Flower stamps messages with the running task's identity (test_coordinator's autouse fixture)
-task_identity = test_coordinator.task_identity
 
 JOB = {"rounds": 1, "eval_every": 0, "model": {"name": "small_cnn", "width": 4},
        "train": {"batch_size": 8, "lr": 0.05}, "methods": [{"name": "fedavg"}]}
 
 
-def _run(work: Path, name: str, **job: Any) -> tuple[RecordingGrid, dict[str, Any]]:
+def _run(work: Path, name: str, **job: Any) -> tuple[RecordingTransport, dict[str, Any]]:
     fl = fl_config(work, name, {**JOB, **job})
-    grid = RecordingGrid(_sites(work, fl))
+    grid = RecordingTransport(_sites(work, fl))
     out = run_flower_experiment(resolve_config(fl), grid, FAST)
     return grid, out
 
 
-def _message(grid: RecordingGrid, **ctl_changes: Any) -> tuple[Any, dict[str, Any], RecordDict]:
+def _message(grid: RecordingTransport, **ctl_changes: Any) -> tuple[Any, dict[str, Any], wire.Content]:
     """The first training message of the run as it travelled, its site, and a copy with
     control fields changed (a hostile coordinator's message)."""
     node, content = grid.asked[0]
     ctl = wire.take_json(wire.decode(content), P.CONTROL, "test")
     other = wire.decode(content)
     wire.put_json(other, P.CONTROL, {**ctl, **ctl_changes})
-    return grid.sites[node], ctl, to_recorddict(other)
+    return grid.sites[node], ctl, other
 
 
 def _budget(site: Any) -> list[dict[str, Any]]:
@@ -91,7 +85,7 @@ def test_releases_zero_is_a_plan_the_site_checks_not_a_factor_it_trusts(
     before = len(_budget(site))
     with pytest.raises(SiteError, match=r"refused: round 1 would be this site's 1st round with a DP training reply "
                                         r"in run attack-zero, the plan this site accepted names 0 release\(s\)"):
-        handle(site, P.TRAIN, attack)
+        answer_message(site, P.TRAIN, attack)
     spent = [r for r in _budget(site)[before:] if r["type"] == "spend"]
     assert spent == [], "a refused request was counted as spent"
     assert not (site.settings.state_dir / "attack-zero" / f"site_{site.client_id}" / "releases").exists()
@@ -113,22 +107,22 @@ def test_the_same_update_asked_again_as_steps_or_rounds_is_refused(tmp_path: Pat
         _, _, attack = _message(grid, step=step)
         with pytest.raises(SiteError, match=rf"asks a second DP training reply in round 1 \(step {step}; answered at "
                                             r"step 0\); rule: one DP training reply per round"):
-            handle(site, P.TRAIN, attack)
+            answer_message(site, P.TRAIN, attack)
     for r in range(101, 108):
         _, _, attack = _message(grid, round=r)
         with pytest.raises(SiteError, match=rf"round {r} of run {ctl['run']} is outside the plan this site accepted "
                                             r"\(rounds 1-1\)"):
-            handle(site, P.TRAIN, attack)
+            answer_message(site, P.TRAIN, attack)
     # within the session the plan cannot grow
     _, _, attack = _message(grid, round=2, rounds=8, releases=8)
     with pytest.raises(SiteError, match=r"the plan of run .* changed within one coordinator session \(1 rounds with 1 "
                                         r"release\(s\) for this site accepted, now 8 rounds with 8\)"):
-        handle(site, P.TRAIN, attack)
+        answer_message(site, P.TRAIN, attack)
     # a new session (a resumed run) may plan more rounds, but not release past what it plans
     _, _, attack = _message(grid, round=2, rounds=8, session="resumed")
     with pytest.raises(SiteError, match=r"round 2 would be this site's 2nd round with a DP training reply .* names 1 "
                                         r"release\(s\)"):
-        handle(site, P.TRAIN, attack)
+        answer_message(site, P.TRAIN, attack)
     spends = [r for r in _budget(site) if r["type"] == "spend" and r["run"] == ctl["run"]]
     assert len(spends) == 1, "a refused request was counted, or an answered one was not"
 
@@ -199,7 +193,7 @@ def test_a_methods_own_dp_is_in_the_ledger_and_a_second_model_for_its_round_is_r
         assert [(r["mechanism"], r["unit"], r["noise_multiplier"]) for r in spends] == [
             ("dp_fedavg_opacus_sgd", "sample", 1.2)]
         # the same request: the same bytes
-        again = wire.encode(from_recorddict(handle(site, P.TRAIN, to_recorddict(wire.decode(content)))))
+        again = wire.encode(answer_message(site, P.TRAIN, wire.decode(content)))
         assert again == grid.answered[(1, str(ctl["client"]))]
         # the same round with an all-zero model: refused before anything is trained or drawn
         other = wire.decode(content)
@@ -208,7 +202,7 @@ def test_a_methods_own_dp_is_in_the_ledger_and_a_second_model_for_its_round_is_r
         wire.put(other, "ins.payload", {**payload, "model": zeros}, "test")
         with pytest.raises(SiteError, match=r"refused to release round 1 step 0 of run .* again: it was released under "
                                             r"another instruction \(dp_fedavg_opacus_sgd at noise multiplier 1\.2"):
-            handle(site, P.TRAIN, to_recorddict(other))
+            answer_message(site, P.TRAIN, other)
 
 
 def test_a_capped_site_sends_no_model_for_cross_test_unless_its_policy_says_so() -> None:
@@ -266,7 +260,7 @@ def test_a_capped_site_refuses_an_entry_beside_its_noised_model(tmp_path: Path, 
     """Issue 49, item 3, at the site: FedKPer's ``score`` leaves beside the model that
     ``dp_gaussian`` noises; the coordinator opted in (``fl.uncovered_entries``), so its run says
     it is not private, but a site with an epsilon cap refuses to send it, naming the entry."""
-    from medfl.flower.server import SiteFailure
+    from medfl.engine.remote import SiteFailure
     from test_approval import _approve
 
     approvals = tmp_path / "approvals.json"
@@ -292,7 +286,7 @@ def test_a_coordinators_delta_half_is_refused_at_the_site(tmp_path: Path, monkey
                                  filters=[{**_message(grid)[1]["filters"][0], "noise_multiplier": 0.5, "delta": 0.5}])
     with pytest.raises(SiteError, match=r"refused by its privacy policy \(.*approvals\.json\): rule max_delta: "
                                         r"dp_gaussian releases at delta 0\.5, this site accepts at most 1e-05"):
-        handle(site, P.TRAIN, attack)
+        answer_message(site, P.TRAIN, attack)
     assert [r["run"] for r in _budget(site) if r["type"] == "spend"] == [ctl["run"]]
 
 
@@ -305,5 +299,5 @@ def test_a_site_whose_budget_is_gone_refuses_the_next_run(tmp_path: Path) -> Non
     with pytest.raises(SiteError, match=rf"refused: its release ledger\(s\) .*{ctl['run']}/site_{site.client_id}/"
                                         rf"releases\.jsonl record 1 release\(s\) \(the first: run {ctl['run']} round 1 "
                                         r"step 0\) and its privacy budget .*budget\.jsonl is missing"):
-        handle(site, P.TRAIN, again)
+        answer_message(site, P.TRAIN, again)
     assert not (site.settings.state_dir / "again" / f"site_{site.client_id}" / "releases").exists()

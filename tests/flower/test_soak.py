@@ -7,7 +7,7 @@ recorded absence for every client of every exchange), and the in-process run wit
 absences the Flower run recorded (``fl.absences``, :mod:`medfl.flower.replay`) must give the
 same ``metrics.csv`` and ``train_metrics.csv``. ``benchmarks/flower_soak.py`` is the long
 version (5 sites, 30+ rounds). The schedule itself (``fl.absences``) is checked in process
-and over the loop-back grid first.
+and over the loop-back transport first.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.soak import Disruption, random_plan, soak  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
-# the loop-back grid and its sites; task_identity: Flower's message stamp (an autouse fixture here too)
-from test_coordinator import FAST, LoopGrid, _sites, task_identity  # noqa: E402,F401
+from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 
 #: FedAvg evaluated every round: every round has a train and an evaluate exchange to account for
 JOB: dict[str, Any] = {**FEDAVG, "rounds": 6, "eval_every": 1}
@@ -79,7 +78,7 @@ def test_scheduled_absences_leave_the_client_out_of_those_exchanges_in_process(t
 
 
 def test_absences_over_the_grid_are_recorded_and_replay_in_process(tmp_path: Path) -> None:
-    """Over the loop-back grid site 1 never answers round 2's training and site 2 is gone for
+    """Over the loop-back transport site 1 never answers round 2's training and site 2 is gone for
     round 3's evaluation, and a third absence is scheduled: the run records each, accounts
     for every round, and the in-process run with the recorded absences is the same run."""
     job = {**JOB, "rounds": 4, "absences": {"4": {"train": ["0"]}}}
@@ -90,7 +89,7 @@ def test_absences_over_the_grid_are_recorded_and_replay_in_process(tmp_path: Pat
             return "silent" if node == 102 else "unavailable"
         return "ok"
 
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl), rule=rule), FAST)
+    out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl), rule=rule), FAST)
     run_dir = Path(out["dir"]) / "fedavg"
     assert recorded_absences(run_dir) == {"2": {"train": ["1"]}, "3": {"evaluate": ["2"]}, "4": {"train": ["0"]}}
     events = pd.read_csv(run_dir / "flower_events.csv", dtype={"client_id": str})
@@ -105,7 +104,7 @@ def test_absences_over_the_grid_are_recorded_and_replay_in_process(tmp_path: Pat
 def test_unaccounted_rounds_are_named(tmp_path: Path) -> None:
     """A training row deleted from a finished run is found missing, by round and client."""
     fl = fl_config(tmp_path, "gap", {**JOB, "rounds": 2})
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl)), FAST)
+    out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl)), FAST)
     run_dir = Path(out["dir"]) / "fedavg"
     assert account_rounds(run_dir).problems == []
     train = pd.read_csv(run_dir / "train_metrics.csv", dtype={"client_id": str})

@@ -60,5 +60,5 @@ def test_waiting_coordinator_names_the_missing_sites(federation: LocalFederation
     res = federation.run(cfg, connect_timeout=6.0, progress_interval=2.0, timeout=900.0, name="alone")
     assert not res["ok"] and "no SuperNode serves client(s) ['0', '1', '2']" in res["error"], res
     log = Path(res["log"]).read_text(errors="replace")
-    assert "medfl flower: waiting for sites" in log, log[-3000:]
+    assert "medfl: waiting for sites" in log, log[-3000:]
     assert "no site serves client(s) 0, 1, 2 yet; connected: none (0 SuperNode(s) registered)" in log, log[-3000:]

@@ -1,5 +1,5 @@
-"""communication.csv over Flower (the loop-back grid of test_coordinator.py: every message
-goes through Flower's protobuf and the sites' real ``handle``): the coordinator measures the
+"""communication.csv over Flower (the loop-back transport of test_coordinator.py: every message
+crosses as its bytes to the sites' real ``answer_message``): the coordinator measures the
 messages it sends and receives, and the in-process run of the same config counts exactly the
 same bytes, exchange by exchange (training steps, validation, evaluation, cross_test scoring,
 a reply filter)."""
@@ -21,11 +21,8 @@ from medfl.flower.server import run_flower_experiment  # noqa: E402
 
 from contract_methods import registered  # noqa: E402
 from flower_cases import FEDAVG, fl_config  # noqa: E402
-import test_coordinator  # noqa: E402
-from test_coordinator import FAST, LoopGrid, _run_both, _sites  # noqa: E402
+from test_coordinator import FAST, LoopTransport, _run_both, _sites  # noqa: E402
 
-#: Flower stamps messages with the running task's identity (test_coordinator's autouse fixture)
-task_identity = test_coordinator.task_identity
 
 BASE: dict[str, Any] = {"rounds": 2, "model": {"name": "small_cnn", "width": 4},
                         "train": {"batch_size": 8, "lr": 0.05}}
@@ -76,7 +73,7 @@ def test_a_site_that_does_not_answer_counts_its_request_only(tmp_path: Path) -> 
     def rule(node: int, kind: str, ctl: dict[str, Any]) -> str:
         return "unavailable" if node == 103 and kind == P.TRAIN and ctl["round"] == 2 else "ok"
 
-    out = run_flower_experiment(resolve_config(fl), LoopGrid(_sites(tmp_path, fl), rule=rule), FAST)
+    out = run_flower_experiment(resolve_config(fl), LoopTransport(_sites(tmp_path, fl), rule=rule), FAST)
     comm = _comm(Path(out["dir"]) / "fedavg").set_index(["round", "client_id", "phase"])
     lost, kept = comm.loc[(2, "2", "train")], comm.loc[(2, "1", "train")]
     assert lost["messages"] == 1 and lost["bytes_from_client"] == 0

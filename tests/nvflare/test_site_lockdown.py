@@ -213,7 +213,7 @@ def test_a_job_naming_another_class_fails_at_a_locked_site_in_nvflare_simulator(
     from nvflare.recipe import SimEnv
 
     from medfl.nvflare.controller import MedflController
-    from medfl.nvflare.grid import TASKS
+    from medfl.nvflare.transport import TASKS
 
     fl = _fl(tmp_path, "other")
     fl.update(num_clients=1, methods=[{"name": "fedavg"}], rounds=1, backend="nvflare")
