@@ -2,7 +2,7 @@
 
 :class:`medfl.engine.remote.RemoteRun` runs the rounds of a run whose clients are sites
 elsewhere. It sends each site a message (:class:`Outgoing`: one of medfl's message types,
-:mod:`medfl.flower.protocol`, and its :class:`medfl.wire.Content`) and reads the site's
+:mod:`medfl.engine.protocol`, and its :class:`medfl.wire.Content`) and reads the site's
 :class:`Answer`, through a :class:`Transport`, which only carries them: Flower's
 (:class:`medfl.flower.transport.FlowerTransport`), NVIDIA FLARE's
 (:class:`medfl.nvflare.transport.NVFlareTransport`), or :class:`InProcessTransport` (sites in

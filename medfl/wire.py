@@ -43,7 +43,7 @@ truncated, has bytes after the content, or declares sizes it does not hold raise
 (no array is serialised). The message's envelope is not counted (the transport's headers,
 Flower's ``Metadata``).
 
-Messages (:mod:`medfl.flower.protocol` lists the types). Requests, coordinator to site:
+Messages (:mod:`medfl.engine.protocol` lists the types). Requests, coordinator to site:
 :func:`instruction_request` (``train``, ``evaluate``, ``evaluate.validate``: the control record
 and one instruction under ``ins``) and :func:`score_request` (``evaluate.score``: every
 evaluation model and the shared evaluation instructions). Answers, site to coordinator, each

@@ -41,7 +41,7 @@ from medfl.engine.data import FederatedData, client_order
 from medfl.engine.remote_sites import UNDECODABLE, RemoteSettings, SiteDirectory, SiteFailure, parse_pins
 from medfl.engine.remote_steps import RemoteSteps
 from medfl.engine.runner import Run, RunError, TooFewSites, quorum_rule, sites_needed
-from medfl.flower import protocol as P
+from medfl.engine import protocol as P
 from medfl.messages import Instruction, SampleGuard
 from medfl.transport import Outgoing, Transport
 from medfl.wire import Content, WireError

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 from medfl import wire
 from medfl.engine.data import client_order
 from medfl.engine.runner import RunError
-from medfl.flower import protocol as P
+from medfl.engine import protocol as P
 from medfl.messages import PayloadError
 from medfl.transport import Outgoing, Transport
 from medfl.wire import Content

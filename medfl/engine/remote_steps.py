@@ -17,7 +17,7 @@ from medfl import wire
 from medfl.engine.client import cross_test_mean, release_exemptions
 from medfl.engine.data import client_order
 from medfl.engine.remote_sites import UNDECODABLE
-from medfl.flower import protocol as P
+from medfl.engine import protocol as P
 from medfl.messages import Instruction, PayloadError, Reply, validate_payload
 from medfl.wire import Content
 

@@ -9,9 +9,8 @@ coordinator as the ServerApp.
 - :mod:`medfl.flower.site`: what answers the messages at each site (the ``ClientApp`` of
   :mod:`medfl.flower.proxy` forwards them): the method's client steps on the site's own data,
   its persistent state kept at the site;
-- :mod:`medfl.flower.protocol`: message types and the partition fingerprint (the messages'
-  content is built by :mod:`medfl.wire`, shared with the in-process engine, which measures it);
-- :mod:`medfl.flower.records`: the one conversion of those contents to Flower's records and back;
+- :mod:`medfl.flower.records`: the one conversion of medfl's message contents
+  (:mod:`medfl.wire`; their types, :mod:`medfl.engine.protocol`) to Flower's records and back;
 - :mod:`medfl.flower.deploy`: the commands of the three steps, and
   :class:`LocalFederation` (a whole federation of processes on one machine).
 

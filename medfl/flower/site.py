@@ -17,7 +17,7 @@ it)::
     ``seeds`` draws each seed's split). The site draws
     the split itself with :func:`medfl.engine.data.split_data`, exactly as the in-process
     engine does, and keeps only its own rows (plus the global test rows); the coordinator
-    checks the result against its own through :func:`~medfl.flower.protocol.partition_digest`.
+    checks the result against its own through :func:`~medfl.engine.protocol.partition_digest`.
 ``state-dir``
     where this site keeps each run's persistent client state
     (``<state-dir>/<run id>/site_<client id>/clients/``, a
@@ -77,7 +77,7 @@ from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, b
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl import wire
 from medfl.budget import SiteBudget, data_key
-from medfl.flower import protocol as P
+from medfl.engine import protocol as P
 from medfl.logs import file_log
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
@@ -649,7 +649,7 @@ def _instruction(content: Content, where: str, prefix: str = "ins") -> Instructi
 
 def answer_message(site: Site, message_type: str, content: Content, *, clientapp_age: float | None = None
                    ) -> Content:
-    """Answer one medfl message (:mod:`medfl.flower.protocol`) at ``site``, whatever carried it
+    """Answer one medfl message (:mod:`medfl.engine.protocol`) at ``site``, whatever carried it
     (Flower: :func:`handle`; NVIDIA FLARE: :mod:`medfl.nvflare.executor`): check what came in,
     run the step, check what goes out (the answer is built by :mod:`medfl.wire`, as the
     in-process engine builds it to measure it).

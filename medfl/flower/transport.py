@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 
 from medfl.engine.remote_sites import RemoteSettings
 from medfl.engine.runner import RunError
-from medfl.flower import protocol as P
+from medfl.engine import protocol as P
 from medfl.flower.proxy import pack_records, unpack_records
 from medfl.flower.records import from_recorddict, to_recorddict
 from medfl.transport import Answer, Outgoing, Transport

@@ -28,7 +28,7 @@ __all__ = ["NVFlareTransport", "CONTENT", "ERROR", "TASKS"]
 CONTENT = "medfl.content"
 #: the key of a result's Shareable holding the site's error text (return code EXECUTION_EXCEPTION)
 ERROR = "medfl.error"
-#: the NVFlare task names: medfl's message types (:mod:`medfl.flower.protocol`)
+#: the NVFlare task names: medfl's message types (:mod:`medfl.engine.protocol`)
 TASKS = ("query.hello", "train", "evaluate", "evaluate.validate", "evaluate.score")
 
 

@@ -13,7 +13,7 @@ from flwr.app import Error, Message
 from flwr.supercore.task_identity import TaskIdentity
 
 from medfl import wire
-from medfl.flower import protocol as P
+from medfl.engine import protocol as P
 from medfl.flower.proxy import decode_records, encode_records, pack_records, packed_bytes, unpack_records
 from medfl.flower.records import from_recorddict, to_recorddict
 from medfl.flower.site import Site, handle

@@ -291,7 +291,7 @@ def test_a_leaking_evaluation_model_is_refused_at_the_site(tmp_path: Path) -> No
 
 
 def test_site_check_refuses_before_building_the_method(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from medfl.flower import protocol as P
+    from medfl.engine import protocol as P
 
     fl = fl_config(tmp_path, "direct", FEDAVG)
     site: Site = _sites(tmp_path, fl)[101]
@@ -602,7 +602,7 @@ def test_a_plugin_outside_an_importable_module_cannot_be_approved() -> None:
 def test_hello_checks_the_sites_own_dataset_and_partitioner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The site's own config runs plugin code too (its dataset, its partitioner): a hello,
     which names no method, is refused when they are not approved."""
-    from medfl.flower import protocol as P
+    from medfl.engine import protocol as P
 
     fl = fl_config(tmp_path, "hello", FEDAVG)
     site: Site = _sites(tmp_path, fl)[101]

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 
 from contract_methods import ValidatingAvg, registered  # noqa: E402
 from flower_cases import numeric_equal  # noqa: E402

@@ -27,7 +27,7 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.data import split_data  # noqa: E402
 from medfl.engine.runner import Run, RunError, build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl import wire  # noqa: E402
 from medfl.engine.remote import RemoteRun, RemoteSettings  # noqa: E402
 from medfl.flower.server import resume_flower, run_flower_experiment  # noqa: E402

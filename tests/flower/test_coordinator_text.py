@@ -18,7 +18,7 @@ from flwr.app import Context, Message, RecordDict  # noqa: E402
 from medfl import wire  # noqa: E402
 from medfl.budget import data_key  # noqa: E402
 from medfl.config_file import PlainDataError, plain_fl, refuse_syntax  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.proxy import app  # noqa: E402
 from medfl.flower.records import to_recorddict  # noqa: E402
 from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402

@@ -18,7 +18,7 @@ from flwr.app import Error, Message  # noqa: E402
 
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.remote import RemoteSettings  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.proxy import packed, packed_bytes  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.transport import FlowerTransport  # noqa: E402

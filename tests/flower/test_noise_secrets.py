@@ -25,7 +25,7 @@ pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 from medfl import wire  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.filters import FilterChain  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, answer_message, instruction_digest  # noqa: E402
 from medfl.messages import Instruction  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.engine.remote import SiteFailure  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
 

@@ -33,7 +33,7 @@ from flwr.app import Message  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.runner import TooFewSites  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.engine.remote import RemoteSettings  # noqa: E402
 from medfl.flower.server import resume_flower, run_flower_experiment  # noqa: E402
 from medfl.flower.site import Site  # noqa: E402

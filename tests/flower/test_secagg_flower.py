@@ -29,7 +29,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from medfl.config import ConfigError, resolve_config  # noqa: E402
 from medfl.engine.runner import RunError  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower import secagg  # noqa: E402
 from medfl.flower.proxy import app as site_app, decode_records, encode_records, unpack_records  # noqa: E402
 from medfl.flower.records import from_recorddict  # noqa: E402

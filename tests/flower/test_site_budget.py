@@ -30,7 +30,7 @@ pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 from medfl import wire  # noqa: E402
 from medfl.budget import BUDGET_FILE, BudgetRefused, SiteBudget, Spend, composed_epsilon  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, answer_message  # noqa: E402
 from medfl.policy import PolicyRefusal, SitePolicy  # noqa: E402

@@ -24,7 +24,7 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 from medfl.config import ConfigError, resolve_config  # noqa: E402
 from medfl.engine.runner import RunError, build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.deploy import LocalFederation  # noqa: E402
 from medfl.flower.replay import account_rounds, max_difference, recorded_absences, replay_in_process  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402

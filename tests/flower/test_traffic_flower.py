@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
 from medfl.config import resolve_config  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
 
 from contract_methods import registered  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 from flwr.app import Context, Message, RecordDict  # noqa: E402
 
 from medfl import wire  # noqa: E402
-from medfl.flower import protocol as P  # noqa: E402
+from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.proxy import WorkerError, app  # noqa: E402
 from medfl.flower.records import to_recorddict  # noqa: E402
 from medfl.flower.site import SiteSettings  # noqa: E402
