@@ -4,7 +4,7 @@
 Approves every installed plugin into a temporary approvals file (``medfl approve --all``),
 then times :func:`medfl.approval.check_control` on the control record of a FedAvg training
 message with a ``quantize`` filter (method, filter, model, every installed metric, the
-site's dataset and partitioner: what :meth:`medfl.flower.site.Site.check` asks for every
+site's dataset and partitioner: what :meth:`medfl.site.Site.check` asks for every
 message). Prints the approval's wall time, the file's size and the mean time per check
 (file read, every pinned file stat'ed and its bytecode checked; hashes are cached by
 mtime and size).

@@ -11,7 +11,7 @@ round) runs twice:
 ``flower``
     a real deployment on loopback: ``medfl flower superlink``, one ``medfl flower site``
     per client (a SuperNode and its site worker, separate processes), and the run launched
-    with ``flwr run`` (:class:`medfl.flower.deploy.LocalFederation`).
+    with ``flwr run`` (``LocalFederation`` of ``tests/flower/local_federation.py``).
 
 Measured:
 
@@ -72,6 +72,9 @@ import numpy as np
 import pandas as pd
 
 from medfl import hookimpl
+
+# the harness of the real-process tests: a federation on loopback (LocalFederation)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "flower"))
 
 
 def job(work: Path, clients: int, rounds: int, samples: int, image_size: int, seed: int) -> dict[str, Any]:
@@ -259,10 +262,10 @@ class CpuSampler:
             self._thread.join()
 
     def _snapshot(self) -> dict[int, tuple[str, float]]:
-        from medfl.flower.deploy import _descendants
+        from local_federation import descendants
 
         out: dict[int, tuple[str, float]] = {}
-        for pid in _descendants(os.getpid()):
+        for pid in descendants(os.getpid()):
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -295,7 +298,7 @@ class CpuSampler:
 
 def over_flower(fl: dict[str, Any], work: Path, clients: int, round_timeout: float, tag: str = "fed") -> dict[str, Any]:
     """Run the job over a local Flower deployment; return timings, the breakdown and the metrics file."""
-    from medfl.flower.deploy import LocalFederation
+    from local_federation import LocalFederation
 
     cfg_file = work / "flower.json"
     cfg_file.write_text(json.dumps({"fl": fl}))
@@ -377,7 +380,8 @@ def plain_flower(fl: dict[str, Any], work: Path, clients: int, rounds: int, time
     kind of loopback deployment (a SuperLink, one plain ``flower-supernode`` per client)."""
     import shutil
 
-    from medfl.flower.deploy import LocalFederation, flwr_run, free_port, read_result
+    from local_federation import LocalFederation, read_result
+    from medfl.flower.deploy import flwr_run, free_port
 
     app = work / "plain_app"
     app.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """A Flower soak: sites and the SuperLink die mid-run, and the run must still add up.
 
-A real deployment on loopback (:class:`medfl.flower.deploy.LocalFederation`: a SuperLink with
+A real deployment on loopback (``tests/flower/local_federation.py``: a SuperLink with
 a database and one ``medfl flower site`` per client, separate processes) runs a tiny FedAvg
 job (default: 5 sites, 32 rounds, ``small_cnn`` width 4 on ``synthetic2d`` 16x16, evaluation
-every round). While it runs (:func:`medfl.flower.soak.soak`, reading ``status.json``):
+every round). While it runs (``tests/flower/soak.py``, reading ``status.json``):
 
 - every ``--every`` rounds a random site (seeded) is killed with SIGKILL and started again on
   its state directory ``--down`` rounds later (it misses at least one whole round);
@@ -41,9 +41,12 @@ from typing import Any
 
 from medfl.config import resolve_config
 from medfl.engine.runner import build_source
-from medfl.flower.deploy import LocalFederation
 from medfl.flower.replay import account_rounds, max_difference, recorded_absences, replay_in_process
-from medfl.flower.soak import random_plan, soak
+
+# the harness of the real-process tests: a federation on loopback and the soak's disruptions
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "flower"))
+from local_federation import LocalFederation  # noqa: E402
+from soak import random_plan, soak  # noqa: E402
 
 
 def job(work: Path, clients: int, rounds: int, seed: int) -> dict[str, Any]:

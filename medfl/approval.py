@@ -636,7 +636,7 @@ def check_control(control: dict[str, Any], who: str, path: Path | None = None,
     code runs): every plugin of :func:`required` (``site``: the site's own ones). ``path``
     defaults to :func:`approvals_path`; without one, each plugin is allowed and announced
     once on stderr. Returns the approvals file read (its ``policy`` is checked by the
-    caller, :meth:`medfl.flower.site.Site.check`), or ``None`` without one.
+    caller, :meth:`medfl.site.Site.check`), or ``None`` without one.
 
     Raises:
         ApprovalError: naming the plugin, why it is refused (the file that changed) and how

@@ -704,7 +704,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
             extra += ["--auth-supernode-private-key", str(check_private_key(args.auth_key).resolve())]
     _site_approvals(args)
     from medfl.flower.deploy import flower_env
-    from medfl.flower.site import SiteSettings
+    from medfl.site import SiteSettings
     from medfl.flower.worker import run_site, shutil_rmtree, socket_for
 
     sock = socket_for()

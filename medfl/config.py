@@ -1290,7 +1290,7 @@ THREADS_AUTO = "auto"
 #: reaches the processes a command starts (a Flower site's worker).
 THREADS_ENV = "MEDFL_THREADS"
 #: Environment variable set in each Flower site process that ``medfl`` starts together with
-#: others on one machine (:class:`medfl.flower.deploy.LocalFederation`): how many there are.
+#: others on one machine (``LocalFederation`` of the tests): how many there are.
 LOCAL_SITES_ENV = "MEDFL_LOCAL_SITES"
 
 
@@ -1343,7 +1343,7 @@ def _env_count(name: str) -> int:
 
 def local_sites() -> int:
     """How many Flower sites ``medfl`` started together on this machine (``MEDFL_LOCAL_SITES``,
-    set by :class:`medfl.flower.deploy.LocalFederation`; 1 when unset): the processes a
+    set by ``LocalFederation`` of the tests; 1 when unset): the processes a
     site's ``"auto"`` threads are shared with."""
     return _env_count(LOCAL_SITES_ENV)
 

@@ -116,7 +116,7 @@ class ClientContext:
             sampling and noise, ``dp_gaussian``'s noise, a method's own release): draw them
             from :meth:`noise_seed`. Empty in process: the noise is then reproducible from
             the run seed, a simulation (whoever knows the seed could subtract it). A Flower
-            site sets a secret of its own for every run (:meth:`medfl.flower.site.Site.run_noise_key`:
+            site sets a secret of its own for every run (:meth:`medfl.site.Site.run_noise_key`:
             fresh random bytes the first time it sees the run), so the coordinator, which
             knows the run seed, cannot.
         step: the training step within the round (``Method.round_steps``; 0 for one step),

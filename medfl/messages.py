@@ -35,6 +35,8 @@ from typing import Any, Protocol
 
 import torch
 
+from medfl.wire_format import PayloadError
+
 __all__ = ["RELEASE_FLAG", "RELEASE_CLIP", "SECURE_AGGREGATE", "state_mismatch", "PayloadError", "Instruction", "Reply",
            "Guard", "SampleGuard", "validate_payload"]
 
@@ -51,10 +53,6 @@ RELEASE_CLIP = "release_clip"
 #: The client id of the one reply a method with ``Method.secure_aggregation`` receives under
 #: ``fl.secure_aggregation``: the clients' weighted mean, never a client's own reply.
 SECURE_AGGREGATE = "secure-aggregate"
-
-
-class PayloadError(TypeError):
-    """A message carried something other than tensors and scalars, or client data."""
 
 
 @dataclass

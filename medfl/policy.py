@@ -4,7 +4,7 @@ The coordinator chooses a run's reply filters, their noise and DP-SGD; a site's 
 (:mod:`medfl.approval`) pin which *code* runs, not with which parameters. The policy is
 the site's say over the parameters: the operator writes it in the ``policy`` section of
 the site's approvals file (``medfl policy --file approvals.json ...``), and the site checks
-every message against it (:meth:`medfl.flower.site.Site.check`), after the approvals and
+every message against it (:meth:`medfl.site.Site.check`), after the approvals and
 before the method's code runs, refusing with the rule that is broken::
 
     "policy": {

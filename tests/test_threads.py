@@ -93,11 +93,6 @@ def test_local_sites_count(monkeypatch: pytest.MonkeyPatch) -> None:
     assert local_sites() == 1
 
 
-def test_local_federation_tells_its_sites_how_many_share_the_machine(tmp_path: Path) -> None:
-    from medfl.flower.deploy import LocalFederation
-
-    assert LocalFederation(tmp_path / "a", sites=3).env[LOCAL_SITES_ENV] == "3"
-    assert LOCAL_SITES_ENV not in LocalFederation(tmp_path / "b").env
 
 
 def test_set_threads_sets_torch() -> None:
@@ -118,7 +113,7 @@ def test_in_process_run_trains_with_fl_threads_and_records_them(tiny_fl: dict[st
 def test_flower_site_sets_its_threads(tmp_path: Path, tiny_fl: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A deployed site's worker trains in its own process: fl.threads or --threads there; auto
     shares the cores with the other sites medfl started on the machine."""
-    from medfl.flower.site import Site, SiteSettings
+    from medfl.site import Site, SiteSettings
 
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"fl": {**tiny_fl, "threads": 2}}))

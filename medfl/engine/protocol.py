@@ -6,7 +6,7 @@ the run and session ids, the round, the run seed, the addressed client id, the m
 model specs, the local-training settings...) next to its payload records; every
 message's content is a :class:`medfl.wire.Content` built by :mod:`medfl.wire` (shared with the
 in-process engine, which measures the same contents), converted to and from Flower's records
-only where a message meets Flower (:mod:`medfl.flower.records`); :data:`PROTOCOL` and
+only where a message meets Flower (:mod:`medfl.flower.proxy`); :data:`PROTOCOL` and
 :data:`CONTROL` are defined in :mod:`medfl.wire`.
 Message types (``<category>.<action>``, Flower's convention):
 

@@ -21,7 +21,7 @@ received in ``communication.csv`` (as in process: :mod:`medfl.engine.traffic`).
 
 Per-site persistent state is never at the coordinator: the ``clients/`` and ``eval_state/``
 directories of a remote run stay empty; each site keeps them under its own state directory
-(:mod:`medfl.flower.site`).
+(:mod:`medfl.site`).
 """
 
 from __future__ import annotations

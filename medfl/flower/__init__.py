@@ -6,16 +6,15 @@ coordinator as the ServerApp.
   (:class:`medfl.engine.remote.RemoteRun`), what the ``flower`` and ``ray`` backends run;
 - :mod:`medfl.flower.server`: the ``ServerApp`` (the top of the coordinator's process, like the
   CLI: it runs experiments, :func:`run_flower_experiment`, on the ``flower`` backend);
-- :mod:`medfl.flower.site`: what answers the messages at each site (the ``ClientApp`` of
-  :mod:`medfl.flower.proxy` forwards them): the method's client steps on the site's own data,
-  its persistent state kept at the site;
-- :mod:`medfl.flower.records`: the one conversion of medfl's message contents
-  (:mod:`medfl.wire`; their types, :mod:`medfl.engine.protocol`) to Flower's records and back;
-- :mod:`medfl.flower.deploy`: the commands of the three steps, and
-  :class:`LocalFederation` (a whole federation of processes on one machine).
+- :mod:`medfl.flower.worker`: ``medfl flower site``, the site's worker beside its SuperNode,
+  answering the messages the ``ClientApp`` forwards with :mod:`medfl.site` (the site of every
+  backend: the method's client steps on the site's own data, its state kept there);
+- :mod:`medfl.flower.proxy`: the ClientApp, and the one conversion of medfl's message
+  contents (:mod:`medfl.wire_format`; their types, :mod:`medfl.engine.protocol`) to Flower's
+  records and back;
+- :mod:`medfl.flower.deploy`: the commands of the three steps, and ``flwr run`` of a run.
 
-See ``docs/flower.md``. Importing this package imports nothing (its names load on first use):
-the site's code and the message protocol serve NVIDIA FLARE's sites too, without Flower.
+See ``docs/flower.md``. Importing this package imports nothing (its names load on first use).
 """
 
 from __future__ import annotations
@@ -23,11 +22,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["run_flower_experiment", "resume_flower", "Site", "SiteSettings", "SiteError", "LocalFederation",
-           "FlowerDeployError", "free_port"]
+__all__ = ["run_flower_experiment", "resume_flower", "FlowerDeployError", "free_port"]
 
-_MODULE = {"run_flower_experiment": "server", "resume_flower": "server", "Site": "site", "SiteSettings": "site",
-           "SiteError": "site", "LocalFederation": "deploy", "FlowerDeployError": "deploy", "free_port": "deploy"}
+_MODULE = {"run_flower_experiment": "server", "resume_flower": "server", "FlowerDeployError": "deploy",
+           "free_port": "deploy"}
 
 
 def __getattr__(name: str) -> Any:

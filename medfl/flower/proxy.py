@@ -1,53 +1,72 @@
-"""The ClientApp each SuperNode starts per message: a thin proxy to the site's worker.
+"""The ClientApp each SuperNode starts per message: a thin proxy to the site's worker, and
+the conversion of medfl's message contents to Flower's records and back.
 
-Flower 1.41 starts a fresh ``flwr-clientapp`` process for every message a SuperNode
-receives. Importing torch, MONAI and medfl in each of them costs seconds per message, so
-``medfl flower site`` runs a long-lived *site worker* next to the SuperNode
-(:mod:`medfl.flower.worker`: the site's config, data split and imports stay warm) and this
-ClientApp only forwards each message's records to it over a local Unix socket (the node
-config's ``worker`` entry) and returns the worker's answer. Without a ``worker`` entry the
-message is handled in this process by :func:`medfl.flower.site.handle` (slower, same result).
+Flower starts a fresh ``flwr-clientapp`` process for every message a SuperNode receives.
+Importing torch, MONAI and medfl in each of them costs seconds per message, so ``medfl flower
+site`` runs a long-lived *site worker* next to the SuperNode (:mod:`medfl.flower.worker`: the
+site's config, data split and imports stay warm) and this ClientApp only forwards each
+message's bytes to it over a local Unix socket (the node config's ``worker`` entry) and
+returns the worker's answer. Without a ``worker`` entry the message is handled in this process
+by :func:`medfl.site.handle_locally` (slower, same result).
 
-This module imports nothing from medfl at import time (importing the ``medfl`` package
-pulls in torch): :func:`medfl.flower.deploy.write_app` ships a copy of it in the Flower
-app as ``medfl_flower_proxy``, so the per-message process loads only Flower.
+This module imports Flower, NumPy and medfl's codec (:mod:`medfl.wire_format`) only:
+:func:`medfl.flower.deploy.write_app` ships a copy of it in the Flower app as
+``medfl_flower_proxy``, with the codec's copy beside it as ``medfl_wire_format``, so that the
+per-message process loads no torch.
 
-The coordinator sends a message's records packed into one record (:func:`pack_records`; all
-but the hello, which says which protocol a site speaks, and the messages of a SecAgg+ round,
-whose arrays Flower's ``secaggplus_mod`` masks): Flower moves every array of a message as
-objects of its own, with a request per object on every hop. This proxy hands the packed bytes
-to the worker as they are and packs its answer, decoding nothing.
+Contents. A medfl :class:`~medfl.wire_format.Content` maps 1:1 onto a Flower ``RecordDict``
+(:func:`to_records`, :func:`from_records`): ``Arrays`` is an ``ArrayRecord`` of NumPy
+``Array`` s, ``Config`` a ``ConfigRecord``, ``Metrics`` a ``MetricRecord``. Flower moves every
+array of a message as objects of its own, with a request per object on every hop, so the
+coordinator sends a message's content *packed* (:func:`packed`: its
+:func:`~medfl.wire_format.encode` bytes as one record), all but the hello (which says which
+protocol a site speaks) and the messages of a SecAgg+ round (whose arrays Flower's
+``secaggplus_mod`` masks at the site). A packed message is answered packed.
 
 Frames on the socket: an 8-byte big-endian length, then that many bytes; a request is a
-JSON header frame (``{"type": message type, "age": seconds this process had run}``, ``age``
-where known) followed by the serialized ``RecordDict``
-(Flower's protobuf); an answer is a JSON header frame (``{"ok": true}`` or
-``{"ok": false, "error": text}``) followed, when ok, by the reply's ``RecordDict``.
+JSON header frame (``{"type": message type, "run_config": {...}, "age": seconds this process
+had run}``, ``age`` where known) followed by the content's bytes
+(:func:`~medfl.wire_format.encode`); an answer is a JSON header frame (``{"ok": true}`` or
+``{"ok": false, "error": text}``) followed, when ok, by the answer's bytes.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, Callable
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-__all__ = ["app", "forward", "forward_bytes", "send_frame", "recv_frame", "encode_records", "decode_records",
-           "PACKED", "pack_records", "packed", "inline_max", "packed_bytes", "unpack_records", "WorkerError",
+if __name__.startswith("medfl."):
+    from medfl import wire_format as codec
+else:  # the copy in medfl's Flower app, beside the codec's copy (medfl.flower.deploy.write_app)
+    import medfl_wire_format as codec  # type: ignore[no-redef]
+
+__all__ = ["app", "forward_bytes", "send_frame", "recv_frame", "to_records", "from_records", "PACKED",
+           "INLINE_MAX", "packed", "packed_bytes", "records_of", "content_of", "answer_with", "WorkerError",
            "secure_aggregation_mod", "process_age"]
 
 _LEN = struct.Struct(">Q")
 
-#: The one record of a packed message's content (:func:`pack_records`).
+#: The one record of a packed message's content (:func:`packed`).
 PACKED = "medfl.packed"
 _PACKED_ARRAY = "records"
-#: The packed array's ``stype``: what its bytes are (Flower's protobuf of a ``RecordDict``).
-PACKED_STYPE = "medfl.recorddict.protobuf"
+#: The packed array's ``stype``: what its bytes are (:func:`medfl.wire_format.encode`'s).
+PACKED_STYPE = "medfl.wire"
+#: The largest packed content, in bytes, that travels as one bytes value of a config record
+#: (:func:`packed`); a larger one is an array, which Flower sends in chunks. medfl's choice,
+#: below Flower 1.42's array chunk size (5 MB).
+INLINE_MAX = 4 << 20
+
+_READ_HEADER = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 class WorkerError(RuntimeError):
@@ -76,50 +95,76 @@ def recv_frame(sock: socket.socket) -> bytes:
     return _recv_exact(sock, n)
 
 
-def encode_records(content: RecordDict) -> bytes:
-    """A ``RecordDict`` as Flower's protobuf bytes."""
-    from flwr.common.serde import recorddict_to_proto
+def to_records(content: codec.Content) -> RecordDict:
+    """``content`` as the ``RecordDict`` of a Flower message (same names, same order).
 
-    return recorddict_to_proto(content).SerializeToString()
+    Raises:
+        WireError: a record that is not ``Arrays``, ``Config`` or ``Metrics``.
+    """
+    out = RecordDict()
+    for name, record in content.items():
+        if isinstance(record, codec.Arrays):
+            out[name] = ArrayRecord({k: Array(a) for k, a in record.items()})
+        elif isinstance(record, (codec.Config, codec.Metrics)):
+            out[name] = (ConfigRecord if isinstance(record, codec.Config) else MetricRecord)(dict(record))
+        else:
+            raise codec.WireError(f"record {name!r}: {type(record).__name__} is not a record (Arrays, Config, "
+                                  "Metrics)")
+    return out
 
 
-def decode_records(data: bytes) -> RecordDict:
-    """The ``RecordDict`` of :func:`encode_records`' bytes."""
-    from flwr.common.serde import recorddict_from_proto
-    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=E0611
+def _numpy(a: Array, where: str) -> np.ndarray:
+    """An ``Array``'s NumPy array, a read-only view of its bytes; its ``.npy`` header is read
+    and checked against them first, so a header that declares more than the bytes hold
+    allocates nothing."""
+    if not isinstance(a, Array) or a.stype != "numpy.ndarray":
+        raise codec.WireError(f"{where}: not a NumPy array (stype {getattr(a, 'stype', None)!r})")
+    buf = io.BytesIO(a.data)
+    try:
+        shape, fortran, dtype = _READ_HEADER[np.lib.format.read_magic(buf)](buf)
+    except (KeyError, ValueError, TypeError, EOFError) as exc:
+        raise codec.WireError(f"{where}: not .npy bytes ({exc})") from None
+    need, held = dtype.itemsize * math.prod(shape), len(a.data) - buf.tell()
+    if dtype.kind not in "biufc" or dtype.fields is not None or need != held:
+        raise codec.WireError(f"{where}: a {dtype} array of shape {shape} ({need} bytes) in {held} bytes of data")
+    return np.frombuffer(a.data, dtype=dtype, offset=buf.tell()).reshape(shape, order="F" if fortran else "C")
 
-    return recorddict_from_proto(ProtoRecordDict.FromString(data))
 
+def from_records(rd: RecordDict) -> codec.Content:
+    """The content of a Flower message's ``RecordDict`` (its arrays are read-only views of the
+    message's bytes).
 
-def inline_max() -> int:
-    """The largest packed message, in bytes, that travels as one bytes value of a config record
-    (:func:`packed`): Flower's array chunk size (``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``, 5 MB),
-    the most Flower itself puts in one request."""
-    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
-
-    return int(FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)
+    Raises:
+        WireError: a record of another kind, or an array that is not a numeric NumPy array.
+    """
+    out = codec.Content()
+    for name, record in rd.items():
+        if isinstance(record, ArrayRecord):
+            out[name] = codec.Arrays({k: _numpy(a, f"record {name!r} entry {k!r}") for k, a in record.items()})
+        elif isinstance(record, ConfigRecord):
+            out[name] = codec.Config(record)
+        elif isinstance(record, MetricRecord):
+            out[name] = codec.Metrics(record)
+        else:
+            raise codec.WireError(f"record {name!r}: a {type(record).__name__}, not an ArrayRecord, ConfigRecord "
+                                  "or MetricRecord")
+    return out
 
 
 def packed(data: bytes) -> RecordDict:
-    """A message content that carries ``data`` (a ``RecordDict``'s protobuf bytes,
-    :func:`encode_records`) as one record: Flower moves each array of a message as objects of
-    its own (a request per object on every hop: coordinator, SuperLink, SuperNode, ClientApp),
-    so a message of 60 tensors took 60-odd requests each way where this takes three to five.
+    """A message content that carries ``data`` (a content's :func:`~medfl.wire_format.encode`
+    bytes) as one record: Flower moves each array of a message as objects of its own (a
+    request per object on every hop: coordinator, SuperLink, SuperNode, ClientApp), so a
+    message of 60 tensors took 60-odd requests each way where this takes three to five.
 
-    Up to :func:`inline_max` bytes, ``data`` is the one bytes value of a config record: three
+    Up to :data:`INLINE_MAX` bytes, ``data`` is the one bytes value of a config record: three
     Flower objects (the message, its record dict, the record). Larger, it is one uint8 array,
-    which Flower cuts into chunks of that size, so that no request carries a whole model: five
-    objects, and one per further chunk."""
+    which Flower cuts into chunks, so that no request carries a whole model."""
     data = bytes(data)
-    if len(data) <= inline_max():
+    if len(data) <= INLINE_MAX:
         return RecordDict({PACKED: ConfigRecord({_PACKED_ARRAY: data})})
     return RecordDict({PACKED: ArrayRecord({_PACKED_ARRAY: Array(dtype="uint8", shape=(len(data),),
                                                                     stype=PACKED_STYPE, data=data)})})
-
-
-def pack_records(content: RecordDict) -> RecordDict:
-    """``content`` packed into one record (:func:`packed`); :func:`unpack_records` gives it back."""
-    return packed(encode_records(content))
 
 
 def packed_bytes(content: RecordDict) -> bytes | None:
@@ -147,19 +192,30 @@ def packed_bytes(content: RecordDict) -> bytes | None:
     return bytes(array.data)
 
 
-def unpack_records(content: RecordDict) -> RecordDict:
-    """The content a packed content carries (:func:`pack_records`), or ``content`` itself when it is not packed.
+def records_of(content: codec.Content, pack: bool) -> RecordDict:
+    """``content`` as a Flower message's records: :func:`packed` (``pack``) or record by record."""
+    return packed(codec.encode(content)) if pack else to_records(content)
+
+
+def content_of(rd: RecordDict) -> codec.Content:
+    """The content a Flower message's records carry, packed or not.
 
     Raises:
-        ValueError: the packed bytes are not a ``RecordDict`` (the decoder's error quoted).
+        ValueError: a malformed packed record. WireError (a TypeError): bytes or records that
+            are not a medfl content.
     """
-    data = packed_bytes(content)
-    if data is None:
-        return content
-    try:
-        return decode_records(data)
-    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and Flower's checks: one error
-        raise ValueError(f"a packed message's bytes are not a record dict ({type(exc).__name__}: {exc})") from None
+    data = packed_bytes(rd)
+    return from_records(rd) if data is None else codec.decode(data)
+
+
+def answer_with(rd: RecordDict, respond: Callable[[bytes], bytes]) -> RecordDict:
+    """The records answering a message's records ``rd``: ``respond`` takes the content's bytes
+    and gives the answer's, which go back packed when ``rd`` was packed (:func:`packed`) and
+    record by record otherwise (SecAgg+'s mod reads the arrays of an answer)."""
+    data = packed_bytes(rd)
+    if data is not None:
+        return packed(respond(data))
+    return to_records(codec.decode(respond(codec.encode(from_records(rd)))))
 
 
 def process_age() -> float | None:
@@ -174,20 +230,9 @@ def process_age() -> float | None:
         return None
 
 
-def forward(socket_path: str, message_type: str, content: RecordDict, timeout: float | None = None,
-            run_config: dict[str, Any] | None = None) -> RecordDict:
-    """Send one message's records to the site worker at ``socket_path``; return its answer
-    (:func:`forward_bytes` of their protobuf bytes).
-
-    Raises:
-        WorkerError: the worker is not running, or it failed (its error text included).
-    """
-    return decode_records(forward_bytes(socket_path, message_type, encode_records(content), timeout, run_config))
-
-
 def forward_bytes(socket_path: str, message_type: str, data: bytes, timeout: float | None = None,
                   run_config: dict[str, Any] | None = None) -> bytes:
-    """Send one message's records (their protobuf bytes, :func:`encode_records`) to the site
+    """Send one message's content (its :func:`~medfl.wire_format.encode` bytes) to the site
     worker at ``socket_path``; return its answer's. The request's header also says how long
     this process had run (:func:`process_age`), which the site logs with the time it took
     (its ``log.txt``), and carries the run's config (``run_config``), which the worker refuses
@@ -253,17 +298,17 @@ def _dispatch(msg: Message, context: Context) -> Message:
     worker = str(node_config.get("worker", "") or "")
     message_type = msg.metadata.message_type
     if worker:
-        data = packed_bytes(msg.content)
-        if data is not None:   # the worker reads the packed bytes as they are; its answer goes back packed
-            return Message(packed(forward_bytes(worker, message_type, data, run_config=rc)), reply_to=msg)
-        content = forward(worker, message_type, msg.content, run_config=rc)
-    else:  # no worker: handle the message in this process (it answers a packed message packed)
+        def respond(data: bytes) -> bytes:
+            return forward_bytes(worker, message_type, data, run_config=rc)
+    else:  # no worker: handle the message in this process
         from medfl.config_file import refuse_syntax
-        from medfl.flower.site import handle_locally
+        from medfl.site import handle_locally
 
         refuse_syntax(rc, f"medfl site {node_config.get('client-id', '?')}: the Flower run config")
-        content = handle_locally(node_config, message_type, msg.content)
-    return Message(content, reply_to=msg)
+
+        def respond(data: bytes) -> bytes:
+            return handle_locally(node_config, message_type, data)
+    return Message(answer_with(msg.content, respond), reply_to=msg)
 
 
 app = ClientApp()

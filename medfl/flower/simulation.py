@@ -6,7 +6,7 @@
 coordinator is :class:`~medfl.engine.remote.RemoteRun` (the deployment's ServerApp code,
 over Flower's in-memory grid instead of a SuperLink: :class:`SimulatedTransport`) and every
 client is a simulated SuperNode whose messages are handled by the deployment's own
-:func:`medfl.flower.site.handle` in a Ray actor. Ray runs as many actors as the resources
+:func:`medfl.site.handle` in a Ray actor. Ray runs as many actors as the resources
 allow (cores / ``client_cpus``, GPUs / ``client_gpus``), so the clients of a round train in
 parallel; each actor keeps torch, the plugins and the sites it served loaded between
 messages.
@@ -46,8 +46,8 @@ from medfl.config import actor_threads
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl.engine.remote import RemoteRun, RemoteSettings
 from medfl.engine.runner import RunError, build_source
-from medfl.flower.site import Site, SiteSettings, handle
-from medfl.flower.proxy import secure_aggregation_mod
+from medfl.site import Site, SiteSettings, handle
+from medfl.flower.proxy import answer_with, secure_aggregation_mod
 from medfl.flower.transport import FLOWER_TERMS, FlowerTransport
 
 __all__ = ["SimulatedTransport", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing", "shutdown_ray",
@@ -81,7 +81,7 @@ class SimulatedTransport(FlowerTransport):
 
 class SimulatedSites:
     """The ClientApp handler of every simulated SuperNode: node ``partition-id`` k serves
-    the k-th client of the partition, as a :class:`~medfl.flower.site.Site` built from the
+    the k-th client of the partition, as a :class:`~medfl.site.Site` built from the
     coordinator's resolved config. Pickled to each Ray actor; the sites an actor built stay
     cached there.
 
@@ -128,8 +128,8 @@ class SimulatedSites:
         return self._sites[cid]
 
     def __call__(self, msg: Message, context: Context) -> Message:
-        site = self.site(int(context.node_config["partition-id"]))
-        return Message(handle(site, msg.metadata.message_type, msg.content), reply_to=msg)
+        site, kind = self.site(int(context.node_config["partition-id"])), msg.metadata.message_type
+        return Message(answer_with(msg.content, lambda data: handle(site, kind, data)), reply_to=msg)
 
 
 def _client_app(handler: SimulatedSites) -> ClientApp:

@@ -2,7 +2,7 @@
 :class:`medfl.transport.Transport`.
 
 Each :class:`~medfl.transport.Outgoing` becomes a Flower ``Message`` to its node (its content
-converted by :mod:`medfl.flower.records`, and packed into one record, :func:`medfl.flower.proxy.pack_records`,
+packed into one record, :func:`medfl.flower.proxy.records_of`,
 but for the hello, which says which protocol a site speaks, and SecAgg+'s stages, whose records
 Flower's ``secaggplus_mod`` reads and masks at the site); each reply comes back as an
 :class:`~medfl.transport.Answer`. Flower's error codes are sorted: a node gone or a message
@@ -26,8 +26,7 @@ from flwr.serverapp import Grid
 from medfl.engine.remote_sites import RemoteSettings
 from medfl.engine.runner import RunError
 from medfl.engine import protocol as P
-from medfl.flower.proxy import pack_records, unpack_records
-from medfl.flower.records import from_recorddict, to_recorddict
+from medfl.flower.proxy import content_of, records_of
 from medfl.transport import Answer, Outgoing, Transport
 
 __all__ = ["FlowerTransport", "FLOWER_TERMS", "RUN_CONFIG", "SuperLinkError", "error_reason", "transient_error"]
@@ -173,9 +172,8 @@ class FlowerTransport(Transport):
         """Push ``messages`` as Flower messages; their ids (retried with the same messages)."""
         flower = []
         for m in messages:
-            records = to_recorddict(m.content)
             # packed: a handful of Flower objects instead of one per tensor, each a request on every hop
-            content = records if m.secure or m.kind == P.HELLO else pack_records(records)
+            content = records_of(m.content, pack=not (m.secure or m.kind == P.HELLO))
             flower.append(Message(content, dst_node_id=m.node, message_type=m.kind, ttl=m.ttl,
                                   **({"group_id": m.group} if m.group else {})))
         return list(self._call("to take messages", self.grid.push_messages, flower))
@@ -192,7 +190,7 @@ class FlowerTransport(Transport):
                                   _DROPOUT_CODES else error_reason(reply.error.reason), lost=code in _DROPOUT_CODES))
                 continue
             try:
-                out.append(Answer(to, from_recorddict(unpack_records(reply.content))))
+                out.append(Answer(to, content_of(reply.content)))
             except (ValueError, TypeError) as exc:   # WireError is a TypeError
                 out.append(Answer(to, error=f"its answer cannot be read: {exc}"))
         return out

@@ -3,7 +3,7 @@
 ``medfl flower site`` runs :func:`run_site`: it opens the worker's Unix socket, starts
 ``flower-supernode`` as its child with the socket in the node config (``worker=...``), and
 answers the messages the per-message ClientApp processes (:mod:`medfl.flower.proxy`)
-forward to it, one at a time, with :func:`medfl.flower.site.handle`. The site's config,
+forward to it, one at a time, with :func:`medfl.site.handle`. The site's config,
 its split of the data, torch, MONAI and the method plugins stay loaded between messages;
 the persistent client state is on disk in the site's state directory either way, so a
 worker that is restarted continues where it left off.
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from medfl.config_file import refuse_syntax
-from medfl.flower.proxy import decode_records, encode_records, recv_frame, send_frame
-from medfl.flower.site import Site, SiteSettings, handle
+from medfl.flower.proxy import recv_frame, send_frame
+from medfl.site import Site, SiteSettings, handle
 
 __all__ = ["SiteWorker", "run_site", "socket_for", "exit_reason"]
 
@@ -86,16 +86,15 @@ class SiteWorker:
         with conn:
             try:
                 header = json.loads(recv_frame(conn))
-                content = decode_records(recv_frame(conn))
+                data = recv_frame(conn)
             except Exception:  # noqa: BLE001 - a broken request: drop the connection
                 return
             try:
                 if "run_config" in header:   # the ClientApp does not check it (it does not import medfl)
                     refuse_syntax(header["run_config"], f"medfl site {self.settings.client_id}: the Flower run config")
                 age = header.get("age")
-                out = handle(self._site(), str(header.get("type", "")), content,
-                             clientapp_age=float(age) if isinstance(age, (int, float)) else None)
-                answer = encode_records(out)
+                answer = handle(self._site(), str(header.get("type", "")), data,
+                                clientapp_age=float(age) if isinstance(age, (int, float)) else None)
             except Exception as exc:  # noqa: BLE001 - reported to the ClientApp, which raises it
                 msg = f"{type(exc).__name__}: {exc}"
                 logger.error(f"medfl site {self.settings.client_id}: {msg}\n{traceback.format_exc()}")

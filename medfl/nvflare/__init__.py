@@ -5,7 +5,7 @@ NVFlare executor (the ``nvflare`` backend, ``pip install 'medfl[nvflare]'``; doc
   carries the coordinator's messages (:class:`medfl.engine.remote.RemoteRun`, the same as over
   Flower) as NVFlare tasks;
 - :mod:`medfl.nvflare.executor`: :class:`~medfl.nvflare.executor.MedflExecutor`, the site side
-  (the same :class:`medfl.flower.site.Site` a Flower SuperNode runs: approvals, the site's
+  (the same :class:`medfl.site.Site` a Flower SuperNode runs: approvals, the site's
   privacy policy, the release ledger, the content guard, state kept per site);
 - :mod:`medfl.nvflare.controller`: :class:`~medfl.nvflare.controller.MedflController`, the
   workflow that runs the experiment on the NVFlare server;

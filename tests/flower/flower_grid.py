@@ -1,35 +1,33 @@
 """A Flower grid in this process, for the tests of medfl's Flower transport
 (:class:`medfl.flower.transport.FlowerTransport`): every message is serialized to Flower's
-protobuf and back, as on the wire, handed to the addressed node's :class:`Site` with
-:func:`medfl.flower.site.handle`, and its answer serialized back. The coordinator's own tests use
+protobuf and back, as on the wire (:func:`over_the_wire`), answered by the addressed node's
+:class:`Site` as a SuperNode's ClientApp answers it (:func:`medfl.flower.proxy.answer_with` and
+:func:`medfl.site.handle`), and its answer serialized back. The coordinator's own tests use
 :class:`test_coordinator.LoopTransport`, which needs no Flower grid."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import pytest
-from flwr.app import Error, Message
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import Error, Message, RecordDict
 
 from medfl import wire
 from medfl.engine import protocol as P
-from medfl.flower.proxy import decode_records, encode_records, pack_records, packed_bytes, unpack_records
-from medfl.flower.records import from_recorddict, to_recorddict
-from medfl.flower.site import Site, handle
+from medfl.flower.proxy import answer_with, content_of, packed_bytes, records_of
+from medfl.site import Site, handle
 from medfl.wire import Content
 
 #: ``(node, message type, control fields, reply content) -> reply content``
 Tamper = Callable[[int, str, dict[str, Any], Content], Content]
 
 
-@pytest.fixture(autouse=True)
-def task_identity() -> Iterator[None]:
-    """Flower stamps messages with the running task's identity (set by its ServerApp process)."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+def over_the_wire(rd: RecordDict) -> RecordDict:
+    """``rd`` through Flower's protobuf and back, as a message's records travel (a test's
+    stand-in for Flower's transport; medfl's code never calls Flower's serializer)."""
+    from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=E0611
+
+    return recorddict_from_proto(ProtoRecordDict.FromString(recorddict_to_proto(rd).SerializeToString()))
 
 
 class LoopGrid:
@@ -61,7 +59,7 @@ class LoopGrid:
             mid = f"m{self._n}"
             msg.metadata.__dict__["_message_id"] = mid   # the SuperLink's job
             node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
-            ctl = wire.take_json(from_recorddict(unpack_records(msg.content)), P.CONTROL, "loop grid")
+            ctl = wire.take_json(content_of(msg.content), P.CONTROL, "loop grid")
             self.sent.append((node, kind, int(ctl.get("round", 0) or 0)))
             what = self.rule(node, kind, ctl) if self.rule else "ok"
             ids.append(mid)
@@ -74,11 +72,10 @@ class LoopGrid:
         if what == "unavailable" or node not in self.sites:
             return Message(Error(code=5, reason="node unavailable"), reply_to=msg)
         try:
-            out = handle(self.sites[node], kind, decode_records(encode_records(msg.content)))
+            out = answer_with(over_the_wire(msg.content), lambda data: handle(self.sites[node], kind, data))
             if self.tamper:   # on what the site answered; it travels as the site sends it (packed or not)
-                tampered = to_recorddict(self.tamper(node, kind, ctl, from_recorddict(unpack_records(out))))
-                out = pack_records(tampered) if packed_bytes(out) is not None else tampered
-            return Message(decode_records(encode_records(out)), reply_to=msg)
+                out = records_of(self.tamper(node, kind, ctl, content_of(out)), pack=packed_bytes(out) is not None)
+            return Message(over_the_wire(out), reply_to=msg)
         except Exception as exc:  # noqa: BLE001 - as Flower reports a ClientApp exception
             return Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
 

@@ -24,7 +24,7 @@ from medfl.cli import main  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.remote import SiteFailure  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.site import Site, SiteError  # noqa: E402
+from medfl.site import Site, SiteError  # noqa: E402
 from medfl.plugins import get_plugin_manager  # noqa: E402
 
 from contract_methods import methods_registered  # noqa: E402

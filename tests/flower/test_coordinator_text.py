@@ -19,11 +19,8 @@ from medfl import wire  # noqa: E402
 from medfl.budget import data_key  # noqa: E402
 from medfl.config_file import PlainDataError, plain_fl, refuse_syntax  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
-from medfl.flower.proxy import app  # noqa: E402
-from medfl.flower.records import to_recorddict  # noqa: E402
-from medfl.flower.site import Site, SiteError, SiteSettings, handle  # noqa: E402
-
-from flower_grid import task_identity  # noqa: E402,F401  (autouse: Flower stamps messages with it)
+from medfl.flower.proxy import app, to_records  # noqa: E402
+from medfl.site import Site, SiteError, SiteSettings, handle  # noqa: E402
 
 FL: dict[str, Any] = {
     "seed": 0, "num_clients": 2, "rounds": 1, "progress": False,
@@ -81,7 +78,7 @@ def test_a_flower_run_config_with_an_expression_is_refused_by_the_site_and_runs_
                     ({"workdir": expression(marker)}, "workdir")):
         # Flower's runtime turns the ClientApp's exception into the error reply the coordinator reads
         with pytest.raises(PlainDataError, match=rf"^medfl site 0: the Flower run config: key '{key}' holds .*refused"):
-            app(Message(content=to_recorddict(content), dst_node_id=1, message_type=P.HELLO), _context(rc, node))
+            app(Message(content=to_records(content), dst_node_id=1, message_type=P.HELLO), _context(rc, node))
     assert not marker.exists() and not (tmp_path / "state").exists()
 
 
@@ -94,14 +91,14 @@ def test_a_message_field_with_monai_syntax_is_refused_before_the_site_checks_it(
     content = wire.Content()
     wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "method": {"name": "fedavg", "mu": "$1"}})
     with pytest.raises(SiteError, match=r"query.hello message's control record: key 'method#mu' holds '\$1'"):
-        handle(site, P.HELLO, to_recorddict(content))
+        handle(site, P.HELLO, wire.encode(content))
     content = wire.Content()
     wire.put_json(content, P.CONTROL, {"protocol": P.PROTOCOL, "run": "r1", "round": 1})
     wire.put(content, "ins.payload", {}, "test")
     wire.put(content, "ins.config", {"schedule": {"_target_": "builtins.exec"}}, "test")
     content["padding"] = wire.Config({})
     with pytest.raises(SiteError, match=r"\(config\): key 'schedule#_target_'"):
-        handle(site, P.VALIDATE, to_recorddict(content))
+        handle(site, P.VALIDATE, wire.encode(content))
     assert not list((tmp_path / "state").rglob("clients")), "no client state was touched"
 
 

@@ -142,7 +142,7 @@ def test_flower_site_command_takes_the_same_overrides_as_run(tmp_path: Path, mon
 
 def test_site_applies_any_bundle_override(tmp_path: Path) -> None:
     """A site's ``bundle_root`` override reaches the ``fl`` section through ``@bundle_root``."""
-    from medfl.flower.site import Site, SiteSettings
+    from medfl.site import Site, SiteSettings
 
     cfg = tmp_path / "train.json"
     cfg.write_text(json.dumps({"bundle_root": "/nowhere", "data_dir": "$@bundle_root + '/data'",
@@ -195,3 +195,11 @@ def test_flower_run_command_stops_a_run_that_does_not_end(tmp_path: Path, monkey
     assert main(["flower", "run", "train.json", "--insecure"]) == 130
     assert stopped == [42, 43] and signal.getsignal(signal.SIGTERM) is before
     assert "medfl flower run: interrupted; run 43 stopped at the SuperLink" in capsys.readouterr().err
+
+
+def test_local_federation_tells_its_sites_how_many_share_the_machine(tmp_path: Path) -> None:
+    from local_federation import LocalFederation
+    from medfl.config import LOCAL_SITES_ENV
+
+    assert LocalFederation(tmp_path / "a", sites=3).env[LOCAL_SITES_ENV] == "3"
+    assert LOCAL_SITES_ENV not in LocalFederation(tmp_path / "b").env

@@ -28,8 +28,10 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.runner import build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.flower.auth import make_site_key  # noqa: E402
-from medfl.flower.deploy import FlowerDeployError, LocalFederation  # noqa: E402
-from medfl.flower.soak import last_round as _last_round, wait_unlocked as _wait_unlocked  # noqa: E402
+from medfl.flower.deploy import FlowerDeployError  # noqa: E402
+
+from local_federation import LocalFederation  # noqa: E402
+from soak import last_round as _last_round, wait_unlocked as _wait_unlocked  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
 

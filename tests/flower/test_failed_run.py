@@ -24,7 +24,7 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.runner import RunError  # noqa: E402
-from medfl.flower.deploy import LocalFederation  # noqa: E402
+from local_federation import LocalFederation  # noqa: E402
 from medfl.engine.remote import RemoteSettings  # noqa: E402
 from medfl.flower.server import resume_flower, run_flower_experiment  # noqa: E402
 from medfl.runs import find_run_dirs, run_row  # noqa: E402

@@ -26,7 +26,7 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.data import split_data  # noqa: E402
 from medfl.engine.runner import Run, build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
-from medfl.flower.deploy import LocalFederation  # noqa: E402
+from local_federation import LocalFederation, descendants  # noqa: E402
 
 from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config as _fl, numeric_equal as _numeric_equal  # noqa: E402
 from flower_cases import write_config as _write  # noqa: E402
@@ -86,11 +86,10 @@ def test_fedavg_over_flower_matches_in_process(federation) -> None:
 def _flower_runs_its_own_commands(fed: LocalFederation) -> None:
     """The SuperLink, the SuperNodes and their SuperExecs run as Flower's own console
     scripts, none through a medfl file that would change Flower in its process (issue 65)."""
-    from medfl.flower.deploy import _descendants
 
     lines = []
     for proc in fed.procs.values():
-        for pid in _descendants(proc.popen.pid):
+        for pid in descendants(proc.popen.pid):
             try:
                 line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:

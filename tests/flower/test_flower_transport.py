@@ -26,13 +26,13 @@ from medfl.transport import Outgoing  # noqa: E402
 from medfl.wire import Content  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config  # noqa: E402
-from flower_grid import LoopGrid, task_identity  # noqa: E402,F401  (autouse fixture)
+from flower_grid import LoopGrid  # noqa: E402
 from test_coordinator import FAST, _sites  # noqa: E402
 
 
 def test_messages_travel_packed_and_a_garbled_pack_is_refused_with_the_site_named(tmp_path: Path) -> None:
     """Issue 50: every message but the hello travels as one packed array; a reply whose
-    packed bytes are not a record dict is refused, naming the site, and the run goes on."""
+    packed bytes are not a medfl content is refused, naming the site, and the run goes on."""
     kinds: dict[str, set[bool]] = {}
 
     class Garbling(LoopGrid):
@@ -54,7 +54,7 @@ def test_messages_travel_packed_and_a_garbled_pack_is_refused_with_the_site_name
     events = pd.read_csv(run_dir / "reply_events.csv", dtype={"client_id": str})
     row = events[(events["round"] == 1) & (events["client_id"] == "1")]
     assert row["status"].tolist() == ["dropped"]
-    assert "packed message's bytes are not a record dict" in row["reason"].iloc[0]
+    assert "not a medfl message content" in row["reason"].iloc[0]
     assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
 
 
@@ -81,7 +81,7 @@ class _Errors:
 def test_flowers_error_codes_are_dropouts_or_the_sites_errors(code: int, lost: bool) -> None:
     """A node gone, a message lost or a crashed ClientApp is a dropout; an exception the
     ClientApp raised is the site's error, its text without Flower's wrapping."""
-    grid = _Errors(code, "<class 'medfl.flower.site.SiteError'>:<'medfl site 0: refused'>")
+    grid = _Errors(code, "<class 'medfl.site.SiteError'>:<'medfl site 0: refused'>")
     transport = FlowerTransport(grid, RemoteSettings(), lambda event: None)
     assert transport.nodes() == [7]
     ids = transport.send([Outgoing(7, P.TRAIN, Content(), "1", 60.0)])

@@ -27,7 +27,7 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.filters import FilterChain  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.site import REPRODUCIBLE_NOISE_ENV, SiteError, answer_message, instruction_digest  # noqa: E402
+from medfl.site import REPRODUCIBLE_NOISE_ENV, SiteError, answer_message, instruction_digest  # noqa: E402
 from medfl.messages import Instruction  # noqa: E402
 from medfl.method import derive_seed  # noqa: E402
 from medfl.plugins import lookup  # noqa: E402
@@ -175,7 +175,7 @@ def test_a_coordinator_resumed_after_a_release_gets_the_same_bytes_from_every_si
     round 2 at the noise it was released with."""
     from medfl.engine.runner import Run
     from medfl.flower.server import resume_flower
-    from medfl.flower.site import Site
+    from medfl.site import Site
 
     monkeypatch.delenv(REPRODUCIBLE_NOISE_ENV, raising=False)
     job = {"rounds": 2, "eval_every": 0, "model": {"name": "small_cnn", "width": 4},

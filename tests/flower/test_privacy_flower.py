@@ -17,7 +17,7 @@ pytest.importorskip("flwr", reason="Flower is a dependency of medfl")
 
 from medfl.engine import protocol as P  # noqa: E402
 from medfl.engine.remote import SiteFailure  # noqa: E402
-from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
+from medfl.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
 
 from flower_cases import numeric_equal  # noqa: E402
 from test_coordinator import _run_both, _no_state_at_coordinator  # noqa: E402

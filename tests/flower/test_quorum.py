@@ -36,12 +36,12 @@ from medfl.experiment import run_experiment  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
 from medfl.engine.remote import RemoteSettings  # noqa: E402
 from medfl.flower.server import resume_flower, run_flower_experiment  # noqa: E402
-from medfl.flower.site import Site  # noqa: E402
+from medfl.site import Site  # noqa: E402
 from medfl.flower.transport import SuperLinkError  # noqa: E402
 from medfl.transport import Answer  # noqa: E402
 
 from flower_cases import FEDAVG, FEDBN, fl_config, numeric_equal  # noqa: E402
-from flower_grid import LoopGrid, task_identity  # noqa: E402,F401 - the autouse fixture
+from flower_grid import LoopGrid  # noqa: E402
 from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 
 #: no wait for the hellos of new nodes before an exchange: a hello withheld at its first pull

@@ -31,15 +31,14 @@ from medfl.engine.runner import RunError  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower import secagg  # noqa: E402
-from medfl.flower.proxy import app as site_app, decode_records, encode_records, unpack_records  # noqa: E402
-from medfl.flower.records import from_recorddict  # noqa: E402
+from medfl.flower.proxy import app as site_app, content_of  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.site import SiteError, answer_message  # noqa: E402
+from medfl.site import SiteError, answer_message  # noqa: E402
 from medfl import wire  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
 import test_flower  # noqa: E402
-from flower_grid import LoopGrid, task_identity  # noqa: E402,F401  (autouse: Flower stamps messages with it)
+from flower_grid import LoopGrid, over_the_wire  # noqa: E402
 from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 from test_flower import federation  # noqa: E402,F401  (the real deployment, started once for this module)
 
@@ -64,7 +63,7 @@ class AppLoopGrid(LoopGrid):
         node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
         if what == "unavailable":
             return Message(Error(code=5, reason="node unavailable"), reply_to=msg)
-        inbound = Message(content=decode_records(encode_records(msg.content)), metadata=msg.metadata)
+        inbound = Message(content=over_the_wire(msg.content), metadata=msg.metadata)
         try:
             out = site_app(inbound, self.contexts[node])
         except Exception as exc:  # noqa: BLE001 - as Flower reports a ClientApp exception
@@ -72,10 +71,10 @@ class AppLoopGrid(LoopGrid):
         if out.has_error():
             return Message(out.error, reply_to=msg)
         # the answer as the coordinator reads it
-        content = from_recorddict(unpack_records(decode_records(encode_records(out.content))))
+        content = content_of(over_the_wire(out.content))
         stage = str(ctl.get("secure_aggregation", "")) if kind == P.TRAIN else ""
         self.received.append((node, int(ctl.get("round", 0) or 0), stage, content))
-        return Message(decode_records(encode_records(out.content)), reply_to=msg)
+        return Message(over_the_wire(out.content), reply_to=msg)
 
 
 def _secure_job(**extra: Any) -> dict[str, Any]:

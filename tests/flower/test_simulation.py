@@ -202,13 +202,13 @@ def test_a_simulated_site_that_cannot_serve_stops_the_run_with_its_reason(tmp_pa
 
 def no_ray_left() -> None:
     """Ray is shut down in this process and no Ray process (an actor, a daemon) it started is left."""
-    from medfl.flower.deploy import _descendants
+    from local_federation import descendants
 
     assert not ray.is_initialized(), "Ray still runs after the simulation ended"
 
     def running() -> list[str]:
         left = []
-        for pid in _descendants(os.getpid()):
+        for pid in descendants(os.getpid()):
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

@@ -22,7 +22,7 @@ from flower_cases import FEDAVG, fl_config, write_config  # noqa: E402
 SUPERVISE = """
 import sys
 from pathlib import Path
-from medfl.flower.site import SiteSettings
+from medfl.site import SiteSettings
 from medfl.flower.worker import run_site, socket_for
 config, state, starts, restart, code = sys.argv[1:6]
 sock = socket_for()
@@ -79,7 +79,7 @@ def test_no_restart_ends_the_site_with_the_supernode(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("run", ["../../etc", ".hidden", "a/b", "..", "", "x" * 200, "run\x00id"])
 def test_a_coordinator_cannot_point_a_site_outside_its_state_dir(tmp_path: Path, run: str) -> None:
-    from medfl.flower.site import Site, SiteError, SiteSettings
+    from medfl.site import Site, SiteError, SiteSettings
 
     fl = fl_config(tmp_path, "paths", FEDAVG)
     site = Site(SiteSettings(client_id="0", config=write_config(tmp_path / "site.json", fl), state_dir=tmp_path / "s"))
@@ -92,7 +92,7 @@ def test_a_coordinator_cannot_point_a_site_outside_its_state_dir(tmp_path: Path,
 def test_a_site_that_cannot_start_leaves_no_socket_folder(tmp_path: Path, problem: str) -> None:
     """A site whose config cannot be read, or whose SuperNode cannot be started, raises and
     removes the temporary folder of its worker's socket."""
-    from medfl.flower.site import SiteSettings
+    from medfl.site import SiteSettings
     from medfl.flower.worker import run_site, socket_for
 
     sock = socket_for()

@@ -25,12 +25,12 @@ from medfl.config import ConfigError, resolve_config  # noqa: E402
 from medfl.engine.runner import RunError, build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
-from medfl.flower.deploy import LocalFederation  # noqa: E402
 from medfl.flower.replay import account_rounds, max_difference, recorded_absences, replay_in_process  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.flower.soak import Disruption, random_plan, soak  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
+from local_federation import LocalFederation  # noqa: E402
+from soak import Disruption, random_plan, soak  # noqa: E402
 from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
 
 #: FedAvg evaluated every round: every round has a train and an evaluate exchange to account for

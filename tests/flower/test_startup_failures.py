@@ -14,7 +14,9 @@ import pytest
 
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
-from medfl.flower.deploy import FlowerDeployError, LocalFederation  # noqa: E402
+from medfl.flower.deploy import FlowerDeployError  # noqa: E402
+
+from local_federation import LocalFederation  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, write_config  # noqa: E402
 

@@ -31,8 +31,10 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.runner import build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
-from medfl.flower.deploy import FlowerDeployError, LocalFederation  # noqa: E402
-from medfl.flower.soak import last_round  # noqa: E402
+from medfl.flower.deploy import FlowerDeployError  # noqa: E402
+
+from local_federation import LocalFederation  # noqa: E402
+from soak import last_round  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
 

@@ -1,6 +1,6 @@
 """medfl's message contents: exact round trips, only tensors and scalars travel, a strict
 byte encoding whose size :func:`wire.encoded_size` gives without serialising, and the 1:1
-conversion to Flower's records (:mod:`medfl.flower.records`)."""
+conversion to Flower's records (:mod:`medfl.flower.proxy`)."""
 
 from __future__ import annotations
 
@@ -257,44 +257,45 @@ def test_records_round_trip_exactly_through_flowers_protobuf() -> None:
     pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
-    from medfl.flower.proxy import decode_records, encode_records
-    from medfl.flower.records import from_recorddict, to_recorddict
+    from medfl.flower.proxy import content_of, from_records, records_of, to_records
+    from flower_grid import over_the_wire
 
     for content in _contents():
-        rd = to_recorddict(content)
+        rd = to_records(content)
         assert list(rd) == list(content)
         kinds = {wire.Arrays: ArrayRecord, wire.Config: ConfigRecord, wire.Metrics: MetricRecord}
         assert [type(r) for r in rd.values()] == [kinds[type(r)] for r in content.values()]
-        back = from_recorddict(decode_records(encode_records(rd)))
+        back = from_records(over_the_wire(rd))
         assert [type(r) for r in back.values()] == [type(r) for r in content.values()]
         _same(dict(content), dict(back))
         assert wire.encode(back) == wire.encode(content)
+        assert wire.encode(content_of(over_the_wire(records_of(content, pack=True)))) == wire.encode(content)
     value = _value()
     content = wire.Content()
     wire.put(content, "ins", value, "test")
-    _same(value, wire.take(from_recorddict(decode_records(encode_records(to_recorddict(content)))), "ins", "t"))
+    _same(value, wire.take(from_records(over_the_wire(to_records(content))), "ins", "t"))
 
 
-def test_from_recorddict_refuses_what_is_not_a_medfl_record() -> None:
+def test_from_records_refuses_what_is_not_a_medfl_record() -> None:
     pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
     import io
 
     from flwr.app import Array, ArrayRecord, RecordDict
 
-    from medfl.flower.records import from_recorddict
+    from medfl.flower.proxy import from_records
 
     with pytest.raises(wire.WireError, match="record 'x': a dict, not an ArrayRecord"):
-        from_recorddict({"x": {"a": 1}})   # type: ignore[arg-type]
+        from_records({"x": {"a": 1}})   # type: ignore[arg-type]
     torchy = Array(dtype="float32", shape=(1,), stype="torch.raw", data=b"\x00" * 4)
     with pytest.raises(wire.WireError, match="entry 'w': not a NumPy array"):
-        from_recorddict(RecordDict({"a": ArrayRecord({"w": torchy})}))
+        from_records(RecordDict({"a": ArrayRecord({"w": torchy})}))
     head = np.lib.format.header_data_from_array_1_0(np.zeros(2))
     head["shape"] = (2**40, 2**20)   # declares 8 PiB in 16 bytes
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(buf, head)
     huge = Array(dtype="float64", shape=(2,), stype="numpy.ndarray", data=buf.getvalue() + b"\x00" * 16)
     with pytest.raises(wire.WireError, match=r"shape \(1099511627776, 1048576\).* in 16 bytes"):
-        from_recorddict(RecordDict({"a": ArrayRecord({"w": huge})}))
+        from_records(RecordDict({"a": ArrayRecord({"w": huge})}))
     junk = Array(dtype="float64", shape=(2,), stype="numpy.ndarray", data=b"not npy")
     with pytest.raises(wire.WireError, match="not .npy bytes"):
-        from_recorddict(RecordDict({"a": ArrayRecord({"w": junk})}))
+        from_records(RecordDict({"a": ArrayRecord({"w": junk})}))

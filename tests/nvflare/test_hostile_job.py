@@ -21,7 +21,7 @@ pytest.importorskip("nvflare", reason="NVIDIA FLARE is medfl's optional extra: p
 from nvflare.apis.fl_context import FLContext  # noqa: E402
 from nvflare.apis.fl_constant import ReservedKey  # noqa: E402
 
-from medfl.flower.site import SiteError  # noqa: E402
+from medfl.site import SiteError  # noqa: E402
 from medfl.nvflare.executor import MedflExecutor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flower"))

@@ -40,7 +40,7 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.runner import RunError  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.nvflare.executor import MedflExecutor  # noqa: E402
-from medfl.flower.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
+from medfl.site import REPRODUCIBLE_NOISE_ENV  # noqa: E402
 from medfl.nvflare.controller import MedflController  # noqa: E402
 from medfl.nvflare import RESUME_JOB  # noqa: E402
 from medfl.nvflare.job import COMPONENTS, write_job, write_site  # noqa: E402

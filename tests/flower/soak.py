@@ -1,7 +1,7 @@
 """Disrupt a Flower run on one machine as a deployment would be: sites killed and restarted,
 the SuperLink killed and restarted (and the run resumed), each at a round boundary.
 
-:func:`soak` launches a run on a :class:`~medfl.flower.deploy.LocalFederation`, watches the
+:func:`soak` launches a run on a :class:`local_federation.LocalFederation`, watches the
 run's ``status.json`` (never a clock) and applies a plan of :class:`Disruption` s as the run
 reaches their rounds. A killed site stays down until the run has finished ``down`` more
 rounds after the one it was killed at, so it misses at least one whole round; the SuperLink
@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medfl.flower.deploy import FlowerDeployError, LocalFederation, _kill_group
+from medfl.flower.deploy import FlowerDeployError
+
+from local_federation import LocalFederation, kill_group
 
 __all__ = ["Disruption", "SoakResult", "random_plan", "last_round", "wait_unlocked", "soak"]
 #: Seconds until a SuperLink restarted on its database gives up a run whose ServerApp died with
@@ -182,7 +184,7 @@ def soak(fed: LocalFederation, config: str | Path, run_dir: Path, plan: list[Dis
             else:
                 d.applied_at = done
                 link = fed.procs["superlink"].popen
-                _kill_group(link, signal.SIGKILL)    # a crash, not a shutdown: no chance to clean up
+                kill_group(link, signal.SIGKILL)    # a crash, not a shutdown: no chance to clean up
                 link.wait(timeout=30)
                 fed.stop_superlink()                 # forget it (its log is kept aside)
                 fed.start_superlink(port=port, database=str(database))

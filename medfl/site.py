@@ -67,7 +67,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -82,9 +82,6 @@ from medfl.logs import file_log
 from medfl.messages import Instruction, PayloadError, validate_payload
 from medfl.method import Method
 from medfl.wire import Config, Content
-
-if TYPE_CHECKING:   # Flower is imported where a message meets it (handle), never for NVIDIA FLARE's sites
-    from flwr.app import RecordDict
 
 __all__ = ["SiteSettings", "Site", "SiteError", "plain", "answer_message", "handle", "handle_locally", "site_for",
            "site_noise_key", "instruction_digest", "REPRODUCIBLE_NOISE_ENV"]
@@ -678,21 +675,15 @@ def answer_message(site: Site, message_type: str, content: Content, *, clientapp
         return out
 
 
-def handle(site: Site, message_type: str, content: RecordDict, *, clientapp_age: float | None = None) -> RecordDict:
-    """:func:`answer_message` on a Flower message's ``RecordDict``: its records converted on the
-    way in and out (:mod:`medfl.flower.records`); a packed message
-    (:func:`medfl.flower.proxy.pack_records`) is answered packed.
+def handle(site: Site, message_type: str, data: bytes, *, clientapp_age: float | None = None) -> bytes:
+    """:func:`answer_message` on a message's bytes (:func:`medfl.wire.encode`'s, as the
+    ClientApp forwards them, :mod:`medfl.flower.proxy`); the answer's bytes.
 
     Raises:
-        SiteError, PayloadError: as :func:`answer_message`.
-        ValueError: a packed message whose bytes are not a record dict.
+        SiteError, PayloadError: as :func:`answer_message`; WireError (a PayloadError): bytes
+            that are not a medfl content.
     """
-    from medfl.flower.proxy import pack_records, unpack_records
-    from medfl.flower.records import from_recorddict, to_recorddict
-
-    inner = unpack_records(content)
-    out = to_recorddict(answer_message(site, message_type, from_recorddict(inner), clientapp_age=clientapp_age))
-    return out if inner is content else pack_records(out)
+    return wire.encode(answer_message(site, message_type, wire.decode(data), clientapp_age=clientapp_age))
 
 
 def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: Content) -> Content:
@@ -725,6 +716,6 @@ def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: Content
     raise SiteError(f"{me}: unknown message type {message_type!r}")
 
 
-def handle_locally(node_config: dict[str, Any], message_type: str, content: RecordDict) -> RecordDict:
+def handle_locally(node_config: dict[str, Any], message_type: str, data: bytes) -> bytes:
     """:func:`handle` in this process, for the site named by ``node_config``."""
-    return handle(site_for(node_config), message_type, content)
+    return handle(site_for(node_config), message_type, data)
