@@ -63,9 +63,9 @@ JOBS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def run_job(method: str, work: Path, overrides: dict[str, Any] | None = None) -> dict[str, str]:
-    """Run ``method``'s job in ``work`` (with top-level ``overrides`` of its config, e.g.
-    ``{"device": "cuda"}`` or other ``methods``); return its metrics files as CSV text."""
+def job_config(method: str, work: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``fl`` config of ``method``'s job in ``work`` (with top-level ``overrides``, e.g.
+    ``{"device": "cuda"}`` or other ``methods``)."""
     spec, job = JOBS[method]
     fl = json.loads(json.dumps({**_DATA, **job, "methods": [spec], **(overrides or {})}))
     fl["train"] = {**_DATA["train"], **job.get("train", {})}
@@ -73,9 +73,18 @@ def run_job(method: str, work: Path, overrides: dict[str, Any] | None = None) ->
     fl["dataset"]["root"] = str(work / "data")
     if "public_dataset" in fl:
         fl["public_dataset"]["root"] = str(work / "public")
-    out = run_experiment(resolve_config(fl))
-    run_dir = Path(out["dir"]) / method
+    return fl
+
+
+def metrics_files(run_dir: Path) -> dict[str, str]:
+    """The recorded files of a method's run directory, as CSV text."""
     return {f: (run_dir / f).read_text() for f in ("metrics.csv", "train_metrics.csv")}
+
+
+def run_job(method: str, work: Path, overrides: dict[str, Any] | None = None) -> dict[str, str]:
+    """Run ``method``'s job in ``work`` in process (:func:`job_config`); its metrics files as CSV text."""
+    out = run_experiment(resolve_config(job_config(method, work, overrides)))
+    return metrics_files(Path(out["dir"]) / method)
 
 
 def assert_recorded(method: str, now: dict[str, str]) -> None:
