@@ -9,6 +9,7 @@ locked for 6 s mid-run."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,8 +122,12 @@ def test_the_superlink_supervisor_starts_a_superexec_that_exited_again(tmp_path:
     assert proc.returncode == 0, err
     lines = starts.read_text().splitlines()
     assert len(lines) >= 5 and all(ln.startswith(f"- --parent-pid {proc.pid}") for ln in lines), lines
-    assert "medfl: the SuperExec exited with code 1" in err and "starting it again in 0.1 s" in err
-    assert "starting it again in 0.4 s" in err      # the wait doubles up to max_backoff
+    assert "medfl: the SuperExec exited with code 1" in err
+    # the wait starts at backoff and doubles up to max_backoff, or starts again at backoff after a
+    # SuperExec that ran max_backoff (which one depends on how loaded the machine is: both are right)
+    waits = [float(w) for w in re.findall(r"starting it again in ([\d.]+) s", err)]
+    assert len(waits) >= 4 and waits[0] == 0.1, err
+    assert all(w in (0.1, min(2 * v, 0.4)) for v, w in zip(waits, waits[1:])), waits
     deadline = time.monotonic() + 120
     while _alive(app) and time.monotonic() < deadline:
         time.sleep(0.1)
