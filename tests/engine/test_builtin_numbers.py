@@ -62,6 +62,10 @@ JOBS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                                             "image_size": 16, "noise": 0.5, "seed": 1}}),
 }
 
+#: every built-in method that runs across sites (``centralized`` pools the clients' data): the
+#: jobs tests/flower/test_builtin_numbers_flower.py and tests/nvflare/test_builtin_numbers_nvflare.py run
+REMOTE = sorted(m for m in JOBS if m != "centralized")
+
 
 def job_config(method: str, work: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``fl`` config of ``method``'s job in ``work`` (with top-level ``overrides``, e.g.

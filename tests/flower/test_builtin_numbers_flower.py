@@ -28,10 +28,7 @@ from medfl.site import REPRODUCIBLE_NOISE_ENV, Site, SiteSettings  # noqa: E402
 
 from flower_cases import write_config  # noqa: E402
 from flower_grid import LoopGrid  # noqa: E402
-from test_builtin_numbers import JOBS, assert_recorded, job_config, metrics_files  # noqa: E402
-
-#: every built-in method that runs across sites (``centralized`` pools the clients' data)
-REMOTE = sorted(m for m in JOBS if m != "centralized")
+from test_builtin_numbers import REMOTE, assert_recorded, job_config, metrics_files  # noqa: E402
 
 #: generous waits: a grid in this process answers when it is pulled
 SETTINGS = RemoteSettings(round_timeout=600.0, connect_timeout=60.0, hello_timeout=60.0, poll_interval=0.01)

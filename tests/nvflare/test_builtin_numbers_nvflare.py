@@ -34,10 +34,7 @@ from medfl.nvflare.executor import MedflExecutor  # noqa: E402
 from medfl.nvflare.transport import NVFlareTransport  # noqa: E402
 from medfl.plugins import lookup  # noqa: E402
 
-from test_builtin_numbers import JOBS, assert_recorded, job_config, metrics_files  # noqa: E402
-
-#: every built-in method that runs across sites (``centralized`` pools the clients' data)
-REMOTE = sorted(m for m in JOBS if m != "centralized")
+from test_builtin_numbers import REMOTE, assert_recorded, job_config, metrics_files  # noqa: E402
 
 
 class _Client:
