@@ -6,45 +6,49 @@ there. ``fl.backend`` names one from the registry (the ``register_backends`` hoo
 :mod:`medfl.hookspecs`; built in: ``inprocess``, ``ray``, ``flower``), and
 :func:`backend_of` builds it.
 
-A backend does not loop over methods, folds or seeds itself: the experiment hands it a
-``drive`` callable, and the backend calls ``drive(run_factory, meta)`` once, from wherever
-its runs can reach their clients (this process; the ServerApp thread of Flower's
-simulation runtime...), and returns what ``drive`` returned. ``run_factory`` builds each
-method's run (``(cfg, method_spec, run_dir, data) -> Run``: :class:`medfl.engine.runner.Run`
-itself, or a subclass such as :class:`medfl.engine.remote.RemoteRun` bound to its transport);
-``meta`` is added to the experiment's ``config.json`` files (e.g. ``{"engine": "flower"}``).
+A backend does not loop over methods, folds or seeds: the experiment does, inside the
+backend's :meth:`Backend.runs` (a context manager)::
+
+    with backend.runs(cfg) as (run_factory, meta):
+        ...   # every method, fold and seed: run_factory(cfg, spec, run_dir, data).run()
+
+``run_factory`` builds each method's run (``(cfg, method_spec, run_dir, data) -> Run``:
+:class:`medfl.engine.runner.Run` itself, or :class:`medfl.engine.remote.RemoteRun` bound to a
+transport); ``meta`` is added to the experiment's ``config.json`` files (e.g. ``{"engine":
+"flower"}``; ``None``: nothing). What a backend must hold open while the runs reach their
+clients (Flower's simulation runtime and its Ray actors) lives as long as the ``with``.
 
 The experiment's ``config.json`` records the backend that ran it (``"backend"``: its
 registered name). A stopped run continues on that backend, with the command its
 :meth:`Backend.resume_command` gives (:func:`resume_command`): ``medfl resume DIR`` for the
 backends whose clients this machine starts (``inprocess``, ``ray``); ``medfl flower run
 --resume DIR ...`` for ``flower``, whose clients ran at the sites and kept their state there.
-A backend whose runs cannot continue in ``medfl resume`` refuses it in :meth:`Backend.resume`,
-naming that command.
+A backend whose runs cannot continue in ``medfl resume`` refuses it,
+naming that command (:meth:`Backend.check_resume`).
 """
 
 from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
-from medfl.engine.runner import RunError
+from medfl.engine.runner import RunError, RunFactory
 from medfl.plugins import lookup
 from medfl.rundir import recorded_backend, resume_command
 
-__all__ = ["Backend", "Drive", "backend_name", "backend_of", "recorded_backend", "resume_command"]
+__all__ = ["Backend", "RunFactory", "Runs", "backend_name", "backend_of", "recorded_backend", "resume_command"]
 
-#: The experiment's loop, as a backend calls it: ``drive(run_factory, meta=None) -> result``
-#: (the result of :func:`medfl.experiment.run_experiment` or :func:`medfl.experiment.resume`).
-Drive = Callable[..., dict[str, Any]]
+#: What :meth:`Backend.runs` gives the experiment: ``(run_factory, meta)``.
+Runs = tuple[RunFactory, dict[str, Any] | None]
 
 
 class Backend:
     """What a backend gives the experiment: a way to run it and a way to resume it.
 
     Subclasses set :attr:`name` (the ``fl.backend`` name they are registered under) and
-    implement :meth:`run` and :meth:`resume`; the registry builds them with no arguments.
+    implement :meth:`runs`; the registry builds them with no arguments.
     """
 
     #: the ``fl.backend`` name
@@ -52,16 +56,13 @@ class Backend:
     #: one line for ``medfl plugins``
     description: str = ""
 
-    def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-        """Run a new experiment of the resolved config ``cfg``: call ``drive(run_factory,
-        meta)`` once where the runs can reach their clients, and return its result."""
-        raise NotImplementedError(f"backend {self.name!r} cannot run an experiment")
-
-    def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
-        """Continue the stopped run or experiment in ``path`` (``cfg``: its saved ``fl``
-        config; ``rounds``: a new total or ``None``): call ``drive(run_factory)`` once and
-        return its result."""
-        raise NotImplementedError(f"backend {self.name!r} cannot resume a run")
+    def runs(self, cfg: dict[str, Any], path: Path | None = None) -> AbstractContextManager[Runs]:
+        """The runs of an experiment of the resolved ``fl`` config ``cfg``, a new one or (with
+        ``path``) the stopped run or experiment in ``path`` (``cfg``: its saved config): a
+        context manager giving ``(run_factory, meta)`` (:data:`Runs`; ``meta`` is ignored when
+        resuming), inside which the experiment runs every method."""
+        raise NotImplementedError(f"backend {self.name!r} implements no runs(cfg, path=None) (docs/plugins.md, "
+                                  "Backends)")
 
     def check_resume(self, path: Path) -> None:
         """Refuse to continue ``path`` from here before anything is written (default: accept).
@@ -73,7 +74,7 @@ class Backend:
 
     def resume_command(self, path: Path, record: dict[str, Any]) -> str:
         """The whole command that continues the stopped run or experiment ``path`` on this
-        backend (``record``: its experiment's ``config.json``, where :meth:`run` left what the
+        backend (``record``: its experiment's ``config.json``, where :meth:`runs`' ``meta`` left what the
         command needs). Default: ``medfl resume PATH``, for clients this machine starts."""
         return f"medfl resume {shlex.quote(str(path))}"
 

@@ -5,7 +5,7 @@ the same data and writes a comparison (per fold with ``cv``, per seed with ``see
 :func:`resume` continues a stopped run, experiment, fold or seed directory. Each method's
 run is a :class:`medfl.engine.runner.Run` (or a backend's subclass of it) in its own
 directory; where its clients are is the backend's business (:mod:`medfl.backend`):
-``fl.backend`` names it, and the experiment hands it the loop to drive.
+``fl.backend`` names it, and the experiment runs inside its :meth:`~medfl.backend.Backend.runs`.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
         meta: extra entries of the experiment's and folds' ``config.json``
             (e.g. ``{"engine": "flower"}``).
         backend: the backend to run on (default: the one ``fl.backend`` names,
-            :func:`medfl.backend.backend_of`); it calls this experiment's loop with its
-            ``run_factory`` and ``meta`` (:class:`medfl.backend.Backend`).
+            :func:`medfl.backend.backend_of`); the experiment runs inside its
+            :meth:`~medfl.backend.Backend.runs`, with its ``run_factory`` and ``meta``.
     """
     # fl.threads or --threads, before it trains; "auto" is the entry point's (medfl run, a bundle run)
     set_threads(cfg.get("threads"), apply_auto=False)
@@ -205,8 +205,8 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
         if run_factory is None or run_factory is Run:
             chosen = backend or backend_of(cfg)
             # config.json records the backend: a stopped run continues there (medfl.backend.resume_command)
-            return chosen.run(cfg, lambda factory, extra=None: _experiment(
-                cfg, factory, {"backend": chosen.name, **((meta if extra is None else extra) or {})}))
+            with chosen.runs(cfg) as (factory, extra):
+                return _experiment(cfg, factory, {"backend": chosen.name, **((meta if extra is None else extra) or {})})
         return _experiment(cfg, run_factory, meta)
 
 
@@ -366,7 +366,7 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     specs = saved_specs + check_tracking([n for n in dict.fromkeys(tracking or [])
                                           if not any(e["name"] == n for e in saved_specs)])
 
-    def drive(factory: RunFactory) -> dict[str, Any]:
+    def resume_with(factory: RunFactory) -> dict[str, Any]:
         return _tracked(top, top_cfg, specs, factory, path == top, lambda f: _resume(path, _saved_config(path), rounds, f))
 
     chosen = None
@@ -379,9 +379,10 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
     # an experiment's (or fold's) own log; a method run's directory gets its log with its lock
     with pinned_names(saved.get("fl", {}).get("plugin_names")), \
             (file_log(path, f"resume of {path.name}") if "method" not in saved else nullcontext()):
-        if chosen is not None:
-            return chosen.resume(path, saved["fl"], rounds, lambda factory, extra=None: drive(factory))
-        return drive(run_factory)
+        if chosen is None:
+            return resume_with(run_factory)
+        with chosen.runs(saved["fl"], path) as (factory, _):
+            return resume_with(factory)
 
 
 def _top_of(path: Path) -> Path:

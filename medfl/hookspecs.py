@@ -105,9 +105,9 @@ def register_backends(register: Register) -> None:
 
     Call ``register(BackendClass)`` for each :class:`medfl.backend.Backend` subclass; the
     name is ``BackendClass.name``, which ``fl.backend`` (or ``medfl run --backend``) chooses.
-    The registry builds it with no arguments; its ``run(cfg, drive)`` and
-    ``resume(path, cfg, rounds, drive)`` call the experiment's ``drive(run_factory, meta)``
-    once, where the runs can reach their clients (see :mod:`medfl.backend` and docs/plugins.md).
+    The registry builds it with no arguments; the experiment runs (or resumes, with ``path``)
+    inside its ``runs(cfg, path=None)``, a context manager giving ``(run_factory, meta)`` (see
+    :mod:`medfl.backend` and docs/plugins.md).
     A backend whose clients run elsewhere overrides ``resume_command(path, record)`` (the
     command every "continue with" hint names) and ``check_resume(path)`` (refuse ``medfl
     resume`` there, naming that command).

@@ -17,11 +17,12 @@ Flower's and NVFlare's modules are imported when a backend runs, not when the pl
 from __future__ import annotations
 
 import shlex
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from medfl import hookimpl
-from medfl.backend import Backend, Drive, recorded_backend
+from medfl.backend import Backend, Runs, recorded_backend
 from medfl.config import check_device
 from medfl.engine.runner import Run, RunError
 
@@ -34,37 +35,31 @@ class InProcess(Backend):
     name = "inprocess"
     description = "every client in this process, one after another (the default)"
 
-    def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-        """This machine trains, so it must have the device; then :meth:`start`."""
-        check_device(cfg["device"], available=True)
-        return self.start(cfg, drive)
-
-    def start(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-        """The experiment's runs are :class:`Run`."""
-        return drive(Run, None)
-
-    def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
-        """Continue with :class:`Run` in this process."""
-        return drive(Run)
+    @contextmanager
+    def runs(self, cfg: dict[str, Any], path: Path | None = None) -> Iterator[Runs]:
+        """The experiment's runs are :class:`Run`; a new experiment trains on this machine,
+        so it must have the device."""
+        if path is None:
+            check_device(cfg["device"], available=True)
+        yield Run, None
 
 
-class Ray(InProcess):
+class Ray(Backend):
     """The clients in parallel on Flower's simulation runtime (Ray actors on this machine)."""
 
     name = "ray"
     description = "the clients in parallel on Flower's simulation runtime (needs Ray: medfl[simulation])"
 
-    def start(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-        """:func:`medfl.flower.simulation.run_simulated`."""
-        from medfl.flower.simulation import run_simulated
+    @contextmanager
+    def runs(self, cfg: dict[str, Any], path: Path | None = None) -> Iterator[Runs]:
+        """:func:`medfl.flower.simulation.simulated_runs`: the runs of a simulation runtime that
+        lives as long as the ``with`` (a stopped simulated run continues there too)."""
+        from medfl.flower.simulation import simulated_runs
 
-        return run_simulated(cfg, drive)
-
-    def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
-        """:func:`medfl.flower.simulation.resume_simulated`: a simulated run continues there."""
-        from medfl.flower.simulation import resume_simulated
-
-        return resume_simulated(cfg, drive)
+        if path is None:
+            check_device(cfg["device"], available=True)
+        with simulated_runs(cfg) as factory:
+            yield factory, ({"engine": "simulation"} if path is None else None)
 
 
 class Flower(Backend):
@@ -78,6 +73,8 @@ class Flower(Backend):
     """
 
     name = "flower"
+    #: what ``config.json`` says under ``"engine"``
+    engine = "flower"
     description = "the clients are Flower SuperNodes at the sites (medfl flower run)"
     #: what running without a grid says
     missing = ("fl.backend 'flower': the clients are Flower SuperNodes reached through a SuperLink; run the config "
@@ -106,19 +103,16 @@ class Flower(Backend):
 
         return remote_run_factory(lambda log: FlowerTransport(self.grid, settings, log), settings)
 
-    def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
+    @contextmanager
+    def runs(self, cfg: dict[str, Any], path: Path | None = None) -> Iterator[Runs]:
         """The experiment's runs are :class:`~medfl.engine.remote.RemoteRun` on the grid
         (``config.json`` says ``"engine": "flower"``, and under ``"launch"`` the options of
-        ``medfl flower run`` that reach the SuperLink, for :meth:`resume_command`)."""
-        factory = self._factory()
+        ``medfl flower run`` that reach the SuperLink, for :meth:`resume_command`); no grid:
+        :meth:`check_resume` refuses a resume."""
+        if path is not None:
+            self.check_resume(path)
         launch = str(getattr(self.settings, "launch", "") or "")
-        return drive(factory, {"engine": "flower", **({"launch": launch} if launch else {})})
-
-    def resume(self, path: Path, cfg: dict[str, Any], rounds: int | None, drive: Drive) -> dict[str, Any]:
-        """Continue with :class:`~medfl.engine.remote.RemoteRun` on the grid (none:
-        :meth:`check_resume` refuses)."""
-        self.check_resume(path)
-        return drive(self._factory())
+        yield self._factory(), {"engine": self.engine, **({"launch": launch} if launch else {})}
 
     def check_resume(self, path: Path) -> None:
         """Refuse a resume with no grid (``medfl resume``).
@@ -153,15 +147,11 @@ class NVFlare(Flower):
     """
 
     name = "nvflare"
+    engine = "nvflare"
     description = "the clients are NVIDIA FLARE clients at the sites (medfl nvflare job; needs medfl[nvflare])"
     missing = ("fl.backend 'nvflare': the clients are NVIDIA FLARE clients; write the job with `medfl nvflare job "
                "--config CONFIG --out DIR` and submit it (or run it in NVFlare's simulator: `nvflare simulator "
                "DIR/JOB -w WORKSPACE -n SITES`), docs/nvflare.md")
-
-    def run(self, cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-        """The experiment's runs are :class:`~medfl.engine.remote.RemoteRun` over NVFlare
-        (``config.json`` says ``"engine": "nvflare"``)."""
-        return drive(self._factory(), {"engine": "nvflare"})
 
     def check_resume(self, path: Path) -> None:
         """Refuse a resume outside an NVFlare job (``medfl resume``).

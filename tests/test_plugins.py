@@ -183,9 +183,11 @@ def test_registration_hooks_take_third_party_things(tiny_fl, resolve):
 
 
 def test_a_third_party_backend_is_chosen_by_name_and_runs(tiny_fl, resolve):
-    """A plugin's backend (``register_backends``) is chosen by ``fl.backend``: it drives the
-    experiment (here on the in-process runs, saying so in config.json) and resumes it; an
+    """A plugin's backend (``register_backends``) is chosen by ``fl.backend``: the experiment
+    runs in its runs (here the in-process ones, saying so in config.json) and resumes there; an
     unknown name is refused by name, listing the registered ones."""
+    from contextlib import contextmanager
+
     from medfl.backend import Backend
     from medfl.config import ConfigError
     from medfl.engine.runner import Run
@@ -196,13 +198,11 @@ def test_a_third_party_backend_is_chosen_by_name_and_runs(tiny_fl, resolve):
     class Logged(Backend):
         name = "logged"
 
-        def run(self, cfg, drive):
-            used.append("run")
-            return drive(Run, {"engine": "logged"})
-
-        def resume(self, path, cfg, rounds, drive):
-            used.append("resume")
-            return drive(Run)
+        @contextmanager
+        def runs(self, cfg, path=None):
+            used.append("run" if path is None else "resume")
+            yield Run, {"engine": "logged"}
+            used.append("done")
 
     class Plugin:
         @hookimpl
@@ -214,11 +214,11 @@ def test_a_third_party_backend_is_chosen_by_name_and_runs(tiny_fl, resolve):
     try:
         assert list(registry()["backend"])[:3] == ["inprocess", "ray", "flower"]
         out = run_experiment(resolve({**tiny_fl, "rounds": 1, "backend": "logged"}))
-        assert used == ["run"] and out["summaries"]["fedavg"]["rounds"] == 1
+        assert used == ["run", "done"] and out["summaries"]["fedavg"]["rounds"] == 1
         saved = json.loads((Path(out["dir"]) / "config.json").read_text())
         assert saved["engine"] == "logged" and saved["fl"]["backend"]["name"] == "logged"
         again = resume(out["dir"], rounds=2)
-        assert used == ["run", "resume"] and again["summaries"]["fedavg"]["rounds"] == 2
+        assert used == ["run", "done", "resume", "done"] and again["summaries"]["fedavg"]["rounds"] == 2
         with pytest.raises(ConfigError, match=r"fl.backend: expected one of 'inprocess', 'ray', 'flower', "
                                               r"'nvflare', 'logged' or .*got 'nowhere'"):
             resolve({**tiny_fl, "backend": "nowhere"})

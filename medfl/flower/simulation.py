@@ -31,27 +31,27 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from medfl.backend import Drive
 from medfl.config import actor_threads
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl.engine.remote import RemoteRun, RemoteSettings
-from medfl.engine.runner import RunError, build_source
+from medfl.engine.runner import RunError, RunFactory, build_source
 from medfl.site import Site, SiteSettings, handle
 from medfl.flower.proxy import answer_with, secure_aggregation_mod
 from medfl.flower.transport import FLOWER_TERMS, FlowerTransport
 
-__all__ = ["SimulatedTransport", "SimulatedSites", "run_simulated", "resume_simulated", "ray_missing", "shutdown_ray",
-           "STATE_FOLDER"]
+__all__ = ["SimulatedTransport", "SimulatedSites", "simulated_runs", "ray_missing", "shutdown_ray", "STATE_FOLDER"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +151,19 @@ def _backend_config(backend: dict[str, Any]) -> dict[str, Any]:
             "init_args": init}
 
 
-def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[str, Any]:
-    """Run ``serve(grid, stop)`` as the ServerApp with one simulated SuperNode per client; Ctrl-C
-    sets ``stop``, and the coordinator saves its rounds and stops (``KeyboardInterrupt`` here)."""
+@contextmanager
+def simulated_runs(cfg: dict[str, Any]) -> Iterator[RunFactory]:
+    """The runs of an experiment of ``cfg`` (the ``ray`` backend) on Flower's simulation
+    runtime, one simulated SuperNode per client (every client of every seed's partition), which
+    runs in a thread of its own for as long as the ``with``: its ServerApp hands medfl its grid
+    and waits, and the experiment runs its loop in the caller's thread over that grid
+    (:class:`SimulatedTransport`). Ctrl-C in the main thread sets the coordinator's stop event:
+    it saves its rounds and stops (``KeyboardInterrupt``); a second Ctrl-C stops at once.
+
+    Raises:
+        RunError: Ray is not installed, a CUDA device without ``client_gpus``, or the runtime
+            ended before its ServerApp started (its log is above).
+    """
     missing = ray_missing()
     if missing:
         raise RunError(missing)
@@ -164,23 +174,28 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
                        "GPU)")
     from flwr.simulation import run_simulation
 
+    client_ids = _client_ids(cfg)
     state_dir = (Path(cfg["output_dir"]) / STATE_FOLDER).resolve()
     handler = SimulatedSites(cfg, client_ids, state_dir, Path.cwd(), actor_threads(cfg, len(client_ids)))
-    out: dict[str, Any] = {}
-    server = ServerApp()
+    grids: queue.Queue[Grid | None] = queue.Queue()
     stop, done = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+    server = ServerApp()
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        # the coordinator runs in Flower's ServerApp thread; Ctrl-C reaches the main thread
-        # (Flower's runtime loop), which sets ``stop``: the coordinator's next wait raises
-        # KeyboardInterrupt here, it saves its rounds and says how to resume
+        # the experiment runs in the caller's thread over this grid; the runtime ends when this returns
+        grids.put(grid)
+        done.wait()
+
+    def runtime() -> None:
         try:
-            out["result"] = serve(grid, stop)
-        except KeyboardInterrupt:
-            out["interrupted"] = True
+            run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
+                           backend_config=_backend_config(backend))
+        except BaseException as exc:  # noqa: BLE001 - said in the caller's thread
+            failed.append(exc)
         finally:
-            done.set()
+            grids.put(None)   # a runtime that ended before its ServerApp started
 
     # Ray's coming default (it warns otherwise): a client holding no GPU is not hidden the
     # machine's; a CUDA run without client_gpus is refused above
@@ -190,10 +205,10 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
     flwr_logger.addFilter(quiet)
 
     def stopping(*_: Any) -> None:
-        # first Ctrl-C: the coordinator saves and returns at its next poll, the ServerApp ends
-        # and Flower's runtime stops once the clients' current messages are answered (ending
-        # the actors under a pending answer instead can leave Flower's runtime threads waiting
-        # on Ray for ever); a second Ctrl-C stops at once
+        # first Ctrl-C: the coordinator saves and raises KeyboardInterrupt at its next poll, the
+        # ServerApp ends and Flower's runtime stops once the clients' current messages are
+        # answered (ending the actors under a pending answer instead can leave Flower's runtime
+        # threads waiting on Ray for ever); a second Ctrl-C stops at once
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
@@ -202,33 +217,37 @@ def _simulate(cfg: dict[str, Any], client_ids: list[str], serve: Any) -> dict[st
                        "are on; Ctrl-C again to stop at once)")
 
     previous = None
-    main = threading.current_thread() is threading.main_thread()
-    # ray.init sets its own SIGTERM handler in this process and leaves it there: put back ours
-    # (a process forked later inherits it: a pool worker that caught Pool.terminate's SIGTERM
-    # with Ray's handler never ended)
-    term = signal.getsignal(signal.SIGTERM) if main else None
-    if main and signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None):
+    in_main = threading.current_thread() is threading.main_thread()
+    # Ray sets its own SIGTERM handler where it starts in the main thread: put back ours (a
+    # process forked later inherits it: a pool worker that caught Pool.terminate's SIGTERM with
+    # Ray's handler never ended)
+    term = signal.getsignal(signal.SIGTERM) if in_main else None
+    if in_main and signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None):
         previous = signal.signal(signal.SIGINT, stopping)
+    thread = threading.Thread(target=runtime, name="medfl-simulation-runtime", daemon=True)
+    thread.start()
     try:
-        run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
-                       backend_config=_backend_config(backend))
+        grid = grids.get()
+        if grid is None:
+            raise RunError("Flower's simulation runtime ended before the experiment started (its log is above)"
+                           + (f": {type(failed[0]).__name__}: {failed[0]}" if failed else "")) \
+                from (failed[0] if failed else None)
+        yield _factory(grid, stop)
     except KeyboardInterrupt:
         stop.set()
         quiet.stopping = True
-        done.wait(_STOP_WAIT)   # the coordinator notices within one poll interval
         raise
     finally:
+        done.set()   # the ServerApp returns; the runtime ends once the clients' messages are answered
+        thread.join(_STOP_WAIT)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         flwr_logger.removeFilter(quiet)
         shutdown_ray()
         if term is not None:
             signal.signal(signal.SIGTERM, term)
-    if out.get("interrupted"):
-        raise KeyboardInterrupt
-    if "result" not in out:
-        raise RunError("Flower's simulation runtime ended before the experiment finished (its log is above)")
-    return out["result"]
+    if failed:   # after the experiment finished: its results are complete
+        logger.warning(f"medfl: Flower's simulation runtime ended with {type(failed[0]).__name__}: {failed[0]}")
 
 
 def shutdown_ray() -> None:
@@ -282,27 +301,3 @@ def _client_ids(cfg: dict[str, Any]) -> list[str]:
     for seed in cfg.get("seeds") or [cfg["seed"]]:
         ids.update(split_data(source, {**cfg, "seed": seed}, fold=fold).client_ids)
     return client_order(list(ids))
-
-
-def run_simulated(cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-    """Run every method of a resolved config on the simulation runtime (the ``ray`` backend:
-    the result of :func:`medfl.experiment.run_experiment`; ``config.json`` says ``"engine":
-    "simulation"``).
-
-    Args:
-        cfg: the resolved ``fl`` config.
-        drive: the experiment's loop (:data:`medfl.backend.Drive`), called in the ServerApp
-            with the simulation's ``run_factory`` (the ``ray`` backend passes the experiment's:
-            this module is below the experiment and never imports it).
-
-    Raises:
-        RunError: Ray is not installed, or the run fails.
-    """
-    return _simulate(cfg, _client_ids(cfg), lambda grid, stop: drive(_factory(grid, stop), {"engine": "simulation"}))
-
-
-def resume_simulated(cfg: dict[str, Any], drive: Drive) -> dict[str, Any]:
-    """Continue a stopped simulated run or experiment (``cfg``: its saved ``fl`` config;
-    ``drive``: the experiment's resume loop of it, :data:`medfl.backend.Drive`)."""
-    return _simulate(cfg, _client_ids(cfg), lambda grid, stop: drive(_factory(grid, stop)))
-

@@ -165,19 +165,20 @@ def test_bad_backend_entries_are_refused(tmp_path: Path, backend: Any, message: 
     assert message in str(err.value)
 
 
-def _drive(cfg: dict[str, Any]) -> Any:
-    """The experiment's loop of ``cfg``, as the ``ray`` backend hands it to the simulation."""
-    return lambda factory, meta=None: run_experiment(cfg, run_factory=factory, meta=meta)
+def _simulate(cfg: dict[str, Any]) -> Any:
+    """The experiment of ``cfg`` in the simulation runtime's runs, as the ``ray`` backend runs it."""
+    with simulation.simulated_runs(cfg) as factory:
+        return run_experiment(cfg, run_factory=factory, meta={"engine": "simulation"})
 
 
 def test_simulation_refuses_what_cannot_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = resolve_config({**fl_config(tmp_path, "x", JOB), "backend": RAY, "device": "cuda"})
     with pytest.raises(RunError, match="client_gpus is 0"):
-        simulation.run_simulated(cfg, _drive(cfg))
+        _simulate(cfg)
     monkeypatch.setattr(simulation.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RunError, match=r'pip install "medfl\[simulation\]"'):
         cfg = resolve_config({**fl_config(tmp_path, "y", JOB), "backend": RAY})
-        simulation.run_simulated(cfg, _drive(cfg))
+        _simulate(cfg)
     assert not (tmp_path / "runs" / "y").exists()
 
 
@@ -190,7 +191,7 @@ def test_a_simulated_site_that_cannot_serve_stops_the_run_with_its_reason(tmp_pa
     cfg = resolve_config({**fl_config(tmp_path, "missing", {**JOB, "rounds": 1, "methods": [{"name": "fedavg"}]}),
                           "backend": {**RAY, "connect_timeout": 900}})
     with pytest.raises(RunError, match=r"no SuperNode serves client\(s\) \['2'\]") as caught:
-        simulation.run_simulated(cfg, _drive(cfg))
+        _simulate(cfg)
     no_ray_left()
     message = str(caught.value)
     # the site's own words, without Ray's traceback around them
