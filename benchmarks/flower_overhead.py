@@ -353,9 +353,9 @@ def print_breakdown(label: str, parts: list[dict[str, Any]], in_process_round: f
     med = steady[[k for k, _ in _PARTS]].median()
     for key, what in _PARTS:
         print(f"  median rounds 2..: {what:52s} {med[key]:6.2f}")
-    target = in_process_round + 1.5
-    print(f"  in process per round {in_process_round:.2f} s; target <= in process + 1.5 s = {target:.2f} s: "
-          f"{'MET' if med['round_s'] <= target else 'MISSED'} ({med['round_s']:.2f} s)")
+    # no target: the time is Flower's (issue 65; docs/flower.md, *Round latency*)
+    print(f"  in process per round {in_process_round:.2f} s; over Flower {med['round_s']:.2f} s "
+          f"(+{med['round_s'] - in_process_round:.2f} s, Flower's own)")
 
 
 def print_cpu(label: str, cpu: dict[str, float], round_s: float) -> None:
