@@ -101,7 +101,8 @@ class PluginError(RuntimeError):
 
 
 class PluginWarning(UserWarning):
-    """A plugin was skipped (it requires another plugin API version); the rest loaded."""
+    """A plugin was skipped (it cannot be imported, or requires another plugin API version);
+    the rest loaded."""
 
 
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)(?:\.(\d+))?\s*$")
@@ -163,6 +164,9 @@ _pins: dict[str, dict[str, str]] = {}   # kind -> {name: qualified}: see pinned_
 #: the check every :func:`resolve` in a :func:`guarded_lookups` block makes (a site's approvals)
 _guard: ContextVar[Callable[[str, str], None] | None] = ContextVar("medfl_plugin_guard", default=None)
 _warned: set[str] = set()   # plugins already warned about (API version)
+#: plugin name -> (distribution, the one line saying why it did not load): an entry point that
+#: could not be imported or registered is skipped, so one broken package stops only what names it
+_broken: dict[str, tuple[str, str]] = {}
 
 
 def _trace(hook_name: str, hook_impls: list, kwargs: dict) -> None:
@@ -186,17 +190,27 @@ def _register_module(pm: pluggy.PluginManager, module: Any, name: str, dist: str
     try:
         pm.register(module, name=name)
     except ValueError as exc:  # pluggy: plugin already registered under another name
-        raise PluginError(f"plugin {name!r} from distribution {dist!r} could not be registered: {exc}")
+        _skip(name, dist, f"could not be registered: {exc}")
+        return
     except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin {name!r} from distribution {dist!r} is invalid: {exc}") from exc
+        _skip(name, dist, f"is invalid: {exc}")
+        return
     _dists[name] = (dist, ver)
+
+
+def _skip(name: str, dist: str, why: str) -> None:
+    """Leave plugin ``name`` out, with one warning naming it, its distribution and ``why``."""
+    line = f"plugin {name.rpartition(':')[2]!r} from distribution {dist!r} {why}"
+    _broken[name] = (dist, line)
+    warnings.warn(f"medfl: skipping {line}", PluginWarning, stacklevel=3)
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
     """Return the process-wide plugin manager, loading entry points on first call.
 
-    Raises:
-        PluginError: a plugin failed to import or does not match the hook specifications.
+    An entry point that fails to import or does not match the hook specifications is skipped
+    with one :class:`PluginWarning` naming its package and error; looking up a name then fails
+    with that line (:meth:`Registry.resolve`), and everything else runs.
     """
     global _pm
     if _pm is not None:
@@ -216,11 +230,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
         plugin_name = ep.name if dist_name == "medfl" else f"{dist_name}:{ep.name}"
         try:
             module = ep.load()
-        except Exception as exc:  # noqa: BLE001 - any import failure gets the same clear error
-            raise PluginError(
-                f"plugin {ep.name!r} from distribution {dist_name!r} ({ep.value}) failed to "
-                f"import: {type(exc).__name__}: {exc}"
-            ) from exc
+        except Exception as exc:  # noqa: BLE001 - any import failure gets the same clear line
+            _skip(plugin_name, dist_name, f"({ep.value}) failed to import: {type(exc).__name__}: {exc}")
+            continue
         _register_module(pm, module, plugin_name, dist_name, version)
     if not found_own:  # running from a source tree without installed metadata
         for mod_name in DEFAULT_PLUGINS:
@@ -334,11 +346,16 @@ class Registry(dict):
                                  "of them under another name)"))
         if name in self.refused[kind]:
             raise PluginError(f"{kind} {name!r} cannot be used: {self.refused[kind][name]}")
+        qualifier = name.partition(":")[0] if ":" in name else None
+        broken = [line for _, (dist, line) in sorted(_broken.items()) if qualifier in (None, dist)]
+        if qualifier is not None and broken:
+            raise PluginError(f"{kind} {name!r} cannot be used: {broken[0]}")
         valid = sorted(self[kind])
         pool = sorted(k for k in self.by_name[kind] if (":" in k) == (":" in name))
         close = difflib.get_close_matches(name, pool, n=3)
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise PluginError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(valid) or '(none)'}{hint}")
+        unloaded = "".join(f"; not loaded: {line}" for line in broken)
+        raise PluginError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(valid) or '(none)'}{hint}{unloaded}")
 
 
 def _build() -> Registry:
@@ -471,7 +488,8 @@ def plugin_info() -> list[dict[str, Any]]:
     ``registered`` maps each kind to the names the plugin registered (bare); ``qualified``
     to the same names qualified (``dist:name``); ``clashes`` lists the ``kind:name``s another
     plugin registers too (usable only qualified); ``refused`` says why the plugin was skipped
-    (its ``requires_medfl_api`` does not admit :data:`PLUGIN_API_VERSION`)."""
+    (it could not be imported, or its ``requires_medfl_api`` does not admit
+    :data:`PLUGIN_API_VERSION`)."""
     pm = get_plugin_manager()
     reg = registry()
     rows = []
@@ -494,6 +512,8 @@ def plugin_info() -> list[dict[str, Any]]:
              "hooks": hooks, "registered": registered, "qualified": qualified, "clashes": sorted(set(clashes)),
              "refused": _api_refusal(pm, plugin)}
         )
+    rows += [{"name": name, "distribution": dist, "version": "", "qualifier": dist, "hooks": [], "registered": {},
+              "qualified": {}, "clashes": [], "refused": line} for name, (dist, line) in _broken.items()]
     return sorted(rows, key=lambda r: r["name"])
 
 
@@ -585,3 +605,4 @@ def _reset_for_tests() -> None:
     _registry_cache = None
     _dists.clear()
     _warned.clear()
+    _broken.clear()

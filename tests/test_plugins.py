@@ -48,17 +48,28 @@ def test_a_name_two_plugins_register_is_refused_where_used_naming_both():
     assert lookup("method", "fedavg") is FedAvg
 
 
-def test_failing_import_names_plugin_and_distribution(monkeypatch):
+def test_a_plugin_that_cannot_import_is_one_warning_and_stops_only_what_names_it(monkeypatch, capsys):
     class FakeDist:
         name, version = "broken-dist", "9.9"
 
-    ep = md.EntryPoint(name="broken", value="medfl_no_such_module", group="medfl")
-    ep = ep._for(FakeDist()) if hasattr(ep, "_for") else ep
-    monkeypatch.setattr(md, "entry_points", lambda group: [ep])
+    broken = md.EntryPoint(name="broken", value="medfl_no_such_module", group="medfl")
+    broken = broken._for(FakeDist()) if hasattr(broken, "_for") else broken
+    builtins = [ep for ep in md.entry_points(group="medfl")]
+    monkeypatch.setattr(md, "entry_points", lambda group: [broken, *builtins])
     plugins_mod._reset_for_tests()
+    line = r"plugin 'broken' from distribution 'broken-dist' \(medfl_no_such_module\) failed to import: " \
+           r"ModuleNotFoundError: No module named 'medfl_no_such_module'"
     try:
-        with pytest.raises(PluginError, match="'broken' from distribution 'broken-dist'.*failed to import"):
+        with pytest.warns(plugins_mod.PluginWarning, match="medfl: skipping " + line) as caught:
             get_plugin_manager()
+        assert len(caught) == 1
+        assert lookup("method", "fedavg") is FedAvg                   # everything else loads and runs
+        with pytest.raises(PluginError, match=f"method 'broken-dist:fedrep' cannot be used: {line}$"):
+            lookup("method", "broken-dist:fedrep")
+        with pytest.raises(PluginError, match=f"unknown method 'fedrep'; valid methods: .*; not loaded: {line}$"):
+            lookup("method", "fedrep")
+        assert main(["plugins"]) == 0
+        assert re.search("skipped: " + line, capsys.readouterr().out)
     finally:
         monkeypatch.undo()
         plugins_mod._reset_for_tests()
