@@ -29,6 +29,8 @@ DOC = ROOT / "docs" / "architecture.md"
 #: Lines a module of ``medfl/engine/`` may have (the issue: "no module in medfl/engine/ over
 #: about 500 lines"): the engine is read by people adding a feature, one concern a module.
 ENGINE_MAX_LINES = 520
+#: Lines any module of ``medfl/`` or ``plugins/`` may have (issue 66): one concern a module.
+MODULE_MAX_LINES = 600
 
 
 def _modules() -> dict[str, Path]:
@@ -142,6 +144,66 @@ def test_no_module_of_the_engine_is_long() -> None:
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "medfl" / "engine").glob("*.py"))
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > ENGINE_MAX_LINES}
     assert not long, f"engine modules over {ENGINE_MAX_LINES} lines (split them by concern): {long}"
+
+
+def test_no_module_is_long() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in _modules().values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MODULE_MAX_LINES}
+    assert not long, f"modules over {MODULE_MAX_LINES} lines (split them by concern): {long}"
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module: each is a
+    set of modules that import one another, directly or around a loop (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_files() -> None:
+    """No two modules import each other, directly or around a loop, lazy imports included: a
+    layer's files keep an order too (the layer test alone allows a circle inside one layer)."""
+    modules = _modules()
+    where: dict[tuple[str, str], str] = {}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for line, imported in _imports(name, path, modules):
+            target = _known(imported, modules)
+            if target and target != name and target != "medfl":
+                graph[name].add(target)
+                where.setdefault((name, target), f"{path.relative_to(ROOT)}:{line}")
+    circles = _circles(graph)
+    lines = [" <-> ".join(c) + ": " + ", ".join(f"{where[a, b]} imports {b}" for a in c for b in sorted(graph[a])
+                                                if b in c) for c in circles]
+    assert not circles, "import circles (move the shared names down a module):\n" + "\n".join(lines)
+
+
+def test_the_circle_finder_finds_loops_and_only_loops() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
 
 
 @pytest.mark.parametrize("source, expected", [
