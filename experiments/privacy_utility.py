@@ -168,7 +168,7 @@ def calibrate_clip(a: argparse.Namespace, seed: int, rounds: int) -> dict[str, A
     from medfl.config import resolve_config
     from medfl.engine.runner import build_source
     from medfl.experiment import run_experiment
-    from medfl.engine.training import make_optimizer, train_epochs
+    from medfl.training import make_optimizer, train_epochs
     from medfl.method import Federation
     from medfl.models.registry import build_model
 

@@ -40,23 +40,9 @@ from medfl import hookspecs
 from medfl.hookspecs import PLUGIN_API_VERSION
 
 __all__ = [
-    "DEFAULT_PLUGINS",
-    "KINDS",
-    "PLUGIN_API_VERSION",
-    "PluginError",
-    "PluginWarning",
-    "Registered",
-    "Registry",
-    "api_compatible",
-    "get_plugin_manager",
-    "registry",
-    "resolve",
-    "lookup",
-    "qualified_name",
-    "pinned_names",
-    "guarded_lookups",
-    "plugin_qualifier",
-    "plugin_info",
+    "DEFAULT_PLUGINS", "KINDS", "PLUGIN_API_VERSION", "PluginError", "PluginWarning", "Registered",
+    "Registry", "api_compatible", "get_plugin_manager", "registry", "resolve", "lookup",
+    "qualified_name", "pinned_names", "guarded_lookups", "plugin_qualifier", "plugin_info",
     "describe",
 ]
 

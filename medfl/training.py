@@ -2,8 +2,7 @@
 (:class:`medfl.context.ClientContext`), privacy (DP-SGD) and the engine.
 
 Below all of them: this module imports nothing from :mod:`medfl.engine`, :mod:`medfl.context`,
-:mod:`medfl.method` or :mod:`medfl.filters`. It was ``medfl.engine.training``, which
-re-exports it with a deprecation warning until the next release.
+:mod:`medfl.method` or :mod:`medfl.filters`.
 """
 
 from __future__ import annotations

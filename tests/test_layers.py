@@ -10,9 +10,8 @@ its own layer or a lower one. Two kinds of import are not dependencies and are s
 - ``from medfl import hookimpl`` / ``__version__`` and the like: the package root is the
   public facade (it re-exports the contract); importing a submodule through it
   (``from medfl import hookspecs``) counts as importing that submodule;
-- imports inside a module-level ``__getattr__``: the deprecated re-exports that keep an old
-  import path working for one release (``medfl.engine.training`` and the like) run only when
-  an outside caller asks for the old path.
+- imports inside a module-level ``__getattr__``: a lazy export (``medfl.flower``'s entry
+  functions) runs only when an outside caller asks for the name.
 """
 
 from __future__ import annotations

@@ -281,7 +281,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         :data:`LOSS_DIVERGED` times ``ln K`` (a model that far below chance has blown up) or,
         from the second round on, times the first round's mean when that is larger. A loss
         that becomes NaN or infinite stops the run instead
-        (:class:`~medfl.engine.training.NonFiniteError`); this catches the run that stays
+        (:class:`~medfl.training.NonFiniteError`); this catches the run that stays
         finite and would finish with meaningless numbers. Honest jumps stay far below it
         (FedSDC's shuffled heads: 14 times the first round's loss on the tiny job)."""
         tm = self.train_metrics
@@ -501,20 +501,3 @@ def build_source(spec: dict[str, Any]) -> Any:
     rest = dict(spec)
     return lookup("dataset", rest.pop("name"))(**rest)
 
-
-#: The experiment level's names that left this module, and their new homes.
-_MOVED = {"run_experiment": "medfl.experiment", "resume": "medfl.experiment", "predict": "medfl.predict"}
-
-
-def __getattr__(name: str) -> Any:
-    """``run_experiment``, ``resume`` and ``predict`` at their old path: imported from their new
-    module (:mod:`medfl.experiment`, :mod:`medfl.predict`) on first use, with a
-    ``DeprecationWarning`` (the engine itself never imports the levels above it)."""
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        warnings.warn(f"medfl.engine.runner.{name} is deprecated: import it from {_MOVED[name]} "
-                      "(the old path goes away in a later release)", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

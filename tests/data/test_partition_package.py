@@ -1,5 +1,4 @@
-"""medfl.data.partition as a package: the names of the single module it replaced stay
-importable from it, the public ones quietly and the private ones with a DeprecationWarning."""
+"""medfl.data.partition as a package: its public names are the family modules' own."""
 
 from __future__ import annotations
 
@@ -24,15 +23,6 @@ def test_public_names_are_the_family_modules_own_and_quiet() -> None:
     assert partition.DEFAULT_GROUP_COLUMN == groups.DEFAULT_GROUP_COLUMN == "subject_id"
     assert sorted(partition.PARTITIONERS) == ["class_sample", "dirichlet", "iid", "label_skew", "natural",
                                               "quantity_skew", "subset"]
-
-
-@pytest.mark.parametrize(("name", "module"), [("_Groups", groups), ("_fail", base), ("_pair", rules),
-                                              ("_check_min_size_possible", skew)])
-def test_private_helpers_of_the_old_module_warn_and_name_their_new_home(name: str, module: object) -> None:
-    with pytest.warns(DeprecationWarning, match=rf"medfl\.data\.partition\.{name} moved to "
-                                                rf"medfl\.data\.partition\.{module.__name__.rsplit('.', 1)[1]}"):
-        found = getattr(partition, name)
-    assert found is getattr(module, name)
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

@@ -43,10 +43,7 @@ module of its family (or a plugin's own module) and, when built in, in :data:`PA
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from collections.abc import Callable
-from typing import Any
 
 from medfl.data.partition.base import REST_ROLES  # noqa: F401 - importable from here, as before
 from medfl.data.partition.base import Partition, PartitionError, check_partition
@@ -89,25 +86,3 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "subset": subset,
 }
 
-
-#: The private helpers of the single module this package replaced, by the module holding each
-#: now; reached from here they still work, with a DeprecationWarning (see :func:`__getattr__`).
-_MOVED_PRIVATE = {
-    **dict.fromkeys(["_fail", "_check_table", "_labels", "_is_int", "_check_int", "_check_positive",
-                     "_check_clients", "_rng", "_finish"], "base"),
-    **dict.fromkeys(["_groups_of", "_group_labels", "_even_cuts", "_Groups"], "groups"),
-    "_check_min_size_possible": "skew",
-    **dict.fromkeys(["_majority_value", "_pair"], "rules"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    """A private helper of the former ``medfl/data/partition.py`` from the module that holds
-    it now, with a :class:`DeprecationWarning`: its old path will go away."""
-    module = _MOVED_PRIVATE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"medfl.data.partition.{name} moved to medfl.data.partition.{module}.{name}; "
-                  "the old path will go away (it is private: better not rely on it)",
-                  DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
