@@ -381,12 +381,11 @@ def test_export_refuses_data_monai_transforms_cannot_read(tmp_path):
         inference_data({"name": "manifest", "path": str(tmp_path / "m.csv")}, manifest_source(str(tmp_path / "m.csv")))
 
 
-def test_readme_export_commands_run_as_written(demo_runs, tmp_path):
-    """README's "Exported models": ``medfl export RUN_DIR --out DIR`` and the block after it
+def test_export_doc_commands_run_as_written(demo_runs, tmp_path):
+    """docs/export.md: ``medfl export RUN_DIR --out DIR`` and the block after it
     (``python -m monai.bundle run`` on DIR/global, ``ckpt_export``) as written, with RUN_DIR and
     DIR filled in and the optional ``[...]`` arguments left out."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Exported models", 1)[1].split("\n## ", 1)[0]
+    section = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text(encoding="utf-8")
     export = re.search(r"`(medfl export RUN_DIR --out DIR)`", section).group(1)
     block = re.search(r"^```bash\n(.*?)^```", section, re.S | re.M).group(1).replace("\\\n", " ")
     out = tmp_path / "exported"

@@ -1,5 +1,5 @@
 """Paths the user is given or gives: a path that does not exist is named as such, and the
-commands of the README and the Makefile write where the paths they print and open say."""
+commands of the README, docs/tracking.md and the Makefile write where the paths they print and open say."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_make_demo_runs_from_the_repository_root() -> None:
 
 
 def _results_dir(command: str) -> Path:
-    """Where a ``medfl run`` / ``python -m monai.bundle run`` line of the README writes its
+    """Where a ``medfl run`` / ``python -m monai.bundle run`` line of the docs writes its
     experiment, from the folder it runs in (``output_dir/name`` of its resolved config)."""
     from medfl.bundle import load_bundle_config
 
@@ -53,9 +53,8 @@ def _results_dir(command: str) -> Path:
     return Path(fl["output_dir"]) / fl["name"]
 
 
-def test_readme_tracking_commands_open_what_the_run_wrote() -> None:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Tracking", 1)[1]
+def test_tracking_doc_commands_open_what_the_run_wrote() -> None:
+    section = (REPO / "docs" / "tracking.md").read_text(encoding="utf-8")
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1).splitlines()
     runs = [line for line in block if " run " in line and "configs/train.json" in line]
     opened = [Path(m) for line in block for m in re.findall(r"(?:sqlite:///|--logdir )(\S+)", line)]

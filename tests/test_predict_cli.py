@@ -1,7 +1,7 @@
 """``medfl predict``: a finished run's model(s) on new images (a data_prep folder or a manifest
 CSV, labelled or not) or on its own, written as a CSV with exactly the columns of an exported
 bundle's ``eval/predictions.csv``, the predictions :func:`medfl.predict.predict` makes; every
-bad input is one ``medfl: error:`` line; the README's ``medfl predict`` commands run as written.
+bad input is one ``medfl: error:`` line; docs/export.md's ``medfl predict`` commands run as written.
 
 Each kind of file medfl reads is covered through the fixtures and the data_prep scripts
 (:mod:`medfl.fixtures`): PGM (MIAS) and DICOM (CBIS-DDSM) with one grayscale 2D run, JPEG
@@ -390,12 +390,12 @@ def test_data_spec_refuses_a_dataset_made_by_code(tmp_path: Path) -> None:
         data_spec(run, tmp_path)
 
 
-def test_readme_predict_commands_run_as_written(runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_export_doc_predict_commands_run_as_written(runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """Every ``medfl predict`` command the README gives runs: the demo one as written from a
+    """Every ``medfl predict`` command docs/export.md gives runs: the demo one as written from a
     folder laid out as after ``make demo`` (the tiny synthetic2d experiment as
     bundles/demo/runs/demo), the one with placeholders with them filled in."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
+    text = (REPO / "docs" / "export.md").read_text(encoding="utf-8")
     commands = [c for c in re.findall(r"`(medfl predict [^`]*)`", text) if c != "medfl predict --help"]
     concrete = [c for c in commands if not re.search(r"\b[A-Z][A-Z_]+\b", c)]
     assert concrete and len(commands) > len(concrete), commands

@@ -224,14 +224,14 @@ def test_dp_gaussian_measures_the_mean_received_update_at_the_coordinator() -> N
 
 
 def test_the_readme_dp_example_shows_the_warning_this_code_gives() -> None:
-    """README's first DP command (the demo bundle with dp_gaussian at epsilon 3, clip 1) does
-    not learn and says so at the end of the run: the numbers the README quotes are the ones
+    """docs/privacy.md's first DP command (the demo bundle with dp_gaussian at epsilon 3, clip 1)
+    does not learn and says so at the end of the run: the numbers the page quotes are the ones
     the run computes."""
     from medfl.privacy.accounting import noise_for_epsilon
 
     root = Path(__file__).resolve().parents[2]
     fl = json.loads((root / "bundles" / "demo" / "configs" / "train.json").read_text())["fl"]
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "privacy.md").read_text()
     assert '--fl#filters \'[{"name": "dp_gaussian", "epsilon": 3, "clip": 1.0}' in readme
     n, rounds = fl["num_clients"], fl["rounds"]
     sigma = noise_for_epsilon(3.0, 1e-5, 1.0, rounds, "rdp")     # every client in every round
