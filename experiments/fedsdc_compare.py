@@ -213,7 +213,7 @@ def ensemble_cost(name: str, spec: dict[str, Any], size: int, n_heads: int, gamm
                   batch: int, repeats: int) -> list[dict[str, Any]]:
     """Parameters and ms/image of the plain model, body + 1 head, FedSDC and FedSDC+."""
     from medfl.models.registry import build_model
-    from medfl_plugins.fedsdc import HeadEnsemble, head_widths, make_head
+    from medfl_plugins.fedsdc.models import HeadEnsemble, head_widths, make_head
 
     torch.manual_seed(seed)
     body = build_model(dict(spec))

@@ -15,6 +15,7 @@ The coordinator of all three only routes models: it aggregates nothing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 from pathlib import Path
@@ -30,6 +31,7 @@ from medfl.training import StepMeans, autocast, backward_step, get_state, grad_s
 from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss
 from medfl.messages import Instruction, Reply
 from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
+from medfl.models.registry import build_seeded
 
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
@@ -48,20 +50,14 @@ def permutation(client_ids: list[str], seed: int, round: int) -> dict[str, str]:
     a client mapped to itself consolidates its own model that round.
     """
     ids = list(client_ids)
-    rng = np.random.default_rng(derive_seed(seed, "perm", round))
-    order = rng.permutation(len(ids))
+    order = np.random.default_rng(derive_seed(seed, "perm", round)).permutation(len(ids))
     return {ids[k]: ids[int(order[k])] for k in range(len(ids))}
 
 
-def _build(spec: dict[str, Any], seed: int, device: str) -> nn.Module:
-    """A model of ``spec`` initialised from ``seed`` (the same on any site)."""
-    from medfl.models.registry import build_seeded
-
-    return build_seeded(spec, seed, device)
-
-
 def _load(spec: dict[str, Any], seed: int, state: State | None, device: str) -> nn.Module:
-    model = _build(spec, seed, device)
+    """A model of ``spec`` initialised from ``seed`` (the same on any site), then holding
+    ``state`` if one is given, in training mode."""
+    model = build_seeded(spec, seed, device)
     if state:
         model.load_state_dict(state)
     return model.train()
@@ -72,14 +68,9 @@ def _batches(client: "ClientContext", iterations: int | None) -> Iterator[tuple[
     often as needed), or ``train.epochs`` passes when ``iterations`` is None. Batches of one
     sample are skipped (BatchNorm cannot train on them)."""
     loader = client.loader("train")
-    if iterations is None:
-        for _ in range(int(client.train.get("epochs", 1))):
-            for x, y in loader:
-                if x.shape[0] > 1:
-                    yield x, y
-        return
-    done, empty = 0, 0
-    while done < iterations:
+    passes = itertools.count() if iterations is not None else range(int(client.train.get("epochs", 1)))
+    done = 0
+    for p in passes:
         got = False
         for x, y in loader:
             if x.shape[0] < 2:
@@ -87,13 +78,11 @@ def _batches(client: "ClientContext", iterations: int | None) -> Iterator[tuple[
             got = True
             yield x, y
             done += 1
-            if done >= iterations:
+            if iterations is not None and done >= iterations:
                 return
-        if not got:
-            empty += 1
-            if empty > 1:
-                raise MethodConfigError(f"client {client.client_id}: no training batch of two or more samples; "
-                                        f"use a train.batch_size of 2 or more, or give the client more cases")
+        if not got and iterations is not None and p > 0:
+            raise MethodConfigError(f"client {client.client_id}: no training batch of two or more samples; "
+                                    f"use a train.batch_size of 2 or more, or give the client more cases")
 
 
 def _head_keys(model: nn.Module) -> list[str]:
@@ -184,39 +173,40 @@ _SKD_SOURCES: dict[str, str] = {
 _SKD_EXPERIMENT: dict[str, Any] = {"cv": {"folds": 5}, "model": "resnet10, first-stage width 64, 62, 60, ... "
                                    "(one per client, decreasing by 2)", "metric": "auc",
                                    "augment": "random flips, rotation, translation, scaling"}
+
+
+def _skd_preset(task: str, gamma: float, terms: list[str], iterations: int, sources: dict[str, str],
+                experiment: dict[str, Any], description: str) -> Preset:
+    """One task's preset: its ``gamma``, SKD ``terms`` and ``iterations`` (with their
+    ``sources``) on the settings both tasks share."""
+    return Preset(source=f"{_SKD_SOURCE}; {task}", train=dict(_SKD_TRAIN), description=description,
+                  values={"gamma": gamma, "terms": terms, "stages": [1, 2, 3, 4], "skd_start": 0.0,
+                          "iterations": iterations, "freeze_ktm_head": True},
+                  sources={**_SKD_SOURCES, **sources}, experiment={**_SKD_EXPERIMENT, **experiment})
+
+
 #: FedSKD's presets, one per task of the paper (its gamma, SKD terms, N and rounds differ);
 #: no code by the authors was found, so there is no ``authors`` preset.
 PRESETS: dict[str, Preset] = {
-    "paper_asd": Preset(
-        source=_SKD_SOURCE + "; FedASD (ABIDE, Table I)",
-        values={"gamma": 1.0, "terms": ["batch", "pixel", "region"], "stages": [1, 2, 3, 4], "skd_start": 0.0,
-                "iterations": 20, "freeze_ktm_head": True},
-        train=dict(_SKD_TRAIN),
-        sources={**_SKD_SOURCES,
-                 "gamma": "paper: sec. III-B3 ('the balancing hyperparameter was empirically set to 1 for the ASD "
-                          "classification task')",
-                 "terms": "paper: sec. III-C2, Table IVa (batch, voxel and region: the complete SKD, the best row); "
-                          "the region term needs the entry's atlas, which the paper does not name (medfl's ABIDE "
-                          "bundle: CC200)",
-                 "iterations": _SKD_ITERATIONS.format("N = 4 regional clients, Table I: 20")},
-        experiment={**_SKD_EXPERIMENT, "rounds": 40, "num_clients": 4,
-                    "partition": "natural: four geographic regions (Table I)",
-                    "input": "ReHo, DC, LFCD, VMHC stacked, resized to 48 x 48 x 48"},
-        description="the paper's autism task (FedASD: 4 regional clients, gamma 1, 5 x 4 iterations a round)"),
-    "paper_skin": Preset(
-        source=_SKD_SOURCE + "; FedSkin (Derm7pt, Fig. 4)",
-        values={"gamma": 100.0, "terms": ["batch", "pixel"], "stages": [1, 2, 3, 4], "skd_start": 0.0,
-                "iterations": 15, "freeze_ktm_head": True},
-        train=dict(_SKD_TRAIN),
-        sources={**_SKD_SOURCES,
-                 "gamma": "paper: sec. III-B3 ('... and 100 for the skin lesion classification task')",
-                 "terms": "paper: sec. II-C ('if the dataset does not have predefined region masks, the region-wise "
-                          "similarity loss is optional': Derm7pt has none) and Table IVb (batch and pixel, the best "
-                          "row)",
-                 "iterations": _SKD_ITERATIONS.format("N = 3 clients: 15")},
-        experiment={**_SKD_EXPERIMENT, "rounds": 45, "num_clients": 3,
-                    "partition": {"name": "dirichlet", "alpha": "1.0 or 0.5"}, "input": "dermoscopy at 224 x 224"},
-        description="the paper's skin task (FedSkin: 3 Dirichlet clients, gamma 100, 5 x 3 iterations a round)"),
+    "paper_asd": _skd_preset(
+        "FedASD (ABIDE, Table I)", 1.0, ["batch", "pixel", "region"], 20,
+        {"gamma": "paper: sec. III-B3 ('the balancing hyperparameter was empirically set to 1 for the ASD "
+                  "classification task')",
+         "terms": "paper: sec. III-C2, Table IVa (batch, voxel and region: the complete SKD, the best row); the "
+                  "region term needs the entry's atlas, which the paper does not name (medfl's ABIDE bundle: CC200)",
+         "iterations": _SKD_ITERATIONS.format("N = 4 regional clients, Table I: 20")},
+        {"rounds": 40, "num_clients": 4, "partition": "natural: four geographic regions (Table I)",
+         "input": "ReHo, DC, LFCD, VMHC stacked, resized to 48 x 48 x 48"},
+        "the paper's autism task (FedASD: 4 regional clients, gamma 1, 5 x 4 iterations a round)"),
+    "paper_skin": _skd_preset(
+        "FedSkin (Derm7pt, Fig. 4)", 100.0, ["batch", "pixel"], 15,
+        {"gamma": "paper: sec. III-B3 ('... and 100 for the skin lesion classification task')",
+         "terms": "paper: sec. II-C ('if the dataset does not have predefined region masks, the region-wise "
+                  "similarity loss is optional': Derm7pt has none) and Table IVb (batch and pixel, the best row)",
+         "iterations": _SKD_ITERATIONS.format("N = 3 clients: 15")},
+        {"rounds": 45, "num_clients": 3, "partition": {"name": "dirichlet", "alpha": "1.0 or 0.5"},
+         "input": "dermoscopy at 224 x 224"},
+        "the paper's skin task (FedSkin: 3 Dirichlet clients, gamma 100, 5 x 3 iterations a round)"),
 }
 
 
@@ -263,11 +253,9 @@ class FedSKD(Method):
             ``train.epochs`` passes over the local training set.
         freeze_ktm_head: freeze the KTM's prediction head (the paper: yes).
 
-    Presets (``{"name": "fedskd", "preset": ...}``): ``paper_asd`` (gamma 1, batch + voxel +
-    region SKD, 20 iterations = 5 x 4 clients) and ``paper_skin`` (gamma 100, batch + pixel
-    SKD, 15 iterations = 5 x 3 clients), both Adam lr 1e-4, batch 8, all four stages, SKD from
-    round 0, KTM head frozen. The paper gives one gamma per task, so each task is a preset.
-    The region term needs ``atlas`` in the entry (data, not a setting of the paper).
+    Presets (``{"name": "fedskd", "preset": ...}``): :data:`PRESETS`, one per task of the paper
+    (``paper_asd``, ``paper_skin``: each its own gamma). The region term needs ``atlas`` in the
+    entry (data, not a setting of the paper).
     """
 
     name = "fedskd"
@@ -297,8 +285,7 @@ class FedSKD(Method):
         if not (0.0 <= float(skd_start) < 1.0):
             raise MethodConfigError(f"skd_start: expected a fraction of the rounds in [0, 1), got {skd_start!r}")
         self.skd_start = float(skd_start)
-        self.atlas = atlas
-        self.atlas_labels = atlas_labels
+        self.atlas, self.atlas_labels = atlas, atlas_labels
         self.iterations = _check_iterations(iterations)
         self.freeze_ktm_head = bool(freeze_ktm_head)
 
@@ -408,8 +395,7 @@ class FedSKD(Method):
                     logged.update({f"skd_{t}": v for t, v in parts.items()})
             backward_step(loss, opt, scaler)
             log.add(loss=loss, ce_dam=ce_d, **logged)
-        state = get_state(dam)
-        client.state["dam"] = state
+        client.state["dam"] = state = get_state(dam)
         means = log.means()
         metrics = {k: means.get(k, 0.0) for k in names}
         metrics.update(steps=float(log.steps), self_round=float(bool(cfg["self"])), skd_active=float(gamma > 0))
@@ -422,23 +408,33 @@ class FedSKD(Method):
 
 # --------------------------------------------------------------------------- FedCross
 
-def _fine_tune(model: nn.Module, client: "ClientContext", iterations: int | None) -> dict[str, float]:
-    opt = make_optimizer(model.parameters(), client.train)
-    log = StepMeans()
-    model.train()
-    scaler = grad_scaler(client.device)
-    for x, y in _batches(client, iterations):
-        x, y = x.to(client.device), y.to(client.device)
-        opt.zero_grad(set_to_none=True)
-        with autocast():
-            logits = model(x)
-        loss = F.cross_entropy(logits.float(), y)
-        backward_step(loss, opt, scaler)
-        log.add(loss=loss)
-    return {"loss": log.means().get("loss", 0.0), "steps": float(log.steps)}
+class _FineTuning(Method):
+    """What both FedCross baselines share: the models are fine-tuned with cross-entropy alone
+    where they arrive, ``iterations`` steps (default ``train.epochs`` passes) at each client."""
+
+    min_train_samples = 2   # as FedSKD: batches of one are skipped
+
+    def __init__(self, iterations: int | None = None) -> None:
+        self.iterations = _check_iterations(iterations)
+
+    def _fine_tune(self, model: nn.Module, client: "ClientContext") -> dict[str, float]:
+        """Train ``model`` on the client's batches; its mean loss and the number of steps."""
+        opt = make_optimizer(model.parameters(), client.train)
+        log = StepMeans()
+        model.train()
+        scaler = grad_scaler(client.device)
+        for x, y in _batches(client, self.iterations):
+            x, y = x.to(client.device), y.to(client.device)
+            opt.zero_grad(set_to_none=True)
+            with autocast():
+                logits = model(x)
+            loss = F.cross_entropy(logits.float(), y)
+            backward_step(loss, opt, scaler)
+            log.add(loss=loss)
+        return {"loss": log.means().get("loss", 0.0), "steps": float(log.steps)}
 
 
-class FedCross(Method):
+class FedCross(_FineTuning):
     """FedCross as the FedSKD paper uses it: one model circulated sequentially through the
     clients, each fine-tuning it on its own data; no aggregation.
 
@@ -455,11 +451,7 @@ class FedCross(Method):
 
     name = "fedcross"
     description = "FedCross: one model fine-tuned sequentially through the clients (P2P baseline of paper 004)"
-    min_train_samples = 2   # as FedSKD: batches of one are skipped
     reply_state = {"model": "model"}
-
-    def __init__(self, iterations: int | None = None) -> None:
-        self.iterations = _check_iterations(iterations)
 
     def setup(self, federation: Federation) -> None:
         """The single circulating model, initialised from the run seed."""
@@ -508,7 +500,7 @@ class FedCross(Method):
     def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
         """Fine-tune the received model on the local data and send it on."""
         model = client.load_model(instruction.payload["model"])
-        stats = _fine_tune(model, client, self.iterations)
+        stats = self._fine_tune(model, client)
         return Reply(payload={"model": get_state(model)}, metrics=stats,
                      num_examples=client.num_examples("train"))
 
@@ -517,7 +509,7 @@ class FedCross(Method):
         return client.load_model(instruction.payload["model"])
 
 
-class FedCrossHet(Method):
+class FedCrossHet(_FineTuning):
     """FedCross-dagger of the FedSKD paper: heterogeneous models circulating P2P, plain
     fine-tuning, no distillation.
 
@@ -534,12 +526,8 @@ class FedCrossHet(Method):
 
     name = "fedcross_het"
     description = "FedCross-dagger: heterogeneous models circulated P2P and fine-tuned (baseline of paper 004)"
-    min_train_samples = 2   # as FedSKD: batches of one are skipped
     # a client's first model is built from a seed, not received: no reference for update filters
     reply_state = {"model": None}
-
-    def __init__(self, iterations: int | None = None) -> None:
-        self.iterations = _check_iterations(iterations)
 
     def setup(self, federation: Federation) -> None:
         """Every client's model is its own initial model, not yet sent."""
@@ -592,18 +580,15 @@ class FedCrossHet(Method):
         if cfg["self"] and "model" in client.state:
             state = client.state["model"]
         model = _load(spec, int(cfg["seed"]), state, client.device)
-        stats = _fine_tune(model, client, self.iterations)
+        stats = self._fine_tune(model, client)
         new = get_state(model)
         client.state.update(model=new, spec=cfg["spec"], seed=int(cfg["seed"]))
         return Reply(payload={"model": new}, metrics=stats, num_examples=client.num_examples("train"))
 
     def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
         """The model this client holds."""
-        cfg = instruction.config
-        if "model" in client.state:  # the spec and seed of the model the client holds
-            return _load(json.loads(client.state["spec"]), int(client.state["seed"]), client.state["model"],
-                         client.device)
-        return _load(json.loads(cfg["spec"]), int(cfg["seed"]), None, client.device)
+        held = client.state if "model" in client.state else instruction.config   # its spec and seed
+        return _load(json.loads(held["spec"]), int(held["seed"]), held.get("model"), client.device)
 
 
 @hookimpl

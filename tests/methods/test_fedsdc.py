@@ -20,7 +20,8 @@ from medfl.config import resolve_config
 from medfl.experiment import resume, run_experiment
 from medfl.messages import Reply
 from medfl.method import Federation, MethodConfigError, derive_seed
-from medfl_plugins.fedsdc import FedSDC, HeadEnsemble, head_assignment, head_widths
+from medfl_plugins.fedsdc import FedSDC
+from medfl_plugins.fedsdc.models import HeadEnsemble, head_assignment, head_widths
 
 
 def test_head_widths_and_shuffle_are_seeded_and_switchable():
@@ -164,7 +165,7 @@ TIE_CASES = [("lowest", [2, 1, 0]), ("mean_probability", [2, 2, 1]), ("logit_sum
 
 @pytest.mark.parametrize("rule, decided", TIE_CASES)
 def test_tie_rules_decide_ties_and_return_probabilities(rule: str, decided: list[int]) -> None:
-    from medfl_plugins.fedsdc import ensemble_probabilities, vote_counts
+    from medfl_plugins.fedsdc.models import ensemble_probabilities, vote_counts
 
     assert _expected_votes(TIE_LOGITS, rule) == decided            # the hand-built cases are what they claim
     p = ensemble_probabilities(TIE_LOGITS, "majority", rule)
@@ -186,7 +187,7 @@ def test_tie_rules_decide_ties_and_return_probabilities(rule: str, decided: list
 def test_mean_probability_never_overturns_a_majority() -> None:
     """Random heads (H = 1..6): the decision is always a class with the most votes, the one of
     highest mean probability among them."""
-    from medfl_plugins.fedsdc import ensemble_probabilities
+    from medfl_plugins.fedsdc.models import ensemble_probabilities
 
     g = torch.Generator().manual_seed(0)
     for h in range(1, 7):
@@ -197,7 +198,7 @@ def test_mean_probability_never_overturns_a_majority() -> None:
 
 
 def test_head_kinds_and_activation() -> None:
-    from medfl_plugins.fedsdc import make_head
+    from medfl_plugins.fedsdc.models import make_head
 
     relu, plain = make_head(16, 8, 3, 0.5), make_head(16, 8, 3, 0.5, activation="none")
     assert list(relu.state_dict()) == list(plain.state_dict()) == ["0.weight", "0.bias", "3.weight", "3.bias"]
@@ -235,7 +236,7 @@ KEEP_CASES = [(0.3, 5, "floor", 1), (0.3, 5, "round", 2), (0.3, 5, "ceil", 2), (
 
 @pytest.mark.parametrize("gamma, n, rule, kept", KEEP_CASES)
 def test_kept_heads_rounding(gamma: float, n: int, rule: str, kept: int) -> None:
-    from medfl_plugins.fedsdc import kept_heads
+    from medfl_plugins.fedsdc.models import kept_heads
 
     assert kept_heads(gamma, n, rule) == kept      # 0.7 x 10 is 7.000000000000001 in floats: still 7
 

@@ -113,14 +113,14 @@ def test_ktm_head_is_frozen_while_its_body_trains(tiny_fl, resolve, tmp_path: Pa
 
 def test_round_one_ktm_is_the_senders_initial_model(tiny_fl, resolve, tmp_path: Path, monkeypatch) -> None:
     built: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
-    real_build = fedskd_mod._build
+    real_build = fedskd_mod.build_seeded
 
     def spy(spec, seed, device):  # type: ignore[no-untyped-def]
         model = real_build(spec, seed, device)
         built.append((dict(spec), {k: v.clone() for k, v in model.state_dict().items()}))
         return model
 
-    monkeypatch.setattr(fedskd_mod, "_build", spy)
+    monkeypatch.setattr(fedskd_mod, "build_seeded", spy)
     fl = _het(tiny_fl)
     fl["rounds"] = 1
     run = _recorded_run(fl, resolve, tmp_path)
