@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from medfl.config_values import ConfigError, read_plugin_values
 from medfl.context import ClientContext
 from medfl.messages import RELEASE_FLAG, Instruction, Reply
 from medfl.preset import SOURCE_KINDS, Preset, parse_source
@@ -189,8 +190,6 @@ class Configurable:
             MethodConfigError: naming the unknown keys and listing the valid ones, or a value
                 that is not a boolean for a boolean parameter.
         """
-        from medfl.config import ConfigError, read_plugin_values
-
         valid = cls.parameters()
         unknown = sorted(set(params) - set(valid))
         if unknown:
