@@ -42,6 +42,7 @@ import torch
 
 from medfl.messages import PayloadError
 from medfl.method import Configurable, Federation, Method, MethodConfigError
+from medfl.privacy.declared import Release
 from medfl.seeding import derive_noise_seed, derive_seed
 
 __all__ = ["Filter", "FilterChain", "FilterContext", "FilterConfigError", "FilterMismatchError", "Release",
@@ -58,35 +59,6 @@ class FilterConfigError(MethodConfigError):
 class FilterMismatchError(FilterConfigError):
     """A valid chain that one method cannot take: its reply carries no model state, or no
     reference state for an update filter (``fl.filters`` then skips that method)."""
-
-
-@dataclass(frozen=True)
-class Release:
-    """One differential-privacy release a filter makes at each client it runs on: the
-    Gaussian mechanism with this noise multiplier, accounted by Opacus's ``accountant``.
-
-    Attributes:
-        mechanism: name in ``privacy.csv`` (e.g. ``"dp_gaussian"``).
-        noise_multiplier: sigma (noise std over the sensitivity ``clip``).
-        clip: the sensitivity (L2 clipping norm).
-        sample_rate: probability that one application touches the protected unit
-            (1.0 when the party the guarantee is against sees every release).
-        delta: the delta the epsilon is reported at.
-        accountant: Opacus accountant (``rdp``, ``prv``, ``gdp``).
-        unit: what one record protects (``"client"``: a client's whole dataset).
-        not_covered: what this release's epsilon does not cover beyond what the run lists
-            itself (e.g. a model the released values depend on, sent without noise): added
-            to ``summary.json``'s ``privacy.not_covered``.
-    """
-
-    mechanism: str
-    noise_multiplier: float
-    clip: float
-    sample_rate: float
-    delta: float
-    accountant: str
-    unit: str = "client"
-    not_covered: tuple[str, ...] = ()
 
 
 _MODEL_KEYS: dict[str, tuple[list[str], list[str], int]] = {}
@@ -223,10 +195,6 @@ class Filter(Configurable):
         checking it (a site may send anything: raise :class:`~medfl.messages.PayloadError`
         naming ``ctx.where``). Must be overridden."""
         raise NotImplementedError(f"filter {self.name!r} does not implement undo")
-
-
-def _floating(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 def _state(value: Any, where: str) -> State:

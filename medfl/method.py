@@ -53,8 +53,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from medfl.config_values import ConfigError, read_plugin_values
 from medfl.context import ClientContext
 from medfl.messages import RELEASE_FLAG, Instruction, Reply
+from medfl.preset import SOURCE_KINDS, Preset, parse_source
+from medfl.privacy.declared import OwnDp
+from medfl.privacy.feature_release import method_release
 from medfl.seeding import derive_seed, round_half_up
 
 __all__ = ["Configurable", "Federation", "Method", "MethodConfigError", "EvalResults", "ClientContext", "Preset",
@@ -91,181 +95,6 @@ class MethodConfigError(ValueError):
     ``ValueError`` included) is taken for a bug: its traceback, and the run directory kept
     for a look (``medfl runs`` lists it as crashed).
     """
-
-
-#: Where a preset value comes from (:attr:`Preset.sources`): the paper (section, equation,
-#: table or page), the authors' code (repository, file and line), a reading of a sentence that
-#: admits another, or medfl's own choice where the source is silent.
-SOURCE_KINDS = ("paper", "authors_code", "reading", "open")
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A named set of a method's settings, chosen with ``{"name": ..., "preset": NAME}``.
-
-    A method entry's own keys win over the preset's; what each hyperparameter's value is and
-    where it came from is written to the run's ``config.json`` (``preset``: each value with
-    its source's kind and citation, ``"config"`` where the entry overrides it, and medfl's
-    defaults of the rest).
-
-    Attributes:
-        source: where the values come from (``"paper 003, Sec. V-A, Table VIII"``).
-        values: hyperparameters (keyword arguments of the method's ``__init__``).
-        train: the entry's ``fl.train`` overrides (optimizer, lr, batch_size, epochs...).
-        open: deprecated, kept so that older plugins still load: names of ``values``/``train``
-            entries (``train.`` prefixed for the latter) the source leaves open, each with
-            what medfl chose and why. An entry here counts as ``sources[key] = "open: <text>"``
-            (an entry of ``sources`` wins); new presets write ``sources``.
-        experiment: the source's experiment settings outside a method entry (``rounds``,
-            ``partition``, ``fraction``, ``num_clients``...): recorded in ``config.json`` and
-            said on stderr where the run differs, never applied (every method of an experiment
-            shares one split and one number of rounds).
-        description: one line for ``medfl plugins``.
-        sources: where each entry of ``values`` and ``train`` (``train.`` prefixed) comes
-            from, as ``"<kind>: <citation>"`` with a kind of :data:`SOURCE_KINDS`:
-            ``"paper: Sec. III-D, eq. 8"``, ``"authors_code: shadhin39/PFedCDP,
-            differential_privacy.py, line 12"``, ``"reading: <the sentence read>; other
-            reading: <...>"`` or ``"open: <medfl's choice and why>"``. ``medfl plugins NAME``
-            prints them; :meth:`source_problems` lists the entries without a valid one.
-    """
-
-    source: str
-    values: dict[str, Any] = field(default_factory=dict)
-    train: dict[str, Any] = field(default_factory=dict)
-    open: dict[str, str] = field(default_factory=dict)
-    experiment: dict[str, Any] = field(default_factory=dict)
-    description: str = ""
-    sources: dict[str, str] = field(default_factory=dict)
-
-    def entries(self) -> list[str]:
-        """Every entry a source is due for: the keys of ``values``, then ``train.<key>`` for
-        each key of ``train``."""
-        return [*self.values, *(f"train.{k}" for k in self.train)]
-
-    def source_of(self, key: str) -> tuple[str, str] | None:
-        """Where one entry comes from, as ``(kind, citation)``: ``key`` is a key of ``values``
-        or ``"train.<key>"``. An entry of ``sources`` wins over one of the deprecated
-        ``open`` (read as kind ``"open"``); ``None`` when the preset gives neither.
-
-        Raises:
-            ValueError: the entry of ``sources`` is not ``"<kind>: <citation>"`` with a kind
-                of :data:`SOURCE_KINDS` and a citation that is not empty.
-        """
-        if key in self.sources:
-            return parse_source(self.sources[key], f"sources[{key!r}]")
-        if key in self.open:
-            return parse_source(f"open: {self.open[key]}", f"open[{key!r}]")
-        return None
-
-    def origin(self, key: str) -> dict[str, str]:
-        """Where one entry comes from as ``config.json`` records it: ``{"from": kind, "source":
-        citation}`` (:meth:`source_of`), or ``{"from": "unstated", "source": why}`` where the
-        preset cites none or one that is not ``"<kind>: <citation>"``."""
-        try:
-            found = self.source_of(key)
-        except ValueError as e:
-            return {"from": "unstated", "source": f"the preset's source is malformed: {e}"}
-        if found is None:
-            return {"from": "unstated", "source": f"the preset cites no source for {key}"}
-        return {"from": found[0], "source": found[1]}
-
-    def source_problems(self) -> list[str]:
-        """What keeps this preset from citing a source for each of its entries, one line per
-        entry: a key of ``values``/``train`` with no source, a source that is not
-        ``"<kind>: <citation>"`` (kind of :data:`SOURCE_KINDS`, citation not empty), and a key
-        of ``sources``/``open`` that names no entry. Empty when every entry cites its source
-        (medfl's tests require that of every built-in preset)."""
-        problems = []
-        for key in self.entries():
-            try:
-                found = self.source_of(key)
-            except ValueError as e:
-                problems.append(f"{key}: {e}")
-                continue
-            if found is None:
-                problems.append(f"{key}: no source (sources[{key!r}] = \"<kind>: <citation>\", kind one of "
-                                f"{', '.join(SOURCE_KINDS)})")
-            elif found[0] == "reading" and "other reading" not in found[1]:
-                problems.append(f"{key}: a reading names the sentence read and the other reading "
-                                "('reading: <sentence>; other reading: <...>')")
-        known = set(self.entries())
-        for where, table in (("sources", self.sources), ("open", self.open)):
-            problems += [f"{where}[{k!r}] names no entry of values or train (train entries are 'train.<key>')"
-                         for k in table if k not in known]
-        return problems
-
-
-def parse_source(text: Any, where: str = "source") -> tuple[str, str]:
-    """``(kind, citation)`` of a preset source written ``"<kind>: <citation>"``.
-
-    Raises:
-        ValueError: ``text`` is not a string of that form, its kind is not one of
-            :data:`SOURCE_KINDS` or its citation is empty; the message names ``where``.
-    """
-    kind, sep, citation = text.partition(":") if isinstance(text, str) else ("", "", "")
-    kind, citation = kind.strip(), citation.strip()
-    if not sep or kind not in SOURCE_KINDS or not citation:
-        raise ValueError(f"{where} must be '<kind>: <citation>' with a kind of {', '.join(SOURCE_KINDS)} and a "
-                         f"citation, got {text!r}")
-    return kind, citation
-
-
-@dataclass(frozen=True)
-class OwnDp:
-    """Differential privacy a method applies in its own client step (Opacus's DP-SGD inside
-    an outside DP-FedAvg plugin's local training, say), declared with
-    :meth:`Method.own_dp` so that the run accounts it with Opacus's accountant like medfl's own
-    mechanisms (``privacy.csv``, ``summary.json``) instead of reporting no privacy.
-
-    medfl does not apply this noise and cannot see it: the guarantee rests on the method's
-    code, which each site approves (``medfl approve``), and on the step counts each client
-    reports (``steps_metric``), which the coordinator checks against the declaration every
-    round (a mismatch stops the run, as for ``train.dp``). The summary says the mechanism is
-    the method's own (``"performed_by": "method"``).
-
-    Attributes:
-        mechanism: its name in ``privacy.csv`` (not one of medfl's: ``dp_gaussian``,
-            ``dp_sgd``...).
-        unit: what one record protects: ``"sample"`` (one training sample of one client) or
-            ``"client"`` (a client's whole dataset).
-        noise_multiplier: sigma per noise application, one for every client or
-            ``{client id: sigma}``.
-        sample_rate: the Poisson sampling rate of each application (1.0 without sampling),
-            one for every client or per client.
-        steps: noise applications in one local update (DP-SGD: optimizer steps), one for
-            every client or per client.
-        clip: the sensitivity (the per-sample or per-client clipping norm).
-        delta: the delta the epsilon is reported at.
-        accountant: Opacus accountant (``rdp``, ``prv``, ``gdp``).
-        steps_metric: the training metric in which a client reports the applications it
-            made in one local update (checked against ``steps``).
-        statement: one sentence on how the method applies the noise (for ``config.json``).
-        noised_values: how many values one application's noise covers, one for every client
-            or ``{client id: count}`` (``None``, the default: the trainable parameters of the
-            client's model). The run's noise-to-signal rows (``mechanisms.csv``) use it; a
-            method that noises part of its model (PFedCDP's extractor) declares it.
-    """
-
-    mechanism: str
-    unit: str
-    noise_multiplier: float | dict[str, float]
-    sample_rate: float | dict[str, float]
-    steps: int | dict[str, int]
-    clip: float
-    delta: float
-    accountant: str = "rdp"
-    steps_metric: str = "dp_steps"
-    statement: str = ""
-    noised_values: int | dict[str, int] | None = None
-
-    def per_client(self, field_name: str, client_id: str) -> Any:
-        """``noise_multiplier``, ``sample_rate``, ``steps`` or ``noised_values`` for one client.
-
-        Raises:
-            KeyError: a per-client mapping lacks the client.
-        """
-        value = getattr(self, field_name)
-        return value[client_id] if isinstance(value, dict) else value
 
 
 @dataclass
@@ -361,8 +190,6 @@ class Configurable:
             MethodConfigError: naming the unknown keys and listing the valid ones, or a value
                 that is not a boolean for a boolean parameter.
         """
-        from medfl.config import ConfigError, read_plugin_values
-
         valid = cls.parameters()
         unknown = sorted(set(params) - set(valid))
         if unknown:
@@ -657,8 +484,6 @@ class Method(Configurable):
         (:meth:`release_plan`, config ``"dp_release": True``), the release's feature and
         label keys. Override it when a reply carries more (FedDisco's ``discrepancy``) or
         differs by stage (FedTPF's ``distill``)."""
-        from medfl.privacy.feature_release import method_release   # imports medfl.filters, which imports this module
-
         plan = method_release(self)
         if plan is not None and instruction.config.get(RELEASE_FLAG) is True:
             return frozenset(plan.keys) | frozenset([plan.labels] if plan.labels else [])

@@ -94,9 +94,9 @@ class _Sourced(Method):
 
 
 def test_config_json_records_kind_and_citation_of_each_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    import medfl.config as config
+    import medfl.config.methods as methods
 
-    monkeypatch.setattr(config, "lookup", lambda kind, name: _Sourced)
+    monkeypatch.setattr(methods, "lookup", lambda kind, name: _Sourced)
     spec = {"name": "test_sourced", "preset": "p", "d": 5, "train": {"epochs": 1}}
     record = preset_record(spec, _Sourced(a=1, b=2, c=3, d=5))
     assert record["values"] == {"a": {"value": 1, "from": "paper", "source": "eq. 1"},

@@ -49,7 +49,7 @@ def test_resolve_config_checks_fl_threads(tiny_fl: dict[str, Any], resolve) -> N
 
 
 def test_auto_divides_the_cores_among_the_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("medfl.config.available_cores", lambda: 8)
+    monkeypatch.setattr("medfl.config.threads.available_cores", lambda: 8)
     assert auto_threads() == 8 and auto_threads(2) == 4 and auto_threads(3) == 2 and auto_threads(16) == 1
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")    # each xdist worker is a process that trains
     assert sharing_processes(1) == 2 and auto_threads() == 4 and auto_threads(2) == 2
@@ -74,7 +74,7 @@ def test_threads_env_wins_over_the_config(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_ray_actors_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto: the cores Ray may use over the actors that run at once (min(clients, cores // client_cpus))."""
-    monkeypatch.setattr("medfl.config.available_cores", lambda: 8)
+    monkeypatch.setattr("medfl.config.threads.available_cores", lambda: 8)
     cfg = {"backend": {"name": "ray", "client_cpus": 1, "num_cpus": None}}
     assert actor_threads(cfg, clients=4) == 2      # 4 actors on 8 cores
     assert actor_threads(cfg, clients=16) == 1     # 8 actors at once
@@ -124,7 +124,7 @@ def test_flower_site_sets_its_threads(tmp_path: Path, tiny_fl: dict[str, Any], m
     monkeypatch.delenv(THREADS_ENV)
     # "auto": `medfl flower site` set it before (set_threads(None, local_sites())); the Site keeps it
     config.write_text(json.dumps({"fl": tiny_fl}))
-    monkeypatch.setattr("medfl.config.available_cores", lambda: 4)
+    monkeypatch.setattr("medfl.config.threads.available_cores", lambda: 4)
     monkeypatch.setenv(LOCAL_SITES_ENV, "4")
     assert set_threads(None, local_sites()) == 1
     assert Site(settings).threads == 1 and torch.get_num_threads() == 1
@@ -218,7 +218,7 @@ def test_flower_site_command_sets_threads_before_its_worker_starts(tmp_path: Pat
     assert main([*base, "--threads", "1"]) == 0
     assert seen[-1] == (1, "1")
     monkeypatch.delenv(THREADS_ENV)
-    monkeypatch.setattr("medfl.config.available_cores", lambda: 4)
+    monkeypatch.setattr("medfl.config.threads.available_cores", lambda: 4)
     monkeypatch.setenv(LOCAL_SITES_ENV, "2")
     assert main(base) == 0
     assert seen[-1] == (2, None)

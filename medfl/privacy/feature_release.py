@@ -35,15 +35,15 @@ the same budget needs when the clip norm follows ``x_s``'s norms against ``x``'s
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from medfl.filters import Release as LedgerRelease
-from medfl.privacy.accounting import PrivacyConfigError, check_delta, check_positive, epsilon_spent, noise_for_epsilon
 from medfl.privacy import noise
+from medfl.privacy.accounting import PrivacyConfigError, check_delta, check_positive, epsilon_spent, noise_for_epsilon
+from medfl.privacy.declared import Release as LedgerRelease
 
 __all__ = ["MECHANISMS", "RELEASE_METRICS", "Release", "SampleRelease", "method_release", "release_features", "release_at",
            "release_with_variance", "perform_release", "release_noise", "variance_scale", "perturb_features",
@@ -85,10 +85,6 @@ class Release:
             return math.inf if self.noise_norm > 0 else math.nan
         return self.noise_norm / self.signal_norm
 
-    def as_dict(self) -> dict[str, Any]:
-        """The record as plain values (JSON-ready)."""
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class SampleRelease(LedgerRelease):
@@ -100,7 +96,7 @@ class SampleRelease(LedgerRelease):
     record states (:func:`perform_release`), then the content guard checks what leaves. The
     ledger records exactly this release (``privacy.csv``), so what is counted is what was done.
 
-    Attributes (beyond :class:`medfl.filters.Release`'s, whose ``mechanism`` is the name in
+    Attributes (beyond :class:`medfl.privacy.declared.Release`'s, whose ``mechanism`` is the name in
     ``privacy.csv``, ``noise_multiplier`` the noise over the clip and ``clip`` the sensitivity):
         keys: the reply keys holding per-sample features ``(N, ...)``, ``N`` the client's
             training samples in the train split's order.
