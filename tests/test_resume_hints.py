@@ -101,7 +101,7 @@ def test_the_printed_resume_command_finishes_the_run(tiny_fl: dict[str, Any], tm
 NOT_COMMANDS = {
     ("medfl/engine/checkpoints.py", "resume with \"\n                                f\"--rounds"):
         "an option of the `medfl resume` (or `medfl flower run --resume`) being refused",
-    ("medfl/cli.py", "continue with \"\n                       \"--resume)"):
+    ("medfl/cli/flower.py", "continue with \"\n                   \"--resume)"):
         "`medfl flower run` on Ctrl-C; the coordinator's own line above it names the whole command",
 }
 

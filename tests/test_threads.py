@@ -3,6 +3,7 @@ in medfl.config, ``"auto"`` sharing the cores among the processes that train at 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -191,10 +192,11 @@ def test_cli_threads_reaches_the_process_that_trains(tmp_path: Path, tiny_fl: di
 
 
 def test_threads_option_is_on_every_command_that_trains() -> None:
-    from medfl.cli import _subparser
+    from medfl.cli import _chosen, build_parser
 
     for names in (("run",), ("resume",), ("flower", "site"), ("flower", "run")):
-        options = {o for a in _subparser(*names)._actions for o in a.option_strings}
+        command = argparse.Namespace(command=names[0], flower_command=names[-1])
+        options = {o for a in _chosen(build_parser(), command)._actions for o in a.option_strings}
         assert "--threads" in options, names
 
 

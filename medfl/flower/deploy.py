@@ -292,13 +292,8 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
              watch: Callable[[], str | None] | None = None, watch_interval: float = 0.5,
              on_output: Callable[[str], None] | None = None, done: Callable[[], bool] | None = None) -> int:
     """``flwr run APP_DIR --stream`` against ``superlink`` with ``run_config`` overrides;
-    returns the CLI's exit code once the run has ended. ``flwr run`` also ends, without a
-    word, when its log stream fails (an HTTP 500 of a SuperLink whose database is locked,
-    while the run goes on): then, with one line saying so, the run's status is asked
-    (:func:`run_status`) every :data:`FOLLOW_INTERVAL` seconds until it has finished,
-    ``done`` says so, or the SuperLink has not answered for :data:`FOLLOW_SILENCE` seconds.
-    A stream that ended because the SuperLink went away ("Connection to the SuperLink is
-    unavailable") is not followed: the run's ServerApp went down with it.
+    returns the CLI's exit code once the run has ended, also when its log stream ended first
+    (:func:`_follow`).
 
     Args:
         stream_to: a binary file for ``flwr run``'s output (default: this process's stdout).
@@ -324,7 +319,7 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
         rc_file.write_text(run_config_toml(run_config))
         cmd += ["--run-config", str(rc_file)]
     full_env = {**flower_env(), **(env or {}), "FLWR_HOME": str(home)}
-    deadline = None if timeout is None else time.monotonic() + timeout
+    limits = _Limits(timeout, watch)
     seen: dict[str, int] = {}
 
     def note(line: str) -> None:
@@ -339,61 +334,19 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pump = threading.Thread(target=_pump, args=(proc.stdout, stream_to, note), daemon=True)
     pump.start()
-
-    def pause(step: float) -> None:
-        """Wait up to ``step`` seconds; raise at the deadline or on ``watch``'s reason."""
-        if deadline is not None:
-            if time.monotonic() >= deadline:
-                raise FlowerDeployError(f"flwr run did not end within {timeout} s")
-            step = min(step, max(0.0, deadline - time.monotonic()))
-        time.sleep(step)
-        reason = watch() if watch else None
-        if reason:
-            raise FlowerDeployError(reason)
-
     try:
         while True:
-            wait = watch_interval if watch else None
-            if deadline is not None:
-                left = max(0.0, deadline - time.monotonic())
-                wait = left if wait is None else min(wait, left)
             try:
-                code = int(proc.wait(timeout=wait))
+                code = int(proc.wait(timeout=limits.capped(watch_interval if watch else None)))
                 break
             except subprocess.TimeoutExpired:
-                pass
-            if deadline is not None and time.monotonic() >= deadline:
-                raise FlowerDeployError(f"flwr run did not end within {timeout} s")
-            reason = watch() if watch else None
-            if reason:
-                raise FlowerDeployError(reason)
+                limits.check()
         pump.join(5.0)
-        run_id = seen.get("run")
-        if run_id is None or seen.get("gone"):
-            # no run, or the SuperLink went away (its ServerApp goes down with it): nothing to follow
-            return code
-        # `flwr run --stream` also ends without a word when its log stream fails (an HTTP 500
-        # of a SuperLink whose database is locked): follow the run at the SuperLink until it
-        # has ended, or its ServerApp has written its result
-        said, silent_since = False, None
-        while True:
-            if done is not None and done():
-                return code
-            status = run_status(run_id, home, env=env)
-            if status is not None and status.startswith("finished"):
-                return code
-            now = time.monotonic()
-            silent_since = (silent_since or now) if status is None else None
-            if silent_since is not None and now - silent_since > FOLLOW_SILENCE:
-                _say_to(stream_to, f"medfl: the SuperLink has not answered about run {run_id} for "
-                                   f"{FOLLOW_SILENCE:g} s; no longer waiting for it\n")
-                return code
-            if not said:
-                _say_to(stream_to, f"medfl: the log stream of run {run_id} ended before the run "
-                                   f"({status or 'no answer from the SuperLink'}); waiting for the run to end at the "
-                                   f"SuperLink (its whole log: `flwr log {run_id}`)\n")
-                said = True
-            pause(FOLLOW_INTERVAL)
+        # a stream that ended because the SuperLink went away ("Connection to the SuperLink is
+        # unavailable") is not followed: the run's ServerApp went down with it
+        if seen.get("run") is not None and not seen.get("gone"):
+            _follow(seen["run"], home, env, stream_to, done, limits)
+        return code
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -402,6 +355,60 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class _Limits:
+    """How long :func:`flwr_run` waits: ``timeout`` seconds (``None``: no end), and while
+    ``watch`` (asked at each :meth:`check`) gives no reason to stop."""
+
+    def __init__(self, timeout: float | None, watch: Callable[[], str | None] | None) -> None:
+        self.timeout, self.watch = timeout, watch
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def capped(self, step: float | None) -> float | None:
+        """``step`` seconds (``None``: no end), but no further than the deadline."""
+        if self.deadline is None:
+            return step
+        left = max(0.0, self.deadline - time.monotonic())
+        return left if step is None else min(step, left)
+
+    def check(self) -> None:
+        """Raise :class:`FlowerDeployError` at the deadline, or with ``watch``'s reason."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise FlowerDeployError(f"flwr run did not end within {self.timeout} s")
+        reason = self.watch() if self.watch else None
+        if reason:
+            raise FlowerDeployError(reason)
+
+
+def _follow(run_id: int, home: Path, env: dict[str, str] | None, stream_to: Any, done: Callable[[], bool] | None,
+            limits: _Limits) -> None:
+    """Wait for run ``run_id`` to end at the SuperLink after ``flwr run --stream`` ended, which
+    it also does without a word when its log stream fails (an HTTP 500 of a SuperLink whose
+    database is locked, while the run goes on): with one line (to ``stream_to``) saying so,
+    the run's status is asked (:func:`run_status`) every :data:`FOLLOW_INTERVAL` seconds
+    until it has finished, ``done`` says so, or the SuperLink has not answered for
+    :data:`FOLLOW_SILENCE` seconds. ``limits`` raises at the deadline or on ``watch``'s reason."""
+    said, silent_since = False, None
+    while True:
+        if done is not None and done():
+            return
+        status = run_status(run_id, home, env=env)
+        if status is not None and status.startswith("finished"):
+            return
+        now = time.monotonic()
+        silent_since = (silent_since or now) if status is None else None
+        if silent_since is not None and now - silent_since > FOLLOW_SILENCE:
+            _say_to(stream_to, f"medfl: the SuperLink has not answered about run {run_id} for "
+                               f"{FOLLOW_SILENCE:g} s; no longer waiting for it\n")
+            return
+        if not said:
+            _say_to(stream_to, f"medfl: the log stream of run {run_id} ended before the run "
+                               f"({status or 'no answer from the SuperLink'}); waiting for the run to end at the "
+                               f"SuperLink (its whole log: `flwr log {run_id}`)\n")
+            said = True
+        limits.check()
+        time.sleep(limits.capped(FOLLOW_INTERVAL) or 0.0)
 
 
 #: How often :func:`flwr_run` asks the SuperLink whether a run whose log stream ended has ended.

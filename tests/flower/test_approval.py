@@ -241,20 +241,20 @@ def test_site_command_checks_its_approvals_file(tmp_path: Path, monkeypatch: pyt
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """``medfl flower site --approvals FILE``: a missing file stops the site before it
     starts; a good one is enforced through the environment the site worker reads."""
-    from medfl.cli import _site_approvals
+    from medfl.cli.site import site_approvals
 
     monkeypatch.setenv(APPROVALS_ENV, "")
     with pytest.raises(SystemExit, match="medfl site 2: approvals file .*nope.json not found"):
-        _site_approvals(argparse.Namespace(approvals=str(tmp_path / "nope.json"), client_id="2"))
-    _site_approvals(argparse.Namespace(approvals=None, client_id="2"))
+        site_approvals(argparse.Namespace(approvals=str(tmp_path / "nope.json"), client_id="2"))
+    site_approvals(argparse.Namespace(approvals=None, client_id="2"))
     assert "WARNING: no --approvals file" in capsys.readouterr().err
     approvals = tmp_path / "approvals.json"
     _approve(approvals, "fedavg")
-    _site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
+    site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
     assert os.environ[APPROVALS_ENV] == str(approvals.resolve())
     assert main(["policy", "--max-epsilon", "3", "--max-epsilon-total", "none", "--file", str(approvals)]) == 0
     capsys.readouterr()
-    _site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
+    site_approvals(argparse.Namespace(approvals=str(approvals), client_id="2"))
     assert "medfl site 2: privacy policy: max_epsilon: largest epsilon over a run 3" in capsys.readouterr().out
 
 
