@@ -9,6 +9,7 @@ module per part of the download.
 
 from __future__ import annotations
 
-from medfl.prep.common import MANIFEST_COLUMNS, PrepError, PrepReport
+from medfl.prep.common import MANIFEST_COLUMNS, PrepReport
+from medfl.prep.errors import PrepError
 
 __all__ = ["MANIFEST_COLUMNS", "PrepError", "PrepReport"]

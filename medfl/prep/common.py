@@ -1,5 +1,7 @@
-"""What every data_prep script shares: the command line, the output directory, the
-manifest, cached arrays, the report of skipped items, and explicit resizing.
+"""What every data_prep script shares: the body of its ``main`` (:func:`prep_main`), the
+command line, the manifest, cached arrays, the report of skipped items, and explicit
+resizing (the errors are in :mod:`medfl.prep.errors`, the output folder's staging in
+:mod:`medfl.prep.staging`).
 
 A data_prep script reads a dataset exactly as downloaded (``--raw``), never writes into
 it, and writes to ``--out``:
@@ -21,30 +23,27 @@ Per-file problems raise :class:`PrepError` naming the file and what was expected
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
-import shutil
-import stat
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 import pandas as pd
 
 from medfl.data.source import DataError
+from medfl.prep.errors import NOT_DOWNLOADED, PRESENT_ONLY_HINT, NotDownloaded, PrepError, printable
+from medfl.prep.staging import check_dirs, final_out, staged_main
 
 __all__ = [
-    "PrepError", "PrepReport", "MANIFEST_COLUMNS", "base_parser", "check_dirs", "save_array",
-    "write_manifest", "resize_image", "ASPECT_MODES", "run_script", "require_columns",
-    "progress", "size_pair", "remove_stale_arrays", "staged_main", "NotDownloaded", "keep_present",
-    "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size", "printable",
-    "limit_per_split", "check_text_encoding", "file_problem", "check_file",
+    "PrepReport", "PrepRun", "prep_main", "MANIFEST_COLUMNS", "base_parser", "save_array", "write_manifest",
+    "resize_image", "ASPECT_MODES", "run_script", "require_columns", "progress", "size_pair", "keep_present",
+    "MAX_IMAGE_PIXELS", "FILE_SLACK_BYTES", "check_pixel_count", "check_file_size", "limit_per_split",
+    "check_text_encoding",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,74 +62,6 @@ MAX_IMAGE_PIXELS = 8192 * 8192
 #: announces (trailing elements, padding, compressed data that did not shrink) before it is
 #: refused, unread, as not the image it is named as.
 FILE_SLACK_BYTES = 1 << 20
-
-
-class PrepError(DataError):
-    """Bad input to a data_prep script; the message names the file or field and what was
-    expected. ``item`` is the file (or record) concerned, for the skip report."""
-
-    def __init__(self, message: str, item: str | Path | None = None) -> None:
-        super().__init__(message)
-        self.item = str(item) if item is not None else ""
-
-
-class NotDownloaded(PrepError):
-    """A sample the metadata lists whose file is not under ``--raw`` at all: a partial
-    download, which ``--present-only`` prepares without (a file that is there but unreadable
-    is a plain :class:`PrepError`)."""
-
-
-#: the skipped.csv stage of a sample whose file was not downloaded (``--present-only``)
-NOT_DOWNLOADED = "not downloaded"
-
-#: the hint a stop on an absent file ends with
-PRESENT_ONLY_HINT = ("; if the download is partial, pass --present-only to prepare the samples "
-                     "that are present (the others are listed in skipped.csv)")
-
-
-def file_problem(path: str | Path) -> str:
-    """What keeps ``path`` from being read as a file, in a few words: ``""`` for a non-empty
-    regular file this process may read, ``"not found"`` where nothing is (not even a link),
-    else ``"a directory"``, ``"a symlink loop (...)"``, ``"a broken symlink (...)"``,
-    ``"an empty file (0 bytes)"``, ``"unreadable (permission denied)"``, ``"a FIFO, socket or
-    device"``. Nothing is read (``stat`` only)."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        if not os.path.islink(path):
-            return "not found" if exc.errno in (errno.ENOENT, errno.ENOTDIR) else f"unreadable ({exc.strerror})"
-        target = os.readlink(path)
-        if exc.errno == errno.ELOOP:
-            return f"a symlink loop (-> {target}, which leads back to itself)"
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return f"a broken symlink (-> {target}, which does not exist)"
-        return f"a symlink (-> {target}) that cannot be followed ({exc.strerror})"
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory"
-    if not stat.S_ISREG(st.st_mode):
-        return "a FIFO, socket or device"
-    if st.st_size == 0:
-        return "an empty file (0 bytes)"
-    if not os.access(path, os.R_OK):
-        return "unreadable (permission denied)"
-    return ""
-
-
-def check_file(path: Path, expected: str) -> Path:
-    """``path``, when it is a non-empty regular file this process may read (:func:`file_problem`).
-
-    Args:
-        expected: what it should be, for the message ("the JPEG image of ...").
-
-    Raises:
-        NotDownloaded: nothing at ``path``, not even a broken link.
-        PrepError: one line naming what is there instead (a directory, a symlink loop, an empty
-            file...); never with the ``--present-only`` hint, since the path exists.
-    """
-    problem = file_problem(path)
-    if problem:
-        raise (NotDownloaded if problem == "not found" else PrepError)(f"{path}: {problem}; expected {expected}", path)
-    return path
 
 
 def check_pixel_count(path: str | Path, shape: Sequence[int], limit: int = MAX_IMAGE_PIXELS) -> None:
@@ -175,16 +106,6 @@ def check_file_size(path: str | Path, size: int, header: int, need: int, what: s
                         f"of pixel data after a {header}-byte header; expected at most {most} bytes "
                         "(medfl.prep.common.FILE_SLACK_BYTES), so it is not the image it is named as "
                         "(a sparse or padded file?); it was not read", path)
-
-
-def printable(text: str) -> str:
-    """``text`` as valid UTF-8 text: the bytes of a file name that is not UTF-8 (which
-    Python holds as surrogate escapes, ``b'\\xff'`` as ``'\\udcff'``) become ``\\xNN``
-    escapes, so that a manifest, ``skipped.csv``, a report or a message can hold it."""
-    try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:       # a lone surrogate that is not an escaped byte
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def limit_per_split(splits: Sequence[str], limit: int) -> list[int]:
@@ -284,9 +205,7 @@ class PrepReport:
     def __post_init__(self) -> None:
         # a script writes into its staging folder (check_dirs); the report names the --out
         # the dataset ends up in
-        for work, final in _STAGED:
-            if Path(self.out) == work:
-                self.out = str(final)
+        self.out = str(final_out(self.out))
 
     def skip(self, item: str | Path, reason: str, stage: str = "") -> None:
         """Record a skipped item."""
@@ -296,8 +215,10 @@ class PrepReport:
         """Record a remark for the reader (e.g. a choice the script made)."""
         self.notes.append(text)
 
-    def _handle(self, exc: PrepError, item: str | Path, stage: str) -> None:
-        """Record ``exc`` as a skip when the options allow it, or re-raise it."""
+    def skip_or_raise(self, exc: PrepError, item: str | Path, stage: str = "") -> None:
+        """Record ``exc`` as a skip of ``item`` when ``skip_bad`` (a :class:`NotDownloaded`
+        also when ``present_only``), or raise it (an absent file's message then ends with the
+        ``--present-only`` hint)."""
         absent = isinstance(exc, NotDownloaded)
         if not (self.skip_bad or (absent and self.present_only)):
             if absent and exc.args and PRESENT_ONLY_HINT not in str(exc.args[0]):
@@ -305,24 +226,13 @@ class PrepReport:
             raise exc
         self.skip(exc.item or item, str(exc), NOT_DOWNLOADED if absent else stage)
 
-    @contextmanager
-    def guard(self, item: str | Path, stage: str = "") -> Iterator[None]:
-        """Run a per-item step: a :class:`PrepError` inside is skipped and recorded when
-        ``skip_bad`` (a :class:`NotDownloaded` also when ``present_only``), and re-raised
-        otherwise. Use ``with report.guard(path): ...``; :meth:`attempt` is the function form
-        that says whether the step succeeded."""
-        try:
-            yield
-        except PrepError as exc:
-            self._handle(exc, item, stage)
-
     def attempt(self, item: str | Path, fn: Callable[[], Any], stage: str = "") -> tuple[bool, Any]:
-        """Call ``fn``; returns ``(True, result)``, or ``(False, None)`` when it raised a
-        :class:`PrepError` that :meth:`guard` would skip (recorded), re-raising otherwise."""
+        """Call ``fn``, a per-item step; returns ``(True, result)``, or ``(False, None)`` when it
+        raised a :class:`PrepError` that :meth:`skip_or_raise` recorded as skipped."""
         try:
             return True, fn()
         except PrepError as exc:
-            self._handle(exc, item, stage)
+            self.skip_or_raise(exc, item, stage)
             return False, None
 
     @property
@@ -399,7 +309,7 @@ def keep_present(items: Sequence[Any], locate: Callable[[Any], Any], report: Pre
         try:
             locate(item)
         except NotDownloaded as exc:
-            report._handle(exc, name(item), NOT_DOWNLOADED)   # present_only: recorded as skipped
+            report.skip_or_raise(exc, name(item), NOT_DOWNLOADED)   # present_only: recorded as skipped
             continue
         except PrepError:
             pass
@@ -409,132 +319,6 @@ def keep_present(items: Sequence[Any], locate: Callable[[Any], Any], report: Pre
                         f"--raw {report.raw}; check --raw (the folder the archive was extracted to)",
                         report.raw)
     return kept
-
-
-def check_dirs(raw: Path, out: Path, overwrite: bool) -> tuple[Path, Path]:
-    """Resolve and check ``--raw`` and ``--out``; create ``out``.
-
-    Raises:
-        PrepError: ``raw`` is not a directory, ``out`` is inside ``raw`` (the raw directory is
-            never written to), or ``out`` holds an earlier manifest and not ``overwrite``.
-    """
-    for option, path in (("--raw", raw), ("--out", out)):
-        if "symlink loop" in file_problem(path):        # resolve() stops on it
-            raise PrepError(f"{option} {path}: {file_problem(path)}; expected a folder", path)
-    raw, out = Path(raw).resolve(), Path(out).resolve()
-    if not raw.is_dir():
-        raise PrepError(f"--raw {raw}: not a directory; expected the dataset as downloaded", raw)
-    if out == raw or raw in out.parents:
-        raise PrepError(f"--out {out} is inside --raw {raw}; data_prep never writes into the raw "
-                        "dataset, choose an --out outside it", out)
-    if out.exists() and not out.is_dir():
-        raise PrepError(f"--out {out} is a file; expected a folder to write the prepared dataset into", out)
-    if (out / "manifest.csv").exists() and not overwrite:
-        raise PrepError(f"--out {out} already holds a manifest.csv from an earlier run; pass "
-                        "--overwrite to replace it, or choose another --out", out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise PrepError(f"--out {out}: cannot create it ({exc.strerror or exc}); choose a folder you can write to",
-                        out) from None
-    if not os.access(out.parent, os.W_OK | os.X_OK) or (out.is_dir() and not os.access(out, os.W_OK | os.X_OK)):
-        raise PrepError(f"--out {out}: not writable; choose a folder you can write to", out)
-    return raw, _stage(out)
-
-
-#: the staging folders of the scripts running in this process: (staging, final --out)
-_STAGED: list[tuple[Path, Path]] = []
-
-
-def _stage(out: Path) -> Path:
-    """A fresh folder beside ``out`` that the script writes everything into;
-    :func:`staged_main` renames it into place when the script succeeds, so a stop never
-    leaves half an output and a failed ``--overwrite`` never touches the earlier dataset."""
-    for old in out.parent.glob(f".{out.name}.partial-*"):   # left by a killed run (kill -9)
-        pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    work = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir()
-    _STAGED.append((work, out))
-    return work
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (its staging folder is in use)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-def _finish_stage(work: Path, out: Path, ok: bool) -> None:
-    """Move what the script wrote in ``work`` into ``out`` (``work`` renamed when ``out`` does
-    not exist; otherwise each entry replaces the one of its name, others are kept), or, after a
-    failure, keep only the report (``report.json``, ``skipped.csv``) in ``<out>.failed/`` and
-    remove the rest."""
-    report = work / "report.json"
-    if report.is_file():       # the report names the folder the dataset ends up in (as JSON text)
-        report.write_text(report.read_text().replace(json.dumps(printable(str(work)))[1:-1],
-                                                     json.dumps(printable(str(out)))[1:-1]))
-    if ok:
-        if not out.exists():
-            work.rename(out)
-            return
-        # an existing --out (an earlier dataset with --overwrite, or a folder with other files):
-        # each entry the script wrote replaces the entry of that name; nothing else is touched
-        for entry in sorted(work.iterdir()):
-            target = out / entry.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            elif target.exists() or target.is_symlink():
-                target.unlink()
-            entry.rename(target)
-        shutil.rmtree(work, ignore_errors=True)
-        failed = out.parent / f"{out.name}.failed"
-        if failed.is_dir():
-            shutil.rmtree(failed)   # an earlier failure's report: this run succeeded
-        return
-    reports = [work / n for n in ("report.json", "skipped.csv") if (work / n).is_file()]
-    if reports:
-        failed = out.parent / f"{out.name}.failed"
-        failed.mkdir(exist_ok=True)
-        for f in reports:
-            f.replace(failed / f.name)
-    shutil.rmtree(work, ignore_errors=True)
-
-
-def staged_main(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """Decorate a script's ``main``: the ``--out`` its :func:`check_dirs` staged is renamed
-    into place when ``main`` returns 0, and removed when it fails or stops (Ctrl-C), keeping
-    only the report in ``<out>.failed/``; messages that name the staging folder name that
-    instead. Nothing the user had in ``--out`` changes unless the script succeeds."""
-    import functools
-
-    @functools.wraps(main)
-    def wrapper(argv: list[str] | None = None) -> int:
-        depth = len(_STAGED)
-        try:
-            code = main(argv)
-        except BaseException as exc:
-            while len(_STAGED) > depth:
-                work, out = _STAGED.pop()
-                _finish_stage(work, out, ok=False)
-                if isinstance(exc, PrepError) and exc.args:
-                    exc.args = (str(exc.args[0]).replace(str(work), str(out.parent / f"{out.name}.failed")),
-                                *exc.args[1:])
-            raise
-        while len(_STAGED) > depth:
-            work, out = _STAGED.pop()
-            _finish_stage(work, out, ok=code == 0)
-        return code
-
-    return wrapper
 
 
 def save_array(out: Path, rel: str, arr: np.ndarray) -> str:
@@ -693,22 +477,76 @@ def size_pair(values: Sequence[int], parser: argparse.ArgumentParser) -> tuple[i
     return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
 
 
-def remove_stale_arrays(out: Path, keep: set[str], report: PrepReport, subfolders: Sequence[str] = ("",)) -> None:
-    """After ``--overwrite``: delete the ``.npy`` files an earlier run wrote under
-    ``out/arrays/<subfolder>`` (``""``: ``arrays/`` itself) that the new manifest does not
-    name (``keep``: paths relative to ``out``); a folder left empty is removed, and the count
-    goes into the report."""
-    stale = 0
-    for sub in subfolders:
-        folder = out / "arrays" / sub if sub else out / "arrays"
-        if not folder.is_dir():
-            continue
-        prefix = f"arrays/{sub}/" if sub else "arrays/"
-        for f in sorted(folder.glob("*.npy")):
-            if prefix + f.name not in keep:
-                f.unlink()
-                stale += 1
-        if not any(folder.iterdir()):
-            shutil.rmtree(folder)
-    if stale:
-        report.note(f"--overwrite: removed {stale} array(s) of an earlier run not in this manifest")
+class _Skipped(Exception):
+    """A step of one item that :meth:`PrepRun.step` recorded as skipped: the item is left out."""
+
+
+@dataclass
+class PrepRun:
+    """One run of a data_prep script, as :func:`prep_main` hands it to the script's own part:
+    the parsed ``args``, the checked ``--raw`` (``raw``), the staging folder that becomes
+    ``--out`` (``out``, :func:`~medfl.prep.staging.check_dirs`) and the ``report``."""
+
+    args: argparse.Namespace
+    raw: Path
+    out: Path
+    report: PrepReport
+
+    def step(self, item: str | Path, fn: Callable[[], Any], stage: str = "") -> Any:
+        """``fn()``, for one item of :meth:`each`: a :class:`PrepError` the report skips
+        (:meth:`PrepReport.attempt`) is recorded and leaves that item out; any other stops."""
+        ok, result = self.report.attempt(item, fn, stage)
+        if not ok:
+            raise _Skipped
+        return result
+
+    def each(self, items: Sequence[Any], make: Callable[[Any], Any]) -> list[dict[str, Any]]:
+        """The manifest rows of ``items``, under a progress bar named after the dataset:
+        ``make(item)`` returns one row, a list of rows or ``None``; an item one of whose
+        :meth:`step` calls was skipped adds none."""
+        rows: list[dict[str, Any]] = []
+        for item in progress(items, self.report.dataset, total=len(items)):
+            try:
+                made = make(item)
+            except _Skipped:
+                continue
+            rows.extend([made] if isinstance(made, dict) else made or [])
+        return rows
+
+    def stop(self, message: str, item: str | Path) -> NoReturn:
+        """Write the report (kept in ``<out>.failed/``) and stop with ``PrepError(message, item)``."""
+        self.report.write(self.out)
+        raise PrepError(message, item)
+
+    def manifest(self, rows: list[dict[str, Any]], extra_order: Sequence[str] = (),
+                 classes: Sequence[str] | None = None) -> pd.DataFrame:
+        """:func:`write_manifest` into ``out``, empty classes noted in the report."""
+        return write_manifest(self.out, rows, extra_order, classes=classes, report=self.report)
+
+
+def prep_main(dataset: str, parser: argparse.ArgumentParser, argv: list[str] | None,
+              prepare: Callable[[PrepRun], None],
+              check: Callable[[argparse.Namespace, argparse.ArgumentParser], None] | None = None) -> int:
+    """The body of every data_prep script's ``main``: parse ``argv`` (``check``: the script's
+    own usage checks; then a positive ``--limit``), check ``--raw`` and stage ``--out``
+    (:func:`~medfl.prep.staging.check_dirs`), run ``prepare`` (the script's own part: read the
+    download, fill ``report.options``, write the arrays and :meth:`PrepRun.manifest`, count),
+    write ``report.json`` and ``skipped.csv``, print the summary, and move the output into
+    ``--out`` (:func:`~medfl.prep.staging.staged_main`). ``dataset`` names the report and the
+    progress bar. Returns 0; raises :class:`PrepError` on bad input (per-item problems only
+    without ``--skip-bad``)."""
+    def body(argv: list[str] | None) -> int:
+        args = parser.parse_args(argv)
+        if check is not None:
+            check(args, parser)
+        if args.limit is not None and args.limit < 1:
+            parser.error(f"--limit: expected a positive number, got {args.limit}")
+        raw, out = check_dirs(args.raw, args.out, args.overwrite)
+        run = PrepRun(args, raw, out, PrepReport(dataset, str(raw), str(out), skip_bad=args.skip_bad,
+                                                 present_only=getattr(args, "present_only", False)))
+        prepare(run)
+        run.report.write(out)
+        print(run.report.summary())
+        return 0
+
+    return staged_main(body)(argv)

@@ -40,10 +40,10 @@ import numpy as np
 import pandas as pd
 
 from medfl.prep.common import (
-    ASPECT_MODES, MAX_IMAGE_PIXELS, PrepError, PrepReport, base_parser, check_dirs, check_pixel_count, progress,
-    require_columns, remove_stale_arrays, resize_image, save_array, size_pair, write_manifest, staged_main,
-    NotDownloaded, check_file, keep_present, check_text_encoding, run_script,
+    ASPECT_MODES, MAX_IMAGE_PIXELS, PrepRun, base_parser, check_pixel_count, check_text_encoding, keep_present,
+    prep_main, require_columns, resize_image, run_script, save_array, size_pair,
 )
+from medfl.prep.errors import NotDownloaded, PrepError, check_file
 
 __all__ = [
     "CLASS_NAMES", "DIAGNOSIS_CLASSES", "META_COLUMNS", "REQUIRED_COLUMNS", "SPLIT_FILES",
@@ -245,7 +245,7 @@ def resolve_image(images: Path, rel: str, column: str, where: str,
     Raises:
         PrepError: the cell is empty or leaves ``images/``, the file does not exist (the
             message names a file that differs only in case, when there is one), or what is
-            there is not a readable file (:func:`~medfl.prep.common.check_file`).
+            there is not a readable file (:func:`~medfl.prep.errors.check_file`).
     """
     if not rel:
         raise PrepError(f"{where}, column {column!r}: empty; expected a path under images/", where)
@@ -386,42 +386,32 @@ example:
     return p
 
 
-@staged_main
-def main(argv: list[str] | None = None) -> int:
-    """Prepare Derm7pt: parse ``argv``, write the manifest, arrays and report into ``--out``.
-
-    Returns:
-        0 on success.
-
-    Raises:
-        PrepError: bad input (see the module docstring); per-file problems only without
-            ``--skip-bad``.
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    size = size_pair(args.size, parser)
+def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    args.size = size_pair(args.size, parser)
     if args.clinic_crop_border is None:
         args.clinic_crop_border = args.crop_border
     if min(args.crop_border, args.clinic_crop_border) < 0:
         parser.error("--crop-border, --clinic-crop-border: expected 0 or more pixels")
-    if args.limit is not None and args.limit < 1:
-        parser.error("--limit: expected a positive number")
-    raw, out = check_dirs(args.raw, args.out, args.overwrite)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare Derm7pt as ``argv`` says (:func:`~medfl.prep.common.prep_main`)."""
+    return prep_main("derm7pt", build_parser(), argv, _prepare, check=_check_args)
+
+
+def _prepare(run: PrepRun) -> None:
+    """The Derm7pt part of :func:`main`: meta.csv, the official split, one sample per case."""
+    args, raw, out, report = run.args, run.raw, run.out, run.report
+    size = args.size
     release = find_release(raw)
     images, meta_dir = release / "images", release / "meta"
     meta_path = meta_dir / "meta.csv"
     prefix = release.relative_to(raw).as_posix()
     img_prefix = "images" if prefix == "." else f"{prefix}/images"
-
-    report = PrepReport("derm7pt", str(raw), str(out), skip_bad=args.skip_bad,
-                        options={"size": list(size), "crop_border": args.crop_border,
-                                 "aspect": args.aspect, "clinic": args.clinic,
-                                 "clinic_crop_border":
-                                     args.clinic_crop_border if args.clinic else None,
-                                 "limit": args.limit,
-                                 "release": str(release)}, present_only=args.present_only)
-    required = list(REQUIRED_COLUMNS) + (["clinic"] if args.clinic else [])
-    meta = read_meta(meta_path, required)
+    report.options = {"size": list(size), "crop_border": args.crop_border, "aspect": args.aspect,
+                      "clinic": args.clinic, "clinic_crop_border": args.clinic_crop_border if args.clinic else None,
+                      "limit": args.limit, "release": str(release)}
+    meta = read_meta(meta_path, list(REQUIRED_COLUMNS) + (["clinic"] if args.clinic else []))
     split_of, split_sizes = read_splits(meta_dir, len(meta))
     unassigned = len(meta) - len(split_of)
     if unassigned:
@@ -443,93 +433,69 @@ def main(argv: list[str] | None = None) -> int:
                         "download some of its images", meta_dir / SPLIT_FILES[s])
     if args.limit is not None:
         rows_todo = rows_todo[:args.limit]
-
-    rows: list[dict[str, Any]] = []
     formats: Counter[str] = Counter()
     shapes: Counter[str] = Counter()
-    todo_per_split: Counter[str] = Counter(split_of[r] for r in rows_todo)
-    for r in progress(rows_todo, "derm7pt", total=len(rows_todo)):
+
+    def image(rec: pd.Series, where: str, column: str, border: int) -> tuple[np.ndarray, dict[str, Any]]:
+        file = run.step(where, lambda: resolve_image(images, rec[column], column, where, listed), column)
+        return run.step(file, lambda: preprocess_image(file, border, size, args.aspect), column)
+
+    def make(r: int) -> dict[str, Any]:
         rec = meta.iloc[r]
-        split = str(split_of[r])
         case = int(rec["case_num"])
         where = f"{meta_rel} line {r + 2} (case_num {case})"
-        ok, label = report.attempt(where, lambda: diagnosis_class(
-            rec["diagnosis"], f"{where}, column 'diagnosis'"), "diagnosis")
-        if not ok:
-            continue
-        ok, sex = report.attempt(where, lambda: sex_code(
-            rec["sex"], f"{where}, column 'sex'"), "sex")
-        if not ok:
-            continue
-        ok, derm_file = report.attempt(
-            where, lambda: resolve_image(images, rec["derm"], "derm", where, listed), "derm")
-        if not ok:
-            continue
-        ok, derm = report.attempt(derm_file, lambda: preprocess_image(
-            derm_file, args.crop_border, size, args.aspect), "derm")
-        if not ok:
-            continue
-        clinic = None
-        if args.clinic:
-            ok, clinic_file = report.attempt(
-                where, lambda: resolve_image(images, rec["clinic"], "clinic", where, listed), "clinic")
-            if not ok:
-                continue
-            ok, clinic = report.attempt(clinic_file, lambda: preprocess_image(
-                clinic_file, args.clinic_crop_border, size, args.aspect), "clinic")
-            if not ok:
-                continue
-        arr, facts = derm
+        label = run.step(where, lambda: diagnosis_class(rec["diagnosis"], f"{where}, column 'diagnosis'"),
+                         "diagnosis")
+        sex = run.step(where, lambda: sex_code(rec["sex"], f"{where}, column 'sex'"), "sex")
+        derm, facts = image(rec, where, "derm", args.crop_border)
+        clinic = image(rec, where, "clinic", args.clinic_crop_border) if args.clinic else None
         formats[facts["format"]] += 1
         shapes[facts["shape"]] += 1
         sample_id = f"derm7pt_{case:04d}"
         row: dict[str, Any] = {
             "sample_id": sample_id,
-            "path": save_array(out, f"arrays/derm/{sample_id}.npy", arr),
+            "path": save_array(out, f"arrays/derm/{sample_id}.npy", derm),
             "image_path": f"{img_prefix}/{rec['derm']}",
             "label": label, "class_name": CLASS_NAMES[label], "subject_id": sample_id,
             "site": PurePosixPath(rec["derm"]).parts[0] if "/" in rec["derm"] else "",
-            "sex": sex, "split": split, "case_num": case, "meta_row": r,
+            "sex": sex, "split": str(split_of[r]), "case_num": case, "meta_row": r,
             "diagnosis": rec["diagnosis"],
         }
         if clinic is not None:
             row["clinic_path"] = save_array(out, f"arrays/clinic/{sample_id}.npy", clinic[0])
         if "clinic" in meta.columns:
             row["clinic_image_path"] = f"{img_prefix}/{rec['clinic']}" if rec["clinic"] else ""
-        for col in _KEPT:
-            if col in meta.columns:
-                row[col] = rec[col]
-        rows.append(row)
+        return {**row, **{col: rec[col] for col in _KEPT if col in meta.columns}}
 
+    rows = run.each(rows_todo, make)
+    _write(run, rows, Counter(split_of[r] for r in rows_todo), meta_dir, {
+        "cases_in_meta": len(meta), "index_files": split_sizes, "considered": len(rows_todo)},
+        {"formats": dict(formats), "original_sizes": dict(shapes.most_common(10))})
+
+
+def _write(run: PrepRun, rows: list[dict[str, Any]], todo_per_split: Counter[str], meta_dir: Path,
+           read: dict[str, Any], images: dict[str, Any]) -> None:
+    """Counts and notes, then the manifest; a split whose every case was skipped stops."""
+    report = run.report
     done_per_split = Counter(row["split"] for row in rows)
     report.counts = {
-        "cases_in_meta": len(meta), "index_files": split_sizes, "considered": len(rows_todo),
-        "written": len(rows), "skipped": len(report.skipped),
+        **read, "written": len(rows), "skipped": len(report.skipped),
         "splits": {s: done_per_split.get(s, 0) for s in SPLIT_FILES},
         "classes": {c: sum(1 for row in rows if row["class_name"] == c) for c in CLASS_NAMES},
         "sex": dict(Counter(row["sex"] or "unknown" for row in rows)),
         "sites": len({row["site"] for row in rows}),
-        "formats": dict(formats), "original_sizes": dict(shapes.most_common(10)),
+        **images,
     }
     report.note("Derm7pt has no patient identifier; subject_id is the case (one lesion per case)")
     emptied = [s for s in SPLIT_FILES if todo_per_split.get(s, 0) and not done_per_split.get(s, 0)]
     if emptied:
-        report.write(out)
         s = emptied[0]
-        raise PrepError(f"split {s!r} ({meta_dir / SPLIT_FILES[s]}) is empty: all its "
-                        f"{todo_per_split[s]} case(s) were skipped; see {out / 'skipped.csv'}",
-                        meta_dir / SPLIT_FILES[s])
+        run.stop(f"split {s!r} ({meta_dir / SPLIT_FILES[s]}) is empty: all its "
+                 f"{todo_per_split[s]} case(s) were skipped; see {run.out / 'skipped.csv'}", meta_dir / SPLIT_FILES[s])
     missing = [s for s in SPLIT_FILES if not todo_per_split.get(s, 0)]
     if missing:
-        report.note(f"--limit {args.limit} left split(s) {', '.join(missing)} without cases")
-    table = write_manifest(out, rows, extra_order=["case_num", "meta_row", "diagnosis"],
-                           classes=CLASS_NAMES, report=report)
-    if args.overwrite:
-        remove_stale_arrays(out, set(table["path"]) | set(table.get("clinic_path", pd.Series()).dropna()),
-                            report, subfolders=("derm", "clinic"))
-    report.write(out)
-    print(report.summary())
-    return 0
+        report.note(f"--limit {run.args.limit} left split(s) {', '.join(missing)} without cases")
+    run.manifest(rows, ["case_num", "meta_row", "diagnosis"], CLASS_NAMES)
 
 
 if __name__ == "__main__":   # python -m medfl.prep.derm7pt: the command line of data_prep/derm7pt.py

@@ -50,10 +50,10 @@ from typing import Any
 import pandas as pd
 
 from medfl.prep.common import (
-    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays,
-    require_columns, save_array, size_pair, write_manifest, staged_main, NotDownloaded, check_file, keep_present,
-    check_text_encoding, run_script,
+    ASPECT_MODES, PrepRun, base_parser, check_text_encoding, keep_present, prep_main, require_columns,
+    run_script, save_array, size_pair,
 )
+from medfl.prep.errors import NotDownloaded, PrepError, check_file
 from medfl.prep.derm7pt import preprocess_image
 
 __all__ = [
@@ -237,7 +237,7 @@ def find_image(folders: list[Path], image_id: str, where: str, hint: str = "") -
     Raises:
         NotDownloaded: in no folder (names them).
         PrepError: what is there is not a readable file (a directory, a symlink loop, an empty
-            file...: :func:`~medfl.prep.common.check_file`), or two copies differ (names both).
+            file...: :func:`~medfl.prep.errors.check_file`), or two copies differ (names both).
     """
     paths = [f / f"{image_id}.jpg" for f in folders]
     hits = [p for p in paths if p.is_file()] or [p for p in paths if os.path.lexists(p)]
@@ -277,31 +277,38 @@ example:
     return p
 
 
-@staged_main
-def main(argv: list[str] | None = None) -> int:
-    """Prepare HAM10000: parse ``argv``, write the manifest, arrays and report into ``--out``.
-
-    Returns:
-        0 on success.
-
-    Raises:
-        PrepError: bad input (see the module docstring); per-row problems only without
-            ``--skip-bad``.
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    size = size_pair(args.size, parser)
+def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    args.size = size_pair(args.size, parser)
     if args.crop_border < 0:
         parser.error("--crop-border: expected 0 or more pixels")
-    if args.limit is not None and args.limit < 1:
-        parser.error("--limit: expected a positive number")
-    raw, out = check_dirs(args.raw, args.out, args.overwrite)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare HAM10000 as ``argv`` says (:func:`~medfl.prep.common.prep_main`)."""
+    return prep_main("ham10000", build_parser(), argv, _prepare, check=_check_args)
+
+
+def _check_row(rec: pd.Series, where: str) -> tuple[int, str, str]:
+    """A metadata row's label, sex code and age (:class:`PrepError` naming a bad field)."""
+    label = dx_label(rec["dx"], where)
+    if rec["dx_type"].lower() not in DX_TYPES:
+        raise PrepError(f"{where}, column 'dx_type': {rec['dx_type']!r}; expected one of "
+                        f"{', '.join(DX_TYPES)}", where)
+    sex = rec["sex"].lower()
+    if sex not in SEX_CODES:
+        raise PrepError(f"{where}, column 'sex': {rec['sex']!r}; expected male, female, unknown or empty",
+                        where)
+    return label, SEX_CODES[sex], parse_age(rec["age"], where)
+
+
+def _prepare(run: PrepRun) -> None:
+    """The HAM10000 part of :func:`main`: the metadata, one sample per image, counts."""
+    args, raw, out, report = run.args, run.raw, run.out, run.report
+    size = args.size
     meta_path = find_metadata(raw, args.metadata)
     folders = image_folders(raw, args.images)
-    report = PrepReport("ham10000", str(raw), str(out), skip_bad=args.skip_bad,
-                        options={"size": list(size), "aspect": args.aspect, "crop_border": args.crop_border,
-                                 "metadata": str(meta_path), "images": [str(f) for f in folders],
-                                 "limit": args.limit}, present_only=args.present_only)
+    report.options = {"size": list(size), "aspect": args.aspect, "crop_border": args.crop_border,
+                      "metadata": str(meta_path), "images": [str(f) for f in folders], "limit": args.limit}
     meta = read_metadata(meta_path)
     meta_rel = meta_path.relative_to(raw).as_posix() if raw in meta_path.parents else str(meta_path)
     lesion_dx: dict[str, tuple[str, int]] = {}
@@ -317,51 +324,30 @@ def main(argv: list[str] | None = None) -> int:
     todo = keep_present(range(len(meta)), lambda r: find_image(
         folders, meta.iloc[r]["image_id"], f"{meta_rel} line {r + 2} ({meta.iloc[r]['image_id']})", zipped), report)
     todo = todo[:args.limit]
-    rows: list[dict[str, Any]] = []
     formats: Counter[str] = Counter()
     shapes: Counter[str] = Counter()
-    for r in progress(todo, "ham10000", total=len(todo)):
+
+    def make(r: int) -> dict[str, Any]:
         rec = meta.iloc[r]
         where = f"{meta_rel} line {r + 2} ({rec['image_id']})"
-
-        def check(rec: pd.Series = rec, where: str = where) -> tuple[int, str, str]:
-            label = dx_label(rec["dx"], where)
-            if rec["dx_type"].lower() not in DX_TYPES:
-                raise PrepError(f"{where}, column 'dx_type': {rec['dx_type']!r}; expected one of "
-                                f"{', '.join(DX_TYPES)}", where)
-            sex = rec["sex"].lower()
-            if sex not in SEX_CODES:
-                raise PrepError(f"{where}, column 'sex': {rec['sex']!r}; expected male, female, unknown or empty",
-                                where)
-            return label, SEX_CODES[sex], parse_age(rec["age"], where)
-
-        ok, checked = report.attempt(where, check, "metadata")
-        if not ok:
-            continue
-        ok, image = report.attempt(where, lambda: find_image(folders, rec["image_id"], where, zipped), "image")
-        if not ok:
-            continue
-        ok, done = report.attempt(image, lambda: preprocess_image(image, args.crop_border, size, args.aspect),
-                                  "image")
-        if not ok:
-            continue
-        label, sex, age = checked
-        arr, facts = done
+        label, sex, age = run.step(where, lambda: _check_row(rec, where), "metadata")
+        image = run.step(where, lambda: find_image(folders, rec["image_id"], where, zipped), "image")
+        arr, facts = run.step(image, lambda: preprocess_image(image, args.crop_border, size, args.aspect), "image")
         formats[facts["format"]] += 1
         shapes[facts["shape"]] += 1
         sample_id = f"ham10000_{rec['image_id']}"
-        rows.append({
+        return {
             "sample_id": sample_id, "path": save_array(out, f"arrays/{sample_id}.npy", arr),
             "image_path": image.relative_to(raw).as_posix() if raw in image.parents else str(image),
             "label": label, "class_name": CLASS_NAMES[label], "subject_id": rec["lesion_id"],
             "site": rec["dataset"], "sex": sex, "lesion_id": rec["lesion_id"], "image_id": rec["image_id"],
             "dx": rec["dx"], "dx_type": rec["dx_type"], "age": age, "localization": rec["localization"],
             "dataset": rec["dataset"], "meta_row": r,
-        })
+        }
+
+    rows = run.each(todo, make)
     if not rows:
-        report.write(out)
-        raise PrepError(f"{meta_path}: every one of {len(todo)} row(s) was skipped; see {out / 'skipped.csv'}",
-                        meta_path)
+        run.stop(f"{meta_path}: every one of {len(todo)} row(s) was skipped; see {out / 'skipped.csv'}", meta_path)
     per_lesion = Counter(row["lesion_id"] for row in rows)
     report.counts = {
         "rows_in_metadata": len(meta), "considered": len(todo), "written": len(rows),
@@ -379,13 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         report.note(f"{meta_rel} has no 'dataset' column (the Kaggle mirror's 7 columns) or no value in it: the "
                     "manifest's site is empty, so the natural partitioner (one client per source collection) "
                     "cannot split it; use dirichlet, iid or another partitioner, or the Dataverse metadata")
-    table = write_manifest(out, rows, extra_order=["lesion_id", "image_id", "dx", "dx_type", "age", "localization",
-                                                   "dataset", "meta_row"], classes=CLASS_NAMES, report=report)
-    if args.overwrite:
-        remove_stale_arrays(out, set(table["path"]), report)
-    report.write(out)
-    print(report.summary())
-    return 0
+    run.manifest(rows, ["lesion_id", "image_id", "dx", "dx_type", "age", "localization", "dataset", "meta_row"],
+                 CLASS_NAMES)
 
 
 if __name__ == "__main__":   # python -m medfl.prep.ham10000: the command line of data_prep/ham10000.py

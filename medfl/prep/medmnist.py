@@ -40,10 +40,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from medfl.prep.common import (
-    PrepError, PrepReport, base_parser, check_dirs, progress, remove_stale_arrays, resize_image, save_array,
-    write_manifest, staged_main, run_script, file_problem,
-)
+from medfl.prep.common import PrepReport, base_parser, progress, resize_image, run_script, save_array, write_manifest
+from medfl.prep.errors import PrepError, file_problem
+from medfl.prep.staging import check_dirs, staged_main
 
 __all__ = ["Dataset", "DATASETS", "SPLITS", "SIZES", "parse_name", "find_file", "check_npz_file", "load_split",
            "chest_binary", "build_parser", "main"]
@@ -234,7 +233,7 @@ def check_npz_file(path: Path) -> None:
 
     Raises:
         PrepError: the file is not a readable file (a directory, a symlink loop...:
-            :func:`~medfl.prep.common.file_problem`), is empty, or is not a zip archive (a ``.npy``
+            :func:`~medfl.prep.errors.file_problem`), is empty, or is not a zip archive (a ``.npy``
             array, an HTML or XML page, a pickle, or other bytes), naming what was found.
     """
     problem = file_problem(path)       # an empty file is said below
@@ -359,9 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                          "image_path": f"{path.name}:{split}_images[{i}]", "label": int(flat[i]),
                          "class_name": classes[int(flat[i])], "subject_id": sample_id, "split": split,
                          "index": i})
-    table = write_manifest(out, rows, extra_order=["index"], classes=classes, report=report)
-    if args.overwrite:
-        remove_stale_arrays(out, set(table["path"]), report, subfolders=SPLITS)
+    write_manifest(out, rows, extra_order=["index"], classes=classes, report=report)
     report.counts = {"flag": flag, "size": size, "task": info.task,
                      "splits": {s: sum(1 for r in rows if r["split"] == s) for s in SPLITS},
                      "classes": {c: sum(1 for r in rows if r["class_name"] == c) for c in classes},

@@ -15,7 +15,9 @@ import pytest
 
 from medfl.fixtures import generate
 from medfl.prep import abide, cbis_ddsm, derm7pt, ham10000, medmnist, mias
-from medfl.prep.common import PrepError, check_dirs, run_script
+from medfl.prep.common import run_script
+from medfl.prep.errors import PrepError
+from medfl.prep.staging import check_dirs
 
 
 @pytest.fixture(autouse=True)
@@ -153,7 +155,7 @@ def test_the_command_itself_prints_one_line(fixtures, tmp_path):
 
 
 def test_file_problem_names_each_kind(tmp_path, monkeypatch):
-    from medfl.prep.common import check_file, file_problem
+    from medfl.prep.errors import check_file, file_problem
 
     ok = tmp_path / "ok.txt"
     ok.write_text("x")

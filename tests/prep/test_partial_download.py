@@ -15,7 +15,7 @@ import pytest
 
 from medfl.fixtures import generate
 from medfl.prep import abide, cbis_ddsm, derm7pt, ham10000, mias
-from medfl.prep.common import PrepError
+from medfl.prep.errors import PrepError
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from medfl.prep.abide import (
     read_coordinates, read_phenotypic, resample_to_grid, resize_volume, rois_3mm_atlas, select_rows,
     sphere_atlas,
 )
-from medfl.prep.common import PrepError
+from medfl.prep.errors import PrepError
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLE = REPO / "bundles" / "abide"

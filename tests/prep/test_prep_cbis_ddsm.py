@@ -15,8 +15,10 @@ import pydicom
 import pytest
 
 from medfl.fixtures.cbis_ddsm import generate, write_mg_dicom
-from medfl.prep.cbis_ddsm import main, read_case_csvs, read_dicom
-from medfl.prep.common import MAX_IMAGE_PIXELS, PrepError
+from medfl.prep.cbis_ddsm import main, read_case_csvs
+from medfl.prep.common import MAX_IMAGE_PIXELS
+from medfl.prep.dicom import read_dicom
+from medfl.prep.errors import PrepError
 
 BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "cbis_ddsm"
 SIZE = ["48", "32"]
@@ -150,14 +152,14 @@ def test_compressed_without_decoder_names_the_decoder(tmp_path, monkeypatch):
     ds.PixelData = encapsulate([b"\xff\x4f\xff\x51" + b"\x00" * 40])
     ds["PixelData"].VR = "OB"
     ds.save_as(tmp_path / "c.dcm", enforce_file_format=True)
-    import medfl.prep.cbis_ddsm as cbis
+    import medfl.prep.dicom as dicom
 
     # issue 19: with a decoder installed, a bogus stream must not ask to install one
-    monkeypatch.setattr(cbis, "_decoder_available", lambda ts: True)
+    monkeypatch.setattr(dicom, "_decoder_available", lambda ts: True)
     with pytest.raises(PrepError, match=r"(?s)JPEG 2000.*the installed decoder could not decode it") as e:
         read_dicom(tmp_path / "c.dcm")
     assert "Install" not in str(e.value)
-    monkeypatch.setattr(cbis, "_decoder_available", lambda ts: False)
+    monkeypatch.setattr(dicom, "_decoder_available", lambda ts: False)
     with pytest.raises(PrepError, match=r"(?s)c.dcm: compressed transfer syntax .*JPEG 2000.*pylibjpeg"):
         read_dicom(tmp_path / "c.dcm")
 

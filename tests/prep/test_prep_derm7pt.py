@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from medfl.fixtures import generate
-from medfl.prep.common import PRESENT_ONLY_HINT, PrepError
+from medfl.prep.errors import PRESENT_ONLY_HINT, PrepError
 from medfl.prep.derm7pt import (
     CLASS_NAMES, DIAGNOSIS_CLASSES, META_COLUMNS, build_parser, crop_border, diagnosis_class,
     main, read_meta, sex_code,

@@ -20,7 +20,8 @@ import pandas as pd
 import pytest
 
 from medfl.fixtures import generate
-from medfl.prep.common import MAX_IMAGE_PIXELS, PRESENT_ONLY_HINT, PrepError
+from medfl.prep.common import MAX_IMAGE_PIXELS
+from medfl.prep.errors import PRESENT_ONLY_HINT, PrepError
 from medfl.prep.ham10000 import CLASS_NAMES, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from medfl.fixtures import generate
-from medfl.prep.common import PrepError
+from medfl.prep.errors import PrepError
 from medfl.prep.medmnist import DATASETS, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]

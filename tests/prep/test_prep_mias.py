@@ -17,7 +17,8 @@ import pytest
 
 from medfl.fixtures import mias as fx
 from medfl.prep import mias
-from medfl.prep.common import PrepError, run_script
+from medfl.prep.common import run_script
+from medfl.prep.errors import PrepError
 
 BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "mias"
 SIZE = 32  # cached array side in these tests

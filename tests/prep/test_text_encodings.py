@@ -10,7 +10,8 @@ from typing import Callable
 import pytest
 
 from medfl.prep import abide, cbis_ddsm, derm7pt, ham10000
-from medfl.prep.common import PrepError, check_text_encoding
+from medfl.prep.common import check_text_encoding
+from medfl.prep.errors import PrepError
 from medfl.prep.mias import info as mias_info
 
 

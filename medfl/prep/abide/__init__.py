@@ -81,20 +81,6 @@ from medfl.prep.abide.atlas import (
     load_atlas, prepare_atlas, read_coordinates, rois_3mm_atlas, sphere_atlas, write_atlas,
 )
 from medfl.prep.abide.cli import build_parser, main
-# Names that were importable from the single module medfl/prep/abide.py stay importable here.
-from medfl.prep.abide.volumes import _GRID_TEXT, _fmt_affine, _index_map  # noqa: F401
-from medfl.prep.abide.phenotypic import (  # noqa: F401
-    _DX, _FILE_ID, _MISSING, _REQUIRED, _SEX, _float_field, _int_field, _row_item,
-)
-from medfl.prep.abide.layout import _has_flat, _has_pcp  # noqa: F401
-from medfl.prep.abide.atlas import (  # noqa: F401
-    _ATLAS_FILES, _CC_CROP, _CC_SHAPE, _ROIS_3MM_LABELS, _bundled_power, _find_named,
-)
-from medfl.prep.abide.cli import _size, _test_fold  # noqa: F401
-from medfl.prep.common import (  # noqa: F401
-    NotDownloaded, PrepError, PrepReport, base_parser, check_dirs, keep_present, progress,
-    require_columns, save_array, staged_main, write_manifest,
-)
 
 __all__ = [
     "GRID_SHAPE", "GRID_AFFINE", "PHENOTYPIC_FILE", "PIPELINES", "STRATEGIES", "DERIVATIVES",

@@ -17,7 +17,8 @@ import pandas as pd
 from medfl.prep.abide.volumes import (
     GRID_AFFINE, GRID_SHAPE, _fmt_affine, load_volume, resample_to_grid, resize_volume, same_grid,
 )
-from medfl.prep.common import PrepError, check_text_encoding
+from medfl.prep.common import check_text_encoding
+from medfl.prep.errors import PrepError
 
 __all__ = ["ATLASES", "check_label_volume", "crop_cc_atlas", "rois_3mm_atlas", "read_coordinates",
            "sphere_atlas", "label_atlas", "atlas_table", "prepare_atlas", "write_atlas", "load_atlas",

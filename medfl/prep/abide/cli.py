@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,10 +27,8 @@ from medfl.prep.abide.phenotypic import (
 from medfl.prep.abide.volumes import (
     GRID_SHAPE, RESAMPLE_MODES, RESIZE_ASPECTS, load_derivative, resize_volume,
 )
-from medfl.prep.common import (
-    PrepError, PrepReport, base_parser, check_dirs, progress, save_array,
-    write_manifest, staged_main, NotDownloaded, check_file, keep_present,
-)
+from medfl.prep.common import PrepReport, PrepRun, base_parser, keep_present, prep_main, save_array
+from medfl.prep.errors import NotDownloaded, PrepError, check_file
 
 __all__ = ["build_parser", "main"]
 
@@ -116,29 +113,32 @@ def _size(values: Sequence[int] | None) -> tuple[int, int, int] | None:
     return (int(values[0]), int(values[1]), int(values[2]))
 
 
-@staged_main
-def main(argv: list[str] | None = None) -> int:
-    """Prepare ABIDE-I PCP derivatives: see ``python data_prep/abide.py --help``."""
-    args = build_parser().parse_args(argv)
+def _derivatives(args: argparse.Namespace) -> list[str]:
+    """``--derivatives`` as a list of distinct known names."""
     derivatives = [d.strip() for d in args.derivatives.split(",") if d.strip()]
     unknown = [d for d in derivatives if d not in DERIVATIVES]
     if not derivatives or unknown or len(set(derivatives)) != len(derivatives):
         raise PrepError(f"--derivatives: {args.derivatives!r}; expected distinct names from "
                         f"{', '.join(DERIVATIVES)}")
-    size = _size(args.size)
+    return derivatives
+
+
+def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    _derivatives(args)
+    _size(args.size)
     if args.test_fold is not None and not 0 <= args.test_fold < args.folds:
         raise PrepError(f"--test-fold {args.test_fold}: expected 0..{args.folds - 1} or none")
-    raw, out = check_dirs(args.raw, args.out, args.overwrite)
-    report = PrepReport("abide", str(raw), str(out), args.skip_bad,
-                        options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                        present_only=args.present_only)
 
-    layout = find_layout(raw, args.pipeline, args.strategy, derivatives, args.layout)
-    pheno = find_phenotypic(raw, args.phenotypic, layout)
-    table = read_phenotypic(pheno)
-    kept, excluded = select_rows(table, args.qc, args.max_mean_fd, pheno)
-    report.note(f"layout {layout.kind}: {layout.root}; phenotypic {pheno}")
 
+def main(argv: list[str] | None = None) -> int:
+    """Prepare ABIDE-I PCP derivatives: see ``python data_prep/abide.py --help``
+    (:func:`~medfl.prep.common.prep_main`)."""
+    return prep_main("abide", build_parser(), argv, _prepare, check=_check_args)
+
+
+def _subjects(report: PrepReport, kept: pd.DataFrame, pheno: Path) -> list[Subject]:
+    """The subjects of the phenotypic rows that passed quality control; a row that repeats
+    an earlier SUB_ID or FILE_ID is an error (skipped with ``--skip-bad``)."""
     subjects: list[Subject] = []
     seen: dict[tuple[str, Any], int] = {}
     for _, row in kept.iterrows():
@@ -150,12 +150,26 @@ def main(argv: list[str] | None = None) -> int:
         twice = [key for key in keys if key in seen]
         if twice:
             field, value = twice[0]
-            with report.guard(item, "phenotypic"):
-                raise PrepError(f"{item}: {field} {value} already appears on line {seen[twice[0]]}; "
-                                "expected one row per subject", item)
+            report.skip_or_raise(PrepError(f"{item}: {field} {value} already appears on line {seen[twice[0]]}; "
+                                           "expected one row per subject", item), item, "phenotypic")
             continue
         seen[("SUB_ID", subject.sub_id)] = seen[("FILE_ID", subject.file_id)] = subject.line
         subjects.append(subject)
+    return subjects
+
+
+def _prepare(run: PrepRun) -> None:
+    """The ABIDE part of :func:`main`: phenotypic rows, quality control, the atlas, one
+    stacked array of derivative maps per subject."""
+    args, raw, out, report = run.args, run.raw, run.out, run.report
+    derivatives, size = _derivatives(args), _size(args.size)
+    report.options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    layout = find_layout(raw, args.pipeline, args.strategy, derivatives, args.layout)
+    pheno = find_phenotypic(raw, args.phenotypic, layout)
+    table = read_phenotypic(pheno)
+    kept, excluded = select_rows(table, args.qc, args.max_mean_fd, pheno)
+    report.note(f"layout {layout.kind}: {layout.root}; phenotypic {pheno}")
+
     def locate(s: Subject) -> None:
         for d in derivatives:
             path = layout.path(s.file_id, d)
@@ -165,19 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                                     path)
             check_file(path, what)
 
-    subjects = keep_present(subjects, locate, report, name=lambda s: s.file_id)
+    subjects = keep_present(_subjects(report, kept, pheno), locate, report, name=lambda s: s.file_id)
     if args.limit is not None:
-        subjects = subjects[:max(0, args.limit)]
+        subjects = subjects[:args.limit]
     folds = assign_folds(subjects, args.folds, args.seed)
-
     atlas = prepare_atlas(args.atlas, raw, args.atlas_file, args.atlas_coords, args.sphere_radius)
-
-    if args.overwrite:  # nothing of the earlier run may survive next to the new one
-        for sub in ("arrays", "atlas"):
-            if (out / sub).is_dir():
-                shutil.rmtree(out / sub)
-        for name in ("manifest.csv", "report.json", "skipped.csv", "excluded.csv"):
-            (out / name).unlink(missing_ok=True)
     atlas_paths: dict[str, str] = {}
     if atlas is not None:
         name, labels, labels_table, source, notes = atlas
@@ -188,37 +194,33 @@ def main(argv: list[str] | None = None) -> int:
                               "atlas_labels": atlas_paths["labels_csv"], "atlas_name": name,
                               "atlas_source": source, "atlas_regions": int(len(labels_table))})
 
-    rows: list[dict[str, Any]] = []
     nonfinite: dict[str, dict[str, dict[str, int]]] = {}   # FILE_ID -> file -> NaN and inf voxels zeroed
-    resampled_n = 0
-    for subject, fold in progress(list(zip(subjects, folds)), "abide", total=len(subjects)):
-        def prepare(s: Subject = subject) -> tuple[np.ndarray, bool, dict[str, tuple[int, int]]]:
-            channels, flags, bad = [], [], {}
-            locate(s)
-            for d in derivatives:
-                vol, res, (nan, inf) = load_derivative(layout.path(s.file_id, d), args.resample,
-                                                       f"{d} map of {s.file_id}")
-                channels.append(vol)
-                flags.append(res)
-                if nan or inf:
-                    bad[d] = (nan, inf)
-            arr = np.stack(channels)
-            if size is not None:
-                arr, _ = resize_volume(arr, size, args.aspect, order=1)
-            return arr, any(flags), bad
 
-        ok, result = report.attempt(subject.file_id, prepare, "derivatives")
-        if not ok:
-            continue
-        arr, resampled, bad = result
-        resampled_n += int(resampled)
+    def read(s: Subject) -> tuple[np.ndarray, bool, dict[str, tuple[int, int]]]:
+        channels, flags, bad = [], [], {}
+        locate(s)
+        for d in derivatives:
+            vol, res, (nan, inf) = load_derivative(layout.path(s.file_id, d), args.resample,
+                                                   f"{d} map of {s.file_id}")
+            channels.append(vol)
+            flags.append(res)
+            if nan or inf:
+                bad[d] = (nan, inf)
+        arr = np.stack(channels)
+        if size is not None:
+            arr, _ = resize_volume(arr, size, args.aspect, order=1)
+        return arr, any(flags), bad
+
+    def make(item: tuple[Subject, int]) -> dict[str, Any]:
+        subject, fold = item
+        arr, resampled, bad = run.step(subject.file_id, lambda: read(subject), "derivatives")
         rel = save_array(out, f"arrays/{subject.file_id}.npy", arr)
         files = {d: layout.path(subject.file_id, d).relative_to(raw).as_posix() for d in derivatives}
         if bad:
             nonfinite[subject.file_id] = {files[d]: {"nan": n, "inf": i} for d, (n, i) in bad.items()}
             logger.warning(f"warning: subject {subject.file_id} (SUB_ID {subject.sub_id}): zeroed non-finite voxels in "
                            + "; ".join(f"{files[d]} ({n} NaN, {i} inf)" for d, (n, i) in bad.items()))
-        rows.append({
+        return {
             "sample_id": subject.file_id, "path": rel, "image_path": files[derivatives[0]],
             "label": subject.label, "class_name": subject.class_name, "subject_id": str(subject.sub_id),
             "site": subject.site, "sex": subject.sex,
@@ -230,7 +232,18 @@ def main(argv: list[str] | None = None) -> int:
             "channels": ",".join(derivatives), "resampled": resampled,
             "atlas": atlas_paths.get("data", ""),
             **{f"image_{d}": f for d, f in files.items()},
-        })
+        }
+
+    rows = run.each(list(zip(subjects, folds)), make)
+    _write(run, rows, excluded, nonfinite, {
+        "phenotypic_rows": int(len(table)), "selected": len(subjects), "array_shape": [len(derivatives), *(size or GRID_SHAPE)],
+        "channels": derivatives, "layout": layout.kind})
+
+
+def _write(run: PrepRun, rows: list[dict[str, Any]], excluded: list[dict[str, Any]],
+           nonfinite: dict[str, dict[str, dict[str, int]]], facts: dict[str, Any]) -> None:
+    """An empty split stops; the manifest, excluded.csv, notes and counts."""
+    args, out, report = run.args, run.out, run.report
     if rows:
         splits = {r["split"] for r in rows}
         wanted = {"train"} | ({"test"} if args.test_fold is not None else set())
@@ -239,32 +252,29 @@ def main(argv: list[str] | None = None) -> int:
                             f"({len(rows)} sample(s), folds {sorted({r['fold'] for r in rows})}, test "
                             f"fold {args.test_fold}); expected at least one sample - use fewer --folds, "
                             "another --test-fold, or --test-fold none", out)
-    df = write_manifest(out, rows, extra_order=[
-        "region", "region_client", "site_id", "age", "mean_fd", "fold", "dx_group", "file_id",
-        "channels", "resampled", "atlas"], classes=CLASS_NAMES, report=report)
+    df = run.manifest(rows, ["region", "region_client", "site_id", "age", "mean_fd", "fold", "dx_group",
+                             "file_id", "channels", "resampled", "atlas"], CLASS_NAMES)
     pd.DataFrame(excluded, columns=["sub_id", "file_id", "site_id", "line", "rule", "reason"]).to_csv(
         out / "excluded.csv", index=False)
     missing_regions = [r for r in REGION_ORDER if r not in set(df["region"])]
     if missing_regions:
         report.note(f"no samples from region(s) {', '.join(missing_regions)}: the natural split "
                     "by region will have fewer clients")
+    resampled_n = int(sum(r["resampled"] for r in rows))
     if resampled_n:
         report.note(f"{resampled_n} sample(s) had a volume on another grid, resampled ({args.resample})")
     rules = [e["rule"] for e in excluded]
     report.counts.update({
-        "phenotypic_rows": int(len(table)), "excluded": len(excluded),
+        "phenotypic_rows": facts["phenotypic_rows"], "excluded": len(excluded),
         "excluded_no_filename": rules.count("no_filename"), "excluded_qc": rules.count("qc"),
         "excluded_mean_fd": rules.count("mean_fd"),
-        "selected": len(subjects), "written": int(len(df)), "skipped": len(report.skipped),
+        "selected": facts["selected"], "written": int(len(df)), "skipped": len(report.skipped),
         "autism": int((df["label"] == 1).sum()), "control": int((df["label"] == 0).sum()),
         "train": int((df["split"] == "train").sum()), "test": int((df["split"] == "test").sum()),
         "per_region": {r: int((df["region"] == r).sum()) for r in REGION_ORDER},
-        "array_shape": [len(derivatives), *(size or GRID_SHAPE)], "channels": derivatives,
+        "array_shape": facts["array_shape"], "channels": facts["channels"],
         "resampled": resampled_n,
         "nonfinite_voxels_zeroed": sum(c["nan"] + c["inf"] for f in nonfinite.values() for c in f.values()),
         "nonfinite_voxels_zeroed_per_subject": nonfinite,
-        "layout": layout.kind, "excluded_csv": "excluded.csv",
+        "layout": facts["layout"], "excluded_csv": "excluded.csv",
     })
-    report.write(out)
-    print(report.summary())
-    return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from medfl.prep.abide.phenotypic import PHENOTYPIC_FILE
-from medfl.prep.common import PrepError
+from medfl.prep.errors import PrepError
 
 __all__ = ["PIPELINES", "STRATEGIES", "DERIVATIVES", "FEDSKD_DERIVATIVES", "MAP_SUFFIXES", "DerivativeLayout",
            "find_phenotypic", "find_layout"]

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from medfl.prep.common import PrepError, check_text_encoding, require_columns
+from medfl.prep.common import check_text_encoding, require_columns
+from medfl.prep.errors import PrepError
 
 __all__ = ["PHENOTYPIC_FILE", "CLASS_NAMES", "SITES", "REGIONS", "REGION_ORDER", "NILEARN_QC", "Subject",
            "is_missing", "read_phenotypic", "select_rows", "parse_subject", "assign_folds"]

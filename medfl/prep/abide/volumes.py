@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from medfl.prep.common import PrepError, check_file
+from medfl.prep.errors import PrepError, check_file
 
 __all__ = ["GRID_SHAPE", "GRID_AFFINE", "RESIZE_ASPECTS", "RESAMPLE_MODES", "load_volume", "same_grid",
            "resample_to_grid", "load_derivative", "resize_volume"]
@@ -43,7 +43,7 @@ def load_volume(path: str | Path, what: str = "NIfTI volume") -> tuple[np.ndarra
 
     Raises:
         PrepError: the file is missing, not a readable file (a directory, an empty file...:
-            :func:`~medfl.prep.common.check_file`), corrupt or truncated, or not 3D.
+            :func:`~medfl.prep.errors.check_file`), corrupt or truncated, or not 3D.
     """
     import nibabel as nib
 

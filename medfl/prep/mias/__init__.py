@@ -62,15 +62,6 @@ from medfl.prep.mias.pgm import PGM_HEADER_BYTES, PgmImage, read_pgm
 from medfl.prep.mias.cli import (
     breast_centre, build_parser, crop_square, find_info, index_images, main, subject_split,
 )
-# Names that were importable from the single module medfl/prep/mias.py stay importable here.
-from medfl.prep.mias.info import _REFNUM, _SEVERITY_RANK  # noqa: F401
-from medfl.prep.mias.pgm import _header_field, _pgm_header  # noqa: F401
-from medfl.prep.mias.cli import _check_args, _joined, _resolve  # noqa: F401
-from medfl.prep.common import (  # noqa: F401
-    ASPECT_MODES, NotDownloaded, PrepError, PrepReport, base_parser, check_dirs, check_file_size,
-    check_pixel_count, keep_present, progress, remove_stale_arrays, resize_image, save_array,
-    staged_main, write_manifest,
-)
 
 __all__ = [
     "INFO_COLUMNS", "BACKGROUND", "ABNORMALITY", "SEVERITY", "CLASS_SETS", "COORD_FRAME",

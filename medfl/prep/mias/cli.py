@@ -16,9 +16,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from medfl.prep.common import (
-    ASPECT_MODES, PrepError, PrepReport, base_parser, check_dirs, progress,
-    resize_image, remove_stale_arrays, save_array, write_manifest, staged_main, NotDownloaded, check_file, keep_present,
+    ASPECT_MODES, PrepReport, PrepRun, base_parser, keep_present, prep_main, resize_image, save_array,
 )
+from medfl.prep.errors import NotDownloaded, PrepError, check_file
 from medfl.prep.mias.info import (
     _REFNUM, BACKGROUND, CLASS_SETS, COORD_FRAME, SEVERITY, InfoRow, check_image_rows, image_label,
     info_to_pixel, parse_info_line, read_info_lines, subject_of,
@@ -192,41 +192,23 @@ def _check_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--test-fraction: expected a number in [0, 1), got {args.test_fraction}")
     if args.roi_size <= 0 or args.roi_margin <= 0:
         p.error("--roi-size, --roi-margin: expected positive numbers")
-    if args.limit is not None and args.limit < 1:
-        p.error("--limit: expected a positive number")
 
 
 def _joined(rows: Sequence[InfoRow], attr: str) -> str:
     return ";".join("" if getattr(r, attr) is None else str(getattr(r, attr)) for r in rows)
 
 
-@staged_main
 def main(argv: list[str] | None = None) -> int:
-    """Prepare mini-MIAS: parse ``argv``, write the manifest, arrays and report into ``--out``.
+    """Prepare mini-MIAS as ``argv`` says (:func:`~medfl.prep.common.prep_main`); an empty
+    split stops even with ``--skip-bad``."""
+    return prep_main("mias", build_parser(), argv, _prepare, check=_check_args)
 
-    Returns:
-        0 on success.
 
-    Raises:
-        PrepError: bad input (see :mod:`medfl.prep.mias`); per-image problems only without
-            ``--skip-bad``; an empty split in any case.
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_args(args, parser)
-    raw, out = check_dirs(args.raw, args.out, args.overwrite)
-    info_path = find_info(raw, args.info)
-    if args.overwrite:  # arrays are rewritten below: never leave an old manifest naming them
-        (out / "manifest.csv").unlink(missing_ok=True)
-    info_rel = info_path.relative_to(raw).as_posix() if raw in info_path.parents else str(info_path)
-    names = CLASS_SETS[args.classes]
-    report = PrepReport("mias", str(raw), str(out), skip_bad=args.skip_bad, options={
-        "info": str(info_path), "classes": args.classes, "size": args.size, "aspect": args.aspect,
-        "roi": args.roi, "roi_size": args.roi_size if args.roi else None,
-        "roi_margin": args.roi_margin if args.roi else None, "test_fraction": args.test_fraction,
-        "seed": args.seed, "limit": args.limit}, present_only=args.present_only)
-
-    # Info.txt: the file itself must be sound; a bad line drops its image (with --skip-bad).
+def _read_info(report: PrepReport, info_path: Path, info_rel: str
+               ) -> tuple[str | None, list[tuple[int, str]], dict[str, list[InfoRow]], dict[str, int]]:
+    """Info.txt's header and lines, its rows by image and the images with an invalid line
+    (refnum -> line). The file itself must be sound; a bad line drops its image (with
+    ``--skip-bad``), and so does an image whose lines disagree."""
     header, lines = read_info_lines(info_path)
     images: dict[str, list[InfoRow]] = defaultdict(list)
     bad: dict[str, int] = {}
@@ -248,6 +230,21 @@ def main(argv: list[str] | None = None) -> int:
                                lambda: check_image_rows(images[ref], info_rel), "Info.txt")
         if not ok:
             del images[ref]
+    return header, lines, images, bad
+
+
+def _prepare(run: PrepRun) -> None:
+    """The MIAS part of :func:`main`: Info.txt, one sample per image (or per ROI), the split."""
+    args, raw, out, report = run.args, run.raw, run.out, run.report
+    info_path = find_info(raw, args.info)
+    info_rel = info_path.relative_to(raw).as_posix() if raw in info_path.parents else str(info_path)
+    names = CLASS_SETS[args.classes]
+    report.options = {
+        "info": str(info_path), "classes": args.classes, "size": args.size, "aspect": args.aspect,
+        "roi": args.roi, "roi_size": args.roi_size if args.roi else None,
+        "roi_margin": args.roi_margin if args.roi else None, "test_fraction": args.test_fraction,
+        "seed": args.seed, "limit": args.limit}
+    header, lines, images, bad = _read_info(report, info_path, info_rel)
     order = sorted(images, key=lambda r: images[r][0].number)
     files = index_images(raw)
     order = keep_present(order, lambda r: _resolve(files, r, f"{info_rel} line {images[r][0].line}", raw),
@@ -260,25 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         report.note(f"{len(unlisted)} .pgm file(s) not listed in Info.txt were ignored: "
                     + ", ".join(unlisted[:10]) + (" ..." if len(unlisted) > 10 else ""))
 
-    samples: list[dict[str, Any]] = []
     sizes: Counter[str] = Counter()
-    excluded_normal = 0
-    trailing = 0
-    for ref in progress(considered, "mias", total=len(considered)):
+    tally: Counter[str] = Counter()
+
+    def make(ref: str) -> list[dict[str, Any]] | None:
         rows = images[ref]
         image_class = image_label(rows)
         if image_class not in names:
-            excluded_normal += 1
-            continue
+            tally["excluded_normal"] += 1
+            return None
         where = f"{info_rel} line {rows[0].line}"
-        ok, path = report.attempt(f"{ref}.pgm", lambda: _resolve(files, ref, where, raw), "image")
-        if not ok:
-            continue
-        ok, pgm = report.attempt(path, lambda: read_pgm(path), "image")
-        if not ok:
-            continue
+        path = run.step(f"{ref}.pgm", lambda: _resolve(files, ref, where, raw), "image")
+        pgm = run.step(path, lambda: read_pgm(path), "image")
         sizes[f"{pgm.shape[1]}x{pgm.shape[0]}"] += 1
-        trailing += pgm.trailing_bytes > 0
+        tally["trailing"] += pgm.trailing_bytes > 0
         img = pgm.pixels.astype(np.float32) / float(pgm.maxval)
         base = {
             "image_path": path.relative_to(raw).as_posix(),
@@ -287,42 +279,64 @@ def main(argv: list[str] | None = None) -> int:
             "background": rows[0].background, "tissue": BACKGROUND[rows[0].background],
             "image_class": image_class,
         }
-        if not args.roi:
-            arr = resize_image(img, (args.size, args.size), args.aspect)[None]
-            samples.append({**base, "sample_id": ref, "class_name": image_class,
-                            "path": save_array(out, f"arrays/{ref}.npy", arr),
-                            "abnormality": _joined(rows, "abnormality"),
-                            "severity": _joined(rows, "severity"), "x": _joined(rows, "x"),
-                            "y": _joined(rows, "y"), "radius": _joined(rows, "radius"),
-                            "num_abnormalities": sum(r.abnormality != "NORM" for r in rows),
-                            "info_lines": _joined(rows, "line")})
-            continue
-        w = img.shape[1]
-        for i, r in enumerate(rows, start=1):
-            if r.abnormality == "NORM":
-                crow, ccol = breast_centre(img)
-                side, sid, cls = args.roi_size, f"{ref}_roi", "normal"
-            elif not r.has_coordinates:
-                report.skip(f"{info_rel} line {r.line}",
+        if args.roi:
+            return _roi_samples(run, rows, img, base, info_rel)
+        arr = resize_image(img, (args.size, args.size), args.aspect)[None]
+        return {**base, "sample_id": ref, "class_name": image_class,
+                "path": save_array(out, f"arrays/{ref}.npy", arr),
+                "abnormality": _joined(rows, "abnormality"),
+                "severity": _joined(rows, "severity"), "x": _joined(rows, "x"),
+                "y": _joined(rows, "y"), "radius": _joined(rows, "radius"),
+                "num_abnormalities": sum(r.abnormality != "NORM" for r in rows),
+                "info_lines": _joined(rows, "line")}
+
+    samples = run.each(considered, make)
+    read = {"info_lines": len(lines), "info_header": header is not None,
+            "images_in_info": len({t.split()[0] for _, t in lines}), "pgm_files": len(files),
+            "considered": len(considered), "excluded_normal": tally["excluded_normal"],
+            "images_read": sum(sizes.values())}
+    _write(run, samples, names, read, sizes, tally["trailing"])
+
+
+def _roi_samples(run: PrepRun, rows: Sequence[InfoRow], img: np.ndarray, base: dict[str, Any],
+                 info_rel: str) -> list[dict[str, Any]]:
+    """With ``--roi``: one crop per abnormality line of an image (centred on X, Y), or one
+    breast-centred crop of a normal image; a line without coordinates is skipped."""
+    args, ref = run.args, base["refnum"]
+    samples = []
+    w = img.shape[1]
+    for i, r in enumerate(rows, start=1):
+        if r.abnormality == "NORM":
+            crow, ccol = breast_centre(img)
+            side, sid, cls = args.roi_size, f"{ref}_roi", "normal"
+        elif not r.has_coordinates:
+            run.report.skip(f"{info_rel} line {r.line}",
                             f"{ref}: {r.abnormality} {r.severity} has no coordinates in "
                             "Info.txt, so no ROI can be cropped (not an error)", "roi")
-                continue
-            else:
-                crow, ccol = info_to_pixel(r.x, r.y, img.shape)  # type: ignore[arg-type]
-                side = max(args.roi_size, 2 * r.radius * args.roi_margin)  # type: ignore[operator]
-                sid, cls = f"{ref}_roi{i}", SEVERITY[r.severity]  # type: ignore[index]
-            side_px = side * w / COORD_FRAME
-            crop = crop_square(img, crow, ccol, side_px)
-            arr = resize_image(crop, (args.size, args.size), "stretch")[None]
-            samples.append({**base, "sample_id": sid, "class_name": cls,
-                            "path": save_array(out, f"arrays/{sid}.npy", arr),
-                            "abnormality": r.abnormality, "severity": r.severity or "",
-                            "x": "" if r.x is None else r.x, "y": "" if r.y is None else r.y,
-                            "radius": "" if r.radius is None else r.radius,
-                            "num_abnormalities": sum(q.abnormality != "NORM" for q in rows),
-                            "info_lines": str(r.line), "roi_row": round(crow, 2),
-                            "roi_col": round(ccol, 2), "roi_side": round(side_px, 2)})
+            continue
+        else:
+            crow, ccol = info_to_pixel(r.x, r.y, img.shape)  # type: ignore[arg-type]
+            side = max(args.roi_size, 2 * r.radius * args.roi_margin)  # type: ignore[operator]
+            sid, cls = f"{ref}_roi{i}", SEVERITY[r.severity]  # type: ignore[index]
+        side_px = side * w / COORD_FRAME
+        crop = crop_square(img, crow, ccol, side_px)
+        arr = resize_image(crop, (args.size, args.size), "stretch")[None]
+        samples.append({**base, "sample_id": sid, "class_name": cls,
+                        "path": save_array(run.out, f"arrays/{sid}.npy", arr),
+                        "abnormality": r.abnormality, "severity": r.severity or "",
+                        "x": "" if r.x is None else r.x, "y": "" if r.y is None else r.y,
+                        "radius": "" if r.radius is None else r.radius,
+                        "num_abnormalities": sum(q.abnormality != "NORM" for q in rows),
+                        "info_lines": str(r.line), "roi_row": round(crow, 2),
+                        "roi_col": round(ccol, 2), "roi_side": round(side_px, 2)})
+    return samples
 
+
+def _write(run: PrepRun, samples: list[dict[str, Any]], names: Sequence[str], read: dict[str, Any],
+           sizes: Counter[str], trailing: int) -> None:
+    """Labels, the test split by woman, counts and notes, then the manifest (an empty split
+    stops, the report kept)."""
+    args, report = run.args, run.report
     for s in samples:
         s["label"] = names.index(s["class_name"])
     split_of = subject_split([s["subject_id"] for s in samples], [s["label"] for s in samples],
@@ -331,11 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         s["split"] = split_of[s["subject_id"]]
     splits = Counter(s["split"] for s in samples)
     report.counts = {
-        "info_lines": len(lines), "info_header": header is not None,
-        "images_in_info": len({t.split()[0] for _, t in lines}), "pgm_files": len(files),
-        "considered": len(considered), "excluded_normal": excluded_normal,
-        "images_read": sum(sizes.values()), "samples": len(samples),
-        "skipped": len(report.skipped),
+        **read, "samples": len(samples), "skipped": len(report.skipped),
         "classes": {c: sum(s["class_name"] == c for s in samples) for c in names},
         "splits": {k: splits.get(k, 0) for k in ("train", "test")},
         "subjects": len(split_of),
@@ -356,22 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     if samples and args.test_fraction > 0:
         for split in ("train", "test"):
             if not splits.get(split):
-                report.write(out)
-                raise PrepError(f"--test-fraction {args.test_fraction}: the {split} split is "
-                                f"empty ({len(split_of)} woman/women in {len(samples)} sample(s) "
-                                "after skipping); expected at least two women per class, or "
-                                "use --test-fraction 0", "--test-fraction")
+                run.stop(f"--test-fraction {args.test_fraction}: the {split} split is "
+                         f"empty ({len(split_of)} woman/women in {len(samples)} sample(s) "
+                         "after skipping); expected at least two women per class, or "
+                         "use --test-fraction 0", "--test-fraction")
         missing = [c for c in names if not any(s["split"] == "test" and s["class_name"] == c
                                                for s in samples)]
         if missing:
             report.note(f"the test split has no {', '.join(missing)} sample")
     if not samples:
-        report.write(out)
-    table = write_manifest(out, samples, extra_order=[
-        "refnum", "image_number", "background", "tissue", "image_class", "abnormality",
-        "severity", "x", "y", "radius", "num_abnormalities", "info_lines"], classes=names, report=report)
-    if args.overwrite:
-        remove_stale_arrays(out, set(table["path"]), report)
-    report.write(out)
-    print(report.summary())
-    return 0
+        report.write(run.out)
+    run.manifest(samples, ["refnum", "image_number", "background", "tissue", "image_class", "abnormality",
+                           "severity", "x", "y", "radius", "num_abnormalities", "info_lines"], names)

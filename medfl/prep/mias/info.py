@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from medfl.prep.common import PrepError, check_text_encoding
+from medfl.prep.common import check_text_encoding
+from medfl.prep.errors import PrepError
 
 __all__ = [
     "INFO_COLUMNS", "BACKGROUND", "ABNORMALITY", "SEVERITY", "CLASS_SETS", "COORD_FRAME", "InfoRow",

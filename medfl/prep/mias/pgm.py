@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from medfl.prep.common import PrepError, check_file_size, check_pixel_count
+from medfl.prep.common import check_file_size, check_pixel_count
+from medfl.prep.errors import PrepError
 
 __all__ = ["PgmImage", "PGM_HEADER_BYTES", "read_pgm"]
 
