@@ -315,7 +315,19 @@ def test_readme_names_only_what_the_example_code_uses():
     assert stale == [], f"examples/medfl-plugin-example/README.md names what its code does not use: {stale}"
 
 
-# ------------------------------------------------------------------ FedRep (issue 66)
+# ------------------------------------------------------------------ FedRep and the quick start (issue 66)
+
+FEDREP_SOURCE = EXAMPLE / "medfl_fedrep.py"
+
+
+def _section(heading: str) -> str:
+    """docs/plugins.md from the ``heading`` line up to the next heading of its level or above."""
+    text = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    start = text.index(f"\n{heading}\n")
+    level = heading.split(" ")[0]
+    ends = [m.start() for m in re.finditer(r"^#{1,%d} " % len(level), text[start + 1:], flags=re.M)][1:]
+    return text[start:start + 1 + ends[0]] if ends else text[start:]
+
 
 @contextmanager
 def _plugins(*modules: types.ModuleType):
@@ -330,6 +342,44 @@ def _plugins(*modules: types.ModuleType):
     finally:
         for module in modules:
             pm.unregister(name=module.__name__)
+
+
+def _module(name: str, source: str) -> types.ModuleType:
+    """``source`` executed as a fresh module ``name`` (not kept in ``sys.modules``)."""
+    module = types.ModuleType(name)
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)
+    return module
+
+
+def test_quick_start_shows_the_example_fedrep_verbatim_and_its_entry_points():
+    """The quick start's method is the example's module, character for character, and its
+    ``pyproject.toml`` lines name both of its modules."""
+    section = _section("## Quick start: a method and a model plugin")
+    assert FEDREP_SOURCE.read_text(encoding="utf-8") in _blocks(section, "python")
+    (toml_block,) = _blocks(section, "toml")
+    documented = tomllib.loads(toml_block)
+    assert documented["project"]["entry-points"]["medfl"] == {"fedrep": "medfl_fedrep", "tiny_net": "medfl_tiny_net"}
+    assert documented["tool"]["setuptools"]["py-modules"] == ["medfl_fedrep", "medfl_tiny_net"]
+
+
+def test_quick_start_runs_as_printed_with_relative_paths(tiny_fl, tmp_path, monkeypatch):
+    """The quick start's two modules, as the docs print them, train together in process; the
+    config's relative data root and output_dir are read in the folder the run starts in
+    (docs/running.md, *Relative paths under each backend*)."""
+    method, model = [b for b in _blocks(_section("## Quick start: a method and a model plugin"), "python")
+                     if "@hookimpl" in b]
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    tiny_fl.update(rounds=1, output_dir="runs", plots=False, model={"name": "tiny_net", "width": 4},
+                   methods=[{"name": "fedrep", "head_epochs": 1, "body_epochs": 1}])
+    tiny_fl["dataset"]["root"] = "data"
+    with _plugins(_module("docs_fedrep", method), _module("docs_tiny_net", model)):
+        out = run_experiment(resolve_config(tiny_fl))
+    assert Path(out["dir"]).resolve() == here / "runs" / "t" and (here / "data").is_dir()
+    summary = json.loads((here / "runs" / "t" / "fedrep" / "summary.json").read_text())
+    assert 0 <= summary["final"]["local_test"]["accuracy"]["mean"] <= 1
+    assert set(pd.read_csv(here / "runs" / "t" / "fedrep" / "train_metrics.csv")) >= {"loss", "head_loss", "steps"}
 
 
 def _fedrep_run(tiny_fl, monkeypatch, **fedrep) -> tuple[Path, list[dict], dict]:
@@ -417,3 +467,16 @@ def test_fedrep_refuses_a_schedule_without_epochs_and_a_model_without_a_head():
     with pytest.raises(MethodConfigError, match="fedrep: model Linear has no head_keys"):
         fedrep.FedRep().local_keys(torch.nn.Linear(2, 2))
 
+
+def test_every_line_of_the_names_table_imports():
+    """docs/plugins.md's *Names and where to import them*: each line imports as written, and
+    the table covers the names plugin authors had to guess."""
+    section = _section("## Names and where to import them")
+    lines = re.findall(r"^\| `(from [\w.]+ import [\w, ]+)` \|", section, flags=re.M)
+    assert lines and len(lines) == section.count("\n| `")
+    for line in lines:
+        exec(line, {})
+    named = {n.strip() for line in lines for n in line.split(" import ")[1].split(",")}
+    assert {"Method", "Instruction", "Reply", "Federation", "ClientContext", "Preset", "MethodConfigError", "OwnDp",
+            "hookimpl", "Filter", "train_epochs", "HubAndSpoke", "PublicData", "SampleRelease", "Tracker", "Backend",
+            "PluginError", "PluginWarning"} <= named
