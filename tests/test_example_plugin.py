@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -9,11 +10,15 @@ import subprocess
 import sys
 import tomllib
 import types
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+
+from medfl.config import resolve_config
+from medfl.experiment import resume, run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "medfl-plugin-example"
@@ -29,27 +34,27 @@ def example_env(tmp_path_factory) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(target))
 
 
-def test_median_aggregation_hand_computed():
+def _example_module(name: str) -> types.ModuleType:
+    """The example's module ``name``, imported from its folder."""
     sys.path.insert(0, str(EXAMPLE))
     try:
-        from medfl_median import FedMedian
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(EXAMPLE))
+
+
+def _example():
+    return _example_module("medfl_median")
+
+
+def test_median_aggregation_hand_computed():
+    FedMedian = _example().FedMedian
     states = [{"w": torch.tensor([1.0, 9.0])}, {"w": torch.tensor([2.0, -5.0])},
               {"w": torch.tensor([100.0, 0.0])}]
     out = FedMedian().aggregate(states, [1, 1, 1])
     assert out["w"].tolist() == [2.0, 0.0]
     out = FedMedian().aggregate(states[:2], [1, 1])
     assert out["w"].tolist() == [1.5, 2.0]
-
-
-def _example():
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        import medfl_median
-    finally:
-        sys.path.remove(str(EXAMPLE))
-    return medfl_median
 
 
 def test_snapshots_are_ranked_by_mean_validation_accuracy():
@@ -102,6 +107,7 @@ def test_installed_example_plugin_is_listed_and_runs(tmp_path, tiny_fl, example_
     assert plugin["registered"] == {"method": ["dp_fedavg_opacus", "dp_shared_images", "median", "median_snapshots"],
                                     "filter": ["half"]}
     assert info["medfl-plugin-example:stem_cnn"]["registered"] == {"model": ["stem_cnn"]}   # its model plugin
+    assert info["medfl-plugin-example:fedrep"]["registered"] == {"method": ["fedrep"]}
     # medfl plugins NAME --json carries each preset value's source (issue 48)
     described = subprocess.run([sys.executable, "-m", "medfl.cli", "plugins", "median_snapshots", "--json"], env=env,
                                capture_output=True, text=True, check=True)
@@ -307,3 +313,170 @@ def test_readme_names_only_what_the_example_code_uses():
     named = set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", (EXAMPLE / "README.md").read_text(encoding="utf-8")))
     stale = sorted(n for n in named if not re.search(rf"\b{n}\b", code) and re.sub(r"_\d+$", "_{", n) not in code)
     assert stale == [], f"examples/medfl-plugin-example/README.md names what its code does not use: {stale}"
+
+
+# ------------------------------------------------------------------ FedRep and the quick start (issue 66)
+
+FEDREP_SOURCE = EXAMPLE / "medfl_fedrep.py"
+
+
+def _section(heading: str) -> str:
+    """docs/plugins.md from the ``heading`` line up to the next heading of its level or above."""
+    text = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    start = text.index(f"\n{heading}\n")
+    level = heading.split(" ")[0]
+    ends = [m.start() for m in re.finditer(r"^#{1,%d} " % len(level), text[start + 1:], flags=re.M)][1:]
+    return text[start:start + 1 + ends[0]] if ends else text[start:]
+
+
+@contextmanager
+def _plugins(*modules: types.ModuleType):
+    """``modules`` registered as plugins under their module names for the block."""
+    from medfl.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    try:
+        for module in modules:
+            pm.register(module, name=module.__name__)
+        yield
+    finally:
+        for module in modules:
+            pm.unregister(name=module.__name__)
+
+
+def _module(name: str, source: str) -> types.ModuleType:
+    """``source`` executed as a fresh module ``name`` (not kept in ``sys.modules``)."""
+    module = types.ModuleType(name)
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)
+    return module
+
+
+def test_quick_start_shows_the_example_fedrep_verbatim_and_its_entry_points():
+    """The quick start's method is the example's module, character for character, and its
+    ``pyproject.toml`` lines name both of its modules."""
+    section = _section("## Quick start: a method and a model plugin")
+    assert FEDREP_SOURCE.read_text(encoding="utf-8") in _blocks(section, "python")
+    (toml_block,) = _blocks(section, "toml")
+    documented = tomllib.loads(toml_block)
+    assert documented["project"]["entry-points"]["medfl"] == {"fedrep": "medfl_fedrep", "tiny_net": "medfl_tiny_net"}
+    assert documented["tool"]["setuptools"]["py-modules"] == ["medfl_fedrep", "medfl_tiny_net"]
+
+
+def test_quick_start_runs_as_printed_with_relative_paths(tiny_fl, tmp_path, monkeypatch):
+    """The quick start's two modules, as the docs print them, train together in process; the
+    config's relative data root and output_dir are read in the folder the run starts in
+    (docs/running.md, *Relative paths under each backend*)."""
+    method, model = [b for b in _blocks(_section("## Quick start: a method and a model plugin"), "python")
+                     if "@hookimpl" in b]
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    tiny_fl.update(rounds=1, output_dir="runs", plots=False, model={"name": "tiny_net", "width": 4},
+                   methods=[{"name": "fedrep", "head_epochs": 1, "body_epochs": 1}])
+    tiny_fl["dataset"]["root"] = "data"
+    with _plugins(_module("docs_fedrep", method), _module("docs_tiny_net", model)):
+        out = run_experiment(resolve_config(tiny_fl))
+    assert Path(out["dir"]).resolve() == here / "runs" / "t" and (here / "data").is_dir()
+    summary = json.loads((here / "runs" / "t" / "fedrep" / "summary.json").read_text())
+    assert 0 <= summary["final"]["local_test"]["accuracy"]["mean"] <= 1
+    assert set(pd.read_csv(here / "runs" / "t" / "fedrep" / "train_metrics.csv")) >= {"loss", "head_loss", "steps"}
+
+
+def _fedrep_run(tiny_fl, monkeypatch, **fedrep) -> tuple[Path, list[dict], dict]:
+    """FedRep of the example on the tiny job (small_cnn, 3 clients), in process; what each
+    phase of each client step trained (``phases``) and each client's reply (``replies``)."""
+    module = _example_module("medfl_fedrep")
+    phases, replies = [], {}
+    real_train, real_update = module.train_epochs, module.FedRep.client_update
+
+    def train_epochs(model, loader, optimizer, epochs, **kw):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        stats = real_train(model, loader, optimizer, epochs, **kw)
+        phases.append({"trained": {n for n, p in model.named_parameters() if p.requires_grad},
+                       "changed": {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}})
+        return stats
+
+    def client_update(self, client, instruction):
+        reply = real_update(self, client, instruction)
+        replies[(client.round, client.client_id)] = reply.payload["model"]
+        return reply
+
+    monkeypatch.setattr(module, "train_epochs", train_epochs)
+    monkeypatch.setattr(module.FedRep, "client_update", client_update)
+    tiny_fl.update(plots=False, methods=[{"name": "fedrep", **fedrep}])
+    with _plugins(module):
+        out = run_experiment(resolve_config(tiny_fl))
+    return Path(out["dir"]) / "fedrep", phases, replies
+
+
+def test_fedrep_keeps_each_head_at_its_client_and_averages_the_bodies(tiny_fl, monkeypatch):
+    """After a round, the coordinator holds only the body, the uniform mean of the replies'
+    bodies; each client's state holds its own head, and the heads differ; each client step
+    trained the head alone (the body's parameters unchanged), then the body alone."""
+    run, phases, replies = _fedrep_run(tiny_fl, monkeypatch, head_epochs=2, body_epochs=1)
+    body = torch.load(run / "checkpoints" / "round_0002.pt", weights_only=True)["method"]["global"]
+    assert body and not any(k.startswith("head.") for k in body)
+    sent = [replies[(2, cid)] for cid in ("0", "1", "2")]
+    for k, v in body.items():
+        assert all(list(s) == list(body) for s in sent)
+        mean = torch.stack([s[k].double() for s in sent]).mean(0)
+        assert torch.allclose(v.double(), mean.round() if not v.is_floating_point() else mean, atol=1e-6), k
+    heads = [torch.load(run / "clients" / cid / "state_r0002.pt", weights_only=True)["local"] for cid in ("0", "1", "2")]
+    assert all(sorted(h) == ["head.bias", "head.weight"] for h in heads)
+    assert not torch.equal(heads[0]["head.weight"], heads[1]["head.weight"])
+    assert not torch.equal(heads[1]["head.weight"], heads[2]["head.weight"])
+    params = phases[0]["trained"] | phases[1]["trained"]
+    assert len(phases) == 2 * 3 * 2   # two phases, three clients, two rounds
+    for head, body_phase in zip(phases[::2], phases[1::2]):
+        assert head["trained"] == {"head.weight", "head.bias"} and head["changed"] <= head["trained"]
+        assert body_phase["trained"] == params - head["trained"] and body_phase["changed"] <= body_phase["trained"]
+        assert head["changed"] and body_phase["changed"]
+
+
+def test_fedrep_resumed_run_gives_the_same_numbers(tiny_fl, monkeypatch):
+    """Stopped after round 2 of 3 and resumed, FedRep (its heads in the clients' saved state)
+    writes the uninterrupted run's numbers."""
+    from medfl.engine.runner import Run
+
+    tiny_fl.update(rounds=3)
+    full, _, _ = _fedrep_run(dict(tiny_fl, name="full"), monkeypatch, head_epochs=1, body_epochs=1)
+    real = Run.run_round
+
+    def run_round(self, r, pm):
+        if r == 3:
+            raise KeyboardInterrupt
+        return real(self, r, pm)
+
+    monkeypatch.setattr(Run, "run_round", run_round)
+    with pytest.raises(KeyboardInterrupt):
+        _fedrep_run(dict(tiny_fl, name="cut"), monkeypatch, head_epochs=1, body_epochs=1)
+    monkeypatch.setattr(Run, "run_round", real)
+    cut = Path(tiny_fl["output_dir"]) / "cut"
+    with _plugins(_example_module("medfl_fedrep")):
+        resume(cut)
+    for f in ("metrics.csv", "train_metrics.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(full / f), pd.read_csv(cut / "fedrep" / f), check_exact=True, obj=f)
+
+
+def test_fedrep_refuses_a_schedule_without_epochs_and_a_model_without_a_head():
+    from medfl import MethodConfigError
+
+    fedrep = _example_module("medfl_fedrep")
+    with pytest.raises(MethodConfigError, match="fedrep: head_epochs and body_epochs must be >= 0 and not both 0"):
+        fedrep.FedRep(head_epochs=0, body_epochs=0)
+    with pytest.raises(MethodConfigError, match="fedrep: model Linear has no head_keys"):
+        fedrep.FedRep().local_keys(torch.nn.Linear(2, 2))
+
+
+def test_every_line_of_the_names_table_imports():
+    """docs/plugins.md's *Names and where to import them*: each line imports as written, and
+    the table covers the names plugin authors had to guess."""
+    section = _section("## Names and where to import them")
+    lines = re.findall(r"^\| `(from [\w.]+ import [\w, ]+)` \|", section, flags=re.M)
+    assert lines and len(lines) == section.count("\n| `")
+    for line in lines:
+        exec(line, {})
+    named = {n.strip() for line in lines for n in line.split(" import ")[1].split(",")}
+    assert {"Method", "Instruction", "Reply", "Federation", "ClientContext", "Preset", "MethodConfigError", "OwnDp",
+            "hookimpl", "Filter", "train_epochs", "HubAndSpoke", "PublicData", "SampleRelease", "Tracker", "Backend",
+            "PluginError", "PluginWarning"} <= named
