@@ -217,7 +217,8 @@ def _tracking_option(sp: argparse.ArgumentParser) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Print a run's summary table and (re)write its plots (an experiment's too)."""
-    from medfl.report import format_table, summary_table, write_experiment_plots, write_plots
+    from medfl.report import format_table, summary_table
+    from medfl.report_plots import write_experiment_plots, write_plots
 
     from medfl.runs import missing_folder
 

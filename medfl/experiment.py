@@ -88,7 +88,8 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
     A method whose directory already holds a run is resumed; one that never started runs
     from round 1 on ``data`` (the experiment's split, reloaded from ``partition.csv`` when
     ``None``). Writes ``comparison.csv`` once every method has finished."""
-    from medfl.report import plots_wanted, write_comparison
+    from medfl.plotting import plots_wanted
+    from medfl.report import write_comparison
 
     summaries: dict[str, Any] = {}
     for spec in cfg["methods"]:
@@ -114,7 +115,8 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
 
     Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
     (``None`` while a fold is unfinished), "folds"}``."""
-    from medfl.report import plots_wanted, write_cv_report
+    from medfl.plotting import plots_wanted
+    from medfl.report_repeats import write_cv_report
 
     folds = int(cfg["cv"]["folds"])
     source = None
@@ -142,11 +144,12 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
                       run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every seed of ``cfg["seeds"]`` as its own experiment in ``exp_dir/seed_<s>`` (the seed
     draws the split, the models' initialisation and the training order alike), then the
-    report of mean ± std over seeds (:func:`medfl.report.write_seeds_report`).
+    report of mean ± std over seeds (:func:`medfl.report_repeats.write_seeds_report`).
 
     Returns ``{"dir", "summaries": {"seed_<s>": {label: summary}}, "seeds": the report
     (``None`` while a seed is unfinished), "seed_list"}``."""
-    from medfl.report import plots_wanted, write_seeds_report
+    from medfl.plotting import plots_wanted
+    from medfl.report_repeats import write_seeds_report
 
     seeds = [int(s) for s in cfg["seeds"]]
     source = None
@@ -180,13 +183,13 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
     With cross-validation (``cv.folds`` > 1) each fold is such an experiment in
     ``fold_<k>/`` and the experiment directory gets ``cv_results.csv``, ``cv_table.csv``,
     ``cv_table.md``, ``cv_summary.json`` and ``cv_<metric>.png``
-    (:func:`medfl.report.write_cv_report`); the result's ``summaries`` are then keyed by
+    (:func:`medfl.report_repeats.write_cv_report`); the result's ``summaries`` are then keyed by
     fold (``fold_<k>``) and it also holds ``cv`` (the CV summary) and ``folds``.
 
     With ``seeds`` (a list) the whole experiment runs once per seed in ``seed_<s>/`` and
     the experiment directory gets ``seeds_results.csv``, ``seeds_summary.json``,
     ``seeds_table.csv``, ``seeds_table.md`` and ``seeds_metrics.png`` (mean ± std over
-    seeds; :func:`medfl.report.write_seeds_report`); ``summaries`` are keyed by seed
+    seeds; :func:`medfl.report_repeats.write_seeds_report`); ``summaries`` are keyed by seed
     (``seed_<s>``) and the result also holds ``seeds`` (that summary) and ``seed_list``.
 
     Args:
