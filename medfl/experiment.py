@@ -20,7 +20,8 @@ from medfl.backend import Backend, backend_of, recorded_backend
 from medfl.config import method_label, set_threads
 from medfl.engine.checkpoints import REFUSALS
 from medfl.engine.data import FederatedData, split_data, warn_straddling
-from medfl.engine.runner import Run, RunError, RunFactory, _write_json, build_source
+from medfl.engine.runner import Run, RunError, RunFactory, build_source
+from medfl.integrity import write_json
 from medfl.logs import file_log
 from medfl.plugins import get_plugin_manager, pinned_names
 
@@ -129,7 +130,7 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
             source = source or build_source(cfg["dataset"])
             data = split_data(source, cfg, fold=k)
             fold_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
+            write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
             data.save(fold_dir / "partition.csv")
             warn_straddling(data.report, f"fold_{k}")
         out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds, run_factory)
@@ -162,7 +163,7 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
             source = source or build_source(cfg["dataset"])
             data = split_data(source, seed_cfg)
             seed_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
+            write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
             data.save(seed_dir / "partition.csv")
             warn_straddling(data.report, f"seed_{s}")
         out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
@@ -309,7 +310,7 @@ def _experiment_in(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | Non
                    meta: dict[str, Any] | None) -> dict[str, Any]:
     """:func:`_experiment` once its directory ``exp_dir`` exists (its ``log.txt`` open):
     ``data`` is the split of a plain experiment (``None`` with folds or seeds)."""
-    _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
+    write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
     return _tracked(exp_dir, cfg, cfg.get("tracking") or [], run_factory, True,
                     lambda factory: _methods_of(cfg, exp_dir, data, factory, meta))
 

@@ -62,7 +62,8 @@ import pandas as pd
 
 from medfl.config import ConfigError
 from medfl.plugins import lookup
-from medfl.rundir import RunDir, _write_json
+from medfl.integrity import write_json
+from medfl.rundir import RunDir
 
 __all__ = ["Tracker", "TrackerWarning", "Tracking", "flatten_params", "round_scalars", "headline_figures",
            "TABLE_SECTIONS",
@@ -445,7 +446,7 @@ class Tracking:
         with self._lock:
             if self._closed:   # a call abandoned at the session's end returned later: the session is over
                 return
-            _write_json(self.root / TRACKING_FILE, self.state)
+            write_json(self.root / TRACKING_FILE, self.state)
 
     def _entry(self, tracker: str, key: str) -> dict[str, Any]:
         with self._lock:
