@@ -220,7 +220,7 @@ class RunDir:
         self.log = FileLog(self.path)
         self._csv = GrowingCsv()   # the CSVs rewritten every round, formatted row by row once
         #: who is told of every per-round table written and every status (experiment tracking,
-        #: :class:`medfl.tracking.Tracking`): objects with ``rows(name, df, appended)`` and
+        #: :class:`medfl.tracking_feed.Tracking`): objects with ``rows(name, df, appended)`` and
         #: ``status(status, round)``, called after the file is written
         self.observers: list[Any] = []
 
