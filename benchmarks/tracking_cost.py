@@ -40,7 +40,7 @@ from medfl.bundle import load_bundle_config
 from medfl.config import resolve_config
 from medfl.experiment import run_experiment
 from medfl.plugins import get_plugin_manager
-import medfl.tracking as tracking
+import medfl.tracking_feed as tracking
 
 args = json.loads(sys.argv[1])
 ends, critical, finish = [], [0.0], [0.0]

@@ -283,9 +283,9 @@ def mechanism_curves(out: Path, runs: dict[str, list[Path]], title: str, colours
         return
     c = pd.concat(frames, ignore_index=True)
     c.to_csv(out / "mechanism_curves.csv", index=False)
-    from medfl.report import _plt, _tight_layout
+    from medfl.plotting import pyplot, tight_layout
 
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for arm, g in c.groupby("arm", sort=False):
         per = g.groupby("round").mean(numeric_only=True)
@@ -302,7 +302,7 @@ def mechanism_curves(out: Path, runs: dict[str, list[Path]], title: str, colours
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     fig.suptitle(title + " (mean over seeds; a seed's curve ends where it stopped)", fontsize=9)
-    _tight_layout(fig)
+    tight_layout(fig)
     fig.savefig(out / "mechanism_curves.png", dpi=100)
     plt.close(fig)
 

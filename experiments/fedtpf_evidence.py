@@ -423,9 +423,9 @@ def _md(df: pd.DataFrame) -> str:
 def plot_mechanisms(a: argparse.Namespace, curves: pd.DataFrame) -> None:
     if a.no_plots or curves.empty:
         return
-    from medfl.report import _plt, _tight_layout
+    from medfl.plotting import pyplot, tight_layout
 
-    plt = _plt()
+    plt = pyplot()
     panels = [("acc_x_p_mean", "residual acc. on x_p (val, mean over clients)"),
               ("cosine_mean", "cos(x_hat, x_s) (val, mean)"), ("stopped", "clients stopped (cumulative)"),
               ("alpha_min", "eq. 8: smallest alpha_k(t)")]
@@ -458,7 +458,7 @@ def plot_mechanisms(a: argparse.Namespace, curves: pd.DataFrame) -> None:
             ax.set_xlabel("stage-1 round")
             ax.grid(alpha=0.3)
         axes[i][0].legend(fontsize=6)
-    _tight_layout(fig)
+    tight_layout(fig)
     fig.savefig(a.out / "mechanisms.png", dpi=100)
     plt.close(fig)
 

@@ -435,9 +435,9 @@ def plot_mechanisms(runs: dict[str, list[Path]], path: Path, title: str) -> None
     above 1 in magnitude, and the noise in each cluster's averaged update over C2."""
     import pandas as pd
 
-    from medfl.report import _plt, _tight_layout
+    from medfl.plotting import pyplot, tight_layout
 
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.5))
     for label, dirs in runs.items():
         above, ratio = [], []
@@ -461,15 +461,15 @@ def plot_mechanisms(runs: dict[str, list[Path]], path: Path, title: str) -> None
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{title}: what the noise did, mean ± std over seeds", fontsize=9)
-    _tight_layout(fig)
+    tight_layout(fig)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def plot_gap(points: list[dict[str, Any]], path: Path) -> None:
-    from medfl.report import _plt, _tight_layout
+    from medfl.plotting import pyplot, tight_layout
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.2, 4.0))
     for study, marker in (("clients", "o"), ("sigma", "s"), ("main", "^")):
         pts = [p for p in points if p["study"] == study and p["noise"] > 0]
@@ -486,7 +486,7 @@ def plot_gap(points: list[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title("PFedCDP: personal accuracy lost to the update's DP noise", fontsize=9)
-    _tight_layout(fig)
+    tight_layout(fig)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -35,6 +35,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from medfl.plotting import pyplot, round_axis, save_plot
+
 __all__ = ["SELECTIONS", "IDENTICAL_TOL", "round_curves", "reporting_clients", "scored_from", "arm_scores",
            "arm_table", "identical_arms", "ceiling_note", "separation_notes", "final_separation",
            "write_arm_report"]
@@ -458,12 +460,10 @@ def write_arm_report(out_dir: str | Path, runs: Mapping[str, Sequence[str | Path
     curves = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     curves.to_csv(out / "arms_curves.csv", index=False)
     if plots and not curves.empty and metric in curves.columns:
-        from medfl.report import _plt, _tight_layout
-
-        plt = _plt()
         shown = [sp for sp in (*splits, selection_split) if sp in set(curves["split"])]
         shown = list(dict.fromkeys(shown))
-        fig, axes = plt.subplots(1, max(1, len(shown)), figsize=(4.2 * max(1, len(shown)), 3.4), squeeze=False)
+        fig, axes = pyplot().subplots(1, max(1, len(shown)), figsize=(4.2 * max(1, len(shown)), 3.4),
+                                      squeeze=False)
         for ax, split in zip(axes[0], shown):
             for label in runs:
                 part = curves[(curves["arm"] == label) & (curves["split"] == split)]
@@ -478,13 +478,9 @@ def write_arm_report(out_dir: str | Path, runs: Mapping[str, Sequence[str | Path
                         if int(r) in per.index:
                             ax.plot([int(r)], [per.loc[int(r), "mean"]], "o", ms=3, color=line.get_color())
             ax.set_title(split, fontsize=9)
-            ax.set_xlabel("round")
-            ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+            round_axis(ax)
             ax.set_ylabel(f"{metric} (mean over clients)")
-            ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=7)
         fig.suptitle(title or "per-round curves, mean ± std over seeds", fontsize=9)
-        _tight_layout(fig)
-        fig.savefig(out / "arms_curves.png", dpi=100)
-        plt.close(fig)
+        save_plot(fig, out / "arms_curves.png")
     return table

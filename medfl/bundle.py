@@ -48,7 +48,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     (:class:`~medfl.privacy.accounting.PrivacyConfigError`: delta >= 1/N, a budget too low,
     a model Opacus cannot train; filter errors are :class:`~medfl.method.MethodConfigError`),
     a training run that diverged (:class:`~medfl.training.NonFiniteError`, naming the
-    client and round), a missing file, and a full disk (:class:`~medfl.rundir.DiskFullError`,
+    client and round), a missing file, and a full disk (:class:`~medfl.integrity.DiskFullError`,
     naming the file; an ``OSError`` of a full disk raised elsewhere is reported the same way by
     :func:`exit_on_user_error` and ``medfl``: :func:`user_error_message`).
 
@@ -56,7 +56,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     bug and keeps its traceback."""
     from medfl.data.partition import PartitionError
     from medfl.data.source import DataError
-    from medfl.rundir import DiskFullError
+    from medfl.integrity import DiskFullError
     from medfl.engine.runner import RunError
     from medfl.training import NonFiniteError
     from medfl.messages import PayloadError
@@ -73,7 +73,7 @@ def user_error_message(exc: BaseException) -> str | None:
     """The ``medfl: error:`` message of ``exc`` when it is a mistake in the input or a full
     disk (:func:`user_errors`, or any ``OSError`` of a full disk: the file and "no space left
     on device"); ``None`` for anything else, which keeps its traceback."""
-    from medfl.rundir import full_disk_message
+    from medfl.integrity import full_disk_message
 
     if isinstance(exc, user_errors()):
         return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)

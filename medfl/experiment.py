@@ -20,7 +20,8 @@ from medfl.backend import Backend, backend_of, recorded_backend
 from medfl.config import method_label, set_threads
 from medfl.engine.checkpoints import REFUSALS
 from medfl.engine.data import FederatedData, split_data, warn_straddling
-from medfl.engine.runner import Run, RunError, RunFactory, _write_json, build_source
+from medfl.engine.runner import Run, RunError, RunFactory, build_source
+from medfl.integrity import write_json
 from medfl.logs import file_log
 from medfl.plugins import get_plugin_manager, pinned_names
 
@@ -88,7 +89,8 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
     A method whose directory already holds a run is resumed; one that never started runs
     from round 1 on ``data`` (the experiment's split, reloaded from ``partition.csv`` when
     ``None``). Writes ``comparison.csv`` once every method has finished."""
-    from medfl.report import plots_wanted, write_comparison
+    from medfl.plotting import plots_wanted
+    from medfl.report import write_comparison
 
     summaries: dict[str, Any] = {}
     for spec in cfg["methods"]:
@@ -114,7 +116,8 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
 
     Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
     (``None`` while a fold is unfinished), "folds"}``."""
-    from medfl.report import plots_wanted, write_cv_report
+    from medfl.plotting import plots_wanted
+    from medfl.report_repeats import write_cv_report
 
     folds = int(cfg["cv"]["folds"])
     source = None
@@ -127,7 +130,7 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
             source = source or build_source(cfg["dataset"])
             data = split_data(source, cfg, fold=k)
             fold_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
+            write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
             data.save(fold_dir / "partition.csv")
             warn_straddling(data.report, f"fold_{k}")
         out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds, run_factory)
@@ -142,11 +145,12 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
                       run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every seed of ``cfg["seeds"]`` as its own experiment in ``exp_dir/seed_<s>`` (the seed
     draws the split, the models' initialisation and the training order alike), then the
-    report of mean ± std over seeds (:func:`medfl.report.write_seeds_report`).
+    report of mean ± std over seeds (:func:`medfl.report_repeats.write_seeds_report`).
 
     Returns ``{"dir", "summaries": {"seed_<s>": {label: summary}}, "seeds": the report
     (``None`` while a seed is unfinished), "seed_list"}``."""
-    from medfl.report import plots_wanted, write_seeds_report
+    from medfl.plotting import plots_wanted
+    from medfl.report_repeats import write_seeds_report
 
     seeds = [int(s) for s in cfg["seeds"]]
     source = None
@@ -159,7 +163,7 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
             source = source or build_source(cfg["dataset"])
             data = split_data(source, seed_cfg)
             seed_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
+            write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
             data.save(seed_dir / "partition.csv")
             warn_straddling(data.report, f"seed_{s}")
         out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
@@ -180,13 +184,13 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
     With cross-validation (``cv.folds`` > 1) each fold is such an experiment in
     ``fold_<k>/`` and the experiment directory gets ``cv_results.csv``, ``cv_table.csv``,
     ``cv_table.md``, ``cv_summary.json`` and ``cv_<metric>.png``
-    (:func:`medfl.report.write_cv_report`); the result's ``summaries`` are then keyed by
+    (:func:`medfl.report_repeats.write_cv_report`); the result's ``summaries`` are then keyed by
     fold (``fold_<k>``) and it also holds ``cv`` (the CV summary) and ``folds``.
 
     With ``seeds`` (a list) the whole experiment runs once per seed in ``seed_<s>/`` and
     the experiment directory gets ``seeds_results.csv``, ``seeds_summary.json``,
     ``seeds_table.csv``, ``seeds_table.md`` and ``seeds_metrics.png`` (mean ± std over
-    seeds; :func:`medfl.report.write_seeds_report`); ``summaries`` are keyed by seed
+    seeds; :func:`medfl.report_repeats.write_seeds_report`); ``summaries`` are keyed by seed
     (``seed_<s>``) and the result also holds ``seeds`` (that summary) and ``seed_list``.
 
     Args:
@@ -306,7 +310,7 @@ def _experiment_in(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | Non
                    meta: dict[str, Any] | None) -> dict[str, Any]:
     """:func:`_experiment` once its directory ``exp_dir`` exists (its ``log.txt`` open):
     ``data`` is the split of a plain experiment (``None`` with folds or seeds)."""
-    _write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
+    write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
     return _tracked(exp_dir, cfg, cfg.get("tracking") or [], run_factory, True,
                     lambda factory: _methods_of(cfg, exp_dir, data, factory, meta))
 
@@ -401,13 +405,13 @@ def _complete(summaries: dict[str, Any]) -> bool:
 def _tracked(root: Path, cfg: dict[str, Any], specs: list[dict[str, Any]], run_factory: RunFactory, whole: bool,
              work: Callable[[RunFactory], dict[str, Any]]) -> dict[str, Any]:
     """``work(run_factory)`` with the experiment ``root`` tracked by ``specs``' trackers
-    (:class:`medfl.tracking.Tracking`; none: ``work`` as it is, and nothing imports a tracker's
+    (:class:`medfl.tracking_feed.Tracking`; none: ``work`` as it is, and nothing imports a tracker's
     package): every run ``run_factory`` builds is watched, and the experiment's own run ends
     "finished" when ``whole`` (the whole experiment was run or resumed) and every run finished,
     else "stopped"; "failed" or "interrupted" when ``work`` raises."""
     if not specs:
         return work(run_factory)
-    from medfl.tracking import Tracking
+    from medfl.tracking_feed import Tracking
 
     tracking = Tracking(root, specs, str(cfg.get("name", root.name)), cfg, final_models=_final_models)
     tracking.start()

@@ -21,7 +21,7 @@ without them the tracker names ``pip install "medfl[tracking]"``.
 
 A server that is down costs seconds: while the ``mlflow`` tracker talks to a server, MLflow's
 HTTP client retries as :data:`MLFLOW_HTTP_DEFAULTS` says (MLflow's own defaults retry one call
-for about 4 minutes), and :class:`medfl.tracking.Tracking` stops waiting for a call after
+for about 4 minutes), and :class:`medfl.tracking_feed.Tracking` stops waiting for a call after
 ``medfl.tracking.TRACKER_WAIT_S``.
 """
 

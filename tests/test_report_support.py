@@ -18,8 +18,8 @@ import pytest
 
 from medfl.config import resolve_config
 from medfl.experiment import run_experiment
-from medfl.report import (constant_mechanisms, format_table, print_result, summary_table, write_comparison,
-                          write_mechanism_plot, write_plots)
+from medfl.report import format_table, print_result, summary_table, write_comparison
+from medfl.report_plots import constant_mechanisms, write_mechanism_plot, write_plots
 
 matplotlib.use("Agg")
 
@@ -157,7 +157,7 @@ def test_constant_mechanism_values_are_text(tmp_path: Path, monkeypatch: pytest.
 def test_mechanism_values_past_the_last_panel_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """More moving values than ``MECHANISM_PANELS``: the first ones get panels, the rest are
     named in the text panel (with their count), none is silently dropped."""
-    from medfl.report import MECHANISM_PANELS
+    from medfl.report_plots import MECHANISM_PANELS
 
     n = MECHANISM_PANELS + 3
     rows = [{"round": r, "mechanism": "m", "name": f"v{k:02d}", "scope": "run", "id": "", "value": float(r * (k + 1)),
@@ -192,7 +192,7 @@ def _stats(mean: float, clients: int, of: int) -> dict[str, Any]:
 def test_seeds_table_says_what_each_mean_covers(tmp_path: Path) -> None:
     """Over seeds, a mean that covers fewer than every client says so: the AUC of one client
     of four in one seed and two in the other is ``auc 1-2 of 4``."""
-    from medfl.report import write_seeds_report
+    from medfl.report_repeats import write_seeds_report
 
     summaries = {s: {"fedavg": {"final": {"round": 2, "local_test": {"accuracy": _stats(0.7 + s / 10, 4, 4),
                                                                      "auc": _stats(0.5, 1 + s, 4)}}}}

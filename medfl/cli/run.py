@@ -13,7 +13,8 @@ from typing import Any
 
 from medfl.bundle import load_bundle_config, parse_override_value, run
 from medfl.config import THREADS_ENV, check_threads, set_threads
-from medfl.report import format_table, print_result, summary_table, write_experiment_plots, write_plots
+from medfl.report import format_table, print_result, summary_table
+from medfl.report_plots import write_experiment_plots, write_plots
 from medfl.runs import DEFAULT_DEPTH, format_runs, list_runs, missing_folder, runs_csv, runs_json
 
 __all__ = ["add_parsers", "add_runs_parser", "cmd_run", "cmd_resume", "cmd_report", "cmd_runs", "parse_overrides",

@@ -108,7 +108,7 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: Top-level keys that are valid but absent unless set: ``plots`` (``false``: no PNG plots at the
 #: end of runs and experiments, the CSV/JSON results are written all the same and ``medfl
 #: report RUN_DIR`` draws the plots later; the environment variable ``MEDFL_NO_PLOTS=1`` does
-#: the same for every run of a process and its children, :func:`medfl.report.plots_wanted`).
+#: the same for every run of a process and its children, :func:`medfl.plotting.plots_wanted`).
 #: ``secure_aggregation`` (Flower's SecAgg+ for the replies of the FedAvg family, over Flower
 #: only: ``true`` or a dict of :data:`SECURE_AGGREGATION_DEFAULTS` keys; :func:`check_secure_aggregation`).
 #: ``cross_test`` (:data:`CROSS_TEST_DEFAULTS`, :func:`check_cross_test`): what the Global Test may

@@ -17,9 +17,9 @@ from torch.utils.data import Dataset
 
 from medfl.data.partition import DEFAULT_GROUP_COLUMN, PartitionError, grouped_stratified_split, per_class_holdout
 from medfl.data.source import DataError, FederatedSource
+from medfl.integrity import sha256_file, writing
 from medfl.method import derive_seed
 from medfl.plugins import lookup
-from medfl.rundir import sha256_file, writing
 
 __all__ = ["FederatedData", "split_data", "read_partition", "PARTITION_COLUMNS", "cv_folds", "sample_attributes", "client_order", "SUBGROUP_CODES",
            "POOLED", "REPORT_NAME", "group_keys", "partition_report", "report_line", "warn_straddling"]

@@ -45,6 +45,7 @@ from medfl.engine.store import ClientStore
 from medfl.engine.traffic import Traffic
 from medfl.training import compute_settings
 from medfl.filters import configured_filters, float_buffer_keys, parameter_keys, trainable_count
+from medfl.integrity import full_disk_message
 from medfl.messages import Instruction, Reply
 from medfl.metrics.fairness import fairness_report
 from medfl.metrics.forgetting import forgetting_report
@@ -53,8 +54,7 @@ from medfl.plugins import get_plugin_manager, lookup
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
 from medfl.privacy.releases import ReleaseJournal
 from medfl.privacy.signal import NoiseShare
-from medfl.rundir import (GrowingCsv, RunDir, RunError, _fold_of, _lock, _read_rounds, _unlock,  # noqa: F401
-                          _write_csv, _write_json, full_disk_message)
+from medfl.rundir import RunDir, RunError, _fold_of
 
 __all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "build_source",
            "summarize_metrics", "evaluate_metrics", "reported_by", "update_norm", "METRICS_PROVENANCE", "ENGINE_TABLES",

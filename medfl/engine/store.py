@@ -1,7 +1,7 @@
 """A client's persistent state on disk, versioned by round (:class:`ClientStore`): what the
 in-process engine keeps under a run's ``clients/`` and ``eval_state/`` and a Flower site
 under its own state directory, each file with its checksum sidecar
-(:mod:`medfl.rundir`).
+(:mod:`medfl.integrity`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from medfl.rundir import check_sum, sha256_file, sum_path, write_sum, writing
+from medfl.integrity import check_sum, sha256_file, sum_path, write_sum, writing
 
 __all__ = ["ClientStore"]
 

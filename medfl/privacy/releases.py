@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from medfl.rundir import append_text
+from medfl.integrity import append_text
 
 __all__ = ["payload_digest", "append_record", "read_records", "ReleaseRefused", "SiteReleaseLedger",
            "ReleaseJournal", "asked_releases", "ledger_releases", "LEDGER_FILE", "JOURNAL_FILE"]

@@ -16,7 +16,7 @@ from medfl.engine.runner import build_source
 from medfl.experiment import resume, run_experiment
 from medfl.metrics.classification import roc_auc
 from medfl.metrics.fairness import fairness_report, subgroup_scores
-from medfl.report import cv_summary, cv_table
+from medfl.report_repeats import cv_summary, cv_table
 
 
 def _manifest(tmp_path: Path, n_subjects: int = 60, images_per_subject: int = 2) -> Path:

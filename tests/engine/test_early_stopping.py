@@ -26,7 +26,8 @@ from medfl.engine.runner import evaluate_metrics
 from medfl.experiment import resume, run_experiment
 from medfl.predict import predict
 from medfl.plugins import get_plugin_manager
-from medfl.report import cv_results, summary_table
+from medfl.report import summary_table
+from medfl.report_repeats import cv_results
 from medfl_plugins.baselines import FedBN
 
 from contract_methods import methods_registered

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from medfl.engine.client import check_sum
+from medfl.integrity import check_sum
 from medfl.rundir import GrowingCsv
 
 

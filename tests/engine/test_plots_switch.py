@@ -11,7 +11,7 @@ import pytest
 from medfl.cli import main
 from medfl.config import ConfigError
 from medfl.experiment import run_experiment
-from medfl.report import plots_wanted
+from medfl.plotting import plots_wanted
 
 __all__: list[str] = []
 
@@ -73,10 +73,10 @@ def test_report_of_an_experiment_with_one_method_draws_no_comparison(tiny_fl: di
 
 def test_a_laid_out_figure_is_drawn_once_when_saved_to_the_same_pixels(tmp_path: Path, monkeypatch) -> None:
     """``tight_layout`` leaves a placeholder engine behind, and ``savefig`` then lays the
-    figure out again without rendering; :func:`medfl.report._tight_layout` removes it."""
+    figure out again without rendering; :func:`medfl.plotting.tight_layout` removes it."""
     from matplotlib.figure import Figure
 
-    from medfl.report import _tight_layout
+    from medfl.plotting import tight_layout
 
     def figure() -> Figure:
         fig = Figure(figsize=(4, 3))
@@ -96,7 +96,7 @@ def test_a_laid_out_figure_is_drawn_once_when_saved_to_the_same_pixels(tmp_path:
     plain.savefig(tmp_path / "plain.png", dpi=100)
     draws.clear()                     # matplotlib 3.11 draws it twice: a layout pass, then the render
     ours = figure()
-    _tight_layout(ours)
+    tight_layout(ours)
     assert ours.get_layout_engine() is None
     ours.savefig(tmp_path / "ours.png", dpi=100)
     assert len(draws) == 1

@@ -180,7 +180,7 @@ def test_a_mechanism_value_must_be_a_number_or_text(tmp_path: Path, monkeypatch:
 
 @pytest.mark.plots
 def test_mechanism_plot(tmp_path: Path) -> None:
-    from medfl.report import write_mechanism_plot
+    from medfl.report_plots import write_mechanism_plot
 
     run = _run(tmp_path, {"name": "test_observed"})
     path = run / "plots" / "mechanisms.png"

@@ -838,15 +838,16 @@ def test_only_the_coordinator_tracks(tmp_path: Path, monkeypatch: pytest.MonkeyP
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import medfl.tracking as tracking
+    import medfl.tracking_feed as tracking_feed
 
     built: list[Path] = []
-    init = tracking.Tracking.__init__
+    init = tracking_feed.Tracking.__init__
 
     def counted(self: Any, root: Path, *args: Any, **kwargs: Any) -> None:
         built.append(Path(root))
         init(self, root, *args, **kwargs)
 
-    monkeypatch.setattr(tracking.Tracking, "__init__", counted)
+    monkeypatch.setattr(tracking_feed.Tracking, "__init__", counted)
     fl = fl_config(tmp_path, "tracked", {**FEDAVG, "tracking": ["tensorboard"]})
     # the warning names where the clients ran (issue 49, item 6: it named fl.backend 'inprocess')
     with pytest.warns(tracking.TrackerWarning, match="the clients ran over Flower, at the sites, not in this process; "

@@ -20,8 +20,8 @@ import pytest
 from medfl import hookimpl
 from medfl.config import ConfigError
 from medfl.plugins import get_plugin_manager
-from medfl.tracking import (TRACKER_WAIT_S, WAIT_ENV, Tracker, Tracking, short_error,
-                            tracker_wait_s)
+from medfl.tracking import TRACKER_WAIT_S, WAIT_ENV, Tracker, short_error, tracker_wait_s
+from medfl.tracking_feed import Tracking
 
 
 class Stuck(Tracker):

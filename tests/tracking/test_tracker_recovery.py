@@ -29,7 +29,8 @@ import pytest
 from medfl import hookimpl
 from medfl.experiment import run_experiment
 from medfl.plugins import get_plugin_manager
-from medfl.tracking import WAIT_ENV, _RunWatch, headline_figures, round_scalars
+from medfl.tracking import WAIT_ENV, headline_figures, round_scalars
+from medfl.tracking_feed import _RunWatch
 
 pytest.importorskip("mlflow", reason="mlflow is not installed: pip install \"medfl[tracking]\"")
 
