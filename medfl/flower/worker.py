@@ -210,7 +210,7 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
         backoff: the first wait before a restart, in seconds.
         max_backoff: the longest wait between restarts.
     """
-    from medfl.approval import private_bytecode
+    from medfl.code_identity import private_bytecode
 
     # bytecode of the code imported from now on is read and written only in the site's own
     # folder: a __pycache__/*.pyc planted beside a plugin's source is never run
