@@ -24,6 +24,7 @@ from medfl.engine.runner import Run, RunError, RunFactory, build_source
 from medfl.integrity import write_json
 from medfl.logs import file_log
 from medfl.plugins import get_plugin_manager, pinned_names
+from medfl.reopen import client_models, one_model, reopen, saved_config
 
 __all__ = ["run_experiment", "resume", "check_split_sizes"]
 
@@ -47,40 +48,6 @@ def _create_unique_dir(base: Path, overwrite: bool) -> Path:
         except FileExistsError:
             i += 1
 
-def _saved_config(path: Path) -> dict[str, Any]:
-    """A run or experiment directory's ``config.json``.
-
-    Raises:
-        RunError: ``path`` does not exist (said as such), there is no ``config.json``, or it
-            is not the JSON object medfl wrote (garbled, cut
-            short, edited by hand): naming the file and where it stops being JSON.
-    """
-    from medfl.runs import missing_folder
-
-    cfg_file = path / "config.json"
-    if missing_folder(path):
-        raise RunError(missing_folder(path))
-    if not cfg_file.is_file():
-        raise RunError(f"{path}: no config.json; not a medfl run or experiment directory")
-    try:
-        saved = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        where = f"line {exc.lineno} column {exc.colno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else str(exc)
-        raise RunError(f"{cfg_file}: not the JSON medfl wrote ({where}); the run cannot be resumed from it. "
-                       "Restore it from a copy, or start the run again in a new directory") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("fl"), dict):
-        raise RunError(f"{cfg_file}: expected a JSON object with an 'fl' section (what medfl writes), got "
-                       f"{type(saved).__name__}{'' if not isinstance(saved, dict) else ' without fl'}; the run cannot "
-                       "be resumed from it")
-    return saved
-
-
-def _reopen(path: Path, saved: dict[str, Any], cfg: dict[str, Any], run_factory: RunFactory = Run
-            ) -> "Run":
-    """The :class:`Run` of a method run directory, on its saved partition."""
-    data = split_data(build_source(cfg["dataset"]), cfg, saved=path / "partition.csv")
-    return run_factory(cfg, saved["method"], path, data)
-
 
 def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, resume_runs: bool,
                  rounds: int | None = None, run_factory: RunFactory = Run) -> dict[str, Any]:
@@ -97,7 +64,7 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
         label = method_label(spec)
         if resume_runs and (exp_dir / label / "config.json").is_file():
             run_dir = exp_dir / label
-            summaries[label] = _resume(run_dir, _saved_config(run_dir), rounds, run_factory)["summaries"][label]
+            summaries[label] = _resume(run_dir, saved_config(run_dir), rounds, run_factory)["summaries"][label]
             continue
         if data is None:
             data = split_data(build_source(cfg["dataset"]), cfg, saved=exp_dir / "partition.csv")
@@ -120,20 +87,8 @@ def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds
     from medfl.report_repeats import write_cv_report
 
     folds = int(cfg["cv"]["folds"])
-    source = None
-    out: dict[str, Any] = {}
-    for k in range(folds):
-        fold_dir = exp_dir / f"fold_{k}"
-        data = None
-        # config.json first, partition.csv last: the partition marks a complete fold directory
-        if not resume_runs or not (fold_dir / "partition.csv").is_file() or not (fold_dir / "config.json").is_file():
-            source = source or build_source(cfg["dataset"])
-            data = split_data(source, cfg, fold=k)
-            fold_dir.mkdir(parents=True, exist_ok=True)
-            write_json(fold_dir / "config.json", {"fl": cfg, "fold": k, **(meta or {})})
-            data.save(fold_dir / "partition.csv")
-            warn_straddling(data.report, f"fold_{k}")
-        out[f"fold_{k}"] = _run_methods(cfg, fold_dir, data, resume_runs, rounds, run_factory)
+    out = _parts(cfg, exp_dir, [(f"fold_{k}", cfg, k, {"fold": k}) for k in range(folds)], resume_runs, rounds,
+                 run_factory, meta)
     labels = [method_label(m) for m in cfg["methods"]]
     cv = None
     if all(s and all(s.values()) for s in out.values()):
@@ -153,24 +108,34 @@ def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rou
     from medfl.report_repeats import write_seeds_report
 
     seeds = [int(s) for s in cfg["seeds"]]
-    source = None
-    out: dict[str, Any] = {}
-    for s in seeds:
-        seed_dir = exp_dir / f"seed_{s}"
-        seed_cfg = {**cfg, "seed": s, "seeds": None}
-        data = None
-        if not resume_runs or not (seed_dir / "partition.csv").is_file() or not (seed_dir / "config.json").is_file():
-            source = source or build_source(cfg["dataset"])
-            data = split_data(source, seed_cfg)
-            seed_dir.mkdir(parents=True, exist_ok=True)
-            write_json(seed_dir / "config.json", {"fl": seed_cfg, **(meta or {})})
-            data.save(seed_dir / "partition.csv")
-            warn_straddling(data.report, f"seed_{s}")
-        out[f"seed_{s}"] = _run_methods(seed_cfg, seed_dir, data, resume_runs, rounds, run_factory)
+    out = _parts(cfg, exp_dir, [(f"seed_{s}", {**cfg, "seed": s, "seeds": None}, None, {}) for s in seeds],
+                 resume_runs, rounds, run_factory, meta)
     report = None
     if all(block and all(block.values()) for block in out.values()):
         report = write_seeds_report(exp_dir, {s: out[f"seed_{s}"] for s in seeds}, plots=plots_wanted(cfg))
     return {"dir": str(exp_dir), "summaries": out, "seeds": report, "seed_list": seeds}
+
+
+def _parts(cfg: dict[str, Any], exp_dir: Path, parts: list[tuple[str, dict[str, Any], int | None, dict[str, Any]]],
+           resume_runs: bool, rounds: int | None, run_factory: RunFactory, meta: dict[str, Any] | None
+           ) -> dict[str, Any]:
+    """Each part ``(folder, its fl config, its fold, its config.json entries)`` of a CV or
+    multi-seed experiment in ``exp_dir/<folder>``: its split drawn and saved (config.json first,
+    partition.csv last: it marks a complete part) unless resumed, then its methods."""
+    source = None
+    out: dict[str, Any] = {}
+    for name, part_cfg, fold, entries in parts:
+        part_dir = exp_dir / name
+        data = None
+        if not resume_runs or not (part_dir / "partition.csv").is_file() or not (part_dir / "config.json").is_file():
+            source = source or build_source(cfg["dataset"])
+            data = split_data(source, part_cfg, fold=fold)
+            part_dir.mkdir(parents=True, exist_ok=True)
+            write_json(part_dir / "config.json", {"fl": part_cfg, **entries, **(meta or {})})
+            data.save(part_dir / "partition.csv")
+            warn_straddling(data.report, name)
+        out[name] = _run_methods(part_cfg, part_dir, data, resume_runs, rounds, run_factory)
+    return out
 
 
 def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
@@ -359,9 +324,9 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
         RunError: ``path`` holds no run to resume.
     """
     path = Path(path)
-    saved = _saved_config(path)
+    saved = saved_config(path)
     top = _top_of(path)
-    top_cfg = _saved_config(top)["fl"]
+    top_cfg = saved_config(top)["fl"]
     from medfl.config import check_tracking
 
     # the saved trackers as they were (one whose plugin is gone is left out with a warning, the
@@ -371,7 +336,7 @@ def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory 
                                           if not any(e["name"] == n for e in saved_specs)])
 
     def resume_with(factory: RunFactory) -> dict[str, Any]:
-        return _tracked(top, top_cfg, specs, factory, path == top, lambda f: _resume(path, _saved_config(path), rounds, f))
+        return _tracked(top, top_cfg, specs, factory, path == top, lambda f: _resume(path, saved_config(path), rounds, f))
 
     chosen = None
     if run_factory is None or run_factory is Run:   # a run continues on the backend that ran it (config.json)
@@ -405,13 +370,13 @@ def _complete(summaries: dict[str, Any]) -> bool:
 def _tracked(root: Path, cfg: dict[str, Any], specs: list[dict[str, Any]], run_factory: RunFactory, whole: bool,
              work: Callable[[RunFactory], dict[str, Any]]) -> dict[str, Any]:
     """``work(run_factory)`` with the experiment ``root`` tracked by ``specs``' trackers
-    (:class:`medfl.tracking_feed.Tracking`; none: ``work`` as it is, and nothing imports a tracker's
+    (:class:`medfl.tracking.Tracking`; none: ``work`` as it is, and nothing imports a tracker's
     package): every run ``run_factory`` builds is watched, and the experiment's own run ends
     "finished" when ``whole`` (the whole experiment was run or resumed) and every run finished,
     else "stopped"; "failed" or "interrupted" when ``work`` raises."""
     if not specs:
         return work(run_factory)
-    from medfl.tracking_feed import Tracking
+    from medfl.tracking import Tracking
 
     tracking = Tracking(root, specs, str(cfg.get("name", root.name)), cfg, final_models=_final_models)
     tracking.start()
@@ -431,12 +396,7 @@ def _final_models(run: Run) -> dict[str, Any]:
     """The models a finished run's clients evaluate with (``Method.client_eval_model``, as
     :func:`medfl.predict.predict` uses them): ``{"model": module}`` when every client's is the
     same (a global model), else ``{"model_<client>": module}`` per client (personalised)."""
-    import copy
-
     import torch
-
-    from medfl.export import same_state
-    from medfl.predict import eval_models
 
     if type(run).update_clients is not Run.update_clients:
         # over Flower (and on Ray) the clients' states stay at the sites: a model rebuilt here
@@ -446,13 +406,9 @@ def _final_models(run: Run) -> dict[str, Any]:
     last = run.rounds_run
     if run.early is not None and run.early.best_round is not None:
         last = int(run.early.best_round)
-    # each client's model is copied at once: a method may hand back one cached module, loaded
-    # with each client's weights in turn (FedBN), so a later client's load would change it
-    models = {cid: copy.deepcopy(model) for cid, _, model in eval_models(run, last)}
-    states = [m.state_dict() for m in models.values()]
-    same = all(same_state(s, states[0]) for s in states[1:])
+    models = client_models(run, last)
     example = torch.zeros(1, *map(int, run.data.source.sample_shape))
-    if same and models:
+    if one_model(models) and models:
         return {"model": (next(iter(models.values())), example)}
     return {f"model_{cid}": (m, example) for cid, m in models.items()}
 
@@ -475,7 +431,7 @@ def _resume(path: Path, saved: dict[str, Any], rounds: int | None, run_factory: 
         ignored, rounds = int(rounds), None
     if rounds is not None:
         cfg["rounds"] = int(rounds)
-    run = _reopen(path, saved, cfg, run_factory)
+    run = reopen(path, saved, cfg, run_factory)
     run.prepare(resume=True)
     label = run.label
     if run.stopped_early and run.early is not None:
@@ -503,7 +459,7 @@ def _stopped_early(path: Path, saved: dict[str, Any], run_factory: RunFactory = 
     stopping: its newest intact checkpoint says so (read without changing anything)."""
     if not saved["fl"].get("early_stopping"):
         return False
-    run = _reopen(path, saved, json.loads(json.dumps(saved["fl"])), run_factory)
+    run = reopen(path, saved, json.loads(json.dumps(saved["fl"])), run_factory)
     run.prepare(read_only=True)
     return run.stopped_early
 

@@ -81,7 +81,7 @@ import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
-from medfl.approval import ApprovalError
+from medfl.code_identity import ApprovalError
 
 __all__ = ["PolicyError", "PolicyRefusal", "SitePolicy", "POLICY_RULES", "DEFAULT_MAX_DELTA", "Spend",
            "composed_epsilon", "site_releases", "request_releases"]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
-__all__ = ["open_run", "predict", "split_rows", "eval_models", "data_spec", "add_parser", "cmd_predict"]
+__all__ = ["predict", "split_rows", "data_spec", "add_parser", "cmd_predict"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,53 +30,6 @@ logger = logging.getLogger(__name__)
 _FILE_DATASETS = ("manifest", "synthetic2d")
 #: A column of the temporary manifest :func:`data_spec` writes: the rows that had no label.
 _UNLABELLED = "_medfl_unlabelled"
-
-
-def open_run(run_dir: Path, what: str = "predict") -> tuple[Any, int]:
-    """A method run directory's engine :class:`~medfl.engine.runner.Run`, reopened read-only
-    with its last checkpoint loaded (with early stopping, the best round's coordinator
-    state), and that round: what :func:`predict` and :func:`medfl.export.export_run` build
-    the run's models from.
-
-    Args:
-        run_dir: a method run directory.
-        what: the verb for the error messages (``"predict"``, ``"export"``).
-
-    Raises:
-        RunError: no ``config.json`` (not a run), an experiment directory (the message lists
-            its method runs), or no checkpoint yet.
-    """
-    from medfl.config import method_label
-    from medfl.experiment import _reopen, _saved_config
-
-    saved = _saved_config(run_dir)
-    if "method" not in saved:
-        raise RunError(f"{run_dir}: an experiment directory; pass one method's run directory "
-                       f"({', '.join(method_label(m) for m in saved['fl']['methods'])})")
-    run = _reopen(run_dir, saved, saved["fl"])
-    run.prepare(read_only=True)
-    last = run.start_round - 1
-    if last < 1:
-        raise RunError(f"{run_dir}: no checkpoint yet; nothing to {what} with")
-    best = run._restore_best()   # early stopping: the best round's models
-    return run, last if best is None else best
-
-
-def eval_models(run: Any, last: int, client_ids: list[str] | None = None) -> Iterator[tuple[str, Any, torch.nn.Module]]:
-    """``(client id, its context, its evaluation model)`` at round ``last`` for each of
-    ``client_ids`` (default: the run's evaluation clients), as the engine evaluates them
-    (``Method.client_eval_model``): what :func:`predict`, :func:`medfl.export.export_run`
-    and the trackers' final models are built from.
-
-    A method may hand back one cached module, loaded with each client's weights in turn
-    (FedBN): use or copy each model before taking the next.
-    """
-    from medfl.messages import Instruction
-
-    evals = run.coordinator.configure_evaluate(last)
-    for cid in run.federation.eval_client_ids if client_ids is None else client_ids:
-        ctx = run.context(cid, last, state_before=last + 1)
-        yield cid, ctx, run.client_method.client_eval_model(ctx, evals.get(cid, Instruction()))
 
 
 def split_rows(table: pd.DataFrame, split: str | None) -> pd.DataFrame:
@@ -145,6 +98,7 @@ def _frames(run: Any, last: int, target: Any, rows: pd.DataFrame, ids: list[str]
     from tqdm.auto import tqdm
 
     from medfl.logs import progress_bar_disabled
+    from medfl.reopen import eval_models
     from medfl.training import predict_proba
 
     batch = int(run.config["train"].get("eval_batch_size", 64))
@@ -193,6 +147,7 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     import pandas as pd
 
     from medfl.engine.runner import build_source
+    from medfl.reopen import open_run
 
     run_dir = Path(run_dir)
     run, last = open_run(run_dir, "predict")
@@ -230,7 +185,7 @@ def data_spec(run: Any, data: str | Path, root: str | Path | None = None,
     problem is one message naming the file and what was expected.
 
     Args:
-        run: an opened run (:func:`open_run`), of a ``manifest`` or ``synthetic2d`` dataset.
+        run: an opened run (:func:`medfl.reopen.open_run`), of a ``manifest`` or ``synthetic2d`` dataset.
         data: a folder holding ``manifest.csv`` (as a data_prep script writes it), or a
             manifest CSV. It needs the column the run read its images from (``dataset.column``,
             default ``path``); ``label`` is optional (integer class ids of the run; an empty
@@ -250,8 +205,6 @@ def data_spec(run: Any, data: str | Path, root: str | Path | None = None,
             names is missing; a label is no class id of the run; a class name disagrees; the
             run's dataset is not read from files (``random_blocks``, a plugin's dataset).
     """
-    import pandas as pd
-
     from medfl.data.source import DataError
 
     own = dict(run.config["dataset"])
@@ -260,6 +213,33 @@ def data_spec(run: Any, data: str | Path, root: str | Path | None = None,
         raise DataError(f"--data: the run's dataset {own.get('name')!r} is made by its code, not read from a "
                         "manifest's files, so new images cannot replace it; leave --data out to predict on the "
                         "run's own samples, or call medfl.predict.predict(RUN, dataset_spec) from Python")
+    path, table = _read_manifest(data)
+    column = "path" if kind == "synthetic2d" else str(own.get("column", "path"))
+    base = _check_images(path, table, column, root)
+    source = run.data.source
+    label, unlabelled = _labels(path, table, source)
+    spec = {key: value for key, value in own.items() if key not in ("path", "root", "cache", "cache_dir")}
+    if kind == "synthetic2d":
+        spec = {"column": "path", "normalize": "none"}
+    spec.update(name="manifest", path=str(path), root=str(base), num_classes=int(source.num_classes), column=column)
+    if unlabelled.any():
+        if workdir is None:
+            raise ValueError("data_spec: unlabelled rows need a workdir for the manifest copy")
+        copy = table.copy()
+        copy["label"] = label.fillna(0).astype(int)
+        copy[_UNLABELLED] = unlabelled.to_numpy()
+        spec["path"] = str(Path(workdir) / "manifest.csv")
+        copy.to_csv(spec["path"], index=False)
+    return spec
+
+
+def _read_manifest(data: str | Path) -> tuple[Path, pd.DataFrame]:
+    """``(manifest path, its table)`` of ``--data`` (a data_prep folder or a manifest CSV);
+    a DataError where there is none, or it is no readable CSV with rows."""
+    import pandas as pd
+
+    from medfl.data.source import DataError
+
     path = Path(data).expanduser()
     if path.is_dir():
         if not (path / "manifest.csv").is_file():
@@ -274,7 +254,14 @@ def data_spec(run: Any, data: str | Path, root: str | Path | None = None,
         raise DataError(f"{path}: not a readable CSV manifest ({str(exc).strip()})") from None
     if table.empty:
         raise DataError(f"{path}: the manifest has no rows (no images to predict on)")
-    column = "path" if kind == "synthetic2d" else str(own.get("column", "path"))
+    return path, table
+
+
+def _check_images(path: Path, table: pd.DataFrame, column: str, root: str | Path | None) -> Path:
+    """The folder the manifest ``path``'s relative file names are read from (``root``, else
+    the manifest's folder), once every row of ``column`` names a file found there (else a DataError)."""
+    from medfl.data.source import DataError
+
     if column not in table.columns:
         raise DataError(f"{path}: no column {column!r}; the run read its images from that column (dataset.column), "
                         f"so the new images must be named there. Found: {', '.join(map(str, table.columns))}")
@@ -292,7 +279,16 @@ def data_spec(run: Any, data: str | Path, root: str | Path | None = None,
         raise DataError(f"{path}: {int(missing.sum())} of {len(table)} file(s) of column {column!r} not found "
                         f"(e.g. {first}, line {_csv_lines(missing, 1)}); relative names are read from {base}"
                         f"{'' if root else ' (the manifest folder; --root sets another)'}")
-    source = run.data.source
+    return base
+
+
+def _labels(path: Path, table: pd.DataFrame, source: Any) -> tuple[pd.Series, pd.Series]:
+    """``(label, unlabelled)`` of the manifest ``path``'s rows (NaN, True: an empty cell or no
+    ``label`` column); a DataError for a label or ``class_name`` that is not the run's ``source``'s."""
+    import pandas as pd
+
+    from medfl.data.source import DataError
+
     k = int(source.num_classes)
     raw = table["label"] if "label" in table.columns else pd.Series([pd.NA] * len(table), index=table.index)
     unlabelled = raw.isna() | (raw.astype(str).str.strip() == "")
@@ -314,19 +310,7 @@ def data_spec(run: Any, data: str | Path, root: str | Path | None = None,
             raise DataError(f"{path}: line {i + 2}: label {int(label.iloc[i])} is class {want.iloc[i]!r} in the run "
                             f"but {given.iloc[i]!r} here (column class_name); the labels must use the run's "
                             "class ids")
-    spec = {key: value for key, value in own.items() if key not in ("path", "root", "cache", "cache_dir")}
-    if kind == "synthetic2d":
-        spec = {"column": "path", "normalize": "none"}
-    spec.update(name="manifest", path=str(path), root=str(base), num_classes=k, column=column)
-    if unlabelled.any():
-        if workdir is None:
-            raise ValueError("data_spec: unlabelled rows need a workdir for the manifest copy")
-        copy = table.copy()
-        copy["label"] = label.fillna(0).astype(int)
-        copy[_UNLABELLED] = unlabelled.to_numpy()
-        spec["path"] = str(Path(workdir) / "manifest.csv")
-        copy.to_csv(spec["path"], index=False)
-    return spec
+    return label, unlabelled
 
 
 def _status(run_dir: Path) -> dict[str, Any]:
@@ -337,21 +321,6 @@ def _status(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return status if isinstance(status, dict) else {}
-
-
-def _one_model(run: Any, last: int, ids: list[str]) -> bool:
-    """Whether every client of ``ids`` evaluates with the same model (equal state dicts: a
-    global model), as the trackers' final models and ``medfl export`` decide."""
-    from medfl.export import same_state
-
-    first = None
-    for _, _, model in eval_models(run, last, ids):
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        if first is None:
-            first = state
-        elif not same_state(state, first):
-            return False
-    return True
 
 
 def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
@@ -370,6 +339,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from medfl.data.source import DataError
     from medfl.engine.runner import build_source
     from medfl.plugins import registry
+    from medfl.reopen import client_models, one_model, open_run
     from medfl.rundir import resume_command
 
     if args.root and args.data is None:
@@ -396,7 +366,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             _check_shape(run, target, str(args.data))
         rows = _rows(run, target, args.data is None, args.split)
         ids = clients or list(run.federation.eval_client_ids)
-        if not clients and _one_model(run, last, ids):
+        if not clients and one_model(client_models(run, last, ids)):
             plan = [(ids[0], out, "the global model")]
         elif len(ids) == 1:
             plan = [(ids[0], out, f"client {ids[0]}'s model")]

@@ -47,13 +47,12 @@ also compared with this site's own labels and images (:mod:`medfl.guard`).
 
 Which plugins run here is the site operator's decision (:mod:`medfl.approval`): with an
 approvals file (``medfl flower site --approvals FILE``, or ``MEDFL_APPROVALS=FILE`` in the
-environment of a plain ``flower-supernode``), :meth:`Site.check` refuses every message
-naming a plugin (method, filter, model, metric, or its own dataset and partitioner) that is
-not approved there with the same distribution version and code, and every message that asks
-for less privacy than the file's ``policy`` accepts (:mod:`medfl.policy`), before the
-method's code runs; the coordinator's run then fails with a
-:class:`~medfl.engine.remote_sites.SiteFailure` naming the site and the reason. Without one, the
-site runs any method installed in its environment and says so.
+environment of a plain ``flower-supernode``), :meth:`Site.check` refuses, before the method's
+code runs, every message naming a plugin not approved there with the same version and code,
+or asking for less privacy than the file's ``policy`` accepts (:mod:`medfl.policy`); the
+coordinator's run then fails with a :class:`~medfl.engine.remote_sites.SiteFailure` naming the
+site and the reason. Without one, the site runs any method installed in its environment and
+says so. The messages themselves are read and answered by :mod:`medfl.site_messages`.
 """
 
 from __future__ import annotations
@@ -61,10 +60,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import os
-import time
-from contextlib import contextmanager, nullcontext
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -75,16 +73,17 @@ from medfl.engine.client import (ClientContext, ClientStore, build_eval_model, b
                                  evaluate_final_models, evaluate_model, run_client_profile, run_client_update,
                                  run_client_validate, score_dataset)
 from medfl.engine.data import FederatedData, client_order, split_data
-from medfl import wire
-from medfl.budget import SiteBudget, data_key
+from medfl.approval import ApprovalError, check_control, guarded_models, required
+from medfl.budget import BudgetRefused, SiteBudget, data_key
+from medfl.config import build_method, local_sites, resolve_config, set_threads, uncovered_keys
 from medfl.engine import protocol as P
-from medfl.logs import file_log
-from medfl.messages import Instruction, PayloadError, validate_payload
+from medfl.filters import FilterChain
+from medfl.messages import RELEASE_FLAG, Instruction, validate_payload
 from medfl.method import Method
+from medfl.policy import SitePolicy, request_releases
 from medfl.wire import Config, Content
 
-__all__ = ["SiteSettings", "Site", "SiteError", "plain", "answer_message", "handle", "handle_locally", "site_for",
-           "site_noise_key", "instruction_digest", "REPRODUCIBLE_NOISE_ENV"]
+__all__ = ["SiteSettings", "Site", "SiteError", "site_noise_key", "instruction_digest", "REPRODUCIBLE_NOISE_ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +163,6 @@ class Site:
 
     def __init__(self, settings: SiteSettings) -> None:
         from medfl.config_file import load_bundle_config
-        from medfl.config import resolve_config
 
         self.settings = settings
         self.client_id = settings.client_id
@@ -179,8 +177,6 @@ class Site:
             self.cfg = resolve_config(load_bundle_config(settings.config, settings.overrides))
         self.device = settings.device or str(self.cfg["device"])
         if not settings.simulated:   # a simulated site's actor set its threads (medfl.config.actor_threads)
-            from medfl.config import local_sites, set_threads
-
             # the site's worker trains in this process: fl.threads or --threads ("auto", shared
             # with the other sites medfl started on this machine, is set by `medfl flower site`)
             self.threads = set_threads(self.cfg.get("threads"), local_sites(), apply_auto=False)
@@ -268,8 +264,6 @@ class Site:
 
     def method(self, ctl: dict[str, Any]) -> Method:
         """The method's client role, built from the coordinator's method entry."""
-        from medfl.config import build_method
-
         return build_method(dict(ctl["method"]))
 
     def request_noise_key(self, ctl: dict[str, Any], instruction: str = "") -> str:
@@ -306,9 +300,6 @@ class Site:
         be in it with the same version and code (:mod:`medfl.approval`), and the message's
         filter chain, ``train.dp``, method release and ``cross_test`` request must meet the
         file's ``policy`` (:mod:`medfl.policy`). Runs before the method's code."""
-        from medfl.approval import ApprovalError, check_control
-        from medfl.policy import SitePolicy
-
         if int(ctl.get("protocol", -1)) != P.PROTOCOL:
             raise SiteError(f"medfl site {self.client_id}: message of protocol {ctl.get('protocol')}, "
                             f"this site speaks {P.PROTOCOL} (same medfl version on both sides?)")
@@ -344,8 +335,6 @@ class Site:
             SiteError: a model built in the block is not approved (naming it and the
                 wrapper that builds it), before its factory runs.
         """
-        from medfl.approval import ApprovalError, guarded_models, required
-
         if self.settings.simulated:   # the user's own simulated sites: nothing to approve
             yield
             return
@@ -374,8 +363,6 @@ class Site:
         """Refuse model specs (a method's final models, named inside an instruction rather
         than in the control record) whose model plugin this site's operator did not approve
         (:func:`medfl.approval.check_control`); before any of them is built."""
-        from medfl.approval import ApprovalError, check_control
-
         if self.settings.simulated:
             return
         try:
@@ -410,10 +397,6 @@ class Site:
             SiteError: the release was made before under another instruction, or the
                 site's plan or budget refuses it (naming the rule).
         """
-        from medfl.budget import BudgetRefused
-        from medfl.filters import FilterChain
-        from medfl.messages import RELEASE_FLAG
-        from medfl.policy import request_releases
         from medfl.privacy.releases import ReleaseRefused, SiteReleaseLedger
 
         # the coordinator's resolved filter entries (approved by Site.check): applied to the
@@ -462,8 +445,6 @@ class Site:
         Raises:
             SiteError: naming the entries and the rule.
         """
-        from medfl.config import uncovered_keys
-
         keys = uncovered_keys(method, ins)   # none for a per-sample release (its labels are declared)
         if keys:
             rule = "max_epsilon" if policy.max_epsilon is not None else "max_epsilon_total"
@@ -567,8 +548,6 @@ def site_noise_key(state_dir: Path, client_id: str) -> str:
     The run seed is known to the coordinator; without a secret it could regenerate the noise
     and subtract it. Empty (noise from the run seed alone) when :data:`REPRODUCIBLE_NOISE_ENV`
     is ``1``, which the site says on stderr."""
-    import sys
-
     if os.environ.get(REPRODUCIBLE_NOISE_ENV, "") == "1":
         logger.warning(f"medfl site {client_id}: {REPRODUCIBLE_NOISE_ENV}=1: privacy noise is drawn from the run seed alone "
                        "(reproducible, as in process): no DP guarantee against whoever knows the seed")
@@ -607,115 +586,3 @@ def instruction_digest(ctl: dict[str, Any], ins: Instruction) -> str:
     from medfl.privacy.releases import payload_digest
 
     return payload_digest({k: ctl.get(k) for k in _INSTRUCTION_FIELDS}, ins.payload, ins.config)
-
-
-# ---------------------------------------------------------------------- message handling
-_SITES: dict[str, Site] = {}
-
-
-def site_for(node_config: dict[str, Any]) -> Site:
-    """The :class:`Site` of a node config (one per process and config)."""
-    settings = SiteSettings.from_node_config(node_config)
-    key = json.dumps([settings.client_id, str(settings.config), str(settings.state_dir),
-                      settings.overrides, str(settings.workdir), settings.device], sort_keys=True)
-    if key not in _SITES:
-        _SITES[key] = Site(settings)
-    return _SITES[key]
-
-
-def plain(data: Any, where: str) -> None:
-    """Refuse MONAI config syntax in what a coordinator sent (:func:`medfl.config_file.refuse_syntax`;
-    tensors and other leaves pass): a site runs none of a coordinator's text.
-
-    Raises:
-        SiteError: naming ``where`` and the key.
-    """
-    from medfl.config_file import PlainDataError, refuse_syntax
-
-    try:
-        refuse_syntax(data, where, json_only=False)
-    except PlainDataError as exc:
-        raise SiteError(str(exc)) from None
-
-
-def _instruction(content: Content, where: str, prefix: str = "ins") -> Instruction:
-    config = wire.take(content, f"{prefix}.config", where + " (config)")
-    plain(config, where + " (config)")
-    return Instruction(payload=wire.take(content, f"{prefix}.payload", where), config=config)
-
-
-def answer_message(site: Site, message_type: str, content: Content, *, clientapp_age: float | None = None
-                   ) -> Content:
-    """Answer one medfl message (:mod:`medfl.engine.protocol`) at ``site``, whatever carried it
-    (Flower: :func:`handle`; NVIDIA FLARE: :mod:`medfl.nvflare.executor`): check what came in,
-    run the step, check what goes out (the answer is built by :mod:`medfl.wire`, as the
-    in-process engine builds it to measure it).
-
-    The run's log at the site says how long that took (a DEBUG line ``... answered in S s``)
-    and, given ``clientapp_age`` (how long the ClientApp process that forwarded the message had
-    run: :func:`medfl.flower.proxy.process_age`), what Flower's start of that process took;
-    ``benchmarks/flower_overhead.py`` reads both.
-
-    Raises:
-        SiteError: unknown message type, wrong protocol or client id.
-        PayloadError: something other than tensors and scalars in or out.
-    """
-    t0 = time.perf_counter()
-    ctl = wire.take_json(content, P.CONTROL, f"message to site {site.client_id}")
-    plain(ctl, f"medfl site {site.client_id}: {message_type} message's control record")
-    site.check(ctl)
-    # the site's own log of the run, beside its state (<state-dir>/<run id>/site_<client id>/log.txt)
-    # (a hello names no run yet: it is answered without one)
-    with file_log(site._root(ctl), f"site {site.client_id}: {message_type} message, round {ctl.get('round')}") \
-            if "run" in ctl else nullcontext(), site.models_guarded(ctl):
-        out = _answer(site, message_type, ctl, content)
-        logger.debug(f"site {site.client_id}: {message_type} message, round {ctl.get('round')}: answered in "
-                     f"{time.perf_counter() - t0:.3f} s" + ("" if clientapp_age is None else
-                     f"; its ClientApp process had run {clientapp_age:.3f} s when it forwarded the message"))
-        return out
-
-
-def handle(site: Site, message_type: str, data: bytes, *, clientapp_age: float | None = None) -> bytes:
-    """:func:`answer_message` on a message's bytes (:func:`medfl.wire.encode`'s, as the
-    ClientApp forwards them, :mod:`medfl.flower.proxy`); the answer's bytes.
-
-    Raises:
-        SiteError, PayloadError: as :func:`answer_message`; WireError (a PayloadError): bytes
-            that are not a medfl content.
-    """
-    return wire.encode(answer_message(site, message_type, wire.decode(data), clientapp_age=clientapp_age))
-
-
-def _answer(site: Site, message_type: str, ctl: dict[str, Any], content: Content) -> Content:
-    """:func:`answer_message` once the message's control fields ``ctl`` are read and checked."""
-    me = f"site {site.client_id}"
-    if message_type == P.HELLO:
-        info = site.hello(ctl)
-        return wire.answer(site.client_id, sizes=info["sizes"], digest=info["digest"])
-    if message_type == P.TRAIN:
-        ins = _instruction(content, f"instruction to {me}")
-        if ctl.get("secure_aggregation"):
-            return site.secure_train(ctl, ins, content)
-        payload, n, metrics = site.train(ctl, ins)
-        return wire.train_answer(site.client_id, payload, metrics, n)
-    if message_type == P.EVALUATE:
-        results, state = site.evaluate(ctl, _instruction(content, f"evaluation instruction to {me}"))
-        return wire.evaluate_answer(site.client_id, results, state)
-    if message_type == P.VALIDATE:
-        scores = site.validate(ctl, _instruction(content, f"validation instruction to {me}"))
-        return wire.validate_answer(site.client_id, scores)
-    if message_type == P.SCORE:
-        models = wire.take(content, "models", f"cross_test models sent to {me}")
-        if not isinstance(models, dict):
-            raise PayloadError(f"cross_test models sent to {me}: expected a dict")
-        ins_of = {str(k): int(v) for k, v in dict(ctl.get("ins_of", {})).items()}
-        shared = {k: _instruction(content, f"cross_test instruction {k} sent to {me}", prefix=f"ins.{k}")
-                  for k in sorted(set(ins_of.values()))}
-        results = site.score(ctl, models, {owner: shared[k] for owner, k in ins_of.items()})
-        return wire.score_answer(site.client_id, results)
-    raise SiteError(f"{me}: unknown message type {message_type!r}")
-
-
-def handle_locally(node_config: dict[str, Any], message_type: str, data: bytes) -> bytes:
-    """:func:`handle` in this process, for the site named by ``node_config``."""
-    return handle(site_for(node_config), message_type, data)

@@ -94,7 +94,7 @@ class Transport:
 
 class InProcessTransport(Transport):
     """Sites in this process: ``answer(site, kind, content) -> content`` for each node's site
-    (e.g. :func:`medfl.site.answer_message` on :class:`medfl.site.Site` objects).
+    (e.g. :func:`medfl.site_messages.answer_message` on :class:`medfl.site.Site` objects).
     Every content crosses as its bytes (:func:`medfl.wire.encode`, :func:`~medfl.wire.decode`),
     as over a network; a message is answered when received. An ``answer`` that raises is the
     site's error; a node no longer in :attr:`sites` (which may change) is lost.

@@ -19,7 +19,8 @@ import torch
 
 from medfl.cli import main
 from medfl.experiment import run_experiment
-from medfl.export import ExportError, SourceDataset, _inference_config, export_run, inference_data
+from medfl.export import SourceDataset, export_run
+from medfl.export_files import ExportError, inference_config, inference_data
 from medfl.predict import predict
 from medfl.rundir import RunError
 
@@ -352,7 +353,7 @@ def test_exported_preprocessing_is_medfl_s_in_monai_transforms(kind, suffix, nor
     source = manifest_source(**{k: v for k, v in spec.items() if k != "name"})
     data = inference_data(spec, source)
     assert list(data["packages"]) == ([package] if package else [])
-    cfg = _inference_config({"_target_": "Identity"}, data["config"], ["a", "b"], 2, False)
+    cfg = inference_config({"_target_": "Identity"}, data["config"], ["a", "b"], 2, False)
     assert all(hasattr(monai.transforms, t["_target_"]) for t in cfg["preprocessing"]["transforms"])
     got = ConfigParser(cfg).get_parsed_content("dataset")
     want = source.make_dataset(source.table, False)

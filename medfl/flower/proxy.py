@@ -7,7 +7,7 @@ site`` runs a long-lived *site worker* next to the SuperNode (:mod:`medfl.flower
 site's config, data split and imports stay warm) and this ClientApp only forwards each
 message's bytes to it over a local Unix socket (the node config's ``worker`` entry) and
 returns the worker's answer. Without a ``worker`` entry the message is handled in this process
-by :func:`medfl.site.handle_locally` (slower, same result).
+by :func:`medfl.site_messages.handle_locally` (slower, same result).
 
 This module imports Flower, NumPy and medfl's codec (:mod:`medfl.wire_format`) only:
 :func:`medfl.flower.deploy.write_app` ships a copy of it in the Flower app as
@@ -302,7 +302,7 @@ def _dispatch(msg: Message, context: Context) -> Message:
             return forward_bytes(worker, message_type, data, run_config=rc)
     else:  # no worker: handle the message in this process
         from medfl.config_file import refuse_syntax
-        from medfl.site import handle_locally
+        from medfl.site_messages import handle_locally
 
         refuse_syntax(rc, f"medfl site {node_config.get('client-id', '?')}: the Flower run config")
 

@@ -6,7 +6,7 @@
 coordinator is :class:`~medfl.engine.remote.RemoteRun` (the deployment's ServerApp code,
 over Flower's in-memory grid instead of a SuperLink: :class:`SimulatedTransport`) and every
 client is a simulated SuperNode whose messages are handled by the deployment's own
-:func:`medfl.site.handle` in a Ray actor. Ray runs as many actors as the resources
+:func:`medfl.site_messages.handle` in a Ray actor. Ray runs as many actors as the resources
 allow (cores / ``client_cpus``, GPUs / ``client_gpus``), so the clients of a round train in
 parallel; each actor keeps torch, the plugins and the sites it served loaded between
 messages.
@@ -47,7 +47,8 @@ from medfl.config import actor_threads
 from medfl.engine.data import FederatedData, client_order, split_data
 from medfl.engine.remote import RemoteRun, RemoteSettings
 from medfl.engine.runner import RunError, RunFactory, build_source
-from medfl.site import Site, SiteSettings, handle
+from medfl.site import Site, SiteSettings
+from medfl.site_messages import handle
 from medfl.flower.proxy import answer_with, secure_aggregation_mod
 from medfl.flower.transport import FLOWER_TERMS, FlowerTransport
 

@@ -3,7 +3,7 @@
 ``medfl flower site`` runs :func:`run_site`: it opens the worker's Unix socket, starts
 ``flower-supernode`` as its child with the socket in the node config (``worker=...``), and
 answers the messages the per-message ClientApp processes (:mod:`medfl.flower.proxy`)
-forward to it, one at a time, with :func:`medfl.site.handle`. The site's config,
+forward to it, one at a time, with :func:`medfl.site_messages.handle`. The site's config,
 its split of the data, torch, MONAI and the method plugins stay loaded between messages;
 the persistent client state is on disk in the site's state directory either way, so a
 worker that is restarted continues where it left off.
@@ -29,7 +29,8 @@ from typing import Any
 
 from medfl.config_file import refuse_syntax
 from medfl.flower.proxy import recv_frame, send_frame
-from medfl.site import Site, SiteSettings, handle
+from medfl.site import Site, SiteSettings
+from medfl.site_messages import handle
 
 __all__ = ["SiteWorker", "run_site", "socket_for", "exit_reason"]
 
@@ -210,7 +211,7 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
         backoff: the first wait before a restart, in seconds.
         max_backoff: the longest wait between restarts.
     """
-    from medfl.approval import private_bytecode
+    from medfl.code_identity import private_bytecode
 
     # bytecode of the code imported from now on is read and written only in the site's own
     # folder: a __pycache__/*.pyc planted beside a plugin's source is never run

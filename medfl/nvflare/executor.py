@@ -3,7 +3,7 @@
 Each NVFlare client of a medfl job runs this executor for medfl's tasks
 (:data:`medfl.nvflare.transport.TASKS`). A task's data holds one medfl message (its content's
 bytes, :func:`medfl.wire.encode`); the executor answers it with
-:func:`medfl.site.answer_message` on the site's :class:`medfl.site.Site`, exactly
+:func:`medfl.site_messages.answer_message` on the site's :class:`medfl.site.Site`, exactly
 as a Flower SuperNode's site does (no Flower needed): the site's
 approvals and privacy policy (``MEDFL_APPROVALS`` in the NVFlare client's environment,
 :mod:`medfl.approval`), its release ledger and privacy budget, the content guard on what
@@ -48,7 +48,8 @@ from nvflare.apis.signal import Signal
 from medfl import wire
 from medfl.approval import APPROVALS_ENV, OPT_OUT
 from medfl.config_file import PlainDataError, plain_fl, refuse_syntax
-from medfl.site import Site, SiteError, SiteSettings, answer_message
+from medfl.site import Site, SiteError, SiteSettings
+from medfl.site_messages import answer_message
 from medfl.nvflare.transport import CONTENT, ERROR
 
 __all__ = ["MedflExecutor", "SITE_ENV", "SITE_KEYS"]

@@ -112,10 +112,10 @@ def test_probability_model_is_scored_on_its_own_probabilities(tmp_path: Path) ->
     metrics = pd.read_csv(run / "metrics.csv", dtype={"client_id": str})
     assert metrics["accuracy"].notna().all() and set(metrics["split"]) == {"local_test", "cross_test"}
     # the engine did not softmax the probabilities again: recompute client 1's test AUC by hand
-    from medfl.experiment import _reopen, _saved_config
+    from medfl.reopen import reopen, saved_config
 
-    saved = _saved_config(run)
-    r = _reopen(run, saved, saved["fl"])
+    saved = saved_config(run)
+    r = reopen(run, saved, saved["fl"])
     r.prepare(read_only=True)
     ctx = r.context("1", 2, state_before=3)
     model = r.client_method.client_eval_model(ctx, Instruction())

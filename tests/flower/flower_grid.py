@@ -2,7 +2,7 @@
 (:class:`medfl.flower.transport.FlowerTransport`): every message is serialized to Flower's
 protobuf and back, as on the wire (:func:`over_the_wire`), answered by the addressed node's
 :class:`Site` as a SuperNode's ClientApp answers it (:func:`medfl.flower.proxy.answer_with` and
-:func:`medfl.site.handle`), and its answer serialized back. The coordinator's own tests use
+:func:`medfl.site_messages.handle`), and its answer serialized back. The coordinator's own tests use
 :class:`test_coordinator.LoopTransport`, which needs no Flower grid."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from flwr.app import Error, Message, RecordDict
 from medfl import wire
 from medfl.engine import protocol as P
 from medfl.flower.proxy import answer_with, content_of, packed_bytes, records_of
-from medfl.site import Site, handle
+from medfl.site import Site
+from medfl.site_messages import handle
 from medfl.wire import Content
 
 #: ``(node, message type, control fields, reply content) -> reply content``

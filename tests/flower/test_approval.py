@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip install -e '.[test]')")
 
-from medfl.approval import APPROVALS_ENV, Approvals, ApprovalError, check_control, code_identity  # noqa: E402
+from medfl.approval import APPROVALS_ENV, Approvals, ApprovalError, check_control  # noqa: E402
+from medfl.code_identity import code_identity  # noqa: E402
 from medfl.cli import main  # noqa: E402
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine.remote import SiteFailure  # noqa: E402
@@ -104,7 +105,7 @@ def test_medfl_s_extras_are_environment_not_pinned() -> None:
     ``flwr[simulation]``) are environment where installed, like its requirements."""
     import importlib.util
 
-    from medfl.approval import _environment
+    from medfl.code_identity import _environment
 
     base = _environment()[2]
     assert {"torch", "monai", "flwr"} <= base
@@ -396,7 +397,7 @@ def test_planted_bytecode_is_refused(tmp_path: Path, helped: tuple[str, Path]) -
 
 def test_a_site_process_never_reads_planted_bytecode(tmp_path: Path) -> None:
     """A site process (:func:`medfl.flower.worker.run_site`) reads bytecode only from its own
-    folder (:func:`medfl.approval.private_bytecode`): the planted ``.pyc`` is not run."""
+    folder (:func:`medfl.code_identity.private_bytecode`): the planted ``.pyc`` is not run."""
     import subprocess
     import sys
 
@@ -416,7 +417,7 @@ def test_a_site_process_never_reads_planted_bytecode(tmp_path: Path) -> None:
         return out.stdout.strip()
 
     assert value("") == "planted"   # the hole: plain Python runs the planted bytecode
-    assert value(f"from medfl.approval import private_bytecode; private_bytecode({str(tmp_path / 'pyc')!r}); ") \
+    assert value(f"from medfl.code_identity import private_bytecode; private_bytecode({str(tmp_path / 'pyc')!r}); ") \
         == "source"
 
 

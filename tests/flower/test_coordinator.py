@@ -2,7 +2,7 @@
 
 A loop-back transport (:class:`LoopTransport`, a :class:`medfl.transport.InProcessTransport`)
 stands in for Flower's: every message crosses as its bytes (:func:`medfl.wire.encode`), is
-handed to the addressed node's :class:`Site` with :func:`medfl.site.answer_message`, and
+handed to the addressed node's :class:`Site` with :func:`medfl.site_messages.answer_message`, and
 its answer crosses back. So these tests run the coordinator's and the sites' real code, fast and
 deterministically: the same numbers as in process, state kept at the sites, dropouts and
 rejoins, resume, and what the coordinator refuses. ``test_flower_transport.py`` runs Flower's
@@ -31,7 +31,8 @@ from medfl.engine import protocol as P  # noqa: E402
 from medfl import wire  # noqa: E402
 from medfl.engine.remote import RemoteRun, RemoteSettings  # noqa: E402
 from medfl.flower.server import resume_flower, run_flower_experiment  # noqa: E402
-from medfl.site import Site, SiteError, SiteSettings, answer_message  # noqa: E402
+from medfl.site import Site, SiteError, SiteSettings  # noqa: E402
+from medfl.site_messages import answer_message  # noqa: E402
 from medfl.flower.transport import FLOWER_TERMS  # noqa: E402
 from medfl.transport import Answer, InProcessTransport, Outgoing  # noqa: E402
 from medfl.wire import Content  # noqa: E402
@@ -48,7 +49,7 @@ Tamper = Callable[[int, str, dict[str, Any], Content], Content]
 class LoopTransport(InProcessTransport):
     """The sites of this process as the coordinator's transport, standing in for Flower's (its
     words: SuperNode, SuperLink): every content crosses as its bytes and is answered by the
-    addressed node's :class:`Site` (:func:`medfl.site.answer_message`) when received.
+    addressed node's :class:`Site` (:func:`medfl.site_messages.answer_message`) when received.
 
     Args:
         sites: node id -> the site it runs.

@@ -20,7 +20,8 @@ from medfl.budget import data_key  # noqa: E402
 from medfl.config_file import PlainDataError, plain_fl, refuse_syntax  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.proxy import app, to_records  # noqa: E402
-from medfl.site import Site, SiteError, SiteSettings, handle  # noqa: E402
+from medfl.site import Site, SiteError, SiteSettings  # noqa: E402
+from medfl.site_messages import handle  # noqa: E402
 
 FL: dict[str, Any] = {
     "seed": 0, "num_clients": 2, "rounds": 1, "progress": False,

@@ -27,7 +27,8 @@ from medfl.config import resolve_config  # noqa: E402
 from medfl.filters import FilterChain  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.site import REPRODUCIBLE_NOISE_ENV, SiteError, answer_message, instruction_digest  # noqa: E402
+from medfl.site import REPRODUCIBLE_NOISE_ENV, SiteError, instruction_digest  # noqa: E402
+from medfl.site_messages import answer_message  # noqa: E402
 from medfl.messages import Instruction  # noqa: E402
 from medfl.method import derive_seed  # noqa: E402
 from medfl.plugins import lookup  # noqa: E402

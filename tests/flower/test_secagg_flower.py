@@ -33,7 +33,8 @@ from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower import secagg  # noqa: E402
 from medfl.flower.proxy import app as site_app, content_of  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.site import SiteError, answer_message  # noqa: E402
+from medfl.site import SiteError  # noqa: E402
+from medfl.site_messages import answer_message  # noqa: E402
 from medfl import wire  # noqa: E402
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402

@@ -32,7 +32,8 @@ from medfl.budget import BUDGET_FILE, BudgetRefused, SiteBudget, Spend, composed
 from medfl.config import resolve_config  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
 from medfl.flower.server import run_flower_experiment  # noqa: E402
-from medfl.site import REPRODUCIBLE_NOISE_ENV, SiteError, answer_message  # noqa: E402
+from medfl.site import REPRODUCIBLE_NOISE_ENV, SiteError  # noqa: E402
+from medfl.site_messages import answer_message  # noqa: E402
 from medfl.policy import PolicyRefusal, SitePolicy  # noqa: E402
 from medfl.privacy.accounting import epsilon_spent  # noqa: E402
 

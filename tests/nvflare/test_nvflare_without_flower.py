@@ -36,7 +36,8 @@ import medfl.nvflare.controller, medfl.nvflare.executor, medfl.nvflare.job, medf
 from medfl.config import resolve_config
 from medfl.engine.remote import RemoteSettings
 from medfl.experiment import run_experiment
-from medfl.site import Site, SiteSettings, answer_message
+from medfl.site import Site, SiteSettings
+from medfl.site_messages import answer_message
 from medfl.plugins import lookup
 from medfl.transport import InProcessTransport
 
