@@ -370,13 +370,13 @@ def _complete(summaries: dict[str, Any]) -> bool:
 def _tracked(root: Path, cfg: dict[str, Any], specs: list[dict[str, Any]], run_factory: RunFactory, whole: bool,
              work: Callable[[RunFactory], dict[str, Any]]) -> dict[str, Any]:
     """``work(run_factory)`` with the experiment ``root`` tracked by ``specs``' trackers
-    (:class:`medfl.tracking.Tracking`; none: ``work`` as it is, and nothing imports a tracker's
+    (:class:`medfl.tracking_feed.Tracking`; none: ``work`` as it is, and nothing imports a tracker's
     package): every run ``run_factory`` builds is watched, and the experiment's own run ends
     "finished" when ``whole`` (the whole experiment was run or resumed) and every run finished,
     else "stopped"; "failed" or "interrupted" when ``work`` raises."""
     if not specs:
         return work(run_factory)
-    from medfl.tracking import Tracking
+    from medfl.tracking_feed import Tracking
 
     tracking = Tracking(root, specs, str(cfg.get("name", root.name)), cfg, final_models=_final_models)
     tracking.start()
