@@ -58,7 +58,7 @@ def test_the_ast_check_finds_the_forms_it_forbids(tmp_path: Path) -> None:
 
 
 def test_every_medfl_logger_is_under_medfl() -> None:
-    import medfl_plugins.pfedcdp as pfedcdp
+    import medfl_plugins.pfedcdp.method as pfedcdp
     import medfl_plugins.privacy as privacy
 
     assert pfedcdp.logger.name == "medfl.plugins.pfedcdp" and privacy.logger.name == "medfl.plugins.privacy"

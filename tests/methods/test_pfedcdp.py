@@ -23,7 +23,7 @@ from medfl.engine.data import split_data
 from medfl.engine.runner import build_source
 from medfl.method import MethodConfigError
 from medfl.models.registry import build_seeded
-from medfl_plugins import pfedcdp as cdp
+from medfl_plugins.pfedcdp import method as cdp
 from medfl_plugins.pfedcdp import PFedCDP, fisher_information, fisher_masks, mix_extractor
 
 

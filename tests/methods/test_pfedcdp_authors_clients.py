@@ -15,7 +15,7 @@ from medfl.config import build_method
 from medfl.engine.client import run_client_update
 from medfl.messages import Instruction
 from medfl.method import MethodConfigError
-from medfl_plugins import pfedcdp as cdp
+from medfl_plugins.pfedcdp import losses, method
 from medfl_plugins.pfedcdp import PRESETS, PFedCDP
 
 from test_pfedcdp import SCORES_BY_CLIENT, _run
@@ -25,15 +25,17 @@ HIGH, MEDIUM, LOW = "0", "1", "3"
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
-    """Record every call of the plugin's ``name`` (kd_loss, make_optimizer), passing it through."""
+    """Record every call of the plugin's ``name`` (kd_loss in its losses, make_optimizer in its
+    method), passing it through."""
     calls: list[Any] = []
-    real = getattr(cdp, name)
+    module = losses if name == "kd_loss" else method
+    real = getattr(module, name)
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         calls.append((args, kwargs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cdp, name, spy)
+    monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -53,11 +55,11 @@ def test_v1_7_models_b_and_c_train_on_cross_entropy_alone(tmp_path: Path, monkey
                                                           cid: str) -> None:
     """client1.py / client2.py ``fit`` never calls ``download_teacher_model``: no teacher, no eq. 11."""
     built: list[str] = []
-    real_build = cdp.build_seeded
+    real_build = method.build_seeded
 
     def spies() -> None:
         calls.append(_spy(monkeypatch, "kd_loss"))
-        monkeypatch.setattr(cdp, "build_seeded", lambda spec, *a, **k: built.append(spec["name"]) or real_build(
+        monkeypatch.setattr(method, "build_seeded", lambda spec, *a, **k: built.append(spec["name"]) or real_build(
             spec, *a, **k))
 
     calls: list[list[Any]] = []
@@ -89,7 +91,7 @@ def test_probabilities_input_is_eq_11_applied_to_softmax_outputs() -> None:
     q_t, log_q_s = torch.softmax(p_t / temp, 1), torch.log_softmax(p_s / temp, 1)
     kl = (q_t * (torch.log(q_t) - log_q_s)).sum(1).mean()
     want = (1 - lam) * ce + lam * temp ** 2 * kl
-    assert float(cdp.kd_loss(p_s, p_t, y, lam=lam, temperature=temp)) == pytest.approx(float(want), rel=1e-5)
+    assert float(losses.kd_loss(p_s, p_t, y, lam=lam, temperature=temp)) == pytest.approx(float(want), rel=1e-5)
 
 
 @pytest.mark.parametrize("cid, lr", [(LOW, 3e-4), (MEDIUM, None), (HIGH, None)])
