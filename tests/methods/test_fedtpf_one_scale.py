@@ -31,6 +31,7 @@ from medfl.messages import Instruction
 from medfl.method import Federation, derive_seed
 from medfl.privacy.feature_release import perturb_features
 from medfl_plugins.fedtpf import PAPER_PRESET, FedFed, FedTPF
+from medfl_plugins.fedtpf.models import client_scale, input_scale
 
 SPEC = {"name": "small_cnn", "width": 4, "in_channels": 3, "num_classes": 9}
 #: the two clients: label skew, classes 0-4 and 5-8 (their channel means differ by up to 0.1)
@@ -85,7 +86,7 @@ def _stage2_inputs(m: FedTPF, clients: dict[str, dict[str, Any]], monkeypatch: p
     release (perturbed as medfl performs it: the plan's noise on unclipped x_s), and one
     stage-2 step per client: what its task model trained on (local tiles and mapped shared
     set, the two parts of the union) and its reply's metrics."""
-    import medfl_plugins.fedtpf as mod
+    import medfl_plugins.fedtpf.method as mod
     from medfl.training import weighted_average
 
     sizes = {cid: len(d["train"]) for cid, d in clients.items()}
@@ -187,16 +188,16 @@ def test_under_none_the_mean_is_measured_at_the_client_and_never_leaves_it(clien
     m = FedFed(distill_rounds=1, distill_steps=2, vae_width=4)
     m.setup(_fed({"a": len(clients["a"]["train"])}))
     ctx = _context("a", clients["a"], {})
-    mean, std = m._input_scale(ctx)
+    mean, std = input_scale(m.standardize, ctx)
     want, _ = _channels(_stack(clients["a"]["train"]))
     torch.testing.assert_close(mean.flatten().double(), want)
     assert (std == 1).all() and ctx.state["fedtpf_scale"]["mean"] == pytest.approx(want.tolist())
-    assert m._client_scale(ctx) is None          # the distillation model still works on the input scale
+    assert client_scale(m.standardize, ctx) is None          # the distillation model still works on the input scale
     fixed = FedTPF(standardize={"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]}, distill_rounds=1,
                    distill_steps=2, vae_width=4, critic_width=4)
     fixed.setup(_fed({"a": len(clients["a"]["train"])}))
     ctx = _context("a", clients["a"], {})
-    mean, std = fixed._input_scale(ctx)
+    mean, std = input_scale(fixed.standardize, ctx)
     assert mean.flatten().tolist() == [0.5] * 3 and std.flatten().tolist() == [0.25] * 3
     assert "fedtpf_scale" not in ctx.state
     assert math.isfinite(float(mean.sum()))

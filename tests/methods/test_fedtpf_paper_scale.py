@@ -159,7 +159,7 @@ def test_a_fixed_normalization_is_checked_and_public_quantile_refuses_per_client
 
 
 def test_stage_2_maps_the_standardized_shared_set_back_to_the_clients_input_scale(monkeypatch) -> None:
-    import medfl_plugins.fedtpf as mod
+    import medfl_plugins.fedtpf.method as mod
 
     m = FedTPF(noise={"variance": 0.15}, epsilon=None, standardize="client", distill_rounds=2, **SMALL)
     m.setup(_fed(channels=3))
