@@ -10,7 +10,6 @@ its families; :data:`DEFAULT_GROUP_COLUMN` is public.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -157,27 +156,6 @@ class _Groups:
         if isinstance(gids, list):
             return sum(self.rows(piece) for piece in gids)
         return int(self.size[np.asarray(gids, dtype=np.int64)].sum())
-
-    def redraw(self, draw: Callable[[], list[Any] | None], max_retries: int,
-               min_size: int = 0) -> tuple[list[Any] | None, int]:
-        """Deal and retry: call ``draw()`` (each client's bucket of groups, or ``None`` for a
-        failed draw) up to ``max_retries`` times.
-
-        Returns:
-            ``(buckets, best)``: the first draw's buckets that give every client at least
-            ``min_size`` rows (``None`` when none did), and the largest smallest client size
-            of the draws that did not (``-1`` when none was dealt).
-        """
-        best = -1
-        for _ in range(max_retries):
-            buckets = draw()
-            if buckets is None:
-                continue
-            smallest = min(self.rows(bucket) for bucket in buckets)
-            if smallest >= min_size:
-                return buckets, best
-            best = max(best, smallest)
-        return None, best
 
     def finish(self, buckets: list[list[np.ndarray]] | list[np.ndarray],
                names: list[str] | None = None, rest: str | None = None) -> Partition:

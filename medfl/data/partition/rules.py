@@ -366,10 +366,10 @@ def class_sample(
     groups = _Groups(func, table, group_column, by_key=True)   # the draw follows the sorted keys
     glabels = groups.labels(labels)
     rng = _rng(func, seed)
-    taken, _ = groups.redraw(lambda: _sample_classes(rng, groups, glabels, values, num_clients, (c_lo, c_hi),
-                                                     (s_lo, s_hi)), max_retries)
-    if taken is not None:
-        return groups.finish(taken, rest=rest)
+    for _ in range(max_retries):   # deal, retry, finish
+        taken = _sample_classes(rng, groups, glabels, values, num_clients, (c_lo, c_hi), (s_lo, s_hi))
+        if taken is not None:
+            return groups.finish(taken, rest=rest)
     counts = {values[j].item(): int((labels == values[j]).sum()) for j in range(len(values))}
     raise _fail(func, f"impossible: {num_clients} clients of {c_lo}-{c_hi} classes with at least {s_lo} rows "
                 f"each need at least {num_clients * c_lo * s_lo} rows spread over enough classes; the "

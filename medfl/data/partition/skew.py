@@ -6,11 +6,11 @@ Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.groups`).
 
 from __future__ import annotations
 
-import numpy as np
-import pandas as pd
-
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
+import pandas as pd
 
 from medfl.data.partition.base import Partition, _check_int, _check_positive, _fail, _labels, _rng
 from medfl.data.partition.groups import DEFAULT_GROUP_COLUMN, _dealt_groups, _Groups
@@ -34,17 +34,25 @@ def _check_redraws(func: str, min_size: Any, max_retries: Any, num_clients: int,
 
 def _redraw_min_size(func: str, groups: _Groups, draw: Callable[[], list[Any] | None], num_clients: int,
                      min_size: int, max_retries: int, knob: tuple[str, float]) -> Partition:
-    """The partition of the first draw (:meth:`_Groups.redraw`) giving every client
-    ``min_size`` rows; the failure names the concentration ``knob`` (name, value) to raise."""
-    buckets, best = groups.redraw(draw, max_retries, min_size)
-    if buckets is None:
-        name, value = knob
-        raise _fail(
-            func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
-            f"with {name}={value} in max_retries={max_retries} draws (smallest client size "
-            f"reached: {best}{groups.dealt}); use a larger {name} or a smaller min_size",
-        )
-    return groups.finish(buckets)
+    """Deal and retry: the partition of the first of up to ``max_retries`` draws (``draw()``:
+    each client's groups, or ``None`` for a failed draw) that gives every client ``min_size``
+    rows. The failure names the smallest client size reached and the concentration ``knob``
+    (name, value) to raise."""
+    best = -1
+    for _ in range(max_retries):
+        buckets = draw()
+        if buckets is None:
+            continue
+        smallest = min(groups.rows(bucket) for bucket in buckets)
+        if smallest >= min_size:
+            return groups.finish(buckets)
+        best = max(best, smallest)
+    name, value = knob
+    raise _fail(
+        func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
+        f"with {name}={value} in max_retries={max_retries} draws (smallest client size "
+        f"reached: {best}{groups.dealt}); use a larger {name} or a smaller min_size",
+    )
 
 
 def _dirichlet_draw(rng: np.random.Generator, groups: _Groups, class_groups: list[np.ndarray],
