@@ -187,6 +187,12 @@ class _ImageCheck:
                 if hit.size:
                     vhits[path] = hit
             self._gram_hits(ix, "exact", bits, path, ghits)
+        self._refuse_hits(ix, where, vhits, ghits)
+
+    def _refuse_hits(self, ix: _Index, where: str, vhits: dict[str, np.ndarray],
+                     ghits: dict[str, dict[str, np.ndarray]]) -> None:
+        """:meth:`_check_images`'s verdict on the probes it found: ``vhits`` (path -> matched
+        value-probe ids) and ``ghits`` (variant -> path -> matched gram positions)."""
         if vhits:
             hits = np.unique(np.concatenate(list(vhits.values())))
             per_sample = np.bincount(ix.vsample[hits], minlength=len(ix.names))

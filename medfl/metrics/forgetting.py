@@ -335,6 +335,37 @@ def _curve_block(rounds: list[int], curve: pd.Series) -> dict[str, Any]:
     }
 
 
+def _per_round(metrics: pd.DataFrame, train_metrics: pd.DataFrame | None, g_tab: pd.DataFrame,
+               l_tab: pd.DataFrame, rounds: list[int]) -> pd.DataFrame:
+    """:func:`forgetting_report`'s ``per_round`` table from the accuracy tables of the global
+    (``g_tab``) and local (``l_tab``) test sets, one row per round of ``rounds``."""
+    sampled = sampled_by_round(train_metrics) if train_metrics is not None else {}
+    nan = float("nan")
+
+    def row_mean(tab: pd.DataFrame, r: int) -> float:
+        return _nanmean(tab.loc[r].tolist()) if r in tab.index else nan
+
+    local_acc = {r: ({str(c): float(v) for c, v in l_tab.loc[r].items()} if r in l_tab.index else {})
+                 for r in rounds}
+    flips = {s: accuracy_table(metrics, s, "neg_flip_rate") for s in ("global_test", "local_test")}
+    rows = []
+    for r in rounds:
+        g, l = row_mean(g_tab, r), row_mean(l_tab, r)
+        wc, wv = worst_client(local_acc[r])
+        per = backward_transfer_per_client(local_acc, sampled, r) if local_acc[r] else {}
+        rows.append({
+            "round": r, "global_acc": g, "local_acc": l, "worst_local_acc": wv,
+            "worst_client": wc if wc is not None else "", "balance": balance(g, l),
+            "bwt": float(np.mean(list(per.values()))) if per else nan, "bwt_clients": len(per),
+            "global_neg_flip_rate": row_mean(flips["global_test"], r),
+            "local_neg_flip_rate": row_mean(flips["local_test"], r),
+            "sampled": " ".join(sampled.get(r, [])),
+        })
+    return pd.DataFrame(rows, columns=[
+        "round", "global_acc", "local_acc", "worst_local_acc", "worst_client", "balance", "bwt",
+        "bwt_clients", "global_neg_flip_rate", "local_neg_flip_rate", "sampled"])
+
+
 def forgetting_report(
     metrics: pd.DataFrame,
     train_metrics: pd.DataFrame | None = None,
@@ -368,33 +399,8 @@ def forgetting_report(
     """
     g_tab = accuracy_table(metrics, "global_test", metric)
     l_tab = accuracy_table(metrics, "local_test", metric)
-    rounds = sorted(set(g_tab.index) | set(l_tab.index))
-    rounds = [int(r) for r in rounds]
-    sampled = sampled_by_round(train_metrics) if train_metrics is not None else {}
-    nan = float("nan")
-
-    def row_mean(tab: pd.DataFrame, r: int) -> float:
-        return _nanmean(tab.loc[r].tolist()) if r in tab.index else nan
-
-    local_acc = {r: ({str(c): float(v) for c, v in l_tab.loc[r].items()} if r in l_tab.index else {})
-                 for r in rounds}
-    flips = {s: accuracy_table(metrics, s, "neg_flip_rate") for s in ("global_test", "local_test")}
-    rows = []
-    for r in rounds:
-        g, l = row_mean(g_tab, r), row_mean(l_tab, r)
-        wc, wv = worst_client(local_acc[r])
-        per = backward_transfer_per_client(local_acc, sampled, r) if local_acc[r] else {}
-        rows.append({
-            "round": r, "global_acc": g, "local_acc": l, "worst_local_acc": wv,
-            "worst_client": wc if wc is not None else "", "balance": balance(g, l),
-            "bwt": float(np.mean(list(per.values()))) if per else nan, "bwt_clients": len(per),
-            "global_neg_flip_rate": row_mean(flips["global_test"], r),
-            "local_neg_flip_rate": row_mean(flips["local_test"], r),
-            "sampled": " ".join(sampled.get(r, [])),
-        })
-    per_round = pd.DataFrame(rows, columns=[
-        "round", "global_acc", "local_acc", "worst_local_acc", "worst_client", "balance", "bwt",
-        "bwt_clients", "global_neg_flip_rate", "local_neg_flip_rate", "sampled"])
+    rounds = [int(r) for r in sorted(set(g_tab.index) | set(l_tab.index))]
+    per_round = _per_round(metrics, train_metrics, g_tab, l_tab, rounds)
     if per_round.empty:
         return {"metric": metric, "rounds": []}, per_round
     last = per_round.iloc[-1]

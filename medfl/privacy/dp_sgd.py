@@ -313,35 +313,120 @@ def _generator(seed: int | None, tag: str, device: str | torch.device) -> torch.
     return gen
 
 
-def train_epochs_dp(
-    model: nn.Module,
-    dataset: Dataset,
-    optimizer: torch.optim.Optimizer,
-    epochs: int,
-    *,
-    batch_size: int,
-    noise_multiplier: float,
-    max_grad_norm: float,
-    seed: int | None,
-    device: str = "cpu",
-    loss_fn: LossFn | None = None,
-    num_workers: int = 0,
-    regularizer: Regularizer | None = None,
-) -> dict[str, float]:
+def _check_arguments(model: nn.Module, dataset: Dataset, batch_size: int, epochs: int,
+                     noise_multiplier: float, max_grad_norm: float) -> int:
+    """:func:`train_epochs_dp`'s argument checks, in its order; returns ``len(dataset)``."""
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real) \
+            or not noise_multiplier >= 0:
+        raise ValueError(f"noise_multiplier must be a number >= 0, got {noise_multiplier!r}")
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
+            or not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
+    _check_int("batch_size", batch_size, 1)
+    _check_int("epochs", epochs, 0)
+    num_examples = len(dataset)  # type: ignore[arg-type]
+    if num_examples < 1:
+        raise ValueError("dataset: DP-SGD needs at least one training example, got none")
+    problems = dp_problems(model)
+    if problems:
+        raise _refuse("model", problems, "build it with medfl.privacy.dp_sgd.make_private_model "
+                      "(model spec key 'dp_compatible': true) or use a model without these layers")
+    return num_examples
+
+
+def _add_regularizer(dp_opt: DPOptimizer, regularizer: Regularizer, model: nn.Module) -> None:
+    """Make ``dp_opt`` add ``regularizer(model)``'s gradient to the clipped, noised and scaled
+    gradient before the wrapped optimizer's step (after any step hook it already has)."""
+    previous = dp_opt.step_hook
+
+    def add_regularizer_grad(opt: DPOptimizer) -> None:
+        # runs after clipping, noise and scaling, before the wrapped optimizer's step
+        if previous is not None:
+            previous(opt)
+        with torch.enable_grad():
+            term = regularizer(model)
+            grads = torch.autograd.grad(term, opt.params, allow_unused=True)
+        for p, g in zip(opt.params, grads):
+            if g is not None:
+                p.grad.add_(g)
+
+    dp_opt.attach_step_hook(add_regularizer_grad)
+
+
+def _per_sample_grads(wrapped: GradSampleModuleExpandedWeights, params: list[nn.Parameter],
+                      x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The batch's loss, after its backward pass has left each of ``params`` a ``grad_sample``
+    (zeros for a parameter the loss does not use) and no ``grad``."""
+    try:
+        loss = wrapped(x, y)
+        loss.backward()
+    except (RuntimeError, NotImplementedError) as exc:
+        if "Expanded Weights" in str(exc) or "ExpandedWeights" in str(exc):
+            raise PrivacyConfigError("model: Opacus cannot compute per-sample gradients through "
+                                     f"this model or loss: {exc}") from exc
+        raise
+    for p in params:
+        if p.grad is not None:
+            raise RuntimeError("train_epochs_dp: loss_fn produced a gradient outside the per-sample path "
+                               "(it must compute the loss from the model it receives, not from tensors "
+                               "captured before the call); put data-independent terms in regularizer")
+        if getattr(p, "grad_sample", None) is None:  # not used by the loss
+            p.grad_sample = torch.zeros((int(x.shape[0]), *p.shape), dtype=p.dtype, device=p.device)
+    return loss
+
+
+def _dp_epochs(epochs: int, loader: DataLoader, wrapped: GradSampleModuleExpandedWeights,
+               dp_opt: DPOptimizer, params: list[nn.Parameter], device: str, losses: StepMeans) -> int:
+    """``epochs`` passes of DP-SGD over ``loader``: a noisy step per Poisson draw, empty draws
+    included (noise only); the batches' losses go to ``losses``, and each epoch logs
+    :func:`medfl.training.log_epoch`'s DEBUG line. Returns the steps taken."""
+    debug, steps = training_logger.isEnabledFor(logging.DEBUG), 0   # log_epoch's logger
+    for epoch in range(epochs):
+        if debug:
+            before, steps0, t0 = losses.total("loss"), steps, time.perf_counter()
+        for batch in loader:
+            dp_opt.zero_grad(set_to_none=True)
+            for p in params:  # also those the optimizer does not hold: ExpandedWeights fills them
+                p.grad_sample = None
+                p.grad = None
+            if batch is None:  # an empty Poisson draw: a step of noise only
+                for p in params:
+                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            else:
+                x, y = batch[0].to(device), batch[1].to(device)
+                losses.add(int(x.shape[0]), loss=_per_sample_grads(wrapped, params, x, y))
+            dp_opt.step()
+            steps += 1
+        if debug:   # the same per-epoch line as train_epochs (noisy steps included in the batches)
+            log_epoch(epoch + 1, epochs, before, losses.total("loss"), steps - steps0, time.perf_counter() - t0)
+    return steps
+
+
+def _restore(model: nn.Module, built: dict[int, set[str]], dp_opt: DPOptimizer | None,
+             wrapped: GradSampleModuleExpandedWeights | None) -> None:
+    """Take Opacus off ``model``: no gradient, and on no parameter or module an attribute that
+    it did not have before (``built``: their names by ``id``)."""
+    if dp_opt is not None:
+        dp_opt.zero_grad(set_to_none=True)
+    if wrapped is not None:
+        wrapped._close()  # Opacus's clean-up: grad_sample, _forward_counter... off the parameters
+    for obj in [*model.parameters(), *model.modules()]:
+        for attr in set(vars(obj)) - built.get(id(obj), set()):
+            delattr(obj, attr)
+    for p in model.parameters():
+        p.grad = None
+
+
+def train_epochs_dp(model: nn.Module, dataset: Dataset, optimizer: torch.optim.Optimizer, epochs: int, *,
+                    batch_size: int, noise_multiplier: float, max_grad_norm: float, seed: int | None,
+                    device: str = "cpu", loss_fn: LossFn | None = None, num_workers: int = 0,
+                    regularizer: Regularizer | None = None) -> dict[str, float]:
     """Train ``model`` in place for ``epochs`` with DP-SGD (Opacus).
 
     What it is for: the local training of a client under sample-level DP. The steps are
-    exactly :func:`planned_steps` ``(len(dataset), batch_size, epochs)``: each is a Poisson
-    draw of the training set (each sample in with probability ``q``), per-sample gradients
-    of ``loss_fn`` clipped to ``max_grad_norm`` and summed, Gaussian noise of standard
-    deviation ``noise_multiplier * max_grad_norm`` added, the sum divided by the expected
-    batch size ``q * len(dataset)`` (Opacus's ``DPOptimizer``), then ``optimizer.step()``.
-    An empty draw is a step too (noise only, as the privacy analysis assumes).
-
-    ``regularizer(model)``, if given, is a data-independent term of the objective (FedProx's
-    proximal term): its gradient is added to the clipped, noised gradient before the step
-    (post-processing, no privacy cost; composed with any ``DPOptimizer`` step hook), never
-    through the per-sample path, and at every step, empty draws included.
+    exactly :func:`planned_steps` ``(len(dataset), batch_size, epochs)``, each a Poisson draw
+    of the training set followed by Opacus's clipped, noised and scaled step (the module
+    docstring); an empty draw is a step too (noise only, as the privacy analysis assumes).
 
     The model object is trained in place and, when this returns or raises, is left as it was
     built: no Opacus hook or attribute on any module or parameter, every ``p.grad`` None, in
@@ -367,7 +452,10 @@ def train_epochs_dp(
             of its methods may be called. A term that mixes samples or does not depend on
             the data belongs in ``regularizer``.
         num_workers: DataLoader worker processes (default 0).
-        regularizer: ``regularizer(model) -> scalar tensor``, see above (default none).
+        regularizer: ``regularizer(model) -> scalar tensor`` (default none), a data-independent
+            term of the objective (FedProx's proximal term): its gradient is added to the
+            clipped, noised gradient before every step, empty draws included (post-processing,
+            no privacy cost; composed with any ``DPOptimizer`` step hook).
 
     Returns:
         ``{"loss": mean training loss over the samples drawn (0 when none), "steps":
@@ -382,39 +470,20 @@ def train_epochs_dp(
         RuntimeError: ``loss_fn`` produced a gradient outside the per-sample path (it used
             parameters it captured before the call).
     """
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real) \
-            or not noise_multiplier >= 0:
-        raise ValueError(f"noise_multiplier must be a number >= 0, got {noise_multiplier!r}")
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
-            or not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
-    _check_int("batch_size", batch_size, 1)
-    _check_int("epochs", epochs, 0)
-    num_examples = len(dataset)  # type: ignore[arg-type]
-    if num_examples < 1:
-        raise ValueError("dataset: DP-SGD needs at least one training example, got none")
-    problems = dp_problems(model)
-    if problems:
-        raise _refuse("model", problems, "build it with medfl.privacy.dp_sgd.make_private_model "
-                      "(model spec key 'dp_compatible': true) or use a model without these layers")
+    num_examples = _check_arguments(model, dataset, batch_size, epochs, noise_multiplier, max_grad_norm)
     batches, sample_rate = planned_steps(num_examples, batch_size, 1)
-    loss_fn = loss_fn or _ce
-
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    param_attrs = {id(p): set(vars(p)) for p in model.parameters()}
-    module_attrs = {id(m): set(vars(m)) for m in model.modules()}
-    sampler = UniformWithReplacementSampler(
-        num_samples=num_examples, sample_rate=sample_rate,
-        generator=_generator(seed, "dp_sgd.poisson", "cpu"), steps=batches)
+    built = {id(obj): set(vars(obj)) for obj in [*model.parameters(), *model.modules()]}
+    sampler = UniformWithReplacementSampler(num_samples=num_examples, sample_rate=sample_rate, steps=batches,
+                                            generator=_generator(seed, "dp_sgd.poisson", "cpu"))
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate_or_none,
-                        num_workers=int(num_workers),
-                        generator=_generator(seed, "dp_sgd.workers", "cpu"))
+                        num_workers=int(num_workers), generator=_generator(seed, "dp_sgd.workers", "cpu"))
     wrapped: GradSampleModuleExpandedWeights | None = None
     dp_opt: DPOptimizer | None = None
-    losses, steps = StepMeans(), 0   # the losses read every few steps, not every step
+    losses = StepMeans()   # the losses read every few steps, not every step
     try:
-        wrapped = GradSampleModuleExpandedWeights(_LossOf(model, loss_fn), batch_first=True,
+        wrapped = GradSampleModuleExpandedWeights(_LossOf(model, loss_fn or _ce), batch_first=True,
                                                   loss_reduction="mean")
         dp_opt = FiniteNoiseDPOptimizer(optimizer, noise_multiplier=float(noise_multiplier),
                                          max_grad_norm=float(max_grad_norm),
@@ -422,72 +491,9 @@ def train_epochs_dp(
                                          loss_reduction="mean",
                                          generator=_generator(seed, "dp_sgd.noise", device))
         if regularizer is not None:
-            previous = dp_opt.step_hook
-
-            def add_regularizer_grad(opt: DPOptimizer) -> None:
-                # runs after clipping, noise and scaling, before the wrapped optimizer's step
-                if previous is not None:
-                    previous(opt)
-                with torch.enable_grad():
-                    term = regularizer(model)
-                    grads = torch.autograd.grad(term, opt.params, allow_unused=True)
-                for p, g in zip(opt.params, grads):
-                    if g is not None:
-                        p.grad.add_(g)
-
-            dp_opt.attach_step_hook(add_regularizer_grad)
-
-        debug = training_logger.isEnabledFor(logging.DEBUG)   # log_epoch's logger
-        for epoch in range(int(epochs)):
-            if debug:
-                before, steps0, t0 = losses.total("loss"), steps, time.perf_counter()
-            for batch in loader:
-                dp_opt.zero_grad(set_to_none=True)
-                for p in params:  # also those the optimizer does not hold: ExpandedWeights fills them
-                    p.grad_sample = None
-                    p.grad = None
-                if batch is None:  # an empty Poisson draw: a step of noise only
-                    for p in params:
-                        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
-                else:
-                    x, y = batch[0].to(device), batch[1].to(device)
-                    n = int(x.shape[0])
-                    try:
-                        loss = wrapped(x, y)
-                        loss.backward()
-                    except (RuntimeError, NotImplementedError) as exc:
-                        if "Expanded Weights" in str(exc) or "ExpandedWeights" in str(exc):
-                            raise PrivacyConfigError(
-                                f"model: Opacus cannot compute per-sample gradients through this "
-                                f"model or loss: {exc}") from exc
-                        raise
-                    for p in params:
-                        if p.grad is not None:
-                            raise RuntimeError(
-                                "train_epochs_dp: loss_fn produced a gradient outside the "
-                                "per-sample path (it must compute the loss from the model it "
-                                "receives, not from tensors captured before the call); put "
-                                "data-independent terms in regularizer")
-                        if getattr(p, "grad_sample", None) is None:  # not used by the loss
-                            p.grad_sample = torch.zeros((n, *p.shape), dtype=p.dtype,
-                                                        device=p.device)
-                    losses.add(n, loss=loss)
-                dp_opt.step()
-                steps += 1
-            if debug:   # the same per-epoch line as train_epochs (noisy steps included in the batches)
-                log_epoch(epoch + 1, int(epochs), before, losses.total("loss"), steps - steps0,
-                          time.perf_counter() - t0)
+            _add_regularizer(dp_opt, regularizer, model)
+        steps = _dp_epochs(int(epochs), loader, wrapped, dp_opt, params, device, losses)
     finally:
-        if dp_opt is not None:
-            dp_opt.zero_grad(set_to_none=True)
-        if wrapped is not None:
-            wrapped._close()  # Opacus's clean-up: grad_sample, _forward_counter... off the parameters
-        for p in model.parameters():
-            for attr in set(vars(p)) - param_attrs.get(id(p), set()):
-                delattr(p, attr)
-            p.grad = None
-        for m in model.modules():
-            for attr in set(vars(m)) - module_attrs.get(id(m), set()):
-                delattr(m, attr)
+        _restore(model, built, dp_opt, wrapped)
     return {"loss": losses.means().get("loss", 0.0), "steps": float(steps), "dp_steps": float(steps),
             "dp_sample_rate": float(sample_rate), "dp_noise_multiplier": float(noise_multiplier)}

@@ -244,6 +244,18 @@ def quantize_tensor(
         )
     if stochastic and generator is None:
         raise ValueError(f"{where}: stochastic rounding needs a generator")
+    codes, lo, hi = _codes(t, bits, generator if stochastic else None, where)
+    return {"codes": pack_codes(codes, bits), "lo": lo, "hi": hi, "bits": bits,
+            "shape": tuple(int(s) for s in t.shape), "dtype": _CODE_OF[t.dtype]}
+
+
+def _codes(t: torch.Tensor, bits: int, generator: torch.Generator | None,
+           where: str) -> tuple[np.ndarray, float, float]:
+    """:func:`quantize_tensor`'s eq. 14 on ``t``'s values in float64: ``(codes, lo, hi)``, the
+    codes flat ``uint16``, stochastic rounding when ``generator`` is given.
+
+    Raises:
+        ValueError: ``t`` holds NaN or inf (naming ``where`` and how many of each)."""
     x = t.detach().reshape(-1).to("cpu", torch.float64).numpy()
     n = x.size
     lo = hi = 0.0
@@ -270,8 +282,7 @@ def quantize_tensor(
             v /= hi / 2 - lo / 2
         del x  # keep the peak at two float64 copies
         v *= levels
-        if stochastic:
-            assert generator is not None
+        if generator is not None:
             u = torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device)
             v += u.cpu().numpy()
         else:
@@ -279,14 +290,7 @@ def quantize_tensor(
         np.floor(v, out=v)
         np.clip(v, 0, levels, out=v)
         codes = v.astype(np.uint16)
-    return {
-        "codes": pack_codes(codes, bits),
-        "lo": lo,
-        "hi": hi,
-        "bits": bits,
-        "shape": tuple(int(s) for s in t.shape),
-        "dtype": _CODE_OF[t.dtype],
-    }
+    return codes, lo, hi
 
 
 def _is_real(value: Any) -> bool:

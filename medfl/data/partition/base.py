@@ -134,7 +134,7 @@ def _rng(func: str, seed: Any) -> np.random.Generator:
 
 
 def _finish(buckets: list[np.ndarray] | list[list[np.ndarray]],
-            names: list[str] | None = None) -> Partition:
+            names: list[str] | None = None, rest: str | None = None) -> Partition:
     data: dict[str, np.ndarray] = {}
     for i, bucket in enumerate(buckets):
         if isinstance(bucket, list):
@@ -143,7 +143,7 @@ def _finish(buckets: list[np.ndarray] | list[list[np.ndarray]],
             arr = bucket
         data[str(i)] = np.sort(np.asarray(arr, dtype=np.int64))
     named = None if names is None else {str(i): nm for i, nm in enumerate(names)}
-    return Partition(data, names=named)
+    return Partition(data, names=named, rest=rest)
 
 
 def check_partition(parts: Mapping[str, Any], num_rows: int | pd.DataFrame, *,

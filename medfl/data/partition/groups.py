@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from medfl.data.partition.base import Partition, _check_clients, _check_int, _fail, _finish
+from medfl.data.partition.base import Partition, _check_clients, _check_int, _check_table, _fail, _finish
 
 __all__ = ["DEFAULT_GROUP_COLUMN"]
 
@@ -67,14 +67,17 @@ def _even_cuts(n: int, pieces: int) -> np.ndarray:
 class _Groups:
     """The units a partitioner deals: whole groups of rows (one subject's images).
 
-    Groups are numbered in order of first appearance, so that when every row is its own
-    group (no group column, ``group_column=None``, or one row per subject) ``ids`` is
-    ``arange(n)`` and a partitioner written over groups draws exactly what it drew over rows.
+    Groups are numbered in order of first appearance (``by_key``: of their sorted keys), so
+    that when every row is its own group (no group column, ``group_column=None``, or one row
+    per subject) ``ids`` is ``arange(n)`` and a partitioner written over groups draws exactly
+    what it drew over rows.
 
     Args:
         func: the partitioner's name, for error messages.
         table: the manifest.
         group_column: the grouping column, or ``None`` (see :func:`_groups_of`).
+        by_key: number the groups in the order of their sorted keys (:func:`class_sample`'s
+            draw depends on it). Default: ``False``.
 
     Attributes:
         ids: ``int64`` group index of each row.
@@ -85,12 +88,12 @@ class _Groups:
         dealt: ``""``, or a clause saying that whole groups were dealt, for messages.
     """
 
-    def __init__(self, func: str, table: pd.DataFrame, group_column: str | None) -> None:
+    def __init__(self, func: str, table: pd.DataFrame, group_column: str | None, by_key: bool = False) -> None:
         raw = _groups_of(func, table, group_column)
         _, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
         rank = np.empty(len(first), dtype=np.int64)
         rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-        self.ids = rank[inverse.ravel()]
+        self.ids = raw if by_key and len(first) < len(table) else rank[inverse.ravel()]
         self.size = np.bincount(self.ids, minlength=len(first)).astype(np.int64)
         self.count = len(first)
         self.grouped = self.count < len(table)
@@ -143,16 +146,33 @@ class _Groups:
                 at[i] = min(at[i], len(gids) - (pieces - 1 - i), at[i + 1] - 1 if i + 1 < len(at) else len(gids))
         return np.split(gids, at)
 
-    def rows(self, gids: np.ndarray) -> int:
-        """Number of rows of the groups ``gids``."""
+    def even(self, gids: np.ndarray, pieces: int, nonempty: bool = False) -> list[np.ndarray]:
+        """``gids`` cut into ``pieces`` of about equal rows (:meth:`cut` at an even split of
+        their rows, as :func:`numpy.array_split` cuts rows)."""
+        return self.cut(gids, _even_cuts(self.rows(gids), pieces), nonempty=nonempty)
+
+    def rows(self, gids: np.ndarray | list[np.ndarray]) -> int:
+        """Number of rows of the groups ``gids`` (an array, or a bucket: a list of arrays)."""
+        if isinstance(gids, list):
+            return sum(self.rows(piece) for piece in gids)
         return int(self.size[np.asarray(gids, dtype=np.int64)].sum())
 
     def finish(self, buckets: list[list[np.ndarray]] | list[np.ndarray],
-               names: list[str] | None = None) -> Partition:
-        """The :class:`Partition` giving client ``i`` every row of its groups ``buckets[i]``."""
+               names: list[str] | None = None, rest: str | None = None) -> Partition:
+        """The :class:`Partition` giving client ``i`` every row of its groups ``buckets[i]``
+        (``rest``: what becomes of the rows of no bucket, :attr:`Partition.rest`)."""
         owner = np.full(self.count, -1, dtype=np.int64)
         for i, bucket in enumerate(buckets):
             for piece in bucket if isinstance(bucket, list) else [bucket]:
                 owner[np.asarray(piece, dtype=np.int64)] = i
         row_owner = owner[self.ids]
-        return _finish([np.flatnonzero(row_owner == i) for i in range(len(buckets))], names=names)
+        return _finish([np.flatnonzero(row_owner == i) for i in range(len(buckets))], names=names, rest=rest)
+
+
+def _dealt_groups(func: str, table: Any, num_clients: Any, group_column: str | None) -> tuple[_Groups, int]:
+    """The checks a partitioner that deals groups starts with, in this order: ``table`` (a
+    DataFrame with a ``label`` column), ``group_column``, ``num_clients`` (at most one client
+    per group). Returns the table's :class:`_Groups` and ``num_clients``."""
+    _check_table(func, table)
+    groups = _Groups(func, table, group_column)
+    return groups, groups.check_clients(func, num_clients)

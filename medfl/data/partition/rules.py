@@ -19,9 +19,7 @@ from medfl.data.partition.base import (
     REST_ROLES, Partition, _check_clients, _check_int, _check_table, _fail, _finish, _is_int, _labels,
     _rng,
 )
-from medfl.data.partition.groups import (
-    DEFAULT_GROUP_COLUMN, _even_cuts, _group_labels, _Groups, _groups_of,
-)
+from medfl.data.partition.groups import DEFAULT_GROUP_COLUMN, _dealt_groups, _Groups
 
 __all__ = ["class_sample", "natural", "subset"]
 
@@ -89,29 +87,7 @@ def natural(
         raise _fail(func, _all_empty(table, column))
     if values.isna().any():
         raise _fail(func, f"column {column!r} has {int(values.isna().sum())} missing value(s)")
-    if mapping is not None:
-        if not isinstance(mapping, Mapping):
-            raise _fail(func, f"mapping must be a dict of value -> group, got "
-                        f"{type(mapping).__name__}")
-        unknown: list[Any] = []
-        groups = []
-        for value in values.to_numpy():
-            if value in mapping:
-                groups.append(str(mapping[value]))
-            elif str(value) in mapping:
-                groups.append(str(mapping[str(value)]))
-            else:
-                groups.append("")
-                if value not in unknown:
-                    unknown.append(value)
-        if unknown:
-            raise _fail(
-                func, f"values of column {column!r} missing from mapping: "
-                f"{sorted(map(str, unknown))}; mapping has keys {sorted(map(str, mapping))}",
-            )
-        group_arr = np.asarray(groups, dtype=object)
-    else:
-        group_arr = values.astype(str).to_numpy(dtype=object)
+    group_arr = _mapped(func, column, values, mapping)
     names = sorted(set(group_arr.tolist()))
     if num_clients not in (0, len(names)):
         raise _fail(
@@ -127,6 +103,33 @@ def natural(
         raise _fail(func, f"clients {lost} of column {column!r} lose every row to other clients: each of their "
                     f"{subjects.unit} has most of its rows elsewhere; use group_column null or another mapping")
     return _finish(buckets, names=names)
+
+
+def _mapped(func: str, column: str, values: pd.Series, mapping: Mapping[Any, str] | None) -> np.ndarray:
+    """:func:`natural`'s client name of each row: ``mapping`` of its ``column`` value (looked
+    up as is, then as ``str``), or the value as a string without ``mapping``."""
+    if mapping is None:
+        return values.astype(str).to_numpy(dtype=object)
+    if not isinstance(mapping, Mapping):
+        raise _fail(func, f"mapping must be a dict of value -> group, got "
+                    f"{type(mapping).__name__}")
+    unknown: list[Any] = []
+    groups = []
+    for value in values.to_numpy():
+        if value in mapping:
+            groups.append(str(mapping[value]))
+        elif str(value) in mapping:
+            groups.append(str(mapping[str(value)]))
+        else:
+            groups.append("")
+            if value not in unknown:
+                unknown.append(value)
+    if unknown:
+        raise _fail(
+            func, f"values of column {column!r} missing from mapping: "
+            f"{sorted(map(str, unknown))}; mapping has keys {sorted(map(str, mapping))}",
+        )
+    return np.asarray(groups, dtype=object)
 
 
 def _majority_value(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -189,22 +192,13 @@ def subset(
             large undominated class); the message gives the sizes.
     """
     func = "subset"
-    _check_table(func, table)
-    groups = _Groups(func, table, group_column)
-    num_clients = groups.check_clients(func, num_clients)
-    if not isinstance(share, Real) or isinstance(share, bool) or not 0 < share < 1:
-        raise _fail(func, f"share must be a number in (0, 1), got {share!r}")
-    share = float(share)
-    if minor_fraction is None:
-        minor_fraction = 0.9 * (1 - share)
-    if (not isinstance(minor_fraction, Real) or isinstance(minor_fraction, bool)
-            or not 0 <= minor_fraction <= 1 - share):
-        raise _fail(func, f"minor_fraction must be in [0, 1 - share = {1 - share:g}], got {minor_fraction!r}")
+    groups, num_clients = _dealt_groups(func, table, num_clients, group_column)
+    share, minor_fraction = _check_shares(func, share, minor_fraction)
     labels = groups.labels(_labels(func, table))
     classes = np.unique(labels)
     rng = _rng(func, seed)
     order = classes[rng.permutation(len(classes))]
-    dominant = [order[i % len(order)] for i in range(num_clients)]
+    dominant = np.asarray([order[i % len(order)] for i in range(num_clients)])
     buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     pool: list[np.ndarray] = []
     for c in classes:
@@ -215,25 +209,51 @@ def subset(
             continue
         minor, mine = groups.cut(gids, [int(math.floor(minor_fraction * groups.rows(gids)))])
         pool.append(minor)
-        for i, piece in zip(owners, groups.cut(mine, _even_cuts(groups.rows(mine), len(owners)), nonempty=True)):
+        for i, piece in zip(owners, groups.even(mine, len(owners), nonempty=True)):
             buckets[i].append(piece)
-    dom_rows = np.array([sum(groups.rows(p) for p in b) for b in buckets])
+    dom_rows = np.array([groups.rows(b) for b in buckets])
     empty = [str(i) for i in range(num_clients) if dom_rows[i] == 0]
     if empty:
         raise _fail(func, f"clients {empty} get no rows of their dominant class (it has fewer rows than the "
                     "clients it dominates); use fewer clients")
-    room = np.floor(dom_rows * (1 - share) / share).astype(np.int64)
-    total_room = int(room.sum())
+    extra = _deal_pool(func, groups, labels, dominant, dom_rows, pool, share, rng)
+    for i in range(num_clients):
+        buckets[i].append(np.asarray(extra[i], dtype=np.int64))
+    return groups.finish(buckets)
+
+
+def _check_shares(func: str, share: Any, minor_fraction: Any) -> tuple[float, float]:
+    """:func:`subset`'s ``share`` and ``minor_fraction`` checked, the latter defaulted."""
+    if not isinstance(share, Real) or isinstance(share, bool) or not 0 < share < 1:
+        raise _fail(func, f"share must be a number in (0, 1), got {share!r}")
+    share = float(share)
+    if minor_fraction is None:
+        minor_fraction = 0.9 * (1 - share)
+    if (not isinstance(minor_fraction, Real) or isinstance(minor_fraction, bool)
+            or not 0 <= minor_fraction <= 1 - share):
+        raise _fail(func, f"minor_fraction must be in [0, 1 - share = {1 - share:g}], got {minor_fraction!r}")
+    return share, minor_fraction
+
+
+def _deal_pool(func: str, groups: _Groups, labels: np.ndarray, dominant: np.ndarray, dom_rows: np.ndarray,
+               pool: list[np.ndarray], share: float, rng: np.random.Generator) -> list[list[int]]:
+    """:func:`subset`'s minor pool dealt: each of its groups, in a seeded order, to the client
+    of another dominant class with the most room, or back to one its label dominates when
+    it fits nowhere. Returns each client's extra groups.
+
+    Raises:
+        PartitionError: a group fits nowhere and cannot go back (the pool does not fit)."""
     left = [gids for gids in pool if len(gids)]
     pooled = np.concatenate(left) if left else np.zeros(0, np.int64)
     pooled = pooled[rng.permutation(len(pooled))]
-    extra: list[list[int]] = [[] for _ in range(num_clients)]
-    dom_arr = np.asarray(dominant)
+    room = np.floor(dom_rows * (1 - share) / share).astype(np.int64)
+    total_room = int(room.sum())
+    extra: list[list[int]] = [[] for _ in range(len(dominant))]
     for g in pooled:
         size = int(groups.size[g])
-        free = np.where(dom_arr != labels[g], room, -1)
+        free = np.where(dominant != labels[g], room, -1)
         i = int(np.argmax(free))
-        home = np.flatnonzero(dom_arr == labels[g])
+        home = np.flatnonzero(dominant == labels[g])
         if free[i] >= size:
             room[i] -= size
         elif groups.grouped and len(home):
@@ -249,9 +269,7 @@ def subset(
                         f"in all{groups.dealt}); use more clients (every class then dominates one), a smaller "
                         "share or a smaller minor_fraction")
         extra[i].append(int(g))
-    for i in range(num_clients):
-        buckets[i].append(np.asarray(extra[i], dtype=np.int64))
-    return groups.finish(buckets)
+    return extra
 
 
 def _pair(func: str, name: str, value: Any, low: int, high: int | None = None) -> tuple[int, int]:
@@ -264,6 +282,30 @@ def _pair(func: str, name: str, value: Any, low: int, high: int | None = None) -
         raise _fail(func, f"{name} must be [lo, hi] integers with {low} <= lo <= hi{top} (or one integer), "
                     f"got {value!r}")
     return int(pair[0]), int(pair[1])
+
+
+def _sample_classes(rng: np.random.Generator, groups: _Groups, glabels: np.ndarray, values: np.ndarray,
+                    num_clients: int, classes: tuple[int, int], per_class: tuple[int, int]) -> list[np.ndarray] | None:
+    """One draw of :func:`class_sample`: each client's groups, or ``None`` when a client finds
+    fewer classes than it drew with ``per_class[0]`` rows left."""
+    pools = {c: list(rng.permutation(np.flatnonzero(glabels == c))) for c in values}
+    left = {c: int(groups.size[pools[c]].sum()) for c in values}
+    taken: list[np.ndarray] = []
+    for _client in range(num_clients):
+        k = int(rng.integers(classes[0], classes[1] + 1))
+        eligible = [c for c in values if left[c] >= per_class[0]]
+        if len(eligible) < k:
+            return None
+        mine: list[int] = []
+        for c in rng.choice(np.asarray(eligible), size=k, replace=False):
+            want, got = int(rng.integers(per_class[0], per_class[1] + 1)), 0
+            while pools[c] and got < want:
+                g = pools[c].pop()
+                mine.append(g)
+                got += int(groups.size[g])
+            left[c] -= got
+        taken.append(np.asarray(mine, dtype=np.int64))
+    return taken
 
 
 def class_sample(
@@ -313,8 +355,7 @@ def class_sample(
     """
     func = "class_sample"
     _check_table(func, table)
-    n = len(table)
-    num_clients = _check_clients(func, num_clients, n)
+    num_clients = _check_clients(func, num_clients, len(table))
     labels = _labels(func, table)
     values = np.unique(labels)
     c_lo, c_hi = _pair(func, "classes", classes, 1, len(values))
@@ -322,37 +363,13 @@ def class_sample(
     max_retries = _check_int(func, "max_retries", max_retries, 1)
     if rest not in REST_ROLES:
         raise _fail(func, f"rest must be 'global_test' or null (drop the rows no client takes), got {rest!r}")
-    groups = _groups_of(func, table, group_column)
-    if len(groups) and int(groups.max()) + 1 == n:   # one row per group: draw over rows, as with None
-        groups = np.arange(n)
-    glabel = _group_labels(labels, groups)
-    gsize = np.bincount(groups, minlength=len(glabel))
+    groups = _Groups(func, table, group_column, by_key=True)   # the draw follows the sorted keys
+    glabels = groups.labels(labels)
     rng = _rng(func, seed)
-    for _ in range(max_retries):
-        pools = {c: list(rng.permutation(np.flatnonzero(glabel == c))) for c in values}
-        left = {c: int(gsize[pools[c]].sum()) for c in values}
-        taken: list[list[int]] = []
-        for _client in range(num_clients):
-            k = int(rng.integers(c_lo, c_hi + 1))
-            eligible = [c for c in values if left[c] >= s_lo]
-            if len(eligible) < k:
-                break
-            mine: list[int] = []
-            for c in rng.choice(np.asarray(eligible), size=k, replace=False):
-                want, got = int(rng.integers(s_lo, s_hi + 1)), 0
-                while pools[c] and got < want:
-                    g = pools[c].pop()
-                    mine.append(g)
-                    got += int(gsize[g])
-                left[c] -= got
-            taken.append(mine)
-        else:
-            member = np.full(len(glabel), -1)
-            for i, mine in enumerate(taken):
-                member[mine] = i
-            owner = member[groups]
-            return Partition({str(i): np.flatnonzero(owner == i).astype(np.int64) for i in range(num_clients)},
-                             rest=rest)
+    for _ in range(max_retries):   # deal, retry, finish
+        taken = _sample_classes(rng, groups, glabels, values, num_clients, (c_lo, c_hi), (s_lo, s_hi))
+        if taken is not None:
+            return groups.finish(taken, rest=rest)
     counts = {values[j].item(): int((labels == values[j]).sum()) for j in range(len(values))}
     raise _fail(func, f"impossible: {num_clients} clients of {c_lo}-{c_hi} classes with at least {s_lo} rows "
                 f"each need at least {num_clients * c_lo * s_lo} rows spread over enough classes; the "

@@ -6,25 +6,80 @@ Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.groups`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
-from medfl.data.partition.base import (
-    Partition, _check_int, _check_positive, _check_table, _fail, _labels, _rng,
-)
-from medfl.data.partition.groups import DEFAULT_GROUP_COLUMN, _even_cuts, _Groups
+from medfl.data.partition.base import Partition, _check_int, _check_positive, _fail, _labels, _rng
+from medfl.data.partition.groups import DEFAULT_GROUP_COLUMN, _dealt_groups, _Groups
 
 __all__ = ["dirichlet", "iid", "label_skew", "quantity_skew"]
 
 
-def _check_min_size_possible(func: str, min_size: int, num_clients: int, n: int) -> None:
-    """Fail at once when ``min_size`` rows for each client exceed the table."""
+def _check_redraws(func: str, min_size: Any, max_retries: Any, num_clients: int, n: int) -> tuple[int, int]:
+    """``min_size`` and ``max_retries`` checked, failing at once when ``min_size`` rows for
+    each client exceed the table's ``n``."""
+    min_size = _check_int(func, "min_size", min_size, 0)
+    max_retries = _check_int(func, "max_retries", max_retries, 1)
     if min_size * num_clients > n:
         raise _fail(
             func, f"impossible: min_size={min_size} for each of num_clients={num_clients} "
             f"clients needs {min_size * num_clients} rows but the table has {n}; "
             "use a smaller min_size or fewer clients",
         )
+    return min_size, max_retries
+
+
+def _redraw_min_size(func: str, groups: _Groups, draw: Callable[[], list[Any] | None], num_clients: int,
+                     min_size: int, max_retries: int, knob: tuple[str, float]) -> Partition:
+    """Deal and retry: the partition of the first of up to ``max_retries`` draws (``draw()``:
+    each client's groups, or ``None`` for a failed draw) that gives every client ``min_size``
+    rows. The failure names the smallest client size reached and the concentration ``knob``
+    (name, value) to raise."""
+    best = -1
+    for _ in range(max_retries):
+        buckets = draw()
+        if buckets is None:
+            continue
+        smallest = min(groups.rows(bucket) for bucket in buckets)
+        if smallest >= min_size:
+            return groups.finish(buckets)
+        best = max(best, smallest)
+    name, value = knob
+    raise _fail(
+        func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
+        f"with {name}={value} in max_retries={max_retries} draws (smallest client size "
+        f"reached: {best}{groups.dealt}); use a larger {name} or a smaller min_size",
+    )
+
+
+def _dirichlet_draw(rng: np.random.Generator, groups: _Groups, class_groups: list[np.ndarray],
+                    conc: np.ndarray, cap: float, balance: bool) -> list[list[np.ndarray]]:
+    """One draw of :func:`dirichlet`: each client's pieces of the classes' groups, cut at
+    proportions ``Dir(conc)``; with ``balance``, a client holding ``cap`` rows or more gets
+    none of the classes still to come."""
+    num_clients = len(conc)
+    buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    sizes = np.zeros(num_clients, dtype=np.int64)
+    for gids in class_groups:
+        gids = rng.permutation(gids)
+        p = rng.dirichlet(conc)
+        if balance:
+            p = p * (sizes < cap)
+        total = p.sum()
+        if not np.isfinite(total) or total <= 0:
+            # Every eligible proportion underflowed to 0 (tiny alpha): fall back to
+            # a uniform split over the eligible clients.
+            p = (sizes < cap).astype(float) if balance else np.ones(num_clients)
+            total = p.sum()
+        p = p / total
+        cuts = (np.cumsum(p) * groups.rows(gids)).astype(np.int64)[:-1]
+        for i, piece in enumerate(groups.cut(gids, cuts)):
+            buckets[i].append(piece)
+            sizes[i] += groups.rows(piece)
+    return buckets
 
 
 def dirichlet(
@@ -75,48 +130,35 @@ def dirichlet(
             ``max_retries`` gives every client ``min_size`` rows.
     """
     func = "dirichlet"
-    _check_table(func, table)
-    n = len(table)
-    groups = _Groups(func, table, group_column)
-    num_clients = groups.check_clients(func, num_clients)
+    groups, num_clients = _dealt_groups(func, table, num_clients, group_column)
     alpha = _check_positive(func, "alpha", alpha)
-    min_size = _check_int(func, "min_size", min_size, 0)
-    max_retries = _check_int(func, "max_retries", max_retries, 1)
-    _check_min_size_possible(func, min_size, num_clients, n)
+    min_size, max_retries = _check_redraws(func, min_size, max_retries, num_clients, len(table))
     glabels = groups.labels(_labels(func, table))
     rng = _rng(func, seed)
     class_groups = [np.flatnonzero(glabels == c) for c in np.unique(glabels)]
-    cap = n / num_clients
-    conc = np.full(num_clients, alpha)
-    best = -1
-    for _ in range(max_retries):
-        buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        sizes = np.zeros(num_clients, dtype=np.int64)
-        for gids in class_groups:
-            gids = rng.permutation(gids)
-            p = rng.dirichlet(conc)
-            if balance:
-                p = p * (sizes < cap)
-            total = p.sum()
-            if not np.isfinite(total) or total <= 0:
-                # Every eligible proportion underflowed to 0 (tiny alpha): fall back to
-                # a uniform split over the eligible clients.
-                p = (sizes < cap).astype(float) if balance else np.ones(num_clients)
-                total = p.sum()
-            p = p / total
-            cuts = (np.cumsum(p) * groups.rows(gids)).astype(np.int64)[:-1]
-            for i, piece in enumerate(groups.cut(gids, cuts)):
-                buckets[i].append(piece)
-                sizes[i] += groups.rows(piece)
-        smallest = int(sizes.min())
-        if smallest >= min_size:
-            return groups.finish(buckets)
-        best = max(best, smallest)
-    raise _fail(
-        func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
-        f"with alpha={alpha} in max_retries={max_retries} draws (smallest client size "
-        f"reached: {best}{groups.dealt}); use a larger alpha or a smaller min_size",
-    )
+    conc, cap = np.full(num_clients, alpha), len(table) / num_clients
+    return _redraw_min_size(func, groups, lambda: _dirichlet_draw(rng, groups, class_groups, conc, cap, balance),
+                            num_clients, min_size, max_retries, ("alpha", alpha))
+
+
+def _label_owners(rng: np.random.Generator, num_clients: int, num_classes: int, k: int) -> list[list[int]]:
+    """:func:`label_skew`'s ownership: the clients owning each label (by index). Client ``i``
+    owns label ``i % K`` first, then ``k - 1`` more, labels nobody owns handed out first."""
+    owned: list[list[int]] = [[i % num_classes] for i in range(num_clients)]
+    unowned = [c for c in range(num_classes) if c >= num_clients]
+    unowned = [unowned[j] for j in rng.permutation(len(unowned))]
+    for _slot in range(1, k):
+        for i in range(num_clients):
+            if unowned:
+                owned[i].append(unowned.pop())
+            else:
+                choices = np.setdiff1d(np.arange(num_classes), owned[i])
+                owned[i].append(int(rng.choice(choices)))
+    owners: list[list[int]] = [[] for _ in range(num_classes)]
+    for i, mine in enumerate(owned):
+        for c in mine:
+            owners[c].append(i)
+    return owners
 
 
 def label_skew(
@@ -164,31 +206,14 @@ def label_skew(
             labels have fewer rows, or groups, than owners).
     """
     func = "label_skew"
-    _check_table(func, table)
-    groups = _Groups(func, table, group_column)
-    num_clients = groups.check_clients(func, num_clients)
+    groups, num_clients = _dealt_groups(func, table, num_clients, group_column)
     labels = groups.labels(_labels(func, table))
     classes = np.unique(labels)
     num_classes = len(classes)
     k = _check_int(func, "k", k, 1, num_classes,
                    why=f" (the table has {num_classes} distinct labels)")
     rng = _rng(func, seed)
-
-    owned: list[list[int]] = [[i % num_classes] for i in range(num_clients)]
-    unowned = [c for c in range(num_classes) if c >= num_clients]
-    unowned = [unowned[j] for j in rng.permutation(len(unowned))]
-    for _slot in range(1, k):
-        for i in range(num_clients):
-            if unowned:
-                owned[i].append(unowned.pop())
-            else:
-                choices = np.setdiff1d(np.arange(num_classes), owned[i])
-                owned[i].append(int(rng.choice(choices)))
-
-    owners: list[list[int]] = [[] for _ in range(num_classes)]
-    for i, mine in enumerate(owned):
-        for c in mine:
-            owners[c].append(i)
+    owners = _label_owners(rng, num_clients, num_classes, k)
     orphan = [classes[c].item() for c in range(num_classes) if not owners[c]]
     if orphan and not allow_unassigned:
         raise _fail(
@@ -204,7 +229,7 @@ def label_skew(
         gids = rng.permutation(np.flatnonzero(labels == cls))
         # Shuffle the owners too, so the larger pieces do not always go to low client ids.
         mine = rng.permutation(owners[c])
-        for i, piece in zip(mine, groups.cut(gids, _even_cuts(groups.rows(gids), len(mine)))):
+        for i, piece in zip(mine, groups.even(gids, len(mine))):
             buckets[i].append(piece)
     parts = groups.finish(buckets)
     empty = [cid for cid, pos in parts.items() if len(pos) == 0]
@@ -256,35 +281,22 @@ def quantity_skew(
             ``max_retries`` satisfies ``min_size``.
     """
     func = "quantity_skew"
-    _check_table(func, table)
+    groups, num_clients = _dealt_groups(func, table, num_clients, group_column)
     n = len(table)
-    groups = _Groups(func, table, group_column)
-    num_clients = groups.check_clients(func, num_clients)
     beta = _check_positive(func, "beta", beta)
-    min_size = _check_int(func, "min_size", min_size, 0)
-    max_retries = _check_int(func, "max_retries", max_retries, 1)
-    _check_min_size_possible(func, min_size, num_clients, n)
+    min_size, max_retries = _check_redraws(func, min_size, max_retries, num_clients, n)
     rng = _rng(func, seed)
     perm = rng.permutation(groups.count)
     conc = np.full(num_clients, beta)
-    best = -1
-    for _ in range(max_retries):
+
+    def draw() -> list[np.ndarray] | None:
         p = rng.dirichlet(conc)
         total = p.sum()
         if not np.isfinite(total) or total <= 0:
-            continue
-        cuts = (np.cumsum(p / total) * n).astype(np.int64)[:-1]
-        cuts = np.clip(cuts, 0, n)
-        pieces = groups.cut(perm, cuts)
-        smallest = min(groups.rows(piece) for piece in pieces)
-        if smallest >= min_size:
-            return groups.finish(pieces)
-        best = max(best, smallest)
-    raise _fail(
-        func, f"impossible to give each of {num_clients} clients min_size={min_size} rows "
-        f"with beta={beta} in max_retries={max_retries} draws (smallest client size "
-        f"reached: {best}{groups.dealt}); use a larger beta or a smaller min_size",
-    )
+            return None
+        return groups.cut(perm, np.clip((np.cumsum(p / total) * n).astype(np.int64)[:-1], 0, n))
+
+    return _redraw_min_size(func, groups, draw, num_clients, min_size, max_retries, ("beta", beta))
 
 
 def iid(table: pd.DataFrame, num_clients: int, seed: int,
@@ -311,9 +323,6 @@ def iid(table: pd.DataFrame, num_clients: int, seed: int,
         PartitionError: on bad parameters, or fewer groups than clients.
     """
     func = "iid"
-    _check_table(func, table)
-    groups = _Groups(func, table, group_column)
-    num_clients = groups.check_clients(func, num_clients)
+    groups, num_clients = _dealt_groups(func, table, num_clients, group_column)
     rng = _rng(func, seed)
-    return groups.finish(groups.cut(rng.permutation(groups.count), _even_cuts(len(table), num_clients),
-                                    nonempty=True))
+    return groups.finish(groups.even(rng.permutation(groups.count), num_clients, nonempty=True))
