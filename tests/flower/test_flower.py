@@ -1,8 +1,9 @@
 """medfl over Flower, end to end: a real SuperLink and three sites (``medfl flower site``:
 a SuperNode and its site worker) as separate processes on 127.0.0.1 with free ports.
 
-The same experiments run in process and over Flower must give the same metrics; a site
-killed mid-run is left out of a round and, restarted, continues from the state it kept.
+The same experiments run in process and over Flower must give the same metrics (SecAgg+'s
+within its quantization error); a site killed mid-run is left out of a round and, restarted,
+continues from the state it kept.
 Every process is ended in the fixture's teardown, also when a test fails, and the
 teardown checks that none is left. Each run is bounded (``RUN_TIMEOUT``).
 """
@@ -28,7 +29,8 @@ from medfl.engine.runner import Run, build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from local_federation import LocalFederation, descendants  # noqa: E402
 
-from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config as _fl, numeric_equal as _numeric_equal  # noqa: E402
+from flower_cases import FEDAVG, FEDBN, FEDSKD, SECURE, fl_config as _fl  # noqa: E402
+from flower_cases import numeric_equal as _numeric_equal  # noqa: E402
 from flower_cases import write_config as _write  # noqa: E402
 
 RUN_TIMEOUT = 1200.0      # one flwr run, at most
@@ -112,6 +114,26 @@ def test_fedskd_peer_to_peer_over_flower_matches_in_process(federation) -> None:
     # each site keeps its own model (the DAM) in its own state directory
     for cid in ("0", "1", "2"):
         assert list((work / "fed" / "sites" / f"site{cid}").rglob(f"site_{cid}/clients/{cid}/state_r*.pt"))
+
+
+def test_secure_aggregation_over_a_real_deployment(federation) -> None:
+    """SecAgg+ (``fl.secure_aggregation``) on this federation: Flower starts a ClientApp
+    process per message (the proxy, with the mod) and the SuperNode keeps each node's
+    ``Context`` between SecAgg+'s stages; the site worker trains. The in-process plain run's
+    metrics, within the quantization error (test_secagg_flower.py has the rest of SecAgg+)."""
+    fed, work, _ = federation
+    name = "secagg_deployed"
+    fl = _fl(work, name, {**FEDAVG, "rounds": 1, "secure_aggregation": SECURE})
+    res = fed.run(_write(work / f"{name}.json", fl), {"fl#name": name}, round_timeout=ROUND_TIMEOUT,
+                  timeout=RUN_TIMEOUT, name=name)
+    assert res["ok"], f"{res.get('error')}\n{res.get('traceback')}"
+    plain = {k: v for k, v in fl.items() if k != "secure_aggregation"}
+    ref = run_experiment(resolve_config({**plain, "name": name + "_ref"}))
+    flower_dir, ref_dir = Path(res["dir"]) / "fedavg", Path(ref["dir"]) / "fedavg"
+    _numeric_equal(pd.read_csv(ref_dir / "metrics.csv"), pd.read_csv(flower_dir / "metrics.csv"), "metrics.csv",
+                   atol=1e-3)
+    events = pd.read_csv(flower_dir / "flower_events.csv", dtype={"client_id": str})
+    assert events.loc[events["phase"] == "secagg", "status"].tolist() == ["aggregated 3: 0 1 2"]
 
 
 class _Replica(Run):
