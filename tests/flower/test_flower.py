@@ -163,7 +163,8 @@ def test_site_drops_out_and_rejoins_with_its_state(federation) -> None:
     ``fl.site_wait_s``. (A round that goes on without a killed site, and the same numbers in
     process with those absences, is tests/flower/test_soak.py's.)"""
     fed, work, site_cfg = federation
-    fl = _fl(work, "drop", {**FEDBN, "min_sites": 3, "site_wait_s": 900})
+    # two rounds: killed after round 1, the restarted site's round 2 starts from its saved state
+    fl = _fl(work, "drop", {**FEDBN, "rounds": 2, "min_sites": 3, "site_wait_s": 900})
     cfg_file = _write(work / "drop.json", fl)
     run_dir = work / "runs" / "drop" / "fedbn"
     result: dict[str, Any] = {}
@@ -223,7 +224,8 @@ def test_sites_that_stop_answering_fail_the_run_which_resumes_once_they_are_back
     numbers of a run that never failed."""
     fed, work, _ = federation
     name = "paused"
-    fl = _fl(work, name, {**FEDBN, "rounds": 2, "eval_every": 1, "site_wait_s": 15})
+    # the sites stay paused through fl.site_wait_s, however long: a short one changes nothing
+    fl = _fl(work, name, {**FEDBN, "rounds": 2, "eval_every": 1, "site_wait_s": 5})
     cfg_file = _write(work / f"{name}.json", fl)
     run_dir = work / "runs" / name / "fedbn"
     result: dict[str, Any] = {}
