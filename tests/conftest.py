@@ -35,9 +35,9 @@ os.environ["MEDFL_REFERENCE_DATA"] = "none"
 #: missing from the list only runs later; the order changes no result.
 SLOW_MODULES = (
     "flower/test_simulation.py",        # 650 beside an experiment (Ray; early stopping too)
-    "flower/test_flower.py",            # 340: four runs over a real deployment (a site killed, all paused)
+    "flower/test_flower.py",            # 340: five runs over a real deployment (SecAgg+, a site killed, all paused)
     "flower/test_soak.py",              # 330: a site and the SuperLink killed mid-run, then resumed
-    "flower/test_secagg_flower.py",     # 210: SecAgg+ over the loop-back grid, on Ray, over a real deployment
+    "flower/test_secagg_flower.py",     # 210: SecAgg+ over the loop-back grid and on Ray
     "flower/test_deploy_auth.py",       # 150: TLS, keys, a SuperLink restart and a resume
     "flower/test_failed_run.py",        # ~160 loaded: runs that fail to start, real SuperLink and a site
     "test_experiments.py",              # 255 CPU s: the 11 experiments/ scripts' --smoke runs (8-40 each)

@@ -27,6 +27,8 @@ FEDSKD: dict[str, Any] = {"rounds": 2, "model": {"name": "resnet10", "width": 6}
                           "train": {"batch_size": 8, "lr": 0.001, "optimizer": "adam"},
                           "eval_splits": ["test", "cross_test"], "eval_every": 0,
                           "methods": [{"name": "fedskd", "iterations": 2}]}
+#: Flower's SecAgg+ (``fl.secure_aggregation``) as the secure-aggregation tests run it
+SECURE: dict[str, Any] = {"num_shares": 1.0, "reconstruction_threshold": 2}
 # a stateful method (norm layers stay at the site) for the dropout runs
 FEDBN: dict[str, Any] = {"rounds": 3, "model": {"name": "small_cnn", "width": 4},
                          "train": {"batch_size": 8, "lr": 0.05}, "eval_every": 0, "methods": [{"name": "fedbn"}]}

@@ -1,8 +1,9 @@
 """medfl over Flower, end to end: a real SuperLink and three sites (``medfl flower site``:
 a SuperNode and its site worker) as separate processes on 127.0.0.1 with free ports.
 
-The same experiments run in process and over Flower must give the same metrics; a site
-killed mid-run is left out of a round and, restarted, continues from the state it kept.
+The same experiments run in process and over Flower must give the same metrics (SecAgg+'s
+within its quantization error); a site killed mid-run is left out of a round and, restarted,
+continues from the state it kept.
 Every process is ended in the fixture's teardown, also when a test fails, and the
 teardown checks that none is left. Each run is bounded (``RUN_TIMEOUT``).
 """
@@ -28,7 +29,8 @@ from medfl.engine.runner import Run, build_source  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from local_federation import LocalFederation, descendants  # noqa: E402
 
-from flower_cases import FEDAVG, FEDBN, FEDSKD, fl_config as _fl, numeric_equal as _numeric_equal  # noqa: E402
+from flower_cases import FEDAVG, FEDBN, FEDSKD, SECURE, fl_config as _fl  # noqa: E402
+from flower_cases import numeric_equal as _numeric_equal  # noqa: E402
 from flower_cases import write_config as _write  # noqa: E402
 
 RUN_TIMEOUT = 1200.0      # one flwr run, at most
@@ -114,6 +116,26 @@ def test_fedskd_peer_to_peer_over_flower_matches_in_process(federation) -> None:
         assert list((work / "fed" / "sites" / f"site{cid}").rglob(f"site_{cid}/clients/{cid}/state_r*.pt"))
 
 
+def test_secure_aggregation_over_a_real_deployment(federation) -> None:
+    """SecAgg+ (``fl.secure_aggregation``) on this federation: Flower starts a ClientApp
+    process per message (the proxy, with the mod) and the SuperNode keeps each node's
+    ``Context`` between SecAgg+'s stages; the site worker trains. The in-process plain run's
+    metrics, within the quantization error (test_secagg_flower.py has the rest of SecAgg+)."""
+    fed, work, _ = federation
+    name = "secagg_deployed"
+    fl = _fl(work, name, {**FEDAVG, "rounds": 1, "secure_aggregation": SECURE})
+    res = fed.run(_write(work / f"{name}.json", fl), {"fl#name": name}, round_timeout=ROUND_TIMEOUT,
+                  timeout=RUN_TIMEOUT, name=name)
+    assert res["ok"], f"{res.get('error')}\n{res.get('traceback')}"
+    plain = {k: v for k, v in fl.items() if k != "secure_aggregation"}
+    ref = run_experiment(resolve_config({**plain, "name": name + "_ref"}))
+    flower_dir, ref_dir = Path(res["dir"]) / "fedavg", Path(ref["dir"]) / "fedavg"
+    _numeric_equal(pd.read_csv(ref_dir / "metrics.csv"), pd.read_csv(flower_dir / "metrics.csv"), "metrics.csv",
+                   atol=1e-3)
+    events = pd.read_csv(flower_dir / "flower_events.csv", dtype={"client_id": str})
+    assert events.loc[events["phase"] == "secagg", "status"].tolist() == ["aggregated 3: 0 1 2"]
+
+
 class _Replica(Run):
     """In process, the participation a Flower run had: the (round, client) pairs listed
     in ``absent`` do not train."""
@@ -141,7 +163,8 @@ def test_site_drops_out_and_rejoins_with_its_state(federation) -> None:
     ``fl.site_wait_s``. (A round that goes on without a killed site, and the same numbers in
     process with those absences, is tests/flower/test_soak.py's.)"""
     fed, work, site_cfg = federation
-    fl = _fl(work, "drop", {**FEDBN, "min_sites": 3, "site_wait_s": 900})
+    # two rounds: killed after round 1, the restarted site's round 2 starts from its saved state
+    fl = _fl(work, "drop", {**FEDBN, "rounds": 2, "min_sites": 3, "site_wait_s": 900})
     cfg_file = _write(work / "drop.json", fl)
     run_dir = work / "runs" / "drop" / "fedbn"
     result: dict[str, Any] = {}
@@ -201,7 +224,8 @@ def test_sites_that_stop_answering_fail_the_run_which_resumes_once_they_are_back
     numbers of a run that never failed."""
     fed, work, _ = federation
     name = "paused"
-    fl = _fl(work, name, {**FEDBN, "rounds": 2, "eval_every": 1, "site_wait_s": 15})
+    # the sites stay paused through fl.site_wait_s, however long: a short one changes nothing
+    fl = _fl(work, name, {**FEDBN, "rounds": 2, "eval_every": 1, "site_wait_s": 5})
     cfg_file = _write(work / f"{name}.json", fl)
     run_dir = work / "runs" / name / "fedbn"
     result: dict[str, Any] = {}

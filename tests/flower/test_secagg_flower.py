@@ -5,8 +5,8 @@ A Flower grid in this process (flower_grid.py), with every message handed to med
 ``secaggplus_mod`` in front of the site's ``train`` handler) with a Flower ``Context`` per node
 that lives as long as the run, as a SuperNode keeps it: the coordinator's, Flower's transport's
 and the sites' real code, Flower's real client mod.
-Then on Flower's simulation runtime (Ray), and over a real deployment on loopback (a
-SuperLink and three ``medfl flower site`` processes, test_flower.py's federation).
+Then on Flower's simulation runtime (Ray). Over a real deployment on loopback it is
+test_flower.py's (on that module's federation, so that no other one is started for it).
 """
 
 from __future__ import annotations
@@ -37,13 +37,9 @@ from medfl.site import SiteError  # noqa: E402
 from medfl.site_messages import answer_message  # noqa: E402
 from medfl import wire  # noqa: E402
 
-from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
-import test_flower  # noqa: E402
+from flower_cases import FEDAVG, SECURE, fl_config, numeric_equal, write_config  # noqa: E402
 from flower_grid import LoopGrid, over_the_wire  # noqa: E402
 from test_coordinator import FAST, LoopTransport, _sites  # noqa: E402
-from test_flower import federation  # noqa: E402,F401  (the real deployment, started once for this module)
-
-SECURE = {"num_shares": 1.0, "reconstruction_threshold": 2}
 
 
 class AppLoopGrid(LoopGrid):
@@ -244,23 +240,3 @@ def test_a_site_never_sends_its_update_outside_secaggs_collect_stage(tmp_path: P
     wire.put(content, "ins.config", {}, "test")
     with pytest.raises(SiteError, match="refusing to send the update unmasked"):
         answer_message(site, P.TRAIN, content)
-
-
-def test_secure_aggregation_over_a_real_deployment(federation: Any) -> None:
-    """A SuperLink and three ``medfl flower site`` processes (test_flower.py's federation):
-    Flower starts a ClientApp process per message (the proxy, with the mod) and the SuperNode
-    keeps each node's ``Context`` between SecAgg+'s stages; the site worker trains. The
-    in-process plain run's metrics, within the quantization error."""
-    fed, work, _ = federation
-    name = "secagg_deployed"
-    fl = fl_config(work, name, _secure_job(rounds=1))
-    res = fed.run(write_config(work / f"{name}.json", fl), {"fl#name": name}, round_timeout=test_flower.ROUND_TIMEOUT,
-                  timeout=test_flower.RUN_TIMEOUT, name=name)
-    assert res["ok"], f"{res.get('error')}\n{res.get('traceback')}"
-    plain = {k: v for k, v in fl.items() if k != "secure_aggregation"}
-    ref = run_experiment(resolve_config({**plain, "name": name + "_ref"}))
-    flower_dir, ref_dir = Path(res["dir"]) / "fedavg", Path(ref["dir"]) / "fedavg"
-    numeric_equal(pd.read_csv(ref_dir / "metrics.csv"), pd.read_csv(flower_dir / "metrics.csv"), "metrics.csv",
-                  atol=1e-3)
-    events = pd.read_csv(flower_dir / "flower_events.csv", dtype={"client_id": str})
-    assert events.loc[events["phase"] == "secagg", "status"].tolist() == ["aggregated 3: 0 1 2"]

@@ -27,8 +27,9 @@ from flower_cases import FEDBN, fl_config, numeric_equal, wait_until_empty, writ
 ray = pytest.importorskip("ray", reason="the simulation runtime needs Ray: pip install -e '.[test]' installs it")
 
 # a stateless method with a DP filter (noise drawn at the sites) and a stateful one; cross_test
-# under DP sends the models in the clear, so the job opts in (its runs say they are not private)
-JOB: dict[str, Any] = {"rounds": 3, "model": {"name": "small_cnn", "width": 4},
+# under DP sends the models in the clear, so the job opts in (its runs say they are not private).
+# Two rounds: a resume needs a stop after round 1 of 2, and round 2 carries the sites' state
+JOB: dict[str, Any] = {"rounds": 2, "model": {"name": "small_cnn", "width": 4},
                        "train": {"batch_size": 8, "lr": 0.05}, "eval_splits": ["test", "global_test", "cross_test"],
                        "cross_test": {"under_dp": "send_models"},
                        "methods": [{"name": "fedavg", "filters": [{"name": "dp_gaussian", "epsilon": 50.0,
@@ -66,7 +67,7 @@ def test_simulation_runtime_matches_in_process_and_resumes(tmp_path: Path, one_t
     for label in ("fedavg", "fedbn"):
         _compare(sim_dir, ref_dir, label)
         events = pd.read_csv(sim_dir / label / "flower_events.csv")
-        assert (events[events["phase"] == "train"]["status"] == "ok").sum() == 3 * 3   # rounds x clients
+        assert (events[events["phase"] == "train"]["status"] == "ok").sum() == JOB["rounds"] * 3   # x clients
         # the client state stays at the (simulated) sites, as in a deployment
         assert not list((sim_dir / label / "clients").rglob("state_r*.pt"))
     run_id = json.loads((sim_dir / "fedbn" / "flower.json").read_text())["run_id"]
@@ -88,9 +89,10 @@ def test_simulation_runtime_matches_in_process_and_resumes(tmp_path: Path, one_t
 
 def test_early_stopping_on_the_simulation_runtime_matches_in_process(tmp_path: Path, one_thread: None) -> None:
     """Early stopping decides in the coordinator (``Run``), whatever delivers the messages:
-    the same best round, stop round and final metrics on Ray as in process."""
-    job = {**FEDBN, "rounds": 6, "eval_every": 1, "eval_splits": ["val", "test", "global_test"],
-           "early_stopping": {"metric": "val/micro_f1", "patience": 3}}
+    the same best round, stop round and final metrics on Ray as in process. Patience 1: the
+    run stops at round 2 of 4, its best round 1 (this seed's val/micro_f1 falls in round 2)."""
+    job = {**FEDBN, "rounds": 4, "eval_every": 1, "eval_splits": ["val", "test", "global_test"],
+           "early_stopping": {"metric": "val/micro_f1", "patience": 1}}
     ref = Path(run_experiment(resolve_config(fl_config(tmp_path, "ref", job)))["dir"])
     sim = Path(run_experiment(resolve_config({**fl_config(tmp_path, "sim", job), "backend": RAY}))["dir"])
     a, b = (json.loads((d / "fedbn" / "summary.json").read_text()) for d in (ref, sim))
