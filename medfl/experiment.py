@@ -20,9 +20,10 @@ from medfl.backend import Backend, backend_of, recorded_backend
 from medfl.config import method_label, set_threads
 from medfl.engine.checkpoints import REFUSALS
 from medfl.engine.data import FederatedData, split_data, warn_straddling
-from medfl.engine.runner import Run, RunError, RunFactory, _write_json, build_source
+from medfl.engine.runner import Run, RunError, RunFactory, build_source
 from medfl.logs import file_log
 from medfl.plugins import get_plugin_manager, pinned_names
+from medfl.rundir import _write_json
 
 __all__ = ["run_experiment", "resume", "check_split_sizes"]
 

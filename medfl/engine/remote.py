@@ -40,7 +40,8 @@ from medfl import wire
 from medfl.engine.data import FederatedData, client_order
 from medfl.engine.remote_sites import UNDECODABLE, RemoteSettings, SiteDirectory, SiteFailure, parse_pins
 from medfl.engine.remote_steps import RemoteSteps
-from medfl.engine.runner import Run, RunError, TooFewSites, quorum_rule, sites_needed
+from medfl.engine.runner import Run, RunError
+from medfl.engine.screening import TooFewSites, quorum_rule, sites_needed
 from medfl.engine import protocol as P
 from medfl.messages import Instruction, SampleGuard
 from medfl.transport import Outgoing, Transport
@@ -250,7 +251,7 @@ class RemoteRun(RemoteSteps, Run):
 
     def _await_quorum(self, r: int, phase: str, ids: list[str]) -> None:
         """Before an exchange with the clients ``ids``: when fewer of them have a node than
-        :func:`~medfl.engine.runner.sites_needed` asks for, ask the lost nodes for their
+        :func:`~medfl.engine.screening.sites_needed` asks for, ask the lost nodes for their
         hello again and wait up to ``fl.site_wait_s`` seconds for enough of them (recorded in
         ``flower_events.csv``: a ``waiting`` row, then ``waited``).
 
@@ -310,7 +311,7 @@ class RemoteRun(RemoteSteps, Run):
         order; a client without a node, one whose node is lost and one that has not answered
         within ``round_timeout`` are left out (and logged).
 
-        Enough sites (:func:`~medfl.engine.runner.sites_needed`: ``fl.min_sites``,
+        Enough sites (:func:`~medfl.engine.screening.sites_needed`: ``fl.min_sites``,
         ``fl.min_fraction``): before sending, fewer sites with a node than needed are waited
         for (:meth:`_await_quorum`); after it, when fewer answered than needed, the sites
         that timed out or were lost are asked for their hello again and waited for, up to
