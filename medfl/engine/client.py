@@ -20,7 +20,6 @@ from medfl.engine.client_eval import (_seed_all, build_eval_model, build_final_m
                                       build_peer_model, cross_test_mean, evaluate_final_models, evaluate_model,
                                       run_client_evaluate, score_dataset)
 from medfl.engine.store import ClientStore
-from medfl.rundir import check_sum, write_sum  # noqa: F401
 from medfl.training import NonFiniteError, compute_settings
 from medfl.filters import FilterChain
 from medfl.guard import ContentGuard
@@ -30,7 +29,7 @@ from medfl.privacy.accounting import PrivacyConfigError
 from medfl.privacy.feature_release import RELEASE_METRICS, method_release, perform_release
 from medfl.seeding import derive_seed
 
-__all__ = ["ClientStore", "ClientContext", "release_exemptions", "check_sum", "write_sum", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile", "reported_problem",
+__all__ = ["ClientStore", "ClientContext", "release_exemptions", "first_non_finite", "run_client_update", "run_client_validate", "run_client_profile", "reported_problem",
            "payload_problem",
            "run_client_evaluate", "build_eval_model", "build_final_model", "evaluate_final_models", "build_peer_model", "evaluate_model", "score_dataset", "cross_test_mean"]
 

@@ -110,8 +110,7 @@ def test_a_per_round_file_written_with_no_row_resumes(tmp_path: Path) -> None:
     metrics.csv as a one-byte file with a valid checksum; every resume then died in
     ``_read_rounds`` with pandas' EmptyDataError. Such a file holds no round: it reads as
     none, and the run continues from its checkpoint."""
-    from medfl.engine.client import write_sum
-    from medfl.rundir import _read_rounds
+    from medfl.rundir import _read_rounds, write_sum
 
     path = tmp_path / "metrics.csv"
     pd.DataFrame().to_csv(path, index=False)

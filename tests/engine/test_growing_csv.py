@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from medfl.engine.client import check_sum
-from medfl.rundir import GrowingCsv
+from medfl.rundir import GrowingCsv, check_sum
 
 
 def _rows(rng: np.random.Generator, start: int, k: int) -> pd.DataFrame:
