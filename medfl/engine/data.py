@@ -138,21 +138,21 @@ class FederatedData:
         :data:`REPORT_NAME` in the same folder (the table, written last, marks a whole split)."""
         path = Path(path)
         if self.report is not None:
-            out = path.with_name(REPORT_NAME)
-            out_tmp = out.with_name(out.name + ".tmp")
-            with writing(out, out_tmp):
-                out_tmp.write_text(json.dumps(self.report, indent=2) + "\n")
-            out_tmp.replace(out)
+            _write_text(path.with_name(REPORT_NAME), json.dumps(self.report, indent=2) + "\n")
         tmp = path.with_name(path.name + ".tmp")
         with writing(path, tmp):
             self.assignments.to_csv(tmp, index=False)
-        digest = sha256_file(tmp)
-        side = path.with_name(path.name + ".sha256")
-        side_tmp = side.with_name(side.name + ".tmp")
-        with writing(side, side_tmp):
-            side_tmp.write_text(f"{digest} {len(self.assignments)}\n")
-        side_tmp.replace(side)
+        _write_text(path.with_name(path.name + ".sha256"), f"{sha256_file(tmp)} {len(self.assignments)}\n")
         tmp.replace(path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed into place (a full disk
+    leaves the file as it was: :func:`medfl.rundir.writing`)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with writing(path, tmp):
+        tmp.write_text(text)
+    tmp.replace(path)
 
 
 PARTITION_COLUMNS = ("row", "client_id", "role")
@@ -256,10 +256,9 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     rows of every class (:func:`~medfl.data.partition.per_class_holdout`) or else a stratified
     ``global_test_fraction`` is held out. A partitioner whose result has ``rest ==
     "global_test"`` (:func:`~medfl.data.partition.class_sample`) adds the rows no client took
-    to the global test set. Rows
-    sharing a ``group_column`` value (default ``subject_id``: one patient's images) stay in
-    one part of the global hold-out and of each client's local split. The rest
-    is partitioned across ``num_clients`` clients by the configured partitioner, and each
+    to the global test set. Rows sharing a ``group_column`` value (default ``subject_id``: one
+    patient's images; a row without one is its own group) stay in one part of the global
+    hold-out and of each client's local split. The rest is partitioned across ``num_clients`` clients by the configured partitioner, and each
     client's share is split into local ``client_split`` parts, stratified by label. A
     partitioner with a ``group_column`` parameter (every built-in one) gets ``group_column``
     too, unless the partition spec sets its own, and keeps a subject at one client; the
@@ -276,9 +275,6 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
             empty training set, or ``fold`` is out of range.
     """
     table = source.table
-    # rows of one subject (a patient's several images) stay together in the held-out global
-    # test, at one client and in each client's train/val/test split; rows without a subject
-    # are their own group
     if saved is not None and Path(saved).is_file():
         assignments = read_partition(saved)
         if assignments["row"].max() >= len(table):
@@ -297,43 +293,14 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     seed = int(cfg["seed"])
     labels = table["label"].to_numpy()
     groups = group_keys(table, gcol)
-    per_class = cfg.get("global_test_per_class")
-    official = cfg.get("use_official_split", True) and "split" in table.columns and (table["split"] == "test").any()
-    if official and per_class:
-        raise DataError(f"global_test_per_class = {per_class} asks for a drawn global test set, but the dataset "
-                        "has an official split (a 'split' column with test rows); set use_official_split "
-                        "false to draw one, or global_test_per_class null to use the official test rows")
-    if official:
-        is_test = (table["split"] == "test").to_numpy()
-        pool_pos = np.flatnonzero(~is_test)
-        test_pos = np.flatnonzero(is_test)
-    elif per_class:
-        try:
-            test_pos = per_class_holdout(labels, groups, int(per_class), derive_seed(seed, "global"))
-        except PartitionError as exc:
-            raise DataError(f"global_test_per_class: {exc}") from exc
-        pool_pos = np.setdiff1d(np.arange(len(table)), test_pos)
-    else:
-        f = float(cfg["global_test_fraction"])
-        if f > 0:
-            parts = grouped_stratified_split(labels, groups, {"pool": 1 - f, "test": f}, derive_seed(seed, "global"))
-            pool_pos, test_pos = np.sort(parts["pool"]), np.sort(parts["test"])
-        else:
-            pool_pos, test_pos = np.arange(len(table)), np.zeros(0, dtype=np.int64)
+    pool_pos, test_pos = _global_holdout(table, cfg, labels, groups, seed)
     pool = table.iloc[pool_pos].reset_index(drop=True)
     parts = partitioner(pool, int(cfg["num_clients"]), derive_seed(seed, "partition"), **spec)
     names = getattr(parts, "names", {})
     if getattr(parts, "rest", None) == "global_test":  # e.g. class_sample: the rows no client took
         taken = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts.values()] or [np.zeros(0, np.int64)])
         test_pos = np.sort(np.concatenate([test_pos, np.setdiff1d(pool_pos, pool_pos[taken])]))
-    cv = dict(cfg.get("cv") or {})
-    folds = int(cv.get("folds") or 0)
-    if fold is not None and not 0 <= fold < max(folds, 0):
-        raise DataError(f"cv: fold {fold} asked for, but cv.folds = {folds}; expected 0..{folds - 1}")
-    column = cv.get("column")
-    if fold is not None and column and column not in table.columns:
-        raise DataError(f"cv.column {column!r} is not a column of the dataset; columns: "
-                        f"{', '.join(map(str, table.columns))} (set cv.column null to draw folds)")
+    fold_column = _fold_column(table, cfg, fold)
     records = []
     for cid, pos in parts.items():
         local = pool_pos[np.asarray(pos, dtype=np.int64)]
@@ -342,7 +309,7 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
                                              derive_seed(seed, "split", cid))
         else:
             split = _fold_split(labels[local], groups[local], cfg, fold, derive_seed(seed, "cv", cid),
-                                None if not column else table[column].to_numpy()[local],
+                                None if fold_column is None else fold_column[local],
                                 f"client {cid} ({names.get(cid, f'client_{cid}')})")
         if not len(split.get("train", [])):
             raise DataError(f"partition: client {cid} has no training samples; lower num_clients or min_size")
@@ -356,6 +323,53 @@ def split_data(source: FederatedSource, cfg: dict[str, Any], saved: str | Path |
     if "sample_id" in table.columns:
         a["sample_id"] = table["sample_id"].to_numpy()[a["row"].to_numpy()]
     return FederatedData(source, a, partition_report(table, a, pname, dealt, gcol))
+
+
+def _global_holdout(table: pd.DataFrame, cfg: dict[str, Any], labels: np.ndarray, groups: np.ndarray,
+                    seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of the rows left to partition and of the global test rows
+    (:func:`split_data`): the official test split, ``global_test_per_class`` rows of each
+    class, or a grouped, stratified ``global_test_fraction``."""
+    per_class = cfg.get("global_test_per_class")
+    official = cfg.get("use_official_split", True) and "split" in table.columns and (table["split"] == "test").any()
+    if official and per_class:
+        raise DataError(f"global_test_per_class = {per_class} asks for a drawn global test set, but the dataset "
+                        "has an official split (a 'split' column with test rows); set use_official_split "
+                        "false to draw one, or global_test_per_class null to use the official test rows")
+    if official:
+        is_test = (table["split"] == "test").to_numpy()
+        return np.flatnonzero(~is_test), np.flatnonzero(is_test)
+    if per_class:
+        try:
+            test_pos = per_class_holdout(labels, groups, int(per_class), derive_seed(seed, "global"))
+        except PartitionError as exc:
+            raise DataError(f"global_test_per_class: {exc}") from exc
+        return np.setdiff1d(np.arange(len(table)), test_pos), test_pos
+    f = float(cfg["global_test_fraction"])
+    if f > 0:
+        parts = grouped_stratified_split(labels, groups, {"pool": 1 - f, "test": f}, derive_seed(seed, "global"))
+        return np.sort(parts["pool"]), np.sort(parts["test"])
+    return np.arange(len(table)), np.zeros(0, dtype=np.int64)
+
+
+def _fold_column(table: pd.DataFrame, cfg: dict[str, Any], fold: int | None) -> np.ndarray | None:
+    """The dataset's own fold of each row (``cv.column``) when :func:`split_data` asks for
+    cross-validation fold ``fold``; ``None`` without a fold or when the folds are drawn.
+
+    Raises:
+        DataError: ``fold`` is out of range, or ``cv.column`` is not a column of the dataset.
+    """
+    cv = dict(cfg.get("cv") or {})
+    folds = int(cv.get("folds") or 0)
+    if fold is not None and not 0 <= fold < max(folds, 0):
+        raise DataError(f"cv: fold {fold} asked for, but cv.folds = {folds}; expected 0..{folds - 1}")
+    column = cv.get("column")
+    if fold is None or not column:
+        return None
+    if column not in table.columns:
+        raise DataError(f"cv.column {column!r} is not a column of the dataset; columns: "
+                        f"{', '.join(map(str, table.columns))} (set cv.column null to draw folds)")
+    return table[column].to_numpy()
 
 
 def _saved_report(saved: Path) -> dict[str, Any] | None:

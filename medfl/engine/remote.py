@@ -40,7 +40,8 @@ from medfl import wire
 from medfl.engine.data import FederatedData, client_order
 from medfl.engine.remote_sites import UNDECODABLE, RemoteSettings, SiteDirectory, SiteFailure, parse_pins
 from medfl.engine.remote_steps import RemoteSteps
-from medfl.engine.runner import Run, RunError, TooFewSites, quorum_rule, sites_needed
+from medfl.engine.runner import Run, RunError
+from medfl.engine.screening import TooFewSites, quorum_rule, sites_needed
 from medfl.engine import protocol as P
 from medfl.messages import Instruction, SampleGuard
 from medfl.transport import Outgoing, Transport
@@ -250,7 +251,7 @@ class RemoteRun(RemoteSteps, Run):
 
     def _await_quorum(self, r: int, phase: str, ids: list[str]) -> None:
         """Before an exchange with the clients ``ids``: when fewer of them have a node than
-        :func:`~medfl.engine.runner.sites_needed` asks for, ask the lost nodes for their
+        :func:`~medfl.engine.screening.sites_needed` asks for, ask the lost nodes for their
         hello again and wait up to ``fl.site_wait_s`` seconds for enough of them (recorded in
         ``flower_events.csv``: a ``waiting`` row, then ``waited``).
 
@@ -310,7 +311,7 @@ class RemoteRun(RemoteSteps, Run):
         order; a client without a node, one whose node is lost and one that has not answered
         within ``round_timeout`` are left out (and logged).
 
-        Enough sites (:func:`~medfl.engine.runner.sites_needed`: ``fl.min_sites``,
+        Enough sites (:func:`~medfl.engine.screening.sites_needed`: ``fl.min_sites``,
         ``fl.min_fraction``): before sending, fewer sites with a node than needed are waited
         for (:meth:`_await_quorum`); after it, when fewer answered than needed, the sites
         that timed out or were lost are asked for their hello again and waited for, up to
@@ -408,31 +409,8 @@ class RemoteRun(RemoteSteps, Run):
         ``replies`` (accepted), ``failed`` (the site's errors) and ``settled`` (every client
         that answered, refused ones included), record the traffic; return the clients sent to."""
         t0 = time.monotonic()
-        by_msg: dict[str, str] = {}
-        sent_at: dict[str, float] = {}
-        msgs, order = [], []
-        size_to: dict[str, int] = {}
+        by_msg, sent_at, size_to = self._post(r, phase, message_type, outgoing, secure)
         size_from: dict[str, int] = {}
-        for cid in client_order(outgoing):
-            node = self.sites.nodes.get(cid)
-            if node is None:
-                self._log({"round": r, "phase": phase, "client_id": cid, "status": "absent"})
-                continue
-            size_to[cid] = wire.encoded_size(outgoing[cid])
-            msgs.append(Outgoing(node, message_type, outgoing[cid], str(r), self.settings.round_timeout + 60.0, secure))
-            order.append(cid)
-        for cid, mid in zip(order, self.transport.send(msgs)):
-            if not mid:
-                # the hub did not take it: the node left since its hello (a SuperNode that
-                # stopped on an error of the SuperLink unregisters itself)
-                self._log({"round": r, "phase": phase, "client_id": cid, "node_id": self.sites.nodes.get(cid),
-                           "status": f"unavailable (the {self.terms['hub']} refused the message: the node left)"})
-                self.sites.drop(cid)
-                continue
-            by_msg[mid] = cid
-            sent_at[cid] = time.monotonic()
-        order = [cid for cid in order if cid in sent_at]
-        del msgs
         deadline = t0 + self.settings.round_timeout
         while by_msg and time.monotonic() < deadline:
             for answer in self.transport.receive(list(by_msg)):
@@ -478,9 +456,39 @@ class RemoteRun(RemoteSteps, Run):
             logger.warning(f"medfl: round {r}: site {cid} did not answer {phase} within "
                            f"{self.settings.round_timeout:.0f} s; left out")
             self.sites.drop(cid)
-        for cid in order:
+        for cid in sent_at:
             self.traffic.add(r, cid, counted_as or phase, size_to[cid], size_from.get(cid, 0))
-        return order
+        return list(sent_at)
+
+    def _post(self, r: int, phase: str, message_type: str, outgoing: dict[str, Content],
+              secure: bool) -> tuple[dict[str, str], dict[str, float], dict[str, int]]:
+        """Send each client of ``outgoing`` that has a node its content (:meth:`_send`); return
+        the client of each message id, when each client's message left, in the clients' order,
+        and the encoded bytes for each. A client without a node, or whose node the hub refused
+        the message for (the node left; it is dropped), is logged and not sent to."""
+        by_msg: dict[str, str] = {}
+        sent_at: dict[str, float] = {}
+        msgs, order = [], []
+        size_to: dict[str, int] = {}
+        for cid in client_order(outgoing):
+            node = self.sites.nodes.get(cid)
+            if node is None:
+                self._log({"round": r, "phase": phase, "client_id": cid, "status": "absent"})
+                continue
+            size_to[cid] = wire.encoded_size(outgoing[cid])
+            msgs.append(Outgoing(node, message_type, outgoing[cid], str(r), self.settings.round_timeout + 60.0, secure))
+            order.append(cid)
+        for cid, mid in zip(order, self.transport.send(msgs)):
+            if not mid:
+                # the hub did not take it: the node left since its hello (a SuperNode that
+                # stopped on an error of the SuperLink unregisters itself)
+                self._log({"round": r, "phase": phase, "client_id": cid, "node_id": self.sites.nodes.get(cid),
+                           "status": f"unavailable (the {self.terms['hub']} refused the message: the node left)"})
+                self.sites.drop(cid)
+                continue
+            by_msg[mid] = cid
+            sent_at[cid] = time.monotonic()
+        return by_msg, sent_at, size_to
 
     def reply_limit(self, cid: str, sent: int, release: bool = False) -> int:
         """The largest answer (encoded bytes) the coordinator takes from ``cid`` after sending

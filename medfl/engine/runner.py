@@ -18,7 +18,6 @@ summary's ``selection`` block.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shlex
@@ -34,17 +33,14 @@ from medfl.config import (CROSS_TEST_IN_CLEAR, build_method, cross_test_in_clear
 from medfl.engine.checkpoints import Checkpoints
 from medfl.engine.data import POOLED, FederatedData, client_order
 from medfl.engine.early_stopping import EarlyStopping
-from medfl.engine.evaluation import (ENGINE_TABLES, METRICS_PROVENANCE, _TABLE_NAME, Evaluation,  # noqa: F401
-                                     evaluate_metrics, final_models_of, metrics_provenance, reported_by,
-                                     summarize_metrics)
-from medfl.engine.exchanges import PLACEHOLDER_ID, ROLES, Exchanges, RoundBar, client_context, rounds_span  # noqa: F401
+from medfl.engine.evaluation import Evaluation, metrics_provenance, summarize_metrics
+from medfl.engine.exchanges import PLACEHOLDER_ID, Exchanges, RoundBar, rounds_span
 from medfl.engine.mechanisms import Mechanisms
-from medfl.engine.screening import (Screening, TooFewSites, _absence_schedule, quorum_rule, sites_needed,  # noqa: F401
-                                    update_norm)
+from medfl.engine.screening import Screening, _absence_schedule
 from medfl.engine.store import ClientStore
 from medfl.engine.traffic import Traffic
 from medfl.training import compute_settings
-from medfl.filters import configured_filters, float_buffer_keys, parameter_keys, trainable_count
+from medfl.filters import FilterChain, configured_filters, float_buffer_keys, parameter_keys, trainable_count
 from medfl.integrity import full_disk_message
 from medfl.messages import Instruction, Reply
 from medfl.metrics.fairness import fairness_report
@@ -54,11 +50,10 @@ from medfl.plugins import get_plugin_manager, lookup
 from medfl.privacy.ledger import PrivacyLedger, PrivacyPlan
 from medfl.privacy.releases import ReleaseJournal
 from medfl.privacy.signal import NoiseShare
+from medfl.public import PublicData, check_compatible
 from medfl.rundir import RunDir, RunError, _fold_of
 
-__all__ = ["Run", "RunError", "RunFactory", "client_context", "final_models_of", "build_source",
-           "summarize_metrics", "evaluate_metrics", "reported_by", "update_norm", "METRICS_PROVENANCE", "ENGINE_TABLES",
-           "LOSS_DIVERGED", "sites_needed", "TooFewSites"]
+__all__ = ["Run", "RunError", "RunFactory", "build_source", "LOSS_DIVERGED"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,38 +110,21 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         self.files = RunDir(self.run_dir, self.label)
         self.coordinator: Method = build_method(method_spec)
         self.client_method: Method = build_method(method_spec)  # the client role: never set up
-        cls = type(self.coordinator)
         self.store = ClientStore(self.run_dir / "clients")
         self.eval_store = ClientStore(self.run_dir / "eval_state")
         self.start_round = 1
-        real = data.client_ids
-        train_ids = [POOLED] if cls.pools_data else real
-        sizes = {cid: len(data.rows(cid, "train")) for cid in train_ids}
-        from medfl.public import PublicData, check_compatible
-
         #: the coordinator's public dataset (``fl.public_dataset``), read here only
         self.public = PublicData.from_config(cfg)
         if self.public is not None:
             check_compatible(self.public, data.source.num_classes, tuple(data.source.sample_shape),
                              f"fl.public_dataset of method {self.label!r}")
-        self.federation = Federation(
-            client_ids=train_ids, eval_client_ids=real, num_examples=sizes,
-            num_classes=data.source.num_classes, rounds=int(cfg["rounds"]), seed=int(cfg["seed"]),
-            fraction=float(cfg["fraction"]), model=dict(cfg["model"]),
-            client_models={str(k): dict(v) for k, v in cfg["client_models"].items()},
-            train=method_train(cfg, method_spec, cls), device=str(cfg["device"]),
-            in_channels=data.source.in_channels, spatial_dims=data.source.spatial_dims, public=self.public,
-        )
-        where = f"method {self.label!r}"
+        self.federation = self._federation(cfg, method_spec, data)
         chain, self.filters_skipped = configured_filters(cfg, method_spec, self.coordinator)
         #: the run's differential privacy and filters, resolved (noise derived) before training
-        self.privacy = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
+        self.privacy = self._privacy_plan(cfg, chain)
         #: the DP noise against the clipped signal, per round (``mechanisms.csv``, a warning)
         self.noise_share = NoiseShare(self.privacy, self.federation, type(self.coordinator).reply_state,
                                       parameter_keys, trainable_count, float_buffer_keys)
-        # resolve_config refused it without the opt-in; a reopened older run sent them as well
-        if cross_test_in_clear(cfg, self.privacy.private, where, refuse=False):
-            self.privacy.send_in_clear(CROSS_TEST_IN_CLEAR)
         self.check_uncovered({"": Instruction(payload={}, config={})}, 0)   # a plain reply's entries, for config.json
         self.ledger = PrivacyLedger(self.privacy)
         #: every DP reply received, before the checkpoint (``releases.jsonl``)
@@ -172,7 +150,7 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         self._failures: dict[str, int] = {}   # replies of each client that failed the checks
         self._excluded: set[str] = set()      # clients excluded by max_reply_failures
         #: clients kept out of given rounds' exchanges (``fl.absences``): {"<round>": {phase: ids}}
-        self.absences = _absence_schedule(cfg.get("absences"), real)
+        self.absences = _absence_schedule(cfg.get("absences"), data.client_ids)
         # the payloads the in-process clients checked for NaN/inf on their way out (no filter
         # after the check): the coordinator's walk of the very same tensors, unmodified since,
         # would find the same
@@ -187,6 +165,32 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         #: what the method said its mechanisms could not do (``Method.mechanism_warnings``)
         self.warnings: list[dict[str, Any]] = []
         self._names = data.client_names()
+
+    def _federation(self, cfg: dict[str, Any], method_spec: dict[str, Any], data: FederatedData) -> Federation:
+        """What the method is told of the federation: its training clients (one pooled client
+        for a method that pools the data) and their sizes, the model and the training settings."""
+        cls = type(self.coordinator)
+        real = data.client_ids
+        train_ids = [POOLED] if cls.pools_data else real
+        sizes = {cid: len(data.rows(cid, "train")) for cid in train_ids}
+        return Federation(
+            client_ids=train_ids, eval_client_ids=real, num_examples=sizes,
+            num_classes=data.source.num_classes, rounds=int(cfg["rounds"]), seed=int(cfg["seed"]),
+            fraction=float(cfg["fraction"]), model=dict(cfg["model"]),
+            client_models={str(k): dict(v) for k, v in cfg["client_models"].items()},
+            train=method_train(cfg, method_spec, cls), device=str(cfg["device"]),
+            in_channels=data.source.in_channels, spatial_dims=data.source.spatial_dims, public=self.public,
+        )
+
+    def _privacy_plan(self, cfg: dict[str, Any], chain: FilterChain) -> PrivacyPlan:
+        """The run's privacy plan for the filter ``chain`` (noise derived before training), with
+        the cross-tests sent in clear where the config allows it."""
+        where = f"method {self.label!r}"
+        plan = PrivacyPlan(chain, self.federation, self.coordinator, where=where)
+        # resolve_config refused it without the opt-in; a reopened older run sent them as well
+        if cross_test_in_clear(cfg, plan.private, where, refuse=False):
+            plan.send_in_clear(CROSS_TEST_IN_CLEAR)
+        return plan
 
     # ------------------------------------------------------------------ files
     def last_checkpoint(self) -> int:

@@ -42,27 +42,36 @@ def _say(message: str, level: int = logging.WARNING) -> None:
     logger.log(level, message)
 
 
+def _prctl(option: int, value: int) -> None:
+    """Linux's ``prctl(option, value)`` for this process; elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+    except (OSError, AttributeError):   # pragma: no cover - not Linux
+        pass
+
+
 def _killed_with_parent() -> None:
     """In a child, before it runs: SIGKILL when the supervisor dies (Linux; elsewhere nothing).
     A supervisor that ends on its own first stops its children in order; one that is killed
     (a crash) takes them down at once, as a crash of Flower's SuperLink would."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):   # pragma: no cover - not Linux
-        pass
+    _prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
 
 
 def _adopt_orphans() -> None:
     """Make this process the one that orphaned descendants are handed to (Linux: a child
     subreaper), so that the ServerApps of a SuperExec that died stay its descendants."""
-    try:
-        import ctypes
+    _prctl(36, 1)   # PR_SET_CHILD_SUBREAPER
 
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1)   # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):   # pragma: no cover - not Linux
-        pass
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    """Send ``signum`` to each process of ``pids`` that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def _children(pid: int) -> list[int]:
@@ -154,15 +163,17 @@ def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0,
         elif time.monotonic() >= due:
             superexec, started, due = start(exec_cmd), time.monotonic(), None
             _say(f"SuperExec pid {superexec.pid}", logging.INFO)
-    # the ServerApps first (the SuperExec's, and those a SuperExec that died left to this
-    # process), while the SuperLink still answers them; then the SuperExec; then the SuperLink
+    _stop_in_order(link, superexec, grace)
+    return int(link.returncode or 0)
+
+
+def _stop_in_order(link: "subprocess.Popen[bytes]", superexec: "subprocess.Popen[bytes]", grace: float) -> None:
+    """Stop what :func:`supervise` ran: the ServerApps first (the SuperExec's, and those a
+    SuperExec that died left to this process), while the SuperLink still answers them; then
+    the SuperExec; then the SuperLink; each given ``grace`` seconds after SIGTERM."""
     own = {link.pid, superexec.pid}
     apps = _reap_adopted(own) + (_children(superexec.pid) if superexec.poll() is None else [])
-    for pid in apps:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    _signal_all(apps, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(_running(pid) for pid in apps):
         _reap_adopted(own)
@@ -175,13 +186,8 @@ def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0,
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    for pid in _reap_adopted(own) + _children(superexec.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _signal_all(_reap_adopted(own) + _children(superexec.pid), signal.SIGKILL)
     _reap_adopted(own)
-    return int(link.returncode or 0)
 
 
 def _running(pid: int) -> bool:

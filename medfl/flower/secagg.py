@@ -170,6 +170,97 @@ class SecureRound:
 Exchange = Callable[[str, dict[str, Content], str, bool], dict[str, Content]]
 
 
+@dataclass
+class _Round:
+    """One round of :meth:`SecureAggregation.run` at the coordinator: its sites, their
+    neighbourhoods and the run's callbacks; the key-exchange stages are its methods, and a
+    stage that leaves too few sites says why in ``out.halted``."""
+
+    out: SecureRound
+    nodes: dict[str, int]               # client id -> node id
+    cid_of: dict[int, str]              # node id -> client id
+    neigh: dict[int, set[int]]          # each node's neighbourhood (itself included)
+    threshold: int
+    where: str
+    control: Callable[[str, str], dict[str, Any]]
+    exchange: Exchange
+    refuse: Callable[[str, str], None]
+
+    def configs(self, cid: str, stage: str, values: dict[str, Any]) -> Content:
+        """A key-exchange message to ``cid``: medfl's control record and SecAgg+'s configs."""
+        content = Content()
+        wire.put_json(content, wire.CONTROL, self.control(cid, stage))
+        content[RECORD_KEY_CONFIGS] = Config({Key.STAGE: stage, **values})
+        return content
+
+    def ask(self, stage: str, values: dict[int, dict[str, Any]]) -> dict[int, Any]:
+        """Send ``stage`` with its configs ``values`` to each node of ``values``; return the
+        configs record of each site that answered, by node id (a site without one is refused)."""
+        got = self.exchange(stage, {self.cid_of[n]: self.configs(self.cid_of[n], stage, v) for n, v in values.items()},
+                            "secagg", False)
+        res: dict[int, Any] = {}
+        for cid, content in got.items():
+            rec = content.get(RECORD_KEY_CONFIGS)
+            if not isinstance(rec, Config):
+                self.refuse(cid, f"{self.where}: its {stage} answer has no {RECORD_KEY_CONFIGS!r} record")
+                continue
+            res[self.nodes[cid]] = rec
+        return res
+
+    def enough(self, active: set[int], stage: str) -> bool:
+        """Whether every site still has ``threshold`` neighbours in ``active`` after ``stage``."""
+        short = sorted(self.cid_of[n] for n in self.neigh if len(self.neigh[n] & active) < self.threshold)
+        if short:
+            self.out.halted = (f"{self.where} halted after {stage}: site(s) {short} have fewer than {self.threshold} "
+                               "neighbours online (reconstruction_threshold); no update this round")
+        return not short
+
+    def setup(self, cids: list[str], values: dict[str, Any]) -> dict[int, list[bytes]]:
+        """Stage 0, ``setup``: the round's parameters out, each site's two public keys back."""
+        keys: dict[int, list[bytes]] = {}
+        for nid, rec in self.ask(Stage.SETUP, {self.nodes[c]: values for c in cids}).items():
+            pk1, pk2 = rec.get(Key.PUBLIC_KEY_1), rec.get(Key.PUBLIC_KEY_2)
+            if isinstance(pk1, bytes) and isinstance(pk2, bytes):
+                keys[nid] = [pk1, pk2]
+            else:
+                self.refuse(self.cid_of[nid], f"{self.where}: its setup answer holds no public keys")
+        return keys
+
+    def share_keys(self, keys: dict[int, list[bytes]]) -> dict[int, tuple[list[int], list[bytes]]]:
+        """Stage 1, ``share_keys``: the neighbours' public keys out, encrypted shares back;
+        return, for each site that answered, the sources and ciphertexts addressed to it."""
+        got = self.ask(Stage.SHARE_KEYS, {n: {str(m): keys[m] for m in sorted(self.neigh[n] & set(keys))}
+                                          for n in sorted(keys)})
+        forward: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in got}
+        for src, rec in got.items():
+            dsts, texts = rec.get(Key.DESTINATION_LIST, []), rec.get(Key.CIPHERTEXT_LIST, [])
+            for dst, text in zip(list(dsts), list(texts)):
+                if dst in forward and dst in self.neigh[src]:
+                    forward[dst][0].append(src)
+                    forward[dst][1].append(text)
+        return forward
+
+    def unmask(self, shared: set[int], delivered: set[int]) -> dict[int, list[bytes]] | None:
+        """Stage 3, ``unmask``: who delivered a vector out, shares of the masks to remove back;
+        return the shares of each site that shared its keys (``None``: too few came back)."""
+        dropped = shared - delivered
+        got = self.ask(Stage.UNMASK, {n: {Key.ACTIVE_NODE_ID_LIST: sorted(self.neigh[n] & delivered),
+                                          Key.DEAD_NODE_ID_LIST: sorted(self.neigh[n] & dropped)}
+                                      for n in sorted(delivered)})
+        collected: dict[int, list[bytes]] = {n: [] for n in sorted(shared)}
+        for src, rec in got.items():
+            for owner, share in zip(list(rec.get(Key.NODE_ID_LIST, [])), list(rec.get(Key.SHARE_LIST, []))):
+                # a site holds shares of its neighbours only; anything else is not counted
+                if owner in collected and owner in self.neigh[src] and isinstance(share, bytes):
+                    collected[owner].append(share)
+        short = sorted(self.cid_of[n] for n, s in collected.items() if len(s) < self.threshold)
+        if short:
+            self.out.halted = (f"{self.where} halted after unmask: fewer than {self.threshold} shares came back for "
+                               f"site(s) {short}; no update this round")
+            return None
+        return collected
+
+
 class SecureAggregation:
     """The coordinator's side of SecAgg+ for one run (module docstring).
 
@@ -238,133 +329,84 @@ class SecureAggregation:
             out.halted = (f"reconstruction_threshold {threshold} is more than the {shares} shares of a round with "
                           f"{len(cids)} sites (fl.secure_aggregation)")
             return out
-        neigh = self.neighbours(r, step, list(cid_of), shares)
-        where = f"secure aggregation of round {r}"
-
-        def configs(cid: str, stage: str, values: dict[str, Any]) -> Content:
-            content = Content()
-            wire.put_json(content, wire.CONTROL, control(cid, stage))
-            content[RECORD_KEY_CONFIGS] = Config({Key.STAGE: stage, **values})
-            return content
-
-        def answered(got: dict[str, Content], stage: str) -> dict[int, Any]:
-            """The configs record of each site that answered ``stage``, by node id."""
-            res: dict[int, Any] = {}
-            for cid, content in got.items():
-                rec = content.get(RECORD_KEY_CONFIGS)
-                if not isinstance(rec, Config):
-                    refuse(cid, f"{where}: its {stage} answer has no {RECORD_KEY_CONFIGS!r} record")
-                    continue
-                res[nodes[cid]] = rec
-            return res
-
-        def enough(active: set[int], stage: str) -> bool:
-            short = sorted(cid_of[n] for n in neigh if len(neigh[n] & active) < threshold)
-            if short:
-                out.halted = (f"{where} halted after {stage}: site(s) {short} have fewer than {threshold} "
-                              "neighbours online (reconstruction_threshold); no update this round")
-            return not short
-
-        # stage 0: parameters out, public keys back
-        setup = {Key.SAMPLE_NUMBER: len(cids), Key.SHARE_NUMBER: shares, Key.THRESHOLD: threshold,
-                 Key.CLIPPING_RANGE: float(self.settings["clipping_range"]),
-                 Key.TARGET_RANGE: int(self.settings["quantization_range"]), Key.MOD_RANGE: self.modulus,
-                 Key.MAX_WEIGHT: float(max_weight)}
-        got = answered(exchange(Stage.SETUP, {c: configs(c, Stage.SETUP, setup) for c in cids}, "secagg", False),
-                       Stage.SETUP)
-        keys: dict[int, list[bytes]] = {}
-        for nid, rec in got.items():
-            pk1, pk2 = rec.get(Key.PUBLIC_KEY_1), rec.get(Key.PUBLIC_KEY_2)
-            if isinstance(pk1, bytes) and isinstance(pk2, bytes):
-                keys[nid] = [pk1, pk2]
-            else:
-                refuse(cid_of[nid], f"{where}: its setup answer holds no public keys")
-        if not enough(set(keys), Stage.SETUP):
+        rnd = _Round(out, nodes, cid_of, self.neighbours(r, step, list(cid_of), shares), threshold,
+                     f"secure aggregation of round {r}", control, exchange, refuse)
+        keys = rnd.setup(cids, {Key.SAMPLE_NUMBER: len(cids), Key.SHARE_NUMBER: shares, Key.THRESHOLD: threshold,
+                                Key.CLIPPING_RANGE: float(self.settings["clipping_range"]),
+                                Key.TARGET_RANGE: int(self.settings["quantization_range"]),
+                                Key.MOD_RANGE: self.modulus, Key.MAX_WEIGHT: float(max_weight)})
+        if not rnd.enough(set(keys), Stage.SETUP):
             return out
-
-        # stage 1: neighbours' public keys out, encrypted shares back
-        def share_request(cid: str) -> Content:
-            nid = nodes[cid]
-            return configs(cid, Stage.SHARE_KEYS, {str(m): keys[m] for m in sorted(neigh[nid] & set(keys))})
-
-        got = answered(exchange(Stage.SHARE_KEYS, {cid_of[n]: share_request(cid_of[n]) for n in sorted(keys)},
-                                "secagg", False), Stage.SHARE_KEYS)
-        forward: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in got}
-        for src, rec in got.items():
-            dsts, texts = rec.get(Key.DESTINATION_LIST, []), rec.get(Key.CIPHERTEXT_LIST, [])
-            for dst, text in zip(list(dsts), list(texts)):
-                if dst in forward and dst in neigh[src]:
-                    forward[dst][0].append(src)
-                    forward[dst][1].append(text)
-        shared = set(got)
-        if not enough(shared, Stage.SHARE_KEYS):
+        forward = rnd.share_keys(keys)
+        shared = set(forward)
+        if not rnd.enough(shared, Stage.SHARE_KEYS):
             return out
+        first = instructions[cid_of[min(shared)]].payload
+        layout = secure_layout(method, first, rnd.where)
+        shapes = [(1,)] + [tuple(first[method.reply_state[k] or ""][name].shape) for k, name in layout]
+        total, delivered = self._collect(rnd, forward, instructions, request, decode, shapes)
+        if total is None or not rnd.enough(delivered, Stage.COLLECT_MASKED_VECTORS):
+            return out
+        collected = rnd.unmask(shared, delivered)
+        if collected is None:
+            return out
+        total = self._remove_masks(rnd, total, collected, delivered, keys, shapes)
+        out.included = client_order([cid_of[n] for n in delivered])
+        self._finish(out, total, len(delivered), layout, method, instructions, max_weight)
+        return out
 
-        # stage 2: the training instruction and the shares out, masked vectors back
-        layout = secure_layout(method, instructions[cid_of[min(shared)]].payload, where)
-        shapes = [(1,)] + [tuple(instructions[cid_of[min(shared)]].payload[method.reply_state[k] or ""][name].shape)
-                           for k, name in layout]
-
+    def _collect(self, rnd: _Round, forward: dict[int, tuple[list[int], list[bytes]]],
+                 instructions: dict[str, Instruction], request: Callable[[str, Instruction], Content],
+                 decode: Callable[[str, Content], Reply], shapes: list[tuple[int, ...]]
+                 ) -> tuple[list[np.ndarray] | None, set[int]]:
+        """Stage 2, ``collect_masked_vectors``: the training instruction and the shares
+        forwarded to each site that shared its keys out, masked vectors back; return their
+        sum (``None``: none came) and the nodes that delivered one (their replies in
+        ``rnd.out``)."""
         def collect_request(nid: int) -> Content:
-            cid = cid_of[nid]
+            cid = rnd.cid_of[nid]
             content = request(cid, instructions[cid])
             content[RECORD_KEY_CONFIGS] = Config({Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
-                                                        Key.CIPHERTEXT_LIST: forward[nid][1],
-                                                        Key.SOURCE_LIST: forward[nid][0]})
+                                                  Key.CIPHERTEXT_LIST: forward[nid][1],
+                                                  Key.SOURCE_LIST: forward[nid][0]})
             return content
 
-        got_msgs = exchange(Stage.COLLECT_MASKED_VECTORS, {cid_of[n]: collect_request(n) for n in sorted(shared)},
-                            "train", True)
+        got_msgs = rnd.exchange(Stage.COLLECT_MASKED_VECTORS,
+                                {rnd.cid_of[n]: collect_request(n) for n in sorted(forward)}, "train", True)
         total: list[np.ndarray] | None = None
         delivered: set[int] = set()
         for cid, content in got_msgs.items():
             try:
                 reply = decode(cid, content)
                 if reply.payload:
-                    raise PayloadError(f"{where}: site {cid} sent a model payload beside its masked vector")
-                vec = self._masked_vector(content, shapes, f"{where}: masked vector of site {cid}")
+                    raise PayloadError(f"{rnd.where}: site {cid} sent a model payload beside its masked vector")
+                vec = self._masked_vector(content, shapes, f"{rnd.where}: masked vector of site {cid}")
             except (PayloadError, TypeError, ValueError, KeyError) as exc:
-                refuse(cid, str(exc))
+                rnd.refuse(cid, str(exc))
                 continue
-            out.bytes_masked += sum(a.nbytes for a in vec)
+            rnd.out.bytes_masked += sum(a.nbytes for a in vec)
             total = vec if total is None else [(a + b) % self.modulus for a, b in zip(total, vec)]
-            out.replies[cid] = reply
-            delivered.add(nodes[cid])
-        if total is None or not enough(delivered, Stage.COLLECT_MASKED_VECTORS):
-            return out
-        dropped = shared - delivered
+            rnd.out.replies[cid] = reply
+            delivered.add(rnd.nodes[cid])
+        return total, delivered
 
-        # stage 3: who delivered out, shares of the masks to remove back
-        def unmask_request(nid: int) -> Content:
-            return configs(cid_of[nid], Stage.UNMASK, {Key.ACTIVE_NODE_ID_LIST: sorted(neigh[nid] & delivered),
-                                                       Key.DEAD_NODE_ID_LIST: sorted(neigh[nid] & dropped)})
-
-        got = answered(exchange(Stage.UNMASK, {cid_of[n]: unmask_request(n) for n in sorted(delivered)},
-                                "secagg", False), Stage.UNMASK)
-        collected: dict[int, list[bytes]] = {n: [] for n in shared}
-        for src, rec in got.items():
-            for owner, share in zip(list(rec.get(Key.NODE_ID_LIST, [])), list(rec.get(Key.SHARE_LIST, []))):
-                # a site holds shares of its neighbours only; anything else is not counted
-                if owner in collected and owner in neigh[src] and isinstance(share, bytes):
-                    collected[owner].append(share)
-        short = sorted(cid_of[n] for n, s in collected.items() if len(s) < threshold)
-        if short:
-            out.halted = (f"{where} halted after unmask: fewer than {threshold} shares came back for site(s) "
-                          f"{short}; no update this round")
-            return out
-        for nid in sorted(shared):
+    def _remove_masks(self, rnd: _Round, total: list[np.ndarray], collected: dict[int, list[bytes]],
+                      delivered: set[int], keys: dict[int, list[bytes]], shapes: list[tuple[int, ...]]
+                      ) -> list[np.ndarray]:
+        """The sum of the delivered vectors without their masks, from the shares of
+        :meth:`_Round.unmask`: the private mask of each site that delivered, the pairwise
+        masks a site that dropped after sharing left in its neighbours' vectors."""
+        for nid in sorted(collected):
             secret = combine_shares(collected[nid])
             if nid in delivered:     # its private mask
                 total = [(a - m) % self.modulus for a, m in zip(total, pseudo_rand_gen(secret, self.modulus, shapes))]
                 continue
-            for other in sorted(neigh[nid] & delivered):   # its pairwise masks in the delivered vectors
+            for other in sorted(rnd.neigh[nid] & delivered):   # its pairwise masks in the delivered vectors
                 key = generate_shared_key(bytes_to_private_key(secret), bytes_to_public_key(keys[other][0]))
                 mask = pseudo_rand_gen(key, self.modulus, shapes)
                 sign = 1 if nid > other else -1
                 total = [(a + sign * m) % self.modulus for a, m in zip(total, mask)]
-        out.included = client_order([cid_of[n] for n in delivered])
-        self._finish(out, total, len(delivered), layout, method, instructions, max_weight)
-        return out
+        return total
 
     def _masked_vector(self, content: Content, shapes: list[tuple[int, ...]], where: str) -> list[np.ndarray]:
         """A site's masked vector, checked: one integer array per expected shape, within the modulus."""

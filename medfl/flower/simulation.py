@@ -136,8 +136,7 @@ class SimulatedSites:
 def _client_app(handler: SimulatedSites) -> ClientApp:
     app = ClientApp()
     for register in (app.query("hello"), app.train(mods=[secure_aggregation_mod]), app.evaluate(),
-                     app.evaluate("validate"),
-                     app.evaluate("score")):
+                     app.evaluate("validate"), app.evaluate("score")):
         register(handler)
     return app
 
@@ -165,21 +164,14 @@ def simulated_runs(cfg: dict[str, Any]) -> Iterator[RunFactory]:
         RunError: Ray is not installed, a CUDA device without ``client_gpus``, or the runtime
             ended before its ServerApp started (its log is above).
     """
-    missing = ray_missing()
-    if missing:
-        raise RunError(missing)
-    backend = cfg["backend"]
-    if str(cfg["device"]).startswith("cuda") and not backend["client_gpus"]:
-        raise RunError(f"fl.device is {cfg['device']!r} but fl.backend.client_gpus is 0: a simulated client sees a GPU "
-                       "only when it holds one; set e.g. {\"name\": \"ray\", \"client_gpus\": 0.5} (two clients per "
-                       "GPU)")
+    _check_runtime(cfg)
     from flwr.simulation import run_simulation
 
     client_ids = _client_ids(cfg)
     state_dir = (Path(cfg["output_dir"]) / STATE_FOLDER).resolve()
     handler = SimulatedSites(cfg, client_ids, state_dir, Path.cwd(), actor_threads(cfg, len(client_ids)))
     grids: queue.Queue[Grid | None] = queue.Queue()
-    stop, done = threading.Event(), threading.Event()
+    done = threading.Event()
     failed: list[BaseException] = []
     server = ServerApp()
 
@@ -192,7 +184,7 @@ def simulated_runs(cfg: dict[str, Any]) -> Iterator[RunFactory]:
     def runtime() -> None:
         try:
             run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
-                           backend_config=_backend_config(backend))
+                           backend_config=_backend_config(cfg["backend"]))
         except BaseException as exc:  # noqa: BLE001 - said in the caller's thread
             failed.append(exc)
         finally:
@@ -201,22 +193,9 @@ def simulated_runs(cfg: dict[str, Any]) -> Iterator[RunFactory]:
     # Ray's coming default (it warns otherwise): a client holding no GPU is not hidden the
     # machine's; a CUDA run without client_gpus is refused above
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    quiet = _DropDeprecation()
+    stopping = _Stopping()
     flwr_logger = logging.getLogger("flwr")
-    flwr_logger.addFilter(quiet)
-
-    def stopping(*_: Any) -> None:
-        # first Ctrl-C: the coordinator saves and raises KeyboardInterrupt at its next poll, the
-        # ServerApp ends and Flower's runtime stops once the clients' current messages are
-        # answered (ending the actors under a pending answer instead can leave Flower's runtime
-        # threads waiting on Ray for ever); a second Ctrl-C stops at once
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        quiet.stopping = True
-        logger.warning("medfl: stopping (the finished rounds are kept; the clients finish the message they "
-                       "are on; Ctrl-C again to stop at once)")
-
+    flwr_logger.addFilter(stopping)
     previous = None
     in_main = threading.current_thread() is threading.main_thread()
     # Ray sets its own SIGTERM handler where it starts in the main thread: put back ours (a
@@ -233,17 +212,16 @@ def simulated_runs(cfg: dict[str, Any]) -> Iterator[RunFactory]:
             raise RunError("Flower's simulation runtime ended before the experiment started (its log is above)"
                            + (f": {type(failed[0]).__name__}: {failed[0]}" if failed else "")) \
                 from (failed[0] if failed else None)
-        yield _factory(grid, stop)
+        yield _factory(grid, stopping.event)
     except KeyboardInterrupt:
-        stop.set()
-        quiet.stopping = True
+        stopping.event.set()
         raise
     finally:
         done.set()   # the ServerApp returns; the runtime ends once the clients' messages are answered
         thread.join(_STOP_WAIT)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-        flwr_logger.removeFilter(quiet)
+        flwr_logger.removeFilter(stopping)
         shutdown_ray()
         if term is not None:
             signal.signal(signal.SIGTERM, term)
@@ -260,15 +238,47 @@ def shutdown_ray() -> None:
         ray.shutdown()
 
 
-class _DropDeprecation(logging.Filter):
-    """Drop Flower's notice that ``run_simulation`` is deprecated in favour of ``flwr run``:
-    medfl calls it for the user, who cannot act on it (docs/flower.md says so); once the
-    user stopped the run, drop the errors of clients whose actors Ctrl-C ended too."""
+def _check_runtime(cfg: dict[str, Any]) -> None:
+    """Refuse a run the simulation runtime cannot do (:func:`simulated_runs`).
 
-    stopping = False
+    Raises:
+        RunError: Ray is not installed, or a CUDA device without ``client_gpus``.
+    """
+    missing = ray_missing()
+    if missing:
+        raise RunError(missing)
+    if str(cfg["device"]).startswith("cuda") and not cfg["backend"]["client_gpus"]:
+        raise RunError(f"fl.device is {cfg['device']!r} but fl.backend.client_gpus is 0: a simulated client sees a GPU "
+                       "only when it holds one; set e.g. {\"name\": \"ray\", \"client_gpus\": 0.5} (two clients per "
+                       "GPU)")
+
+
+class _Stopping(logging.Filter):
+    """Ctrl-C on the simulation runtime: the SIGINT handler (call it) and Flower's log filter.
+
+    The first Ctrl-C sets :attr:`event`: the coordinator saves and raises
+    ``KeyboardInterrupt`` at its next poll, the ServerApp ends and Flower's runtime stops once
+    the clients' current messages are answered (ending the actors under a pending answer
+    instead can leave Flower's runtime threads waiting on Ray for ever); a second Ctrl-C stops
+    at once. The filter drops Flower's notice that ``run_simulation`` is deprecated in favour
+    of ``flwr run`` (medfl calls it for the user, who cannot act on it; docs/flower.md says
+    so) and, once the run is stopping, the errors of clients whose actors Ctrl-C ended too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: set once the run is to stop (the coordinator's ``RemoteSettings.stop``)
+        self.event = threading.Event()
+
+    def __call__(self, *_: Any) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+        logger.warning("medfl: stopping (the finished rounds are kept; the clients finish the message they "
+                       "are on; Ctrl-C again to stop at once)")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.stopping and record.levelno >= logging.ERROR:
+        if self.event.is_set() and record.levelno >= logging.ERROR:
             return False
         return "run_simulation" not in str(record.getMessage())
 

@@ -162,11 +162,7 @@ def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str,
         if proc.poll() is None:
             if ended is not None:
                 ended.add(proc.pid)
-            proc.terminate()
-            try:
-                proc.wait(timeout=LINGER)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _terminate(proc, LINGER)
 
     def relay(pipe: Any) -> None:
         previous = ""
@@ -241,19 +237,17 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
             started = time.monotonic()
             code = procs[-1].wait()
             if stopping.is_set() or not restart:
-                worker.stop()
-                return
+                break
             if time.monotonic() - started >= max_backoff:
                 delay = backoff
             print(f"{who}: the SuperNode exited with code {code} ({exit_reason(code, procs[-1].pid in ended)}); "
-                  f"starting it again in {delay:g} s "
-                  "(stop the site with Ctrl-C or SIGTERM)", flush=True)
+                  f"starting it again in {delay:g} s (stop the site with Ctrl-C or SIGTERM)", flush=True)
             if stopping.wait(delay):
-                worker.stop()
-                return
+                break
             delay = min(delay * 2, max_backoff)
             procs.append(_start_supernode(supernode_cmd, env, who, ended))
             print(f"{who}: SuperNode pid {procs[-1].pid}", flush=True)
+        worker.stop()
 
     signal.signal(signal.SIGTERM, _end)
     signal.signal(signal.SIGINT, _end)
@@ -265,15 +259,20 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
     finally:
         stopping.set()
         worker.stop()
-        child = procs[-1]
-        if child.poll() is None:
-            child.terminate()
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        _terminate(procs[-1], 10.0)
         shutil_rmtree(Path(sock_path).parent)
     return int(procs[-1].returncode or 0)
+
+
+def _terminate(proc: subprocess.Popen[bytes], wait: float) -> None:
+    """End ``proc`` if it still runs: SIGTERM, then SIGKILL when it has not exited ``wait``
+    seconds later."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def socket_for() -> str:

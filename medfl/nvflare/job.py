@@ -135,27 +135,9 @@ def write_site(workspace: str | Path, approvals: str | Path, *, config: str | Pa
     from nvflare.app_common.logging.constants import ALLOW_LOG_STREAMING_VAR
     from nvflare.app_common.widgets.component_path_authorizer import (CLASS_ALLOW_LIST, CLASS_LIST_ENFORCEMENT_MODE,
                                                                        ClassListEnforcementMode)
-    from nvflare.lighter.constants import DEFINED_ROLES
 
-    from medfl.approval import APPROVALS_ENV, OPT_OUT, ApprovalError, Approvals
-    from medfl.nvflare.executor import SITE_ENV
-
-    env: dict[str, str] = {APPROVALS_ENV: OPT_OUT}
-    if str(approvals) != OPT_OUT:
-        try:
-            env[APPROVALS_ENV] = str(Approvals.load(Path(approvals).resolve()).path)
-        except ApprovalError as exc:
-            raise ConfigError(f"--approvals: {exc}") from None
-    if config is not None:
-        if not Path(config).is_file():
-            raise ConfigError(f"--config {config}: no such file (the site's own bundle config)")
-        if not client_id:
-            raise ConfigError(f"--config {config}: a site with its own config names the client it serves: give "
-                              "--client-id too")
-    given = {"config": config, "client-id": client_id, "state-dir": state_dir, "workdir": workdir, "device": device}
-    for key, value in given.items():
-        if value:
-            env[SITE_ENV[key]] = str(Path(value).resolve()) if key in ("config", "state-dir", "workdir") else str(value)
+    env = _site_env(approvals, {"config": config, "client-id": client_id, "state-dir": state_dir,
+                                "workdir": workdir, "device": device})
     local = Path(workspace) / "local"
     local.mkdir(parents=True, exist_ok=True)
     resources = local / "resources.json"
@@ -165,22 +147,62 @@ def write_site(workspace: str | Path, approvals: str | Path, *, config: str | Pa
     kept.update({CLASS_ALLOW_LIST: list(COMPONENTS), ALLOW_LOG_STREAMING_VAR: False,
                  CLASS_LIST_ENFORCEMENT_MODE: ClassListEnforcementMode.ENFORCE.value})
     authz = local / "authorization.json"
-    policy = _json_object(authz, "NVFlare's authorization policy")
-    source: Path | str = authz
+    policy = _site_policy(local)
+    resources.write_text(json.dumps(kept, indent=2) + "\n")
+    authz.write_text(json.dumps(policy, indent=2) + "\n")
+    env_file = local / SITE_ENV_FILE
+    env_file.write_text(env)
+    return [resources, authz, env_file]
+
+
+def _site_env(approvals: str | Path, given: dict[str, Any]) -> str:
+    """The text of a site's :data:`SITE_ENV_FILE` (:func:`write_site`): ``MEDFL_APPROVALS``
+    and the variable of each setting ``given`` a value (paths made absolute) exported, the
+    others unset.
+
+    Raises:
+        ConfigError: the approvals file does not load, or ``config`` is missing or given
+            without ``client-id``.
+    """
+    from medfl.approval import APPROVALS_ENV, OPT_OUT, ApprovalError, Approvals
+    from medfl.nvflare.executor import SITE_ENV
+
+    env: dict[str, str] = {APPROVALS_ENV: OPT_OUT}
+    if str(approvals) != OPT_OUT:
+        try:
+            env[APPROVALS_ENV] = str(Approvals.load(Path(approvals).resolve()).path)
+        except ApprovalError as exc:
+            raise ConfigError(f"--approvals: {exc}") from None
+    config = given["config"]
+    if config is not None:
+        if not Path(config).is_file():
+            raise ConfigError(f"--config {config}: no such file (the site's own bundle config)")
+        if not given["client-id"]:
+            raise ConfigError(f"--config {config}: a site with its own config names the client it serves: give "
+                              "--client-id too")
+    for key, value in given.items():
+        if value:
+            env[SITE_ENV[key]] = str(Path(value).resolve()) if key in ("config", "state-dir", "workdir") else str(value)
+    lines = [f"export {k}={shlex.quote(env[k])}" if k in env else f"unset {k}"
+             for k in (APPROVALS_ENV, *SITE_ENV.values())]
+    return ("# the site's medfl environment (`medfl nvflare site`): source it before starting the site\n"
+            + "\n".join(lines) + "\n")
+
+
+def _site_policy(local: Path) -> dict[str, Any]:
+    """The authorization policy of a site's ``local/`` folder (``authorization.json``, else
+    ``authorization.json.default``, else every NVFlare role with every right) with no role
+    allowed to deploy custom code (:func:`_deny_byoc`)."""
+    from nvflare.lighter.constants import DEFINED_ROLES
+
+    source: Path | str = local / "authorization.json"
+    policy = _json_object(source, "NVFlare's authorization policy")
     if policy is None:
         source = local / "authorization.json.default"
         policy = _json_object(source, "NVFlare's authorization policy")
     if policy is None:
         source, policy = "NVFlare's roles", {"format_version": "1.0", "permissions": {r: "any" for r in DEFINED_ROLES}}
-    policy = _deny_byoc(policy, source)
-    resources.write_text(json.dumps(kept, indent=2) + "\n")
-    authz.write_text(json.dumps(policy, indent=2) + "\n")
-    env_file = local / SITE_ENV_FILE
-    lines = [f"export {k}={shlex.quote(env[k])}" if k in env else f"unset {k}"
-             for k in (APPROVALS_ENV, *SITE_ENV.values())]
-    env_file.write_text("# the site's medfl environment (`medfl nvflare site`): source it before starting the site\n"
-                        + "\n".join(lines) + "\n")
-    return [resources, authz, env_file]
+    return _deny_byoc(policy, source)
 
 
 def site_names(n: int) -> list[str]:

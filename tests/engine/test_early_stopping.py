@@ -22,7 +22,7 @@ import torch
 from medfl import hookimpl
 from medfl.config import ConfigError
 from medfl.engine.early_stopping import EarlyStopping
-from medfl.engine.runner import evaluate_metrics
+from medfl.engine.evaluation import evaluate_metrics
 from medfl.experiment import resume, run_experiment
 from medfl.predict import predict
 from medfl.plugins import get_plugin_manager

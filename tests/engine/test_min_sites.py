@@ -3,7 +3,7 @@ how many of a round's sites must answer its training and evaluation. In process 
 missing from a round when its reply was refused or it was excluded after
 ``max_reply_failures``; a run whose round has too few sites fails, naming the round, how
 many answered and the minimum, and never says "finished". The same rule
-(:func:`medfl.engine.runner.sites_needed`) holds over Flower (tests/flower/test_quorum.py)."""
+(:func:`medfl.engine.screening.sites_needed`) holds over Flower (tests/flower/test_quorum.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 
 from medfl.cli import main
 from medfl.config import ConfigError, resolve_config
-from medfl.engine.runner import Run, TooFewSites, sites_needed
+from medfl.engine.runner import Run
+from medfl.engine.screening import TooFewSites, sites_needed
 from medfl.experiment import resume, run_experiment
 from medfl.messages import Reply
 

@@ -31,7 +31,7 @@ pytest.importorskip("flwr", reason="Flower is a test dependency of medfl (pip in
 from flwr.app import Message  # noqa: E402
 
 from medfl.config import resolve_config  # noqa: E402
-from medfl.engine.runner import TooFewSites  # noqa: E402
+from medfl.engine.screening import TooFewSites  # noqa: E402
 from medfl.experiment import run_experiment  # noqa: E402
 from medfl.engine import protocol as P  # noqa: E402
 from medfl.engine.remote import RemoteSettings  # noqa: E402
