@@ -35,6 +35,7 @@ from soak import last_round as _last_round, wait_unlocked as _wait_unlocked  # n
 
 from flower_cases import FEDAVG, fl_config, numeric_equal, write_config  # noqa: E402
 
+ROUND_TIMEOUT = 600.0   # generous: a site sent a round again under load trains it twice (docs/flower.md)
 RUN_TIMEOUT = 1200.0
 
 
@@ -67,7 +68,7 @@ def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path
 
         def first() -> None:
             try:
-                result.update(fed.run(cfg_file, round_timeout=60.0, timeout=RUN_TIMEOUT, name="first",
+                result.update(fed.run(cfg_file, round_timeout=ROUND_TIMEOUT, timeout=RUN_TIMEOUT, name="first",
                                       site_nodes=nodes))
             except FlowerDeployError as exc:     # the ServerApp may die before it writes its result
                 result["deploy_error"] = str(exc)
@@ -90,7 +91,7 @@ def test_only_registered_sites_join_and_a_superlink_restart_is_survived(tmp_path
         _wait_unlocked(run_dir, 120.0)
         status = json.loads((run_dir / "status.json").read_text())
         assert status["last_round"] == 1 and status["status"] in ("interrupted", "running"), status
-        resumed = fed.run(resume=tmp_path / "runs" / "job", round_timeout=60.0, hello_timeout=120.0,
+        resumed = fed.run(resume=tmp_path / "runs" / "job", round_timeout=ROUND_TIMEOUT, hello_timeout=120.0,
                           timeout=RUN_TIMEOUT, name="resumed", site_nodes=nodes)
         assert resumed["ok"], f"{resumed.get('error')}\n{resumed.get('traceback')}"
     finally:
