@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medfl.config.defaults import DEFAULTS, FL_OPTIONAL, TRAIN_OPTIONAL
-from medfl.config.in_clear import check_cross_test, check_uncovered_entries
 from medfl.config.methods import ENTRY_KEYS, build_method, check_entry, method_label
 from medfl.config.sections import (check_absences, check_backend, check_device, check_dp_sgd, check_early_stopping,
-                                   check_min_sites, check_secure_aggregation, check_tracking, check_train)
+                                   check_min_sites, check_secure_aggregation, check_tracking, check_train,
+                                   check_under_dp)
 from medfl.config.threads import check_threads
 from medfl.config_values import ConfigError, check_keys, named, read_bool, read_plugin_values
 from medfl.plugins import KINDS, PluginError, lookup, pinned_names, qualified_name, registry
@@ -330,7 +330,8 @@ def _check_sections(cfg: dict[str, Any]) -> None:
                           f"got {cfg['filters']!r}")
     optional: dict[str, Callable[[Any], Any]] = {
         "secure_aggregation": lambda v: check_secure_aggregation(v, cfg["num_clients"]),
-        "cross_test": check_cross_test, "uncovered_entries": check_uncovered_entries,
+        "cross_test": lambda v: check_under_dp("cross_test", v),
+        "uncovered_entries": lambda v: check_under_dp("uncovered_entries", v),
         "absences": lambda v: check_absences(v, cfg["rounds"]), "threads": check_threads, "tracking": check_tracking}
     for key, check in optional.items():   # in this order
         if key in cfg:
