@@ -50,10 +50,12 @@ FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class StderrHandler(logging.StreamHandler):
     """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted
     (as ``print(..., file=sys.stderr)`` did), so a redirected or captured stderr (pytest's
-    ``capsys``, a subprocess pipe, ``contextlib.redirect_stderr``) gets the line."""
+    ``capsys``, a subprocess pipe, ``contextlib.redirect_stderr``) gets the line as it reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, level: int = logging.NOTSET) -> None:
         super().__init__(sys.stderr)
+        self.setLevel(level)
+        self.setFormatter(logging.Formatter("%(message)s"))
 
     @property  # type: ignore[override]
     def stream(self):  # noqa: ANN201 - the current sys.stderr
@@ -164,9 +166,7 @@ def configure_console(level: int = logging.INFO, force: bool = False) -> logging
         return None
     _printable_stdout()
     remove_console()
-    handler = StderrHandler()
-    handler.setLevel(level)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler = StderrHandler(level)
     log = logging.getLogger(ROOT)
     setattr(handler, _PROPAGATE, log.propagate)
     log.addHandler(handler)
@@ -252,9 +252,7 @@ class FileLog:
         if not _shown():
             # nothing shows medfl's warnings but Python's last resort, which a file handler would
             # silence: show them as it did, until detach
-            self._console = StderrHandler()
-            self._console.setLevel(logging.WARNING)
-            self._console.setFormatter(logging.Formatter("%(message)s"))
+            self._console = StderrHandler(logging.WARNING)
             log.addHandler(self._console)
         # the file's own first line, written before its first record (no console shows it)
         opened = logging.LogRecord(f"{ROOT}.logs", logging.INFO, __file__, 0, "log opened (pid %d)%s",
