@@ -149,8 +149,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     except BaseException:
         shutil_rmtree(Path(sock).parent)   # run_site removes it from here on
         raise
-    return run_site(settings, cmd, env=flower_env(),
-                    restart=not getattr(args, "no_restart", False))
+    return run_site(settings, cmd, env=flower_env(), restart=not getattr(args, "no_restart", False))
 
 
 def cmd_flower_run(args: argparse.Namespace) -> int:

@@ -30,24 +30,17 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         SystemExit: an override without a value, or one in neither form.
     """
     out: dict[str, Any] = {}
-    i = 0
-    while i < len(items):
-        item = items[i]
-        if item.startswith("--"):
-            key = item[2:]
-            if "=" in key:
-                key, value = key.split("=", 1)
-            else:
-                if i + 1 >= len(items):
-                    raise SystemExit(f"medfl: override {item} has no value")
-                value = items[i + 1]
-                i += 1
-        elif "=" in item:
-            key, value = item.split("=", 1)
+    rest = iter(items)
+    for item in rest:
+        if "=" in item:   # --key=value or key=value
+            key, value = item.removeprefix("--").split("=", 1)
+        elif item.startswith("--"):
+            key, value = item[2:], next(rest, None)
+            if value is None:
+                raise SystemExit(f"medfl: override {item} has no value")
         else:
             raise SystemExit(f"medfl: cannot read override {item!r}; use --fl#rounds 3 or fl#rounds=3")
         out[key] = parse_override_value(value)
-        i += 1
     return out
 
 
