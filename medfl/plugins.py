@@ -24,6 +24,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata as md
+import inspect
+import json
 import logging
 import os
 import re
@@ -94,11 +96,6 @@ class PluginWarning(UserWarning):
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)(?:\.(\d+))?\s*$")
 
 
-def _version_tuple(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor or 0)
-
-
 def api_compatible(requirement: str, provided: str = PLUGIN_API_VERSION) -> bool:
     """Whether the plugin API ``provided`` (``"MAJOR.MINOR"``) meets ``requirement``.
 
@@ -110,8 +107,9 @@ def api_compatible(requirement: str, provided: str = PLUGIN_API_VERSION) -> bool
     Raises:
         ValueError: a clause is not of that form.
     """
-    have = _version_tuple(provided)
-    clauses = [c for c in str(requirement).split(",")]
+    major, _, minor = provided.partition(".")
+    have = (int(major), int(minor or 0))
+    clauses = str(requirement).split(",")
     if not any(c.strip() for c in clauses):
         raise ValueError("an empty requirement; expected e.g. '>=1.0,<2'")
     for clause in clauses:
@@ -207,8 +205,7 @@ def get_plugin_manager() -> pluggy.PluginManager:
         pm.add_hookcall_monitoring(_trace, lambda outcome, name, impls, kwargs: None)
     found_own = False
     for ep in sorted(md.entry_points(group="medfl"), key=lambda e: e.name):
-        dist_name = ep.dist.name if ep.dist is not None else "unknown"
-        version = ep.dist.version if ep.dist is not None else "unknown"
+        dist_name, version = (ep.dist.name, ep.dist.version) if ep.dist is not None else ("unknown", "unknown")
         if dist_name == "medfl":
             found_own = True
         if not _wanted(ep, dist_name):
@@ -289,15 +286,9 @@ class Registry(dict):
     def finish(self) -> None:
         """Fill each kind's listing table (bare names where unique, else qualified)."""
         for kind, table in self.by_name.items():
-            out = self[kind]
             for key, regs in table.items():
-                if ":" in key:
-                    continue
-                if len(regs) == 1:
-                    out[key] = regs[0]
-                else:
-                    for r in regs:
-                        out[r.qualified] = r
+                if ":" not in key:
+                    self[kind].update({key: regs[0]} if len(regs) == 1 else {r.qualified: r for r in regs})
 
     def clashes(self, kind: str) -> dict[str, list[Registered]]:
         """The bare names of ``kind`` registered by more than one plugin, with their candidates."""
@@ -486,9 +477,7 @@ def plugin_info() -> list[dict[str, Any]]:
         qualified: dict[str, list[str]] = {}
         clashes: list[str] = []
         for kind in KINDS:
-            mine = sorted((r for regs in reg.by_name[kind].values() for r in regs if r.plugin == name),
-                          key=lambda r: r.name)
-            mine = list({r.qualified: r for r in mine}.values())
+            mine = {r.qualified: r for regs in reg.by_name[kind].values() for r in regs if r.plugin == name}.values()
             if mine:
                 registered[kind] = sorted({r.name for r in mine})
                 qualified[kind] = sorted({r.qualified for r in mine})
@@ -506,8 +495,6 @@ def plugin_info() -> list[dict[str, Any]]:
 def _parameters(kind: str, obj: Any) -> list[dict[str, Any]]:
     """The parameters a config entry of ``obj`` takes: name, default (``None`` with
     ``required``), type (the annotation as written), in signature order."""
-    import inspect
-
     target = obj.__init__ if kind in ("method", "filter", "backend") and inspect.isclass(obj) else obj
     try:
         sig = inspect.signature(target)
@@ -526,8 +513,6 @@ def _parameters(kind: str, obj: Any) -> list[dict[str, Any]]:
 
 def _jsonable(value: Any) -> Any:
     """``value`` when JSON can hold it as is, else its ``repr``."""
-    import json
-
     try:
         json.dumps(value)
         return value
@@ -544,8 +529,6 @@ def describe(name: str) -> list[dict[str, Any]]:
     Raises:
         PluginError: nothing is registered under ``name``; the message names close matches.
     """
-    import inspect
-
     reg = registry()
     found: list[Registered] = []
     refused: list[str] = []
