@@ -15,12 +15,12 @@ from medfl.config_values import ConfigError, check_keys
 from medfl.filters import FilterConfigError, configured_filters
 from medfl.messages import RELEASE_FLAG, Instruction
 from medfl.method import Method, MethodConfigError
-from medfl.plugins import PluginError, lookup
+from medfl.plugins import lookup
 from medfl.privacy.accounting import PrivacyConfigError
 
 __all__ = ["ENTRY_KEYS", "method_label", "method_preset", "method_params", "build_method", "preset_record",
-           "preset_origin", "preset_counts", "method_train", "check_entry", "CROSS_TEST_IN_CLEAR", "cross_test_in_clear",
-           "uncovered_keys", "uncovered_in_clear"]
+           "preset_origin", "preset_counts", "method_train", "check_entry", "CROSS_TEST_IN_CLEAR",
+           "cross_test_in_clear", "uncovered_keys", "uncovered_in_clear"]
 
 
 #: Keys of a method entry that are not the method's parameters: its run-directory name, its
@@ -186,7 +186,7 @@ def check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
     if model_dp:   # entries beside the noised model, as the method declares a plain reply's keys
         keys = uncovered_keys(method, Instruction(payload={}, config={}))
         if keys:
-            uncovered_in_clear(cfg, keys, cls.name, where)
+            uncovered_in_clear(cfg, keys, method, where)
 
 
 #: What a private run with the opt-in sends in the clear (``sent_in_clear`` and ``not_covered``
@@ -234,27 +234,21 @@ def uncovered_keys(method: Any, instruction: Any) -> list[str]:
     return sorted(keys - set(type(method).reply_state))
 
 
-def uncovered_in_clear(cfg: dict[str, Any], keys: list[str], method: str, where: str) -> str:
-    """What a run whose model is noised sends in the clear beside it: ``keys`` (from
-    :func:`uncovered_keys`) as one ``sent_in_clear`` line, only with the opt-in
-    ``fl.uncovered_entries: {"under_dp": "send_in_clear"}``.
+def uncovered_in_clear(cfg: dict[str, Any], keys: list[str], method: Any, where: str) -> str:
+    """What a run whose model is noised sends in the clear beside it: the ``keys`` that ``method``
+    (an instance) replies (:func:`uncovered_keys`) as one ``sent_in_clear`` line, only with the
+    opt-in ``fl.uncovered_entries: {"under_dp": "send_in_clear"}``.
 
     Raises:
         ConfigError: without the opt-in, naming the method, the keys and the option.
     """
+    name, state = method.name, sorted(type(method).reply_state)
     if (cfg.get("uncovered_entries") or {}).get("under_dp") == "send_in_clear":
-        return f"reply entries {keys} of method {method!r}: beside its noised model, in the clear (no DP covers them)"
+        return f"reply entries {keys} of method {name!r}: beside its noised model, in the clear (no DP covers them)"
     raise ConfigError(
-        f"{where}: method {method!r} replies {keys} beside its model state {sorted(_reply_state_of(method))} under "
+        f"{where}: method {name!r} replies {keys} beside its model state {state} under "
         "differential privacy, and no mechanism covers them: the noise is on the model only, so they would leave the "
         "sites in the clear while the run records an epsilon. Declare them in the method's reply_state (a DP filter "
         "then clips and noises them with the model), drop them from the reply under DP, or opt in with "
         "fl.uncovered_entries {\"under_dp\": \"send_in_clear\"} (the run's privacy record then says it is not "
         "private)")
-
-
-def _reply_state_of(method: str) -> list[str]:
-    try:
-        return list(lookup("method", method).reply_state)
-    except PluginError:   # only for the message
-        return []

@@ -218,16 +218,12 @@ def _merged(fl: dict[str, Any]) -> dict[str, Any]:
     and method entries as ``{"name": ...}`` dicts, its booleans read."""
     cfg = copy.deepcopy(DEFAULTS)
     for key, value in fl.items():
-        if key == "train":
+        if key in ("train", "cv"):
             if not isinstance(value, dict):
-                raise ConfigError(f"fl.train: expected a dict, got {value!r}")
-            check_keys(value, {**DEFAULTS["train"], **TRAIN_OPTIONAL}, "fl.train")
-            cfg["train"].update(value)
-        elif key == "cv":
-            if not isinstance(value, dict):
-                raise ConfigError(f"fl.cv: expected a dict like {{'folds': 5}}, got {value!r}")
-            check_keys(value, DEFAULTS["cv"], "fl.cv")
-            cfg["cv"].update(value)
+                like = "" if key == "train" else " like {'folds': 5}"
+                raise ConfigError(f"fl.{key}: expected a dict{like}, got {value!r}")
+            check_keys(value, {**DEFAULTS[key], **(TRAIN_OPTIONAL if key == "train" else {})}, f"fl.{key}")
+            cfg[key].update(value)
         elif key in _NAMED:
             cfg[key] = named(value, f"fl.{key}")
         else:

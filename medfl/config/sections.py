@@ -68,11 +68,8 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
             raise ConfigError(f"{where}: give exactly one of epsilon (a target, the noise is derived) and "
                               f"noise_multiplier; got epsilon={out['epsilon']!r}, "
                               f"noise_multiplier={out['noise_multiplier']!r}")
-        if out["epsilon"] is not None:
-            out["epsilon"] = check_positive(out["epsilon"], "epsilon", where)
-        else:
-            out["noise_multiplier"] = check_positive(out["noise_multiplier"], "noise_multiplier", where)
-        out["max_grad_norm"] = check_positive(out["max_grad_norm"], "max_grad_norm", where)
+        for key in ("epsilon" if out["epsilon"] is not None else "noise_multiplier", "max_grad_norm"):
+            out[key] = check_positive(out[key], key, where)
         out["delta"] = check_delta(out["delta"], where)
         out["accountant"] = check_accountant(out["accountant"], where)
     except PrivacyConfigError as exc:
@@ -196,8 +193,7 @@ def check_secure_aggregation(value: Any, num_clients: int, where: str = "fl.secu
 
     def count_or_fraction(key: str, least: int) -> None:
         v = out[key]
-        ok = not isinstance(v, bool) and ((isinstance(v, int) and v >= least)
-                                          or (isinstance(v, float) and 0 < v <= 1))
+        ok = not isinstance(v, bool) and ((isinstance(v, int) and v >= least) or (isinstance(v, float) and 0 < v <= 1))
         if not ok:
             raise ConfigError(f"{where}.{key}: expected an integer >= {least} or a fraction in (0, 1], got {v!r}")
 
@@ -287,8 +283,7 @@ TEST_SPLITS = ("test", "global_test", "cross_test")
 _MEMORY_METRICS = ("neg_flips", "neg_flip_rate")
 
 
-def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.early_stopping"
-                         ) -> dict[str, Any] | None:
+def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.early_stopping") -> dict[str, Any] | None:
     """Check an ``early_stopping`` section on its own and fill its defaults.
 
     Args:
