@@ -25,10 +25,8 @@ def check_keys(section: dict[str, Any], valid: dict[str, Any], where: str) -> No
     """
     unknown = sorted(set(section) - set(valid))
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
-            f"{', '.join(sorted(valid))}"
-        )
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                          f"{', '.join(sorted(valid))}")
 
 
 #: How a boolean may be spelled in a config or on the command line (any case): MONAI's bundle

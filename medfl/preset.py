@@ -64,9 +64,7 @@ class Preset:
             ValueError: the entry of ``sources`` is not ``"<kind>: <citation>"`` with a kind
                 of :data:`SOURCE_KINDS` and a citation that is not empty.
         """
-        if key in self.sources:
-            return parse_source(self.sources[key], f"sources[{key!r}]")
-        return None
+        return parse_source(self.sources[key], f"sources[{key!r}]") if key in self.sources else None
 
     def origin(self, key: str) -> dict[str, str]:
         """Where one entry comes from as ``config.json`` records it: ``{"from": kind, "source":
