@@ -201,13 +201,10 @@ def _cpu_score(root: Path) -> tuple[float, str]:
         mx = next((d / n for n in ("cpuinfo_max_freq", "scaling_max_freq") if (d / n).is_file()), None)
         if not cur.is_file() or mx is None:
             continue
-        freqs: list[float] = []
-        for f in (cur, mx):
-            try:
-                freqs.append(_read_number(f))
-            except (OSError, ValueError) as e:
-                return 1.0, f"unavailable: garbled cpufreq file ({e}); 1.0"
-        f_cur, f_max = freqs
+        try:
+            f_cur, f_max = _read_number(cur), _read_number(mx)
+        except (OSError, ValueError) as e:
+            return 1.0, f"unavailable: garbled cpufreq file ({e}); 1.0"
         if f_max <= 0 or f_cur < 0:
             return 1.0, f"unavailable: garbled {cur} / {mx} ({f_cur:g} / {f_max:g}); 1.0"
         ratios.append(_clamp(f_cur / f_max))
@@ -220,8 +217,7 @@ def _cpu_score(root: Path) -> tuple[float, str]:
 
 def _sysconf_memory() -> tuple[float, str]:
     try:
-        avail = os.sysconf("SC_AVPHYS_PAGES")
-        total = os.sysconf("SC_PHYS_PAGES")
+        avail, total = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError) as e:
         return 1.0, f"unavailable: no /proc/meminfo and no os.sysconf page counts ({e}); 1.0"
     if total <= 0 or avail < 0:

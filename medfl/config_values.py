@@ -64,9 +64,8 @@ def _size_like(name: str) -> bool:
     """Whether a plugin parameter is a size or count by its name (``image_size``,
     ``spatial_size``, ``num_classes``, ``width``; not ``min_size``/``max_size``, whose 0 may mean
     something)."""
-    if name.startswith(("min_", "max_")):
-        return False
-    return name.endswith("_size") or name.startswith("num_") or name == "width"
+    return not name.startswith(("min_", "max_")) and (name.endswith("_size") or name.startswith("num_")
+                                                      or name == "width")
 
 
 def read_plugin_values(params: Any, spec: dict[str, Any], where: str, skip: tuple[str, ...] = (),

@@ -156,9 +156,7 @@ def configure_console(level: int = logging.INFO, force: bool = False) -> logging
 
     The ``medfl`` logger itself is set to DEBUG so that a run's ``log.txt`` gets the details
     (per-epoch progress) whatever the console shows, and stops propagating to the root logger
-    while the handler is installed: a root handler that a library adds later (Opacus and
-    ``mlflow.pytorch`` call ``logging.basicConfig`` when imported) would print every medfl line
-    again, DEBUG included (a test runner's capture still gets them, :class:`CaptureRelay`).
+    while the handler is installed (the module docstring says why; :class:`CaptureRelay`).
     Calling it again replaces the handler (never two). Returns the handler, or ``None`` when the
     application's configuration stays.
     """
@@ -181,9 +179,7 @@ def ensure_console() -> logging.Handler | None:
     ``medfl`` command and by ``python -m monai.bundle run``): :func:`configure_console` at INFO
     only when nothing shows medfl's messages yet (no handler of the application's, a bundle's
     ``logging.conf`` or the ``medfl`` command's own)."""
-    if _shown():
-        return None
-    return configure_console(logging.INFO, force=True)
+    return None if _shown() else configure_console(logging.INFO, force=True)
 
 
 def plugin_logger(module: str) -> logging.Logger:

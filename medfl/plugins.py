@@ -159,10 +159,8 @@ def _trace(hook_name: str, hook_impls: list, kwargs: dict) -> None:
 
 
 def _wanted(ep: md.EntryPoint, dist_name: str) -> bool:
-    if dist_name == "medfl":
-        return True
     allowed = os.environ.get("MEDFL_LOAD_PLUGINS")
-    if allowed is None:
+    if dist_name == "medfl" or allowed is None:
         return True
     names = {n.strip() for n in allowed.split(",") if n.strip()}
     return ep.name in names or dist_name in names
@@ -175,11 +173,10 @@ def _register_module(pm: pluggy.PluginManager, module: Any, name: str, dist: str
         pm.register(module, name=name)
     except ValueError as exc:  # pluggy: plugin already registered under another name
         _skip(name, dist, f"could not be registered: {exc}")
-        return
     except pluggy.PluginValidationError as exc:
         _skip(name, dist, f"is invalid: {exc}")
-        return
-    _dists[name] = (dist, ver)
+    else:
+        _dists[name] = (dist, ver)
 
 
 def _skip(name: str, dist: str, why: str) -> None:
@@ -206,8 +203,7 @@ def get_plugin_manager() -> pluggy.PluginManager:
     found_own = False
     for ep in sorted(md.entry_points(group="medfl"), key=lambda e: e.name):
         dist_name, version = (ep.dist.name, ep.dist.version) if ep.dist is not None else ("unknown", "unknown")
-        if dist_name == "medfl":
-            found_own = True
+        found_own = found_own or dist_name == "medfl"
         if not _wanted(ep, dist_name):
             continue
         plugin_name = ep.name if dist_name == "medfl" else f"{dist_name}:{ep.name}"
@@ -369,12 +365,9 @@ def _build() -> Registry:
 
 
 def registry() -> Registry:
-    """Return ``{kind: {name: Registered}}`` for every registered method, model, etc.
-
-    A name registered by one plugin is listed bare; a name several plugins register is
-    listed once per plugin, qualified (``dist:name``). Rebuilt whenever plugins are
-    registered or unregistered. ``registry().resolve(kind, name)`` looks a name up.
-    """
+    """Return ``{kind: {name: Registered}}`` for every registered method, model, etc. (names
+    listed as :class:`Registry` says), rebuilt whenever plugins are registered or unregistered.
+    ``registry().resolve(kind, name)`` looks a name up."""
     global _registry_cache
     pm = get_plugin_manager()
     plugins = tuple(pm.get_plugins())
@@ -570,8 +563,6 @@ def _describe_preset(preset: Any) -> dict[str, Any]:
 def _reset_for_tests() -> None:
     """Forget the loaded plugin manager (tests that change entry points use this)."""
     global _pm, _registry_cache
-    _pm = None
-    _registry_cache = None
-    _dists.clear()
-    _warned.clear()
-    _broken.clear()
+    _pm = _registry_cache = None
+    for table in (_dists, _warned, _broken):
+        table.clear()
