@@ -34,14 +34,7 @@ import numpy as np
 
 from medfl.seeding import derive_seed
 
-__all__ = [
-    "SCORES",
-    "CLUSTERS",
-    "overall_score",
-    "assign_cluster",
-    "draw_capabilities",
-    "measure_capabilities",
-]
+__all__ = ["SCORES", "CLUSTERS", "overall_score", "assign_cluster", "draw_capabilities", "measure_capabilities"]
 
 #: The four capability scores, in the order of eq. 1's weights ``w_1..w_4``.
 SCORES: tuple[str, ...] = ("cpu", "memory", "battery", "network")
@@ -62,14 +55,10 @@ def _check_unit(name: str, x: Any) -> float:
     return float(x)
 
 
-# --------------------------------------------------------------------------------------------
-# eqs. 1 and 2
-# --------------------------------------------------------------------------------------------
+# -- eqs. 1 and 2 -----------------------------------------------------------------------------
 
 
-def overall_score(
-    scores: Mapping[str, float], weights: Sequence[float] = _EQUAL_WEIGHTS
-) -> float:
+def overall_score(scores: Mapping[str, float], weights: Sequence[float] = _EQUAL_WEIGHTS) -> float:
     """The overall capability score ``C_O = w1 C_CPU + w2 C_Mem + w3 C_Battery + w4 C_Net``.
 
     PFedCDP eq. 1. The paper says the weights "can add up to 1"; we require that they do
@@ -98,9 +87,7 @@ def overall_score(
         raise ValueError(f"unknown score(s) {', '.join(unknown)} (valid: {', '.join(SCORES)})")
     values = [_check_unit(f"scores[{k!r}]", scores[k]) for k in SCORES]
     if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != 4:
-        raise ValueError(
-            f"weights must be 4 numbers (one per {', '.join(SCORES)}), got {weights!r}"
-        )
+        raise ValueError(f"weights must be 4 numbers (one per {', '.join(SCORES)}), got {weights!r}")
     w = []
     for k, wk in zip(SCORES, weights):
         if not _is_number(wk) or not math.isfinite(float(wk)) or float(wk) < 0:
@@ -140,9 +127,7 @@ def assign_cluster(score: float, t_high: float, t_medium: float) -> str:
     return "low"
 
 
-# --------------------------------------------------------------------------------------------
-# simulation
-# --------------------------------------------------------------------------------------------
+# -- simulation -------------------------------------------------------------------------------
 
 
 def draw_capabilities(client_ids: Sequence[str], seed: int) -> dict[str, dict[str, float]]:
@@ -178,9 +163,7 @@ def draw_capabilities(client_ids: Sequence[str], seed: int) -> dict[str, dict[st
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# measurement
-# --------------------------------------------------------------------------------------------
+# -- measurement ------------------------------------------------------------------------------
 
 
 def _clamp(x: float) -> float:
@@ -215,17 +198,13 @@ def _cpu_score(root: Path) -> tuple[float, str]:
     max_names: set[str] = set()
     for d in map(Path, cpu_dirs):
         cur = d / "scaling_cur_freq"
-        mx = next((d / n for n in ("cpuinfo_max_freq", "scaling_max_freq") if (d / n).is_file()),
-                  None)
+        mx = next((d / n for n in ("cpuinfo_max_freq", "scaling_max_freq") if (d / n).is_file()), None)
         if not cur.is_file() or mx is None:
             continue
-        freqs: list[float] = []
-        for f in (cur, mx):
-            try:
-                freqs.append(_read_number(f))
-            except (OSError, ValueError) as e:
-                return 1.0, f"unavailable: garbled cpufreq file ({e}); 1.0"
-        f_cur, f_max = freqs
+        try:
+            f_cur, f_max = _read_number(cur), _read_number(mx)
+        except (OSError, ValueError) as e:
+            return 1.0, f"unavailable: garbled cpufreq file ({e}); 1.0"
         if f_max <= 0 or f_cur < 0:
             return 1.0, f"unavailable: garbled {cur} / {mx} ({f_cur:g} / {f_max:g}); 1.0"
         ratios.append(_clamp(f_cur / f_max))
@@ -238,8 +217,7 @@ def _cpu_score(root: Path) -> tuple[float, str]:
 
 def _sysconf_memory() -> tuple[float, str]:
     try:
-        avail = os.sysconf("SC_AVPHYS_PAGES")
-        total = os.sysconf("SC_PHYS_PAGES")
+        avail, total = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError) as e:
         return 1.0, f"unavailable: no /proc/meminfo and no os.sysconf page counts ({e}); 1.0"
     if total <= 0 or avail < 0:
@@ -320,9 +298,7 @@ def _parse_address(coordinator: str) -> tuple[str, int]:
     return host, port
 
 
-def _network_score(
-    coordinator: str | None, max_latency_ms: float, timeout_s: float
-) -> tuple[float, str]:
+def _network_score(coordinator: str | None, max_latency_ms: float, timeout_s: float) -> tuple[float, str]:
     if coordinator is None:
         return 1.0, "no coordinator address known; 1.0"
     host, port = _parse_address(coordinator)
@@ -344,13 +320,8 @@ def _network_score(
             f"{latency:.2f} ms (max acceptable {max_latency_ms:g} ms)")
 
 
-def measure_capabilities(
-    coordinator: str | None = None,
-    *,
-    max_latency_ms: float = 200.0,
-    root: str | Path = "/",
-    timeout_s: float = 2.0,
-) -> tuple[dict[str, float], dict[str, str]]:
+def measure_capabilities(coordinator: str | None = None, *, max_latency_ms: float = 200.0, root: str | Path = "/",
+                         timeout_s: float = 2.0) -> tuple[dict[str, float], dict[str, str]]:
     """Measure this machine's four capability scores, noting where each came from.
 
     Sources (Linux files are read under ``root``, so tests can point at a fake tree):
@@ -393,12 +364,8 @@ def measure_capabilities(
     if coordinator is not None:
         _parse_address(coordinator)  # fail on a malformed address before measuring
     base = Path(root)
-    results = {
-        "cpu": _cpu_score(base),
-        "memory": _memory_score(base),
-        "battery": _battery_score(base),
-        "network": _network_score(coordinator, float(max_latency_ms), float(timeout_s)),
-    }
+    results = {"cpu": _cpu_score(base), "memory": _memory_score(base), "battery": _battery_score(base),
+               "network": _network_score(coordinator, float(max_latency_ms), float(timeout_s))}
     scores = {k: float(results[k][0]) for k in SCORES}
     notes = {k: results[k][1] for k in SCORES}
     return scores, notes

@@ -25,10 +25,8 @@ def check_keys(section: dict[str, Any], valid: dict[str, Any], where: str) -> No
     """
     unknown = sorted(set(section) - set(valid))
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
-            f"{', '.join(sorted(valid))}"
-        )
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
+                          f"{', '.join(sorted(valid))}")
 
 
 #: How a boolean may be spelled in a config or on the command line (any case): MONAI's bundle
@@ -66,9 +64,8 @@ def _size_like(name: str) -> bool:
     """Whether a plugin parameter is a size or count by its name (``image_size``,
     ``spatial_size``, ``num_classes``, ``width``; not ``min_size``/``max_size``, whose 0 may mean
     something)."""
-    if name.startswith(("min_", "max_")):
-        return False
-    return name.endswith("_size") or name.startswith("num_") or name == "width"
+    return not name.startswith(("min_", "max_")) and (name.endswith("_size") or name.startswith("num_")
+                                                      or name == "width")
 
 
 def read_plugin_values(params: Any, spec: dict[str, Any], where: str, skip: tuple[str, ...] = (),

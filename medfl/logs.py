@@ -50,10 +50,12 @@ FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class StderrHandler(logging.StreamHandler):
     """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted
     (as ``print(..., file=sys.stderr)`` did), so a redirected or captured stderr (pytest's
-    ``capsys``, a subprocess pipe, ``contextlib.redirect_stderr``) gets the line."""
+    ``capsys``, a subprocess pipe, ``contextlib.redirect_stderr``) gets the line as it reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, level: int = logging.NOTSET) -> None:
         super().__init__(sys.stderr)
+        self.setLevel(level)
+        self.setFormatter(logging.Formatter("%(message)s"))
 
     @property  # type: ignore[override]
     def stream(self):  # noqa: ANN201 - the current sys.stderr
@@ -154,9 +156,7 @@ def configure_console(level: int = logging.INFO, force: bool = False) -> logging
 
     The ``medfl`` logger itself is set to DEBUG so that a run's ``log.txt`` gets the details
     (per-epoch progress) whatever the console shows, and stops propagating to the root logger
-    while the handler is installed: a root handler that a library adds later (Opacus and
-    ``mlflow.pytorch`` call ``logging.basicConfig`` when imported) would print every medfl line
-    again, DEBUG included (a test runner's capture still gets them, :class:`CaptureRelay`).
+    while the handler is installed (the module docstring says why; :class:`CaptureRelay`).
     Calling it again replaces the handler (never two). Returns the handler, or ``None`` when the
     application's configuration stays.
     """
@@ -164,9 +164,7 @@ def configure_console(level: int = logging.INFO, force: bool = False) -> logging
         return None
     _printable_stdout()
     remove_console()
-    handler = StderrHandler()
-    handler.setLevel(level)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler = StderrHandler(level)
     log = logging.getLogger(ROOT)
     setattr(handler, _PROPAGATE, log.propagate)
     log.addHandler(handler)
@@ -181,9 +179,7 @@ def ensure_console() -> logging.Handler | None:
     ``medfl`` command and by ``python -m monai.bundle run``): :func:`configure_console` at INFO
     only when nothing shows medfl's messages yet (no handler of the application's, a bundle's
     ``logging.conf`` or the ``medfl`` command's own)."""
-    if _shown():
-        return None
-    return configure_console(logging.INFO, force=True)
+    return None if _shown() else configure_console(logging.INFO, force=True)
 
 
 def plugin_logger(module: str) -> logging.Logger:
@@ -252,9 +248,7 @@ class FileLog:
         if not _shown():
             # nothing shows medfl's warnings but Python's last resort, which a file handler would
             # silence: show them as it did, until detach
-            self._console = StderrHandler()
-            self._console.setLevel(logging.WARNING)
-            self._console.setFormatter(logging.Formatter("%(message)s"))
+            self._console = StderrHandler(logging.WARNING)
             log.addHandler(self._console)
         # the file's own first line, written before its first record (no console shows it)
         opened = logging.LogRecord(f"{ROOT}.logs", logging.INFO, __file__, 0, "log opened (pid %d)%s",

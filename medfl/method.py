@@ -72,8 +72,7 @@ EvalResults = dict[str, dict[str, dict[str, float]]]
 
 #: The training metrics the engine's local training reports (``train_epochs``: ``loss``,
 #: ``steps``; ``train_epochs_dp`` adds the ``dp_*`` values): :attr:`Method.train_metrics`'s default.
-ENGINE_TRAIN_METRICS: frozenset[str] = frozenset({"loss", "steps", "dp_steps", "dp_sample_rate",
-                                                  "dp_noise_multiplier"})
+ENGINE_TRAIN_METRICS: frozenset[str] = frozenset({"loss", "steps", "dp_steps", "dp_sample_rate", "dp_noise_multiplier"})
 
 #: The exchanges whose value names a method declares (:meth:`Method.reported_names`): a
 #: reply's ``metrics`` (``train``), :meth:`Method.client_validate`'s and
@@ -149,12 +148,8 @@ class Federation:
 
     def model_spec(self, client_id: str | None = None) -> dict[str, Any]:
         """The model spec for a client (global spec merged with its overrides)."""
-        spec = dict(self.model)
-        spec.update({"spatial_dims": self.spatial_dims, "in_channels": self.in_channels,
-                     "num_classes": self.num_classes})
-        if client_id is not None:
-            spec.update(self.client_models.get(client_id, {}))
-        return spec
+        return {**self.model, "spatial_dims": self.spatial_dims, "in_channels": self.in_channels,
+                "num_classes": self.num_classes, **self.client_models.get(client_id, {})}
 
     def build_model(self, client_id: str | None = None, *, seed_tag: Any = "init") -> nn.Module:
         """Build a freshly initialised model (seeded by run seed, tag and client id)."""
@@ -174,12 +169,9 @@ class Configurable:
     @classmethod
     def parameters(cls) -> dict[str, Any]:
         """The hyperparameters and their defaults, from ``__init__``'s signature."""
-        sig = inspect.signature(cls.__init__)
-        return {
-            n: (None if p.default is inspect.Parameter.empty else p.default)
-            for n, p in sig.parameters.items()
-            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        }
+        params = inspect.signature(cls.__init__).parameters.items()
+        return {n: None if p.default is p.empty else p.default for n, p in params
+                if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
     @classmethod
     def from_config(cls, params: dict[str, Any]) -> Any:
@@ -193,10 +185,8 @@ class Configurable:
         valid = cls.parameters()
         unknown = sorted(set(params) - set(valid))
         if unknown:
-            raise MethodConfigError(
-                f"{cls._kind} {cls.name!r} has no parameter(s) {', '.join(map(repr, unknown))}; "
-                f"valid parameters: {', '.join(sorted(valid)) or '(none)'}"
-            )
+            raise MethodConfigError(f"{cls._kind} {cls.name!r} has no parameter(s) {', '.join(map(repr, unknown))}; "
+                                    f"valid parameters: {', '.join(sorted(valid)) or '(none)'}")
         try:   # a boolean hyperparameter reads "false", "no", 0 as False, as every config boolean does
             params = read_plugin_values(inspect.signature(cls.__init__).parameters, dict(params),
                                         f"{cls._kind} {cls.name!r}", sizes=False)

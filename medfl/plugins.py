@@ -24,6 +24,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata as md
+import inspect
+import json
 import logging
 import os
 import re
@@ -94,11 +96,6 @@ class PluginWarning(UserWarning):
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)(?:\.(\d+))?\s*$")
 
 
-def _version_tuple(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor or 0)
-
-
 def api_compatible(requirement: str, provided: str = PLUGIN_API_VERSION) -> bool:
     """Whether the plugin API ``provided`` (``"MAJOR.MINOR"``) meets ``requirement``.
 
@@ -110,8 +107,9 @@ def api_compatible(requirement: str, provided: str = PLUGIN_API_VERSION) -> bool
     Raises:
         ValueError: a clause is not of that form.
     """
-    have = _version_tuple(provided)
-    clauses = [c for c in str(requirement).split(",")]
+    major, _, minor = provided.partition(".")
+    have = (int(major), int(minor or 0))
+    clauses = str(requirement).split(",")
     if not any(c.strip() for c in clauses):
         raise ValueError("an empty requirement; expected e.g. '>=1.0,<2'")
     for clause in clauses:
@@ -161,10 +159,8 @@ def _trace(hook_name: str, hook_impls: list, kwargs: dict) -> None:
 
 
 def _wanted(ep: md.EntryPoint, dist_name: str) -> bool:
-    if dist_name == "medfl":
-        return True
     allowed = os.environ.get("MEDFL_LOAD_PLUGINS")
-    if allowed is None:
+    if dist_name == "medfl" or allowed is None:
         return True
     names = {n.strip() for n in allowed.split(",") if n.strip()}
     return ep.name in names or dist_name in names
@@ -177,11 +173,10 @@ def _register_module(pm: pluggy.PluginManager, module: Any, name: str, dist: str
         pm.register(module, name=name)
     except ValueError as exc:  # pluggy: plugin already registered under another name
         _skip(name, dist, f"could not be registered: {exc}")
-        return
     except pluggy.PluginValidationError as exc:
         _skip(name, dist, f"is invalid: {exc}")
-        return
-    _dists[name] = (dist, ver)
+    else:
+        _dists[name] = (dist, ver)
 
 
 def _skip(name: str, dist: str, why: str) -> None:
@@ -207,10 +202,8 @@ def get_plugin_manager() -> pluggy.PluginManager:
         pm.add_hookcall_monitoring(_trace, lambda outcome, name, impls, kwargs: None)
     found_own = False
     for ep in sorted(md.entry_points(group="medfl"), key=lambda e: e.name):
-        dist_name = ep.dist.name if ep.dist is not None else "unknown"
-        version = ep.dist.version if ep.dist is not None else "unknown"
-        if dist_name == "medfl":
-            found_own = True
+        dist_name, version = (ep.dist.name, ep.dist.version) if ep.dist is not None else ("unknown", "unknown")
+        found_own = found_own or dist_name == "medfl"
         if not _wanted(ep, dist_name):
             continue
         plugin_name = ep.name if dist_name == "medfl" else f"{dist_name}:{ep.name}"
@@ -289,15 +282,9 @@ class Registry(dict):
     def finish(self) -> None:
         """Fill each kind's listing table (bare names where unique, else qualified)."""
         for kind, table in self.by_name.items():
-            out = self[kind]
             for key, regs in table.items():
-                if ":" in key:
-                    continue
-                if len(regs) == 1:
-                    out[key] = regs[0]
-                else:
-                    for r in regs:
-                        out[r.qualified] = r
+                if ":" not in key:
+                    self[kind].update({key: regs[0]} if len(regs) == 1 else {r.qualified: r for r in regs})
 
     def clashes(self, kind: str) -> dict[str, list[Registered]]:
         """The bare names of ``kind`` registered by more than one plugin, with their candidates."""
@@ -378,12 +365,9 @@ def _build() -> Registry:
 
 
 def registry() -> Registry:
-    """Return ``{kind: {name: Registered}}`` for every registered method, model, etc.
-
-    A name registered by one plugin is listed bare; a name several plugins register is
-    listed once per plugin, qualified (``dist:name``). Rebuilt whenever plugins are
-    registered or unregistered. ``registry().resolve(kind, name)`` looks a name up.
-    """
+    """Return ``{kind: {name: Registered}}`` for every registered method, model, etc. (names
+    listed as :class:`Registry` says), rebuilt whenever plugins are registered or unregistered.
+    ``registry().resolve(kind, name)`` looks a name up."""
     global _registry_cache
     pm = get_plugin_manager()
     plugins = tuple(pm.get_plugins())
@@ -486,9 +470,7 @@ def plugin_info() -> list[dict[str, Any]]:
         qualified: dict[str, list[str]] = {}
         clashes: list[str] = []
         for kind in KINDS:
-            mine = sorted((r for regs in reg.by_name[kind].values() for r in regs if r.plugin == name),
-                          key=lambda r: r.name)
-            mine = list({r.qualified: r for r in mine}.values())
+            mine = {r.qualified: r for regs in reg.by_name[kind].values() for r in regs if r.plugin == name}.values()
             if mine:
                 registered[kind] = sorted({r.name for r in mine})
                 qualified[kind] = sorted({r.qualified for r in mine})
@@ -506,8 +488,6 @@ def plugin_info() -> list[dict[str, Any]]:
 def _parameters(kind: str, obj: Any) -> list[dict[str, Any]]:
     """The parameters a config entry of ``obj`` takes: name, default (``None`` with
     ``required``), type (the annotation as written), in signature order."""
-    import inspect
-
     target = obj.__init__ if kind in ("method", "filter", "backend") and inspect.isclass(obj) else obj
     try:
         sig = inspect.signature(target)
@@ -526,8 +506,6 @@ def _parameters(kind: str, obj: Any) -> list[dict[str, Any]]:
 
 def _jsonable(value: Any) -> Any:
     """``value`` when JSON can hold it as is, else its ``repr``."""
-    import json
-
     try:
         json.dumps(value)
         return value
@@ -544,8 +522,6 @@ def describe(name: str) -> list[dict[str, Any]]:
     Raises:
         PluginError: nothing is registered under ``name``; the message names close matches.
     """
-    import inspect
-
     reg = registry()
     found: list[Registered] = []
     refused: list[str] = []
@@ -587,8 +563,6 @@ def _describe_preset(preset: Any) -> dict[str, Any]:
 def _reset_for_tests() -> None:
     """Forget the loaded plugin manager (tests that change entry points use this)."""
     global _pm, _registry_cache
-    _pm = None
-    _registry_cache = None
-    _dists.clear()
-    _warned.clear()
-    _broken.clear()
+    _pm = _registry_cache = None
+    for table in (_dists, _warned, _broken):
+        table.clear()

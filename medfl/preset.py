@@ -31,10 +31,6 @@ class Preset:
         source: where the values come from (``"paper 003, Sec. V-A, Table VIII"``).
         values: hyperparameters (keyword arguments of the method's ``__init__``).
         train: the entry's ``fl.train`` overrides (optimizer, lr, batch_size, epochs...).
-        open: deprecated, kept so that older plugins still load: names of ``values``/``train``
-            entries (``train.`` prefixed for the latter) the source leaves open, each with
-            what medfl chose and why. An entry here counts as ``sources[key] = "open: <text>"``
-            (an entry of ``sources`` wins); new presets write ``sources``.
         experiment: the source's experiment settings outside a method entry (``rounds``,
             ``partition``, ``fraction``, ``num_clients``...): recorded in ``config.json`` and
             said on stderr where the run differs, never applied (every method of an experiment
@@ -51,7 +47,6 @@ class Preset:
     source: str
     values: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
-    open: dict[str, str] = field(default_factory=dict)
     experiment: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
@@ -63,18 +58,13 @@ class Preset:
 
     def source_of(self, key: str) -> tuple[str, str] | None:
         """Where one entry comes from, as ``(kind, citation)``: ``key`` is a key of ``values``
-        or ``"train.<key>"``. An entry of ``sources`` wins over one of the deprecated
-        ``open`` (read as kind ``"open"``); ``None`` when the preset gives neither.
+        or ``"train.<key>"``; ``None`` when ``sources`` gives none.
 
         Raises:
             ValueError: the entry of ``sources`` is not ``"<kind>: <citation>"`` with a kind
                 of :data:`SOURCE_KINDS` and a citation that is not empty.
         """
-        if key in self.sources:
-            return parse_source(self.sources[key], f"sources[{key!r}]")
-        if key in self.open:
-            return parse_source(f"open: {self.open[key]}", f"open[{key!r}]")
-        return None
+        return parse_source(self.sources[key], f"sources[{key!r}]") if key in self.sources else None
 
     def origin(self, key: str) -> dict[str, str]:
         """Where one entry comes from as ``config.json`` records it: ``{"from": kind, "source":
@@ -92,7 +82,7 @@ class Preset:
         """What keeps this preset from citing a source for each of its entries, one line per
         entry: a key of ``values``/``train`` with no source, a source that is not
         ``"<kind>: <citation>"`` (kind of :data:`SOURCE_KINDS`, citation not empty), and a key
-        of ``sources``/``open`` that names no entry. Empty when every entry cites its source
+        of ``sources`` that names no entry. Empty when every entry cites its source
         (medfl's tests require that of every built-in preset)."""
         problems = []
         for key in self.entries():
@@ -108,9 +98,8 @@ class Preset:
                 problems.append(f"{key}: a reading names the sentence read and the other reading "
                                 "('reading: <sentence>; other reading: <...>')")
         known = set(self.entries())
-        for where, table in (("sources", self.sources), ("open", self.open)):
-            problems += [f"{where}[{k!r}] names no entry of values or train (train entries are 'train.<key>')"
-                         for k in table if k not in known]
+        problems += [f"sources[{k!r}] names no entry of values or train (train entries are 'train.<key>')"
+                     for k in self.sources if k not in known]
         return problems
 
 

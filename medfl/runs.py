@@ -35,8 +35,7 @@ __all__ = ["missing_folder", "FAILED_TO_START", "RUN_FIELDS", "HEADLINE_SPLITS",
 FAILED_TO_START = "failed to start"
 
 #: The columns of the table, in order.
-RUN_FIELDS = ("path", "status", "method", "rounds_done", "rounds_planned", "headline", "value", "epsilon",
-              "modified")
+RUN_FIELDS = ("path", "status", "method", "rounds_done", "rounds_planned", "headline", "value", "epsilon", "modified")
 #: The split of the headline metric: the first of these the run evaluated, else its first split.
 HEADLINE_SPLITS = ("local_test", "global_test", "cross_test", "test", "val")
 #: The headline metric of a run whose config names none (:func:`key_metric`): the first of
@@ -160,8 +159,7 @@ def key_metric(config: Any) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _headline(final: dict[str, Any], key: tuple[str | None, str | None] = (None, None)
-              ) -> tuple[str, float] | None:
+def _headline(final: dict[str, Any], key: tuple[str | None, str | None] = (None, None)) -> tuple[str, float] | None:
     """``("<split> <metric>", mean)`` from a summary's ``final`` block, or ``None``: the
     split and metric of ``key`` (:func:`key_metric`) where the run reports them, else the first
     of :data:`HEADLINE_SPLITS` and :data:`HEADLINE_METRICS`."""
@@ -176,8 +174,7 @@ def _headline(final: dict[str, Any], key: tuple[str | None, str | None] = (None,
     return f"{split} {metric}", float(final[split][metric]["mean"])
 
 
-def _headline_from_metrics(folder: Path, key: tuple[str | None, str | None] = (None, None)
-                           ) -> tuple[str, float] | None:
+def _headline_from_metrics(folder: Path, key: tuple[str | None, str | None] = (None, None)) -> tuple[str, float] | None:
     """The headline of the last evaluated round in ``metrics.csv`` (a run with no summary yet),
     as ``("<split> <metric> (round r)", mean over clients)``; ``None`` without one."""
     path = folder / "metrics.csv"

@@ -117,8 +117,9 @@ class Observed(HubAndSpoke):
     name = "test_observed"
     presets = {
         "paper": Preset(source="a test paper, Table 1", values={"scale": 2.0, "tag": "p"},
-                        train={"lr": 0.02}, open={"tag": "the paper gives none; ours"},   # open: deprecated
-                        sources={"scale": "paper: Table 1", "train.lr": "reading: 'a small step'; other reading: 0.01"},
+                        train={"lr": 0.02},
+                        sources={"scale": "paper: Table 1", "tag": "open: the paper gives none; ours",
+                                 "train.lr": "reading: 'a small step'; other reading: 0.01"},
                         experiment={"rounds": 50, "num_clients": 3}, description="the test paper's settings"),
         "bare": Preset(source="nothing at all"),
     }

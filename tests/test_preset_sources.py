@@ -47,19 +47,18 @@ def test_the_check_covers_the_methods_with_presets() -> None:
 @pytest.mark.parametrize("method,name,preset", _PRESETS, ids=[f"{m}-{p}" for m, p, _ in _PRESETS])
 def test_every_preset_value_cites_its_source(method: str, name: str, preset: Preset) -> None:
     assert preset.source_problems() == [], f"{method} preset {name!r}"
-    assert not preset.open, f"{method} preset {name!r}: write sources (Preset.open is deprecated)"
     for key in preset.entries():
         kind, citation = preset.source_of(key)
         assert kind in SOURCE_KINDS and len(citation) > 10, (method, name, key)
 
 
-def test_source_of_reads_kind_and_citation_and_the_deprecated_open() -> None:
+def test_source_of_reads_kind_and_citation() -> None:
     p = Preset(source="s", values={"a": 1, "b": 2, "c": 3}, train={"lr": 0.1},
-               open={"b": "ours", "c": "overridden"},
-               sources={"a": "authors_code: org/repo, x.py, line 3", "c": "paper: eq. 2", "train.lr": "paper: Tab. 1"})
+               sources={"a": "authors_code: org/repo, x.py, line 3", "b": "open: ours", "c": "paper: eq. 2",
+                        "train.lr": "paper: Tab. 1"})
     assert p.source_of("a") == ("authors_code", "org/repo, x.py, line 3")
-    assert p.source_of("b") == ("open", "ours")          # Preset.open still works
-    assert p.source_of("c") == ("paper", "eq. 2")        # sources wins over open
+    assert p.source_of("b") == ("open", "ours")
+    assert p.source_of("c") == ("paper", "eq. 2")
     assert p.source_of("train.lr") == ("paper", "Tab. 1")
     assert p.source_of("lr") is None and p.entries() == ["a", "b", "c", "train.lr"]
     assert p.source_problems() == []
@@ -70,10 +69,10 @@ def test_source_of_reads_kind_and_citation_and_the_deprecated_open() -> None:
 def test_source_problems_names_each_entry_without_a_valid_source() -> None:
     p = Preset(source="s", values={"ok": 1, "none": 2, "kind": 3, "empty": 4, "read": 5}, train={"lr": 0.1},
                sources={"ok": "open: medfl's choice", "kind": "papers: eq. 1", "empty": "paper:  ",
-                        "read": "reading: 'x' as y", "stale": "paper: eq. 9"}, open={"train.lrr": "typo"})
+                        "read": "reading: 'x' as y", "stale": "paper: eq. 9", "train.lrr": "open: typo"})
     problems = p.source_problems()
     assert [q.split()[0].rstrip(":") for q in problems] == ["none", "kind", "empty", "read", "train.lr",
-                                                           "sources['stale']", "open['train.lrr']"]
+                                                           "sources['stale']", "sources['train.lrr']"]
     assert "no source" in problems[0] and "paper, authors_code, reading, open" in problems[0]
     assert "other reading" in problems[3]
     assert parse_source("reading: 'x'; other reading: y") == ("reading", "'x'; other reading: y")

@@ -1,6 +1,6 @@
 """The ``medfl`` command line: :func:`main` and the top of its parser; each command group is a
-module here (``plugins``; ``run``, ``resume``, ``report``; ``runs``; ``approve``, ``policy``,
-``budget``; ``flower``; ``export``, ``bundles``), ``predict`` and ``nvflare`` are
+module here (``plugins``; ``run``, ``resume``, ``report``, ``runs``, ``export``, ``bundles``;
+``approve``, ``policy``, ``budget``; ``flower``), ``predict`` and ``nvflare`` are
 :mod:`medfl.predict`'s and :mod:`medfl.nvflare.job`'s."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 
 from medfl import __version__
 from medfl.bundle import INTERRUPTED_EXIT, user_error_message, user_errors
-from medfl.cli import bundles, flower, plugins, run, site
+from medfl.cli import flower, plugins, run, site
 from medfl.logs import configure_console, console_level
 from medfl.nvflare.job import add_parser as add_nvflare_parser
 from medfl.predict import add_parser as add_predict_parser
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"medfl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (plugins.add_parsers, run.add_parsers, run.add_runs_parser, site.add_parsers, flower.add_parsers,
-                bundles.add_export_parser, add_predict_parser, add_nvflare_parser, bundles.add_bundles_parser):
+                run.add_export_parser, add_predict_parser, add_nvflare_parser, run.add_bundles_parser):
         add(sub)
     _add_verbosity(p)
     return p

@@ -149,8 +149,7 @@ def cmd_flower_site(args: argparse.Namespace) -> int:
     except BaseException:
         shutil_rmtree(Path(sock).parent)   # run_site removes it from here on
         raise
-    return run_site(settings, cmd, env=flower_env(),
-                    restart=not getattr(args, "no_restart", False))
+    return run_site(settings, cmd, env=flower_env(), restart=not getattr(args, "no_restart", False))
 
 
 def cmd_flower_run(args: argparse.Namespace) -> int:
@@ -331,9 +330,8 @@ def add_parsers(sub: Any) -> None:
     sp.add_argument("--port", type=int, default=9092, help="port of the SuperLink's APIs (default 9092)")
     sp.add_argument("--database", default=None, help="SQLite file for the SuperLink's state (default: in memory)")
     sp.add_argument("--insecure", action="store_true", help="no TLS (one machine, or a trusted network)")
-    sp.add_argument("--ssl-certfile")
-    sp.add_argument("--ssl-keyfile")
-    sp.add_argument("--ssl-ca-certfile")
+    for option in ("--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certfile"):
+        sp.add_argument(option)
     sp.add_argument("--enable-supernode-auth", action="store_true",
                     help="accept only SuperNodes whose public key was registered (`medfl flower register-site`); "
                          "needs TLS")

@@ -1,6 +1,8 @@
-"""``medfl run``, ``resume``, ``report`` and ``runs``: run a bundle config's experiment,
-continue a stopped one, print a run's tables and plots again, list the runs under a folder;
-and the options they share with ``medfl flower`` (config overrides, ``--threads``, ``--tracking``)."""
+"""``medfl run``, ``resume``, ``report``, ``runs``, ``export`` and ``bundles``: run a bundle
+config's experiment, continue a stopped one, print a run's tables and plots again, list the runs
+under a folder, write a finished run's models as MONAI bundles, list the bundles medfl ships and
+copy one to edit; and the options shared with ``medfl flower`` (config overrides, ``--threads``,
+``--tracking``)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ from typing import Any
 
 from medfl.bundle import load_bundle_config, parse_override_value, run
 from medfl.config import THREADS_ENV, check_threads, set_threads
+from medfl.plugins import registry
 from medfl.report import format_table, print_result, summary_table
 from medfl.report_plots import write_experiment_plots, write_plots
 from medfl.runs import DEFAULT_DEPTH, format_runs, list_runs, missing_folder, runs_csv, runs_json
+from medfl.shipped import BundleError, bundles_dir, format_bundles, init_bundle, list_bundles
 
 __all__ = ["add_parsers", "add_runs_parser", "cmd_run", "cmd_resume", "cmd_report", "cmd_runs", "parse_overrides",
-           "add_threads_option", "apply_threads", "add_tracking_option", "add_tracking"]
+           "add_threads_option", "apply_threads", "add_tracking_option", "add_tracking", "add_export_parser",
+           "add_bundles_parser", "cmd_export", "cmd_bundles"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,36 +35,27 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         SystemExit: an override without a value, or one in neither form.
     """
     out: dict[str, Any] = {}
-    i = 0
-    while i < len(items):
-        item = items[i]
-        if item.startswith("--"):
-            key = item[2:]
-            if "=" in key:
-                key, value = key.split("=", 1)
-            else:
-                if i + 1 >= len(items):
-                    raise SystemExit(f"medfl: override {item} has no value")
-                value = items[i + 1]
-                i += 1
-        elif "=" in item:
-            key, value = item.split("=", 1)
+    rest = iter(items)
+    for item in rest:
+        if "=" in item:   # --key=value or key=value
+            key, value = item.removeprefix("--").split("=", 1)
+        elif item.startswith("--"):
+            key, value = item[2:], next(rest, None)
+            if value is None:
+                raise SystemExit(f"medfl: override {item} has no value")
         else:
             raise SystemExit(f"medfl: cannot read override {item!r}; use --fl#rounds 3 or fl#rounds=3")
         out[key] = parse_override_value(value)
-        i += 1
     return out
 
 
-#: help of ``--threads`` (``medfl run``, ``resume``, ``flower site``, ``flower run``)
-_THREADS_HELP = ("torch threads of each process that trains: a number, or auto (the default: the cores this "
-                 "process may use divided among the processes training on them; Ray actors, sites medfl started "
-                 "together, pytest-xdist workers); wins over the config's fl#threads")
-
-
 def add_threads_option(sp: argparse.ArgumentParser) -> None:
-    """Give the command ``sp`` the ``--threads N|auto`` option (see :func:`apply_threads`)."""
-    sp.add_argument("--threads", default=None, metavar="N|auto", help=_THREADS_HELP)
+    """Give the command ``sp`` (``medfl run``, ``resume``, ``flower site``, ``flower run``) the
+    ``--threads N|auto`` option (see :func:`apply_threads`)."""
+    sp.add_argument("--threads", default=None, metavar="N|auto",
+                    help="torch threads of each process that trains: a number, or auto (the default: the cores "
+                         "this process may use divided among the processes training on them; Ray actors, sites "
+                         "medfl started together, pytest-xdist workers); wins over the config's fl#threads")
 
 
 def apply_threads(args: argparse.Namespace) -> None:
@@ -219,4 +215,73 @@ def add_runs_parser(sub: Any) -> None:
                     help=f"how many folders deep to look for runs (default {DEFAULT_DEPTH}); stderr says how many "
                          "folders at that depth have subfolders left unsearched")
     sp.set_defaults(func=cmd_runs)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a finished run's models as MONAI bundles and print what was written."""
+    from medfl.export import export_run   # torch: not loaded for `medfl --help`
+
+    registry()
+    summary = export_run(args.run_dir, args.out, args.license)
+    for b in summary["bundles"]:
+        ts = b["torchscript"] or "no TorchScript (see its metadata.json)"
+        print(f"{Path(args.out) / b['folder']}: {b['model']} ({b['network']}; model.ts: {ts})")
+    for s in summary["not_exported"]:
+        print(f"not exported: {s['model']}: {s['reason']}")
+    return 0
+
+
+def add_export_parser(sub: Any) -> None:
+    """Add the ``medfl export`` command to ``sub`` (the subparsers of ``medfl``)."""
+    sp = sub.add_parser(
+        "export", help="write a finished run's models as MONAI bundles (model.pt, model.ts, inference.json)",
+        description="Write the final global model of a finished method run, and each client's personalised model "
+                    "where the method has one, as MONAI bundles under OUT: OUT/global, OUT/final_<name>, "
+                    "OUT/client_<id>, each with models/model.pt (a state dict in MONAI's key names), models/model.ts "
+                    "(TorchScript), configs/inference.json (MONAI transforms and a MONAI or TorchScript network: "
+                    "runs without medfl), configs/metadata.json, configs/logging.conf, LICENSE and docs/README.md; "
+                    "OUT/export.json lists them and every model left out, with the reason. Infer with: python -m "
+                    "monai.bundle run --config_file OUT/global/configs/inference.json --bundle_root OUT/global "
+                    "[--dataset_dir DIR] [--split test]")
+    sp.add_argument("run_dir", help="a finished method run directory (e.g. runs/demo/fedavg)")
+    sp.add_argument("--out", required=True, help="folder to write; must not exist or be empty (nothing is overwritten)")
+    sp.add_argument("--license", metavar="FILE", default=None,
+                    help="licence text written as each bundle's LICENSE (default: medfl's, Apache-2.0); the "
+                         "training data's terms may restrict the model further")
+    sp.set_defaults(func=cmd_export)
+
+
+def cmd_bundles(args: argparse.Namespace) -> int:
+    """``medfl bundles``: list the shipped bundles; ``medfl bundles init NAME DIR``: copy one."""
+    try:
+        if args.bundles_command != "init":
+            print(format_bundles(list_bundles(), bundles_dir()))
+            return 0
+        out = init_bundle(args.name, args.dir)
+    except BundleError as exc:
+        logger.error(f"medfl: error: {exc}")
+        return 2
+    where = shlex.quote(str(out))
+    print(f"copied bundle {args.name!r} to {out} ({sum(1 for f in out.rglob('*') if f.is_file())} files)\n"
+          f"run it:       medfl run {shlex.quote(str(out / 'configs' / 'train.json'))} --bundle_root {where}\n"
+          f"what it does: {out / 'docs' / 'README.md'} (its commands are written from medfl's repository root: "
+          f"read bundles/{args.name} as {where}, and python data_prep/<dataset>.py as "
+          "python -m medfl.prep.<dataset>)")
+    return 0
+
+
+def add_bundles_parser(sub: Any) -> None:
+    """Add the ``medfl bundles`` command (and ``bundles init``) to ``sub`` (the subparsers of ``medfl``)."""
+    sp = sub.add_parser("bundles", help="list the bundles medfl ships; bundles init NAME DIR copies one to edit",
+                        description="Without a subcommand: every bundle medfl ships (its name and what it runs) "
+                                    "and the folder they are installed in. `medfl bundles init NAME DIR` copies "
+                                    "one into DIR (new or empty) to edit and run: medfl run DIR/configs/train.json "
+                                    "--bundle_root DIR.")
+    sp.set_defaults(func=cmd_bundles, bundles_command=None)
+    bsub = sp.add_subparsers(dest="bundles_command")
+    ip = bsub.add_parser("init", help="copy a shipped bundle into a new or empty folder to edit",
+                         description="Copy bundle NAME (configs, docs, LICENSE, models/README.md) into DIR, which "
+                                     "must not exist or be empty: nothing is overwritten.")
+    ip.add_argument("name", metavar="NAME", help="a bundle `medfl bundles` lists, e.g. demo")
+    ip.add_argument("dir", metavar="DIR", help="the folder to copy it into (new or empty)")
 

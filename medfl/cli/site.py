@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,7 @@ def _approvals_file(args: argparse.Namespace) -> Path:
 
 def _code_summary(files: dict[str, str]) -> str:
     """``93 files (medfl/: 80, plugins/: 13)``: what an approval pins, in one line."""
-    tops: dict[str, int] = {}
-    for f in files:
-        top = f.split("/")[0] + ("/" if "/" in f else "")
-        tops[top] = tops.get(top, 0) + 1
+    tops = Counter(f.split("/")[0] + ("/" if "/" in f else "") for f in files)
     return f"{len(files)} files ({', '.join(f'{t}: {n}' for t, n in sorted(tops.items()))})"
 
 
@@ -224,8 +222,7 @@ def add_parsers(sub: Any) -> None:
     sp.add_argument("names", nargs="*", help="registered names, e.g. fedavg fedskd")
     sp.add_argument("--kind", default=None,
                     help="plugin kind: method (default), filter, model, metric, dataset, partitioner")
-    sp.add_argument("--file", default=None,
-                    help="approvals file (default: $MEDFL_APPROVALS, else approvals.json here)")
+    sp.add_argument("--file", default=None, help="approvals file (default: $MEDFL_APPROVALS, else approvals.json here)")
     sp.add_argument("--all", action="store_true",
                     help="every installed plugin (of --kind, or of every kind a site runs)")
     sp.add_argument("--update", action="store_true",
@@ -238,8 +235,7 @@ def add_parsers(sub: Any) -> None:
                                     "for less is refused at the site, naming the rule, before the method's code "
                                     "runs (see docs/privacy.md). Without options: show it. Options add to the "
                                     "policy in the file (--clear starts from none).")
-    sp.add_argument("--file", default=None,
-                    help="approvals file (default: $MEDFL_APPROVALS, else approvals.json here)")
+    sp.add_argument("--file", default=None, help="approvals file (default: $MEDFL_APPROVALS, else approvals.json here)")
     sp.add_argument("--mechanisms", default=None,
                     help="comma-separated DP mechanisms accepted, e.g. dp_gaussian,dp_sgd")
     sp.add_argument("--max-epsilon", dest="max_epsilon", type=float, default=None,

@@ -111,10 +111,10 @@ TRAIN_OPTIONAL: dict[str, Any] = {"amp": None, "channels_last": False, "pin_memo
 #: the same for every run of a process and its children, :func:`medfl.plotting.plots_wanted`).
 #: ``secure_aggregation`` (Flower's SecAgg+ for the replies of the FedAvg family, over Flower
 #: only: ``true`` or a dict of :data:`SECURE_AGGREGATION_DEFAULTS` keys; :func:`check_secure_aggregation`).
-#: ``cross_test`` (:data:`CROSS_TEST_DEFAULTS`, :func:`check_cross_test`): what the Global Test may
+#: ``cross_test`` (:data:`UNDER_DP`, :func:`check_under_dp`): what the Global Test may
 #: do in a run with differential privacy, which it leaves by sending every client's evaluation
 #: model in the clear; absent, a private run with ``cross_test`` in ``eval_splits`` is refused.
-#: ``uncovered_entries`` (:data:`UNCOVERED_DEFAULTS`, :func:`check_uncovered_entries`): what a run
+#: ``uncovered_entries`` (:data:`UNDER_DP`, :func:`check_under_dp`): what a run
 #: whose model is noised does with reply entries beside the model that no DP covers; absent, it
 #: is refused (:func:`uncovered_in_clear`).
 #: ``absences`` (:func:`check_absences`): a scripted schedule of clients left out of given

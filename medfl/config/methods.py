@@ -1,5 +1,8 @@
 """A method entry of ``fl.methods``: its label, its preset, the method it builds, the
-local-training settings it runs with, and the check of all of them together with its filters."""
+local-training settings it runs with, and the check of all of them together with its filters;
+and what a run with differential privacy may send in the clear, only with an opt-in
+(:data:`~medfl.config.sections.UNDER_DP`): every client's evaluation model for ``cross_test``
+and the reply entries beside a noised model that no mechanism covers."""
 
 from __future__ import annotations
 
@@ -7,17 +10,17 @@ import copy
 from typing import Any
 
 from medfl.config.defaults import DEFAULTS, TRAIN_OPTIONAL
-from medfl.config.in_clear import cross_test_in_clear, uncovered_in_clear, uncovered_keys
 from medfl.config.sections import check_dp_sgd, check_train
 from medfl.config_values import ConfigError, check_keys
 from medfl.filters import FilterConfigError, configured_filters
-from medfl.messages import Instruction
+from medfl.messages import RELEASE_FLAG, Instruction
 from medfl.method import Method, MethodConfigError
 from medfl.plugins import lookup
 from medfl.privacy.accounting import PrivacyConfigError
 
 __all__ = ["ENTRY_KEYS", "method_label", "method_preset", "method_params", "build_method", "preset_record",
-           "preset_origin", "preset_counts", "method_train", "check_entry"]
+           "preset_origin", "preset_counts", "method_train", "check_entry", "CROSS_TEST_IN_CLEAR",
+           "cross_test_in_clear", "uncovered_keys", "uncovered_in_clear"]
 
 
 #: Keys of a method entry that are not the method's parameters: its run-directory name, its
@@ -183,4 +186,69 @@ def check_entry(cfg: dict[str, Any], m: dict[str, Any], where: str) -> None:
     if model_dp:   # entries beside the noised model, as the method declares a plain reply's keys
         keys = uncovered_keys(method, Instruction(payload={}, config={}))
         if keys:
-            uncovered_in_clear(cfg, keys, cls.name, where)
+            uncovered_in_clear(cfg, keys, method, where)
+
+
+#: What a private run with the opt-in sends in the clear (``sent_in_clear`` and ``not_covered``
+#: in ``config.json``'s and ``summary.json``'s privacy blocks).
+CROSS_TEST_IN_CLEAR = "cross_test: every site's personalised model, sent in the clear"
+
+
+def cross_test_in_clear(cfg: dict[str, Any], private: bool, where: str, refuse: bool = True) -> bool:
+    """Whether a run of ``cfg`` sends its clients' evaluation models in the clear for
+    ``cross_test`` while its privacy plan is ``private`` (a DP filter, DP-SGD or a method's
+    own release): only with the opt-in ``fl.cross_test: {"under_dp": "send_models"}``.
+
+    ``cross_test`` scores each client's evaluation model (its personalised model, private
+    keys included) on every other client's test split, so every model leaves its site
+    unfiltered; no epsilon covers it. ``refuse=False`` (a run reopened from its saved
+    config: a resume, ``medfl predict``) says whether the models are sent, opt-in or not (a
+    run from before the refusal sent them too).
+
+    Raises:
+        ConfigError: a private run with ``cross_test`` and no opt-in, naming ``where`` and the option.
+    """
+    if not private or "cross_test" not in cfg["eval_splits"]:
+        return False
+    if not refuse or (cfg.get("cross_test") or {}).get("under_dp") == "send_models":
+        return True
+    raise ConfigError(
+        f"{where}: fl.eval_splits has cross_test, which sends every client's evaluation model (its personalised "
+        "model, private keys included) to the coordinator and the other sites in the clear, outside this run's "
+        "differential privacy; drop cross_test from fl.eval_splits, or opt in with "
+        "fl.cross_test {\"under_dp\": \"send_models\"} (the run's privacy record then says it is not private)")
+
+
+def uncovered_keys(method: Any, instruction: Any) -> list[str]:
+    """The keys of a reply to ``instruction`` (``Method.reply_keys``, the method's own
+    declaration) beside its model state (``reply_state``), which a DP filter, DP-SGD or the
+    method's own DP on the model does not cover; none for a per-sample release (its labels
+    are the release's declared clear part). An instruction the method cannot answer from its
+    settings alone (``reply_keys`` raises) counts as the model state's keys."""
+    if instruction.config.get(RELEASE_FLAG) is True:
+        return []
+    try:
+        keys = set(method.reply_keys(instruction))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []
+    return sorted(keys - set(type(method).reply_state))
+
+
+def uncovered_in_clear(cfg: dict[str, Any], keys: list[str], method: Any, where: str) -> str:
+    """What a run whose model is noised sends in the clear beside it: the ``keys`` that ``method``
+    (an instance) replies (:func:`uncovered_keys`) as one ``sent_in_clear`` line, only with the
+    opt-in ``fl.uncovered_entries: {"under_dp": "send_in_clear"}``.
+
+    Raises:
+        ConfigError: without the opt-in, naming the method, the keys and the option.
+    """
+    name, state = method.name, sorted(type(method).reply_state)
+    if (cfg.get("uncovered_entries") or {}).get("under_dp") == "send_in_clear":
+        return f"reply entries {keys} of method {name!r}: beside its noised model, in the clear (no DP covers them)"
+    raise ConfigError(
+        f"{where}: method {name!r} replies {keys} beside its model state {state} under "
+        "differential privacy, and no mechanism covers them: the noise is on the model only, so they would leave the "
+        "sites in the clear while the run records an epsilon. Declare them in the method's reply_state (a DP filter "
+        "then clips and noises them with the model), drop them from the reply under DP, or opt in with "
+        "fl.uncovered_entries {\"under_dp\": \"send_in_clear\"} (the run's privacy record then says it is not "
+        "private)")

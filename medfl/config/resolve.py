@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from medfl.config.defaults import DEFAULTS, FL_OPTIONAL, TRAIN_OPTIONAL
-from medfl.config.in_clear import check_cross_test, check_uncovered_entries
 from medfl.config.methods import ENTRY_KEYS, build_method, check_entry, method_label
 from medfl.config.sections import (check_absences, check_backend, check_device, check_dp_sgd, check_early_stopping,
-                                   check_min_sites, check_secure_aggregation, check_tracking, check_train)
+                                   check_min_sites, check_secure_aggregation, check_tracking, check_train,
+                                   check_under_dp)
 from medfl.config.threads import check_threads
 from medfl.config_values import ConfigError, check_keys, named, read_bool, read_plugin_values
 from medfl.plugins import KINDS, PluginError, lookup, pinned_names, qualified_name, registry
@@ -218,16 +218,12 @@ def _merged(fl: dict[str, Any]) -> dict[str, Any]:
     and method entries as ``{"name": ...}`` dicts, its booleans read."""
     cfg = copy.deepcopy(DEFAULTS)
     for key, value in fl.items():
-        if key == "train":
+        if key in ("train", "cv"):
             if not isinstance(value, dict):
-                raise ConfigError(f"fl.train: expected a dict, got {value!r}")
-            check_keys(value, {**DEFAULTS["train"], **TRAIN_OPTIONAL}, "fl.train")
-            cfg["train"].update(value)
-        elif key == "cv":
-            if not isinstance(value, dict):
-                raise ConfigError(f"fl.cv: expected a dict like {{'folds': 5}}, got {value!r}")
-            check_keys(value, DEFAULTS["cv"], "fl.cv")
-            cfg["cv"].update(value)
+                like = "" if key == "train" else " like {'folds': 5}"
+                raise ConfigError(f"fl.{key}: expected a dict{like}, got {value!r}")
+            check_keys(value, {**DEFAULTS[key], **(TRAIN_OPTIONAL if key == "train" else {})}, f"fl.{key}")
+            cfg[key].update(value)
         elif key in _NAMED:
             cfg[key] = named(value, f"fl.{key}")
         else:
@@ -330,7 +326,8 @@ def _check_sections(cfg: dict[str, Any]) -> None:
                           f"got {cfg['filters']!r}")
     optional: dict[str, Callable[[Any], Any]] = {
         "secure_aggregation": lambda v: check_secure_aggregation(v, cfg["num_clients"]),
-        "cross_test": check_cross_test, "uncovered_entries": check_uncovered_entries,
+        "cross_test": lambda v: check_under_dp("cross_test", v),
+        "uncovered_entries": lambda v: check_under_dp("uncovered_entries", v),
         "absences": lambda v: check_absences(v, cfg["rounds"]), "threads": check_threads, "tracking": check_tracking}
     for key, check in optional.items():   # in this order
         if key in cfg:

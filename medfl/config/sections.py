@@ -1,6 +1,6 @@
 """The ``fl`` sections checked on their own: local training (``train`` and its DP-SGD
 ``dp``), the device, the backend, secure aggregation, scripted absences, early stopping, the
-trackers and the quorum of sites. Each check fills the section's defaults in, or raises
+trackers, the quorum of sites and the opt-ins of a private run. Each check fills the section's defaults in, or raises
 :class:`~medfl.config_values.ConfigError` naming the key and what was expected."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from medfl.privacy.accounting import PrivacyConfigError, check_accountant, check
 __all__ = ["ABSENCE_PHASES", "SECURE_AGGREGATION_DEFAULTS", "SECURE_AGGREGATION_MODULUS", "AMP_DTYPES",
            "DP_SGD_DEFAULTS", "check_dp_sgd", "OPTIMIZERS", "check_train", "BACKEND_DEFAULTS", "check_backend",
            "check_secure_aggregation", "EARLY_STOPPING_DEFAULTS", "check_absences", "TEST_SPLITS",
-           "check_early_stopping", "check_tracking", "check_min_sites", "check_device"]
+           "check_early_stopping", "check_tracking", "check_min_sites", "check_device", "UNDER_DP", "check_under_dp"]
 
 
 #: The exchanges of a round a client can be scheduled absent from (``fl.absences``).
@@ -68,11 +68,8 @@ def check_dp_sgd(dp: Any, where: str) -> dict[str, Any] | None:
             raise ConfigError(f"{where}: give exactly one of epsilon (a target, the noise is derived) and "
                               f"noise_multiplier; got epsilon={out['epsilon']!r}, "
                               f"noise_multiplier={out['noise_multiplier']!r}")
-        if out["epsilon"] is not None:
-            out["epsilon"] = check_positive(out["epsilon"], "epsilon", where)
-        else:
-            out["noise_multiplier"] = check_positive(out["noise_multiplier"], "noise_multiplier", where)
-        out["max_grad_norm"] = check_positive(out["max_grad_norm"], "max_grad_norm", where)
+        for key in ("epsilon" if out["epsilon"] is not None else "noise_multiplier", "max_grad_norm"):
+            out[key] = check_positive(out[key], key, where)
         out["delta"] = check_delta(out["delta"], where)
         out["accountant"] = check_accountant(out["accountant"], where)
     except PrivacyConfigError as exc:
@@ -196,8 +193,7 @@ def check_secure_aggregation(value: Any, num_clients: int, where: str = "fl.secu
 
     def count_or_fraction(key: str, least: int) -> None:
         v = out[key]
-        ok = not isinstance(v, bool) and ((isinstance(v, int) and v >= least)
-                                          or (isinstance(v, float) and 0 < v <= 1))
+        ok = not isinstance(v, bool) and ((isinstance(v, int) and v >= least) or (isinstance(v, float) and 0 < v <= 1))
         if not ok:
             raise ConfigError(f"{where}.{key}: expected an integer >= {least} or a fraction in (0, 1], got {v!r}")
 
@@ -287,8 +283,7 @@ TEST_SPLITS = ("test", "global_test", "cross_test")
 _MEMORY_METRICS = ("neg_flips", "neg_flip_rate")
 
 
-def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.early_stopping"
-                         ) -> dict[str, Any] | None:
+def check_early_stopping(value: Any, eval_splits: list[str], where: str = "fl.early_stopping") -> dict[str, Any] | None:
     """Check an ``early_stopping`` section on its own and fill its defaults.
 
     Args:
@@ -427,3 +422,28 @@ def check_device(device: Any, where: str = "fl.device", *, available: bool = Fal
     if available and dev.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"{where}: 'mps' but this machine has no MPS device; use cpu")
     return str(device)
+
+
+#: The opt-in sections of a run with differential privacy (``fl.<key>: {"under_dp": CHOICE}``;
+#: absent: off) and their choices, the default first. ``cross_test``: ``"refuse"`` (a run with
+#: differential privacy and ``cross_test`` is refused before round 1) or ``"send_models"`` (every
+#: client's evaluation model is sent in the clear for cross-site scoring, and the run's privacy
+#: record says it is not private). ``uncovered_entries``: ``"refuse"`` (a run whose model is
+#: noised, by a DP filter, DP-SGD or the method's own DP, and whose replies carry entries beside
+#: the model that no mechanism covers is refused before anything is sent) or ``"send_in_clear"``
+#: (the entries are sent, and the run's privacy record says it is not private).
+UNDER_DP: dict[str, tuple[str, ...]] = {"cross_test": ("refuse", "send_models"),
+                                        "uncovered_entries": ("refuse", "send_in_clear")}
+
+
+def check_under_dp(key: str, value: Any) -> dict[str, Any] | None:
+    """Check the opt-in section ``fl.<key>`` (a key of :data:`UNDER_DP`): ``None``, or ``{"under_dp": CHOICE}``.
+
+    Raises:
+        ConfigError: not a dict, an unknown key, or ``under_dp`` not one of the key's choices.
+    """
+    choices, where = UNDER_DP[key], f"fl.{key}"
+    out = optional_section(value, {"under_dp": choices[0]}, where, f'{{"under_dp": "{choices[-1]}"}}')
+    if out is not None and out["under_dp"] not in choices:
+        raise ConfigError(f"{where}.under_dp: expected one of {', '.join(map(repr, choices))}, got {out['under_dp']!r}")
+    return out

@@ -332,7 +332,7 @@ class Screening:
             keys = uncovered_keys(self.coordinator, ins)
             if keys:
                 try:
-                    p.send_in_clear(uncovered_in_clear(self.config, keys, self.coordinator.name,
+                    p.send_in_clear(uncovered_in_clear(self.config, keys, self.coordinator,
                                                        f"method {self.label!r}, round {r}"))
                 except ConfigError as exc:
                     raise PrivacyConfigError(str(exc)) from None

@@ -72,7 +72,7 @@ def test_config_json_says_where_every_value_came_from(tmp_path: Path, capsys: py
     saved = json.loads((run / "config.json").read_text())
     preset = saved["preset"]
     assert preset["name"] == "paper" and preset["source"] == "a test paper, Table 1"
-    # the kind and the citation of each value; "open" entries of the deprecated Preset.open as "open"
+    # the kind and the citation of each value
     assert preset["values"] == {"scale": {"value": 3.0, "from": "config"},
                                 "tag": {"value": "p", "from": "open", "source": "the paper gives none; ours"}}
     assert preset["train"] == {"lr": {"value": 0.02, "from": "reading",

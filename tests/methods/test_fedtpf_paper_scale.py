@@ -49,7 +49,7 @@ def test_every_value_and_train_key_of_the_paper_preset_names_its_source() -> Non
     assert "95% confidence" in PAPER_SOURCES["accuracy_ci"] and "below 0.15" in PAPER_SOURCES["cosine_reading"]
     assert "standardized through preprocessing" in PAPER_SOURCES["standardize"]
     # the preset cites through `sources` alone (config.json's "from" is the kind)
-    assert PAPER_PRESET.sources == PAPER_SOURCES and not PAPER_PRESET.open and not PAPER_PRESET.source_problems()
+    assert PAPER_PRESET.sources == PAPER_SOURCES and not PAPER_PRESET.source_problems()
     m = FedTPF(**PAPER_PRESET.values)
     assert (m.standardize, m.cosine_reading, m.change_reading, m.accuracy_ci) == ("client", "absolute",
                                                                                    "absolute", "none")
