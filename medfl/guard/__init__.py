@@ -118,8 +118,10 @@ The package, bottom up (each module imports only those listed before it):
 :mod:`~medfl.guard.reference` a split's reference (:func:`build_split_reference`);
 :mod:`~medfl.guard.index` a client's splits merged, with prefilter tables, and the caches;
 :mod:`~medfl.guard.walk` the traversal of a message and its float values;
-:mod:`~medfl.guard.device` the scans on the tensors' device; :mod:`~medfl.guard.labels` the label check; :mod:`~medfl.guard.images` the image checks; and
-this module, on top: :class:`ContentGuard`, which runs them, and :func:`loader_orders`.
+:mod:`~medfl.guard.device` the scans on the tensors' device; :mod:`~medfl.guard.labels` the
+label check; :mod:`~medfl.guard.images` the image checks; and this module, on top:
+:class:`ContentGuard`, which runs them, and :func:`loader_orders`. Names with a leading
+underscore are the package's own: its modules import them, code outside it should not.
 """
 
 from __future__ import annotations
@@ -130,31 +132,19 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-# what ContentGuard uses and, with it, every name medfl.guard held when it was one module
-# (its internals too, for code that imported them from here)
 from medfl.guard.device import _DeviceFloats, _scan_device
-from medfl.guard.images import _CHUNK, _ImageCheck, _plane_readings, _prefiltered, _rolling_keys
+from medfl.guard.images import _ImageCheck
 from medfl.guard.index import (
-    _CACHE, _CACHE_MAX, _LOCK, _MERGED, _MERGED_BYTES, _TABLE_BITS, _TABLE_MIN_BITS, _TABLE_SLOTS_PER_PROBE,
-    _Bitset, _cached_reference, _Index, _key_slot, _log, _lru_get, _lru_put, _magnitude_range, _merge, _need,
-    _table, _table_bits, _value_slot, clear_reference_cache,
+    _CACHE, _CACHE_MAX, _MERGED, _MERGED_BYTES, _cached_reference, _Index, _lru_get, _lru_put, _merge,
+    clear_reference_cache,
 )
-from medfl.guard.labels import (
-    _block_shapes, _class_block, _label_candidates, _LabelCheck, _may_hold_runs, _may_sum_to, _nonnegative, _runs,
-    _search, _surprise,
-)
+from medfl.guard.labels import _LabelCheck
 from medfl.guard.params import (
-    _AXES, _VARIANTS, CROP, CROP_KEYS, GRAM, GRAM_POSITIONS, IMAGE_FRACTION, LABEL_MIN_BITS, LOADER_EPOCHS,
-    MIN_VALUE_PROBES, PLANE_MIN_CORR, PLANE_MIN_SIDE, PLANE_PIXELS, VALUE_PROBES,
+    _AXES, CROP, CROP_KEYS, GRAM, GRAM_POSITIONS, IMAGE_FRACTION, LABEL_MIN_BITS, LOADER_EPOCHS, MIN_VALUE_PROBES,
+    PLANE_MIN_CORR, PLANE_MIN_SIDE, PLANE_PIXELS, VALUE_PROBES,
 )
-from medfl.guard.probes import (
-    _MULT, _POSITIONS, _chunk_probes, _codes, _crop_probes, _gram_keys, _gram_probes, _plane_probes, _round_mask,
-    _spatial, _standardised, _value_probes, _values_of, _views, _zero_code, plane_positions,
-)
-from medfl.guard.reference import (
-    _CHUNK_SAMPLES, SplitReference, _fingerprint, _item_image, _item_label, _labels_of, build_split_reference,
-)
-from medfl.guard.walk import _SCAN_CHUNK, _Floats, _Leaves, _number, _number_block, _numeric, _walk
+from medfl.guard.reference import SplitReference, build_split_reference
+from medfl.guard.walk import _Floats, _Leaves, _walk
 
 __all__ = ["ContentGuard", "SplitReference", "LABEL_MIN_BITS", "VALUE_PROBES", "GRAM", "GRAM_POSITIONS",
            "IMAGE_FRACTION", "PLANE_PIXELS", "PLANE_MIN_CORR", "PLANE_MIN_SIDE", "CROP", "CROP_KEYS",

@@ -25,9 +25,6 @@ Every check keeps its host decisions (thresholds, surprise, error messages), so 
 gets the same verdict and the same error on either path; the exact lookups replace the host's
 prefilter tables, which only ever dropped values that cannot match. :data:`SCAN` chooses the
 path; tests set it to ``"device"`` to run this code on the CPU device.
-
-Names with a leading underscore are the package's own: the modules of :mod:`medfl.guard`
-import them, code outside it should not.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ from medfl.guard.params import CROP, GRAM
 from medfl.guard.probes import _MULT
 from medfl.guard.walk import _Floats, _Leaves
 
-__all__ = ["SCAN", "DeviceReads", "_scan_device", "_DeviceFloats", "_rolling_keys_torch", "_device_tables", "_DeviceTables",
-           "_Probes", "_lookup", "_gram_key_hits", "_segmented", "_item_hits", "_DEVICE_CHUNK"]
+__all__ = ["SCAN", "DeviceReads"]
 
 #: Where a message is scanned: ``"auto"`` (with torch on the device of its tensors when any is
 #: on a GPU, else with NumPy on the host), ``"device"`` (always with torch, on the CPU device

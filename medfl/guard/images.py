@@ -6,10 +6,6 @@ tensor, a run of pixels in a flattened one, through the prefilter tables of
 :func:`_prefiltered` and :func:`_rolling_keys`), crop probes (``_check_crops``) and plane
 signatures (``_check_planes``: a message's tensors read as planes, :func:`_plane_readings`,
 and correlated with the signatures).
-
-Names with a leading underscore are the package's own: the modules of :mod:`medfl.guard`
-import them, code outside it should not (``medfl.guard`` re-exports them as it held them
-before it was a package).
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from medfl.guard.params import _AXES, CROP, GRAM, PLANE_MIN_CORR
 from medfl.guard.probes import _MULT, _gram_keys, _standardised, plane_positions
 from medfl.guard.walk import _SCAN_CHUNK, _Floats, _Leaves
 
-__all__ = ["_plane_readings", "_to_host", "_prefiltered", "_rolling_keys", "_CHUNK", "_ImageCheck"]
+__all__: list[str] = []
 
 #: keys computed per step of a gram scan (:meth:`_ImageCheck._gram_hits`)
 _CHUNK = 1 << 20

@@ -6,10 +6,6 @@ one :class:`_Index`: global sample numbers, the probes with the hits each sample
 message's values with one lookup before the exact comparison. Split references are cached
 per process by fingerprint (:func:`_cached_reference`), merged indices by the client's
 splits, in bytes (:data:`_MERGED`); :func:`clear_reference_cache` forgets both.
-
-Names with a leading underscore are the package's own: the modules of :mod:`medfl.guard`
-import them, code outside it should not (``medfl.guard`` re-exports them as it held them
-before it was a package).
 """
 
 from __future__ import annotations
@@ -26,10 +22,7 @@ from torch.utils.data import Dataset
 from medfl.guard.params import _AXES, _VARIANTS, IMAGE_FRACTION, MIN_VALUE_PROBES
 from medfl.guard.reference import SplitReference, _fingerprint, build_split_reference
 
-__all__ = ["clear_reference_cache", "_TABLE_BITS", "_TABLE_MIN_BITS", "_TABLE_SLOTS_PER_PROBE", "_CACHE",
-           "_CACHE_MAX", "_MERGED", "_MERGED_BYTES", "_log", "_LOCK", "_lru_get", "_lru_put", "_cached_reference",
-           "_Index", "_need", "_table_bits", "_table", "_Bitset", "_value_slot", "_key_slot", "_magnitude_range",
-           "_merge"]
+__all__ = ["clear_reference_cache"]
 
 _TABLE_BITS = 20                   # prefilter tables: at most 2**20 booleans (1 MiB) ...
 _TABLE_MIN_BITS = 12               # ... at least 2**12, and 16 slots per probe in between

@@ -7,10 +7,6 @@ loader's orders) is searched in them (:func:`_search`); a match counts when its 
 (:func:`_surprise`) reaches :data:`~medfl.guard.params.LABEL_MIN_BITS` plus the
 multiple-testing correction. :class:`_LabelCheck` is that check as
 :class:`~medfl.guard.ContentGuard` runs it.
-
-Names with a leading underscore are the package's own: the modules of :mod:`medfl.guard`
-import them, code outside it should not (``medfl.guard`` re-exports them as it held them
-before it was a package).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from medfl.guard.index import _Index
 from medfl.guard.params import LABEL_MIN_BITS
 from medfl.guard.walk import _Floats, _Leaves
 
-__all__ = ["_runs", "_surprise", "_search", "_class_block", "_block_shapes", "_label_candidates", "_may_sum_to",
-           "_may_hold_runs", "_nonnegative", "_LabelCheck"]
+__all__: list[str] = []
 
 
 def _runs(mask: np.ndarray, min_len: int) -> list[tuple[int, int]]:

@@ -3,17 +3,12 @@ which strength a label vector or an image found in a message counts (what each o
 the package's docstring, :mod:`medfl.guard`).
 
 Every module of :mod:`medfl.guard` reads them from here; ``medfl.guard`` re-exports them.
-
-Names with a leading underscore are the package's own: the modules of :mod:`medfl.guard`
-import them, code outside it should not (``medfl.guard`` re-exports them as it held them
-before it was a package).
 """
 
 from __future__ import annotations
 
 __all__ = ["LABEL_MIN_BITS", "VALUE_PROBES", "MIN_VALUE_PROBES", "GRAM", "GRAM_POSITIONS", "IMAGE_FRACTION",
-           "LOADER_EPOCHS", "PLANE_PIXELS", "PLANE_MIN_CORR", "PLANE_MIN_SIDE", "CROP", "CROP_KEYS",
-           "_VARIANTS", "_AXES"]
+           "LOADER_EPOCHS", "PLANE_PIXELS", "PLANE_MIN_CORR", "PLANE_MIN_SIDE", "CROP", "CROP_KEYS"]
 
 #: A label vector found in a message counts when a chance match anywhere in the message
 #: would have probability below ``2 ** -LABEL_MIN_BITS`` (see :mod:`medfl.guard`).

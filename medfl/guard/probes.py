@@ -16,10 +16,6 @@ sample), from the sample's float32 pixels:
 
 :mod:`medfl.guard.reference` gathers a split's probes; the image checks
 (:mod:`medfl.guard.images`) hash and standardise a message's values with the same functions.
-
-Names with a leading underscore are the package's own: the modules of :mod:`medfl.guard`
-import them, code outside it should not (``medfl.guard`` re-exports them as it held them
-before it was a package).
 """
 
 from __future__ import annotations
@@ -32,9 +28,7 @@ from medfl.guard.params import (
     _VARIANTS, CROP, CROP_KEYS, GRAM, GRAM_POSITIONS, MIN_VALUE_PROBES, PLANE_MIN_SIDE, PLANE_PIXELS, VALUE_PROBES,
 )
 
-__all__ = ["plane_positions", "_MULT", "_round_mask", "_codes", "_zero_code", "_gram_keys", "_values_of",
-           "_value_probes", "_gram_probes", "_chunk_probes", "_spatial", "_views", "_POSITIONS", "_standardised",
-           "_plane_probes", "_crop_probes"]
+__all__ = ["plane_positions"]
 
 _MULT = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
                   0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0x94D049BB133111EB, 0xBF58476D1CE4E5B9],

@@ -4,10 +4,6 @@
 (:mod:`medfl.guard.probes`) chunk by chunk and keeps them, with the split's label vector, in
 a :class:`SplitReference`; :func:`_fingerprint` says which samples a dataset holds (the key
 under which :mod:`medfl.guard.index` caches references).
-
-Names with a leading underscore are the package's own: the modules of :mod:`medfl.guard`
-import them, code outside it should not (``medfl.guard`` re-exports them as it held them
-before it was a package).
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from torch.utils.data import Dataset
 from medfl.guard.params import _VARIANTS, CROP, GRAM, MIN_VALUE_PROBES, PLANE_PIXELS, VALUE_PROBES
 from medfl.guard.probes import _chunk_probes, _crop_probes, _gram_keys, _plane_probes
 
-__all__ = ["SplitReference", "build_split_reference", "_item_image", "_item_label", "_labels_of", "_fingerprint",
-           "_CHUNK_SAMPLES"]
+__all__ = ["SplitReference", "build_split_reference"]
 
 
 @dataclass

@@ -6,10 +6,6 @@ stacks of small tensors of one shape, rectangular lists of numbers, and the run 
 scalars. :class:`_Floats` gathers the real floating-point tensors' values as float32 once per
 check, for both the label check (:mod:`medfl.guard.labels`) and the image checks
 (:mod:`medfl.guard.images`).
-
-Names with a leading underscore are the package's own: the modules of :mod:`medfl.guard`
-import them, code outside it should not (``medfl.guard`` re-exports them as it held them
-before it was a package).
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["_Leaves", "_number", "_walk", "_number_block", "_numeric", "_as_numeric", "_Floats", "_SCAN_CHUNK"]
+__all__: list[str] = []
 
 #: values per step of the one-pass scans: their temporaries stay in the CPU's cache (about
 #: twice as fast on a 2-core VM as whole-tensor passes, which stream every temporary through memory)

@@ -3,56 +3,15 @@ PFedCDP's two-block CNNs) and a weighted ensemble of registered models."""
 
 from __future__ import annotations
 
+from medfl.models import cnn, outputs, resnet
 from medfl.models.cnn import (
-    PFEDCDP_B_DROPOUT,
-    InputWeighted,
-    TwoBlockCNN,
-    WeightedEnsemble,
-    pfedcdp_a,
-    pfedcdp_b,
-    pfedcdp_c,
-    pfedcdp_student,
-    input_weighted,
-    two_block_cnn,
-    weighted_ensemble,
+    PFEDCDP_B_DROPOUT, InputWeighted, TwoBlockCNN, WeightedEnsemble, input_weighted, pfedcdp_a, pfedcdp_b, pfedcdp_c,
+    pfedcdp_student, two_block_cnn, weighted_ensemble,
 )
 from medfl.models.outputs import ProbabilityModel, as_probabilities, returns_probabilities
 from medfl.models.resnet import (
-    RESNET_DEPTHS,
-    FeatureModel,
-    FeatureResNet,
-    SmallCNN,
-    resnet10,
-    resnet18,
-    resnet34,
-    resnet50,
-    small_cnn,
+    RESNET_DEPTHS, FeatureModel, FeatureResNet, SmallCNN, resnet10, resnet18, resnet34, resnet50, small_cnn,
     split_state_dict,
 )
 
-__all__ = [
-    "PFEDCDP_B_DROPOUT",
-    "RESNET_DEPTHS",
-    "FeatureModel",
-    "FeatureResNet",
-    "InputWeighted",
-    "ProbabilityModel",
-    "SmallCNN",
-    "TwoBlockCNN",
-    "WeightedEnsemble",
-    "as_probabilities",
-    "input_weighted",
-    "pfedcdp_a",
-    "pfedcdp_b",
-    "pfedcdp_c",
-    "pfedcdp_student",
-    "returns_probabilities",
-    "resnet10",
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "small_cnn",
-    "split_state_dict",
-    "two_block_cnn",
-    "weighted_ensemble",
-]
+__all__ = sorted({*cnn.__all__, *outputs.__all__, *resnet.__all__})

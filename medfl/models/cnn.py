@@ -36,22 +36,11 @@ from torch import Tensor, nn
 
 from medfl.models.registry import build_model
 from medfl.models.resnet import (
-    _ADAPTIVE_AVG_POOL, _CONV, _MAX_POOL, _SPATIAL_DIMS, _check_choice, _check_int, _init_weights, _KeysMixin,
+    _ADAPTIVE_AVG_POOL, _CONV, _MAX_POOL, _check_int, _check_io, _init_weights, _KeysMixin, _TwoBlocks,
 )
 
-__all__ = [
-    "PFEDCDP_B_DROPOUT",
-    "TwoBlockCNN",
-    "WeightedEnsemble",
-    "InputWeighted",
-    "input_weighted",
-    "two_block_cnn",
-    "pfedcdp_a",
-    "pfedcdp_b",
-    "pfedcdp_c",
-    "pfedcdp_student",
-    "weighted_ensemble",
-]
+__all__ = ["PFEDCDP_B_DROPOUT", "TwoBlockCNN", "WeightedEnsemble", "InputWeighted", "input_weighted", "two_block_cnn",
+           "pfedcdp_a", "pfedcdp_b", "pfedcdp_c", "pfedcdp_student", "weighted_ensemble"]
 
 #: Dropout of model B, which the paper describes only as "includes dropout regularization".
 PFEDCDP_B_DROPOUT = 0.5
@@ -75,7 +64,7 @@ def _check_dropout(dropout: Any) -> float:
     return float(dropout)
 
 
-class TwoBlockCNN(_KeysMixin, nn.Module):
+class TwoBlockCNN(_TwoBlocks):
     """Two conv blocks, a dense layer and a linear head (PFedCDP's client and student CNNs).
 
     Module tree (state-dict keys never depend on the widths, the dropout or ``pool``):
@@ -130,16 +119,12 @@ class TwoBlockCNN(_KeysMixin, nn.Module):
         pool: int = 4,
     ) -> None:
         super().__init__()
-        _check_choice("spatial_dims", spatial_dims, _SPATIAL_DIMS)
-        _check_int("in_channels", in_channels)
-        _check_int("num_classes", num_classes)
+        _check_io(spatial_dims, in_channels, num_classes)
         f1, f2 = _check_filters(filters)
         _check_int("dense", dense)
         p = _check_dropout(dropout)
         _check_int("pool", pool)
-        self.spatial_dims = spatial_dims
-        self.in_channels = in_channels
-        self.num_classes = num_classes
+        self.spatial_dims, self.in_channels, self.num_classes = spatial_dims, in_channels, num_classes
         self.filters = (f1, f2)
         self.dense = dense
         self.dropout = p
@@ -168,30 +153,8 @@ class TwoBlockCNN(_KeysMixin, nn.Module):
         _init_weights(self)
 
     def _embed_from(self, f2: Tensor) -> Tensor:
+        """The dense layer's output after ReLU and dropout (:meth:`embed`), shape ``(B, embed_dim)``."""
         return self.drop(self.act(self.fc(torch.flatten(self.avgpool(f2), 1))))
-
-    def forward_features(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """Logits and the two block outputs.
-
-        Args:
-            x: Input of shape ``(B, in_channels, *spatial)``; each side at least 4.
-
-        Returns:
-            ``(logits, [f1, f2])``: logits ``(B, num_classes)``, ``f1`` of shape
-            ``(B, filters[0], *spatial/2)`` and ``f2`` of shape ``(B, filters[1], *spatial/4)``
-            (sides floored).
-        """
-        f1 = self.layer1(x)
-        f2 = self.layer2(f1)
-        return self.head(self._embed_from(f2)), [f1, f2]
-
-    def embed(self, x: Tensor) -> Tensor:
-        """The dense layer's output after ReLU and dropout, shape ``(B, embed_dim)``."""
-        return self._embed_from(self.layer2(self.layer1(x)))
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits of shape ``(B, num_classes)`` for input ``(B, in_channels, *spatial)``."""
-        return self.head(self.embed(x))
 
     def extra_repr(self) -> str:
         return (
@@ -332,9 +295,6 @@ def pfedcdp_student(
     return TwoBlockCNN(spatial_dims, in_channels, num_classes, (16, 32), 64, 0.5, pool)
 
 
-_FILLED = ("spatial_dims", "in_channels", "num_classes")
-
-
 def weighted_ensemble(
     *,
     members: list[dict[str, Any]],
@@ -365,25 +325,18 @@ def weighted_ensemble(
             ensemble's. Errors from :func:`~medfl.models.registry.build_model` propagate
             (unknown model name, unknown argument).
     """
-    _check_choice("spatial_dims", spatial_dims, _SPATIAL_DIMS)
-    _check_int("in_channels", in_channels)
-    _check_int("num_classes", num_classes)
+    _check_io(spatial_dims, in_channels, num_classes)
     if isinstance(members, (str, bytes, dict)) or not isinstance(members, Sequence) or not members:
         raise ValueError(f"members must be a non-empty list of model specs, got {members!r}")
-    filled: dict[str, int] = {
-        "spatial_dims": spatial_dims, "in_channels": in_channels, "num_classes": num_classes
-    }
+    filled = {"spatial_dims": spatial_dims, "in_channels": in_channels, "num_classes": num_classes}
     specs: list[dict[str, Any]] = []
     for i, spec in enumerate(members):
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise ValueError(f"members[{i}] must be a model spec with a 'name', got {spec!r}")
         spec = dict(spec)
-        for key in _FILLED:
-            if spec.setdefault(key, filled[key]) != filled[key]:
-                raise ValueError(
-                    f"members[{i}].{key} is {spec[key]!r} but the ensemble's {key} is "
-                    f"{filled[key]!r}"
-                )
+        for key, want in filled.items():
+            if spec.setdefault(key, want) != want:
+                raise ValueError(f"members[{i}].{key} is {spec[key]!r} but the ensemble's {key} is {want!r}")
         specs.append(spec)
     if weights is None:
         norm = [1.0 / len(specs)] * len(specs)

@@ -37,18 +37,8 @@ from torch import Tensor, nn
 # plugins, the ``medfl`` command and every Flower process would pay it for jobs that build
 # no ResNet.
 
-__all__ = [
-    "FeatureModel",
-    "FeatureResNet",
-    "SmallCNN",
-    "RESNET_DEPTHS",
-    "resnet10",
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "small_cnn",
-    "split_state_dict",
-]
+__all__ = ["FeatureModel", "FeatureResNet", "SmallCNN", "RESNET_DEPTHS", "resnet10", "resnet18", "resnet34", "resnet50",
+           "small_cnn", "split_state_dict"]
 
 #: Supported ResNet depths -> (MONAI block name, blocks per stage): ``"basic"`` is MONAI's
 #: ``ResNetBlock``, ``"bottleneck"`` its ``ResNetBottleneck`` (expansion 4).
@@ -124,6 +114,13 @@ def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
         valid = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be one of {valid}, got {value!r}")
     return value
+
+
+def _check_io(spatial_dims: Any, in_channels: Any, num_classes: Any) -> None:
+    """Check the arguments every model here takes (the message names the argument)."""
+    _check_choice("spatial_dims", spatial_dims, _SPATIAL_DIMS)
+    _check_int("in_channels", in_channels)
+    _check_int("num_classes", num_classes)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -222,9 +219,7 @@ class FeatureResNet(_KeysMixin, nn.Module):
     ) -> None:
         super().__init__()
         _check_choice("depth", depth, tuple(RESNET_DEPTHS))
-        _check_choice("spatial_dims", spatial_dims, _SPATIAL_DIMS)
-        _check_int("in_channels", in_channels)
-        _check_int("num_classes", num_classes)
+        _check_io(spatial_dims, in_channels, num_classes)
         _check_int("width", width)
         _check_int("conv1_kernel", conv1_kernel)
         _check_int("conv1_stride", conv1_stride)
@@ -252,31 +247,20 @@ class FeatureResNet(_KeysMixin, nn.Module):
         )
 
         self.depth = depth
-        self.spatial_dims = spatial_dims
-        self.in_channels = in_channels
-        self.num_classes = num_classes
+        self.spatial_dims, self.in_channels, self.num_classes = spatial_dims, in_channels, num_classes
         self.width = width
         self.norm = norm
         self.no_max_pool = no_max_pool
 
         self.conv1 = net.conv1
-        self.bn1 = (
-            net.bn1
-            if norm == "batch"
-            else _NORM[norm][spatial_dims](width)
-        )
+        self.bn1 = net.bn1 if norm == "batch" else _NORM[norm][spatial_dims](width)
         self.act = net.act
         self.maxpool = net.maxpool
         if norm == "batch":
-            self.layer1, self.layer2, self.layer3, self.layer4 = (
-                net.layer1,
-                net.layer2,
-                net.layer3,
-                net.layer4,
-            )
+            stages = [net.layer1, net.layer2, net.layer3, net.layer4]
         else:
             stages = self._build_stages(block, layers, inplanes, spatial_dims, norm)
-            self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = net.avgpool
 
         self.feature_channels: list[int] = [c * block.expansion for c in inplanes]
@@ -371,7 +355,32 @@ class FeatureResNet(_KeysMixin, nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-class SmallCNN(_KeysMixin, nn.Module):
+class _TwoBlocks(_KeysMixin, nn.Module):
+    """The forward passes of the two-block CNNs (:class:`SmallCNN`, and
+    :class:`~medfl.models.cnn.TwoBlockCNN`): ``layer1``, ``layer2``, then :meth:`_embed_from`
+    (the pooled, flattened second-block output) and ``head``."""
+
+    def _embed_from(self, f2: Tensor) -> Tensor:
+        return torch.flatten(self.avgpool(f2), 1)
+
+    def forward_features(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """Logits ``(B, num_classes)`` and the two block outputs ``[f1, f2]``: each block halves
+        every spatial side (floored), so ``f1`` is ``(B, C_1, *spatial/2)`` and ``f2``
+        ``(B, C_2, *spatial/4)``."""
+        f1 = self.layer1(x)
+        f2 = self.layer2(f1)
+        return self.head(self._embed_from(f2)), [f1, f2]
+
+    def embed(self, x: Tensor) -> Tensor:
+        """The features fed to the head, shape ``(B, embed_dim)``."""
+        return self._embed_from(self.layer2(self.layer1(x)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits of shape ``(B, num_classes)`` for input ``(B, in_channels, *spatial)``."""
+        return self.head(self.embed(x))
+
+
+class SmallCNN(_TwoBlocks):
     """A cheap two-block CNN following the :class:`FeatureModel` protocol.
 
     Module tree: ``layer1`` = conv3x3(in, w) -> norm -> ReLU -> maxpool(2),
@@ -404,14 +413,10 @@ class SmallCNN(_KeysMixin, nn.Module):
         norm: str = "batch",
     ) -> None:
         super().__init__()
-        _check_choice("spatial_dims", spatial_dims, _SPATIAL_DIMS)
-        _check_int("in_channels", in_channels)
-        _check_int("num_classes", num_classes)
+        _check_io(spatial_dims, in_channels, num_classes)
         _check_int("width", width)
         _check_choice("norm", norm, _NORMS)
-        self.spatial_dims = spatial_dims
-        self.in_channels = in_channels
-        self.num_classes = num_classes
+        self.spatial_dims, self.in_channels, self.num_classes = spatial_dims, in_channels, num_classes
         self.width = width
         self.norm = norm
 
@@ -435,20 +440,6 @@ class SmallCNN(_KeysMixin, nn.Module):
         self.embed_dim: int = 2 * width
         self.head = nn.Linear(self.embed_dim, num_classes)
         _init_weights(self)
-
-    def forward_features(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """Logits ``(B, num_classes)`` and block outputs ``(B, w, S/2)``, ``(B, 2w, S/4)``."""
-        f1 = self.layer1(x)
-        f2 = self.layer2(f1)
-        return self.head(torch.flatten(self.avgpool(f2), 1)), [f1, f2]
-
-    def embed(self, x: Tensor) -> Tensor:
-        """Globally average-pooled second-block features, shape ``(B, 2 * width)``."""
-        return torch.flatten(self.avgpool(self.layer2(self.layer1(x))), 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits of shape ``(B, num_classes)`` for input ``(B, in_channels, *spatial)``."""
-        return self.head(self.embed(x))
 
 
 # --------------------------------------------------------------------------------------------

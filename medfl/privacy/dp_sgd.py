@@ -34,14 +34,14 @@ import logging
 import math
 import numbers
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from medfl.training import StepMeans, log_epoch
+from medfl.training import LossFn, Regularizer, StepMeans, _ce, log_epoch
 from medfl.training import logger as training_logger
 from medfl.privacy.accounting import PrivacyConfigError
 from medfl.privacy.noise import gaussian
@@ -58,10 +58,6 @@ except ImportError as exc:  # pragma: no cover - opacus is installed with medfl'
     raise ImportError("medfl.privacy.dp_sgd needs Opacus: pip install 'opacus>=1.5'") from exc
 
 __all__ = ["make_private_model", "planned_steps", "train_epochs_dp", "dp_problems", "FiniteNoiseDPOptimizer"]
-
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-Regularizer = Callable[[nn.Module], torch.Tensor]
-
 
 class FiniteNoiseDPOptimizer(DPOptimizer):
     """Opacus's ``DPOptimizer`` with medfl's Gaussian noise: the same ``N(0, (noise_multiplier
@@ -283,10 +279,6 @@ def planned_steps(num_examples: int, batch_size: int, epochs: int) -> tuple[int,
 def _collate_or_none(batch: list[Any]) -> Any:
     """``default_collate``, except that an empty Poisson draw gives ``None``."""
     return default_collate(batch) if batch else None
-
-
-def _ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(x), y)
 
 
 class _LossOf(nn.Module):
