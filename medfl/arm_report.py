@@ -37,9 +37,9 @@ import pandas as pd
 
 from medfl.plotting import pyplot, round_axis, save_plot
 
-__all__ = ["SELECTIONS", "IDENTICAL_TOL", "round_curves", "reporting_clients", "scored_from", "arm_scores",
-           "arm_table", "identical_arms", "ceiling_note", "separation_notes", "final_separation",
-           "write_arm_report"]
+__all__ = ["SELECTIONS", "IDENTICAL_TOL", "round_curves", "reporting_clients", "load_metrics", "read_summary",
+           "scored_from", "arm_scores", "mean_std", "arm_table", "identical_arms", "ceiling_note", "separation_notes",
+           "final_separation", "write_arm_report"]
 
 #: How an arm's rounds are chosen: its best validation round, or the mean of its last rounds.
 SELECTIONS = ("best_val", "last_mean")
@@ -77,19 +77,24 @@ def reporting_clients(metrics: pd.DataFrame) -> pd.DataFrame:
     return metrics.groupby(["split", "round"], sort=True)[cols].count().reset_index()[["round", "split", *cols]]
 
 
-def _read_metrics(run_dir: Path) -> pd.DataFrame:
-    path = run_dir / "metrics.csv"
+def load_metrics(run_dir: str | Path) -> pd.DataFrame:
+    """Read a run's ``metrics.csv``.
+
+    Raises:
+        FileNotFoundError: the directory has no metrics yet.
+    """
+    path = Path(run_dir) / "metrics.csv"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.csv; is {run_dir} a medfl run directory with an evaluated round?")
     return pd.read_csv(path, dtype={"client_id": str, "client_name": str}, keep_default_na=False,
                        na_values=["", "nan", "NaN"])
 
 
-def _summary(run_dir: Path) -> dict[str, Any]:
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
     """A finished run's ``summary.json`` (empty while the run is unfinished or unreadable)."""
-    path = run_dir / "summary.json"
+    path = Path(run_dir) / "summary.json"
     try:
-        out = json.loads(path.read_text()) if path.is_file() else {}
+        out = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
     return out if isinstance(out, dict) else {}
@@ -112,7 +117,7 @@ def scored_from(run_dir: str | Path) -> tuple[int | None, str]:
     it; an empty value is "not yet"), or ``"default"`` (round 1: the method does not declare
     it, or the run predates it)."""
     run_dir = Path(run_dir)
-    block = _summary(run_dir).get("selection")
+    block = read_summary(run_dir).get("selection")
     if isinstance(block, dict) and "scored_from" in block:
         value = block["scored_from"]
         return (None if value is None else int(value)), "summary.json"
@@ -172,7 +177,7 @@ def arm_scores(run_dir: str | Path, *, select: str = "best_val", metric: str = "
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise ValueError(f"last must be a positive integer, got {last!r}")
     run_dir = Path(run_dir)
-    frame = _read_metrics(run_dir)
+    frame = load_metrics(run_dir)
     curves, counts = round_curves(frame), reporting_clients(frame)
     metrics = [c for c in curves.columns if c not in ("round", "split", "clients")]
     rounds = sorted(curves["round"].unique().tolist())
@@ -189,7 +194,7 @@ def arm_scores(run_dir: str | Path, *, select: str = "best_val", metric: str = "
                   for sp, g in part.groupby("split", sort=False)}
         return {"select": select, "rounds": used, "selected_by": f"last {len(used)} rounds", "value": None,
                 "scores": scores, "clients": support(used), "scored_from": first, "overall_best": None, "flag": ""}
-    best, overall = _engine_best_round(_summary(run_dir))
+    best, overall = _engine_best_round(read_summary(run_dir))
     val = curves[curves["split"] == selection_split]
     by, eligible = "early_stopping", True
     if best is None:
@@ -212,9 +217,12 @@ def arm_scores(run_dir: str | Path, *, select: str = "best_val", metric: str = "
             "scored_from": first, "overall_best": overall if overall not in (None, best) else None, "flag": flag}
 
 
-def _stats(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> dict[str, Any]:
+    """Mean and population std (ddof=0) of the finite values, with the values themselves."""
     v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
-    return (float(v.mean()), float(v.std(ddof=0))) if len(v) else (float("nan"), float("nan"))
+    return {"mean": float(v.mean()) if len(v) else float("nan"),
+            "std": float(v.std(ddof=0)) if len(v) else float("nan"),
+            "folds": [None if x is None or not np.isfinite(x) else float(x) for x in values]}
 
 
 def arm_table(runs: Mapping[str, Sequence[str | Path]], *, select: str = "best_val", metric: str = "micro_f1",
@@ -243,9 +251,8 @@ def arm_table(runs: Mapping[str, Sequence[str | Path]], *, select: str = "best_v
         for split in splits:
             for m in metrics:
                 values = [s["scores"].get(split, {}).get(m, float("nan")) for s in scored]
-                mean, std = _stats(values)
-                row[f"{split}/{m}"] = mean
-                row[f"{split}/{m} std"] = std
+                stats = mean_std(values)
+                row[f"{split}/{m}"], row[f"{split}/{m} std"] = stats["mean"], stats["std"]
                 row[f"{split}/{m} values"] = ";".join("nan" if not np.isfinite(v) else f"{v:.4f}" for v in values)
                 row[f"{split}/{m} seeds"] = int(sum(np.isfinite(v) for v in values))
                 row[f"{split}/{m} clients"] = ";".join(
@@ -263,7 +270,7 @@ def arm_table(runs: Mapping[str, Sequence[str | Path]], *, select: str = "best_v
 def _curves_of(run_dir: str | Path, splits: Sequence[str], metrics: Sequence[str]) -> pd.DataFrame:
     """A run's per-round means over clients (:func:`round_curves`) on ``splits``, indexed by
     split and round, with the ``metrics`` it has."""
-    c = round_curves(_read_metrics(Path(run_dir)))
+    c = round_curves(load_metrics(run_dir))
     c = c[c["split"].isin(list(splits))]
     return c.set_index(["split", "round"])[[m for m in metrics if m in c.columns]].sort_index()
 
@@ -452,7 +459,7 @@ def write_arm_report(out_dir: str | Path, runs: Mapping[str, Sequence[str | Path
     frames = []
     for label, dirs in runs.items():
         for i, d in enumerate(dirs):
-            c = round_curves(_read_metrics(Path(d)))
+            c = round_curves(load_metrics(d))
             c.insert(0, "run", str(d))
             c.insert(0, "seed_index", i)
             c.insert(0, "arm", label)

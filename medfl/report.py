@@ -14,24 +14,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from medfl.arm_report import final_separation
+from medfl.arm_report import final_separation, load_metrics, read_summary
 from medfl.plotting import pyplot, round_axis, save_plot
 
 __all__ = ["load_metrics", "final_round", "TABLE_METRICS", "shared_model_split", "clients_text", "summary_table",
            "format_table", "forgetting_table", "write_comparison", "print_result"]
-
-
-def load_metrics(run_dir: str | Path) -> pd.DataFrame:
-    """Read a run's ``metrics.csv``.
-
-    Raises:
-        FileNotFoundError: the directory has no metrics yet.
-    """
-    path = Path(run_dir) / "metrics.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics; is {run_dir} a medfl run directory with a finished round?")
-    return pd.read_csv(path, dtype={"client_id": str, "client_name": str}, keep_default_na=False,
-                       na_values=["", "nan", "NaN"])
 
 
 def final_round(run_dir: str | Path, metrics: pd.DataFrame) -> int:
@@ -39,10 +26,8 @@ def final_round(run_dir: str | Path, metrics: pd.DataFrame) -> int:
     metrics: the round of ``summary.json``'s ``final`` block (under early stopping, the best
     round, ``fl.early_stopping``) when the run has a summary, else the last round."""
     last = int(metrics["round"].max())
-    try:
-        chosen = json.loads((Path(run_dir) / "summary.json").read_text()).get("final", {}).get("round")
-    except (OSError, ValueError, AttributeError):
-        return last
+    final = read_summary(run_dir).get("final")
+    chosen = final.get("round") if isinstance(final, dict) else None
     return int(chosen) if isinstance(chosen, int) and chosen in set(metrics["round"].astype(int)) else last
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from medfl.arm_report import read_summary
 from medfl.plotting import pyplot, round_axis, save_plot
 from medfl.report import TABLE_METRICS, clients_text, final_round, load_metrics, shared_model_split, write_comparison
 from medfl.report_repeats import write_cv_report, write_seeds_report
@@ -221,10 +222,7 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
     df = df[pd.to_numeric(df["value"], errors="coerce").notna()].astype({"value": float})
     if df.empty:
         return None
-    warned: list[int] = []
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        warned = sorted({int(w["round"]) for w in json.loads(summary.read_text()).get("warnings", [])})
+    warned = sorted({int(w["round"]) for w in read_summary(run_dir).get("warnings", [])})
     constants = constant_mechanisms(df)
     moving = [k for k in dict.fromkeys(zip(df["mechanism"].astype(str), df["name"].astype(str)))
               if k not in constants]
