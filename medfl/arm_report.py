@@ -37,7 +37,7 @@ import pandas as pd
 
 from medfl.plotting import pyplot, round_axis, save_plot
 
-__all__ = ["SELECTIONS", "IDENTICAL_TOL", "round_curves", "reporting_clients", "load_metrics", "read_summary",
+__all__ = ["SELECTIONS", "IDENTICAL_TOL", "round_curves", "reporting_clients", "load_metrics", "run_json",
            "scored_from", "arm_scores", "mean_std", "arm_table", "identical_arms", "ceiling_note", "separation_notes",
            "final_separation", "write_arm_report"]
 
@@ -90,24 +90,15 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
                        na_values=["", "nan", "NaN"])
 
 
-def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    """A finished run's ``summary.json`` (empty while the run is unfinished or unreadable)."""
-    path = Path(run_dir) / "summary.json"
+def run_json(run_dir: str | Path, name: str) -> dict[str, Any]:
+    """A run's JSON file ``name`` (``summary.json``, ``status.json``) as a dict: empty while it
+    is missing (an unfinished run's summary) or unreadable."""
+    path = Path(run_dir) / name
     try:
         out = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
     return out if isinstance(out, dict) else {}
-
-
-def _engine_best_round(summary: dict[str, Any]) -> tuple[int | None, int | None]:
-    """The best round an early-stopped run recorded in its summary and, where it differs, its
-    best round over every round (``(None, None)``: none)."""
-    block = summary.get("early_stopping")
-    if not isinstance(block, dict) or block.get("best_round") is None:
-        return None, None
-    overall = block.get("overall_best_round")
-    return int(block["best_round"]), None if overall is None else int(overall)
 
 
 def scored_from(run_dir: str | Path) -> tuple[int | None, str]:
@@ -117,7 +108,7 @@ def scored_from(run_dir: str | Path) -> tuple[int | None, str]:
     it; an empty value is "not yet"), or ``"default"`` (round 1: the method does not declare
     it, or the run predates it)."""
     run_dir = Path(run_dir)
-    block = read_summary(run_dir).get("selection")
+    block = run_json(run_dir, "summary.json").get("selection")
     if isinstance(block, dict) and "scored_from" in block:
         value = block["scored_from"]
         return (None if value is None else int(value)), "summary.json"
@@ -194,7 +185,10 @@ def arm_scores(run_dir: str | Path, *, select: str = "best_val", metric: str = "
                   for sp, g in part.groupby("split", sort=False)}
         return {"select": select, "rounds": used, "selected_by": f"last {len(used)} rounds", "value": None,
                 "scores": scores, "clients": support(used), "scored_from": first, "overall_best": None, "flag": ""}
-    best, overall = _engine_best_round(read_summary(run_dir))
+    # the best round an early-stopped run recorded and, where it differs, its best round over every round
+    early = run_json(run_dir, "summary.json").get("early_stopping")
+    early = early if isinstance(early, dict) and early.get("best_round") is not None else {}
+    best, overall = (None if early.get(k) is None else int(early[k]) for k in ("best_round", "overall_best_round"))
     val = curves[curves["split"] == selection_split]
     by, eligible = "early_stopping", True
     if best is None:
@@ -334,30 +328,26 @@ def ceiling_note(table: pd.DataFrame, splits: Sequence[str], metrics: Sequence[s
 
 def separation_notes(runs: Mapping[str, Sequence[str | Path]], table: pd.DataFrame, *, metric: str,
                      selection_split: str, splits: Sequence[str], metrics: Sequence[str],
-                     tol: float = IDENTICAL_TOL) -> dict[str, Any]:
+                     tol: float = IDENTICAL_TOL, where: str = "in every seed") -> dict[str, Any]:
     """Which arms of a table cannot be told apart, in words: ``{"arms": {arm: note},
     "lines": [note lines for under the table]}``. An arm whose curve (:func:`identical_arms` on
     ``selection_split`` and ``splits``, ``metric`` and ``metrics``) equals an earlier arm's:
     "identical to fedavg in every round (20 evaluated rounds, 2 seeds)"; every arm at the
-    metrics' ceiling (:func:`ceiling_note`): that note, for every arm."""
+    metrics' ceiling (:func:`ceiling_note`, ``where``): that note, for every arm."""
     shown = list(dict.fromkeys([selection_split, *splits]))
     names = list(dict.fromkeys([metric, *metrics]))
-    same = identical_arms(runs, splits=shown, metrics=names, tol=tol)
     arms: dict[str, str] = {}
     lines = []
-    for label, (other, n) in same.items():
-        arms[label] = _identical_text(other, n, len(runs[label]), shown, tol)
+    for label, (other, n) in identical_arms(runs, splits=shown, metrics=names, tol=tol).items():
+        seeds = len(runs[label])
+        arms[label] = (f"identical to {other} in every round ({n} evaluated rounds, {seeds} "
+                       f"seed{'s' if seeds != 1 else ''}; {', '.join(shown)}; within {tol:g})")
         lines.append(f"{label}: {arms[label]}")
-    ceiling = ceiling_note(table, splits, metrics, tol)
+    ceiling = ceiling_note(table, splits, metrics, tol, where)
     if ceiling:
         lines.append(ceiling)
         arms = {label: "; ".join(filter(None, [arms.get(label, ""), ceiling])) for label in table["arm"]}
     return {"arms": arms, "lines": lines}
-
-
-def _identical_text(other: str, rounds: int, seeds: int, splits: Sequence[str], tol: float) -> str:
-    return (f"identical to {other} in every round ({rounds} evaluated rounds, {seeds} seed{'s' if seeds != 1 else ''}; "
-            f"{', '.join(splits)}; within {tol:g})")
 
 
 def final_separation(exp_dir: str | Path, summaries: Mapping[str, Any],
@@ -384,8 +374,6 @@ def final_separation(exp_dir: str | Path, summaries: Mapping[str, Any],
                 finals.setdefault(label, []).append(block[label].get("final") or {})
     if len(runs) < 2:
         return []
-    lines = [f"{label}: {_identical_text(other, n, len(runs[label]), splits, tol)}"
-             for label, (other, n) in identical_arms(runs, splits=splits, metrics=metrics, tol=tol).items()]
     rows = []
     for label, blocks_ in finals.items():
         row: dict[str, Any] = {"arm": label}
@@ -396,8 +384,8 @@ def final_separation(exp_dir: str | Path, summaries: Mapping[str, Any],
                 row[f"{split}/{m} values"] = ";".join("nan" if v is None else f"{float(v)!r}" for v in vals)
         rows.append(row)
     where = f"in the reported round of every {'seed or fold' if nested else 'run'}"
-    ceiling = ceiling_note(pd.DataFrame(rows), splits, metrics, tol, where=where)
-    return lines + ([ceiling] if ceiling else [])
+    return separation_notes(runs, pd.DataFrame(rows), metric=metrics[0], selection_split=splits[0], splits=splits,
+                            metrics=metrics, tol=tol, where=where)["lines"]
 
 
 def _support(row: pd.Series, col: str) -> str:
@@ -460,10 +448,7 @@ def write_arm_report(out_dir: str | Path, runs: Mapping[str, Sequence[str | Path
     for label, dirs in runs.items():
         for i, d in enumerate(dirs):
             c = round_curves(load_metrics(d))
-            c.insert(0, "run", str(d))
-            c.insert(0, "seed_index", i)
-            c.insert(0, "arm", label)
-            frames.append(c)
+            frames.append(c.assign(arm=label, seed_index=i, run=str(d))[["arm", "seed_index", "run", *c.columns]])
     curves = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     curves.to_csv(out / "arms_curves.csv", index=False)
     if plots and not curves.empty and metric in curves.columns:
@@ -485,8 +470,7 @@ def write_arm_report(out_dir: str | Path, runs: Mapping[str, Sequence[str | Path
                         if int(r) in per.index:
                             ax.plot([int(r)], [per.loc[int(r), "mean"]], "o", ms=3, color=line.get_color())
             ax.set_title(split, fontsize=9)
-            round_axis(ax)
-            ax.set_ylabel(f"{metric} (mean over clients)")
+            round_axis(ax, ylabel=f"{metric} (mean over clients)")
         axes[0][0].legend(fontsize=7)
         fig.suptitle(title or "per-round curves, mean ± std over seeds", fontsize=9)
         save_plot(fig, out / "arms_curves.png")

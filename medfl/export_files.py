@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from medfl.arm_report import read_summary
+from medfl.arm_report import run_json
 from medfl.rundir import RunError
 
 __all__ = ["ATOL", "ExportError", "LOGGING_CONF", "inference_config", "inference_data", "license_text", "metadata",
@@ -283,7 +283,7 @@ def _final_metrics(run_dir: Path) -> dict[str, str]:
     metric's mean over the clients), as ``{split: "accuracy 0.85, auc 0.5, ..."}``."""
     import math
 
-    final = read_summary(run_dir).get("final") or {}
+    final = run_json(run_dir, "summary.json").get("final") or {}
     out: dict[str, str] = {}
     for split, metrics in final.items():
         if not isinstance(metrics, dict):

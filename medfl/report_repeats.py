@@ -111,13 +111,9 @@ def cv_summary(results: pd.DataFrame, labels: list[str], folds: int, metric: str
             if part.empty or metric not in part.columns:
                 continue
             per_fold = {k: part[part["fold"] == k] for k in range(folds)}
-            clients = {}
-            for cid in ids:
-                vals = []
-                for k in range(folds):
-                    row = per_fold[k][per_fold[k]["client_id"].astype(str) == cid]
-                    vals.append(float(row[metric].iloc[0]) if len(row) else float("nan"))
-                clients[cid] = {"name": names[cid], **mean_std(vals)}
+            value = {(str(c), int(k)): float(v) for c, k, v in zip(part["client_id"], part["fold"], part[metric])}
+            clients = {cid: {"name": names[cid], **mean_std([value.get((cid, k), float("nan")) for k in range(folds)])}
+                       for cid in ids}
             means = [float(np.nanmean(per_fold[k][metric].astype(float)))
                      if per_fold[k][metric].notna().any() else float("nan") for k in range(folds)]
             # what stands behind each fold's mean: the clients with a value of the clients evaluated
