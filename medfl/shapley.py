@@ -97,9 +97,7 @@ def shapley_values(n_players: int, value: Callable[[frozenset[int]], float]) -> 
 
 
 def _as_numpy(x: Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
-    if isinstance(x, Tensor):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
+    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
 def _credit(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
