@@ -37,9 +37,9 @@ import pandas as pd
 
 from medfl.plotting import pyplot, round_axis, save_plot
 
-__all__ = ["SELECTIONS", "IDENTICAL_TOL", "round_curves", "reporting_clients", "scored_from", "arm_scores",
-           "arm_table", "identical_arms", "ceiling_note", "separation_notes", "final_separation",
-           "write_arm_report"]
+__all__ = ["SELECTIONS", "IDENTICAL_TOL", "round_curves", "reporting_clients", "load_metrics", "run_json",
+           "scored_from", "arm_scores", "mean_std", "arm_table", "identical_arms", "ceiling_note", "separation_notes",
+           "final_separation", "write_arm_report"]
 
 #: How an arm's rounds are chosen: its best validation round, or the mean of its last rounds.
 SELECTIONS = ("best_val", "last_mean")
@@ -77,32 +77,28 @@ def reporting_clients(metrics: pd.DataFrame) -> pd.DataFrame:
     return metrics.groupby(["split", "round"], sort=True)[cols].count().reset_index()[["round", "split", *cols]]
 
 
-def _read_metrics(run_dir: Path) -> pd.DataFrame:
-    path = run_dir / "metrics.csv"
+def load_metrics(run_dir: str | Path) -> pd.DataFrame:
+    """Read a run's ``metrics.csv``.
+
+    Raises:
+        FileNotFoundError: the directory has no metrics yet.
+    """
+    path = Path(run_dir) / "metrics.csv"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.csv; is {run_dir} a medfl run directory with an evaluated round?")
     return pd.read_csv(path, dtype={"client_id": str, "client_name": str}, keep_default_na=False,
                        na_values=["", "nan", "NaN"])
 
 
-def _summary(run_dir: Path) -> dict[str, Any]:
-    """A finished run's ``summary.json`` (empty while the run is unfinished or unreadable)."""
-    path = run_dir / "summary.json"
+def run_json(run_dir: str | Path, name: str) -> dict[str, Any]:
+    """A run's JSON file ``name`` (``summary.json``, ``status.json``) as a dict: empty while it
+    is missing (an unfinished run's summary) or unreadable."""
+    path = Path(run_dir) / name
     try:
-        out = json.loads(path.read_text()) if path.is_file() else {}
+        out = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
     return out if isinstance(out, dict) else {}
-
-
-def _engine_best_round(summary: dict[str, Any]) -> tuple[int | None, int | None]:
-    """The best round an early-stopped run recorded in its summary and, where it differs, its
-    best round over every round (``(None, None)``: none)."""
-    block = summary.get("early_stopping")
-    if not isinstance(block, dict) or block.get("best_round") is None:
-        return None, None
-    overall = block.get("overall_best_round")
-    return int(block["best_round"]), None if overall is None else int(overall)
 
 
 def scored_from(run_dir: str | Path) -> tuple[int | None, str]:
@@ -112,7 +108,7 @@ def scored_from(run_dir: str | Path) -> tuple[int | None, str]:
     it; an empty value is "not yet"), or ``"default"`` (round 1: the method does not declare
     it, or the run predates it)."""
     run_dir = Path(run_dir)
-    block = _summary(run_dir).get("selection")
+    block = run_json(run_dir, "summary.json").get("selection")
     if isinstance(block, dict) and "scored_from" in block:
         value = block["scored_from"]
         return (None if value is None else int(value)), "summary.json"
@@ -172,7 +168,7 @@ def arm_scores(run_dir: str | Path, *, select: str = "best_val", metric: str = "
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise ValueError(f"last must be a positive integer, got {last!r}")
     run_dir = Path(run_dir)
-    frame = _read_metrics(run_dir)
+    frame = load_metrics(run_dir)
     curves, counts = round_curves(frame), reporting_clients(frame)
     metrics = [c for c in curves.columns if c not in ("round", "split", "clients")]
     rounds = sorted(curves["round"].unique().tolist())
@@ -189,7 +185,10 @@ def arm_scores(run_dir: str | Path, *, select: str = "best_val", metric: str = "
                   for sp, g in part.groupby("split", sort=False)}
         return {"select": select, "rounds": used, "selected_by": f"last {len(used)} rounds", "value": None,
                 "scores": scores, "clients": support(used), "scored_from": first, "overall_best": None, "flag": ""}
-    best, overall = _engine_best_round(_summary(run_dir))
+    # the best round an early-stopped run recorded and, where it differs, its best round over every round
+    early = run_json(run_dir, "summary.json").get("early_stopping")
+    early = early if isinstance(early, dict) and early.get("best_round") is not None else {}
+    best, overall = (None if early.get(k) is None else int(early[k]) for k in ("best_round", "overall_best_round"))
     val = curves[curves["split"] == selection_split]
     by, eligible = "early_stopping", True
     if best is None:
@@ -212,9 +211,12 @@ def arm_scores(run_dir: str | Path, *, select: str = "best_val", metric: str = "
             "scored_from": first, "overall_best": overall if overall not in (None, best) else None, "flag": flag}
 
 
-def _stats(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> dict[str, Any]:
+    """Mean and population std (ddof=0) of the finite values, with the values themselves."""
     v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
-    return (float(v.mean()), float(v.std(ddof=0))) if len(v) else (float("nan"), float("nan"))
+    return {"mean": float(v.mean()) if len(v) else float("nan"),
+            "std": float(v.std(ddof=0)) if len(v) else float("nan"),
+            "folds": [None if x is None or not np.isfinite(x) else float(x) for x in values]}
 
 
 def arm_table(runs: Mapping[str, Sequence[str | Path]], *, select: str = "best_val", metric: str = "micro_f1",
@@ -243,9 +245,8 @@ def arm_table(runs: Mapping[str, Sequence[str | Path]], *, select: str = "best_v
         for split in splits:
             for m in metrics:
                 values = [s["scores"].get(split, {}).get(m, float("nan")) for s in scored]
-                mean, std = _stats(values)
-                row[f"{split}/{m}"] = mean
-                row[f"{split}/{m} std"] = std
+                stats = mean_std(values)
+                row[f"{split}/{m}"], row[f"{split}/{m} std"] = stats["mean"], stats["std"]
                 row[f"{split}/{m} values"] = ";".join("nan" if not np.isfinite(v) else f"{v:.4f}" for v in values)
                 row[f"{split}/{m} seeds"] = int(sum(np.isfinite(v) for v in values))
                 row[f"{split}/{m} clients"] = ";".join(
@@ -263,7 +264,7 @@ def arm_table(runs: Mapping[str, Sequence[str | Path]], *, select: str = "best_v
 def _curves_of(run_dir: str | Path, splits: Sequence[str], metrics: Sequence[str]) -> pd.DataFrame:
     """A run's per-round means over clients (:func:`round_curves`) on ``splits``, indexed by
     split and round, with the ``metrics`` it has."""
-    c = round_curves(_read_metrics(Path(run_dir)))
+    c = round_curves(load_metrics(run_dir))
     c = c[c["split"].isin(list(splits))]
     return c.set_index(["split", "round"])[[m for m in metrics if m in c.columns]].sort_index()
 
@@ -327,30 +328,26 @@ def ceiling_note(table: pd.DataFrame, splits: Sequence[str], metrics: Sequence[s
 
 def separation_notes(runs: Mapping[str, Sequence[str | Path]], table: pd.DataFrame, *, metric: str,
                      selection_split: str, splits: Sequence[str], metrics: Sequence[str],
-                     tol: float = IDENTICAL_TOL) -> dict[str, Any]:
+                     tol: float = IDENTICAL_TOL, where: str = "in every seed") -> dict[str, Any]:
     """Which arms of a table cannot be told apart, in words: ``{"arms": {arm: note},
     "lines": [note lines for under the table]}``. An arm whose curve (:func:`identical_arms` on
     ``selection_split`` and ``splits``, ``metric`` and ``metrics``) equals an earlier arm's:
     "identical to fedavg in every round (20 evaluated rounds, 2 seeds)"; every arm at the
-    metrics' ceiling (:func:`ceiling_note`): that note, for every arm."""
+    metrics' ceiling (:func:`ceiling_note`, ``where``): that note, for every arm."""
     shown = list(dict.fromkeys([selection_split, *splits]))
     names = list(dict.fromkeys([metric, *metrics]))
-    same = identical_arms(runs, splits=shown, metrics=names, tol=tol)
     arms: dict[str, str] = {}
     lines = []
-    for label, (other, n) in same.items():
-        arms[label] = _identical_text(other, n, len(runs[label]), shown, tol)
+    for label, (other, n) in identical_arms(runs, splits=shown, metrics=names, tol=tol).items():
+        seeds = len(runs[label])
+        arms[label] = (f"identical to {other} in every round ({n} evaluated rounds, {seeds} "
+                       f"seed{'s' if seeds != 1 else ''}; {', '.join(shown)}; within {tol:g})")
         lines.append(f"{label}: {arms[label]}")
-    ceiling = ceiling_note(table, splits, metrics, tol)
+    ceiling = ceiling_note(table, splits, metrics, tol, where)
     if ceiling:
         lines.append(ceiling)
         arms = {label: "; ".join(filter(None, [arms.get(label, ""), ceiling])) for label in table["arm"]}
     return {"arms": arms, "lines": lines}
-
-
-def _identical_text(other: str, rounds: int, seeds: int, splits: Sequence[str], tol: float) -> str:
-    return (f"identical to {other} in every round ({rounds} evaluated rounds, {seeds} seed{'s' if seeds != 1 else ''}; "
-            f"{', '.join(splits)}; within {tol:g})")
 
 
 def final_separation(exp_dir: str | Path, summaries: Mapping[str, Any],
@@ -377,8 +374,6 @@ def final_separation(exp_dir: str | Path, summaries: Mapping[str, Any],
                 finals.setdefault(label, []).append(block[label].get("final") or {})
     if len(runs) < 2:
         return []
-    lines = [f"{label}: {_identical_text(other, n, len(runs[label]), splits, tol)}"
-             for label, (other, n) in identical_arms(runs, splits=splits, metrics=metrics, tol=tol).items()]
     rows = []
     for label, blocks_ in finals.items():
         row: dict[str, Any] = {"arm": label}
@@ -389,8 +384,8 @@ def final_separation(exp_dir: str | Path, summaries: Mapping[str, Any],
                 row[f"{split}/{m} values"] = ";".join("nan" if v is None else f"{float(v)!r}" for v in vals)
         rows.append(row)
     where = f"in the reported round of every {'seed or fold' if nested else 'run'}"
-    ceiling = ceiling_note(pd.DataFrame(rows), splits, metrics, tol, where=where)
-    return lines + ([ceiling] if ceiling else [])
+    return separation_notes(runs, pd.DataFrame(rows), metric=metrics[0], selection_split=splits[0], splits=splits,
+                            metrics=metrics, tol=tol, where=where)["lines"]
 
 
 def _support(row: pd.Series, col: str) -> str:
@@ -452,11 +447,8 @@ def write_arm_report(out_dir: str | Path, runs: Mapping[str, Sequence[str | Path
     frames = []
     for label, dirs in runs.items():
         for i, d in enumerate(dirs):
-            c = round_curves(_read_metrics(Path(d)))
-            c.insert(0, "run", str(d))
-            c.insert(0, "seed_index", i)
-            c.insert(0, "arm", label)
-            frames.append(c)
+            c = round_curves(load_metrics(d))
+            frames.append(c.assign(arm=label, seed_index=i, run=str(d))[["arm", "seed_index", "run", *c.columns]])
     curves = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     curves.to_csv(out / "arms_curves.csv", index=False)
     if plots and not curves.empty and metric in curves.columns:
@@ -478,8 +470,7 @@ def write_arm_report(out_dir: str | Path, runs: Mapping[str, Sequence[str | Path
                         if int(r) in per.index:
                             ax.plot([int(r)], [per.loc[int(r), "mean"]], "o", ms=3, color=line.get_color())
             ax.set_title(split, fontsize=9)
-            round_axis(ax)
-            ax.set_ylabel(f"{metric} (mean over clients)")
+            round_axis(ax, ylabel=f"{metric} (mean over clients)")
         axes[0][0].legend(fontsize=7)
         fig.suptitle(title or "per-round curves, mean ± std over seeds", fontsize=9)
         save_plot(fig, out / "arms_curves.png")

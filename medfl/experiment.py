@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any, Callable
 
+from medfl.arm_report import run_json
 from medfl.backend import Backend, backend_of, recorded_backend
 from medfl.config import method_label, set_threads
 from medfl.engine.checkpoints import REFUSALS
@@ -77,42 +78,43 @@ def _run_methods(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None,
     return summaries
 
 
-def _cv_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
-                   run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every fold of a cross-validated experiment in ``exp_dir/fold_<k>``, then the CV report.
+def _folds(cfg: dict[str, Any]) -> int:
+    """The number of cross-validation folds of ``cfg`` (0 or 1: none)."""
+    return int((cfg.get("cv") or {}).get("folds") or 0)
 
-    Returns ``{"dir", "summaries": {"fold_<k>": {label: summary}}, "cv": the CV summary
-    (``None`` while a fold is unfinished), "folds"}``."""
+
+def _repeats(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any], int | None, dict[str, Any]]]:
+    """The parts ``(folder, its fl config, its fold, its config.json entries)`` of a
+    cross-validated experiment (``fold_<k>``) or of one repeated over seeds (``seed_<s>``: the
+    seed draws the split, the models' initialisation and the training order alike)."""
+    if _folds(cfg) > 1:
+        return [(f"fold_{k}", cfg, k, {"fold": k}) for k in range(_folds(cfg))]
+    return [(f"seed_{int(s)}", {**cfg, "seed": int(s), "seeds": None}, None, {}) for s in cfg["seeds"]]
+
+
+def _repeated(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
+              run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every fold (``cv``) or seed (``seeds``) of ``cfg`` as its own experiment in
+    ``exp_dir/<folder>`` (:func:`_repeats`), then the report over them: the CV report
+    (:func:`medfl.report_repeats.write_cv_report`) or mean ± std over seeds
+    (:func:`medfl.report_repeats.write_seeds_report`).
+
+    Returns ``{"dir", "summaries": {"fold_<k>" | "seed_<s>": {label: summary}}}`` with, over
+    folds, ``"cv"`` (the CV summary, ``None`` while a fold is unfinished) and ``"folds"``; over
+    seeds, ``"seeds"`` (the report, ``None`` while a seed is unfinished) and ``"seed_list"``."""
     from medfl.plotting import plots_wanted
-    from medfl.report_repeats import write_cv_report
+    from medfl.report_repeats import write_cv_report, write_seeds_report
 
-    folds = int(cfg["cv"]["folds"])
-    out = _parts(cfg, exp_dir, [(f"fold_{k}", cfg, k, {"fold": k}) for k in range(folds)], resume_runs, rounds,
-                 run_factory, meta)
-    labels = [method_label(m) for m in cfg["methods"]]
-    cv = None
-    if all(s and all(s.values()) for s in out.values()):
-        cv = write_cv_report(exp_dir, labels, folds, str(cfg["cv"].get("metric", "auc")), plots=plots_wanted(cfg))
-    return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
-
-
-def _seeds_experiment(cfg: dict[str, Any], exp_dir: Path, resume_runs: bool, rounds: int | None = None,
-                      run_factory: RunFactory = Run, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every seed of ``cfg["seeds"]`` as its own experiment in ``exp_dir/seed_<s>`` (the seed
-    draws the split, the models' initialisation and the training order alike), then the
-    report of mean ± std over seeds (:func:`medfl.report_repeats.write_seeds_report`).
-
-    Returns ``{"dir", "summaries": {"seed_<s>": {label: summary}}, "seeds": the report
-    (``None`` while a seed is unfinished), "seed_list"}``."""
-    from medfl.plotting import plots_wanted
-    from medfl.report_repeats import write_seeds_report
-
+    out = _parts(cfg, exp_dir, _repeats(cfg), resume_runs, rounds, run_factory, meta)
+    done = all(s and all(s.values()) for s in out.values())
+    folds = _folds(cfg)
+    if folds > 1:
+        labels, metric = [method_label(m) for m in cfg["methods"]], str(cfg["cv"].get("metric", "auc"))
+        cv = write_cv_report(exp_dir, labels, folds, metric, plots=plots_wanted(cfg)) if done else None
+        return {"dir": str(exp_dir), "summaries": out, "cv": cv, "folds": folds}
     seeds = [int(s) for s in cfg["seeds"]]
-    out = _parts(cfg, exp_dir, [(f"seed_{s}", {**cfg, "seed": s, "seeds": None}, None, {}) for s in seeds],
-                 resume_runs, rounds, run_factory, meta)
-    report = None
-    if all(block and all(block.values()) for block in out.values()):
-        report = write_seeds_report(exp_dir, {s: out[f"seed_{s}"] for s in seeds}, plots=plots_wanted(cfg))
+    by_seed = {s: out[f"seed_{s}"] for s in seeds}
+    report = write_seeds_report(exp_dir, by_seed, plots=plots_wanted(cfg)) if done else None
     return {"dir": str(exp_dir), "summaries": out, "seeds": report, "seed_list": seeds}
 
 
@@ -182,7 +184,7 @@ def run_experiment(cfg: dict[str, Any], run_factory: RunFactory | None = None,
 def _experiment(cfg: dict[str, Any], run_factory: RunFactory, meta: dict[str, Any] | None) -> dict[str, Any]:
     """:func:`run_experiment` on ``run_factory``'s runs: the split, the experiment directory,
     then every method (per fold, per seed), tracked by ``fl.tracking``'s trackers."""
-    plain = not (int((cfg.get("cv") or {}).get("folds") or 0) > 1 or cfg.get("seeds"))
+    plain = not (_folds(cfg) > 1 or cfg.get("seeds"))
     # the split first: a dataset or partition that cannot work stops before anything is written
     data = split_data(build_source(cfg["dataset"]), cfg) if plain else None
     check_split_sizes(cfg, data)   # every fold's and seed's split too: one line, and no directory
@@ -214,10 +216,8 @@ def _discard_unstarted(exp_dir: Path, output_dir: Path | None = None) -> None:
         return
     shutil.rmtree(exp_dir, ignore_errors=True)
     if output_dir is not None:
-        try:
+        with suppress(OSError):
             output_dir.rmdir()   # only an empty folder
-        except OSError:
-            pass
 
 
 def check_split_sizes(cfg: dict[str, Any], data: FederatedData | None = None) -> None:
@@ -245,18 +245,14 @@ def check_split_sizes(cfg: dict[str, Any], data: FederatedData | None = None) ->
     label, need = max(needs.items(), key=lambda kv: kv[1], default=("", 1))
     if need <= 1:
         return
-    folds = int((cfg.get("cv") or {}).get("folds") or 0)
+    folds = _folds(cfg)
     if data is not None:
         splits: list[tuple[str, FederatedData]] = [("", data)]
-    else:
+    elif folds > 1 or cfg.get("seeds"):
         source = build_source(cfg["dataset"])
-        if folds > 1:
-            splits = [(f"fold_{k}: ", split_data(source, cfg, fold=k)) for k in range(folds)]
-        elif cfg.get("seeds"):
-            splits = [(f"seed_{int(s)}: ", split_data(source, {**cfg, "seed": int(s), "seeds": None}))
-                      for s in cfg["seeds"]]
-        else:
-            splits = [("", split_data(source, cfg))]
+        splits = [(f"{name}: ", split_data(source, part, fold=fold)) for name, part, fold, _ in _repeats(cfg)]
+    else:
+        splits = [("", split_data(build_source(cfg["dataset"]), cfg))]
     for where, split in splits:
         a = split.assignments
         a = a[a["client_id"] != ""]
@@ -273,25 +269,21 @@ def check_split_sizes(cfg: dict[str, Any], data: FederatedData | None = None) ->
 
 def _experiment_in(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, run_factory: RunFactory,
                    meta: dict[str, Any] | None) -> dict[str, Any]:
-    """:func:`_experiment` once its directory ``exp_dir`` exists (its ``log.txt`` open):
-    ``data`` is the split of a plain experiment (``None`` with folds or seeds)."""
+    """:func:`_experiment` once its directory ``exp_dir`` exists (its ``log.txt`` open): every
+    method (per fold, per seed), tracked; ``data`` is the split of a plain experiment (``None``
+    with folds or seeds)."""
     write_json(exp_dir / "config.json", {"fl": cfg, **(meta or {})})
-    return _tracked(exp_dir, cfg, cfg.get("tracking") or [], run_factory, True,
-                    lambda factory: _methods_of(cfg, exp_dir, data, factory, meta))
 
+    def methods(factory: RunFactory) -> dict[str, Any]:
+        if _folds(cfg) > 1 or cfg.get("seeds"):
+            return _repeated(cfg, exp_dir, resume_runs=False, run_factory=factory, meta=meta)
+        assert data is not None
+        data.save(exp_dir / "partition.csv")
+        warn_straddling(data.report)
+        return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False,
+                                                               run_factory=factory)}
 
-def _methods_of(cfg: dict[str, Any], exp_dir: Path, data: FederatedData | None, run_factory: RunFactory,
-                meta: dict[str, Any] | None) -> dict[str, Any]:
-    """The methods of a new experiment in ``exp_dir`` (per fold, per seed)."""
-    if int((cfg.get("cv") or {}).get("folds") or 0) > 1:
-        return _cv_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
-    if cfg.get("seeds"):
-        return _seeds_experiment(cfg, exp_dir, resume_runs=False, run_factory=run_factory, meta=meta)
-    assert data is not None
-    data.save(exp_dir / "partition.csv")
-    warn_straddling(data.report)
-    return {"dir": str(exp_dir), "summaries": _run_methods(cfg, exp_dir, data, resume_runs=False,
-                                                           run_factory=run_factory)}
+    return _tracked(exp_dir, cfg, cfg.get("tracking") or [], run_factory, True, methods)
 
 
 def resume(path: str | Path, rounds: int | None = None, run_factory: RunFactory | None = None,
@@ -417,12 +409,9 @@ def _resume(path: Path, saved: dict[str, Any], rounds: int | None, run_factory: 
     """:func:`resume` on ``run_factory``'s runs (``saved``: ``path``'s ``config.json``)."""
     if "method" not in saved:  # experiment (or fold) directory: resume each method
         cfg = saved["fl"]
-        if "fold" not in saved and int((cfg.get("cv") or {}).get("folds") or 0) > 1:
-            return _cv_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
-                                  meta={k: v for k, v in saved.items() if k != "fl"})
-        if cfg.get("seeds"):
-            return _seeds_experiment(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
-                                     meta={k: v for k, v in saved.items() if k != "fl"})
+        if ("fold" not in saved and _folds(cfg) > 1) or cfg.get("seeds"):   # a fold's own methods: below
+            return _repeated(cfg, path, resume_runs=True, rounds=rounds, run_factory=run_factory,
+                             meta={k: v for k, v in saved.items() if k != "fl"})
         return {"dir": str(path), "summaries": _run_methods(cfg, path, None, resume_runs=True, rounds=rounds,
                                                             run_factory=run_factory)}
     cfg = saved["fl"]
@@ -442,11 +431,8 @@ def _resume(path: Path, saved: dict[str, Any], rounds: int | None, run_factory: 
     finished = run.start_round > run.federation.rounds or run.stopped_early
     if finished and (path / "summary.json").is_file():
         summary = json.loads((path / "summary.json").read_text())
-        try:
-            status = json.loads((path / "status.json").read_text()).get("status")
-        except (OSError, ValueError):
-            status = None
-        if status != "finished":   # stopped after the summary, before the plots and reports
+        # stopped after the summary, before the plots and reports
+        if run_json(path, "status.json").get("status") != "finished":
             get_plugin_manager().hook.on_run_end(run=run, summary=summary)
             run._status("finished", run.rounds_run)
         run.files.unlock()

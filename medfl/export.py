@@ -58,9 +58,7 @@ _RESNETS = {"resnet10": 10, "resnet18": 18, "resnet34": 34, "resnet50": 50}
 #: The keys a spec must hold for a complete network: the dataset gives them at run time.
 _FILLED = ("spatial_dims", "in_channels", "num_classes")
 
-# --------------------------------------------------------------------------------------------
-# network specs
-# --------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- network specs
 
 
 def _resnet_defaults() -> dict[str, Any]:
@@ -68,12 +66,6 @@ def _resnet_defaults() -> dict[str, Any]:
 
     return {n: p.default for n, p in inspect.signature(FeatureResNet.__init__).parameters.items()
             if p.default is not inspect.Parameter.empty}
-
-
-def _monai_route(spec: Mapping[str, Any]) -> bool:
-    """Whether the model of ``spec`` is a plain :class:`monai.networks.nets.ResNet`."""
-    return (spec.get("name") in _RESNETS and spec.get("norm", "batch") == "batch"
-            and not spec.get("dp_compatible", False))
 
 
 def network_config(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,7 +89,8 @@ def network_config(spec: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"model spec {dict(spec)!r} lacks {', '.join(missing)} (the dataset gives them: "
                          "pass the bundle's metadata or a run's model spec)")
-    if not _monai_route(spec):
+    if not (spec.get("name") in _RESNETS and spec.get("norm", "batch") == "batch"
+            and not spec.get("dp_compatible", False)):   # not a plain monai.networks.nets.ResNet
         return {"_target_": "medfl.export.registered_model", **dict(spec)}
     from medfl.models.resnet import RESNET_DEPTHS
 
@@ -191,9 +184,7 @@ def network_def(model: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
     return instantiate(network_config(complete_spec({**model, **shape}, meta)))
 
 
-# --------------------------------------------------------------------------------------------
-# inference workflow pieces
-# --------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------- inference workflow pieces
 
 
 class SourceDataset(Dataset):
@@ -266,9 +257,7 @@ class RunPredictor:
         return predict(self.run_dir, self.dataset.spec, self.output_file, self.clients, self.dataset.split)
 
 
-# --------------------------------------------------------------------------------------------
-# export
-# --------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------- export
 
 
 def _outputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -339,18 +328,17 @@ def _check_out(out_dir: Path) -> None:
 
 
 def _finished(run_dir: Path) -> None:
-    status_file = run_dir / "status.json"
+    from medfl.reopen import saved_config
     from medfl.runs import missing_folder
 
-    if missing_folder(run_dir):
-        raise ExportError(missing_folder(run_dir))
-    if not (run_dir / "config.json").is_file():
+    if not missing_folder(run_dir) and not (run_dir / "config.json").is_file():
         raise ExportError(f"{run_dir}: no config.json; not a medfl run directory")
-    if not status_file.is_file():
-        if json.loads((run_dir / "config.json").read_text()).get("method") is None:
+    saved = saved_config(run_dir)   # a missing folder, or a config.json medfl did not write
+    if not (run_dir / "status.json").is_file():
+        if saved.get("method") is None:
             return   # an experiment directory: open_run says so, naming its runs
         raise ExportError(f"{run_dir}: no status.json; the run never started a round (nothing to export)")
-    status = json.loads(status_file.read_text())
+    status = json.loads((run_dir / "status.json").read_text())
     if status.get("status") != "finished":
         raise ExportError(f"{run_dir}: the run is {status.get('status')!r} at round {status.get('last_round')} of "
                           f"{status.get('rounds')}, not finished; resume it first ({resume_command(run_dir)})")

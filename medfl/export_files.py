@@ -11,7 +11,6 @@ expressions (:data:`_LOOP`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from medfl.arm_report import run_json
 from medfl.rundir import RunError
 
 __all__ = ["ATOL", "ExportError", "LOGGING_CONF", "inference_config", "inference_data", "license_text", "metadata",
@@ -283,10 +283,7 @@ def _final_metrics(run_dir: Path) -> dict[str, str]:
     metric's mean over the clients), as ``{split: "accuracy 0.85, auc 0.5, ..."}``."""
     import math
 
-    try:
-        final = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("final") or {}
-    except (OSError, ValueError, AttributeError):
-        return {}
+    final = run_json(run_dir, "summary.json").get("final") or {}
     out: dict[str, str] = {}
     for split, metrics in final.items():
         if not isinstance(metrics, dict):

@@ -44,14 +44,20 @@ def tight_layout(fig: Any) -> None:
     fig.set_layout_engine(None)
 
 
-def round_axis(ax: Any, xlabel: str = "round", grid: str = "both") -> None:
+def round_axis(ax: Any, xlabel: str = "round", grid: str = "both", ylabel: str | None = None,
+               legend: float | None = None) -> None:
     """Label the x axis of ``ax`` ``xlabel`` (rounds, or a student's epochs), tick it at whole
-    numbers only, and draw a light grid on ``grid`` (``"both"`` axes, or ``"y"`` under bars)."""
+    numbers only, and draw a light grid on ``grid`` (``"both"`` axes, or ``"y"`` under bars);
+    label the y axis ``ylabel``, and with ``legend`` (a font size) draw the legend of what has a label."""
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel(xlabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3, axis=grid)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if legend is not None and ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=legend)
 
 
 def save_plot(fig: Any, path: Path) -> Path:

@@ -50,16 +50,24 @@ def split_rows(table: pd.DataFrame, split: str | None) -> pd.DataFrame:
     return rows
 
 
-def _rows(run: Any, target: Any, own: bool, split: str | None) -> pd.DataFrame:
-    """The rows of ``target``'s table to predict on (:func:`predict`'s ``split``); ``own``:
-    ``target`` is the run's own dataset."""
+def _rows(run: Any, target: Any, where: str | None, split: str | None) -> pd.DataFrame:
+    """The rows of ``target``'s table to predict on (:func:`predict`'s ``split``); ``where``
+    names ``target`` when it is not the run's own dataset, refused unless its samples, preprocessed,
+    are of the shape the run's models take."""
     import numpy as np
 
+    from medfl.data.source import DataError
+
+    if where is not None:
+        want, got = tuple(map(int, run.data.source.sample_shape)), tuple(map(int, target.sample_shape))
+        if want != got:
+            raise DataError(f"{where}: its first image is {got} (channels, spatial size) after the run's "
+                            f"preprocessing, but the run's models take {want}")
     if split != "global_test":
         return split_rows(target.table, split)
     a = run.data.assignments
     held = a[a["role"] == "global_test"]
-    if own:
+    if where is None:   # the run's own dataset
         rows = target.table.iloc[np.sort(held["row"].to_numpy())]
     elif "sample_id" in target.table.columns and "sample_id" in held.columns:
         rows = target.table[target.table["sample_id"].astype(str).isin(set(held["sample_id"].astype(str)))]
@@ -75,17 +83,6 @@ def _check_clients(run: Any, ids: list[str]) -> None:
     unknown = sorted(set(ids) - set(run.federation.eval_client_ids))
     if unknown:
         raise RunError(f"unknown client(s) {unknown}; the run has {run.federation.eval_client_ids}")
-
-
-def _check_shape(run: Any, target: Any, where: str) -> None:
-    """Refuse a dataset (``where`` names it) whose samples, preprocessed, are not of the shape
-    the run's models take."""
-    from medfl.data.source import DataError
-
-    want, got = tuple(map(int, run.data.source.sample_shape)), tuple(map(int, target.sample_shape))
-    if want != got:
-        raise DataError(f"{where}: its first image is {got} (channels, spatial size) after the run's "
-                        f"preprocessing, but the run's models take {want}")
 
 
 def _frames(run: Any, last: int, target: Any, rows: pd.DataFrame, ids: list[str]) -> Iterator[pd.DataFrame]:
@@ -152,9 +149,7 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     run_dir = Path(run_dir)
     run, last = open_run(run_dir, "predict")
     target = run.data.source if dataset is None else build_source(dataset)
-    if dataset is not None:
-        _check_shape(run, target, f"dataset {dataset.get('name')!r}")
-    rows = _rows(run, target, dataset is None, split)
+    rows = _rows(run, target, None if dataset is None else f"dataset {dataset.get('name')!r}", split)
     ids = clients or run.federation.eval_client_ids
     _check_clients(run, ids)
     frames = list(_frames(run, last, target, rows, ids))
@@ -164,9 +159,7 @@ def predict(run_dir: str | Path, dataset: dict[str, Any] | None = None, output: 
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# medfl predict
-# --------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- medfl predict
 
 
 def _csv_lines(mask: Any, limit: int = 3) -> str:
@@ -313,16 +306,6 @@ def _labels(path: Path, table: pd.DataFrame, source: Any) -> tuple[pd.Series, pd
     return label, unlabelled
 
 
-def _status(run_dir: Path) -> dict[str, Any]:
-    import json
-
-    try:
-        status = json.loads((run_dir / "status.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return status if isinstance(status, dict) else {}
-
-
 def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     for p in paths:
         if p.is_dir():
@@ -336,6 +319,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     """``medfl predict``: the run's model(s) on new images (or its own), one CSV per model."""
     import tempfile
 
+    from medfl.arm_report import run_json
     from medfl.data.source import DataError
     from medfl.engine.runner import build_source
     from medfl.plugins import registry
@@ -350,7 +334,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         run, last = open_run(run_dir, "predict")
     except DataError as exc:   # the run's own data: the partition and the models' shapes come from it
         raise DataError(f"{run_dir}: reopening the run reads its own dataset, which failed: {exc}") from None
-    status = _status(run_dir)
+    status = run_json(run_dir, "status.json")
     if status and status.get("status") != "finished":
         logger.warning(f"medfl predict: {run_dir} is {status.get('status')!r} at round {status.get('last_round')} of "
                        f"{status.get('rounds')}: predicting with round {last}'s models ({resume_command(run_dir)} "
@@ -359,12 +343,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     clients = list(dict.fromkeys(args.client or []))
     _check_clients(run, clients)
     with tempfile.TemporaryDirectory(prefix=".medfl-predict-") as work:
-        if args.data is None:
-            target = run.data.source
-        else:
-            target = build_source(data_spec(run, args.data, args.root, work))
-            _check_shape(run, target, str(args.data))
-        rows = _rows(run, target, args.data is None, args.split)
+        target = run.data.source if args.data is None else build_source(data_spec(run, args.data, args.root, work))
+        rows = _rows(run, target, None if args.data is None else str(args.data), args.split)
         ids = clients or list(run.federation.eval_client_ids)
         if not clients and one_model(client_models(run, last, ids)):
             plan = [(ids[0], out, "the global model")]

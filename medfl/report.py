@@ -14,24 +14,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from medfl.arm_report import final_separation
+from medfl.arm_report import final_separation, load_metrics, run_json
 from medfl.plotting import pyplot, round_axis, save_plot
 
 __all__ = ["load_metrics", "final_round", "TABLE_METRICS", "shared_model_split", "clients_text", "summary_table",
            "format_table", "forgetting_table", "write_comparison", "print_result"]
-
-
-def load_metrics(run_dir: str | Path) -> pd.DataFrame:
-    """Read a run's ``metrics.csv``.
-
-    Raises:
-        FileNotFoundError: the directory has no metrics yet.
-    """
-    path = Path(run_dir) / "metrics.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics; is {run_dir} a medfl run directory with a finished round?")
-    return pd.read_csv(path, dtype={"client_id": str, "client_name": str}, keep_default_na=False,
-                       na_values=["", "nan", "NaN"])
 
 
 def final_round(run_dir: str | Path, metrics: pd.DataFrame) -> int:
@@ -39,10 +26,8 @@ def final_round(run_dir: str | Path, metrics: pd.DataFrame) -> int:
     metrics: the round of ``summary.json``'s ``final`` block (under early stopping, the best
     round, ``fl.early_stopping``) when the run has a summary, else the last round."""
     last = int(metrics["round"].max())
-    try:
-        chosen = json.loads((Path(run_dir) / "summary.json").read_text()).get("final", {}).get("round")
-    except (OSError, ValueError, AttributeError):
-        return last
+    final = run_json(run_dir, "summary.json").get("final")
+    chosen = final.get("round") if isinstance(final, dict) else None
     return int(chosen) if isinstance(chosen, int) and chosen in set(metrics["round"].astype(int)) else last
 
 
@@ -189,17 +174,17 @@ def write_comparison(exp_dir: str | Path, summaries: dict[str, dict[str, Any]], 
                 if len(g):
                     ax.plot(g.index, g.values, style, marker="o", label=f"{label} {split}")
     for ax, m in zip(axes, ("accuracy", "auc")):
-        round_axis(ax)
-        ax.set_ylabel(f"mean {m} over clients")
+        round_axis(ax, ylabel=f"mean {m} over clients")
     axes[0].legend(fontsize=7)
     save_plot(fig, exp_dir / "comparison.png")
     return path
 
 
 def print_result(result: dict[str, Any]) -> None:
-    """Print each method's summary table (or, cross-validated, the CV table) and where the
-    results are; a stopped run gets the command that continues it where its clients are
-    (:func:`medfl.rundir.resume_command`)."""
+    """Print each method's summary table (or, cross-validated, the CV table), which methods cannot
+    be told apart (:func:`medfl.arm_report.final_separation`: a method whose curves equal another's
+    in every round, every method at the metric's ceiling) and where the results are; a stopped run
+    gets the command that continues it where its clients are (:func:`medfl.rundir.resume_command`)."""
     from medfl.rundir import resume_command
 
     base = Path(result["dir"])
@@ -227,19 +212,10 @@ def print_result(result: dict[str, Any]) -> None:
                     print(line)
             else:
                 print(f"\n== {label}: stopped early; continue with `{resume_command(run_dir)}`")
-    _print_separation(result)
+    separation = final_separation(base, result.get("summaries") or {})
+    if separation:
+        print("\n== methods that cannot be told apart", *separation, sep="\n")
     print(f"\nresults: {base}")
-
-
-def _print_separation(result: dict[str, Any]) -> None:
-    """The lines saying which methods of a finished experiment cannot be told apart
-    (:func:`medfl.arm_report.final_separation`: a method whose curves equal another's in every
-    round, every method at the metric's ceiling), under ``== methods that cannot be told apart``."""
-    lines = final_separation(Path(result["dir"]), result.get("summaries") or {})
-    if lines:
-        print("\n== methods that cannot be told apart")
-        for line in lines:
-            print(line)
 
 
 def _final_lines(summary: dict[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from medfl.arm_report import run_json
 from medfl.plotting import pyplot, round_axis, save_plot
 from medfl.report import TABLE_METRICS, clients_text, final_round, load_metrics, shared_model_split, write_comparison
 from medfl.report_repeats import write_cv_report, write_seeds_report
@@ -36,9 +37,7 @@ def write_forgetting_plot(run_dir: str | Path) -> Path | None:
     df = load_metrics(run_dir)
     if "accuracy" not in df.columns:
         return None
-    tm_path = run_dir / "train_metrics.csv"
-    tm = pd.read_csv(tm_path, dtype={"client_id": str}) if tm_path.is_file() else None
-    block, per = forgetting_report(df, tm)
+    block, per = forgetting_report(df, _run_csv(run_dir, "train_metrics.csv"))
     if per.empty:
         return None
     fig, axes = pyplot().subplots(1, 3, figsize=(14, 3.6))
@@ -65,9 +64,7 @@ def write_forgetting_plot(run_dir: str | Path) -> Path | None:
         axes[2].plot(per["round"], per[col], marker="o", label=label)
     axes[2].set_title("negative-flip rate vs previous evaluation")
     for a in axes:
-        round_axis(a)
-        if a.get_legend_handles_labels()[0]:
-            a.legend(fontsize=8)
+        round_axis(a, legend=8)
     fig.suptitle(f"{run_dir.name}: forgetting")
     return save_plot(fig, run_dir / "plots" / "forgetting.png")
 
@@ -118,14 +115,11 @@ def write_privacy_plot(run_dir: str | Path) -> Path | None:
     df = _run_csv(run_dir, "privacy.csv")
     if df is None:
         return None
-    targets: dict[str, Any] = {}
-    cfg = run_dir / "config.json"
-    if cfg.is_file():
-        plan = json.loads(cfg.read_text()).get("privacy", {})
-        targets["dp_sgd"] = (plan.get("dp_sgd") or {}).get("epsilon")
-        for f in plan.get("filters", []):
-            if f.get("epsilon") is not None:
-                targets[str(f["name"])] = f["epsilon"]
+    plan = run_json(run_dir, "config.json").get("privacy", {})
+    targets: dict[str, Any] = {"dp_sgd": (plan.get("dp_sgd") or {}).get("epsilon")}
+    for f in plan.get("filters", []):
+        if f.get("epsilon") is not None:
+            targets[str(f["name"])] = f["epsilon"]
     mechs = list(dict.fromkeys(df["mechanism"]))
     fig, axes = pyplot().subplots(1, len(mechs), figsize=(5.2 * len(mechs), 3.6), squeeze=False)
     for ax, mech in zip(axes[0], mechs):
@@ -136,9 +130,7 @@ def write_privacy_plot(run_dir: str | Path) -> Path | None:
             ax.axhline(float(targets[mech]), ls="--", color="k", lw=1, label="target")
         ax.set_title(f"{mech} ({g['unit'].iloc[0]}-level, delta={float(g['delta'].iloc[0]):g}, "
                      f"{g['accountant'].iloc[0]})", fontsize=9)
-        round_axis(ax)
-        ax.set_ylabel("epsilon spent")
-        ax.legend(fontsize=7)
+        round_axis(ax, ylabel="epsilon spent", legend=7)
     return save_plot(fig, run_dir / "plots" / "privacy.png")
 
 
@@ -163,9 +155,7 @@ def write_group_plot(run_dir: str | Path) -> Path | None:
             if len(curve):
                 ax.plot(curve.index, curve.values, marker="o", label=f"{g} ({n} client{'s' if n != 1 else ''})")
         ax.set_title(f"{split}: mean accuracy per group")
-        round_axis(ax)
-        ax.set_ylabel("accuracy")
-        ax.legend(fontsize=8)
+        round_axis(ax, ylabel="accuracy", legend=8)
     fig.suptitle(run_dir.name)
     return save_plot(fig, run_dir / "plots" / "groups.png")
 
@@ -221,10 +211,7 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
     df = df[pd.to_numeric(df["value"], errors="coerce").notna()].astype({"value": float})
     if df.empty:
         return None
-    warned: list[int] = []
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        warned = sorted({int(w["round"]) for w in json.loads(summary.read_text()).get("warnings", [])})
+    warned = sorted({int(w["round"]) for w in run_json(run_dir, "summary.json").get("warnings", [])})
     constants = constant_mechanisms(df)
     moving = [k for k in dict.fromkeys(zip(df["mechanism"].astype(str), df["name"].astype(str)))
               if k not in constants]
@@ -256,8 +243,7 @@ def write_mechanism_plot(run_dir: str | Path) -> Path | None:
         for r in warned:
             ax.axvline(r, ls=":", color="red", lw=0.8)
         ax.set_title(f"{mech}: {name}", fontsize=9)
-        round_axis(ax)
-        ax.legend(fontsize=6)
+        round_axis(ax, legend=6)
     if notes:   # one panel across the figure's width: the values that did not move, as text
         ax = fig.add_subplot(grid[rows, :])
         ax.axis("off")
@@ -295,15 +281,12 @@ def write_student_plot(run_dir: str | Path) -> Path | None:
             for c in losses:
                 ax.plot(part["epoch"], part[c], marker="o", label=f"{c} ({', '.join(part['split'].unique())})")
             ax.set_title("training loss terms per epoch")
-            ax.set_ylabel("loss")
         else:
             for split, part in df[df[panel].notna()].groupby("split", sort=False):
                 part = part.sort_values("epoch")
                 ax.plot(part["epoch"], part[panel], marker="o", label=str(split))
             ax.set_title(f"student {panel}")
-            ax.set_ylabel(panel)
-        round_axis(ax, "epoch")
-        ax.legend(fontsize=8)
+        round_axis(ax, "epoch", ylabel="loss" if panel == "losses" else panel, legend=8)
     fig.suptitle(f"{run_dir.name}: the post-hoc student per epoch (student_metrics.csv)")
     return save_plot(fig, run_dir / "plots" / "student_metrics.png")
 
@@ -334,8 +317,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
             ax.fill_between(mean.index, lo.values, hi.values, alpha=0.2)
         if chosen != int(df["round"].max()):   # early stopping's best round
             ax.axvline(chosen, ls=":", color="k", lw=1, label=f"best round {chosen}")
-        round_axis(ax)
-        ax.set_ylabel(m)
+        round_axis(ax, ylabel=m)
         ax.set_title(f"{m}: mean and client range")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(run_dir.name)
@@ -383,8 +365,7 @@ def write_experiment_plots(exp_dir: str | Path) -> list[Path]:
         if isinstance(summaries, dict) and len(summaries) >= 2:
             write_comparison(file.parent, summaries)
             written.append(file.parent / "comparison.png")
-    cfg_file = exp_dir / "config.json"
-    fl = json.loads(cfg_file.read_text()).get("fl", {}) if cfg_file.is_file() else {}
+    fl = run_json(exp_dir, "config.json").get("fl", {})
     if (exp_dir / "cv_summary.json").is_file() and isinstance(fl.get("cv"), dict):
         metric = str(fl["cv"].get("metric", "auc"))
         write_cv_report(exp_dir, [method_label(m) for m in fl["methods"]], int(fl["cv"]["folds"]), metric)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from medfl.arm_report import mean_std
 from medfl.plotting import pyplot, save_plot
 from medfl.report import final_round
 
@@ -20,14 +21,6 @@ __all__ = ["CV_SPLITS", "cv_results", "cv_summary", "cv_table", "write_cv_report
 
 #: metrics.csv split -> the heading the FedSKD paper's Tables II/III give it.
 CV_SPLITS = {"local_test": "Local Test", "cross_test": "Global Test", "global_test": "Held-out Test"}
-
-
-def _mean_std(values: list[float]) -> dict[str, Any]:
-    """Mean and population std (ddof=0) of the finite values, with the values themselves."""
-    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
-    return {"mean": float(v.mean()) if len(v) else float("nan"),
-            "std": float(v.std(ddof=0)) if len(v) else float("nan"),
-            "folds": [None if x is None or not np.isfinite(x) else float(x) for x in values]}
 
 
 def _finite(obj: Any) -> Any:
@@ -118,22 +111,18 @@ def cv_summary(results: pd.DataFrame, labels: list[str], folds: int, metric: str
             if part.empty or metric not in part.columns:
                 continue
             per_fold = {k: part[part["fold"] == k] for k in range(folds)}
-            clients = {}
-            for cid in ids:
-                vals = []
-                for k in range(folds):
-                    row = per_fold[k][per_fold[k]["client_id"].astype(str) == cid]
-                    vals.append(float(row[metric].iloc[0]) if len(row) else float("nan"))
-                clients[cid] = {"name": names[cid], **_mean_std(vals)}
+            value = {(str(c), int(k)): float(v) for c, k, v in zip(part["client_id"], part["fold"], part[metric])}
+            clients = {cid: {"name": names[cid], **mean_std([value.get((cid, k), float("nan")) for k in range(folds)])}
+                       for cid in ids}
             means = [float(np.nanmean(per_fold[k][metric].astype(float)))
                      if per_fold[k][metric].notna().any() else float("nan") for k in range(folds)]
             # what stands behind each fold's mean: the clients with a value of the clients evaluated
             support = {"with_value": [int(per_fold[k][metric].notna().sum()) for k in range(folds)],
                        "evaluated": [int(len(per_fold[k])) for k in range(folds)]}
-            block[split] = {"clients": clients, "overall": {**_mean_std(means), "clients": support}}
+            block[split] = {"clients": clients, "overall": {**mean_std(means), "clients": support}}
         fair = [fairness_report(res[res["fold"] == k]) for k in range(folds)]
         if any(fair):
-            block["fairness"] = {key: _mean_std([f.get(key, float("nan")) if f else float("nan") for f in fair])
+            block["fairness"] = {key: mean_std([f.get(key, float("nan")) if f else float("nan") for f in fair])
                                  for key in ("auc_M", "auc_F", "avg", "delta_auc")}
         out["methods"][label] = block
     return out
@@ -259,7 +248,7 @@ def seeds_summary(results: pd.DataFrame) -> dict[str, Any]:
             per_seed = part.set_index("seed")
             block[str(split)] = {}
             for m in metrics:
-                stats = _mean_std([float(per_seed[m].get(sd, float("nan"))) for sd in seeds])
+                stats = mean_std([float(per_seed[m].get(sd, float("nan"))) for sd in seeds])
                 block[str(split)][m] = {"mean": stats["mean"], "std": stats["std"], "values": stats["folds"]}
         out["methods"][label] = block
     return out

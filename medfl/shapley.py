@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from medfl.metrics.classification import roc_auc
+
 __all__ = [
     "MAX_PLAYERS",
     "SCORES",
@@ -95,32 +97,13 @@ def shapley_values(n_players: int, value: Callable[[frozenset[int]], float]) -> 
 
 
 def _as_numpy(x: Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
-    if isinstance(x, Tensor):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
+    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
 def _credit(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Per-sample expected correctness of the argmax with ties broken uniformly at random."""
     tied = logits == logits.max(axis=1, keepdims=True)
     return tied[np.arange(len(labels)), labels] / tied.sum(axis=1)
-
-
-def _rank_auc(scores: np.ndarray, positive: np.ndarray) -> float:
-    """ROC AUC by the Mann-Whitney rank formula, tied scores given their average rank."""
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores), dtype=np.float64)
-    sorted_scores = scores[order]
-    start = 0
-    while start < len(scores):  # average ranks (1-based) over runs of equal scores
-        end = start
-        while end + 1 < len(scores) and sorted_scores[end + 1] == sorted_scores[start]:
-            end += 1
-        ranks[order[start:end + 1]] = (start + end) / 2.0 + 1.0
-        start = end + 1
-    n_pos = int(positive.sum())
-    n_neg = len(scores) - n_pos
-    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -202,7 +185,7 @@ def ensemble_game(
             credit = _credit(mean, y)
             return float(np.mean([credit[y == c].mean() for c in present]))
         prob = _softmax(mean)
-        return float(np.mean([_rank_auc(prob[:, c], y == c) for c in auc_classes]))
+        return float(np.mean([roc_auc(y == c, prob[:, c]) for c in auc_classes]))
 
     return value
 

@@ -2,28 +2,5 @@
 
 from __future__ import annotations
 
-from medfl.metrics.classification import (
-    METRICS,
-    accuracy,
-    classification_metrics,
-    macro_f1,
-    macro_precision,
-    macro_recall,
-    macro_specificity,
-    micro_f1,
-    roc_auc,
-    summarize,
-)
-
-__all__ = [
-    "METRICS",
-    "accuracy",
-    "classification_metrics",
-    "macro_f1",
-    "macro_precision",
-    "macro_recall",
-    "macro_specificity",
-    "micro_f1",
-    "roc_auc",
-    "summarize",
-]
+from medfl.metrics.classification import *  # noqa: F403 - its __all__, re-exported
+from medfl.metrics.classification import __all__  # noqa: F401

@@ -47,9 +47,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------
-# input handling
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------- input handling
 
 
 def _prepare(
@@ -123,22 +121,24 @@ class _Counts:
             return float("nan")
         return float(np.mean(values[self.active]))
 
-    def precision(self) -> np.ndarray:
-        return _safe_div(self.tp, self.tp + self.fp)
+    def accuracy(self) -> float:
+        return float(self.tp.sum() / self.n) if self.n else float("nan")
 
-    def recall(self) -> np.ndarray:
-        return _safe_div(self.tp, self.tp + self.fn)
+    def precision(self) -> float:
+        return self.macro(_safe_div(self.tp, self.tp + self.fp))
 
-    def specificity(self) -> np.ndarray:
-        return _safe_div(self.tn, self.tn + self.fp)
+    def recall(self) -> float:
+        return self.macro(_safe_div(self.tp, self.tp + self.fn))
 
-    def f1(self) -> np.ndarray:
-        return _safe_div(2.0 * self.tp, 2.0 * self.tp + self.fp + self.fn)
+    def f1(self) -> float:
+        return self.macro(_safe_div(2.0 * self.tp, 2.0 * self.tp + self.fp + self.fn))
+
+    def micro_f1(self) -> float:
+        tp, fp, fn = self.tp.sum(), self.fp.sum(), self.fn.sum()
+        return float(_safe_div(2.0 * tp, 2.0 * tp + fp + fn)) if self.n else float("nan")
 
 
-# --------------------------------------------------------------------------------------------
-# ROC AUC
-# --------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------- ROC AUC
 
 
 def _average_ranks(x: np.ndarray) -> np.ndarray:
@@ -177,27 +177,22 @@ def _auc(y: np.ndarray, p: np.ndarray, n_classes: int) -> float:
     return float(np.mean([_binary_auc(y == k, p[:, k]) for k in present]))
 
 
-# --------------------------------------------------------------------------------------------
-# public metric functions (plugin signature: (y_true, probs) -> float)
-# --------------------------------------------------------------------------------------------
+# --------------------------- public metric functions (plugin signature: (y_true, probs) -> float)
 
 
 def accuracy(y_true: Any, probs: Any) -> float:
     """Fraction of samples whose argmax class equals the label; NaN if empty."""
-    c = _Counts(y_true, probs)
-    return float(c.tp.sum() / c.n) if c.n else float("nan")
+    return _Counts(y_true, probs).accuracy()
 
 
 def macro_precision(y_true: Any, probs: Any) -> float:
     """Macro precision over present-or-predicted classes; unpredicted classes count 0."""
-    c = _Counts(y_true, probs)
-    return c.macro(c.precision())
+    return _Counts(y_true, probs).precision()
 
 
 def macro_recall(y_true: Any, probs: Any) -> float:
     """Macro recall (= sensitivity) over present-or-predicted classes."""
-    c = _Counts(y_true, probs)
-    return c.macro(c.recall())
+    return _Counts(y_true, probs).recall()
 
 
 def _specificity(c: _Counts) -> float:
@@ -225,17 +220,12 @@ def macro_specificity(y_true: Any, probs: Any) -> float:
 
 def macro_f1(y_true: Any, probs: Any) -> float:
     """Macro F1 over present-or-predicted classes."""
-    c = _Counts(y_true, probs)
-    return c.macro(c.f1())
+    return _Counts(y_true, probs).f1()
 
 
 def micro_f1(y_true: Any, probs: Any) -> float:
     """Micro F1 (pooled TP/FP/FN over classes; equals accuracy for single-label data)."""
-    c = _Counts(y_true, probs)
-    if c.n == 0:
-        return float("nan")
-    tp, fp, fn = c.tp.sum(), c.fp.sum(), c.fn.sum()
-    return float(_safe_div(2.0 * tp, 2.0 * tp + fp + fn))
+    return _Counts(y_true, probs).micro_f1()
 
 
 def roc_auc(y_true: Any, probs: Any) -> float:
@@ -281,29 +271,23 @@ def classification_metrics(
         ValueError: On mismatched shapes, labels out of range or non-finite probabilities.
     """
     c = _Counts(y_true, probs, num_classes)
-    nan = float("nan")
     if c.n == 0:
-        out = {name: nan for name in METRICS}
-        out["n"] = 0.0
-        return out
-    recall = c.macro(c.recall())
-    tp, fp, fn = c.tp.sum(), c.fp.sum(), c.fn.sum()
+        return {**{name: float("nan") for name in METRICS}, "n": 0.0}
+    recall = c.recall()
     return {
-        "accuracy": float(tp / c.n),
-        "precision": c.macro(c.precision()),
+        "accuracy": c.accuracy(),
+        "precision": c.precision(),
         "recall": recall,
         "sensitivity": recall,
         "specificity": _specificity(c),
-        "f1": c.macro(c.f1()),
-        "micro_f1": float(_safe_div(2.0 * tp, 2.0 * tp + fp + fn)),
+        "f1": c.f1(),
+        "micro_f1": c.micro_f1(),
         "auc": _auc(c.y, c.p, c.c),
         "n": float(c.n),
     }
 
 
-# --------------------------------------------------------------------------------------------
-# per-client summaries
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------- per-client summaries
 
 
 def summarize(
@@ -354,23 +338,18 @@ def summarize(
             values = pd.to_numeric(group[m], errors="coerce").to_numpy(dtype=np.float64)
             ok = ~np.isnan(values)
             if not ok.any():
-                rec.update(
-                    {f"{m}_mean": np.nan, f"{m}_std": np.nan, f"{m}_worst": np.nan,
-                     f"{m}_best": np.nan, f"{m}_worst_client": None}
-                )
+                rec.update({f"{m}_{k}": np.nan for k in ("mean", "std", "worst", "best")})
+                rec[f"{m}_worst_client"] = None
                 continue
             v = values[ok]
-            ids = group["client_id"].to_numpy()[ok]
+            ids = group["client_id"].to_numpy()[ok].tolist()   # Python scalars, not NumPy's
             low = m in lower_is_better
             worst_i = int(np.argmax(v)) if low else int(np.argmin(v))
             rec[f"{m}_mean"] = float(v.mean())
             rec[f"{m}_std"] = float(v.std(ddof=0))
             rec[f"{m}_worst"] = float(v[worst_i])
             rec[f"{m}_best"] = float(v.min() if low else v.max())
-            worst_id = ids[worst_i]
-            if isinstance(worst_id, np.generic):
-                worst_id = worst_id.item()
-            rec[f"{m}_worst_client"] = worst_id
+            rec[f"{m}_worst_client"] = ids[worst_i]
         records.append(rec)
 
     columns = [*by, "n_clients"]

@@ -176,11 +176,6 @@ def consistency(acc: Sequence[float], *, include_unfinished: bool = False) -> fl
     return 1.0 - aipfr(acc, include_unfinished=include_unfinished)
 
 
-def _evaluated_at_or_after(t: int, before: int, rounds: Sequence[int]) -> int | None:
-    later = [r for r in rounds if t <= r < before]
-    return min(later) if later else None
-
-
 def backward_transfer_per_client(
     acc: Mapping[int, Mapping[str, float]],
     sampled: Mapping[int, Iterable[str]],
@@ -212,7 +207,7 @@ def backward_transfer_per_client(
                 last[str(cid)] = r
     out: dict[str, float] = {}
     for cid, t in sorted(last.items()):
-        te = _evaluated_at_or_after(t, T, rounds)
+        te = min((r for r in rounds if t <= r < T), default=None)   # t, or the next evaluated round
         if te is None:
             continue
         now, then = acc[T].get(cid), acc[te].get(cid)
@@ -265,13 +260,8 @@ def balance(global_acc: float, local_acc: float) -> float:
 def worst_client(acc: Mapping[str, float]) -> tuple[str | None, float]:
     """``(client_id, accuracy)`` of the lowest non-NaN accuracy; ties go to the first client
     in ``acc``'s order. ``(None, nan)`` when there is none."""
-    best: tuple[str | None, float] = (None, float("nan"))
-    for cid, v in acc.items():
-        if v is None or np.isnan(v):
-            continue
-        if best[0] is None or v < best[1]:
-            best = (str(cid), float(v))
-    return best
+    valid = [(str(cid), float(v)) for cid, v in acc.items() if v is not None and not np.isnan(v)]
+    return min(valid, key=lambda cv: cv[1]) if valid else (None, float("nan"))   # min: the first on ties
 
 
 def sampled_by_round(train_metrics: pd.DataFrame) -> dict[int, list[str]]:
@@ -279,19 +269,14 @@ def sampled_by_round(train_metrics: pd.DataFrame) -> dict[int, list[str]]:
     trained in a round: the record of the sampled clients)."""
     if train_metrics is None or train_metrics.empty or "client_id" not in train_metrics:
         return {}
-    out: dict[int, list[str]] = {}
-    for r, g in train_metrics.groupby("round", sort=True):
-        out[int(r)] = [str(c) for c in g["client_id"]]
-    return out
+    return {int(r): [str(c) for c in g["client_id"]] for r, g in train_metrics.groupby("round", sort=True)}
 
 
 def accuracy_table(metrics: pd.DataFrame, split: str, metric: str = "accuracy") -> pd.DataFrame:
     """Rounds x clients table of ``metric`` on ``split`` (``local_test``, ``global_test``)
     from a run's ``metrics.csv``; empty when absent."""
-    if metrics is None or metrics.empty or metric not in metrics.columns:
-        return pd.DataFrame()
-    df = metrics[metrics["split"] == split]
-    if df.empty:
+    df = metrics[metrics["split"] == split] if metrics is not None and metric in metrics.columns else None
+    if df is None or df.empty:
         return pd.DataFrame()
     t = df.assign(client_id=df["client_id"].astype(str)).pivot_table(
         index="round", columns="client_id", values=metric, aggfunc="mean", dropna=False)
