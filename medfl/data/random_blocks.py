@@ -48,13 +48,9 @@ def _block_labels(seed: int, block: int, n: int, num_classes: int) -> np.ndarray
 def _prototypes(seed: int, num_classes: int, image_size: int, spatial_dims: int = 2) -> torch.Tensor:
     """One smooth random pattern per class (a 7x7 (x7) Gaussian grid, upsampled)."""
     gen = torch.Generator().manual_seed(derive_seed(seed, "prototypes"))
-    if spatial_dims == 3:
-        coarse = torch.randn(num_classes, 1, 7, 7, 7, generator=gen)
-        return torch.nn.functional.interpolate(coarse, size=(image_size,) * 3, mode="trilinear",
-                                               align_corners=False)
-    coarse = torch.randn(num_classes, 1, 7, 7, generator=gen)
-    return torch.nn.functional.interpolate(coarse, size=(image_size, image_size), mode="bilinear",
-                                           align_corners=False)
+    coarse = torch.randn(num_classes, 1, *(7,) * spatial_dims, generator=gen)
+    return torch.nn.functional.interpolate(coarse, size=(image_size,) * spatial_dims,
+                                           mode="trilinear" if spatial_dims == 3 else "bilinear", align_corners=False)
 
 
 def block_images(seed: int, block: int, labels: np.ndarray, image_size: int = 28,

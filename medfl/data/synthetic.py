@@ -116,8 +116,7 @@ def synthetic2d(
     seed: int = 0,
 ) -> FederatedSource:
     """Dataset plugin ``synthetic2d``: generate (once) and load the demo dataset."""
-    directory = generate_synthetic2d(root, num_samples, num_classes, image_size, noise,
-                                     num_sites, seed)
+    directory = generate_synthetic2d(root, num_samples, num_classes, image_size, noise, num_sites, seed)
     table = read_manifest(directory / "manifest.csv")
 
     def make_dataset(rows: pd.DataFrame, train: bool) -> ArrayDataset:

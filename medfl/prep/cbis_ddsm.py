@@ -55,7 +55,6 @@ PATHOLOGY = {"MALIGNANT": 1, "BENIGN": 0, "BENIGN_WITHOUT_CALLBACK": 0}
 CLASS_NAMES = ["benign", "malignant"]
 REQUIRED = ["patient_id", "left or right breast", "image view", "abnormality id", "abnormality type",
             "pathology", "image file path", "cropped image file path", "ROI mask file path"]
-PATH_FIELDS = ["image file path", "cropped image file path", "ROI mask file path"]
 MISSING = {"", "N/A", "NA"}
 
 
@@ -187,11 +186,8 @@ class Resolver:
     layout: str = "unknown"
 
     def __post_init__(self) -> None:
-        meta = None
-        for cand in [self.raw / "metadata.csv", *sorted(self.raw.glob("*/metadata.csv"))]:
-            if cand.is_file():
-                meta = cand
-                break
+        meta = next((c for c in [self.raw / "metadata.csv", *sorted(self.raw.glob("*/metadata.csv"))]
+                     if c.is_file()), None)
         if meta is not None:
             table = pd.read_csv(meta, dtype=str, keep_default_na=False)
             missing = [c for c in ("Series UID", "File Location") if c not in table.columns]

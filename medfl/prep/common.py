@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -76,9 +77,7 @@ def check_pixel_count(path: str | Path, shape: Sequence[int], limit: int = MAX_I
     Raises:
         PrepError: ``prod(shape) > limit``, naming the file, its size and the limit.
     """
-    pixels = 1
-    for n in shape:
-        pixels *= int(n)
+    pixels = math.prod(int(n) for n in shape)
     if pixels > limit:
         size = " x ".join(str(int(n)) for n in shape) + " = " if len(shape) > 1 else ""
         raise PrepError(f"{path}: its header announces {size}{pixels} pixels, above the limit of {limit} "
@@ -426,7 +425,8 @@ def resize_image(img: np.ndarray, size: Sequence[int], aspect: str = "pad") -> n
     c, h, w = x.shape
     th, tw = int(size[0]), int(size[1])
     if aspect == "stretch":
-        return _squeeze(resize(x, (c, th, tw), order=1, anti_aliasing=True, preserve_range=True), chan)
+        canvas = resize(x, (c, th, tw), order=1, anti_aliasing=True, preserve_range=True).astype(np.float32)
+        return canvas if chan else canvas[0]
     scale = min(th / h, tw / w) if aspect == "pad" else max(th / h, tw / w)
     nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
     y = resize(x, (c, nh, nw), order=1, anti_aliasing=True, preserve_range=True).astype(np.float32)
@@ -437,12 +437,7 @@ def resize_image(img: np.ndarray, size: Sequence[int], aspect: str = "pad") -> n
     else:
         top, left = (nh - th) // 2, (nw - tw) // 2
         canvas[:] = y[:, top:top + th, left:left + tw]
-    return _squeeze(canvas, chan)
-
-
-def _squeeze(x: np.ndarray, chan: bool) -> np.ndarray:
-    x = x.astype(np.float32)
-    return x if chan else x[0]
+    return canvas if chan else canvas[0]
 
 
 def progress(iterable: Any, desc: str, total: int | None = None) -> Any:

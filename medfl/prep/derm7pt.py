@@ -56,29 +56,15 @@ CLASS_NAMES: tuple[str, ...] = ("BCC", "NEV", "MEL", "MISC", "SK")
 
 #: Every diagnosis string of Derm7pt release_v0 (lower case) -> its class name. Counts over
 #: the 1011 cases: BCC 42, NEV 575, MEL 252, MISC 97, SK 45.
-DIAGNOSIS_CLASSES: dict[str, str] = {
-    "basal cell carcinoma": "BCC",
-    "nevus": "NEV",
-    "blue nevus": "NEV",
-    "clark nevus": "NEV",
-    "combined nevus": "NEV",
-    "congenital nevus": "NEV",
-    "dermal nevus": "NEV",
-    "recurrent nevus": "NEV",
-    "reed or spitz nevus": "NEV",
-    "melanoma": "MEL",
-    "melanoma (in situ)": "MEL",
-    "melanoma (less than 0.76 mm)": "MEL",
-    "melanoma (0.76 to 1.5 mm)": "MEL",
-    "melanoma (more than 1.5 mm)": "MEL",
-    "melanoma metastasis": "MEL",
-    "dermatofibroma": "MISC",
-    "lentigo": "MISC",
-    "melanosis": "MISC",
-    "miscellaneous": "MISC",
-    "vascular lesion": "MISC",
-    "seborrheic keratosis": "SK",
-}
+DIAGNOSIS_CLASSES: dict[str, str] = {diagnosis: cls for cls, diagnoses in (
+    ("BCC", ("basal cell carcinoma",)),
+    ("NEV", ("nevus", "blue nevus", "clark nevus", "combined nevus", "congenital nevus", "dermal nevus",
+             "recurrent nevus", "reed or spitz nevus")),
+    ("MEL", ("melanoma", "melanoma (in situ)", "melanoma (less than 0.76 mm)", "melanoma (0.76 to 1.5 mm)",
+             "melanoma (more than 1.5 mm)", "melanoma metastasis")),
+    ("MISC", ("dermatofibroma", "lentigo", "melanosis", "miscellaneous", "vascular lesion")),
+    ("SK", ("seborrheic keratosis",)),
+) for diagnosis in diagnoses}
 
 #: The 19 columns of release_v0's meta.csv, in file order.
 META_COLUMNS: tuple[str, ...] = (

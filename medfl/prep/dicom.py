@@ -248,6 +248,4 @@ def is_mask(path: Path) -> bool:
     """Whether a DICOM of an ROI series is the binary mask (8-bit or only 0/max values)
     rather than the 16-bit crop."""
     x, facts = read_dicom(path)
-    if facts["bits"] <= 8:
-        return True
-    return bool(np.isin(np.unique(x), (0.0, 1.0)).all())
+    return facts["bits"] <= 8 or bool(np.isin(np.unique(x), (0.0, 1.0)).all())

@@ -82,7 +82,6 @@ def check_file(path: Path, expected: str) -> Path:
     return path
 
 
-
 def printable(text: str) -> str:
     """``text`` as valid UTF-8 text: the bytes of a file name that is not UTF-8 (which
     Python holds as surrogate escapes, ``b'\\xff'`` as ``'\\udcff'``) become ``\\xNN``

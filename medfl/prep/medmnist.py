@@ -40,9 +40,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from medfl.prep.common import PrepReport, base_parser, progress, resize_image, run_script, save_array, write_manifest
+from medfl.prep.common import PrepRun, base_parser, prep_main, progress, resize_image, run_script, save_array
 from medfl.prep.errors import PrepError, file_problem
-from medfl.prep.staging import check_dirs, staged_main
 
 __all__ = ["Dataset", "DATASETS", "SPLITS", "SIZES", "parse_name", "find_file", "check_npz_file", "load_split",
            "chest_binary", "build_parser", "main"]
@@ -173,7 +172,8 @@ def load_split(npz: Any, path: Path, split: str, info: Dataset, size: int | None
     names = {f"{split}_images", f"{split}_labels"}
     missing = sorted(names - set(npz.files))
     if missing:
-        raise PrepError(f"{path}: no key {missing[0]!r}; a MedMNIST file holds {', '.join(sorted(_keys()))} "
+        keys = sorted(f"{s}_{k}" for s in SPLITS for k in ("images", "labels"))
+        raise PrepError(f"{path}: no key {missing[0]!r}; a MedMNIST file holds {', '.join(keys)} "
                         f"(found {', '.join(sorted(npz.files))})", path)
     try:
         images, labels = npz[f"{split}_images"], npz[f"{split}_labels"]
@@ -264,16 +264,10 @@ def check_npz_file(path: Path) -> None:
                     "labels) as downloaded from https://medmnist.com", path)
 
 
-def _keys() -> set[str]:
-    return {f"{s}_{k}" for s in SPLITS for k in ("images", "labels")}
-
-
 def _chw(img: np.ndarray, info: Dataset) -> np.ndarray:
     """One stored image as float32 channel-first in [0, 1]."""
     x = img.astype(np.float32) / 255.0
-    if info.dims == 3:
-        return x[None]
-    return np.moveaxis(x, -1, 0) if info.channels == 3 else x[None]
+    return np.moveaxis(x, -1, 0) if info.dims == 2 and info.channels == 3 else x[None]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -296,18 +290,9 @@ example:
     return p
 
 
-@staged_main
-def main(argv: list[str] | None = None) -> int:
-    """Prepare one MedMNIST file: parse ``argv``, write manifest, arrays and report.
-
-    Returns:
-        0 on success.
-
-    Raises:
-        PrepError: bad input (see the module docstring).
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The usage checks and the ``.npz`` to read (:func:`find_file`): ``args.npz``, its ``flag``,
+    ``size`` and ``size_from`` (where that size came from); ``--raw`` becomes its folder."""
     if args.limit is not None and args.limit < 1:
         parser.error("--limit: expected a positive number")
     if args.resize is not None and args.resize < 1:
@@ -318,7 +303,6 @@ def main(argv: list[str] | None = None) -> int:
         raise PrepError(f"--raw {raw_given}: {problem}; expected a folder of MedMNIST .npz files or one .npz file",
                         raw_given)
     path, flag, size = find_file(raw_given.resolve(), args.flag, args.size)
-    size_from = f"as the file name {path.name} says" if parse_name(path) else f"--size {size}"
     info = DATASETS[flag]
     if info.task == "multi-label" and args.chest_label is None:
         raise PrepError(f"{path}: {flag} is multi-label (14 findings per image) and medfl's tasks are single-label; "
@@ -327,10 +311,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--chest-label applies to chestmnist only, not {flag}")
     if args.resize is not None and info.dims == 3:
         parser.error("--resize: 2D datasets only")
-    raw, out = check_dirs(path.parent, args.out, args.overwrite)
-    report = PrepReport("medmnist", str(path), str(out), skip_bad=False,
-                        options={"flag": flag, "size": size, "resize": args.resize, "chest_label": args.chest_label,
-                                 "limit": args.limit})
+    args.size_from = f"as the file name {path.name} says" if parse_name(path) else f"--size {size}"
+    args.raw, args.npz, args.flag, args.size = path.parent, path, flag, size
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prepare one MedMNIST file as ``argv`` says (:func:`~medfl.prep.common.prep_main`)."""
+    return prep_main("medmnist", build_parser(), argv, _prepare, check=_check_args)
+
+
+def _prepare(run: PrepRun) -> None:
+    """The MedMNIST part of :func:`main`: the file's six arrays, one sample per image, counts."""
+    args, out, report = run.args, run.out, run.report
+    path, flag, size, info = args.npz, args.flag, args.size, DATASETS[args.flag]
+    report.raw, report.skip_bad = str(path), False   # the file read; a bad file stops (nothing per sample to skip)
+    report.options = {"flag": flag, "size": size, "resize": args.resize, "chest_label": args.chest_label,
+                      "limit": args.limit}
     check_npz_file(path)
     try:
         npz = np.load(path, allow_pickle=False)
@@ -339,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     classes = info.classes
     with npz:
-        data = {s: load_split(npz, path, s, info, size, size_from) for s in SPLITS}
+        data = {s: load_split(npz, path, s, info, size, args.size_from) for s in SPLITS}
     shapes: Counter[str] = Counter()
     for split in SPLITS:
         images, labels = data[split]
@@ -358,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                          "image_path": f"{path.name}:{split}_images[{i}]", "label": int(flat[i]),
                          "class_name": classes[int(flat[i])], "subject_id": sample_id, "split": split,
                          "index": i})
-    write_manifest(out, rows, extra_order=["index"], classes=classes, report=report)
+    run.manifest(rows, ["index"], classes)
     report.counts = {"flag": flag, "size": size, "task": info.task,
                      "splits": {s: sum(1 for r in rows if r["split"] == s) for s in SPLITS},
                      "classes": {c: sum(1 for r in rows if r["class_name"] == c) for c in classes},
@@ -370,9 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     if info.task == "multi-label":
         report.note(f"{flag} reduced to a binary task with --chest-label {args.chest_label}: {classes[1]} vs "
                     f"{classes[0]}")
-    report.write(out)
-    print(report.summary())
-    return 0
 
 
 if __name__ == "__main__":   # python -m medfl.prep.medmnist: the command line of data_prep/medmnist.py

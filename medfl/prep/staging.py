@@ -76,10 +76,8 @@ def _alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (its staging folder is in use)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
+    except OSError as exc:       # another error (EPERM): it runs, as another user
+        return not isinstance(exc, ProcessLookupError)
     return True
 
 

@@ -54,35 +54,13 @@ from medfl.data.partition.splits import grouped_stratified_split, per_class_hold
 from medfl.data.partition.tables import class_counts, partition_from_table, partition_table
 
 __all__ = [
-    "DEFAULT_GROUP_COLUMN",
-    "grouped_stratified_split",
-    "PARTITIONERS",
-    "Partition",
-    "PartitionError",
-    "check_partition",
-    "class_counts",
-    "class_sample",
-    "dirichlet",
-    "iid",
-    "label_skew",
-    "natural",
-    "partition_from_table",
-    "partition_table",
-    "per_class_holdout",
-    "quantity_skew",
-    "stratified_split",
-    "subset",
+    "DEFAULT_GROUP_COLUMN", "grouped_stratified_split", "PARTITIONERS", "Partition", "PartitionError",
+    "check_partition", "class_counts", "class_sample", "dirichlet", "iid", "label_skew", "natural",
+    "partition_from_table", "partition_table", "per_class_holdout", "quantity_skew", "stratified_split", "subset",
 ]
 
 
 #: The built-in partitioners by name.
 PARTITIONERS: dict[str, Callable[..., Partition]] = {
-    "dirichlet": dirichlet,
-    "label_skew": label_skew,
-    "quantity_skew": quantity_skew,
-    "iid": iid,
-    "natural": natural,
-    "class_sample": class_sample,
-    "subset": subset,
-}
+    f.__name__: f for f in (dirichlet, label_skew, quantity_skew, iid, natural, class_sample, subset)}
 

@@ -133,15 +133,9 @@ def _rng(func: str, seed: Any) -> np.random.Generator:
     return np.random.default_rng(int(seed))
 
 
-def _finish(buckets: list[np.ndarray] | list[list[np.ndarray]],
-            names: list[str] | None = None, rest: str | None = None) -> Partition:
-    data: dict[str, np.ndarray] = {}
-    for i, bucket in enumerate(buckets):
-        if isinstance(bucket, list):
-            arr = np.concatenate(bucket) if bucket else np.empty(0, dtype=np.int64)
-        else:
-            arr = bucket
-        data[str(i)] = np.sort(np.asarray(arr, dtype=np.int64))
+def _finish(buckets: list[np.ndarray], names: list[str] | None = None, rest: str | None = None) -> Partition:
+    """The :class:`Partition` giving client ``i`` the rows ``buckets[i]``, named ``names[i]``."""
+    data = {str(i): np.sort(np.asarray(bucket, dtype=np.int64)) for i, bucket in enumerate(buckets)}
     named = None if names is None else {str(i): nm for i, nm in enumerate(names)}
     return Partition(data, names=named, rest=rest)
 

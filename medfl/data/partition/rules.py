@@ -1,7 +1,9 @@
 """Partitioners that follow a rule of the data or of a paper: :func:`natural` (one client per
 value of a column such as ``site``), :func:`subset` (FedTPF's "Subset": one dominant class per
 client) and :func:`class_sample` (FedSDC's NIID-2: few classes, few rows each, the rest is
-test). Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.groups`).
+test). Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.groups`); in
+:func:`subset` and :func:`class_sample`, ``table`` is the manifest (an integer ``label`` column),
+``seed`` that of :func:`numpy.random.default_rng`, and clients are named ``"client_<i>"``.
 """
 
 from __future__ import annotations
@@ -78,9 +80,7 @@ def natural(
     if not isinstance(column, str):
         raise _fail(func, f"column must be a column name (str), got {column!r}")
     _check_table(func, table, ("label", column))
-    if num_clients is None:
-        num_clients = 0
-    num_clients = _check_int(func, "num_clients", num_clients, 0,
+    num_clients = _check_int(func, "num_clients", 0 if num_clients is None else num_clients, 0,
                              why=" (0 or None: as many clients as groups)")
     values = table[column]
     if values.isna().all():
@@ -174,17 +174,11 @@ def subset(
     With one row per group this is the row-level split.
 
     Args:
-        table: manifest with an integer ``label`` column.
-        num_clients: number of clients.
-        seed: seed for :func:`numpy.random.default_rng`.
         share: the dominant class's least share of each client, in (0, 1) (paper: "over 90%").
         minor_fraction: share of each dominated class given to other clients, in [0, 1 - share];
             default ``0.9 * (1 - share)``.
         group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
             Default: ``"subject_id"`` (rows one by one when the table has no such column).
-
-    Returns:
-        The :class:`Partition`, clients named ``"client_<i>"``.
 
     Raises:
         PartitionError: on bad parameters, a client without rows of its dominant class, or a
@@ -334,9 +328,6 @@ def class_sample(
     left.
 
     Args:
-        table: manifest with an integer ``label`` column.
-        num_clients: number of clients.
-        seed: seed for :func:`numpy.random.default_rng`.
         classes: ``[lo, hi]`` classes per client (or one number), ``1 <= lo <= hi <= K``.
         per_class: ``[lo, hi]`` rows per class and client (or one number), ``lo >= 1``.
         group_column: rows sharing this column's value move together (``None``: every row
@@ -346,7 +337,7 @@ def class_sample(
         max_retries: maximum number of whole draws (>= 1).
 
     Returns:
-        The :class:`Partition`, clients named ``"client_<i>"``, with :attr:`Partition.rest`.
+        The :class:`Partition`, with :attr:`Partition.rest`.
 
     Raises:
         PartitionError: on bad parameters, or when no draw within ``max_retries`` finds every

@@ -1,7 +1,10 @@
 """Partitioners that skew labels or sizes by a random draw: :func:`dirichlet` (label
 proportions from a Dirichlet), :func:`label_skew` (``#C=k`` labels per client, the shards
 split), :func:`quantity_skew` (client sizes from a Dirichlet) and :func:`iid` (equal sizes).
-Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.groups`).
+Each deals whole ``group_column`` groups (:mod:`medfl.data.partition.groups`), takes ``table``
+(the manifest; its integer ``label`` column is checked even where unused), ``num_clients`` (at
+most one per row, or per group when grouped) and ``seed`` (of :func:`numpy.random.default_rng`),
+and returns a :class:`Partition` of clients named ``"client_<i>"``.
 """
 
 from __future__ import annotations
@@ -109,9 +112,6 @@ def dirichlet(
     and ``min_size`` count rows. With one row per group the draw is the row-level one.
 
     Args:
-        table: manifest with an integer ``label`` column.
-        num_clients: number of clients (``1 <= num_clients <= len(table)``).
-        seed: seed for :func:`numpy.random.default_rng`.
         alpha: Dirichlet concentration (> 0); small values give more skew. Default: ``0.5``.
         min_size: minimum rows per client (>= 0). Default: ``10``.
         max_retries: maximum number of whole draws (>= 1). Default: ``100``.
@@ -120,9 +120,6 @@ def dirichlet(
         group_column: rows sharing its value are dealt together; ``None`` deals rows one
             by one; the default ``"subject_id"`` may be absent (then rows). A blank cell
             (NaN) makes its row a group of its own. Default: ``"subject_id"``.
-
-    Returns:
-        The :class:`Partition`, clients named ``"client_<i>"``.
 
     Raises:
         PartitionError: on bad parameters, when ``min_size * num_clients > len(table)``,
@@ -187,18 +184,12 @@ def label_skew(
     the row-level split.
 
     Args:
-        table: manifest with an integer ``label`` column.
-        num_clients: number of clients (``1 <= num_clients <= len(table)``).
-        seed: seed for :func:`numpy.random.default_rng`.
         k: labels per client, ``1 <= k <= K``. Default: ``2``.
         allow_unassigned: when some label is owned by no client (only possible if
             ``num_clients * k < K``), drop its rows instead of raising. This is the only
             partitioner option that leaves rows unassigned. Default: ``False``.
         group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
             Default: ``"subject_id"`` (rows one by one when the table has no such column).
-
-    Returns:
-        The :class:`Partition`, clients named ``"client_<i>"``.
 
     Raises:
         PartitionError: on bad parameters, when labels are left without owner and
@@ -262,18 +253,12 @@ def quantity_skew(
     counts rows. With one row per group this is the row-level split.
 
     Args:
-        table: manifest (a ``label`` column is required for consistency but not used).
-        num_clients: number of clients (``1 <= num_clients <= len(table)``).
-        seed: seed for :func:`numpy.random.default_rng`.
         beta: Dirichlet concentration (> 0); small values give more unequal sizes.
             Default: ``0.5``.
         min_size: minimum rows per client (>= 0). Default: ``1``.
         max_retries: maximum number of size draws (>= 1). Default: ``100``.
         group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
             Default: ``"subject_id"`` (rows one by one when the table has no such column).
-
-    Returns:
-        The :class:`Partition`, clients named ``"client_<i>"``.
 
     Raises:
         PartitionError: on bad parameters, when ``min_size * num_clients > len(table)``,
@@ -309,15 +294,8 @@ def iid(table: pd.DataFrame, num_clients: int, seed: int,
     group instead of one row. With one row per group this is the row-level split.
 
     Args:
-        table: manifest (a ``label`` column is required for consistency but not used).
-        num_clients: number of clients (``1 <= num_clients <= len(table)``, or the number
-            of groups when grouped).
-        seed: seed for :func:`numpy.random.default_rng`.
         group_column: rows sharing its value are dealt together, as for :func:`dirichlet`.
             Default: ``"subject_id"`` (rows one by one when the table has no such column).
-
-    Returns:
-        The :class:`Partition`, clients named ``"client_<i>"``.
 
     Raises:
         PartitionError: on bad parameters, or fewer groups than clients.

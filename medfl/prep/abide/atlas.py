@@ -34,8 +34,6 @@ _CC_CROP = (slice(1, 62), slice(1, 74), slice(0, 61))
 _ROIS_3MM_LABELS = 160
 
 
-# --------------------------------------------------------------------------- atlases
-
 def check_label_volume(data: np.ndarray, path: str | Path) -> np.ndarray:
     """``data`` as int32 labels, after checking it is an atlas: finite, integer-valued, and
     piecewise constant (most voxels of a labelled region share their neighbour's label). A

@@ -35,8 +35,6 @@ __all__ = ["build_parser", "main"]
 logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- command line
-
 def _test_fold(text: str) -> int | None:
     if text.lower() in ("none", "-1"):
         return None

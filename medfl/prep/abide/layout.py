@@ -27,8 +27,6 @@ DERIVATIVES = ("alff", "degree_binarize", "degree_weighted", "eigenvector_binari
 FEDSKD_DERIVATIVES = ("reho", "degree_weighted", "lfcd", "vmhc")
 
 
-# --------------------------------------------------------------------------- raw layout
-
 def find_phenotypic(raw: Path, given: str | Path | None = None,
                     layout: DerivativeLayout | None = None) -> Path:
     """The phenotypic CSV: ``given``, else next to the derivatives in either layout.

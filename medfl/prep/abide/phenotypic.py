@@ -59,8 +59,6 @@ _REQUIRED = ("SUB_ID", "SITE_ID", "FILE_ID", "DX_GROUP")
 _FILE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
-# --------------------------------------------------------------------------- phenotypic file
-
 def is_missing(value: Any) -> bool:
     """Whether a phenotypic field is missing (empty, ``-9999`` or NaN)."""
     if value is None:
@@ -105,31 +103,18 @@ def _row_item(path: Path, row: pd.Series) -> str:
     return f"{path.name} line {row['_line']} (SUB_ID {row['SUB_ID'] or '?'})"
 
 
-def _int_field(row: pd.Series, column: str, path: Path) -> int | None:
-    value = row[column]
-    if is_missing(value):
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        number = float("nan")
-    if not np.isfinite(number) or number != int(number):
-        raise PrepError(f"{_row_item(path, row)}: field {column} = {value!r} is not an integer",
-                        _row_item(path, row))
-    return int(number)
-
-
-def _float_field(row: pd.Series, column: str, path: Path) -> float | None:
+def _number_field(row: pd.Series, column: str, path: Path, integer: bool = False) -> Any:
+    """Field ``column`` of ``row`` as a float (an int with ``integer``), ``None`` when missing."""
     if column not in row.index or is_missing(row[column]):
         return None
     try:
         number = float(row[column])
     except ValueError:
         number = float("nan")
-    if not np.isfinite(number):
-        raise PrepError(f"{_row_item(path, row)}: field {column} = {row[column]!r} is not a number",
-                        _row_item(path, row))
-    return number
+    if not np.isfinite(number) or (integer and number != int(number)):
+        raise PrepError(f"{_row_item(path, row)}: field {column} = {row[column]!r} is not "
+                        + ("an integer" if integer else "a number"), _row_item(path, row))
+    return int(number) if integer else number
 
 
 @dataclass
@@ -164,7 +149,7 @@ def parse_subject(row: pd.Series, path: str | Path) -> Subject:
     """
     path = Path(path)
     item = _row_item(path, row)
-    sub_id = _int_field(row, "SUB_ID", path)
+    sub_id = _number_field(row, "SUB_ID", path, integer=True)
     if sub_id is None:
         raise PrepError(f"{item}: field SUB_ID is empty; expected the subject number", item)
     site_id = row["SITE_ID"].upper()
@@ -172,7 +157,7 @@ def parse_subject(row: pd.Series, path: str | Path) -> Subject:
         raise PrepError(f"{item}: field SITE_ID = {row['SITE_ID']!r} is not an ABIDE-I site; "
                         f"expected one of {', '.join(sorted(SITES))}", item)
     try:
-        dx = _int_field(row, "DX_GROUP", path)
+        dx = _number_field(row, "DX_GROUP", path, integer=True)
     except PrepError:
         dx = -1
     if dx not in _DX:
@@ -181,7 +166,7 @@ def parse_subject(row: pd.Series, path: str | Path) -> Subject:
     sex = ""
     if "SEX" in row.index:
         try:
-            code = _int_field(row, "SEX", path)
+            code = _number_field(row, "SEX", path, integer=True)
         except PrepError:
             code = -1
         if code is not None and code not in _SEX:
@@ -195,8 +180,8 @@ def parse_subject(row: pd.Series, path: str | Path) -> Subject:
     site = SITES[site_id]
     return Subject(sub_id=sub_id, file_id=file_id, site_id=site_id, site=site,
                    region=REGIONS[site], label=_DX[dx], dx_group=int(dx), sex=sex,
-                   age=_float_field(row, "AGE_AT_SCAN", path),
-                   mean_fd=_float_field(row, "func_mean_fd", path), line=int(row["_line"]))
+                   age=_number_field(row, "AGE_AT_SCAN", path),
+                   mean_fd=_number_field(row, "func_mean_fd", path), line=int(row["_line"]))
 
 
 def select_rows(table: pd.DataFrame, qc: str = "nilearn", max_mean_fd: float | None = None,

@@ -36,8 +36,6 @@ def _fmt_affine(a: np.ndarray) -> str:
 _GRID_TEXT = f"{GRID_SHAPE[0]}x{GRID_SHAPE[1]}x{GRID_SHAPE[2]} with affine {_fmt_affine(GRID_AFFINE)}"
 
 
-# --------------------------------------------------------------------------- volumes
-
 def load_volume(path: str | Path, what: str = "NIfTI volume") -> tuple[np.ndarray, np.ndarray]:
     """Read a 3D NIfTI volume: ``(data, affine)``; a trailing axis of length 1 is dropped.
 
@@ -136,16 +134,8 @@ def load_derivative(path: str | Path, resample: str = "error", what: str = "deri
 
 def _index_map(n_old: int, n_new: int, aspect: str, scale: float) -> tuple[int, int, float, float]:
     """Per axis: (scaled size m, offset p, old-per-new a, b) with old = a * new + b."""
-    if aspect == "stretch":
-        m = n_new
-    else:
-        m = max(1, int(round(n_old * scale)))
-    if aspect == "pad":
-        p = (n_new - m) // 2
-    elif aspect == "crop":
-        p = -((m - n_new) // 2)
-    else:
-        p = 0
+    m = n_new if aspect == "stretch" else max(1, int(round(n_old * scale)))
+    p = {"pad": (n_new - m) // 2, "crop": -((m - n_new) // 2)}.get(aspect, 0)
     a = n_old / m
     return m, p, a, (0.5 - p) * a - 0.5
 

@@ -78,8 +78,6 @@ class InfoRow:
         return self.x is not None
 
 
-# ---------------------------------------------------------------------------------- Info.txt
-
 def read_info_lines(path: Path) -> tuple[str | None, list[tuple[int, str]]]:
     """Split Info.txt into its header line (or ``None``) and its data lines.
 
