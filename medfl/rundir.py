@@ -80,7 +80,7 @@ import pandas as pd
 import torch
 
 from medfl.integrity import (DiskFullError, append_text, check_sum, file_manifest, interrupted_write,
-                             manifest_problems, sum_path, write_csv, write_json, write_sum, writing)
+                             manifest_problems, sum_path, write_csv, write_json, write_summed, write_text)
 from medfl.logs import FileLog
 from medfl.plugins import PluginError, lookup
 
@@ -316,11 +316,8 @@ class RunDir:
         text = json.dumps(data, indent=2, default=str)
         # padded with spaces (valid JSON) to a fixed size, so that it can be rewritten in place
         text += " " * max(0, STATUS_BYTES - 1 - len(text.encode())) + "\n"
-        tmp = path.with_suffix(".json.tmp")
         try:
-            with writing(path, tmp):
-                tmp.write_text(text)
-            tmp.replace(path)
+            write_text(path, text)
         except DiskFullError:
             # no room for a second copy: overwrite the file's own bytes in place (no new space
             # on the device), the reason shortened to fit, so a full disk's stop says "failed"
@@ -364,11 +361,7 @@ class RunDir:
     def save_checkpoint(self, r: int, ckpt: dict[str, Any]) -> None:
         """Write round ``r``'s checkpoint ``ckpt`` atomically, with a checksum sidecar."""
         path = self.checkpoint_path(r)
-        tmp = path.with_suffix(".tmp")
-        with writing(path, tmp), open(tmp, "wb") as f:   # a file object: a full disk's OSError stays visible
-            torch.save(ckpt, f)
-        write_sum(tmp, path)
-        tmp.replace(path)
+        write_summed(path, lambda f: torch.save(ckpt, f), path.with_suffix(".tmp"))
 
     def drop_checkpoints(self, keep: Iterable[int]) -> None:
         """Delete every checkpoint (and its sidecar) of a round not in ``keep``."""

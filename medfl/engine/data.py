@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from medfl.data.partition import DEFAULT_GROUP_COLUMN, PartitionError, grouped_stratified_split, per_class_holdout
 from medfl.data.source import DataError, FederatedSource
-from medfl.integrity import sha256_file, writing
+from medfl.integrity import sha256_file, write_text, writing
 from medfl.method import derive_seed
 from medfl.plugins import lookup
 
@@ -138,21 +138,12 @@ class FederatedData:
         :data:`REPORT_NAME` in the same folder (the table, written last, marks a whole split)."""
         path = Path(path)
         if self.report is not None:
-            _write_text(path.with_name(REPORT_NAME), json.dumps(self.report, indent=2) + "\n")
+            write_text(path.with_name(REPORT_NAME), json.dumps(self.report, indent=2) + "\n")
         tmp = path.with_name(path.name + ".tmp")
         with writing(path, tmp):
             self.assignments.to_csv(tmp, index=False)
-        _write_text(path.with_name(path.name + ".sha256"), f"{sha256_file(tmp)} {len(self.assignments)}\n")
+        write_text(path.with_name(path.name + ".sha256"), f"{sha256_file(tmp)} {len(self.assignments)}\n")
         tmp.replace(path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed into place (a full disk
-    leaves the file as it was: :func:`medfl.rundir.writing`)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with writing(path, tmp):
-        tmp.write_text(text)
-    tmp.replace(path)
 
 
 PARTITION_COLUMNS = ("row", "client_id", "role")
@@ -517,4 +508,3 @@ def _fold_split(labels: np.ndarray, groups: np.ndarray, cfg: dict[str, Any], fol
                                          derive_seed(seed, "val", fold))
         return {"train": rest[parts["train"]], "val": rest[parts["val"]], "test": test}
     return {"train": rest, "test": test}
-

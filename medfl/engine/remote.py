@@ -42,6 +42,7 @@ from medfl.engine.remote_sites import UNDECODABLE, RemoteSettings, SiteDirectory
 from medfl.engine.remote_steps import RemoteSteps
 from medfl.engine.runner import Run, RunError
 from medfl.engine.screening import TooFewSites, quorum_rule, sites_needed
+from medfl.integrity import write_json
 from medfl.engine import protocol as P
 from medfl.messages import Instruction, SampleGuard
 from medfl.transport import Outgoing, Transport
@@ -167,9 +168,7 @@ class RemoteRun(RemoteSteps, Run):
         elif resume and isinstance(meta.get("site_nodes"), dict):
             self.sites.pins = parse_pins(meta["site_nodes"], f"{meta_path} site_nodes")
             logger.info(f"medfl: clients are served only by the nodes registered for them ({meta_path})")
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=2))
-        tmp.replace(meta_path)
+        write_json(meta_path, meta)
         t0 = time.monotonic()
         ids = self.federation.eval_client_ids
         self._await_sites(ids, len(ids), t0 + self.settings.connect_timeout, t0)
