@@ -493,8 +493,6 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         return summary
 
 
-
-
 #: Builds a method's run: ``(cfg, method_spec, run_dir, data) -> Run`` (:class:`Run` itself,
 #: or a transport's subclass such as :class:`medfl.engine.remote.RemoteRun` bound to its transport).
 RunFactory = Callable[[dict[str, Any], dict[str, Any], Path, FederatedData], "Run"]
@@ -504,4 +502,3 @@ def build_source(spec: dict[str, Any]) -> Any:
     """The dataset a config's ``dataset`` section names, built by its registered plugin."""
     rest = dict(spec)
     return lookup("dataset", rest.pop("name"))(**rest)
-

@@ -33,7 +33,7 @@ from medfl.flower.transport import RUN_CONFIG
 __all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command",
            "superexec_command", "site_command",
            "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "read_json", "started_run_id", "run_status", "HeldTraceback", "TASK_POLL_ENV", "TELEMETRY_ENV",
+           "read_json", "started_run_id", "run_status", "terminate", "HeldTraceback", "TASK_POLL_ENV", "TELEMETRY_ENV",
            "SERVERAPP_RAISED", "NODE_ID_LINE"]
 
 #: How often Flower's SuperExec looks for new tasks (Flower's default is 1 s).
@@ -348,13 +348,19 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
             _follow(seen["run"], home, env, stream_to, done, limits)
         return code
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc, 10.0)
+
+
+def terminate(proc: subprocess.Popen[bytes], wait: float) -> None:
+    """End ``proc`` if it still runs: SIGTERM, then SIGKILL when it has not exited ``wait``
+    seconds later."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class _Limits:

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from medfl.config import actor_threads
@@ -49,7 +48,7 @@ from medfl.engine.remote import RemoteRun, RemoteSettings
 from medfl.engine.runner import RunError, RunFactory, build_source
 from medfl.site import Site, SiteSettings
 from medfl.site_messages import handle
-from medfl.flower.proxy import answer_with, secure_aggregation_mod
+from medfl.flower.proxy import answer_with, client_app
 from medfl.flower.transport import FLOWER_TERMS, FlowerTransport
 
 __all__ = ["SimulatedTransport", "SimulatedSites", "simulated_runs", "ray_missing", "shutdown_ray", "STATE_FOLDER"]
@@ -133,14 +132,6 @@ class SimulatedSites:
         return Message(answer_with(msg.content, lambda data: handle(site, kind, data)), reply_to=msg)
 
 
-def _client_app(handler: SimulatedSites) -> ClientApp:
-    app = ClientApp()
-    for register in (app.query("hello"), app.train(mods=[secure_aggregation_mod]), app.evaluate(),
-                     app.evaluate("validate"), app.evaluate("score")):
-        register(handler)
-    return app
-
-
 def _backend_config(backend: dict[str, Any]) -> dict[str, Any]:
     init: dict[str, Any] = {}
     if backend.get("num_cpus") is not None:
@@ -183,7 +174,7 @@ def simulated_runs(cfg: dict[str, Any]) -> Iterator[RunFactory]:
 
     def runtime() -> None:
         try:
-            run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
+            run_simulation(server_app=server, client_app=client_app(handler), num_supernodes=len(client_ids),
                            backend_config=_backend_config(cfg["backend"]))
         except BaseException as exc:  # noqa: BLE001 - said in the caller's thread
             failed.append(exc)

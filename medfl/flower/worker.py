@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from medfl.config_file import refuse_syntax
+from medfl.flower.deploy import NODE_ID_LINE, terminate
 from medfl.flower.proxy import recv_frame, send_frame
 from medfl.site import Site, SiteSettings
 from medfl.site_messages import handle
@@ -151,8 +152,6 @@ def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str,
     SuperLink; the node has left the federation) and the process has not exited
     :data:`LINGER` seconds later, it is ended (SIGTERM, which Flower's command handles; SIGKILL if that did not end it) and its
     pid added to ``ended``."""
-    from medfl.flower.deploy import NODE_ID_LINE
-
     superlink = cmd[cmd.index("--superlink") + 1] if "--superlink" in cmd else "it was given"
     if "--superlink" in cmd:
         logger.info(f"{who}: waiting for the SuperLink at {superlink}")
@@ -162,7 +161,7 @@ def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str,
         if proc.poll() is None:
             if ended is not None:
                 ended.add(proc.pid)
-            _terminate(proc, LINGER)
+            terminate(proc, LINGER)
 
     def relay(pipe: Any) -> None:
         previous = ""
@@ -259,20 +258,9 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
     finally:
         stopping.set()
         worker.stop()
-        _terminate(procs[-1], 10.0)
+        terminate(procs[-1], 10.0)
         shutil_rmtree(Path(sock_path).parent)
     return int(procs[-1].returncode or 0)
-
-
-def _terminate(proc: subprocess.Popen[bytes], wait: float) -> None:
-    """End ``proc`` if it still runs: SIGTERM, then SIGKILL when it has not exited ``wait``
-    seconds later."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def socket_for() -> str:
