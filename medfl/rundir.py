@@ -79,8 +79,8 @@ from typing import Any, Callable, Iterable
 import pandas as pd
 import torch
 
-from medfl.integrity import (DiskFullError, append_text, check_sum, file_manifest, interrupted_write,
-                             manifest_problems, sum_path, write_csv, write_json, write_summed, write_text)
+from medfl.integrity import (DiskFullError, append_text, check_sum, interrupted_write, sum_path, write_csv,
+                             write_json, write_summed, write_text)
 from medfl.logs import FileLog
 from medfl.plugins import PluginError, lookup
 
@@ -340,23 +340,10 @@ class RunDir:
         """Round ``r``'s checkpoint file."""
         return self.path / "checkpoints" / f"round_{r:04d}.pt"
 
-    def last_checkpoint(self) -> int:
-        """The last round with a complete checkpoint (0 if none)."""
-        return max(self.kept_checkpoints(), default=0)
-
     def kept_checkpoints(self) -> list[int]:
         """The rounds whose checkpoints are on disk, oldest first."""
         d = self.path / "checkpoints"
         return sorted(int(p.stem.split("_")[1]) for p in d.glob("round_*.pt")) if d.is_dir() else []
-
-    def manifest(self) -> dict[str, list[Any]]:
-        """The ``files`` entry of a checkpoint taken now (:func:`file_manifest`)."""
-        return file_manifest(self.path)
-
-    def manifest_problems(self, manifest: dict[str, list[Any]], round: int) -> list[str]:
-        """What is wrong with the files round ``round``'s checkpoint ``manifest`` names
-        (:func:`manifest_problems`)."""
-        return manifest_problems(self.path, manifest, round)
 
     def save_checkpoint(self, r: int, ckpt: dict[str, Any]) -> None:
         """Write round ``r``'s checkpoint ``ckpt`` atomically, with a checksum sidecar."""

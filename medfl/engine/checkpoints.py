@@ -19,6 +19,7 @@ import torch
 
 from medfl.config import method_preset, preset_counts, preset_record
 from medfl.filters import FilterChain
+from medfl.integrity import file_manifest, manifest_problems
 from medfl.method import MethodConfigError
 from medfl.models.registry import ModelConfigError, build_model, recorded_builds
 from medfl.plugins import PluginError
@@ -86,7 +87,7 @@ class Checkpoints:
         if ckpt is None:
             k = 0
         else:
-            lost = [] if read_only else self.files.manifest_problems(ckpt.get("files") or {}, k)
+            lost = [] if read_only else manifest_problems(self.run_dir, ckpt.get("files") or {}, k)
             if lost:
                 more = f" (and {len(lost) - 1} more file(s))" if len(lost) > 1 else ""
                 self._refuse_resume(f"{lost[0]}{more}; a resume would continue from files that are not the ones "
@@ -295,7 +296,7 @@ class Checkpoints:
         if self.early is not None:
             engine["early_stopping"] = self.early.state_dict()
         ckpt = {"round": r, "method": self.coordinator.state_dict(), "client_states": self.store.index(r),
-                "eval_states": self.eval_store.index(r), "engine": engine, "files": self.files.manifest()}
+                "eval_states": self.eval_store.index(r), "engine": engine, "files": file_manifest(self.run_dir)}
         self.files.save_checkpoint(r, ckpt)
         self._ckpt = r
         kept = self.files.kept_checkpoints()

@@ -193,10 +193,6 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         return plan
 
     # ------------------------------------------------------------------ files
-    def last_checkpoint(self) -> int:
-        """The last round with a complete checkpoint (0 if none)."""
-        return self.files.last_checkpoint()
-
     def _status(self, status: str, r: int, reason: str = "") -> None:
         """Write ``status.json`` (:meth:`RunDir.status`): ``status`` after round ``r``."""
         self.files.status(status, r, self.federation.rounds, reason)
