@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from medfl.integrity import write_text
+
 __all__ = ["AuthError", "make_certificates", "certificate_paths", "make_site_key", "register_site",
            "check_private_key", "parse_site_nodes", "read_site_nodes", "pin_site"]
 
@@ -281,7 +283,6 @@ def pin_site(path: str | Path, client_id: str, node: int) -> dict[str, int]:
         if n == node and other != cid:
             raise AuthError(f"{path}: node {node} already serves client {other!r}")
     nodes[cid] = node
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(nodes, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_text(path, json.dumps(nodes, indent=1, sort_keys=True) + "\n",
+               path.with_name(f".{path.name}.{os.getpid()}.tmp"))
     return nodes

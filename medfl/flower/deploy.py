@@ -155,17 +155,11 @@ def node_config(client_id: str, config: str | Path, state_dir: str | Path, *, ov
             raise FlowerDeployError(f"node config value {s!r} contains a single quote")
         return f"'{s}'"
 
-    items = {"client-id": client_id, "config": Path(config).resolve(), "state-dir": Path(state_dir).resolve()}
-    if overrides:
-        items["overrides"] = json.dumps(overrides)
-    items["workdir"] = Path(workdir).resolve() if workdir else Path.cwd()
-    if device:
-        items["device"] = device
-    if worker:
-        items["worker"] = worker
-    if superlink:
-        items["superlink"] = superlink
-    return " ".join(f"{k}={q(v)}" for k, v in items.items())
+    items = {"client-id": client_id, "config": Path(config).resolve(), "state-dir": Path(state_dir).resolve(),
+             "overrides": json.dumps(overrides) if overrides else "",
+             "workdir": Path(workdir).resolve() if workdir else Path.cwd(), "device": device, "worker": worker,
+             "superlink": superlink}
+    return " ".join(f"{k}={q(v)}" for k, v in items.items() if v or k == "client-id")
 
 
 def site_command(client_id: str, config: str | Path, state_dir: str | Path, superlink: str, *,

@@ -133,11 +133,7 @@ class SimulatedSites:
 
 
 def _backend_config(backend: dict[str, Any]) -> dict[str, Any]:
-    init: dict[str, Any] = {}
-    if backend.get("num_cpus") is not None:
-        init["num_cpus"] = int(backend["num_cpus"])
-    if backend.get("num_gpus") is not None:
-        init["num_gpus"] = int(backend["num_gpus"])
+    init = {k: int(backend[k]) for k in ("num_cpus", "num_gpus") if backend.get(k) is not None}
     return {"client_resources": {"num_cpus": int(backend["client_cpus"]), "num_gpus": float(backend["client_gpus"])},
             "init_args": init}
 
@@ -278,18 +274,13 @@ class _Stopping(logging.Filter):
 _STOP_WAIT = 60.0
 
 
-def _settings(wait: float = 600.0) -> RemoteSettings:
-    """The coordinator's settings on the simulation runtime: every simulated node is there
-    from the start and replies arrive through memory, but each node's actor must first start
-    (torch, the dataset), which a loaded machine slows down: ``wait`` seconds
-    (``fl.backend.connect_timeout``) for every node's hello at the start."""
-    return RemoteSettings(poll_interval=0.01, connect_timeout=float(wait), hello_timeout=60.0, progress_interval=30.0)
-
-
 def _factory(grid: Grid, stop: threading.Event | None = None) -> Any:
     def build(cfg: dict[str, Any], spec: dict[str, Any], run_dir: Path, data: FederatedData) -> RemoteRun:
-        settings = _settings(cfg["backend"]["connect_timeout"])
-        settings.stop = stop
+        # every simulated node is there from the start and replies arrive through memory, but each
+        # node's actor must first start (torch, the dataset), which a loaded machine slows down:
+        # fl.backend.connect_timeout seconds for every node's hello at the start
+        settings = RemoteSettings(poll_interval=0.01, connect_timeout=float(cfg["backend"]["connect_timeout"]),
+                                  hello_timeout=60.0, progress_interval=30.0, stop=stop)
         return RemoteRun(cfg, spec, run_dir, data, lambda log: SimulatedTransport(grid, settings, log), settings)
     return build
 
