@@ -45,14 +45,11 @@ class Checkpoints:
         (``read_only``: load the last checkpoint and change nothing on disk, for predicting).
         A writing run holds the run directory's lock until :meth:`execute` ends.
 
-        A method that refuses its settings where it first sees them, in
-        :meth:`~medfl.method.Method.setup` (raising :class:`~medfl.method.MethodConfigError`),
-        or a model that refuses its options (:class:`~medfl.models.registry.ModelConfigError`
-        from its factory, or a :class:`~medfl.plugins.PluginError` for an unknown inner model
-        a wrapper builds: every model of the run is built here, :meth:`_check_models`)
-        stops a new run before anything ran: the run directory this call created goes with the
-        refusal (:meth:`medfl.rundir.RunDir.discard`), so the refusal is one ``medfl: error:``
-        line and no run is left behind (:data:`REFUSALS`). Any other exception keeps the
+        A refusal of the run's settings (:data:`REFUSALS`, below: in the method's
+        :meth:`~medfl.method.Method.setup`, or by a model, every one of which is built here,
+        :meth:`_check_models`) stops a new run before anything ran: the run directory this
+        call created goes with it (:meth:`medfl.rundir.RunDir.discard`), so the refusal is one
+        ``medfl: error:`` line and no run is left behind. Any other exception keeps the
         directory (a bug: its traceback, and a run ``medfl runs`` lists as crashed).
 
         Raises:

@@ -78,8 +78,7 @@ class FederatedData:
     @property
     def client_ids(self) -> list[str]:
         """Client ids in numeric order."""
-        ids = self.assignments.loc[self.assignments["client_id"] != "", "client_id"].unique()
-        return client_order(ids)
+        return client_order(self.assignments.loc[self.assignments["client_id"] != "", "client_id"].unique())
 
     def client_names(self) -> dict[str, str]:
         """Client id -> readable name (e.g. a site or region)."""
@@ -165,10 +164,9 @@ def read_partition(path: str | Path) -> pd.DataFrame:
     damaged = f"{path}: the saved partition is damaged"
     advice = "; restore it from a backup or start a new run (a resumed run must train on the same split)"
     side = path.with_name(path.name + ".sha256")
-    if side.is_file():
-        parts = side.read_text().split()
-        if len(parts) != 2 or sha256_file(path) != parts[0]:
-            raise DataError(f"{damaged}: its SHA-256 differs from the one written with it ({side.name}){advice}")
+    parts = side.read_text().split() if side.is_file() else None
+    if parts is not None and (len(parts) != 2 or sha256_file(path) != parts[0]):
+        raise DataError(f"{damaged}: its SHA-256 differs from the one written with it ({side.name}){advice}")
     if path.stat().st_size == 0:
         raise DataError(f"{damaged}: the file is empty{advice}")
     try:
@@ -178,8 +176,8 @@ def read_partition(path: str | Path) -> pd.DataFrame:
     missing = [c for c in PARTITION_COLUMNS if c not in df.columns]
     if missing:
         raise DataError(f"{damaged}: no column(s) {missing}; has {list(df.columns)}{advice}")
-    if side.is_file() and len(df) != int(side.read_text().split()[1]):
-        raise DataError(f"{damaged}: {len(df)} rows, {side.read_text().split()[1]} were written{advice}")
+    if parts is not None and len(df) != int(parts[1]):
+        raise DataError(f"{damaged}: {len(df)} rows, {parts[1]} were written{advice}")
     rows = pd.to_numeric(df["row"], errors="coerce")
     if rows.isna().any() or (df["role"] == "").any() or ((df["client_id"] == "") & (df["role"] != "global_test")).any():
         raise DataError(f"{damaged}: blank or non-numeric cells in {list(PARTITION_COLUMNS)}{advice}")

@@ -310,15 +310,12 @@ class RemoteRun(RemoteSteps, Run):
         order; a client without a node, one whose node is lost and one that has not answered
         within ``round_timeout`` are left out (and logged).
 
-        Enough sites (:func:`~medfl.engine.screening.sites_needed`: ``fl.min_sites``,
-        ``fl.min_fraction``): before sending, fewer sites with a node than needed are waited
-        for (:meth:`_await_quorum`); after it, when fewer answered than needed, the sites
-        that timed out or were lost are asked for their hello again and waited for, up to
-        ``fl.site_wait_s`` seconds, and the same content is sent again to those that came
-        back (a site computes the same answer again: its state is versioned by round).
-        SecAgg+'s stages are not sent again (their masks belong to one exchange). Each wait
-        is a ``waiting`` / ``waited`` row of ``flower_events.csv``; what is still missing
-        after it fails the round (:meth:`Run.check_quorum`).
+        Enough sites (:func:`~medfl.engine.screening.sites_needed`) are waited for before
+        sending (:meth:`_await_quorum`) and, when fewer answered, the sites that timed out or
+        were lost are waited for and sent the same content again (:meth:`_await_return`; a
+        site computes the same answer again, its state versioned by round; not SecAgg+'s
+        stages, whose masks belong to one exchange); what is still missing after that fails
+        the round (:meth:`Run.check_quorum`).
 
         Every message sent is recorded in :attr:`traffic` under ``phase`` with the encoded
         size of its content and of the answer's (:func:`medfl.wire.encoded_size`; a client
