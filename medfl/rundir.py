@@ -84,8 +84,7 @@ from medfl.integrity import (DiskFullError, append_text, check_sum, interrupted_
 from medfl.logs import FileLog
 from medfl.plugins import PluginError, lookup
 
-__all__ = ["with_step_column", "STATUS_BYTES", "RunError", "GrowingCsv", "RunDir", "recorded_backend",
-           "resume_command"]
+__all__ = ["with_step_column", "STATUS_BYTES", "RunError", "GrowingCsv", "RunDir", "recorded_backend", "resume_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -455,6 +454,4 @@ def resume_command(path: str | Path) -> str:
         command = getattr(lookup("backend", name)(), "resume_command", None)
     except PluginError:   # its plugin is gone: the plain command, which says so
         command = None
-    if command is None:
-        return f"medfl resume {shlex.quote(str(path))}"
-    return str(command(Path(path), record))
+    return f"medfl resume {shlex.quote(str(path))}" if command is None else str(command(Path(path), record))

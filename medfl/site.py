@@ -273,9 +273,7 @@ class Site:
         to the same round with two models would otherwise cancel it). Empty where
         :meth:`run_noise_key` is."""
         key = self.run_noise_key(ctl)
-        if key and instruction:
-            return hashlib.sha256(f"{key}:{instruction}".encode()).hexdigest()
-        return key
+        return hashlib.sha256(f"{key}:{instruction}".encode()).hexdigest() if key and instruction else key
 
     def context(self, ctl: dict[str, Any], store: ClientStore, state_before: int | None = None,
                 instruction: str = "") -> ClientContext:

@@ -62,12 +62,16 @@ def _write_new(path: Path, data: bytes, private: bool) -> None:
         fh.write(data)
 
 
-def _out_dir(out: str | Path) -> Path:
+def _out_files(out: str | Path, names: list[str]) -> list[Path]:
+    """The files ``names`` in the folder ``out`` (made), none of which may exist yet."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise AuthError(f"--out {out}: is a file, expected a folder")
     out.mkdir(parents=True, exist_ok=True)
-    return out
+    for path in (out / name for name in names):
+        if path.exists():
+            raise AuthError(f"{path}: exists; remove it or choose another --out (nothing was overwritten)")
+    return [out / name for name in names]
 
 
 def make_site_key(out: str | Path, name: str) -> tuple[Path, Path]:
@@ -83,11 +87,7 @@ def make_site_key(out: str | Path, name: str) -> tuple[Path, Path]:
 
     if not _NAME.fullmatch(name):
         raise AuthError(f"key name {name!r}: expected letters, digits, '_', '-' or '.' (e.g. site0)")
-    out = _out_dir(out)
-    private, public = out / f"{name}.key", out / f"{name}.pub"
-    for path in (private, public):
-        if path.exists():
-            raise AuthError(f"{path}: exists; remove it or choose another --out (nothing was overwritten)")
+    private, public = _out_files(out, [f"{name}.key", f"{name}.pub"])
     key = ec.generate_private_key(ec.SECP384R1())
     _write_new(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                           serialization.NoEncryption()), private=True)
@@ -148,11 +148,8 @@ def make_certificates(out: str | Path, hosts: list[str], days: int = 365) -> dic
 
     if not hosts:
         raise AuthError("--host: give the name or address the sites use to reach the SuperLink")
-    out = _out_dir(out)
     paths = certificate_paths(out)
-    for path in paths.values():
-        if path.exists():
-            raise AuthError(f"{path}: exists; remove it or choose another --out (nothing was overwritten)")
+    _out_files(out, [path.name for path in paths.values()])
     names: list[x509.GeneralName] = []
     for h in hosts:
         try:

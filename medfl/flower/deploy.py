@@ -30,11 +30,10 @@ from typing import Any, Callable
 
 from medfl.flower.transport import RUN_CONFIG
 
-__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command",
-           "superexec_command", "site_command",
-           "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "read_json", "started_run_id", "run_status", "terminate", "HeldTraceback", "TASK_POLL_ENV", "TELEMETRY_ENV",
-           "SERVERAPP_RAISED", "NODE_ID_LINE"]
+__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command", "superexec_command",
+           "site_command", "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml",
+           "flwr_run", "flwr_stop", "read_json", "started_run_id", "run_status", "terminate", "HeldTraceback",
+           "TASK_POLL_ENV", "TELEMETRY_ENV", "SERVERAPP_RAISED", "NODE_ID_LINE"]
 
 #: How often Flower's SuperExec looks for new tasks (Flower's default is 1 s).
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,8 +71,7 @@ class SiteWorker:
         self.settings = settings
         self.socket_path = str(socket_path)
         self.site: Site | None = None
-        if os.path.exists(self.socket_path):
-            os.unlink(self.socket_path)
+        Path(self.socket_path).unlink(missing_ok=True)
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(self.socket_path)
         self.server.listen(16)
@@ -126,8 +125,7 @@ class SiteWorker:
         try:
             self.server.close()
         finally:
-            if os.path.exists(self.socket_path):
-                os.unlink(self.socket_path)
+            Path(self.socket_path).unlink(missing_ok=True)
 
 
 def _loop_ended(line: str, previous: str) -> bool:
@@ -278,7 +276,5 @@ def _socket_from_command(cmd: list[str]) -> str:
 
 def shutil_rmtree(path: Path) -> None:
     """Remove the worker's temporary socket directory (ignoring errors)."""
-    import shutil
-
     if path.name.startswith("medfl-site-"):
         shutil.rmtree(path, ignore_errors=True)
