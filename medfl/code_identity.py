@@ -246,8 +246,7 @@ def _check_pyc(pyc: Path, source: Path) -> str:
 
 
 def _file_hash(path: Path) -> str:
-    st = path.stat()
-    key = (str(path), st.st_mtime_ns, st.st_size)
+    key = _stat_key(path)
     digest = _HASHES.get(key)
     if digest is None:
         digest = _HASHES[key] = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -312,11 +311,9 @@ def code_identity(kind: str, name: str, cache: dict[frozenset[str], Any] | None 
                             f"({module.__name__}): it cannot be pinned; install it as a module or package")
     key = frozenset(t for name in (top, "medfl") for t in
                     [name, *(t for d in by_top.get(name, []) for t in dist_tops.get(_norm(d), []))])
-    if cache is None or key not in cache:
-        digest = _code_digest(key, f"{kind} {name!r}")
-        if cache is None:
-            cache = {}
-        cache[key] = digest
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = _code_digest(key, f"{kind} {name!r}")
     hashes, sha = cache[key]
     dist, version = _distribution(reg.obj, reg.distribution, reg.version)
     return CodeIdentity(kind=kind, name=name, distribution=dist, version=version, sha256=sha, files=dict(hashes))

@@ -44,13 +44,13 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import pandas as pd
 
 __all__ = ["sha256_file", "NO_SPACE", "DiskFullError", "disk_full", "full_disk_message", "writing", "append_text",
            "sum_path", "write_sum", "check_sum", "RUN_FILES", "file_manifest", "interrupted_write",
-           "manifest_problems", "write_json", "write_csv"]
+           "manifest_problems", "write_text", "write_json", "write_summed", "write_csv"]
 
 
 def sha256_file(path: str | Path) -> str:
@@ -158,10 +158,7 @@ def write_sum(written: Path, final: Path) -> None:
         DiskFullError: no space left for it.
     """
     side = sum_path(final)
-    tmp = side.with_name("." + side.name + ".tmp")
-    with writing(side, tmp):
-        tmp.write_text(sha256_file(written) + "\n")
-    tmp.replace(side)
+    write_text(side, sha256_file(written) + "\n", side.with_name("." + side.name + ".tmp"))
 
 
 def check_sum(path: Path, sum_of: Path | None = None, required: bool = False) -> str:
@@ -249,24 +246,32 @@ def manifest_problems(run_dir: Path, manifest: dict[str, list[Any]], round: int)
     return problems
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` to ``path`` as JSON, atomically (a full disk leaves the file before whole:
-    :func:`writing`)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
+def write_text(path: Path, text: str, tmp: Path | None = None) -> None:
+    """Write ``text`` to ``path`` through a temporary file (``tmp``, default ``<name>.tmp``)
+    renamed into place (a full disk leaves the file before whole: :func:`writing`)."""
+    tmp = tmp or path.with_name(path.name + ".tmp")
     with writing(path, tmp):
-        tmp.write_text(json.dumps(data, indent=2, default=str))
+        tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` as JSON, atomically (:func:`write_text`)."""
+    write_text(path, json.dumps(data, indent=2, default=str))
+
+
+def write_summed(path: Path, write: Callable[[BinaryIO], Any], tmp: Path | None = None) -> None:
+    """Write ``path`` atomically (through ``tmp``, default ``<name>.tmp``) with a checksum
+    sidecar (:func:`write_sum`): ``write`` gets the temporary file, open for bytes (a file
+    object: a full disk's ``OSError`` stays visible, :func:`writing`)."""
+    tmp = tmp or path.with_name(path.name + ".tmp")
+    with writing(path, tmp), open(tmp, "wb") as f:
+        write(f)
+    write_sum(tmp, path)
     tmp.replace(path)
 
 
 def write_csv(path: Path, df: pd.DataFrame, text: str | None = None) -> None:
     """Write ``df`` (or its CSV ``text``, already formatted) atomically with a checksum
     sidecar (``<name>.sha256``) that a resume checks (:meth:`medfl.rundir.RunDir.read_rows`)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with writing(path, tmp):
-        if text is None:
-            df.to_csv(tmp, index=False)
-        else:
-            with open(tmp, "w", encoding="utf-8", newline="") as f:   # the text as pandas made it
-                f.write(text)
-    write_sum(tmp, path)
-    tmp.replace(path)
+    write_summed(path, lambda f: f.write((df.to_csv(index=False) if text is None else text).encode("utf-8")))

@@ -129,20 +129,12 @@ def _check_tensor(t: torch.Tensor, where: str, guard: SampleGuard) -> None:
     shape = tuple(t.shape)
     k = len(guard.sample_shape)
     if k and len(shape) == k + 1 and shape[1:] == guard.sample_shape and shape[0] > 1:
-        raise PayloadError(
-            f"{where}: tensor of shape {shape} looks like a batch of the client's images "
-            f"(sample shape {guard.sample_shape}); images never leave a client"
-        )
+        raise PayloadError(f"{where}: tensor of shape {shape} looks like a batch of the client's images "
+                           f"(sample shape {guard.sample_shape}); images never leave a client")
 
 
-def validate_payload(
-    value: Any,
-    where: str = "payload",
-    *,
-    allow_str: bool = True,
-    guard: Guard | None = None,
-    exempt: frozenset[str] = frozenset(),
-) -> None:
+def validate_payload(value: Any, where: str = "payload", *, allow_str: bool = True, guard: Guard | None = None,
+                     exempt: frozenset[str] = frozenset()) -> None:
     """Check that ``value`` holds only tensors and scalars, then apply ``guard``.
 
     Args:
@@ -167,9 +159,7 @@ def _check_types(value: Any, where: str, allow_str: bool) -> None:
         return
     if isinstance(value, str):
         if not allow_str:
-            raise PayloadError(
-                f"{where}: strings may not leave a client (they can carry file paths); got {value!r}"
-            )
+            raise PayloadError(f"{where}: strings may not leave a client (they can carry file paths); got {value!r}")
         return
     if isinstance(value, dict):
         for key, item in value.items():
@@ -181,10 +171,8 @@ def _check_types(value: Any, where: str, allow_str: bool) -> None:
         for i, item in enumerate(value):
             _check_types(item, f"{where}[{i}]", allow_str)
         return
-    raise PayloadError(
-        f"{where}: only tensors and scalars may travel between coordinator and clients; "
-        f"got {type(value).__module__}.{type(value).__qualname__}"
-    )
+    raise PayloadError(f"{where}: only tensors and scalars may travel between coordinator and clients; "
+                       f"got {type(value).__module__}.{type(value).__qualname__}")
 
 
 def state_mismatch(got: Any, ref: dict[str, Any], where: str = "state") -> str:

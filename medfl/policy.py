@@ -133,8 +133,6 @@ def composed_epsilon(entries: Iterable[dict[str, Any] | Spend], delta: float) ->
     ``(noise_multiplier, sample_rate, steps)`` composed by Opacus's accountant (``privacy.csv``'s
     arithmetic, :mod:`medfl.privacy.ledger`), the groups' epsilons added. Infinite when any
     spend has no noise."""
-    from medfl.privacy.ledger import _epsilon
-
     groups: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
     for e in entries:
         d = asdict(e) if isinstance(e, Spend) else e
@@ -379,14 +377,11 @@ class SitePolicy:
                 raise PolicyRefusal(f"rule required_filters: the run's reply filters {names or '(none)'} lack "
                                     f"{req['name']!r}, which this site requires")
             for f in found:
-                for param, bound in req["max"].items():
-                    if not _number(f.get(param)) or float(f[param]) > bound:
-                        raise PolicyRefusal(f"rule required_filters: filter {req['name']!r} has {param} "
-                                            f"{f.get(param)!r}, this site requires at most {bound:g}")
-                for param, bound in req["min"].items():
-                    if not _number(f.get(param)) or float(f[param]) < bound:
-                        raise PolicyRefusal(f"rule required_filters: filter {req['name']!r} has {param} "
-                                            f"{f.get(param)!r}, this site requires at least {bound:g}")
+                for side, words, sign in (("max", "at most", 1), ("min", "at least", -1)):
+                    for param, bound in req[side].items():
+                        if not _number(f.get(param)) or sign * float(f[param]) > sign * bound:
+                            raise PolicyRefusal(f"rule required_filters: filter {req['name']!r} has {param} "
+                                                f"{f.get(param)!r}, this site requires {words} {bound:g}")
 
 
 #: The rules that are one number > 0.

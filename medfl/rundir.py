@@ -79,13 +79,12 @@ from typing import Any, Callable, Iterable
 import pandas as pd
 import torch
 
-from medfl.integrity import (DiskFullError, append_text, check_sum, file_manifest, interrupted_write,
-                             manifest_problems, sum_path, write_csv, write_json, write_sum, writing)
+from medfl.integrity import (DiskFullError, append_text, check_sum, interrupted_write, sum_path, write_csv,
+                             write_json, write_summed, write_text)
 from medfl.logs import FileLog
 from medfl.plugins import PluginError, lookup
 
-__all__ = ["with_step_column", "STATUS_BYTES", "RunError", "GrowingCsv", "RunDir", "recorded_backend",
-           "resume_command"]
+__all__ = ["with_step_column", "STATUS_BYTES", "RunError", "GrowingCsv", "RunDir", "recorded_backend", "resume_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -316,11 +315,8 @@ class RunDir:
         text = json.dumps(data, indent=2, default=str)
         # padded with spaces (valid JSON) to a fixed size, so that it can be rewritten in place
         text += " " * max(0, STATUS_BYTES - 1 - len(text.encode())) + "\n"
-        tmp = path.with_suffix(".json.tmp")
         try:
-            with writing(path, tmp):
-                tmp.write_text(text)
-            tmp.replace(path)
+            write_text(path, text)
         except DiskFullError:
             # no room for a second copy: overwrite the file's own bytes in place (no new space
             # on the device), the reason shortened to fit, so a full disk's stop says "failed"
@@ -343,32 +339,15 @@ class RunDir:
         """Round ``r``'s checkpoint file."""
         return self.path / "checkpoints" / f"round_{r:04d}.pt"
 
-    def last_checkpoint(self) -> int:
-        """The last round with a complete checkpoint (0 if none)."""
-        return max(self.kept_checkpoints(), default=0)
-
     def kept_checkpoints(self) -> list[int]:
         """The rounds whose checkpoints are on disk, oldest first."""
         d = self.path / "checkpoints"
         return sorted(int(p.stem.split("_")[1]) for p in d.glob("round_*.pt")) if d.is_dir() else []
 
-    def manifest(self) -> dict[str, list[Any]]:
-        """The ``files`` entry of a checkpoint taken now (:func:`file_manifest`)."""
-        return file_manifest(self.path)
-
-    def manifest_problems(self, manifest: dict[str, list[Any]], round: int) -> list[str]:
-        """What is wrong with the files round ``round``'s checkpoint ``manifest`` names
-        (:func:`manifest_problems`)."""
-        return manifest_problems(self.path, manifest, round)
-
     def save_checkpoint(self, r: int, ckpt: dict[str, Any]) -> None:
         """Write round ``r``'s checkpoint ``ckpt`` atomically, with a checksum sidecar."""
         path = self.checkpoint_path(r)
-        tmp = path.with_suffix(".tmp")
-        with writing(path, tmp), open(tmp, "wb") as f:   # a file object: a full disk's OSError stays visible
-            torch.save(ckpt, f)
-        write_sum(tmp, path)
-        tmp.replace(path)
+        write_summed(path, lambda f: torch.save(ckpt, f), path.with_suffix(".tmp"))
 
     def drop_checkpoints(self, keep: Iterable[int]) -> None:
         """Delete every checkpoint (and its sidecar) of a round not in ``keep``."""
@@ -475,6 +454,4 @@ def resume_command(path: str | Path) -> str:
         command = getattr(lookup("backend", name)(), "resume_command", None)
     except PluginError:   # its plugin is gone: the plain command, which says so
         command = None
-    if command is None:
-        return f"medfl resume {shlex.quote(str(path))}"
-    return str(command(Path(path), record))
+    return f"medfl resume {shlex.quote(str(path))}" if command is None else str(command(Path(path), record))

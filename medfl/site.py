@@ -78,6 +78,7 @@ from medfl.budget import BudgetRefused, SiteBudget, data_key
 from medfl.config import build_method, local_sites, resolve_config, set_threads, uncovered_keys
 from medfl.engine import protocol as P
 from medfl.filters import FilterChain
+from medfl.integrity import write_text
 from medfl.messages import RELEASE_FLAG, Instruction, validate_payload
 from medfl.method import Method
 from medfl.policy import SitePolicy, request_releases
@@ -252,9 +253,7 @@ class Site:
             store.rollback(k)
             eval_store.rollback(k)
             root.mkdir(parents=True, exist_ok=True)
-            tmp = marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"session": session, "resumed_from": k}))
-            tmp.replace(marker)
+            write_text(marker, json.dumps({"session": session, "resumed_from": k}))
         ckpt = int(ctl.get("ckpt", 0))
         if ckpt > 0:
             pinned = [int(k) for k in ctl.get("pinned") or []]   # early stopping's best rounds
@@ -274,9 +273,7 @@ class Site:
         to the same round with two models would otherwise cancel it). Empty where
         :meth:`run_noise_key` is."""
         key = self.run_noise_key(ctl)
-        if key and instruction:
-            return hashlib.sha256(f"{key}:{instruction}".encode()).hexdigest()
-        return key
+        return hashlib.sha256(f"{key}:{instruction}".encode()).hexdigest() if key and instruction else key
 
     def context(self, ctl: dict[str, Any], store: ClientStore, state_before: int | None = None,
                 instruction: str = "") -> ClientContext:

@@ -371,12 +371,8 @@ class Tracking:
 
     def _record(self, watch: _RunWatch) -> None:
         """Add the trackers' :meth:`summary` to the finished run's ``summary.json``."""
-        path = Path(watch.run.run_dir) / "summary.json"
-        try:
-            summary = json.loads(path.read_text())
-        except (OSError, ValueError):   # no summary to add to (a run that wrote none)
-            return
-        if isinstance(summary, dict):
+        summary = _summary(Path(watch.run.run_dir))
+        if summary is not None:   # None: no summary to add to (a run that wrote none)
             summary["trackers"] = self.summary(watch.key)
             watch.run.files.write_json("summary.json", summary)
             self._recorded[watch.key] = watch
@@ -467,11 +463,7 @@ class Tracking:
         experiment's run."""
         run_dir = Path(watch.run.run_dir)
         files = [run_dir / "summary.json", *sorted((run_dir / "plots").glob("*.png"))]
-        try:
-            summary = json.loads((run_dir / "summary.json").read_text())
-        except (OSError, ValueError):   # a run that wrote no summary: no figures
-            summary = {}
-        figures, step = headline_figures(watch.key, summary if isinstance(summary, dict) else {})
+        figures, step = headline_figures(watch.key, _summary(run_dir) or {})   # no summary: no figures
         models: dict[str, Any] = {}
         if self.final_models is not None and set(self.trackers) - self.failed:
             try:
@@ -496,7 +488,7 @@ class Tracking:
                 self._call(tname, "log_model", f"logging model {mname!r}",
                            lambda t, _n=mname, _m=model, _x=example: t.log_model(watch.key, _n, _m, _x))
 
-    def finish(self, status: str, result: dict[str, Any] | None = None) -> None:
+    def finish(self, status: str) -> None:
         """End the experiment's run: its own files (comparison, CV and seeds reports) as
         artifacts when ``status`` is ``"finished"``, then close every tracker. Waits for the
         trackers as :meth:`drain` does (a tracker that does not answer: at most :attr:`wait_s`),
@@ -554,6 +546,15 @@ class Tracking:
                                   else f"{k!r} {json.dumps(r)}" for k, r in left)
                 text += f"; runs left open (ending them as failed did not work: {why}): {names}"
             logger.warning(text)
+
+
+def _summary(run_dir: Path) -> dict[str, Any] | None:
+    """A run's ``summary.json`` (``None``: there is none, or it is not a JSON object)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def _experiment_files(root: Path) -> Iterable[Path]:

@@ -340,9 +340,7 @@ def _holds_nan(key: Any) -> bool:
         return issubclass(key[1], float) and "nan" in key[2]
     if key[0] == "d":
         return any(_holds_nan(v) for _, v in key[1])
-    if key[0] in ("l", "u"):
-        return any(_holds_nan(v) for v in key[1])
-    return False
+    return key[0] in ("l", "u") and any(_holds_nan(v) for v in key[1])
 
 
 def share_instructions(instructions: dict[str, Instruction]) -> tuple[list[Instruction], dict[str, int]]:

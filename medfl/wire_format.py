@@ -272,4 +272,3 @@ def decode(data: bytes) -> Content:
     if r.pos != len(r.data):
         raise WireError(f"{len(r.data) - r.pos} bytes after the content's end (offset {r.pos})")
     return content
-

@@ -44,7 +44,7 @@ class InProcess(Backend):
         yield Run, None
 
 
-class Ray(Backend):
+class Ray(InProcess):
     """The clients in parallel on Flower's simulation runtime (Ray actors on this machine)."""
 
     name = "ray"
@@ -53,13 +53,12 @@ class Ray(Backend):
     @contextmanager
     def runs(self, cfg: dict[str, Any], path: Path | None = None) -> Iterator[Runs]:
         """:func:`medfl.flower.simulation.simulated_runs`: the runs of a simulation runtime that
-        lives as long as the ``with`` (a stopped simulated run continues there too)."""
+        lives as long as the ``with`` (a stopped simulated run continues there too); a new
+        experiment needs the device, as in process."""
         from medfl.flower.simulation import simulated_runs
 
-        if path is None:
-            check_device(cfg["device"], available=True)
-        with simulated_runs(cfg) as factory:
-            yield factory, ({"engine": "simulation"} if path is None else None)
+        with super().runs(cfg, path), simulated_runs(cfg) as factory:
+            yield factory, {"engine": "simulation"}
 
 
 class Flower(Backend):

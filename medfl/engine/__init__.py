@@ -12,4 +12,3 @@ __all__ = [
     "HubAndSpoke", "norm_keys", "Run", "RunError",
     "get_state", "make_optimizer", "predict_proba", "train_epochs", "weighted_average",
 ]
-

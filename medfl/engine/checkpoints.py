@@ -19,6 +19,7 @@ import torch
 
 from medfl.config import method_preset, preset_counts, preset_record
 from medfl.filters import FilterChain
+from medfl.integrity import file_manifest, manifest_problems
 from medfl.method import MethodConfigError
 from medfl.models.registry import ModelConfigError, build_model, recorded_builds
 from medfl.plugins import PluginError
@@ -44,14 +45,11 @@ class Checkpoints:
         (``read_only``: load the last checkpoint and change nothing on disk, for predicting).
         A writing run holds the run directory's lock until :meth:`execute` ends.
 
-        A method that refuses its settings where it first sees them, in
-        :meth:`~medfl.method.Method.setup` (raising :class:`~medfl.method.MethodConfigError`),
-        or a model that refuses its options (:class:`~medfl.models.registry.ModelConfigError`
-        from its factory, or a :class:`~medfl.plugins.PluginError` for an unknown inner model
-        a wrapper builds: every model of the run is built here, :meth:`_check_models`)
-        stops a new run before anything ran: the run directory this call created goes with the
-        refusal (:meth:`medfl.rundir.RunDir.discard`), so the refusal is one ``medfl: error:``
-        line and no run is left behind (:data:`REFUSALS`). Any other exception keeps the
+        A refusal of the run's settings (:data:`REFUSALS`, below: in the method's
+        :meth:`~medfl.method.Method.setup`, or by a model, every one of which is built here,
+        :meth:`_check_models`) stops a new run before anything ran: the run directory this
+        call created goes with it (:meth:`medfl.rundir.RunDir.discard`), so the refusal is one
+        ``medfl: error:`` line and no run is left behind. Any other exception keeps the
         directory (a bug: its traceback, and a run ``medfl runs`` lists as crashed).
 
         Raises:
@@ -86,7 +84,7 @@ class Checkpoints:
         if ckpt is None:
             k = 0
         else:
-            lost = [] if read_only else self.files.manifest_problems(ckpt.get("files") or {}, k)
+            lost = [] if read_only else manifest_problems(self.run_dir, ckpt.get("files") or {}, k)
             if lost:
                 more = f" (and {len(lost) - 1} more file(s))" if len(lost) > 1 else ""
                 self._refuse_resume(f"{lost[0]}{more}; a resume would continue from files that are not the ones "
@@ -295,7 +293,7 @@ class Checkpoints:
         if self.early is not None:
             engine["early_stopping"] = self.early.state_dict()
         ckpt = {"round": r, "method": self.coordinator.state_dict(), "client_states": self.store.index(r),
-                "eval_states": self.eval_store.index(r), "engine": engine, "files": self.files.manifest()}
+                "eval_states": self.eval_store.index(r), "engine": engine, "files": file_manifest(self.run_dir)}
         self.files.save_checkpoint(r, ckpt)
         self._ckpt = r
         kept = self.files.kept_checkpoints()

@@ -227,16 +227,13 @@ def run_client_update(method: Method, ctx: ClientContext, instruction: Instructi
     if not isinstance(reply, Reply):
         raise TypeError(f"method {method.name!r}: client_update must return a Reply, got {type(reply).__name__}")
     where = f"reply of method {method.name!r} from client {ctx.client_id}"
-    bad = first_non_finite(reply.payload)
-    if bad:
-        raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: the reply's {bad} holds NaN or infinite "
-                             "values (training diverged); lower train.lr or set train.clip_grad_norm")
-    # the whole local model, the layers that stay at the client too (FedBN's norm layers: its
-    # reply can be finite while the model it evaluates with is not)
-    bad = first_non_finite(ctx.state)
-    if bad:
-        raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: the client's own state{bad} holds NaN or "
-                             "infinite values (training diverged); lower train.lr or set train.clip_grad_norm")
+    # the reply, and the whole local model: the layers that stay at the client too (FedBN's norm
+    # layers: its reply can be finite while the model it evaluates with is not)
+    for what, value in (("the reply's ", reply.payload), ("the client's own state", ctx.state)):
+        bad = first_non_finite(value)
+        if bad:
+            raise NonFiniteError(f"client {ctx.client_id}, round {ctx.round}: {what}{bad} holds NaN or infinite "
+                                 "values (training diverged); lower train.lr or set train.clip_grad_norm")
     validate_payload(reply.metrics, where + " (metrics)", allow_str=False, guard=ctx.guard)
     problem = reported_problem(method, "train", instruction, reply.metrics, reply.num_examples,
                                ctx.num_examples("train"))

@@ -33,13 +33,11 @@ def _seed_all(seed: int) -> None:
     np.random.seed(seed % (2**32))
 
 
-def run_client_evaluate(
-    method: Method, ctx: ClientContext, instruction: Instruction, splits: list[str],
-    metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
-    cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
-    memory: dict[str, Any] | None = None,
-    peers: dict[str, Callable[[], Dataset]] | None = None,
-) -> dict[str, dict[str, float]]:
+def run_client_evaluate(method: Method, ctx: ClientContext, instruction: Instruction, splits: list[str],
+                        metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
+                        cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
+                        memory: dict[str, Any] | None = None, peers: dict[str, Callable[[], Dataset]] | None = None
+                        ) -> dict[str, dict[str, float]]:
     """Build the client's evaluation model and compute metrics on each split, at the client.
 
     Only the metrics (scalars) leave the client. ``cache`` reuses results of a split that
@@ -146,13 +144,11 @@ def evaluate_final_models(ctx: ClientContext, finals: dict[str, tuple[dict[str, 
     return out
 
 
-def evaluate_model(
-    model: nn.Module, ctx: ClientContext, splits: list[str],
-    metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
-    cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
-    memory: dict[str, Any] | None = None,
-    peers: dict[str, Callable[[], Dataset]] | None = None,
-) -> dict[str, dict[str, float]]:
+def evaluate_model(model: nn.Module, ctx: ClientContext, splits: list[str],
+                   metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]],
+                   cache: dict[tuple[str, str], tuple[dict[str, float], np.ndarray]] | None = None,
+                   memory: dict[str, Any] | None = None, peers: dict[str, Callable[[], Dataset]] | None = None
+                   ) -> dict[str, dict[str, float]]:
     """Score the client's evaluation model (:func:`build_eval_model`) on ``splits``: the
     second step of :func:`run_client_evaluate`, whose docstring says what it returns."""
     from medfl.training import predict_proba, state_fingerprint

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from medfl.data.partition import DEFAULT_GROUP_COLUMN, PartitionError, grouped_stratified_split, per_class_holdout
 from medfl.data.source import DataError, FederatedSource
-from medfl.integrity import sha256_file, writing
+from medfl.integrity import sha256_file, write_text, writing
 from medfl.method import derive_seed
 from medfl.plugins import lookup
 
@@ -78,8 +78,7 @@ class FederatedData:
     @property
     def client_ids(self) -> list[str]:
         """Client ids in numeric order."""
-        ids = self.assignments.loc[self.assignments["client_id"] != "", "client_id"].unique()
-        return client_order(ids)
+        return client_order(self.assignments.loc[self.assignments["client_id"] != "", "client_id"].unique())
 
     def client_names(self) -> dict[str, str]:
         """Client id -> readable name (e.g. a site or region)."""
@@ -138,21 +137,12 @@ class FederatedData:
         :data:`REPORT_NAME` in the same folder (the table, written last, marks a whole split)."""
         path = Path(path)
         if self.report is not None:
-            _write_text(path.with_name(REPORT_NAME), json.dumps(self.report, indent=2) + "\n")
+            write_text(path.with_name(REPORT_NAME), json.dumps(self.report, indent=2) + "\n")
         tmp = path.with_name(path.name + ".tmp")
         with writing(path, tmp):
             self.assignments.to_csv(tmp, index=False)
-        _write_text(path.with_name(path.name + ".sha256"), f"{sha256_file(tmp)} {len(self.assignments)}\n")
+        write_text(path.with_name(path.name + ".sha256"), f"{sha256_file(tmp)} {len(self.assignments)}\n")
         tmp.replace(path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed into place (a full disk
-    leaves the file as it was: :func:`medfl.rundir.writing`)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with writing(path, tmp):
-        tmp.write_text(text)
-    tmp.replace(path)
 
 
 PARTITION_COLUMNS = ("row", "client_id", "role")
@@ -174,10 +164,9 @@ def read_partition(path: str | Path) -> pd.DataFrame:
     damaged = f"{path}: the saved partition is damaged"
     advice = "; restore it from a backup or start a new run (a resumed run must train on the same split)"
     side = path.with_name(path.name + ".sha256")
-    if side.is_file():
-        parts = side.read_text().split()
-        if len(parts) != 2 or sha256_file(path) != parts[0]:
-            raise DataError(f"{damaged}: its SHA-256 differs from the one written with it ({side.name}){advice}")
+    parts = side.read_text().split() if side.is_file() else None
+    if parts is not None and (len(parts) != 2 or sha256_file(path) != parts[0]):
+        raise DataError(f"{damaged}: its SHA-256 differs from the one written with it ({side.name}){advice}")
     if path.stat().st_size == 0:
         raise DataError(f"{damaged}: the file is empty{advice}")
     try:
@@ -187,8 +176,8 @@ def read_partition(path: str | Path) -> pd.DataFrame:
     missing = [c for c in PARTITION_COLUMNS if c not in df.columns]
     if missing:
         raise DataError(f"{damaged}: no column(s) {missing}; has {list(df.columns)}{advice}")
-    if side.is_file() and len(df) != int(side.read_text().split()[1]):
-        raise DataError(f"{damaged}: {len(df)} rows, {side.read_text().split()[1]} were written{advice}")
+    if parts is not None and len(df) != int(parts[1]):
+        raise DataError(f"{damaged}: {len(df)} rows, {parts[1]} were written{advice}")
     rows = pd.to_numeric(df["row"], errors="coerce")
     if rows.isna().any() or (df["role"] == "").any() or ((df["client_id"] == "") & (df["role"] != "global_test")).any():
         raise DataError(f"{damaged}: blank or non-numeric cells in {list(PARTITION_COLUMNS)}{advice}")
@@ -517,4 +506,3 @@ def _fold_split(labels: np.ndarray, groups: np.ndarray, cfg: dict[str, Any], fol
                                          derive_seed(seed, "val", fold))
         return {"train": rest[parts["train"]], "val": rest[parts["val"]], "test": test}
     return {"train": rest, "test": test}
-

@@ -116,9 +116,7 @@ class EarlyStopping:
     def _improves(self, value: float, best: float | None) -> bool:
         if best is None:
             return True
-        if self.mode == "min":
-            return value < best - self.min_delta
-        return value > best + self.min_delta
+        return value < best - self.min_delta if self.mode == "min" else value > best + self.min_delta
 
     def _select(self, first: int | None) -> tuple[int | None, float | None, int]:
         """The best round, its value and the wait after the curve's last entry, counting

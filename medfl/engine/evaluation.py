@@ -180,9 +180,8 @@ class Evaluation:
         own = [s for s in splits if s != "cross_test"]
         cross = "cross_test" in splits
         ids = self.asked(r, "evaluate", self.federation.eval_client_ids)
-        peers = None
-        if cross:
-            peers = {j: self.data.dataset_factories(j, ["test"])["test"] for j in self.federation.eval_client_ids}
+        peers = ({j: self.data.dataset_factories(j, ["test"])["test"] for j in self.federation.eval_client_ids}
+                 if cross else None)
         used = {cid: evals.get(cid, Instruction()) for cid in ids}
         sent = self._request_sizes(r, used, splits=own, want_model=cross)
         models: dict[str, dict[str, torch.Tensor]] = {}

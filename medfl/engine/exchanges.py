@@ -63,15 +63,13 @@ def client_context(data: FederatedData, client_id: str, round: int, *, run_seed:
     ``deployed`` and ``coordinator`` say whether the client runs on its own machine and
     where the coordinator is (a Flower site)."""
     roles = ROLES if client_id != POOLED else ["train", "val", "test"]
-    return ClientContext(
-        client_id=client_id, round=round, seed=derive_seed(run_seed, round, client_id),
-        datasets=data.dataset_factories(client_id, roles), model_spec=dict(model_spec),
-        train=dict(train), device=device,
-        state=store.load(client_id, round + 1 if state_before is None else state_before),
-        sample_shape=tuple(data.source.sample_shape),
-        split_sizes=data.sizes(client_id, [r for r in roles if r != "global_test"]),
-        noise_key=noise_key, deployed=deployed, coordinator=coordinator,
-    )
+    return ClientContext(client_id=client_id, round=round, seed=derive_seed(run_seed, round, client_id),
+                         datasets=data.dataset_factories(client_id, roles), model_spec=dict(model_spec),
+                         train=dict(train), device=device,
+                         state=store.load(client_id, round + 1 if state_before is None else state_before),
+                         sample_shape=tuple(data.source.sample_shape),
+                         split_sizes=data.sizes(client_id, [r for r in roles if r != "global_test"]),
+                         noise_key=noise_key, deployed=deployed, coordinator=coordinator)
 
 
 class RoundBar:
@@ -204,15 +202,10 @@ class Exchanges:
     def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
         """Run ``client_update`` on each addressed client; return the replies received.
 
-        This method and :meth:`evaluate_clients` are the only places where the coordinator
-        reaches clients: here every client runs in this process, one at a time, its state
-        loaded from and saved to ``clients/``. The Flower deployment overrides both to send
-        the same instructions to sites (a site that does not answer is left out of the
-        returned replies; the method's ``server_update`` sees only those that answered).
-
-        Each exchange is recorded in :attr:`traffic` (``train``) with the sizes of the
-        instruction and reply as a deployment sends them (:func:`medfl.wire.encoded_size`); the round's
-        progress, client by client, is logged (:class:`RoundProgress`).
+        Every client runs in this process, one at a time, its state loaded from and saved to
+        ``clients/`` (a transport seam: the module docstring). Each exchange is recorded in
+        :attr:`traffic` (``train``) with the sizes of the instruction and reply as a deployment
+        sends them; the round's progress, client by client, is logged (:class:`RoundProgress`).
         """
         order = client_order(instructions)
         sent = self._request_sizes(r, {cid: instructions[cid] for cid in order})

@@ -42,6 +42,7 @@ from medfl.engine.remote_sites import UNDECODABLE, RemoteSettings, SiteDirectory
 from medfl.engine.remote_steps import RemoteSteps
 from medfl.engine.runner import Run, RunError
 from medfl.engine.screening import TooFewSites, quorum_rule, sites_needed
+from medfl.integrity import write_json
 from medfl.engine import protocol as P
 from medfl.messages import Instruction, SampleGuard
 from medfl.transport import Outgoing, Transport
@@ -167,9 +168,7 @@ class RemoteRun(RemoteSteps, Run):
         elif resume and isinstance(meta.get("site_nodes"), dict):
             self.sites.pins = parse_pins(meta["site_nodes"], f"{meta_path} site_nodes")
             logger.info(f"medfl: clients are served only by the nodes registered for them ({meta_path})")
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=2))
-        tmp.replace(meta_path)
+        write_json(meta_path, meta)
         t0 = time.monotonic()
         ids = self.federation.eval_client_ids
         self._await_sites(ids, len(ids), t0 + self.settings.connect_timeout, t0)
@@ -311,15 +310,12 @@ class RemoteRun(RemoteSteps, Run):
         order; a client without a node, one whose node is lost and one that has not answered
         within ``round_timeout`` are left out (and logged).
 
-        Enough sites (:func:`~medfl.engine.screening.sites_needed`: ``fl.min_sites``,
-        ``fl.min_fraction``): before sending, fewer sites with a node than needed are waited
-        for (:meth:`_await_quorum`); after it, when fewer answered than needed, the sites
-        that timed out or were lost are asked for their hello again and waited for, up to
-        ``fl.site_wait_s`` seconds, and the same content is sent again to those that came
-        back (a site computes the same answer again: its state is versioned by round).
-        SecAgg+'s stages are not sent again (their masks belong to one exchange). Each wait
-        is a ``waiting`` / ``waited`` row of ``flower_events.csv``; what is still missing
-        after it fails the round (:meth:`Run.check_quorum`).
+        Enough sites (:func:`~medfl.engine.screening.sites_needed`) are waited for before
+        sending (:meth:`_await_quorum`) and, when fewer answered, the sites that timed out or
+        were lost are waited for and sent the same content again (:meth:`_await_return`; a
+        site computes the same answer again, its state versioned by round; not SecAgg+'s
+        stages, whose masks belong to one exchange); what is still missing after that fails
+        the round (:meth:`Run.check_quorum`).
 
         Every message sent is recorded in :attr:`traffic` under ``phase`` with the encoded
         size of its content and of the answer's (:func:`medfl.wire.encoded_size`; a client

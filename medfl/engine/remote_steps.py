@@ -40,10 +40,9 @@ class RemoteSteps:
 
     def update_clients(self, r: int, instructions: dict[str, Instruction]) -> dict[str, Reply]:
         """Send every addressed client its instruction as a ``train`` message; return the
-        replies of the sites that answered, in the engine's client order. Each reply is
-        checked on arrival: tensors and numbers only, nothing shaped like a batch of the
-        site's images (:func:`~medfl.messages.validate_payload`; the site compared the reply
-        with its own labels and images before sending it, :mod:`medfl.guard`)."""
+        replies of the sites that answered, in the engine's client order, each checked on
+        arrival (:meth:`_train_reply`; the site compared it with its own labels and images
+        before sending it, :mod:`medfl.guard`)."""
         if self.secure is not None:
             return self._secure_update(r, instructions)
         outgoing = {cid: self._instruction_content(r, cid, ins) for cid, ins in instructions.items()}

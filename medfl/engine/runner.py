@@ -4,16 +4,9 @@ backend (:mod:`medfl.backend`) gives it another ``run_factory``. The experiment 
 (methods x folds x seeds, resume) is :mod:`medfl.experiment`; what a run directory holds is
 listed in :mod:`medfl.rundir` (:class:`~medfl.rundir.RunDir` writes every file of it).
 
-Early stopping (``fl.early_stopping``, :mod:`medfl.engine.early_stopping`): after each
-evaluated round the run reads the mean over clients of its metric, keeps the best round, and
-stops once ``patience`` evaluated rounds did not improve on it; the decision is in that
-round's checkpoint, so a resumed run decides the same. At the end the coordinator state is
-restored from the best round's checkpoint before ``finalize``, and the summary comes from
-the best round's rows; a run that early stopping ended is finished. Only rounds from the
-method's :meth:`~medfl.method.Method.scored_from` on (asked after every round,
-:meth:`Run.ask_scored_from`) can be the best round; the answer is in every checkpoint, in
-``mechanisms.csv`` (mechanism ``selection``) for a method that declares it, and in the
-summary's ``selection`` block.
+Early stopping and best-round selection (``fl.early_stopping``, the method's ``scored_from``
+asked after every round, :meth:`Run.ask_scored_from`) are :mod:`medfl.engine.early_stopping`'s;
+the decision is in each round's checkpoint, and the summary's ``selection`` block says it.
 """
 
 from __future__ import annotations
@@ -191,11 +184,6 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         if cross_test_in_clear(cfg, plan.private, where, refuse=False):
             plan.send_in_clear(CROSS_TEST_IN_CLEAR)
         return plan
-
-    # ------------------------------------------------------------------ files
-    def last_checkpoint(self) -> int:
-        """The last round with a complete checkpoint (0 if none)."""
-        return self.files.last_checkpoint()
 
     def _status(self, status: str, r: int, reason: str = "") -> None:
         """Write ``status.json`` (:meth:`RunDir.status`): ``status`` after round ``r``."""
@@ -471,28 +459,17 @@ class Run(Checkpoints, Exchanges, Screening, Evaluation, Mechanisms):
         summary["communication"] = self.traffic.summary(rounds)
         from medfl.config import threads_record   # the setting and this process's torch threads
         summary["threads"] = threads_record(self.config.get("threads"))
-        fairness = fairness_report(selected, "local_test")
-        if fairness:
-            summary["fairness"] = fairness
-        if finals:
-            summary["final_models"] = finals
         groups = self.coordinator.client_groups()
-        if groups:
-            summary["groups"] = self.write_groups(groups, best)
-        if self.public is not None:
-            summary["public_dataset"] = self.public.describe()
-        report = self.coordinator.report()
-        if report:
-            summary["method_report"] = report
-        if self.warnings:
-            summary["warnings"] = list(self.warnings)
+        optional = {"fairness": fairness_report(selected, "local_test"), "final_models": finals,
+                    "groups": self.write_groups(groups, best) if groups else None,
+                    "public_dataset": self.public.describe() if self.public is not None else None,
+                    "method_report": self.coordinator.report(), "warnings": list(self.warnings)}
+        summary.update({k: v for k, v in optional.items() if v})   # the blocks this run has, in this order
         self.files.write_csv("forgetting.csv", per_round)
         self.files.write_json("summary.json", summary)
         pm.hook.on_run_end(run=self, summary=summary)     # plots and reports; then the run is finished
         self._status("finished", rounds)
         return summary
-
-
 
 
 #: Builds a method's run: ``(cfg, method_spec, run_dir, data) -> Run`` (:class:`Run` itself,
@@ -504,4 +481,3 @@ def build_source(spec: dict[str, Any]) -> Any:
     """The dataset a config's ``dataset`` section names, built by its registered plugin."""
     rest = dict(spec)
     return lookup("dataset", rest.pop("name"))(**rest)
-

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
-from medfl.integrity import check_sum, sha256_file, sum_path, write_sum, writing
+from medfl.integrity import check_sum, sha256_file, sum_path, write_summed
 
 __all__ = ["ClientStore"]
 
@@ -64,12 +64,7 @@ class ClientStore:
         ``.sha256`` of the file that :meth:`load` and :meth:`verify` check."""
         d = self.root / client_id
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".state_r{round:04d}.pt.tmp"
-        path = d / f"state_r{round:04d}.pt"
-        with writing(path, tmp), open(tmp, "wb") as f:   # a file object: a full disk's OSError stays visible
-            torch.save(state, f)
-        write_sum(tmp, path)
-        tmp.replace(path)
+        write_summed(d / f"state_r{round:04d}.pt", lambda f: torch.save(state, f), d / f".state_r{round:04d}.pt.tmp")
 
     def index(self, upto_round: int) -> dict[str, list[Any]]:
         """``{client_id: [round, sha256]}`` of each client's newest state from a round up to

@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from medfl.integrity import write_text
+
 __all__ = ["AuthError", "make_certificates", "certificate_paths", "make_site_key", "register_site",
            "check_private_key", "parse_site_nodes", "read_site_nodes", "pin_site"]
 
@@ -60,12 +62,16 @@ def _write_new(path: Path, data: bytes, private: bool) -> None:
         fh.write(data)
 
 
-def _out_dir(out: str | Path) -> Path:
+def _out_files(out: str | Path, names: list[str]) -> list[Path]:
+    """The files ``names`` in the folder ``out`` (made), none of which may exist yet."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise AuthError(f"--out {out}: is a file, expected a folder")
     out.mkdir(parents=True, exist_ok=True)
-    return out
+    for path in (out / name for name in names):
+        if path.exists():
+            raise AuthError(f"{path}: exists; remove it or choose another --out (nothing was overwritten)")
+    return [out / name for name in names]
 
 
 def make_site_key(out: str | Path, name: str) -> tuple[Path, Path]:
@@ -81,11 +87,7 @@ def make_site_key(out: str | Path, name: str) -> tuple[Path, Path]:
 
     if not _NAME.fullmatch(name):
         raise AuthError(f"key name {name!r}: expected letters, digits, '_', '-' or '.' (e.g. site0)")
-    out = _out_dir(out)
-    private, public = out / f"{name}.key", out / f"{name}.pub"
-    for path in (private, public):
-        if path.exists():
-            raise AuthError(f"{path}: exists; remove it or choose another --out (nothing was overwritten)")
+    private, public = _out_files(out, [f"{name}.key", f"{name}.pub"])
     key = ec.generate_private_key(ec.SECP384R1())
     _write_new(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                           serialization.NoEncryption()), private=True)
@@ -146,11 +148,8 @@ def make_certificates(out: str | Path, hosts: list[str], days: int = 365) -> dic
 
     if not hosts:
         raise AuthError("--host: give the name or address the sites use to reach the SuperLink")
-    out = _out_dir(out)
     paths = certificate_paths(out)
-    for path in paths.values():
-        if path.exists():
-            raise AuthError(f"{path}: exists; remove it or choose another --out (nothing was overwritten)")
+    _out_files(out, [path.name for path in paths.values()])
     names: list[x509.GeneralName] = []
     for h in hosts:
         try:
@@ -281,7 +280,6 @@ def pin_site(path: str | Path, client_id: str, node: int) -> dict[str, int]:
         if n == node and other != cid:
             raise AuthError(f"{path}: node {node} already serves client {other!r}")
     nodes[cid] = node
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(nodes, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_text(path, json.dumps(nodes, indent=1, sort_keys=True) + "\n",
+               path.with_name(f".{path.name}.{os.getpid()}.tmp"))
     return nodes

@@ -30,11 +30,10 @@ from typing import Any, Callable
 
 from medfl.flower.transport import RUN_CONFIG
 
-__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command",
-           "superexec_command", "site_command",
-           "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml", "flwr_run", "flwr_stop",
-           "read_json", "started_run_id", "run_status", "HeldTraceback", "TASK_POLL_ENV", "TELEMETRY_ENV",
-           "SERVERAPP_RAISED", "NODE_ID_LINE"]
+__all__ = ["FlowerDeployError", "flower_env", "free_port", "flower_command", "superlink_command", "superexec_command",
+           "site_command", "node_config", "write_app", "write_connection", "make_run_config", "run_config_toml",
+           "flwr_run", "flwr_stop", "read_json", "started_run_id", "run_status", "terminate", "HeldTraceback",
+           "TASK_POLL_ENV", "TELEMETRY_ENV", "SERVERAPP_RAISED", "NODE_ID_LINE"]
 
 #: How often Flower's SuperExec looks for new tasks (Flower's default is 1 s).
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
@@ -155,17 +154,11 @@ def node_config(client_id: str, config: str | Path, state_dir: str | Path, *, ov
             raise FlowerDeployError(f"node config value {s!r} contains a single quote")
         return f"'{s}'"
 
-    items = {"client-id": client_id, "config": Path(config).resolve(), "state-dir": Path(state_dir).resolve()}
-    if overrides:
-        items["overrides"] = json.dumps(overrides)
-    items["workdir"] = Path(workdir).resolve() if workdir else Path.cwd()
-    if device:
-        items["device"] = device
-    if worker:
-        items["worker"] = worker
-    if superlink:
-        items["superlink"] = superlink
-    return " ".join(f"{k}={q(v)}" for k, v in items.items())
+    items = {"client-id": client_id, "config": Path(config).resolve(), "state-dir": Path(state_dir).resolve(),
+             "overrides": json.dumps(overrides) if overrides else "",
+             "workdir": Path(workdir).resolve() if workdir else Path.cwd(), "device": device, "worker": worker,
+             "superlink": superlink}
+    return " ".join(f"{k}={q(v)}" for k, v in items.items() if v or k == "client-id")
 
 
 def site_command(client_id: str, config: str | Path, state_dir: str | Path, superlink: str, *,
@@ -348,13 +341,19 @@ def flwr_run(app_dir: str | Path, superlink: str, run_config: dict[str, Any], *,
             _follow(seen["run"], home, env, stream_to, done, limits)
         return code
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc, 10.0)
+
+
+def terminate(proc: subprocess.Popen[bytes], wait: float) -> None:
+    """End ``proc`` if it still runs: SIGTERM, then SIGKILL when it has not exited ``wait``
+    seconds later."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class _Limits:

@@ -52,19 +52,6 @@ def _prctl(option: int, value: int) -> None:
         pass
 
 
-def _killed_with_parent() -> None:
-    """In a child, before it runs: SIGKILL when the supervisor dies (Linux; elsewhere nothing).
-    A supervisor that ends on its own first stops its children in order; one that is killed
-    (a crash) takes them down at once, as a crash of Flower's SuperLink would."""
-    _prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
-
-
-def _adopt_orphans() -> None:
-    """Make this process the one that orphaned descendants are handed to (Linux: a child
-    subreaper), so that the ServerApps of a SuperExec that died stay its descendants."""
-    _prctl(36, 1)   # PR_SET_CHILD_SUBREAPER
-
-
 def _signal_all(pids: list[int], signum: int) -> None:
     """Send ``signum`` to each process of ``pids`` that still exists."""
     for pid in pids:
@@ -130,11 +117,15 @@ def supervise(link_cmd: list[str], exec_cmd: list[str], *, backoff: float = 1.0,
     children down at once (a crash)."""
     stopping = threading.Event()
     exec_cmd = [*exec_cmd, "--parent-pid", str(os.getpid())]
-    _adopt_orphans()
+    # orphaned descendants are handed to this process (Linux: PR_SET_CHILD_SUBREAPER), so that
+    # the ServerApps of a SuperExec that died stay its descendants
+    _prctl(36, 1)
 
     def start(cmd: list[str]) -> "subprocess.Popen[bytes]":
+        # each child gets SIGKILL when the supervisor dies (PR_SET_PDEATHSIG): one that is killed
+        # (a crash) takes them down at once, as a crash of Flower's SuperLink would
         return subprocess.Popen(cmd, start_new_session=True,   # noqa: PLW1509 - one thread here
-                                preexec_fn=_killed_with_parent)
+                                preexec_fn=lambda: _prctl(1, int(signal.SIGKILL)))
 
     def stop(signum: int, _frame: Any) -> None:
         stopping.set()

@@ -50,7 +50,7 @@ if __name__.startswith("medfl."):
 else:  # the copy in medfl's Flower app, beside the codec's copy (medfl.flower.deploy.write_app)
     import medfl_wire_format as codec  # type: ignore[no-redef]
 
-__all__ = ["app", "forward_bytes", "send_frame", "recv_frame", "to_records", "from_records", "PACKED",
+__all__ = ["app", "client_app", "forward_bytes", "send_frame", "recv_frame", "to_records", "from_records", "PACKED",
            "INLINE_MAX", "packed", "packed_bytes", "records_of", "content_of", "answer_with", "WorkerError",
            "secure_aggregation_mod", "process_age"]
 
@@ -311,34 +311,16 @@ def _dispatch(msg: Message, context: Context) -> Message:
     return Message(answer_with(msg.content, respond), reply_to=msg)
 
 
-app = ClientApp()
+def client_app(handler: Callable[[Message, Context], Message]) -> ClientApp:
+    """A ClientApp that answers every medfl message type (``query.hello``, ``train`` through
+    :func:`secure_aggregation_mod`, ``evaluate``, ``evaluate.validate``, ``evaluate.score``)
+    with ``handler``: the deployment's (:data:`app`) and each simulated node's."""
+    out = ClientApp()
+    for register in (out.query("hello"), out.train(mods=[secure_aggregation_mod]), out.evaluate(),
+                     out.evaluate("validate"), out.evaluate("score")):
+        register(handler)
+    return out
 
 
-@app.query("hello")
-def hello(msg: Message, context: Context) -> Message:
-    """``query.hello``: forwarded to the site."""
-    return _dispatch(msg, context)
-
-
-@app.train(mods=[secure_aggregation_mod])
-def train(msg: Message, context: Context) -> Message:
-    """``train``: forwarded to the site (through SecAgg+ in a secure-aggregation round)."""
-    return _dispatch(msg, context)
-
-
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    """``evaluate``: forwarded to the site."""
-    return _dispatch(msg, context)
-
-
-@app.evaluate("validate")
-def validate(msg: Message, context: Context) -> Message:
-    """``evaluate.validate``: forwarded to the site."""
-    return _dispatch(msg, context)
-
-
-@app.evaluate("score")
-def score(msg: Message, context: Context) -> Message:
-    """``evaluate.score``: forwarded to the site."""
-    return _dispatch(msg, context)
+#: The deployment's ClientApp: every message forwarded to the site.
+app = client_app(_dispatch)

@@ -40,9 +40,7 @@ ABSENT_STATUSES = ("absent", "absent (scheduled)", "timeout", "dropped (")
 
 def _read(path: Path, **kw: Any) -> pd.DataFrame:
     """A CSV of the run, or an empty table when it is missing or has no row."""
-    if not path.is_file() or path.stat().st_size <= 1:
-        return pd.DataFrame()
-    return pd.read_csv(path, **kw)
+    return pd.read_csv(path, **kw) if path.is_file() and path.stat().st_size > 1 else pd.DataFrame()
 
 
 def _events(run_dir: Path) -> pd.DataFrame:

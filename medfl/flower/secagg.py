@@ -475,4 +475,3 @@ def describe(settings: dict[str, Any]) -> dict[str, Any]:
         "num_shares": settings["num_shares"],
         "reconstruction_threshold": settings["reconstruction_threshold"],
     }
-

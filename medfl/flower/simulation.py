@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from medfl.config import actor_threads
@@ -49,7 +48,7 @@ from medfl.engine.remote import RemoteRun, RemoteSettings
 from medfl.engine.runner import RunError, RunFactory, build_source
 from medfl.site import Site, SiteSettings
 from medfl.site_messages import handle
-from medfl.flower.proxy import answer_with, secure_aggregation_mod
+from medfl.flower.proxy import answer_with, client_app
 from medfl.flower.transport import FLOWER_TERMS, FlowerTransport
 
 __all__ = ["SimulatedTransport", "SimulatedSites", "simulated_runs", "ray_missing", "shutdown_ray", "STATE_FOLDER"]
@@ -133,20 +132,8 @@ class SimulatedSites:
         return Message(answer_with(msg.content, lambda data: handle(site, kind, data)), reply_to=msg)
 
 
-def _client_app(handler: SimulatedSites) -> ClientApp:
-    app = ClientApp()
-    for register in (app.query("hello"), app.train(mods=[secure_aggregation_mod]), app.evaluate(),
-                     app.evaluate("validate"), app.evaluate("score")):
-        register(handler)
-    return app
-
-
 def _backend_config(backend: dict[str, Any]) -> dict[str, Any]:
-    init: dict[str, Any] = {}
-    if backend.get("num_cpus") is not None:
-        init["num_cpus"] = int(backend["num_cpus"])
-    if backend.get("num_gpus") is not None:
-        init["num_gpus"] = int(backend["num_gpus"])
+    init = {k: int(backend[k]) for k in ("num_cpus", "num_gpus") if backend.get(k) is not None}
     return {"client_resources": {"num_cpus": int(backend["client_cpus"]), "num_gpus": float(backend["client_gpus"])},
             "init_args": init}
 
@@ -183,7 +170,7 @@ def simulated_runs(cfg: dict[str, Any]) -> Iterator[RunFactory]:
 
     def runtime() -> None:
         try:
-            run_simulation(server_app=server, client_app=_client_app(handler), num_supernodes=len(client_ids),
+            run_simulation(server_app=server, client_app=client_app(handler), num_supernodes=len(client_ids),
                            backend_config=_backend_config(cfg["backend"]))
         except BaseException as exc:  # noqa: BLE001 - said in the caller's thread
             failed.append(exc)
@@ -287,18 +274,13 @@ class _Stopping(logging.Filter):
 _STOP_WAIT = 60.0
 
 
-def _settings(wait: float = 600.0) -> RemoteSettings:
-    """The coordinator's settings on the simulation runtime: every simulated node is there
-    from the start and replies arrive through memory, but each node's actor must first start
-    (torch, the dataset), which a loaded machine slows down: ``wait`` seconds
-    (``fl.backend.connect_timeout``) for every node's hello at the start."""
-    return RemoteSettings(poll_interval=0.01, connect_timeout=float(wait), hello_timeout=60.0, progress_interval=30.0)
-
-
 def _factory(grid: Grid, stop: threading.Event | None = None) -> Any:
     def build(cfg: dict[str, Any], spec: dict[str, Any], run_dir: Path, data: FederatedData) -> RemoteRun:
-        settings = _settings(cfg["backend"]["connect_timeout"])
-        settings.stop = stop
+        # every simulated node is there from the start and replies arrive through memory, but each
+        # node's actor must first start (torch, the dataset), which a loaded machine slows down:
+        # fl.backend.connect_timeout seconds for every node's hello at the start
+        settings = RemoteSettings(poll_interval=0.01, connect_timeout=float(cfg["backend"]["connect_timeout"]),
+                                  hello_timeout=60.0, progress_interval=30.0, stop=stop)
         return RemoteRun(cfg, spec, run_dir, data, lambda log: SimulatedTransport(grid, settings, log), settings)
     return build
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from medfl.config_file import refuse_syntax
+from medfl.flower.deploy import NODE_ID_LINE, terminate
 from medfl.flower.proxy import recv_frame, send_frame
 from medfl.site import Site, SiteSettings
 from medfl.site_messages import handle
@@ -70,8 +71,7 @@ class SiteWorker:
         self.settings = settings
         self.socket_path = str(socket_path)
         self.site: Site | None = None
-        if os.path.exists(self.socket_path):
-            os.unlink(self.socket_path)
+        Path(self.socket_path).unlink(missing_ok=True)
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(self.socket_path)
         self.server.listen(16)
@@ -125,8 +125,7 @@ class SiteWorker:
         try:
             self.server.close()
         finally:
-            if os.path.exists(self.socket_path):
-                os.unlink(self.socket_path)
+            Path(self.socket_path).unlink(missing_ok=True)
 
 
 def _loop_ended(line: str, previous: str) -> bool:
@@ -151,8 +150,6 @@ def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str,
     SuperLink; the node has left the federation) and the process has not exited
     :data:`LINGER` seconds later, it is ended (SIGTERM, which Flower's command handles; SIGKILL if that did not end it) and its
     pid added to ``ended``."""
-    from medfl.flower.deploy import NODE_ID_LINE
-
     superlink = cmd[cmd.index("--superlink") + 1] if "--superlink" in cmd else "it was given"
     if "--superlink" in cmd:
         logger.info(f"{who}: waiting for the SuperLink at {superlink}")
@@ -162,7 +159,7 @@ def _start_supernode(cmd: list[str], env: dict[str, str] | None, who: str,
         if proc.poll() is None:
             if ended is not None:
                 ended.add(proc.pid)
-            _terminate(proc, LINGER)
+            terminate(proc, LINGER)
 
     def relay(pipe: Any) -> None:
         previous = ""
@@ -259,20 +256,9 @@ def run_site(settings: SiteSettings, supernode_cmd: list[str], env: dict[str, st
     finally:
         stopping.set()
         worker.stop()
-        _terminate(procs[-1], 10.0)
+        terminate(procs[-1], 10.0)
         shutil_rmtree(Path(sock_path).parent)
     return int(procs[-1].returncode or 0)
-
-
-def _terminate(proc: subprocess.Popen[bytes], wait: float) -> None:
-    """End ``proc`` if it still runs: SIGTERM, then SIGKILL when it has not exited ``wait``
-    seconds later."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def socket_for() -> str:
@@ -290,7 +276,5 @@ def _socket_from_command(cmd: list[str]) -> str:
 
 def shutil_rmtree(path: Path) -> None:
     """Remove the worker's temporary socket directory (ignoring errors)."""
-    import shutil
-
     if path.name.startswith("medfl-site-"):
         shutil.rmtree(path, ignore_errors=True)

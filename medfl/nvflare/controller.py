@@ -165,5 +165,3 @@ class MedflController(Controller):
     def _write(self, outcome: dict[str, Any]) -> None:
         if self.result_file:
             Path(self.result_file).write_text(json.dumps(outcome, default=str))
-
-

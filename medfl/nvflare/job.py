@@ -195,14 +195,11 @@ def _site_policy(local: Path) -> dict[str, Any]:
     allowed to deploy custom code (:func:`_deny_byoc`)."""
     from nvflare.lighter.constants import DEFINED_ROLES
 
-    source: Path | str = local / "authorization.json"
-    policy = _json_object(source, "NVFlare's authorization policy")
-    if policy is None:
-        source = local / "authorization.json.default"
+    for source in (local / "authorization.json", local / "authorization.json.default"):
         policy = _json_object(source, "NVFlare's authorization policy")
-    if policy is None:
-        source, policy = "NVFlare's roles", {"format_version": "1.0", "permissions": {r: "any" for r in DEFINED_ROLES}}
-    return _deny_byoc(policy, source)
+        if policy is not None:
+            return _deny_byoc(policy, source)
+    return _deny_byoc({"format_version": "1.0", "permissions": {r: "any" for r in DEFINED_ROLES}}, "NVFlare's roles")
 
 
 def site_names(n: int) -> list[str]:
@@ -404,8 +401,6 @@ def simulate_job(job: str | Path, workspace_root: str | Path, *, sites: int | No
 
 def _error(exc: BaseException) -> int:
     """Say ``exc`` as medfl's one-line error; the exit status 2."""
-    import logging
-
     logging.getLogger("medfl").error(f"medfl: error: {exc}")
     return 2
 
