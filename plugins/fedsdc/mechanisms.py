@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from medfl.seeding import round_half_up
+from medfl_plugins.common import say_once
 
 from .models import DEFAULT_MIN_HIDDEN, PAPER_EMBED_DIM, ensemble_probabilities, kept_heads, tied, vote_counts
 
@@ -128,13 +129,7 @@ class Mechanisms:
         """What cannot act, said once each (the evidence: the configuration, from round 1;
         the round's validation for ties and missing validation data)."""
         out: list[str] = []
-
-        def say(key: str, text: str) -> None:
-            if key not in self.warned:
-                self.warned.append(key)
-                out.append(text)
-
-        n = len(self.heads)
+        say, n = say_once(self.warned, out), len(self.heads)
         if self.vote == "majority":
             k = kept_heads(self.gamma, n, self.keep_rounding) if self.gamma is not None else n
             if k < MIN_VOTERS:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from medfl.guard.params import PLANE_MIN_CORR
 from medfl.losses.feature_distill import STOP_CRITERIA
 from medfl.messages import Reply
+from medfl_plugins.common import say_once
 
 __all__ = ["DECAY_INERT", "CHANCE_MARGIN", "CHANCE_ROUNDS", "VALIDATION_KEYS", "MechanismRecords", "as_float"]
 
@@ -190,12 +191,7 @@ class MechanismRecords:
         (:meth:`_stage1_warnings`), at its end (:meth:`_transition_warnings`), and noise that
         drowns the released features' signal (noise norm >= signal norm)."""
         out: list[str] = []
-
-        def say(kind: str, text: str) -> None:
-            if kind not in self.warned:
-                self.warned.append(kind)
-                out.append(text)
-
+        say = say_once(self.warned, out)
         if self.stage == "distill" or self.transition.get("after_round") == round:
             self._stage1_warnings(round, say)
         if self.transition.get("after_round") == round:

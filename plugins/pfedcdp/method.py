@@ -299,7 +299,6 @@ class PFedCDP(PrivateRelease, MechanismRecords, Refinement, Method):
         """The capability cluster of each client."""
         return dict(self.assign)
 
-
     # ------------------------------------------------------------------ client: Algorithm 1
     def _client_spec(self, instruction: Instruction) -> dict[str, Any]:
         try:

@@ -93,7 +93,6 @@ class Refinement:
         return teacher_weights(values), {"values": values, "v_all": game(frozenset(range(len(clusters)))),
                                          "v_empty": game(frozenset()), "samples": int(len(idx))}
 
-
     def finalize(self) -> None:
         """Algorithm 2, lines 15-28: the teachers' weights (eq. 16's Shapley values or another
         choice, :meth:`_weights`), eqs. 16 and 19's feature importance (:meth:`_feature_shap`),
