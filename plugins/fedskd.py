@@ -32,6 +32,7 @@ from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss
 from medfl.messages import Instruction, Reply
 from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
 from medfl.models.registry import build_seeded
+from medfl_plugins.baselines import HeldModel
 
 if TYPE_CHECKING:  # pragma: no cover
     from medfl.context import ClientContext
@@ -434,7 +435,7 @@ class _FineTuning(Method):
         return {"loss": log.means().get("loss", 0.0), "steps": float(log.steps)}
 
 
-class FedCross(_FineTuning):
+class FedCross(_FineTuning, HeldModel):
     """FedCross as the FedSKD paper uses it: one model circulated sequentially through the
     clients, each fine-tuning it on its own data; no aggregation.
 
@@ -480,22 +481,8 @@ class FedCross(_FineTuning):
 
     def server_update(self, round: int, replies: dict[str, Reply]) -> None:
         """Take the fine-tuned model as the circulating model (a missing reply: keep it)."""
-        for reply in replies.values():
-            self.model_state = reply.payload["model"]
+        super().server_update(round, replies)
         self._hop += 1
-
-    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
-        """Every client evaluates the circulating model."""
-        ins = Instruction(payload={"model": self.model_state})
-        return {cid: ins for cid in self.federation.eval_client_ids}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint: the circulating model."""
-        return {"model": self.model_state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the circulating model."""
-        self.model_state = state["model"]
 
     def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
         """Fine-tune the received model on the local data and send it on."""
@@ -503,10 +490,6 @@ class FedCross(_FineTuning):
         stats = self._fine_tune(model, client)
         return Reply(payload={"model": get_state(model)}, metrics=stats,
                      num_examples=client.num_examples("train"))
-
-    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
-        """The circulating model."""
-        return client.load_model(instruction.payload["model"])
 
 
 class FedCrossHet(_FineTuning):
