@@ -3,7 +3,7 @@ optimizers FedAdam, FedYogi and FedAdagrad (one implementation), and FedDisco.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -12,13 +12,10 @@ from medfl import hookimpl
 from medfl.hub import HubAndSpoke, norm_keys
 from medfl.training import coordinate_median, get_state, make_optimizer, train_epochs, trimmed_mean
 from medfl.messages import Instruction, Reply
-from medfl.method import Method
+from medfl.method import ClientContext, Method
 
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
-
-__all__ = ["HeldModel", "Centralized", "Local", "FedAvg", "FedProx", "FedAvgM", "FedBN", "FedAdam", "FedYogi", "FedAdagrad",
-           "FedDisco", "disco_discrepancy", "disco_weights"]
+__all__ = ["Centralized", "Local", "FedAvg", "FedProx", "FedAvgM", "FedBN", "FedAdam", "FedYogi", "FedAdagrad",
+           "FedDisco", "HeldModel", "disco_discrepancy", "disco_weights"]
 
 State = dict[str, torch.Tensor]
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from medfl import hookimpl
 from medfl.messages import Instruction, Reply
-from medfl.method import Federation, Method, MethodConfigError, derive_seed
+from medfl.method import ClientContext, Federation, Method, MethodConfigError, derive_seed
 from medfl.metrics.classification import micro_f1
 from medfl.models.registry import build_model
 from medfl.training import get_state, make_optimizer, train_epochs, weighted_average
@@ -26,9 +26,6 @@ from .mechanisms import Mechanisms, vote_record
 from .models import (DEFAULT_MIN_HIDDEN, HEAD_ACTIVATIONS, HEADS, KEEP_ROUNDINGS, RHO_SAMPLINGS, TIE_BREAKS, VOTES,
                      BodyHead, HeadEnsemble, head_assignment, head_widths, kept_heads, labels_and_logits, make_head)
 from .presets import PRESETS
-
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
 
 __all__ = ["FedSDC", "register_methods"]
 
@@ -155,7 +152,7 @@ class FedSDC(Mechanisms, Method):
                 self.heads.append(get_state(self._make_head(self.embed_dim, w, federation.num_classes)))
         self.chosen = list(range(n))
         self.val_means: list[float] = []
-        self._reset_records()
+        self._load_records()
 
     def configure_round(self, round: int) -> dict[str, Instruction]:
         """Eqs. 6-7: the body and the head the Shuffle gives it to each sampled client."""

@@ -45,20 +45,15 @@ class Mechanisms:
         """The width rho scales: the embedding's length, or ``min_hidden`` if larger."""
         return max(self.embed_dim, int(self.min_hidden or 0))
 
-    def _reset_records(self) -> None:
-        """No round observed yet."""
-        self.trained: dict[int, str] = {}             # head -> the client that trained it this round
-        self.observed: dict[str, Any] = {}            # the last validation exchange, pooled
-        self.history: list[list[float]] = []          # [round, tie rate, disagreement rate, accuracy] per round
-        self.warned: list[str] = []
-
     def _records_state(self) -> str:
         """The records as checkpointed (JSON)."""
         return json.dumps({"trained": {str(k): v for k, v in self.trained.items()},
                            "observed": self.observed, "history": self.history, "warned": self.warned})
 
-    def _load_records(self, text: str) -> None:
-        """Restore :meth:`_records_state`."""
+    def _load_records(self, text: str = "{}") -> None:
+        """Restore :meth:`_records_state` (``"{}"``: no round observed yet): ``trained`` (head ->
+        the client that trained it this round), ``observed`` (the last validation exchange,
+        pooled), ``history`` ([round, tie rate, disagreement rate, accuracy] per round), ``warned``."""
         seen = json.loads(text)
         self.trained = {int(k): str(v) for k, v in seen.get("trained", {}).items()}
         self.observed = dict(seen.get("observed", {}))

@@ -107,11 +107,9 @@ class MechanismRecords:
         """This round's rows (the ``_record_*`` methods'), and stop round ``"cap"`` for the
         clients that never met the stop condition once stage 1 ended."""
         rows = list(self._rows) if self._rows_round == round else []
-        if self.transition.get("after_round") == round:
-            for cid in self.federation.client_ids:
-                if cid not in self.stopped_at and self.stop_condition:
-                    rows.append({"mechanism": "stop_condition", "scope": "client", "id": cid, "stop_round": "cap"})
-        return rows
+        capped = self.transition.get("after_round") == round and self.stop_condition
+        return rows + [{"mechanism": "stop_condition", "scope": "client", "id": cid, "stop_round": "cap"}
+                       for cid in self.federation.client_ids if capped and cid not in self.stopped_at]
 
     def _stop_key(self) -> str:
         """The validation scalar the stop condition and eq. 9 read (``stop_on``)."""
