@@ -142,12 +142,10 @@ class MechanismRecords:
         docstring says what each value is)."""
         if self.observed.get("round") != round:
             return []
-        rows: list[dict[str, Any]] = []
-        for c, obs in self.observed["clusters"].items():
-            rows += [{"mechanism": name, "scope": "cluster", "id": c, **vals} for name, vals in obs.items()]
-        for cid, obs in self.observed["clients"].items():
-            rows.append({"mechanism": "personalization", "scope": "client", "id": cid, **obs})
-        return rows
+        return ([{"mechanism": name, "scope": "cluster", "id": c, **vals}
+                 for c, obs in self.observed["clusters"].items() for name, vals in obs.items()]
+                + [{"mechanism": "personalization", "scope": "client", "id": cid, **obs}
+                   for cid, obs in self.observed["clients"].items()])
 
     def scored_from(self, round: int) -> int | None:
         """The first round whose evaluated (personal) models PFedCDP's noise shaped, as known after
