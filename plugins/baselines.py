@@ -3,7 +3,7 @@ optimizers FedAdam, FedYogi and FedAdagrad (one implementation), and FedDisco.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -12,13 +12,10 @@ from medfl import hookimpl
 from medfl.hub import HubAndSpoke, norm_keys
 from medfl.training import coordinate_median, get_state, make_optimizer, train_epochs, trimmed_mean
 from medfl.messages import Instruction, Reply
-from medfl.method import Method
-
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
+from medfl.method import ClientContext, Method
 
 __all__ = ["Centralized", "Local", "FedAvg", "FedProx", "FedAvgM", "FedBN", "FedAdam", "FedYogi", "FedAdagrad",
-           "FedDisco", "disco_discrepancy", "disco_weights"]
+           "FedDisco", "HeldModel", "disco_discrepancy", "disco_weights"]
 
 State = dict[str, torch.Tensor]
 
@@ -41,6 +38,33 @@ class _OwnModel(Method):
         return model, stats
 
 
+class HeldModel(Method):
+    """A method whose coordinator holds one model (``model_state``): each reply's ``model``
+    replaces it, and every client evaluates it."""
+
+    def server_update(self, round: int, replies: dict[str, Reply]) -> None:
+        """Keep the model replied (a missing reply: keep the one held)."""
+        for reply in replies.values():
+            self.model_state = reply.payload["model"]
+
+    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
+        """Every client evaluates the held model."""
+        ins = Instruction(payload={"model": self.model_state})
+        return {cid: ins for cid in self.federation.eval_client_ids}
+
+    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
+        """The held model."""
+        return client.load_model(instruction.payload["model"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint: the held model."""
+        return {"model": self.model_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the held model."""
+        self.model_state = state["model"]
+
+
 class Local(_OwnModel):
     """Local training only: every client trains its own model; nothing is communicated.
 
@@ -61,7 +85,7 @@ class Local(_OwnModel):
         return self._own_model(client)
 
 
-class Centralized(_OwnModel):
+class Centralized(_OwnModel, HeldModel):
     """Centralized training on the pooled data of every client (upper reference).
 
     Not a federated method: the engine pools every client's training split into one
@@ -84,30 +108,6 @@ class Centralized(_OwnModel):
         model, stats = self._train_own(client)
         return Reply(payload={"model": get_state(model)}, metrics=stats,
                      num_examples=client.num_examples("train"))
-
-    def server_update(self, round: int, replies: dict[str, Reply]) -> None:
-        """Keep the pooled model."""
-        for reply in replies.values():
-            self.model_state = reply.payload["model"]
-
-    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
-        """Every client evaluates the pooled model."""
-        ins = Instruction(payload={"model": self.model_state})
-        return {cid: ins for cid in self.federation.eval_client_ids}
-
-    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
-        """The pooled model."""
-        model = client.build_model()
-        model.load_state_dict(instruction.payload["model"])
-        return model
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint: the pooled model."""
-        return {"model": self.model_state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the pooled model."""
-        self.model_state = state["model"]
 
 
 class FedAvg(HubAndSpoke):

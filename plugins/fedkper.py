@@ -6,7 +6,7 @@ paper is not explicit, and the ablation switches.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -17,10 +17,7 @@ from medfl import hookimpl
 from medfl.hub import HubAndSpoke
 from medfl.training import get_state, make_optimizer, predict_proba, train_epochs
 from medfl.messages import Instruction, Reply
-from medfl.method import Preset
-
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
+from medfl.method import ClientContext, Preset
 
 __all__ = ["FedKPer", "PRESETS", "label_entropy", "aggregation_score", "kper_loss", "register_methods"]
 
@@ -240,12 +237,8 @@ class FedKPer(HubAndSpoke):
                              f"lambda_cap={lambda_cap}, temperature={temperature}, eps={eps}")
         if clip is not None and clip <= 0:
             raise ValueError(f"fedkper: clip must be > 0 or None, got {clip}")
-        self.distill = bool(distill)
-        self.aggregation = str(aggregation)
-        self.lambda_cap = float(lambda_cap)
-        self.clip = None if clip is None else float(clip)
-        self.eps = float(eps)
-        self.temperature = float(temperature)
+        self.distill, self.aggregation, self.lambda_cap = bool(distill), str(aggregation), float(lambda_cap)
+        self.clip, self.eps, self.temperature = None if clip is None else float(clip), float(eps), float(temperature)
 
     # ------------------------------------------------------------------ client side
     def local_loss(self, client: "ClientContext", model: nn.Module, instruction: Instruction
@@ -295,12 +288,8 @@ class FedKPer(HubAndSpoke):
     def client_weights(self, replies: dict[str, Reply]) -> list[float]:
         """Eq. 6 scores (normalised by the average); FedAvg weights for ``aggregation="fedavg"``
         or when every score is 0."""
-        if self.aggregation == "fedavg":
-            return super().client_weights(replies)
-        scores = [float(r.payload["score"]) for r in replies.values()]
-        if sum(scores) <= 0:
-            return super().client_weights(replies)
-        return scores
+        scores = [float(r.payload["score"]) for r in replies.values()] if self.aggregation == "fedkper" else []
+        return super().client_weights(replies) if sum(scores) <= 0 else scores
 
 
 @hookimpl

@@ -19,7 +19,7 @@ import itertools
 import json
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -30,11 +30,10 @@ from medfl import hookimpl
 from medfl.training import StepMeans, autocast, backward_step, get_state, grad_scaler, make_optimizer
 from medfl.losses.skd import SKD_TERMS, RegionMasks, region_masks, skd_loss
 from medfl.messages import Instruction, Reply
-from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, Preset, derive_seed
+from medfl.method import (ENGINE_TRAIN_METRICS, ClientContext, Federation, Method, MethodConfigError, Preset,
+                          derive_seed)
 from medfl.models.registry import build_seeded
-
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
+from medfl_plugins.baselines import HeldModel
 
 __all__ = ["FedSKD", "FedCross", "FedCrossHet", "PRESETS", "permutation", "load_region_masks", "register_methods"]
 
@@ -83,14 +82,6 @@ def _batches(client: "ClientContext", iterations: int | None) -> Iterator[tuple[
         if not got and iterations is not None and p > 0:
             raise MethodConfigError(f"client {client.client_id}: no training batch of two or more samples; "
                                     f"use a train.batch_size of 2 or more, or give the client more cases")
-
-
-def _head_keys(model: nn.Module) -> list[str]:
-    keys = getattr(model, "head_keys", None)
-    if keys is None:
-        raise MethodConfigError(f"{type(model).__name__} has no head_keys(): FedSKD needs a model "
-                                f"with a separable prediction head (the registered ResNets)")
-    return list(keys())
 
 
 def _check_iterations(iterations: Any) -> int | None:
@@ -297,27 +288,22 @@ class FedSKD(Method):
         if "region" in self.terms and self.atlas:
             _masks(self.atlas, self.atlas_labels)  # fail before any training on a bad atlas
 
-    def skd_on(self, round: int) -> bool:
-        """Whether SKD is active in ``round``: after ``skd_start`` x rounds."""
-        return round > int(np.floor(self.skd_start * self.federation.rounds + 1e-9))
-
     def _init_seed(self, cid: str) -> int:
         return derive_seed(self.federation.seed, "init", cid)
-
-    def _spec(self, cid: str) -> str:
-        return json.dumps(self.federation.model_spec(cid), sort_keys=True)
 
     def configure_round(self, round: int) -> dict[str, Instruction]:
         """Route DAMs by the round's permutation (one instruction per sampled client)."""
         ids = self.federation.sample(round)
         order = permutation(ids, self.federation.seed, round)
+        skd = round > int(np.floor(self.skd_start * self.federation.rounds + 1e-9))   # after skd_start x rounds
         out = {}
         for cid, sender in order.items():
             config: dict[str, Any] = {"self": sender == cid, "sender": sender, "round": round,
-                                      "dam_seed": self._init_seed(cid), "skd": self.skd_on(round)}
+                                      "dam_seed": self._init_seed(cid), "skd": skd}
             payload: dict[str, Any] = {}
             if sender != cid:
-                config.update(ktm_spec=self._spec(sender), ktm_seed=self._init_seed(sender))
+                config.update(ktm_spec=json.dumps(self.federation.model_spec(sender), sort_keys=True),
+                              ktm_seed=self._init_seed(sender))
                 if sender in self.dams:
                     payload["ktm"] = self.dams[sender]
             out[cid] = Instruction(payload=payload, config=config)
@@ -362,7 +348,10 @@ class FedSKD(Method):
             spec = json.loads(cfg["ktm_spec"])
             ktm = _load(spec, int(cfg["ktm_seed"]), instruction.payload.get("ktm"), client.device)
             if self.freeze_ktm_head:
-                frozen = set(_head_keys(ktm))
+                if getattr(ktm, "head_keys", None) is None:
+                    raise MethodConfigError(f"{type(ktm).__name__} has no head_keys(): FedSKD needs a model "
+                                            f"with a separable prediction head (the registered ResNets)")
+                frozen = set(ktm.head_keys())
                 for name, p in ktm.named_parameters():
                     p.requires_grad_(name not in frozen)
         params = list(dam.parameters()) + ([p for p in ktm.parameters() if p.requires_grad] if ktm else [])
@@ -434,7 +423,7 @@ class _FineTuning(Method):
         return {"loss": log.means().get("loss", 0.0), "steps": float(log.steps)}
 
 
-class FedCross(_FineTuning):
+class FedCross(_FineTuning, HeldModel):
     """FedCross as the FedSKD paper uses it: one model circulated sequentially through the
     clients, each fine-tuning it on its own data; no aggregation.
 
@@ -480,22 +469,8 @@ class FedCross(_FineTuning):
 
     def server_update(self, round: int, replies: dict[str, Reply]) -> None:
         """Take the fine-tuned model as the circulating model (a missing reply: keep it)."""
-        for reply in replies.values():
-            self.model_state = reply.payload["model"]
+        super().server_update(round, replies)
         self._hop += 1
-
-    def configure_evaluate(self, round: int) -> dict[str, Instruction]:
-        """Every client evaluates the circulating model."""
-        ins = Instruction(payload={"model": self.model_state})
-        return {cid: ins for cid in self.federation.eval_client_ids}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpoint: the circulating model."""
-        return {"model": self.model_state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the circulating model."""
-        self.model_state = state["model"]
 
     def client_update(self, client: "ClientContext", instruction: Instruction) -> Reply:
         """Fine-tune the received model on the local data and send it on."""
@@ -503,10 +478,6 @@ class FedCross(_FineTuning):
         stats = self._fine_tune(model, client)
         return Reply(payload={"model": get_state(model)}, metrics=stats,
                      num_examples=client.num_examples("train"))
-
-    def client_eval_model(self, client: "ClientContext", instruction: Instruction) -> nn.Module:
-        """The circulating model."""
-        return client.load_model(instruction.payload["model"])
 
 
 class FedCrossHet(_FineTuning):
@@ -594,6 +565,5 @@ class FedCrossHet(_FineTuning):
 @hookimpl
 def register_methods(register: Any) -> None:
     """Register FedSKD and the two FedCross baselines."""
-    register(FedSKD)
-    register(FedCross)
-    register(FedCrossHet)
+    for cls in (FedSKD, FedCross, FedCrossHet):
+        register(cls)

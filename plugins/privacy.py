@@ -128,9 +128,7 @@ class DpGaussian(Filter):
         sigma = float(self.noise_multiplier or 0.0)
         clipped, _norm = clip_update(state, self.clip, keys)
         noised = add_noise(clipped, self.clip * sigma, keys, ctx.generator("noise"))
-        if self.keys == "all":
-            return {k: noised[k] for k in state}
-        return {k: noised[k] for k in keys}
+        return {k: noised[k] for k in (state if self.keys == "all" else keys)}
 
     def undo(self, value: Any, ctx: FilterContext) -> State:
         """Check the noised update's keys and fill the entries that were not sent with a
@@ -187,10 +185,7 @@ class Quantize(Filter):
         if not isinstance(update, bool):
             raise FilterConfigError(f"quantize: update must be true (quantize the update) or false (the state), "
                                     f"got {update!r}")
-        self.bits = bits
-        self.stochastic = stochastic
-        self.update = update
-        self.uses_update = update
+        self.bits, self.stochastic, self.update, self.uses_update = bits, stochastic, update, update
 
     def apply(self, state: State, ctx: FilterContext) -> dict[str, Any]:
         """Each floating-point tensor as its packed codes and range."""

@@ -52,6 +52,12 @@ __all__ = ["MLflow", "TensorBoard", "register_trackers", "MLFLOW_HTTP_DEFAULTS",
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
+#: The tag holding the last round a run logged (read on a resume: nothing at or before it is
+#: logged again, even if ``tracking.json`` was not written after it).
+LAST_STEP_TAG = "medfl.last_step"
+#: The tag holding the version of medfl that made a run (MLflow's own tags say the rest).
+VERSION_TAG = "medfl.version"
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -96,15 +102,6 @@ def _bounded(method: _F) -> _F:
         with self._http():
             return method(self, *args, **kwargs)
     return call  # type: ignore[return-value]
-
-
-#: The tag holding the last round a run logged (read on a resume: nothing at or before it is
-#: logged again, even if ``tracking.json`` was not written after it).
-LAST_STEP_TAG = "medfl.last_step"
-
-
-#: The tag holding the version of medfl that made a run (MLflow's own tags say the rest).
-VERSION_TAG = "medfl.version"
 
 
 def git_commit(folder: Path) -> str | None:
@@ -308,37 +305,34 @@ class MLflow(Tracker):
         self.runs[key] = (run_id, 0)
         return {"run_id": run_id, "experiment_id": exp}
 
-    @_bounded
-    def log_metrics(self, key: str, metrics: dict[str, float], step: int) -> None:
-        """One ``log_batch`` per 1000 scalars; the last one also records ``step`` as logged."""
+    def _log_scalars(self, run_id: str, scalars: dict[str, float], step: int, last_step: bool) -> None:
+        """``scalars`` at ``step``, one ``log_batch`` per 1000; with ``last_step`` the last one
+        also records ``step`` as logged (:data:`LAST_STEP_TAG`)."""
         from mlflow.entities import Metric, RunTag
         from mlflow.utils import validation
 
-        run_id, before = self.runs[key]
-        if step <= before:   # logged before an interruption that tracking.json did not record
-            return
         ts = now_ms()
-        items = [Metric(k, float(v), ts, int(step)) for k, v in sorted(metrics.items())]
-        chunks = _chunks(items, int(getattr(validation, "MAX_METRICS_PER_BATCH", 1000)) - 1)
+        items = [Metric(k, float(v), ts, int(step)) for k, v in sorted(scalars.items())]
+        chunks = _chunks(items, int(getattr(validation, "MAX_METRICS_PER_BATCH", 1000)) - last_step)
         for i, chunk in enumerate(chunks):
-            self.client.log_batch(run_id, metrics=chunk,
-                                  tags=[RunTag(LAST_STEP_TAG, str(int(step)))] if i == len(chunks) - 1 else [])
+            tags = [RunTag(LAST_STEP_TAG, str(int(step)))] if last_step and i == len(chunks) - 1 else []
+            if chunk or tags:
+                self.client.log_batch(run_id, metrics=chunk, tags=tags)
+
+    @_bounded
+    def log_metrics(self, key: str, metrics: dict[str, float], step: int) -> None:
+        """One ``log_batch`` per 1000 scalars; the last one also records ``step`` as logged."""
+        run_id, before = self.runs[key]
+        if step > before:   # else logged before an interruption that tracking.json did not record
+            self._log_scalars(run_id, metrics, step, last_step=True)
 
     @_bounded
     def log_summary(self, key: str, figures: dict[str, float], step: int) -> None:
         """The figures on the experiment's run (``<key>/<split>/<metric>``...), one
         ``log_batch`` per 1000 (not the per-round guard: each key is logged once, at the end
         of its run)."""
-        from mlflow.entities import Metric
-        from mlflow.utils import validation
-
-        if "" not in self.runs:
-            return
-        ts = now_ms()
-        items = [Metric(k, float(v), ts, int(step)) for k, v in sorted(figures.items())]
-        for chunk in _chunks(items, int(getattr(validation, "MAX_METRICS_PER_BATCH", 1000))):
-            if chunk:
-                self.client.log_batch(self.runs[""][0], metrics=chunk)
+        if "" in self.runs:
+            self._log_scalars(self.runs[""][0], figures, step, last_step=False)
 
     @_bounded
     def log_artifact(self, key: str, path: Path, artifact_path: str | None = None) -> None:

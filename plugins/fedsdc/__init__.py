@@ -8,34 +8,26 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from medfl import hookimpl
 from medfl.messages import Instruction, Reply
-from medfl.method import Federation, Method, MethodConfigError, derive_seed
+from medfl.method import ClientContext, Federation, Method, MethodConfigError, derive_seed
 from medfl.metrics.classification import micro_f1
 from medfl.models.registry import build_model
 from medfl.training import get_state, make_optimizer, train_epochs, weighted_average
 from medfl_plugins.baselines import FedAvgM
+from medfl_plugins.common import read
 
 from .mechanisms import Mechanisms, vote_record
 from .models import (DEFAULT_MIN_HIDDEN, HEAD_ACTIVATIONS, HEADS, KEEP_ROUNDINGS, RHO_SAMPLINGS, TIE_BREAKS, VOTES,
                      BodyHead, HeadEnsemble, head_assignment, head_widths, kept_heads, labels_and_logits, make_head)
 from .presets import PRESETS
 
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
-
 __all__ = ["FedSDC", "register_methods"]
-
-
-def _choice(value: Any, name: str, valid: tuple[str, ...]) -> str:
-    if value not in valid:
-        raise MethodConfigError(f"fedsdc: {name} must be one of {', '.join(map(repr, valid))}, got {value!r}")
-    return str(value)
 
 
 class FedSDC(Mechanisms, Method):
@@ -117,7 +109,7 @@ class FedSDC(Mechanisms, Method):
                  keep_rounding: str = "ceil", rho_sampling: str = "uniform") -> None:
         if not 0 < rho_min <= rho_max <= 1:
             raise MethodConfigError(f"fedsdc: need 0 < rho_min <= rho_max <= 1, got {rho_min}, {rho_max}")
-        _choice(vote, "vote", VOTES)
+        read("fedsdc", "vote", vote, VOTES, quote=True)
         if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))
                                   or not 0 < float(gamma) <= 1):
             raise MethodConfigError(f"fedsdc: gamma must be in (0, 1] or null, got {gamma!r}")
@@ -131,12 +123,12 @@ class FedSDC(Mechanisms, Method):
         self.rho_min, self.rho_max, self.dropout = float(rho_min), float(rho_max), float(dropout)
         self.diversity, self.shuffle, self.vote = bool(diversity), bool(shuffle), vote
         self.gamma = None if gamma is None else float(gamma)
-        self.tie_break = _choice(tie_break, "tie_break", TIE_BREAKS)
-        self.head = _choice(head, "head", HEADS)
+        self.tie_break = read("fedsdc", "tie_break", tie_break, TIE_BREAKS, quote=True)
+        self.head = read("fedsdc", "head", head, HEADS, quote=True)
         self.min_hidden = min_hidden
-        self.head_activation = _choice(head_activation, "head_activation", HEAD_ACTIVATIONS)
-        self.keep_rounding = _choice(keep_rounding, "keep_rounding", KEEP_ROUNDINGS)
-        self.rho_sampling = _choice(rho_sampling, "rho_sampling", RHO_SAMPLINGS)
+        self.head_activation = read("fedsdc", "head_activation", head_activation, HEAD_ACTIVATIONS, quote=True)
+        self.keep_rounding = read("fedsdc", "keep_rounding", keep_rounding, KEEP_ROUNDINGS, quote=True)
+        self.rho_sampling = read("fedsdc", "rho_sampling", rho_sampling, RHO_SAMPLINGS, quote=True)
 
     # ------------------------------------------------------------------ Algorithm 1
     def setup(self, federation: Federation) -> None:
@@ -160,7 +152,7 @@ class FedSDC(Mechanisms, Method):
                 self.heads.append(get_state(self._make_head(self.embed_dim, w, federation.num_classes)))
         self.chosen = list(range(n))
         self.val_means: list[float] = []
-        self._reset_records()
+        self._load_records()
 
     def configure_round(self, round: int) -> dict[str, Instruction]:
         """Eqs. 6-7: the body and the head the Shuffle gives it to each sampled client."""

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from medfl.seeding import round_half_up
+from medfl_plugins.common import say_once
 
 from .models import DEFAULT_MIN_HIDDEN, PAPER_EMBED_DIM, ensemble_probabilities, kept_heads, tied, vote_counts
 
@@ -44,20 +45,15 @@ class Mechanisms:
         """The width rho scales: the embedding's length, or ``min_hidden`` if larger."""
         return max(self.embed_dim, int(self.min_hidden or 0))
 
-    def _reset_records(self) -> None:
-        """No round observed yet."""
-        self.trained: dict[int, str] = {}             # head -> the client that trained it this round
-        self.observed: dict[str, Any] = {}            # the last validation exchange, pooled
-        self.history: list[list[float]] = []          # [round, tie rate, disagreement rate, accuracy] per round
-        self.warned: list[str] = []
-
     def _records_state(self) -> str:
         """The records as checkpointed (JSON)."""
         return json.dumps({"trained": {str(k): v for k, v in self.trained.items()},
                            "observed": self.observed, "history": self.history, "warned": self.warned})
 
-    def _load_records(self, text: str) -> None:
-        """Restore :meth:`_records_state`."""
+    def _load_records(self, text: str = "{}") -> None:
+        """Restore :meth:`_records_state` (``"{}"``: no round observed yet): ``trained`` (head ->
+        the client that trained it this round), ``observed`` (the last validation exchange,
+        pooled), ``history`` ([round, tie rate, disagreement rate, accuracy] per round), ``warned``."""
         seen = json.loads(text)
         self.trained = {int(k): str(v) for k, v in seen.get("trained", {}).items()}
         self.observed = dict(seen.get("observed", {}))
@@ -128,13 +124,7 @@ class Mechanisms:
         """What cannot act, said once each (the evidence: the configuration, from round 1;
         the round's validation for ties and missing validation data)."""
         out: list[str] = []
-
-        def say(key: str, text: str) -> None:
-            if key not in self.warned:
-                self.warned.append(key)
-                out.append(text)
-
-        n = len(self.heads)
+        say, n = say_once(self.warned, out), len(self.heads)
         if self.vote == "majority":
             k = kept_heads(self.gamma, n, self.keep_rounding) if self.gamma is not None else n
             if k < MIN_VOTERS:

@@ -4,19 +4,16 @@ clients, and the ensemble that votes at test time."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from medfl.method import derive_seed
 from medfl.models.outputs import ProbabilityModel
 from medfl.seeding import round_half_up
 from medfl.training import autocast
-
-if TYPE_CHECKING:  # pragma: no cover
-    from torch.utils.data import DataLoader
 
 __all__ = ["HeadEnsemble", "BodyHead", "make_head", "head_widths", "head_assignment", "kept_heads", "vote_counts",
            "tied", "ensemble_probabilities", "labels_and_logits", "VOTES", "TIE_BREAKS", "HEADS",
@@ -85,15 +82,12 @@ def head_widths(n: int, embed_dim: int, seed: int, rho_min: float, rho_max: floa
     """
     base = max(int(embed_dim), int(min_hidden or 0))
     step = (rho_max - rho_min) / max(n, 1)
-    out = []
-    for i in range(n):
-        if diversity:
-            lo, hi = (rho_min + i * step, rho_min + (i + 1) * step) if sampling == "stratified" else (rho_min, rho_max)
-            rho = float(np.random.default_rng(derive_seed(seed, "rho", i)).uniform(lo, hi))
-        else:
-            rho = 1.0
-        out.append(max(1, int(round(rho * base))))
-    return out
+
+    def rho(i: int) -> float:
+        lo, hi = (rho_min + i * step, rho_min + (i + 1) * step) if sampling == "stratified" else (rho_min, rho_max)
+        return float(np.random.default_rng(derive_seed(seed, "rho", i)).uniform(lo, hi)) if diversity else 1.0
+
+    return [max(1, int(round(rho(i) * base))) for i in range(n)]
 
 
 def head_assignment(client_ids: list[str], seed: int, round: int, shuffle: bool) -> dict[str, int]:
@@ -161,8 +155,7 @@ class BodyHead(nn.Module):
 
     def __init__(self, body: nn.Module, head: nn.Module) -> None:
         super().__init__()
-        self.body = body
-        self.sdc_head = head
+        self.body, self.sdc_head = body, head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the head on the body's embedding."""
@@ -175,10 +168,7 @@ class HeadEnsemble(ProbabilityModel):
 
     def __init__(self, body: nn.Module, heads: list[nn.Module], vote: str, tie_break: str = "mean_probability") -> None:
         super().__init__()
-        self.body = body
-        self.heads = nn.ModuleList(heads)
-        self.vote = vote
-        self.tie_break = tie_break
+        self.body, self.heads, self.vote, self.tie_break = body, nn.ModuleList(heads), vote, tie_break
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Every head's logits on the body's embedding of ``x``: ``(H, B, K)``."""

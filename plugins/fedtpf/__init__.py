@@ -43,12 +43,8 @@ class FedFed(FedTPF):
                  delta: float = 1e-5, clip: float | str = 5.0, clip_quantile: float = 0.5,
                  mechanism: str = "gaussian", accountant: str = "rdp", mix: float | None = None,
                  vae_width: int = 16, vae_grid: int = 4) -> None:
-        super().__init__(distill_rounds=distill_rounds, distill_epochs=distill_epochs, distill_steps=distill_steps,
-                         distill_lr=distill_lr, distill_optimizer=distill_optimizer, lambda_vae=lambda_vae,
-                         lambda_wgan=0.0, lambda_proto=0.0, lambda_ce=lambda_ce, decay=False, stop_condition=False,
-                         noise=noise, epsilon=epsilon, delta=delta, clip=clip, clip_quantile=clip_quantile,
-                         mechanism=mechanism, accountant=accountant, mix=mix, vae_width=vae_width,
-                         vae_grid=vae_grid)
+        given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        super().__init__(**given, lambda_wgan=0.0, lambda_proto=0.0, decay=False, stop_condition=False)
 
     def scored_from(self, round: int) -> int | None:
         """The release round: its second step is the first training of phi on local plus

@@ -4,7 +4,7 @@ its line of the algorithm box (the package's docstring lists the other parts).""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ from torch.utils.data import ConcatDataset, DataLoader
 from medfl.losses.feature_distill import (class_prototypes, decay_weights, performance_change, residual_cosine,
                                           stop_condition_check)
 from medfl.messages import RELEASE_CLIP, RELEASE_FLAG, Instruction, Reply, state_mismatch
-from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, derive_seed
+from medfl.method import ENGINE_TRAIN_METRICS, ClientContext, Federation, Method, derive_seed
 from medfl.models.feature_distill import distill_step, parameters_of
 from medfl.privacy.feature_release import perturb_features
 from medfl.training import StepMeans, get_state, make_optimizer, train_epochs, weighted_average
@@ -22,9 +22,6 @@ from medfl_plugins.fedtpf.models import (IntLabels, MixedBatches, SharedSet, Sta
 from medfl_plugins.fedtpf.presets import PAPER_PRESET, Settings
 from medfl_plugins.fedtpf.records import VALIDATION_KEYS, as_float
 from medfl_plugins.fedtpf.release import FeatureRelease
-
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
 
 __all__ = ["FedTPF", "STAGES"]
 
@@ -284,12 +281,8 @@ class FedTPF(FeatureRelease, Settings, Method):
     def reply_keys(self, instruction: Instruction) -> frozenset[str]:
         """By stage: ``distill`` replies the task model and the distillation state, ``train``
         the task model, ``release`` the released features and labels (the default's)."""
-        stage = instruction.config.get("stage")
-        if stage == "distill":
-            return frozenset({"model", "distill"})
-        if stage == "train":
-            return frozenset({"model"})
-        return super().reply_keys(instruction)
+        keys = {"distill": {"model", "distill"}, "train": {"model"}}.get(instruction.config.get("stage"))
+        return super().reply_keys(instruction) if keys is None else frozenset(keys)
 
     def client_update(self, client: ClientContext, instruction: Instruction) -> Reply:
         """The stage the instruction names: ``release`` (:meth:`_release`), ``train`` (stage 2)
@@ -393,10 +386,8 @@ class FedTPF(FeatureRelease, Settings, Method):
             epoch += 1
             if log.steps == before:   # no batch at all: nothing to train on
                 break
-        dstats = {f"distill_{key}": v for key, v in log.means().items()}
-        dstats["distill_steps"] = float(log.steps)
-        dstats["frozen"] = 0.0
-        return pack(vae, critic, cls), dstats
+        return pack(vae, critic, cls), {**{f"distill_{key}": v for key, v in log.means().items()},
+                                        "distill_steps": float(log.steps), "frozen": 0.0}
 
     def client_validate(self, client: ClientContext, instruction: Instruction) -> dict[str, float]:
         """``p_k``: the global distillation model's residual accuracy on this client's ``val``

@@ -6,17 +6,14 @@ the per-channel scale (``standardize``) the distillation model works on."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from medfl.context import ClientContext
 from medfl.models.feature_distill import Critic, DistillVAE
 from medfl.training import get_state
-
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
 
 __all__ = ["State", "NetSizes", "Scale", "sub", "pack", "distill_nets", "load_nets", "client_nets", "residuals",
            "SharedSet", "IntLabels", "MixedBatches", "fixed_scale", "own_statistics", "client_scale", "input_scale",
@@ -36,9 +33,8 @@ def sub(state: State, prefix: str) -> State:
 
 def pack(vae: nn.Module, critic: nn.Module, cls: nn.Module) -> State:
     """The distillation model's one state: ``vae.``, ``critic.`` and ``cls.`` keys."""
-    return {**{f"vae.{k}": v for k, v in get_state(vae).items()},
-            **{f"critic.{k}": v for k, v in get_state(critic).items()},
-            **{f"cls.{k}": v for k, v in get_state(cls).items()}}
+    return {f"{name}.{k}": v for name, net in (("vae", vae), ("critic", critic), ("cls", cls))
+            for k, v in get_state(net).items()}
 
 
 def distill_nets(in_channels: int, dims: int, latent: int, sizes: NetSizes) -> tuple[DistillVAE, Critic]:
@@ -125,8 +121,7 @@ class MixedBatches:
                  generator: torch.Generator) -> None:
         self.local, self.shared, self.per_batch, self.generator = local, shared, int(shared_per_batch), generator
         self._order: list[int] = []
-        self.shared_seen = 0
-        self.local_seen = 0
+        self.shared_seen = self.local_seen = 0
 
     def __len__(self) -> int:
         return len(self.local)

@@ -12,10 +12,11 @@ from medfl.method import Federation, MethodConfigError, Preset
 from medfl.models.feature_distill import DistillWeights
 from medfl.privacy.accounting import PrivacyConfigError, check_budget, noise_for_epsilon
 from medfl.privacy.feature_release import MECHANISMS
+from medfl_plugins.common import read
 from medfl_plugins.fedtpf.models import NetSizes
 
-__all__ = ["STOP_ON", "DISTILL_OPTIMIZERS", "ACCURACY_CI", "STANDARDIZE", "PAPER_SOURCES", "PAPER_PRESET", "integer",
-           "number", "choice", "read_standardize", "read_noise", "read_clip", "Settings"]
+__all__ = ["STOP_ON", "DISTILL_OPTIMIZERS", "ACCURACY_CI", "STANDARDIZE", "PAPER_SOURCES", "PAPER_PRESET", "RULES",
+           "read_standardize", "read_noise", "read_clip", "Settings"]
 
 #: what the stop condition's and eq. 9's accuracy is measured on (``stop_on``): the residual
 #: classifier's input as it trains on it (``x_p``) or the unperturbed residual (``x_s``)
@@ -30,6 +31,18 @@ ACCURACY_CI = ("none", "wilson")
 #: engine's input scale (``"none"``) or each client's inputs standardized per channel with the
 #: mean and standard deviation of its own training split (``"client"``)
 STANDARDIZE = ("none", "client")
+#: the keywords read by one rule each (:func:`medfl_plugins.common.read`): the choices, an
+#: integer's least value, or a number's range as the message says it
+RULES: dict[str, Any] = {
+    "distill_rounds": 1, "distill_epochs": 1, "distill_steps": 0, "distill_lr": "> 0",
+    "distill_optimizer": DISTILL_OPTIMIZERS, "lambda_vae": ">= 0", "lambda_wgan": ">= 0", "lambda_proto": ">= 0",
+    "lambda_ce": "> 0", "gp_weight": ">= 0", "decay_lambda": ">= 0", "decay_reading": DECAY_READINGS,
+    "stop_on": STOP_ON, "target_accuracy": "> 0 and <= 1", "tolerance": ">= 0 and <= 1",
+    "max_cosine": ">= -1 and <= 1", "window": 1, "max_change": ">= 0", "cosine_reading": COSINE_READINGS,
+    "change_reading": CHANGE_READINGS, "accuracy_ci": ACCURACY_CI, "mechanism": MECHANISMS, "epsilon": "> 0",
+    "delta": "> 0 and <= 1", "clip_quantile": "> 0 and <= 1", "mix": ">= 0 and < 1", "vae_width": 1,
+    "vae_grid": 1, "critic_width": 1,
+}
 
 
 #: Where each value of the ``"paper"`` preset comes from (:attr:`medfl.method.Preset.sources`);
@@ -151,33 +164,6 @@ PAPER_PRESET = Preset(
 )
 
 
-# Each reader returns the keyword ``name``'s ``value`` checked, or raises a MethodConfigError
-# saying ``where`` (``"method 'fedtpf'"``), the name, what it must be and what it got.
-def integer(where: str, name: str, value: Any, low: int) -> int:
-    """``value``, an integer >= ``low`` (a bool is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise MethodConfigError(f"{where}: {name} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def number(where: str, name: str, value: Any, low: float, high: float = math.inf, open_low: bool = False,
-           open_high: bool = False) -> float:
-    """``value`` as a finite float in ``[low, high]`` (``open_low``/``open_high``: the bound excluded)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or value > high or (open_low and value == low) or (open_high and value == high):
-        bound = (f"{'>' if open_low else '>='} {low:g}"
-                 + (f" and {'<' if open_high else '<='} {high:g}" if high < math.inf else ""))
-        raise MethodConfigError(f"{where}: {name} must be a number {bound}, got {value!r}")
-    return float(value)
-
-
-def choice(where: str, name: str, value: Any, options: tuple[str, ...]) -> str:
-    """``value``, one of ``options``."""
-    if value not in options:
-        raise MethodConfigError(f"{where}: {name} must be one of {', '.join(options)}, got {value!r}")
-    return str(value)
-
-
 def read_standardize(where: str, value: Any) -> str | dict[str, list[float]]:
     """``standardize``: ``"none"``, ``"client"`` or ``{"mean": [...], "std": [...]}`` (one
     finite mean and one std > 0 per channel, as lists of equal length)."""
@@ -203,7 +189,7 @@ def read_noise(where: str, noise: Any, epsilon: float | None) -> dict[str, float
     if not isinstance(noise, dict) or set(noise) != {"variance"}:
         raise MethodConfigError(f"{where}: noise must be null (the DP release at epsilon and clip) or "
                                 f"{{'variance': v}} (the paper's noise on unclipped x_s), got {noise!r}")
-    noise = {"variance": number(where, "noise.variance", noise["variance"], 0.0, open_low=True)}
+    noise = {"variance": read(where, "noise.variance", noise["variance"], "> 0")}
     if epsilon is not None:
         raise MethodConfigError(
             f"{where}: noise={noise!r} adds noise of a fixed variance to unclipped x_s, which is no DP "
@@ -215,7 +201,7 @@ def read_clip(where: str, clip: Any, noise: dict[str, float] | None, standardize
     """``clip``: a number > 0, or ``"public_quantile"`` (the DP release only, and not with
     ``standardize="client"``, which the coordinator cannot reproduce on the public set)."""
     if not isinstance(clip, str):
-        return number(where, "clip", clip, 0.0, open_low=True)
+        return read(where, "clip", clip, "> 0")
     if clip != "public_quantile":
         raise MethodConfigError(f"{where}: clip must be a number > 0 or 'public_quantile', got {clip!r}")
     if noise is not None:
@@ -244,41 +230,13 @@ class Settings:
                  accountant: str = "rdp", mix: float | None = None, vae_width: int = 16, vae_grid: int = 4,
                  critic_width: int = 16, cosine_reading: str = "absolute", change_reading: str = "absolute",
                  accuracy_ci: str = "none", standardize: str | dict[str, list[float]] = "none") -> None:
-        where = f"method {self.name!r}"
-        self.distill_rounds = integer(where, "distill_rounds", distill_rounds, 1)
-        self.distill_epochs = integer(where, "distill_epochs", distill_epochs, 1)
-        self.distill_steps = integer(where, "distill_steps", distill_steps, 0)
-        self.distill_lr = number(where, "distill_lr", distill_lr, 0.0, open_low=True)
-        self.distill_optimizer = choice(where, "distill_optimizer", distill_optimizer, DISTILL_OPTIMIZERS)
-        self.lambda_vae = number(where, "lambda_vae", lambda_vae, 0.0)
-        self.lambda_wgan = number(where, "lambda_wgan", lambda_wgan, 0.0)
-        self.lambda_proto = number(where, "lambda_proto", lambda_proto, 0.0)
-        self.lambda_ce = number(where, "lambda_ce", lambda_ce, 0.0, open_low=True)
-        self.gp_weight = number(where, "gp_weight", gp_weight, 0.0)
-        self.decay, self.stop_condition = bool(decay), bool(stop_condition)
-        self.decay_lambda = number(where, "decay_lambda", decay_lambda, 0.0)
-        self.decay_reading = choice(where, "decay_reading", decay_reading, DECAY_READINGS)
-        self.stop_on = choice(where, "stop_on", stop_on, STOP_ON)
-        self.target_accuracy = number(where, "target_accuracy", target_accuracy, 0.0, 1.0, open_low=True)
-        self.tolerance = number(where, "tolerance", tolerance, 0.0, 1.0)
-        self.max_cosine = number(where, "max_cosine", max_cosine, -1.0, 1.0)
-        self.window = integer(where, "window", window, 1)
-        self.max_change = number(where, "max_change", max_change, 0.0)
-        self.cosine_reading = choice(where, "cosine_reading", cosine_reading, COSINE_READINGS)
-        self.change_reading = choice(where, "change_reading", change_reading, CHANGE_READINGS)
-        self.accuracy_ci = choice(where, "accuracy_ci", accuracy_ci, ACCURACY_CI)
+        where, given = f"method {self.name!r}", locals()
+        for k, rule in RULES.items():
+            setattr(self, k, read(where, k, given[k], rule, none=k in ("epsilon", "mix")))
+        self.decay, self.stop_condition, self.accountant = bool(decay), bool(stop_condition), accountant
         self.standardize = read_standardize(where, standardize)
-        self.mechanism = choice(where, "mechanism", mechanism, MECHANISMS)
-        self.accountant = accountant
-        self.epsilon = None if epsilon is None else number(where, "epsilon", epsilon, 0.0, open_low=True)
-        self.delta = number(where, "delta", delta, 0.0, 1.0, open_low=True)
         self.noise = read_noise(where, noise, self.epsilon)
         self.clip = read_clip(where, clip, self.noise, standardize)
-        self.clip_quantile = number(where, "clip_quantile", clip_quantile, 0.0, 1.0, open_low=True)
-        self.mix = None if mix is None else number(where, "mix", mix, 0.0, 1.0, open_high=True)
-        self.vae_width = integer(where, "vae_width", vae_width, 1)
-        self.vae_grid = integer(where, "vae_grid", vae_grid, 1)
-        self.critic_width = integer(where, "critic_width", critic_width, 1)
         try:
             #: the Gaussian release's noise multiplier (noise std over the clip); 0 without a DP release
             self.noise_multiplier = (noise_for_epsilon(self.epsilon, self.delta, 1.0, 1, accountant)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from medfl.guard.params import PLANE_MIN_CORR
 from medfl.losses.feature_distill import STOP_CRITERIA
 from medfl.messages import Reply
+from medfl_plugins.common import say_once
 
 __all__ = ["DECAY_INERT", "CHANCE_MARGIN", "CHANCE_ROUNDS", "VALIDATION_KEYS", "MechanismRecords", "as_float"]
 
@@ -106,11 +107,9 @@ class MechanismRecords:
         """This round's rows (the ``_record_*`` methods'), and stop round ``"cap"`` for the
         clients that never met the stop condition once stage 1 ended."""
         rows = list(self._rows) if self._rows_round == round else []
-        if self.transition.get("after_round") == round:
-            for cid in self.federation.client_ids:
-                if cid not in self.stopped_at and self.stop_condition:
-                    rows.append({"mechanism": "stop_condition", "scope": "client", "id": cid, "stop_round": "cap"})
-        return rows
+        capped = self.transition.get("after_round") == round and self.stop_condition
+        return rows + [{"mechanism": "stop_condition", "scope": "client", "id": cid, "stop_round": "cap"}
+                       for cid in self.federation.client_ids if capped and cid not in self.stopped_at]
 
     def _stop_key(self) -> str:
         """The validation scalar the stop condition and eq. 9 read (``stop_on``)."""
@@ -190,12 +189,7 @@ class MechanismRecords:
         (:meth:`_stage1_warnings`), at its end (:meth:`_transition_warnings`), and noise that
         drowns the released features' signal (noise norm >= signal norm)."""
         out: list[str] = []
-
-        def say(kind: str, text: str) -> None:
-            if kind not in self.warned:
-                self.warned.append(kind)
-                out.append(text)
-
+        say = say_once(self.warned, out)
         if self.stage == "distill" or self.transition.get("after_round") == round:
             self._stage1_warnings(round, say)
         if self.transition.get("after_round") == round:

@@ -6,19 +6,16 @@ client's release step, the check of its reply and ``D^s`` built from the replies
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from medfl.messages import Instruction, Reply
-from medfl.method import MethodConfigError
+from medfl.method import ClientContext, MethodConfigError
 from medfl.privacy.accounting import PrivacyConfigError
 from medfl.privacy.feature_release import SampleRelease, norm_quantile, perturb_features, variance_scale
 from medfl_plugins.fedtpf.models import client_nets, client_scale, fixed_scale, load_nets, residuals, standardized
 from medfl_plugins.fedtpf.records import MechanismRecords, as_float
-
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
 
 __all__ = ["DISTILL_MODEL_NOT_COVERED", "FeatureRelease"]
 
@@ -117,25 +114,16 @@ class FeatureRelease(MechanismRecords):
 
     def _scale_text(self) -> str:
         """The scale the noise is added on (``standardize``), for ``mechanisms.csv``."""
-        if self.standardize == "none":
-            return "input"
-        if self.standardize == "client":
-            return "standardized (each client's own per-channel mean and std)"
-        return "standardized (fixed per-channel mean and std)"
+        return ("input" if self.standardize == "none" else "standardized (each client's own per-channel mean and std)"
+                if self.standardize == "client" else "standardized (fixed per-channel mean and std)")
 
     def _clip_source(self) -> str:
-        if self.noise is not None:
-            return "none (unclipped)"
-        if self.clip == "public_quantile":
-            return f"public_quantile {self.clip_quantile:g}"
-        return "config"
+        return ("none (unclipped)" if self.noise is not None else
+                f"public_quantile {self.clip_quantile:g}" if self.clip == "public_quantile" else "config")
 
     def _noise_text(self) -> str:
-        if self.noise is not None:
-            return f"variance {self.noise['variance']:g} (not private)"
-        if self.epsilon is None:
-            return "off (not private)"
-        return f"{self.mechanism} epsilon {self.epsilon:g}"
+        return (f"variance {self.noise['variance']:g} (not private)" if self.noise is not None else
+                "off (not private)" if self.epsilon is None else f"{self.mechanism} epsilon {self.epsilon:g}")
 
     def _release(self, client: ClientContext, instruction: Instruction) -> Reply:
         """``x_s`` for every training sample, once, with the labels, **unnoised**: medfl
@@ -146,8 +134,7 @@ class FeatureRelease(MechanismRecords):
         vae, _, _ = client_nets(client, instruction.payload["distill"], self.net_sizes)
         x, x_hat, y = residuals(client, vae, "train", client_scale(self.standardize, client))
         x_s = x - x_hat
-        x_norm = x.flatten(1).norm(dim=1)
-        s_norm = x_s.flatten(1).norm(dim=1)
+        x_norm, s_norm = x.flatten(1).norm(dim=1), x_s.flatten(1).norm(dim=1)
         metrics = {"x_norm": float(x_norm.mean()), "x_s_norm": float(s_norm.mean()),
                    "x_s_norm_ratio": float((s_norm / x_norm.clamp_min(1e-12)).mean())}
         return Reply(payload={"shared_x": x_s.float().contiguous(), "shared_y": y}, metrics=metrics,

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from medfl.capability import CLUSTERS
+from medfl_plugins.common import say_once
 from medfl_plugins.pfedcdp.settings import AUTHORS_NOISE_MULTIPLIER, State
 
 __all__ = ["ABOVE_ONE_WARN", "DRIFT_WARN", "NOISE_WARN_RATIO", "MechanismRecords", "norm", "personal_observables",
@@ -74,7 +75,6 @@ def quantization_error(state: State, bits: int) -> float:
             step = (float(v.max()) - float(v.min())) / (2 ** bits - 1)
             total += v.numel() * step * step / 12.0
     return math.sqrt(total)
-
 
 
 class MechanismRecords:
@@ -142,12 +142,10 @@ class MechanismRecords:
         docstring says what each value is)."""
         if self.observed.get("round") != round:
             return []
-        rows: list[dict[str, Any]] = []
-        for c, obs in self.observed["clusters"].items():
-            rows += [{"mechanism": name, "scope": "cluster", "id": c, **vals} for name, vals in obs.items()]
-        for cid, obs in self.observed["clients"].items():
-            rows.append({"mechanism": "personalization", "scope": "client", "id": cid, **obs})
-        return rows
+        return ([{"mechanism": name, "scope": "cluster", "id": c, **vals}
+                 for c, obs in self.observed["clusters"].items() for name, vals in obs.items()]
+                + [{"mechanism": "personalization", "scope": "client", "id": cid, **obs}
+                   for cid, obs in self.observed["clients"].items()])
 
     def scored_from(self, round: int) -> int | None:
         """The first round whose evaluated (personal) models PFedCDP's noise shaped, as known after
@@ -173,37 +171,30 @@ class MechanismRecords:
             return None
         return self.first_noised_round + lag
 
-
     def mechanism_warnings(self, round: int) -> list[str]:
         """Once each: the noise drowns a cluster's update (``NOISE_WARN_RATIO``); quantizing the
         weights errs more than the update; a noised cluster's replies are missing; a client's own
         weights blew up (``ABOVE_ONE_WARN``, ``DRIFT_WARN``)."""
         if self.observed.get("round") != round:
             return []
-        out = []
+        out: list[str] = []
+        say = say_once(self.warned, out)
         for c, obs in self.observed["clusters"].items():
             dp = obs["dp_noise"]
-            if dp["noise_to_update_min"] >= NOISE_WARN_RATIO and self._once(f"noise:{c}"):
-                out.append(self._noise_warning(c, dp))
+            if dp["noise_to_update_min"] >= NOISE_WARN_RATIO:
+                say(f"noise:{c}", self._noise_warning(c, dp))
             q = obs.get("quantization")
-            if q and q["target"] == "weights" and q["error_to_update"] > 1.0 and self._once(f"quantization:{c}"):
-                out.append(f"cluster {c}: {int(q['bits'])}-bit quantization of the weights errs "
-                           f"{q['error_to_update']:.3g}x the update itself (error norm {q['error_norm']:.3g}); "
-                           "quantize 'update' (eq. 14) quantizes the update instead")
+            if q and q["target"] == "weights" and q["error_to_update"] > 1.0:
+                say(f"quantization:{c}", f"cluster {c}: {int(q['bits'])}-bit quantization of the weights errs "
+                    f"{q['error_to_update']:.3g}x the update itself (error norm {q['error_norm']:.3g}); "
+                    "quantize 'update' (eq. 14) quantizes the update instead")
         missing = self.observed.get("noised_missing") or []
-        if missing and len(CLUSTERS) > len(self.dp_clusters) and self._once("noised_missing"):
-            out.append(f"client(s) {', '.join(missing)} of the noised cluster(s) {', '.join(self.dp_clusters)} sent "
-                       "no usable reply this round (reply_events.csv says why), so no noised update reached the "
-                       "cluster's model: the other clusters send their weights in the clear, and until a noised reply "
-                       "is averaged no round is scored (scored_from)")
+        if missing and len(CLUSTERS) > len(self.dp_clusters):
+            say("noised_missing", f"client(s) {', '.join(missing)} of the noised cluster(s) "
+                f"{', '.join(self.dp_clusters)} sent no usable reply this round (reply_events.csv says why), so no "
+                "noised update reached the cluster's model: the other clusters send their weights in the clear, and "
+                "until a noised reply is averaged no round is scored (scored_from)")
         return out + self._blowup_warning()
-
-    def _once(self, key: str) -> bool:
-        """Whether the warning ``key`` is new (and now recorded as said)."""
-        if key in self.warned:
-            return False
-        self.warned.append(key)
-        return True
 
     def _noise_warning(self, c: str, dp: dict[str, Any]) -> str:
         """The warning that the noise drowns cluster ``c``'s update (its ``dp_noise`` row ``dp``)."""

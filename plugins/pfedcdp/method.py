@@ -7,7 +7,7 @@ are the class's parts in :mod:`.release`, :mod:`.mechanisms` and :mod:`.refine`.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch import nn
 from medfl.capability import CLUSTERS, SCORES, assign_cluster, draw_capabilities, measure_capabilities, overall_score
 from medfl.logs import plugin_logger
 from medfl.messages import Instruction, Reply
-from medfl.method import ENGINE_TRAIN_METRICS, Federation, Method, MethodConfigError, derive_seed
+from medfl.method import ENGINE_TRAIN_METRICS, ClientContext, Federation, Method, MethodConfigError, derive_seed
 from medfl.models.registry import build_seeded
 from medfl.training import get_state, make_optimizer, train_epochs, weighted_average
 from medfl_plugins.pfedcdp.losses import local_loss
@@ -26,9 +26,6 @@ from medfl_plugins.pfedcdp.presets import PRESETS
 from medfl_plugins.pfedcdp.refine import Refinement
 from medfl_plugins.pfedcdp.release import PrivateRelease
 from medfl_plugins.pfedcdp.settings import State, read_settings
-
-if TYPE_CHECKING:  # pragma: no cover
-    from medfl.context import ClientContext
 
 __all__ = ["PFedCDP"]
 
@@ -86,12 +83,6 @@ class PFedCDP(PrivateRelease, MechanismRecords, Refinement, Method):
                  score: str = "personal") -> None:
         vars(self).update(read_settings({k: v for k, v in locals().items() if k != "self"}))
 
-    def hparams(self) -> dict[str, Any]:
-        """The resolved hyperparameters (cluster_models and student_model filled in)."""
-        out = super().hparams()
-        out["capability_weights"] = list(self.capability_weights)
-        return out
-
     # ------------------------------------------------------------------ shared
     def _model_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """``spec`` with the run's data dimensions (``spatial_dims``, ``in_channels``, ``num_classes``)."""
@@ -131,11 +122,9 @@ class PFedCDP(PrivateRelease, MechanismRecords, Refinement, Method):
         self.heads: dict[str, State] = {}
         for c in CLUSTERS:
             model = build_seeded(self._spec(c), derive_seed(federation.seed, "pfedcdp", c))
-            params, buffers, head = split_keys(model)
             state = get_state(model)
-            self.extractors[c] = {k: state[k] for k in params}
-            self.buffers[c] = {k: state[k] for k in buffers}
-            self.heads[c] = {k: state[k] for k in head}
+            self.extractors[c], self.buffers[c], self.heads[c] = ({k: state[k] for k in keys}
+                                                                  for keys in split_keys(model))
         # the initial models' BatchNorm statistics and server classifiers come from the public
         # set before round 1's instructions (configure_round); a resumed run loads them instead
         self._initial_fit_due = True
@@ -299,7 +288,6 @@ class PFedCDP(PrivateRelease, MechanismRecords, Refinement, Method):
         """The capability cluster of each client."""
         return dict(self.assign)
 
-
     # ------------------------------------------------------------------ client: Algorithm 1
     def _client_spec(self, instruction: Instruction) -> dict[str, Any]:
         try:
@@ -307,11 +295,6 @@ class PFedCDP(PrivateRelease, MechanismRecords, Refinement, Method):
         except (KeyError, ValueError):
             raise MethodConfigError("pfedcdp: the instruction carries no model spec") from None
         return dict(spec)
-
-    def distils(self, cluster: str) -> bool:
-        """Whether a client of ``cluster`` trains on eq. 11 (``kd_clusters``); the others train on
-        cross-entropy alone, with no teacher."""
-        return cluster in self.kd_clusters
 
     def client_train(self, cluster: str, train: dict[str, Any]) -> dict[str, Any]:
         """The local training settings of a client of ``cluster``: ``train`` with the learning rate
@@ -361,15 +344,14 @@ class PFedCDP(PrivateRelease, MechanismRecords, Refinement, Method):
         # l. 10-17, eq. 11: teacher = the global extractor + the server's classifier; a cluster
         # outside kd_clusters builds none (the authors' v1.7 models B and C never load one)
         teacher = (frozen(self._loaded(spec, {**g_ext, **g_buf, **s_head}, client.device))
-                   if self.distils(cluster) else None)
+                   if cluster in self.kd_clusters else None)
         stats = self._distil(model, client, teacher, head_keys, train_cfg)
         metrics.update(loss=stats["loss"], steps=stats["steps"])
         state = get_state(model)
         ext = {k: state[k] for k in body}
         metrics.update(personal_observables(ext, own_ext, masks))
-        client.state["extractor"] = ext
-        client.state["buffers"] = {k: state[k] for k in buffer_keys}
-        client.state["head"] = {k: state[k] for k in head_keys}
+        client.state.update(extractor=ext, buffers={k: state[k] for k in buffer_keys},
+                            head={k: state[k] for k in head_keys})
         sent = ext
         if self.in_step:        # the authors' pipeline: noise and quantize the weights here, per cluster
             sent = self.release_weights(ext, cluster, int(instruction.config.get("round", 0)), client.seed)

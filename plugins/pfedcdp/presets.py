@@ -133,12 +133,11 @@ _PAPER_SOURCES: dict[str, str] = {
 
 #: The authors' v1.7 clients (``PFedCDP/v1.7/PFedCDP/client.py``: model A, ``client1.py``: model B,
 #: ``client2.py``: model C), what each sends in ``FlowerClient.fit``.
-_V17_VALUES: dict[str, Any] = {
+_V17_VALUES: dict[str, Any] = {   # clip 2.5, delta 1e-5, kd_lambda 0.3 and kd_temperature 3.0: as the paper preset
     **_PAPER_VALUES, "dp_mode": "weights_per_tensor", "dp_clusters": ["medium"], "epsilon": None,
-    "noise_multiplier": AUTHORS_V17_NOISE_MULTIPLIER, "clip": 2.5, "delta": 1e-5, "quantize": "weights",
-    "bits": {"high": None, "medium": 12, "low": None}, "apply_masks": False, "fisher_keep": None,
-    "fisher_threshold": 0.01, "kd_scope": "model", "extractor_epochs": 0, "kd_lambda": 0.3, "kd_temperature": 3.0,
-    "grad_clip": None, "teacher_weights": "fixed", "kd_clusters": ["high"],
+    "noise_multiplier": AUTHORS_V17_NOISE_MULTIPLIER, "quantize": "weights", "apply_masks": False,
+    "bits": {"high": None, "medium": 12, "low": None}, "fisher_keep": None, "fisher_threshold": 0.01,
+    "kd_scope": "model", "extractor_epochs": 0, "grad_clip": None, "teacher_weights": "fixed", "kd_clusters": ["high"],
     "cluster_lr": {"high": None, "medium": None, "low": 3e-4}, "kd_input": "probabilities", "score": "global",
 }
 _V17_SOURCES: dict[str, str] = {

@@ -93,7 +93,6 @@ class Refinement:
         return teacher_weights(values), {"values": values, "v_all": game(frozenset(range(len(clusters)))),
                                          "v_empty": game(frozenset()), "samples": int(len(idx))}
 
-
     def finalize(self) -> None:
         """Algorithm 2, lines 15-28: the teachers' weights (eq. 16's Shapley values or another
         choice, :meth:`_weights`), eqs. 16 and 19's feature importance (:meth:`_feature_shap`),
@@ -112,9 +111,8 @@ class Refinement:
         report: dict[str, Any] = {"teachers": clusters, "teacher_weights_mode": self.teacher_weights,
                                   "teacher_weights": dict(zip(clusters, weights))}
         if shap_info is not None:
-            report["shapley"] = {"score": self.shapley_score, "values": dict(zip(clusters, shap_info["values"])),
-                                 "v_all": shap_info["v_all"], "v_empty": shap_info["v_empty"],
-                                 "samples": shap_info["samples"]}
+            report["shapley"] = {"score": self.shapley_score, **shap_info,
+                                 "values": dict(zip(clusters, shap_info["values"]))}
         scale, student_spec, weights_map = self._feature_shap(teachers, clusters, plain, report)
         student = build_seeded(student_spec, derive_seed(fed.seed, "student"), fed.device)
         if weights_map is not None:
@@ -215,10 +213,8 @@ class Refinement:
 
     def final_models(self) -> dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
         """The refined student, each cluster's teacher and their weighted ensemble."""
-        out: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
         clusters = self._teacher_clusters()
-        for c in clusters:
-            out[f"teacher_{c}"] = (self._spec(c), self._state(c))
+        out = {f"teacher_{c}": (self._spec(c), self._state(c)) for c in clusters}
         weights = getattr(self, "_teacher_weights", None)
         if clusters and weights:
             members = [self._spec(c) for c in clusters]

@@ -162,9 +162,7 @@ class PrivateRelease:
     def signal_bound(self, c: str) -> float:
         """The largest L2 norm of what a cluster-``c`` client sends before the noise: C2 for the
         clipped update, ``clip * sqrt(L)`` for the weights clipped tensor by tensor."""
-        if self.dp_mode == "update":
-            return self.clip
-        return self.clip * math.sqrt(len(self.extractors[c]))
+        return self.clip if self.dp_mode == "update" else self.clip * math.sqrt(len(self.extractors[c]))
 
     def planned_sigma(self, federation: Federation) -> float:
         """The noise multiplier of the run's extractor updates, planned as the engine plans the

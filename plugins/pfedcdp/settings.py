@@ -11,6 +11,7 @@ import torch
 from medfl.capability import CLUSTERS, SCORES, assign_cluster, overall_score
 from medfl.losses.distill import SUPCON_REDUCTIONS
 from medfl.method import MethodConfigError
+from medfl_plugins.common import read
 
 __all__ = ["AUTHORS_NOISE_MULTIPLIER", "AUTHORS_TEACHER_WEIGHTS", "AUTHORS_V17_NOISE_MULTIPLIER",
            "DEFAULT_CLUSTER_MODELS", "DP_MODES", "KD_INPUTS", "KD_SCOPES", "SCORES_MODES", "State", "read_settings"]
@@ -49,26 +50,18 @@ SHAPLEY_SCORES = ("accuracy", "balanced_accuracy", "auc")
 QUANTIZE = ("update", "weights")
 CLUSTER_AVERAGE = ("weighted", "uniform")
 SUPCON_VIEWS = (1, 2)
-
-
-def _check_number(value: Any, name: str, unit: bool = False) -> float:
-    """``value`` as a float, in [0, 1] (``unit``) or > 0."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not (0.0 <= float(value) <= 1.0 if unit else float(value) > 0)):
-        raise MethodConfigError(f"pfedcdp: {name} must be a number {'in [0, 1]' if unit else '> 0'}, got {value!r}")
-    return float(value)
-
-
-def _check_pos_int(value: Any, name: str, zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
-        raise MethodConfigError(f"pfedcdp: {name} must be an integer >= {0 if zero else 1}, got {value!r}")
-    return int(value)
-
-
-def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise MethodConfigError(f"pfedcdp: {name} must be one of {', '.join(choices)}, got {value!r}")
-    return str(value)
+#: The keywords read by one rule each (:func:`medfl_plugins.common.read`): the choices, an integer's
+#: least value, or a number's range as the message says it; those of ``NULLABLE`` may be null.
+RULES: dict[str, Any] = {
+    "max_latency_ms": "> 0", "fisher_keep": "in [0, 1]", "fisher_batches": 1, "extractor_epochs": 0,
+    "kd_lambda": "in [0, 1]", "kd_temperature": "> 0", "server_classifier": SERVER_CLASSIFIER, "server_epochs": 1,
+    "kd_scope": KD_SCOPES, "kd_input": KD_INPUTS, "score": SCORES_MODES, "cluster_average": CLUSTER_AVERAGE,
+    "grad_clip": "> 0", "epsilon": "> 0", "noise_multiplier": "> 0", "quantize": QUANTIZE, "dp_mode": DP_MODES,
+    "clip": "> 0", "supcon_reduction": SUPCON_REDUCTIONS, "refine_epochs": 0, "refine_lr": "> 0",
+    "alpha": "in [0, 1]", "refine_temperature": "> 0", "tau": "> 0", "shapley_score": SHAPLEY_SCORES,
+    "shapley_samples": 1, "feature_shap": FEATURE_SHAP, "shap_samples": 1, "shap_nsamples": 1,
+}
+NULLABLE = ("fisher_keep", "fisher_batches", "grad_clip", "epsilon", "noise_multiplier", "shapley_samples")
 
 
 def _check_clusters(value: Any, name: str, what: str) -> list[str]:
@@ -82,16 +75,12 @@ def _check_clusters(value: Any, name: str, what: str) -> list[str]:
     return [c for c in CLUSTERS if c in value]
 
 
-def _optional(value: Any, check: Any, *args: Any) -> Any:
-    """``None``, or ``value`` as ``check(value, *args)`` reads it."""
-    return None if value is None else check(value, *args)
-
-
 def read_settings(given: dict[str, Any]) -> dict[str, Any]:
     """PFedCDP's keyword arguments ``given`` as the method holds them, by the same names: each
     checked (a :class:`MethodConfigError` naming it and what to set instead), numbers as floats,
     cluster lists in ``CLUSTERS``' order, ``cluster_models`` and ``student_model`` filled in."""
-    return {**_read_clusters(given), **_read_local(given), **_read_privacy(given), **_read_refinement(given)}
+    r = {k: read("pfedcdp", k, given[k], rule, none=k in NULLABLE, finite=False) for k, rule in RULES.items()}
+    return {**r, **_read_clusters(given), **_read_local(given), **_read_privacy(given, r), **_read_refinement(given)}
 
 
 def _read_clusters(g: dict[str, Any]) -> dict[str, Any]:
@@ -126,8 +115,7 @@ def _read_clusters(g: dict[str, Any]) -> dict[str, Any]:
                 raise MethodConfigError(f"pfedcdp: cluster_models[{c!r}] must be a model spec with a 'name'")
             models[c] = dict(spec)
     return {"capabilities": capabilities, "capability_weights": [float(w) for w in weights],
-            "t_high": float(g["t_high"]), "t_medium": float(g["t_medium"]),
-            "max_latency_ms": _check_number(g["max_latency_ms"], "max_latency_ms"), "cluster_models": models}
+            "t_high": float(g["t_high"]), "t_medium": float(g["t_medium"]), "cluster_models": models}
 
 
 def _read_local(g: dict[str, Any]) -> dict[str, Any]:
@@ -143,38 +131,26 @@ def _read_local(g: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(cluster_lr, dict) or set(cluster_lr) - set(CLUSTERS):
             raise MethodConfigError(f"pfedcdp: cluster_lr must map some of {', '.join(CLUSTERS)} to a learning "
                                     f"rate > 0 or null (train.lr), got {cluster_lr!r}")
-        cluster_lr = {c: _optional(cluster_lr.get(c), _check_number, f"cluster_lr[{c!r}]") for c in CLUSTERS}
+        cluster_lr = {c: read("pfedcdp", f"cluster_lr[{c!r}]", cluster_lr.get(c), "> 0", none=True, finite=False)
+                      for c in CLUSTERS}
     return {
-        "fisher_keep": _optional(g["fisher_keep"], _check_number, "fisher_keep", True),
-        "fisher_threshold": _optional(g["fisher_threshold"], float),
-        "fisher_batches": _optional(g["fisher_batches"], _check_pos_int, "fisher_batches"),
-        "extractor_epochs": _check_pos_int(g["extractor_epochs"], "extractor_epochs", zero=True),
-        "kd_lambda": _check_number(g["kd_lambda"], "kd_lambda", unit=True),
-        "kd_temperature": _check_number(g["kd_temperature"], "kd_temperature"),
-        "server_classifier": _check_choice(g["server_classifier"], "server_classifier", SERVER_CLASSIFIER),
-        "server_epochs": _check_pos_int(g["server_epochs"], "server_epochs"),
-        "apply_masks": g["apply_masks"], "kd_scope": _check_choice(g["kd_scope"], "kd_scope", KD_SCOPES),
+        "fisher_threshold": None if g["fisher_threshold"] is None else float(g["fisher_threshold"]),
+        "apply_masks": g["apply_masks"], "cluster_lr": cluster_lr,
         "kd_clusters": _check_clusters(g["kd_clusters"], "kd_clusters", "the clusters whose clients train on "
                                        "eq. 11; the others train on cross-entropy alone"),
-        "cluster_lr": cluster_lr, "kd_input": _check_choice(g["kd_input"], "kd_input", KD_INPUTS),
-        "score": _check_choice(g["score"], "score", SCORES_MODES),
-        "cluster_average": _check_choice(g["cluster_average"], "cluster_average", CLUSTER_AVERAGE),
-        "grad_clip": _optional(g["grad_clip"], _check_number, "grad_clip"),
     }
 
 
-def _read_privacy(g: dict[str, Any]) -> dict[str, Any]:
-    """Eqs. 12-15 and the authors' release: the noise, where it goes, the quantization."""
-    epsilon = _optional(g["epsilon"], _check_number, "epsilon")
-    noise_multiplier = _optional(g["noise_multiplier"], _check_number, "noise_multiplier")
+def _read_privacy(g: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
+    """Eqs. 12-15 and the authors' release: the noise, where it goes, the quantization (``r``:
+    the keywords of :data:`RULES` as read)."""
+    epsilon, noise_multiplier, quantize, dp_mode = r["epsilon"], r["noise_multiplier"], r["quantize"], r["dp_mode"]
     if epsilon is not None and noise_multiplier is not None:
         raise MethodConfigError(f"pfedcdp: give exactly one of epsilon (a target over the run; sigma is derived) "
                                 f"or noise_multiplier (sigma of every round; the run records the epsilon it "
                                 f"spends), and set the other to null; got epsilon {g['epsilon']!r} and "
                                 f"noise_multiplier {g['noise_multiplier']!r}")
     dp = epsilon is not None or noise_multiplier is not None
-    quantize = _check_choice(g["quantize"], "quantize", QUANTIZE)
-    dp_mode = _check_choice(g["dp_mode"], "dp_mode", DP_MODES)
     dp_clusters = _check_clusters(g["dp_clusters"], "dp_clusters", "the clusters whose extractors are noised")
     if dp_mode == "update" and dp and len(dp_clusters) != len(CLUSTERS):
         raise MethodConfigError(f"pfedcdp: dp_clusters {dp_clusters} needs dp_mode 'weights_per_tensor': "
@@ -194,9 +170,8 @@ def _read_privacy(g: dict[str, Any]) -> dict[str, Any]:
         raise MethodConfigError("pfedcdp: quantize 'weights' needs the update without DP (dp_gaussian makes the "
                                 "chain send the noised update, which is what is quantized); set epsilon and "
                                 "noise_multiplier to null, or quantize 'update'")
-    return {"epsilon": epsilon, "noise_multiplier": noise_multiplier, "quantize": quantize, "dp_mode": dp_mode,
-            "dp_clusters": dp_clusters, "clip": _check_number(g["clip"], "clip"), "delta": float(g["delta"]),
-            "accountant": str(g["accountant"]), "bits": _read_bits(g["bits"], quantize)}
+    return {"dp_clusters": dp_clusters, "delta": float(g["delta"]), "accountant": str(g["accountant"]),
+            "bits": _read_bits(g["bits"], quantize)}
 
 
 def _read_bits(bits: Any, quantize: str) -> int | dict[str, int | None] | None:
@@ -233,19 +208,7 @@ def _read_refinement(g: dict[str, Any]) -> dict[str, Any]:
               and sum(teacher_weights) > 0):
         raise MethodConfigError(f"pfedcdp: teacher_weights list must hold non-negative numbers with a positive "
                                 f"sum, got {teacher_weights!r}")
-    return {
-        "supcon_reduction": _check_choice(g["supcon_reduction"], "supcon_reduction", SUPCON_REDUCTIONS),
-        "supcon_views": int(supcon_views), "refine": bool(g["refine"]),
-        "student_model": dict(g["student_model"] or {"name": "pfedcdp_student"}),
-        "refine_epochs": _check_pos_int(g["refine_epochs"], "refine_epochs", zero=True),
-        "refine_lr": _check_number(g["refine_lr"], "refine_lr"), "alpha": _check_number(g["alpha"], "alpha", unit=True),
-        "refine_temperature": _check_number(g["refine_temperature"], "refine_temperature"),
-        "tau": _check_number(g["tau"], "tau"),
-        "teacher_weights": (teacher_weights if isinstance(teacher_weights, str)
-                            else [float(w) for w in teacher_weights]),
-        "shapley_score": _check_choice(g["shapley_score"], "shapley_score", SHAPLEY_SCORES),
-        "shapley_samples": _optional(g["shapley_samples"], _check_pos_int, "shapley_samples"),
-        "feature_shap": _check_choice(g["feature_shap"], "feature_shap", FEATURE_SHAP),
-        "shap_samples": _check_pos_int(g["shap_samples"], "shap_samples"),
-        "shap_nsamples": _check_pos_int(g["shap_nsamples"], "shap_nsamples"),
-    }
+    return {"supcon_views": int(supcon_views), "refine": bool(g["refine"]),
+            "student_model": dict(g["student_model"] or {"name": "pfedcdp_student"}),
+            "teacher_weights": (teacher_weights if isinstance(teacher_weights, str)
+                                else [float(w) for w in teacher_weights])}
