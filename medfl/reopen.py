@@ -41,12 +41,13 @@ def saved_config(path: Path) -> dict[str, Any]:
         saved = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         where = f"line {exc.lineno} column {exc.colno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else str(exc)
-        raise RunError(f"{cfg_file}: not the JSON medfl wrote ({where}); the run cannot be resumed from it. "
-                       "Restore it from a copy, or start the run again in a new directory") from None
+        raise RunError(f"{cfg_file}: not the JSON medfl wrote ({where}); medfl cannot reopen the run "
+                       "(resume, report, export) from it. Restore it from a copy, or start the run again in a new "
+                       "directory") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("fl"), dict):
         raise RunError(f"{cfg_file}: expected a JSON object with an 'fl' section (what medfl writes), got "
-                       f"{type(saved).__name__}{'' if not isinstance(saved, dict) else ' without fl'}; the run cannot "
-                       "be resumed from it")
+                       f"{type(saved).__name__}{'' if not isinstance(saved, dict) else ' without fl'}; medfl cannot "
+                       "reopen the run (resume, report, export) from it")
     return saved
 
 
