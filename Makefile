@@ -4,8 +4,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-# test workers (pytest-xdist); each worker's torch gets its share of the cores (tests/conftest.py)
-TEST_WORKERS ?= 2
+# test workers (pytest-xdist); each worker's torch gets its share of the cores (tests/conftest.py).
+# Three on two cores: the real-deployment tests spend minutes waiting on Flower's own clocks (a
+# killed SuperNode is declared gone after its heartbeat lapses), which a third worker fills
+# (benchmarks/README.md, "The test suite in three workers")
+TEST_WORKERS ?= 3
 
 .PHONY: setup demo test bench clean
 

@@ -28,47 +28,50 @@ REFERENCE_DATA = reference_data_dir()
 os.environ["MEDFL_REFERENCE_DATA"] = "none"
 
 
-#: The test modules that take longest (seconds, serial, on a 2 vCPU VM), slowest first: they
-#: run first, so that parallel workers (``make test`` runs ``pytest -n 2 --dist loadfile
-#: --no-loadscope-reorder``, see the Makefile) start on them and the short modules fill in
-#: around them instead of one worker finishing a long Flower test alone at the end. A module
-#: missing from the list only runs later; the order changes no result.
+#: The test modules that take longest (seconds each took in ``make test``'s three workers on the
+#: idle 2-core VM, 2026-11-29), slowest first: they run first, so that the workers (``pytest -n 3
+#: --dist loadfile --no-loadscope-reorder``, see the Makefile) start on them and the short
+#: modules fill in around them instead of one worker finishing a long Flower test alone at the
+#: end. A module missing from the list only runs later; the order changes no result.
 SLOW_MODULES = (
-    "flower/test_simulation.py",        # 650 beside an experiment (Ray; early stopping too)
-    "flower/test_flower.py",            # 340: five runs over a real deployment (SecAgg+, a site killed, all paused)
-    "flower/test_soak.py",              # 330: a site and the SuperLink killed mid-run, then resumed
-    "flower/test_secagg_flower.py",     # 210: SecAgg+ over the loop-back grid and on Ray
-    "flower/test_deploy_auth.py",       # 150: TLS, keys, a SuperLink restart and a resume
-    "flower/test_failed_run.py",        # ~160 loaded: runs that fail to start, real SuperLink and a site
-    "test_experiments.py",              # 255 CPU s: the 11 experiments/ scripts' --smoke runs (8-40 each)
-    "test_export.py",                   # 170 on 2 loaded cores: the demo trained, exported, run by MONAI's CLI
-    "test_bundle_readmes.py",           # ~110: five bundle READMEs' commands as written (fixture, prep, run)
-    "methods/test_fedtpf_bundles.py",   # 85
-    "nvflare/test_nvflare.py",          # 80: a job in NVFlare's simulator, every method through its controller
-    "nvflare/test_hostile_job.py",      # 65: three hostile jobs refused in NVFlare's simulator
-    "nvflare/test_site_lockdown.py",    # 25: a locked site's files, its refusals, one simulator run
-    "nvflare/test_docs_nvflare.py",     # 60-80: docs/nvflare.md's simulator block as written
-    "test_bundle_monai_tools.py",       # 65: every bundle through MONAI's workflow, verify_net_in_out, ckpt_export
+    "flower/test_flower.py",            # 405: five runs over one real deployment (SecAgg+, a site killed, all paused)
+    "flower/test_soak.py",              # 225: a site and the SuperLink killed mid-run, then resumed
+    "flower/test_simulation.py",        # 155: beside in-process runs, on Ray (early stopping, Ctrl-C too)
+    "test_experiments.py",              # 140: the experiments/ scripts' --smoke runs
+    "flower/test_deploy_auth.py",       # 125: TLS, keys, a SuperLink restart and a resume
+    "nvflare/test_nvflare.py",          # 125: a job in NVFlare's simulator, every method through its controller
+    "flower/test_superlink_lock.py",    # 90: a locked SuperLink database, a run across it
+    "test_bundle_readmes.py",           # 90: five bundle READMEs' commands as written (fixture, prep, run)
     "tracking/test_tracking.py",        # 75: a real mlflow server, three bundle runs
-    "methods/test_ham10000_bundles.py",  # 75
-    "methods/test_fedskd_bundles.py",   # 65
-    "engine/test_engine.py",            # 47
-    "methods/test_pfedcdp_bundle.py",   # 22 (more with plots under load)
-    "prep/test_prep_abide.py",          # 37
-    "test_wheel.py",                    # 35 CPU s: a wheel built, installed in a fresh venv, its demo and mias prep run
-    "flower/test_coordinator.py",       # 35
-    "engine/test_cv.py",                # 31
-    "flower/test_startup_failures.py",  # 30
-    "engine/test_privacy_run.py",       # 28
-    "methods/test_fedkper_bundle.py",   # 27
-    "engine/test_checkpoint_integrity.py",  # 27
-    "prep/test_prep_cbis_ddsm.py",      # 26
-    "test_demo_bundle.py",              # 26
-    "prep/test_prep_derm7pt.py",        # 24
-    "test_bundle_errors.py",            # 22
-    "engine/test_payload_guard.py",     # 22
-    "prep/test_prep_mias.py",           # 20
-    "test_example_plugin.py",           # 18
+    "methods/test_fedskd_bundles.py",   # 70
+    "methods/test_ham10000_bundles.py",  # 70
+    "test_export.py",                   # 65: the demo trained, exported, run by MONAI's CLI
+    "methods/test_fedtpf_bundles.py",   # 60
+    "nvflare/test_hostile_job.py",      # 50: three hostile jobs refused in NVFlare's simulator
+    "methods/test_pfedcdp_bundle.py",   # 40
+    "flower/test_failed_run.py",        # 40: runs that fail to start, real SuperLink and a site
+    "prep/test_prep_abide.py",          # 35
+    "nvflare/test_docs_nvflare.py",     # 30: docs/nvflare.md's simulator block as written
+    "engine/test_payload_guard.py",     # 30
+    "prep/test_prep_ham10000.py",       # 30
+    "test_bundle_errors.py",            # 30
+    "test_example_plugin.py",           # 30
+    "flower/test_approval.py",          # 28
+    "methods/test_fedkper_bundle.py",   # 28
+    "test_wheel.py",                    # 27: a wheel built, installed in a fresh venv, its demo and mias prep run
+    "flower/test_coordinator.py",       # 27
+    "prep/test_prep_mias.py",           # 26
+    "test_bundle_monai_tools.py",       # 25: every bundle through MONAI's workflow, verify_net_in_out, ckpt_export
+    "flower/test_secagg_flower.py",     # 24: SecAgg+ over the loop-back grid and on Ray
+    "tracking/test_tracker_recovery.py",  # 24
+    "prep/test_prep_cbis_ddsm.py",      # 23
+    "flower/test_startup_failures.py",  # 23
+    "prep/test_prep_derm7pt.py",        # 22
+    "test_demo_bundle.py",              # 21
+    "test_logging.py",                  # 20
+    "engine/test_config_booleans.py",   # 20
+    "nvflare/test_builtin_numbers_nvflare.py",  # 20
+    "engine/test_engine.py",            # 18
 )
 
 
